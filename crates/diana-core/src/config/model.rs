@@ -1,0 +1,171 @@
+//! The validated, immutable plan that the engine evaluates. Every default is resolved
+//! here, so nothing downstream interprets the document again.
+
+use crate::actor::ActorSource;
+use crate::algo::{Algorithm, Limit};
+use std::fmt;
+use std::num::NonZeroU32;
+use std::sync::Arc;
+
+/// A document that could not be accepted, with one message naming the field and position.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    /// e.g. `resources[0].rules[1].rpu: invalid value: integer `0`, expected a nonzero u32 at line 5 column 10`
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// The whole validated configuration.
+#[derive(Debug, Clone)]
+pub struct Policy {
+    /// Resource blocks, least specific first (fewer path segments first), so the engine
+    /// evaluates `/` before `/sample` by walking this list in order.
+    pub resources: Vec<Resource>,
+    pub response: ResponseSpec,
+    pub global: GlobalSpec,
+    pub remote: Option<RemoteSpec>,
+    /// Document-level dry run: count and report, never reject.
+    pub dry_run: bool,
+}
+
+/// One `Url` block.
+#[derive(Debug, Clone)]
+pub struct Resource {
+    /// Normalised path prefix, always starting with `/`, no trailing `/` except for the root.
+    pub url: String,
+    pub rules: Vec<Rule>,
+}
+
+/// One rule with every default resolved.
+#[derive(Clone)]
+pub struct Rule {
+    /// `name` from the document, or `<url>#<index>` (index within its block, from 0).
+    pub name: String,
+    /// Stable identity of the rule's counters: a hash of the resource url and every
+    /// parameter that shapes the counter (actor, algorithm, limit, scope, slots). A reloaded
+    /// document whose rule has the same id keeps that rule's state.
+    pub id: u64,
+    /// Actor name as written (`all`, `account`, `device`, `ip`, or a user-defined name).
+    pub actor_name: String,
+    /// Where the identity for this rule comes from.
+    pub actor: Arc<dyn ActorSource>,
+    pub algo: &'static dyn Algorithm,
+    pub limit: Limit,
+    pub scope: Scope,
+    /// Size of the local slot table (1 for actors that have a single counter, like `all`).
+    pub slots: NonZeroU32,
+    /// Tokens fetched per global callout (global scope only; 1 = exact).
+    pub lease: NonZeroU32,
+    /// Rule-level dry run (the document-level flag is in [`Policy::dry_run`]).
+    pub dry_run: bool,
+}
+
+impl fmt::Debug for Rule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Rule")
+            .field("name", &self.name)
+            .field("id", &format_args!("{:016x}", self.id))
+            .field("actor", &self.actor_name)
+            .field("algo", &self.algo.code())
+            .field("limit", &self.limit)
+            .field("scope", &self.scope)
+            .field("slots", &self.slots)
+            .field("lease", &self.lease)
+            .field("dry_run", &self.dry_run)
+            .finish()
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Scope {
+    Local,
+    Global,
+}
+
+impl Scope {
+    pub fn name(self) -> &'static str {
+        match self {
+            Scope::Local => "local",
+            Scope::Global => "global",
+        }
+    }
+}
+
+/// Which rate-limit headers a response carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeaderMode {
+    /// No `X-RateLimit-*` headers (`Retry-After` is still sent on rejection).
+    None,
+    /// `X-RateLimit-*` on rejected responses only.
+    Limited,
+    /// `X-RateLimit-*` on every response that a rule evaluated, admitted ones included.
+    All,
+}
+
+/// `response:` section.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResponseSpec {
+    /// Default 503.
+    pub status: u16,
+    /// Default `"rate limited\n"`.
+    pub body: String,
+    /// Default [`HeaderMode::Limited`].
+    pub headers: HeaderMode,
+}
+
+impl Default for ResponseSpec {
+    fn default() -> Self {
+        ResponseSpec {
+            status: 503,
+            body: "rate limited\n".to_string(),
+            headers: HeaderMode::Limited,
+        }
+    }
+}
+
+/// `global:` section (quota service callouts).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GlobalSpec {
+    /// Envoy cluster name, or `host:port` on nginx. Default `diana_quota`.
+    pub cluster: String,
+    /// Default `diana-quota`.
+    pub authority: String,
+    /// Default `/v1/acquire`.
+    pub path: String,
+    /// Default 50.
+    pub timeout_ms: u32,
+    /// Default 1.
+    pub lease: NonZeroU32,
+    /// Circuit breaker: after a failure stay local this long, then probe. Default 5.
+    pub retry_seconds: u32,
+}
+
+impl Default for GlobalSpec {
+    fn default() -> Self {
+        GlobalSpec {
+            cluster: "diana_quota".to_string(),
+            authority: "diana-quota".to_string(),
+            path: "/v1/acquire".to_string(),
+            timeout_ms: 50,
+            lease: NonZeroU32::MIN,
+            retry_seconds: 5,
+        }
+    }
+}
+
+/// `remote:` section (config center). No defaults: absent means no config center.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RemoteSpec {
+    pub cluster: String,
+    pub authority: String,
+    pub path: String,
+    /// Default 10 when the section is present without it.
+    pub poll_seconds: u32,
+}

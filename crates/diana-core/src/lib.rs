@@ -1,0 +1,26 @@
+//! Diana's host-agnostic core: everything the rate limiter decides, with no proxy-wasm
+//! dependency. Time and state are passed in, so every piece is tested natively with a
+//! fake clock and an in-memory host.
+//!
+//! - [`config`]: parse and validate the Diana document (YAML/JSON) into an immutable [`config::Policy`].
+//! - [`path`]: request path normalisation, so a different spelling cannot escape a limit.
+//! - [`matching`]: which resource blocks (and so which rules) apply to a path.
+//! - [`actor`]: where an identity comes from (header, fallback, client address) and its hash.
+//! - [`algo`]: the rate-limiting algorithms (W, SW, LB, TB) as pure functions over a state.
+//! - [`store`]: process-wide state in a key/value host store with compare-and-swap, slot tables.
+//! - [`engine`]: one request's evaluation, from facts to a decision.
+//! - [`response`]: the rejection response and rate-limit headers.
+//! - [`metrics`]: metric names and the counters the engine reports.
+
+pub mod actor;
+pub mod algo;
+pub mod config;
+pub mod engine;
+pub mod global;
+pub mod hash;
+pub mod matching;
+pub mod metrics;
+pub mod path;
+pub mod response;
+pub mod store;
+pub mod time;
