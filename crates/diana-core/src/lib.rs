@@ -21,6 +21,7 @@ pub mod hash;
 pub mod matching;
 pub mod metrics;
 pub mod path;
+pub mod properties;
 pub mod response;
 pub mod store;
 pub mod time;

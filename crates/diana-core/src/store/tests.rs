@@ -1,0 +1,248 @@
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+
+use super::*;
+use crate::time::Unit;
+use std::num::NonZeroU32;
+use std::sync::{Arc, Barrier};
+
+/// A deliberately simple algorithm so these tests exercise the store, not the algorithms:
+/// at most `rpu` tokens, and the counter forgets everything 1,000 ns after its last use.
+#[derive(Debug)]
+struct CountUpTo;
+
+impl Algorithm for CountUpTo {
+    fn code(&self) -> &'static str {
+        "COUNT"
+    }
+    fn aliases(&self) -> &'static [&'static str] {
+        &[]
+    }
+    fn default_burst(&self, rpu: NonZeroU32, _unit: Unit) -> NonZeroU32 {
+        rpu
+    }
+    fn state_words(&self, _limit: &Limit) -> usize {
+        2
+    }
+    fn acquire(&self, limit: &Limit, state: &mut [u64], now: Nanos, want: u32) -> Verdict {
+        if self.is_idle(limit, state, now) {
+            state[0] = 0;
+        }
+        let available = u64::from(limit.rpu.get()).saturating_sub(state[0]);
+        let granted = available.min(u64::from(want)) as u32;
+        if granted > 0 {
+            state[0] += u64::from(granted);
+            state[1] = now;
+        }
+        Verdict {
+            granted,
+            remaining: available - u64::from(granted),
+            ..Verdict::default()
+        }
+    }
+    fn is_idle(&self, _limit: &Limit, state: &[u64], now: Nanos) -> bool {
+        state[0] == 0 || now.saturating_sub(state[1]) >= 1_000
+    }
+}
+
+fn limit(rpu: u32) -> Limit {
+    let rpu = NonZeroU32::new(rpu).unwrap();
+    Limit {
+        rpu,
+        unit: Unit::Second,
+        burst: rpu,
+        slices: NonZeroU32::new(10).unwrap(),
+    }
+}
+
+const BOTH: [CasSemantics; 2] = [CasSemantics::Envoy, CasSemantics::Nginx];
+
+fn admitted(store: &Store, host: &dyn SharedData, table: &SlotTable<'_>, id: u64, n: usize) -> usize {
+    (0..n)
+        .filter(|_| {
+            store
+                .charge(host, table, SlotAddress::of(id, 64), 100, 1)
+                .unwrap()
+                .verdict
+                .allowed()
+        })
+        .count()
+}
+
+#[test]
+fn sequential_requests_admit_exactly_the_limit_on_both_hosts() {
+    for semantics in BOTH {
+        let host = MemoryHost::new(semantics);
+        let store = Store::new();
+        let limit = limit(20);
+        let table = SlotTable { rule_id: 7, algo: &CountUpTo, limit: &limit };
+        assert_eq!(admitted(&store, &host, &table, 42, 100), 20, "{semantics:?}");
+        assert_eq!(store.host_is_strict(), semantics == CasSemantics::Nginx);
+    }
+}
+
+#[test]
+fn concurrent_workers_share_one_counter_on_both_hosts() {
+    for semantics in BOTH {
+        for round in 0..20 {
+            let host = Arc::new(MemoryHost::new(semantics));
+            let limit = limit(20);
+            let start = Arc::new(Barrier::new(4));
+            let workers: Vec<_> = (0..4)
+                .map(|_| {
+                    let host = Arc::clone(&host);
+                    let start = Arc::clone(&start);
+                    std::thread::spawn(move || {
+                        // Each worker has its own Store, as each Envoy worker has its own VM.
+                        let store = Store::new();
+                        let table = SlotTable { rule_id: round, algo: &CountUpTo, limit: &limit };
+                        start.wait();
+                        admitted(&store, host.as_ref(), &table, 42, 50)
+                    })
+                })
+                .collect();
+            let total: usize = workers.into_iter().map(|w| w.join().unwrap()).sum();
+            assert_eq!(total, 20, "{semantics:?} round {round}");
+        }
+    }
+}
+
+/// A host where another worker creates the key between our read and our first write:
+/// exactly the interleaving that loses an update when creation passes CAS 0 on Envoy.
+struct RacingHost {
+    inner: MemoryHost,
+    competitor_value: Vec<u8>,
+    raced: Cell<bool>,
+}
+
+impl SharedData for RacingHost {
+    fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, HostError> {
+        self.inner.get(key)
+    }
+    fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<SetOutcome, HostError> {
+        if !self.raced.replace(true) {
+            assert_eq!(self.inner.set(key, &self.competitor_value, 0)?, SetOutcome::Written);
+        }
+        self.inner.set(key, value, cas)
+    }
+}
+
+#[test]
+fn creating_a_key_never_overwrites_a_competitors_creation() {
+    for semantics in BOTH {
+        let limit = limit(20);
+        let table = SlotTable { rule_id: 1, algo: &CountUpTo, limit: &limit };
+        let address = SlotAddress::single();
+        // The competitor charged one request for the same identity.
+        let competitor = Record { fingerprint: address.fingerprint, words: vec![1, 100] };
+        let host = RacingHost {
+            inner: MemoryHost::new(semantics),
+            competitor_value: competitor.encode(),
+            raced: Cell::new(false),
+        };
+        let store = Store::new();
+        let charge = store.charge(&host, &table, address, 100, 1).unwrap();
+        assert!(charge.verdict.allowed());
+        let (bytes, _) = host.inner.get(&slot_key(1, 0)).unwrap().unwrap();
+        let record = Record::decode(&bytes, 2);
+        assert_eq!(record.words[0], 2, "{semantics:?}: both charges must count");
+    }
+}
+
+#[test]
+fn memory_is_bounded_by_the_slot_table_whatever_identities_arrive() {
+    let host = MemoryHost::new(CasSemantics::Envoy);
+    let store = Store::new();
+    let limit = limit(10);
+    let table = SlotTable { rule_id: 3, algo: &CountUpTo, limit: &limit };
+    for identity in 0..100_000u64 {
+        let hash = crate::hash::hash64(0, &identity.to_le_bytes());
+        store.charge(&host, &table, SlotAddress::of(hash, 1024), identity * 10, 1).unwrap();
+    }
+    assert!(host.key_count() <= 1024, "{} keys", host.key_count());
+    assert!(host.key_count() > 1000, "identities spread over the table: {}", host.key_count());
+}
+
+#[test]
+fn a_busy_slot_is_shared_conservatively_and_an_idle_one_is_reused() {
+    let host = MemoryHost::new(CasSemantics::Nginx);
+    let store = Store::new();
+    let limit = limit(3);
+    let table = SlotTable { rule_id: 9, algo: &CountUpTo, limit: &limit };
+    let alice = SlotAddress { fingerprint: 11, first: 0, second: 0 };
+    let bob = SlotAddress { fingerprint: 13, first: 0, second: 0 };
+    assert!(!store.charge(&host, &table, alice, 100, 2).unwrap().collided);
+    // Bob collides with active Alice: he is charged on her counter, never beyond the limit.
+    let bob_charge = store.charge(&host, &table, bob, 200, 5).unwrap();
+    assert!(bob_charge.collided);
+    assert_eq!(bob_charge.verdict.granted, 1);
+    assert_eq!(store.charge(&host, &table, alice, 300, 1).unwrap().verdict.granted, 0);
+    // Once Alice's counter is idle, Bob takes the slot with a fresh counter.
+    let later = store.charge(&host, &table, bob, 5_000, 3).unwrap();
+    assert!(!later.collided);
+    assert_eq!(later.verdict.granted, 3);
+}
+
+#[test]
+fn an_identity_finds_its_record_in_the_second_slot_before_claiming_the_first() {
+    let host = MemoryHost::new(CasSemantics::Envoy);
+    let store = Store::new();
+    let limit = limit(2);
+    let table = SlotTable { rule_id: 5, algo: &CountUpTo, limit: &limit };
+    let carol = SlotAddress { fingerprint: 21, first: 0, second: 1 };
+    let dave = SlotAddress { fingerprint: 23, first: 0, second: 1 };
+    store.charge(&host, &table, carol, 100, 1).unwrap(); // slot 0
+    store.charge(&host, &table, dave, 1_000, 2).unwrap(); // slot 1: Carol is still active
+    // Carol's slot 0 went idle, and Dave used his budget: Dave must not reset himself by
+    // claiming slot 0; he is found in slot 1 and stays limited.
+    let again = store.charge(&host, &table, dave, 1_200, 1).unwrap();
+    assert_eq!(again.verdict.granted, 0);
+}
+
+#[test]
+fn garbage_in_a_slot_is_reclaimed_not_trusted() {
+    for semantics in BOTH {
+        let host = MemoryHost::new(semantics);
+        host.put_raw(&slot_key(4, 0), b"\xff\x00garbage");
+        let store = Store::new();
+        let limit = limit(2);
+        let table = SlotTable { rule_id: 4, algo: &CountUpTo, limit: &limit };
+        let charge = store.charge(&host, &table, SlotAddress::single(), 100, 5).unwrap();
+        assert_eq!(charge.verdict.granted, 2, "{semantics:?}");
+    }
+}
+
+#[test]
+fn rejected_requests_write_nothing() {
+    let host = MemoryHost::new(CasSemantics::Envoy);
+    let store = Store::new();
+    let limit = limit(1);
+    let table = SlotTable { rule_id: 8, algo: &CountUpTo, limit: &limit };
+    store.charge(&host, &table, SlotAddress::single(), 100, 1).unwrap();
+    let (_, cas_before) = host.get(&slot_key(8, 0)).unwrap().unwrap();
+    assert!(!store.charge(&host, &table, SlotAddress::single(), 101, 1).unwrap().verdict.allowed());
+    let (_, cas_after) = host.get(&slot_key(8, 0)).unwrap().unwrap();
+    assert_eq!(cas_before, cas_after);
+}
+
+/// A host that always loses the race: the charge gives up after bounded attempts.
+struct AlwaysRaced(MemoryHost);
+
+impl SharedData for AlwaysRaced {
+    fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, HostError> {
+        self.0.get(key)
+    }
+    fn set(&self, key: &str, value: &[u8], _cas: u32) -> Result<SetOutcome, HostError> {
+        self.0.put_raw(key, value);
+        Ok(SetOutcome::CasMismatch)
+    }
+}
+
+#[test]
+fn endless_contention_is_bounded() {
+    let host = AlwaysRaced(MemoryHost::new(CasSemantics::Envoy));
+    let store = Store::new();
+    let limit = limit(1_000_000);
+    let table = SlotTable { rule_id: 2, algo: &CountUpTo, limit: &limit };
+    let result = store.charge(&host, &table, SlotAddress::single(), 100, 1);
+    assert_eq!(result, Err(ChargeError::Contention));
+}

@@ -1,0 +1,316 @@
+//! The proxy-wasm contexts. The root context owns the configuration and the tick that
+//! resumes requests waiting for their leaky-bucket turn; each HTTP context evaluates its
+//! request once and applies the [`Decision`]. Borrows of per-VM state are short and never
+//! held across a hostcall: a local reply re-enters the filter synchronously on Envoy.
+
+use crate::host::{self, HostMetrics, HostRequest, HostSharedData, Sink};
+use diana_core::config::parse_policy;
+use diana_core::engine::{Decision, Engine};
+use diana_core::global::{parse_answer, CalloutFailure, Pending};
+use diana_core::metrics::{Event, MetricSink};
+use diana_core::time::Nanos;
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{Action, BufferType, ContextType, MapType};
+use std::cell::RefCell;
+use std::collections::BTreeSet;
+use std::rc::Rc;
+use std::time::Duration;
+
+/// How often the root context looks for waiting requests whose turn has come.
+const WAIT_TICK: Duration = Duration::from_millis(2);
+
+/// An accepted policy with its host metrics. HTTP contexts keep the one they started
+/// with, so a reload never changes the rules under a request in flight.
+struct Configured {
+    engine: Engine,
+    metrics: HostMetrics,
+}
+
+/// Per-VM state shared by the root context and the HTTP contexts of one worker.
+#[derive(Default)]
+struct Vm {
+    configured: Option<Rc<Configured>>,
+    /// Requests paused until their turn: (resume at, context id).
+    waiters: BTreeSet<(Nanos, u32)>,
+}
+
+type VmRef = Rc<RefCell<Vm>>;
+
+/// Runs `f` on the VM state if it is not already borrowed (it never is, by construction;
+/// if it were, skipping is the defined behaviour, never a panic).
+fn with_vm<T>(vm: &VmRef, f: impl FnOnce(&mut Vm) -> T) -> Option<T> {
+    match vm.try_borrow_mut() {
+        Ok(mut state) => Some(f(&mut state)),
+        Err(_) => {
+            log::error!("diana: VM state busy; operation skipped");
+            None
+        }
+    }
+}
+
+fn set_tick(period: Duration) {
+    if let Err(status) = hostcalls::set_tick_period(period) {
+        log::warn!("diana: cannot set tick period: {status:?}");
+    }
+}
+
+pub struct DianaRoot {
+    vm: VmRef,
+    /// Counters for configuration events, defined before any policy exists.
+    events: Rc<HostMetrics>,
+}
+
+impl DianaRoot {
+    pub fn new(_context_id: u32) -> DianaRoot {
+        DianaRoot {
+            vm: Rc::new(RefCell::new(Vm::default())),
+            events: Rc::new(HostMetrics::events_only()),
+        }
+    }
+
+    fn read_configuration(size: usize) -> Result<String, String> {
+        let bytes = match hostcalls::get_buffer(BufferType::PluginConfiguration, 0, size) {
+            Ok(Some(bytes)) => bytes,
+            Ok(None) => Vec::new(),
+            Err(status) => return Err(format!("cannot read the plugin configuration: {status:?}")),
+        };
+        String::from_utf8(bytes).map_err(|e| format!("configuration is not UTF-8: {e}"))
+    }
+}
+
+impl Context for DianaRoot {}
+
+impl RootContext for DianaRoot {
+    fn on_configure(&mut self, plugin_configuration_size: usize) -> bool {
+        let policy = Self::read_configuration(plugin_configuration_size)
+            .and_then(|text| parse_policy(&text).map_err(|e| e.message));
+        let policy = match policy {
+            Ok(policy) => policy,
+            Err(message) => {
+                log::error!("diana: configuration rejected: {message}");
+                Sink(&self.events).event(Event::ConfigRejected);
+                return false;
+            }
+        };
+        let engine = Engine::new(policy);
+        let metrics = HostMetrics::define(engine.rules());
+        log::info!(
+            "diana: configuration accepted: {} resources, {} rules",
+            engine.policy().resources.len(),
+            engine.rules().count()
+        );
+        Sink(&self.events).event(Event::ConfigReload);
+        with_vm(&self.vm, |vm| {
+            vm.configured = Some(Rc::new(Configured { engine, metrics }));
+        });
+        true
+    }
+
+    fn on_tick(&mut self) {
+        let now = host::now();
+        let (due, idle) = with_vm(&self.vm, |vm| {
+            let mut due = Vec::new();
+            while let Some(&(until, id)) = vm.waiters.first() {
+                if until > now {
+                    break;
+                }
+                vm.waiters.pop_first();
+                due.push(id);
+            }
+            (due, vm.waiters.is_empty())
+        })
+        .unwrap_or_default();
+        for context_id in due {
+            resume(context_id);
+        }
+        if idle {
+            set_tick(Duration::ZERO);
+        }
+    }
+
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        let configured = with_vm(&self.vm, |vm| vm.configured.clone()).flatten();
+        Some(Box::new(DianaHttp {
+            context_id,
+            vm: Rc::clone(&self.vm),
+            configured,
+            pending: None,
+            response_headers: Vec::new(),
+            waiting_until: None,
+        }))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
+
+/// Resumes a paused request from the root context.
+fn resume(context_id: u32) {
+    if let Err(status) = hostcalls::set_effective_context(context_id) {
+        log::debug!("diana: request {context_id} is gone: {status:?}");
+        return;
+    }
+    if let Err(status) = hostcalls::resume_http_request() {
+        log::debug!("diana: cannot resume request {context_id}: {status:?}");
+    }
+}
+
+struct DianaHttp {
+    context_id: u32,
+    vm: VmRef,
+    configured: Option<Rc<Configured>>,
+    /// The request is paused for this callout.
+    pending: Option<Pending>,
+    /// Rate-limit headers for the response (`headers: all`).
+    response_headers: Vec<(&'static str, String)>,
+    /// The request is paused until this time (leaky bucket).
+    waiting_until: Option<Nanos>,
+}
+
+impl DianaHttp {
+    /// Applies a decision. `paused` says whether the request is currently paused (so
+    /// admitting it means resuming it).
+    fn apply(&mut self, configured: &Configured, decision: Decision, paused: bool) -> Action {
+        match decision {
+            Decision::Allow { headers } => {
+                self.response_headers = headers;
+                if paused {
+                    if let Err(status) = hostcalls::resume_http_request() {
+                        log::warn!("diana: cannot resume request: {status:?}");
+                    }
+                }
+                Action::Continue
+            }
+            Decision::Delay { until, headers } => {
+                self.response_headers = headers;
+                Sink(&configured.metrics).event(Event::Delayed);
+                self.waiting_until = Some(until);
+                let first = with_vm(&self.vm, |vm| {
+                    vm.waiters.insert((until, self.context_id));
+                    vm.waiters.len() == 1
+                });
+                if first == Some(true) {
+                    set_tick(WAIT_TICK);
+                }
+                Action::Pause
+            }
+            Decision::Reject(rejection) => {
+                let headers: Vec<(&str, &str)> = rejection
+                    .headers
+                    .iter()
+                    .map(|(name, value)| (*name, value.as_str()))
+                    .collect();
+                if let Err(status) =
+                    hostcalls::send_http_response(u32::from(rejection.status), headers, Some(rejection.body.as_bytes()))
+                {
+                    log::warn!("diana: cannot send the rejection: {status:?}");
+                }
+                Action::Pause
+            }
+            Decision::Callout(pending) => self.dispatch(configured, pending, paused),
+        }
+    }
+
+    fn dispatch(&mut self, configured: &Configured, pending: Pending, paused: bool) -> Action {
+        let global = &configured.engine.policy().global;
+        let headers = vec![
+            (":method", "POST"),
+            (":path", global.path.as_str()),
+            (":authority", global.authority.as_str()),
+            ("content-type", "application/json"),
+        ];
+        let timeout = Duration::from_millis(u64::from(global.timeout_ms));
+        match hostcalls::dispatch_http_call(&global.cluster, headers, Some(&pending.body), vec![], timeout) {
+            Ok(_token) => {
+                self.pending = Some(pending);
+                Action::Pause
+            }
+            Err(status) => {
+                let failure = CalloutFailure::Dispatch(format!("{status:?} (cluster {})", global.cluster));
+                let decision = configured.engine.complete_global(
+                    &HostSharedData,
+                    pending,
+                    Err(failure),
+                    host::now(),
+                    &mut Sink(&configured.metrics),
+                );
+                self.apply(configured, decision, paused)
+            }
+        }
+    }
+
+    fn forget_waiter(&mut self) {
+        if let Some(until) = self.waiting_until.take() {
+            let abandoned = with_vm(&self.vm, |vm| vm.waiters.remove(&(until, self.context_id)));
+            if abandoned == Some(true) {
+                if let Some(configured) = &self.configured {
+                    Sink(&configured.metrics).event(Event::DelayAbandoned);
+                }
+            }
+        }
+    }
+}
+
+impl Context for DianaHttp {
+    fn on_http_call_response(&mut self, _token_id: u32, num_headers: usize, body_size: usize, _num_trailers: usize) {
+        let (Some(pending), Some(configured)) = (self.pending.take(), self.configured.clone()) else {
+            return;
+        };
+        let answer = if num_headers == 0 {
+            Err(CalloutFailure::NoResponse)
+        } else {
+            let status = host::header_bytes(MapType::HttpCallResponseHeaders, ":status")
+                .and_then(|s| std::str::from_utf8(&s).ok().and_then(|s| s.trim().parse::<u16>().ok()))
+                .unwrap_or(0);
+            match hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size) {
+                Ok(body) => parse_answer(&pending, status, &body.unwrap_or_default()),
+                Err(status) => Err(CalloutFailure::Body(format!("{status:?}"))),
+            }
+        };
+        let decision = configured.engine.complete_global(
+            &HostSharedData,
+            pending,
+            answer,
+            host::now(),
+            &mut Sink(&configured.metrics),
+        );
+        let _ = self.apply(&configured, decision, true);
+    }
+
+    fn on_done(&mut self) -> bool {
+        self.forget_waiter();
+        true
+    }
+}
+
+impl HttpContext for DianaHttp {
+    fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        let Some(configured) = self.configured.clone() else {
+            return Action::Continue;
+        };
+        let raw_path = host::header_bytes(MapType::HttpRequestHeaders, ":path").unwrap_or_default();
+        let decision = configured.engine.evaluate(
+            &HostSharedData,
+            &raw_path,
+            &HostRequest,
+            host::now(),
+            &mut Sink(&configured.metrics),
+        );
+        self.apply(&configured, decision, false)
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        for (name, value) in self.response_headers.drain(..) {
+            if let Err(status) = hostcalls::add_map_value(MapType::HttpResponseHeaders, name, &value) {
+                log::debug!("diana: cannot add {name}: {status:?}");
+            }
+        }
+        Action::Continue
+    }
+
+    fn on_log(&mut self) {
+        self.forget_waiter();
+    }
+}
