@@ -4,11 +4,13 @@
 //! held across a hostcall: a local reply re-enters the filter synchronously on Envoy.
 
 use crate::host::{self, HostMetrics, HostRequest, HostSharedData, Sink};
-use diana_core::config::parse_policy;
+use diana_core::config::{parse_policy, Policy, RemoteSpec};
 use diana_core::engine::{Decision, Engine};
 use diana_core::global::{parse_answer, CalloutFailure, Pending};
 use diana_core::metrics::{Event, MetricSink};
-use diana_core::time::Nanos;
+use diana_core::remote::{self, Health, PollOutcome};
+use diana_core::store::Store;
+use diana_core::time::{Nanos, NANOS_PER_SECOND};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, MapType};
@@ -27,12 +29,20 @@ struct Configured {
     metrics: HostMetrics,
 }
 
+/// How often a worker checks for a newer remote document published by another worker.
+const REMOTE_CHECK: Duration = Duration::from_secs(1);
+
+/// How long a config-center poll may take.
+const POLL_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// Per-VM state shared by the root context and the HTTP contexts of one worker.
 #[derive(Default)]
 struct Vm {
     configured: Option<Rc<Configured>>,
     /// Requests paused until their turn: (resume at, context id).
     waiters: BTreeSet<(Nanos, u32)>,
+    /// The tick period when nobody waits (remote checks), zero for none.
+    base_tick: Duration,
 }
 
 type VmRef = Rc<RefCell<Vm>>;
@@ -59,6 +69,15 @@ pub struct DianaRoot {
     vm: VmRef,
     /// Counters for configuration events, defined before any policy exists.
     events: Rc<HostMetrics>,
+    /// The config center, from the local document (a remote document cannot move it).
+    remote: Option<RemoteSpec>,
+    /// Version of the published remote document this worker runs (0 = local document).
+    applied_version: u64,
+    /// The poll this worker has in flight.
+    poll_token: Option<u32>,
+    next_remote_check: Nanos,
+    health: Health,
+    store: Store,
 }
 
 impl DianaRoot {
@@ -66,6 +85,113 @@ impl DianaRoot {
         DianaRoot {
             vm: Rc::new(RefCell::new(Vm::default())),
             events: Rc::new(HostMetrics::events_only()),
+            remote: None,
+            applied_version: 0,
+            poll_token: None,
+            next_remote_check: 0,
+            health: Health::default(),
+            store: Store::new(),
+        }
+    }
+
+    /// Makes `policy` the one new requests are evaluated with.
+    fn install(&mut self, policy: Policy, origin: &str) {
+        let engine = Engine::new(policy);
+        let metrics = HostMetrics::define(engine.rules());
+        log::info!(
+            "diana: {origin} configuration applied: {} resources, {} rules",
+            engine.policy().resources.len(),
+            engine.rules().count()
+        );
+        Sink(&self.events).event(Event::ConfigReload);
+        with_vm(&self.vm, |vm| {
+            vm.configured = Some(Rc::new(Configured { engine, metrics }));
+        });
+    }
+
+    /// Applies a remote document that any worker published and this one does not run yet.
+    fn adopt_published(&mut self) {
+        let Some(published) = remote::read_published(&HostSharedData) else {
+            return;
+        };
+        if published.version <= self.applied_version {
+            return;
+        }
+        self.applied_version = published.version;
+        match parse_policy(&published.text) {
+            Ok(policy) => self.install(policy, &format!("remote (version {})", published.version)),
+            Err(error) => log::error!("diana: published remote document refused: {error}"),
+        }
+    }
+
+    /// Polls the config center if this worker claims this period's poll.
+    fn poll(&mut self, spec: &RemoteSpec, now: Nanos) {
+        if self.poll_token.is_some() || !remote::claim_poll(&self.store, &HostSharedData, spec, now) {
+            return;
+        }
+        let etag = remote::read_published(&HostSharedData).and_then(|p| p.etag);
+        let headers = remote::poll_headers(spec, etag.as_deref());
+        match hostcalls::dispatch_http_call(&spec.cluster, headers, None, vec![], POLL_TIMEOUT) {
+            Ok(token) => self.poll_token = Some(token),
+            Err(status) => self.record_poll(Err(format!("dispatch to {} failed: {status:?}", spec.cluster))),
+        }
+    }
+
+    fn record_poll(&mut self, result: Result<(), String>) {
+        let switched = self.health.record(result.is_ok());
+        match result {
+            Ok(()) if switched => log::warn!("diana: config center is back"),
+            Ok(()) => {}
+            Err(reason) => {
+                Sink(&self.events).event(Event::ConfigFetchError);
+                if switched {
+                    log::warn!("diana: config center failing ({reason}); keeping the current configuration");
+                }
+            }
+        }
+    }
+
+    fn on_poll_answer(&mut self, num_headers: usize, body_size: usize) {
+        let (status, etag) = if num_headers == 0 {
+            (0, None)
+        } else {
+            let status = host::header_bytes(MapType::HttpCallResponseHeaders, ":status")
+                .and_then(|s| std::str::from_utf8(&s).ok().and_then(|s| s.trim().parse::<u16>().ok()))
+                .unwrap_or(0);
+            let etag = host::header_bytes(MapType::HttpCallResponseHeaders, "etag")
+                .and_then(|e| String::from_utf8(e).ok());
+            (status, etag)
+        };
+        let body = if status == 200 && body_size <= remote::MAX_DOCUMENT_BYTES {
+            match hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size) {
+                Ok(body) => body.unwrap_or_default(),
+                Err(status) => {
+                    self.record_poll(Err(format!("unreadable body: {status:?}")));
+                    return;
+                }
+            }
+        } else {
+            vec![0; body_size.min(remote::MAX_DOCUMENT_BYTES + 1)]
+        };
+        let published = remote::read_published(&HostSharedData);
+        match remote::interpret(status, etag, &body, published.as_ref()) {
+            PollOutcome::Unchanged => self.record_poll(Ok(())),
+            PollOutcome::Failed(reason) => {
+                if reason.starts_with("invalid") {
+                    Sink(&self.events).event(Event::ConfigRejected);
+                }
+                self.record_poll(Err(reason));
+            }
+            PollOutcome::New { policy, text, etag } => {
+                self.record_poll(Ok(()));
+                match remote::publish(&self.store, &HostSharedData, &text, etag) {
+                    Some(version) => {
+                        self.applied_version = version;
+                        self.install(*policy, &format!("remote (version {version})"));
+                    }
+                    None => log::warn!("diana: could not publish the remote document; retrying next poll"),
+                }
+            }
         }
     }
 
@@ -79,7 +205,14 @@ impl DianaRoot {
     }
 }
 
-impl Context for DianaRoot {}
+impl Context for DianaRoot {
+    fn on_http_call_response(&mut self, token_id: u32, num_headers: usize, body_size: usize, _num_trailers: usize) {
+        if self.poll_token == Some(token_id) {
+            self.poll_token = None;
+            self.on_poll_answer(num_headers, body_size);
+        }
+    }
+}
 
 impl RootContext for DianaRoot {
     fn on_configure(&mut self, plugin_configuration_size: usize) -> bool {
@@ -93,23 +226,23 @@ impl RootContext for DianaRoot {
                 return false;
             }
         };
-        let engine = Engine::new(policy);
-        let metrics = HostMetrics::define(engine.rules());
-        log::info!(
-            "diana: configuration accepted: {} resources, {} rules",
-            engine.policy().resources.len(),
-            engine.rules().count()
-        );
-        Sink(&self.events).event(Event::ConfigReload);
-        with_vm(&self.vm, |vm| {
-            vm.configured = Some(Rc::new(Configured { engine, metrics }));
+        self.remote = policy.remote.clone();
+        self.applied_version = 0;
+        self.install(policy, "local");
+        let base_tick = if self.remote.is_some() { REMOTE_CHECK } else { Duration::ZERO };
+        let idle = with_vm(&self.vm, |vm| {
+            vm.base_tick = base_tick;
+            vm.waiters.is_empty()
         });
+        if idle == Some(true) {
+            set_tick(base_tick);
+        }
         true
     }
 
     fn on_tick(&mut self) {
         let now = host::now();
-        let (due, idle) = with_vm(&self.vm, |vm| {
+        let (due, rest_tick) = with_vm(&self.vm, |vm| {
             let mut due = Vec::new();
             while let Some(&(until, id)) = vm.waiters.first() {
                 if until > now {
@@ -118,14 +251,21 @@ impl RootContext for DianaRoot {
                 vm.waiters.pop_first();
                 due.push(id);
             }
-            (due, vm.waiters.is_empty())
+            (due, vm.waiters.is_empty().then_some(vm.base_tick))
         })
         .unwrap_or_default();
         for context_id in due {
             resume(context_id);
         }
-        if idle {
-            set_tick(Duration::ZERO);
+        if let Some(base_tick) = rest_tick {
+            set_tick(base_tick);
+        }
+        if let Some(spec) = self.remote.clone() {
+            if now >= self.next_remote_check {
+                self.next_remote_check = now.saturating_add(NANOS_PER_SECOND);
+                self.adopt_published();
+                self.poll(&spec, now);
+            }
         }
     }
 

@@ -11,6 +11,9 @@
 //! - [`engine`]: one request's evaluation, from facts to a decision.
 //! - [`response`]: the rejection response and rate-limit headers.
 //! - [`metrics`]: metric names and the counters the engine reports.
+//! - [`global`]: the quota-service wire format and the callout/lease/breaker state machine.
+//! - [`remote`]: polling the config center and sharing its document with every worker.
+//! - [`properties`]: host property values (Envoy vs nginx spellings).
 
 pub mod actor;
 pub mod algo;
@@ -22,6 +25,7 @@ pub mod matching;
 pub mod metrics;
 pub mod path;
 pub mod properties;
+pub mod remote;
 pub mod response;
 pub mod store;
 pub mod time;

@@ -93,9 +93,22 @@ impl Event {
 /// Gauge: 1 while the circuit breaker keeps global rules local, else 0.
 pub const DEGRADED_GAUGE: &str = "diana_global_degraded";
 
-/// The host metric name of a rule counter: `diana_rule_<event>.<rule name>`.
+/// The host metric name of a rule counter: `diana_rule_<event>.<rule>`, where `<rule>` is
+/// the rule's name made stat-safe: `/#0` (the first rule of `/`) becomes `root_0`,
+/// `/api/v1#2` becomes `api_v1_2`, `login-burst` becomes `login_burst`.
 pub fn rule_metric_name(rule: &Rule, event: RuleEvent) -> String {
-    format!("diana_rule_{}.{}", event.suffix(), sanitize(&rule.name))
+    format!("diana_rule_{}.{}", event.suffix(), stat_name(&rule.name))
+}
+
+/// A rule name as it appears in metric names (see [`rule_metric_name`]).
+pub fn stat_name(rule_name: &str) -> String {
+    let trimmed = rule_name.trim_start_matches('/');
+    let named = if trimmed.is_empty() || trimmed.starts_with('#') {
+        format!("root{trimmed}")
+    } else {
+        trimmed.to_string()
+    };
+    sanitize(&named)
 }
 
 /// Keeps `[A-Za-z0-9_]`, maps everything else to `_`, at most 64 bytes.
@@ -139,6 +152,24 @@ impl CountingMetrics {
     }
     pub fn event_count(&self, event: Event) -> u64 {
         self.events.get(event.name()).copied().unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::stat_name;
+
+    #[test]
+    fn rule_names_become_stat_safe() {
+        for (name, expected) in [
+            ("/#0", "root_0"),
+            ("/sample#1", "sample_1"),
+            ("/api/v1#2", "api_v1_2"),
+            ("login-burst", "login_burst"),
+            ("/", "root"),
+        ] {
+            assert_eq!(stat_name(name), expected);
+        }
     }
 }
 

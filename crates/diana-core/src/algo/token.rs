@@ -1,16 +1,437 @@
-//! placeholder
+//! Token bucket (`TB`, the default): bursts up to a capacity, a steady rate on average.
+//!
+//! The bucket holds up to `burst` tokens (default `rpu`) and is refilled continuously at
+//! `rpu` tokens per unit — fractions included, so 3 per second gives a token every
+//! 333,333,333⅓ ns and exactly 9 over any 3 seconds, with no drift. A request takes one
+//! token or is rejected; a lease takes as many as it asked for, or as many as there are.
+//! A fresh or long-idle bucket is full, so a client may spend `burst` at once and then
+//! `rpu` per unit.
+//!
+//! It is implemented as GCRA (the generic cell rate algorithm): instead of a token count
+//! and a refill timestamp, the state is one instant, the *theoretical arrival time* `tat`
+//! at which the bucket will be full again if nothing more is taken. Taking a token pushes
+//! `tat` one emission interval `unit / rpu` later; the bucket holds
+//! `floor((burst·interval − (max(tat, now) − now)) / interval)` tokens. To keep the
+//! fractional interval exact, all instants are multiplied by `rpu`: the interval is then
+//! exactly `unit` nanoseconds. State, two words: `tat × rpu` as a 128-bit number, high word
+//! first. All zeros is a `tat` at the epoch: a full bucket.
+//!
+//! Clock going backwards: the bucket simply looks emptier until the clock catches up. A
+//! `tat` beyond an empty bucket plus one unit cannot come from a clock step and is treated
+//! as garbage (a full bucket), as is a state shorter than two words.
+
 use super::{Algorithm, Limit, Verdict};
 use crate::time::{Nanos, Unit};
 use std::num::NonZeroU32;
 
+/// The token-bucket algorithm (`TB`). See the module documentation.
 #[derive(Debug)]
 pub struct TokenBucket;
 
+/// Reads the 128-bit value stored as two words, high first; `None` for a short state.
+fn load(state: &[u64]) -> Option<u128> {
+    match state {
+        [high, low, ..] => Some((u128::from(*high) << 64) | u128::from(*low)),
+        _ => None,
+    }
+}
+
+/// Stores a 128-bit value as two words, high first; a short state is left alone.
+fn store(state: &mut [u64], value: u128) {
+    if let [high, low, ..] = state {
+        // Truncations intended: the two halves.
+        *high = (value >> 64) as u64;
+        *low = value as u64;
+    }
+}
+
+/// Converts a duration kept multiplied by `rpu` back to nanoseconds, rounding up.
+fn to_nanos(scaled: u128, rpu: u128) -> Nanos {
+    u64::try_from(scaled.div_ceil(rpu)).unwrap_or(u64::MAX)
+}
+
+/// The limit's quantities, all in nanoseconds × `rpu`.
+#[derive(Debug, Clone, Copy)]
+struct Scaled {
+    rpu: u128,
+    /// The emission interval (time to refill one token), `unit / rpu × rpu`.
+    interval: u128,
+    /// Time to refill the whole bucket, `burst × interval`.
+    capacity: u128,
+    now: u128,
+}
+
+impl Scaled {
+    fn new(limit: &Limit, now: Nanos) -> Self {
+        let rpu = u128::from(limit.rpu.get());
+        let interval = u128::from(limit.unit.nanos());
+        Scaled {
+            rpu,
+            interval,
+            capacity: u128::from(limit.burst.get()) * interval,
+            now: u128::from(now) * rpu,
+        }
+    }
+
+    /// `max(tat, now)` from the state; garbage and short states read as a full bucket.
+    fn tat(self, state: &[u64]) -> u128 {
+        let stored = load(state).unwrap_or(0);
+        // An empty bucket, plus one unit of clock step.
+        let horizon = self.capacity + self.interval * self.rpu;
+        if stored.saturating_sub(self.now) > horizon {
+            self.now
+        } else {
+            stored.max(self.now)
+        }
+    }
+}
+
 impl Algorithm for TokenBucket {
-    fn code(&self) -> &'static str { "TokenBucket" }
-    fn aliases(&self) -> &'static [&'static str] { &[] }
-    fn default_burst(&self, rpu: NonZeroU32, _unit: Unit) -> NonZeroU32 { rpu }
-    fn state_words(&self, _limit: &Limit) -> usize { 2 }
-    fn acquire(&self, _limit: &Limit, _state: &mut [u64], _now: Nanos, _want: u32) -> Verdict { Verdict::default() }
-    fn is_idle(&self, _limit: &Limit, _state: &[u64], _now: Nanos) -> bool { true }
+    fn code(&self) -> &'static str {
+        "TB"
+    }
+
+    fn aliases(&self) -> &'static [&'static str] {
+        &["tb", "token bucket", "token_bucket", "token"]
+    }
+
+    /// One unit's worth of tokens.
+    fn default_burst(&self, rpu: NonZeroU32, _unit: Unit) -> NonZeroU32 {
+        rpu
+    }
+
+    fn state_words(&self, _limit: &Limit) -> usize {
+        2
+    }
+
+    fn acquire(&self, limit: &Limit, state: &mut [u64], now: Nanos, want: u32) -> Verdict {
+        let s = Scaled::new(limit, now);
+        let tat = s.tat(state);
+        // How far the bucket is from full.
+        let debt = tat - s.now;
+        let available = s.capacity.saturating_sub(debt) / s.interval;
+        let granted = u128::from(want).min(available);
+        let tat = tat + granted * s.interval;
+        if granted > 0 {
+            store(state, tat);
+        }
+        Verdict {
+            granted: u32::try_from(granted).unwrap_or(0),
+            remaining: u64::try_from(available - granted).unwrap_or(u64::MAX),
+            reset: to_nanos(tat - s.now, s.rpu),
+            // Empty: one token is back when the debt is down to capacity − interval.
+            retry_after: if available > 0 {
+                0
+            } else {
+                to_nanos(debt - (s.capacity - s.interval), s.rpu).max(1)
+            },
+            delay: 0,
+        }
+    }
+
+    fn is_idle(&self, limit: &Limit, state: &[u64], now: Nanos) -> bool {
+        let s = Scaled::new(limit, now);
+        s.tat(state) == s.now
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::indexing_slicing)]
+mod tests {
+    use super::*;
+    use crate::time::NANOS_PER_SECOND as S;
+
+    fn limit(rpu: u32, unit: Unit, burst: Option<u32>) -> Limit {
+        let rpu = NonZeroU32::new(rpu).unwrap();
+        let burst = burst.map_or(rpu, |b| NonZeroU32::new(b).unwrap());
+        Limit {
+            rpu,
+            unit,
+            burst,
+            slices: NonZeroU32::new(10).unwrap(),
+        }
+    }
+
+    /// `(now, want, granted, remaining, reset, retry_after)`.
+    type Step = (Nanos, u32, u32, u64, Nanos, Nanos);
+
+    fn run(limit: &Limit, state: &mut [u64], steps: &[Step]) {
+        for (i, &(now, want, granted, remaining, reset, retry_after)) in steps.iter().enumerate() {
+            let before = state.to_vec();
+            let verdict = TokenBucket.acquire(limit, state, now, want);
+            let expected = Verdict {
+                granted,
+                remaining,
+                reset,
+                retry_after,
+                delay: 0,
+            };
+            assert_eq!(verdict, expected, "step {i} at {now}");
+            if verdict.granted == 0 {
+                assert_eq!(
+                    state,
+                    &before[..],
+                    "step {i}: a rejection changed the state"
+                );
+            }
+        }
+    }
+
+    /// Drains the bucket at `now`; returns the tokens taken.
+    fn drain(limit: &Limit, state: &mut [u64], now: Nanos) -> u32 {
+        TokenBucket.acquire(limit, state, now, u32::MAX).granted
+    }
+
+    #[test]
+    fn names() {
+        assert_eq!(TokenBucket.code(), "TB");
+        assert!(TokenBucket.aliases().contains(&"token bucket"));
+        let rpu = NonZeroU32::new(12).unwrap();
+        assert_eq!(TokenBucket.default_burst(rpu, Unit::Hour), rpu);
+        assert_eq!(TokenBucket.state_words(&limit(12, Unit::Hour, None)), 2);
+    }
+
+    #[test]
+    fn burst_then_steady_refill() {
+        // 10 per second, capacity 10: a token every 100 ms.
+        let l = limit(10, Unit::Second, None);
+        let t = S / 10;
+        let t0 = 1_700_000_000 * S;
+        let mut state = [0u64; 2];
+        let mut steps: Vec<Step> = (1..=10u64).map(|i| (t0, 1, 1, 10 - i, i * t, 0)).collect();
+        steps.extend([
+            (t0, 1, 0, 0, S, t),
+            // Last ns before the first refill, and the refill itself.
+            (t0 + t - 1, 1, 0, 0, S - t + 1, 1),
+            (t0 + t, 1, 1, 0, S, 0),
+            // Half a second on: 5 tokens.
+            (t0 + 6 * t, 9, 5, 0, S, 0),
+        ]);
+        run(&l, &mut state, &steps);
+        assert!(!TokenBucket.is_idle(&l, &state, t0 + 16 * t - 1));
+        assert!(TokenBucket.is_idle(&l, &state, t0 + 16 * t));
+        // Full again, never more than capacity.
+        run(
+            &l,
+            &mut state,
+            &[
+                (t0 + 100 * S, 0, 0, 10, 0, 0),
+                (t0 + 100 * S, 11, 10, 0, S, 0),
+            ],
+        );
+    }
+
+    #[test]
+    fn fractional_refill_is_exact() {
+        // 3 per second: a token every 333,333,333.33 ns.
+        let l = limit(3, Unit::Second, None);
+        let t0 = 50 * S;
+        let mut state = [0u64; 2];
+        assert_eq!(drain(&l, &mut state, t0), 3);
+        run(
+            &l,
+            &mut state,
+            &[
+                (t0, 1, 0, 0, S, 333_333_334),
+                (t0 + 333_333_333, 1, 0, 0, 666_666_667, 1),
+                (t0 + 333_333_334, 1, 1, 0, S, 0),
+                (t0 + 666_666_666, 1, 0, 0, S - 333_333_332, 1),
+                (t0 + 666_666_667, 1, 1, 0, S, 0),
+                (t0 + S, 1, 1, 0, S, 0),
+            ],
+        );
+        // Over 3 seconds after the burst: exactly 9, the 9th at exactly t0 + 3 s.
+        let mut state = [0u64; 2];
+        assert_eq!(drain(&l, &mut state, t0), 3);
+        let mut now = t0;
+        let mut taken = 0u64;
+        while now <= t0 + 3 * S {
+            let verdict = TokenBucket.acquire(&l, &mut state, now, 1);
+            if verdict.granted == 1 {
+                taken += 1;
+                assert_eq!(now, t0 + (taken * S).div_ceil(3), "token {taken}");
+            } else {
+                now += verdict.retry_after;
+            }
+        }
+        assert_eq!(taken, 9);
+    }
+
+    #[test]
+    fn no_drift_over_a_million_seconds() {
+        let l = limit(3, Unit::Second, None);
+        let t0 = 1_600_000_000 * S;
+        let end = t0 + 1_000_000 * S;
+        // Taking each token as soon as it is there.
+        let mut state = [0u64; 2];
+        assert_eq!(drain(&l, &mut state, t0), 3);
+        let mut now = t0;
+        let mut taken = 0u64;
+        loop {
+            let verdict = TokenBucket.acquire(&l, &mut state, now, 1);
+            if verdict.granted == 1 {
+                taken += 1;
+                assert_eq!(now, t0 + (taken * S).div_ceil(3), "token {taken}");
+            } else if now + verdict.retry_after > end {
+                break;
+            } else {
+                now += verdict.retry_after;
+            }
+        }
+        assert_eq!(taken, 3_000_000);
+        // Polling at an odd period instead (short enough that the bucket, 1.67 tokens per
+        // poll plus a fraction kept, never overflows): exactly 3e6 taken by the end too.
+        let mut state = [0u64; 2];
+        assert_eq!(drain(&l, &mut state, t0), 3);
+        let mut taken = 0u64;
+        let mut now = t0;
+        while now < end {
+            now = (now + 555_555_557).min(end);
+            taken += u64::from(drain(&l, &mut state, now));
+        }
+        assert_eq!(taken, 3_000_000);
+    }
+
+    #[test]
+    fn hour_and_day_units() {
+        let m = 60 * S;
+        let h = 60 * m;
+        // 4 per hour, capacity 2: a token every 15 minutes.
+        let l = limit(4, Unit::Hour, Some(2));
+        let t0 = 1_700_000_000 * S;
+        let mut state = [0u64; 2];
+        run(
+            &l,
+            &mut state,
+            &[
+                (t0, 3, 2, 0, 30 * m, 0),
+                (t0 + 15 * m - 1, 1, 0, 0, 15 * m + 1, 1),
+                (t0 + 15 * m, 1, 1, 0, 30 * m, 0),
+                (t0 + 2 * h, 5, 2, 0, 30 * m, 0),
+            ],
+        );
+        // 1 per day.
+        let l = limit(1, Unit::Day, None);
+        let mut state = [0u64; 2];
+        run(
+            &l,
+            &mut state,
+            &[
+                (t0, 1, 1, 0, 24 * h, 0),
+                (t0 + 23 * h, 1, 0, 0, h, h),
+                (t0 + 24 * h, 1, 1, 0, 24 * h, 0),
+            ],
+        );
+    }
+
+    #[test]
+    fn long_idle_gap_fills_the_bucket() {
+        let l = limit(5, Unit::Minute, Some(8));
+        let t0 = 1_700_000_000 * S;
+        let mut state = [0u64; 2];
+        assert_eq!(drain(&l, &mut state, t0), 8);
+        let later = t0 + 365 * 86_400 * S;
+        assert!(TokenBucket.is_idle(&l, &state, later));
+        run(&l, &mut state, &[(later, 10, 8, 0, 96 * S, 0)]);
+    }
+
+    #[test]
+    fn lease_grants_up_to_available() {
+        let l = limit(10, Unit::Second, None);
+        let t = S / 10;
+        let mut state = [0u64; 2];
+        run(
+            &l,
+            &mut state,
+            &[
+                (0, 4, 4, 6, 4 * t, 0),
+                (0, 4, 4, 2, 8 * t, 0),
+                (0, 4, 2, 0, S, 0),
+                (0, 4, 0, 0, S, t),
+                // 2.5 T later: 2 tokens (and half a token kept).
+                (t * 5 / 2, 0, 0, 2, S - t * 5 / 2, 0),
+                (t * 5 / 2, 4, 2, 0, S - t / 2, 0),
+                (3 * t, 1, 1, 0, S, 0),
+            ],
+        );
+    }
+
+    #[test]
+    fn clock_backwards_makes_the_bucket_look_emptier() {
+        // 2 per second, capacity 4 (2 s to fill).
+        let l = limit(2, Unit::Second, Some(4));
+        let t0 = 100 * S;
+        let ms = S / 1_000;
+        let mut state = [0u64; 2];
+        run(
+            &l,
+            &mut state,
+            &[
+                (t0, 1, 1, 3, 500 * ms, 0),
+                // 300 ms back: 800 ms from full, 2.4 tokens.
+                (t0 - 300 * ms, 1, 1, 1, 1_300 * ms, 0),
+                (t0 - 300 * ms, 1, 1, 0, 1_800 * ms, 0),
+                (t0 - 300 * ms, 1, 0, 0, 1_800 * ms, 300 * ms),
+                // Further back than an empty bucket plus one unit: garbage, full.
+                (t0 - 3 * S, 1, 1, 3, 500 * ms, 0),
+            ],
+        );
+    }
+
+    #[test]
+    fn rpu_one_and_large_rpu() {
+        let l = limit(1, Unit::Second, None);
+        let mut state = [0u64; 2];
+        run(
+            &l,
+            &mut state,
+            &[
+                (9, 1, 1, 0, S, 0),
+                (10, 1, 0, 0, S - 1, S - 1),
+                (S + 9, 1, 1, 0, S, 0),
+            ],
+        );
+
+        let l = limit(u32::MAX, Unit::Second, None);
+        let mut state = [0u64; 2];
+        let now = u64::MAX - 2 * S;
+        run(
+            &l,
+            &mut state,
+            &[
+                (now, u32::MAX - 1, u32::MAX - 1, 1, S, 0),
+                (now, u32::MAX, 1, 0, S, 0),
+                (now, 1, 0, 0, S, 1),
+                (now + S, u32::MAX, u32::MAX, 0, S, 0),
+            ],
+        );
+        let l = limit(u32::MAX, Unit::Day, Some(u32::MAX));
+        let mut state = [0u64; 2];
+        for now in [0, S, u64::MAX] {
+            let verdict = TokenBucket.acquire(&l, &mut state, now, u32::MAX);
+            assert!(verdict.granted > 0 || verdict.retry_after > 0);
+        }
+    }
+
+    #[test]
+    fn garbage_and_short_state_do_not_panic() {
+        let l = limit(5, Unit::Second, None);
+        let now = 100 * S;
+        for len in 0..2 {
+            let mut state = vec![u64::MAX; len];
+            let verdict = TokenBucket.acquire(&l, &mut state, now, 1);
+            assert_eq!((verdict.granted, verdict.remaining), (1, 4));
+            assert!(state.iter().all(|&w| w == u64::MAX));
+            assert!(TokenBucket.is_idle(&l, &state, now));
+        }
+        let mut state = [u64::MAX, u64::MAX];
+        assert!(TokenBucket.is_idle(&l, &state, now));
+        assert_eq!(drain(&l, &mut state, now), 5);
+        assert_eq!(load(&state), Some(u128::from(now) * 5 + 5 * u128::from(S)));
+        for now in [0, 1, u64::MAX] {
+            let mut state = [u64::MAX - 1, 3];
+            let _ = TokenBucket.acquire(&l, &mut state, now, u32::MAX);
+            let _ = TokenBucket.is_idle(&l, &state, now);
+        }
+    }
 }

@@ -1,16 +1,375 @@
-//! placeholder
+//! Fixed window (`W`): a counter per calendar window.
+//!
+//! Time is cut into windows of one unit, aligned to the Unix epoch (UTC): every second,
+//! every minute on the minute, every hour on the hour, every day at midnight UTC. Each
+//! window admits at most `rpu` requests; the count starts again from zero when the next
+//! window begins. This is the cheapest algorithm and the easiest to explain ("50 per
+//! second"), at the price of allowing up to `2 × rpu` across a window boundary (the end of
+//! one window and the start of the next).
+//!
+//! State, two words: `[window_index, count]` where `window_index = now / unit` counts
+//! windows since the epoch. All zeros is window 0 with nothing counted, which decides
+//! exactly like a fresh counter.
+//!
+//! Clock going backwards (another worker or gateway slightly behind, an NTP step): the
+//! request is counted in the stored, later window, never in an earlier one, so a window is
+//! never reset early. A stored window more than one window ahead of the clock cannot come
+//! from a clock step within one unit and is treated as garbage (fresh); a count above `rpu`
+//! is read as `rpu` (full).
+
 use super::{Algorithm, Limit, Verdict};
 use crate::time::{Nanos, Unit};
 use std::num::NonZeroU32;
 
+/// The fixed-window algorithm (`W`). See the module documentation.
 #[derive(Debug)]
 pub struct FixedWindow;
 
+/// The stored state, after validation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct WindowState {
+    /// The window the count belongs to (windows since the epoch).
+    window: u64,
+    /// Requests admitted in `window`, at most `rpu`.
+    count: u64,
+}
+
+/// Reads the state as seen at window `current`: a window that has passed (or garbage, or a
+/// short slice) reads as an empty counter in `current`.
+fn load(limit: &Limit, state: &[u64], current: u64) -> WindowState {
+    let fresh = WindowState {
+        window: current,
+        count: 0,
+    };
+    let (Some(&window), Some(&count)) = (state.first(), state.get(1)) else {
+        return fresh;
+    };
+    if window < current || window > current.saturating_add(1) {
+        // Passed, or further ahead than a clock step of one unit can explain (garbage).
+        return fresh;
+    }
+    // `window` is `current` or, with a clock that went backwards, the next one.
+    WindowState {
+        window,
+        count: count.min(u64::from(limit.rpu.get())),
+    }
+}
+
+/// Nanoseconds from `now` to the end of `window`, saturating.
+fn until_end(window: u64, unit_ns: u64, now: Nanos) -> Nanos {
+    let end = (u128::from(window) + 1) * u128::from(unit_ns);
+    u64::try_from(end.saturating_sub(u128::from(now))).unwrap_or(u64::MAX)
+}
+
 impl Algorithm for FixedWindow {
-    fn code(&self) -> &'static str { "FixedWindow" }
-    fn aliases(&self) -> &'static [&'static str] { &[] }
-    fn default_burst(&self, rpu: NonZeroU32, _unit: Unit) -> NonZeroU32 { rpu }
-    fn state_words(&self, _limit: &Limit) -> usize { 2 }
-    fn acquire(&self, _limit: &Limit, _state: &mut [u64], _now: Nanos, _want: u32) -> Verdict { Verdict::default() }
-    fn is_idle(&self, _limit: &Limit, _state: &[u64], _now: Nanos) -> bool { true }
+    fn code(&self) -> &'static str {
+        "W"
+    }
+
+    fn aliases(&self) -> &'static [&'static str] {
+        &["w", "window", "fixed window", "fixed_window"]
+    }
+
+    /// Unused by this algorithm; `rpu` so that the resolved rule reads sensibly.
+    fn default_burst(&self, rpu: NonZeroU32, _unit: Unit) -> NonZeroU32 {
+        rpu
+    }
+
+    fn state_words(&self, _limit: &Limit) -> usize {
+        2
+    }
+
+    fn acquire(&self, limit: &Limit, state: &mut [u64], now: Nanos, want: u32) -> Verdict {
+        let unit_ns = limit.unit.nanos();
+        let current = now / unit_ns;
+        let loaded = load(limit, state, current);
+        let rpu = u64::from(limit.rpu.get());
+        let available = rpu.saturating_sub(loaded.count);
+        // `granted <= want`, so it fits in u32.
+        let granted = u64::from(want).min(available);
+        let count = loaded.count.saturating_add(granted);
+        let reset = until_end(loaded.window, unit_ns, now);
+        if granted > 0 {
+            if let [window_word, count_word, ..] = state {
+                *window_word = loaded.window;
+                *count_word = count;
+            }
+        }
+        Verdict {
+            granted: u32::try_from(granted).unwrap_or(0),
+            remaining: rpu.saturating_sub(count),
+            reset,
+            // Nothing left in this window: the next request passes when it ends.
+            retry_after: if granted > 0 || available > 0 {
+                0
+            } else {
+                reset.max(1)
+            },
+            delay: 0,
+        }
+    }
+
+    fn is_idle(&self, limit: &Limit, state: &[u64], now: Nanos) -> bool {
+        load(limit, state, now / limit.unit.nanos()).count == 0
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::indexing_slicing)]
+mod tests {
+    use super::*;
+    use crate::time::NANOS_PER_SECOND as S;
+
+    fn limit(rpu: u32, unit: Unit) -> Limit {
+        let rpu = NonZeroU32::new(rpu).unwrap();
+        Limit {
+            rpu,
+            unit,
+            burst: rpu,
+            slices: NonZeroU32::new(10).unwrap(),
+        }
+    }
+
+    /// One step of a scenario: at `now`, ask for `want`, expect this verdict.
+    struct Step {
+        now: Nanos,
+        want: u32,
+        granted: u32,
+        remaining: u64,
+        reset: Nanos,
+        retry_after: Nanos,
+    }
+
+    fn run(limit: &Limit, state: &mut [u64], steps: &[Step]) {
+        for (i, step) in steps.iter().enumerate() {
+            let before = state.to_vec();
+            let verdict = FixedWindow.acquire(limit, state, step.now, step.want);
+            let expected = Verdict {
+                granted: step.granted,
+                remaining: step.remaining,
+                reset: step.reset,
+                retry_after: step.retry_after,
+                delay: 0,
+            };
+            assert_eq!(verdict, expected, "step {i} at {}", step.now);
+            if verdict.granted == 0 {
+                assert_eq!(
+                    state,
+                    &before[..],
+                    "step {i}: a rejection changed the state"
+                );
+            }
+        }
+    }
+
+    fn step(
+        now: Nanos,
+        want: u32,
+        granted: u32,
+        remaining: u64,
+        reset: Nanos,
+        retry_after: Nanos,
+    ) -> Step {
+        Step {
+            now,
+            want,
+            granted,
+            remaining,
+            reset,
+            retry_after,
+        }
+    }
+
+    #[test]
+    fn names() {
+        assert_eq!(FixedWindow.code(), "W");
+        assert!(FixedWindow.aliases().contains(&"fixed window"));
+        let rpu = NonZeroU32::new(7).unwrap();
+        assert_eq!(FixedWindow.default_burst(rpu, Unit::Minute), rpu);
+        assert_eq!(FixedWindow.state_words(&limit(7, Unit::Second)), 2);
+    }
+
+    #[test]
+    fn window_boundaries_second() {
+        let l = limit(3, Unit::Second);
+        let t0 = 1_700_000_000 * S;
+        let mut state = [0u64; 2];
+        run(
+            &l,
+            &mut state,
+            &[
+                step(t0, 1, 1, 2, S, 0),
+                step(t0 + 1, 1, 1, 1, S - 1, 0),
+                step(t0 + S / 2, 1, 1, 0, S / 2, 0),
+                // Full: rejected until the window ends, not counted.
+                step(t0 + S / 2 + 1, 1, 0, 0, S / 2 - 1, S / 2 - 1),
+                // Last nanosecond of the window.
+                step(t0 + S - 1, 1, 0, 0, 1, 1),
+                // First nanosecond of the next.
+                step(t0 + S, 1, 1, 2, S, 0),
+                step(t0 + S, 1, 1, 1, S, 0),
+                step(t0 + S, 1, 1, 0, S, 0),
+                step(t0 + S, 1, 0, 0, S, S),
+            ],
+        );
+        assert_eq!(state, [1_700_000_001, 3]);
+    }
+
+    #[test]
+    fn hour_and_day_windows_are_aligned_to_the_epoch() {
+        // 2023-11-14T22:13:20Z
+        let t0 = 1_700_000_000 * S;
+        let hour = 3_600 * S;
+        let day = 86_400 * S;
+        let l = limit(2, Unit::Hour);
+        let mut state = [0u64; 2];
+        let hour_end = (t0 / hour + 1) * hour;
+        run(
+            &l,
+            &mut state,
+            &[
+                step(t0, 1, 1, 1, hour_end - t0, 0),
+                step(hour_end - 1, 1, 1, 0, 1, 0),
+                step(hour_end - 1, 1, 0, 0, 1, 1),
+                step(hour_end, 2, 2, 0, hour, 0),
+            ],
+        );
+        let l = limit(1, Unit::Day);
+        let mut state = [0u64; 2];
+        let midnight = (t0 / day + 1) * day; // 2023-11-15T00:00:00Z
+        assert_eq!(midnight, 1_700_006_400 * S);
+        run(
+            &l,
+            &mut state,
+            &[
+                step(t0, 1, 1, 0, midnight - t0, 0),
+                step(midnight - 1, 1, 0, 0, 1, 1),
+                step(midnight, 1, 1, 0, day, 0),
+            ],
+        );
+    }
+
+    #[test]
+    fn long_idle_gap_starts_a_new_window() {
+        let l = limit(1, Unit::Minute);
+        let t0 = 1_700_000_000 * S;
+        let mut state = [0u64; 2];
+        assert_eq!(FixedWindow.acquire(&l, &mut state, t0, 1).granted, 1);
+        assert!(!FixedWindow.is_idle(&l, &state, t0));
+        let later = t0 + 30 * 86_400 * S;
+        assert!(FixedWindow.is_idle(&l, &state, later));
+        assert_eq!(FixedWindow.acquire(&l, &mut state, later, 1).granted, 1);
+        assert_eq!(state, [later / (60 * S), 1]);
+    }
+
+    #[test]
+    fn lease_grants_up_to_what_is_left() {
+        let l = limit(10, Unit::Second);
+        let t0 = 42 * S;
+        let mut state = [0u64; 2];
+        run(
+            &l,
+            &mut state,
+            &[
+                step(t0, 4, 4, 6, S, 0),
+                step(t0, 4, 4, 2, S, 0),
+                step(t0, 4, 2, 0, S, 0),
+                step(t0, 4, 0, 0, S, S),
+                // want = 0 is a read-only probe.
+                step(t0 + S, 0, 0, 10, S, 0),
+            ],
+        );
+        assert_eq!(state, [42, 10]);
+    }
+
+    #[test]
+    fn clock_backwards_keeps_counting_in_the_later_window() {
+        let l = limit(2, Unit::Second);
+        let mut state = [0u64; 2];
+        run(
+            &l,
+            &mut state,
+            &[
+                step(10 * S, 1, 1, 1, S, 0),
+                // 1 ns earlier, in window 9: still window 10's count.
+                step(10 * S - 1, 1, 1, 0, S + 1, 0),
+                step(10 * S - 1, 1, 0, 0, S + 1, S + 1),
+                step(10 * S + 5, 1, 0, 0, S - 5, S - 5),
+                step(11 * S, 1, 1, 1, S, 0),
+            ],
+        );
+    }
+
+    #[test]
+    fn rpu_one_and_large_rpu() {
+        let l = limit(1, Unit::Second);
+        let mut state = [0u64; 2];
+        run(
+            &l,
+            &mut state,
+            &[step(5, 1, 1, 0, S - 5, 0), step(6, 1, 0, 0, S - 6, S - 6)],
+        );
+
+        let l = limit(u32::MAX, Unit::Day);
+        let max = u64::from(u32::MAX);
+        let mut state = [0u64; 2];
+        let now = u64::MAX - 1;
+        let day = 86_400 * S;
+        let reset =
+            u64::try_from((u128::from(now / day) + 1) * u128::from(day) - u128::from(now)).unwrap();
+        run(
+            &l,
+            &mut state,
+            &[
+                step(now, u32::MAX, u32::MAX, 0, reset, 0),
+                step(now, 1, 0, 0, reset, reset),
+            ],
+        );
+        assert_eq!(state[1], max);
+    }
+
+    #[test]
+    fn garbage_and_short_state_do_not_panic() {
+        let l = limit(3, Unit::Second);
+        let now = 100 * S;
+        // Short: decided as fresh, nothing stored.
+        for len in 0..2 {
+            let mut state = vec![u64::MAX; len];
+            let verdict = FixedWindow.acquire(&l, &mut state, now, 1);
+            assert_eq!((verdict.granted, verdict.remaining), (1, 2));
+            assert!(state.iter().all(|&w| w == u64::MAX));
+            assert!(FixedWindow.is_idle(&l, &state, now));
+        }
+        // A window far in the future is garbage: fresh.
+        let mut state = [u64::MAX, u64::MAX];
+        assert!(FixedWindow.is_idle(&l, &state, now));
+        assert_eq!(FixedWindow.acquire(&l, &mut state, now, 1).granted, 1);
+        assert_eq!(state, [100, 1]);
+        // A count above rpu reads as full.
+        let mut state = [100, u64::MAX];
+        let verdict = FixedWindow.acquire(&l, &mut state, now, 1);
+        assert_eq!(
+            (verdict.granted, verdict.remaining, verdict.retry_after),
+            (0, 0, S)
+        );
+        // Extreme clock values.
+        let mut state = [0u64; 2];
+        for now in [0, 1, u64::MAX] {
+            let _ = FixedWindow.acquire(&l, &mut state, now, u32::MAX);
+            let _ = FixedWindow.is_idle(&l, &state, now);
+        }
+    }
+
+    #[test]
+    fn idle_when_count_zero_or_window_passed() {
+        let l = limit(3, Unit::Second);
+        let mut state = [0u64; 2];
+        assert!(FixedWindow.is_idle(&l, &state, 7 * S));
+        FixedWindow.acquire(&l, &mut state, 7 * S, 1);
+        assert!(!FixedWindow.is_idle(&l, &state, 7 * S));
+        assert!(!FixedWindow.is_idle(&l, &state, 8 * S - 1));
+        assert!(FixedWindow.is_idle(&l, &state, 8 * S));
+        // Clock behind: the stored window is still live.
+        assert!(!FixedWindow.is_idle(&l, &state, 7 * S - 1));
+    }
 }
