@@ -6,7 +6,7 @@
 use crate::host::{self, HostMetrics, HostRequest, HostSharedData, Sink};
 use diana_core::config::{parse_policy, Policy, RemoteSpec};
 use diana_core::engine::{Decision, Engine};
-use diana_core::global::{parse_answer, CalloutFailure, Pending};
+use diana_core::global::{parse_answer, wait_path, CalloutFailure, Pending, MAX_SERVICE_WAIT_MS};
 use diana_core::metrics::{Event, MetricSink};
 use diana_core::remote::{self, Health, PollOutcome};
 use diana_core::store::Store;
@@ -69,6 +69,8 @@ pub struct DianaRoot {
     vm: VmRef,
     /// Counters for configuration events, defined before any policy exists.
     events: Rc<HostMetrics>,
+    /// The host can pause a request and resume it from the tick (not on nginx).
+    can_pause: bool,
     /// The config center, from the local document (a remote document cannot move it).
     remote: Option<RemoteSpec>,
     /// Version of the published remote document this worker runs (0 = local document).
@@ -85,6 +87,7 @@ impl DianaRoot {
         DianaRoot {
             vm: Rc::new(RefCell::new(Vm::default())),
             events: Rc::new(HostMetrics::events_only()),
+            can_pause: true,
             remote: None,
             applied_version: 0,
             poll_token: None,
@@ -96,7 +99,7 @@ impl DianaRoot {
 
     /// Makes `policy` the one new requests are evaluated with.
     fn install(&mut self, policy: Policy, origin: &str) {
-        let engine = Engine::new(policy);
+        let engine = Engine::new(policy).with_pausing(self.can_pause);
         let metrics = HostMetrics::define(engine.rules());
         log::info!(
             "diana: {origin} configuration applied: {} resources, {} rules",
@@ -226,6 +229,10 @@ impl RootContext for DianaRoot {
                 return false;
             }
         };
+        self.can_pause = !host::is_ngx_wasm_module();
+        if !self.can_pause {
+            log::info!("diana: ngx_wasm_module host: leaky-bucket waits are rejected with Retry-After (local) or done by the quota service (global)");
+        }
         self.remote = policy.remote.clone();
         self.applied_version = 0;
         self.install(policy, "local");
@@ -355,13 +362,18 @@ impl DianaHttp {
 
     fn dispatch(&mut self, configured: &Configured, pending: Pending, paused: bool) -> Action {
         let global = &configured.engine.policy().global;
+        let (path, timeout_ms) = if pending.wait {
+            (wait_path(&global.path), global.timeout_ms.saturating_add(MAX_SERVICE_WAIT_MS))
+        } else {
+            (global.path.clone(), global.timeout_ms)
+        };
         let headers = vec![
             (":method", "POST"),
-            (":path", global.path.as_str()),
+            (":path", path.as_str()),
             (":authority", global.authority.as_str()),
             ("content-type", "application/json"),
         ];
-        let timeout = Duration::from_millis(u64::from(global.timeout_ms));
+        let timeout = Duration::from_millis(u64::from(timeout_ms));
         match hostcalls::dispatch_http_call(&global.cluster, headers, Some(&pending.body), vec![], timeout) {
             Ok(_token) => {
                 self.pending = Some(pending);

@@ -66,6 +66,13 @@ pub fn header_bytes(map: MapType, name: &str) -> Option<Vec<u8>> {
     }
 }
 
+/// True when the host is ngx_wasm_module (nginx, Kong): it exposes nginx variables as
+/// `ngx.*` properties, which Envoy does not have. There a paused request cannot be
+/// resumed from the root context (`set_effective_context` is a no-op).
+pub fn is_ngx_wasm_module() -> bool {
+    matches!(hostcalls::get_property(vec!["ngx", "pid"]), Ok(Some(value)) if !value.is_empty())
+}
+
 /// Host time in nanoseconds since the epoch (0 if the host cannot tell, which only makes
 /// counters start over: never a failure).
 pub fn now() -> Nanos {

@@ -41,6 +41,8 @@ pub struct Engine {
     /// Index of each resource's first rule in the flat rule numbering used by metrics.
     offsets: Vec<usize>,
     store: Store,
+    /// The host can pause a request and resume it later (Envoy: yes; nginx: no).
+    can_pause: bool,
 }
 
 /// What the local pass over the rules gathered so far.
@@ -82,7 +84,20 @@ impl Engine {
             policy,
             offsets,
             store: Store::new(),
+            can_pause: true,
         }
+    }
+
+    /// Declares whether the host can pause and later resume a request. Without it, a
+    /// local leaky-bucket wait becomes a rejection with `Retry-After` (nothing reserved),
+    /// and global leaky-bucket rules use the quota service's wait endpoint.
+    pub fn with_pausing(mut self, can_pause: bool) -> Engine {
+        self.can_pause = can_pause;
+        self
+    }
+
+    pub fn can_pause(&self) -> bool {
+        self.can_pause
     }
 
     pub fn policy(&self) -> &Policy {
@@ -162,6 +177,7 @@ impl Engine {
             rule_id: rule.id,
             algo: rule.algo,
             limit: &rule.limit,
+            immediate_only: !self.can_pause,
         };
         match self.store.charge(host, &table, address, now, 1) {
             Err(error) => {
@@ -205,7 +221,7 @@ impl Engine {
     /// Every rule admitted: allow now or after the longest wait.
     pub(crate) fn finish(&self, progress: Progress, now: Nanos) -> Decision {
         let headers = admitted_headers(&self.policy.response, progress.tightest.as_ref());
-        if progress.delay > 0 {
+        if progress.delay > 0 && self.can_pause {
             Decision::Delay {
                 until: now.saturating_add(progress.delay),
                 headers,

@@ -314,3 +314,27 @@ fn an_answer_that_does_not_match_the_request_is_a_failure() {
     assert!(crate::global::parse_answer(&pending, 500, b"").is_err());
     assert!(crate::global::parse_answer(&pending, 200, br#"{"results":[{"allowed":true,"granted":1,"remaining":2,"reset_ms":5,"retry_after_ms":0,"delay_ms":0}]}"#).is_ok());
 }
+
+#[test]
+fn a_host_that_cannot_pause_turns_a_wait_into_retry_after_and_reserves_nothing() {
+    let doc = "Url: /\nrules:\n  - {algo: LB, rpu: 10, unit: second, burst: 2}\n";
+    let mut h = Harness::new(doc);
+    h.engine = Engine::new(parse_policy(doc).unwrap()).with_pausing(false);
+    assert!(matches!(h.request("/", &Facts::default()), Decision::Allow { .. }));
+    let r = rejection(h.request("/", &Facts::default()));
+    assert_eq!(header(&r, "retry-after"), Some("1"));
+    // Nothing was reserved by the rejected request: 100 ms later one passes at once.
+    h.now += NANOS_PER_SECOND / 10;
+    assert!(matches!(h.request("/", &Facts::default()), Decision::Allow { .. }));
+}
+
+#[test]
+fn global_leaky_bucket_rules_use_the_wait_endpoint_where_the_host_cannot_pause() {
+    let doc = "Url: /\nrules:\n  - {algo: LB, rpu: 10, scope: global}\n";
+    let mut h = Harness::new(doc);
+    assert!(!callout(h.request("/", &Facts::default())).wait);
+    h.engine = Engine::new(parse_policy(doc).unwrap()).with_pausing(false);
+    assert!(callout(h.request("/", &Facts::default())).wait);
+    assert_eq!(crate::global::wait_path("/v1/acquire"), "/v1/wait");
+    assert_eq!(crate::global::wait_path("/quota/"), "/quota/wait");
+}

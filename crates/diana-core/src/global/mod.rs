@@ -50,6 +50,9 @@ pub struct Pending {
     pub rules: Vec<GlobalRuleRef>,
     /// True when this callout is the breaker's probe.
     pub probe: bool,
+    /// True when the service must do the waiting (leaky-bucket rules on a host that cannot
+    /// pause a request): send it to [`wait_path`] instead of `global.path`.
+    pub wait: bool,
     tightest: Option<RuleReport>,
     delay: Nanos,
 }
@@ -114,6 +117,19 @@ impl Lease {
 fn lease_key(rule: &Rule, address: SlotAddress) -> String {
     format!("diana:lease:{:016x}:{}", rule.id, address.first)
 }
+
+/// The quota service's wait endpoint beside its acquire endpoint: `/v1/acquire` →
+/// `/v1/wait`; any other path gets `/wait` appended.
+pub fn wait_path(acquire_path: &str) -> String {
+    match acquire_path.strip_suffix("/acquire") {
+        Some(base) => format!("{base}/wait"),
+        None => format!("{}/wait", acquire_path.trim_end_matches('/')),
+    }
+}
+
+/// The longest a wait-endpoint callout may take beyond `timeout_ms` (the service caps
+/// its waits at 10 s).
+pub const MAX_SERVICE_WAIT_MS: u32 = 10_000;
 
 /// The quota service key of one (rule, identity): the same on every gateway.
 pub fn global_key(rule: &Rule, address: SlotAddress) -> String {
@@ -298,10 +314,12 @@ pub(crate) fn begin(
     };
     metrics.event(Event::GlobalCallout);
     let tightest = progress.tightest.take();
+    let wait = !engine.can_pause() && request.rules.iter().any(|rule| rule.algo == "LB");
     Decision::Callout(Pending {
         body,
         rules: ask,
         probe,
+        wait,
         tightest,
         delay: progress.delay,
     })

@@ -176,6 +176,9 @@ pub struct SlotTable<'a> {
     pub rule_id: u64,
     pub algo: &'a dyn Algorithm,
     pub limit: &'a Limit,
+    /// Admit only what can pass now: a decision that would make the request wait
+    /// (leaky bucket) is a denial instead. For hosts that cannot pause a request.
+    pub immediate_only: bool,
 }
 
 /// Charges rules against a [`SharedData`] host, remembering whether the host has strict
@@ -215,7 +218,17 @@ impl Store {
         for _ in 0..MAX_CAS_ATTEMPTS {
             let (slot, record, cas, collided) = self.locate(host, table, address, now, words)?;
             let mut record = record;
-            let verdict = table.algo.acquire(table.limit, &mut record.words, now, want);
+            let mut verdict = table.algo.acquire(table.limit, &mut record.words, now, want);
+            if table.immediate_only && verdict.delay > 0 {
+                // The host cannot hold the request: the wait becomes a retry-after and
+                // nothing is reserved.
+                verdict = Verdict {
+                    granted: 0,
+                    retry_after: verdict.delay,
+                    delay: 0,
+                    ..verdict
+                };
+            }
             if !verdict.allowed() {
                 // A rejected request is not counted: nothing to write.
                 return Ok(Charge { verdict, collided });

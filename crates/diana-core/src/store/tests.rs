@@ -74,7 +74,7 @@ fn sequential_requests_admit_exactly_the_limit_on_both_hosts() {
         let host = MemoryHost::new(semantics);
         let store = Store::new();
         let limit = limit(20);
-        let table = SlotTable { rule_id: 7, algo: &CountUpTo, limit: &limit };
+        let table = SlotTable { rule_id: 7, algo: &CountUpTo, limit: &limit, immediate_only: false };
         assert_eq!(admitted(&store, &host, &table, 42, 100), 20, "{semantics:?}");
         assert_eq!(store.host_is_strict(), semantics == CasSemantics::Nginx);
     }
@@ -94,7 +94,7 @@ fn concurrent_workers_share_one_counter_on_both_hosts() {
                     std::thread::spawn(move || {
                         // Each worker has its own Store, as each Envoy worker has its own VM.
                         let store = Store::new();
-                        let table = SlotTable { rule_id: round, algo: &CountUpTo, limit: &limit };
+                        let table = SlotTable { rule_id: round, algo: &CountUpTo, limit: &limit, immediate_only: false };
                         start.wait();
                         admitted(&store, host.as_ref(), &table, 42, 50)
                     })
@@ -130,7 +130,7 @@ impl SharedData for RacingHost {
 fn creating_a_key_never_overwrites_a_competitors_creation() {
     for semantics in BOTH {
         let limit = limit(20);
-        let table = SlotTable { rule_id: 1, algo: &CountUpTo, limit: &limit };
+        let table = SlotTable { rule_id: 1, algo: &CountUpTo, limit: &limit, immediate_only: false };
         let address = SlotAddress::single();
         // The competitor charged one request for the same identity.
         let competitor = Record { fingerprint: address.fingerprint, words: vec![1, 100] };
@@ -153,7 +153,7 @@ fn memory_is_bounded_by_the_slot_table_whatever_identities_arrive() {
     let host = MemoryHost::new(CasSemantics::Envoy);
     let store = Store::new();
     let limit = limit(10);
-    let table = SlotTable { rule_id: 3, algo: &CountUpTo, limit: &limit };
+    let table = SlotTable { rule_id: 3, algo: &CountUpTo, limit: &limit, immediate_only: false };
     for identity in 0..100_000u64 {
         let hash = crate::hash::hash64(0, &identity.to_le_bytes());
         store.charge(&host, &table, SlotAddress::of(hash, 1024), identity * 10, 1).unwrap();
@@ -167,7 +167,7 @@ fn a_busy_slot_is_shared_conservatively_and_an_idle_one_is_reused() {
     let host = MemoryHost::new(CasSemantics::Nginx);
     let store = Store::new();
     let limit = limit(3);
-    let table = SlotTable { rule_id: 9, algo: &CountUpTo, limit: &limit };
+    let table = SlotTable { rule_id: 9, algo: &CountUpTo, limit: &limit, immediate_only: false };
     let alice = SlotAddress { fingerprint: 11, first: 0, second: 0 };
     let bob = SlotAddress { fingerprint: 13, first: 0, second: 0 };
     assert!(!store.charge(&host, &table, alice, 100, 2).unwrap().collided);
@@ -187,7 +187,7 @@ fn an_identity_finds_its_record_in_the_second_slot_before_claiming_the_first() {
     let host = MemoryHost::new(CasSemantics::Envoy);
     let store = Store::new();
     let limit = limit(2);
-    let table = SlotTable { rule_id: 5, algo: &CountUpTo, limit: &limit };
+    let table = SlotTable { rule_id: 5, algo: &CountUpTo, limit: &limit, immediate_only: false };
     let carol = SlotAddress { fingerprint: 21, first: 0, second: 1 };
     let dave = SlotAddress { fingerprint: 23, first: 0, second: 1 };
     store.charge(&host, &table, carol, 100, 1).unwrap(); // slot 0
@@ -205,7 +205,7 @@ fn garbage_in_a_slot_is_reclaimed_not_trusted() {
         host.put_raw(&slot_key(4, 0), b"\xff\x00garbage");
         let store = Store::new();
         let limit = limit(2);
-        let table = SlotTable { rule_id: 4, algo: &CountUpTo, limit: &limit };
+        let table = SlotTable { rule_id: 4, algo: &CountUpTo, limit: &limit, immediate_only: false };
         let charge = store.charge(&host, &table, SlotAddress::single(), 100, 5).unwrap();
         assert_eq!(charge.verdict.granted, 2, "{semantics:?}");
     }
@@ -216,7 +216,7 @@ fn rejected_requests_write_nothing() {
     let host = MemoryHost::new(CasSemantics::Envoy);
     let store = Store::new();
     let limit = limit(1);
-    let table = SlotTable { rule_id: 8, algo: &CountUpTo, limit: &limit };
+    let table = SlotTable { rule_id: 8, algo: &CountUpTo, limit: &limit, immediate_only: false };
     store.charge(&host, &table, SlotAddress::single(), 100, 1).unwrap();
     let (_, cas_before) = host.get(&slot_key(8, 0)).unwrap().unwrap();
     assert!(!store.charge(&host, &table, SlotAddress::single(), 101, 1).unwrap().verdict.allowed());
@@ -242,7 +242,7 @@ fn endless_contention_is_bounded() {
     let host = AlwaysRaced(MemoryHost::new(CasSemantics::Envoy));
     let store = Store::new();
     let limit = limit(1_000_000);
-    let table = SlotTable { rule_id: 2, algo: &CountUpTo, limit: &limit };
+    let table = SlotTable { rule_id: 2, algo: &CountUpTo, limit: &limit, immediate_only: false };
     let result = store.charge(&host, &table, SlotAddress::single(), 100, 1);
     assert_eq!(result, Err(ChargeError::Contention));
 }
