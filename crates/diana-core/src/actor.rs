@@ -8,7 +8,9 @@
 //! A new kind of source is a new type implementing [`ActorSource`] plus one entry in the
 //! registry; existing sources are not touched.
 
+use crate::hash::hash64;
 use std::fmt;
+use std::sync::Arc;
 
 /// What the filter knows of a request, read lazily from the host.
 pub trait RequestFacts {
@@ -35,5 +37,594 @@ pub trait ActorSource: Send + Sync + fmt::Debug {
     /// True when every request maps to [`Identity::Everyone`] (a one-slot table suffices).
     fn is_single_counter(&self) -> bool {
         false
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Implementations.
+
+/// Domain seed of client-address identities (actor `ip` and fallback `ip`).
+const IP_SEED: u64 = 0x6469_616e_615f_6970; // "diana_ip"
+/// Domain seed from which each header actor derives its own seed.
+const HEADER_SEED: u64 = 0x6469_616e_615f_6864; // "diana_hd"
+
+/// Longest accepted header name in an `actors:` entry.
+pub const MAX_HEADER_NAME: usize = 256;
+
+/// The identity of a client address: `Key` of its hash, or `Everyone` when the host gave
+/// no address (a missing address is a host limitation, not a reason to let a request
+/// through uncounted: such requests share one counter).
+pub fn ip_identity(request: &dyn RequestFacts) -> Identity {
+    match request.client_ip() {
+        Some(ip) => match ip.trim_ascii() {
+            [] => Identity::Everyone,
+            ip => Identity::Key(hash64(IP_SEED, ip)),
+        },
+        None => Identity::Everyone,
+    }
+}
+
+/// Actor `all`: one counter per rule.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct AllActor;
+
+impl ActorSource for AllActor {
+    fn identify(&self, _request: &dyn RequestFacts) -> Identity {
+        Identity::Everyone
+    }
+
+    fn is_single_counter(&self) -> bool {
+        true
+    }
+}
+
+/// Actor `ip`: one counter per client address; requests without an address share one.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct IpActor;
+
+impl ActorSource for IpActor {
+    fn identify(&self, request: &dyn RequestFacts) -> Identity {
+        ip_identity(request)
+    }
+}
+
+/// What a header actor does when the request has no (or an empty) identity header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Fallback {
+    /// The rule does not apply to the request ([`Identity::Skip`]).
+    Skip,
+    /// Count the request against its client address (shared counter without one).
+    Ip,
+    /// Count the request against one counter shared by all such requests.
+    Shared,
+}
+
+impl Fallback {
+    pub const ALL: [Fallback; 3] = [Fallback::Skip, Fallback::Ip, Fallback::Shared];
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            Fallback::Skip => "skip",
+            Fallback::Ip => "ip",
+            Fallback::Shared => "shared",
+        }
+    }
+
+    /// Parses `skip`, `ip`, `shared` (case-insensitive).
+    pub fn parse(text: &str) -> Option<Fallback> {
+        let text = text.trim();
+        Fallback::ALL
+            .into_iter()
+            .find(|fallback| fallback.name().eq_ignore_ascii_case(text))
+    }
+
+    /// The identity of a request that has no identity of its own.
+    pub fn identify(self, request: &dyn RequestFacts) -> Identity {
+        match self {
+            Fallback::Skip => Identity::Skip,
+            Fallback::Ip => ip_identity(request),
+            Fallback::Shared => Identity::Everyone,
+        }
+    }
+}
+
+impl fmt::Display for Fallback {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// An actor whose identity is the value of one request header (bytes, any length, any
+/// encoding; surrounding spaces and tabs are ignored, and an empty value counts as absent).
+#[derive(Debug, Clone)]
+pub struct HeaderActor {
+    header: String,
+    fallback: Fallback,
+    seed: u64,
+}
+
+impl HeaderActor {
+    /// `header` is lower-cased. The seed of the identity hash derives from the header name,
+    /// so two actors reading the same header agree and the identity is stable everywhere.
+    pub fn new(header: &str, fallback: Fallback) -> HeaderActor {
+        let header = header.trim().to_ascii_lowercase();
+        let seed = hash64(HEADER_SEED, header.as_bytes());
+        HeaderActor {
+            header,
+            fallback,
+            seed,
+        }
+    }
+
+    pub fn header(&self) -> &str {
+        &self.header
+    }
+
+    pub fn fallback(&self) -> Fallback {
+        self.fallback
+    }
+}
+
+impl ActorSource for HeaderActor {
+    fn identify(&self, request: &dyn RequestFacts) -> Identity {
+        if let Some(value) = request.header(&self.header) {
+            let value = value.trim_ascii();
+            if !value.is_empty() {
+                return Identity::Key(hash64(self.seed, value));
+            }
+        }
+        self.fallback.identify(request)
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Registry.
+
+/// A resolved actor: its source and a canonical description of where identities come
+/// from (part of a rule's id, so changing the source of an actor resets its counters).
+#[derive(Debug, Clone)]
+pub struct ActorDef {
+    pub source: Arc<dyn ActorSource>,
+    /// e.g. `all`, `ip`, `header=x-device-id;fallback=ip`.
+    pub spec: String,
+}
+
+/// A kind of identity source that an `actors:` entry can use, selected by its key
+/// (`tenant: {header: x-tenant-id}` uses the kind whose key is `header`). A new kind is a
+/// new implementation plus one entry in [`SOURCE_KINDS`].
+pub trait SourceKind: Sync + fmt::Debug {
+    /// The key that selects this kind in an `actors:` entry.
+    fn key(&self) -> &'static str;
+    /// Validates the value written for the key and returns its canonical form.
+    fn parse_value(&self, raw: &str) -> Result<String, String>;
+    /// Builds the actor from a value returned by [`SourceKind::parse_value`].
+    fn build(&self, value: &str, fallback: Fallback) -> ActorDef;
+}
+
+/// `{header: NAME}`: identity from a request header.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct HeaderKind;
+
+impl SourceKind for HeaderKind {
+    fn key(&self) -> &'static str {
+        "header"
+    }
+
+    fn parse_value(&self, raw: &str) -> Result<String, String> {
+        let name = raw.trim().to_ascii_lowercase();
+        let body = name.strip_prefix(':').unwrap_or(&name);
+        if body.is_empty() {
+            return Err("empty header name".to_string());
+        }
+        if name.len() > MAX_HEADER_NAME {
+            return Err(format!("header name longer than {MAX_HEADER_NAME} bytes"));
+        }
+        if let Some(bad) = body.bytes().find(|&byte| !is_token_byte(byte)) {
+            return Err(format!(
+                "invalid header name `{}`: character {:?} is not allowed in a header name",
+                raw.escape_debug(),
+                char::from(bad)
+            ));
+        }
+        Ok(name)
+    }
+
+    fn build(&self, value: &str, fallback: Fallback) -> ActorDef {
+        let actor = HeaderActor::new(value, fallback);
+        let spec = format!("header={};fallback={}", actor.header(), fallback);
+        ActorDef {
+            source: Arc::new(actor),
+            spec,
+        }
+    }
+}
+
+/// RFC 9110 `tchar`.
+fn is_token_byte(byte: u8) -> bool {
+    byte.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&byte)
+}
+
+/// Every kind of source an `actors:` entry may use.
+pub static SOURCE_KINDS: [&dyn SourceKind; 1] = [&HeaderKind];
+
+/// Finds a source kind by its key.
+pub fn source_kind(key: &str) -> Option<&'static dyn SourceKind> {
+    SOURCE_KINDS.iter().copied().find(|kind| kind.key() == key)
+}
+
+/// A built-in actor whose definition the document may replace (`account`, `device`).
+#[derive(Debug, Clone, Copy)]
+pub struct ConfigurableBuiltin {
+    pub name: &'static str,
+    pub kind: &'static dyn SourceKind,
+    pub value: &'static str,
+    pub fallback: Fallback,
+}
+
+/// `account` and `device`, as DESIGN §3 defines them.
+pub static CONFIGURABLE_BUILTINS: [ConfigurableBuiltin; 2] = [
+    ConfigurableBuiltin {
+        name: "account",
+        kind: &HeaderKind,
+        value: "x-account-id",
+        fallback: Fallback::Skip,
+    },
+    ConfigurableBuiltin {
+        name: "device",
+        kind: &HeaderKind,
+        value: "x-device-id",
+        fallback: Fallback::Ip,
+    },
+];
+
+/// Actor names that cannot be redefined: `all`, `ip`, and `actor` (the seed's spelling of
+/// `account`).
+pub const RESERVED_ACTORS: [&str; 3] = ["all", "ip", "actor"];
+
+/// Fallback of a user-defined actor that does not say.
+pub const DEFAULT_USER_FALLBACK: Fallback = Fallback::Skip;
+
+/// Built-in actors and the document's definitions, by name.
+#[derive(Debug, Clone)]
+pub struct ActorRegistry {
+    entries: Vec<(String, ActorDef)>,
+}
+
+impl Default for ActorRegistry {
+    fn default() -> Self {
+        ActorRegistry::builtin()
+    }
+}
+
+impl ActorRegistry {
+    /// `all`, `ip`, `account`, `device` (and `actor` as another name for `account`).
+    pub fn builtin() -> ActorRegistry {
+        let mut entries = vec![
+            (
+                "all".to_string(),
+                ActorDef {
+                    source: Arc::new(AllActor),
+                    spec: "all".to_string(),
+                },
+            ),
+            (
+                "ip".to_string(),
+                ActorDef {
+                    source: Arc::new(IpActor),
+                    spec: "ip".to_string(),
+                },
+            ),
+        ];
+        for builtin in &CONFIGURABLE_BUILTINS {
+            entries.push((
+                builtin.name.to_string(),
+                builtin.kind.build(builtin.value, builtin.fallback),
+            ));
+        }
+        ActorRegistry { entries }
+    }
+
+    /// The name an actor is known by: `actor` (the seed's word) is `account`.
+    pub fn canonical_name(name: &str) -> &str {
+        if name == "actor" {
+            "account"
+        } else {
+            name
+        }
+    }
+
+    /// Defines or redefines (`account`, `device`) an actor. Reserved names are refused.
+    pub fn define(&mut self, name: &str, def: ActorDef) -> Result<(), String> {
+        if RESERVED_ACTORS.contains(&name) {
+            return Err(format!(
+                "actor `{name}` is built in and cannot be redefined"
+            ));
+        }
+        match self.entries.iter_mut().find(|(known, _)| known == name) {
+            Some((_, existing)) => *existing = def,
+            None => self.entries.push((name.to_string(), def)),
+        }
+        Ok(())
+    }
+
+    /// The actor known by `name` (or its canonical name).
+    pub fn get(&self, name: &str) -> Option<&ActorDef> {
+        let name = ActorRegistry::canonical_name(name);
+        self.entries
+            .iter()
+            .find(|(known, _)| known == name)
+            .map(|(_, def)| def)
+    }
+
+    /// Every name, in definition order (built-ins first; `actor` not listed).
+    pub fn names(&self) -> impl Iterator<Item = &str> + '_ {
+        self.entries.iter().map(|(name, _)| name.as_str())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+    use super::*;
+    use std::collections::HashMap;
+
+    #[derive(Default)]
+    struct Facts {
+        headers: HashMap<String, Vec<u8>>,
+        ip: Option<Vec<u8>>,
+    }
+
+    impl Facts {
+        fn header(mut self, name: &str, value: &[u8]) -> Facts {
+            self.headers.insert(name.to_string(), value.to_vec());
+            self
+        }
+        fn ip(mut self, ip: &[u8]) -> Facts {
+            self.ip = Some(ip.to_vec());
+            self
+        }
+    }
+
+    impl RequestFacts for Facts {
+        fn header(&self, name: &str) -> Option<Vec<u8>> {
+            self.headers.get(name).cloned()
+        }
+        fn client_ip(&self) -> Option<Vec<u8>> {
+            self.ip.clone()
+        }
+    }
+
+    fn registry() -> ActorRegistry {
+        ActorRegistry::builtin()
+    }
+
+    fn identify(actor: &str, facts: &Facts) -> Identity {
+        registry()
+            .get(actor)
+            .expect("known actor")
+            .source
+            .identify(facts)
+    }
+
+    fn key(identity: Identity) -> u64 {
+        match identity {
+            Identity::Key(key) => key,
+            other => panic!("expected a key, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn all_is_one_counter() {
+        let all = registry().get("all").expect("all").clone();
+        assert!(all.source.is_single_counter());
+        assert_eq!(all.source.identify(&Facts::default()), Identity::Everyone);
+        assert_eq!(
+            all.source
+                .identify(&Facts::default().header("x-account-id", b"a").ip(b"1.2.3.4")),
+            Identity::Everyone
+        );
+        for name in ["ip", "account", "device", "actor"] {
+            assert!(
+                !registry()
+                    .get(name)
+                    .expect("known")
+                    .source
+                    .is_single_counter(),
+                "{name}"
+            );
+        }
+    }
+
+    #[test]
+    fn ip_actor() {
+        let a = key(identify("ip", &Facts::default().ip(b"10.0.0.1")));
+        let b = key(identify("ip", &Facts::default().ip(b"10.0.0.2")));
+        assert_ne!(a, b);
+        assert_eq!(a, key(identify("ip", &Facts::default().ip(b"10.0.0.1"))));
+        // No address (or an empty one): one shared counter, not a free pass.
+        assert_eq!(identify("ip", &Facts::default()), Identity::Everyone);
+        assert_eq!(
+            identify("ip", &Facts::default().ip(b"")),
+            Identity::Everyone
+        );
+    }
+
+    #[test]
+    fn header_actor_table() {
+        let big = vec![b'x'; 16 * 1024];
+        // Requests without the identity header: skip (account) or fall back (device).
+        let cases: Vec<(&str, Facts, Identity)> = vec![
+            ("account", Facts::default(), Identity::Skip),
+            (
+                "account",
+                Facts::default().header("x-account-id", b""),
+                Identity::Skip,
+            ),
+            (
+                "account",
+                Facts::default().header("x-account-id", b"  \t"),
+                Identity::Skip,
+            ),
+            ("account", Facts::default().ip(b"1.1.1.1"), Identity::Skip),
+            ("actor", Facts::default(), Identity::Skip),
+            ("device", Facts::default(), Identity::Everyone),
+            (
+                "device",
+                Facts::default().header("x-device-id", b""),
+                Identity::Everyone,
+            ),
+        ];
+        for (actor, facts, want) in &cases {
+            assert_eq!(identify(actor, facts), *want, "{actor}");
+        }
+
+        // Keys: equal values agree, different values differ, any bytes work.
+        let values: [&[u8]; 5] = [b"alice", b"bob", b"\xff\xfe\x80 caf\xc3\xa9", &big, b"\x00"];
+        let mut seen = Vec::new();
+        for value in values {
+            let k = key(identify(
+                "account",
+                &Facts::default().header("x-account-id", value),
+            ));
+            assert_eq!(
+                k,
+                key(identify(
+                    "account",
+                    &Facts::default().header("x-account-id", value)
+                ))
+            );
+            assert_eq!(
+                k,
+                key(identify(
+                    "actor",
+                    &Facts::default().header("x-account-id", value)
+                ))
+            );
+            assert!(!seen.contains(&k));
+            seen.push(k);
+        }
+        // Surrounding whitespace does not make a new identity.
+        assert_eq!(
+            key(identify(
+                "account",
+                &Facts::default().header("x-account-id", b" alice\t")
+            )),
+            key(identify(
+                "account",
+                &Facts::default().header("x-account-id", b"alice")
+            ))
+        );
+
+        // device falls back to the client address, in the same key space as `ip`.
+        let by_ip = key(identify("device", &Facts::default().ip(b"10.0.0.1")));
+        assert_eq!(
+            by_ip,
+            key(identify("ip", &Facts::default().ip(b"10.0.0.1")))
+        );
+        // ...but a device id equal to an address string is a different identity.
+        let by_header = key(identify(
+            "device",
+            &Facts::default()
+                .header("x-device-id", b"10.0.0.1")
+                .ip(b"9.9.9.9"),
+        ));
+        assert_ne!(by_ip, by_header);
+    }
+
+    #[test]
+    fn fallbacks() {
+        let facts = Facts::default().ip(b"10.0.0.7");
+        let skip = HeaderKind.build("x-t", Fallback::Skip);
+        let ip = HeaderKind.build("x-t", Fallback::Ip);
+        let shared = HeaderKind.build("x-t", Fallback::Shared);
+        assert_eq!(skip.source.identify(&facts), Identity::Skip);
+        assert_eq!(ip.source.identify(&facts), ip_identity(&facts));
+        assert!(matches!(ip.source.identify(&facts), Identity::Key(_)));
+        assert_eq!(ip.source.identify(&Facts::default()), Identity::Everyone);
+        assert_eq!(shared.source.identify(&facts), Identity::Everyone);
+        // The fallback does not change the identity of a request that has the header.
+        let with = Facts::default().header("x-t", b"v").ip(b"10.0.0.7");
+        assert_eq!(skip.source.identify(&with), shared.source.identify(&with));
+        assert_eq!(skip.spec, "header=x-t;fallback=skip");
+        for fallback in Fallback::ALL {
+            assert_eq!(
+                Fallback::parse(&fallback.name().to_ascii_uppercase()),
+                Some(fallback)
+            );
+        }
+        assert_eq!(Fallback::parse("nope"), None);
+    }
+
+    #[test]
+    fn header_names() {
+        assert_eq!(
+            HeaderKind.parse_value("X-Tenant-ID"),
+            Ok("x-tenant-id".to_string())
+        );
+        assert_eq!(
+            HeaderKind.parse_value(":authority"),
+            Ok(":authority".to_string())
+        );
+        assert!(HeaderKind.parse_value("").is_err());
+        assert!(HeaderKind.parse_value(":").is_err());
+        assert!(HeaderKind.parse_value("x tenant").is_err());
+        assert!(HeaderKind.parse_value("x:t").is_err());
+        assert!(HeaderKind
+            .parse_value(&"x".repeat(MAX_HEADER_NAME + 1))
+            .is_err());
+        // Upper-case names given to the actor are looked up lower-case.
+        let actor = HeaderActor::new("X-Tenant-Id", Fallback::Skip);
+        assert_eq!(actor.header(), "x-tenant-id");
+        let facts = Facts::default().header("x-tenant-id", b"t1");
+        assert!(matches!(actor.identify(&facts), Identity::Key(_)));
+    }
+
+    #[test]
+    fn registry_definitions() {
+        let mut registry = registry();
+        assert_eq!(
+            registry.names().collect::<Vec<_>>(),
+            ["all", "ip", "account", "device"]
+        );
+        for reserved in RESERVED_ACTORS {
+            assert!(registry
+                .define(reserved, HeaderKind.build("x", Fallback::Skip))
+                .is_err());
+        }
+        registry
+            .define("tenant", HeaderKind.build("x-tenant-id", Fallback::Skip))
+            .expect("define");
+        registry
+            .define("account", HeaderKind.build("x-user", Fallback::Shared))
+            .expect("redefine");
+        assert_eq!(
+            registry.names().collect::<Vec<_>>(),
+            ["all", "ip", "account", "device", "tenant"]
+        );
+        assert_eq!(
+            registry.get("account").expect("account").spec,
+            "header=x-user;fallback=shared"
+        );
+        // `actor` follows a redefined `account`.
+        assert_eq!(
+            registry.get("actor").expect("actor").spec,
+            "header=x-user;fallback=shared"
+        );
+        assert_eq!(
+            registry.get("device").expect("device").spec,
+            "header=x-device-id;fallback=ip"
+        );
+        assert!(registry.get("nobody").is_none());
+        let facts = Facts::default().header("x-tenant-id", b"acme");
+        assert!(matches!(
+            registry
+                .get("tenant")
+                .expect("tenant")
+                .source
+                .identify(&facts),
+            Identity::Key(_)
+        ));
+        assert!(source_kind("header").is_some());
+        assert!(source_kind("cookie").is_none());
     }
 }

@@ -1,1 +1,177 @@
-//! placeholder
+//! Which resource blocks apply to a request path.
+//!
+//! A block's `Url` is a path prefix matched on segment boundaries: `/sample` matches
+//! `/sample` and `/sample/x`, not `/samples`; `/` matches every path. Both sides are
+//! normalised ([`crate::path::normalize`]): the policy's urls when the document is parsed,
+//! the request path by the caller. Every matching block applies, least specific first
+//! (the order of [`Policy::resources`]), and the walk allocates nothing.
+
+use crate::config::{Policy, Resource, Rule};
+use std::iter::Enumerate;
+use std::slice;
+
+/// True when the normalised `prefix` covers the normalised `path` on a segment boundary.
+pub fn prefix_matches(prefix: &[u8], path: &[u8]) -> bool {
+    if prefix == b"/" {
+        return true;
+    }
+    match path.strip_prefix(prefix) {
+        Some(rest) => rest.is_empty() || rest.first() == Some(&b'/'),
+        None => false,
+    }
+}
+
+/// The resource blocks of `policy` that apply to the normalised `path`, least specific
+/// first, each with its index in [`Policy::resources`].
+pub fn matching<'p, 'q>(policy: &'p Policy, path: &'q [u8]) -> Matches<'p, 'q> {
+    matching_in(&policy.resources, path)
+}
+
+/// [`matching`] over a slice of resources (already in evaluation order).
+pub fn matching_in<'p, 'q>(resources: &'p [Resource], path: &'q [u8]) -> Matches<'p, 'q> {
+    Matches {
+        resources: resources.iter().enumerate(),
+        path,
+    }
+}
+
+/// The rules that apply to the normalised `path`, in evaluation order: blocks least
+/// specific first, rules in document order within a block.
+pub fn matching_rules<'p, 'q>(
+    policy: &'p Policy,
+    path: &'q [u8],
+) -> impl Iterator<Item = (&'p Resource, &'p Rule)> + use<'p, 'q> {
+    matching(policy, path)
+        .flat_map(|(_, resource)| resource.rules.iter().map(move |rule| (resource, rule)))
+}
+
+/// Iterator returned by [`matching`]: `(index in Policy::resources, resource)`.
+#[derive(Debug, Clone)]
+pub struct Matches<'p, 'q> {
+    resources: Enumerate<slice::Iter<'p, Resource>>,
+    path: &'q [u8],
+}
+
+impl<'p> Iterator for Matches<'p, '_> {
+    type Item = (usize, &'p Resource);
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let path = self.path;
+        self.resources
+            .find(|(_, resource)| prefix_matches(resource.url.as_bytes(), path))
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        (0, self.resources.size_hint().1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::panic,
+        clippy::indexing_slicing
+    )]
+    use super::*;
+    use crate::config::{GlobalSpec, ResponseSpec};
+    use crate::path::normalize;
+
+    #[test]
+    fn prefix_table() {
+        let table: &[(&str, &str, bool)] = &[
+            ("/", "/", true),
+            ("/", "/anything/at/all", true),
+            ("/sample", "/sample", true),
+            ("/sample", "/sample/x", true),
+            ("/sample", "/sample/x/y", true),
+            ("/sample", "/samples", false),
+            ("/sample", "/sample-x", false),
+            ("/sample", "/sampl", false),
+            ("/sample", "/", false),
+            ("/sample", "/other/sample", false),
+            ("/sample/x", "/sample", false),
+            ("/sample/x", "/sample/x", true),
+            ("/sample/x", "/sample/xy", false),
+            ("/sample/x", "/sample/x/1", true),
+            ("/a%2Fb", "/a%2Fb/c", true),
+            ("/a%2Fb", "/a/b", false),
+        ];
+        for (prefix, path, want) in table {
+            assert_eq!(
+                prefix_matches(prefix.as_bytes(), path.as_bytes()),
+                *want,
+                "{prefix} vs {path}"
+            );
+        }
+    }
+
+    fn policy(urls: &[&str]) -> Policy {
+        Policy {
+            resources: urls
+                .iter()
+                .map(|url| Resource {
+                    url: url.to_string(),
+                    rules: Vec::new(),
+                })
+                .collect(),
+            response: ResponseSpec::default(),
+            global: GlobalSpec::default(),
+            remote: None,
+            dry_run: false,
+        }
+    }
+
+    fn urls(policy: &Policy, raw: &[u8]) -> Vec<(usize, String)> {
+        let path = normalize(raw);
+        matching(policy, &path)
+            .map(|(index, resource)| (index, resource.url.clone()))
+            .collect()
+    }
+
+    #[test]
+    fn matching_table() {
+        // Least specific first, as the parser orders them.
+        let policy = policy(&["/", "/sample", "/other", "/sample/x"]);
+        type Case<'a> = (&'a [u8], &'a [(usize, &'a str)]);
+        let table: &[Case] = &[
+            (b"/", &[(0, "/")]),
+            (b"/sample", &[(0, "/"), (1, "/sample")]),
+            (b"//sample", &[(0, "/"), (1, "/sample")]),
+            (b"/%73ample?x=1", &[(0, "/"), (1, "/sample")]),
+            (b"/x/../sample/./", &[(0, "/"), (1, "/sample")]),
+            (b"/samples", &[(0, "/")]),
+            (
+                b"/sample/x/1",
+                &[(0, "/"), (1, "/sample"), (3, "/sample/x")],
+            ),
+            (b"/sample/x/..", &[(0, "/"), (1, "/sample")]),
+            (b"/other", &[(0, "/"), (2, "/other")]),
+            (b"/sample%2Fx", &[(0, "/")]),
+            (b"\xff\xfe", &[(0, "/")]),
+        ];
+        for (raw, want) in table {
+            let want: Vec<(usize, String)> =
+                want.iter().map(|(i, url)| (*i, url.to_string())).collect();
+            assert_eq!(
+                urls(&policy, raw),
+                want,
+                "{:?}",
+                String::from_utf8_lossy(raw)
+            );
+        }
+    }
+
+    #[test]
+    fn no_root_block() {
+        let policy = policy(&["/sample"]);
+        assert!(urls(&policy, b"/").is_empty());
+        assert!(urls(&policy, b"/samples").is_empty());
+        assert_eq!(
+            urls(&policy, b"/sample/1"),
+            vec![(0, "/sample".to_string())]
+        );
+        assert_eq!(matching_rules(&policy, b"/sample").count(), 0);
+    }
+}

@@ -155,6 +155,18 @@ impl CountingMetrics {
     }
 }
 
+impl MetricSink for CountingMetrics {
+    fn rule_event(&mut self, rule: usize, event: RuleEvent) {
+        *self.rules.entry((rule, event.suffix())).or_default() += 1;
+    }
+    fn event(&mut self, event: Event) {
+        *self.events.entry(event.name()).or_default() += 1;
+    }
+    fn degraded(&mut self, on: bool) {
+        self.degraded = on;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::stat_name;
@@ -170,17 +182,5 @@ mod tests {
         ] {
             assert_eq!(stat_name(name), expected);
         }
-    }
-}
-
-impl MetricSink for CountingMetrics {
-    fn rule_event(&mut self, rule: usize, event: RuleEvent) {
-        *self.rules.entry((rule, event.suffix())).or_default() += 1;
-    }
-    fn event(&mut self, event: Event) {
-        *self.events.entry(event.name()).or_default() += 1;
-    }
-    fn degraded(&mut self, on: bool) {
-        self.degraded = on;
     }
 }

@@ -4,6 +4,9 @@
 
 mod model;
 mod parse;
+mod raw;
+#[cfg(test)]
+mod tests;
 
 pub use model::*;
 pub use parse::parse_policy;

@@ -21,7 +21,7 @@ impl Facts {
         self.headers.insert(name.to_string(), value.to_vec());
         self
     }
-    fn from_ip(mut self, ip: &str) -> Facts {
+    fn with_ip(mut self, ip: &str) -> Facts {
         self.ip = Some(ip.as_bytes().to_vec());
         self
     }
@@ -171,13 +171,13 @@ fn least_specific_first_and_the_first_denial_charges_nothing_after_it() {
 fn actors_have_separate_counters_and_fallbacks() {
     let doc = "resources:\n  - Url: /\n    rules:\n      - {actor: device, rpu: 1, unit: minute}\n";
     let mut h = Harness::new(doc);
-    let a = Facts::default().with("x-device-id", b"a").from_ip("10.0.0.1");
-    let b = Facts::default().with("x-device-id", b"b").from_ip("10.0.0.1");
+    let a = Facts::default().with("x-device-id", b"a").with_ip("10.0.0.1");
+    let b = Facts::default().with("x-device-id", b"b").with_ip("10.0.0.1");
     assert_eq!(h.admitted("/", &a, 3), 1);
     assert_eq!(h.admitted("/", &b, 3), 1);
     // No device id: falls back to the client IP; two IPs, two counters.
-    assert_eq!(h.admitted("/", &Facts::default().from_ip("10.0.0.2"), 3), 1);
-    assert_eq!(h.admitted("/", &Facts::default().from_ip("10.0.0.3"), 3), 1);
+    assert_eq!(h.admitted("/", &Facts::default().with_ip("10.0.0.2"), 3), 1);
+    assert_eq!(h.admitted("/", &Facts::default().with_ip("10.0.0.3"), 3), 1);
 
     let doc = "resources:\n  - Url: /\n    rules:\n      - {actor: account, rpu: 1, unit: minute}\n";
     let mut h = Harness::new(doc);

@@ -1,0 +1,686 @@
+//! The document as written: serde types with `deny_unknown_fields`, whose field types
+//! validate their value *inside* the deserializer's visitor, so that every error —
+//! syntax, type, range, unknown name, duplicate — carries the field path and the
+//! line/column where it occurs. Nothing here resolves defaults; see `parse::build`.
+//!
+//! Checks that need to know more than one value (is this actor defined in `actors:`? was
+//! this `Url` already used?) read a per-thread [`Context`] that `parse_policy` fills in
+//! before the typed pass and clears afterwards.
+
+use crate::actor::{
+    source_kind, ActorDef, Fallback, SourceKind, CONFIGURABLE_BUILTINS, DEFAULT_USER_FALLBACK,
+    RESERVED_ACTORS, SOURCE_KINDS,
+};
+use crate::algo::{self, Algorithm};
+use crate::config::{HeaderMode, Scope};
+use crate::path;
+use crate::time::Unit;
+use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, Unexpected, Visitor};
+use serde::Deserialize;
+use std::cell::Cell;
+use std::fmt;
+use std::num::NonZeroU32;
+
+// ---------------------------------------------------------------------------------------
+// Per-parse context.
+
+/// What the typed pass needs to know beyond the value at hand.
+#[derive(Debug, Default)]
+pub(super) struct Context {
+    /// Every actor name a rule may use: built-ins and the document's `actors:` keys.
+    pub actor_names: Vec<String>,
+    /// Normalised urls of the blocks seen so far (duplicate detection).
+    pub urls: Vec<String>,
+    /// Names defined under `actors:` so far (duplicate detection).
+    pub defined_actors: Vec<String>,
+    /// Explicit rule names seen so far.
+    pub rule_names: Vec<String>,
+    /// Sections (`actors`, `response`, …) already given by a document.
+    pub sections: Vec<u8>,
+}
+
+thread_local! {
+    static CONTEXT: Cell<Context> = Cell::new(Context::default());
+}
+
+/// Runs `f` on this thread's parse context (never panics; re-entrant calls see a fresh one).
+pub(super) fn with_context<R>(f: impl FnOnce(&mut Context) -> R) -> R {
+    let mut context = CONTEXT.try_with(Cell::take).unwrap_or_default();
+    let result = f(&mut context);
+    let _ = CONTEXT.try_with(|cell| cell.set(context));
+    result
+}
+
+/// Installs a fresh context for one parse and clears it when dropped.
+pub(super) struct ContextGuard;
+
+impl ContextGuard {
+    pub fn new(actor_names: Vec<String>) -> ContextGuard {
+        with_context(|context| {
+            *context = Context {
+                actor_names,
+                ..Context::default()
+            };
+        });
+        ContextGuard
+    }
+}
+
+impl Drop for ContextGuard {
+    fn drop(&mut self) {
+        with_context(|context| *context = Context::default());
+    }
+}
+
+/// The actor names every document knows.
+pub(super) fn builtin_actor_names() -> Vec<String> {
+    let mut names: Vec<String> = RESERVED_ACTORS
+        .iter()
+        .map(|name| name.to_string())
+        .collect();
+    names.extend(
+        CONFIGURABLE_BUILTINS
+            .iter()
+            .map(|builtin| builtin.name.to_string()),
+    );
+    names
+}
+
+// ---------------------------------------------------------------------------------------
+// Document structure.
+
+/// One `Url` block.
+#[derive(Deserialize)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a resource block with `Url` and `rules`"
+)]
+pub(super) struct RawBlock {
+    #[serde(rename = "Url", alias = "url")]
+    pub url: UrlField,
+    pub rules: Vec<RawRule>,
+}
+
+/// One rule as written; `None` means "use the default".
+#[derive(Deserialize)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a rule (a mapping with at least `rpu`)"
+)]
+pub(super) struct RawRule {
+    pub rpu: NonZeroU32,
+    pub unit: Option<UnitField>,
+    pub algo: Option<AlgoField>,
+    pub scope: Option<ScopeField>,
+    pub actor: Option<ActorRef>,
+    pub burst: Option<NonZeroU32>,
+    pub slices: Option<Ranged<1, 60>>,
+    pub slots: Option<Ranged<1, 1_048_576>>,
+    pub lease: Option<NonZeroU32>,
+    pub name: Option<RuleName>,
+    pub dry_run: Option<bool>,
+}
+
+/// The full form. Every section is optional; a section may be given by one document only.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a Diana document")]
+pub(super) struct RawFull {
+    #[serde(default)]
+    pub resources: Vec<RawBlock>,
+    pub actors: Option<Section<RawActors, SECTION_ACTORS>>,
+    pub response: Option<Section<RawResponse, SECTION_RESPONSE>>,
+    pub global: Option<Section<RawGlobal, SECTION_GLOBAL>>,
+    pub remote: Option<Section<RawRemote, SECTION_REMOTE>>,
+    pub dry_run: Option<Section<bool, SECTION_DRY_RUN>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, expecting = "the `response` section")]
+pub(super) struct RawResponse {
+    pub status: Option<Ranged<100, 599>>,
+    pub body: Option<String>,
+    pub headers: Option<HeaderModeField>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, expecting = "the `global` section")]
+pub(super) struct RawGlobal {
+    pub cluster: Option<NonEmpty>,
+    pub authority: Option<NonEmpty>,
+    pub path: Option<PathField>,
+    pub timeout_ms: Option<NonZeroU32>,
+    pub lease: Option<NonZeroU32>,
+    pub retry_seconds: Option<u32>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, expecting = "the `remote` section")]
+pub(super) struct RawRemote {
+    pub cluster: NonEmpty,
+    pub authority: Option<NonEmpty>,
+    pub path: PathField,
+    pub poll_seconds: Option<NonZeroU32>,
+}
+
+// ---------------------------------------------------------------------------------------
+// Sections given once across documents.
+
+pub(super) const SECTION_ACTORS: u8 = 0;
+pub(super) const SECTION_RESPONSE: u8 = 1;
+pub(super) const SECTION_GLOBAL: u8 = 2;
+pub(super) const SECTION_REMOTE: u8 = 3;
+pub(super) const SECTION_DRY_RUN: u8 = 4;
+
+fn section_name(id: u8) -> &'static str {
+    match id {
+        SECTION_ACTORS => "actors",
+        SECTION_RESPONSE => "response",
+        SECTION_GLOBAL => "global",
+        SECTION_REMOTE => "remote",
+        _ => "dry_run",
+    }
+}
+
+/// A top-level section; refuses a second occurrence in a later `---` document.
+pub(super) struct Section<T, const ID: u8>(pub T);
+
+impl<'de, T: Deserialize<'de>, const ID: u8> Deserialize<'de> for Section<T, ID> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let value = T::deserialize(deserializer)?;
+        let repeated = with_context(|context| {
+            if context.sections.contains(&ID) {
+                true
+            } else {
+                context.sections.push(ID);
+                false
+            }
+        });
+        if repeated {
+            return Err(de::Error::custom(format_args!(
+                "section `{}` is already given by an earlier document",
+                section_name(ID)
+            )));
+        }
+        Ok(Section(value))
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Validating scalar fields.
+
+/// A visitor for string values validated by `parse`, whose error becomes the message.
+struct StrVisitor<T> {
+    expecting: &'static str,
+    parse: fn(&str) -> Result<T, String>,
+}
+
+impl<T> Visitor<'_> for StrVisitor<T> {
+    type Value = T;
+
+    fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        formatter.write_str(self.expecting)
+    }
+
+    fn visit_str<E: de::Error>(self, value: &str) -> Result<T, E> {
+        (self.parse)(value).map_err(E::custom)
+    }
+}
+
+fn deserialize_str_with<'de, D: Deserializer<'de>, T>(
+    deserializer: D,
+    expecting: &'static str,
+    parse: fn(&str) -> Result<T, String>,
+) -> Result<T, D::Error> {
+    deserializer.deserialize_str(StrVisitor { expecting, parse })
+}
+
+fn one_of<'a>(names: impl IntoIterator<Item = &'a str>) -> String {
+    names.into_iter().collect::<Vec<_>>().join(", ")
+}
+
+/// A resource `Url`: starts with `/`, no query or fragment, normalised, not seen before.
+pub(super) struct UrlField(pub String);
+
+impl<'de> Deserialize<'de> for UrlField {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserialize_str_with(deserializer, "a path starting with `/`", |raw| {
+            if !raw.starts_with('/') {
+                return Err(format!(
+                    "invalid Url `{raw}`: a Url is a path and must start with `/`"
+                ));
+            }
+            if raw.contains(['?', '#']) {
+                return Err(format!(
+                    "invalid Url `{raw}`: a Url is a path, without `?query` or `#fragment`"
+                ));
+            }
+            let url = path::normalize_str(raw);
+            with_context(|context| {
+                if context.urls.contains(&url) {
+                    let same = if url == raw {
+                        String::new()
+                    } else {
+                        format!(" (`{url}` after normalisation)")
+                    };
+                    return Err(format!(
+                        "duplicate resource `{raw}`{same}: an earlier block has the same Url"
+                    ));
+                }
+                context.urls.push(url.clone());
+                Ok(UrlField(url))
+            })
+        })
+    }
+}
+
+/// `unit`: second | minute | hour | day.
+pub(super) struct UnitField(pub Unit);
+
+impl<'de> Deserialize<'de> for UnitField {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserialize_str_with(deserializer, "a unit", |raw| {
+            Unit::parse(raw).map(UnitField).ok_or_else(|| {
+                format!(
+                    "unknown unit `{raw}`, expected one of {}",
+                    one_of(Unit::ALL.iter().map(|unit| unit.name()))
+                )
+            })
+        })
+    }
+}
+
+/// `algo`: any spelling in the algorithm registry, case-insensitive.
+pub(super) struct AlgoField(pub &'static dyn Algorithm);
+
+impl<'de> Deserialize<'de> for AlgoField {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserialize_str_with(deserializer, "an algorithm name", |raw| {
+            algo::lookup(raw).map(AlgoField).ok_or_else(|| {
+                format!(
+                    "unknown algorithm `{raw}`, expected one of {}",
+                    one_of(algorithm_names())
+                )
+            })
+        })
+    }
+}
+
+/// Every spelling of the algorithm registry, without case-insensitive repeats.
+fn algorithm_names() -> Vec<&'static str> {
+    let mut names: Vec<&'static str> = Vec::new();
+    for name in algo::known_names() {
+        if !names.iter().any(|known| known.eq_ignore_ascii_case(name)) {
+            names.push(name);
+        }
+    }
+    names
+}
+
+/// `scope`: local | global.
+pub(super) struct ScopeField(pub Scope);
+
+impl<'de> Deserialize<'de> for ScopeField {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserialize_str_with(deserializer, "`local` or `global`", |raw| {
+            [Scope::Local, Scope::Global]
+                .into_iter()
+                .find(|scope| scope.name().eq_ignore_ascii_case(raw.trim()))
+                .map(ScopeField)
+                .ok_or_else(|| format!("unknown scope `{raw}`, expected local or global"))
+        })
+    }
+}
+
+/// `actor`: a built-in name or one defined in `actors:`.
+pub(super) struct ActorRef(pub String);
+
+impl<'de> Deserialize<'de> for ActorRef {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserialize_str_with(deserializer, "an actor name", |raw| {
+            with_context(|context| {
+                if context.actor_names.iter().any(|name| name == raw) {
+                    Ok(ActorRef(raw.to_string()))
+                } else {
+                    let known = context
+                        .actor_names
+                        .iter()
+                        .map(String::as_str)
+                        .filter(|name| *name != "actor");
+                    Err(format!("unknown actor `{raw}`, expected one of {} (or a name defined under `actors`)", one_of(known)))
+                }
+            })
+        })
+    }
+}
+
+/// Longest rule name.
+const MAX_RULE_NAME: usize = 128;
+
+/// `name`: printable ASCII, unique among the document's explicit names.
+pub(super) struct RuleName(pub String);
+
+impl<'de> Deserialize<'de> for RuleName {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserialize_str_with(deserializer, "a rule name", |raw| {
+            if raw.trim().is_empty() {
+                return Err("empty rule name".to_string());
+            }
+            if raw.len() > MAX_RULE_NAME {
+                return Err(format!("rule name longer than {MAX_RULE_NAME} characters"));
+            }
+            if !raw.bytes().all(|byte| (0x20..0x7f).contains(&byte)) {
+                return Err(format!(
+                    "invalid rule name `{}`: only printable ASCII is allowed (it is used in headers and metrics)",
+                    raw.escape_debug()
+                ));
+            }
+            with_context(|context| {
+                if context.rule_names.iter().any(|name| name == raw) {
+                    return Err(format!("duplicate rule name `{raw}`"));
+                }
+                context.rule_names.push(raw.to_string());
+                Ok(RuleName(raw.to_string()))
+            })
+        })
+    }
+}
+
+/// `response.headers`: none | limited | all.
+pub(super) struct HeaderModeField(pub HeaderMode);
+
+impl<'de> Deserialize<'de> for HeaderModeField {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserialize_str_with(deserializer, "none, limited or all", |raw| {
+            match raw.trim().to_ascii_lowercase().as_str() {
+                "none" => Ok(HeaderMode::None),
+                "limited" => Ok(HeaderMode::Limited),
+                "all" => Ok(HeaderMode::All),
+                _ => Err(format!(
+                    "unknown headers mode `{raw}`, expected one of none, limited, all"
+                )),
+            }
+            .map(HeaderModeField)
+        })
+    }
+}
+
+/// `fallback`: skip | ip | shared.
+pub(super) struct FallbackField(pub Fallback);
+
+impl<'de> Deserialize<'de> for FallbackField {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserialize_str_with(deserializer, "skip, ip or shared", |raw| {
+            Fallback::parse(raw).map(FallbackField).ok_or_else(|| {
+                format!(
+                    "unknown fallback `{raw}`, expected one of {}",
+                    one_of(Fallback::ALL.iter().map(|f| f.name()))
+                )
+            })
+        })
+    }
+}
+
+/// A non-empty string (cluster, authority).
+pub(super) struct NonEmpty(pub String);
+
+impl<'de> Deserialize<'de> for NonEmpty {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserialize_str_with(deserializer, "a non-empty string", |raw| {
+            if raw.trim().is_empty() {
+                Err("empty value, expected a non-empty string".to_string())
+            } else {
+                Ok(NonEmpty(raw.to_string()))
+            }
+        })
+    }
+}
+
+/// An HTTP request path for a callout (`global.path`, `remote.path`): starts with `/`.
+pub(super) struct PathField(pub String);
+
+impl<'de> Deserialize<'de> for PathField {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserialize_str_with(deserializer, "a path starting with `/`", |raw| {
+            if !raw.starts_with('/') {
+                Err(format!("invalid path `{raw}`: must start with `/`"))
+            } else if raw.bytes().any(|byte| byte <= b' ' || byte == 0x7f) {
+                Err(format!(
+                    "invalid path `{}`: spaces and control characters are not allowed",
+                    raw.escape_debug()
+                ))
+            } else {
+                Ok(PathField(raw.to_string()))
+            }
+        })
+    }
+}
+
+/// An integer in `MIN..=MAX`.
+pub(super) struct Ranged<const MIN: u64, const MAX: u64>(pub u64);
+
+struct RangedVisitor<const MIN: u64, const MAX: u64>;
+
+impl<const MIN: u64, const MAX: u64> Visitor<'_> for RangedVisitor<MIN, MAX> {
+    type Value = Ranged<MIN, MAX>;
+
+    fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(formatter, "an integer between {MIN} and {MAX}")
+    }
+
+    fn visit_u64<E: de::Error>(self, value: u64) -> Result<Self::Value, E> {
+        if (MIN..=MAX).contains(&value) {
+            Ok(Ranged(value))
+        } else {
+            Err(E::invalid_value(Unexpected::Unsigned(value), &self))
+        }
+    }
+
+    fn visit_i64<E: de::Error>(self, value: i64) -> Result<Self::Value, E> {
+        match u64::try_from(value) {
+            Ok(value) => self.visit_u64(value),
+            Err(_) => Err(E::invalid_value(Unexpected::Signed(value), &self)),
+        }
+    }
+}
+
+impl<'de, const MIN: u64, const MAX: u64> Deserialize<'de> for Ranged<MIN, MAX> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_u64(RangedVisitor::<MIN, MAX>)
+    }
+}
+
+impl<const MIN: u64, const MAX: u64> Ranged<MIN, MAX> {
+    /// The value as `u32`, saturating (ranges used here fit).
+    pub fn get_u32(&self) -> u32 {
+        u32::try_from(self.0).unwrap_or(u32::MAX)
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// `actors:` section.
+
+/// `actors:` — name → definition, in document order.
+pub(super) struct RawActors(pub Vec<(String, ActorDef)>);
+
+impl<'de> Deserialize<'de> for RawActors {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_map(ActorsVisitor)
+    }
+}
+
+struct ActorsVisitor;
+
+impl<'de> Visitor<'de> for ActorsVisitor {
+    type Value = RawActors;
+
+    fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        formatter
+            .write_str("a mapping of actor names to `{header: NAME, fallback: skip|ip|shared}`")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawActors, A::Error> {
+        let mut actors: Vec<(String, ActorDef)> = Vec::new();
+        while let Some(ActorDefName(name)) = map.next_key()? {
+            let def = map.next_value_seed(ActorSpecSeed { name: &name })?;
+            actors.push((name, def));
+        }
+        Ok(RawActors(actors))
+    }
+}
+
+/// The name of an actor being defined: a word, not a reserved name.
+struct ActorDefName(String);
+
+impl<'de> Deserialize<'de> for ActorDefName {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserialize_str_with(deserializer, "an actor name", |raw| {
+            if RESERVED_ACTORS.contains(&raw) {
+                return Err(format!("actor `{raw}` is built in and cannot be redefined"));
+            }
+            let valid = !raw.is_empty()
+                && raw.len() <= 64
+                && raw
+                    .bytes()
+                    .all(|byte| byte.is_ascii_alphanumeric() || matches!(byte, b'_' | b'-' | b'.'));
+            if !valid {
+                return Err(format!(
+                    "invalid actor name `{}`: use 1 to 64 letters, digits, `_`, `-` or `.`",
+                    raw.escape_debug()
+                ));
+            }
+            with_context(|context| {
+                if context.defined_actors.iter().any(|known| known == raw) {
+                    return Err(format!("actor `{raw}` is defined twice"));
+                }
+                context.defined_actors.push(raw.to_string());
+                Ok(ActorDefName(raw.to_string()))
+            })
+        })
+    }
+}
+
+/// One actor definition; knows its name to apply the built-in defaults of `account`/`device`.
+struct ActorSpecSeed<'n> {
+    name: &'n str,
+}
+
+impl<'de> DeserializeSeed<'de> for ActorSpecSeed<'_> {
+    type Value = ActorDef;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<ActorDef, D::Error> {
+        deserializer.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for ActorSpecSeed<'_> {
+    type Value = ActorDef;
+
+    fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            formatter,
+            "a mapping with one source ({}) and an optional `fallback`",
+            source_keys()
+        )
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<ActorDef, A::Error> {
+        let mut source: Option<(&'static dyn SourceKind, String)> = None;
+        let mut fallback: Option<Fallback> = None;
+        while let Some(key) = map.next_key::<SpecKey>()? {
+            match key {
+                SpecKey::Fallback => {
+                    if fallback.is_some() {
+                        return Err(de::Error::duplicate_field("fallback"));
+                    }
+                    fallback = Some(map.next_value::<FallbackField>()?.0);
+                }
+                SpecKey::Source(kind) => {
+                    if let Some((previous, _)) = source {
+                        return Err(de::Error::custom(format_args!(
+                            "actor `{}` has two sources (`{}` and `{}`), expected one",
+                            self.name,
+                            previous.key(),
+                            kind.key()
+                        )));
+                    }
+                    let value = map.next_value_seed(SourceValueSeed { kind })?;
+                    source = Some((kind, value));
+                }
+            }
+        }
+        let builtin = CONFIGURABLE_BUILTINS
+            .iter()
+            .find(|builtin| builtin.name == self.name);
+        let (kind, value) = match (source, builtin) {
+            (Some(source), _) => source,
+            (None, Some(builtin)) => (builtin.kind, builtin.value.to_string()),
+            (None, None) => {
+                return Err(de::Error::custom(format_args!(
+                    "actor `{}` needs a source, one of {}",
+                    self.name,
+                    source_keys()
+                )))
+            }
+        };
+        let fallback = fallback
+            .or(builtin.map(|builtin| builtin.fallback))
+            .unwrap_or(DEFAULT_USER_FALLBACK);
+        Ok(kind.build(&value, fallback))
+    }
+}
+
+fn source_keys() -> String {
+    SOURCE_KINDS
+        .iter()
+        .map(|kind| format!("`{}`", kind.key()))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// A key inside an actor definition: `fallback` or the key of a source kind.
+enum SpecKey {
+    Fallback,
+    Source(&'static dyn SourceKind),
+}
+
+impl<'de> Deserialize<'de> for SpecKey {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserialize_str_with(deserializer, "an actor field", |raw| {
+            if raw == "fallback" {
+                Ok(SpecKey::Fallback)
+            } else {
+                source_kind(raw).map(SpecKey::Source).ok_or_else(|| {
+                    format!(
+                        "unknown field `{raw}`, expected {} or `fallback`",
+                        source_keys()
+                    )
+                })
+            }
+        })
+    }
+}
+
+/// The value of a source key, validated by its kind.
+struct SourceValueSeed {
+    kind: &'static dyn SourceKind,
+}
+
+impl<'de> DeserializeSeed<'de> for SourceValueSeed {
+    type Value = String;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<String, D::Error> {
+        deserializer.deserialize_str(self)
+    }
+}
+
+impl Visitor<'_> for SourceValueSeed {
+    type Value = String;
+
+    fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(formatter, "a string for `{}`", self.kind.key())
+    }
+
+    fn visit_str<E: de::Error>(self, value: &str) -> Result<String, E> {
+        self.kind.parse_value(value).map_err(E::custom)
+    }
+}

@@ -1,0 +1,741 @@
+//! Table-driven tests of the configuration: every form, defaults, ids, and every error
+//! class with its field path and position.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+use super::*;
+use crate::actor::{Identity, RequestFacts};
+use crate::algo;
+use crate::time::Unit;
+use std::num::NonZeroU32;
+
+const SEED: &str = "\
+Url: /
+rules:
+  - actor: device
+    unit: second
+    rpu: 10
+    algo: TB
+    scope: global
+  - actor: all
+    unit: second
+    rpu: 50
+    algo: W
+    scope: local
+";
+
+fn parse(text: &str) -> Policy {
+    match parse_policy(text) {
+        Ok(policy) => policy,
+        Err(err) => panic!("document should parse: {err}\n---\n{text}"),
+    }
+}
+
+fn error(text: &str) -> String {
+    match parse_policy(text) {
+        Ok(policy) => panic!("document should be rejected: {policy:?}\n---\n{text}"),
+        Err(err) => err.message,
+    }
+}
+
+fn nz(value: u32) -> NonZeroU32 {
+    NonZeroU32::new(value).expect("nonzero")
+}
+
+fn code(name: &str) -> &'static str {
+    algo::lookup(name).expect("known algorithm").code()
+}
+
+fn urls(policy: &Policy) -> Vec<&str> {
+    policy
+        .resources
+        .iter()
+        .map(|resource| resource.url.as_str())
+        .collect()
+}
+
+fn rules(policy: &Policy) -> Vec<&Rule> {
+    policy
+        .resources
+        .iter()
+        .flat_map(|resource| resource.rules.iter())
+        .collect()
+}
+
+fn ids(policy: &Policy) -> Vec<u64> {
+    rules(policy).iter().map(|rule| rule.id).collect()
+}
+
+#[derive(Default)]
+struct Facts {
+    headers: Vec<(&'static str, Vec<u8>)>,
+    ip: Option<Vec<u8>>,
+}
+
+impl RequestFacts for Facts {
+    fn header(&self, name: &str) -> Option<Vec<u8>> {
+        self.headers
+            .iter()
+            .find(|(known, _)| *known == name)
+            .map(|(_, value)| value.clone())
+    }
+    fn client_ip(&self) -> Option<Vec<u8>> {
+        self.ip.clone()
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Forms.
+
+#[test]
+fn seed_document_verbatim() {
+    let policy = parse(SEED);
+    assert_eq!(urls(&policy), ["/"]);
+    let rules = rules(&policy);
+    assert_eq!(rules.len(), 2);
+
+    let device = rules[0];
+    assert_eq!(device.name, "/#0");
+    assert_eq!(device.actor_name, "device");
+    assert_eq!(device.algo.code(), code("TB"));
+    assert_eq!(device.limit.rpu, nz(10));
+    assert_eq!(device.limit.unit, Unit::Second);
+    assert_eq!(
+        device.limit.burst,
+        algo::lookup("TB")
+            .expect("TB")
+            .default_burst(nz(10), Unit::Second)
+    );
+    assert_eq!(device.limit.slices, nz(10));
+    assert_eq!(device.scope, Scope::Global);
+    assert_eq!(device.slots, nz(65_536));
+    assert_eq!(device.lease, nz(1));
+    assert!(!device.dry_run);
+    assert!(!device.actor.is_single_counter());
+
+    let all = rules[1];
+    assert_eq!(all.name, "/#1");
+    assert_eq!(all.actor_name, "all");
+    assert_eq!(all.algo.code(), code("W"));
+    assert_eq!(all.limit.rpu, nz(50));
+    assert_eq!(all.scope, Scope::Local);
+    assert_eq!(all.slots, nz(1), "`all` has one counter");
+    assert!(all.actor.is_single_counter());
+    assert_ne!(device.id, all.id);
+
+    // Sections absent: the documented defaults.
+    assert_eq!(policy.response, ResponseSpec::default());
+    assert_eq!(policy.global, GlobalSpec::default());
+    assert_eq!(policy.global.cluster, "diana_quota");
+    assert!(policy.remote.is_none());
+    assert!(!policy.dry_run);
+}
+
+#[test]
+fn every_form_gives_the_same_policy() {
+    let block_a = "Url: /\nrules:\n  - rpu: 10\n    actor: device\n";
+    let block_b = "Url: /sample\nrules:\n  - rpu: 5\n    algo: SW\n";
+    let forms = [
+        // A sequence of blocks.
+        "- Url: /\n  rules:\n    - rpu: 10\n      actor: device\n\
+         - Url: /sample\n  rules:\n    - rpu: 5\n      algo: SW\n"
+            .to_string(),
+        // Several documents, each a block.
+        format!("{block_a}---\n{block_b}"),
+        // Several documents with an explicit start, an empty document and a trailing end.
+        format!("---\n{block_a}---\n---\n{block_b}...\n"),
+        // A document that is a sequence, then a block, in reverse order (sorting fixes it).
+        format!("- {}\n---\n{block_a}", block_b.replace('\n', "\n  ").trim_end()),
+        // The full form.
+        "resources:\n  - Url: /\n    rules:\n      - rpu: 10\n        actor: device\n  \
+         - url: /sample\n    rules:\n      - {rpu: 5, algo: SW}\n"
+            .to_string(),
+        // Full form in one document, a block in another.
+        format!("resources: []\nresponse: {{status: 503}}\n---\n{block_a}---\n{block_b}"),
+        // JSON: one object per form.
+        r#"[{"Url": "/", "rules": [{"rpu": 10, "actor": "device"}]},
+            {"url": "/sample", "rules": [{"rpu": 5, "algo": "SW"}]}]"#
+            .to_string(),
+        r#"{
+            "resources": [
+                {"Url": "/", "rules": [{"rpu": 10, "actor": "device"}]},
+                {"Url": "/sample", "rules": [{"rpu": 5, "algo": "SW"}]}
+            ]
+        }"#
+        .to_string(),
+        // YAML flow style that is not JSON.
+        "[{Url: /, rules: [{rpu: 10, actor: device}]}, {Url: /sample, rules: [{rpu: 5, algo: SW}]}]".to_string(),
+    ];
+    let reference = parse(&forms[0]);
+    assert_eq!(urls(&reference), ["/", "/sample"]);
+    for form in &forms {
+        let policy = parse(form);
+        assert_eq!(urls(&policy), ["/", "/sample"], "{form}");
+        assert_eq!(ids(&policy), ids(&reference), "{form}");
+        let rules = rules(&policy);
+        assert_eq!(rules[0].actor_name, "device");
+        assert_eq!(rules[1].algo.code(), code("SW"));
+        assert_eq!(rules[1].name, "/sample#0");
+    }
+}
+
+#[test]
+fn json_single_block_and_istio_style() {
+    let policy = parse(
+        r#"{"Url":"/","rules":[{"actor":"device","unit":"second","rpu":10,"algo":"TB","scope":"global"},{"actor":"all","unit":"second","rpu":50,"algo":"W","scope":"local"}]}"#,
+    );
+    assert_eq!(ids(&policy), ids(&parse(SEED)));
+    // Leading whitespace and tabs (JSON allows tabs where YAML does not).
+    let policy = parse("\n\t{\n\t\"Url\": \"/x\",\n\t\"rules\": [{\"rpu\": 3}]\n}");
+    assert_eq!(urls(&policy), ["/x"]);
+    let full = parse(
+        r#"{"resources":[{"Url":"/","rules":[{"rpu":1}]}],"response":{"status":429,"body":"slow down","headers":"all"},
+            "global":{"cluster":"q","lease":8},"remote":{"cluster":"cfg","path":"/d.json","poll_seconds":3},"dry_run":true}"#,
+    );
+    assert_eq!(full.response.status, 429);
+    assert_eq!(full.response.headers, HeaderMode::All);
+    assert_eq!(full.global.lease, nz(8));
+    assert_eq!(rules(&full)[0].lease, nz(8));
+    assert_eq!(
+        full.remote.as_ref().map(|remote| remote.poll_seconds),
+        Some(3)
+    );
+    assert!(full.dry_run);
+}
+
+#[test]
+fn full_form_every_section() {
+    let policy = parse(
+        "\
+resources:
+  - Url: /sample
+    rules:
+      - {rpu: 3, actor: tenant, scope: global, lease: 4, name: tenants}
+      - {rpu: 7, actor: account, algo: leaky bucket, unit: minute, burst: 2, dry_run: true}
+  - Url: /
+    rules:
+      - {rpu: 100, actor: ip, algo: sliding window, slices: 20, slots: 1024}
+actors:
+  account: {header: X-User, fallback: shared}
+  device:  {header: x-dev}
+  tenant:  {header: x-tenant-id}
+response:
+  status: 429
+  body: \"go away\\n\"
+  headers: none
+global:
+  cluster: quota
+  authority: quota.local
+  path: /v2/acquire
+  timeout_ms: 25
+  lease: 2
+  retry_seconds: 0
+remote:
+  cluster: diana_config
+  authority: config
+  path: /diana.yaml
+dry_run: true
+",
+    );
+    assert_eq!(urls(&policy), ["/", "/sample"], "least specific first");
+    assert_eq!(
+        policy.response,
+        ResponseSpec {
+            status: 429,
+            body: "go away\n".to_string(),
+            headers: HeaderMode::None
+        }
+    );
+    assert_eq!(
+        policy.global,
+        GlobalSpec {
+            cluster: "quota".to_string(),
+            authority: "quota.local".to_string(),
+            path: "/v2/acquire".to_string(),
+            timeout_ms: 25,
+            lease: nz(2),
+            retry_seconds: 0,
+        }
+    );
+    assert_eq!(
+        policy.remote,
+        Some(RemoteSpec {
+            cluster: "diana_config".to_string(),
+            authority: "config".to_string(),
+            path: "/diana.yaml".to_string(),
+            poll_seconds: 10,
+        })
+    );
+    assert!(policy.dry_run);
+
+    let rules = rules(&policy);
+    let ip = rules[0];
+    assert_eq!((ip.actor_name.as_str(), ip.algo.code()), ("ip", code("SW")));
+    assert_eq!(
+        (ip.limit.slices, ip.slots, ip.lease),
+        (nz(20), nz(1024), nz(2))
+    );
+    assert_eq!(ip.name, "/#0");
+
+    let tenant = rules[1];
+    assert_eq!(
+        (tenant.name.as_str(), tenant.scope, tenant.lease),
+        ("tenants", Scope::Global, nz(4))
+    );
+    let facts = Facts {
+        headers: vec![("x-tenant-id", b"acme".to_vec())],
+        ip: None,
+    };
+    assert!(matches!(tenant.actor.identify(&facts), Identity::Key(_)));
+    assert_eq!(
+        tenant.actor.identify(&Facts::default()),
+        Identity::Skip,
+        "user actors skip by default"
+    );
+
+    let account = rules[2];
+    assert_eq!(account.name, "/sample#1");
+    assert_eq!(account.algo.code(), code("LB"));
+    assert_eq!(
+        (account.limit.unit, account.limit.burst),
+        (Unit::Minute, nz(2))
+    );
+    assert!(account.dry_run);
+    // Redefined: header lower-cased, fallback shared.
+    let facts = Facts {
+        headers: vec![("x-user", b"u1".to_vec())],
+        ip: None,
+    };
+    assert!(matches!(account.actor.identify(&facts), Identity::Key(_)));
+    assert_eq!(
+        account.actor.identify(&Facts::default()),
+        Identity::Everyone
+    );
+}
+
+#[test]
+fn redefined_device_keeps_its_fallback() {
+    let policy = parse("resources:\n  - Url: /\n    rules: [{rpu: 1, actor: device}]\nactors:\n  device: {header: x-dev}\n");
+    let device = rules(&policy)[0];
+    let facts = Facts {
+        headers: vec![("x-device-id", b"d".to_vec())],
+        ip: Some(b"10.0.0.1".to_vec()),
+    };
+    let by_ip = Facts {
+        headers: Vec::new(),
+        ip: Some(b"10.0.0.1".to_vec()),
+    };
+    // x-device-id is no longer read: both fall back to the address.
+    assert_eq!(device.actor.identify(&facts), device.actor.identify(&by_ip));
+    assert!(matches!(device.actor.identify(&by_ip), Identity::Key(_)));
+}
+
+#[test]
+fn seed_actor_word_means_account() {
+    let policy =
+        parse("Url: /\nrules:\n  - {rpu: 1, actor: actor}\n  - {rpu: 1, actor: account}\n");
+    let rules = rules(&policy);
+    assert_eq!(rules[0].actor_name, "actor");
+    let facts = Facts {
+        headers: vec![("x-account-id", b"a".to_vec())],
+        ip: None,
+    };
+    assert_eq!(
+        rules[0].actor.identify(&facts),
+        rules[1].actor.identify(&facts)
+    );
+    assert_eq!(rules[0].actor.identify(&Facts::default()), Identity::Skip);
+    // Same counter shape: `actor` and `account` are one actor, so only the occurrence differs.
+    let a = parse("Url: /\nrules: [{rpu: 1, actor: actor}]\n");
+    let b = parse("Url: /\nrules: [{rpu: 1, actor: account}]\n");
+    assert_eq!(ids(&a), ids(&b));
+}
+
+#[test]
+fn rule_defaults() {
+    let policy = parse("Url: /api/\nrules:\n  - rpu: 7\n  - {rpu: 7, actor: account}\n");
+    let rules = rules(&policy);
+    let rule = rules[0];
+    assert_eq!(policy.resources[0].url, "/api");
+    assert_eq!(rule.name, "/api#0");
+    assert_eq!(rule.actor_name, "all");
+    assert_eq!(rule.algo.code(), algo::default_algorithm().code());
+    assert_eq!(rule.algo.code(), code("TB"));
+    assert_eq!(rule.limit.unit, Unit::Second);
+    assert_eq!(
+        rule.limit.burst,
+        algo::default_algorithm().default_burst(nz(7), Unit::Second)
+    );
+    assert_eq!(rule.limit.slices, nz(10));
+    assert_eq!(rule.scope, Scope::Local);
+    assert_eq!(rule.slots, nz(1));
+    assert_eq!(rule.lease, GlobalSpec::default().lease);
+    assert!(!rule.dry_run);
+    assert_eq!(rules[1].slots, nz(65_536));
+    // `slots` is ignored (forced to 1) for single-counter actors.
+    let policy = parse("Url: /\nrules: [{rpu: 1, slots: 99}]\n");
+    assert_eq!(rules_of(&policy)[0].slots, nz(1));
+}
+
+fn rules_of(policy: &Policy) -> Vec<&Rule> {
+    rules(policy)
+}
+
+#[test]
+fn burst_default_comes_from_the_algorithm() {
+    for (name, unit) in [
+        ("LB", "minute"),
+        ("TB", "hour"),
+        ("W", "second"),
+        ("SW", "day"),
+    ] {
+        let policy = parse(&format!(
+            "Url: /\nrules: [{{rpu: 120, algo: {name}, unit: {unit}}}]\n"
+        ));
+        let rule = rules(&policy)[0];
+        let algorithm = algo::lookup(name).expect("known");
+        assert_eq!(
+            rule.limit.burst,
+            algorithm.default_burst(nz(120), rule.limit.unit),
+            "{name}"
+        );
+        assert_eq!(rule.limit.unit, Unit::parse(unit).expect("unit"));
+    }
+    let policy = parse("Url: /\nrules: [{rpu: 120, algo: LB, burst: 9}]\n");
+    assert_eq!(rules(&policy)[0].limit.burst, nz(9));
+}
+
+#[test]
+fn algorithm_spellings_are_case_insensitive() {
+    for algorithm in algo::REGISTRY {
+        for spelling in std::iter::once(algorithm.code()).chain(algorithm.aliases().iter().copied())
+        {
+            for written in [
+                spelling.to_string(),
+                spelling.to_ascii_uppercase(),
+                spelling.to_ascii_lowercase(),
+            ] {
+                let policy = parse(&format!("Url: /\nrules: [{{rpu: 1, algo: '{written}'}}]\n"));
+                assert_eq!(rules(&policy)[0].algo.code(), algorithm.code(), "{written}");
+            }
+        }
+    }
+}
+
+#[test]
+fn units_scopes_and_modes_spellings() {
+    for (written, unit) in [
+        ("second", Unit::Second),
+        ("Minute", Unit::Minute),
+        ("hours", Unit::Hour),
+        ("DAY", Unit::Day),
+    ] {
+        let policy = parse(&format!("Url: /\nrules: [{{rpu: 1, unit: {written}}}]\n"));
+        assert_eq!(rules(&policy)[0].limit.unit, unit);
+    }
+    for (written, scope) in [("local", Scope::Local), ("Global", Scope::Global)] {
+        let policy = parse(&format!("Url: /\nrules: [{{rpu: 1, scope: {written}}}]\n"));
+        assert_eq!(rules(&policy)[0].scope, scope);
+    }
+    for (written, mode) in [
+        ("none", HeaderMode::None),
+        ("limited", HeaderMode::Limited),
+        ("ALL", HeaderMode::All),
+    ] {
+        let policy = parse(&format!(
+            "resources: [{{Url: /, rules: []}}]\nresponse: {{headers: {written}}}\n"
+        ));
+        assert_eq!(policy.response.headers, mode);
+    }
+}
+
+#[test]
+fn resources_sorted_least_specific_first_and_stable() {
+    let policy = parse(
+        "- {Url: /a/b/c, rules: []}\n- {Url: /b, rules: []}\n- {Url: /a/b, rules: []}\n\
+         - {Url: /a, rules: []}\n- {Url: /, rules: []}\n- {Url: /c/d, rules: []}\n",
+    );
+    assert_eq!(urls(&policy), ["/", "/b", "/a", "/a/b", "/c/d", "/a/b/c"]);
+}
+
+#[test]
+fn urls_are_normalised() {
+    let policy = parse("- {Url: '//sample/./x/../', rules: []}\n- {Url: '/%7Eme', rules: []}\n- {Url: /café, rules: []}\n");
+    assert_eq!(urls(&policy), ["/sample", "/~me", "/caf%C3%A9"]);
+    let policy = parse("- {Url: /a/.., rules: []}\n");
+    assert_eq!(urls(&policy), ["/"]);
+}
+
+#[test]
+fn remote_authority_defaults_to_cluster() {
+    let policy = parse("resources: [{Url: /, rules: []}]\nremote: {cluster: cfg, path: /d.yaml, poll_seconds: 2}\n");
+    let remote = policy.remote.expect("remote");
+    assert_eq!(
+        (
+            remote.cluster.as_str(),
+            remote.authority.as_str(),
+            remote.poll_seconds
+        ),
+        ("cfg", "cfg", 2)
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Rule ids.
+
+#[test]
+fn rule_ids_are_stable() {
+    let base =
+        "Url: /\nrules:\n  - {rpu: 5, actor: device}\n  - {rpu: 5, actor: device}\n  - {rpu: 9}\n";
+    let a = parse(base);
+    let b = parse(base);
+    assert_eq!(ids(&a), ids(&b), "same document, same ids");
+    let ids_a = ids(&a);
+    assert_ne!(ids_a[0], ids_a[1], "identical rules do not share counters");
+    assert_ne!(ids_a[0], ids_a[2]);
+
+    // Inserting an unrelated rule does not move the others; names and dry runs don't matter.
+    let inserted = parse("Url: /\nrules:\n  - {rpu: 1, algo: W}\n  - {rpu: 5, actor: device, name: d}\n  - {rpu: 5, actor: device, dry_run: true, lease: 3}\n  - {rpu: 9}\n");
+    assert_eq!(ids(&inserted)[1..], ids_a[..]);
+
+    // Anything that shapes the counter changes the id.
+    let changed = [
+        "Url: /\nrules:\n  - {rpu: 6, actor: device}\n",
+        "Url: /\nrules:\n  - {rpu: 5, actor: account}\n",
+        "Url: /\nrules:\n  - {rpu: 5, actor: device, unit: minute}\n",
+        "Url: /\nrules:\n  - {rpu: 5, actor: device, algo: W}\n",
+        "Url: /\nrules:\n  - {rpu: 5, actor: device, burst: 6}\n",
+        "Url: /\nrules:\n  - {rpu: 5, actor: device, slices: 5}\n",
+        "Url: /\nrules:\n  - {rpu: 5, actor: device, slots: 5}\n",
+        "Url: /\nrules:\n  - {rpu: 5, actor: device, scope: global}\n",
+        "Url: /x\nrules:\n  - {rpu: 5, actor: device}\n",
+        "resources: [{Url: /, rules: [{rpu: 5, actor: device}]}]\nactors: {device: {header: x-other}}\n",
+        "resources: [{Url: /, rules: [{rpu: 5, actor: device}]}]\nactors: {device: {fallback: skip}}\n",
+    ];
+    for text in changed {
+        assert_ne!(ids(&parse(text))[0], ids_a[0], "{text}");
+    }
+    // Spelling the same thing differently keeps the id.
+    let same = [
+        "Url: /\nrules:\n  - {rpu: 5, actor: device, unit: second, algo: tb, slices: 10, scope: local}\n",
+        "url: //\nrules:\n  - {rpu: 5, actor: device, slots: 65536}\n",
+        "resources: [{Url: /, rules: [{rpu: 5, actor: device}]}]\nactors: {device: {header: X-Device-Id, fallback: ip}}\n",
+        "{\"Url\": \"/\", \"rules\": [{\"rpu\": 5, \"actor\": \"device\"}]}",
+    ];
+    for text in same {
+        assert_eq!(ids(&parse(text))[0], ids_a[0], "{text}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Errors: each names the field path and the position.
+
+/// `(document, expected pieces of the message in order)`; every YAML/JSON error must also
+/// carry `at line L column C`.
+#[test]
+fn errors_name_field_and_position() {
+    let table: &[(&str, &[&str])] = &[
+        // rpu
+        ("Url: /\nrules:\n  - rpu: 1\n  - rpu: 0\n", &["rules[1].rpu: ", "expected a nonzero u32", "at line 4 column 10"]),
+        (
+            "resources:\n  - Url: /\n    rules:\n      - rpu: 10\n      - rpu: 0\n",
+            &["resources[0].rules[1].rpu: invalid value: integer `0`, expected a nonzero u32 at line 5 column 14"],
+        ),
+        ("Url: /\nrules:\n  - rpu: -3\n", &["rules[0].rpu: ", "-3", "line 3 column 10"]),
+        ("Url: /\nrules:\n  - rpu: ten\n", &["rules[0].rpu: ", "invalid type", "line 3"]),
+        ("Url: /\nrules:\n  - rpu: 4294967296\n", &["rules[0].rpu: ", "line 3"]),
+        ("Url: /\nrules:\n  - unit: second\n", &["rules[0]: ", "missing field `rpu`", "line 3"]),
+        // unknown and misspelled keys
+        ("Url: /\nrules:\n  - rpu: 1\n    Unit: second\n", &["rules[0].Unit: ", "unknown field `Unit`", "line 4 column 5"]),
+        ("Url: /\nrules:\n  - rpu: 1\n    rpus: 1\n", &["rules[0].rpus: ", "unknown field `rpus`", "line 4"]),
+        ("URL: /\nrules: []\n", &["URL: ", "unknown field `URL`", "line 1 column 1"]),
+        ("Url: /\nrule: []\n", &["rule: ", "unknown field `rule`", "line 2"]),
+        ("resources: []\nresponses: {}\n", &["responses: ", "unknown field `responses`", "line 2"]),
+        ("resources: []\nglobal: {lease: 1, leases: 2}\n", &["global.leases: ", "unknown field", "line 2"]),
+        ("Url: /\nUrl: /x\nrules: []\n", &["duplicate field `Url`", "line 1 column 1"]),
+        ("Url: /\nurl: /x\nrules: []\n", &["duplicate field `Url`", "line"]),
+        ("Url: /\n", &["missing field `rules`", "line 1"]),
+        ("rules: []\n", &["missing field `Url`", "line 1"]),
+        // Url
+        ("Url: sample\nrules: []\n", &["Url: ", "must start with `/`", "line 1 column 6"]),
+        ("- Url: /a\n  rules: []\n- Url: a\n  rules: []\n", &["[1].Url: ", "must start with `/`", "line 3 column 8"]),
+        ("Url: /a?b=1\nrules: []\n", &["Url: ", "without `?query`", "line 1"]),
+        ("Url: 42\nrules: []\n", &["Url: ", "must start with `/`", "line 1"]),
+        (
+            "- Url: /sample\n  rules: []\n- Url: //sample/\n  rules: []\n",
+            &["[1].Url: ", "duplicate resource `//sample/`", "`/sample` after normalisation", "line 3 column 8"],
+        ),
+        ("resources:\n  - {Url: /x, rules: []}\n  - {url: /x, rules: []}\n", &["resources[1].url: ", "duplicate resource `/x`", "line 3"]),
+        ("Url: /x\nrules: []\n---\nUrl: /x/.\nrules: []\n", &["document 2: Url: ", "duplicate resource", "line 4"]),
+        // actor
+        ("Url: /\nrules:\n  - {rpu: 1, actor: bob}\n", &["rules[0].actor: ", "unknown actor `bob`", "all, ip, account, device", "line 3"]),
+        ("Url: /\nrules:\n  - {rpu: 1, actor: Device}\n", &["rules[0].actor: ", "unknown actor `Device`", "line 3"]),
+        // algo
+        (
+            "Url: /\nrules:\n  - rpu: 1\n    algo: fast\n",
+            &["rules[0].algo: ", "unknown algorithm `fast`", "expected one of", "line 4 column 11"],
+        ),
+        // unit, scope
+        ("Url: /\nrules:\n  - {rpu: 1, unit: week}\n", &["rules[0].unit: ", "unknown unit `week`", "second, minute, hour, day", "line 3"]),
+        ("Url: /\nrules:\n  - {rpu: 1, scope: cluster}\n", &["rules[0].scope: ", "unknown scope `cluster`", "line 3"]),
+        // ranges
+        ("Url: /\nrules:\n  - {rpu: 1, burst: 0}\n", &["rules[0].burst: ", "nonzero", "line 3"]),
+        ("Url: /\nrules:\n  - {rpu: 1, lease: 0}\n", &["rules[0].lease: ", "nonzero", "line 3"]),
+        ("Url: /\nrules:\n  - {rpu: 1, slices: 0}\n", &["rules[0].slices: ", "between 1 and 60", "line 3"]),
+        ("Url: /\nrules:\n  - {rpu: 1, slices: 61}\n", &["rules[0].slices: ", "integer `61`", "between 1 and 60", "line 3"]),
+        ("Url: /\nrules:\n  - {rpu: 1, slots: 0}\n", &["rules[0].slots: ", "between 1 and 1048576", "line 3"]),
+        ("Url: /\nrules:\n  - {rpu: 1, slots: 1048577}\n", &["rules[0].slots: ", "between 1 and 1048576", "line 3"]),
+        ("Url: /\nrules:\n  - {rpu: 1, slots: -1}\n", &["rules[0].slots: ", "integer `-1`", "line 3"]),
+        ("Url: /\nrules:\n  - {rpu: 1, dry_run: yes}\n", &["rules[0].dry_run: ", "invalid type", "line 3"]),
+        // rule names
+        ("Url: /\nrules:\n  - {rpu: 1, name: a}\n  - {rpu: 1, name: a}\n", &["rules[1].name: ", "duplicate rule name `a`", "line 4"]),
+        ("Url: /\nrules:\n  - {rpu: 1, name: ''}\n", &["rules[0].name: ", "empty rule name", "line 3"]),
+        ("Url: /\nrules:\n  - {rpu: 1, name: \"a\\nb\"}\n", &["rules[0].name: ", "printable ASCII", "line 3"]),
+        // response
+        ("resources: []\nresponse:\n  status: 99\n", &["response.status: ", "integer `99`", "between 100 and 599", "line 3 column 11"]),
+        ("resources: []\nresponse: {status: 600}\n", &["response.status: ", "integer `600`", "line 2"]),
+        ("resources: []\nresponse: {headers: some}\n", &["response.headers: ", "unknown headers mode `some`", "line 2"]),
+        ("resources: []\nresponse: {body: [1]}\n", &["response.body: ", "invalid type", "line 2"]),
+        // global
+        ("resources: []\nglobal: {timeout_ms: 0}\n", &["global.timeout_ms: ", "nonzero", "line 2"]),
+        ("resources: []\nglobal: {lease: 0}\n", &["global.lease: ", "nonzero", "line 2"]),
+        ("resources: []\nglobal: {path: v1/acquire}\n", &["global.path: ", "must start with `/`", "line 2"]),
+        ("resources: []\nglobal: {cluster: ''}\n", &["global.cluster: ", "empty", "line 2"]),
+        ("resources: []\nglobal: {retry_seconds: -1}\n", &["global.retry_seconds: ", "line 2"]),
+        // remote
+        ("resources: []\nremote:\n  cluster: c\n  path: /d\n  poll_seconds: 0\n", &["remote.poll_seconds: ", "nonzero", "line 5 column 17"]),
+        ("resources: []\nremote: {path: /d}\n", &["remote: ", "missing field `cluster`", "line 2"]),
+        ("resources: []\nremote: {cluster: c}\n", &["remote: ", "missing field `path`", "line 2"]),
+        // actors
+        ("resources: []\nactors:\n  all: {header: x}\n", &["actors", "`all` is built in", "line 3"]),
+        ("resources: []\nactors:\n  ip: {header: x}\n", &["actors", "`ip` is built in", "line 3"]),
+        ("resources: []\nactors:\n  actor: {header: x}\n", &["actors", "`actor` is built in", "line 3"]),
+        ("resources: []\nactors:\n  t: {cookie: sid}\n", &["actors.t", "unknown field `cookie`", "`header`", "line 3"]),
+        ("resources: []\nactors:\n  t: {fallback: ip}\n", &["actors.t: ", "needs a source", "`header`", "line 3"]),
+        ("resources: []\nactors:\n  t: {header: x, fallback: never}\n", &["actors.t.fallback: ", "unknown fallback `never`", "skip, ip, shared", "line 3"]),
+        ("resources: []\nactors:\n  t: {header: 'x y'}\n", &["actors.t.header: ", "invalid header name", "line 3"]),
+        ("resources: []\nactors:\n  t: {header: ''}\n", &["actors.t.header: ", "empty header name", "line 3"]),
+        ("resources: []\nactors:\n  'a b': {header: x}\n", &["actors", "invalid actor name", "line 3"]),
+        ("resources: []\nactors:\n  t: x-tenant\n", &["actors.t: ", "invalid type", "line 3"]),
+        ("resources: []\nactors: [t]\n", &["actors: ", "invalid type", "line 2"]),
+        // sections repeated across documents
+        (
+            "Url: /\nrules: []\n---\nglobal: {lease: 2}\n---\nglobal: {lease: 3}\n",
+            &["document 3: ", "global", "section `global` is already given by an earlier document", "line 6"],
+        ),
+        ("Url: /\nrules: []\n---\nUrl: /a\nrules:\n  - rpu: 0\n", &["document 2: rules[0].rpu: ", "nonzero", "line 6 column 10"]),
+        // structure
+        ("Url: /\nrules: 5\n", &["rules: ", "invalid type: integer `5`", "expected a sequence", "line 2"]),
+        ("Url: /\nrules:\n  - 5\n", &["rules[0]: ", "invalid type", "expected a rule", "line 3"]),
+        ("hello\n", &["invalid type: string \"hello\"", "expected a resource block", "line 1 column 1"]),
+        ("- hello\n", &["[0]: ", "invalid type", "line 1 column 3"]),
+        ("resources: 5\n", &["resources: ", "invalid type", "line 1"]),
+        // YAML syntax
+        ("Url: /\nrules: [\n", &["invalid YAML", "line 3 column 1"]),
+        ("Url: /\n  rules: []\n", &["invalid YAML", "line 2"]),
+        ("Url: /\nrules: []\nrules: []\n", &["duplicate field `rules`", "line 1 column 1"]),
+        ("resources: []\nactors:\n  t: {header: x}\n  t: {header: y}\n", &["actors", "`t` is defined twice", "line 4"]),
+        // JSON
+        (r#"{"Url": "/", "rules": [{"rpu": 0}]}"#, &["rules[0].rpu: ", "nonzero", "line 1 column 32"]),
+        (
+            "{\n  \"resources\": [\n    {\"Url\": \"/\", \"rules\": [{\"rpu\": 1, \"actor\": \"x\"}]}\n  ]\n}",
+            &["resources[0].rules[0].actor: ", "unknown actor `x`", "line 3 column"],
+        ),
+        (r#"{"resources": [], "response": {"status": 1000}}"#, &["response.status: ", "integer `1000`", "line 1"]),
+        (r#"{"Url": "/", "rules": [], "extra": true}"#, &["extra: ", "unknown field `extra`", "line 1"]),
+    ];
+    for (text, pieces) in table {
+        let message = error(text);
+        let mut rest = message.as_str();
+        for piece in *pieces {
+            match rest.find(piece) {
+                Some(at) => rest = &rest[at + piece.len()..],
+                None => panic!("message for\n{text}\nis\n  {message}\nexpected, in order: {pieces:?} (missing {piece:?})"),
+            }
+        }
+        assert!(message.contains("line "), "{message}");
+        assert!(message.contains(" column "), "{message}");
+    }
+}
+
+#[test]
+fn empty_documents_are_rejected_clearly() {
+    for text in [
+        "",
+        "   \n",
+        "# only a comment\n",
+        "---\n",
+        "---\n...\n---\n",
+        "[]",
+        "{}",
+        "null",
+        "resources: []\n",
+        "{\"resources\": []}",
+        "- []\n",
+    ] {
+        let message = parse_policy(text)
+            .err()
+            .map(|err| err.message)
+            .unwrap_or_default();
+        // `- []` is a sequence holding a non-block: a type error with a position.
+        if text == "- []\n" {
+            assert!(
+                message.contains("[0]") && message.contains("line 1"),
+                "{text:?}: {message}"
+            );
+        } else {
+            assert!(message.contains("no resources"), "{text:?}: {message}");
+        }
+    }
+}
+
+#[test]
+fn unknown_algorithm_message_lists_every_known_spelling() {
+    let message = error("Url: /\nrules: [{rpu: 1, algo: nope}]\n");
+    for algorithm in algo::REGISTRY {
+        assert!(message.contains(algorithm.code()), "{message}");
+    }
+}
+
+#[test]
+fn a_rejected_document_leaves_no_trace() {
+    // The duplicate check must not remember urls of a failed parse.
+    let _ = error("- {Url: /x, rules: []}\n- {Url: /y, rules: [{rpu: 0}]}\n");
+    let policy = parse("- {Url: /x, rules: []}\n- {Url: /y, rules: []}\n");
+    assert_eq!(urls(&policy), ["/x", "/y"]);
+    // Nor the actor names of another document.
+    let _ =
+        parse("resources: [{Url: /, rules: [{rpu: 1, actor: t}]}]\nactors: {t: {header: x-t}}\n");
+    assert!(error("Url: /\nrules: [{rpu: 1, actor: t}]\n").contains("unknown actor `t`"));
+}
+
+#[test]
+fn actors_defined_in_another_document_are_usable() {
+    let policy = parse(
+        "Url: /\nrules: [{rpu: 1, actor: tenant}]\n---\nactors: {tenant: {header: x-tenant-id}}\n",
+    );
+    assert_eq!(rules(&policy)[0].actor_name, "tenant");
+}
+
+#[test]
+fn hostile_documents_fail_cleanly() {
+    // Deep nesting and alias bombs are refused by the YAML reader, never a crash.
+    let deep = format!(
+        "Url: /\nrules: {}{}\n",
+        "[".repeat(10_000),
+        "]".repeat(10_000)
+    );
+    assert!(parse_policy(&deep).is_err());
+    let bomb = "a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\n\
+                c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]\nd: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c]\n\
+                e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d]\nf: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e]\n\
+                g: &g [*f, *f, *f, *f, *f, *f, *f, *f, *f]\nh: &h [*g, *g, *g, *g, *g, *g, *g, *g, *g]\n";
+    assert!(parse_policy(bomb).is_err());
+    assert!(parse_policy("\u{0}\u{1}\u{2}").is_err());
+    assert!(parse_policy("Url: /\nrules: [{rpu: 1, name: \"\u{e9}\"}]\n").is_err());
+}

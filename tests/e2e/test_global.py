@@ -1,0 +1,245 @@
+"""Global scope end to end: real Redis, real diana-quota, two real Envoy gateways with
+4 workers each. Diana's rejections are configured as 429 here, so any 5xx is a failure."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import harness
+from harness import Quota, Redis, record, send_concurrent, statuses
+
+# TB refills rpu per hour: over a test of a few seconds that is far below one token, so
+# the admitted count is exact. W/SW use a minute window with a fresh-minute guard.
+CASES = {
+    "TB": ("hour", False),
+    "W": ("minute", True),
+    "SW": ("minute", True),
+}
+
+
+def global_doc(rpu: int, algo: str = "TB", unit: str = "hour", lease: int = 1, retry: int = 2, extra: str = "") -> str:
+    return f"""
+resources:
+  - Url: /
+    rules:
+      - {{name: shared, rpu: {rpu}, unit: {unit}, algo: {algo}, scope: global, lease: {lease}}}{extra}
+response: {{status: 429}}
+global: {{timeout_ms: 200, retry_seconds: {retry}}}
+"""
+
+
+def two_gateways(start_envoy, quota_port: int, doc: str):
+    return start_envoy(doc, quota_port=quota_port), start_envoy(doc, quota_port=quota_port)
+
+
+def spread(gateways, n: int, path: str = "/", headers=None) -> list[harness.Resp]:
+    """`n` requests at once over both gateways, each on its own connection."""
+    out: list[harness.Resp] = []
+    lock = threading.Lock()
+
+    def run(g, k):
+        r = send_concurrent(g.port, k, path, headers)
+        with lock:
+            out.extend(r)
+
+    threads = [threading.Thread(target=run, args=(g, n // len(gateways))) for g in gateways]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return out
+
+
+def admitted(resps) -> int:
+    return sum(1 for r in resps if r.status == 200)
+
+
+def callouts(gateways) -> int:
+    return sum(harness.metric_sum(g.diana_metrics(), "diana_global_callouts") for g in gateways)
+
+
+@pytest.mark.parametrize("algo", sorted(CASES))
+def test_two_gateways_admit_exactly_rpu_with_lease_1(procs, start_envoy, algo):
+    unit, needs_fresh_minute = CASES[algo]
+    redis = procs.add(Redis(procs.log_dir)).start()
+    quota = procs.add(Quota(procs.log_dir, redis.url)).start()
+    gateways = two_gateways(start_envoy, quota.port, global_doc(30, algo, unit))
+    if needs_fresh_minute:
+        harness.wait_for_fresh_minute(15)
+    resps = spread(gateways, 120)
+    assert not harness.errors(resps), harness.errors(resps)[:3]
+    assert statuses(resps) == {200: 30, 429: 90}, statuses(resps)
+    record(f"global {algo} lease 1: admitted/expected", f"{admitted(resps)}/30 of 120 over 2 gateways x 4 workers")
+
+
+def test_lease_10_cuts_callouts_and_never_exceeds_rpu(procs, start_envoy):
+    redis = procs.add(Redis(procs.log_dir)).start()
+    quota = procs.add(Quota(procs.log_dir, redis.url)).start()
+    gateways = two_gateways(start_envoy, quota.port, global_doc(200, "TB", "hour", lease=10))
+    resps: list[harness.Resp] = []
+    for _ in range(10):  # 10 waves of 30 = 300 requests, 1.5x the limit
+        resps += spread(gateways, 30)
+    n = len(resps)
+    calls = callouts(gateways)
+    assert not harness.errors(resps), harness.errors(resps)[:3]
+    assert set(statuses(resps)) <= {200, 429}, statuses(resps)
+    assert admitted(resps) <= 200
+    assert admitted(resps) >= 200 - 2 * 4 * 10, "leases left unspent are bounded by gateways x workers x lease"
+    assert calls / n <= 0.2, f"{calls} callouts for {n} requests"
+    record("global lease 10: admitted", f"{admitted(resps)} of {n} (rpu 200)")
+    record("global lease 10: callouts per request", round(calls / n, 3))
+
+
+def lat_p99(resps) -> float:
+    lats = sorted(r.latency for r in resps if r.status is not None)
+    return lats[int(0.99 * (len(lats) - 1))] if lats else float("inf")
+
+
+def steady_load(gateways, seconds: float, rate_per_gateway: float = 40.0):
+    """Requests on new connections at a steady rate on each gateway; returns (t, resp) pairs."""
+    out: list[tuple[float, harness.Resp]] = []
+    lock = threading.Lock()
+    t0 = time.monotonic()
+
+    def run(g):
+        i = 0
+        while time.monotonic() - t0 < seconds:
+            r = harness.request(g.port, "/", timeout=5.0)
+            with lock:
+                out.append((time.monotonic() - t0, r))
+            i += 1
+            time.sleep(max(0.0, i / rate_per_gateway - (time.monotonic() - t0)))
+
+    threads = [threading.Thread(target=run, args=(g,)) for g in gateways]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=seconds + 30)
+    return out
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.parametrize("victim", ["redis", "diana-quota"])
+def test_backend_killed_mid_run_degrades_to_local_then_recovers(procs, start_envoy, victim):
+    redis = procs.add(Redis(procs.log_dir)).start()
+    quota = procs.add(Quota(procs.log_dir, redis.url)).start()
+    # rpu 1000/hour: never reached here; what matters is latency, 5xx and the switches.
+    gateways = two_gateways(start_envoy, quota.port, global_doc(1000, "TB", "hour", retry=2))
+    healthy = steady_load(gateways, 2.0)
+    assert all(r.status == 200 for _, r in healthy), statuses(r for _, r in healthy)
+    calls_before = callouts(gateways)
+    assert calls_before > 0
+
+    killed = redis if victim == "redis" else quota
+    killed.stop(timeout=5)
+    down = steady_load(gateways, 5.0)
+    down_resps = [r for _, r in down]
+    assert not harness.errors(down_resps), harness.errors(down_resps)[:3]
+    assert statuses(down_resps) == {200: len(down_resps)}, f"no 5xx while {victim} is down: {statuses(down_resps)}"
+    p99 = lat_p99(down_resps)
+    assert p99 < 0.050, f"p99 {p99 * 1000:.1f} ms while {victim} is down"
+    metrics = [g.diana_metrics() for g in gateways]
+    assert all(harness.metric_sum(m, "diana_global_degraded_requests") > 0 for m in metrics)
+    assert all(m.get("diana_global_degraded") == 1 for m in metrics), metrics
+    record(f"{victim} down: p99 latency ms", round(p99 * 1000, 2))
+    record(f"{victim} down: statuses", statuses(down_resps))
+    record(f"healthy: p99 latency ms ({victim} run)", round(lat_p99([r for _, r in healthy]) * 1000, 2))
+
+    # Back on the same port: after retry_seconds one probe closes the breaker.
+    if victim == "redis":
+        procs.add(Redis(procs.log_dir, port=redis.port)).start()
+    else:
+        procs.add(Quota(procs.log_dir, redis.url, port=quota.port)).start()
+    calls_down = callouts(gateways)
+
+    def global_again() -> bool:
+        steady_load(gateways, 0.5, 10)
+        ms = [g.diana_metrics() for g in gateways]
+        return all(m.get("diana_global_degraded") == 0 for m in ms) and callouts(gateways) > calls_down
+
+    wait_until(global_again, 30, f"both gateways global again after {victim} restart")
+
+
+def test_a_local_rule_still_limits_per_gateway_while_redis_is_down(procs, start_envoy):
+    redis = procs.add(Redis(procs.log_dir)).start()
+    quota = procs.add(Quota(procs.log_dir, redis.url)).start()
+    gateways = two_gateways(start_envoy, quota.port, global_doc(10, "TB", "hour", retry=30))
+    redis.stop(timeout=5)
+    resps = spread(gateways, 60)
+    assert set(statuses(resps)) <= {200, 429}, statuses(resps)
+    # Degraded: each gateway enforces the same rule locally, so at most rpu per gateway.
+    assert admitted(resps) <= 2 * 10, statuses(resps)
+    assert admitted(resps) >= 10, statuses(resps)
+
+
+def test_redis_cluster_with_three_masters_is_exact(procs, start_envoy):
+    cli = shutil.which("redis-cli")
+    assert cli, "redis-cli missing: run scripts/install-deps"
+    nodes = []
+    for i in range(3):
+        d = procs.log_dir / f"node{i}"
+        d.mkdir(parents=True, exist_ok=True)
+        node = Redis(d)
+        node.argv += ["--cluster-enabled", "yes", "--cluster-config-file", str(d / "nodes.conf")]
+        node.name = f"redis-node{i}"
+        nodes.append(procs.add(node).start())
+    addrs = [f"127.0.0.1:{n.port}" for n in nodes]
+    out = subprocess.run(
+        [cli, "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+
+    def cluster_ok() -> bool:
+        info = subprocess.run([cli, "-p", str(nodes[0].port), "cluster", "info"], capture_output=True, text=True)
+        return "cluster_state:ok" in info.stdout
+
+    wait_until(cluster_ok, 20, "cluster_state:ok")
+    quota = procs.add(Quota(procs.log_dir, "redis+cluster://" + ",".join(addrs))).start()
+    doc = global_doc(25, "TB", "hour") + """
+actors:
+  tenant: {header: x-tenant-id}
+"""
+    doc = doc.replace("scope: global, lease: 1}", "scope: global, lease: 1, actor: tenant}")
+    gateways = two_gateways(start_envoy, quota.port, doc)
+    # Several tenants: their keys hash to different cluster slots (hash tags per key).
+    total = 0
+    for tenant in ("alpha", "beta", "gamma", "delta"):
+        resps = spread(gateways, 60, headers={"x-tenant-id": tenant})
+        assert statuses(resps) == {200: 25, 429: 35}, (tenant, statuses(resps))
+        total += admitted(resps)
+    record("redis cluster (3 masters): admitted/expected", f"{total}/100 over 4 tenants")
+
+
+def test_global_leaky_bucket_delays_requests_by_the_services_wait(procs, start_envoy):
+    quota = procs.add(Quota(procs.log_dir)).start()  # embedded store
+    doc = """
+resources:
+  - Url: /
+    rules:
+      - {rpu: 10, unit: second, algo: LB, burst: 3, scope: global}
+response: {status: 429}
+global: {timeout_ms: 500}
+"""
+    gw = start_envoy(doc, quota_port=quota.port)
+    resps = send_concurrent(gw.port, 8)
+    ok = sorted(r.latency for r in resps if r.status == 200)
+    assert statuses(resps) == {200: 4, 429: 4}, statuses(resps)
+    # One at once, then three spaced by ~100 ms (the service reserves the slots).
+    gaps = [b - a for a, b in zip(ok, ok[1:])]
+    assert all(0.05 <= g <= 0.2 for g in gaps), gaps
+    record("global LB: admitted latencies s", [round(x, 3) for x in ok])

@@ -1,0 +1,173 @@
+"""Remote configuration end to end: a real Envoy (4 workers) polling a config center that
+changes, fails, serves garbage, or is never up."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+import harness
+from harness import free_port, record, send_concurrent, statuses
+
+
+class ConfigCenter:
+    """A config center on 127.0.0.1 whose answer the test controls: a document (with an
+    ETag, honouring If-None-Match), a status code, or garbage. Runs in a thread of the
+    test process and is shut down when the test ends."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.document = ""
+        self.mode = "ok"  # ok | error | garbage
+        self.requests: list[dict[str, str]] = []
+        self.not_modified = 0
+        center = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802
+                center.requests.append({k.lower(): v for k, v in self.headers.items()})
+                if center.mode == "error":
+                    self._send(500, b"boom")
+                elif center.mode == "garbage":
+                    self._send(200, b"rules: [[[ {{ not: yaml", etag='"garbage"')
+                else:
+                    body = center.document.encode()
+                    etag = '"' + hashlib.sha256(body).hexdigest()[:16] + '"'
+                    if self.headers.get("If-None-Match") == etag:
+                        center.not_modified += 1
+                        self._send(304, b"", etag=etag)
+                    else:
+                        self._send(200, body, etag=etag)
+
+            def _send(self, status: int, body: bytes, etag: str = "") -> None:
+                self.send_response(status)
+                if etag:
+                    self.send_header("ETag", etag)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:  # quiet
+                pass
+
+        self.server = ThreadingHTTPServer((harness.HOST, port), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> "ConfigCenter":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def local_doc(config_port_cluster: str = "diana_config", rpu: int = 1000) -> str:
+    return f"""
+resources:
+  - Url: /
+    rules:
+      - {{name: main, rpu: {rpu}, unit: hour}}
+remote: {{cluster: {config_port_cluster}, authority: config, path: /diana.yaml, poll_seconds: 1}}
+response: {{status: 429}}
+"""
+
+
+def remote_doc(rpu: int, extra_rule: str = "") -> str:
+    return f"""
+resources:
+  - Url: /
+    rules:
+      - {{name: main, rpu: {rpu}, unit: hour}}{extra_rule}
+response: {{status: 429}}
+"""
+
+
+def admitted(port: int, n: int = 40) -> int:
+    return statuses(send_concurrent(port, n)).get(200, 0)
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(0.25)
+    raise AssertionError(f"timed out waiting for {what} (last: {last})")
+
+
+def metric(envoy, name: str) -> int:
+    return envoy.diana_metrics().get(name, 0)
+
+
+def test_remote_document_replaces_local_then_survives_failures_and_garbage(start_envoy):
+    port = free_port()
+    with ConfigCenter(port) as center:
+        center.document = remote_doc(5)
+        envoy = start_envoy(local_doc(), config_port=port)
+        # Every worker switches to the remote limit: exactly 5 per hour in total.
+        wait_for(lambda: metric(envoy, "diana_config_reloads") >= 2 * 4, 15, "remote document applied by every worker")
+        assert statuses(send_concurrent(envoy.port, 20)) == {200: 5, 429: 15}
+        # Conditional requests: the center is asked with If-None-Match and answers 304.
+        wait_for(lambda: center.not_modified >= 2, 10, "304 answers to If-None-Match")
+        polls_per_second = len(center.requests) / 1.0
+        assert any("if-none-match" in r for r in center.requests)
+
+        # The center fails: the last good document stays, the failure is counted.
+        center.mode = "error"
+        wait_for(lambda: metric(envoy, "diana_config_fetch_errors") >= 2, 10, "fetch errors counted")
+        assert admitted(envoy.port, 10) == 0, "still the remote limit (exhausted)"
+        # It serves garbage: refused, counted, nothing changes.
+        center.mode = "garbage"
+        wait_for(lambda: metric(envoy, "diana_config_rejected") >= 1, 10, "garbage refused")
+        assert admitted(envoy.port, 10) == 0
+        log = envoy.log_text()
+        assert log.count("config center failing") == 1, "the switch to failing is logged once"
+        assert "invalid remote document" in log
+
+        # Recovery with a changed document: a new rule appears; the unchanged rule keeps
+        # its counter (still exhausted), the new one starts fresh.
+        center.mode = "ok"
+        center.document = remote_doc(5, "\n      - {name: extra, rpu: 100, unit: hour}")
+        reloads = metric(envoy, "diana_config_reloads")
+        wait_for(lambda: metric(envoy, "diana_config_reloads") >= reloads + 4, 15, "changed document applied")
+        assert admitted(envoy.port, 10) == 0, "unchanged rule kept its state across the reload"
+        assert "config center is back" in envoy.log_text()
+
+        # A different limit for `main` is a different counter: it starts fresh.
+        center.document = remote_doc(7)
+        reloads = metric(envoy, "diana_config_reloads")
+        wait_for(lambda: metric(envoy, "diana_config_reloads") >= reloads + 4, 15, "new limit applied")
+        assert statuses(send_concurrent(envoy.port, 20)) == {200: 7, 429: 13}
+        # One worker polls per period, not four.
+        n0 = len(center.requests)
+        time.sleep(3.2)
+        per_second = (len(center.requests) - n0) / 3.2
+        assert per_second <= 1.5, f"{per_second:.1f} polls/s with poll_seconds 1 and 4 workers"
+        record("remote: polls per second (4 workers, poll_seconds 1)", round(per_second, 2))
+        del polls_per_second
+
+
+def test_a_config_center_that_is_never_up_leaves_the_local_document(start_envoy):
+    port = free_port()  # nothing listens there
+    envoy = start_envoy(local_doc(rpu=4), config_port=port)
+    wait_for(lambda: metric(envoy, "diana_config_fetch_errors") >= 2, 15, "fetch errors counted")
+    assert statuses(send_concurrent(envoy.port, 12)) == {200: 4, 429: 8}
+    assert envoy.log_text().count("config center failing") == 1
+
+
+@pytest.mark.parametrize("first", ["garbage", "error"])
+def test_a_config_center_that_starts_broken_keeps_the_local_document(start_envoy, first):
+    port = free_port()
+    with ConfigCenter(port) as center:
+        center.mode = first
+        envoy = start_envoy(local_doc(rpu=3), config_port=port)
+        name = "diana_config_rejected" if first == "garbage" else "diana_config_fetch_errors"
+        wait_for(lambda: metric(envoy, name) >= 1, 15, f"{first} counted")
+        assert statuses(send_concurrent(envoy.port, 9)) == {200: 3, 429: 6}
