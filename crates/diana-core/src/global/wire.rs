@@ -119,8 +119,16 @@ impl RuleResult {
             granted: verdict.granted,
             remaining: verdict.remaining,
             reset_ms: ceil_millis(verdict.reset),
-            retry_after_ms: if verdict.allowed() { 0 } else { ceil_millis(verdict.retry_after) },
-            delay_ms: if verdict.allowed() { ceil_millis(verdict.delay) } else { 0 },
+            retry_after_ms: if verdict.allowed() {
+                0
+            } else {
+                ceil_millis(verdict.retry_after)
+            },
+            delay_ms: if verdict.allowed() {
+                ceil_millis(verdict.delay)
+            } else {
+                0
+            },
         }
     }
 }
@@ -158,18 +166,37 @@ impl RuleRequest {
                 self.unit
             )
         })?;
-        let rpu = NonZeroU32::new(self.rpu).ok_or_else(|| format!("{}: must be ≥ 1", field("rpu")))?;
-        let burst = NonZeroU32::new(self.burst).ok_or_else(|| format!("{}: must be ≥ 1", field("burst")))?;
+        let rpu =
+            NonZeroU32::new(self.rpu).ok_or_else(|| format!("{}: must be ≥ 1", field("rpu")))?;
+        let burst = NonZeroU32::new(self.burst)
+            .ok_or_else(|| format!("{}: must be ≥ 1", field("burst")))?;
         let slices = NonZeroU32::new(self.slices)
             .filter(|slices| slices.get() <= MAX_SLICES)
-            .ok_or_else(|| format!("{}: must be between 1 and {MAX_SLICES}, got {}", field("slices"), self.slices))?;
+            .ok_or_else(|| {
+                format!(
+                    "{}: must be between 1 and {MAX_SLICES}, got {}",
+                    field("slices"),
+                    self.slices
+                )
+            })?;
         let want = NonZeroU32::new(self.want)
             .filter(|want| want.get() <= MAX_WANT)
-            .ok_or_else(|| format!("{}: must be between 1 and {MAX_WANT}, got {}", field("want"), self.want))?;
+            .ok_or_else(|| {
+                format!(
+                    "{}: must be between 1 and {MAX_WANT}, got {}",
+                    field("want"),
+                    self.want
+                )
+            })?;
         Ok(ResolvedRule {
             key: &self.key,
             algo,
-            limit: Limit { rpu, unit, burst, slices },
+            limit: Limit {
+                rpu,
+                unit,
+                burst,
+                slices,
+            },
             want,
         })
     }
@@ -201,9 +228,16 @@ impl AcquireRequest {
             return Err("rules: must contain at least one rule".to_string());
         }
         if self.rules.len() > MAX_RULES {
-            return Err(format!("rules: at most {MAX_RULES} rules, got {}", self.rules.len()));
+            return Err(format!(
+                "rules: at most {MAX_RULES} rules, got {}",
+                self.rules.len()
+            ));
         }
-        self.rules.iter().enumerate().map(|(index, rule)| rule.resolve(index)).collect()
+        self.rules
+            .iter()
+            .enumerate()
+            .map(|(index, rule)| rule.resolve(index))
+            .collect()
     }
 }
 
@@ -230,7 +264,10 @@ pub fn decode_response(request: &AcquireRequest, body: &[u8]) -> Result<AcquireR
 }
 
 /// Checks an answer against the request it answers (see [`decode_response`]).
-pub fn validate_response(request: &AcquireRequest, response: &AcquireResponse) -> Result<(), String> {
+pub fn validate_response(
+    request: &AcquireRequest,
+    response: &AcquireResponse,
+) -> Result<(), String> {
     if response.results.len() != request.rules.len() {
         return Err(format!(
             "results: {} results for {} rules",
@@ -271,7 +308,12 @@ fn decode_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, String>
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+    #![allow(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::panic,
+        clippy::indexing_slicing
+    )]
     use super::*;
 
     fn rule() -> RuleRequest {
@@ -285,6 +327,8 @@ mod tests {
             want: 1,
         }
     }
+
+    type Mutation = Box<dyn Fn(&mut RuleRequest)>;
 
     fn request(rules: Vec<RuleRequest>) -> AcquireRequest {
         AcquireRequest { rules }
@@ -314,34 +358,64 @@ mod tests {
 
     #[test]
     fn every_limit_has_a_named_reason() {
-        let cases: Vec<(Box<dyn Fn(&mut RuleRequest)>, &str)> = vec![
+        let cases: Vec<(Mutation, &str)> = vec![
             (Box::new(|r| r.rpu = 0), "rules[2].rpu: must be ≥ 1"),
             (Box::new(|r| r.burst = 0), "rules[2].burst: must be ≥ 1"),
-            (Box::new(|r| r.slices = 0), "rules[2].slices: must be between 1 and 60, got 0"),
-            (Box::new(|r| r.slices = 61), "rules[2].slices: must be between 1 and 60, got 61"),
-            (Box::new(|r| r.want = 0), "rules[2].want: must be between 1 and 100000, got 0"),
-            (Box::new(|r| r.want = 100_001), "rules[2].want: must be between 1 and 100000, got 100001"),
-            (Box::new(|r| r.key = String::new()), "rules[2].key: must not be empty"),
-            (Box::new(|r| r.key = "k".repeat(129)), "rules[2].key: 129 bytes, at most 128"),
+            (
+                Box::new(|r| r.slices = 0),
+                "rules[2].slices: must be between 1 and 60, got 0",
+            ),
+            (
+                Box::new(|r| r.slices = 61),
+                "rules[2].slices: must be between 1 and 60, got 61",
+            ),
+            (
+                Box::new(|r| r.want = 0),
+                "rules[2].want: must be between 1 and 100000, got 0",
+            ),
+            (
+                Box::new(|r| r.want = 100_001),
+                "rules[2].want: must be between 1 and 100000, got 100001",
+            ),
+            (
+                Box::new(|r| r.key = String::new()),
+                "rules[2].key: must not be empty",
+            ),
+            (
+                Box::new(|r| r.key = "k".repeat(129)),
+                "rules[2].key: 129 bytes, at most 128",
+            ),
             (
                 Box::new(|r| r.key = "ab{c}".to_string()),
                 "rules[2].key: invalid character '{' at byte 2 (allowed: A-Z a-z 0-9 : _ . -)",
             ),
-            (Box::new(|r| r.unit = "fortnight".to_string()), "rules[2].unit: unknown unit \"fortnight\""),
-            (Box::new(|r| r.algo = "XX".to_string()), "rules[2].algo: unknown algorithm \"XX\""),
+            (
+                Box::new(|r| r.unit = "fortnight".to_string()),
+                "rules[2].unit: unknown unit \"fortnight\"",
+            ),
+            (
+                Box::new(|r| r.algo = "XX".to_string()),
+                "rules[2].algo: unknown algorithm \"XX\"",
+            ),
         ];
         for (mutate, expected) in cases {
             let mut bad = rule();
             mutate(&mut bad);
             let error = validate(&request(vec![rule(), rule(), bad])).unwrap_err();
-            assert!(error.starts_with(expected), "{error:?} does not start with {expected:?}");
+            assert!(
+                error.starts_with(expected),
+                "{error:?} does not start with {expected:?}"
+            );
         }
         assert!(validate(&request(vec![rule(); MAX_RULES])).is_ok());
         assert_eq!(
             validate(&request(vec![rule(); MAX_RULES + 1])).unwrap_err(),
             "rules: at most 64 rules, got 65"
         );
-        assert_eq!(validate(&request(vec![])).unwrap_err(), "rules: must contain at least one rule");
+        assert_eq!(
+            validate(&request(vec![])).unwrap_err(),
+            "rules: must contain at least one rule"
+        );
         let mut longest = rule();
         longest.key = "a".repeat(MAX_KEY_BYTES);
         assert!(validate(&request(vec![longest])).is_ok());
@@ -350,46 +424,103 @@ mod tests {
     #[test]
     fn syntax_errors_name_the_field() {
         let cases: [(&[u8], &str); 6] = [
-            (br#"{"rules":[{"key":"k","algo":"TB","rpu":"10"}]}"#, "rules[0].rpu: invalid type: string \"10\", expected u32"),
-            (br#"{"rules":[{"key":"k","algo":"TB","rpu":-1}]}"#, "rules[0].rpu: invalid value: integer `-1`, expected u32"),
-            (br#"{"rules":[{"key":"k","algo":"TB","rpu":1}]}"#, "rules[0]: missing field `unit`"),
+            (
+                br#"{"rules":[{"key":"k","algo":"TB","rpu":"10"}]}"#,
+                "rules[0].rpu: invalid type: string \"10\", expected u32",
+            ),
+            (
+                br#"{"rules":[{"key":"k","algo":"TB","rpu":-1}]}"#,
+                "rules[0].rpu: invalid value: integer `-1`, expected u32",
+            ),
+            (
+                br#"{"rules":[{"key":"k","algo":"TB","rpu":1}]}"#,
+                "rules[0]: missing field `unit`",
+            ),
             (br#"{"rule":[]}"#, "missing field `rules`"),
             (b"not json", "expected ident"),
             (br#"{"rules":[]} trailing"#, "trailing characters"),
         ];
         for (body, expected) in cases {
             let error = decode_request(body).unwrap_err();
-            assert!(error.starts_with(expected), "{error:?} does not start with {expected:?}");
+            assert!(
+                error.starts_with(expected),
+                "{error:?} does not start with {expected:?}"
+            );
         }
     }
 
     #[test]
     fn answers_are_checked_against_the_request() {
         let asked = request(vec![rule(), rule()]);
-        let ok = RuleResult { allowed: true, granted: 1, ..RuleResult::default() };
-        assert!(validate_response(&asked, &AcquireResponse { results: vec![ok, ok] }).is_ok());
+        let ok = RuleResult {
+            allowed: true,
+            granted: 1,
+            ..RuleResult::default()
+        };
+        assert!(validate_response(
+            &asked,
+            &AcquireResponse {
+                results: vec![ok, ok]
+            }
+        )
+        .is_ok());
         assert_eq!(
             validate_response(&asked, &AcquireResponse { results: vec![ok] }).unwrap_err(),
             "results: 1 results for 2 rules"
         );
         let greedy = RuleResult { granted: 2, ..ok };
         assert_eq!(
-            validate_response(&asked, &AcquireResponse { results: vec![ok, greedy] }).unwrap_err(),
+            validate_response(
+                &asked,
+                &AcquireResponse {
+                    results: vec![ok, greedy]
+                }
+            )
+            .unwrap_err(),
             "results[1].granted: 2 granted, 1 asked"
         );
-        let liar = RuleResult { allowed: true, granted: 0, ..ok };
-        assert!(validate_response(&asked, &AcquireResponse { results: vec![liar, ok] }).is_err());
+        let liar = RuleResult {
+            allowed: true,
+            granted: 0,
+            ..ok
+        };
+        assert!(validate_response(
+            &asked,
+            &AcquireResponse {
+                results: vec![liar, ok]
+            }
+        )
+        .is_err());
     }
 
     #[test]
     fn verdicts_round_up_to_milliseconds() {
-        let verdict = Verdict { granted: 2, remaining: 3, reset: 1_000_001, retry_after: 0, delay: 1 };
+        let verdict = Verdict {
+            granted: 2,
+            remaining: 3,
+            reset: 1_000_001,
+            retry_after: 0,
+            delay: 1,
+        };
         let result = RuleResult::from_verdict(&verdict);
         assert_eq!(
             result,
-            RuleResult { allowed: true, granted: 2, remaining: 3, reset_ms: 2, retry_after_ms: 0, delay_ms: 1 }
+            RuleResult {
+                allowed: true,
+                granted: 2,
+                remaining: 3,
+                reset_ms: 2,
+                retry_after_ms: 0,
+                delay_ms: 1
+            }
         );
-        let denied = Verdict { granted: 0, remaining: 0, reset: 5_000_000, retry_after: 2_500_000, delay: 0 };
+        let denied = Verdict {
+            granted: 0,
+            remaining: 0,
+            reset: 5_000_000,
+            retry_after: 2_500_000,
+            delay: 0,
+        };
         let result = RuleResult::from_verdict(&denied);
         assert!(!result.allowed);
         assert_eq!((result.reset_ms, result.retry_after_ms), (5, 3));

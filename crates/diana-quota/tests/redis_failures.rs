@@ -1,0 +1,308 @@
+//! Redis going away, hanging, restarting, forgetting its scripts: the service answers 503
+//! fast, never hangs, and recovers by itself. Plus the key layout (hash tags, TTLs).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+mod common;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use axum::Router;
+use common::*;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+async fn healthz(router: &Router) -> (StatusCode, String) {
+    let (status, _, body) = send(
+        router,
+        Request::get("/healthz").body(Body::empty()).unwrap(),
+    )
+    .await;
+    (status, String::from_utf8_lossy(&body).into_owned())
+}
+
+/// Polls until a request is answered 200 (counters may have been lost with the restart).
+async fn until_recovered(router: &Router, key: &str, within: Duration) -> Duration {
+    let started = Instant::now();
+    loop {
+        let (status, body) = post_rules(
+            router,
+            "/v1/acquire",
+            vec![rule(key, "TB", 1000, "hour", 1000, 10, 1)],
+        )
+        .await;
+        if status == StatusCode::OK {
+            return started.elapsed();
+        }
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+        assert!(
+            started.elapsed() < within,
+            "not recovered within {within:?}: {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Every request while Redis is down is answered 503 within 1 s.
+async fn expect_fast_503(router: &Router, key: &str, requests: usize) {
+    for _ in 0..requests {
+        let started = Instant::now();
+        let (status, body) = post_rules(
+            router,
+            "/v1/acquire",
+            vec![rule(key, "TB", 10, "hour", 10, 10, 1)],
+        )
+        .await;
+        let took = started.elapsed();
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+        assert!(body.contains("store unavailable"), "{body}");
+        assert!(took < Duration::from_secs(1), "503 took {took:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_redis_gives_fast_503_and_a_restart_recovers() {
+    let mut server = RedisServer::start();
+    let router = service(Arc::new(redis_store(&server.url())));
+    let key = unique_key("kill");
+    assert!(
+        acquire_one(&router, rule(&key, "TB", 10, "hour", 10, 10, 1))
+            .await
+            .allowed
+    );
+    assert_eq!(healthz(&router).await, (StatusCode::OK, "ok".to_string()));
+
+    server.kill();
+    expect_fast_503(&router, &key, 5).await;
+    let (status, body) = healthz(&router).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    assert!(body.starts_with("store unavailable"), "{body}");
+
+    server.restart();
+    let took = until_recovered(&router, &key, Duration::from_secs(5)).await;
+    eprintln!("recovered {took:?} after the restart");
+    assert_eq!(healthz(&router).await.0, StatusCode::OK);
+
+    // Metrics saw the failures.
+    let (_, _, body) = send(
+        &router,
+        Request::get("/metrics").body(Body::empty()).unwrap(),
+    )
+    .await;
+    let text = String::from_utf8(body).unwrap();
+    assert!(
+        text.contains("diana_quota_store_errors_total{kind=\"unavailable\"}"),
+        "{text}"
+    );
+    assert!(
+        text.contains("diana_quota_http_requests_total{path=\"/v1/acquire\",status=\"503\"}"),
+        "{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hung_redis_gives_fast_503_and_recovers() {
+    let server = RedisServer::start();
+    let router = service(Arc::new(redis_store(&server.url())));
+    let key = unique_key("stop");
+    assert!(
+        acquire_one(&router, rule(&key, "TB", 10, "hour", 10, 10, 1))
+            .await
+            .allowed
+    );
+
+    server.signal("STOP");
+    {
+        // Resumes the server even if an assertion fails.
+        let _resume = Resume(&server);
+        expect_fast_503(&router, &key, 3).await;
+        let started = Instant::now();
+        assert_eq!(healthz(&router).await.0, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(started.elapsed() < Duration::from_secs(1));
+    }
+    until_recovered(&router, &key, Duration::from_secs(5)).await;
+    // The counter survived (the server was only paused): 1 + 1 taken of 10, and maybe one
+    // more: a request that timed out (503) while its command sat in the paused server's
+    // socket buffer runs when the server resumes. A timeout never means "not counted".
+    let result = acquire_one(&router, rule(&key, "TB", 10, "hour", 10, 10, 100)).await;
+    assert!((7..=8).contains(&result.granted), "{result:?}");
+}
+
+/// Sends SIGCONT to a stopped server when dropped.
+struct Resume<'a>(&'a RedisServer);
+
+impl Drop for Resume<'_> {
+    fn drop(&mut self) {
+        self.0.signal("CONT");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_down_at_start_then_up() {
+    let port = free_port(false);
+    let router = service(Arc::new(redis_store(&format!("redis://127.0.0.1:{port}"))));
+    let key = unique_key("late");
+    expect_fast_503(&router, &key, 3).await;
+    assert_eq!(healthz(&router).await.0, StatusCode::SERVICE_UNAVAILABLE);
+    let server = RedisServer::start_on(port, false);
+    until_recovered(&router, &key, Duration::from_secs(5)).await;
+    drop(server);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn script_flush_is_survived_without_double_charging() {
+    let server = RedisServer::start();
+    let router = service(Arc::new(redis_store(&server.url())));
+    away_from_boundary(3_600_000, Duration::from_secs(5)).await;
+    let (tb, w, sw, lb) = (
+        unique_key("f-tb"),
+        unique_key("f-w"),
+        unique_key("f-sw"),
+        unique_key("f-lb"),
+    );
+    let rules = |want: u32| {
+        vec![
+            rule(&tb, "TB", 10, "hour", 10, 10, want),
+            rule(&w, "W", 10, "hour", 10, 10, want),
+            rule(&sw, "SW", 10, "hour", 10, 6, want),
+            rule(&lb, "LB", 10, "hour", 9, 10, want),
+        ]
+    };
+    let first = acquire(&router, rules(3)).await;
+    assert!(first.iter().all(|result| result.granted == 3), "{first:?}");
+    assert!(server.cli(&["SCRIPT", "FLUSH"]).contains("OK"));
+    // Every script is gone: each rule is re-run once after loading, never twice.
+    let second = acquire(&router, rules(3)).await;
+    assert!(
+        second.iter().all(|result| result.granted == 3),
+        "{second:?}"
+    );
+    let third = acquire(&router, rules(10)).await;
+    let granted: Vec<u32> = third.iter().map(|result| result.granted).collect();
+    assert_eq!(granted, [4, 4, 4, 4]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_carry_a_hash_tag_and_a_ttl() {
+    let server = RedisServer::start();
+    let router = service(Arc::new(redis_store(&server.url())));
+    let key = unique_key("ttl");
+    let denied_key = unique_key("ttl-denied");
+    let rules = vec![
+        rule(&key, "TB", 10, "second", 10, 10, 1),
+        rule(&key, "W", 10, "minute", 10, 10, 1),
+        rule(&key, "SW", 10, "hour", 10, 6, 1),
+        rule(&key, "LB", 10, "day", 3, 10, 1),
+    ];
+    assert!(acquire(&router, rules)
+        .await
+        .iter()
+        .all(|result| result.allowed));
+    let keys = server.cli(&["--scan", "--pattern", "diana:*"]);
+    let mut keys: Vec<&str> = keys.lines().collect();
+    keys.sort_unstable();
+    let expected: Vec<String> = ["LB", "SW", "TB", "W"]
+        .iter()
+        .map(|algo| format!("diana:{{{key}}}:{algo}"))
+        .collect();
+    assert_eq!(keys, expected);
+    // TTL: until the state is idle again, plus one second.
+    let ttl = |name: &str| server.cli(&["PTTL", name]).trim().parse::<i64>().unwrap();
+    let limits = [
+        ("TB", 100, 1_100),
+        ("W", 1_000, 61_000),
+        ("SW", 1_000, 3_601_000),
+        ("LB", 1_000, 9_640_000),
+    ];
+    for (algo, low, high) in limits {
+        let pttl = ttl(&format!("diana:{{{key}}}:{algo}"));
+        assert!(
+            pttl > low && pttl <= high,
+            "{algo}: PTTL {pttl} not in ({low}, {high}]"
+        );
+    }
+    // A denied request writes nothing (and creates no key).
+    let _ = acquire(&router, vec![rule(&denied_key, "W", 1, "hour", 1, 10, 1)]).await;
+    let before = server.cli(&["HGETALL", &format!("diana:{{{denied_key}}}:W")]);
+    let denied = acquire(&router, vec![rule(&denied_key, "W", 1, "hour", 1, 10, 1)]).await;
+    assert!(!denied[0].allowed);
+    assert_eq!(
+        server.cli(&["HGETALL", &format!("diana:{{{denied_key}}}:W")]),
+        before
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_survives_script_flush_and_spreads_keys() {
+    let cluster = RedisCluster::start();
+    let router = service(Arc::new(redis_store(&cluster.url())));
+    let keys: Vec<String> = (0..12).map(|_| unique_key("spread")).collect();
+    let rules = |want: u32| {
+        keys.iter()
+            .map(|key| rule(key, "TB", 10, "hour", 10, 10, want))
+            .collect::<Vec<_>>()
+    };
+    assert!(acquire(&router, rules(4))
+        .await
+        .iter()
+        .all(|result| result.granted == 4));
+    for node in &cluster.nodes {
+        assert!(node.cli(&["SCRIPT", "FLUSH"]).contains("OK"));
+    }
+    assert!(acquire(&router, rules(4))
+        .await
+        .iter()
+        .all(|result| result.granted == 4));
+    assert!(acquire(&router, rules(4))
+        .await
+        .iter()
+        .all(|result| result.granted == 2));
+    // The keys live on more than one master.
+    let holding = cluster
+        .nodes
+        .iter()
+        .filter(|node| node.cli(&["DBSIZE"]).trim().parse::<u64>().unwrap_or(0) > 0)
+        .count();
+    assert!(holding >= 2, "all 12 keys on one node");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_node_killed_gives_fast_503() {
+    let mut cluster = RedisCluster::start();
+    let router = service(Arc::new(redis_store(&cluster.url())));
+    let keys: Vec<String> = (0..12).map(|_| unique_key("down")).collect();
+    let rules = || {
+        keys.iter()
+            .map(|key| rule(key, "TB", 1000, "hour", 1000, 10, 1))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(acquire(&router, rules()).await.len(), 12);
+    cluster.nodes[1].kill();
+    for _ in 0..3 {
+        let started = Instant::now();
+        let (status, body) = post_rules(&router, "/v1/acquire", rules()).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "took {:?}",
+            started.elapsed()
+        );
+    }
+    cluster.nodes[1].restart();
+    let started = Instant::now();
+    loop {
+        let (status, body) = post_rules(&router, "/v1/acquire", rules()).await;
+        if status == StatusCode::OK {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(15),
+            "cluster not recovered: {status} {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

@@ -1,0 +1,444 @@
+//! One scenario suite, run against every store: the embedded memory store, a real Redis,
+//! and a 3-master Redis Cluster. Every scenario goes through the HTTP layer in-process.
+//!
+//! Exact counts use units of an hour (nothing refills during a test); timing scenarios
+//! (refill, delays, window ends) use seconds and compare with the time measured.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+mod common;
+
+use axum::http::StatusCode;
+use axum::Router;
+use common::*;
+use diana_core::global::wire::{AcquireResponse, RuleResult};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const HOUR_MS: u64 = 3_600_000;
+
+fn granted(results: &[RuleResult]) -> Vec<u32> {
+    results.iter().map(|result| result.granted).collect()
+}
+
+/// Sends the same one-rule request `times` times, one after the other.
+async fn repeat(
+    router: &Router,
+    rule_: &diana_core::global::wire::RuleRequest,
+    times: usize,
+) -> Vec<RuleResult> {
+    let mut results = Vec::new();
+    for _ in 0..times {
+        results.push(acquire_one(router, rule_.clone()).await);
+    }
+    results
+}
+
+fn check_consistent(results: &[RuleResult]) {
+    for result in results {
+        assert_eq!(result.allowed, result.granted > 0, "{result:?}");
+        if result.allowed {
+            assert_eq!(result.retry_after_ms, 0, "{result:?}");
+        } else {
+            assert!(result.retry_after_ms > 0, "{result:?}");
+            assert_eq!(result.remaining, 0, "{result:?}");
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Scenarios.
+
+/// W: exactly rpu per window; remaining counts down; denials retry at the window end.
+async fn window_exact(router: &Router) {
+    away_from_boundary(HOUR_MS, Duration::from_secs(5)).await;
+    let key = unique_key("w");
+    let results = repeat(router, &rule(&key, "W", 10, "hour", 10, 10, 1), 25).await;
+    check_consistent(&results);
+    assert_eq!(results.iter().filter(|r| r.allowed).count(), 10);
+    assert!(results[..10].iter().all(|r| r.allowed) && results[10..].iter().all(|r| !r.allowed));
+    let remaining: Vec<u64> = results[..10].iter().map(|r| r.remaining).collect();
+    assert_eq!(remaining, (0..10).rev().collect::<Vec<u64>>());
+    let to_end = HOUR_MS - now_ms() % HOUR_MS;
+    for denied in &results[10..] {
+        assert!(
+            denied.retry_after_ms.abs_diff(to_end) < 1_000,
+            "{denied:?}, window ends in {to_end} ms"
+        );
+        assert_eq!(denied.reset_ms, denied.retry_after_ms);
+    }
+}
+
+/// SW: exactly rpu in the window of `slices` slices.
+async fn sliding_exact(router: &Router) {
+    let key = unique_key("sw");
+    let results = repeat(router, &rule(&key, "SW", 10, "hour", 10, 6, 1), 25).await;
+    check_consistent(&results);
+    assert_eq!(results.iter().filter(|r| r.allowed).count(), 10);
+    assert!(results[..10].iter().all(|r| r.allowed));
+    assert_eq!(results[9].remaining, 0);
+    for denied in &results[10..] {
+        // Room again when the slice holding the first requests leaves: within one unit.
+        assert!(
+            denied.retry_after_ms > HOUR_MS - 10 * 60_000 - 1_000
+                && denied.retry_after_ms <= HOUR_MS
+        );
+    }
+}
+
+/// TB: a full bucket of `burst`, then one token per unit/rpu.
+async fn token_exact(router: &Router) {
+    let key = unique_key("tb");
+    let started = Instant::now();
+    let results = repeat(router, &rule(&key, "TB", 10, "hour", 10, 10, 1), 25).await;
+    check_consistent(&results);
+    assert_eq!(results.iter().filter(|r| r.allowed).count(), 10);
+    let remaining: Vec<u64> = results[..10].iter().map(|r| r.remaining).collect();
+    assert_eq!(remaining, (0..10).rev().collect::<Vec<u64>>());
+    let elapsed = started.elapsed().as_millis() as u64;
+    for denied in &results[10..] {
+        // The next token in 6 minutes (minus the time spent).
+        assert!(
+            denied.retry_after_ms <= 360_000 && denied.retry_after_ms + elapsed + 5 >= 360_000,
+            "{denied:?}"
+        );
+        assert!(
+            denied.reset_ms <= HOUR_MS && denied.reset_ms + elapsed + 5 >= HOUR_MS,
+            "{denied:?}"
+        );
+    }
+}
+
+/// TB with burst ≠ rpu.
+async fn token_burst(router: &Router) {
+    let key = unique_key("tb-burst");
+    let results = repeat(router, &rule(&key, "TB", 10, "hour", 3, 10, 1), 6).await;
+    assert_eq!(granted(&results), [1, 1, 1, 0, 0, 0]);
+}
+
+/// LB: one leaves at once, `burst` wait their turn (delays T, 2T, …), the next is rejected.
+async fn leaky_exact(router: &Router) {
+    let key = unique_key("lb");
+    let started = Instant::now();
+    let results = repeat(router, &rule(&key, "LB", 10, "hour", 5, 10, 1), 9).await;
+    let elapsed = started.elapsed().as_millis() as u64;
+    check_consistent(&results);
+    assert_eq!(granted(&results), [1, 1, 1, 1, 1, 1, 0, 0, 0]);
+    for (place, result) in results[..6].iter().enumerate() {
+        let ideal = place as u64 * 360_000;
+        assert!(
+            result.delay_ms <= ideal && result.delay_ms + elapsed + 5 >= ideal,
+            "place {place}: {result:?}"
+        );
+        assert_eq!(result.remaining, 5 - place as u64);
+    }
+    for denied in &results[6..] {
+        assert_eq!(denied.delay_ms, 0);
+        assert!(
+            denied.retry_after_ms <= 360_000 && denied.retry_after_ms + elapsed + 5 >= 360_000,
+            "{denied:?}"
+        );
+    }
+}
+
+/// Leases: granted = min(want, available), never beyond the limit.
+async fn leases(router: &Router) {
+    away_from_boundary(HOUR_MS, Duration::from_secs(5)).await;
+    let cases: [(&str, u32, &[u32]); 4] = [
+        ("TB", 4, &[4, 4, 2, 0, 0]),
+        ("W", 7, &[7, 3, 0, 0, 0]),
+        ("SW", 7, &[7, 3, 0, 0, 0]),
+        ("LB", 4, &[4, 2, 0, 0, 0]),
+    ];
+    for (algo, want, expected) in cases {
+        let key = unique_key("lease");
+        // LB: burst 5, so 6 places in all.
+        let burst = if algo == "LB" { 5 } else { 10 };
+        let results = repeat(
+            router,
+            &rule(&key, algo, 10, "hour", burst, 6, want),
+            expected.len(),
+        )
+        .await;
+        check_consistent(&results);
+        assert_eq!(granted(&results), expected, "{algo}");
+        if algo == "LB" {
+            // The second lease starts at place 4: 4 × 6 minutes.
+            assert_eq!(results[0].delay_ms, 0);
+            assert!(
+                results[1].delay_ms <= 4 * 360_000 && results[1].delay_ms + 5_000 >= 4 * 360_000
+            );
+        }
+    }
+    // The largest lease allowed by the format.
+    let key = unique_key("lease-max");
+    let result = acquire_one(
+        router,
+        rule(&key, "TB", 1_000_000, "hour", 250_000, 10, 100_000),
+    )
+    .await;
+    assert_eq!((result.granted, result.remaining), (100_000, 150_000));
+}
+
+/// Many gateways at once: the count is still exact.
+async fn concurrent_exact(router: &Router) {
+    away_from_boundary(HOUR_MS, Duration::from_secs(5)).await;
+    let (tb, w, lb) = (unique_key("c-tb"), unique_key("c-w"), unique_key("c-lb"));
+    let mut tasks = Vec::new();
+    for _ in 0..40 {
+        let router = router.clone();
+        let rules = vec![
+            rule(&tb, "TB", 15, "hour", 15, 10, 1),
+            rule(&w, "W", 12, "hour", 12, 10, 1),
+            rule(&lb, "LB", 100, "hour", 7, 10, 1),
+        ];
+        tasks.push(tokio::spawn(async move { acquire(&router, rules).await }));
+    }
+    let mut allowed = [0; 3];
+    let mut delays = Vec::new();
+    for task in tasks {
+        let results = task.await.unwrap();
+        check_consistent(&results);
+        for (count, result) in allowed.iter_mut().zip(&results) {
+            *count += usize::from(result.allowed);
+        }
+        if results[2].allowed {
+            delays.push(results[2].delay_ms);
+        }
+    }
+    assert_eq!(allowed, [15, 12, 8]);
+    // The 8 leaky-bucket places are distinct turns, 36 s apart.
+    delays.sort_unstable();
+    for (place, delay) in delays.iter().enumerate() {
+        let ideal = place as u64 * 36_000;
+        assert!(*delay <= ideal && delay + 5_000 >= ideal, "{delays:?}");
+    }
+}
+
+/// LB delays on a per-second limit, against the time actually spent.
+async fn leaky_delays(router: &Router) {
+    let key = unique_key("lb-delay");
+    let started = Instant::now();
+    let mut seen = Vec::new();
+    for _ in 0..8 {
+        let sent = started.elapsed().as_millis() as u64;
+        let result = acquire_one(router, rule(&key, "LB", 10, "second", 5, 10, 1)).await;
+        seen.push((sent, started.elapsed().as_millis() as u64, result));
+    }
+    for (place, (sent, answered, result)) in seen.iter().enumerate() {
+        if place < 6 {
+            assert!(result.allowed, "place {place}: {result:?}");
+            // Turn `place` is place × 100 ms after the first decision, which happened
+            // while the first request was in flight (between 0 and seen[0].1).
+            let turn = place as u64 * 100;
+            let latest = (turn + seen[0].1).saturating_sub(*sent) + 1;
+            let earliest = turn.saturating_sub(answered + 1);
+            assert!(
+                result.delay_ms <= latest && result.delay_ms >= earliest,
+                "place {place}: {seen:?}"
+            );
+        } else {
+            assert!(!result.allowed, "place {place}: {result:?}");
+            assert!(result.retry_after_ms <= 100, "{result:?}");
+        }
+    }
+}
+
+/// TB refills continuously at rpu per unit, fractions kept.
+async fn token_refill(router: &Router) {
+    for (rpu, sleep_ms) in [(10u32, 250u64), (3, 400)] {
+        let key = unique_key("tb-refill");
+        let drain = rule(&key, "TB", rpu, "second", rpu, 10, 1000);
+        let first = acquire_one(router, drain.clone()).await;
+        let drained_at = Instant::now();
+        assert_eq!(first.granted, rpu);
+        assert_eq!(first.remaining, 0);
+        let empty = acquire_one(router, rule(&key, "TB", rpu, "second", rpu, 10, 1)).await;
+        let period = 1000 / u64::from(rpu) + 1;
+        if drained_at.elapsed() < Duration::from_millis(period / 2) {
+            assert!(!empty.allowed, "{empty:?}");
+            assert!(empty.retry_after_ms <= period, "{empty:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(sleep_ms)).await;
+        let before = drained_at.elapsed().as_secs_f64();
+        let refill = acquire_one(router, drain).await;
+        let after = drained_at.elapsed().as_secs_f64() + 0.002;
+        let low =
+            ((before * f64::from(rpu)).floor() as u32).saturating_sub(u32::from(empty.allowed));
+        let high = (after * f64::from(rpu)).floor() as u32;
+        assert!(
+            refill.granted >= low.saturating_sub(1) && refill.granted <= high,
+            "rpu {rpu}: {} granted after {before:.3}-{after:.3} s",
+            refill.granted
+        );
+    }
+}
+
+/// W: a new window admits rpu again.
+async fn window_resets(router: &Router) {
+    away_from_boundary(1000, Duration::from_millis(300)).await;
+    let key = unique_key("w-reset");
+    let fill = rule(&key, "W", 3, "second", 3, 10, 10);
+    assert_eq!(acquire_one(router, fill.clone()).await.granted, 3);
+    let denied = acquire_one(router, rule(&key, "W", 3, "second", 3, 10, 1)).await;
+    assert!(
+        !denied.allowed && denied.retry_after_ms <= 1000,
+        "{denied:?}"
+    );
+    tokio::time::sleep(Duration::from_millis(denied.retry_after_ms + 20)).await;
+    assert_eq!(acquire_one(router, fill).await.granted, 3);
+}
+
+/// SW: room comes back when the oldest slice leaves the window.
+async fn sliding_slides(router: &Router) {
+    away_from_boundary(250, Duration::from_millis(60)).await;
+    let key = unique_key("sw-slide");
+    let one = rule(&key, "SW", 4, "second", 4, 4, 1);
+    assert_eq!(
+        acquire_one(router, rule(&key, "SW", 4, "second", 4, 4, 4))
+            .await
+            .granted,
+        4
+    );
+    let denied = acquire_one(router, one.clone()).await;
+    assert!(!denied.allowed, "{denied:?}");
+    assert!(
+        denied.retry_after_ms > 750 && denied.retry_after_ms <= 1000,
+        "{denied:?}"
+    );
+    tokio::time::sleep(Duration::from_millis(denied.retry_after_ms + 20)).await;
+    let again = acquire_one(router, one).await;
+    assert!(again.allowed, "{again:?}");
+}
+
+/// Several rules in one request: one result each, in order, each decided on its own.
+async fn several_rules_in_order(router: &Router) {
+    away_from_boundary(HOUR_MS, Duration::from_secs(5)).await;
+    let (a, b, c) = (unique_key("a"), unique_key("b"), unique_key("c"));
+    let rules = vec![
+        rule(&a, "TB", 2, "hour", 2, 10, 1),
+        rule(&b, "W", 1, "hour", 1, 10, 1),
+        rule(&c, "SW", 3, "hour", 3, 3, 1),
+    ];
+    let mut rows = Vec::new();
+    for _ in 0..3 {
+        rows.push(granted(&acquire(router, rules.clone()).await));
+    }
+    assert_eq!(rows, [[1, 1, 1], [1, 0, 1], [0, 0, 1]]);
+    // Aliases and case do not make another counter.
+    let alias = acquire_one(router, rule(&a, "token bucket", 2, "Hours", 2, 10, 1)).await;
+    assert!(!alias.allowed);
+}
+
+/// `/v1/wait`: the service waits out the leaky-bucket delay and reports 0.
+async fn wait_endpoint(router: &Router) {
+    let key = unique_key("wait");
+    let lb = rule(&key, "LB", 10, "second", 2, 10, 1);
+    let first = Instant::now();
+    let (status, body) = post_rules(router, "/v1/wait", vec![lb.clone()]).await;
+    assert_eq!(status, StatusCode::OK);
+    let answer: AcquireResponse = serde_json::from_str(&body).unwrap();
+    assert!(answer.results[0].allowed && answer.results[0].delay_ms == 0);
+    let second = Instant::now();
+    let (status, body) = post_rules(router, "/v1/wait", vec![lb.clone()]).await;
+    let waited = second.elapsed();
+    assert_eq!(status, StatusCode::OK);
+    let answer: AcquireResponse = serde_json::from_str(&body).unwrap();
+    assert!(
+        answer.results[0].allowed && answer.results[0].delay_ms == 0,
+        "{body}"
+    );
+    let due = Duration::from_millis(100).saturating_sub(second - first);
+    assert!(
+        waited + Duration::from_millis(2) >= due,
+        "waited {waited:?}, due {due:?}"
+    );
+    assert!(
+        waited < due + Duration::from_millis(150),
+        "waited {waited:?}, due {due:?}"
+    );
+    // A denied rule: answered at once, nothing slept.
+    let (x, y) = (unique_key("wait-lb"), unique_key("wait-w"));
+    let _ = acquire(router, vec![rule(&y, "W", 1, "hour", 1, 10, 1)]).await;
+    let started = Instant::now();
+    let (status, body) = post_rules(
+        router,
+        "/v1/wait",
+        vec![
+            rule(&x, "LB", 1, "second", 3, 10, 1),
+            rule(&x, "LB", 1, "second", 3, 10, 1),
+            rule(&y, "W", 1, "hour", 1, 10, 1),
+        ],
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let answer: AcquireResponse = serde_json::from_str(&body).unwrap();
+    assert_eq!(granted(&answer.results), [1, 1, 0]);
+    // Two turns of the same bucket (in either order on a cluster, where rules run concurrently).
+    assert!(
+        answer.results[0].delay_ms.max(answer.results[1].delay_ms) > 900,
+        "{body}"
+    );
+    assert!(started.elapsed() < Duration::from_millis(500));
+}
+
+// ---------------------------------------------------------------------------------------
+// Every scenario × every store.
+
+macro_rules! suite {
+    ($($scenario:ident),* $(,)?) => {
+        mod memory {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $scenario() {
+                    let router = super::service(std::sync::Arc::new(super::memory_store()));
+                    super::$scenario(&router).await;
+                }
+            )*
+        }
+
+        mod redis {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $scenario() {
+                    let server = super::RedisServer::start();
+                    let router = super::service(std::sync::Arc::new(super::redis_store(&server.url())));
+                    super::$scenario(&router).await;
+                    drop(server);
+                }
+            )*
+        }
+
+        /// One cluster (three processes) for the whole suite.
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn cluster_runs_the_suite() {
+            let cluster = RedisCluster::start();
+            let router = service(Arc::new(redis_store(&cluster.url())));
+            $(
+                eprintln!("cluster: {}", stringify!($scenario));
+                $scenario(&router).await;
+            )*
+            drop(cluster);
+        }
+    };
+}
+
+suite!(
+    window_exact,
+    sliding_exact,
+    token_exact,
+    token_burst,
+    leaky_exact,
+    leases,
+    concurrent_exact,
+    leaky_delays,
+    token_refill,
+    window_resets,
+    sliding_slides,
+    several_rules_in_order,
+    wait_endpoint,
+);
