@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""Demo upstream for Diana: a tiny HTTP/1.1 service (standard library only).
+
+- `GET /healthz` -> 200 `ok`
+- `GET /timeline[...]` -> 200, a small fake timeline (the Weitter "hot event" page)
+- anything else -> 200 with a small JSON body: the path as received, and the echoed
+  `x-device-id` / `x-account-id` / `x-tenant-id` headers (truncated to 64 characters).
+
+Usage: upstream.py [--host 127.0.0.1] [--port 18080] [--verbose]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+ECHO_HEADERS = ("x-device-id", "x-account-id", "x-tenant-id")
+ECHO_MAX = 64
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    # Headers and body leave in separate writes: without TCP_NODELAY, Nagle + the peer's
+    # delayed ACK add ~40 ms to some responses, which would drown the latencies measured.
+    disable_nagle_algorithm = True
+    server_version = "diana-demo-upstream/1"
+    verbose = False
+
+    def _send(self, status: int, body: bytes, content_type: str) -> None:
+        self.send_response(status)
+        self.send_header("content-type", content_type)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _drain_body(self) -> None:
+        length = self.headers.get("content-length")
+        if length and length.isdigit():
+            remaining = min(int(length), 1 << 20)
+            while remaining > 0:
+                chunk = self.rfile.read(min(remaining, 65536))
+                if not chunk:
+                    break
+                remaining -= len(chunk)
+
+    def _handle(self) -> None:
+        self._drain_body()
+        # http.server collapses a leading "//" in self.path; echo the path as received.
+        parts = self.requestline.split()
+        path = parts[1] if len(parts) >= 2 else self.path
+        if path == "/healthz":
+            self._send(200, b"ok\n", "text/plain")
+            return
+        if path.startswith("/timeline"):
+            now = int(time.time())
+            posts = [
+                {"id": now * 10 + i, "author": f"celebrity{i}", "text": f"hot post #{i}"} for i in range(3)
+            ]
+            self._send(200, (json.dumps({"timeline": posts}) + "\n").encode(), "application/json")
+            return
+        doc: dict[str, object] = {"path": path, "method": self.command}
+        for name in ECHO_HEADERS:
+            value = self.headers.get(name)
+            if value is not None:
+                doc[name] = value[:ECHO_MAX]
+        self._send(200, (json.dumps(doc) + "\n").encode(), "application/json")
+
+    do_GET = _handle
+    do_POST = _handle
+    do_PUT = _handle
+    do_DELETE = _handle
+    do_HEAD = _handle
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (stdlib signature)
+        if self.verbose:
+            sys.stderr.write("%s - %s\n" % (self.address_string(), format % args))
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 1024
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=18080)
+    p.add_argument("--verbose", action="store_true", help="log every request to stderr")
+    a = p.parse_args(argv)
+    Handler.verbose = a.verbose
+    srv = Server((a.host, a.port), Handler)
+    print(f"demo upstream listening on http://{a.host}:{a.port}", flush=True)
+    try:
+        srv.serve_forever(poll_interval=0.2)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        srv.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

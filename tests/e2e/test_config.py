@@ -1,0 +1,121 @@
+"""Configuration as Envoy sees it: the accepted forms of the document, and a bad document
+refused with a message naming the field and its line/column (DESIGN §3).
+
+Envoy 1.40 behaviour with a plugin whose on_configure returns false at startup: the wasm
+log line carries the filter's message, then `Unable to create Wasm plugin diana`, and the
+bootstrap fails: Envoy exits with code 1 and never opens the listener."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from harness import Envoy, errors, record, send_concurrent, statuses
+
+
+def _start_bad(procs, upstream, doc: str, name: str) -> tuple[Envoy, str]:
+    envoy = procs.add(Envoy(procs.log_dir, diana_config=doc, upstream_port=upstream.port, name=name))
+    code, ready = envoy.start_expecting_failure(timeout=60)
+    log = envoy.log_text()
+    assert not ready, "Envoy started with a bad Diana document"
+    assert code not in (None, 0), f"Envoy neither exited nor became ready; exit code {code}"
+    assert not envoy.alive()
+    return envoy, log
+
+
+def _filter_error_lines(log: str) -> list[str]:
+    return [ln for ln in log.splitlines() if "wasm log" in ln and ("error" in ln or "critical" in ln or "warn" in ln)]
+
+
+BAD_RPU = """\
+resources:
+  - Url: /
+    rules:
+      - name: ok
+        rpu: 5
+  - Url: /sample
+    rules:
+      - name: broken
+        actor: device
+        rpu: 0
+"""
+
+
+def test_rpu_zero_is_refused_with_field_and_position(procs, upstream):
+    _, log = _start_bad(procs, upstream, BAD_RPU, "envoy-bad-rpu")
+    lines = _filter_error_lines(log)
+    record("bad document (rpu: 0) log", lines[:3])
+    assert lines, f"no error from the filter in the Envoy log:\n{log[-3000:]}"
+    msg = "\n".join(lines)
+    assert "rpu" in msg
+    m = re.search(r"line\D{0,3}(\d+)", msg, re.IGNORECASE)
+    assert m, f"no line number in: {msg}"
+    assert re.search(r"col(umn)?\D{0,3}\d+", msg, re.IGNORECASE), f"no column in: {msg}"
+    expected_line = BAD_RPU.splitlines().index("        rpu: 0") + 1
+    assert int(m.group(1)) == expected_line, f"line {m.group(1)} reported, `rpu: 0` is on line {expected_line}: {msg}"
+    assert "Unable to create Wasm plugin diana" in log or "Failed to configure" in log
+
+
+@pytest.mark.parametrize(
+    "doc,field",
+    [
+        ("Url: /\nrules:\n  - rpu: 5\n    rpm: 7\n", ["rpm"]),  # unknown key
+        ("Url: sample\nrules:\n  - rpu: 5\n", ["url"]),  # Url not starting with /
+        ("Url: /\nrules:\n  - rpu: 5\n    algo: XYZ\n", ["algo"]),  # bad value
+        ("resources:\n  - Url: /a\n    rules: [{rpu: 1}]\n  - Url: /a\n    rules: [{rpu: 2}]\n", ["url", "/a"]),
+    ],
+    ids=["unknown-key", "url-without-slash", "bad-algo", "duplicate-resource"],
+)
+def test_bad_documents_are_refused(procs, upstream, doc, field):
+    """`field`: the message must name one of these (case-insensitive)."""
+    _, log = _start_bad(procs, upstream, doc, "envoy-bad")
+    msg = "\n".join(_filter_error_lines(log))
+    assert any(f.lower() in msg.lower() for f in field), f"error does not name {field}:\n{msg or log[-3000:]}"
+
+
+FORMS = {
+    "seed-block": "Url: /\nrules:\n  - actor: all\n    unit: hour\n    rpu: 2\n",
+    "sequence": "- Url: /\n  rules:\n    - {actor: all, unit: hour, rpu: 2}\n- Url: /other\n  rules:\n    - {rpu: 100}\n",
+    "multi-document": "Url: /\nrules:\n  - {actor: all, unit: hour, rpu: 2}\n---\nUrl: /other\nrules:\n  - {rpu: 100}\n",
+    "json": '{"resources": [{"Url": "/", "rules": [{"actor": "all", "unit": "hour", "rpu": 2, "algo": "tb"}]}]}',
+    "case-insensitive-algo": "Url: /\nrules:\n  - {actor: all, unit: hour, rpu: 2, algo: token bucket}\n",
+}
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_accepted_document_forms(start_envoy, form):
+    envoy = start_envoy(FORMS[form])
+    resps = send_concurrent(envoy.port, 6, "/")
+    assert not errors(resps), errors(resps)
+    assert statuses(resps) == {200: 2, 503: 4}
+
+
+def test_seed_document_without_quota_service_degrades_to_local(start_envoy):
+    """The seed document has a global rule; with no diana_quota cluster/service the rule is
+    enforced locally and no request fails (DESIGN §4 Degrade)."""
+    seed = """\
+Url: /
+rules:
+  - actor: device
+    unit: second
+    rpu: 10
+    algo: TB
+    scope: global
+  - actor: all
+    unit: second
+    rpu: 50
+    algo: W
+    scope: local
+"""
+    envoy = start_envoy(seed)
+    t0 = time.monotonic()
+    resps = send_concurrent(envoy.port, 15, "/", {"x-device-id": "seed-dev"})
+    elapsed = time.monotonic() - t0
+    st = statuses(resps)
+    record("seed document, quota service absent, 15 concurrent requests from one device", f"{st} in {elapsed:.2f}s")
+    assert not errors(resps), errors(resps)
+    assert set(st) <= {200, 503}, st
+    # TB rpu 10/s, burst 10, enforced locally: 10, plus what refills while the burst lasts
+    assert 10 <= st.get(200, 0) <= 10 + int(elapsed * 10) + 1, st
