@@ -8,7 +8,7 @@ use diana_core::config::{parse_policy, Policy, RemoteSpec};
 use diana_core::engine::{Decision, Engine};
 use diana_core::global::{parse_answer, wait_path, CalloutFailure, Pending, MAX_SERVICE_WAIT_MS};
 use diana_core::metrics::{Event, MetricSink};
-use diana_core::remote::{self, Health, PollOutcome};
+use diana_core::remote::{self, PollOutcome};
 use diana_core::store::Store;
 use diana_core::time::{Nanos, NANOS_PER_SECOND};
 use proxy_wasm::hostcalls;
@@ -69,8 +69,11 @@ pub struct DianaRoot {
     vm: VmRef,
     /// Counters for configuration events, defined before any policy exists.
     events: Rc<HostMetrics>,
-    /// The host can pause a request and resume it from the tick (not on nginx).
-    can_pause: bool,
+    /// Envoy: requests can be paused and resumed from the tick, and the tick period can
+    /// change at will. Otherwise (ngx_wasm_module): neither.
+    envoy: bool,
+    /// On hosts where the tick period may be set only once: whether it was.
+    tick_fixed: bool,
     /// The config center, from the local document (a remote document cannot move it).
     remote: Option<RemoteSpec>,
     /// Version of the published remote document this worker runs (0 = local document).
@@ -78,7 +81,6 @@ pub struct DianaRoot {
     /// The poll this worker has in flight.
     poll_token: Option<u32>,
     next_remote_check: Nanos,
-    health: Health,
     store: Store,
 }
 
@@ -87,19 +89,19 @@ impl DianaRoot {
         DianaRoot {
             vm: Rc::new(RefCell::new(Vm::default())),
             events: Rc::new(HostMetrics::events_only()),
-            can_pause: true,
+            envoy: true,
+            tick_fixed: false,
             remote: None,
             applied_version: 0,
             poll_token: None,
             next_remote_check: 0,
-            health: Health::default(),
             store: Store::new(),
         }
     }
 
     /// Makes `policy` the one new requests are evaluated with.
     fn install(&mut self, policy: Policy, origin: &str) {
-        let engine = Engine::new(policy).with_pausing(self.can_pause);
+        let engine = Engine::new(policy).with_pausing(self.envoy);
         let metrics = HostMetrics::define(engine.rules());
         log::info!(
             "diana: {origin} configuration applied: {} resources, {} rules",
@@ -129,19 +131,23 @@ impl DianaRoot {
 
     /// Polls the config center if this worker claims this period's poll.
     fn poll(&mut self, spec: &RemoteSpec, now: Nanos) {
-        if self.poll_token.is_some() || !remote::claim_poll(&self.store, &HostSharedData, spec, now) {
+        if self.poll_token.is_some() || !remote::claim_poll(&self.store, &HostSharedData, spec, now)
+        {
             return;
         }
         let etag = remote::read_published(&HostSharedData).and_then(|p| p.etag);
         let headers = remote::poll_headers(spec, etag.as_deref());
         match hostcalls::dispatch_http_call(&spec.cluster, headers, None, vec![], POLL_TIMEOUT) {
             Ok(token) => self.poll_token = Some(token),
-            Err(status) => self.record_poll(Err(format!("dispatch to {} failed: {status:?}", spec.cluster))),
+            Err(status) => self.record_poll(Err(format!(
+                "dispatch to {} failed: {status:?}",
+                spec.cluster
+            ))),
         }
     }
 
     fn record_poll(&mut self, result: Result<(), String>) {
-        let switched = self.health.record(result.is_ok());
+        let switched = remote::record_health(&self.store, &HostSharedData, result.is_ok());
         match result {
             Ok(()) if switched => log::warn!("diana: config center is back"),
             Ok(()) => {}
@@ -159,7 +165,11 @@ impl DianaRoot {
             (0, None)
         } else {
             let status = host::header_bytes(MapType::HttpCallResponseHeaders, ":status")
-                .and_then(|s| std::str::from_utf8(&s).ok().and_then(|s| s.trim().parse::<u16>().ok()))
+                .and_then(|s| {
+                    std::str::from_utf8(&s)
+                        .ok()
+                        .and_then(|s| s.trim().parse::<u16>().ok())
+                })
                 .unwrap_or(0);
             let etag = host::header_bytes(MapType::HttpCallResponseHeaders, "etag")
                 .and_then(|e| String::from_utf8(e).ok());
@@ -179,12 +189,14 @@ impl DianaRoot {
         let published = remote::read_published(&HostSharedData);
         match remote::interpret(status, etag, &body, published.as_ref()) {
             PollOutcome::Unchanged => self.record_poll(Ok(())),
-            PollOutcome::Failed(reason) => {
-                if reason.starts_with("invalid") {
-                    Sink(&self.events).event(Event::ConfigRejected);
+            PollOutcome::Rejected(reason) => {
+                Sink(&self.events).event(Event::ConfigRejected);
+                if remote::first_rejection(&self.store, &HostSharedData, &body) {
+                    log::error!("diana: {reason}; keeping the current configuration");
                 }
                 self.record_poll(Err(reason));
             }
+            PollOutcome::Failed(reason) => self.record_poll(Err(reason)),
             PollOutcome::New { policy, text, etag } => {
                 self.record_poll(Ok(()));
                 match remote::publish(&self.store, &HostSharedData, &text, etag) {
@@ -192,7 +204,9 @@ impl DianaRoot {
                         self.applied_version = version;
                         self.install(*policy, &format!("remote (version {version})"));
                     }
-                    None => log::warn!("diana: could not publish the remote document; retrying next poll"),
+                    None => log::warn!(
+                        "diana: could not publish the remote document; retrying next poll"
+                    ),
                 }
             }
         }
@@ -209,7 +223,13 @@ impl DianaRoot {
 }
 
 impl Context for DianaRoot {
-    fn on_http_call_response(&mut self, token_id: u32, num_headers: usize, body_size: usize, _num_trailers: usize) {
+    fn on_http_call_response(
+        &mut self,
+        token_id: u32,
+        num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
         if self.poll_token == Some(token_id) {
             self.poll_token = None;
             self.on_poll_answer(num_headers, body_size);
@@ -229,20 +249,30 @@ impl RootContext for DianaRoot {
                 return false;
             }
         };
-        self.can_pause = !host::is_ngx_wasm_module();
-        if !self.can_pause {
-            log::info!("diana: ngx_wasm_module host: leaky-bucket waits are rejected with Retry-After (local) or done by the quota service (global)");
+        self.envoy = host::is_envoy();
+        if !self.envoy {
+            log::info!("diana: not Envoy (ngx_wasm_module?): leaky-bucket waits become Retry-After (local) or are done by the quota service (global)");
         }
         self.remote = policy.remote.clone();
         self.applied_version = 0;
         self.install(policy, "local");
-        let base_tick = if self.remote.is_some() { REMOTE_CHECK } else { Duration::ZERO };
-        let idle = with_vm(&self.vm, |vm| {
-            vm.base_tick = base_tick;
-            vm.waiters.is_empty()
-        });
-        if idle == Some(true) {
+        let base_tick = if self.remote.is_some() {
+            REMOTE_CHECK
+        } else {
+            Duration::ZERO
+        };
+        if self.envoy {
+            let idle = with_vm(&self.vm, |vm| {
+                vm.base_tick = base_tick;
+                vm.waiters.is_empty()
+            });
+            if idle == Some(true) {
+                set_tick(base_tick);
+            }
+        } else if !self.tick_fixed && !base_tick.is_zero() {
+            // Once, and never zero (a zero period re-arms at once there: a busy loop).
             set_tick(base_tick);
+            self.tick_fixed = true;
         }
         true
     }
@@ -264,7 +294,7 @@ impl RootContext for DianaRoot {
         for context_id in due {
             resume(context_id);
         }
-        if let Some(base_tick) = rest_tick {
+        if let (true, Some(base_tick)) = (self.envoy, rest_tick) {
             set_tick(base_tick);
         }
         if let Some(spec) = self.remote.clone() {
@@ -349,9 +379,11 @@ impl DianaHttp {
                     .iter()
                     .map(|(name, value)| (*name, value.as_str()))
                     .collect();
-                if let Err(status) =
-                    hostcalls::send_http_response(u32::from(rejection.status), headers, Some(rejection.body.as_bytes()))
-                {
+                if let Err(status) = hostcalls::send_http_response(
+                    u32::from(rejection.status),
+                    headers,
+                    Some(rejection.body.as_bytes()),
+                ) {
                     log::warn!("diana: cannot send the rejection: {status:?}");
                 }
                 Action::Pause
@@ -363,7 +395,10 @@ impl DianaHttp {
     fn dispatch(&mut self, configured: &Configured, pending: Pending, paused: bool) -> Action {
         let global = &configured.engine.policy().global;
         let (path, timeout_ms) = if pending.wait {
-            (wait_path(&global.path), global.timeout_ms.saturating_add(MAX_SERVICE_WAIT_MS))
+            (
+                wait_path(&global.path),
+                global.timeout_ms.saturating_add(MAX_SERVICE_WAIT_MS),
+            )
         } else {
             (global.path.clone(), global.timeout_ms)
         };
@@ -374,13 +409,20 @@ impl DianaHttp {
             ("content-type", "application/json"),
         ];
         let timeout = Duration::from_millis(u64::from(timeout_ms));
-        match hostcalls::dispatch_http_call(&global.cluster, headers, Some(&pending.body), vec![], timeout) {
+        match hostcalls::dispatch_http_call(
+            &global.cluster,
+            headers,
+            Some(&pending.body),
+            vec![],
+            timeout,
+        ) {
             Ok(_token) => {
                 self.pending = Some(pending);
                 Action::Pause
             }
             Err(status) => {
-                let failure = CalloutFailure::Dispatch(format!("{status:?} (cluster {})", global.cluster));
+                let failure =
+                    CalloutFailure::Dispatch(format!("{status:?} (cluster {})", global.cluster));
                 let decision = configured.engine.complete_global(
                     &HostSharedData,
                     pending,
@@ -406,15 +448,26 @@ impl DianaHttp {
 }
 
 impl Context for DianaHttp {
-    fn on_http_call_response(&mut self, _token_id: u32, num_headers: usize, body_size: usize, _num_trailers: usize) {
-        let (Some(pending), Some(configured)) = (self.pending.take(), self.configured.clone()) else {
+    fn on_http_call_response(
+        &mut self,
+        _token_id: u32,
+        num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
+        let (Some(pending), Some(configured)) = (self.pending.take(), self.configured.clone())
+        else {
             return;
         };
         let answer = if num_headers == 0 {
             Err(CalloutFailure::NoResponse)
         } else {
             let status = host::header_bytes(MapType::HttpCallResponseHeaders, ":status")
-                .and_then(|s| std::str::from_utf8(&s).ok().and_then(|s| s.trim().parse::<u16>().ok()))
+                .and_then(|s| {
+                    std::str::from_utf8(&s)
+                        .ok()
+                        .and_then(|s| s.trim().parse::<u16>().ok())
+                })
                 .unwrap_or(0);
             match hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size) {
                 Ok(body) => parse_answer(&pending, status, &body.unwrap_or_default()),
@@ -455,7 +508,9 @@ impl HttpContext for DianaHttp {
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         for (name, value) in self.response_headers.drain(..) {
-            if let Err(status) = hostcalls::add_map_value(MapType::HttpResponseHeaders, name, &value) {
+            if let Err(status) =
+                hostcalls::add_map_value(MapType::HttpResponseHeaders, name, &value)
+            {
                 log::debug!("diana: cannot add {name}: {status:?}");
             }
         }

@@ -66,11 +66,15 @@ pub fn header_bytes(map: MapType, name: &str) -> Option<Vec<u8>> {
     }
 }
 
-/// True when the host is ngx_wasm_module (nginx, Kong): it exposes nginx variables as
-/// `ngx.*` properties, which Envoy does not have. There a paused request cannot be
-/// resumed from the root context (`set_effective_context` is a no-op).
-pub fn is_ngx_wasm_module() -> bool {
-    matches!(hostcalls::get_property(vec!["ngx", "pid"]), Ok(Some(value)) if !value.is_empty())
+/// True when the host is Envoy (or another proxy-wasm-cpp-host): it knows the plugin's
+/// name and root id in the root context. ngx_wasm_module (nginx, Kong) does not, and there
+/// a paused request cannot be resumed from the root context (`set_effective_context` is a
+/// no-op) and the tick period may be set only once. Its `ngx.*` properties would tell it
+/// apart positively, but they exist only inside requests, and this is needed at configure time.
+pub fn is_envoy() -> bool {
+    [vec!["plugin_name"], vec!["plugin_root_id"]]
+        .into_iter()
+        .any(|path| matches!(hostcalls::get_property(path), Ok(Some(value)) if !value.is_empty()))
 }
 
 /// Host time in nanoseconds since the epoch (0 if the host cannot tell, which only makes
@@ -109,7 +113,10 @@ pub struct HostMetrics {
 impl HostMetrics {
     pub fn define<'a>(rules: impl Iterator<Item = &'a Rule>) -> HostMetrics {
         let rules = rules
-            .map(|rule| RuleEvent::ALL.map(|event| define(MetricType::Counter, &rule_metric_name(rule, event))))
+            .map(|rule| {
+                RuleEvent::ALL
+                    .map(|event| define(MetricType::Counter, &rule_metric_name(rule, event)))
+            })
             .collect();
         let events = Event::ALL
             .iter()
@@ -144,7 +151,12 @@ impl MetricSink for Sink<'_> {
     fn rule_event(&mut self, rule: usize, event: RuleEvent) {
         let metrics = self.0;
         let slot = RuleEvent::ALL.iter().position(|&e| e == event).unwrap_or(0);
-        HostMetrics::bump(metrics.rules.get(rule).and_then(|ids| ids.get(slot).copied().flatten()));
+        HostMetrics::bump(
+            metrics
+                .rules
+                .get(rule)
+                .and_then(|ids| ids.get(slot).copied().flatten()),
+        );
     }
 
     fn event(&mut self, event: Event) {

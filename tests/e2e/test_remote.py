@@ -106,13 +106,19 @@ def metric(envoy, name: str) -> int:
     return envoy.diana_metrics().get(name, 0)
 
 
+def wait_applied_everywhere(envoy, since: int, what: str) -> None:
+    """Every VM (the main thread's and one per worker) applied one more document."""
+    vms = envoy.concurrency + 1
+    wait_for(lambda: metric(envoy, "diana_config_reloads") >= since + vms, 15, what)
+
+
 def test_remote_document_replaces_local_then_survives_failures_and_garbage(start_envoy):
     port = free_port()
     with ConfigCenter(port) as center:
         center.document = remote_doc(5)
         envoy = start_envoy(local_doc(), config_port=port)
         # Every worker switches to the remote limit: exactly 5 per hour in total.
-        wait_for(lambda: metric(envoy, "diana_config_reloads") >= 2 * 4, 15, "remote document applied by every worker")
+        wait_applied_everywhere(envoy, envoy.concurrency + 1, "remote document applied by every worker")
         assert statuses(send_concurrent(envoy.port, 20)) == {200: 5, 429: 15}
         # Conditional requests: the center is asked with If-None-Match and answers 304.
         wait_for(lambda: center.not_modified >= 2, 10, "304 answers to If-None-Match")
@@ -135,15 +141,13 @@ def test_remote_document_replaces_local_then_survives_failures_and_garbage(start
         # its counter (still exhausted), the new one starts fresh.
         center.mode = "ok"
         center.document = remote_doc(5, "\n      - {name: extra, rpu: 100, unit: hour}")
-        reloads = metric(envoy, "diana_config_reloads")
-        wait_for(lambda: metric(envoy, "diana_config_reloads") >= reloads + 4, 15, "changed document applied")
+        wait_applied_everywhere(envoy, metric(envoy, "diana_config_reloads"), "changed document applied")
         assert admitted(envoy.port, 10) == 0, "unchanged rule kept its state across the reload"
         wait_for(lambda: "config center is back" in envoy.log_text(), 20, "recovery logged")
 
         # A different limit for `main` is a different counter: it starts fresh.
         center.document = remote_doc(7)
-        reloads = metric(envoy, "diana_config_reloads")
-        wait_for(lambda: metric(envoy, "diana_config_reloads") >= reloads + 4, 15, "new limit applied")
+        wait_applied_everywhere(envoy, metric(envoy, "diana_config_reloads"), "new limit applied")
         assert statuses(send_concurrent(envoy.port, 20)) == {200: 7, 429: 13}
         # One worker polls per period, not four.
         n0 = len(center.requests)

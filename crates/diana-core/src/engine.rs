@@ -21,7 +21,9 @@ use crate::time::Nanos;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Decision {
     /// Let it through now, adding these headers to the response (`headers: all`).
-    Allow { headers: Vec<(&'static str, String)> },
+    Allow {
+        headers: Vec<(&'static str, String)>,
+    },
     /// Let it through at `until` (leaky bucket): pause it and resume it then.
     Delay {
         until: Nanos,
@@ -141,10 +143,7 @@ impl Engine {
                     Identity::Key(hash) => SlotAddress::of(hash, rule.slots.get()),
                 };
                 if rule.scope == Scope::Global {
-                    globals.push(GlobalRuleRef {
-                        index,
-                        address,
-                    });
+                    globals.push(GlobalRuleRef { index, address });
                     continue;
                 }
                 if let LocalOutcome::Rejected(rejection) =

@@ -16,7 +16,11 @@ pub enum RuleEvent {
 }
 
 impl RuleEvent {
-    pub const ALL: [RuleEvent; 3] = [RuleEvent::Allowed, RuleEvent::Limited, RuleEvent::DryRunLimited];
+    pub const ALL: [RuleEvent; 3] = [
+        RuleEvent::Allowed,
+        RuleEvent::Limited,
+        RuleEvent::DryRunLimited,
+    ];
 
     fn suffix(self) -> &'static str {
         match self {
@@ -114,7 +118,13 @@ pub fn stat_name(rule_name: &str) -> String {
 /// Keeps `[A-Za-z0-9_]`, maps everything else to `_`, at most 64 bytes.
 pub fn sanitize(name: &str) -> String {
     name.chars()
-        .map(|c| if c.is_ascii_alphanumeric() || c == '_' { c } else { '_' })
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
         .take(64)
         .collect()
 }
@@ -148,7 +158,10 @@ pub struct CountingMetrics {
 
 impl CountingMetrics {
     pub fn rule(&self, rule: usize, event: RuleEvent) -> u64 {
-        self.rules.get(&(rule, event.suffix())).copied().unwrap_or(0)
+        self.rules
+            .get(&(rule, event.suffix()))
+            .copied()
+            .unwrap_or(0)
     }
     pub fn event_count(&self, event: Event) -> u64 {
         self.events.get(event.name()).copied().unwrap_or(0)

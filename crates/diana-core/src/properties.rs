@@ -35,7 +35,11 @@ mod tests {
             (b"[broken", None),
         ];
         for (input, expected) in cases {
-            assert_eq!(client_ip_from_address(input).as_deref(), expected, "{input:?}");
+            assert_eq!(
+                client_ip_from_address(input).as_deref(),
+                expected,
+                "{input:?}"
+            );
         }
     }
 }

@@ -16,9 +16,9 @@ use crate::store::{SharedData, Store};
 use crate::time::{Nanos, NANOS_PER_SECOND};
 
 /// Shared-data key holding the next time a poll is due (claimed by CAS).
-pub const POLL_KEY: &str = "diana:remote:next_poll";
+pub const POLL_KEY: &str = "diana/remote/next_poll";
 /// Shared-data key holding the last good remote document: version, ETag and text.
-pub const DOCUMENT_KEY: &str = "diana:remote:document";
+pub const DOCUMENT_KEY: &str = "diana/remote/document";
 /// Largest remote document accepted.
 pub const MAX_DOCUMENT_BYTES: usize = 1 << 20;
 
@@ -75,14 +75,20 @@ pub fn claim_poll(store: &Store, host: &dyn SharedData, spec: &RemoteSpec, now: 
             if now < due {
                 (None, false)
             } else {
-                (Some(now.saturating_add(period).to_le_bytes().to_vec()), true)
+                (
+                    Some(now.saturating_add(period).to_le_bytes().to_vec()),
+                    true,
+                )
             }
         })
         .unwrap_or(false)
 }
 
 /// The headers of a poll request.
-pub fn poll_headers<'a>(spec: &'a RemoteSpec, etag: Option<&'a str>) -> Vec<(&'static str, &'a str)> {
+pub fn poll_headers<'a>(
+    spec: &'a RemoteSpec,
+    etag: Option<&'a str>,
+) -> Vec<(&'static str, &'a str)> {
     let mut headers = vec![
         (":method", "GET"),
         (":path", spec.path.as_str()),
@@ -99,15 +105,26 @@ pub fn poll_headers<'a>(spec: &'a RemoteSpec, etag: Option<&'a str>) -> Vec<(&'s
 #[derive(Debug)]
 pub enum PollOutcome {
     /// A valid new document: publish it and apply it.
-    New { policy: Box<Policy>, text: String, etag: Option<String> },
+    New {
+        policy: Box<Policy>,
+        text: String,
+        etag: Option<String>,
+    },
     /// `304`, or the same document again.
     Unchanged,
-    /// Center down, error status, or invalid document: keep what we have.
+    /// Center down or error status: keep what we have.
     Failed(String),
+    /// The center answered a document that is not valid: keep what we have.
+    Rejected(String),
 }
 
 /// Interprets a poll's answer. `status` 0 means no response (timeout, connection failure).
-pub fn interpret(status: u16, etag: Option<String>, body: &[u8], current: Option<&Published>) -> PollOutcome {
+pub fn interpret(
+    status: u16,
+    etag: Option<String>,
+    body: &[u8],
+    current: Option<&Published>,
+) -> PollOutcome {
     match status {
         0 => return PollOutcome::Failed("config center unreachable (no response)".into()),
         304 => return PollOutcome::Unchanged,
@@ -115,11 +132,16 @@ pub fn interpret(status: u16, etag: Option<String>, body: &[u8], current: Option
         other => return PollOutcome::Failed(format!("config center answered {other}")),
     }
     if body.len() > MAX_DOCUMENT_BYTES {
-        return PollOutcome::Failed(format!("document of {} bytes exceeds {MAX_DOCUMENT_BYTES}", body.len()));
+        return PollOutcome::Rejected(format!(
+            "invalid remote document: {} bytes exceeds {MAX_DOCUMENT_BYTES}",
+            body.len()
+        ));
     }
     let text = match std::str::from_utf8(body) {
         Ok(text) => text,
-        Err(error) => return PollOutcome::Failed(format!("document is not UTF-8: {error}")),
+        Err(error) => {
+            return PollOutcome::Rejected(format!("invalid remote document: not UTF-8: {error}"))
+        }
     };
     if current.is_some_and(|published| published.text == text) {
         return PollOutcome::Unchanged;
@@ -130,12 +152,17 @@ pub fn interpret(status: u16, etag: Option<String>, body: &[u8], current: Option
             text: text.to_string(),
             etag,
         },
-        Err(error) => PollOutcome::Failed(format!("invalid remote document: {error}")),
+        Err(error) => PollOutcome::Rejected(format!("invalid remote document: {error}")),
     }
 }
 
 /// Publishes a new document with the next version; returns the version.
-pub fn publish(store: &Store, host: &dyn SharedData, text: &str, etag: Option<String>) -> Option<u64> {
+pub fn publish(
+    store: &Store,
+    host: &dyn SharedData,
+    text: &str,
+    etag: Option<String>,
+) -> Option<u64> {
     store
         .update(host, DOCUMENT_KEY, |current| {
             let version = current
@@ -153,23 +180,43 @@ pub fn publish(store: &Store, host: &dyn SharedData, text: &str, etag: Option<St
         .ok()
 }
 
-/// Tracks healthy/failing so each switch is logged and counted once.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct Health {
-    failing: bool,
+/// Shared-data key holding the hash of the last invalid document refused.
+pub const REJECTED_KEY: &str = "diana/remote/rejected";
+
+/// Remembers an invalid document's hash; true the first time this document is refused
+/// (by any worker), so each bad document is logged with its reason once, not every poll.
+pub fn first_rejection(store: &Store, host: &dyn SharedData, body: &[u8]) -> bool {
+    let digest = crate::hash::hash64(0x7265_6a65_6374, body)
+        .to_le_bytes()
+        .to_vec();
+    store
+        .update(host, REJECTED_KEY, |current| {
+            if current == Some(digest.as_slice()) {
+                (None, false)
+            } else {
+                (Some(digest.clone()), true)
+            }
+        })
+        .unwrap_or(false)
 }
 
-impl Health {
-    /// Records a poll result; returns true when the state switched.
-    pub fn record(&mut self, ok: bool) -> bool {
-        let switched = self.failing == ok;
-        self.failing = !ok;
-        switched
-    }
+/// Shared-data key holding whether the config center is failing (1) or healthy (0).
+pub const HEALTH_KEY: &str = "diana/remote/failing";
 
-    pub fn failing(&self) -> bool {
-        self.failing
-    }
+/// Records a poll result in shared data; true when this call switched the state between
+/// healthy and failing, so exactly one worker logs each switch.
+pub fn record_health(store: &Store, host: &dyn SharedData, ok: bool) -> bool {
+    let failing = u8::from(!ok);
+    store
+        .update(host, HEALTH_KEY, |current| {
+            let before = current.and_then(|b| b.first().copied()).unwrap_or(0);
+            if before == failing {
+                (None, false)
+            } else {
+                (Some(vec![failing]), true)
+            }
+        })
+        .unwrap_or(false)
 }
 
 #[cfg(test)]
@@ -195,22 +242,52 @@ mod tests {
             let host = MemoryHost::new(semantics);
             let workers: Vec<Store> = (0..4).map(|_| Store::new()).collect();
             let now = 100 * NANOS_PER_SECOND;
-            let claims = workers.iter().filter(|w| claim_poll(w, &host, &spec(), now)).count();
+            let claims = workers
+                .iter()
+                .filter(|w| claim_poll(w, &host, &spec(), now))
+                .count();
             assert_eq!(claims, 1);
             let later = now + 9 * NANOS_PER_SECOND;
-            assert_eq!(workers.iter().filter(|w| claim_poll(w, &host, &spec(), later)).count(), 0);
+            assert_eq!(
+                workers
+                    .iter()
+                    .filter(|w| claim_poll(w, &host, &spec(), later))
+                    .count(),
+                0
+            );
             let next = now + 10 * NANOS_PER_SECOND;
-            assert_eq!(workers.iter().filter(|w| claim_poll(w, &host, &spec(), next)).count(), 1);
+            assert_eq!(
+                workers
+                    .iter()
+                    .filter(|w| claim_poll(w, &host, &spec(), next))
+                    .count(),
+                1
+            );
         }
     }
 
     #[test]
     fn answers_are_interpreted() {
-        assert!(matches!(interpret(0, None, b"", None), PollOutcome::Failed(_)));
-        assert!(matches!(interpret(503, None, GOOD.as_bytes(), None), PollOutcome::Failed(_)));
-        assert!(matches!(interpret(304, None, b"", None), PollOutcome::Unchanged));
-        assert!(matches!(interpret(200, None, b"rules: [[[", None), PollOutcome::Failed(_)));
-        assert!(matches!(interpret(200, None, b"\xff\xfe", None), PollOutcome::Failed(_)));
+        assert!(matches!(
+            interpret(0, None, b"", None),
+            PollOutcome::Failed(_)
+        ));
+        assert!(matches!(
+            interpret(503, None, GOOD.as_bytes(), None),
+            PollOutcome::Failed(_)
+        ));
+        assert!(matches!(
+            interpret(304, None, b"", None),
+            PollOutcome::Unchanged
+        ));
+        assert!(matches!(
+            interpret(200, None, b"rules: [[[", None),
+            PollOutcome::Rejected(_)
+        ));
+        assert!(matches!(
+            interpret(200, None, b"\xff\xfe", None),
+            PollOutcome::Rejected(_)
+        ));
         match interpret(200, Some("\"v1\"".into()), GOOD.as_bytes(), None) {
             PollOutcome::New { etag, text, .. } => {
                 assert_eq!(etag.as_deref(), Some("\"v1\""));
@@ -218,10 +295,20 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
-        let published = Published { version: 3, etag: None, text: GOOD.into() };
-        assert!(matches!(interpret(200, None, GOOD.as_bytes(), Some(&published)), PollOutcome::Unchanged));
+        let published = Published {
+            version: 3,
+            etag: None,
+            text: GOOD.into(),
+        };
+        assert!(matches!(
+            interpret(200, None, GOOD.as_bytes(), Some(&published)),
+            PollOutcome::Unchanged
+        ));
         let huge = vec![b'#'; MAX_DOCUMENT_BYTES + 1];
-        assert!(matches!(interpret(200, None, &huge, None), PollOutcome::Failed(_)));
+        assert!(matches!(
+            interpret(200, None, &huge, None),
+            PollOutcome::Rejected(_)
+        ));
     }
 
     #[test]
@@ -229,7 +316,10 @@ mod tests {
         let host = MemoryHost::new(CasSemantics::Nginx);
         let store = Store::new();
         assert_eq!(publish(&store, &host, GOOD, Some("e1".into())), Some(1));
-        assert_eq!(publish(&store, &host, "Url: /x\nrules: [{rpu: 1}]\n", None), Some(2));
+        assert_eq!(
+            publish(&store, &host, "Url: /x\nrules: [{rpu: 1}]\n", None),
+            Some(2)
+        );
         let published = read_published(&host).unwrap();
         assert_eq!(published.version, 2);
         assert_eq!(published.etag, None);
@@ -237,11 +327,25 @@ mod tests {
     }
 
     #[test]
-    fn health_switches_are_reported_once() {
-        let mut health = Health::default();
-        assert!(!health.record(true));
-        assert!(health.record(false));
-        assert!(!health.record(false));
-        assert!(health.record(true));
+    fn each_invalid_document_is_reported_once() {
+        let host = MemoryHost::new(CasSemantics::Envoy);
+        let (a, b) = (Store::new(), Store::new());
+        assert!(first_rejection(&a, &host, b"garbage"));
+        assert!(!first_rejection(&b, &host, b"garbage"));
+        assert!(first_rejection(&b, &host, b"other garbage"));
+    }
+
+    #[test]
+    fn health_switches_are_reported_once_across_workers() {
+        let host = MemoryHost::new(CasSemantics::Nginx);
+        let (a, b) = (Store::new(), Store::new());
+        assert!(!record_health(&a, &host, true));
+        assert!(record_health(&a, &host, false));
+        assert!(
+            !record_health(&b, &host, false),
+            "another worker sees it already failing"
+        );
+        assert!(record_health(&b, &host, true));
+        assert!(!record_health(&a, &host, true));
     }
 }

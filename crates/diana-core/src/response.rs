@@ -64,7 +64,10 @@ impl Rejection {
 }
 
 /// Headers to add to an admitted request's response (`headers: all` only).
-pub fn admitted_headers(spec: &ResponseSpec, report: Option<&RuleReport>) -> Vec<(&'static str, String)> {
+pub fn admitted_headers(
+    spec: &ResponseSpec,
+    report: Option<&RuleReport>,
+) -> Vec<(&'static str, String)> {
     match (spec.headers, report) {
         (HeaderMode::All, Some(report)) => report.headers().to_vec(),
         _ => Vec::new(),

@@ -83,7 +83,8 @@ pub trait Algorithm: Send + Sync + fmt::Debug {
 }
 
 /// Every algorithm Diana knows. Order matters only for documentation.
-pub static REGISTRY: [&dyn Algorithm; 4] = [&FixedWindow, &SlidingWindow, &LeakyBucket, &TokenBucket];
+pub static REGISTRY: [&dyn Algorithm; 4] =
+    [&FixedWindow, &SlidingWindow, &LeakyBucket, &TokenBucket];
 
 /// The algorithm used when a rule does not say.
 pub fn default_algorithm() -> &'static dyn Algorithm {

@@ -1,4 +1,9 @@
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
 
 use super::*;
 use crate::config::parse_policy;
@@ -60,16 +65,30 @@ impl Harness {
         }
     }
     fn request(&mut self, path: &str, facts: &Facts) -> Decision {
-        self.engine
-            .evaluate(&self.host, path.as_bytes(), facts, self.now, &mut self.metrics)
+        self.engine.evaluate(
+            &self.host,
+            path.as_bytes(),
+            facts,
+            self.now,
+            &mut self.metrics,
+        )
     }
-    fn complete(&mut self, pending: Pending, answer: Result<Vec<RuleResult>, CalloutFailure>) -> Decision {
+    fn complete(
+        &mut self,
+        pending: Pending,
+        answer: Result<Vec<RuleResult>, CalloutFailure>,
+    ) -> Decision {
         self.engine
             .complete_global(&self.host, pending, answer, self.now, &mut self.metrics)
     }
     fn admitted(&mut self, path: &str, facts: &Facts, n: usize) -> usize {
         (0..n)
-            .filter(|_| matches!(self.request(path, facts), Decision::Allow { .. } | Decision::Delay { .. }))
+            .filter(|_| {
+                matches!(
+                    self.request(path, facts),
+                    Decision::Allow { .. } | Decision::Delay { .. }
+                )
+            })
             .count()
     }
 }
@@ -82,7 +101,11 @@ fn rejection(decision: Decision) -> Rejection {
 }
 
 fn header<'a>(rejection: &'a Rejection, name: &str) -> Option<&'a str> {
-    rejection.headers.iter().find(|(n, _)| *n == name).map(|(_, v)| v.as_str())
+    rejection
+        .headers
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, v)| v.as_str())
 }
 
 const SEED: &str = "
@@ -106,7 +129,11 @@ fn each_algorithm_admits_exactly_rpu_on_both_hosts() {
         for algo in ["W", "SW", "TB"] {
             let doc = format!("Url: /\nrules:\n  - rpu: 20\n    unit: minute\n    algo: {algo}\n");
             let mut h = Harness::on(&doc, semantics);
-            assert_eq!(h.admitted("/", &Facts::default(), 100), 20, "{algo} {semantics:?}");
+            assert_eq!(
+                h.admitted("/", &Facts::default(), 100),
+                20,
+                "{algo} {semantics:?}"
+            );
             assert_eq!(h.metrics.rule(0, RuleEvent::Allowed), 20);
             assert_eq!(h.metrics.rule(0, RuleEvent::Limited), 80);
         }
@@ -142,8 +169,14 @@ fn header_mode_all_reports_the_tightest_rule_on_admitted_requests() {
     );
     match h.request("/", &Facts::default()) {
         Decision::Allow { headers } => {
-            assert!(headers.contains(&("x-ratelimit-limit", "3".to_string())), "{headers:?}");
-            assert!(headers.contains(&("x-ratelimit-remaining", "2".to_string())), "{headers:?}");
+            assert!(
+                headers.contains(&("x-ratelimit-limit", "3".to_string())),
+                "{headers:?}"
+            );
+            assert!(
+                headers.contains(&("x-ratelimit-remaining", "2".to_string())),
+                "{headers:?}"
+            );
         }
         other => panic!("{other:?}"),
     }
@@ -153,15 +186,28 @@ fn header_mode_all_reports_the_tightest_rule_on_admitted_requests() {
 fn least_specific_first_and_the_first_denial_charges_nothing_after_it() {
     let doc = "- Url: /\n  rules: [{rpu: 5, unit: minute}]\n- Url: /sample\n  rules: [{rpu: 3, unit: minute}]\n";
     let mut h = Harness::new(doc);
-    let spellings = ["//sample", "/sample/./x", "/x/../sample", "/%73ample", "/sample?q=1"];
+    let spellings = [
+        "//sample",
+        "/sample/./x",
+        "/x/../sample",
+        "/%73ample",
+        "/sample?q=1",
+    ];
     let admitted: Vec<bool> = spellings
         .iter()
         .map(|p| matches!(h.request(p, &Facts::default()), Decision::Allow { .. }))
         .collect();
-    assert_eq!(admitted, [true, true, true, false, false], "every spelling counts as /sample");
+    assert_eq!(
+        admitted,
+        [true, true, true, false, false],
+        "every spelling counts as /sample"
+    );
     // `/` counted the three admitted and the two denied by /sample (it was charged first).
     assert_eq!(h.metrics.rule(0, RuleEvent::Allowed), 5);
-    assert!(matches!(h.request("/samples", &Facts::default()), Decision::Reject(_)));
+    assert!(matches!(
+        h.request("/samples", &Facts::default()),
+        Decision::Reject(_)
+    ));
     // Denied by `/`: /sample's counter is not charged.
     assert_eq!(h.metrics.rule(1, RuleEvent::Allowed), 3);
     assert_eq!(h.metrics.rule(1, RuleEvent::Limited), 2);
@@ -171,19 +217,27 @@ fn least_specific_first_and_the_first_denial_charges_nothing_after_it() {
 fn actors_have_separate_counters_and_fallbacks() {
     let doc = "resources:\n  - Url: /\n    rules:\n      - {actor: device, rpu: 1, unit: minute}\n";
     let mut h = Harness::new(doc);
-    let a = Facts::default().with("x-device-id", b"a").with_ip("10.0.0.1");
-    let b = Facts::default().with("x-device-id", b"b").with_ip("10.0.0.1");
+    let a = Facts::default()
+        .with("x-device-id", b"a")
+        .with_ip("10.0.0.1");
+    let b = Facts::default()
+        .with("x-device-id", b"b")
+        .with_ip("10.0.0.1");
     assert_eq!(h.admitted("/", &a, 3), 1);
     assert_eq!(h.admitted("/", &b, 3), 1);
     // No device id: falls back to the client IP; two IPs, two counters.
     assert_eq!(h.admitted("/", &Facts::default().with_ip("10.0.0.2"), 3), 1);
     assert_eq!(h.admitted("/", &Facts::default().with_ip("10.0.0.3"), 3), 1);
 
-    let doc = "resources:\n  - Url: /\n    rules:\n      - {actor: account, rpu: 1, unit: minute}\n";
+    let doc =
+        "resources:\n  - Url: /\n    rules:\n      - {actor: account, rpu: 1, unit: minute}\n";
     let mut h = Harness::new(doc);
     // account falls back to skip: requests without an account are not limited by it.
     assert_eq!(h.admitted("/", &Facts::default(), 5), 5);
-    assert_eq!(h.admitted("/", &Facts::default().with("x-account-id", b"\xff\xfe"), 5), 1);
+    assert_eq!(
+        h.admitted("/", &Facts::default().with("x-account-id", b"\xff\xfe"), 5),
+        1
+    );
 }
 
 #[test]
@@ -245,10 +299,16 @@ fn the_seed_document_sends_its_global_rule_in_one_callout_after_the_local_rule()
     let request: AcquireRequest = serde_json::from_slice(&pending.body).unwrap();
     assert_eq!(request.rules.len(), 1);
     let rule = &request.rules[0];
-    assert_eq!((rule.algo.as_str(), rule.rpu, rule.unit.as_str(), rule.want), ("TB", 10, "second", 1));
+    assert_eq!(
+        (rule.algo.as_str(), rule.rpu, rule.unit.as_str(), rule.want),
+        ("TB", 10, "second", 1)
+    );
     // The local `all` rule was charged before the callout.
     assert_eq!(h.metrics.rule(1, RuleEvent::Allowed), 1);
-    assert!(matches!(h.complete(pending, Ok(vec![answer(1, 0)])), Decision::Allow { .. }));
+    assert!(matches!(
+        h.complete(pending, Ok(vec![answer(1, 0)])),
+        Decision::Allow { .. }
+    ));
     let pending = callout(h.request("/any", &device));
     let r = rejection(h.complete(pending, Ok(vec![answer(0, 2_500)])));
     assert_eq!(header(&r, "retry-after"), Some("3"));
@@ -261,17 +321,27 @@ fn the_seed_document_sends_its_global_rule_in_one_callout_after_the_local_rule()
 
 #[test]
 fn a_lease_is_spent_locally_by_later_requests() {
-    let doc = "resources:\n  - Url: /\n    rules: [{rpu: 100, unit: minute, scope: global, lease: 10}]\n";
+    let doc =
+        "resources:\n  - Url: /\n    rules: [{rpu: 100, unit: minute, scope: global, lease: 10}]\n";
     let mut h = Harness::new(doc);
     let pending = callout(h.request("/", &Facts::default()));
     let request: AcquireRequest = serde_json::from_slice(&pending.body).unwrap();
     assert_eq!(request.rules[0].want, 10);
-    assert!(matches!(h.complete(pending, Ok(vec![answer(10, 0)])), Decision::Allow { .. }));
+    assert!(matches!(
+        h.complete(pending, Ok(vec![answer(10, 0)])),
+        Decision::Allow { .. }
+    ));
     // Nine spare tokens: nine requests without a callout, then a callout again.
     for _ in 0..9 {
-        assert!(matches!(h.request("/", &Facts::default()), Decision::Allow { .. }));
+        assert!(matches!(
+            h.request("/", &Facts::default()),
+            Decision::Allow { .. }
+        ));
     }
-    assert!(matches!(h.request("/", &Facts::default()), Decision::Callout(_)));
+    assert!(matches!(
+        h.request("/", &Facts::default()),
+        Decision::Callout(_)
+    ));
     assert_eq!(h.metrics.event_count(Event::GlobalCallout), 2);
     assert_eq!(h.metrics.rule(0, RuleEvent::Allowed), 10);
 }
@@ -288,7 +358,10 @@ fn a_failing_service_degrades_to_local_and_the_breaker_probes_after_retry_second
         let mut h = Harness::new(doc);
         let pending = callout(h.request("/", &Facts::default()));
         // The failed request is decided locally at once (first local token).
-        assert!(matches!(h.complete(pending, Err(failure.clone())), Decision::Allow { .. }));
+        assert!(matches!(
+            h.complete(pending, Err(failure.clone())),
+            Decision::Allow { .. }
+        ));
         assert!(h.metrics.degraded);
         // While the breaker is open: no callout, same limit enforced locally.
         assert_eq!(h.admitted("/", &Facts::default(), 5), 2, "{failure:?}");
@@ -297,10 +370,19 @@ fn a_failing_service_degrades_to_local_and_the_breaker_probes_after_retry_second
         h.now += 5 * NANOS_PER_SECOND;
         let probe = callout(h.request("/", &Facts::default()));
         assert!(probe.probe);
-        assert!(matches!(h.request("/", &Facts::default()), Decision::Reject(_)));
-        assert!(matches!(h.complete(probe, Ok(vec![answer(1, 0)])), Decision::Allow { .. }));
+        assert!(matches!(
+            h.request("/", &Facts::default()),
+            Decision::Reject(_)
+        ));
+        assert!(matches!(
+            h.complete(probe, Ok(vec![answer(1, 0)])),
+            Decision::Allow { .. }
+        ));
         assert!(!h.metrics.degraded);
-        assert!(matches!(h.request("/", &Facts::default()), Decision::Callout(_)));
+        assert!(matches!(
+            h.request("/", &Facts::default()),
+            Decision::Callout(_)
+        ));
     }
 }
 
@@ -320,12 +402,18 @@ fn a_host_that_cannot_pause_turns_a_wait_into_retry_after_and_reserves_nothing()
     let doc = "Url: /\nrules:\n  - {algo: LB, rpu: 10, unit: second, burst: 2}\n";
     let mut h = Harness::new(doc);
     h.engine = Engine::new(parse_policy(doc).unwrap()).with_pausing(false);
-    assert!(matches!(h.request("/", &Facts::default()), Decision::Allow { .. }));
+    assert!(matches!(
+        h.request("/", &Facts::default()),
+        Decision::Allow { .. }
+    ));
     let r = rejection(h.request("/", &Facts::default()));
     assert_eq!(header(&r, "retry-after"), Some("1"));
     // Nothing was reserved by the rejected request: 100 ms later one passes at once.
     h.now += NANOS_PER_SECOND / 10;
-    assert!(matches!(h.request("/", &Facts::default()), Decision::Allow { .. }));
+    assert!(matches!(
+        h.request("/", &Facts::default()),
+        Decision::Allow { .. }
+    ));
 }
 
 #[test]

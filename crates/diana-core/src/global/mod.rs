@@ -10,11 +10,11 @@
 //! ```
 //!
 //! All of it lives in proxy-wasm shared data, so every worker of a gateway shares it:
-//! - the **lease stash** (`diana:lease:<rule>:<slot>`): tokens granted beyond the one a
+//! - the **lease stash** (`diana/lease/<rule>/<slot>`): tokens granted beyond the one a
 //!   request needed (`lease: N`), spent by later requests without a callout, valid until the
 //!   service's reset; a denial is cached in the same record until its retry-after, so an
 //!   exhausted key is not asked again before it can succeed;
-//! - the **circuit breaker** (`diana:breaker`): after a failure, global rules are enforced
+//! - the **circuit breaker** (`diana/breaker`): after a failure, global rules are enforced
 //!   locally with the same parameters for `retry_seconds`; then one request (whichever worker
 //!   claims it first) probes the service, and its answer closes or re-opens the breaker.
 
@@ -31,7 +31,7 @@ use wire::{AcquireRequest, AcquireResponse, RuleRequest, RuleResult};
 const NANOS_PER_MILLI: Nanos = 1_000_000;
 
 /// The shared-data key of the circuit breaker.
-pub const BREAKER_KEY: &str = "diana:breaker";
+pub const BREAKER_KEY: &str = "diana/breaker";
 
 /// A global rule of the request being evaluated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -107,15 +107,20 @@ impl Lease {
     }
 
     fn encode(&self) -> Vec<u8> {
-        [self.fingerprint, self.tokens, self.valid_until, self.denied_until]
-            .iter()
-            .flat_map(|w| w.to_le_bytes())
-            .collect()
+        [
+            self.fingerprint,
+            self.tokens,
+            self.valid_until,
+            self.denied_until,
+        ]
+        .iter()
+        .flat_map(|w| w.to_le_bytes())
+        .collect()
     }
 }
 
 fn lease_key(rule: &Rule, address: SlotAddress) -> String {
-    format!("diana:lease:{:016x}:{}", rule.id, address.first)
+    format!("diana/lease/{:016x}/{}", rule.id, address.first)
 }
 
 /// The quota service's wait endpoint beside its acquire endpoint: `/v1/acquire` →
@@ -278,7 +283,9 @@ pub(crate) fn begin(
                     reset_seconds: crate::time::ceil_seconds(until - now),
                     retry_after_seconds: crate::time::ceil_seconds_at_least_one(until - now),
                 };
-                if let LocalOutcome::Rejected(rejection) = engine.deny(global.index, rule, &report, metrics) {
+                if let LocalOutcome::Rejected(rejection) =
+                    engine.deny(global.index, rule, &report, metrics)
+                {
                     return Decision::Reject(rejection);
                 }
             }
@@ -300,7 +307,11 @@ pub(crate) fn begin(
                     unit: rule.limit.unit.name().to_string(),
                     burst: rule.limit.burst.get(),
                     slices: rule.limit.slices.get(),
-                    want: if rule.algo.code() == "LB" { 1 } else { rule.lease.get() },
+                    want: if rule.algo.code() == "LB" {
+                        1
+                    } else {
+                        rule.lease.get()
+                    },
                 })
             })
             .collect(),
@@ -339,9 +350,15 @@ fn degrade(
         let Some(rule) = engine.rule(global.index) else {
             continue;
         };
-        if let LocalOutcome::Rejected(rejection) =
-            engine.charge_locally(host, global.index, rule, global.address, now, &mut progress, metrics)
-        {
+        if let LocalOutcome::Rejected(rejection) = engine.charge_locally(
+            host,
+            global.index,
+            rule,
+            global.address,
+            now,
+            &mut progress,
+            metrics,
+        ) {
             return Decision::Reject(rejection);
         }
     }
@@ -349,7 +366,11 @@ fn degrade(
 }
 
 /// Parses and checks the service's answer against what was asked.
-pub fn parse_answer(pending: &Pending, status: u16, body: &[u8]) -> Result<Vec<RuleResult>, CalloutFailure> {
+pub fn parse_answer(
+    pending: &Pending,
+    status: u16,
+    body: &[u8],
+) -> Result<Vec<RuleResult>, CalloutFailure> {
     if status != 200 {
         return Err(CalloutFailure::Status(status));
     }
@@ -403,7 +424,9 @@ pub fn complete(
             continue;
         };
         let verdict = crate::algo::Verdict {
-            granted: result.granted.min(if result.allowed { u32::MAX } else { 0 }),
+            granted: result
+                .granted
+                .min(if result.allowed { u32::MAX } else { 0 }),
             remaining: result.remaining,
             reset: result.reset_ms.saturating_mul(NANOS_PER_MILLI),
             retry_after: result.retry_after_ms.saturating_mul(NANOS_PER_MILLI),
@@ -444,7 +467,9 @@ pub fn complete(
                 },
                 now,
             );
-            if let LocalOutcome::Rejected(rejection) = engine.deny(global.index, rule, &report, metrics) {
+            if let LocalOutcome::Rejected(rejection) =
+                engine.deny(global.index, rule, &report, metrics)
+            {
                 return Decision::Reject(rejection);
             }
         }

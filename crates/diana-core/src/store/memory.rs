@@ -92,7 +92,9 @@ impl SharedData for MemoryHost {
         }
         let new_cas = entries.next_cas;
         entries.next_cas = entries.next_cas.wrapping_add(1).max(1);
-        entries.map.insert(key.to_string(), (value.to_vec(), new_cas));
+        entries
+            .map
+            .insert(key.to_string(), (value.to_vec(), new_cas));
         Ok(SetOutcome::Written)
     }
 }

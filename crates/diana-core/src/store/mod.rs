@@ -106,7 +106,9 @@ impl SlotAddress {
     /// The two candidate slots of an identity hash in a table of `slots` entries.
     pub fn of(identity_hash: u64, slots: u32) -> SlotAddress {
         let slots = u64::from(slots.max(1));
-        let mixed = identity_hash.rotate_left(29).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let mixed = identity_hash
+            .rotate_left(29)
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15);
         SlotAddress {
             fingerprint: identity_hash | 1,
             first: (identity_hash % slots) as u32,
@@ -125,8 +127,9 @@ impl SlotAddress {
 }
 
 /// The shared-data key of one slot of one rule. Printable, fixed shape, bounded length.
+/// Every key starts with `diana/`: ngx_wasm_module stores `ns/key` in the `shm_kv ns` zone.
 pub fn slot_key(rule_id: u64, slot: u32) -> String {
-    format!("diana:{rule_id:016x}:{slot}")
+    format!("diana/{rule_id:016x}/{slot}")
 }
 
 /// A decoded slot record: fingerprint plus the algorithm's state words.
@@ -218,7 +221,9 @@ impl Store {
         for _ in 0..MAX_CAS_ATTEMPTS {
             let (slot, record, cas, collided) = self.locate(host, table, address, now, words)?;
             let mut record = record;
-            let mut verdict = table.algo.acquire(table.limit, &mut record.words, now, want);
+            let mut verdict = table
+                .algo
+                .acquire(table.limit, &mut record.words, now, want);
             if table.immediate_only && verdict.delay > 0 {
                 // The host cannot hold the request: the wait becomes a retry-after and
                 // nothing is reserved.

@@ -1,4 +1,9 @@
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
 
 use super::*;
 use crate::time::Unit;
@@ -56,7 +61,13 @@ fn limit(rpu: u32) -> Limit {
 
 const BOTH: [CasSemantics; 2] = [CasSemantics::Envoy, CasSemantics::Nginx];
 
-fn admitted(store: &Store, host: &dyn SharedData, table: &SlotTable<'_>, id: u64, n: usize) -> usize {
+fn admitted(
+    store: &Store,
+    host: &dyn SharedData,
+    table: &SlotTable<'_>,
+    id: u64,
+    n: usize,
+) -> usize {
     (0..n)
         .filter(|_| {
             store
@@ -74,8 +85,17 @@ fn sequential_requests_admit_exactly_the_limit_on_both_hosts() {
         let host = MemoryHost::new(semantics);
         let store = Store::new();
         let limit = limit(20);
-        let table = SlotTable { rule_id: 7, algo: &CountUpTo, limit: &limit, immediate_only: false };
-        assert_eq!(admitted(&store, &host, &table, 42, 100), 20, "{semantics:?}");
+        let table = SlotTable {
+            rule_id: 7,
+            algo: &CountUpTo,
+            limit: &limit,
+            immediate_only: false,
+        };
+        assert_eq!(
+            admitted(&store, &host, &table, 42, 100),
+            20,
+            "{semantics:?}"
+        );
         assert_eq!(store.host_is_strict(), semantics == CasSemantics::Nginx);
     }
 }
@@ -94,7 +114,12 @@ fn concurrent_workers_share_one_counter_on_both_hosts() {
                     std::thread::spawn(move || {
                         // Each worker has its own Store, as each Envoy worker has its own VM.
                         let store = Store::new();
-                        let table = SlotTable { rule_id: round, algo: &CountUpTo, limit: &limit, immediate_only: false };
+                        let table = SlotTable {
+                            rule_id: round,
+                            algo: &CountUpTo,
+                            limit: &limit,
+                            immediate_only: false,
+                        };
                         start.wait();
                         admitted(&store, host.as_ref(), &table, 42, 50)
                     })
@@ -120,7 +145,10 @@ impl SharedData for RacingHost {
     }
     fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<SetOutcome, HostError> {
         if !self.raced.replace(true) {
-            assert_eq!(self.inner.set(key, &self.competitor_value, 0)?, SetOutcome::Written);
+            assert_eq!(
+                self.inner.set(key, &self.competitor_value, 0)?,
+                SetOutcome::Written
+            );
         }
         self.inner.set(key, value, cas)
     }
@@ -130,10 +158,18 @@ impl SharedData for RacingHost {
 fn creating_a_key_never_overwrites_a_competitors_creation() {
     for semantics in BOTH {
         let limit = limit(20);
-        let table = SlotTable { rule_id: 1, algo: &CountUpTo, limit: &limit, immediate_only: false };
+        let table = SlotTable {
+            rule_id: 1,
+            algo: &CountUpTo,
+            limit: &limit,
+            immediate_only: false,
+        };
         let address = SlotAddress::single();
         // The competitor charged one request for the same identity.
-        let competitor = Record { fingerprint: address.fingerprint, words: vec![1, 100] };
+        let competitor = Record {
+            fingerprint: address.fingerprint,
+            words: vec![1, 100],
+        };
         let host = RacingHost {
             inner: MemoryHost::new(semantics),
             competitor_value: competitor.encode(),
@@ -153,13 +189,24 @@ fn memory_is_bounded_by_the_slot_table_whatever_identities_arrive() {
     let host = MemoryHost::new(CasSemantics::Envoy);
     let store = Store::new();
     let limit = limit(10);
-    let table = SlotTable { rule_id: 3, algo: &CountUpTo, limit: &limit, immediate_only: false };
+    let table = SlotTable {
+        rule_id: 3,
+        algo: &CountUpTo,
+        limit: &limit,
+        immediate_only: false,
+    };
     for identity in 0..100_000u64 {
         let hash = crate::hash::hash64(0, &identity.to_le_bytes());
-        store.charge(&host, &table, SlotAddress::of(hash, 1024), identity * 10, 1).unwrap();
+        store
+            .charge(&host, &table, SlotAddress::of(hash, 1024), identity * 10, 1)
+            .unwrap();
     }
     assert!(host.key_count() <= 1024, "{} keys", host.key_count());
-    assert!(host.key_count() > 1000, "identities spread over the table: {}", host.key_count());
+    assert!(
+        host.key_count() > 1000,
+        "identities spread over the table: {}",
+        host.key_count()
+    );
 }
 
 #[test]
@@ -167,15 +214,35 @@ fn a_busy_slot_is_shared_conservatively_and_an_idle_one_is_reused() {
     let host = MemoryHost::new(CasSemantics::Nginx);
     let store = Store::new();
     let limit = limit(3);
-    let table = SlotTable { rule_id: 9, algo: &CountUpTo, limit: &limit, immediate_only: false };
-    let alice = SlotAddress { fingerprint: 11, first: 0, second: 0 };
-    let bob = SlotAddress { fingerprint: 13, first: 0, second: 0 };
+    let table = SlotTable {
+        rule_id: 9,
+        algo: &CountUpTo,
+        limit: &limit,
+        immediate_only: false,
+    };
+    let alice = SlotAddress {
+        fingerprint: 11,
+        first: 0,
+        second: 0,
+    };
+    let bob = SlotAddress {
+        fingerprint: 13,
+        first: 0,
+        second: 0,
+    };
     assert!(!store.charge(&host, &table, alice, 100, 2).unwrap().collided);
     // Bob collides with active Alice: he is charged on her counter, never beyond the limit.
     let bob_charge = store.charge(&host, &table, bob, 200, 5).unwrap();
     assert!(bob_charge.collided);
     assert_eq!(bob_charge.verdict.granted, 1);
-    assert_eq!(store.charge(&host, &table, alice, 300, 1).unwrap().verdict.granted, 0);
+    assert_eq!(
+        store
+            .charge(&host, &table, alice, 300, 1)
+            .unwrap()
+            .verdict
+            .granted,
+        0
+    );
     // Once Alice's counter is idle, Bob takes the slot with a fresh counter.
     let later = store.charge(&host, &table, bob, 5_000, 3).unwrap();
     assert!(!later.collided);
@@ -187,13 +254,26 @@ fn an_identity_finds_its_record_in_the_second_slot_before_claiming_the_first() {
     let host = MemoryHost::new(CasSemantics::Envoy);
     let store = Store::new();
     let limit = limit(2);
-    let table = SlotTable { rule_id: 5, algo: &CountUpTo, limit: &limit, immediate_only: false };
-    let carol = SlotAddress { fingerprint: 21, first: 0, second: 1 };
-    let dave = SlotAddress { fingerprint: 23, first: 0, second: 1 };
+    let table = SlotTable {
+        rule_id: 5,
+        algo: &CountUpTo,
+        limit: &limit,
+        immediate_only: false,
+    };
+    let carol = SlotAddress {
+        fingerprint: 21,
+        first: 0,
+        second: 1,
+    };
+    let dave = SlotAddress {
+        fingerprint: 23,
+        first: 0,
+        second: 1,
+    };
     store.charge(&host, &table, carol, 100, 1).unwrap(); // slot 0
     store.charge(&host, &table, dave, 1_000, 2).unwrap(); // slot 1: Carol is still active
-    // Carol's slot 0 went idle, and Dave used his budget: Dave must not reset himself by
-    // claiming slot 0; he is found in slot 1 and stays limited.
+                                                          // Carol's slot 0 went idle, and Dave used his budget: Dave must not reset himself by
+                                                          // claiming slot 0; he is found in slot 1 and stays limited.
     let again = store.charge(&host, &table, dave, 1_200, 1).unwrap();
     assert_eq!(again.verdict.granted, 0);
 }
@@ -205,8 +285,15 @@ fn garbage_in_a_slot_is_reclaimed_not_trusted() {
         host.put_raw(&slot_key(4, 0), b"\xff\x00garbage");
         let store = Store::new();
         let limit = limit(2);
-        let table = SlotTable { rule_id: 4, algo: &CountUpTo, limit: &limit, immediate_only: false };
-        let charge = store.charge(&host, &table, SlotAddress::single(), 100, 5).unwrap();
+        let table = SlotTable {
+            rule_id: 4,
+            algo: &CountUpTo,
+            limit: &limit,
+            immediate_only: false,
+        };
+        let charge = store
+            .charge(&host, &table, SlotAddress::single(), 100, 5)
+            .unwrap();
         assert_eq!(charge.verdict.granted, 2, "{semantics:?}");
     }
 }
@@ -216,10 +303,21 @@ fn rejected_requests_write_nothing() {
     let host = MemoryHost::new(CasSemantics::Envoy);
     let store = Store::new();
     let limit = limit(1);
-    let table = SlotTable { rule_id: 8, algo: &CountUpTo, limit: &limit, immediate_only: false };
-    store.charge(&host, &table, SlotAddress::single(), 100, 1).unwrap();
+    let table = SlotTable {
+        rule_id: 8,
+        algo: &CountUpTo,
+        limit: &limit,
+        immediate_only: false,
+    };
+    store
+        .charge(&host, &table, SlotAddress::single(), 100, 1)
+        .unwrap();
     let (_, cas_before) = host.get(&slot_key(8, 0)).unwrap().unwrap();
-    assert!(!store.charge(&host, &table, SlotAddress::single(), 101, 1).unwrap().verdict.allowed());
+    assert!(!store
+        .charge(&host, &table, SlotAddress::single(), 101, 1)
+        .unwrap()
+        .verdict
+        .allowed());
     let (_, cas_after) = host.get(&slot_key(8, 0)).unwrap().unwrap();
     assert_eq!(cas_before, cas_after);
 }
@@ -242,7 +340,12 @@ fn endless_contention_is_bounded() {
     let host = AlwaysRaced(MemoryHost::new(CasSemantics::Envoy));
     let store = Store::new();
     let limit = limit(1_000_000);
-    let table = SlotTable { rule_id: 2, algo: &CountUpTo, limit: &limit, immediate_only: false };
+    let table = SlotTable {
+        rule_id: 2,
+        algo: &CountUpTo,
+        limit: &limit,
+        immediate_only: false,
+    };
     let result = store.charge(&host, &table, SlotAddress::single(), 100, 1);
     assert_eq!(result, Err(ChargeError::Contention));
 }
