@@ -2,10 +2,9 @@
 the filter, run in a real Envoy), the OCI image layout from scripts/package-oci, and the
 Kong filter metadata (kong/diana.meta.json: a JSON Schema of the Diana document).
 
-Optional Python packages (tests/e2e/requirements-extra.txt): PyYAML to compare
-istio/pluginconfig.json with the manifest here (the Rust test
-crates/diana-cli/tests/cli.rs checks the same thing without it), jsonschema for the
-Kong schema tests. Without them those tests are skipped with a message."""
+Python packages from tests/e2e/requirements-extra.txt (installed by scripts/install-deps):
+PyYAML to compare istio/pluginconfig.json with the manifest, jsonschema for the Kong schema
+tests. A missing one fails those tests."""
 
 from __future__ import annotations
 
@@ -61,7 +60,7 @@ def plugin_config() -> dict:
 
 
 def test_pluginconfig_json_matches_the_wasmplugin_manifest():
-    yaml = pytest.importorskip("yaml", reason="PyYAML not installed (tests/e2e/requirements-extra.txt)")
+    import yaml  # scripts/install-deps installs it (tests/e2e/requirements-extra.txt)
     manifest = yaml.safe_load(MANIFEST.read_text(encoding="utf-8"))
     assert manifest["apiVersion"] == "extensions.istio.io/v1alpha1"
     assert manifest["kind"] == "WasmPlugin"
@@ -280,7 +279,7 @@ BAD = [
 
 
 def kong_validator():
-    jsonschema = pytest.importorskip("jsonschema", reason="jsonschema not installed (tests/e2e/requirements-extra.txt)")
+    import jsonschema  # scripts/install-deps installs it
     meta = json.loads(KONG_META.read_text(encoding="utf-8"))
     assert set(meta) == {"config_schema"}, "Kong filter metadata holds config_schema"
     schema = meta["config_schema"]
