@@ -10,7 +10,7 @@ import subprocess
 import threading
 import time
 
-from harness import REPO, WASM, free_port, port_open, request, wait_for_fresh_minute
+from harness import REPO, WASM, free_port, http_get, port_open, request, wait_for_fresh_minute
 
 
 def test_scripts_run_serves_the_demo_policy_and_stops_on_ctrl_c(log_dir):
@@ -52,6 +52,11 @@ def test_scripts_run_serves_the_demo_policy_and_stops_on_ctrl_c(log_dir):
         wait_for_fresh_minute(5)  # the /sample rule is a fixed window on the epoch minute
         codes = [request(gw, "/sample", {"x-device-id": "phone-1"}).status for _ in range(7)]
         assert codes == [200] * 5 + [503] * 2, codes  # sample_device: 5 per minute per device
+        # sample_global went through the quota service that scripts/run started.
+        status, body, _ = http_get(ports["DIANA_ADMIN_PORT"], "/stats?filter=diana_global")
+        stats = dict(line.rsplit(": ", 1) for line in body.decode().splitlines() if ": " in line)
+        assert int(stats["wasmcustom.diana_global_callouts"]) >= 5, stats
+        assert int(stats["wasmcustom.diana_global_errors"]) == 0, stats
     finally:
         if p.poll() is None:
             p.send_signal(signal.SIGINT)
