@@ -164,13 +164,7 @@ impl DianaRoot {
         let (status, etag) = if num_headers == 0 {
             (0, None)
         } else {
-            let status = host::header_bytes(MapType::HttpCallResponseHeaders, ":status")
-                .and_then(|s| {
-                    std::str::from_utf8(&s)
-                        .ok()
-                        .and_then(|s| s.trim().parse::<u16>().ok())
-                })
-                .unwrap_or(0);
+            let status = host::callout_status();
             let etag = host::header_bytes(MapType::HttpCallResponseHeaders, "etag")
                 .and_then(|e| String::from_utf8(e).ok());
             (status, etag)
@@ -462,13 +456,7 @@ impl Context for DianaHttp {
         let answer = if num_headers == 0 {
             Err(CalloutFailure::NoResponse)
         } else {
-            let status = host::header_bytes(MapType::HttpCallResponseHeaders, ":status")
-                .and_then(|s| {
-                    std::str::from_utf8(&s)
-                        .ok()
-                        .and_then(|s| s.trim().parse::<u16>().ok())
-                })
-                .unwrap_or(0);
+            let status = host::callout_status();
             match hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size) {
                 Ok(body) => parse_answer(&pending, status, &body.unwrap_or_default()),
                 Err(status) => Err(CalloutFailure::Body(format!("{status:?}"))),

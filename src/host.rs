@@ -77,6 +77,13 @@ pub fn is_envoy() -> bool {
         .any(|path| matches!(hostcalls::get_property(path), Ok(Some(value)) if !value.is_empty()))
 }
 
+/// The `:status` of a callout's answer (0 when missing or unreadable).
+pub fn callout_status() -> u16 {
+    header_bytes(MapType::HttpCallResponseHeaders, ":status")
+        .and_then(|s| std::str::from_utf8(&s).ok()?.trim().parse::<u16>().ok())
+        .unwrap_or(0)
+}
+
 /// Host time in nanoseconds since the epoch (0 if the host cannot tell, which only makes
 /// counters start over: never a failure).
 pub fn now() -> Nanos {

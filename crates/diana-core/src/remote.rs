@@ -12,7 +12,7 @@
 //! and counted. `ETag` / `If-None-Match` are honoured; `304` means unchanged.
 
 use crate::config::{parse_policy, Policy, RemoteSpec};
-use crate::store::{SharedData, Store};
+use crate::store::{decode_u64, SharedData, Store};
 use crate::time::{Nanos, NANOS_PER_SECOND};
 
 /// Shared-data key holding the next time a poll is due (claimed by CAS).
@@ -68,10 +68,7 @@ pub fn claim_poll(store: &Store, host: &dyn SharedData, spec: &RemoteSpec, now: 
     let period = u64::from(spec.poll_seconds.max(1)) * NANOS_PER_SECOND;
     store
         .update(host, POLL_KEY, |current| {
-            let due = current
-                .and_then(|b| b.try_into().ok())
-                .map(u64::from_le_bytes)
-                .unwrap_or(0);
+            let due = decode_u64(current);
             if now < due {
                 (None, false)
             } else {

@@ -24,7 +24,7 @@ use crate::config::Rule;
 use crate::engine::{Decision, Engine, LocalOutcome, Progress};
 use crate::metrics::{Event, MetricSink, RuleEvent};
 use crate::response::RuleReport;
-use crate::store::{SharedData, SlotAddress, Store};
+use crate::store::{decode_u64, SharedData, SlotAddress, Store};
 use crate::time::{Nanos, NANOS_PER_SECOND};
 use wire::{AcquireRequest, AcquireResponse, RuleRequest, RuleResult};
 
@@ -91,6 +91,14 @@ struct Lease {
 }
 
 impl Lease {
+    /// An empty record of `address`'s identity.
+    fn for_address(address: SlotAddress) -> Lease {
+        Lease {
+            fingerprint: address.fingerprint,
+            ..Lease::default()
+        }
+    }
+
     fn decode(bytes: Option<&[u8]>) -> Lease {
         let Some(bytes) = bytes.filter(|b| b.len() == 32) else {
             return Lease::default();
@@ -203,9 +211,7 @@ fn stash(
 /// Breaker record: `open_until` (0 = closed).
 fn breaker_open_until(host: &dyn SharedData) -> Nanos {
     match host.get(BREAKER_KEY) {
-        Ok(Some((bytes, _))) if bytes.len() == 8 => {
-            u64::from_le_bytes(bytes.as_slice().try_into().unwrap_or([0; 8]))
-        }
+        Ok(Some((bytes, _))) => decode_u64(Some(&bytes)),
         _ => 0,
     }
 }
@@ -222,10 +228,7 @@ fn may_call(store: &Store, host: &dyn SharedData, retry: Nanos, now: Nanos) -> O
         return None;
     }
     let claimed = store.update(host, BREAKER_KEY, |current| {
-        let current = current
-            .and_then(|b| b.try_into().ok())
-            .map(u64::from_le_bytes)
-            .unwrap_or(0);
+        let current = decode_u64(current);
         if current == 0 || now < current {
             (None, current == 0)
         } else {
@@ -241,10 +244,7 @@ fn may_call(store: &Store, host: &dyn SharedData, retry: Nanos, now: Nanos) -> O
 fn set_breaker(store: &Store, host: &dyn SharedData, open_until: Nanos) -> bool {
     store
         .update(host, BREAKER_KEY, |current| {
-            let before = current
-                .and_then(|b| b.try_into().ok())
-                .map(u64::from_le_bytes)
-                .unwrap_or(0);
+            let before = decode_u64(current);
             let changed = (before == 0) != (open_until == 0);
             (Some(open_until.to_le_bytes().to_vec()), changed)
         })
@@ -435,38 +435,22 @@ pub fn complete(
         let report = RuleReport::new(rule, &verdict);
         if verdict.allowed() {
             metrics.rule_event(global.index, RuleEvent::Allowed);
-            let spare = u64::from(verdict.granted - 1);
             if rule.lease.get() > 1 {
                 metrics.event(Event::LeaseRefill);
-                stash(
-                    engine.store(),
-                    host,
-                    rule,
-                    global.address,
-                    Lease {
-                        fingerprint: global.address.fingerprint,
-                        tokens: spare,
-                        valid_until: now.saturating_add(verdict.reset.max(NANOS_PER_MILLI)),
-                        denied_until: 0,
-                    },
-                    now,
-                );
+                let spare = Lease {
+                    tokens: u64::from(verdict.granted - 1),
+                    valid_until: now.saturating_add(verdict.reset.max(NANOS_PER_MILLI)),
+                    ..Lease::for_address(global.address)
+                };
+                stash(engine.store(), host, rule, global.address, spare, now);
             }
             progress.admit(report, verdict.delay);
         } else {
-            stash(
-                engine.store(),
-                host,
-                rule,
-                global.address,
-                Lease {
-                    fingerprint: global.address.fingerprint,
-                    tokens: 0,
-                    valid_until: 0,
-                    denied_until: now.saturating_add(verdict.retry_after),
-                },
-                now,
-            );
+            let denial = Lease {
+                denied_until: now.saturating_add(verdict.retry_after),
+                ..Lease::for_address(global.address)
+            };
+            stash(engine.store(), host, rule, global.address, denial, now);
             if let LocalOutcome::Rejected(rejection) =
                 engine.deny(global.index, rule, &report, metrics)
             {

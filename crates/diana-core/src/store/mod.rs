@@ -126,6 +126,15 @@ impl SlotAddress {
     }
 }
 
+/// Reads a `u64` kept as 8 little-endian bytes in shared data; anything else (missing,
+/// another size) reads as 0.
+pub fn decode_u64(bytes: Option<&[u8]>) -> u64 {
+    bytes
+        .and_then(|b| <[u8; 8]>::try_from(b).ok())
+        .map(u64::from_le_bytes)
+        .unwrap_or(0)
+}
+
 /// The shared-data key of one slot of one rule. Printable, fixed shape, bounded length.
 /// Every key starts with `diana/`: ngx_wasm_module stores `ns/key` in the `shm_kv ns` zone.
 pub fn slot_key(rule_id: u64, slot: u32) -> String {
