@@ -172,14 +172,16 @@ fn take_from_stash(
         if lease.fingerprint != address.fingerprint {
             return (None, StashAnswer::Ask);
         }
+        // Tokens already granted are spent first: a denial cached by a concurrent request
+        // only means the service has nothing more to give.
+        if lease.tokens > 0 && lease.valid_until > now {
+            lease.tokens -= 1;
+            return (Some(lease.encode()), StashAnswer::Served);
+        }
         if lease.denied_until > now {
             return (None, StashAnswer::Denied(lease.denied_until));
         }
-        if lease.tokens == 0 || lease.valid_until <= now {
-            return (None, StashAnswer::Ask);
-        }
-        lease.tokens -= 1;
-        (Some(lease.encode()), StashAnswer::Served)
+        (None, StashAnswer::Ask)
     });
     result.unwrap_or(StashAnswer::Ask)
 }
@@ -197,9 +199,11 @@ fn stash(
     let result = store.update(host, &key, |current| {
         let mut merged = lease;
         let existing = Lease::decode(current);
-        // Spare tokens from an earlier refill that are still valid are kept.
+        // Spare tokens from an earlier refill that are still valid are kept (with the
+        // later expiry of the two).
         if existing.fingerprint == lease.fingerprint && existing.valid_until > now {
             merged.tokens = merged.tokens.saturating_add(existing.tokens);
+            merged.valid_until = merged.valid_until.max(existing.valid_until);
         }
         (Some(merged.encode()), ())
     });
