@@ -42,6 +42,8 @@ pub struct Engine {
     policy: Policy,
     /// Index of each resource's first rule in the flat rule numbering used by metrics.
     offsets: Vec<usize>,
+    /// Flat rule index → (resource, rule within it).
+    flat: Vec<(usize, usize)>,
     store: Store,
     /// The host can pause a request and resume it later (Envoy: yes; nginx: no).
     can_pause: bool,
@@ -77,14 +79,15 @@ pub(crate) enum LocalOutcome {
 impl Engine {
     pub fn new(policy: Policy) -> Engine {
         let mut offsets = Vec::with_capacity(policy.resources.len());
-        let mut next = 0;
-        for resource in &policy.resources {
-            offsets.push(next);
-            next += resource.rules.len();
+        let mut flat = Vec::new();
+        for (resource_index, resource) in policy.resources.iter().enumerate() {
+            offsets.push(flat.len());
+            flat.extend((0..resource.rules.len()).map(|rule| (resource_index, rule)));
         }
         Engine {
             policy,
             offsets,
+            flat,
             store: Store::new(),
             can_pause: true,
         }
@@ -232,7 +235,8 @@ impl Engine {
 
     /// The rule at flat `index`.
     pub fn rule(&self, index: usize) -> Option<&Rule> {
-        self.rules().nth(index)
+        let &(resource, rule) = self.flat.get(index)?;
+        self.policy.resources.get(resource)?.rules.get(rule)
     }
 
     pub(crate) fn store(&self) -> &Store {
