@@ -483,7 +483,11 @@ impl HttpContext for DianaHttp {
         let Some(configured) = self.configured.clone() else {
             return Action::Continue;
         };
-        let raw_path = host::header_bytes(MapType::HttpRequestHeaders, ":path").unwrap_or_default();
+        let raw_path = if configured.engine.needs_path() {
+            host::header_bytes(MapType::HttpRequestHeaders, ":path").unwrap_or_default()
+        } else {
+            b"/".to_vec()
+        };
         let decision = configured.engine.evaluate(
             &HostSharedData,
             &raw_path,

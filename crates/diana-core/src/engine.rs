@@ -14,7 +14,7 @@ use crate::matching;
 use crate::metrics::{Event, MetricSink, RuleEvent};
 use crate::path;
 use crate::response::{admitted_headers, Rejection, RuleReport};
-use crate::store::{SharedData, SlotAddress, SlotTable, Store};
+use crate::store::{key_prefix, SharedData, SlotAddress, SlotTable, Store};
 use crate::time::Nanos;
 
 /// What the host must do with the request.
@@ -44,6 +44,10 @@ pub struct Engine {
     offsets: Vec<usize>,
     /// Flat rule index → (resource, rule within it).
     flat: Vec<(usize, usize)>,
+    /// Flat rule index → the rule's shared-data key prefix.
+    key_prefixes: Vec<String>,
+    /// False when the only resource is `/`: every request matches, the path is not needed.
+    needs_path: bool,
     store: Store,
     /// The host can pause a request and resume it later (Envoy: yes; nginx: no).
     can_pause: bool,
@@ -84,10 +88,18 @@ impl Engine {
             offsets.push(flat.len());
             flat.extend((0..resource.rules.len()).map(|rule| (resource_index, rule)));
         }
+        let key_prefixes = policy
+            .resources
+            .iter()
+            .flat_map(|resource| resource.rules.iter().map(|rule| key_prefix(rule.id)))
+            .collect();
+        let needs_path = !matches!(policy.resources.as_slice(), [only] if only.url == "/");
         Engine {
             policy,
             offsets,
             flat,
+            key_prefixes,
+            needs_path,
             store: Store::new(),
             can_pause: true,
         }
@@ -112,6 +124,12 @@ impl Engine {
     /// Every rule in flat numbering (the index used by [`MetricSink::rule_event`]).
     pub fn rules(&self) -> impl Iterator<Item = &Rule> {
         self.policy.resources.iter().flat_map(|r| r.rules.iter())
+    }
+
+    /// False when every request matches the same rules whatever its path (the policy's
+    /// only resource is `/`): the host may then skip reading `:path`.
+    pub fn needs_path(&self) -> bool {
+        self.needs_path
     }
 
     /// True when some rule is a leaky bucket (the host then needs a tick to resume waiters).
@@ -176,7 +194,7 @@ impl Engine {
         metrics: &mut dyn MetricSink,
     ) -> LocalOutcome {
         let table = SlotTable {
-            rule_id: rule.id,
+            key_prefix: self.key_prefixes.get(index).map_or("", String::as_str),
             algo: rule.algo,
             limit: &rule.limit,
             immediate_only: !self.can_pause,

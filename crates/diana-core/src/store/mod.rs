@@ -135,10 +135,40 @@ pub fn decode_u64(bytes: Option<&[u8]>) -> u64 {
         .unwrap_or(0)
 }
 
-/// The shared-data key of one slot of one rule. Printable, fixed shape, bounded length.
-/// Every key starts with `diana/`: ngx_wasm_module stores `ns/key` in the `shm_kv ns` zone.
+/// The shared-data key of one slot of one rule: `diana/<rule id, 16 hex digits>/<slot>`.
+/// Printable, fixed shape, bounded length. Every key starts with `diana/`:
+/// ngx_wasm_module stores `ns/key` in the `shm_kv ns` zone.
 pub fn slot_key(rule_id: u64, slot: u32) -> String {
-    format!("diana/{rule_id:016x}/{slot}")
+    slot_key_in(&key_prefix(rule_id), slot)
+}
+
+/// `diana/<rule id>/`, the part of a rule's slot keys computed once per rule.
+pub fn key_prefix(rule_id: u64) -> String {
+    format!("diana/{rule_id:016x}/")
+}
+
+/// A slot's key from its rule's [`key_prefix`], without the formatting machinery: this
+/// runs for every rule of every request.
+pub fn slot_key_in(prefix: &str, slot: u32) -> String {
+    let mut digits = [0u8; 10];
+    let mut start = digits.len();
+    let mut rest = slot;
+    loop {
+        start -= 1;
+        if let Some(digit) = digits.get_mut(start) {
+            *digit = b'0' + (rest % 10) as u8;
+        }
+        rest /= 10;
+        if rest == 0 || start == 0 {
+            break;
+        }
+    }
+    let mut key = String::with_capacity(prefix.len() + digits.len() - start);
+    key.push_str(prefix);
+    for &digit in digits.get(start..).unwrap_or_default() {
+        key.push(char::from(digit));
+    }
+    key
 }
 
 /// A decoded slot record: fingerprint plus the algorithm's state words.
@@ -185,7 +215,8 @@ impl Record {
 /// One rule's counters in the host store.
 #[derive(Debug, Clone, Copy)]
 pub struct SlotTable<'a> {
-    pub rule_id: u64,
+    /// The rule's [`key_prefix`].
+    pub key_prefix: &'a str,
     pub algo: &'a dyn Algorithm,
     pub limit: &'a Limit,
     /// Admit only what can pass now: a decision that would make the request wait
@@ -250,7 +281,7 @@ impl Store {
             if !collided {
                 record.fingerprint = address.fingerprint;
             }
-            let key = slot_key(table.rule_id, slot);
+            let key = slot_key_in(table.key_prefix, slot);
             if self.write(host, &key, &record.encode(), cas)? == SetOutcome::Written {
                 return Ok(Charge { verdict, collided });
             }
@@ -342,7 +373,7 @@ impl Store {
         now: Nanos,
         words: usize,
     ) -> Result<Probe, HostError> {
-        let key = slot_key(table.rule_id, slot);
+        let key = slot_key_in(table.key_prefix, slot);
         Ok(match host.get(&key)? {
             None => Probe::Free(None),
             Some((bytes, cas)) => {

@@ -86,7 +86,7 @@ fn sequential_requests_admit_exactly_the_limit_on_both_hosts() {
         let store = Store::new();
         let limit = limit(20);
         let table = SlotTable {
-            rule_id: 7,
+            key_prefix: &key_prefix(7),
             algo: &CountUpTo,
             limit: &limit,
             immediate_only: false,
@@ -115,7 +115,7 @@ fn concurrent_workers_share_one_counter_on_both_hosts() {
                         // Each worker has its own Store, as each Envoy worker has its own VM.
                         let store = Store::new();
                         let table = SlotTable {
-                            rule_id: round,
+                            key_prefix: &key_prefix(round),
                             algo: &CountUpTo,
                             limit: &limit,
                             immediate_only: false,
@@ -159,7 +159,7 @@ fn creating_a_key_never_overwrites_a_competitors_creation() {
     for semantics in BOTH {
         let limit = limit(20);
         let table = SlotTable {
-            rule_id: 1,
+            key_prefix: &key_prefix(1),
             algo: &CountUpTo,
             limit: &limit,
             immediate_only: false,
@@ -190,7 +190,7 @@ fn memory_is_bounded_by_the_slot_table_whatever_identities_arrive() {
     let store = Store::new();
     let limit = limit(10);
     let table = SlotTable {
-        rule_id: 3,
+        key_prefix: &key_prefix(3),
         algo: &CountUpTo,
         limit: &limit,
         immediate_only: false,
@@ -215,7 +215,7 @@ fn a_busy_slot_is_shared_conservatively_and_an_idle_one_is_reused() {
     let store = Store::new();
     let limit = limit(3);
     let table = SlotTable {
-        rule_id: 9,
+        key_prefix: &key_prefix(9),
         algo: &CountUpTo,
         limit: &limit,
         immediate_only: false,
@@ -255,7 +255,7 @@ fn an_identity_finds_its_record_in_the_second_slot_before_claiming_the_first() {
     let store = Store::new();
     let limit = limit(2);
     let table = SlotTable {
-        rule_id: 5,
+        key_prefix: &key_prefix(5),
         algo: &CountUpTo,
         limit: &limit,
         immediate_only: false,
@@ -286,7 +286,7 @@ fn garbage_in_a_slot_is_reclaimed_not_trusted() {
         let store = Store::new();
         let limit = limit(2);
         let table = SlotTable {
-            rule_id: 4,
+            key_prefix: &key_prefix(4),
             algo: &CountUpTo,
             limit: &limit,
             immediate_only: false,
@@ -304,7 +304,7 @@ fn rejected_requests_write_nothing() {
     let store = Store::new();
     let limit = limit(1);
     let table = SlotTable {
-        rule_id: 8,
+        key_prefix: &key_prefix(8),
         algo: &CountUpTo,
         limit: &limit,
         immediate_only: false,
@@ -341,11 +341,21 @@ fn endless_contention_is_bounded() {
     let store = Store::new();
     let limit = limit(1_000_000);
     let table = SlotTable {
-        rule_id: 2,
+        key_prefix: &key_prefix(2),
         algo: &CountUpTo,
         limit: &limit,
         immediate_only: false,
     };
     let result = store.charge(&host, &table, SlotAddress::single(), 100, 1);
     assert_eq!(result, Err(ChargeError::Contention));
+}
+
+#[test]
+fn slot_keys_are_spelled_the_same_by_both_builders() {
+    for slot in [0, 1, 9, 10, 65_535, u32::MAX] {
+        assert_eq!(
+            slot_key(0xabc, slot),
+            format!("diana/0000000000000abc/{slot}")
+        );
+    }
 }
