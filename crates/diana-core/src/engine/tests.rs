@@ -429,17 +429,30 @@ fn global_leaky_bucket_rules_use_the_wait_endpoint_where_the_host_cannot_pause()
 
 #[test]
 fn leased_tokens_are_spent_even_after_a_concurrent_denial_was_cached() {
-    let doc = "resources:\n  - Url: /\n    rules: [{rpu: 100, unit: minute, scope: global, lease: 10}]\n";
+    let doc =
+        "resources:\n  - Url: /\n    rules: [{rpu: 100, unit: minute, scope: global, lease: 10}]\n";
     let mut h = Harness::new(doc);
     // Two requests call out at once; one brings 10 tokens, the other is denied.
     let first = callout(h.request("/", &Facts::default()));
     let second = callout(h.request("/", &Facts::default()));
-    assert!(matches!(h.complete(first, Ok(vec![answer(10, 0)])), Decision::Allow { .. }));
-    assert!(matches!(h.complete(second, Ok(vec![answer(0, 30_000)])), Decision::Reject(_)));
+    assert!(matches!(
+        h.complete(first, Ok(vec![answer(10, 0)])),
+        Decision::Allow { .. }
+    ));
+    assert!(matches!(
+        h.complete(second, Ok(vec![answer(0, 30_000)])),
+        Decision::Reject(_)
+    ));
     // The nine spare tokens are still served, then the cached denial answers.
     for _ in 0..9 {
-        assert!(matches!(h.request("/", &Facts::default()), Decision::Allow { .. }));
+        assert!(matches!(
+            h.request("/", &Facts::default()),
+            Decision::Allow { .. }
+        ));
     }
-    assert!(matches!(h.request("/", &Facts::default()), Decision::Reject(_)));
+    assert!(matches!(
+        h.request("/", &Facts::default()),
+        Decision::Reject(_)
+    ));
     assert_eq!(h.metrics.event_count(Event::GlobalCallout), 2);
 }
