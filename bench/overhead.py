@@ -1,0 +1,253 @@
+"""Section 1: the per-request cost of Diana in Envoy, against no filter, Envoy's native
+local_ratelimit and an empty stock-SDK wasm filter.
+
+Every variant is its own Envoy process (`taskset -c 0 envoy --concurrency 1`, a
+direct_response route), all started up front and kept running; rounds then visit them in
+turn (A B C … A B C …) with `taskset -c 1 wrk -t1 -c32 -d<D>s --latency`, so slow drifts of
+the machine (other builds on these 2 cores) spread over every variant instead of biasing
+one. Per variant we keep the median of the rounds. Besides wrk's figures we read Envoy's
+own CPU time (utime+stime from /proc) around each run: CPU µs per request is the cost
+measure least disturbed by other processes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from common import (V8, Envoy, Procs, median, native_local_ratelimit, say, start_quota, start_redis,
+                    tail, wasm_filter, wrk)
+
+HUGE = 1_000_000_000  # rpu that is never reached
+
+
+def diana_doc(rules: list[str], url: str = "/", extra: str = "") -> str:
+    body = "\n".join(f"      - {r}" for r in rules)
+    return f"resources:\n  - Url: {url}\n    rules:\n{body}\n{extra}"
+
+
+# timeout_ms 1000, not the default 50: on this shared 2-core machine a callout now and then
+# waits > 50 ms, and one timeout keeps the gateway local for retry_seconds (5 s), which would
+# measure the degraded path instead of the callout path (section 4 measures that on purpose).
+GLOBAL_SECTION = "global: {cluster: diana_quota, authority: diana-quota, path: /v1/acquire, timeout_ms: 1000}\n"
+
+
+def global_doc(algo: str, lease: int, big: bool = False) -> str:
+    """The global variants: a local TB that is never reached, then the global rule
+    (rpu 10⁶/s: never reached at this machine's rates)."""
+    rpu = HUGE if big else 1_000_000
+    return diana_doc(["{name: bench_l, rpu: 100000000, unit: second, algo: TB}",
+                      f"{{name: bench_g, rpu: {rpu}, unit: second, algo: {algo}, scope: global, lease: {lease}}}"],
+                     extra=GLOBAL_SECTION)
+
+
+def local_rule(algo: str, name: str = "bench", extra: str = "") -> str:
+    return f"{{name: {name}, rpu: {HUGE}, unit: second, algo: {algo}{extra}}}"
+
+
+def variants(diana_wasm: Path, empty_wasm: Path, with_global: bool, extra: bool) -> list[dict[str, Any]]:
+    """(key, label, filters, needs_quota). Labels are what the report prints."""
+    d = str(diana_wasm)
+
+    def diana(doc: str, **kw: Any) -> list[dict]:
+        return [wasm_filter("diana", d, doc, **kw)]
+
+    vs: list[dict[str, Any]] = [
+        {"key": "none", "label": "no filter", "filters": []},
+        {"key": "native", "label": "native local_ratelimit", "filters": [native_local_ratelimit()]},
+        {"key": "empty", "label": "empty wasm filter (stock SDK)",
+         "filters": [wasm_filter("empty", str(empty_wasm))]},
+    ]
+    for algo in ("W", "SW", "LB", "TB"):
+        vs.append({"key": f"local_{algo}", "label": f"Diana local {algo}", "group": "local",
+                   "filters": diana(diana_doc([local_rule(algo)]))})
+    if with_global:
+        for lease in (1, 100):
+            vs.append({"key": f"global_l{lease}", "label": f"Diana global W, lease {lease}", "group": "global",
+                       "filters": diana(global_doc("W", lease)), "quota": True})
+    if extra:
+        # "Where the time goes": the fixed cost of the filter (a policy that matches nothing),
+        # the cost per rule (8 rules), an identity lookup (actor ip), and V8's allow_precompiled.
+        vs += [
+            {"key": "x_nomatch", "label": "Diana, no rule matches (/nomatch)", "group": "extra",
+             "filters": diana(diana_doc([local_rule("TB")], url="/nomatch"))},
+            {"key": "x_tb8", "label": "Diana local TB × 8 rules", "group": "extra",
+             "filters": diana(diana_doc([local_rule("TB", name=f"bench{i}") for i in range(8)]))},
+            {"key": "x_ip", "label": "Diana local TB, actor ip", "group": "extra",
+             "filters": diana(diana_doc([local_rule("TB", extra=", actor: ip")]))},
+            {"key": "x_precompiled", "label": "Diana local TB, allow_precompiled", "group": "extra",
+             "filters": diana(diana_doc([local_rule("TB")]), allow_precompiled=True)},
+        ]
+        if with_global:
+            vs.append({"key": "x_global_tb_l100", "label": "Diana global TB (10⁹/s), lease 100", "group": "extra",
+                       "filters": diana(global_doc("TB", 100, big=True)), "quota": True})
+    return vs
+
+
+def run(procs: Procs, cfg: dict[str, Any], diana_wasm: Path, empty_wasm: Path,
+        quota_bin: Path | None) -> dict[str, Any]:
+    rounds, duration, warmup = cfg["rounds"], cfg["duration"], cfg["warmup"]
+    out: dict[str, Any] = {"rounds": rounds, "duration_s": duration, "variants": [], "notes": []}
+    quota_port = None
+    if quota_bin is not None:
+        try:
+            _redis, redis_port = start_redis(procs, "overhead-redis", cpus="1")
+            _quota, quota_port = start_quota(procs, quota_bin, redis_port, "overhead-quota", cpus="1")
+        except RuntimeError as e:
+            out["notes"].append(f"global variants skipped: {e}")
+            quota_port = None
+    else:
+        out["notes"].append("global variants skipped: diana-quota was not built")
+    vs = variants(diana_wasm, empty_wasm, with_global=quota_port is not None, extra=cfg["extra"])
+
+    envoys: dict[str, Envoy] = {}
+    for v in vs:
+        e = Envoy(procs, f"overhead-{v['key']}", v["filters"], concurrency=1, cpus="0",
+                  quota=quota_port if v.get("quota") else None)
+        try:
+            e.start()
+        except RuntimeError as err:
+            say(f"overhead: {v['label']} did not start: {err}")
+            v["error"] = str(err).splitlines()[0] + " " + " | ".join(str(err).splitlines()[1:])[-400:]
+            continue
+        envoys[v["key"]] = e
+        v["startup_s"] = e.startup_s
+        v["runs"] = []
+    out["envoy_argv"] = "taskset -c 0 envoy -c <variant>.json --concurrency 1 --disable-hot-restart --log-level warn"
+
+    say(f"overhead: warming up {len(envoys)} Envoys ({warmup}s each)")
+    for v in vs:
+        if v["key"] in envoys:
+            wrk(envoys[v["key"]].url + "/", duration=warmup)
+
+    for r in range(rounds):
+        say(f"overhead: round {r + 1}/{rounds}")
+        for v in vs:
+            e = envoys.get(v["key"])
+            if e is None:
+                continue
+            before = e.stats()
+            cpu0 = e.proc.cpu_seconds()
+            res = wrk(e.url + "/", duration=duration)
+            cpu1 = e.proc.cpu_seconds()
+            after = e.stats()
+            res["envoy_cpu_us_per_req"] = (cpu1 - cpu0) * 1e6 / max(1, res["requests"])
+            res["envoy_cpu_util"] = (cpu1 - cpu0) / (res["duration_us"] / 1e6)
+            delta = {k: after.get(k, 0) - before.get(k, 0) for k in after if k.startswith("wasmcustom.")}
+            res["wasmcustom_delta"] = {k: v2 for k, v2 in delta.items() if v2}
+            res["callouts"] = delta.get("wasmcustom.diana_global_callouts", 0)
+            res["callouts_per_req"] = res["callouts"] / max(1, res["requests"])
+            res["global_errors"] = delta.get("wasmcustom.diana_global_errors", 0)
+            res["degraded_requests"] = delta.get("wasmcustom.diana_global_degraded_requests", 0)
+            res["rq_2xx"] = after.get("http.ingress.downstream_rq_2xx", 0) - before.get("http.ingress.downstream_rq_2xx", 0)
+            v["runs"].append(res)
+            say(f"  {v['label']:<40} {res['rps']:>9.0f} req/s  p50 {res['lat_us']['p50']:>5} µs  "
+                f"p99 {res['lat_us']['p99']:>6} µs  cpu {res['envoy_cpu_us_per_req']:.1f} µs/req"
+                + (f"  callouts/req {res['callouts_per_req']:.4f} errors {res['global_errors']} degraded "
+                   f"{res['degraded_requests']}" if v.get("quota") else "")
+                + (f"  non-2xx {res['errors']['status']}" if res["errors"]["status"] else ""))
+            if not e.proc.alive():
+                say(f"  {v['label']}: Envoy exited: {tail(e.proc.log)}")
+                envoys.pop(v["key"])
+    for v in vs:
+        e = envoys.get(v["key"])
+        if e is not None:
+            v["rss_mib"] = e.proc.rss_mib()
+            v["final_wasmcustom"] = {k: val for k, val in e.stats().items() if k.startswith("wasmcustom.")}
+            v["wrk_command"] = v["runs"][0]["command"] if v.get("runs") else ""
+            e.stop()
+        runs = v.get("runs") or []
+        if runs:
+            v["median"] = {
+                "rps": median([x["rps"] for x in runs]),
+                "p50": median([x["lat_us"]["p50"] for x in runs]),
+                "p75": median([x["lat_us"]["p75"] for x in runs]),
+                "p90": median([x["lat_us"]["p90"] for x in runs]),
+                "p99": median([x["lat_us"]["p99"] for x in runs]),
+                "p99.9": median([x["lat_us"]["p99.9"] for x in runs]),
+                "cpu_us_per_req": median([x["envoy_cpu_us_per_req"] for x in runs]),
+                "cpu_util": median([x["envoy_cpu_util"] for x in runs]),
+                "callouts_per_req": median([x["callouts_per_req"] for x in runs]),
+                "global_errors": sum(x.get("global_errors", 0) for x in runs),
+                "degraded_requests": sum(x.get("degraded_requests", 0) for x in runs),
+                "non2xx": sum(x["errors"]["status"] for x in runs),
+                "socket_errors": sum(x["errors"][k] for x in runs for k in ("connect", "read", "write", "timeout")),
+            }
+        v.pop("filters", None)
+    out["variants"] = vs
+    return out
+
+
+def probe_runtimes(procs: Procs, empty_wasm: Path, diana_wasm: Path) -> list[dict[str, Any]]:
+    """Which wasm runtimes this Envoy build has, and whether allow_precompiled starts."""
+    found = []
+    doc = diana_doc([local_rule("TB")])
+    cases = [
+        ("envoy.wasm.runtime.v8", "empty", {}),
+        ("envoy.wasm.runtime.wasmtime", "empty", {}),
+        ("envoy.wasm.runtime.wamr", "empty", {}),
+        ("envoy.wasm.runtime.wavm", "empty", {}),
+        ("envoy.wasm.runtime.null", "empty", {}),
+        (V8, "diana", {}),
+        (V8, "diana", {"allow_precompiled": True}),
+    ]
+    for runtime, which, kw in cases:
+        wasm = empty_wasm if which == "empty" else diana_wasm
+        f = wasm_filter(which, str(wasm), doc if which == "diana" else "", runtime=runtime, **kw)
+        name = f"probe-{runtime.rsplit('.', 1)[1]}-{which}" + ("-precompiled" if kw else "")
+        e = Envoy(procs, name, [f], concurrency=1)
+        row: dict[str, Any] = {"runtime": runtime, "filter": which, "allow_precompiled": bool(kw)}
+        try:
+            e.start(timeout=30)
+            row["starts"] = True
+            row["startup_s"] = round(e.startup_s, 2)
+            e.stop()
+        except RuntimeError as err:
+            row["starts"] = False
+            lines = [l.split("] ", 3)[-1] for l in str(err).splitlines() if "Failed to" in l]
+            row["error"] = (lines[0] if lines else str(err).splitlines()[-1])[-300:]
+        found.append(row)
+        say(f"probe: {runtime} {which}{' allow_precompiled' if kw else ''}: "
+            f"{'starts in %.2fs' % row['startup_s'] if row['starts'] else 'fails: ' + row['error']}")
+    return found
+
+
+HOSTCALL_KINDS = ["none", "header", "time", "shared_get", "shared_cas", "metric", "property"]
+HOSTCALL_N = 32
+
+
+def run_hostcalls(procs: Procs, cfg: dict[str, Any], probe_wasm: Path) -> dict[str, Any]:
+    """What one proxy-wasm host call of each kind costs in this Envoy: bench/probe-filter
+    makes HOSTCALL_N calls of one kind per request; (Envoy CPU µs/req − the `none` probe's)
+    ÷ HOSTCALL_N. Same rig as the overhead section, interleaved rounds."""
+    rounds = cfg["rounds"]
+    duration = max(2, cfg["duration"] // 2)
+    envoys = {}
+    for kind in HOSTCALL_KINDS:
+        f = wasm_filter("probe", str(probe_wasm), f"{kind} {HOSTCALL_N}")
+        envoys[kind] = Envoy(procs, f"hostcall-{kind}", [f], concurrency=1, cpus="0").start()
+    for kind in HOSTCALL_KINDS:
+        wrk(envoys[kind].url + "/", duration=cfg["warmup"])
+    runs: dict[str, list] = {k: [] for k in HOSTCALL_KINDS}
+    for r in range(rounds):
+        say(f"hostcalls: round {r + 1}/{rounds}")
+        for kind in HOSTCALL_KINDS:
+            e = envoys[kind]
+            c0 = e.proc.cpu_seconds()
+            res = wrk(e.url + "/", duration=duration)
+            c1 = e.proc.cpu_seconds()
+            res["envoy_cpu_us_per_req"] = (c1 - c0) * 1e6 / max(1, res["requests"])
+            runs[kind].append(res)
+    for e in envoys.values():
+        e.stop()
+    rows = []
+    for kind in HOSTCALL_KINDS:
+        per_round = [(x["envoy_cpu_us_per_req"] - y["envoy_cpu_us_per_req"]) / HOSTCALL_N
+                     for x, y in zip(runs[kind], runs["none"])]
+        row = {"kind": kind, "rps": median([x["rps"] for x in runs[kind]]),
+               "cpu_us_per_req": median([x["envoy_cpu_us_per_req"] for x in runs[kind]]),
+               "us_per_call": median(per_round) if kind != "none" else 0.0}
+        rows.append(row)
+        say(f"  {kind:<11} {row['rps']:>8.0f} req/s  {row['cpu_us_per_req']:.1f} µs/req  "
+            f"{row['us_per_call']:.2f} µs per call")
+    return {"n": HOSTCALL_N, "rounds": rounds, "duration_s": duration, "rows": rows}
