@@ -51,6 +51,8 @@ pub struct Engine {
     store: Store,
     /// The host can pause a request and resume it later (Envoy: yes; nginx: no).
     can_pause: bool,
+    /// This VM's recent reading of the circuit breaker (see [`crate::global`]).
+    pub(crate) breaker: crate::global::BreakerCache,
 }
 
 /// What the local pass over the rules gathered so far.
@@ -102,6 +104,7 @@ impl Engine {
             needs_path,
             store: Store::new(),
             can_pause: true,
+            breaker: crate::global::BreakerCache::default(),
         }
     }
 

@@ -456,3 +456,32 @@ fn leased_tokens_are_spent_even_after_a_concurrent_denial_was_cached() {
     ));
     assert_eq!(h.metrics.event_count(Event::GlobalCallout), 2);
 }
+
+#[test]
+fn another_workers_breaker_reaches_this_worker_within_the_cache_time() {
+    let doc =
+        "resources:\n  - Url: /\n    rules: [{rpu: 1000, unit: minute, scope: global}]\nglobal: {retry_seconds: 5}\n";
+    let mut a = Harness::new(doc);
+    let b = Engine::new(parse_policy(doc).unwrap());
+    let mut b_metrics = CountingMetrics::default();
+    // Worker B reads the breaker closed.
+    assert!(matches!(
+        b.evaluate(&a.host, b"/", &Facts::default(), a.now, &mut b_metrics),
+        Decision::Callout(_)
+    ));
+    // Worker A sees the service fail: the breaker opens in shared data.
+    let pending = callout(a.request("/", &Facts::default()));
+    a.complete(pending, Err(CalloutFailure::NoResponse));
+    assert!(a.metrics.degraded);
+    // B trusts its reading for BREAKER_CACHE, then goes local like A.
+    assert!(matches!(
+        b.evaluate(&a.host, b"/", &Facts::default(), a.now + 1, &mut b_metrics),
+        Decision::Callout(_)
+    ));
+    let later = a.now + crate::global::BREAKER_CACHE;
+    assert!(matches!(
+        b.evaluate(&a.host, b"/", &Facts::default(), later, &mut b_metrics),
+        Decision::Allow { .. }
+    ));
+    assert_eq!(b_metrics.event_count(Event::GlobalDegradedRequest), 1);
+}

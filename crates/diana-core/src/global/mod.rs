@@ -220,11 +220,38 @@ fn breaker_open_until(host: &dyn SharedData) -> Nanos {
     }
 }
 
+/// How long a VM trusts its last reading of a closed breaker. Another worker's failure
+/// reaches this VM within this time (and this VM's own failures open the breaker at once),
+/// which saves a shared-data read on every request while the service is healthy.
+pub const BREAKER_CACHE: Nanos = 100 * NANOS_PER_MILLI;
+
+/// One VM's last reading of the breaker: (trusted until, `open_until` read).
+#[derive(Debug, Default)]
+pub struct BreakerCache(std::cell::Cell<(Nanos, Nanos)>);
+
+impl BreakerCache {
+    /// `open_until`, from the cache while it is fresh and said "closed", else from the host.
+    fn open_until(&self, host: &dyn SharedData, now: Nanos) -> Nanos {
+        let (trusted_until, open_until) = self.0.get();
+        if open_until == 0 && now < trusted_until {
+            return 0;
+        }
+        let open_until = breaker_open_until(host);
+        self.remember(open_until, now);
+        open_until
+    }
+
+    fn remember(&self, open_until: Nanos, now: Nanos) {
+        self.0.set((now.saturating_add(BREAKER_CACHE), open_until));
+    }
+}
+
 /// Decides whether this request may call the service: `Some(probe)` if so, `None` if the
 /// breaker keeps it local. A request that finds the retry period over claims the probe
 /// by pushing `open_until` forward, so other workers stay local until the probe answers.
-fn may_call(store: &Store, host: &dyn SharedData, retry: Nanos, now: Nanos) -> Option<bool> {
-    let open_until = breaker_open_until(host);
+fn may_call(engine: &Engine, host: &dyn SharedData, retry: Nanos, now: Nanos) -> Option<bool> {
+    let store = engine.store();
+    let open_until = engine.breaker.open_until(host, now);
     if open_until == 0 {
         return Some(false);
     }
@@ -245,8 +272,10 @@ fn may_call(store: &Store, host: &dyn SharedData, retry: Nanos, now: Nanos) -> O
     }
 }
 
-fn set_breaker(store: &Store, host: &dyn SharedData, open_until: Nanos) -> bool {
-    store
+fn set_breaker(engine: &Engine, host: &dyn SharedData, open_until: Nanos, now: Nanos) -> bool {
+    engine.breaker.remember(open_until, now);
+    engine
+        .store()
         .update(host, BREAKER_KEY, |current| {
             let before = decode_u64(current);
             let changed = (before == 0) != (open_until == 0);
@@ -267,7 +296,7 @@ pub(crate) fn begin(
 ) -> Decision {
     let policy = engine.policy();
     let retry = u64::from(policy.global.retry_seconds) * NANOS_PER_SECOND;
-    let Some(probe) = may_call(engine.store(), host, retry, now) else {
+    let Some(probe) = may_call(engine, host, retry, now) else {
         return degrade(engine, host, &globals, progress, now, metrics);
     };
     let mut ask = Vec::new();
@@ -409,7 +438,7 @@ pub fn complete(
         Err(failure) => {
             metrics.event(Event::GlobalError);
             let retry = u64::from(policy.global.retry_seconds) * NANOS_PER_SECOND;
-            if set_breaker(engine.store(), host, now.saturating_add(retry).max(1)) {
+            if set_breaker(engine, host, now.saturating_add(retry).max(1), now) {
                 log::warn!(
                     "diana: quota service unavailable ({failure}); global rules are enforced locally for {}s",
                     policy.global.retry_seconds
@@ -419,7 +448,7 @@ pub fn complete(
             return degrade(engine, host, &pending.rules, progress, now, metrics);
         }
     };
-    if pending.probe && set_breaker(engine.store(), host, 0) {
+    if pending.probe && set_breaker(engine, host, 0, now) {
         log::warn!("diana: quota service is back; global rules are global again");
         metrics.degraded(false);
     }
