@@ -485,3 +485,27 @@ fn another_workers_breaker_reaches_this_worker_within_the_cache_time() {
     ));
     assert_eq!(b_metrics.event_count(Event::GlobalDegradedRequest), 1);
 }
+
+#[test]
+fn leased_tokens_last_one_unit_even_when_the_bucket_reports_an_early_reset() {
+    let doc =
+        "resources:\n  - Url: /\n    rules: [{rpu: 1000, unit: second, scope: global, lease: 10}]\n";
+    let mut h = Harness::new(doc);
+    let pending = callout(h.request("/", &Facts::default()));
+    let mut granted = answer(10, 0);
+    granted.reset_ms = 1; // a token bucket far from its limit is full again almost at once
+    assert!(matches!(
+        h.complete(pending, Ok(vec![granted])),
+        Decision::Allow { .. }
+    ));
+    h.now += NANOS_PER_SECOND / 2;
+    assert!(matches!(
+        h.request("/", &Facts::default()),
+        Decision::Allow { .. }
+    ));
+    h.now += NANOS_PER_SECOND;
+    assert!(matches!(
+        h.request("/", &Facts::default()),
+        Decision::Callout(_)
+    ));
+}

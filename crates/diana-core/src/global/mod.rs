@@ -470,9 +470,14 @@ pub fn complete(
             metrics.rule_event(global.index, RuleEvent::Allowed);
             if rule.lease.get() > 1 {
                 metrics.event(Event::LeaseRefill);
+                // Spare tokens were taken from the global count when granted; spending
+                // them within one unit stays inside the design's bound (lease × gateways).
+                // The service's reset alone would be too short for a token bucket far
+                // from its limit (its "time until full" is then about nothing).
+                let lifetime = verdict.reset.max(rule.limit.unit.nanos());
                 let spare = Lease {
                     tokens: u64::from(verdict.granted - 1),
-                    valid_until: now.saturating_add(verdict.reset.max(NANOS_PER_MILLI)),
+                    valid_until: now.saturating_add(lifetime),
                     ..Lease::for_address(global.address)
                 };
                 stash(engine.store(), host, rule, global.address, spare, now);
