@@ -27,24 +27,8 @@
 --
 -- Arithmetic: integers < 2^53 only (now ~ 2^51 us, (now mod unit)*slices < 2^43),
 -- divisions corrected to exact floor division.
-
-local function divmod(a, b)
-  local q = math.floor(a / b)
-  local r = a - q * b
-  while r < 0 do q = q - 1; r = r + b end
-  while r >= b do q = q + 1; r = r - b end
-  return q, r
-end
-
-local function int(x)
-  return string.format('%.0f', x)
-end
-
-local function ceil_ms(us)
-  local q, r = divmod(us, 1000)
-  if r > 0 then q = q + 1 end
-  return q
-end
+--
+-- divmod, int, clock and expire come from common.lua, which is put in front of this file.
 
 local rpu = tonumber(ARGV[1])
 local unit = tonumber(ARGV[2])
@@ -54,13 +38,7 @@ if not rpu or rpu < 1 or not unit or unit < 1 or not slices or slices < 1 or not
   return redis.error_reply('ERR diana sliding.lua: bad arguments')
 end
 
-local now
-if ARGV[5] and ARGV[5] ~= '' then
-  now = tonumber(ARGV[5])
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
+local now = clock(ARGV[5])
 
 -- start time (us) of absolute slice i
 local function slice_start(i)
@@ -121,5 +99,5 @@ if #indices > 0 and indices[#indices] > newest then
   newest = indices[#indices]
 end
 local reset = slice_start(newest + slices) - now
-redis.call('PEXPIRE', KEYS[1], int(ceil_ms(reset) + 1000))
+expire(reset)
 return {granted, available - granted, reset, 0, 0}

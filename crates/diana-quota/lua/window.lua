@@ -23,24 +23,8 @@
 --
 -- Arithmetic: Lua numbers are doubles; every value here is an integer < 2^53
 -- (now ~ 2^51 microseconds), and divisions are corrected to exact floor division.
-
-local function divmod(a, b)
-  local q = math.floor(a / b)
-  local r = a - q * b
-  while r < 0 do q = q - 1; r = r + b end
-  while r >= b do q = q + 1; r = r - b end
-  return q, r
-end
-
-local function int(x)
-  return string.format('%.0f', x)
-end
-
-local function ceil_ms(us)
-  local q, r = divmod(us, 1000)
-  if r > 0 then q = q + 1 end
-  return q
-end
+--
+-- divmod, int, clock and expire come from common.lua, which is put in front of this file.
 
 local rpu = tonumber(ARGV[1])
 local unit = tonumber(ARGV[2])
@@ -49,13 +33,7 @@ if not rpu or rpu < 1 or not unit or unit < 1 or not want or want < 1 then
   return redis.error_reply('ERR diana window.lua: bad arguments')
 end
 
-local now
-if ARGV[4] and ARGV[4] ~= '' then
-  now = tonumber(ARGV[4])
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
+local now = clock(ARGV[4])
 
 local window, into = divmod(now, unit)
 local reset = unit - into
@@ -74,5 +52,5 @@ if granted < 1 then
 end
 
 redis.call('HSET', KEYS[1], 'w', int(window), 'c', int(count + granted))
-redis.call('PEXPIRE', KEYS[1], int(ceil_ms(reset) + 1000))
+expire(reset)
 return {granted, available - granted, reset, 0, 0}

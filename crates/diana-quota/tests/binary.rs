@@ -104,10 +104,22 @@ impl Drop for Service {
     }
 }
 
+/// These tests pick free ports by binding port 0 and releasing it; run concurrently, two
+/// of them could be handed the same port before either binds it (a Redis of one test then
+/// answers the other's HTTP with a reset). One at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 const BODY: &str = r#"{"rules":[{"key":"ab:cd","algo":"W","rpu":1,"unit":"hour","burst":1,"slices":10,"want":1}]}"#;
 
 #[test]
 fn serves_memory_store_and_stops_on_sigterm() {
+    let _serial = serial();
     let service = Service::start(&[]);
     assert_eq!(service.http("GET", "/healthz", ""), (200, "ok".to_string()));
     let (code, body) = service.http("POST", "/v1/acquire", BODY);
@@ -126,6 +138,7 @@ fn serves_memory_store_and_stops_on_sigterm() {
 
 #[test]
 fn serves_redis_from_the_environment() {
+    let _serial = serial();
     let server = RedisServer::start();
     let service = Service::start(&[("DIANA_QUOTA_REDIS", server.url())]);
     let (code, body) = service.http("POST", "/v1/acquire", BODY);
@@ -143,6 +156,7 @@ fn serves_redis_from_the_environment() {
 
 #[test]
 fn refuses_a_bad_redis_url() {
+    let _serial = serial();
     let output = Command::new(env!("CARGO_BIN_EXE_diana-quota"))
         .args(["--listen", "127.0.0.1:0", "--redis", "mysql://x"])
         .output()

@@ -240,7 +240,7 @@ async fn keys_carry_a_hash_tag_and_a_ttl() {
 async fn cluster_survives_script_flush_and_spreads_keys() {
     let cluster = RedisCluster::start();
     let router = service(Arc::new(redis_store(&cluster.url())));
-    let keys: Vec<String> = (0..12).map(|_| unique_key("spread")).collect();
+    let keys = keys_on_every_node();
     let rules = |want: u32| {
         keys.iter()
             .map(|key| rule(key, "TB", 10, "hour", 10, 10, want))
@@ -274,7 +274,7 @@ async fn cluster_survives_script_flush_and_spreads_keys() {
 async fn cluster_node_killed_gives_fast_503() {
     let mut cluster = RedisCluster::start();
     let router = service(Arc::new(redis_store(&cluster.url())));
-    let keys: Vec<String> = (0..12).map(|_| unique_key("down")).collect();
+    let keys = keys_on_every_node();
     let rules = || {
         keys.iter()
             .map(|key| rule(key, "TB", 1000, "hour", 1000, 10, 1))
@@ -305,4 +305,46 @@ async fn cluster_node_killed_gives_fast_503() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// The Redis Cluster slot of a rule key: the store wraps it in a hash tag
+/// (`diana:{<key>}:<ALGO>`), so the slot is CRC16 (XMODEM) of the key, modulo 16384.
+fn cluster_slot(key: &str) -> u16 {
+    let mut crc: u16 = 0;
+    for &byte in key.as_bytes() {
+        crc ^= u16::from(byte) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc % 16384
+}
+
+/// Twelve keys, four in each third of the slot space: `redis-cli --cluster create` gives
+/// each of the three masters one third, so whichever node is killed holds four of them.
+fn keys_on_every_node() -> Vec<String> {
+    let mut thirds: [Vec<String>; 3] = Default::default();
+    while thirds.iter().any(|keys| keys.len() < 4) {
+        let key = unique_key("down");
+        let third = match cluster_slot(&key) {
+            0..=5460 => 0,
+            5461..=10922 => 1,
+            _ => 2,
+        };
+        if thirds[third].len() < 4 {
+            thirds[third].push(key);
+        }
+    }
+    thirds.concat()
+}
+
+#[test]
+fn cluster_slots_match_redis() {
+    // `CLUSTER KEYSLOT foo` is 12182 (Redis documentation).
+    assert_eq!(cluster_slot("foo"), 12182);
+    assert_eq!(cluster_slot("123456789"), 0x31C3); // the CRC-16/XMODEM check value
 }

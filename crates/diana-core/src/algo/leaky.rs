@@ -24,6 +24,7 @@
 //! unit cannot come from a clock step and is treated as garbage (fresh), as is a state
 //! shorter than two words.
 
+use super::common::Scaled;
 use super::{Algorithm, Limit, Verdict};
 use crate::time::{Nanos, Unit};
 use std::num::NonZeroU32;
@@ -32,60 +33,11 @@ use std::num::NonZeroU32;
 #[derive(Debug)]
 pub struct LeakyBucket;
 
-/// Reads the 128-bit value stored as two words, high first; `None` for a short state.
-fn load(state: &[u64]) -> Option<u128> {
-    match state {
-        [high, low, ..] => Some((u128::from(*high) << 64) | u128::from(*low)),
-        _ => None,
-    }
-}
-
-/// Stores a 128-bit value as two words, high first; a short state is left alone.
-fn store(state: &mut [u64], value: u128) {
-    if let [high, low, ..] = state {
-        // Truncations intended: the two halves.
-        *high = (value >> 64) as u64;
-        *low = value as u64;
-    }
-}
-
-/// Converts a duration kept multiplied by `rpu` back to nanoseconds, rounding up.
-fn to_nanos(scaled: u128, rpu: u128) -> Nanos {
-    u64::try_from(scaled.div_ceil(rpu)).unwrap_or(u64::MAX)
-}
-
-/// The limit's quantities, all in nanoseconds × `rpu`.
-#[derive(Debug, Clone, Copy)]
-struct Scaled {
-    rpu: u128,
-    /// The interval between two departures, `T × rpu`.
-    interval: u128,
-    burst: u128,
-    now: u128,
-}
-
-impl Scaled {
-    fn new(limit: &Limit, now: Nanos) -> Self {
-        let rpu = u128::from(limit.rpu.get());
-        Scaled {
-            rpu,
-            interval: u128::from(limit.unit.nanos()),
-            burst: u128::from(limit.burst.get()),
-            now: u128::from(now) * rpu,
-        }
-    }
-
-    /// `next_free` from the state; garbage and short states read as an empty bucket.
-    fn next_free(self, state: &[u64]) -> u128 {
-        let stored = load(state).unwrap_or(0);
-        // The longest possible queue, `(burst + 1)·T`, plus one unit of clock step.
-        let horizon = (self.burst + 1) * self.interval + self.interval * self.rpu;
-        if stored.saturating_sub(self.now) > horizon {
-            0
-        } else {
-            stored
-        }
-    }
+/// `start = max(next_free, now)` from the state; garbage and short states read as an empty
+/// bucket.
+fn start(s: Scaled, state: &[u64]) -> u128 {
+    // The longest possible queue, `(burst + 1)·T`, plus one unit of clock step.
+    s.stored_or_now(state, s.capacity() + s.interval)
 }
 
 impl Algorithm for LeakyBucket {
@@ -112,37 +64,29 @@ impl Algorithm for LeakyBucket {
 
     fn acquire(&self, limit: &Limit, state: &mut [u64], now: Nanos, want: u32) -> Verdict {
         let s = Scaled::new(limit, now);
-        let start = s.next_free(state).max(s.now);
+        let start = start(s, state);
         let wait = start - s.now;
         // This request's place in the queue: 0 passes at once.
         let place = wait.div_ceil(s.interval);
         // Turns still free right now: places `place..=burst`.
         let free = (s.burst + 1).saturating_sub(place);
-        let granted = u128::from(want).min(free);
-        let next_free = start + granted * s.interval;
-        if granted > 0 {
-            store(state, next_free);
-        }
+        let (granted, next_free) = s.take(state, start, want, free);
         Verdict {
             granted: u32::try_from(granted).unwrap_or(0),
             remaining: u64::try_from(free - granted).unwrap_or(u64::MAX),
-            reset: to_nanos(next_free - s.now, s.rpu),
+            reset: s.to_nanos(next_free - s.now),
             retry_after: if free > 0 {
                 0
             } else {
-                to_nanos(wait - s.burst * s.interval, s.rpu).max(1)
+                s.to_nanos(wait - s.capacity()).max(1)
             },
-            delay: if granted > 0 {
-                to_nanos(wait, s.rpu)
-            } else {
-                0
-            },
+            delay: if granted > 0 { s.to_nanos(wait) } else { 0 },
         }
     }
 
     fn is_idle(&self, limit: &Limit, state: &[u64], now: Nanos) -> bool {
         let s = Scaled::new(limit, now);
-        s.next_free(state) <= s.now
+        start(s, state) == s.now
     }
 }
 
@@ -150,20 +94,11 @@ impl Algorithm for LeakyBucket {
 #[allow(clippy::unwrap_used, clippy::indexing_slicing)]
 mod tests {
     use super::*;
+    use crate::algo::common::{load, testing};
     use crate::time::NANOS_PER_SECOND as S;
 
     fn limit(rpu: u32, unit: Unit, burst: Option<u32>) -> Limit {
-        let rpu = NonZeroU32::new(rpu).unwrap();
-        let burst = burst.map_or_else(
-            || LeakyBucket.default_burst(rpu, unit),
-            |b| NonZeroU32::new(b).unwrap(),
-        );
-        Limit {
-            rpu,
-            unit,
-            burst,
-            slices: NonZeroU32::new(10).unwrap(),
-        }
+        testing::limit(&LeakyBucket, rpu, unit, burst, 10)
     }
 
     /// `(now, want, granted, remaining, reset, retry_after, delay)`.
@@ -173,8 +108,6 @@ mod tests {
         for (i, &(now, want, granted, remaining, reset, retry_after, delay)) in
             steps.iter().enumerate()
         {
-            let before = state.to_vec();
-            let verdict = LeakyBucket.acquire(limit, state, now, want);
             let expected = Verdict {
                 granted,
                 remaining,
@@ -182,14 +115,7 @@ mod tests {
                 retry_after,
                 delay,
             };
-            assert_eq!(verdict, expected, "step {i} at {now}");
-            if verdict.granted == 0 {
-                assert_eq!(
-                    state,
-                    &before[..],
-                    "step {i}: a rejection changed the state"
-                );
-            }
+            testing::check(&LeakyBucket, limit, state, i, now, want, expected);
         }
     }
 

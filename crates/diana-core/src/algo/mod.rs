@@ -8,6 +8,7 @@
 //! Adding an algorithm means adding a module and one line to [`REGISTRY`]; nothing else
 //! matches on algorithm names.
 
+mod common;
 mod leaky;
 mod sliding;
 mod token;

@@ -245,45 +245,19 @@ fn record(
 #[allow(clippy::unwrap_used, clippy::indexing_slicing)]
 mod tests {
     use super::*;
+    use crate::algo::common::testing::{self, Step};
     use crate::time::NANOS_PER_SECOND as S;
 
     fn limit(rpu: u32, unit: Unit, slices: u32) -> Limit {
-        let rpu = NonZeroU32::new(rpu).unwrap();
-        Limit {
-            rpu,
-            unit,
-            burst: rpu,
-            slices: NonZeroU32::new(slices).unwrap(),
-        }
+        testing::limit(&SlidingWindow, rpu, unit, None, slices)
     }
 
     fn fresh(limit: &Limit) -> Vec<u64> {
         vec![0; SlidingWindow.state_words(limit)]
     }
 
-    /// `(now, want, granted, remaining, reset, retry_after)`.
-    type Step = (Nanos, u32, u32, u64, Nanos, Nanos);
-
     fn run(limit: &Limit, state: &mut [u64], steps: &[Step]) {
-        for (i, &(now, want, granted, remaining, reset, retry_after)) in steps.iter().enumerate() {
-            let before = state.to_vec();
-            let verdict = SlidingWindow.acquire(limit, state, now, want);
-            let expected = Verdict {
-                granted,
-                remaining,
-                reset,
-                retry_after,
-                delay: 0,
-            };
-            assert_eq!(verdict, expected, "step {i} at {now}");
-            if verdict.granted == 0 {
-                assert_eq!(
-                    state,
-                    &before[..],
-                    "step {i}: a rejection changed the state"
-                );
-            }
-        }
+        testing::run(&SlidingWindow, limit, state, steps);
     }
 
     #[test]

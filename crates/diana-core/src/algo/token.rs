@@ -20,6 +20,7 @@
 //! `tat` beyond an empty bucket plus one unit cannot come from a clock step and is treated
 //! as garbage (a full bucket), as is a state shorter than two words.
 
+use super::common::Scaled;
 use super::{Algorithm, Limit, Verdict};
 use crate::time::{Nanos, Unit};
 use std::num::NonZeroU32;
@@ -28,62 +29,10 @@ use std::num::NonZeroU32;
 #[derive(Debug)]
 pub struct TokenBucket;
 
-/// Reads the 128-bit value stored as two words, high first; `None` for a short state.
-fn load(state: &[u64]) -> Option<u128> {
-    match state {
-        [high, low, ..] => Some((u128::from(*high) << 64) | u128::from(*low)),
-        _ => None,
-    }
-}
-
-/// Stores a 128-bit value as two words, high first; a short state is left alone.
-fn store(state: &mut [u64], value: u128) {
-    if let [high, low, ..] = state {
-        // Truncations intended: the two halves.
-        *high = (value >> 64) as u64;
-        *low = value as u64;
-    }
-}
-
-/// Converts a duration kept multiplied by `rpu` back to nanoseconds, rounding up.
-fn to_nanos(scaled: u128, rpu: u128) -> Nanos {
-    u64::try_from(scaled.div_ceil(rpu)).unwrap_or(u64::MAX)
-}
-
-/// The limit's quantities, all in nanoseconds × `rpu`.
-#[derive(Debug, Clone, Copy)]
-struct Scaled {
-    rpu: u128,
-    /// The emission interval (time to refill one token), `unit / rpu × rpu`.
-    interval: u128,
-    /// Time to refill the whole bucket, `burst × interval`.
-    capacity: u128,
-    now: u128,
-}
-
-impl Scaled {
-    fn new(limit: &Limit, now: Nanos) -> Self {
-        let rpu = u128::from(limit.rpu.get());
-        let interval = u128::from(limit.unit.nanos());
-        Scaled {
-            rpu,
-            interval,
-            capacity: u128::from(limit.burst.get()) * interval,
-            now: u128::from(now) * rpu,
-        }
-    }
-
-    /// `max(tat, now)` from the state; garbage and short states read as a full bucket.
-    fn tat(self, state: &[u64]) -> u128 {
-        let stored = load(state).unwrap_or(0);
-        // An empty bucket, plus one unit of clock step.
-        let horizon = self.capacity + self.interval * self.rpu;
-        if stored.saturating_sub(self.now) > horizon {
-            self.now
-        } else {
-            stored.max(self.now)
-        }
-    }
+/// `max(tat, now)` from the state; garbage and short states read as a full bucket.
+fn tat(s: Scaled, state: &[u64]) -> u128 {
+    // An empty bucket, plus one unit of clock step.
+    s.stored_or_now(state, s.capacity())
 }
 
 impl Algorithm for TokenBucket {
@@ -106,24 +55,21 @@ impl Algorithm for TokenBucket {
 
     fn acquire(&self, limit: &Limit, state: &mut [u64], now: Nanos, want: u32) -> Verdict {
         let s = Scaled::new(limit, now);
-        let tat = s.tat(state);
+        let capacity = s.capacity();
+        let tat = tat(s, state);
         // How far the bucket is from full.
         let debt = tat - s.now;
-        let available = s.capacity.saturating_sub(debt) / s.interval;
-        let granted = u128::from(want).min(available);
-        let tat = tat + granted * s.interval;
-        if granted > 0 {
-            store(state, tat);
-        }
+        let available = capacity.saturating_sub(debt) / s.interval;
+        let (granted, tat) = s.take(state, tat, want, available);
         Verdict {
             granted: u32::try_from(granted).unwrap_or(0),
             remaining: u64::try_from(available - granted).unwrap_or(u64::MAX),
-            reset: to_nanos(tat - s.now, s.rpu),
+            reset: s.to_nanos(tat - s.now),
             // Empty: one token is back when the debt is down to capacity − interval.
             retry_after: if available > 0 {
                 0
             } else {
-                to_nanos(debt - (s.capacity - s.interval), s.rpu).max(1)
+                s.to_nanos(debt - (capacity - s.interval)).max(1)
             },
             delay: 0,
         }
@@ -131,7 +77,7 @@ impl Algorithm for TokenBucket {
 
     fn is_idle(&self, limit: &Limit, state: &[u64], now: Nanos) -> bool {
         let s = Scaled::new(limit, now);
-        s.tat(state) == s.now
+        tat(s, state) == s.now
     }
 }
 
@@ -139,42 +85,16 @@ impl Algorithm for TokenBucket {
 #[allow(clippy::unwrap_used, clippy::indexing_slicing)]
 mod tests {
     use super::*;
+    use crate::algo::common::load;
+    use crate::algo::common::testing::{self, Step};
     use crate::time::NANOS_PER_SECOND as S;
 
     fn limit(rpu: u32, unit: Unit, burst: Option<u32>) -> Limit {
-        let rpu = NonZeroU32::new(rpu).unwrap();
-        let burst = burst.map_or(rpu, |b| NonZeroU32::new(b).unwrap());
-        Limit {
-            rpu,
-            unit,
-            burst,
-            slices: NonZeroU32::new(10).unwrap(),
-        }
+        testing::limit(&TokenBucket, rpu, unit, burst, 10)
     }
 
-    /// `(now, want, granted, remaining, reset, retry_after)`.
-    type Step = (Nanos, u32, u32, u64, Nanos, Nanos);
-
     fn run(limit: &Limit, state: &mut [u64], steps: &[Step]) {
-        for (i, &(now, want, granted, remaining, reset, retry_after)) in steps.iter().enumerate() {
-            let before = state.to_vec();
-            let verdict = TokenBucket.acquire(limit, state, now, want);
-            let expected = Verdict {
-                granted,
-                remaining,
-                reset,
-                retry_after,
-                delay: 0,
-            };
-            assert_eq!(verdict, expected, "step {i} at {now}");
-            if verdict.granted == 0 {
-                assert_eq!(
-                    state,
-                    &before[..],
-                    "step {i}: a rejection changed the state"
-                );
-            }
-        }
+        testing::run(&TokenBucket, limit, state, steps);
     }
 
     /// Drains the bucket at `now`; returns the tokens taken.

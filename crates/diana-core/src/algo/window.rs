@@ -118,66 +118,15 @@ impl Algorithm for FixedWindow {
 #[allow(clippy::unwrap_used, clippy::indexing_slicing)]
 mod tests {
     use super::*;
+    use crate::algo::common::testing::{self, Step};
     use crate::time::NANOS_PER_SECOND as S;
 
     fn limit(rpu: u32, unit: Unit) -> Limit {
-        let rpu = NonZeroU32::new(rpu).unwrap();
-        Limit {
-            rpu,
-            unit,
-            burst: rpu,
-            slices: NonZeroU32::new(10).unwrap(),
-        }
-    }
-
-    /// One step of a scenario: at `now`, ask for `want`, expect this verdict.
-    struct Step {
-        now: Nanos,
-        want: u32,
-        granted: u32,
-        remaining: u64,
-        reset: Nanos,
-        retry_after: Nanos,
+        testing::limit(&FixedWindow, rpu, unit, None, 10)
     }
 
     fn run(limit: &Limit, state: &mut [u64], steps: &[Step]) {
-        for (i, step) in steps.iter().enumerate() {
-            let before = state.to_vec();
-            let verdict = FixedWindow.acquire(limit, state, step.now, step.want);
-            let expected = Verdict {
-                granted: step.granted,
-                remaining: step.remaining,
-                reset: step.reset,
-                retry_after: step.retry_after,
-                delay: 0,
-            };
-            assert_eq!(verdict, expected, "step {i} at {}", step.now);
-            if verdict.granted == 0 {
-                assert_eq!(
-                    state,
-                    &before[..],
-                    "step {i}: a rejection changed the state"
-                );
-            }
-        }
-    }
-
-    fn step(
-        now: Nanos,
-        want: u32,
-        granted: u32,
-        remaining: u64,
-        reset: Nanos,
-        retry_after: Nanos,
-    ) -> Step {
-        Step {
-            now,
-            want,
-            granted,
-            remaining,
-            reset,
-            retry_after,
-        }
+        testing::run(&FixedWindow, limit, state, steps);
     }
 
     #[test]
@@ -198,18 +147,18 @@ mod tests {
             &l,
             &mut state,
             &[
-                step(t0, 1, 1, 2, S, 0),
-                step(t0 + 1, 1, 1, 1, S - 1, 0),
-                step(t0 + S / 2, 1, 1, 0, S / 2, 0),
+                (t0, 1, 1, 2, S, 0),
+                (t0 + 1, 1, 1, 1, S - 1, 0),
+                (t0 + S / 2, 1, 1, 0, S / 2, 0),
                 // Full: rejected until the window ends, not counted.
-                step(t0 + S / 2 + 1, 1, 0, 0, S / 2 - 1, S / 2 - 1),
+                (t0 + S / 2 + 1, 1, 0, 0, S / 2 - 1, S / 2 - 1),
                 // Last nanosecond of the window.
-                step(t0 + S - 1, 1, 0, 0, 1, 1),
+                (t0 + S - 1, 1, 0, 0, 1, 1),
                 // First nanosecond of the next.
-                step(t0 + S, 1, 1, 2, S, 0),
-                step(t0 + S, 1, 1, 1, S, 0),
-                step(t0 + S, 1, 1, 0, S, 0),
-                step(t0 + S, 1, 0, 0, S, S),
+                (t0 + S, 1, 1, 2, S, 0),
+                (t0 + S, 1, 1, 1, S, 0),
+                (t0 + S, 1, 1, 0, S, 0),
+                (t0 + S, 1, 0, 0, S, S),
             ],
         );
         assert_eq!(state, [1_700_000_001, 3]);
@@ -228,10 +177,10 @@ mod tests {
             &l,
             &mut state,
             &[
-                step(t0, 1, 1, 1, hour_end - t0, 0),
-                step(hour_end - 1, 1, 1, 0, 1, 0),
-                step(hour_end - 1, 1, 0, 0, 1, 1),
-                step(hour_end, 2, 2, 0, hour, 0),
+                (t0, 1, 1, 1, hour_end - t0, 0),
+                (hour_end - 1, 1, 1, 0, 1, 0),
+                (hour_end - 1, 1, 0, 0, 1, 1),
+                (hour_end, 2, 2, 0, hour, 0),
             ],
         );
         let l = limit(1, Unit::Day);
@@ -242,9 +191,9 @@ mod tests {
             &l,
             &mut state,
             &[
-                step(t0, 1, 1, 0, midnight - t0, 0),
-                step(midnight - 1, 1, 0, 0, 1, 1),
-                step(midnight, 1, 1, 0, day, 0),
+                (t0, 1, 1, 0, midnight - t0, 0),
+                (midnight - 1, 1, 0, 0, 1, 1),
+                (midnight, 1, 1, 0, day, 0),
             ],
         );
     }
@@ -271,12 +220,12 @@ mod tests {
             &l,
             &mut state,
             &[
-                step(t0, 4, 4, 6, S, 0),
-                step(t0, 4, 4, 2, S, 0),
-                step(t0, 4, 2, 0, S, 0),
-                step(t0, 4, 0, 0, S, S),
+                (t0, 4, 4, 6, S, 0),
+                (t0, 4, 4, 2, S, 0),
+                (t0, 4, 2, 0, S, 0),
+                (t0, 4, 0, 0, S, S),
                 // want = 0 is a read-only probe.
-                step(t0 + S, 0, 0, 10, S, 0),
+                (t0 + S, 0, 0, 10, S, 0),
             ],
         );
         assert_eq!(state, [42, 10]);
@@ -290,12 +239,12 @@ mod tests {
             &l,
             &mut state,
             &[
-                step(10 * S, 1, 1, 1, S, 0),
+                (10 * S, 1, 1, 1, S, 0),
                 // 1 ns earlier, in window 9: still window 10's count.
-                step(10 * S - 1, 1, 1, 0, S + 1, 0),
-                step(10 * S - 1, 1, 0, 0, S + 1, S + 1),
-                step(10 * S + 5, 1, 0, 0, S - 5, S - 5),
-                step(11 * S, 1, 1, 1, S, 0),
+                (10 * S - 1, 1, 1, 0, S + 1, 0),
+                (10 * S - 1, 1, 0, 0, S + 1, S + 1),
+                (10 * S + 5, 1, 0, 0, S - 5, S - 5),
+                (11 * S, 1, 1, 1, S, 0),
             ],
         );
     }
@@ -307,7 +256,7 @@ mod tests {
         run(
             &l,
             &mut state,
-            &[step(5, 1, 1, 0, S - 5, 0), step(6, 1, 0, 0, S - 6, S - 6)],
+            &[(5, 1, 1, 0, S - 5, 0), (6, 1, 0, 0, S - 6, S - 6)],
         );
 
         let l = limit(u32::MAX, Unit::Day);
@@ -321,8 +270,8 @@ mod tests {
             &l,
             &mut state,
             &[
-                step(now, u32::MAX, u32::MAX, 0, reset, 0),
-                step(now, 1, 0, 0, reset, reset),
+                (now, u32::MAX, u32::MAX, 0, reset, 0),
+                (now, 1, 0, 0, reset, reset),
             ],
         );
         assert_eq!(state[1], max);

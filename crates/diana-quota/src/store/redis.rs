@@ -133,30 +133,42 @@ impl RedisOptions {
 /// An algorithm as a Lua script: its code, source and argument builder.
 struct LuaAlgorithm {
     code: &'static str,
+    /// The script as Redis runs it, see `lua_script!`.
     source: &'static str,
     /// ARGV (before the optional test clock) for a limit and a `want`.
     args: fn(&Limit, u32) -> Vec<u64>,
 }
 
+/// A script as Redis runs it (and hashes it for `EVALSHA`): the helpers every script shares,
+/// `lua/common.lua`, then the algorithm's own `lua/<name>.lua`.
+macro_rules! lua_script {
+    ($name:literal) => {
+        concat!(
+            include_str!("../../lua/common.lua"),
+            include_str!(concat!("../../lua/", $name, ".lua"))
+        )
+    };
+}
+
 static LUA_ALGORITHMS: [LuaAlgorithm; 4] = [
     LuaAlgorithm {
         code: "W",
-        source: include_str!("../../lua/window.lua"),
+        source: lua_script!("window"),
         args: window_args,
     },
     LuaAlgorithm {
         code: "SW",
-        source: include_str!("../../lua/sliding.lua"),
+        source: lua_script!("sliding"),
         args: sliding_args,
     },
     LuaAlgorithm {
         code: "LB",
-        source: include_str!("../../lua/leaky.lua"),
+        source: lua_script!("leaky"),
         args: gcra_args,
     },
     LuaAlgorithm {
         code: "TB",
-        source: include_str!("../../lua/token.lua"),
+        source: lua_script!("token"),
         args: gcra_args,
     },
 ];
