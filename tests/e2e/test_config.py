@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from harness import Envoy, errors, record, send_concurrent, statuses
+from harness import REPO, Envoy, errors, record, send_concurrent, statuses
 
 
 def _start_bad(procs, upstream, doc: str, name: str) -> tuple[Envoy, str]:
@@ -95,20 +95,7 @@ def test_accepted_document_forms(start_envoy, form):
 def test_seed_document_without_quota_service_degrades_to_local(start_envoy):
     """The seed document has a global rule; with no diana_quota cluster/service the rule is
     enforced locally and no request fails (DESIGN §4 Degrade)."""
-    seed = """\
-Url: /
-rules:
-  - actor: device
-    unit: second
-    rpu: 10
-    algo: TB
-    scope: global
-  - actor: all
-    unit: second
-    rpu: 50
-    algo: W
-    scope: local
-"""
+    seed = (REPO / "tests/fixtures/seed.yaml").read_text()
     envoy = start_envoy(seed)
     t0 = time.monotonic()
     resps = send_concurrent(envoy.port, 15, "/", {"x-device-id": "seed-dev"})

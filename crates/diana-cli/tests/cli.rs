@@ -12,20 +12,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
 
-const SEED: &str = "\
-Url: /
-rules:
-  - actor: device
-    unit: second
-    rpu: 10
-    algo: TB
-    scope: global
-  - actor: all
-    unit: second
-    rpu: 50
-    algo: W
-    scope: local
-";
+/// The seed design's document, verbatim (one copy for every test that needs it).
+const SEED: &str = include_str!("../../../tests/fixtures/seed.yaml");
 
 /// Full form, `/sample` written before `/` to check the evaluation order.
 const FULL: &str = "\

@@ -14,20 +14,8 @@ use crate::algo;
 use crate::time::Unit;
 use std::num::NonZeroU32;
 
-const SEED: &str = "\
-Url: /
-rules:
-  - actor: device
-    unit: second
-    rpu: 10
-    algo: TB
-    scope: global
-  - actor: all
-    unit: second
-    rpu: 50
-    algo: W
-    scope: local
-";
+/// The seed design's document, verbatim (one copy for every test that needs it).
+const SEED: &str = include_str!("../../../../tests/fixtures/seed.yaml");
 
 fn parse(text: &str) -> Policy {
     match parse_policy(text) {

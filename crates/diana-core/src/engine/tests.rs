@@ -108,20 +108,8 @@ fn header<'a>(rejection: &'a Rejection, name: &str) -> Option<&'a str> {
         .map(|(_, v)| v.as_str())
 }
 
-const SEED: &str = "
-Url: /
-rules:
-  - actor: device
-    unit: second
-    rpu: 10
-    algo: TB
-    scope: global
-  - actor: all
-    unit: second
-    rpu: 50
-    algo: W
-    scope: local
-";
+/// The seed design's document, verbatim.
+const SEED: &str = include_str!("../../../../tests/fixtures/seed.yaml");
 
 #[test]
 fn each_algorithm_admits_exactly_rpu_on_both_hosts() {
