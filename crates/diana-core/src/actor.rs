@@ -362,29 +362,24 @@ impl ActorRegistry {
     }
 }
 
+/// A request for tests: headers and a client address set by hand.
 #[cfg(test)]
-mod tests {
-    #![allow(
-        clippy::unwrap_used,
-        clippy::expect_used,
-        clippy::panic,
-        clippy::indexing_slicing
-    )]
-    use super::*;
+pub(crate) mod fake {
+    use super::RequestFacts;
     use std::collections::HashMap;
 
     #[derive(Default)]
-    struct Facts {
+    pub(crate) struct Facts {
         headers: HashMap<String, Vec<u8>>,
         ip: Option<Vec<u8>>,
     }
 
     impl Facts {
-        fn header(mut self, name: &str, value: &[u8]) -> Facts {
+        pub(crate) fn header(mut self, name: &str, value: &[u8]) -> Facts {
             self.headers.insert(name.to_string(), value.to_vec());
             self
         }
-        fn ip(mut self, ip: &[u8]) -> Facts {
+        pub(crate) fn ip(mut self, ip: &[u8]) -> Facts {
             self.ip = Some(ip.to_vec());
             self
         }
@@ -398,6 +393,19 @@ mod tests {
             self.ip.clone()
         }
     }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::panic,
+        clippy::indexing_slicing
+    )]
+    use super::*;
+
+    use fake::Facts;
 
     fn registry() -> ActorRegistry {
         ActorRegistry::builtin()

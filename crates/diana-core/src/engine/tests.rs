@@ -6,40 +6,13 @@
 )]
 
 use super::*;
+use crate::actor::fake::Facts;
 use crate::config::parse_policy;
 use crate::global::wire::{AcquireRequest, RuleResult};
 use crate::global::CalloutFailure;
 use crate::metrics::CountingMetrics;
 use crate::store::{CasSemantics, MemoryHost};
 use crate::time::NANOS_PER_SECOND;
-use std::collections::HashMap;
-
-/// A request as the engine sees it.
-#[derive(Default)]
-struct Facts {
-    headers: HashMap<String, Vec<u8>>,
-    ip: Option<Vec<u8>>,
-}
-
-impl Facts {
-    fn with(mut self, name: &str, value: &[u8]) -> Facts {
-        self.headers.insert(name.to_string(), value.to_vec());
-        self
-    }
-    fn with_ip(mut self, ip: &str) -> Facts {
-        self.ip = Some(ip.as_bytes().to_vec());
-        self
-    }
-}
-
-impl RequestFacts for Facts {
-    fn header(&self, name: &str) -> Option<Vec<u8>> {
-        self.headers.get(name).cloned()
-    }
-    fn client_ip(&self) -> Option<Vec<u8>> {
-        self.ip.clone()
-    }
-}
 
 struct Harness {
     engine: Engine,
@@ -205,17 +178,13 @@ fn least_specific_first_and_the_first_denial_charges_nothing_after_it() {
 fn actors_have_separate_counters_and_fallbacks() {
     let doc = "resources:\n  - Url: /\n    rules:\n      - {actor: device, rpu: 1, unit: minute}\n";
     let mut h = Harness::new(doc);
-    let a = Facts::default()
-        .with("x-device-id", b"a")
-        .with_ip("10.0.0.1");
-    let b = Facts::default()
-        .with("x-device-id", b"b")
-        .with_ip("10.0.0.1");
+    let a = Facts::default().header("x-device-id", b"a").ip(b"10.0.0.1");
+    let b = Facts::default().header("x-device-id", b"b").ip(b"10.0.0.1");
     assert_eq!(h.admitted("/", &a, 3), 1);
     assert_eq!(h.admitted("/", &b, 3), 1);
     // No device id: falls back to the client IP; two IPs, two counters.
-    assert_eq!(h.admitted("/", &Facts::default().with_ip("10.0.0.2"), 3), 1);
-    assert_eq!(h.admitted("/", &Facts::default().with_ip("10.0.0.3"), 3), 1);
+    assert_eq!(h.admitted("/", &Facts::default().ip(b"10.0.0.2"), 3), 1);
+    assert_eq!(h.admitted("/", &Facts::default().ip(b"10.0.0.3"), 3), 1);
 
     let doc =
         "resources:\n  - Url: /\n    rules:\n      - {actor: account, rpu: 1, unit: minute}\n";
@@ -223,7 +192,11 @@ fn actors_have_separate_counters_and_fallbacks() {
     // account falls back to skip: requests without an account are not limited by it.
     assert_eq!(h.admitted("/", &Facts::default(), 5), 5);
     assert_eq!(
-        h.admitted("/", &Facts::default().with("x-account-id", b"\xff\xfe"), 5),
+        h.admitted(
+            "/",
+            &Facts::default().header("x-account-id", b"\xff\xfe"),
+            5
+        ),
         1
     );
 }
@@ -282,7 +255,7 @@ fn callout(decision: Decision) -> Pending {
 #[test]
 fn the_seed_document_sends_its_global_rule_in_one_callout_after_the_local_rule() {
     let mut h = Harness::new(SEED);
-    let device = Facts::default().with("x-device-id", b"phone-1");
+    let device = Facts::default().header("x-device-id", b"phone-1");
     let pending = callout(h.request("/any", &device));
     let request: AcquireRequest = serde_json::from_slice(&pending.body).unwrap();
     assert_eq!(request.rules.len(), 1);
