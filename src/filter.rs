@@ -31,6 +31,8 @@ struct Configured {
 
 /// How often a worker checks for a newer remote document published by another worker.
 const REMOTE_CHECK: Duration = Duration::from_secs(1);
+/// The least time between two checks when the tick runs faster (leaky-bucket waiters).
+const REMOTE_CHECK_SPACING: Nanos = NANOS_PER_SECOND * 3 / 4;
 
 /// How long a config-center poll may take.
 const POLL_TIMEOUT: Duration = Duration::from_secs(5);
@@ -293,7 +295,10 @@ impl RootContext for DianaRoot {
         }
         if let Some(spec) = self.remote.clone() {
             if now >= self.next_remote_check {
-                self.next_remote_check = now.saturating_add(NANOS_PER_SECOND);
+                // A tick that lands a little early must still count: with a deadline of
+                // exactly one period, tick jitter made a worker skip every other tick and
+                // adopt a published document up to two seconds late.
+                self.next_remote_check = now.saturating_add(REMOTE_CHECK_SPACING);
                 self.adopt_published();
                 self.poll(&spec, now);
             }

@@ -106,10 +106,20 @@ def metric(envoy, name: str) -> int:
     return envoy.diana_metrics().get(name, 0)
 
 
-def wait_applied_everywhere(envoy, since: int, what: str) -> None:
-    """Every VM (the main thread's and one per worker) applied one more document."""
-    vms = envoy.concurrency + 1
-    wait_for(lambda: metric(envoy, "diana_config_reloads") >= since + vms, 15, what)
+def wait_applied_everywhere(envoy, at_least: int, what: str) -> None:
+    """Every VM applied the document: the reload count reached `at_least` (a lower bound:
+    Envoy may run more root contexts than one per worker plus the main thread's) and has
+    then stayed still for longer than a worker takes to adopt a published document."""
+    wait_for(lambda: metric(envoy, "diana_config_reloads") >= at_least, 15, what)
+    quiet_for = 1.6  # each worker checks for a published document every second
+    last, since = metric(envoy, "diana_config_reloads"), time.monotonic()
+    deadline = since + 15
+    while time.monotonic() - since < quiet_for:
+        assert time.monotonic() < deadline, f"reload count never settled: {what}"
+        time.sleep(0.2)
+        now = metric(envoy, "diana_config_reloads")
+        if now != last:
+            last, since = now, time.monotonic()
 
 
 def test_remote_document_replaces_local_then_survives_failures_and_garbage(start_envoy):
@@ -118,7 +128,8 @@ def test_remote_document_replaces_local_then_survives_failures_and_garbage(start
         center.document = remote_doc(5)
         envoy = start_envoy(local_doc(), config_port=port)
         # Every worker switches to the remote limit: exactly 5 per hour in total.
-        wait_applied_everywhere(envoy, envoy.concurrency + 1, "remote document applied by every worker")
+        vms = envoy.concurrency + 1  # one per worker and the main thread's
+        wait_applied_everywhere(envoy, 2 * vms, "remote document applied by every worker")
         assert statuses(send_concurrent(envoy.port, 20)) == {200: 5, 429: 15}
         # Conditional requests: the center is asked with If-None-Match and answers 304.
         wait_for(lambda: center.not_modified >= 2, 10, "304 answers to If-None-Match")
@@ -139,15 +150,17 @@ def test_remote_document_replaces_local_then_survives_failures_and_garbage(start
 
         # Recovery with a changed document: a new rule appears; the unchanged rule keeps
         # its counter (still exhausted), the new one starts fresh.
-        center.mode = "ok"
+        reloads = metric(envoy, "diana_config_reloads")
         center.document = remote_doc(5, "\n      - {name: extra, rpu: 100, unit: hour}")
-        wait_applied_everywhere(envoy, metric(envoy, "diana_config_reloads"), "changed document applied")
+        center.mode = "ok"
+        wait_applied_everywhere(envoy, reloads + vms, "changed document applied")
         assert admitted(envoy.port, 10) == 0, "unchanged rule kept its state across the reload"
         wait_for(lambda: "config center is back" in envoy.log_text(), 20, "recovery logged")
 
         # A different limit for `main` is a different counter: it starts fresh.
+        reloads = metric(envoy, "diana_config_reloads")
         center.document = remote_doc(7)
-        wait_applied_everywhere(envoy, metric(envoy, "diana_config_reloads"), "new limit applied")
+        wait_applied_everywhere(envoy, reloads + vms, "new limit applied")
         assert statuses(send_concurrent(envoy.port, 20)) == {200: 7, 429: 13}
         # One worker polls per period, not four.
         n0 = len(center.requests)

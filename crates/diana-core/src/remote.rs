@@ -63,9 +63,14 @@ pub fn read_published(host: &dyn SharedData) -> Option<Published> {
         .and_then(|(bytes, _)| Published::decode(&bytes))
 }
 
+/// How early a tick may land and still claim the next poll. Ticks jitter by a few
+/// milliseconds; without this slack a lone worker would find its tick just short of the
+/// deadline and poll every other period.
+const TICK_SLACK: Nanos = NANOS_PER_SECOND / 20;
+
 /// Claims this period's poll: true for exactly one worker per period.
 pub fn claim_poll(store: &Store, host: &dyn SharedData, spec: &RemoteSpec, now: Nanos) -> bool {
-    let period = u64::from(spec.poll_seconds.max(1)) * NANOS_PER_SECOND;
+    let period = u64::from(spec.poll_seconds.max(1)) * NANOS_PER_SECOND - TICK_SLACK;
     store
         .update(host, POLL_KEY, |current| {
             let due = decode_u64(current);
@@ -252,7 +257,8 @@ mod tests {
                     .count(),
                 0
             );
-            let next = now + 10 * NANOS_PER_SECOND;
+            // The next tick may land a little early and still claims the poll.
+            let next = now + 10 * NANOS_PER_SECOND - 3 * NANOS_PER_SECOND / 1000;
             assert_eq!(
                 workers
                     .iter()
