@@ -58,9 +58,11 @@ def main() -> int:
     else:
         out_md, chart_dir = ROOT / "BENCHMARKS.md", ROOT / "docs" / "bench"
 
-    diana_wasm = Path(os.environ.get("DIANA_WASM", ROOT / "target/wasm32-wasip1/release/diana.wasm")).resolve()
+    diana_wasm = Path(os.environ.get("DIANA_WASM", ROOT / "target/wasm32-wasip1/release/diana-envoy.wasm")).resolve()
+    untrimmed_wasm = (ROOT / "target/wasm32-wasip1/release/diana.wasm").resolve()
     quota_bin = Path(os.environ.get("DIANA_QUOTA_BIN", ROOT / "target/release/diana-quota")).resolve()
     empty_wasm = (ROOT / "bench/empty-filter/target/wasm32-wasip1/release/empty_filter.wasm").resolve()
+    empty_trimmed_wasm = empty_wasm.with_name("empty_filter_trimmed.wasm")
     probe_wasm = (ROOT / "bench/probe-filter/target/wasm32-wasip1/release/probe_filter.wasm").resolve()
     for p, what in ((diana_wasm, "the Diana filter"), (empty_wasm, "the empty filter")):
         if not p.is_file():
@@ -78,6 +80,7 @@ def main() -> int:
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "config": cfg, "sections": sections, "machine": machine_info(), "envoy_version": envoy_version(envoy),
         "binaries": {"diana_wasm": str(diana_wasm), "diana_wasm_bytes": diana_wasm.stat().st_size,
+                     "untrimmed_wasm_bytes": untrimmed_wasm.stat().st_size if untrimmed_wasm.is_file() else None,
                      "empty_wasm_bytes": empty_wasm.stat().st_size, "diana_quota": str(quota_bin_opt)},
         "errors": {},
     }
@@ -99,7 +102,9 @@ def main() -> int:
                 if section == "overhead":
                     import overhead
                     res["runtimes"] = overhead.probe_runtimes(procs, empty_wasm, diana_wasm)
-                    res["overhead"] = overhead.run(procs, cfg, diana_wasm, empty_wasm, quota_bin_opt)
+                    res["overhead"] = overhead.run(procs, cfg, diana_wasm, empty_wasm, quota_bin_opt,
+                                                   untrimmed_wasm=untrimmed_wasm,
+                                                   empty_trimmed_wasm=empty_trimmed_wasm)
                     procs.stop_all()
                     if cfg["extra"] and probe_wasm.is_file():
                         res["hostcalls"] = overhead.run_hostcalls(procs, cfg, probe_wasm)

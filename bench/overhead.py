@@ -32,25 +32,30 @@ def diana_doc(rules: list[str], url: str = "/", extra: str = "") -> str:
 GLOBAL_SECTION = "global: {cluster: diana_quota, authority: diana-quota, path: /v1/acquire, timeout_ms: 1000}\n"
 
 
-def global_doc(algo: str, lease: int, big: bool = False) -> str:
-    """The global variants: a local TB that is never reached, then the global rule
-    (rpu 10⁶/s: never reached at this machine's rates)."""
+def global_doc(algo: str, lease: int, big: bool = False, with_local: bool = False) -> str:
+    """The global variants: one global rule (rpu 10⁶/s: never reached at this machine's
+    rates); `with_local` puts a local TB that is never reached before it, as in the
+    design's example."""
     rpu = HUGE if big else 1_000_000
-    return diana_doc(["{name: bench_l, rpu: 100000000, unit: second, algo: TB}",
-                      f"{{name: bench_g, rpu: {rpu}, unit: second, algo: {algo}, scope: global, lease: {lease}}}"],
-                     extra=GLOBAL_SECTION)
+    rules = ["{name: bench_l, rpu: 100000000, unit: second, algo: TB}"] if with_local else []
+    rules.append(f"{{name: bench_g, rpu: {rpu}, unit: second, algo: {algo}, scope: global, lease: {lease}}}")
+    return diana_doc(rules, extra=GLOBAL_SECTION)
 
 
 def local_rule(algo: str, name: str = "bench", extra: str = "") -> str:
     return f"{{name: {name}, rpu: {HUGE}, unit: second, algo: {algo}{extra}}}"
 
 
-def variants(diana_wasm: Path, empty_wasm: Path, with_global: bool, extra: bool) -> list[dict[str, Any]]:
-    """(key, label, filters, needs_quota). Labels are what the report prints."""
+def variants(diana_wasm: Path, empty_wasm: Path, with_global: bool, extra: bool,
+             untrimmed_wasm: Path | None = None, empty_trimmed_wasm: Path | None = None) -> list[dict[str, Any]]:
+    """(key, label, filters, needs_quota). Labels are what the report prints.
+    `diana_wasm` is the module deployed on Envoy (diana-envoy.wasm, trimmed by diana-trim);
+    `untrimmed_wasm` is cargo's output with every SDK callback, `empty_trimmed_wasm` the
+    empty filter trimmed the same way."""
     d = str(diana_wasm)
 
-    def diana(doc: str, **kw: Any) -> list[dict]:
-        return [wasm_filter("diana", d, doc, **kw)]
+    def diana(doc: str, wasm: str = d, **kw: Any) -> list[dict]:
+        return [wasm_filter("diana", wasm, doc, **kw)]
 
     vs: list[dict[str, Any]] = [
         {"key": "none", "label": "no filter", "filters": []},
@@ -58,6 +63,9 @@ def variants(diana_wasm: Path, empty_wasm: Path, with_global: bool, extra: bool)
         {"key": "empty", "label": "empty wasm filter (stock SDK)",
          "filters": [wasm_filter("empty", str(empty_wasm))]},
     ]
+    if empty_trimmed_wasm is not None and empty_trimmed_wasm.is_file():
+        vs.append({"key": "empty_trim", "label": "empty wasm filter, trimmed like Diana",
+                   "filters": [wasm_filter("empty", str(empty_trimmed_wasm))]})
     for algo in ("W", "SW", "LB", "TB"):
         vs.append({"key": f"local_{algo}", "label": f"Diana local {algo}", "group": "local",
                    "filters": diana(diana_doc([local_rule(algo)]))})
@@ -78,14 +86,20 @@ def variants(diana_wasm: Path, empty_wasm: Path, with_global: bool, extra: bool)
             {"key": "x_precompiled", "label": "Diana local TB, allow_precompiled", "group": "extra",
              "filters": diana(diana_doc([local_rule("TB")]), allow_precompiled=True)},
         ]
+        if untrimmed_wasm is not None and untrimmed_wasm.is_file():
+            vs.append({"key": "x_untrimmed", "label": "Diana local TB, untrimmed module (every SDK callback)",
+                       "group": "extra", "filters": diana(diana_doc([local_rule("TB")]), wasm=str(untrimmed_wasm))})
         if with_global:
             vs.append({"key": "x_global_tb_l100", "label": "Diana global TB (10⁹/s), lease 100", "group": "extra",
                        "filters": diana(global_doc("TB", 100, big=True)), "quota": True})
+            vs.append({"key": "x_mixed_l100", "label": "Diana local TB + global W, lease 100 (design example)",
+                       "group": "extra", "filters": diana(global_doc("W", 100, with_local=True)), "quota": True})
     return vs
 
 
 def run(procs: Procs, cfg: dict[str, Any], diana_wasm: Path, empty_wasm: Path,
-        quota_bin: Path | None) -> dict[str, Any]:
+        quota_bin: Path | None, untrimmed_wasm: Path | None = None,
+        empty_trimmed_wasm: Path | None = None) -> dict[str, Any]:
     rounds, duration, warmup = cfg["rounds"], cfg["duration"], cfg["warmup"]
     out: dict[str, Any] = {"rounds": rounds, "duration_s": duration, "variants": [], "notes": []}
     quota_port = None
@@ -98,7 +112,8 @@ def run(procs: Procs, cfg: dict[str, Any], diana_wasm: Path, empty_wasm: Path,
             quota_port = None
     else:
         out["notes"].append("global variants skipped: diana-quota was not built")
-    vs = variants(diana_wasm, empty_wasm, with_global=quota_port is not None, extra=cfg["extra"])
+    vs = variants(diana_wasm, empty_wasm, with_global=quota_port is not None, extra=cfg["extra"],
+                  untrimmed_wasm=untrimmed_wasm, empty_trimmed_wasm=empty_trimmed_wasm)
 
     envoys: dict[str, Envoy] = {}
     for v in vs:

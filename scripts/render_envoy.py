@@ -12,7 +12,7 @@ Standard library only.
 
 CLI:
   render_envoy.py --listen-port 10000 --admin-port 9901 --upstream-port 18080 \
-      --diana-config envoy/demo-diana.yaml --wasm target/wasm32-wasip1/release/diana.wasm \
+      --diana-config envoy/demo-diana.yaml --wasm target/wasm32-wasip1/release/diana-envoy.wasm \
       [--quota-port 18081] [--config-port 18082] [--no-filter] [--out FILE]
 """
 
@@ -186,7 +186,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--quota-port", type=int)
     p.add_argument("--config-port", type=int)
     p.add_argument("--diana-config", help="file holding the Diana document (YAML or JSON)")
-    p.add_argument("--wasm", default="target/wasm32-wasip1/release/diana.wasm")
+    p.add_argument("--wasm", default="target/wasm32-wasip1/release/diana-envoy.wasm")
     p.add_argument("--no-filter", action="store_true", help="render Envoy without the Diana filter")
     p.add_argument("--normalize-path", action="store_true", help="let Envoy normalise paths too")
     p.add_argument("--out", help="output file (default: stdout)")

@@ -476,10 +476,14 @@ impl Context for DianaHttp {
         );
         let _ = self.apply(&configured, decision, true);
     }
+}
 
-    fn on_done(&mut self) -> bool {
+/// A request that ends while it waits in the leaky bucket (its client went away) leaves
+/// the queue here: the SDK drops the context on `proxy_on_delete`, the one end-of-request
+/// callback the trimmed module keeps (see `crates/diana-trim`).
+impl Drop for DianaHttp {
+    fn drop(&mut self) {
         self.forget_waiter();
-        true
     }
 }
 
@@ -512,9 +516,5 @@ impl HttpContext for DianaHttp {
             }
         }
         Action::Continue
-    }
-
-    fn on_log(&mut self) {
-        self.forget_waiter();
     }
 }

@@ -135,8 +135,12 @@ fn compose_file_is_consistent_with_the_repository() {
         std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docker/Dockerfile"))
             .unwrap();
     assert!(
-        dockerfile.contains(&format!("diana.wasm {wasm_path}")),
-        "Dockerfile does not put diana.wasm at {wasm_path}"
+        dockerfile.contains(&format!("release/diana-envoy.wasm {wasm_path}")),
+        "Dockerfile does not put the trimmed diana-envoy.wasm at {wasm_path}"
+    );
+    assert!(
+        dockerfile.contains("target/release/diana-trim target/wasm32-wasip1/release/diana.wasm target/wasm32-wasip1/release/diana-envoy.wasm"),
+        "the Dockerfile's build stage does not trim the module for Envoy"
     );
     let policy =
         diana_core::config::parse_policy(wasm["configuration"]["value"].as_str().unwrap()).unwrap();

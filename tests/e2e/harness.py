@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import render_envoy  # noqa: E402  (scripts/render_envoy.py: one renderer for run and tests)
 
 HOST = "127.0.0.1"
-WASM = Path(os.environ.get("DIANA_WASM", REPO / "target/wasm32-wasip1/release/diana.wasm"))
+WASM = Path(os.environ.get("DIANA_WASM", REPO / "target/wasm32-wasip1/release/diana-envoy.wasm"))
 QUOTA_BIN = Path(os.environ.get("DIANA_QUOTA_BIN", REPO / "target/release/diana-quota"))
 UPSTREAM_PY = REPO / "demo/upstream.py"
 LOG_ROOT = Path(os.environ.get("DIANA_E2E_LOGS", REPO / ".tmp/e2e"))

@@ -16,8 +16,8 @@ use serde_yaml::{Mapping, Value};
 use std::net::IpAddr;
 use std::path::Path;
 
-/// Where `cargo build --release --target wasm32-wasip1` puts the filter.
-pub const DEFAULT_WASM: &str = "target/wasm32-wasip1/release/diana.wasm";
+/// Where `scripts/build` puts the filter trimmed for Envoy (see `crates/diana-trim`).
+pub const DEFAULT_WASM: &str = "target/wasm32-wasip1/release/diana-envoy.wasm";
 
 const HCM_TYPE: &str =
     "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager";

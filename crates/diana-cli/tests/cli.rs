@@ -316,7 +316,7 @@ fn render_envoy_embeds_the_document_and_the_clusters_it_needs() {
     assert_eq!(config["vm_config"]["runtime"], "envoy.wasm.runtime.v8");
     assert_eq!(
         config["vm_config"]["code"]["local"]["filename"],
-        "target/wasm32-wasip1/release/diana.wasm"
+        "target/wasm32-wasip1/release/diana-envoy.wasm"
     );
     assert_eq!(
         config["configuration"]["@type"],

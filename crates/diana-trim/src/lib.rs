@@ -1,0 +1,193 @@
+//! Trimming the proxy-wasm callbacks Diana does not implement out of `diana.wasm`.
+//!
+//! The Rust SDK exports every `proxy_on_*` callback, so a host enters the VM for each of
+//! them on every request, response body chunk and trailer, even though Diana's default
+//! handlers do nothing. Envoy (proxy-wasm-cpp-host) checks each export and skips an
+//! absent callback, so removing the ones Diana does not need removes those VM entries:
+//! `proxy_on_log`, `proxy_on_done`, the body, trailer and metadata callbacks, the
+//! network-filter and gRPC callbacks. Exports that are not callbacks (memory, the
+//! allocator, the ABI marker, `_initialize`) are left alone, and the code only reachable
+//! from the removed callbacks is dropped with them.
+//!
+//! ngx_wasm_module calls `proxy_on_done` and `proxy_on_log` without checking that they
+//! exist, so nginx and Kong get the untrimmed module.
+
+use std::collections::BTreeSet;
+
+/// The callbacks Diana implements, with what each is for. Any other `proxy_on_*` export
+/// goes.
+pub const KEPT_CALLBACKS: &[&str] = &[
+    // The SDK's context bookkeeping: creating and freeing root and HTTP contexts (the
+    // HTTP context's `Drop` also forgets a leaky-bucket waiter).
+    "proxy_on_context_create",
+    "proxy_on_delete",
+    // Reading and validating the configuration.
+    "proxy_on_vm_start",
+    "proxy_on_configure",
+    // Resuming leaky-bucket waiters, polling the config center.
+    "proxy_on_tick",
+    // The decision.
+    "proxy_on_request_headers",
+    // `X-RateLimit-*` headers on admitted responses (`headers: all`).
+    "proxy_on_response_headers",
+    // Answers from diana-quota and from the config center.
+    "proxy_on_http_call_response",
+    // Not a callback: the host allocates returned buffers through it.
+    "proxy_on_memory_allocate",
+];
+
+/// What trimming did.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Trimmed {
+    /// The trimmed module.
+    pub wasm: Vec<u8>,
+    /// The callback exports removed, sorted.
+    pub removed: Vec<String>,
+}
+
+/// The export names of a module, sorted.
+pub fn exports(wasm: &[u8]) -> Result<Vec<String>, String> {
+    let module = parse(wasm)?;
+    let names: BTreeSet<String> = module.exports.iter().map(|e| e.name.clone()).collect();
+    Ok(names.into_iter().collect())
+}
+
+/// Removes every `proxy_on_*` export that is not in [`KEPT_CALLBACKS`], then the code
+/// nothing reaches any more. Fails if a kept callback is missing: the SDK changed and
+/// the list needs a look.
+pub fn trim(wasm: &[u8]) -> Result<Trimmed, String> {
+    let mut module = parse(wasm)?;
+    let present: BTreeSet<&str> = module.exports.iter().map(|e| e.name.as_str()).collect();
+    let missing: Vec<&str> = KEPT_CALLBACKS
+        .iter()
+        .copied()
+        .filter(|name| !present.contains(name))
+        .collect();
+    if !missing.is_empty() {
+        return Err(format!(
+            "not a Diana module built with the proxy-wasm SDK: missing export(s) {}",
+            missing.join(", ")
+        ));
+    }
+    let doomed: Vec<(walrus::ExportId, String)> = module
+        .exports
+        .iter()
+        .filter(|e| e.name.starts_with("proxy_on_") && !KEPT_CALLBACKS.contains(&e.name.as_str()))
+        .map(|e| (e.id(), e.name.clone()))
+        .collect();
+    let mut removed = Vec::with_capacity(doomed.len());
+    for (id, name) in doomed {
+        module.exports.delete(id);
+        removed.push(name);
+    }
+    removed.sort();
+    walrus::passes::gc::run(&mut module);
+    Ok(Trimmed {
+        wasm: module.emit_wasm(),
+        removed,
+    })
+}
+
+fn parse(wasm: &[u8]) -> Result<walrus::Module, String> {
+    walrus::Module::from_buffer(wasm).map_err(|e| format!("not a readable wasm module: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use super::*;
+    use walrus::{FunctionBuilder, Module, ModuleConfig, ValType};
+
+    /// A module shaped like an SDK build: one function per callback export, plus the
+    /// non-callback exports, and one helper reachable only from `proxy_on_log`.
+    fn sdk_like(callbacks: &[&str]) -> Vec<u8> {
+        let mut module = Module::with_config(ModuleConfig::new());
+        let mut helper = FunctionBuilder::new(&mut module.types, &[], &[ValType::I32]);
+        helper.func_body().i32_const(42);
+        let helper = helper.finish(vec![], &mut module.funcs);
+        module.funcs.get_mut(helper).name = Some("only_for_log".into());
+        for name in callbacks {
+            let mut f = FunctionBuilder::new(&mut module.types, &[], &[ValType::I32]);
+            if *name == "proxy_on_log" {
+                f.func_body().call(helper);
+            } else {
+                f.func_body().i32_const(1);
+            }
+            let id = f.finish(vec![], &mut module.funcs);
+            module.exports.add(name, id);
+        }
+        for name in ["malloc", "proxy_abi_version_0_2_1", "_initialize"] {
+            let mut f = FunctionBuilder::new(&mut module.types, &[], &[]);
+            f.func_body();
+            let id = f.finish(vec![], &mut module.funcs);
+            module.exports.add(name, id);
+        }
+        let memory = module.memories.add_local(false, false, 1, None, None);
+        module.exports.add("memory", memory);
+        module.emit_wasm()
+    }
+
+    const DROPPED: &[&str] = &[
+        "proxy_on_done",
+        "proxy_on_log",
+        "proxy_on_request_body",
+        "proxy_on_response_body",
+        "proxy_on_response_trailers",
+        "proxy_on_grpc_close",
+        "proxy_on_foreign_function",
+    ];
+
+    #[test]
+    fn keeps_diana_callbacks_and_non_callbacks_and_drops_the_rest() {
+        let all: Vec<&str> = KEPT_CALLBACKS.iter().chain(DROPPED).copied().collect();
+        let trimmed = trim(&sdk_like(&all)).unwrap();
+        let mut expected_removed: Vec<String> = DROPPED.iter().map(|s| s.to_string()).collect();
+        expected_removed.sort();
+        assert_eq!(trimmed.removed, expected_removed);
+        let left = exports(&trimmed.wasm).unwrap();
+        let mut expected: Vec<String> = KEPT_CALLBACKS
+            .iter()
+            .chain(&["malloc", "proxy_abi_version_0_2_1", "_initialize", "memory"])
+            .map(|s| s.to_string())
+            .collect();
+        expected.sort();
+        assert_eq!(left, expected);
+    }
+
+    #[test]
+    fn code_reachable_only_from_a_removed_callback_goes_too() {
+        let all: Vec<&str> = KEPT_CALLBACKS.iter().chain(DROPPED).copied().collect();
+        let before = Module::from_buffer(&sdk_like(&all)).unwrap();
+        assert!(before.funcs.by_name("only_for_log").is_some());
+        let after = Module::from_buffer(&trim(&sdk_like(&all)).unwrap().wasm).unwrap();
+        assert!(after.funcs.iter().count() < before.funcs.iter().count());
+        assert_eq!(after.funcs.iter().count(), KEPT_CALLBACKS.len() + 3);
+    }
+
+    #[test]
+    fn trimming_twice_changes_nothing() {
+        let all: Vec<&str> = KEPT_CALLBACKS.iter().chain(DROPPED).copied().collect();
+        let once = trim(&sdk_like(&all)).unwrap();
+        let twice = trim(&once.wasm).unwrap();
+        assert!(twice.removed.is_empty());
+        assert_eq!(exports(&twice.wasm).unwrap(), exports(&once.wasm).unwrap());
+    }
+
+    #[test]
+    fn a_module_without_a_kept_callback_is_refused() {
+        let without: Vec<&str> = KEPT_CALLBACKS
+            .iter()
+            .copied()
+            .filter(|n| *n != "proxy_on_tick")
+            .collect();
+        let error = trim(&sdk_like(&without)).unwrap_err();
+        assert!(error.contains("proxy_on_tick"), "{error}");
+    }
+
+    #[test]
+    fn garbage_is_refused_with_a_reason() {
+        let error = trim(b"not wasm").unwrap_err();
+        assert!(error.starts_with("not a readable wasm module"), "{error}");
+    }
+}
