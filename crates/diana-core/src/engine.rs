@@ -46,6 +46,8 @@ pub struct Engine {
     flat: Vec<(usize, usize)>,
     /// Flat rule index → the rule's shared-data key prefix.
     key_prefixes: Vec<String>,
+    /// Flat rule index → the prefix of the rule's lease-stash keys (global rules).
+    lease_prefixes: Vec<String>,
     /// False when the only resource is `/`: every request matches, the path is not needed.
     needs_path: bool,
     store: Store,
@@ -95,12 +97,22 @@ impl Engine {
             .iter()
             .flat_map(|resource| resource.rules.iter().map(|rule| key_prefix(rule.id)))
             .collect();
+        let lease_prefixes = policy
+            .resources
+            .iter()
+            .flat_map(|resource| resource.rules.iter())
+            .map(|rule| match rule.scope {
+                Scope::Global => crate::global::lease_key_prefix(rule.id),
+                Scope::Local => String::new(),
+            })
+            .collect();
         let needs_path = !matches!(policy.resources.as_slice(), [only] if only.url == "/");
         Engine {
             policy,
             offsets,
             flat,
             key_prefixes,
+            lease_prefixes,
             needs_path,
             store: Store::new(),
             can_pause: true,
@@ -262,6 +274,14 @@ impl Engine {
 
     pub(crate) fn store(&self) -> &Store {
         &self.store
+    }
+
+    /// The lease-stash key of one slot of a global rule (prefix computed once per rule).
+    pub(crate) fn lease_key(&self, index: usize, slot: u32) -> String {
+        crate::store::slot_key_in(
+            self.lease_prefixes.get(index).map_or("", String::as_str),
+            slot,
+        )
     }
 
     /// Finishes a request paused for a callout (see [`crate::global`]).

@@ -24,7 +24,7 @@ use crate::config::Rule;
 use crate::engine::{Decision, Engine, LocalOutcome, Progress};
 use crate::metrics::{Event, MetricSink, RuleEvent};
 use crate::response::RuleReport;
-use crate::store::{decode_u64, SharedData, SlotAddress, Store};
+use crate::store::{decode_u64, SharedData, SlotAddress};
 use crate::time::{Nanos, NANOS_PER_SECOND};
 use wire::{AcquireRequest, AcquireResponse, RuleRequest, RuleResult};
 
@@ -127,8 +127,10 @@ impl Lease {
     }
 }
 
-fn lease_key(rule: &Rule, address: SlotAddress) -> String {
-    format!("diana/lease/{:016x}/{}", rule.id, address.first)
+/// `diana/lease/<rule id>/`: the part of a rule's lease-stash keys computed once per rule
+/// (the slot number follows, as for [`crate::store::slot_key`]).
+pub fn lease_key_prefix(rule_id: u64) -> String {
+    format!("diana/lease/{rule_id:016x}/")
 }
 
 /// The quota service's wait endpoint beside its acquire endpoint: `/v1/acquire` →
@@ -160,14 +162,14 @@ enum StashAnswer {
 }
 
 fn take_from_stash(
-    store: &Store,
+    engine: &Engine,
     host: &dyn SharedData,
-    rule: &Rule,
-    address: SlotAddress,
+    global: GlobalRuleRef,
     now: Nanos,
 ) -> StashAnswer {
-    let key = lease_key(rule, address);
-    let result = store.update(host, &key, |current| {
+    let address = global.address;
+    let key = engine.lease_key(global.index, address.first);
+    let result = engine.store().update(host, &key, |current| {
         let mut lease = Lease::decode(current);
         if lease.fingerprint != address.fingerprint {
             return (None, StashAnswer::Ask);
@@ -188,15 +190,15 @@ fn take_from_stash(
 
 /// Records the service's answer for one rule: spare tokens, or a denial to cache.
 fn stash(
-    store: &Store,
+    engine: &Engine,
     host: &dyn SharedData,
     rule: &Rule,
-    address: SlotAddress,
+    global: GlobalRuleRef,
     lease: Lease,
     now: Nanos,
 ) {
-    let key = lease_key(rule, address);
-    let result = store.update(host, &key, |current| {
+    let key = engine.lease_key(global.index, global.address.first);
+    let result = engine.store().update(host, &key, |current| {
         let mut merged = lease;
         let existing = Lease::decode(current);
         // Spare tokens from an earlier refill that are still valid are kept (with the
@@ -304,7 +306,7 @@ pub(crate) fn begin(
         let Some(rule) = engine.rule(global.index) else {
             continue;
         };
-        match take_from_stash(engine.store(), host, rule, global.address, now) {
+        match take_from_stash(engine, host, global, now) {
             StashAnswer::Served => {
                 metrics.rule_event(global.index, RuleEvent::Allowed);
             }
@@ -480,7 +482,7 @@ pub fn complete(
                     valid_until: now.saturating_add(lifetime),
                     ..Lease::for_address(global.address)
                 };
-                stash(engine.store(), host, rule, global.address, spare, now);
+                stash(engine, host, rule, *global, spare, now);
             }
             progress.admit(report, verdict.delay);
         } else {
@@ -488,7 +490,7 @@ pub fn complete(
                 denied_until: now.saturating_add(verdict.retry_after),
                 ..Lease::for_address(global.address)
             };
-            stash(engine.store(), host, rule, global.address, denial, now);
+            stash(engine, host, rule, *global, denial, now);
             if let LocalOutcome::Rejected(rejection) =
                 engine.deny(global.index, rule, &report, metrics)
             {

@@ -259,7 +259,7 @@ impl Store {
     ) -> Result<Charge, ChargeError> {
         let words = table.algo.state_words(table.limit);
         for _ in 0..MAX_CAS_ATTEMPTS {
-            let (slot, record, cas, collided) = self.locate(host, table, address, now, words)?;
+            let (key, record, cas, collided) = self.locate(host, table, address, now, words)?;
             let mut record = record;
             let mut verdict = table
                 .algo
@@ -281,7 +281,6 @@ impl Store {
             if !collided {
                 record.fingerprint = address.fingerprint;
             }
-            let key = slot_key_in(table.key_prefix, slot);
             if self.write(host, &key, &record.encode(), cas)? == SetOutcome::Written {
                 return Ok(Charge { verdict, collided });
             }
@@ -330,8 +329,8 @@ impl Store {
 
     /// Finds the slot to charge: the identity's own record in either candidate, else a
     /// free or idle candidate, else (both held by active identities) the first candidate,
-    /// shared. Returns the slot, the record to update, its CAS (`None` = missing key) and
-    /// whether the counter is shared.
+    /// shared. Returns the slot's key, the record to update, its CAS (`None` = missing
+    /// key) and whether the counter is shared.
     #[allow(clippy::type_complexity)]
     fn locate(
         &self,
@@ -340,26 +339,28 @@ impl Store {
         address: SlotAddress,
         now: Nanos,
         words: usize,
-    ) -> Result<(u32, Record, Option<u32>, bool), HostError> {
-        let first = self.probe(host, table, address, address.first, now, words)?;
+    ) -> Result<(String, Record, Option<u32>, bool), HostError> {
+        let first_key = slot_key_in(table.key_prefix, address.first);
+        let first = self.probe(host, table, address, &first_key, now, words)?;
         if let Probe::Mine(record, cas) = first {
-            return Ok((address.first, record, Some(cas), false));
+            return Ok((first_key, record, Some(cas), false));
         }
         if address.second == address.first {
             return Ok(match first {
-                Probe::Free(cas) => (address.first, Record::empty(words), cas, false),
+                Probe::Free(cas) => (first_key, Record::empty(words), cas, false),
                 Probe::Taken(record, cas) | Probe::Mine(record, cas) => {
-                    (address.first, record, Some(cas), true)
+                    (first_key, record, Some(cas), true)
                 }
             });
         }
-        let second = self.probe(host, table, address, address.second, now, words)?;
+        let second_key = slot_key_in(table.key_prefix, address.second);
+        let second = self.probe(host, table, address, &second_key, now, words)?;
         Ok(match (first, second) {
-            (_, Probe::Mine(record, cas)) => (address.second, record, Some(cas), false),
-            (Probe::Free(cas), _) => (address.first, Record::empty(words), cas, false),
-            (_, Probe::Free(cas)) => (address.second, Record::empty(words), cas, false),
+            (_, Probe::Mine(record, cas)) => (second_key, record, Some(cas), false),
+            (Probe::Free(cas), _) => (first_key, Record::empty(words), cas, false),
+            (_, Probe::Free(cas)) => (second_key, Record::empty(words), cas, false),
             (Probe::Taken(record, cas) | Probe::Mine(record, cas), Probe::Taken(..)) => {
-                (address.first, record, Some(cas), true)
+                (first_key, record, Some(cas), true)
             }
         })
     }
@@ -369,12 +370,11 @@ impl Store {
         host: &dyn SharedData,
         table: &SlotTable<'_>,
         address: SlotAddress,
-        slot: u32,
+        key: &str,
         now: Nanos,
         words: usize,
     ) -> Result<Probe, HostError> {
-        let key = slot_key_in(table.key_prefix, slot);
-        Ok(match host.get(&key)? {
+        Ok(match host.get(key)? {
             None => Probe::Free(None),
             Some((bytes, cas)) => {
                 let record = Record::decode(&bytes, words);
