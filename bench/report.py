@@ -149,7 +149,8 @@ def render(res: dict[str, Any], chart_rel: Optional[str]) -> str:
     A("scripts: p99.9 summary, /v1/acquire bodies), `bench/empty-filter/` (baseline filter),")
     A("`bench/probe-filter/` (host-call cost probe), `bench/engine-profile/` + `bench/engprof.py`")
     A("(native callgrind profile of the filter's logic), `bench/chart.py` (SVG), `bench/report.py`")
-    A("(this page), `bench/observations.md` (the notes at the end, written by hand after a run).")
+    A("(this page), `bench/observations.md` (the notes at the end, written by hand after a run),")
+    A("`bench/paired.py` (a focused re-measurement of the target variants: many short rounds).")
     A("")
     A("## This run")
     A("")
@@ -186,10 +187,13 @@ def render(res: dict[str, Any], chart_rel: Optional[str]) -> str:
         A("*wrk ratio*: median over rounds of (variant ÷ empty filter) within the same round, from")
         A("wrk's req/s or p99. *CPU-cost ratio*: the throughput ratio implied by Envoy's own CPU time")
         A("per request (empty filter's µs/req ÷ the variant's), i.e. the ratio on a core Envoy has to")
-        A("itself. In this run Envoy was **not** CPU-bound (it got 40–90 % of CPU 0, see the")
-        A("\"Envoy CPU\" column below: other tenants' processes ran on the same cores), so wrk's req/s")
-        A("mostly measure how much of CPU 0 Envoy was given; the CPU-cost ratio is the one to trust")
-        A("for capacity, the wrk p99 ratios are dominated by scheduling noise (p99 ≫ p50 everywhere).")
+        utils = [x["envoy_cpu_util"] for v in ov.get("variants", []) for x in (v.get("runs") or [])
+                 if x.get("envoy_cpu_util") is not None]
+        share = f"{min(utils) * 100:.0f}–{max(utils) * 100:.0f} %" if utils else "an unknown share"
+        A(f"itself. In this run Envoy got {share} of CPU 0 per run (the \"Envoy CPU\" column below;")
+        A("other tenants' processes ran on the same cores), so wrk's req/s partly measure how much")
+        A("of CPU 0 Envoy was given; the CPU-cost ratio is the one to trust for capacity, and the wrk")
+        A("p99 ratios are dominated by scheduling noise (p99 ≫ p50 everywhere).")
         A("")
 
     if ov:

@@ -1,0 +1,68 @@
+"""Focused overhead comparison: few variants, many short interleaved rounds.
+
+The full overhead section (bench/overhead.py) runs 17 variants for 10 s each per round, so
+one round takes minutes and the machine drifts within it. This runs only the variants that
+decide the targets, for ROUNDS rounds of SECONDS each, and reports per variant the median
+Envoy CPU µs per request and the median of the per-round ratios to the empty stock-SDK
+filter. Same processes, pinning and stopping as the full section (bench/common.py).
+
+    python3 bench/paired.py [ROUNDS=10] [SECONDS=4]      # after scripts/bench built everything
+
+Prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from common import ROOT, Envoy, Procs, median, say, wasm_filter, wrk
+from overhead import diana_doc, local_rule
+
+RELEASE = ROOT / "target/wasm32-wasip1/release"
+EMPTY = ROOT / "bench/empty-filter/target/wasm32-wasip1/release"
+
+
+def variants() -> dict[str, tuple[str, list[dict]]]:
+    envoy_wasm, untrimmed = str(RELEASE / "diana-envoy.wasm"), str(RELEASE / "diana.wasm")
+    tb = diana_doc([local_rule("TB")])
+    return {
+        "empty": ("empty wasm filter (stock SDK)", [wasm_filter("empty", str(EMPTY / "empty_filter.wasm"))]),
+        "empty_trim": ("empty wasm filter, trimmed like Diana",
+                       [wasm_filter("empty", str(EMPTY / "empty_filter_trimmed.wasm"))]),
+        "nomatch": ("Diana, no rule matches (reads :path and the clock)",
+                    [wasm_filter("diana", envoy_wasm, diana_doc([local_rule("TB")], url="/nomatch"))]),
+        **{f"local_{a}": (f"Diana local {a}", [wasm_filter("diana", envoy_wasm, diana_doc([local_rule(a)]))])
+           for a in ("W", "SW", "LB", "TB")},
+        "untrimmed_TB": ("Diana local TB, untrimmed diana.wasm", [wasm_filter("diana", untrimmed, tb)]),
+    }
+
+
+def main() -> None:
+    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 10
+    seconds = float(sys.argv[2]) if len(sys.argv) > 2 else 4
+    vs = variants()
+    procs = Procs(ROOT / ".tmp/bench/paired")
+    cpu: dict[str, list[float]] = {k: [] for k in vs}
+    try:
+        envoys = {k: Envoy(procs, f"paired-{k}", filters, concurrency=1, cpus="0").start()
+                  for k, (_, filters) in vs.items()}
+        for e in envoys.values():
+            wrk(e.url + "/", duration=2)
+        for r in range(rounds):
+            say(f"paired: round {r + 1}/{rounds}")
+            for k, e in envoys.items():
+                c0 = e.proc.cpu_seconds()
+                res = wrk(e.url + "/", duration=seconds)
+                cpu[k].append((e.proc.cpu_seconds() - c0) * 1e6 / max(1, res["requests"]))
+    finally:
+        procs.stop_all()
+    print(f"| variant ({rounds} rounds × {seconds:g} s) | Envoy CPU µs/req (median) | × empty (CPU, median of rounds) |")
+    print("| --- | ---: | ---: |")
+    for k, (label, _) in vs.items():
+        ratios = [e / x for e, x in zip(cpu["empty"], cpu[k]) if x]
+        print(f"| {label} | {median(cpu[k]):.1f} | {median(ratios):.2f} |")
+
+
+if __name__ == "__main__":
+    main()
