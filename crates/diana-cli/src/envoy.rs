@@ -11,8 +11,9 @@
 //! messages refer to it exactly as written.
 
 use crate::plan::count_global;
+use crate::yaml::{map, number, string};
 use diana_core::config::Policy;
-use serde_yaml::{Mapping, Value};
+use serde_yaml::Value;
 use std::net::IpAddr;
 use std::path::Path;
 
@@ -109,22 +110,6 @@ pub struct Options {
 pub struct Rendered {
     pub yaml: String,
     pub warnings: Vec<String>,
-}
-
-fn map(entries: Vec<(&str, Value)>) -> Value {
-    let mut mapping = Mapping::new();
-    for (key, value) in entries {
-        mapping.insert(Value::String(key.to_string()), value);
-    }
-    Value::Mapping(mapping)
-}
-
-fn string(text: &str) -> Value {
-    Value::String(text.to_string())
-}
-
-fn number(value: u64) -> Value {
-    Value::Number(value.into())
 }
 
 fn socket_address(endpoint: &Endpoint) -> Value {

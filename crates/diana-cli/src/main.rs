@@ -13,6 +13,7 @@
 mod envoy;
 mod plan;
 mod schema;
+mod yaml;
 
 use clap::{Args, Parser, Subcommand};
 use diana_core::config::{parse_policy, Policy};

@@ -2,8 +2,9 @@
 //! filled in, resources in evaluation order. Built once as an ordered YAML value; printed
 //! as YAML for people (`diana check`) or as JSON (`diana check --json`).
 
+use crate::yaml::{map, number, string};
 use diana_core::config::{HeaderMode, Policy, Rule, Scope};
-use serde_yaml::{Mapping, Value};
+use serde_yaml::Value;
 
 /// Machine-readable plan (JSON): rates also as numbers (`rate_per_second`).
 pub fn render_json(policy: &Policy) -> Result<String, String> {
@@ -60,22 +61,6 @@ pub fn count_global(policy: &Policy) -> usize {
         .flat_map(|resource| resource.rules.iter())
         .filter(|rule| rule.scope == Scope::Global)
         .count()
-}
-
-fn map(entries: Vec<(&str, Value)>) -> Value {
-    let mut mapping = Mapping::new();
-    for (key, value) in entries {
-        mapping.insert(Value::String(key.to_string()), value);
-    }
-    Value::Mapping(mapping)
-}
-
-fn string(text: &str) -> Value {
-    Value::String(text.to_string())
-}
-
-fn number(value: u64) -> Value {
-    Value::Number(value.into())
 }
 
 fn build(policy: &Policy, machine: bool) -> Value {
