@@ -14,14 +14,6 @@ wrk.path = "/v1/acquire"
 wrk.body = '{"rules":[' .. table.concat(rules, ",") .. ']}'
 wrk.headers["Content-Type"] = "application/json"
 
-done = function(summary, latency, requests)
-  local e = summary.errors
-  io.write(string.format(
-    'BENCH_JSON {"requests":%d,"duration_us":%d,"bytes":%d,' ..
-    '"errors":{"connect":%d,"read":%d,"write":%d,"status":%d,"timeout":%d},' ..
-    '"lat_us":{"mean":%.1f,"p50":%d,"p75":%d,"p90":%d,"p99":%d,"p99.9":%d,"max":%d}}\n',
-    summary.requests, summary.duration, summary.bytes,
-    e.connect, e.read, e.write, e.status, e.timeout,
-    latency.mean, latency:percentile(50), latency:percentile(75), latency:percentile(90),
-    latency:percentile(99), latency:percentile(99.9), latency.max))
-end
+-- The BENCH_JSON summary line, shared with the other wrk runs.
+local here = debug.getinfo(1, "S").source:match("^@(.*/)") or "./"
+dofile(here .. "summary.lua")
