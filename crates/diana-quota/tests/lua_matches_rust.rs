@@ -102,6 +102,8 @@ async fn compare(redis: &RedisStore, steps: usize) {
                 burst,
                 slices,
                 want,
+                cost: 1,
+                max_delay_ms: None,
             };
             let resolved = [request.resolve(0).unwrap()];
             let expected = memory.decide_at(&resolved, now_us * 1000);

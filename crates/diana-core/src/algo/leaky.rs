@@ -19,13 +19,20 @@
 //! years. State, two words: `next_free × rpu` as a 128-bit number, high word first. All
 //! zeros is "next free at the epoch", an empty bucket.
 //!
+//! Giving a turn back ([`Algorithm::release`], when another rule of the request denied it)
+//! is exact while the turn is the last one reserved: `next_free` moves back. Once a later
+//! request has queued behind it, moving `next_free` back would let two requests leave in
+//! one interval, so the turn stays reserved and passes unused — the bucket stays smooth.
+//! Debts ([`Algorithm::charge_debt`]) do not apply: a leaky bucket paces requests, it does
+//! not count their cost after the fact.
+//!
 //! Clock going backwards: the queue simply looks longer, and requests wait or are rejected
 //! until the clock catches up. A `next_free` beyond the longest possible queue plus one
 //! unit cannot come from a clock step and is treated as garbage (fresh), as is a state
 //! shorter than two words.
 
 use super::common::Scaled;
-use super::{Algorithm, Limit, Verdict};
+use super::{Algorithm, Limit, Mark, Verdict};
 use crate::time::{Nanos, Unit};
 use std::num::NonZeroU32;
 
@@ -62,7 +69,26 @@ impl Algorithm for LeakyBucket {
         2
     }
 
-    fn acquire(&self, limit: &Limit, state: &mut [u64], now: Nanos, want: u32) -> Verdict {
+    fn capacity(&self, limit: &Limit) -> u64 {
+        u64::from(limit.burst.get()) + 1
+    }
+
+    fn waits(&self) -> bool {
+        true
+    }
+
+    fn allows_debt(&self) -> bool {
+        false
+    }
+
+    fn acquire_at_least(
+        &self,
+        limit: &Limit,
+        state: &mut [u64],
+        now: Nanos,
+        need: u32,
+        want: u32,
+    ) -> Verdict {
         let s = Scaled::new(limit, now);
         let start = start(s, state);
         let wait = start - s.now;
@@ -70,18 +96,42 @@ impl Algorithm for LeakyBucket {
         let place = wait.div_ceil(s.interval);
         // Turns still free right now: places `place..=burst`.
         let free = (s.burst + 1).saturating_sub(place);
-        let (granted, next_free) = s.take(state, start, want, free);
+        let need = u128::from(need.clamp(1, want.max(1)));
+        let grantable = if want > 0 && free >= need { free } else { 0 };
+        let (granted, next_free) = s.take(state, start, want, grantable);
         Verdict {
             granted: u32::try_from(granted).unwrap_or(0),
             remaining: u64::try_from(free - granted).unwrap_or(u64::MAX),
             reset: s.to_nanos(next_free - s.now),
-            retry_after: if free > 0 {
+            // Short: `need` turns are free once the wait is down to (burst + 1 − need)·T.
+            retry_after: if granted > 0 || want == 0 {
                 0
             } else {
-                s.to_nanos(wait - s.capacity()).max(1)
+                s.to_nanos(wait.saturating_sub((s.burst + 1).saturating_sub(need) * s.interval))
+                    .max(1)
             },
             delay: if granted > 0 { s.to_nanos(wait) } else { 0 },
+            mark: Mark(next_free),
         }
+    }
+
+    fn release(&self, limit: &Limit, state: &mut [u64], now: Nanos, tokens: u32, mark: Mark) {
+        let s = Scaled::new(limit, now);
+        if super::common::load(state) == Some(mark.0) {
+            // Still the last turn reserved.
+            let back = mark.0.saturating_sub(u128::from(tokens) * s.interval);
+            super::common::store(state, back);
+        }
+    }
+
+    fn charge_debt(
+        &self,
+        _limit: &Limit,
+        _state: &mut [u64],
+        _now: Nanos,
+        _tokens: u32,
+    ) -> Verdict {
+        Verdict::default()
     }
 
     fn is_idle(&self, limit: &Limit, state: &[u64], now: Nanos) -> bool {
@@ -114,6 +164,7 @@ mod tests {
                 reset,
                 retry_after,
                 delay,
+                ..Verdict::default()
             };
             testing::check(&LeakyBucket, limit, state, i, now, want, expected);
         }
@@ -355,5 +406,36 @@ mod tests {
             let _ = LeakyBucket.acquire(&l, &mut state, now, u32::MAX);
             let _ = LeakyBucket.is_idle(&l, &state, now);
         }
+    }
+}
+
+#[cfg(test)]
+mod release_tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::algo::common::{load, testing};
+    use crate::time::NANOS_PER_SECOND as S;
+
+    #[test]
+    fn only_the_last_turn_is_given_back() {
+        // 10 per second: T = 100 ms.
+        let l = testing::limit(&LeakyBucket, 10, Unit::Second, Some(5), 10);
+        let t = u128::from(S / 10) * 10;
+        let t0 = 100 * S;
+        let now = u128::from(t0) * 10;
+        let mut state = [0u64; 2];
+        let a = LeakyBucket.acquire(&l, &mut state, t0, 1);
+        let b = LeakyBucket.acquire(&l, &mut state, t0, 1);
+        assert_eq!(load(&state), Some(now + 2 * t));
+        // b is the last turn: given back exactly.
+        LeakyBucket.release(&l, &mut state, t0, 1, b.mark);
+        assert_eq!(load(&state), Some(now + t));
+        let b = LeakyBucket.acquire(&l, &mut state, t0, 1);
+        let c = LeakyBucket.acquire(&l, &mut state, t0, 1);
+        assert_eq!((b.delay, c.delay), (S / 10, 2 * S / 10));
+        // b has c queued behind it: its turn passes unused, c keeps its own.
+        LeakyBucket.release(&l, &mut state, t0, 1, b.mark);
+        assert_eq!(load(&state), Some(now + 3 * t));
+        assert_eq!(a.delay, 0);
     }
 }

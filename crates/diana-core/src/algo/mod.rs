@@ -36,20 +36,23 @@ pub struct Limit {
     pub slices: NonZeroU32,
 }
 
-/// The outcome of asking an algorithm for `want` tokens (a request is one token; a lease
-/// asks for several).
+/// The outcome of asking an algorithm for tokens (a request takes its cost, one by default;
+/// a lease asks for more).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Verdict {
-    /// Tokens granted, `0..=want`. Zero means the request is denied.
+    /// Tokens granted: zero (denied, nothing changed) or between what was needed and what
+    /// was wanted.
     pub granted: u32,
-    /// Requests that would still be admitted right now after this decision.
+    /// Tokens that would still be granted right now after this decision.
     pub remaining: u64,
     /// Duration until the limit has fully recovered (window end, bucket full, queue empty).
     pub reset: Nanos,
-    /// When denied: duration until one request would be admitted. Zero when admitted.
+    /// When denied: duration until what was needed could be granted. Zero when admitted.
     pub retry_after: Nanos,
     /// Leaky bucket only: how long this admitted request must wait before it leaves.
     pub delay: Nanos,
+    /// Where the granted tokens were counted, for [`Algorithm::release`].
+    pub mark: Mark,
 }
 
 impl Verdict {
@@ -57,6 +60,12 @@ impl Verdict {
         self.granted > 0
     }
 }
+
+/// Where an algorithm counted a grant (the window, the slice, the departure slot), so that
+/// the grant can be given back exactly when another rule of the same request denies it.
+/// Opaque outside the algorithm that made it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
+pub struct Mark(pub u128);
 
 /// One rate-limiting algorithm. Implementations are stateless singletons; all per-counter
 /// state lives in the `state` words the caller passes in.
@@ -73,10 +82,51 @@ pub trait Algorithm: Send + Sync + fmt::Debug {
     /// Number of `u64` words of state for this limit (constant for a given limit).
     fn state_words(&self, limit: &Limit) -> usize;
 
-    /// Decides on `want` tokens at `now`, granting as many as the limit allows, up to
-    /// `want`, and updating `state` only for what was granted. `state.len()` is
+    /// The most tokens one decision can ever grant on an idle counter: a request whose cost
+    /// is above it could never pass (the configuration refuses such a cost).
+    fn capacity(&self, limit: &Limit) -> u64;
+
+    /// True when an admitted request may have to wait for its turn ([`Verdict::delay`]):
+    /// the host must be able to hold it (or the quota service waits for it).
+    fn waits(&self) -> bool {
+        false
+    }
+
+    /// True when tokens may be charged past the limit ([`Algorithm::charge_debt`]), as a
+    /// response cost known only after the upstream answered.
+    fn allows_debt(&self) -> bool {
+        true
+    }
+
+    /// Decides on a request that needs `need` tokens and would take up to `want`
+    /// (`need ≤ want`; a lease wants more than it needs). Grants `min(want, available)` if
+    /// at least `need` are available, else nothing; the state changes only for what was
+    /// granted. `want = 0` is a read-only probe. `state.len()` is
     /// [`Algorithm::state_words`]; a shorter or garbled state is treated as fresh, never a panic.
-    fn acquire(&self, limit: &Limit, state: &mut [u64], now: Nanos, want: u32) -> Verdict;
+    fn acquire_at_least(
+        &self,
+        limit: &Limit,
+        state: &mut [u64],
+        now: Nanos,
+        need: u32,
+        want: u32,
+    ) -> Verdict;
+
+    /// [`Algorithm::acquire_at_least`] with a need of one token: as many as are available,
+    /// up to `want`.
+    fn acquire(&self, limit: &Limit, state: &mut [u64], now: Nanos, want: u32) -> Verdict {
+        self.acquire_at_least(limit, state, now, want.min(1), want)
+    }
+
+    /// Gives back `tokens` of a grant counted at `mark` (a request that another rule
+    /// denied consumes nothing). Tokens whose window or slice has passed are gone already;
+    /// a bucket is never filled beyond its capacity.
+    fn release(&self, limit: &Limit, state: &mut [u64], now: Nanos, tokens: u32, mark: Mark);
+
+    /// Charges `tokens` whatever is left (a response cost): the counter may go past its
+    /// limit, and later requests are denied until the debt is paid back. Only called when
+    /// [`Algorithm::allows_debt`]; returns the state after the charge as a zero-grant verdict.
+    fn charge_debt(&self, limit: &Limit, state: &mut [u64], now: Nanos, tokens: u32) -> Verdict;
 
     /// True when the state carries no memory any more (as if fresh): the slot may be
     /// given to another identity without changing anyone's limit.
@@ -106,4 +156,103 @@ pub fn known_names() -> Vec<&'static str> {
         .iter()
         .flat_map(|algo| std::iter::once(algo.code()).chain(algo.aliases().iter().copied()))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::common::testing::limit;
+    use super::*;
+    use crate::time::NANOS_PER_SECOND as S;
+
+    /// Every registered algorithm with a limit of 10 per second (burst 10).
+    fn each() -> impl Iterator<Item = (&'static dyn Algorithm, Limit)> {
+        REGISTRY
+            .iter()
+            .map(|&algo| (algo, limit(algo, 10, Unit::Second, Some(10), 5)))
+    }
+
+    fn probe(algo: &dyn Algorithm, limit: &Limit, state: &[u64], now: Nanos) -> u64 {
+        let mut copy = state.to_vec();
+        algo.acquire(limit, &mut copy, now, 0).remaining
+    }
+
+    #[test]
+    fn a_need_above_what_is_left_takes_nothing() {
+        let t0 = 1_000 * S;
+        for (algo, limit) in each() {
+            let mut state = vec![0; algo.state_words(&limit)];
+            let capacity = algo.capacity(&limit);
+            let taken = algo.acquire(&limit, &mut state, t0, u32::MAX).granted;
+            assert_eq!(u64::from(taken), capacity, "{}", algo.code());
+            assert_eq!(algo.acquire(&limit, &mut state, t0, 0).remaining, 0);
+            // Nine taken of ten: a need of five is denied, and nothing changes.
+            let mut fresh = vec![0; algo.state_words(&limit)];
+            let first = algo.acquire(&limit, &mut fresh, t0, 9);
+            assert_eq!(first.granted, 9.min(capacity as u32));
+            let before = fresh.clone();
+            let verdict = algo.acquire_at_least(&limit, &mut fresh, t0, 5, 5);
+            assert_eq!(verdict.granted, 0, "{}", algo.code());
+            assert!(verdict.retry_after > 0, "{}", algo.code());
+            assert_eq!(fresh, before, "{}: a denial changed the state", algo.code());
+            // What is left (one, or two for the leaky bucket's extra turn) is granted to
+            // a need it covers, up to the want.
+            let left = capacity - 9;
+            let verdict = algo.acquire_at_least(&limit, &mut fresh, t0, 1, 5);
+            assert_eq!(u64::from(verdict.granted), left, "{}", algo.code());
+        }
+    }
+
+    #[test]
+    fn a_release_gives_back_exactly_what_was_taken() {
+        let t0 = 1_000 * S + S / 3;
+        for (algo, limit) in each() {
+            let mut state = vec![0; algo.state_words(&limit)];
+            let _ = algo.acquire(&limit, &mut state, t0, 4);
+            let before = probe(algo, &limit, &state, t0);
+            let verdict = algo.acquire_at_least(&limit, &mut state, t0, 3, 3);
+            assert_eq!(verdict.granted, 3, "{}", algo.code());
+            assert_eq!(probe(algo, &limit, &state, t0), before - 3);
+            algo.release(&limit, &mut state, t0, 3, verdict.mark);
+            assert_eq!(
+                probe(algo, &limit, &state, t0),
+                before,
+                "{}: the release did not give the tokens back",
+                algo.code()
+            );
+            // A release never creates tokens that were not taken.
+            let mut fresh = vec![0; algo.state_words(&limit)];
+            algo.release(&limit, &mut fresh, t0, 5, Mark::default());
+            assert_eq!(probe(algo, &limit, &fresh, t0), algo.capacity(&limit));
+        }
+    }
+
+    #[test]
+    fn debts_deny_until_paid_back() {
+        let t0 = 1_000 * S;
+        for (algo, limit) in each().filter(|(algo, _)| algo.allows_debt()) {
+            let mut state = vec![0; algo.state_words(&limit)];
+            let after = algo.charge_debt(&limit, &mut state, t0, 15);
+            assert_eq!(after.remaining, 0, "{}", algo.code());
+            assert!(after.retry_after > 0, "{}", algo.code());
+            let verdict = algo.acquire(&limit, &mut state, t0, 1);
+            assert_eq!(verdict.granted, 0, "{}", algo.code());
+            // Still owing half a unit later (the windows, the bucket's refill).
+            let verdict = algo.acquire(&limit, &mut state, t0 + S / 5, 1);
+            assert_eq!(verdict.granted, 0, "{}", algo.code());
+            // Paid back after two units at most.
+            let verdict = algo.acquire(&limit, &mut state, t0 + 2 * S, 1);
+            assert_eq!(verdict.granted, 1, "{}", algo.code());
+        }
+        assert!(!LeakyBucket.allows_debt());
+    }
+
+    #[test]
+    fn only_the_leaky_bucket_waits() {
+        let waiting: Vec<&str> = REGISTRY
+            .iter()
+            .filter(|algo| algo.waits())
+            .map(|algo| algo.code())
+            .collect();
+        assert_eq!(waiting, ["LB"]);
+    }
 }

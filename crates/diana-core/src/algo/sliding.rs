@@ -20,8 +20,12 @@
 //! counted in the head slice, never in an earlier one. A head more than one unit ahead of
 //! the clock cannot come from such a step and is treated as garbage (fresh), as is a state
 //! shorter than `1 + slices` words; counts are added with saturation.
+//!
+//! A response cost charged past the limit ([`Algorithm::charge_debt`]) is counted in the
+//! current slice like any request: the window stays over its limit until that slice has
+//! left it.
 
-use super::{Algorithm, Limit, Verdict};
+use super::{Algorithm, Limit, Mark, Verdict};
 use crate::time::{Nanos, Unit};
 use std::num::NonZeroU32;
 
@@ -107,6 +111,15 @@ impl<'a> View<'a> {
         }
     }
 
+    fn position(&self) -> Position {
+        Position {
+            slices: self.slices,
+            head: self.head,
+            effective: self.effective,
+            usable: self.ring.is_some(),
+        }
+    }
+
     /// The oldest slice still inside the window ending at `effective`.
     fn oldest(&self) -> u64 {
         self.effective.saturating_sub(self.slices.n - 1)
@@ -149,13 +162,29 @@ impl Algorithm for SlidingWindow {
             .saturating_add(1)
     }
 
-    fn acquire(&self, limit: &Limit, state: &mut [u64], now: Nanos, want: u32) -> Verdict {
+    fn capacity(&self, limit: &Limit) -> u64 {
+        u64::from(limit.rpu.get())
+    }
+
+    fn acquire_at_least(
+        &self,
+        limit: &Limit,
+        state: &mut [u64],
+        now: Nanos,
+        need: u32,
+        want: u32,
+    ) -> Verdict {
         let rpu = u64::from(limit.rpu.get());
         let view = View::new(limit, state, now);
         let slices = view.slices;
         let sum = view.sum();
         let available = rpu.saturating_sub(sum);
-        let granted = u64::from(want).min(available);
+        let need = u64::from(need.clamp(1, want.max(1)));
+        let granted = if want > 0 && available >= need {
+            u64::from(want).min(available)
+        } else {
+            0
+        };
         let remaining = available - granted;
 
         // Time until the newest counted slice expires.
@@ -169,24 +198,25 @@ impl Algorithm for SlidingWindow {
         };
         let reset = newest.map_or(0, |g| slices.until_expired(g, now));
 
-        // When nothing is available: expire the oldest slices until the sum is below rpu.
-        let retry_after = if available > 0 {
+        // When not enough is available: expire the oldest slices until `need` fit.
+        let retry_after = if granted > 0 || want == 0 {
             0
         } else {
-            let need = sum - rpu + 1;
+            let must_free = sum.saturating_add(need).saturating_sub(rpu);
             let mut freed = 0u64;
             view.counted()
                 .find(|&(_, count)| {
                     freed = freed.saturating_add(count);
-                    freed >= need
+                    freed >= must_free
                 })
                 .map_or(reset, |(g, _)| slices.until_expired(g, now))
                 .max(1)
         };
 
+        let mark = Mark(u128::from(view.effective));
         if granted > 0 {
-            let (head, effective, usable) = (view.head, view.effective, view.ring.is_some());
-            record(slices, state, head, effective, usable, granted);
+            let at = view.position();
+            record(at, state, granted);
         }
 
         Verdict {
@@ -195,6 +225,58 @@ impl Algorithm for SlidingWindow {
             reset,
             retry_after,
             delay: 0,
+            mark,
+        }
+    }
+
+    fn release(&self, limit: &Limit, state: &mut [u64], now: Nanos, tokens: u32, mark: Mark) {
+        let view = View::new(limit, state, now);
+        let Ok(slice) = u64::try_from(mark.0) else {
+            return;
+        };
+        if view.ring.is_none() || slice < view.oldest() || slice > view.head {
+            // The slice has left the window (its tokens are gone) or was never stored.
+            return;
+        }
+        let Some(position) = view.slices.slot(slice) else {
+            return;
+        };
+
+        if let Some(count) = state.get_mut(1 + position) {
+            *count = count.saturating_sub(u64::from(tokens));
+        }
+    }
+
+    fn charge_debt(&self, limit: &Limit, state: &mut [u64], now: Nanos, tokens: u32) -> Verdict {
+        let rpu = u64::from(limit.rpu.get());
+        let view = View::new(limit, state, now);
+        let sum = view.sum().saturating_add(u64::from(tokens));
+        let reset = view.slices.until_expired(view.effective, now);
+        let mark = Mark(u128::from(view.effective));
+        let at = view.position();
+        record(at, state, u64::from(tokens));
+        let after = View::new(limit, state, now);
+        // The debt is paid when enough of the oldest slices have left the window.
+        let must_free = sum.saturating_add(1).saturating_sub(rpu);
+        let mut freed = 0u64;
+        let retry_after = if sum < rpu {
+            0
+        } else {
+            after
+                .counted()
+                .find(|&(_, count)| {
+                    freed = freed.saturating_add(count);
+                    freed >= must_free
+                })
+                .map_or(reset, |(g, _)| after.slices.until_expired(g, now))
+                .max(1)
+        };
+        Verdict {
+            remaining: rpu.saturating_sub(sum),
+            reset,
+            retry_after,
+            mark,
+            ..Verdict::default()
         }
     }
 
@@ -205,17 +287,26 @@ impl Algorithm for SlidingWindow {
     }
 }
 
-/// Counts `granted` requests in slice `effective`, first advancing the ring from `head`
-/// (clearing the slices that left the window). `usable` is false when the stored ring was
-/// read as fresh, so it is cleared entirely. A state too short to hold the ring is left alone.
-fn record(
+/// Where a [`View`] stands, without its borrow of the state.
+#[derive(Debug, Clone, Copy)]
+struct Position {
     slices: Slices,
-    state: &mut [u64],
     head: u64,
     effective: u64,
+    /// False when the stored ring was read as fresh.
     usable: bool,
-    granted: u64,
-) {
+}
+
+/// Counts `granted` tokens in the view's effective slice, first advancing the ring from
+/// its head (clearing the slices that left the window). A ring read as fresh is cleared
+/// entirely. A state too short to hold the ring is left alone.
+fn record(at: Position, state: &mut [u64], granted: u64) {
+    let Position {
+        slices,
+        head,
+        effective,
+        usable,
+    } = at;
     let Some((head_word, ring)) = state.split_first_mut() else {
         return;
     };

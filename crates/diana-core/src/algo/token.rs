@@ -16,12 +16,18 @@
 //! exactly `unit` nanoseconds. State, two words: `tat × rpu` as a 128-bit number, high word
 //! first. All zeros is a `tat` at the epoch: a full bucket.
 //!
+//! A response cost charged past the limit ([`Algorithm::charge_debt`]) pushes `tat` beyond
+//! an empty bucket: the bucket owes tokens, and requests are denied until the refill has
+//! paid the debt back. The debt is capped at one bucket (`burst` tokens): a cost above that
+//! is forgiven, so one huge answer cannot lock an identity out for longer than it takes to
+//! refill the bucket twice.
+//!
 //! Clock going backwards: the bucket simply looks emptier until the clock catches up. A
-//! `tat` beyond an empty bucket plus one unit cannot come from a clock step and is treated
+//! `tat` beyond the deepest debt plus one unit cannot come from a clock step and is treated
 //! as garbage (a full bucket), as is a state shorter than two words.
 
 use super::common::Scaled;
-use super::{Algorithm, Limit, Verdict};
+use super::{Algorithm, Limit, Mark, Verdict};
 use crate::time::{Nanos, Unit};
 use std::num::NonZeroU32;
 
@@ -31,8 +37,8 @@ pub struct TokenBucket;
 
 /// `max(tat, now)` from the state; garbage and short states read as a full bucket.
 fn tat(s: Scaled, state: &[u64]) -> u128 {
-    // An empty bucket, plus one unit of clock step.
-    s.stored_or_now(state, s.capacity())
+    // The deepest debt (an empty bucket owing one more), plus one unit of clock step.
+    s.stored_or_now(state, 2 * s.capacity())
 }
 
 impl Algorithm for TokenBucket {
@@ -53,25 +59,75 @@ impl Algorithm for TokenBucket {
         2
     }
 
-    fn acquire(&self, limit: &Limit, state: &mut [u64], now: Nanos, want: u32) -> Verdict {
+    fn capacity(&self, limit: &Limit) -> u64 {
+        u64::from(limit.burst.get())
+    }
+
+    fn acquire_at_least(
+        &self,
+        limit: &Limit,
+        state: &mut [u64],
+        now: Nanos,
+        need: u32,
+        want: u32,
+    ) -> Verdict {
         let s = Scaled::new(limit, now);
         let capacity = s.capacity();
         let tat = tat(s, state);
         // How far the bucket is from full.
         let debt = tat - s.now;
         let available = capacity.saturating_sub(debt) / s.interval;
-        let (granted, tat) = s.take(state, tat, want, available);
+        let need = u128::from(need.clamp(1, want.max(1)));
+        let free = if want > 0 && available >= need {
+            available
+        } else {
+            0
+        };
+        let (granted, tat) = s.take(state, tat, want, free);
         Verdict {
             granted: u32::try_from(granted).unwrap_or(0),
             remaining: u64::try_from(available - granted).unwrap_or(u64::MAX),
             reset: s.to_nanos(tat - s.now),
-            // Empty: one token is back when the debt is down to capacity − interval.
+            // Short: `need` tokens are back when the debt is down to capacity − need·interval.
+            retry_after: if granted > 0 || want == 0 {
+                0
+            } else {
+                s.to_nanos(debt.saturating_sub(capacity.saturating_sub(need * s.interval)))
+                    .max(1)
+            },
+            delay: 0,
+            mark: Mark::default(),
+        }
+    }
+
+    fn release(&self, limit: &Limit, state: &mut [u64], now: Nanos, tokens: u32, _mark: Mark) {
+        let s = Scaled::new(limit, now);
+        let tat = tat(s, state);
+        // Never fuller than full: `tat` does not go back past now.
+        let back = tat
+            .saturating_sub(u128::from(tokens) * s.interval)
+            .max(s.now);
+        if back != tat {
+            super::common::store(state, back);
+        }
+    }
+
+    fn charge_debt(&self, limit: &Limit, state: &mut [u64], now: Nanos, tokens: u32) -> Verdict {
+        let s = Scaled::new(limit, now);
+        let capacity = s.capacity();
+        let tat = (tat(s, state) + u128::from(tokens) * s.interval).min(s.now + 2 * capacity);
+        super::common::store(state, tat);
+        let debt = tat - s.now;
+        let available = capacity.saturating_sub(debt) / s.interval;
+        Verdict {
+            remaining: u64::try_from(available).unwrap_or(u64::MAX),
+            reset: s.to_nanos(debt),
             retry_after: if available > 0 {
                 0
             } else {
                 s.to_nanos(debt - (capacity - s.interval)).max(1)
             },
-            delay: 0,
+            ..Verdict::default()
         }
     }
 
@@ -292,8 +348,8 @@ mod tests {
                 (t0 - 300 * ms, 1, 1, 1, 1_300 * ms, 0),
                 (t0 - 300 * ms, 1, 1, 0, 1_800 * ms, 0),
                 (t0 - 300 * ms, 1, 0, 0, 1_800 * ms, 300 * ms),
-                // Further back than an empty bucket plus one unit: garbage, full.
-                (t0 - 3 * S, 1, 1, 3, 500 * ms, 0),
+                // Further back than the deepest debt plus one unit: garbage, full.
+                (t0 - 5 * S, 1, 1, 3, 500 * ms, 0),
             ],
         );
     }

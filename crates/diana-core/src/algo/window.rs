@@ -14,10 +14,12 @@
 //! Clock going backwards (another worker or gateway slightly behind, an NTP step): the
 //! request is counted in the stored, later window, never in an earlier one, so a window is
 //! never reset early. A stored window more than one window ahead of the clock cannot come
-//! from a clock step within one unit and is treated as garbage (fresh); a count above `rpu`
-//! is read as `rpu` (full).
+//! from a clock step within one unit and is treated as garbage (fresh).
+//!
+//! A response cost charged past the limit ([`Algorithm::charge_debt`]) leaves the count
+//! above `rpu`: the rest of the window is denied, and the debt ends with the window.
 
-use super::{Algorithm, Limit, Verdict};
+use super::{Algorithm, Limit, Mark, Verdict};
 use crate::time::{Nanos, Unit};
 use std::num::NonZeroU32;
 
@@ -30,13 +32,13 @@ pub struct FixedWindow;
 struct WindowState {
     /// The window the count belongs to (windows since the epoch).
     window: u64,
-    /// Requests admitted in `window`, at most `rpu`.
+    /// Tokens counted in `window` (above `rpu` only after a debt).
     count: u64,
 }
 
 /// Reads the state as seen at window `current`: a window that has passed (or garbage, or a
 /// short slice) reads as an empty counter in `current`.
-fn load(limit: &Limit, state: &[u64], current: u64) -> WindowState {
+fn load(state: &[u64], current: u64) -> WindowState {
     let fresh = WindowState {
         window: current,
         count: 0,
@@ -49,9 +51,13 @@ fn load(limit: &Limit, state: &[u64], current: u64) -> WindowState {
         return fresh;
     }
     // `window` is `current` or, with a clock that went backwards, the next one.
-    WindowState {
-        window,
-        count: count.min(u64::from(limit.rpu.get())),
+    WindowState { window, count }
+}
+
+fn store(state: &mut [u64], loaded: WindowState) {
+    if let [window_word, count_word, ..] = state {
+        *window_word = loaded.window;
+        *count_word = loaded.count;
     }
 }
 
@@ -79,38 +85,76 @@ impl Algorithm for FixedWindow {
         2
     }
 
-    fn acquire(&self, limit: &Limit, state: &mut [u64], now: Nanos, want: u32) -> Verdict {
+    fn capacity(&self, limit: &Limit) -> u64 {
+        u64::from(limit.rpu.get())
+    }
+
+    fn acquire_at_least(
+        &self,
+        limit: &Limit,
+        state: &mut [u64],
+        now: Nanos,
+        need: u32,
+        want: u32,
+    ) -> Verdict {
         let unit_ns = limit.unit.nanos();
         let current = now / unit_ns;
-        let loaded = load(limit, state, current);
+        let mut loaded = load(state, current);
         let rpu = u64::from(limit.rpu.get());
         let available = rpu.saturating_sub(loaded.count);
+        let need = u64::from(need.clamp(1, want.max(1)));
         // `granted <= want`, so it fits in u32.
-        let granted = u64::from(want).min(available);
-        let count = loaded.count.saturating_add(granted);
+        let granted = if want > 0 && available >= need {
+            u64::from(want).min(available)
+        } else {
+            0
+        };
         let reset = until_end(loaded.window, unit_ns, now);
         if granted > 0 {
-            if let [window_word, count_word, ..] = state {
-                *window_word = loaded.window;
-                *count_word = count;
-            }
+            loaded.count = loaded.count.saturating_add(granted);
+            store(state, loaded);
         }
         Verdict {
             granted: u32::try_from(granted).unwrap_or(0),
-            remaining: rpu.saturating_sub(count),
+            remaining: available - granted,
             reset,
-            // Nothing left in this window: the next request passes when it ends.
-            retry_after: if granted > 0 || available > 0 {
+            // Not enough left in this window: the next request passes when it ends.
+            retry_after: if granted > 0 || want == 0 {
                 0
             } else {
                 reset.max(1)
             },
             delay: 0,
+            mark: Mark(u128::from(loaded.window)),
+        }
+    }
+
+    fn release(&self, limit: &Limit, state: &mut [u64], now: Nanos, tokens: u32, mark: Mark) {
+        let mut loaded = load(state, now / limit.unit.nanos());
+        if u128::from(loaded.window) == mark.0 {
+            loaded.count = loaded.count.saturating_sub(u64::from(tokens));
+            store(state, loaded);
+        }
+    }
+
+    fn charge_debt(&self, limit: &Limit, state: &mut [u64], now: Nanos, tokens: u32) -> Verdict {
+        let unit_ns = limit.unit.nanos();
+        let mut loaded = load(state, now / unit_ns);
+        loaded.count = loaded.count.saturating_add(u64::from(tokens));
+        store(state, loaded);
+        let remaining = u64::from(limit.rpu.get()).saturating_sub(loaded.count);
+        let reset = until_end(loaded.window, unit_ns, now);
+        Verdict {
+            remaining,
+            reset,
+            retry_after: if remaining > 0 { 0 } else { reset.max(1) },
+            mark: Mark(u128::from(loaded.window)),
+            ..Verdict::default()
         }
     }
 
     fn is_idle(&self, limit: &Limit, state: &[u64], now: Nanos) -> bool {
-        load(limit, state, now / limit.unit.nanos()).count == 0
+        load(state, now / limit.unit.nanos()).count == 0
     }
 }
 
@@ -320,5 +364,32 @@ mod tests {
         assert!(FixedWindow.is_idle(&l, &state, 8 * S));
         // Clock behind: the stored window is still live.
         assert!(!FixedWindow.is_idle(&l, &state, 7 * S - 1));
+    }
+}
+
+#[cfg(test)]
+mod release_tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::algo::common::testing;
+    use crate::time::NANOS_PER_SECOND as S;
+
+    #[test]
+    fn a_release_counts_only_in_its_own_window() {
+        let l = testing::limit(&FixedWindow, 3, Unit::Second, None, 10);
+        let mut state = [0u64; 2];
+        let first = FixedWindow.acquire(&l, &mut state, 10 * S, 2);
+        algorithm_release(&l, &mut state, 10 * S + 1, 1, first.mark);
+        assert_eq!(state, [10, 1]);
+        // The window has passed: its tokens are gone, the new window is untouched.
+        let second = FixedWindow.acquire(&l, &mut state, 11 * S, 1);
+        algorithm_release(&l, &mut state, 11 * S, 1, first.mark);
+        assert_eq!(state, [11, 1]);
+        algorithm_release(&l, &mut state, 11 * S, 1, second.mark);
+        assert_eq!(state, [11, 0]);
+    }
+
+    fn algorithm_release(l: &Limit, state: &mut [u64], now: Nanos, tokens: u32, mark: Mark) {
+        FixedWindow.release(l, state, now, tokens, mark);
     }
 }

@@ -347,6 +347,8 @@ pub(crate) fn begin(
                     } else {
                         rule.lease.get()
                     },
+                    cost: 1,
+                    max_delay_ms: None,
                 })
             })
             .collect(),
@@ -466,6 +468,7 @@ pub fn complete(
             reset: result.reset_ms.saturating_mul(NANOS_PER_MILLI),
             retry_after: result.retry_after_ms.saturating_mul(NANOS_PER_MILLI),
             delay: result.delay_ms.saturating_mul(NANOS_PER_MILLI),
+            mark: crate::algo::Mark::default(),
         };
         let report = RuleReport::new(rule, &verdict);
         if verdict.allowed() {

@@ -3,10 +3,14 @@
 //! The full description, with examples, limits and error codes, is `docs/wire-format.md`.
 //!
 //! ```text
-//! POST /v1/acquire   {"rules":[{"key":"…","algo":"TB","rpu":10,"unit":"second","burst":10,"slices":10,"want":1}]}
+//! POST /v1/acquire   {"rules":[{"key":"…","algo":"TB","rpu":10,"unit":"second","burst":10,"slices":10,"want":1,"cost":1}]}
 //! 200                {"results":[{"allowed":true,"granted":1,"remaining":9,"reset_ms":100,"retry_after_ms":0,"delay_ms":0}]}
+//! POST /v1/charge    {"rules":[{"key":"…","algo":"TB","rpu":10,"unit":"second","burst":10,"slices":10,"want":250}]}
 //! 400 / 413 / 415 / 503   {"error":"rules[2].rpu: must be ≥ 1"}
 //! ```
+//!
+//! The rules of one acquire are decided together, all or nothing: either every rule has at
+//! least its `cost` available and each is charged, or none is charged.
 
 use crate::algo::{self, Algorithm, Limit, Verdict};
 use crate::time::{Nanos, Unit};
@@ -18,6 +22,12 @@ pub const ACQUIRE_PATH: &str = "/v1/acquire";
 /// Same as [`ACQUIRE_PATH`], but the service itself waits out leaky-bucket delays (hosts
 /// that cannot pause a request, e.g. nginx).
 pub const WAIT_PATH: &str = "/v1/wait";
+/// Charges response costs: every rule is charged `want` tokens unconditionally (past the
+/// limit if need be: the identity then owes them). Algorithms without debts are refused.
+pub const CHARGE_PATH: &str = "/v1/charge";
+/// Request header carrying the gateway's callout timeout in milliseconds: the service
+/// answers (503 at worst) before it, so that no charge lands after the gateway gave up.
+pub const TIMEOUT_HEADER: &str = "x-diana-timeout-ms";
 /// The content type of requests and answers.
 pub const CONTENT_TYPE: &str = "application/json";
 
@@ -58,6 +68,15 @@ pub struct RuleRequest {
     /// Tokens asked for (the lease size), 1..=[`MAX_WANT`]. Default 1.
     #[serde(default = "one")]
     pub want: u32,
+    /// Tokens the gateway request itself needs (its cost), 1..=`want`: the rule admits the
+    /// request only if at least this many are available. Default 1.
+    #[serde(default = "one")]
+    pub cost: u32,
+    /// Leaky bucket: the longest an admitted request may be held, in milliseconds; a
+    /// request whose turn is further away is denied (with `retry_after_ms`) instead of
+    /// reserving it. Absent: the service's own maximum.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_delay_ms: Option<u64>,
 }
 
 fn one() -> u32 {
@@ -73,9 +92,10 @@ pub struct AcquireResponse {
 /// The decision for one rule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct RuleResult {
-    /// `granted > 0`.
+    /// This rule had at least `cost` tokens available: it admits the request. The request
+    /// is admitted when every rule does; otherwise no rule is charged (`granted` 0 for all).
     pub allowed: bool,
-    /// Tokens granted, `0..=want`; never more than the limit has available.
+    /// Tokens charged: 0, or `cost..=want`; never more than the limit has available.
     pub granted: u32,
     /// Requests that would still be admitted right now, after this decision.
     pub remaining: u64,
@@ -102,6 +122,10 @@ pub struct ResolvedRule<'a> {
     pub algo: &'static dyn Algorithm,
     pub limit: Limit,
     pub want: NonZeroU32,
+    /// At most `want`.
+    pub cost: NonZeroU32,
+    /// Leaky bucket: the longest wait the gateway accepts.
+    pub max_delay: Option<Nanos>,
 }
 
 const NANOS_PER_MILLI: Nanos = 1_000_000;
@@ -134,7 +158,7 @@ impl RuleResult {
 }
 
 impl RuleRequest {
-    /// The request for `want` tokens of a rule with this algorithm and limit.
+    /// The request for `want` tokens of a rule with this algorithm and limit, needing one.
     pub fn new(key: String, algo: &dyn Algorithm, limit: &Limit, want: u32) -> RuleRequest {
         RuleRequest {
             key,
@@ -144,6 +168,8 @@ impl RuleRequest {
             burst: limit.burst.get(),
             slices: limit.slices.get(),
             want,
+            cost: 1,
+            max_delay_ms: None,
         }
     }
 
@@ -188,16 +214,39 @@ impl RuleRequest {
                     self.want
                 )
             })?;
+        let cost = NonZeroU32::new(self.cost)
+            .filter(|cost| *cost <= want)
+            .ok_or_else(|| {
+                format!(
+                    "{}: must be between 1 and want ({}), got {}",
+                    field("cost"),
+                    want,
+                    self.cost
+                )
+            })?;
+        let limit = Limit {
+            rpu,
+            unit,
+            burst,
+            slices,
+        };
+        if u64::from(cost.get()) > algo.capacity(&limit) {
+            return Err(format!(
+                "{}: {} is more than the limit can ever grant ({})",
+                field("cost"),
+                cost,
+                algo.capacity(&limit)
+            ));
+        }
         Ok(ResolvedRule {
             key: &self.key,
             algo,
-            limit: Limit {
-                rpu,
-                unit,
-                burst,
-                slices,
-            },
+            limit,
             want,
+            cost,
+            max_delay: self
+                .max_delay_ms
+                .map(|ms| ms.saturating_mul(NANOS_PER_MILLI)),
         })
     }
 }
@@ -255,15 +304,28 @@ pub fn decode_request(body: &[u8]) -> Result<AcquireRequest, String> {
     Ok(request)
 }
 
-/// Parses an answer body and checks it against the request it answers: one result per
-/// rule, `granted ≤ want`, `allowed == (granted > 0)`.
+/// Parses an answer body and checks it against the request it answers (see
+/// [`validate_response`]).
 pub fn decode_response(request: &AcquireRequest, body: &[u8]) -> Result<AcquireResponse, String> {
     let response: AcquireResponse = decode_json(body)?;
     validate_response(request, &response)?;
     Ok(response)
 }
 
-/// Checks an answer against the request it answers (see [`decode_response`]).
+/// The longest duration a correct answer can announce for a limit: a window or unit, plus
+/// the deepest a bucket can go (a full queue, a bucket in debt), in milliseconds.
+pub fn max_duration_ms(limit: &Limit) -> u64 {
+    let unit_ms = u128::from(limit.unit.seconds()) * 1_000;
+    let bucket = (u128::from(limit.burst.get()) + 1) * unit_ms * 2;
+    let bucket_ms = bucket.div_ceil(u128::from(limit.rpu.get()));
+    u64::try_from(unit_ms + bucket_ms + 1).unwrap_or(u64::MAX)
+}
+
+/// Checks an answer against the request it answers before anything of it is believed:
+/// one result per rule; `granted` is 0 or between the rule's `cost` and `want`; a rule
+/// that was charged admitted the request; a rule that admitted but was not charged had
+/// another rule deny; `remaining` within the limit; durations within
+/// [`max_duration_ms`]; a delay only for an admitted request of an algorithm that waits.
 pub fn validate_response(
     request: &AcquireRequest,
     response: &AcquireResponse,
@@ -275,17 +337,65 @@ pub fn validate_response(
             request.rules.len()
         ));
     }
-    for (index, (rule, result)) in request.rules.iter().zip(&response.results).enumerate() {
-        if result.granted > rule.want {
+    let rules = request.resolve()?;
+    let some_denied = response.results.iter().any(|result| !result.allowed);
+    for (index, (rule, result)) in rules.iter().zip(&response.results).enumerate() {
+        let field = |name: &str| format!("results[{index}].{name}");
+        if result.granted > rule.want.get() {
             return Err(format!(
-                "results[{index}].granted: {} granted, {} asked",
-                result.granted, rule.want
+                "{}: {} granted, {} asked",
+                field("granted"),
+                result.granted,
+                rule.want
             ));
         }
-        if result.allowed != (result.granted > 0) {
+        if result.granted > 0 && result.granted < rule.cost.get() {
             return Err(format!(
-                "results[{index}].allowed: {} with {} granted",
-                result.allowed, result.granted
+                "{}: {} granted, below the cost {}",
+                field("granted"),
+                result.granted,
+                rule.cost
+            ));
+        }
+        if result.granted > 0 && !result.allowed {
+            return Err(format!(
+                "{}: false with {} granted",
+                field("allowed"),
+                result.granted
+            ));
+        }
+        if result.allowed && result.granted == 0 && !some_denied {
+            return Err(format!(
+                "{}: true with nothing granted, and no rule denied",
+                field("allowed")
+            ));
+        }
+        let capacity = rule.algo.capacity(&rule.limit);
+        if result.remaining > capacity {
+            return Err(format!(
+                "{}: {} is more than the limit holds ({capacity})",
+                field("remaining"),
+                result.remaining
+            ));
+        }
+        let longest = max_duration_ms(&rule.limit);
+        for (name, value) in [
+            ("reset_ms", result.reset_ms),
+            ("retry_after_ms", result.retry_after_ms),
+            ("delay_ms", result.delay_ms),
+        ] {
+            if value > longest {
+                return Err(format!(
+                    "{}: {value} is longer than the limit allows ({longest})",
+                    field(name)
+                ));
+            }
+        }
+        if result.delay_ms > 0 && (result.granted == 0 || !rule.algo.waits()) {
+            return Err(format!(
+                "{}: {} for a request that does not wait",
+                field("delay_ms"),
+                result.delay_ms
             ));
         }
     }
@@ -325,6 +435,8 @@ mod tests {
             burst: 10,
             slices: 10,
             want: 1,
+            cost: 1,
+            max_delay_ms: None,
         }
     }
 
@@ -336,7 +448,7 @@ mod tests {
 
     #[test]
     fn example_round_trips() {
-        let body = br#"{"rules":[{"key":"5f3a:9c","algo":"TB","rpu":10,"unit":"second","burst":10,"slices":10,"want":1}]}"#;
+        let body = br#"{"rules":[{"key":"5f3a:9c","algo":"TB","rpu":10,"unit":"second","burst":10,"slices":10,"want":1,"cost":1}]}"#;
         let decoded = decode_request(body).unwrap();
         assert_eq!(decoded.rules[0].key, "5f3a:9c");
         let encoded = serde_json::to_vec(&decoded).unwrap();
@@ -501,6 +613,7 @@ mod tests {
             reset: 1_000_001,
             retry_after: 0,
             delay: 1,
+            ..Verdict::default()
         };
         let result = RuleResult::from_verdict(&verdict);
         assert_eq!(
@@ -520,6 +633,7 @@ mod tests {
             reset: 5_000_000,
             retry_after: 2_500_000,
             delay: 0,
+            ..Verdict::default()
         };
         let result = RuleResult::from_verdict(&denied);
         assert!(!result.allowed);
@@ -540,5 +654,96 @@ mod tests {
         assert_eq!(resolved.limit, limit);
         assert_eq!(resolved.want.get(), 3);
         assert_eq!(resolved.algo.code(), algo.code());
+    }
+
+    #[test]
+    fn cost_is_checked_against_want_and_capacity() {
+        let mut costly = rule();
+        costly.want = 5;
+        costly.cost = 6;
+        assert_eq!(
+            validate(&request(vec![costly.clone()])).unwrap_err(),
+            "rules[0].cost: must be between 1 and want (5), got 6"
+        );
+        costly.want = 20;
+        costly.cost = 11;
+        assert_eq!(
+            validate(&request(vec![costly])).unwrap_err(),
+            "rules[0].cost: 11 is more than the limit can ever grant (10)"
+        );
+        let body = br#"{"rules":[{"key":"k","algo":"LB","rpu":1,"unit":"hour","burst":1,"slices":1,"max_delay_ms":10000}]}"#;
+        let decoded = decode_request(body).unwrap();
+        let resolved = decoded.resolve().unwrap();
+        assert_eq!(resolved[0].cost.get(), 1);
+        assert_eq!(resolved[0].max_delay, Some(10_000_000_000));
+    }
+
+    #[test]
+    fn all_or_nothing_answers_are_understood_and_lies_refused() {
+        let asked = request(vec![rule(), rule()]);
+        let charged = RuleResult {
+            allowed: true,
+            granted: 1,
+            ..RuleResult::default()
+        };
+        let spared = RuleResult {
+            allowed: true,
+            granted: 0,
+            ..RuleResult::default()
+        };
+        let denied = RuleResult {
+            allowed: false,
+            retry_after_ms: 100,
+            ..RuleResult::default()
+        };
+        let ok = |results: Vec<RuleResult>| validate_response(&asked, &AcquireResponse { results });
+        assert!(ok(vec![spared, denied]).is_ok());
+        // An older service charged the first rule anyway: valid, the gateway keeps it.
+        assert!(ok(vec![charged, denied]).is_ok());
+        assert_eq!(
+            ok(vec![spared, charged]).unwrap_err(),
+            "results[0].allowed: true with nothing granted, and no rule denied"
+        );
+        let far = RuleResult {
+            retry_after_ms: 3_600_000,
+            ..denied
+        };
+        assert!(ok(vec![spared, far])
+            .unwrap_err()
+            .starts_with("results[1].retry_after_ms: 3600000 is longer than the limit allows"));
+        let full = RuleResult {
+            remaining: 11,
+            ..charged
+        };
+        assert_eq!(
+            ok(vec![charged, full]).unwrap_err(),
+            "results[1].remaining: 11 is more than the limit holds (10)"
+        );
+        let delayed = RuleResult {
+            delay_ms: 5,
+            ..charged
+        };
+        assert_eq!(
+            ok(vec![charged, delayed]).unwrap_err(),
+            "results[1].delay_ms: 5 for a request that does not wait"
+        );
+        let mut costly = rule();
+        costly.want = 4;
+        costly.cost = 3;
+        let short = RuleResult {
+            allowed: true,
+            granted: 2,
+            ..RuleResult::default()
+        };
+        assert_eq!(
+            validate_response(
+                &request(vec![costly]),
+                &AcquireResponse {
+                    results: vec![short]
+                }
+            )
+            .unwrap_err(),
+            "results[0].granted: 2 granted, below the cost 3"
+        );
     }
 }

@@ -6,6 +6,7 @@
 )]
 
 use super::*;
+use crate::algo::Mark;
 use crate::time::Unit;
 use std::num::NonZeroU32;
 use std::sync::{Arc, Barrier};
@@ -28,12 +29,26 @@ impl Algorithm for CountUpTo {
     fn state_words(&self, _limit: &Limit) -> usize {
         2
     }
-    fn acquire(&self, limit: &Limit, state: &mut [u64], now: Nanos, want: u32) -> Verdict {
+    fn capacity(&self, limit: &Limit) -> u64 {
+        u64::from(limit.rpu.get())
+    }
+    fn acquire_at_least(
+        &self,
+        limit: &Limit,
+        state: &mut [u64],
+        now: Nanos,
+        need: u32,
+        want: u32,
+    ) -> Verdict {
         if self.is_idle(limit, state, now) {
             state[0] = 0;
         }
         let available = u64::from(limit.rpu.get()).saturating_sub(state[0]);
-        let granted = available.min(u64::from(want)) as u32;
+        let granted = if available >= u64::from(need.max(1)) {
+            available.min(u64::from(want)) as u32
+        } else {
+            0
+        };
         if granted > 0 {
             state[0] += u64::from(granted);
             state[1] = now;
@@ -43,6 +58,14 @@ impl Algorithm for CountUpTo {
             remaining: available - u64::from(granted),
             ..Verdict::default()
         }
+    }
+    fn release(&self, _limit: &Limit, state: &mut [u64], _now: Nanos, tokens: u32, _mark: Mark) {
+        state[0] = state[0].saturating_sub(u64::from(tokens));
+    }
+    fn charge_debt(&self, _limit: &Limit, state: &mut [u64], now: Nanos, tokens: u32) -> Verdict {
+        state[0] += u64::from(tokens);
+        state[1] = now;
+        Verdict::default()
     }
     fn is_idle(&self, _limit: &Limit, state: &[u64], now: Nanos) -> bool {
         state[0] == 0 || now.saturating_sub(state[1]) >= 1_000

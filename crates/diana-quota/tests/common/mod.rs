@@ -326,6 +326,8 @@ pub fn rule(
         burst,
         slices,
         want,
+        cost: 1,
+        max_delay_ms: None,
     }
 }
 
