@@ -3,10 +3,12 @@
 //! request once and applies the [`Decision`]. Borrows of per-VM state are short and never
 //! held across a hostcall: a local reply re-enters the filter synchronously on Envoy.
 
-use crate::host::{self, HostMetrics, HostRequest, HostSharedData, Sink};
+use crate::host::{self, HostKind, HostMetrics, HostRequest, HostSharedData, Sink};
 use diana_core::config::{parse_policy, Policy, RemoteSpec};
-use diana_core::engine::{Decision, Engine};
-use diana_core::global::{parse_answer, wait_path, CalloutFailure, Pending, MAX_SERVICE_WAIT_MS};
+use diana_core::decision::{Callout, Decision, Reply};
+use diana_core::engine::{Engine, EngineDecision, Pending};
+use diana_core::global::MAX_ANSWER_BYTES;
+use diana_core::lifecycle;
 use diana_core::metrics::{Event, MetricSink};
 use diana_core::remote::{self, PollOutcome};
 use diana_core::store::Store;
@@ -71,9 +73,7 @@ pub struct DianaRoot {
     vm: VmRef,
     /// Counters for configuration events, defined before any policy exists.
     events: Rc<HostMetrics>,
-    /// Envoy: requests can be paused and resumed from the tick, and the tick period can
-    /// change at will. Otherwise (ngx_wasm_module): neither.
-    envoy: bool,
+    host: HostKind,
     /// On hosts where the tick period may be set only once: whether it was.
     tick_fixed: bool,
     /// The config center, from the local document (a remote document cannot move it).
@@ -91,7 +91,7 @@ impl DianaRoot {
         DianaRoot {
             vm: Rc::new(RefCell::new(Vm::default())),
             events: Rc::new(HostMetrics::events_only()),
-            envoy: true,
+            host: HostKind::Envoy,
             tick_fixed: false,
             remote: None,
             applied_version: 0,
@@ -103,7 +103,11 @@ impl DianaRoot {
 
     /// Makes `policy` the one new requests are evaluated with.
     fn install(&mut self, policy: Policy, origin: &str) {
-        let engine = Engine::new(policy).with_pausing(self.envoy);
+        let dropped = lifecycle::adopt(&self.store, &HostSharedData, &policy);
+        if dropped > 0 {
+            log::info!("diana: {dropped} rules left the configuration; their records are released");
+        }
+        let engine = Engine::new(policy).with_pausing(self.host.can_pause());
         let metrics = HostMetrics::define(engine.rules());
         log::info!(
             "diana: {origin} configuration applied: {} resources, {} rules",
@@ -118,7 +122,10 @@ impl DianaRoot {
 
     /// Applies a remote document that any worker published and this one does not run yet.
     fn adopt_published(&mut self) {
-        let Some(published) = remote::read_published(&HostSharedData) else {
+        if remote::published_version(&self.store, &HostSharedData) <= self.applied_version {
+            return;
+        }
+        let Some(published) = remote::read_published(&self.store, &HostSharedData) else {
             return;
         };
         if published.version <= self.applied_version {
@@ -137,7 +144,14 @@ impl DianaRoot {
         {
             return;
         }
-        let etag = remote::read_published(&HostSharedData).and_then(|p| p.etag);
+        if self.host == HostKind::Nginx && !host::is_host_port(&spec.cluster) {
+            self.record_poll(Err(format!(
+                "remote.cluster {:?} is not host:port, which nginx needs",
+                spec.cluster
+            )));
+            return;
+        }
+        let etag = remote::read_published(&self.store, &HostSharedData).and_then(|p| p.etag);
         let headers = remote::poll_headers(spec, etag.as_deref());
         match hostcalls::dispatch_http_call(&spec.cluster, headers, None, vec![], POLL_TIMEOUT) {
             Ok(token) => self.poll_token = Some(token),
@@ -182,7 +196,7 @@ impl DianaRoot {
         } else {
             vec![0; body_size.min(remote::MAX_DOCUMENT_BYTES + 1)]
         };
-        let published = remote::read_published(&HostSharedData);
+        let published = remote::read_published(&self.store, &HostSharedData);
         match remote::interpret(status, etag, &body, published.as_ref()) {
             PollOutcome::Unchanged => self.record_poll(Ok(())),
             PollOutcome::Rejected(reason) => {
@@ -205,6 +219,16 @@ impl DianaRoot {
                     ),
                 }
             }
+        }
+    }
+
+    /// The tick period when nobody waits: config-center checks, and releasing the records
+    /// of rules an earlier document had.
+    fn base_tick(&self) -> Duration {
+        if self.remote.is_some() || lifecycle::has_work(&self.store, &HostSharedData) {
+            REMOTE_CHECK
+        } else {
+            Duration::ZERO
         }
     }
 
@@ -245,36 +269,40 @@ impl RootContext for DianaRoot {
                 return false;
             }
         };
-        self.envoy = host::is_envoy();
-        if !self.envoy {
-            log::info!("diana: not Envoy (ngx_wasm_module?): leaky-bucket waits become Retry-After (local) or are done by the quota service (global)");
+        self.host = host::detect();
+        if self.host == HostKind::Nginx {
+            self.store = Store::strict();
+            log::info!("diana: ngx_wasm_module: leaky-bucket waits become Retry-After (local) or are done by the quota service (global)");
         }
         self.remote = policy.remote.clone();
         self.applied_version = 0;
         self.install(policy, "local");
-        let base_tick = if self.remote.is_some() {
-            REMOTE_CHECK
-        } else {
-            Duration::ZERO
-        };
-        if self.envoy {
-            let idle = with_vm(&self.vm, |vm| {
-                vm.base_tick = base_tick;
-                vm.waiters.is_empty()
-            });
-            if idle == Some(true) {
-                set_tick(base_tick);
+        let base_tick = self.base_tick();
+        match self.host {
+            HostKind::Envoy => {
+                let idle = with_vm(&self.vm, |vm| {
+                    vm.base_tick = base_tick;
+                    vm.waiters.is_empty()
+                });
+                if idle == Some(true) {
+                    set_tick(base_tick);
+                }
             }
-        } else if !self.tick_fixed && !base_tick.is_zero() {
-            // Once, and never zero (a zero period re-arms at once there: a busy loop).
-            set_tick(base_tick);
-            self.tick_fixed = true;
+            HostKind::Nginx if !self.tick_fixed && !base_tick.is_zero() => {
+                // Once, from the root context, and never zero (a zero period re-arms at
+                // once there: a busy loop).
+                set_tick(base_tick);
+                self.tick_fixed = true;
+            }
+            HostKind::Nginx => {}
         }
         true
     }
 
     fn on_tick(&mut self) {
-        let now = host::now();
+        let Some(now) = host::now() else {
+            return;
+        };
         let (due, rest_tick) = with_vm(&self.vm, |vm| {
             let mut due = Vec::new();
             while let Some(&(until, id)) = vm.waiters.first() {
@@ -287,11 +315,13 @@ impl RootContext for DianaRoot {
             (due, vm.waiters.is_empty().then_some(vm.base_tick))
         })
         .unwrap_or_default();
-        for context_id in due {
-            resume(context_id);
-        }
-        if let (true, Some(base_tick)) = (self.envoy, rest_tick) {
-            set_tick(base_tick);
+        if self.host.can_pause() {
+            for context_id in due {
+                resume(context_id);
+            }
+            if let Some(base_tick) = rest_tick {
+                set_tick(base_tick);
+            }
         }
         if let Some(spec) = self.remote.clone() {
             if now >= self.next_remote_check {
@@ -303,6 +333,12 @@ impl RootContext for DianaRoot {
                 self.poll(&spec, now);
             }
         }
+        if lifecycle::has_work(&self.store, &HostSharedData) {
+            lifecycle::sweep(&self.store, &HostSharedData);
+        } else if self.host == HostKind::Envoy && self.remote.is_none() {
+            // Nothing left to release: the tick was only for that.
+            with_vm(&self.vm, |vm| vm.base_tick = Duration::ZERO);
+        }
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
@@ -311,6 +347,7 @@ impl RootContext for DianaRoot {
             context_id,
             vm: Rc::clone(&self.vm),
             configured,
+            host: self.host,
             pending: None,
             response_headers: Vec::new(),
             waiting_until: None,
@@ -337,6 +374,7 @@ struct DianaHttp {
     context_id: u32,
     vm: VmRef,
     configured: Option<Rc<Configured>>,
+    host: HostKind,
     /// The request is paused for this callout.
     pending: Option<Pending>,
     /// Rate-limit headers for the response (`headers: all`).
@@ -348,7 +386,7 @@ struct DianaHttp {
 impl DianaHttp {
     /// Applies a decision. `paused` says whether the request is currently paused (so
     /// admitting it means resuming it).
-    fn apply(&mut self, configured: &Configured, decision: Decision, paused: bool) -> Action {
+    fn apply(&mut self, configured: &Configured, decision: EngineDecision, paused: bool) -> Action {
         match decision {
             Decision::Allow { headers } => {
                 self.response_headers = headers;
@@ -361,13 +399,14 @@ impl DianaHttp {
             }
             Decision::Delay { until, headers } => {
                 self.response_headers = headers;
-                Sink(&configured.metrics).event(Event::Delayed);
                 self.waiting_until = Some(until);
                 let first = with_vm(&self.vm, |vm| {
                     vm.waiters.insert((until, self.context_id));
                     vm.waiters.len() == 1
                 });
-                if first == Some(true) {
+                // Only Envoy pauses (HostKind::can_pause); nginx traps on a tick period set
+                // outside the root context.
+                if first == Some(true) && self.host.can_pause() {
                     set_tick(WAIT_TICK);
                 }
                 Action::Pause
@@ -387,45 +426,53 @@ impl DianaHttp {
                 }
                 Action::Pause
             }
-            Decision::Callout(pending) => self.dispatch(configured, pending, paused),
+            Decision::Call(callout, pending) => self.dispatch(configured, callout, pending, paused),
         }
     }
 
-    fn dispatch(&mut self, configured: &Configured, pending: Pending, paused: bool) -> Action {
-        let global = &configured.engine.policy().global;
-        let (path, timeout_ms) = if pending.wait {
-            (
-                wait_path(&global.path),
-                global.timeout_ms.saturating_add(MAX_SERVICE_WAIT_MS),
-            )
-        } else {
-            (global.path.clone(), global.timeout_ms)
-        };
-        let headers = vec![
-            (":method", "POST"),
-            (":path", path.as_str()),
-            (":authority", global.authority.as_str()),
-            ("content-type", "application/json"),
-        ];
-        let timeout = Duration::from_millis(u64::from(timeout_ms));
+    fn dispatch(
+        &mut self,
+        configured: &Configured,
+        callout: Callout,
+        pending: Pending,
+        paused: bool,
+    ) -> Action {
+        if self.host == HostKind::Nginx && !host::is_host_port(&callout.upstream) {
+            let reply = Reply::NotSent(format!(
+                "upstream {:?} is not host:port, which nginx needs",
+                callout.upstream
+            ));
+            let decision = configured.engine.complete(
+                &HostSharedData,
+                pending,
+                reply,
+                host::now(),
+                &mut Sink(&configured.metrics),
+            );
+            return self.apply(configured, decision, paused);
+        }
+        let headers: Vec<(&str, &str)> = callout
+            .headers
+            .iter()
+            .map(|(name, value)| (*name, value.as_str()))
+            .collect();
         match hostcalls::dispatch_http_call(
-            &global.cluster,
+            &callout.upstream,
             headers,
-            Some(&pending.body),
+            Some(&callout.body),
             vec![],
-            timeout,
+            Duration::from_millis(callout.timeout_ms),
         ) {
             Ok(_token) => {
                 self.pending = Some(pending);
                 Action::Pause
             }
             Err(status) => {
-                let failure =
-                    CalloutFailure::Dispatch(format!("{status:?} (cluster {})", global.cluster));
-                let decision = configured.engine.complete_global(
+                let reply = Reply::NotSent(format!("{status:?} (upstream {})", callout.upstream));
+                let decision = configured.engine.complete(
                     &HostSharedData,
                     pending,
-                    Err(failure),
+                    reply,
                     host::now(),
                     &mut Sink(&configured.metrics),
                 );
@@ -458,19 +505,27 @@ impl Context for DianaHttp {
         else {
             return;
         };
-        let answer = if num_headers == 0 {
-            Err(CalloutFailure::NoResponse)
+        let reply = if num_headers == 0 {
+            Reply::NoAnswer
         } else {
             let status = host::callout_status();
-            match hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size) {
-                Ok(body) => parse_answer(&pending, status, &body.unwrap_or_default()),
-                Err(status) => Err(CalloutFailure::Body(format!("{status:?}"))),
-            }
+            let body = if body_size > MAX_ANSWER_BYTES {
+                None
+            } else {
+                match hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size) {
+                    Ok(body) => Some(body.unwrap_or_default()),
+                    Err(status) => {
+                        log::debug!("diana: callout body unreadable: {status:?}");
+                        None
+                    }
+                }
+            };
+            Reply::Answered { status, body }
         };
-        let decision = configured.engine.complete_global(
+        let decision = configured.engine.complete(
             &HostSharedData,
             pending,
-            answer,
+            reply,
             host::now(),
             &mut Sink(&configured.metrics),
         );

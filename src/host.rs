@@ -27,7 +27,9 @@ impl SharedData for HostSharedData {
     }
 
     fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<SetOutcome, HostError> {
-        match hostcalls::set_shared_data(key, Some(value), Some(cas)) {
+        // No value releases the key (nginx deletes it; Envoy keeps it empty).
+        let value = (!value.is_empty()).then_some(value);
+        match hostcalls::set_shared_data(key, value, Some(cas)) {
             Ok(()) => Ok(SetOutcome::Written),
             Err(Status::CasMismatch) => Ok(SetOutcome::CasMismatch),
             Err(status) => Err(HostError(format!("set {key}: {status:?}"))),
@@ -66,15 +68,53 @@ pub fn header_bytes(map: MapType, name: &str) -> Option<Vec<u8>> {
     }
 }
 
-/// True when the host is Envoy (or another proxy-wasm-cpp-host): it knows the plugin's
-/// name and root id in the root context. ngx_wasm_module (nginx, Kong) does not, and there
-/// a paused request cannot be resumed from the root context (`set_effective_context` is a
-/// no-op) and the tick period may be set only once. Its `ngx.*` properties would tell it
-/// apart positively, but they exist only inside requests, and this is needed at configure time.
-pub fn is_envoy() -> bool {
-    [vec!["plugin_name"], vec!["plugin_root_id"]]
-        .into_iter()
-        .any(|path| matches!(hostcalls::get_property(path), Ok(Some(value)) if !value.is_empty()))
+/// The proxy-wasm host Diana runs in, as far as its behaviour differs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HostKind {
+    /// Envoy (and any proxy-wasm-cpp-host): a paused request can be resumed from the root
+    /// context's tick; the tick period may change at will.
+    Envoy,
+    /// ngx_wasm_module (nginx, Kong): resuming a request from `on_tick` crashes the worker
+    /// (its request context is NULL there), `set_effective_context` is a no-op, the tick
+    /// period may be set once and only from the root context, callout upstreams are
+    /// `host:port` (a malformed one traps).
+    Nginx,
+}
+
+impl HostKind {
+    /// A paused request can be resumed later from the tick (leaky-bucket waits).
+    pub fn can_pause(self) -> bool {
+        self == HostKind::Envoy
+    }
+}
+
+/// Which host this is, from the root context.
+///
+/// ngx_wasm_module (0.1.0 through 0.6.0) crashes the worker (SIGSEGV in
+/// `get_filter_name`, a NULL filter-chain entry) when the `plugin_name` property is read
+/// from a root context outside `on_tick`: context creation, `on_vm_start`, `on_configure`,
+/// a root callout's answer. It is never read here. Its `plugin_root_id` is safe and always
+/// `"0"` (it formats an empty `ngx_str_t` with `%i`), which tells it apart: Envoy answers
+/// the configured `root_id` (`diana` in every configuration of this repository; empty when
+/// none is configured). An Envoy listener configured with `root_id: "0"` would be treated
+/// as nginx: leaky-bucket waits become `Retry-After` there, nothing worse.
+pub fn detect() -> HostKind {
+    match hostcalls::get_property(vec!["plugin_root_id"]) {
+        Ok(Some(root_id)) if root_id.as_slice() == b"0" => HostKind::Nginx,
+        _ => HostKind::Envoy,
+    }
+}
+
+/// True when `upstream` is `host:port` with a decimal port, as ngx_wasm_module needs it
+/// (a malformed one traps inside `dispatch_http_call`, killing the request with a 500).
+pub fn is_host_port(upstream: &str) -> bool {
+    let Some((host, port)) = upstream.rsplit_once(':') else {
+        return false;
+    };
+    !host.is_empty()
+        && !port.is_empty()
+        && port.bytes().all(|b| b.is_ascii_digit())
+        && port.parse::<u16>().is_ok_and(|port| port > 0)
 }
 
 /// The `:status` of a callout's answer (0 when missing or unreadable).
@@ -84,17 +124,18 @@ pub fn callout_status() -> u16 {
         .unwrap_or(0)
 }
 
-/// Host time in nanoseconds since the epoch (0 if the host cannot tell, which only makes
-/// counters start over: never a failure).
-pub fn now() -> Nanos {
+/// Host time in nanoseconds since the epoch; `None` when the host cannot tell (the engine
+/// then writes nothing: a broken clock must not rewrite counters near the epoch).
+pub fn now() -> Option<Nanos> {
     match hostcalls::get_current_time() {
         Ok(time) => time
             .duration_since(UNIX_EPOCH)
-            .map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
-            .unwrap_or(0),
+            .ok()
+            .and_then(|d| u64::try_from(d.as_nanos()).ok())
+            .filter(|&nanos| nanos > 0),
         Err(status) => {
-            log::warn!("diana: host clock unavailable: {status:?}");
-            0
+            log::debug!("diana: host clock unavailable: {status:?}");
+            None
         }
     }
 }
@@ -121,8 +162,12 @@ impl HostMetrics {
     pub fn define<'a>(rules: impl Iterator<Item = &'a Rule>) -> HostMetrics {
         let rules = rules
             .map(|rule| {
-                RuleEvent::ALL
-                    .map(|event| define(MetricType::Counter, &rule_metric_name(rule, event)))
+                RuleEvent::ALL.map(|event| {
+                    define(
+                        MetricType::Counter,
+                        &rule_metric_name(&rule.metric_name, event),
+                    )
+                })
             })
             .collect();
         let events = Event::ALL

@@ -4,12 +4,7 @@
 //! on, the embedded Diana policy is valid and has a global rule, the wasm path is where the
 //! Dockerfile puts it, and diana-quota gets the flags the binary takes.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::indexing_slicing
-)]
+#![cfg(test)]
 
 use serde_yaml::Value;
 use std::path::Path;

@@ -1,122 +1,126 @@
-//! One request's evaluation: from the request's facts and the current time to a
-//! [`Decision`] (admit, admit after a wait, reject, or ask the quota service first).
+//! One request's evaluation, sequenced: from the request's facts and the current time to a
+//! [`Decision`] (admit, admit after a wait, reject, or call the quota service first).
 //!
-//! Order of evaluation (DESIGN §4): matching resource blocks least specific first, rules in
-//! document order; the first rule that denies ends the evaluation and later rules are not
-//! charged. Local rules are charged as they come; global rules of the request are
-//! collected and decided together in one callout after every local rule has admitted the
-//! request (so a request rejected locally never costs a callout).
+//! Order (DESIGN §4): the matching resource blocks least specific first, rules in document
+//! order, the first rule that denies ends the evaluation. Within that order the local
+//! rules that never make a request wait are charged first, then the leaky buckets (whose
+//! reserved turns are the only charges that cannot always be given back exactly), then the
+//! global rules, all in one callout — so a request rejected locally never costs a callout.
+//!
+//! **A rejected request consumes nothing.** Every charge a rule makes is kept as a receipt;
+//! when a later rule denies, each is given back ([`Store::release`] for local counters,
+//! the lease stash for leased global tokens), and the quota service decides the global
+//! rules of one request all or nothing. Metrics follow the same rule: `allowed` counts the
+//! rules of admitted requests only, `limited` the rule that rejected.
 
 use crate::actor::{Identity, RequestFacts};
 use crate::config::{Policy, Rule, Scope};
-use crate::global::{GlobalRuleRef, Pending};
+use crate::decision::{Decision, Reply};
+use crate::global::stash::StashReceipt;
+use crate::global::{Asked, Denial, Global, GlobalCharge, Interpretation, Outcome, Plan};
 use crate::matching;
 use crate::metrics::{Event, MetricSink, RuleEvent};
 use crate::path;
 use crate::response::{admitted_headers, Rejection, RuleReport};
-use crate::store::{key_prefix, SharedData, SlotAddress, SlotTable, Store};
+use crate::store::{ChargeError, Receipt, SharedData, SlotAddress, SlotTable, Store};
 use crate::time::Nanos;
 
-/// What the host must do with the request.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Decision {
-    /// Let it through now, adding these headers to the response (`headers: all`).
-    Allow {
-        headers: Vec<(&'static str, String)>,
-    },
-    /// Let it through at `until` (leaky bucket): pause it and resume it then.
-    Delay {
-        until: Nanos,
-        headers: Vec<(&'static str, String)>,
-    },
-    /// Answer with this local reply.
-    Reject(Rejection),
-    /// Send this callout to the quota service, pause the request, and hand the answer to
-    /// [`Engine::complete_global`].
-    Callout(Pending),
+/// What the engine answers: a [`Decision`] whose call carries the paused request's state.
+pub type EngineDecision = Decision<Pending>;
+
+/// A request paused for a callout: what was charged so far and what was asked.
+#[derive(Debug)]
+pub struct Pending {
+    held: Vec<Held>,
+    asked: Asked,
+    progress: Progress,
+}
+
+impl Pending {
+    /// What the callout asked (for logs and tests).
+    pub fn asked(&self) -> &Asked {
+        &self.asked
+    }
+}
+
+/// A local charge, kept until the request is decided.
+#[derive(Debug)]
+struct Held {
+    rule: usize,
+    receipt: Receipt,
+}
+
+/// What the evaluation gathered so far.
+#[derive(Debug, Default)]
+struct Progress {
+    /// The admitting rule with the fewest remaining requests (for `headers: all`).
+    tightest: Option<RuleReport>,
+    /// Longest leaky-bucket wait among admitting rules.
+    delay: Nanos,
+    /// Rule metrics to report once the request is decided.
+    tally: Vec<(usize, RuleEvent)>,
+}
+
+impl Progress {
+    fn admit(&mut self, index: usize, report: Option<RuleReport>, delay: Nanos) {
+        self.delay = self.delay.max(delay);
+        if let Some(report) = report {
+            if self
+                .tightest
+                .is_none_or(|tightest| report.remaining < tightest.remaining)
+            {
+                self.tightest = Some(report);
+            }
+        }
+        self.tally.push((index, RuleEvent::Allowed));
+    }
+
+    fn would_deny(&mut self, index: usize) {
+        self.tally.push((index, RuleEvent::DryRunLimited));
+    }
+
+    fn apply(&mut self, outcomes: Vec<Outcome>) {
+        for outcome in outcomes {
+            match outcome {
+                Outcome::Admitted {
+                    index,
+                    report,
+                    delay,
+                } => self.admit(index, report, delay),
+                Outcome::WouldDeny { index } => self.would_deny(index),
+            }
+        }
+    }
+}
+
+/// The rules of one request, in charging order.
+struct Applicable<'p> {
+    local: Vec<(&'p Rule, SlotAddress, u32)>,
+    global: Vec<GlobalCharge>,
 }
 
 /// The immutable policy plus the per-VM machinery to evaluate it.
 #[derive(Debug)]
 pub struct Engine {
     policy: Policy,
-    /// Index of each resource's first rule in the flat rule numbering used by metrics.
-    offsets: Vec<usize>,
-    /// Flat rule index → (resource, rule within it).
-    flat: Vec<(usize, usize)>,
-    /// Flat rule index → the rule's shared-data key prefix.
-    key_prefixes: Vec<String>,
-    /// Flat rule index → the prefix of the rule's lease-stash keys (global rules).
-    lease_prefixes: Vec<String>,
     /// False when the only resource is `/`: every request matches, the path is not needed.
     needs_path: bool,
-    store: Store,
     /// The host can pause a request and resume it later (Envoy: yes; nginx: no).
     can_pause: bool,
-    /// This VM's recent reading of the circuit breaker (see [`crate::global`]).
-    pub(crate) breaker: crate::global::BreakerCache,
-}
-
-/// What the local pass over the rules gathered so far.
-#[derive(Debug, Default)]
-pub(crate) struct Progress {
-    /// The admitted rule with the fewest remaining requests (for `headers: all`).
-    pub tightest: Option<RuleReport>,
-    /// Longest leaky-bucket wait among admitting rules.
-    pub delay: Nanos,
-}
-
-impl Progress {
-    pub(crate) fn admit(&mut self, report: RuleReport, delay: Nanos) {
-        self.delay = self.delay.max(delay);
-        if self
-            .tightest
-            .is_none_or(|tightest| report.remaining < tightest.remaining)
-        {
-            self.tightest = Some(report);
-        }
-    }
-}
-
-/// The outcome of charging one rule locally.
-pub(crate) enum LocalOutcome {
-    Admitted,
-    Rejected(Rejection),
+    store: Store,
+    global: Global,
 }
 
 impl Engine {
     pub fn new(policy: Policy) -> Engine {
-        let mut offsets = Vec::with_capacity(policy.resources.len());
-        let mut flat = Vec::new();
-        for (resource_index, resource) in policy.resources.iter().enumerate() {
-            offsets.push(flat.len());
-            flat.extend((0..resource.rules.len()).map(|rule| (resource_index, rule)));
-        }
-        let key_prefixes = policy
-            .resources
-            .iter()
-            .flat_map(|resource| resource.rules.iter().map(|rule| key_prefix(rule.id)))
-            .collect();
-        let lease_prefixes = policy
-            .resources
-            .iter()
-            .flat_map(|resource| resource.rules.iter())
-            .map(|rule| match rule.scope {
-                Scope::Global => crate::global::lease_key_prefix(rule.id),
-                Scope::Local => String::new(),
-            })
-            .collect();
         let needs_path = !matches!(policy.resources.as_slice(), [only] if only.url == "/");
+        let global = Global::new(&policy, true);
         Engine {
             policy,
-            offsets,
-            flat,
-            key_prefixes,
-            lease_prefixes,
             needs_path,
-            store: Store::new(),
             can_pause: true,
-            breaker: crate::global::BreakerCache::default(),
+            store: Store::new(),
+            global,
         }
     }
 
@@ -125,6 +129,7 @@ impl Engine {
     /// and global leaky-bucket rules use the quota service's wait endpoint.
     pub fn with_pausing(mut self, can_pause: bool) -> Engine {
         self.can_pause = can_pause;
+        self.global = Global::new(&self.policy, can_pause);
         self
     }
 
@@ -136,9 +141,14 @@ impl Engine {
         &self.policy
     }
 
-    /// Every rule in flat numbering (the index used by [`MetricSink::rule_event`]).
+    /// Every rule, in [`Rule::index`] order (the index of [`MetricSink::rule_event`]).
     pub fn rules(&self) -> impl Iterator<Item = &Rule> {
-        self.policy.resources.iter().flat_map(|r| r.rules.iter())
+        self.policy.rules()
+    }
+
+    /// The rule at `index`.
+    pub fn rule(&self, index: usize) -> Option<&Rule> {
+        self.policy.rule(index)
     }
 
     /// False when every request matches the same rules whatever its path (the policy's
@@ -147,9 +157,10 @@ impl Engine {
         self.needs_path
     }
 
-    /// True when some rule is a leaky bucket (the host then needs a tick to resume waiters).
+    /// True when some rule may make a request wait (the host then needs a tick to
+    /// resume waiters).
     pub fn has_waiting_rules(&self) -> bool {
-        self.rules().any(|rule| rule.algo.code() == "LB")
+        self.rules().any(|rule| rule.algo.waits())
     }
 
     /// True when some rule has global scope.
@@ -157,106 +168,316 @@ impl Engine {
         self.rules().any(|rule| rule.scope == Scope::Global)
     }
 
-    /// Evaluates one request. `raw_path` is the `:path` pseudo-header as sent.
+    /// Evaluates one request. `raw_path` is the `:path` pseudo-header as sent; `now` is
+    /// `None` when the host clock could not be read (the request is then admitted and
+    /// nothing is written: a broken clock must not rewrite counters near the epoch).
     pub fn evaluate(
         &self,
         host: &dyn SharedData,
         raw_path: &[u8],
         facts: &dyn RequestFacts,
-        now: Nanos,
+        now: Option<Nanos>,
         metrics: &mut dyn MetricSink,
-    ) -> Decision {
-        let path = path::normalize(raw_path);
+    ) -> EngineDecision {
+        let Some(now) = now else {
+            metrics.event(Event::ClockError);
+            return Decision::Allow {
+                headers: Vec::new(),
+            };
+        };
+        let applicable = self.applicable(raw_path, facts);
         let mut progress = Progress::default();
-        let mut globals: Vec<GlobalRuleRef> = Vec::new();
-        for (resource_index, resource) in matching::matching(&self.policy, &path) {
-            let offset = self.offsets.get(resource_index).copied().unwrap_or(0);
-            for (position, rule) in resource.rules.iter().enumerate() {
-                let index = offset + position;
+        let mut held = Vec::new();
+        for &(rule, address, cost) in &applicable.local {
+            if let Err(rejection) = self.charge_locally(
+                host,
+                rule,
+                address,
+                cost,
+                now,
+                &mut progress,
+                &mut held,
+                metrics,
+            ) {
+                return self.reject(host, held, progress, rejection, now, metrics);
+            }
+        }
+        if applicable.global.is_empty() {
+            return self.finish(progress, now, metrics);
+        }
+        match self
+            .global
+            .plan(host, &self.policy, &applicable.global, now, metrics)
+        {
+            Plan::Done(outcomes) => {
+                progress.apply(outcomes);
+                self.finish(progress, now, metrics)
+            }
+            Plan::Rejected(denial, outcomes) => {
+                progress.apply(outcomes);
+                let rejection = self.denial(denial, &mut progress);
+                self.reject(host, held, progress, rejection, now, metrics)
+            }
+            Plan::Degrade {
+                outcomes,
+                local,
+                served,
+            } => {
+                progress.apply(outcomes);
+                metrics.event(Event::GlobalDegradedRequest);
+                self.degrade(host, local, served, held, progress, now, metrics)
+            }
+            Plan::Call {
+                outcomes,
+                callout,
+                asked,
+            } => {
+                progress.apply(outcomes);
+                Decision::Call(
+                    callout,
+                    Pending {
+                        held,
+                        asked,
+                        progress,
+                    },
+                )
+            }
+        }
+    }
+
+    /// Finishes a request paused for a callout, with the host's account of the call.
+    pub fn complete(
+        &self,
+        host: &dyn SharedData,
+        pending: Pending,
+        reply: Reply,
+        now: Option<Nanos>,
+        metrics: &mut dyn MetricSink,
+    ) -> EngineDecision {
+        let Pending {
+            held,
+            asked,
+            mut progress,
+        } = pending;
+        let Some(now) = now else {
+            metrics.event(Event::ClockError);
+            return Decision::Allow {
+                headers: Vec::new(),
+            };
+        };
+        match self
+            .global
+            .interpret(host, &self.policy, asked, reply, now, metrics)
+        {
+            Interpretation::Done(outcomes) => {
+                progress.apply(outcomes);
+                self.finish(progress, now, metrics)
+            }
+            Interpretation::Rejected(denial, outcomes) => {
+                progress.apply(outcomes);
+                let rejection = self.denial(denial, &mut progress);
+                self.reject(host, held, progress, rejection, now, metrics)
+            }
+            Interpretation::Degrade { local, served } => {
+                self.degrade(host, local, served, held, progress, now, metrics)
+            }
+        }
+    }
+
+    /// The rules that apply to a request, each with its identity and cost, in charging
+    /// order (see the module docs).
+    fn applicable(&self, raw_path: &[u8], facts: &dyn RequestFacts) -> Applicable<'_> {
+        let path = if self.needs_path {
+            path::normalize(raw_path)
+        } else {
+            std::borrow::Cow::Borrowed(&b"/"[..])
+        };
+        let mut applicable = Applicable {
+            local: Vec::new(),
+            global: Vec::new(),
+        };
+        let mut waiting = Vec::new();
+        for (_, resource) in matching::matching(&self.policy, &path) {
+            for rule in &resource.rules {
                 let address = match rule.actor.identify(facts) {
                     Identity::Skip => continue,
                     Identity::Everyone => SlotAddress::single(),
                     Identity::Key(hash) => SlotAddress::of(hash, rule.slots.get()),
                 };
-                if rule.scope == Scope::Global {
-                    globals.push(GlobalRuleRef { index, address });
-                    continue;
-                }
-                if let LocalOutcome::Rejected(rejection) =
-                    self.charge_locally(host, index, rule, address, now, &mut progress, metrics)
-                {
-                    return Decision::Reject(rejection);
+                let cost = 1;
+                match rule.scope {
+                    Scope::Global => applicable.global.push(GlobalCharge {
+                        index: rule.index,
+                        address,
+                        cost,
+                    }),
+                    Scope::Local if rule.algo.waits() => waiting.push((rule, address, cost)),
+                    Scope::Local => applicable.local.push((rule, address, cost)),
                 }
             }
         }
-        if globals.is_empty() {
-            return self.finish(progress, now);
-        }
-        crate::global::begin(self, host, globals, progress, now, metrics)
+        applicable.local.extend(waiting);
+        applicable
     }
 
-    /// Charges `rule` in the process-wide local store. Store failures admit the request
-    /// (a rate limiter must not fail requests because of its own bookkeeping) and are counted.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn charge_locally(
-        &self,
-        host: &dyn SharedData,
-        index: usize,
-        rule: &Rule,
-        address: SlotAddress,
-        now: Nanos,
-        progress: &mut Progress,
-        metrics: &mut dyn MetricSink,
-    ) -> LocalOutcome {
-        let table = SlotTable {
-            key_prefix: self.key_prefixes.get(index).map_or("", String::as_str),
+    fn table<'r>(&self, rule: &'r Rule) -> SlotTable<'r> {
+        SlotTable {
+            key_prefix: &rule.keys.slots,
             algo: rule.algo,
             limit: &rule.limit,
-            immediate_only: !self.can_pause,
-        };
-        match self.store.charge(host, &table, address, now, 1) {
-            Err(error) => {
+            max_delay: if self.can_pause { rule.max_wait } else { 0 },
+        }
+    }
+
+    /// Charges `rule` in the process-wide local store; a denial is the rejection to send.
+    #[allow(clippy::too_many_arguments)]
+    fn charge_locally(
+        &self,
+        host: &dyn SharedData,
+        rule: &Rule,
+        address: SlotAddress,
+        cost: u32,
+        now: Nanos,
+        progress: &mut Progress,
+        held: &mut Vec<Held>,
+        metrics: &mut dyn MetricSink,
+    ) -> Result<(), Rejection> {
+        let table = self.table(rule);
+        match self.store.charge(host, &table, address, now, cost, cost) {
+            Err(ChargeError::Host(error)) => {
+                // The host store itself failed: a defined behaviour, admit uncounted.
                 log::warn!("diana: rule {}: {error}; request admitted", rule.name);
                 metrics.event(Event::StoreError);
-                LocalOutcome::Admitted
+                Ok(())
+            }
+            Err(ChargeError::Contention) => {
+                metrics.event(Event::StoreContention);
+                let report = RuleReport {
+                    limit: rule.limit.rpu.get(),
+                    remaining: 0,
+                    reset_seconds: 1,
+                    retry_after_seconds: 1,
+                };
+                progress.tally.push((rule.index, RuleEvent::Limited));
+                Err(Rejection::new(&self.policy.response, rule, &report))
             }
             Ok(charge) => {
                 if charge.collided {
                     metrics.event(Event::SlotCollision);
                 }
                 let report = RuleReport::new(rule, &charge.verdict);
-                if charge.verdict.allowed() {
-                    metrics.rule_event(index, RuleEvent::Allowed);
-                    progress.admit(report, charge.verdict.delay);
-                    LocalOutcome::Admitted
+                if let Some(receipt) = charge.receipt {
+                    held.push(Held {
+                        rule: rule.index,
+                        receipt,
+                    });
+                    progress.admit(rule.index, Some(report), charge.verdict.delay);
+                    Ok(())
+                } else if rule.dry_run || self.policy.dry_run {
+                    log::debug!("diana: dry run: rule {} would reject", rule.name);
+                    progress.would_deny(rule.index);
+                    Ok(())
                 } else {
-                    self.deny(index, rule, &report, metrics)
+                    progress.tally.push((rule.index, RuleEvent::Limited));
+                    Err(Rejection::new(&self.policy.response, rule, &report))
                 }
             }
         }
     }
 
-    /// A rule said no: reject, unless the rule or the document is in dry run.
-    pub(crate) fn deny(
+    /// Global rules enforced in local scope with the same parameters (the service is
+    /// unavailable, or refused).
+    #[allow(clippy::too_many_arguments)]
+    fn degrade(
         &self,
-        index: usize,
-        rule: &Rule,
-        report: &RuleReport,
+        host: &dyn SharedData,
+        local: Vec<GlobalCharge>,
+        served: Vec<StashReceipt>,
+        mut held: Vec<Held>,
+        mut progress: Progress,
+        now: Nanos,
         metrics: &mut dyn MetricSink,
-    ) -> LocalOutcome {
-        if rule.dry_run || self.policy.dry_run {
-            log::info!("diana: dry run: rule {} would reject", rule.name);
-            metrics.rule_event(index, RuleEvent::DryRunLimited);
-            return LocalOutcome::Admitted;
+    ) -> EngineDecision {
+        for charge in local {
+            let Some(rule) = self.policy.rule(charge.index) else {
+                continue;
+            };
+            if let Err(rejection) = self.charge_locally(
+                host,
+                rule,
+                charge.address,
+                charge.cost,
+                now,
+                &mut progress,
+                &mut held,
+                metrics,
+            ) {
+                self.global.give_back(host, &self.policy, &served, now);
+                return self.reject(host, held, progress, rejection, now, metrics);
+            }
         }
-        metrics.rule_event(index, RuleEvent::Limited);
-        LocalOutcome::Rejected(Rejection::new(&self.policy.response, rule, report))
+        self.finish(progress, now, metrics)
+    }
+
+    /// The rejection for a global rule's denial.
+    fn denial(&self, denial: Denial, progress: &mut Progress) -> Rejection {
+        progress.tally.push((denial.index, RuleEvent::Limited));
+        match self.policy.rule(denial.index) {
+            Some(rule) => Rejection::new(&self.policy.response, rule, &denial.report),
+            None => Rejection::unnamed(&self.policy.response, &denial.report),
+        }
+    }
+
+    /// Rejects: every local charge of the request is given back first.
+    fn reject(
+        &self,
+        host: &dyn SharedData,
+        held: Vec<Held>,
+        progress: Progress,
+        rejection: Rejection,
+        now: Nanos,
+        metrics: &mut dyn MetricSink,
+    ) -> EngineDecision {
+        for held in held.iter().rev() {
+            let Some(rule) = self.policy.rule(held.rule) else {
+                continue;
+            };
+            match self
+                .store
+                .release(host, &self.table(rule), &held.receipt, now)
+            {
+                Ok(()) => {}
+                Err(ChargeError::Contention) => metrics.event(Event::StoreContention),
+                Err(ChargeError::Host(error)) => {
+                    log::warn!(
+                        "diana: rule {}: cannot give a charge back: {error}",
+                        rule.name
+                    );
+                    metrics.event(Event::StoreError);
+                }
+            }
+        }
+        for (index, event) in progress.tally {
+            if event != RuleEvent::Allowed {
+                metrics.rule_event(index, event);
+            }
+        }
+        Decision::Reject(rejection)
     }
 
     /// Every rule admitted: allow now or after the longest wait.
-    pub(crate) fn finish(&self, progress: Progress, now: Nanos) -> Decision {
+    fn finish(
+        &self,
+        progress: Progress,
+        now: Nanos,
+        metrics: &mut dyn MetricSink,
+    ) -> EngineDecision {
+        for &(index, event) in &progress.tally {
+            metrics.rule_event(index, event);
+        }
         let headers = admitted_headers(&self.policy.response, progress.tightest.as_ref());
         if progress.delay > 0 && self.can_pause {
+            metrics.event(Event::Delayed);
             Decision::Delay {
                 until: now.saturating_add(progress.delay),
                 headers,
@@ -264,36 +485,6 @@ impl Engine {
         } else {
             Decision::Allow { headers }
         }
-    }
-
-    /// The rule at flat `index`.
-    pub fn rule(&self, index: usize) -> Option<&Rule> {
-        let &(resource, rule) = self.flat.get(index)?;
-        self.policy.resources.get(resource)?.rules.get(rule)
-    }
-
-    pub(crate) fn store(&self) -> &Store {
-        &self.store
-    }
-
-    /// The lease-stash key of one slot of a global rule (prefix computed once per rule).
-    pub(crate) fn lease_key(&self, index: usize, slot: u32) -> String {
-        crate::store::slot_key_in(
-            self.lease_prefixes.get(index).map_or("", String::as_str),
-            slot,
-        )
-    }
-
-    /// Finishes a request paused for a callout (see [`crate::global`]).
-    pub fn complete_global(
-        &self,
-        host: &dyn SharedData,
-        pending: Pending,
-        answer: Result<Vec<crate::global::wire::RuleResult>, crate::global::CalloutFailure>,
-        now: Nanos,
-        metrics: &mut dyn MetricSink,
-    ) -> Decision {
-        crate::global::complete(self, host, pending, answer, now, metrics)
     }
 }
 

@@ -8,19 +8,24 @@
 //! - [`actor`]: where an identity comes from (header, fallback, client address) and its hash.
 //! - [`algo`]: the rate-limiting algorithms (W, SW, LB, TB) as pure functions over a state.
 //! - [`store`]: process-wide state in a key/value host store with compare-and-swap, slot tables.
-//! - [`engine`]: one request's evaluation, from facts to a decision.
+//! - [`engine`]: one request's evaluation, from facts to a decision, sequenced.
+//! - [`decision`]: what an evaluation answers (admit, delay, reject, a complete call).
 //! - [`response`]: the rejection response and rate-limit headers.
 //! - [`metrics`]: metric names and the counters the engine reports.
-//! - [`global`]: the quota-service wire format and the callout/lease/breaker state machine.
+//! - [`wire`]: the global protocol, the filter ↔ quota service wire format and its limits.
+//! - [`global`]: the callout/lease/breaker state machine of global rules.
+//! - [`lifecycle`]: releasing the shared-data records of rules a new document dropped.
 //! - [`remote`]: polling the config center and sharing its document with every worker.
 //! - [`properties`]: host property values (Envoy vs nginx spellings).
 
 pub mod actor;
 pub mod algo;
 pub mod config;
+pub mod decision;
 pub mod engine;
 pub mod global;
 pub mod hash;
+pub mod lifecycle;
 pub mod matching;
 pub mod metrics;
 pub mod path;
@@ -29,3 +34,4 @@ pub mod remote;
 pub mod response;
 pub mod store;
 pub mod time;
+pub mod wire;

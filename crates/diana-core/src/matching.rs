@@ -10,16 +10,7 @@ use crate::config::{Policy, Resource, Rule};
 use std::iter::Enumerate;
 use std::slice;
 
-/// True when the normalised `prefix` covers the normalised `path` on a segment boundary.
-pub fn prefix_matches(prefix: &[u8], path: &[u8]) -> bool {
-    if prefix == b"/" {
-        return true;
-    }
-    match path.strip_prefix(prefix) {
-        Some(rest) => rest.is_empty() || rest.first() == Some(&b'/'),
-        None => false,
-    }
-}
+pub use crate::path::prefix_matches;
 
 /// The resource blocks of `policy` that apply to the normalised `path`, least specific
 /// first, each with its index in [`Policy::resources`].
@@ -68,12 +59,6 @@ impl<'p> Iterator for Matches<'p, '_> {
 
 #[cfg(test)]
 mod tests {
-    #![allow(
-        clippy::unwrap_used,
-        clippy::expect_used,
-        clippy::panic,
-        clippy::indexing_slicing
-    )]
     use super::*;
     use crate::config::{GlobalSpec, ResponseSpec};
     use crate::path::normalize;

@@ -2,8 +2,6 @@
 //! name (`define_metric`); Envoy shows them under `wasmcustom.`. Names are listed in the
 //! README. Rule names are sanitised to `[A-Za-z0-9_]` so any rule name is a valid stat name.
 
-use crate::config::Rule;
-
 /// Per-rule counters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum RuleEvent {
@@ -34,8 +32,13 @@ impl RuleEvent {
 /// Process-wide counters and gauges.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Event {
-    /// Shared data failed or stayed contended; the request was admitted.
+    /// Shared data failed; the request was admitted uncounted.
     StoreError,
+    /// Other workers kept winning the compare-and-swap race; the request was rejected
+    /// with `Retry-After: 1` rather than admitted uncounted.
+    StoreContention,
+    /// The host clock could not be read; the request was admitted, nothing written.
+    ClockError,
     /// An identity was charged on a shared slot (both candidate slots busy).
     SlotCollision,
     /// A leaky-bucket request was paused to wait for its turn.
@@ -48,6 +51,11 @@ pub enum Event {
     GlobalError,
     /// Global rules were enforced locally because the quota service is unavailable.
     GlobalDegradedRequest,
+    /// The quota service refused a request (4xx): decided locally, logged once.
+    GlobalRefused,
+    /// The quota service answered what was not asked (wrong count, a grant above the
+    /// want, impossible values): not believed, decided locally, logged once.
+    GlobalInvalidAnswer,
     /// A callout answered for a rule with `lease` > 1 (spare tokens were stashed).
     LeaseRefill,
     /// A global rule was answered from a cached denial, without a callout.
@@ -61,14 +69,18 @@ pub enum Event {
 }
 
 impl Event {
-    pub const ALL: [Event; 12] = [
+    pub const ALL: [Event; 16] = [
         Event::StoreError,
+        Event::StoreContention,
+        Event::ClockError,
         Event::SlotCollision,
         Event::Delayed,
         Event::DelayAbandoned,
         Event::GlobalCallout,
         Event::GlobalError,
         Event::GlobalDegradedRequest,
+        Event::GlobalRefused,
+        Event::GlobalInvalidAnswer,
         Event::LeaseRefill,
         Event::CachedDenial,
         Event::ConfigReload,
@@ -79,12 +91,16 @@ impl Event {
     pub fn name(self) -> &'static str {
         match self {
             Event::StoreError => "diana_store_errors",
+            Event::StoreContention => "diana_store_contention",
+            Event::ClockError => "diana_clock_errors",
             Event::SlotCollision => "diana_slot_collisions",
             Event::Delayed => "diana_delayed",
             Event::DelayAbandoned => "diana_delay_abandoned",
             Event::GlobalCallout => "diana_global_callouts",
             Event::GlobalError => "diana_global_errors",
             Event::GlobalDegradedRequest => "diana_global_degraded_requests",
+            Event::GlobalRefused => "diana_global_refused",
+            Event::GlobalInvalidAnswer => "diana_global_invalid_answers",
             Event::LeaseRefill => "diana_global_lease_refills",
             Event::CachedDenial => "diana_global_cached_denials",
             Event::ConfigReload => "diana_config_reloads",
@@ -98,13 +114,14 @@ impl Event {
 pub const DEGRADED_GAUGE: &str = "diana_global_degraded";
 
 /// The host metric name of a rule counter: `diana_rule_<event>.<rule>`, where `<rule>` is
-/// the rule's name made stat-safe: `/#0` (the first rule of `/`) becomes `root_0`,
-/// `/api/v1#2` becomes `api_v1_2`, `login-burst` becomes `login_burst`.
-pub fn rule_metric_name(rule: &Rule, event: RuleEvent) -> String {
-    format!("diana_rule_{}.{}", event.suffix(), stat_name(&rule.name))
+/// the rule's [`stat_name`] (`Rule::metric_name`).
+pub fn rule_metric_name(rule_stat_name: &str, event: RuleEvent) -> String {
+    format!("diana_rule_{}.{}", event.suffix(), rule_stat_name)
 }
 
-/// A rule name as it appears in metric names (see [`rule_metric_name`]).
+/// A rule name as it appears in metric names (see [`rule_metric_name`]): `/#0` (the first
+/// rule of `/`) becomes `root_0`, `/api/v1#2` becomes `api_v1_2`, `login-burst` becomes
+/// `login_burst`. Two rules whose names map to the same stat name are refused at load.
 pub fn stat_name(rule_name: &str) -> String {
     let trimmed = rule_name.trim_start_matches('/');
     let named = if trimmed.is_empty() || trimmed.starts_with('#') {

@@ -89,6 +89,22 @@ fn upper_hex_value(byte: u8) -> Option<u8> {
     }
 }
 
+/// True when the normalised `prefix` covers the normalised `path` on a segment boundary.
+pub fn prefix_matches(prefix: &[u8], path: &[u8]) -> bool {
+    if prefix == b"/" {
+        return true;
+    }
+    match path.strip_prefix(prefix) {
+        Some(rest) => rest.is_empty() || rest.first() == Some(&b'/'),
+        None => false,
+    }
+}
+
+/// [`prefix_matches`] for two normalised urls.
+pub fn is_prefix(prefix: &str, path: &str) -> bool {
+    prefix_matches(prefix.as_bytes(), path.as_bytes())
+}
+
 /// Number of segments of a normalised path: 0 for `/`, 1 for `/a`, 2 for `/a/b`.
 pub fn segment_count(path: &[u8]) -> usize {
     match path {
@@ -195,12 +211,6 @@ fn is_plain(byte: u8) -> bool {
 
 #[cfg(test)]
 mod tests {
-    #![allow(
-        clippy::unwrap_used,
-        clippy::expect_used,
-        clippy::panic,
-        clippy::indexing_slicing
-    )]
     use super::*;
 
     fn norm(raw: &[u8]) -> String {

@@ -3,8 +3,9 @@
 //! One worker polls per period: a worker whose tick finds the period over claims the poll
 //! in shared data ([`POLL_KEY`]) by compare-and-swap, so N workers make one request, not N.
 //! A valid new document is published in shared data ([`DOCUMENT_KEY`]) with a version
-//! number; every worker's tick compares that version with its own and applies the newer
-//! document. Rules whose parameters did not change keep their counters, because a rule's
+//! number, and the version alone in a small record of its own ([`VERSION_KEY`]): every
+//! worker's tick reads that small record and copies the document out of shared data only
+//! when it is newer than its own. Rules whose parameters did not change keep their counters, because a rule's
 //! state lives under keys derived from those parameters ([`crate::config::Rule::id`]).
 //!
 //! Failures (center down, 5xx, invalid document) keep the last good document (or the local
@@ -19,6 +20,8 @@ use crate::time::{Nanos, NANOS_PER_SECOND};
 pub const POLL_KEY: &str = "diana/remote/next_poll";
 /// Shared-data key holding the last good remote document: version, ETag and text.
 pub const DOCUMENT_KEY: &str = "diana/remote/document";
+/// Shared-data key holding the version of the published document alone.
+pub const VERSION_KEY: &str = "diana/remote/version";
 /// Largest remote document accepted.
 pub const MAX_DOCUMENT_BYTES: usize = 1 << 20;
 
@@ -56,11 +59,17 @@ impl Published {
 }
 
 /// Reads the published remote document, if any.
-pub fn read_published(host: &dyn SharedData) -> Option<Published> {
-    host.get(DOCUMENT_KEY)
+pub fn read_published(store: &Store, host: &dyn SharedData) -> Option<Published> {
+    store
+        .read(host, DOCUMENT_KEY)
         .ok()
         .flatten()
-        .and_then(|(bytes, _)| Published::decode(&bytes))
+        .and_then(|payload| Published::decode(&payload))
+}
+
+/// The version of the published remote document (0: none), from its small record.
+pub fn published_version(store: &Store, host: &dyn SharedData) -> u64 {
+    decode_u64(store.read(host, VERSION_KEY).ok().flatten().as_deref())
 }
 
 /// How early a tick may land and still claim the next poll. Ticks jitter by a few
@@ -68,13 +77,15 @@ pub fn read_published(host: &dyn SharedData) -> Option<Published> {
 /// deadline and poll every other period.
 const TICK_SLACK: Nanos = NANOS_PER_SECOND / 20;
 
-/// Claims this period's poll: true for exactly one worker per period.
+/// Claims this period's poll: true for exactly one worker per period. A claim further
+/// ahead than one period comes from a clock that stepped back: it is due, so a clock step
+/// never stops the polls for longer than one period.
 pub fn claim_poll(store: &Store, host: &dyn SharedData, spec: &RemoteSpec, now: Nanos) -> bool {
     let period = u64::from(spec.poll_seconds.max(1)) * NANOS_PER_SECOND - TICK_SLACK;
     store
         .update(host, POLL_KEY, |current| {
             let due = decode_u64(current);
-            if now < due {
+            if now < due && due - now <= period {
                 (None, false)
             } else {
                 (
@@ -158,14 +169,15 @@ pub fn interpret(
     }
 }
 
-/// Publishes a new document with the next version; returns the version.
+/// Publishes a new document with the next version, then the version in its own record;
+/// returns the version.
 pub fn publish(
     store: &Store,
     host: &dyn SharedData,
     text: &str,
     etag: Option<String>,
 ) -> Option<u64> {
-    store
+    let version = store
         .update(host, DOCUMENT_KEY, |current| {
             let version = current
                 .and_then(Published::decode)
@@ -179,7 +191,15 @@ pub fn publish(
             };
             (Some(published.encode()), version)
         })
-        .ok()
+        .ok()?;
+    store
+        .update(host, VERSION_KEY, |current| {
+            // Never backwards: two publishers may finish out of order.
+            let newest = decode_u64(current).max(version);
+            (Some(newest.to_le_bytes().to_vec()), ())
+        })
+        .ok()?;
+    Some(version)
 }
 
 /// Shared-data key holding the hash of the last invalid document refused.
@@ -223,7 +243,6 @@ pub fn record_health(store: &Store, host: &dyn SharedData, ok: bool) -> bool {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, clippy::panic)]
     use super::*;
     use crate::store::{CasSemantics, MemoryHost};
 
@@ -256,6 +275,14 @@ mod tests {
                     .filter(|w| claim_poll(w, &host, &spec(), later))
                     .count(),
                 0
+            );
+            // A clock that stepped back a minute finds a claim it cannot explain: due.
+            assert_eq!(
+                workers
+                    .iter()
+                    .filter(|w| claim_poll(w, &host, &spec(), now - 60 * NANOS_PER_SECOND))
+                    .count(),
+                1
             );
             // The next tick may land a little early and still claims the poll.
             let next = now + 10 * NANOS_PER_SECOND - 3 * NANOS_PER_SECOND / 1000;
@@ -323,8 +350,9 @@ mod tests {
             publish(&store, &host, "Url: /x\nrules: [{rpu: 1}]\n", None),
             Some(2)
         );
-        let published = read_published(&host).unwrap();
+        let published = read_published(&store, &host).unwrap();
         assert_eq!(published.version, 2);
+        assert_eq!(published_version(&store, &host), 2);
         assert_eq!(published.etag, None);
         assert!(Published::decode(b"short").is_none());
     }

@@ -4,6 +4,7 @@
 use crate::algo::Verdict;
 use crate::config::{HeaderMode, ResponseSpec, Rule};
 use crate::time::{ceil_seconds, ceil_seconds_at_least_one};
+use crate::wire::RuleResult;
 
 /// What one rule said about a request, in the units of the rate-limit headers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,6 +26,17 @@ impl RuleReport {
             remaining: verdict.remaining,
             reset_seconds: ceil_seconds(verdict.reset),
             retry_after_seconds: ceil_seconds_at_least_one(verdict.retry_after),
+        }
+    }
+
+    /// What the quota service's result for `rule` reports.
+    pub fn from_result(rule: &Rule, result: &RuleResult) -> RuleReport {
+        let millis = |ms: u64| ms.saturating_mul(1_000_000);
+        RuleReport {
+            limit: rule.limit.rpu.get(),
+            remaining: result.remaining,
+            reset_seconds: ceil_seconds(millis(result.reset_ms)),
+            retry_after_seconds: ceil_seconds_at_least_one(millis(result.retry_after_ms)),
         }
     }
 
@@ -59,6 +71,22 @@ impl Rejection {
             body: spec.body.clone(),
             headers,
             rule: rule.name.clone(),
+        }
+    }
+}
+
+impl Rejection {
+    /// A rejection whose rule is unknown (a policy that changed under a paused request).
+    pub fn unnamed(spec: &ResponseSpec, report: &RuleReport) -> Rejection {
+        let mut headers = vec![("retry-after", report.retry_after_seconds.to_string())];
+        if spec.headers != HeaderMode::None {
+            headers.extend(report.headers());
+        }
+        Rejection {
+            status: spec.status,
+            body: spec.body.clone(),
+            headers,
+            rule: String::new(),
         }
     }
 }

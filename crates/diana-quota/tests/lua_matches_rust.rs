@@ -104,6 +104,7 @@ async fn compare(redis: &RedisStore, steps: usize) {
                 want,
                 cost: 1,
                 max_delay_ms: None,
+                dry_run: false,
             };
             let resolved = [request.resolve(0).unwrap()];
             let expected = memory.decide_at(&resolved, now_us * 1000);

@@ -94,7 +94,6 @@ fn parse(wasm: &[u8]) -> Result<walrus::Module, String> {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, clippy::expect_used)]
 
     use super::*;
     use walrus::{FunctionBuilder, Module, ModuleConfig, ValType};

@@ -84,7 +84,6 @@ impl Scaled {
 
 /// The algorithms' unit tests: limits and scenarios of expected verdicts.
 #[cfg(test)]
-#[allow(clippy::unwrap_used)]
 pub(super) mod testing {
     use super::super::{Algorithm, Limit, Verdict};
     use crate::time::{Nanos, Unit};

@@ -141,7 +141,6 @@ impl Algorithm for LeakyBucket {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used, clippy::indexing_slicing)]
 mod tests {
     use super::*;
     use crate::algo::common::{load, testing};
@@ -411,7 +410,6 @@ mod tests {
 
 #[cfg(test)]
 mod release_tests {
-    #![allow(clippy::unwrap_used)]
     use super::*;
     use crate::algo::common::{load, testing};
     use crate::time::NANOS_PER_SECOND as S;

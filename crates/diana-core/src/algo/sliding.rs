@@ -333,7 +333,6 @@ fn record(at: Position, state: &mut [u64], granted: u64) {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used, clippy::indexing_slicing)]
 mod tests {
     use super::*;
     use crate::algo::common::testing::{self, Step};

@@ -138,7 +138,6 @@ impl Algorithm for TokenBucket {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used, clippy::indexing_slicing)]
 mod tests {
     use super::*;
     use crate::algo::common::load;

@@ -159,7 +159,6 @@ impl Algorithm for FixedWindow {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used, clippy::indexing_slicing)]
 mod tests {
     use super::*;
     use crate::algo::common::testing::{self, Step};
@@ -369,7 +368,6 @@ mod tests {
 
 #[cfg(test)]
 mod release_tests {
-    #![allow(clippy::unwrap_used)]
     use super::*;
     use crate::algo::common::testing;
     use crate::time::NANOS_PER_SECOND as S;

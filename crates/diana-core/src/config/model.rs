@@ -3,6 +3,7 @@
 
 use crate::actor::ActorSource;
 use crate::algo::{Algorithm, Limit};
+use crate::time::Nanos;
 use std::fmt;
 use std::num::NonZeroU32;
 use std::sync::Arc;
@@ -25,6 +26,7 @@ impl std::error::Error for ConfigError {}
 /// The whole validated configuration.
 #[derive(Debug, Clone)]
 pub struct Policy {
+    /// Every rule in [`Rule::index`] order is `resources[..].rules[..]` flattened.
     /// Resource blocks, least specific first (fewer path segments first), so the engine
     /// evaluates `/` before `/sample` by walking this list in order.
     pub resources: Vec<Resource>,
@@ -35,6 +37,20 @@ pub struct Policy {
     pub dry_run: bool,
 }
 
+impl Policy {
+    /// Every rule, in [`Rule::index`] order.
+    pub fn rules(&self) -> impl Iterator<Item = &Rule> {
+        self.resources
+            .iter()
+            .flat_map(|resource| resource.rules.iter())
+    }
+
+    /// The rule at `index`.
+    pub fn rule(&self, index: usize) -> Option<&Rule> {
+        self.rules().nth(index)
+    }
+}
+
 /// One `Url` block.
 #[derive(Debug, Clone)]
 pub struct Resource {
@@ -43,11 +59,16 @@ pub struct Resource {
     pub rules: Vec<Rule>,
 }
 
-/// One rule with every default resolved.
+/// One rule with every default resolved, and what evaluating it needs precomputed.
 #[derive(Clone)]
 pub struct Rule {
+    /// Position among all the policy's rules, resources in evaluation order (the index
+    /// metrics are reported under).
+    pub index: usize,
     /// `name` from the document, or `<url>#<index>` (index within its block, from 0).
     pub name: String,
+    /// The name as it appears in metric names ([`crate::metrics::stat_name`]), unique.
+    pub metric_name: String,
     /// Stable identity of the rule's counters: a hash of the resource url and every
     /// parameter that shapes the counter (actor, algorithm, limit, scope, slots). A reloaded
     /// document whose rule has the same id keeps that rule's state.
@@ -63,8 +84,32 @@ pub struct Rule {
     pub slots: NonZeroU32,
     /// Tokens fetched per global callout (global scope only; 1 = exact).
     pub lease: NonZeroU32,
+    /// Leaky bucket: the longest a request may be held; one whose turn is further away is
+    /// rejected with `Retry-After` (`max_wait_seconds`, default 10 s).
+    pub max_wait: Nanos,
     /// Rule-level dry run (the document-level flag is in [`Policy::dry_run`]).
     pub dry_run: bool,
+    /// Where the rule's state lives in shared data.
+    pub keys: RuleKeys,
+}
+
+/// The shared-data key prefixes of a rule, derived from its id: computed once at load, so
+/// evaluating a request builds no key prefix.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RuleKeys {
+    /// `diana/<id>/`: the rule's slot table (scope local, and global rules degraded).
+    pub slots: String,
+    /// `diana/lease/<id>/`: the lease stash of a global rule.
+    pub leases: String,
+}
+
+impl RuleKeys {
+    pub fn of(rule_id: u64) -> RuleKeys {
+        RuleKeys {
+            slots: format!("diana/{rule_id:016x}/"),
+            leases: format!("diana/lease/{rule_id:016x}/"),
+        }
+    }
 }
 
 impl fmt::Debug for Rule {
@@ -78,6 +123,7 @@ impl fmt::Debug for Rule {
             .field("scope", &self.scope)
             .field("slots", &self.slots)
             .field("lease", &self.lease)
+            .field("max_wait", &self.max_wait)
             .field("dry_run", &self.dry_run)
             .finish()
     }

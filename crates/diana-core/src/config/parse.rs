@@ -15,12 +15,16 @@
 //! line 5 column 10`.
 
 use super::raw::{self, ContextGuard, RawBlock, RawFull, RawRule};
-use super::{ConfigError, GlobalSpec, Policy, RemoteSpec, Resource, ResponseSpec, Rule, Scope};
+use super::{
+    ConfigError, GlobalSpec, Policy, RemoteSpec, Resource, ResponseSpec, Rule, RuleKeys, Scope,
+};
 use crate::actor::{ActorDef, ActorRegistry};
 use crate::algo;
 use crate::hash::hash_parts;
+use crate::metrics::stat_name;
 use crate::path;
-use crate::time::Unit;
+use crate::time::{Unit, NANOS_PER_SECOND};
+use crate::wire;
 use serde::de::{self, IgnoredAny, Visitor};
 use serde::Deserialize;
 use std::fmt;
@@ -33,6 +37,8 @@ const DEFAULT_SLICES: NonZeroU32 = nonzero(10);
 const DEFAULT_SLOTS: NonZeroU32 = nonzero(65_536);
 /// Default `remote.poll_seconds`.
 const DEFAULT_POLL_SECONDS: u32 = 10;
+/// Default `max_wait_seconds` (leaky bucket).
+const DEFAULT_MAX_WAIT_SECONDS: u64 = 10;
 
 const fn nonzero(value: u32) -> NonZeroU32 {
     match NonZeroU32::new(value) {
@@ -465,7 +471,10 @@ fn build(collected: Collected) -> Result<Policy, ConfigError> {
                     .map_or(default.authority, |authority| authority.0),
                 path: raw.path.map_or(default.path, |path| path.0),
                 timeout_ms: raw.timeout_ms.map_or(default.timeout_ms, NonZeroU32::get),
-                lease: raw.lease.unwrap_or(default.lease),
+                lease: raw
+                    .lease
+                    .and_then(|lease| NonZeroU32::new(lease.get_u32()))
+                    .unwrap_or(default.lease),
                 retry_seconds: raw.retry_seconds.unwrap_or(default.retry_seconds),
             }
         }
@@ -501,17 +510,35 @@ fn build(collected: Collected) -> Result<Policy, ConfigError> {
         resources.push(Resource { url, rules });
     }
     resources.sort_by_key(|resource| path::segment_count(resource.url.as_bytes()));
-
-    let mut names: Vec<&str> = Vec::new();
-    for rule in resources.iter().flat_map(|resource| resource.rules.iter()) {
-        if names.contains(&rule.name.as_str()) {
-            return Err(plain(format!(
-                "duplicate rule name `{}`: two rules would share its metrics",
-                rule.name
-            )));
-        }
-        names.push(&rule.name);
+    for (index, rule) in resources
+        .iter_mut()
+        .flat_map(|resource| resource.rules.iter_mut())
+        .enumerate()
+    {
+        rule.index = index;
     }
+
+    let mut names: Vec<(&str, &str)> = Vec::new();
+    for rule in resources.iter().flat_map(|resource| resource.rules.iter()) {
+        if let Some((other, _)) = names
+            .iter()
+            .find(|(_, metric_name)| *metric_name == rule.metric_name)
+        {
+            return Err(plain(if *other == rule.name {
+                format!(
+                    "duplicate rule name `{}`: two rules would share its metrics",
+                    rule.name
+                )
+            } else {
+                format!(
+                    "rule names `{other}` and `{}` are both `{}` in metric names: two rules would share their metrics",
+                    rule.name, rule.metric_name
+                )
+            }));
+        }
+        names.push((&rule.name, &rule.metric_name));
+    }
+    check_global_rules_per_request(&resources)?;
 
     Ok(Policy {
         resources,
@@ -520,6 +547,35 @@ fn build(collected: Collected) -> Result<Policy, ConfigError> {
         remote,
         dry_run: collected.dry_run.unwrap_or(false),
     })
+}
+
+/// Refuses a document in which one request could carry more global rules than one
+/// callout may (the quota service would answer 400 to every such request): the global
+/// rules of a resource and of every resource whose `Url` is a prefix of it all apply.
+fn check_global_rules_per_request(resources: &[Resource]) -> Result<(), ConfigError> {
+    let globals = |resource: &Resource| {
+        resource
+            .rules
+            .iter()
+            .filter(|rule| rule.scope == Scope::Global)
+            .count()
+    };
+    for resource in resources {
+        let applying: usize = resources
+            .iter()
+            .filter(|outer| path::is_prefix(&outer.url, &resource.url))
+            .map(globals)
+            .sum();
+        if applying > wire::MAX_RULES {
+            return Err(plain(format!(
+                "{}: a request to it would carry {applying} global rules (its own and those of the resources above it); \
+                 one callout carries at most {}",
+                resource.url,
+                wire::MAX_RULES
+            )));
+        }
+    }
+    Ok(())
 }
 
 fn build_rule(
@@ -551,7 +607,19 @@ fn build_rule(
             .unwrap_or(DEFAULT_SLOTS)
     };
     let scope = raw.scope.map_or(Scope::Local, |scope| scope.0);
-    let lease = raw.lease.unwrap_or(global.lease);
+    let lease = raw
+        .lease
+        .and_then(|lease| NonZeroU32::new(lease.get_u32()))
+        .unwrap_or(global.lease);
+    let max_wait_seconds = match raw.max_wait_seconds {
+        Some(_) if !algo.waits() => {
+            return Err(plain(format!(
+                "{url}#{index}: max_wait_seconds applies to algo LB (leaky bucket) only"
+            )))
+        }
+        Some(seconds) => seconds.0,
+        None => DEFAULT_MAX_WAIT_SECONDS,
+    };
 
     let base = hash_parts(
         RULE_SEED,
@@ -572,10 +640,13 @@ fn build_rule(
     bases.push(base);
     let id = hash_parts(RULE_SEED, &[&base.to_le_bytes(), &occurrence.to_le_bytes()]);
 
+    let name = raw
+        .name
+        .map_or_else(|| format!("{url}#{index}"), |name| name.0);
     Ok(Rule {
-        name: raw
-            .name
-            .map_or_else(|| format!("{url}#{index}"), |name| name.0),
+        index: 0,
+        metric_name: stat_name(&name),
+        name,
         id,
         actor_name,
         actor: def.source.clone(),
@@ -589,6 +660,8 @@ fn build_rule(
         scope,
         slots,
         lease,
+        max_wait: max_wait_seconds * NANOS_PER_SECOND,
         dry_run: raw.dry_run.unwrap_or(false),
+        keys: RuleKeys::of(id),
     })
 }

@@ -15,6 +15,7 @@ use crate::algo::{self, Algorithm};
 use crate::config::{HeaderMode, Scope};
 use crate::path;
 use crate::time::Unit;
+use crate::wire;
 use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, Unexpected, Visitor};
 use serde::Deserialize;
 use std::cell::Cell;
@@ -114,9 +115,10 @@ pub(super) struct RawRule {
     pub scope: Option<ScopeField>,
     pub actor: Option<ActorRef>,
     pub burst: Option<NonZeroU32>,
-    pub slices: Option<Ranged<1, 60>>,
+    pub slices: Option<Ranged<1, { wire::MAX_SLICES as u64 }>>,
     pub slots: Option<Ranged<1, 1_048_576>>,
-    pub lease: Option<NonZeroU32>,
+    pub lease: Option<Ranged<1, { wire::MAX_WANT as u64 }>>,
+    pub max_wait_seconds: Option<Ranged<0, 86_400>>,
     pub name: Option<RuleName>,
     pub dry_run: Option<bool>,
 }
@@ -149,7 +151,7 @@ pub(super) struct RawGlobal {
     pub authority: Option<NonEmpty>,
     pub path: Option<PathField>,
     pub timeout_ms: Option<NonZeroU32>,
-    pub lease: Option<NonZeroU32>,
+    pub lease: Option<Ranged<1, { wire::MAX_WANT as u64 }>>,
     pub retry_seconds: Option<u32>,
 }
 

@@ -1,13 +1,6 @@
 //! Table-driven tests of the configuration: every form, defaults, ids, and every error
 //! class with its field path and position.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::indexing_slicing
-)]
-
 use super::*;
 use crate::actor::{Identity, RequestFacts};
 use crate::algo;
@@ -573,7 +566,10 @@ fn errors_name_field_and_position() {
         ("Url: /\nrules:\n  - {rpu: 1, scope: cluster}\n", &["rules[0].scope: ", "unknown scope `cluster`", "line 3"]),
         // ranges
         ("Url: /\nrules:\n  - {rpu: 1, burst: 0}\n", &["rules[0].burst: ", "nonzero", "line 3"]),
-        ("Url: /\nrules:\n  - {rpu: 1, lease: 0}\n", &["rules[0].lease: ", "nonzero", "line 3"]),
+        ("Url: /\nrules:\n  - {rpu: 1, lease: 0}\n", &["rules[0].lease: ", "between 1 and 100000", "line 3"]),
+        ("Url: /\nrules:\n  - {rpu: 1, lease: 200000}\n", &["rules[0].lease: ", "integer `200000`", "between 1 and 100000", "line 3"]),
+        ("Url: /\nrules:\n  - {rpu: 1, algo: LB, max_wait_seconds: 86401}\n", &["rules[0].max_wait_seconds: ", "between 0 and 86400", "line 3"]),
+
         ("Url: /\nrules:\n  - {rpu: 1, slices: 0}\n", &["rules[0].slices: ", "between 1 and 60", "line 3"]),
         ("Url: /\nrules:\n  - {rpu: 1, slices: 61}\n", &["rules[0].slices: ", "integer `61`", "between 1 and 60", "line 3"]),
         ("Url: /\nrules:\n  - {rpu: 1, slots: 0}\n", &["rules[0].slots: ", "between 1 and 1048576", "line 3"]),
@@ -591,7 +587,7 @@ fn errors_name_field_and_position() {
         ("resources: []\nresponse: {body: [1]}\n", &["response.body: ", "invalid type", "line 2"]),
         // global
         ("resources: []\nglobal: {timeout_ms: 0}\n", &["global.timeout_ms: ", "nonzero", "line 2"]),
-        ("resources: []\nglobal: {lease: 0}\n", &["global.lease: ", "nonzero", "line 2"]),
+        ("resources: []\nglobal: {lease: 0}\n", &["global.lease: ", "between 1 and 100000", "line 2"]),
         ("resources: []\nglobal: {path: v1/acquire}\n", &["global.path: ", "must start with `/`", "line 2"]),
         ("resources: []\nglobal: {cluster: ''}\n", &["global.cluster: ", "empty", "line 2"]),
         ("resources: []\nglobal: {retry_seconds: -1}\n", &["global.retry_seconds: ", "line 2"]),
@@ -726,4 +722,40 @@ fn hostile_documents_fail_cleanly() {
     assert!(parse_policy(bomb).is_err());
     assert!(parse_policy("\u{0}\u{1}\u{2}").is_err());
     assert!(parse_policy("Url: /\nrules: [{rpu: 1, name: \"\u{e9}\"}]\n").is_err());
+}
+
+/// Checks that look at more than one value: the message names the rule or the resource.
+#[test]
+fn what_the_quota_service_or_the_metrics_would_refuse_is_refused_at_load() {
+    let mut many = String::from("resources:\n  - Url: /\n    rules:\n");
+    for i in 0..40 {
+        many.push_str(&format!("      - {{name: a{i}, rpu: 5, scope: global}}\n"));
+    }
+    many.push_str("  - Url: /api\n    rules:\n");
+    for i in 0..25 {
+        many.push_str(&format!("      - {{name: b{i}, rpu: 5, scope: global}}\n"));
+    }
+    for (text, expected) in [
+        (
+            "Url: /\nrules:\n  - {rpu: 1, max_wait_seconds: 5}\n".to_string(),
+            "/#0: max_wait_seconds applies to algo LB (leaky bucket) only",
+        ),
+        (
+            "Url: /\nrules:\n  - {rpu: 1, name: a-b}\n  - {rpu: 2, name: a_b}\n".to_string(),
+            "rule names `a-b` and `a_b` are both `a_b` in metric names: two rules would share their metrics",
+        ),
+        (
+            many.clone(),
+            "/api: a request to it would carry 65 global rules (its own and those of the resources above it); one callout carries at most 64",
+        ),
+    ] {
+        assert_eq!(error(&text), expected);
+    }
+    // 64 in all is fine.
+    assert!(parse_policy(&many.replace("b24", "x").replacen(
+        "      - {name: x, rpu: 5, scope: global}\n",
+        "",
+        1
+    ))
+    .is_ok());
 }

@@ -1,75 +1,150 @@
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::indexing_slicing
-)]
-
 use super::*;
 use crate::actor::fake::Facts;
 use crate::config::parse_policy;
-use crate::global::wire::{AcquireRequest, RuleResult};
-use crate::global::CalloutFailure;
+use crate::decision::Callout;
 use crate::metrics::CountingMetrics;
-use crate::store::{CasSemantics, MemoryHost};
+use crate::store::{CasSemantics, HostError, MemoryHost, SetOutcome};
 use crate::time::NANOS_PER_SECOND;
+use crate::wire::{self, AcquireRequest, AcquireResponse, RuleResult};
+use std::collections::HashMap;
+use std::sync::{Arc, Barrier};
+
+const S: Nanos = NANOS_PER_SECOND;
+
+/// A fixed instant well inside a minute window: 2026-01-01T00:00:00Z + 1s.
+const T0: Nanos = 1_767_225_601 * S;
+
+/// A quota service in memory that decides like diana-quota: every rule of one request
+/// all or nothing, dry-run rules outside the decision.
+#[derive(Default)]
+struct Service {
+    counters: HashMap<String, Vec<u64>>,
+    calls: usize,
+}
+
+impl Service {
+    fn answer(&mut self, callout: &Callout, now: Nanos) -> Reply {
+        self.calls += 1;
+        let request = wire::decode_request(&callout.body).unwrap();
+        let rules = request.resolve().unwrap();
+        let mut decided = Vec::new();
+        for rule in &rules {
+            let mut state = self
+                .counters
+                .get(rule.key)
+                .cloned()
+                .unwrap_or_else(|| vec![0; rule.algo.state_words(&rule.limit)]);
+            let verdict = rule.algo.acquire_at_least(
+                &rule.limit,
+                &mut state,
+                now,
+                rule.cost.get(),
+                rule.want.get(),
+            );
+            decided.push((verdict, state));
+        }
+        let admitted = rules
+            .iter()
+            .zip(&decided)
+            .all(|(rule, (verdict, _))| verdict.allowed() || rule.dry_run);
+        let results = rules
+            .iter()
+            .zip(decided)
+            .map(|(rule, (verdict, state))| {
+                let mut result = RuleResult::from_verdict(&verdict);
+                if admitted && verdict.allowed() {
+                    self.counters.insert(rule.key.to_string(), state);
+                } else {
+                    result.granted = 0;
+                    result.delay_ms = 0;
+                }
+                result
+            })
+            .collect();
+        Reply::Answered {
+            status: 200,
+            body: Some(serde_json::to_vec(&AcquireResponse { results }).unwrap()),
+        }
+    }
+}
 
 struct Harness {
     engine: Engine,
     host: MemoryHost,
     metrics: CountingMetrics,
+    service: Service,
     now: Nanos,
 }
-
-/// A fixed instant well inside a minute window: 2026-01-01T00:00:00Z + 1s.
-const T0: Nanos = 1_767_225_601 * NANOS_PER_SECOND;
 
 impl Harness {
     fn new(document: &str) -> Harness {
         Harness::on(document, CasSemantics::Envoy)
     }
+
     fn on(document: &str, semantics: CasSemantics) -> Harness {
         let policy = parse_policy(document).unwrap_or_else(|e| panic!("{e}"));
         Harness {
             engine: Engine::new(policy),
             host: MemoryHost::new(semantics),
             metrics: CountingMetrics::default(),
+            service: Service::default(),
             now: T0,
         }
     }
-    fn request(&mut self, path: &str, facts: &Facts) -> Decision {
+
+    fn evaluate(&mut self, path: &str, facts: &Facts) -> EngineDecision {
         self.engine.evaluate(
             &self.host,
             path.as_bytes(),
             facts,
-            self.now,
+            Some(self.now),
             &mut self.metrics,
         )
     }
-    fn complete(
-        &mut self,
-        pending: Pending,
-        answer: Result<Vec<RuleResult>, CalloutFailure>,
-    ) -> Decision {
-        self.engine
-            .complete_global(&self.host, pending, answer, self.now, &mut self.metrics)
+
+    fn complete(&mut self, pending: Pending, reply: Reply) -> EngineDecision {
+        self.engine.complete(
+            &self.host,
+            pending,
+            reply,
+            Some(self.now),
+            &mut self.metrics,
+        )
     }
+
+    /// A whole request: a callout is answered by the in-memory service.
+    fn request(&mut self, path: &str, facts: &Facts) -> EngineDecision {
+        match self.evaluate(path, facts) {
+            Decision::Call(callout, pending) => {
+                let reply = self.service.answer(&callout, self.now);
+                self.complete(pending, reply)
+            }
+            decided => decided,
+        }
+    }
+
     fn admitted(&mut self, path: &str, facts: &Facts, n: usize) -> usize {
         (0..n)
-            .filter(|_| {
-                matches!(
-                    self.request(path, facts),
-                    Decision::Allow { .. } | Decision::Delay { .. }
-                )
-            })
+            .filter(|_| admits(&self.request(path, facts)))
             .count()
     }
 }
 
-fn rejection(decision: Decision) -> Rejection {
+fn admits(decision: &EngineDecision) -> bool {
+    matches!(decision, Decision::Allow { .. } | Decision::Delay { .. })
+}
+
+fn rejection(decision: EngineDecision) -> Rejection {
     match decision {
         Decision::Reject(rejection) => rejection,
         other => panic!("expected a rejection, got {other:?}"),
+    }
+}
+
+fn call(decision: EngineDecision) -> (Callout, Pending) {
+    match decision {
+        Decision::Call(callout, pending) => (callout, pending),
+        other => panic!("expected a callout, got {other:?}"),
     }
 }
 
@@ -81,8 +156,41 @@ fn header<'a>(rejection: &'a Rejection, name: &str) -> Option<&'a str> {
         .map(|(_, v)| v.as_str())
 }
 
+fn answered(results: Vec<RuleResult>) -> Reply {
+    Reply::Answered {
+        status: 200,
+        body: Some(serde_json::to_vec(&AcquireResponse { results }).unwrap()),
+    }
+}
+
+fn granted(tokens: u32) -> RuleResult {
+    RuleResult {
+        allowed: true,
+        granted: tokens,
+        remaining: 0,
+        reset_ms: 1_000,
+        ..RuleResult::default()
+    }
+}
+
+fn denied(retry_after_ms: u64) -> RuleResult {
+    RuleResult {
+        allowed: false,
+        reset_ms: retry_after_ms,
+        retry_after_ms,
+        ..RuleResult::default()
+    }
+}
+
 /// The seed design's document, verbatim.
 const SEED: &str = include_str!("../../../../tests/fixtures/seed.yaml");
+
+/// The hot-event shape of the issue: `/` shared by every page, `/login` flooded.
+fn hierarchy(root_scope: &str, login_scope: &str) -> String {
+    format!(
+        "resources:\n  - Url: /\n    rules: [{{name: root, rpu: 10, unit: minute, algo: W, scope: {root_scope}}}]\n  - Url: /login\n    rules: [{{name: login, rpu: 1, unit: minute, algo: W, scope: {login_scope}}}]\n"
+    )
+}
 
 #[test]
 fn each_algorithm_admits_exactly_rpu_on_both_hosts() {
@@ -90,11 +198,7 @@ fn each_algorithm_admits_exactly_rpu_on_both_hosts() {
         for algo in ["W", "SW", "TB"] {
             let doc = format!("Url: /\nrules:\n  - rpu: 20\n    unit: minute\n    algo: {algo}\n");
             let mut h = Harness::on(&doc, semantics);
-            assert_eq!(
-                h.admitted("/", &Facts::default(), 100),
-                20,
-                "{algo} {semantics:?}"
-            );
+            assert_eq!(h.admitted("/", &Facts::default(), 100), 20, "{algo}");
             assert_eq!(h.metrics.rule(0, RuleEvent::Allowed), 20);
             assert_eq!(h.metrics.rule(0, RuleEvent::Limited), 80);
         }
@@ -130,21 +234,56 @@ fn header_mode_all_reports_the_tightest_rule_on_admitted_requests() {
     );
     match h.request("/", &Facts::default()) {
         Decision::Allow { headers } => {
-            assert!(
-                headers.contains(&("x-ratelimit-limit", "3".to_string())),
-                "{headers:?}"
-            );
-            assert!(
-                headers.contains(&("x-ratelimit-remaining", "2".to_string())),
-                "{headers:?}"
-            );
+            assert!(headers.contains(&("x-ratelimit-limit", "3".to_string())));
+            assert!(headers.contains(&("x-ratelimit-remaining", "2".to_string())));
         }
         other => panic!("{other:?}"),
     }
 }
 
 #[test]
-fn least_specific_first_and_the_first_denial_charges_nothing_after_it() {
+fn a_flood_rejected_on_one_resource_does_not_drain_its_parent_local() {
+    for semantics in [CasSemantics::Envoy, CasSemantics::Nginx] {
+        let mut h = Harness::on(&hierarchy("local", "local"), semantics);
+        let login: Vec<bool> = (0..10)
+            .map(|_| admits(&h.request("/login", &Facts::default())))
+            .collect();
+        assert_eq!(login.iter().filter(|&&a| a).count(), 1);
+        // Only the admitted /login request counts against `/`: nine pages are left.
+        assert_eq!(
+            h.admitted("/home", &Facts::default(), 20),
+            9,
+            "{semantics:?}"
+        );
+        assert_eq!(h.metrics.rule(0, RuleEvent::Allowed), 10);
+        assert_eq!(h.metrics.rule(1, RuleEvent::Allowed), 1);
+        assert_eq!(h.metrics.rule(1, RuleEvent::Limited), 9);
+    }
+}
+
+#[test]
+fn a_flood_rejected_on_one_resource_does_not_drain_its_parent_global_and_mixed() {
+    for (root, login) in [
+        ("global", "global"),
+        ("local", "global"),
+        ("global", "local"),
+    ] {
+        let mut h = Harness::new(&hierarchy(root, login));
+        assert_eq!(
+            h.admitted("/login", &Facts::default(), 10),
+            1,
+            "{root}/{login}"
+        );
+        assert_eq!(
+            h.admitted("/home", &Facts::default(), 20),
+            9,
+            "{root} / over {login} /login"
+        );
+    }
+}
+
+#[test]
+fn every_spelling_of_a_path_counts_as_that_path() {
     let doc = "- Url: /\n  rules: [{rpu: 5, unit: minute}]\n- Url: /sample\n  rules: [{rpu: 3, unit: minute}]\n";
     let mut h = Harness::new(doc);
     let spellings = [
@@ -156,21 +295,12 @@ fn least_specific_first_and_the_first_denial_charges_nothing_after_it() {
     ];
     let admitted: Vec<bool> = spellings
         .iter()
-        .map(|p| matches!(h.request(p, &Facts::default()), Decision::Allow { .. }))
+        .map(|p| admits(&h.request(p, &Facts::default())))
         .collect();
-    assert_eq!(
-        admitted,
-        [true, true, true, false, false],
-        "every spelling counts as /sample"
-    );
-    // `/` counted the three admitted and the two denied by /sample (it was charged first).
-    assert_eq!(h.metrics.rule(0, RuleEvent::Allowed), 5);
-    assert!(matches!(
-        h.request("/samples", &Facts::default()),
-        Decision::Reject(_)
-    ));
-    // Denied by `/`: /sample's counter is not charged.
-    assert_eq!(h.metrics.rule(1, RuleEvent::Allowed), 3);
+    assert_eq!(admitted, [true, true, true, false, false]);
+    // `/` counted only the three admitted.
+    assert_eq!(h.metrics.rule(0, RuleEvent::Allowed), 3);
+    assert_eq!(h.admitted("/samples", &Facts::default(), 5), 2);
     assert_eq!(h.metrics.rule(1, RuleEvent::Limited), 2);
 }
 
@@ -182,36 +312,38 @@ fn actors_have_separate_counters_and_fallbacks() {
     let b = Facts::default().header("x-device-id", b"b").ip(b"10.0.0.1");
     assert_eq!(h.admitted("/", &a, 3), 1);
     assert_eq!(h.admitted("/", &b, 3), 1);
-    // No device id: falls back to the client IP; two IPs, two counters.
     assert_eq!(h.admitted("/", &Facts::default().ip(b"10.0.0.2"), 3), 1);
     assert_eq!(h.admitted("/", &Facts::default().ip(b"10.0.0.3"), 3), 1);
 
     let doc =
         "resources:\n  - Url: /\n    rules:\n      - {actor: account, rpu: 1, unit: minute}\n";
     let mut h = Harness::new(doc);
-    // account falls back to skip: requests without an account are not limited by it.
     assert_eq!(h.admitted("/", &Facts::default(), 5), 5);
-    assert_eq!(
-        h.admitted(
-            "/",
-            &Facts::default().header("x-account-id", b"\xff\xfe"),
-            5
-        ),
-        1
-    );
+    let hostile = Facts::default().header("x-account-id", b"\xff\xfe");
+    assert_eq!(h.admitted("/", &hostile, 5), 1);
 }
 
 #[test]
-fn dry_run_counts_but_never_rejects() {
+fn dry_run_counts_but_never_rejects_and_charges_nothing_it_would_reject() {
     for doc in [
         "resources:\n  - Url: /\n    rules: [{rpu: 2, unit: minute}]\ndry_run: true\n",
         "resources:\n  - Url: /\n    rules: [{rpu: 2, unit: minute, dry_run: true}]\n",
+        "resources:\n  - Url: /\n    rules: [{rpu: 2, unit: minute, scope: global, dry_run: true}]\n",
     ] {
         let mut h = Harness::new(doc);
-        assert_eq!(h.admitted("/", &Facts::default(), 10), 10);
+        assert_eq!(h.admitted("/", &Facts::default(), 10), 10, "{doc}");
+        assert_eq!(h.metrics.rule(0, RuleEvent::Allowed), 2);
         assert_eq!(h.metrics.rule(0, RuleEvent::DryRunLimited), 8);
         assert_eq!(h.metrics.rule(0, RuleEvent::Limited), 0);
     }
+    // A dry-run global rule's denial does not stop an enforcing one from being charged.
+    let doc = "resources:\n  - Url: /\n    rules:\n      - {name: probe, rpu: 1, unit: minute, scope: global, dry_run: true}\n      - {name: real, rpu: 3, unit: minute, scope: global}\n";
+    let mut h = Harness::new(doc);
+    assert_eq!(h.admitted("/", &Facts::default(), 5), 3);
+    assert_eq!(h.metrics.rule(1, RuleEvent::Allowed), 3);
+    // It would have rejected the four after the first (two of which `real` rejected).
+    assert_eq!(h.metrics.rule(0, RuleEvent::DryRunLimited), 4);
+    assert_eq!(h.metrics.rule(0, RuleEvent::Allowed), 1);
 }
 
 #[test]
@@ -230,54 +362,115 @@ fn leaky_bucket_delays_then_rejects_past_the_queue() {
             other => panic!("{other:?}"),
         }
     }
-    let step = NANOS_PER_SECOND / 10;
+    let step = S / 10;
     assert_eq!(untils, [T0, T0 + step, T0 + 2 * step, 0]);
+    assert_eq!(h.metrics.event_count(Event::Delayed), 2);
 }
 
-fn answer(granted: u32, retry_after_ms: u64) -> RuleResult {
-    RuleResult {
-        allowed: granted > 0,
-        granted,
-        remaining: 0,
-        reset_ms: 1_000,
-        retry_after_ms,
-        delay_ms: 0,
-    }
+#[test]
+fn a_leaky_bucket_never_holds_a_request_longer_than_max_wait() {
+    // 1 per hour: the second request's turn is an hour away.
+    let doc = "Url: /\nrules:\n  - {algo: LB, rpu: 1, unit: hour, burst: 5}\n";
+    let mut h = Harness::new(doc);
+    assert!(matches!(
+        h.request("/", &Facts::default()),
+        Decision::Allow { .. }
+    ));
+    let r = rejection(h.request("/", &Facts::default()));
+    // Rejected at once, told to come back when its turn is within 10 s.
+    assert_eq!(header(&r, "retry-after"), Some("3590"));
+    // Nothing was reserved: an hour later exactly one passes at once again.
+    h.now += 3_600 * S;
+    assert!(matches!(
+        h.request("/", &Facts::default()),
+        Decision::Allow { .. }
+    ));
+    // A shorter limit is honoured too: 2 per minute, max_wait_seconds 40.
+    let doc =
+        "Url: /\nrules:\n  - {algo: LB, rpu: 2, unit: minute, burst: 5, max_wait_seconds: 40}\n";
+    let mut h = Harness::new(doc);
+    assert!(admits(&h.request("/", &Facts::default())));
+    assert!(matches!(
+        h.request("/", &Facts::default()),
+        Decision::Delay { until, .. } if until == T0 + 30 * S
+    ));
+    assert!(matches!(
+        h.request("/", &Facts::default()),
+        Decision::Reject(_)
+    ));
 }
 
-fn callout(decision: Decision) -> Pending {
-    match decision {
-        Decision::Callout(pending) => pending,
-        other => panic!("expected a callout, got {other:?}"),
+#[test]
+fn a_rejected_request_gives_back_its_leaky_bucket_turn() {
+    // The turn is the last reserved when the later rule denies: given back exactly.
+    let doc = "Url: /\nrules:\n  - {name: pace, algo: LB, rpu: 10, unit: second, burst: 5}\n  - {name: cap, algo: W, rpu: 2, unit: minute}\n";
+    let mut h = Harness::new(doc);
+    assert!(admits(&h.request("/", &Facts::default())));
+    assert!(admits(&h.request("/", &Facts::default())));
+    for _ in 0..5 {
+        assert!(matches!(
+            h.request("/", &Facts::default()),
+            Decision::Reject(_)
+        ));
     }
+    // Two turns reserved, not seven: the queue is back to idle 200 ms later.
+    h.now += 2 * S / 10;
+    let rule = h.engine.rule(0).unwrap();
+    let state = h
+        .engine
+        .store
+        .peek(&h.host, &h.engine.table(rule), SlotAddress::single(), h.now)
+        .unwrap();
+    assert!(rule.algo.is_idle(&rule.limit, &state, h.now));
 }
 
 #[test]
 fn the_seed_document_sends_its_global_rule_in_one_callout_after_the_local_rule() {
     let mut h = Harness::new(SEED);
     let device = Facts::default().header("x-device-id", b"phone-1");
-    let pending = callout(h.request("/any", &device));
-    let request: AcquireRequest = serde_json::from_slice(&pending.body).unwrap();
-    assert_eq!(request.rules.len(), 1);
+    let (callout, pending) = call(h.evaluate("/any", &device));
+    assert_eq!(callout.upstream, "diana_quota");
+    assert_eq!(
+        callout.headers[..3],
+        [
+            (":method", "POST".to_string()),
+            (":path", "/v1/acquire".to_string()),
+            (":authority", "diana-quota".to_string())
+        ]
+    );
+    assert!(callout
+        .headers
+        .contains(&("x-diana-timeout-ms", "50".to_string())));
+    assert_eq!(callout.timeout_ms, 50);
+    let request: AcquireRequest = serde_json::from_slice(&callout.body).unwrap();
     let rule = &request.rules[0];
     assert_eq!(
-        (rule.algo.as_str(), rule.rpu, rule.unit.as_str(), rule.want),
-        ("TB", 10, "second", 1)
+        (
+            rule.algo.as_str(),
+            rule.rpu,
+            rule.unit.as_str(),
+            rule.want,
+            rule.cost
+        ),
+        ("TB", 10, "second", 1, 1)
     );
-    // The local `all` rule was charged before the callout.
-    assert_eq!(h.metrics.rule(1, RuleEvent::Allowed), 1);
     assert!(matches!(
-        h.complete(pending, Ok(vec![answer(1, 0)])),
+        h.complete(pending, answered(vec![granted(1)])),
         Decision::Allow { .. }
     ));
-    let pending = callout(h.request("/any", &device));
-    let r = rejection(h.complete(pending, Ok(vec![answer(0, 2_500)])));
+    // Both rules counted the admitted request.
+    assert_eq!(h.metrics.rule(0, RuleEvent::Allowed), 1);
+    assert_eq!(h.metrics.rule(1, RuleEvent::Allowed), 1);
+    let (_, pending) = call(h.evaluate("/any", &device));
+    let r = rejection(h.complete(pending, answered(vec![denied(2_500)])));
     assert_eq!(header(&r, "retry-after"), Some("3"));
+    // The local rule's charge was given back with the global denial.
+    assert_eq!(h.metrics.rule(1, RuleEvent::Allowed), 1);
     // The denial is cached: the next request is rejected without a callout.
-    assert!(matches!(h.request("/any", &device), Decision::Reject(_)));
+    assert!(matches!(h.evaluate("/any", &device), Decision::Reject(_)));
     assert_eq!(h.metrics.event_count(Event::CachedDenial), 1);
-    h.now += 3 * NANOS_PER_SECOND;
-    assert!(matches!(h.request("/any", &device), Decision::Callout(_)));
+    h.now += 3 * S;
+    assert!(matches!(h.evaluate("/any", &device), Decision::Call(..)));
 }
 
 #[test]
@@ -285,77 +478,154 @@ fn a_lease_is_spent_locally_by_later_requests() {
     let doc =
         "resources:\n  - Url: /\n    rules: [{rpu: 100, unit: minute, scope: global, lease: 10}]\n";
     let mut h = Harness::new(doc);
-    let pending = callout(h.request("/", &Facts::default()));
-    let request: AcquireRequest = serde_json::from_slice(&pending.body).unwrap();
-    assert_eq!(request.rules[0].want, 10);
-    assert!(matches!(
-        h.complete(pending, Ok(vec![answer(10, 0)])),
-        Decision::Allow { .. }
-    ));
-    // Nine spare tokens: nine requests without a callout, then a callout again.
+    let (callout, pending) = call(h.evaluate("/", &Facts::default()));
+    let request: AcquireRequest = serde_json::from_slice(&callout.body).unwrap();
+    assert_eq!((request.rules[0].want, request.rules[0].cost), (10, 1));
+    assert!(admits(&h.complete(pending, answered(vec![granted(10)]))));
     for _ in 0..9 {
         assert!(matches!(
-            h.request("/", &Facts::default()),
+            h.evaluate("/", &Facts::default()),
             Decision::Allow { .. }
         ));
     }
     assert!(matches!(
-        h.request("/", &Facts::default()),
-        Decision::Callout(_)
+        h.evaluate("/", &Facts::default()),
+        Decision::Call(..)
     ));
     assert_eq!(h.metrics.event_count(Event::GlobalCallout), 2);
     assert_eq!(h.metrics.rule(0, RuleEvent::Allowed), 10);
 }
 
 #[test]
-fn a_failing_service_degrades_to_local_and_the_breaker_probes_after_retry_seconds() {
-    for failure in [
-        CalloutFailure::NoResponse,
-        CalloutFailure::Status(503),
-        CalloutFailure::Body("garbage".into()),
-        CalloutFailure::Dispatch("BadArgument".into()),
+fn leased_tokens_go_back_to_the_stash_when_another_rule_rejects() {
+    let doc = "resources:\n  - Url: /\n    rules: [{name: site, rpu: 100, unit: minute, scope: global, lease: 10}]\n  - Url: /x\n    rules: [{name: x, rpu: 1, unit: minute, algo: W}]\n";
+    let mut h = Harness::new(doc);
+    // One callout fills the stash: 1 spent, 9 left.
+    assert!(admits(&h.request("/", &Facts::default())));
+    // /x admits one request (a leased token spent), then rejects: its tokens come back.
+    // Without the give-back, 9 more /x attempts would eat the 8 tokens left.
+    assert_eq!(h.admitted("/x", &Facts::default(), 10), 1);
+    assert_eq!(h.admitted("/", &Facts::default(), 8), 8);
+    assert_eq!(h.service.calls, 1, "all served from the stash");
+}
+
+#[test]
+fn a_service_that_grants_more_than_asked_is_not_believed() {
+    let doc =
+        "resources:\n  - Url: /\n    rules: [{rpu: 3, unit: minute, scope: global, lease: 2}]\n";
+    let mut h = Harness::new(doc);
+    let (_, pending) = call(h.evaluate("/", &Facts::default()));
+    // granted: 1000 to a want of 2.
+    let lie = answered(vec![granted(1_000)]);
+    assert!(admits(&h.complete(pending, lie)));
+    assert_eq!(h.metrics.event_count(Event::GlobalInvalidAnswer), 1);
+    assert_eq!(h.metrics.event_count(Event::GlobalError), 1);
+    assert!(h.metrics.degraded);
+    // Decided locally with the rule's own limit: 3 in all, not 1000.
+    assert_eq!(h.admitted("/", &Facts::default(), 30), 2);
+    for lie in [
+        answered(vec![]),
+        answered(vec![granted(1), granted(1)]),
+        answered(vec![RuleResult {
+            allowed: false,
+            granted: 2,
+            ..RuleResult::default()
+        }]),
+        answered(vec![RuleResult {
+            remaining: 1_000_000,
+            ..granted(1)
+        }]),
+        answered(vec![RuleResult {
+            retry_after_ms: u64::MAX,
+            ..denied(1)
+        }]),
+        Reply::Answered {
+            status: 200,
+            body: Some(b"\xff not json".to_vec()),
+        },
+        Reply::Answered {
+            status: 200,
+            body: None,
+        },
     ] {
-        let doc = "resources:\n  - Url: /\n    rules: [{rpu: 3, unit: minute, scope: global}]\nglobal: {retry_seconds: 5}\n";
         let mut h = Harness::new(doc);
-        let pending = callout(h.request("/", &Facts::default()));
-        // The failed request is decided locally at once (first local token).
-        assert!(matches!(
-            h.complete(pending, Err(failure.clone())),
-            Decision::Allow { .. }
-        ));
-        assert!(h.metrics.degraded);
-        // While the breaker is open: no callout, same limit enforced locally.
-        assert_eq!(h.admitted("/", &Facts::default(), 5), 2, "{failure:?}");
-        assert_eq!(h.metrics.event_count(Event::GlobalCallout), 1);
-        // After retry_seconds one request probes; the others stay local meanwhile.
-        h.now += 5 * NANOS_PER_SECOND;
-        let probe = callout(h.request("/", &Facts::default()));
-        assert!(probe.probe);
-        assert!(matches!(
-            h.request("/", &Facts::default()),
-            Decision::Reject(_)
-        ));
-        assert!(matches!(
-            h.complete(probe, Ok(vec![answer(1, 0)])),
-            Decision::Allow { .. }
-        ));
-        assert!(!h.metrics.degraded);
-        assert!(matches!(
-            h.request("/", &Facts::default()),
-            Decision::Callout(_)
-        ));
+        let (_, pending) = call(h.evaluate("/", &Facts::default()));
+        assert!(admits(&h.complete(pending, lie.clone())), "{lie:?}");
+        assert_eq!(h.metrics.event_count(Event::GlobalError), 1, "{lie:?}");
     }
 }
 
 #[test]
-fn an_answer_that_does_not_match_the_request_is_a_failure() {
+fn grants_of_an_older_service_that_charged_anyway_are_kept() {
+    // An older service decided each rule on its own: it charged `a` although `b` denied.
+    let doc = "resources:\n  - Url: /\n    rules:\n      - {name: a, rpu: 100, unit: minute, scope: global, lease: 5}\n      - {name: b, rpu: 1, unit: minute, scope: global}\n";
+    let mut h = Harness::new(doc);
+    let (_, pending) = call(h.evaluate("/", &Facts::default()));
+    let r = rejection(h.complete(pending, answered(vec![granted(5), denied(30_000)])));
+    assert_eq!(header(&r, "x-ratelimit-limit"), Some("1"));
+    // The five tokens granted to `a` are in the stash: the next request of `a` needs no
+    // tokens from the service (b's denial is cached).
+    assert!(matches!(
+        h.evaluate("/", &Facts::default()),
+        Decision::Reject(_)
+    ));
+    assert_eq!(h.metrics.rule(1, RuleEvent::Limited), 2);
+    assert_eq!(h.metrics.rule(0, RuleEvent::Allowed), 0);
+}
+
+#[test]
+fn a_refusal_is_decided_locally_counted_apart_and_leaves_the_breaker_closed() {
     let doc = "resources:\n  - Url: /\n    rules: [{rpu: 3, unit: minute, scope: global}]\n";
     let mut h = Harness::new(doc);
-    let pending = callout(h.request("/", &Facts::default()));
-    assert!(crate::global::parse_answer(&pending, 200, b"{\"results\":[]}").is_err());
-    assert!(crate::global::parse_answer(&pending, 200, b"\xff").is_err());
-    assert!(crate::global::parse_answer(&pending, 500, b"").is_err());
-    assert!(crate::global::parse_answer(&pending, 200, br#"{"results":[{"allowed":true,"granted":1,"remaining":2,"reset_ms":5,"retry_after_ms":0,"delay_ms":0}]}"#).is_ok());
+    let (_, pending) = call(h.evaluate("/", &Facts::default()));
+    let refused = Reply::Answered {
+        status: 400,
+        body: Some(br#"{"error":"rules[0].want: must be between 1 and 100000, got 0"}"#.to_vec()),
+    };
+    assert!(admits(&h.complete(pending, refused)));
+    assert_eq!(h.metrics.event_count(Event::GlobalRefused), 1);
+    assert_eq!(h.metrics.event_count(Event::GlobalError), 0);
+    assert!(!h.metrics.degraded);
+    // The next request calls the service again.
+    assert!(matches!(
+        h.evaluate("/", &Facts::default()),
+        Decision::Call(..)
+    ));
+}
+
+#[test]
+fn a_failing_service_degrades_to_local_and_the_breaker_probes_after_retry_seconds() {
+    for failure in [
+        Reply::NoAnswer,
+        Reply::NotSent("BadArgument".into()),
+        Reply::Answered {
+            status: 503,
+            body: Some(b"{\"error\":\"overloaded\"}".to_vec()),
+        },
+    ] {
+        let doc = "resources:\n  - Url: /\n    rules: [{rpu: 3, unit: minute, scope: global}]\nglobal: {retry_seconds: 5}\n";
+        let mut h = Harness::new(doc);
+        let (_, pending) = call(h.evaluate("/", &Facts::default()));
+        assert!(admits(&h.complete(pending, failure.clone())));
+        assert!(h.metrics.degraded);
+        // While the breaker is open: no callout, the same limit enforced locally.
+        assert_eq!(h.admitted("/", &Facts::default(), 5), 2, "{failure:?}");
+        assert_eq!(h.metrics.event_count(Event::GlobalCallout), 1);
+        // After retry_seconds one request probes; the others stay local meanwhile.
+        h.now += 5 * S;
+        let (_, probe) = call(h.evaluate("/", &Facts::default()));
+        assert!(probe.asked().is_probe());
+        assert!(matches!(
+            h.evaluate("/", &Facts::default()),
+            Decision::Reject(_)
+        ));
+        assert!(admits(&h.complete(probe, answered(vec![granted(1)]))));
+        assert!(!h.metrics.degraded);
+        assert!(matches!(
+            h.evaluate("/", &Facts::default()),
+            Decision::Call(..)
+        ));
+    }
 }
 
 #[test]
@@ -369,8 +639,7 @@ fn a_host_that_cannot_pause_turns_a_wait_into_retry_after_and_reserves_nothing()
     ));
     let r = rejection(h.request("/", &Facts::default()));
     assert_eq!(header(&r, "retry-after"), Some("1"));
-    // Nothing was reserved by the rejected request: 100 ms later one passes at once.
-    h.now += NANOS_PER_SECOND / 10;
+    h.now += S / 10;
     assert!(matches!(
         h.request("/", &Facts::default()),
         Decision::Allow { .. }
@@ -381,10 +650,16 @@ fn a_host_that_cannot_pause_turns_a_wait_into_retry_after_and_reserves_nothing()
 fn global_leaky_bucket_rules_use_the_wait_endpoint_where_the_host_cannot_pause() {
     let doc = "Url: /\nrules:\n  - {algo: LB, rpu: 10, scope: global}\n";
     let mut h = Harness::new(doc);
-    assert!(!callout(h.request("/", &Facts::default())).wait);
+    let (callout, _) = call(h.evaluate("/", &Facts::default()));
+    assert!(callout
+        .headers
+        .contains(&(":path", "/v1/acquire".to_string())));
+    let request: AcquireRequest = serde_json::from_slice(&callout.body).unwrap();
+    assert_eq!(request.rules[0].max_delay_ms, Some(10_000));
     h.engine = Engine::new(parse_policy(doc).unwrap()).with_pausing(false);
-    assert!(callout(h.request("/", &Facts::default())).wait);
-    assert_eq!(crate::global::wait_path("/v1/acquire"), "/v1/wait");
+    let (callout, _) = call(h.evaluate("/", &Facts::default()));
+    assert!(callout.headers.contains(&(":path", "/v1/wait".to_string())));
+    assert_eq!(callout.timeout_ms, 50 + 10_000);
     assert_eq!(crate::global::wait_path("/quota/"), "/quota/wait");
 }
 
@@ -393,26 +668,21 @@ fn leased_tokens_are_spent_even_after_a_concurrent_denial_was_cached() {
     let doc =
         "resources:\n  - Url: /\n    rules: [{rpu: 100, unit: minute, scope: global, lease: 10}]\n";
     let mut h = Harness::new(doc);
-    // Two requests call out at once; one brings 10 tokens, the other is denied.
-    let first = callout(h.request("/", &Facts::default()));
-    let second = callout(h.request("/", &Facts::default()));
+    let (_, first) = call(h.evaluate("/", &Facts::default()));
+    let (_, second) = call(h.evaluate("/", &Facts::default()));
+    assert!(admits(&h.complete(first, answered(vec![granted(10)]))));
     assert!(matches!(
-        h.complete(first, Ok(vec![answer(10, 0)])),
-        Decision::Allow { .. }
-    ));
-    assert!(matches!(
-        h.complete(second, Ok(vec![answer(0, 30_000)])),
+        h.complete(second, answered(vec![denied(30_000)])),
         Decision::Reject(_)
     ));
-    // The nine spare tokens are still served, then the cached denial answers.
     for _ in 0..9 {
         assert!(matches!(
-            h.request("/", &Facts::default()),
+            h.evaluate("/", &Facts::default()),
             Decision::Allow { .. }
         ));
     }
     assert!(matches!(
-        h.request("/", &Facts::default()),
+        h.evaluate("/", &Facts::default()),
         Decision::Reject(_)
     ));
     assert_eq!(h.metrics.event_count(Event::GlobalCallout), 2);
@@ -420,28 +690,37 @@ fn leased_tokens_are_spent_even_after_a_concurrent_denial_was_cached() {
 
 #[test]
 fn another_workers_breaker_reaches_this_worker_within_the_cache_time() {
-    let doc =
-        "resources:\n  - Url: /\n    rules: [{rpu: 1000, unit: minute, scope: global}]\nglobal: {retry_seconds: 5}\n";
+    let doc = "resources:\n  - Url: /\n    rules: [{rpu: 1000, unit: minute, scope: global}]\nglobal: {retry_seconds: 5}\n";
     let mut a = Harness::new(doc);
     let b = Engine::new(parse_policy(doc).unwrap());
     let mut b_metrics = CountingMetrics::default();
-    // Worker B reads the breaker closed.
+    let now = a.now;
     assert!(matches!(
-        b.evaluate(&a.host, b"/", &Facts::default(), a.now, &mut b_metrics),
-        Decision::Callout(_)
+        b.evaluate(&a.host, b"/", &Facts::default(), Some(now), &mut b_metrics),
+        Decision::Call(..)
     ));
-    // Worker A sees the service fail: the breaker opens in shared data.
-    let pending = callout(a.request("/", &Facts::default()));
-    a.complete(pending, Err(CalloutFailure::NoResponse));
+    let (_, pending) = call(a.evaluate("/", &Facts::default()));
+    a.complete(pending, Reply::NoAnswer);
     assert!(a.metrics.degraded);
-    // B trusts its reading for BREAKER_CACHE, then goes local like A.
     assert!(matches!(
-        b.evaluate(&a.host, b"/", &Facts::default(), a.now + 1, &mut b_metrics),
-        Decision::Callout(_)
+        b.evaluate(
+            &a.host,
+            b"/",
+            &Facts::default(),
+            Some(now + 1),
+            &mut b_metrics
+        ),
+        Decision::Call(..)
     ));
-    let later = a.now + crate::global::BREAKER_CACHE;
+    let later = now + crate::global::BREAKER_CACHE;
     assert!(matches!(
-        b.evaluate(&a.host, b"/", &Facts::default(), later, &mut b_metrics),
+        b.evaluate(
+            &a.host,
+            b"/",
+            &Facts::default(),
+            Some(later),
+            &mut b_metrics
+        ),
         Decision::Allow { .. }
     ));
     assert_eq!(b_metrics.event_count(Event::GlobalDegradedRequest), 1);
@@ -452,21 +731,137 @@ fn leased_tokens_last_one_unit_even_when_the_bucket_reports_an_early_reset() {
     let doc =
         "resources:\n  - Url: /\n    rules: [{rpu: 1000, unit: second, scope: global, lease: 10}]\n";
     let mut h = Harness::new(doc);
-    let pending = callout(h.request("/", &Facts::default()));
-    let mut granted = answer(10, 0);
-    granted.reset_ms = 1; // a token bucket far from its limit is full again almost at once
+    let (_, pending) = call(h.evaluate("/", &Facts::default()));
+    let mut grant = granted(10);
+    grant.reset_ms = 1;
+    assert!(admits(&h.complete(pending, answered(vec![grant]))));
+    h.now += S / 2;
     assert!(matches!(
-        h.complete(pending, Ok(vec![granted])),
+        h.evaluate("/", &Facts::default()),
         Decision::Allow { .. }
     ));
-    h.now += NANOS_PER_SECOND / 2;
+    h.now += S;
     assert!(matches!(
-        h.request("/", &Facts::default()),
-        Decision::Allow { .. }
+        h.evaluate("/", &Facts::default()),
+        Decision::Call(..)
     ));
-    h.now += NANOS_PER_SECOND;
+}
+
+#[test]
+fn a_cached_denial_from_a_clock_that_stepped_back_is_ignored() {
+    let doc = "resources:\n  - Url: /\n    rules: [{rpu: 1, unit: second, scope: global}]\n";
+    let mut h = Harness::new(doc);
+    let (_, pending) = call(h.evaluate("/", &Facts::default()));
     assert!(matches!(
-        h.request("/", &Facts::default()),
-        Decision::Callout(_)
+        h.complete(pending, answered(vec![denied(900)])),
+        Decision::Reject(_)
     ));
+    assert!(matches!(
+        h.evaluate("/", &Facts::default()),
+        Decision::Reject(_)
+    ));
+    // The clock steps back a day: the cached denial is a day and a second away, which
+    // no limit of one per second explains: the service is asked again.
+    h.now -= 86_400 * S;
+    assert!(matches!(
+        h.evaluate("/", &Facts::default()),
+        Decision::Call(..)
+    ));
+}
+
+#[test]
+fn a_failing_clock_admits_and_writes_nothing() {
+    let mut h = Harness::new("Url: /\nrules:\n  - {rpu: 1, unit: minute, algo: W}\n");
+    for _ in 0..3 {
+        let decision = h
+            .engine
+            .evaluate(&h.host, b"/", &Facts::default(), None, &mut h.metrics);
+        assert!(matches!(decision, Decision::Allow { .. }));
+    }
+    assert_eq!(h.metrics.event_count(Event::ClockError), 3);
+    assert_eq!(h.host.key_count(), 0, "nothing written near the epoch");
+    assert_eq!(h.admitted("/", &Facts::default(), 3), 1);
+}
+
+/// A host where every write loses the race.
+struct AlwaysRaced(MemoryHost);
+
+impl SharedData for AlwaysRaced {
+    fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, HostError> {
+        self.0.get(key)
+    }
+    fn set(&self, key: &str, value: &[u8], _cas: u32) -> Result<SetOutcome, HostError> {
+        self.0.put_raw(key, value);
+        Ok(SetOutcome::CasMismatch)
+    }
+}
+
+#[test]
+fn a_request_that_loses_every_race_is_rejected_not_admitted_uncounted() {
+    let engine =
+        Engine::new(parse_policy("Url: /\nrules:\n  - {rpu: 100, unit: minute}\n").unwrap());
+    let host = AlwaysRaced(MemoryHost::new(CasSemantics::Envoy));
+    let mut metrics = CountingMetrics::default();
+    let r = rejection(engine.evaluate(&host, b"/", &Facts::default(), Some(T0), &mut metrics));
+    assert_eq!(header(&r, "retry-after"), Some("1"));
+    assert_eq!(metrics.event_count(Event::StoreContention), 1);
+    assert_eq!(metrics.rule(0, RuleEvent::Limited), 1);
+}
+
+#[test]
+fn racing_workers_charge_all_or_nothing_on_both_hosts() {
+    // Four workers (one engine each, as one VM per Envoy worker) flood /login while
+    // they race on `/`: afterwards `/` has counted exactly the admitted /login requests.
+    for semantics in [CasSemantics::Envoy, CasSemantics::Nginx] {
+        for round in 0..10 {
+            let doc = hierarchy("local", "local")
+                .replace("rpu: 10,", "rpu: 40,")
+                .replace("rpu: 1,", "rpu: 3,");
+            let policy = parse_policy(&doc).unwrap();
+            let host = Arc::new(MemoryHost::new(semantics));
+            let start = Arc::new(Barrier::new(4));
+            let workers: Vec<_> = (0..4)
+                .map(|_| {
+                    let host = Arc::clone(&host);
+                    let start = Arc::clone(&start);
+                    let policy = policy.clone();
+                    std::thread::spawn(move || {
+                        let engine = Engine::new(policy);
+                        let mut metrics = CountingMetrics::default();
+                        start.wait();
+                        (0..50)
+                            .filter(|_| {
+                                admits(&engine.evaluate(
+                                    host.as_ref(),
+                                    b"/login",
+                                    &Facts::default(),
+                                    Some(T0),
+                                    &mut metrics,
+                                ))
+                            })
+                            .count()
+                    })
+                })
+                .collect();
+            let login: usize = workers.into_iter().map(|w| w.join().unwrap()).sum();
+            assert_eq!(login, 3, "{semantics:?} round {round}");
+            let engine = Engine::new(policy);
+            let mut metrics = CountingMetrics::default();
+            let pages = (0..100)
+                .filter(|_| {
+                    admits(&engine.evaluate(
+                        host.as_ref(),
+                        b"/home",
+                        &Facts::default(),
+                        Some(T0),
+                        &mut metrics,
+                    ))
+                })
+                .count();
+            assert_eq!(
+                pages, 37,
+                "{semantics:?} round {round}: / lost budget to rejections"
+            );
+        }
+    }
 }

@@ -11,6 +11,13 @@
 //! nobody ever gets more than the limit). Envoy never frees a shared-data key, so the table
 //! can never grow past `slots` keys per rule.
 //!
+//! Every record is sealed with a check of its own key ([`seal`], [`open`]):
+//! ngx_wasm_module's `shm_kv` finds a key by its CRC32 alone, so two of Diana's keys can
+//! share one entry. A record that carries another key's check is not ours: a slot treats
+//! it like a slot held by another identity, a singleton record like a missing one. A zone
+//! that is full evicts entries; an evicted record reads as missing and is created again,
+//! race-free (below).
+//!
 //! Creating a key is made race-free on both hosts: Envoy inserts a missing key whatever
 //! CAS is passed (two workers "creating" it would silently lose one update), nginx accepts
 //! only CAS 0 for a missing key. We create with a CAS that matches no existing entry
@@ -22,7 +29,8 @@ mod memory;
 
 pub use memory::{CasSemantics, MemoryHost};
 
-use crate::algo::{Algorithm, Limit, Verdict};
+use crate::algo::{Algorithm, Limit, Mark, Verdict};
+use crate::hash::hash64;
 use crate::time::Nanos;
 use std::cell::Cell;
 use std::fmt;
@@ -32,8 +40,11 @@ use std::fmt;
 /// four billion writes, and then only for one write.
 pub const CREATE_CAS: u32 = u32::MAX;
 
-/// How many times one rule's update is retried when other workers keep winning the race.
+/// How many times one update is retried when other workers keep winning the race.
 pub const MAX_CAS_ATTEMPTS: usize = 32;
+
+/// Seed of the key checks that seal records.
+const KEY_CHECK_SEED: u64 = 0x6469_616e_615f_6b63; // "diana_kc"
 
 /// A failure of the host store itself (not a CAS conflict).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -56,12 +67,14 @@ pub enum SetOutcome {
 pub trait SharedData {
     /// The value and its CAS, or `None` when the key does not exist.
     fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, HostError>;
-    /// Writes `value` if `cas` matches the host's rules (see the module docs).
+    /// Writes `value` if `cas` matches the host's rules (see the module docs). An empty
+    /// value releases the key: nginx deletes it, Envoy keeps the key with no value.
     fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<SetOutcome, HostError>;
 }
 
-/// Why a rule could not be charged. The engine turns these into a defined behaviour
-/// (the request is admitted and the event counted) rather than an error response.
+/// Why an update could not be made. The engine turns these into defined behaviours: a
+/// failing host admits the request (counted), contention rejects it with `Retry-After: 1`
+/// (counted) — never a request admitted uncounted because of a lost race.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ChargeError {
     Host(HostError),
@@ -85,16 +98,31 @@ impl From<HostError> for ChargeError {
 }
 
 /// What happened in the slot table for one charge.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Charge {
     pub verdict: Verdict,
     /// The identity's candidate slots were both held by active identities; it was charged
     /// on a shared counter.
     pub collided: bool,
+    /// What was taken, to give it back if another rule denies the request (`None` when
+    /// nothing was taken).
+    pub receipt: Option<Receipt>,
+}
+
+/// Where a charge was made, to give it back exactly ([`Store::release`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Receipt {
+    pub key: String,
+    /// The fingerprint of the record charged (the identity's own, or the holder's when
+    /// the counter was shared): a release never touches a record another identity took
+    /// over meanwhile.
+    pub holder: u64,
+    pub tokens: u32,
+    pub mark: Mark,
 }
 
 /// Where one identity's state lives.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct SlotAddress {
     /// Non-zero fingerprint stored in the record (0 marks an empty record).
     pub fingerprint: u64,
@@ -126,8 +154,28 @@ impl SlotAddress {
     }
 }
 
-/// Reads a `u64` kept as 8 little-endian bytes in shared data; anything else (missing,
-/// another size) reads as 0.
+/// The check a record of `key` carries in its first 8 bytes (never 0).
+pub fn key_check(key: &str) -> u64 {
+    hash64(KEY_CHECK_SEED, key.as_bytes()) | 1
+}
+
+/// A record of `key` with `payload`: the key check, then the payload.
+pub fn seal(key: &str, payload: &[u8]) -> Vec<u8> {
+    let mut bytes = Vec::with_capacity(8 + payload.len());
+    bytes.extend_from_slice(&key_check(key).to_le_bytes());
+    bytes.extend_from_slice(payload);
+    bytes
+}
+
+/// The payload of a record of `key`; `None` when the bytes are not a record of this key
+/// (another key sharing the entry, an empty or released value, garbage).
+pub fn open<'b>(key: &str, bytes: &'b [u8]) -> Option<&'b [u8]> {
+    let (check, payload) = bytes.split_first_chunk::<8>()?;
+    (u64::from_le_bytes(*check) == key_check(key)).then_some(payload)
+}
+
+/// Reads a `u64` kept as 8 little-endian bytes; anything else (missing, another size)
+/// reads as 0.
 pub fn decode_u64(bytes: Option<&[u8]>) -> u64 {
     bytes
         .and_then(|b| <[u8; 8]>::try_from(b).ok())
@@ -135,20 +183,11 @@ pub fn decode_u64(bytes: Option<&[u8]>) -> u64 {
         .unwrap_or(0)
 }
 
-/// The shared-data key of one slot of one rule: `diana/<rule id, 16 hex digits>/<slot>`.
-/// Printable, fixed shape, bounded length. Every key starts with `diana/`:
-/// ngx_wasm_module stores `ns/key` in the `shm_kv ns` zone.
-pub fn slot_key(rule_id: u64, slot: u32) -> String {
-    slot_key_in(&key_prefix(rule_id), slot)
-}
-
-/// `diana/<rule id>/`, the part of a rule's slot keys computed once per rule.
-pub fn key_prefix(rule_id: u64) -> String {
-    format!("diana/{rule_id:016x}/")
-}
-
-/// A slot's key from its rule's [`key_prefix`], without the formatting machinery: this
-/// runs for every rule of every request.
+/// The shared-data key of one slot of a rule, from the rule's key prefix
+/// ([`crate::config::RuleKeys`]): `diana/<rule id>/<slot>`. Printable, fixed shape, bounded
+/// length; every key starts with `diana/` (ngx_wasm_module stores `ns/key` in the
+/// `shm_kv ns` zone). Built without the formatting machinery: this runs for every rule of
+/// every request.
 pub fn slot_key_in(prefix: &str, slot: u32) -> String {
     let mut digits = [0u8; 10];
     let mut start = digits.len();
@@ -186,13 +225,13 @@ impl Record {
         }
     }
 
-    /// Decodes `bytes`; a record of the wrong size (another build's layout, garbage) reads
-    /// as empty, so the slot is simply reclaimed.
-    fn decode(bytes: &[u8], words: usize) -> Record {
-        if bytes.len() != 8 * (words + 1) {
+    /// Decodes the payload of a sealed record; a payload of the wrong size (another
+    /// build's layout, garbage) reads as empty, so the slot is simply reclaimed.
+    fn decode(payload: &[u8], words: usize) -> Record {
+        if payload.len() != 8 * (words + 1) {
             return Record::empty(words);
         }
-        let mut values = bytes
+        let mut values = payload
             .chunks_exact(8)
             .map(|chunk| u64::from_le_bytes(chunk.try_into().unwrap_or([0; 8])));
         let fingerprint = values.next().unwrap_or(0);
@@ -215,13 +254,14 @@ impl Record {
 /// One rule's counters in the host store.
 #[derive(Debug, Clone, Copy)]
 pub struct SlotTable<'a> {
-    /// The rule's [`key_prefix`].
+    /// The rule's slot key prefix ([`crate::config::RuleKeys::slots`]).
     pub key_prefix: &'a str,
     pub algo: &'a dyn Algorithm,
     pub limit: &'a Limit,
-    /// Admit only what can pass now: a decision that would make the request wait
-    /// (leaky bucket) is a denial instead. For hosts that cannot pause a request.
-    pub immediate_only: bool,
+    /// The longest an admitted request may wait for its turn (leaky bucket). A request
+    /// whose turn is further away is denied, `retry_after` the excess, and nothing is
+    /// reserved. Zero on hosts that cannot hold a request.
+    pub max_delay: Nanos,
 }
 
 /// Charges rules against a [`SharedData`] host, remembering whether the host has strict
@@ -235,7 +275,31 @@ pub struct Store {
 enum Probe {
     Mine(Record, u32),
     Free(Option<u32>),
+    /// Held by another active identity: shared only if no candidate is free.
     Taken(Record, u32),
+    /// Another key's record in the same entry (nginx: same CRC32): taken over, like an
+    /// eviction, only when nothing else is left.
+    Foreign(u32),
+}
+
+/// The slot chosen for a charge.
+struct Located {
+    key: String,
+    record: Record,
+    /// `None`: the key is missing (create it).
+    cas: Option<u32>,
+    collided: bool,
+}
+
+impl Located {
+    fn at(key: String, record: Record, cas: Option<u32>, collided: bool) -> Located {
+        Located {
+            key,
+            record,
+            cas,
+            collided,
+        }
+    }
 }
 
 impl Store {
@@ -243,54 +307,141 @@ impl Store {
         Store::default()
     }
 
+    /// A store for a host known to have strict (nginx) CAS semantics.
+    pub fn strict() -> Store {
+        Store {
+            strict_host: Cell::new(true),
+        }
+    }
+
     /// True once the host has refused a create-CAS on a missing key (nginx semantics).
     pub fn host_is_strict(&self) -> bool {
         self.strict_host.get()
     }
 
-    /// Charges `want` tokens to the identity at `address` of `table`, at `now`.
+    /// Charges the identity at `address` of `table` at `now`: at least `need` tokens, up
+    /// to `want`, or nothing.
     pub fn charge(
         &self,
         host: &dyn SharedData,
         table: &SlotTable<'_>,
         address: SlotAddress,
         now: Nanos,
+        need: u32,
         want: u32,
     ) -> Result<Charge, ChargeError> {
         let words = table.algo.state_words(table.limit);
         for _ in 0..MAX_CAS_ATTEMPTS {
-            let (key, record, cas, collided) = self.locate(host, table, address, now, words)?;
-            let mut record = record;
-            let mut verdict = table
-                .algo
-                .acquire(table.limit, &mut record.words, now, want);
-            if table.immediate_only && verdict.delay > 0 {
-                // The host cannot hold the request: the wait becomes a retry-after and
-                // nothing is reserved.
+            let Located {
+                key,
+                mut record,
+                cas,
+                collided,
+            } = self.locate(host, table, address, now, words)?;
+            let mut verdict =
+                table
+                    .algo
+                    .acquire_at_least(table.limit, &mut record.words, now, need, want);
+            if verdict.delay > table.max_delay {
+                // Its turn is too far away: a denial, and nothing is reserved.
                 verdict = Verdict {
                     granted: 0,
-                    retry_after: verdict.delay,
+                    retry_after: verdict.delay - table.max_delay,
                     delay: 0,
                     ..verdict
                 };
             }
             if !verdict.allowed() {
                 // A rejected request is not counted: nothing to write.
-                return Ok(Charge { verdict, collided });
+                return Ok(Charge {
+                    verdict,
+                    collided,
+                    receipt: None,
+                });
             }
             if !collided {
                 record.fingerprint = address.fingerprint;
             }
-            if self.write(host, &key, &record.encode(), cas)? == SetOutcome::Written {
-                return Ok(Charge { verdict, collided });
+            if self.write(host, &key, &seal(&key, &record.encode()), cas)? == SetOutcome::Written {
+                let receipt = Receipt {
+                    key,
+                    holder: record.fingerprint,
+                    tokens: verdict.granted,
+                    mark: verdict.mark,
+                };
+                return Ok(Charge {
+                    verdict,
+                    collided,
+                    receipt: Some(receipt),
+                });
             }
         }
         Err(ChargeError::Contention)
     }
 
-    /// Read-modify-write of one whole key with bounded CAS retries and race-free creation.
-    /// `change` sees the current value (`None` when missing) and returns the value to
-    /// write (`None`: leave it) plus a result; it may run several times under contention.
+    /// Gives back what `receipt` took, if its record still belongs to the same holder.
+    pub fn release(
+        &self,
+        host: &dyn SharedData,
+        table: &SlotTable<'_>,
+        receipt: &Receipt,
+        now: Nanos,
+    ) -> Result<(), ChargeError> {
+        let words = table.algo.state_words(table.limit);
+        self.update(host, &receipt.key, |current| {
+            let Some(payload) = current else {
+                return (None, ());
+            };
+            let mut record = Record::decode(payload, words);
+            if record.fingerprint != receipt.holder {
+                return (None, ());
+            }
+            table.algo.release(
+                table.limit,
+                &mut record.words,
+                now,
+                receipt.tokens,
+                receipt.mark,
+            );
+            (Some(record.encode()), ())
+        })
+    }
+
+    /// Charges `tokens` to the identity at `address` whatever is left (a response cost):
+    /// the counter may go past its limit.
+    pub fn charge_debt(
+        &self,
+        host: &dyn SharedData,
+        table: &SlotTable<'_>,
+        address: SlotAddress,
+        now: Nanos,
+        tokens: u32,
+    ) -> Result<Verdict, ChargeError> {
+        let words = table.algo.state_words(table.limit);
+        for _ in 0..MAX_CAS_ATTEMPTS {
+            let Located {
+                key,
+                mut record,
+                cas,
+                collided,
+            } = self.locate(host, table, address, now, words)?;
+            let verdict = table
+                .algo
+                .charge_debt(table.limit, &mut record.words, now, tokens);
+            if !collided {
+                record.fingerprint = address.fingerprint;
+            }
+            if self.write(host, &key, &seal(&key, &record.encode()), cas)? == SetOutcome::Written {
+                return Ok(verdict);
+            }
+        }
+        Err(ChargeError::Contention)
+    }
+
+    /// Read-modify-write of one sealed record with bounded CAS retries and race-free
+    /// creation. `change` sees the current payload (`None` when the key is missing or
+    /// holds another key's record) and returns the payload to write (`None`: leave it)
+    /// plus a result; it may run several times under contention.
     pub fn update<T>(
         &self,
         host: &dyn SharedData,
@@ -299,19 +450,59 @@ impl Store {
     ) -> Result<T, ChargeError> {
         for _ in 0..MAX_CAS_ATTEMPTS {
             let current = host.get(key)?;
-            let (value, cas) = match &current {
-                Some((bytes, cas)) => (Some(bytes.as_slice()), Some(*cas)),
+            let (payload, cas) = match &current {
+                Some((bytes, cas)) => (open(key, bytes), Some(*cas)),
                 None => (None, None),
             };
-            let (new_value, result) = change(value);
-            let Some(new_value) = new_value else {
+            let (new_payload, result) = change(payload);
+            let Some(new_payload) = new_payload else {
                 return Ok(result);
             };
-            if self.write(host, key, &new_value, cas)? == SetOutcome::Written {
+            let sealed = seal(key, &new_payload);
+            let outcome = match (&current, cas) {
+                (Some((bytes, _)), Some(cas))
+                    if self.strict_host.get() && sealed.len() > bytes.len() =>
+                {
+                    // ngx_wasm_module can crash when an entry grows in a full zone (its
+                    // eviction frees the node it is rewriting): release it, then create it
+                    // anew. Another worker may create it in between; then this retries.
+                    match host.set(key, &[], cas)? {
+                        SetOutcome::Written => host.set(key, &sealed, 0)?,
+                        SetOutcome::CasMismatch => SetOutcome::CasMismatch,
+                    }
+                }
+                _ => self.write(host, key, &sealed, cas)?,
+            };
+            if outcome == SetOutcome::Written {
                 return Ok(result);
             }
         }
         Err(ChargeError::Contention)
+    }
+
+    /// The payload of the sealed record at `key`, if there is one of this key.
+    pub fn read(&self, host: &dyn SharedData, key: &str) -> Result<Option<Vec<u8>>, HostError> {
+        Ok(host
+            .get(key)?
+            .and_then(|(bytes, _)| open(key, &bytes).map(<[u8]>::to_vec)))
+    }
+
+    /// Releases the record at `key` if it is one of Diana's records of this key (a
+    /// dropped rule's slot): nginx deletes it, Envoy keeps the key with no value. A
+    /// missing key stays missing (Envoy would create it).
+    pub fn clear(&self, host: &dyn SharedData, key: &str) -> Result<bool, HostError> {
+        for _ in 0..MAX_CAS_ATTEMPTS {
+            let Some((bytes, cas)) = host.get(key)? else {
+                return Ok(false);
+            };
+            if open(key, &bytes).is_none() {
+                return Ok(false);
+            }
+            if host.set(key, &[], cas)? == SetOutcome::Written {
+                return Ok(true);
+            }
+        }
+        Ok(false)
     }
 
     /// Reads the state of `address` without charging (for reporting, e.g. headers).
@@ -323,15 +514,12 @@ impl Store {
         now: Nanos,
     ) -> Result<Vec<u64>, HostError> {
         let words = table.algo.state_words(table.limit);
-        let (_, record, _, _) = self.locate(host, table, address, now, words)?;
-        Ok(record.words)
+        Ok(self.locate(host, table, address, now, words)?.record.words)
     }
 
     /// Finds the slot to charge: the identity's own record in either candidate, else a
     /// free or idle candidate, else (both held by active identities) the first candidate,
-    /// shared. Returns the slot's key, the record to update, its CAS (`None` = missing
-    /// key) and whether the counter is shared.
-    #[allow(clippy::type_complexity)]
+    /// shared.
     fn locate(
         &self,
         host: &dyn SharedData,
@@ -339,30 +527,38 @@ impl Store {
         address: SlotAddress,
         now: Nanos,
         words: usize,
-    ) -> Result<(String, Record, Option<u32>, bool), HostError> {
+    ) -> Result<Located, HostError> {
         let first_key = slot_key_in(table.key_prefix, address.first);
         let first = self.probe(host, table, address, &first_key, now, words)?;
         if let Probe::Mine(record, cas) = first {
-            return Ok((first_key, record, Some(cas), false));
+            return Ok(Located::at(first_key, record, Some(cas), false));
         }
-        if address.second == address.first {
-            return Ok(match first {
-                Probe::Free(cas) => (first_key, Record::empty(words), cas, false),
-                Probe::Taken(record, cas) | Probe::Mine(record, cas) => {
-                    (first_key, record, Some(cas), true)
+        let mut candidates = vec![(first_key, first)];
+        if address.second != address.first {
+            let second_key = slot_key_in(table.key_prefix, address.second);
+            let second = self.probe(host, table, address, &second_key, now, words)?;
+            candidates.push((second_key, second));
+        }
+        let (mut free, mut shared, mut foreign) = (None, None, None);
+        for (key, probe) in candidates {
+            match probe {
+                Probe::Mine(record, cas) => return Ok(Located::at(key, record, Some(cas), false)),
+                Probe::Free(cas) => {
+                    free = free.or(Some(Located::at(key, Record::empty(words), cas, false)))
                 }
-            });
-        }
-        let second_key = slot_key_in(table.key_prefix, address.second);
-        let second = self.probe(host, table, address, &second_key, now, words)?;
-        Ok(match (first, second) {
-            (_, Probe::Mine(record, cas)) => (second_key, record, Some(cas), false),
-            (Probe::Free(cas), _) => (first_key, Record::empty(words), cas, false),
-            (_, Probe::Free(cas)) => (second_key, Record::empty(words), cas, false),
-            (Probe::Taken(record, cas) | Probe::Mine(record, cas), Probe::Taken(..)) => {
-                (first_key, record, Some(cas), true)
+                Probe::Taken(record, cas) => {
+                    shared = shared.or(Some(Located::at(key, record, Some(cas), true)))
+                }
+                Probe::Foreign(cas) => {
+                    let fresh = Located::at(key, Record::empty(words), Some(cas), false);
+                    foreign = foreign.or(Some(fresh))
+                }
             }
-        })
+        }
+        // A free slot first, then a shared counter, then another key's entry.
+        free.or(shared)
+            .or(foreign)
+            .ok_or_else(|| HostError("no candidate slot".to_string()))
     }
 
     fn probe(
@@ -376,18 +572,24 @@ impl Store {
     ) -> Result<Probe, HostError> {
         Ok(match host.get(key)? {
             None => Probe::Free(None),
-            Some((bytes, cas)) => {
-                let record = Record::decode(&bytes, words);
-                if record.fingerprint == address.fingerprint {
-                    Probe::Mine(record, cas)
-                } else if record.fingerprint == 0
-                    || table.algo.is_idle(table.limit, &record.words, now)
-                {
-                    Probe::Free(Some(cas))
-                } else {
-                    Probe::Taken(record, cas)
+            Some((bytes, cas)) => match open(key, &bytes) {
+                // An empty (released) value is free; another key's record sharing the
+                // entry (nginx: same CRC32) is held, as long as it is not idle garbage.
+                None if bytes.len() < 8 => Probe::Free(Some(cas)),
+                None => Probe::Foreign(cas),
+                Some(payload) => {
+                    let record = Record::decode(payload, words);
+                    if record.fingerprint == address.fingerprint {
+                        Probe::Mine(record, cas)
+                    } else if record.fingerprint == 0
+                        || table.algo.is_idle(table.limit, &record.words, now)
+                    {
+                        Probe::Free(Some(cas))
+                    } else {
+                        Probe::Taken(record, cas)
+                    }
                 }
-            }
+            },
         })
     }
 

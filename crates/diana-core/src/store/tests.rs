@@ -1,10 +1,3 @@
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::indexing_slicing
-)]
-
 use super::*;
 use crate::algo::Mark;
 use crate::time::Unit;
@@ -72,6 +65,14 @@ impl Algorithm for CountUpTo {
     }
 }
 
+fn prefix(rule_id: u64) -> String {
+    crate::config::RuleKeys::of(rule_id).slots
+}
+
+fn slot_key(rule_id: u64, slot: u32) -> String {
+    slot_key_in(&prefix(rule_id), slot)
+}
+
 fn limit(rpu: u32) -> Limit {
     let rpu = NonZeroU32::new(rpu).unwrap();
     Limit {
@@ -94,7 +95,7 @@ fn admitted(
     (0..n)
         .filter(|_| {
             store
-                .charge(host, table, SlotAddress::of(id, 64), 100, 1)
+                .charge(host, table, SlotAddress::of(id, 64), 100, 1, 1)
                 .unwrap()
                 .verdict
                 .allowed()
@@ -109,10 +110,10 @@ fn sequential_requests_admit_exactly_the_limit_on_both_hosts() {
         let store = Store::new();
         let limit = limit(20);
         let table = SlotTable {
-            key_prefix: &key_prefix(7),
+            key_prefix: &prefix(7),
             algo: &CountUpTo,
             limit: &limit,
-            immediate_only: false,
+            max_delay: u64::MAX,
         };
         assert_eq!(
             admitted(&store, &host, &table, 42, 100),
@@ -138,10 +139,10 @@ fn concurrent_workers_share_one_counter_on_both_hosts() {
                         // Each worker has its own Store, as each Envoy worker has its own VM.
                         let store = Store::new();
                         let table = SlotTable {
-                            key_prefix: &key_prefix(round),
+                            key_prefix: &prefix(round),
                             algo: &CountUpTo,
                             limit: &limit,
-                            immediate_only: false,
+                            max_delay: u64::MAX,
                         };
                         start.wait();
                         admitted(&store, host.as_ref(), &table, 42, 50)
@@ -182,10 +183,10 @@ fn creating_a_key_never_overwrites_a_competitors_creation() {
     for semantics in BOTH {
         let limit = limit(20);
         let table = SlotTable {
-            key_prefix: &key_prefix(1),
+            key_prefix: &prefix(1),
             algo: &CountUpTo,
             limit: &limit,
-            immediate_only: false,
+            max_delay: u64::MAX,
         };
         let address = SlotAddress::single();
         // The competitor charged one request for the same identity.
@@ -195,14 +196,14 @@ fn creating_a_key_never_overwrites_a_competitors_creation() {
         };
         let host = RacingHost {
             inner: MemoryHost::new(semantics),
-            competitor_value: competitor.encode(),
+            competitor_value: seal(&slot_key(1, 0), &competitor.encode()),
             raced: Cell::new(false),
         };
         let store = Store::new();
-        let charge = store.charge(&host, &table, address, 100, 1).unwrap();
+        let charge = store.charge(&host, &table, address, 100, 1, 1).unwrap();
         assert!(charge.verdict.allowed());
         let (bytes, _) = host.inner.get(&slot_key(1, 0)).unwrap().unwrap();
-        let record = Record::decode(&bytes, 2);
+        let record = Record::decode(open(&slot_key(1, 0), &bytes).unwrap(), 2);
         assert_eq!(record.words[0], 2, "{semantics:?}: both charges must count");
     }
 }
@@ -213,15 +214,22 @@ fn memory_is_bounded_by_the_slot_table_whatever_identities_arrive() {
     let store = Store::new();
     let limit = limit(10);
     let table = SlotTable {
-        key_prefix: &key_prefix(3),
+        key_prefix: &prefix(3),
         algo: &CountUpTo,
         limit: &limit,
-        immediate_only: false,
+        max_delay: u64::MAX,
     };
     for identity in 0..100_000u64 {
         let hash = crate::hash::hash64(0, &identity.to_le_bytes());
         store
-            .charge(&host, &table, SlotAddress::of(hash, 1024), identity * 10, 1)
+            .charge(
+                &host,
+                &table,
+                SlotAddress::of(hash, 1024),
+                identity * 10,
+                1,
+                1,
+            )
             .unwrap();
     }
     assert!(host.key_count() <= 1024, "{} keys", host.key_count());
@@ -238,10 +246,10 @@ fn a_busy_slot_is_shared_conservatively_and_an_idle_one_is_reused() {
     let store = Store::new();
     let limit = limit(3);
     let table = SlotTable {
-        key_prefix: &key_prefix(9),
+        key_prefix: &prefix(9),
         algo: &CountUpTo,
         limit: &limit,
-        immediate_only: false,
+        max_delay: u64::MAX,
     };
     let alice = SlotAddress {
         fingerprint: 11,
@@ -253,21 +261,26 @@ fn a_busy_slot_is_shared_conservatively_and_an_idle_one_is_reused() {
         first: 0,
         second: 0,
     };
-    assert!(!store.charge(&host, &table, alice, 100, 2).unwrap().collided);
+    assert!(
+        !store
+            .charge(&host, &table, alice, 100, 1, 2)
+            .unwrap()
+            .collided
+    );
     // Bob collides with active Alice: he is charged on her counter, never beyond the limit.
-    let bob_charge = store.charge(&host, &table, bob, 200, 5).unwrap();
+    let bob_charge = store.charge(&host, &table, bob, 200, 1, 5).unwrap();
     assert!(bob_charge.collided);
     assert_eq!(bob_charge.verdict.granted, 1);
     assert_eq!(
         store
-            .charge(&host, &table, alice, 300, 1)
+            .charge(&host, &table, alice, 300, 1, 1)
             .unwrap()
             .verdict
             .granted,
         0
     );
     // Once Alice's counter is idle, Bob takes the slot with a fresh counter.
-    let later = store.charge(&host, &table, bob, 5_000, 3).unwrap();
+    let later = store.charge(&host, &table, bob, 5_000, 1, 3).unwrap();
     assert!(!later.collided);
     assert_eq!(later.verdict.granted, 3);
 }
@@ -278,10 +291,10 @@ fn an_identity_finds_its_record_in_the_second_slot_before_claiming_the_first() {
     let store = Store::new();
     let limit = limit(2);
     let table = SlotTable {
-        key_prefix: &key_prefix(5),
+        key_prefix: &prefix(5),
         algo: &CountUpTo,
         limit: &limit,
-        immediate_only: false,
+        max_delay: u64::MAX,
     };
     let carol = SlotAddress {
         fingerprint: 21,
@@ -293,11 +306,11 @@ fn an_identity_finds_its_record_in_the_second_slot_before_claiming_the_first() {
         first: 0,
         second: 1,
     };
-    store.charge(&host, &table, carol, 100, 1).unwrap(); // slot 0
-    store.charge(&host, &table, dave, 1_000, 2).unwrap(); // slot 1: Carol is still active
-                                                          // Carol's slot 0 went idle, and Dave used his budget: Dave must not reset himself by
-                                                          // claiming slot 0; he is found in slot 1 and stays limited.
-    let again = store.charge(&host, &table, dave, 1_200, 1).unwrap();
+    store.charge(&host, &table, carol, 100, 1, 1).unwrap(); // slot 0
+    store.charge(&host, &table, dave, 1_000, 1, 2).unwrap(); // slot 1: Carol is still active
+                                                             // Carol's slot 0 went idle, and Dave used his budget: Dave must not reset himself by
+                                                             // claiming slot 0; he is found in slot 1 and stays limited.
+    let again = store.charge(&host, &table, dave, 1_200, 1, 1).unwrap();
     assert_eq!(again.verdict.granted, 0);
 }
 
@@ -309,13 +322,13 @@ fn garbage_in_a_slot_is_reclaimed_not_trusted() {
         let store = Store::new();
         let limit = limit(2);
         let table = SlotTable {
-            key_prefix: &key_prefix(4),
+            key_prefix: &prefix(4),
             algo: &CountUpTo,
             limit: &limit,
-            immediate_only: false,
+            max_delay: u64::MAX,
         };
         let charge = store
-            .charge(&host, &table, SlotAddress::single(), 100, 5)
+            .charge(&host, &table, SlotAddress::single(), 100, 1, 5)
             .unwrap();
         assert_eq!(charge.verdict.granted, 2, "{semantics:?}");
     }
@@ -327,17 +340,17 @@ fn rejected_requests_write_nothing() {
     let store = Store::new();
     let limit = limit(1);
     let table = SlotTable {
-        key_prefix: &key_prefix(8),
+        key_prefix: &prefix(8),
         algo: &CountUpTo,
         limit: &limit,
-        immediate_only: false,
+        max_delay: u64::MAX,
     };
     store
-        .charge(&host, &table, SlotAddress::single(), 100, 1)
+        .charge(&host, &table, SlotAddress::single(), 100, 1, 1)
         .unwrap();
     let (_, cas_before) = host.get(&slot_key(8, 0)).unwrap().unwrap();
     assert!(!store
-        .charge(&host, &table, SlotAddress::single(), 101, 1)
+        .charge(&host, &table, SlotAddress::single(), 101, 1, 1)
         .unwrap()
         .verdict
         .allowed());
@@ -364,12 +377,12 @@ fn endless_contention_is_bounded() {
     let store = Store::new();
     let limit = limit(1_000_000);
     let table = SlotTable {
-        key_prefix: &key_prefix(2),
+        key_prefix: &prefix(2),
         algo: &CountUpTo,
         limit: &limit,
-        immediate_only: false,
+        max_delay: u64::MAX,
     };
-    let result = store.charge(&host, &table, SlotAddress::single(), 100, 1);
+    let result = store.charge(&host, &table, SlotAddress::single(), 100, 1, 1);
     assert_eq!(result, Err(ChargeError::Contention));
 }
 
@@ -379,6 +392,195 @@ fn slot_keys_are_spelled_the_same_by_both_builders() {
         assert_eq!(
             slot_key(0xabc, slot),
             format!("diana/0000000000000abc/{slot}")
+        );
+    }
+}
+
+#[test]
+fn a_release_gives_back_to_the_holder_only() {
+    for semantics in BOTH {
+        let host = MemoryHost::new(semantics);
+        let store = Store::new();
+        let limit = limit(3);
+        let table = SlotTable {
+            key_prefix: &prefix(12),
+            algo: &CountUpTo,
+            limit: &limit,
+            max_delay: u64::MAX,
+        };
+        let alice = SlotAddress {
+            fingerprint: 11,
+            first: 0,
+            second: 0,
+        };
+        let charge = store.charge(&host, &table, alice, 100, 2, 2).unwrap();
+        let receipt = charge.receipt.unwrap();
+        assert_eq!((receipt.tokens, receipt.holder), (2, 11));
+        store.release(&host, &table, &receipt, 100).unwrap();
+        assert_eq!(
+            store
+                .charge(&host, &table, alice, 100, 3, 3)
+                .unwrap()
+                .verdict
+                .granted,
+            3,
+            "{semantics:?}: the two tokens came back"
+        );
+        // Once another identity took the idle slot over, an old receipt changes nothing.
+        let bob = SlotAddress {
+            fingerprint: 13,
+            ..alice
+        };
+        let bob_charge = store.charge(&host, &table, bob, 5_000, 1, 1).unwrap();
+        assert!(!bob_charge.collided);
+        store.release(&host, &table, &receipt, 5_000).unwrap();
+        assert_eq!(store.peek(&host, &table, bob, 5_000).unwrap()[0], 1);
+        // A denial takes nothing and leaves no receipt.
+        let denied = store.charge(&host, &table, bob, 5_000, 3, 3).unwrap();
+        assert_eq!((denied.verdict.granted, denied.receipt), (0, None));
+    }
+}
+
+/// Every key in one entry, as two keys with the same CRC32 share one in `shm_kv`.
+fn same_entry(_key: &str) -> u64 {
+    7
+}
+
+/// A slot key's entry by slot number, so that slot 0 of two rules share an entry.
+fn entry_by_slot(key: &str) -> u64 {
+    key.rsplit('/')
+        .next()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(u64::MAX)
+}
+
+#[test]
+fn another_keys_record_in_the_same_entry_is_not_trusted() {
+    let host = MemoryHost::nginx_zone(entry_by_slot, 1024);
+    let store = Store::new();
+    let limit = limit(2);
+    let (one, two) = (prefix(21), prefix(22));
+    let table = |key_prefix| SlotTable {
+        key_prefix,
+        algo: &CountUpTo,
+        limit: &limit,
+        max_delay: u64::MAX,
+    };
+    let address = SlotAddress {
+        fingerprint: 5,
+        first: 0,
+        second: 1,
+    };
+    // Rule 21 fills its counter in slot 0.
+    assert_eq!(
+        store
+            .charge(&host, &table(&one), address, 100, 1, 2)
+            .unwrap()
+            .verdict
+            .granted,
+        2
+    );
+    // Rule 22's identity finds rule 21's record in its slot 0: not its own, not counted
+    // as its own (it would have been denied), and slot 1 is free: used instead.
+    let charge = store
+        .charge(&host, &table(&two), address, 100, 1, 2)
+        .unwrap();
+    assert_eq!(charge.verdict.granted, 2);
+    assert!(charge.receipt.unwrap().key.ends_with("/1"));
+    // Rule 21's record is intact.
+    assert_eq!(
+        store
+            .charge(&host, &table(&one), address, 100, 1, 1)
+            .unwrap()
+            .verdict
+            .granted,
+        0
+    );
+    // Every candidate held by other keys' records: taken over like an evicted entry,
+    // never a panic, never a foreign record's count believed.
+    let host = MemoryHost::nginx_zone(same_entry, 1024);
+    store
+        .charge(&host, &table(&one), address, 100, 1, 2)
+        .unwrap();
+    let charge = store
+        .charge(&host, &table(&two), address, 100, 1, 2)
+        .unwrap();
+    assert_eq!(charge.verdict.granted, 2);
+}
+
+#[test]
+fn an_evicted_record_is_created_again_race_free() {
+    let host = MemoryHost::nginx_zone(entry_by_slot, 4);
+    let store = Store::new();
+    let limit = limit(1_000);
+    let table = SlotTable {
+        key_prefix: &prefix(31),
+        algo: &CountUpTo,
+        limit: &limit,
+        max_delay: u64::MAX,
+    };
+    // Eight identities in a zone of four entries: the oldest are evicted, nothing fails.
+    for fingerprint in 1..=8u64 {
+        let address = SlotAddress {
+            fingerprint: fingerprint * 2 + 1,
+            first: fingerprint as u32,
+            second: fingerprint as u32,
+        };
+        assert!(store
+            .charge(&host, &table, address, 100, 1, 1)
+            .unwrap()
+            .verdict
+            .allowed());
+    }
+    assert_eq!(host.key_count(), 4);
+    assert_eq!(host.evictions(), 4);
+    // An evicted identity starts over (its counter was dropped), by a strict create.
+    let first = SlotAddress {
+        fingerprint: 3,
+        first: 1,
+        second: 1,
+    };
+    assert_eq!(store.peek(&host, &table, first, 100).unwrap(), vec![0, 0]);
+    assert!(store
+        .charge(&host, &table, first, 100, 1, 1)
+        .unwrap()
+        .verdict
+        .allowed());
+    assert!(store.host_is_strict());
+}
+
+#[test]
+fn a_released_key_is_cleared_on_both_hosts() {
+    for semantics in BOTH {
+        let host = MemoryHost::new(semantics);
+        let store = Store::new();
+        let limit = limit(2);
+        let table = SlotTable {
+            key_prefix: &prefix(41),
+            algo: &CountUpTo,
+            limit: &limit,
+            max_delay: u64::MAX,
+        };
+        store
+            .charge(&host, &table, SlotAddress::single(), 100, 1, 2)
+            .unwrap();
+        assert!(store.clear(&host, &slot_key(41, 0)).unwrap());
+        assert!(
+            !store.clear(&host, &slot_key(41, 1)).unwrap(),
+            "never created"
+        );
+        match semantics {
+            CasSemantics::Nginx => assert_eq!(host.key_count(), 0),
+            CasSemantics::Envoy => assert_eq!(host.get(&slot_key(41, 0)).unwrap().unwrap().0, b""),
+        }
+        // A cleared slot is free again.
+        assert_eq!(
+            store
+                .charge(&host, &table, SlotAddress::single(), 100, 1, 2)
+                .unwrap()
+                .verdict
+                .granted,
+            2
         );
     }
 }

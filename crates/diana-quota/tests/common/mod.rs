@@ -328,6 +328,7 @@ pub fn rule(
         want,
         cost: 1,
         max_delay_ms: None,
+        dry_run: false,
     }
 }
 

@@ -1,0 +1,48 @@
+//! What an evaluation answers: admit, admit after a wait, reject, or make a call first.
+//! Complete data, so that the host glue only moves bytes: a rejection carries its status,
+//! body and headers; a call carries its upstream, headers, body and timeout.
+
+use crate::response::Rejection;
+use crate::time::Nanos;
+
+/// What the host must do with the request. `P` is what the evaluator needs back, with
+/// the call's reply, to finish a request it paused for a call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision<P> {
+    /// Let it through now, adding these headers to the response.
+    Allow {
+        headers: Vec<(&'static str, String)>,
+    },
+    /// Let it through at `until` (leaky bucket): pause it and resume it then.
+    Delay {
+        until: Nanos,
+        headers: Vec<(&'static str, String)>,
+    },
+    /// Answer with this local reply.
+    Reject(Rejection),
+    /// Make this call, pause the request, and hand the reply back with `P`.
+    Call(Callout, P),
+}
+
+/// An HTTP call the host makes on the filter's behalf (`dispatch_http_call`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Callout {
+    /// Envoy: a cluster name; nginx: `host:port`.
+    pub upstream: String,
+    /// `:method`, `:path`, `:authority` first, then the others.
+    pub headers: Vec<(&'static str, String)>,
+    pub body: Vec<u8>,
+    pub timeout_ms: u64,
+}
+
+/// What became of a call, as the host tells it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reply {
+    /// The host refused to make the call (unknown cluster, bad upstream).
+    NotSent(String),
+    /// No answer: timeout, connection refused or reset (a reply without headers).
+    NoAnswer,
+    /// An answer: its status (0 when unreadable) and body (`None` when it was larger than
+    /// the caller accepts).
+    Answered { status: u16, body: Option<Vec<u8>> },
+}

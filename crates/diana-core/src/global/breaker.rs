@@ -1,0 +1,164 @@
+//! The circuit breaker of global rules, shared by every worker of a gateway through one
+//! shared-data record ([`BREAKER_KEY`]): `open_until` (0 = closed). After a failure of the
+//! quota service, global rules are enforced locally with the same parameters for
+//! `retry_seconds`; then one request — whichever worker claims it first, by pushing
+//! `open_until` forward with a compare-and-swap — probes the service, and its answer
+//! closes or re-opens the breaker.
+//!
+//! A VM trusts its last reading of a *closed* breaker for [`BREAKER_CACHE`], which saves a
+//! shared-data read on every request while the service is healthy; another worker's
+//! failure reaches it within that time (its own failures open the breaker at once).
+//!
+//! A stored `open_until` further ahead than two retry periods cannot come from this clock
+//! running forward (it stepped back): it is treated as due, so a clock step keeps global
+//! rules local for at most one retry period more.
+
+use crate::store::{decode_u64, SharedData, Store};
+use crate::time::{Nanos, NANOS_PER_SECOND};
+use std::cell::Cell;
+
+/// The shared-data key of the circuit breaker.
+pub const BREAKER_KEY: &str = "diana/breaker";
+
+/// How long a VM trusts its last reading of a closed breaker.
+pub const BREAKER_CACHE: Nanos = NANOS_PER_SECOND / 10;
+
+/// What the breaker allows a request that needs the service.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gate {
+    /// Closed: call.
+    Call,
+    /// Half-open: this request probes the service.
+    Probe,
+    /// Open: stay local.
+    Local,
+}
+
+/// One VM's view of the breaker.
+#[derive(Debug)]
+pub struct Breaker {
+    retry: Nanos,
+    /// (trusted until, `open_until` read).
+    cached: Cell<(Nanos, Nanos)>,
+}
+
+impl Breaker {
+    pub fn new(retry_seconds: u32) -> Breaker {
+        Breaker {
+            retry: u64::from(retry_seconds) * NANOS_PER_SECOND,
+            cached: Cell::new((0, 0)),
+        }
+    }
+
+    /// `open_until`, from the cache while it is fresh and said "closed", else from the host.
+    fn open_until(&self, store: &Store, host: &dyn SharedData, now: Nanos) -> Nanos {
+        let (trusted_until, open_until) = self.cached.get();
+        if open_until == 0 && now < trusted_until && trusted_until - now <= BREAKER_CACHE {
+            return 0;
+        }
+        let open_until = decode_u64(store.read(host, BREAKER_KEY).ok().flatten().as_deref());
+        self.remember(open_until, now);
+        open_until
+    }
+
+    fn remember(&self, open_until: Nanos, now: Nanos) {
+        self.cached
+            .set((now.saturating_add(BREAKER_CACHE), open_until));
+    }
+
+    /// A stored instant is due at `now`, or cannot come from this clock.
+    fn due(&self, open_until: Nanos, now: Nanos) -> bool {
+        now >= open_until || open_until - now > 2 * self.retry
+    }
+
+    /// Whether a request that needs the service may call it. A request that finds the
+    /// retry period over claims the probe by pushing `open_until` forward, so that the
+    /// other workers stay local until the probe answers.
+    pub fn gate(&self, store: &Store, host: &dyn SharedData, now: Nanos) -> Gate {
+        let open_until = self.open_until(store, host, now);
+        if open_until == 0 {
+            return Gate::Call;
+        }
+        if !self.due(open_until, now) {
+            return Gate::Local;
+        }
+        let claimed = store.update(host, BREAKER_KEY, |current| {
+            let current = decode_u64(current);
+            if current == 0 {
+                (None, Gate::Call)
+            } else if self.due(current, now) {
+                let next = now.saturating_add(self.retry).max(1);
+                (Some(next.to_le_bytes().to_vec()), Gate::Probe)
+            } else {
+                (None, Gate::Local)
+            }
+        });
+        claimed.unwrap_or(Gate::Local)
+    }
+
+    /// Opens the breaker for one retry period; true when it was closed (a switch to log).
+    pub fn open(&self, store: &Store, host: &dyn SharedData, now: Nanos) -> bool {
+        self.set(store, host, now.saturating_add(self.retry).max(1), now)
+    }
+
+    /// Closes the breaker; true when it was open.
+    pub fn close(&self, store: &Store, host: &dyn SharedData, now: Nanos) -> bool {
+        self.set(store, host, 0, now)
+    }
+
+    fn set(&self, store: &Store, host: &dyn SharedData, open_until: Nanos, now: Nanos) -> bool {
+        self.remember(open_until, now);
+        store
+            .update(host, BREAKER_KEY, |current| {
+                let before = decode_u64(current);
+                let changed = (before == 0) != (open_until == 0);
+                (Some(open_until.to_le_bytes().to_vec()), changed)
+            })
+            .unwrap_or(false)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{CasSemantics, MemoryHost};
+
+    const S: Nanos = NANOS_PER_SECOND;
+
+    #[test]
+    fn opens_probes_once_and_closes() {
+        let host = MemoryHost::new(CasSemantics::Nginx);
+        let store = Store::new();
+        let (a, b) = (Breaker::new(5), Breaker::new(5));
+        let t0 = 1_000 * S;
+        assert_eq!(a.gate(&store, &host, t0), Gate::Call);
+        assert!(a.open(&store, &host, t0));
+        assert!(!a.open(&store, &host, t0), "already open: no second switch");
+        assert_eq!(a.gate(&store, &host, t0 + S), Gate::Local);
+        // b read "closed" before: it trusts that for BREAKER_CACHE only.
+        assert_eq!(b.gate(&store, &host, t0 + 4 * S), Gate::Local);
+        // After retry_seconds exactly one worker probes.
+        assert_eq!(b.gate(&store, &host, t0 + 5 * S), Gate::Probe);
+        assert_eq!(a.gate(&store, &host, t0 + 5 * S), Gate::Local);
+        assert!(b.close(&store, &host, t0 + 5 * S));
+        assert_eq!(
+            a.gate(&store, &host, t0 + 5 * S + BREAKER_CACHE),
+            Gate::Call
+        );
+    }
+
+    #[test]
+    fn a_clock_that_steps_back_never_keeps_it_open_beyond_one_retry_period() {
+        let host = MemoryHost::new(CasSemantics::Envoy);
+        let store = Store::new();
+        let breaker = Breaker::new(5);
+        let t0 = 1_000_000 * S;
+        breaker.open(&store, &host, t0);
+        // An hour back: the stored deadline is an hour and 5 s away, which no retry
+        // period explains: it is due.
+        assert_eq!(breaker.gate(&store, &host, t0 - 3_600 * S), Gate::Probe);
+        // Less than one retry period back: still open, at most one period more.
+        breaker.open(&store, &host, t0);
+        assert_eq!(breaker.gate(&store, &host, t0 - S / 2), Gate::Local);
+    }
+}
