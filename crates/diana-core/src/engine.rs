@@ -157,6 +157,15 @@ impl Engine {
         self.needs_path
     }
 
+    /// True when `raw_path` (query ignored) is the policy's `metrics.path`: the host answers
+    /// with its metrics instead of evaluating the request.
+    pub fn serves_metrics(&self, raw_path: &[u8]) -> bool {
+        self.policy
+            .metrics
+            .as_ref()
+            .is_some_and(|spec| path::normalize(raw_path).as_ref() == spec.path.as_bytes())
+    }
+
     /// True when some rule may make a request wait (the host then needs a tick to
     /// resume waiters).
     pub fn has_waiting_rules(&self) -> bool {

@@ -146,6 +146,35 @@ pub fn sanitize(name: &str) -> String {
         .collect()
 }
 
+/// The Prometheus text exposition of Diana's metrics, from `(host metric name, value,
+/// is a gauge)`: a rule counter `diana_rule_allowed.login_burst` is written
+/// `diana_rule_allowed{rule="login_burst"}`, so that one metric carries every rule.
+pub fn prometheus_text<'a>(values: impl IntoIterator<Item = (&'a str, u64, bool)>) -> String {
+    let mut families: Vec<(&str, bool, Vec<(Option<&str>, u64)>)> = Vec::new();
+    for (name, value, gauge) in values {
+        let (family, rule) = match name.split_once('.') {
+            Some((family, rule)) => (family, Some(rule)),
+            None => (name, None),
+        };
+        match families.iter_mut().find(|(known, _, _)| *known == family) {
+            Some((_, _, samples)) => samples.push((rule, value)),
+            None => families.push((family, gauge, vec![(rule, value)])),
+        }
+    }
+    let mut text = String::new();
+    for (family, gauge, samples) in families {
+        let kind = if gauge { "gauge" } else { "counter" };
+        text.push_str(&format!("# TYPE {family} {kind}\n"));
+        for (rule, value) in samples {
+            match rule {
+                Some(rule) => text.push_str(&format!("{family}{{rule=\"{rule}\"}} {value}\n")),
+                None => text.push_str(&format!("{family} {value}\n")),
+            }
+        }
+    }
+    text
+}
+
 /// Where the engine reports what happened.
 pub trait MetricSink {
     /// `rule` is the rule's index in [`crate::engine::Engine::rules`].
@@ -199,7 +228,20 @@ impl MetricSink for CountingMetrics {
 
 #[cfg(test)]
 mod tests {
-    use super::stat_name;
+    use super::{prometheus_text, stat_name};
+
+    #[test]
+    fn rule_counters_become_one_family_with_a_rule_label() {
+        let text = prometheus_text([
+            ("diana_rule_allowed.root_0", 5, false),
+            ("diana_rule_allowed.login", 1, false),
+            ("diana_global_degraded", 0, true),
+        ]);
+        assert_eq!(
+            text,
+            "# TYPE diana_rule_allowed counter\ndiana_rule_allowed{rule=\"root_0\"} 5\ndiana_rule_allowed{rule=\"login\"} 1\n# TYPE diana_global_degraded gauge\ndiana_global_degraded 0\n"
+        );
+    }
 
     #[test]
     fn rule_names_become_stat_safe() {

@@ -33,6 +33,8 @@ pub struct Policy {
     pub response: ResponseSpec,
     pub global: GlobalSpec,
     pub remote: Option<RemoteSpec>,
+    /// Where the filter answers with its metrics (nginx has no `/stats`).
+    pub metrics: Option<MetricsSpec>,
     /// Document-level dry run: count and report, never reject.
     pub dry_run: bool,
 }
@@ -204,6 +206,14 @@ impl Default for GlobalSpec {
             retry_seconds: 5,
         }
     }
+}
+
+/// `metrics:` section: the filter itself answers `GET <path>` with its metrics in the
+/// Prometheus text format, before any rule. Absent: no such path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MetricsSpec {
+    /// Normalised, starting with `/`.
+    pub path: String,
 }
 
 /// `remote:` section (config center). No defaults: absent means no config center.

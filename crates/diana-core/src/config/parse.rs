@@ -6,7 +6,8 @@
 //! - a sequence of blocks;
 //! - several `---` documents, each a block, a sequence of blocks or the full form (a
 //!   section such as `global` may be given by one document only);
-//! - the full form: `resources`, `actors`, `response`, `global`, `remote`, `dry_run`.
+//! - the full form: `resources`, `actors`, `response`, `global`, `remote`, `dry_run`,
+//!   `metrics`.
 //!
 //! The text is read twice: once as a sketch that finds the form of each document and the
 //! actor names it defines, then into the typed structures of `raw` through
@@ -16,7 +17,8 @@
 
 use super::raw::{self, ContextGuard, RawBlock, RawFull, RawRule};
 use super::{
-    ConfigError, GlobalSpec, Policy, RemoteSpec, Resource, ResponseSpec, Rule, RuleKeys, Scope,
+    ConfigError, GlobalSpec, MetricsSpec, Policy, RemoteSpec, Resource, ResponseSpec, Rule,
+    RuleKeys, Scope,
 };
 use crate::actor::{ActorDef, ActorRegistry};
 use crate::algo;
@@ -243,6 +245,7 @@ struct Collected {
     response: Option<raw::RawResponse>,
     global: Option<raw::RawGlobal>,
     remote: Option<raw::RawRemote>,
+    metrics: Option<raw::RawMetrics>,
     dry_run: Option<bool>,
 }
 
@@ -260,6 +263,9 @@ impl Collected {
         }
         if let Some(remote) = full.remote {
             self.remote = Some(remote.0);
+        }
+        if let Some(metrics) = full.metrics {
+            self.metrics = Some(metrics.0);
         }
         if let Some(dry_run) = full.dry_run {
             self.dry_run = Some(dry_run.0);
@@ -545,6 +551,9 @@ fn build(collected: Collected) -> Result<Policy, ConfigError> {
         response,
         global,
         remote,
+        metrics: collected.metrics.map(|raw| MetricsSpec {
+            path: path::normalize_str(&raw.path.0),
+        }),
         dry_run: collected.dry_run.unwrap_or(false),
     })
 }

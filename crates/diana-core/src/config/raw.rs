@@ -134,6 +134,13 @@ pub(super) struct RawFull {
     pub global: Option<Section<RawGlobal, SECTION_GLOBAL>>,
     pub remote: Option<Section<RawRemote, SECTION_REMOTE>>,
     pub dry_run: Option<Section<bool, SECTION_DRY_RUN>>,
+    pub metrics: Option<Section<RawMetrics, SECTION_METRICS>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, expecting = "the `metrics` section")]
+pub(super) struct RawMetrics {
+    pub path: PathField,
 }
 
 #[derive(Deserialize)]
@@ -172,6 +179,7 @@ pub(super) const SECTION_RESPONSE: u8 = 1;
 pub(super) const SECTION_GLOBAL: u8 = 2;
 pub(super) const SECTION_REMOTE: u8 = 3;
 pub(super) const SECTION_DRY_RUN: u8 = 4;
+pub(super) const SECTION_METRICS: u8 = 5;
 
 fn section_name(id: u8) -> &'static str {
     match id {
@@ -179,7 +187,8 @@ fn section_name(id: u8) -> &'static str {
         SECTION_RESPONSE => "response",
         SECTION_GLOBAL => "global",
         SECTION_REMOTE => "remote",
-        _ => "dry_run",
+        SECTION_DRY_RUN => "dry_run",
+        _ => "metrics",
     }
 }
 
