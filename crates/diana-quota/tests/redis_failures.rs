@@ -17,11 +17,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 async fn healthz(router: &Router) -> (StatusCode, String) {
-    let (status, _, body) = send(
-        router,
-        Request::get("/healthz").body(Body::empty()).unwrap(),
-    )
-    .await;
+    let (status, _, body) =
+        send(router, Request::get("/readyz").body(Body::empty()).unwrap()).await;
     (status, String::from_utf8_lossy(&body).into_owned())
 }
 
@@ -74,7 +71,10 @@ async fn killed_redis_gives_fast_503_and_a_restart_recovers() {
             .await
             .allowed
     );
-    assert_eq!(healthz(&router).await, (StatusCode::OK, "ok".to_string()));
+    assert_eq!(
+        healthz(&router).await,
+        (StatusCode::OK, "ready".to_string())
+    );
 
     server.kill();
     expect_fast_503(&router, &key, 5).await;
