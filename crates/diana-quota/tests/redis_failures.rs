@@ -225,6 +225,17 @@ async fn keys_carry_a_hash_tag_and_a_ttl() {
             "{algo}: PTTL {pttl} not in ({low}, {high}]"
         );
     }
+    // A debt pushes the expiry further: 15 tokens of 100 ms owed, full again in 1.5 s.
+    let debt_key = unique_key("ttl-debt");
+    let (status, body) = post_rules(
+        &router,
+        "/v1/charge",
+        vec![rule(&debt_key, "TB", 10, "second", 10, 10, 15)],
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let pttl = ttl(&format!("diana:{{{debt_key}}}:TB"));
+    assert!(pttl > 2_000 && pttl <= 2_500, "PTTL {pttl}: must cover the 1.5 s debt + 1 s");
     // A denied request writes nothing (and creates no key).
     let _ = acquire(&router, vec![rule(&denied_key, "W", 1, "hour", 1, 10, 1)]).await;
     let before = server.cli(&["HGETALL", &format!("diana:{{{denied_key}}}:W")]);
