@@ -125,11 +125,12 @@ async fn hung_redis_gives_fast_503_and_recovers() {
         assert!(started.elapsed() < Duration::from_secs(1));
     }
     until_recovered(&router, &key, Duration::from_secs(5)).await;
-    // The counter survived (the server was only paused): 1 + 1 taken of 10, and maybe one
-    // more: a request that timed out (503) while its command sat in the paused server's
-    // socket buffer runs when the server resumes. A timeout never means "not counted".
+    // The counter survived (the server was only paused): 1 + 1 taken of 10, plus each
+    // request that timed out (503) while its command sat in the paused server's socket:
+    // the connection is kept across response timeouts, so those run when the server
+    // resumes. A Redis timeout never means "not counted".
     let result = acquire_one(&router, rule(&key, "TB", 10, "hour", 10, 10, 100)).await;
-    assert!((7..=8).contains(&result.granted), "{result:?}");
+    assert!((5..=8).contains(&result.granted), "{result:?}");
 }
 
 /// Sends SIGCONT to a stopped server when dropped.
@@ -235,7 +236,10 @@ async fn keys_carry_a_hash_tag_and_a_ttl() {
     .await;
     assert_eq!(status, StatusCode::OK, "{body}");
     let pttl = ttl(&format!("diana:{{{debt_key}}}:TB"));
-    assert!(pttl > 2_000 && pttl <= 2_500, "PTTL {pttl}: must cover the 1.5 s debt + 1 s");
+    assert!(
+        pttl > 2_000 && pttl <= 2_500,
+        "PTTL {pttl}: must cover the 1.5 s debt + 1 s"
+    );
     // A denied request writes nothing (and creates no key).
     let _ = acquire(&router, vec![rule(&denied_key, "W", 1, "hour", 1, 10, 1)]).await;
     let before = server.cli(&["HGETALL", &format!("diana:{{{denied_key}}}:W")]);

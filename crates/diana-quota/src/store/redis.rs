@@ -498,7 +498,13 @@ impl<C: Clone> Lazy<C> {
 }
 
 /// Whether an error means the connection should be replaced.
+/// A response timeout does not: the connection stays usable (the late answer is dropped),
+/// and reconnecting on every slow answer under load would turn a slow Redis into a
+/// reconnect storm with its back-off of fast 503s.
 fn needs_reconnect(error: &RedisError) -> bool {
+    if error.is_timeout() {
+        return false;
+    }
     match error.kind() {
         ErrorKind::Server(ServerErrorKind::ReadOnly) => true,
         ErrorKind::Server(_) | ErrorKind::Extension => false,
