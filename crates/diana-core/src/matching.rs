@@ -103,6 +103,7 @@ mod tests {
                 .collect(),
             response: ResponseSpec::default(),
             global: GlobalSpec::default(),
+            metrics: None,
             remote: None,
             dry_run: false,
         }

@@ -150,7 +150,9 @@ pub fn sanitize(name: &str) -> String {
 /// is a gauge)`: a rule counter `diana_rule_allowed.login_burst` is written
 /// `diana_rule_allowed{rule="login_burst"}`, so that one metric carries every rule.
 pub fn prometheus_text<'a>(values: impl IntoIterator<Item = (&'a str, u64, bool)>) -> String {
-    let mut families: Vec<(&str, bool, Vec<(Option<&str>, u64)>)> = Vec::new();
+    /// (family, is a gauge, samples by rule).
+    type Family<'n> = (&'n str, bool, Vec<(Option<&'n str>, u64)>);
+    let mut families: Vec<Family<'a>> = Vec::new();
     for (name, value, gauge) in values {
         let (family, rule) = match name.split_once('.') {
             Some((family, rule)) => (family, Some(rule)),

@@ -43,6 +43,8 @@ pub const MAX_WANT: u32 = 100_000;
 pub const MAX_BODY_BYTES: usize = 64 * 1024;
 /// Longest delay `/v1/wait` sleeps before answering, in milliseconds.
 pub const MAX_WAIT_MS: u64 = 10_000;
+/// Largest `max_delay_ms` (a day); leave the field out for no cap.
+pub const MAX_DELAY_MS: u64 = 86_400_000;
 
 /// `POST /v1/acquire` and `POST /v1/wait` body: every global rule of one gateway request.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -232,6 +234,12 @@ impl RuleRequest {
                     self.cost
                 )
             })?;
+        if let Some(ms) = self.max_delay_ms.filter(|&ms| ms > MAX_DELAY_MS) {
+            return Err(format!(
+                "{}: at most {MAX_DELAY_MS} (a day; leave it out for no cap), got {ms}",
+                field("max_delay_ms")
+            ));
+        }
         let limit = Limit {
             rpu,
             unit,
@@ -678,6 +686,14 @@ mod tests {
             validate(&request(vec![costly])).unwrap_err(),
             "rules[0].cost: 11 is more than the limit can ever grant (10)"
         );
+        let mut late = rule();
+        late.max_delay_ms = Some(MAX_DELAY_MS + 1);
+        assert_eq!(
+            validate(&request(vec![late.clone()])).unwrap_err(),
+            "rules[0].max_delay_ms: at most 86400000 (a day; leave it out for no cap), got 86400001"
+        );
+        late.max_delay_ms = Some(MAX_DELAY_MS);
+        assert!(validate(&request(vec![late])).is_ok());
         let body = br#"{"rules":[{"key":"k","algo":"LB","rpu":1,"unit":"hour","burst":1,"slices":1,"max_delay_ms":10000}]}"#;
         let decoded = decode_request(body).unwrap();
         let resolved = decoded.resolve().unwrap();

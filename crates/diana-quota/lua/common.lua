@@ -1,11 +1,37 @@
--- diana-quota: the helpers every script shares. Not a script itself: it is put in front
--- of window.lua, sliding.lua, leaky.lua and token.lua when the service is built
--- (src/store/redis.rs), and the text sent to Redis (and hashed for EVALSHA) is this file
--- followed by the algorithm's. Each algorithm's own header documents its KEYS, ARGV and
--- reply.
+-- diana-quota: what every algorithm shares, and the registry they join. Not a script by
+-- itself: the service sends Redis ONE script, made of this file, then window.lua,
+-- sliding.lua, leaky.lua and token.lua (each adds its algorithm to ALGOS), then decide.lua
+-- (the entry point: it documents KEYS and ARGV as a whole and runs the operation over
+-- every rule of one request). Each algorithm's header documents its KEYS[i], its part of
+-- ARGV, its state and its marks.
+--
+-- Every algorithm is a table of pure functions over a state table (nothing is written
+-- until decide.lua commits):
+--   nparams                 how many ARGV values its parameters take
+--   parse(argv, p)          its parameters from ARGV[p ..], or nil when they are bad
+--   load(key)               the state as stored (a missing key reads as fresh)
+--   check(P, S, now, need, want) -> V, S2
+--                           grants min(want, available) when at least `need` are
+--                           available, else nothing: V is the verdict (below), S2 the
+--                           state after it (S itself when nothing is granted). want = 0
+--                           is a read-only probe.
+--   release(P, S, now, tokens, m1, m2) -> S2 or nil
+--                           gives back `tokens` of a grant whose verdict had marks m1, m2
+--                           (nil: nothing to change)
+--   debt(P, S, now, tokens) -> V, S2   (nil for an algorithm without debts)
+--                           charges `tokens` whatever is left
+--   store(key, P, S, now)   writes S and its expiry (when S is idle again, plus 1 s)
+--   waits                   true when an admitted request may have to wait (delay)
+-- A verdict V: granted, remaining, reset, retry, delay (microseconds, rounded up), m1, m2
+-- (the marks: where the grant was counted, for a later release).
+--
+-- The math is the Rust algorithms' (crates/diana-core/src/algo), step for step, clock
+-- steps back and garbage included; tests/lua_matches_rust.rs checks that they agree.
 --
 -- Arithmetic: Lua numbers are doubles; every value stays an integer < 2^53 and divisions
 -- are corrected to exact floor division.
+
+local ALGOS = {}
 
 -- floor(a / b) and a - floor(a / b)*b, exactly
 local function divmod(a, b)
@@ -27,6 +53,13 @@ local function ceil_ms(us)
   return q
 end
 
+-- an integer argument (a whole number), or nil
+local function whole(s)
+  local x = tonumber(s)
+  if x and x == math.floor(x) then return x end
+  return nil
+end
+
 -- "now" in microseconds since the epoch: `arg` (the tests' clock) when given and not
 -- empty, else the server clock (redis TIME), so every gateway uses the same clock
 local function clock(arg)
@@ -37,109 +70,109 @@ local function clock(arg)
   return tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
 
--- KEYS[1] expires `reset_us` from now, plus 1 s
-local function expire(reset_us)
-  redis.call('PEXPIRE', KEYS[1], int(ceil_ms(reset_us) + 1000))
+-- `key` expires `ttl_us` from now, plus 1 s
+local function expire(key, ttl_us)
+  if ttl_us < 0 then ttl_us = 0 end
+  redis.call('PEXPIRE', key, int(ceil_ms(ttl_us) + 1000))
 end
 
--- token.lua and leaky.lua: GCRA on the hash KEYS[1] {u, f} (TAT), ARGV[1..7] as their
--- headers document them. Reads and checks the arguments, then the clock and the stored
--- TAT. Returns nil and an error reply naming `script` for bad arguments, else a table:
---   t_us, t_rem, b_us, b_rem, want   the arguments: T, B and want
---   d_us, d_f             d = max(TAT, now) - now >= 0
---   le, add, sub, ceil_us, fit, fit_all   exact rational time (below)
---   take(granted)         writes TAT = max(TAT, now) + granted*T and its expiry; returns
---                         e_us, e_f, reset_us: e = the new TAT - now, reset_us = ceil(e)
-local function gcra(script)
-  local den = tonumber(ARGV[1])
-  local t_us = tonumber(ARGV[2])
-  local t_rem = tonumber(ARGV[3])
-  local b_us = tonumber(ARGV[4])
-  local b_rem = tonumber(ARGV[5])
-  local want = tonumber(ARGV[6])
-  if not den or den < 1 or not t_us or t_us < 0 or not t_rem or t_rem < 0 or t_rem >= den
-      or (t_us == 0 and t_rem == 0) or not b_us or b_us < 0 or not b_rem or b_rem < 0
-      or b_rem >= den or not want or want < 1 then
-    return nil, redis.error_reply('ERR diana ' .. script .. ': bad arguments')
-  end
+-- ---------------------------------------------------------------------------------------
+-- Exact rational time for the buckets (token.lua, leaky.lua): (us, f) means us + f/den
+-- microseconds, 0 <= f < den, where den = rpu.
 
-  local now = clock(ARGV[7])
+local function q_le(a_us, a_f, b_us, b_f)
+  return a_us < b_us or (a_us == b_us and a_f <= b_f)
+end
 
-  -- Exact rational time: (us, f) means us + f/den microseconds, 0 <= f < den.
-  local function le(a_us, a_f, b_us, b_f)
-    return a_us < b_us or (a_us == b_us and a_f <= b_f)
-  end
-  local function add(a_us, a_f, b_us, b_f)
-    local carry, f = divmod(a_f + b_f, den)
-    return a_us + b_us + carry, f
-  end
-  local function sub(a_us, a_f, b_us, b_f) -- a - b, with a >= b
-    local us, f = a_us - b_us, a_f - b_f
-    if f < 0 then f = f + den; us = us - 1 end
-    return us, f
-  end
-  local function ceil_us(us, f)
-    if f > 0 then return us + 1 end
-    return us
-  end
-  -- k*T, exact for k <= 2^20 (k*t_rem < 2^52)
-  local function times_t(k)
-    local carry, f = divmod(k * t_rem, den)
-    return k * t_us + carry, f
-  end
-  local EXACT = 1048576
-  -- the largest k in [0, cap] with k*T <= x (cap <= 2^20): estimate, then correct exactly
-  local function fit(x_us, x_f, cap)
-    local k = math.floor((x_us + x_f / den) / (t_us + t_rem / den))
-    if k > cap then k = cap end
-    if k < 0 then k = 0 end
-    while k > 0 do
-      local m_us, m_f = times_t(k)
-      if le(m_us, m_f, x_us, x_f) then break end
-      k = k - 1
-    end
-    while k < cap do
-      local m_us, m_f = times_t(k + 1)
-      if not le(m_us, m_f, x_us, x_f) then break end
-      k = k + 1
-    end
-    return k
-  end
-  -- the largest k with k*T <= x; exact below 2^20, estimated above (only reported, never granted)
-  local function fit_all(x_us, x_f)
-    local k = fit(x_us, x_f, EXACT)
-    if k == EXACT then
-      k = math.floor((x_us + x_f / den) / (t_us + t_rem / den))
-    end
-    return k
-  end
+local function q_add(den, a_us, a_f, b_us, b_f)
+  local carry, f = divmod(a_f + b_f, den)
+  return a_us + b_us + carry, f
+end
 
-  local state = redis.call('HMGET', KEYS[1], 'u', 'f')
-  local tat_us = tonumber(state[1]) or 0
-  local tat_f = tonumber(state[2]) or 0
-  if tat_us < 0 or tat_f < 0 or tat_f >= den then
-    tat_us, tat_f = 0, 0
-  end
-  -- base = max(TAT, now); d = base - now >= 0
-  local base_us, base_f = tat_us, tat_f
-  if le(tat_us, tat_f, now, 0) then
-    base_us, base_f = now, 0
-  end
-  local d_us, d_f = sub(base_us, base_f, now, 0)
+-- a - b, or 0 when b >= a
+local function q_sub(den, a_us, a_f, b_us, b_f)
+  if q_le(a_us, a_f, b_us, b_f) then return 0, 0 end
+  local us, f = a_us - b_us, a_f - b_f
+  if f < 0 then f = f + den; us = us - 1 end
+  return us, f
+end
 
-  local function take(granted)
-    local g_us, g_f = times_t(granted)
-    local n_us, n_f = add(base_us, base_f, g_us, g_f)
-    local e_us, e_f = sub(n_us, n_f, now, 0)
-    local reset = ceil_us(e_us, e_f)
-    redis.call('HSET', KEYS[1], 'u', int(n_us), 'f', int(n_f))
-    expire(reset)
-    return e_us, e_f, reset
-  end
+local function q_ceil(us, f)
+  if f > 0 then return us + 1 end
+  return us
+end
 
-  return {
-    t_us = t_us, t_rem = t_rem, b_us = b_us, b_rem = b_rem, want = want, d_us = d_us,
-    d_f = d_f, le = le, add = add, sub = sub, ceil_us = ceil_us, fit = fit,
-    fit_all = fit_all, take = take,
+-- The buckets' parameters, ARGV[p .. p+4]: den = rpu, T = t_us + t_rem/den (the interval),
+-- B = b_us + b_rem/den (burst*T). unit = T*den, the unit in microseconds.
+local function bucket_parse(argv, p)
+  local P = {
+    den = whole(argv[p]), t_us = whole(argv[p + 1]), t_rem = whole(argv[p + 2]),
+    b_us = whole(argv[p + 3]), b_rem = whole(argv[p + 4]),
   }
+  if not P.den or P.den < 1 or not P.t_us or P.t_us < 0 or not P.t_rem or P.t_rem < 0
+      or P.t_rem >= P.den or (P.t_us == 0 and P.t_rem == 0) or not P.b_us or P.b_us < 0
+      or not P.b_rem or P.b_rem < 0 or P.b_rem >= P.den then
+    return nil
+  end
+  P.unit = P.t_us * P.den + P.t_rem
+  return P
+end
+
+-- k*T, exact for k <= 2^20 (k*t_rem < 2^52)
+local function bucket_times(P, k)
+  local carry, f = divmod(k * P.t_rem, P.den)
+  return k * P.t_us + carry, f
+end
+
+local EXACT = 1048576
+
+-- the largest k in [0, cap] with k*T <= x (cap <= 2^20): estimate, then correct exactly
+local function bucket_fit(P, x_us, x_f, cap)
+  local k = math.floor((x_us + x_f / P.den) / (P.t_us + P.t_rem / P.den))
+  if k > cap then k = cap end
+  if k < 0 then k = 0 end
+  while k > 0 do
+    local m_us, m_f = bucket_times(P, k)
+    if q_le(m_us, m_f, x_us, x_f) then break end
+    k = k - 1
+  end
+  while k < cap do
+    local m_us, m_f = bucket_times(P, k + 1)
+    if not q_le(m_us, m_f, x_us, x_f) then break end
+    k = k + 1
+  end
+  return k
+end
+
+-- the largest k with k*T <= x; exact below 2^20, estimated above (only reported, never granted)
+local function bucket_fit_all(P, x_us, x_f)
+  local k = bucket_fit(P, x_us, x_f, EXACT)
+  if k == EXACT then
+    k = math.floor((x_us + x_f / P.den) / (P.t_us + P.t_rem / P.den))
+  end
+  return k
+end
+
+-- the stored instant {u, f}; missing or malformed reads as the epoch (0, 0)
+local function bucket_load(key)
+  local raw = redis.call('HMGET', key, 'u', 'f')
+  local S = { u = whole(raw[1]) or 0, f = whole(raw[2]) or 0 }
+  if S.u < 0 or S.f < 0 then S.u, S.f = 0, 0 end
+  return S
+end
+
+-- max(stored, now), except that a stored instant more than `ahead` plus one unit beyond
+-- now cannot come from a clock step and reads as now (garbage)
+local function bucket_start(P, S, now, ahead_us, ahead_f)
+  local f = S.f
+  if f >= P.den then return now, 0 end
+  local lim_us, lim_f = q_add(P.den, now, 0, ahead_us + P.unit, ahead_f)
+  if not q_le(S.u, f, lim_us, lim_f) then return now, 0 end
+  if q_le(S.u, f, now, 0) then return now, 0 end
+  return S.u, f
+end
+
+local function bucket_store(key, P, S, now)
+  redis.call('HSET', key, 'u', int(S.u), 'f', int(S.f))
+  expire(key, q_ceil(q_sub(P.den, S.u, S.f, now, 0)))
 end

@@ -1,103 +1,184 @@
--- diana-quota: sliding window (SW). One atomic decision for one counter.
+-- diana-quota: sliding window (SW) (crates/diana-core/src/algo/sliding.rs).
 --
--- The unit is split into `slices` slices, aligned to the unit from the Unix epoch:
--- slice i covers [start(i), start(i+1)) with start(i) = q*unit + ceil(s*unit/slices)
--- where i = q*slices + s. A request at `now` falls in slice cur = floor(now*slices/unit).
--- It is allowed while the sum of the last `slices` slices (cur included) is < rpu;
--- granted = min(want, rpu - sum), so no window of one unit aligned to slice boundaries
--- ever holds more than rpu tokens. A denied request writes nothing.
+-- The unit is split into `slices` slices, aligned to the unit from the Unix epoch: slice
+-- g covers [start(g), start(g+1)) with start(g) = q*unit + ceil(s*unit/slices) where
+-- g = q*slices + s; `now` falls in slice floor(now*slices/unit). The head h is the latest
+-- slice written; requests are counted in the effective slice max(h, current), so a clock
+-- that went backwards counts in the head, never in an earlier slice. A request is
+-- admitted while the counts of the last `slices` slices up to the effective one leave
+-- room: it gets min(want, rpu - sum) if that is >= need. A denial writes nothing. A head
+-- more than one unit ahead of the clock reads as fresh (garbage).
 --
--- KEYS[1]  state: hash `diana:{<key>}:SW`, field = absolute slice index (decimal),
---          value = tokens granted in that slice. Fields that left the window are deleted
---          on the next write; the key expires when its newest slice leaves the window + 1 s.
--- ARGV[1]  rpu: tokens per unit, integer >= 1
--- ARGV[2]  unit in microseconds (1e6 second, 6e7 minute, 3.6e9 hour, 8.64e10 day)
--- ARGV[3]  slices per unit, integer 1..60
--- ARGV[4]  want: tokens asked for, integer >= 1
--- ARGV[5]  optional, tests only: "now" in microseconds since the epoch; absent or empty ->
---          the server clock (redis TIME)
+-- Debts are counted in the effective slice like any request: the window stays over its
+-- limit until that slice has left it. A release takes tokens off the slice its grant was
+-- counted in (the mark), if that slice is still in the window.
 --
--- Returns {granted, remaining, reset_us, retry_after_us, delay_us}:
---   granted        tokens granted, 0..want (0 = denied)
---   remaining      rpu - sum after this decision
---   reset_us       microseconds until every counted slice has left the window
---   retry_after_us when denied: microseconds until enough old slices have left for the sum
---                  to drop below rpu; else 0
---   delay_us       always 0
+-- KEYS[i]  state: hash `diana:{<key>}:SW`, fields
+--            h = the head slice (absolute index, decimal)
+--            <g> = tokens counted in slice g, for the slices h-slices+1 .. h that hold any
+--          expires when the head slice leaves the window + 1 s
+-- ARGV (the rule's parameters, after its code "SW"; see decide.lua for the rest):
+--   rpu            tokens per unit, integer >= 1
+--   unit           the unit in microseconds (1e6 second, 6e7 minute, 3.6e9 hour, 8.64e10 day)
+--   slices         slices per unit, integer 1..60
+-- Verdict: remaining = rpu - sum after the decision; reset = until every counted slice has
+-- left the window; retry = until enough old slices have left for `need` to fit; delay = 0;
+-- marks = the effective slice, 0.
 --
--- Arithmetic: integers < 2^53 only (now ~ 2^51 us, (now mod unit)*slices < 2^43),
--- divisions corrected to exact floor division.
---
--- divmod, int, clock and expire come from common.lua, which is put in front of this file.
+-- Arithmetic: integers < 2^53 only (now ~ 2^51 us, (now mod unit)*slices < 2^43).
 
-local rpu = tonumber(ARGV[1])
-local unit = tonumber(ARGV[2])
-local slices = tonumber(ARGV[3])
-local want = tonumber(ARGV[4])
-if not rpu or rpu < 1 or not unit or unit < 1 or not slices or slices < 1 or not want or want < 1 then
-  return redis.error_reply('ERR diana sliding.lua: bad arguments')
-end
-
-local now = clock(ARGV[5])
-
--- start time (us) of absolute slice i
-local function slice_start(i)
-  local q, s = divmod(i, slices)
-  local offset, rest = divmod(s * unit, slices)
+-- first microsecond of slice g
+local function sw_start(P, g)
+  local q, s = divmod(g, P.slices)
+  local offset, rest = divmod(s * P.unit, P.slices)
   if rest > 0 then offset = offset + 1 end
-  return q * unit + offset
+  return q * P.unit + offset
 end
 
-local q, into = divmod(now, unit)
-local s = divmod(into * slices, unit)
-local cur = q * slices + s
-local oldest = cur - slices + 1
+-- microseconds from now until slice g has left the window
+local function sw_until_expired(P, g, now)
+  return math.max(sw_start(P, g + P.slices) - now, 0)
+end
 
-local flat = redis.call('HGETALL', KEYS[1])
-local counts = {}
-local indices = {}
-local stale = {}
-local sum = 0
-for n = 1, #flat, 2 do
-  local index = tonumber(flat[n])
-  local count = tonumber(flat[n + 1]) or 0
-  if index and index >= oldest and count > 0 then
-    counts[index] = count
-    indices[#indices + 1] = index
-    sum = sum + count
-  else
-    stale[#stale + 1] = flat[n]
+-- the state as seen at `now`: head, effective slice, whether the stored ring is usable,
+-- and `counted`, the slices in the window up to the head with their counts, oldest first
+local function sw_view(P, S, now)
+  local n = P.slices
+  local q, into = divmod(now, P.unit)
+  local current = q * n + divmod(into * n, P.unit)
+  local L = { head = current, effective = current, usable = false, counted = {}, sum = 0 }
+  if S.h and S.h <= current + n then
+    L.head, L.effective, L.usable = S.h, math.max(S.h, current), true
   end
+  L.oldest = math.max(L.effective - (n - 1), 0)
+  if L.usable then
+    for g, count in pairs(S.counts) do
+      if g >= L.oldest and g <= L.head then
+        L.counted[#L.counted + 1] = g
+        L.sum = L.sum + count
+      end
+    end
+    table.sort(L.counted)
+  end
+  return L
 end
-table.sort(indices)
 
-local available = rpu - sum
-if available < 0 then available = 0 end
-local granted = math.min(want, available)
+-- microseconds until enough of the oldest counted slices have left the window to free
+-- `must_free` tokens (`fallback` when they never do)
+local function sw_freed_after(P, L, S, now, must_free, fallback)
+  local freed = 0
+  for _, g in ipairs(L.counted) do
+    freed = freed + S.counts[g]
+    if freed >= must_free then return sw_until_expired(P, g, now) end
+  end
+  return fallback
+end
 
-if granted < 1 then
-  local newest = indices[#indices]
-  local reset = slice_start(newest + slices) - now
-  local retry = reset
-  local running = sum
-  for _, index in ipairs(indices) do
-    running = running - counts[index]
-    if running < rpu then
-      retry = slice_start(index + slices) - now
-      break
+-- the state after counting `tokens` in the effective slice: the slices that left the
+-- window are dropped (all of them for a garbage head or a gap of a unit or more)
+local function sw_record(P, L, S, tokens)
+  local counts = {}
+  if L.usable and L.effective - L.head < P.slices then
+    local keep = L.effective - P.slices + 1
+    for g, count in pairs(S.counts) do
+      if g >= keep and g <= L.head then counts[g] = count end
     end
   end
-  return {0, 0, reset, retry, 0}
+  counts[L.effective] = (counts[L.effective] or 0) + tokens
+  return { h = L.effective, counts = counts }
 end
 
-redis.call('HINCRBY', KEYS[1], int(cur), int(granted))
-if #stale > 0 then
-  redis.call('HDEL', KEYS[1], unpack(stale))
-end
-local newest = cur
-if #indices > 0 and indices[#indices] > newest then
-  newest = indices[#indices]
-end
-local reset = slice_start(newest + slices) - now
-expire(reset)
-return {granted, available - granted, reset, 0, 0}
+ALGOS.SW = {
+  nparams = 3,
+  waits = false,
+
+  parse = function(argv, p)
+    local P = { rpu = whole(argv[p]), unit = whole(argv[p + 1]), slices = whole(argv[p + 2]) }
+    if not P.rpu or P.rpu < 1 or not P.unit or P.unit < 1 or not P.slices or P.slices < 1 then
+      return nil
+    end
+    return P
+  end,
+
+  load = function(key)
+    local flat = redis.call('HGETALL', key)
+    local S = { h = nil, counts = {} }
+    for n = 1, #flat, 2 do
+      local field, value = flat[n], whole(flat[n + 1])
+      if field == 'h' then
+        S.h = value
+      else
+        local g = whole(field)
+        if g and value and value > 0 then S.counts[g] = value end
+      end
+    end
+    return S
+  end,
+
+  store = function(key, P, S, now)
+    local fields = { 'h', int(S.h) }
+    for g, count in pairs(S.counts) do
+      if count > 0 then
+        fields[#fields + 1] = int(g)
+        fields[#fields + 1] = int(count)
+      end
+    end
+    redis.call('DEL', key)
+    redis.call('HSET', key, unpack(fields))
+    expire(key, sw_until_expired(P, S.h, now))
+  end,
+
+  check = function(P, S, now, need, want)
+    local L = sw_view(P, S, now)
+    local available = math.max(P.rpu - L.sum, 0)
+    local granted = 0
+    if want > 0 and available >= need then granted = math.min(want, available) end
+    local newest = nil
+    if granted > 0 then
+      newest = L.effective
+    else
+      for _, g in ipairs(L.counted) do
+        if S.counts[g] > 0 then newest = g end
+      end
+    end
+    local reset = 0
+    if newest then reset = sw_until_expired(P, newest, now) end
+    local V = {
+      granted = granted, remaining = available - granted, reset = reset, retry = 0,
+      delay = 0, m1 = L.effective, m2 = 0,
+    }
+    if granted < 1 then
+      if want > 0 then
+        local must_free = math.max(L.sum + need - P.rpu, 0)
+        V.retry = math.max(sw_freed_after(P, L, S, now, must_free, reset), 1)
+      end
+      return V, S
+    end
+    return V, sw_record(P, L, S, granted)
+  end,
+
+  release = function(P, S, now, tokens, m1, m2)
+    local L = sw_view(P, S, now)
+    if not L.usable or m1 < L.oldest or m1 > L.head then return nil end
+    local counts = {}
+    for g, count in pairs(S.counts) do counts[g] = count end
+    counts[m1] = math.max((counts[m1] or 0) - tokens, 0)
+    return { h = S.h, counts = counts }
+  end,
+
+  debt = function(P, S, now, tokens)
+    local L = sw_view(P, S, now)
+    local sum = L.sum + tokens
+    local reset = sw_until_expired(P, L.effective, now)
+    local S2 = sw_record(P, L, S, tokens)
+    local V = {
+      granted = 0, remaining = math.max(P.rpu - sum, 0), reset = reset, retry = 0,
+      delay = 0, m1 = L.effective, m2 = 0,
+    }
+    if sum >= P.rpu then
+      local after = sw_view(P, S2, now)
+      V.retry = math.max(sw_freed_after(P, after, S2, now, sum + 1 - P.rpu, reset), 1)
+    end
+    return V, S2
+  end,
+}

@@ -1,56 +1,93 @@
--- diana-quota: fixed window (W). One atomic decision for one counter.
+-- diana-quota: fixed window (W) (crates/diana-core/src/algo/window.rs).
 --
 -- Windows are aligned to the unit from the Unix epoch (UTC): window n covers
--- [n*unit, (n+1)*unit). At most `rpu` tokens are granted per window;
--- granted = min(want, rpu - count). A denied request writes nothing.
+-- [n*unit, (n+1)*unit). At most `rpu` tokens are granted per window: a request that needs
+-- `need` and wants `want` gets min(want, rpu - count) if that is >= need. A denial writes
+-- nothing.
 --
--- KEYS[1]  state: hash `diana:{<key>}:W` with fields
+-- Clock going backwards: a request is counted in the stored, later window, never in an
+-- earlier one; a stored window more than one window ahead of the clock reads as fresh
+-- (garbage). Debts leave the count above rpu until the window ends. A release takes the
+-- tokens off the count if their window (the mark) is still the stored one.
+--
+-- KEYS[i]  state: hash `diana:{<key>}:W`, fields
 --            w = index of the window the count belongs to (floor(now / unit))
---            c = tokens granted in window w
---          expires at the end of window w + 1 s (PEXPIRE on every write)
--- ARGV[1]  rpu: tokens per window, integer >= 1
--- ARGV[2]  unit: window length in microseconds (1e6 second, 6e7 minute, 3.6e9 hour, 8.64e10 day)
--- ARGV[3]  want: tokens asked for, integer >= 1
--- ARGV[4]  optional, tests only: "now" in microseconds since the epoch; absent or empty ->
---          the server clock (redis TIME), so every gateway uses the same clock
+--            c = tokens counted in window w (above rpu only after a debt)
+--          expires at the end of window w + 1 s
+-- ARGV (the rule's parameters, after its code "W"; see decide.lua for the rest):
+--   rpu            tokens per window, integer >= 1
+--   unit           window length in microseconds (1e6 second, 6e7 minute, 3.6e9 hour,
+--                  8.64e10 day)
+-- Verdict: remaining = tokens left in the window; reset = until the window ends; retry =
+-- until the window ends; delay = 0; marks = the window, 0.
 --
--- Returns {granted, remaining, reset_us, retry_after_us, delay_us}:
---   granted        tokens granted, 0..want (0 = denied)
---   remaining      tokens still available in this window after this decision
---   reset_us       microseconds until the window ends (the count starts again at 0)
---   retry_after_us when denied: microseconds until a token is available (the window end); else 0
---   delay_us       always 0
---
--- Arithmetic: Lua numbers are doubles; every value here is an integer < 2^53
--- (now ~ 2^51 microseconds), and divisions are corrected to exact floor division.
---
--- divmod, int, clock and expire come from common.lua, which is put in front of this file.
+-- Arithmetic: integers < 2^53 only (now ~ 2^51 microseconds).
 
-local rpu = tonumber(ARGV[1])
-local unit = tonumber(ARGV[2])
-local want = tonumber(ARGV[3])
-if not rpu or rpu < 1 or not unit or unit < 1 or not want or want < 1 then
-  return redis.error_reply('ERR diana window.lua: bad arguments')
+local function w_view(P, S, now)
+  local current = divmod(now, P.unit)
+  if not S.w or S.w < current or S.w > current + 1 then
+    return { w = current, c = 0 }
+  end
+  return { w = S.w, c = S.c }
 end
 
-local now = clock(ARGV[4])
-
-local window, into = divmod(now, unit)
-local reset = unit - into
-
-local state = redis.call('HMGET', KEYS[1], 'w', 'c')
-local count = 0
-if tonumber(state[1]) == window then
-  count = tonumber(state[2]) or 0
+local function w_until_end(P, L, now)
+  return math.max((L.w + 1) * P.unit - now, 0)
 end
 
-local available = rpu - count
-if available < 0 then available = 0 end
-local granted = math.min(want, available)
-if granted < 1 then
-  return {0, 0, reset, reset, 0}
-end
+ALGOS.W = {
+  nparams = 2,
+  waits = false,
 
-redis.call('HSET', KEYS[1], 'w', int(window), 'c', int(count + granted))
-expire(reset)
-return {granted, available - granted, reset, 0, 0}
+  parse = function(argv, p)
+    local P = { rpu = whole(argv[p]), unit = whole(argv[p + 1]) }
+    if not P.rpu or P.rpu < 1 or not P.unit or P.unit < 1 then return nil end
+    return P
+  end,
+
+  load = function(key)
+    local raw = redis.call('HMGET', key, 'w', 'c')
+    return { w = whole(raw[1]), c = whole(raw[2]) or 0 }
+  end,
+
+  store = function(key, P, S, now)
+    redis.call('HSET', key, 'w', int(S.w), 'c', int(S.c))
+    expire(key, w_until_end(P, S, now))
+  end,
+
+  check = function(P, S, now, need, want)
+    local L = w_view(P, S, now)
+    local available = math.max(P.rpu - L.c, 0)
+    local granted = 0
+    if want > 0 and available >= need then granted = math.min(want, available) end
+    local reset = w_until_end(P, L, now)
+    local V = {
+      granted = granted, remaining = available - granted, reset = reset, retry = 0,
+      delay = 0, m1 = L.w, m2 = 0,
+    }
+    if granted < 1 then
+      if want > 0 then V.retry = math.max(reset, 1) end
+      return V, S
+    end
+    return V, { w = L.w, c = L.c + granted }
+  end,
+
+  release = function(P, S, now, tokens, m1, m2)
+    local L = w_view(P, S, now)
+    if L.w ~= m1 then return nil end
+    return { w = L.w, c = math.max(L.c - tokens, 0) }
+  end,
+
+  debt = function(P, S, now, tokens)
+    local L = w_view(P, S, now)
+    local c = L.c + tokens
+    local remaining = math.max(P.rpu - c, 0)
+    local reset = w_until_end(P, L, now)
+    local V = {
+      granted = 0, remaining = remaining, reset = reset, retry = 0, delay = 0, m1 = L.w,
+      m2 = 0,
+    }
+    if remaining < 1 then V.retry = math.max(reset, 1) end
+    return V, { w = L.w, c = c }
+  end,
+}

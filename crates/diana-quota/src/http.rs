@@ -1,12 +1,22 @@
 //! The HTTP API (see `docs/wire-format.md`):
 //!
-//! - `POST /v1/acquire`: decide every rule of one gateway request.
+//! - `POST /v1/acquire`: decide every rule of one gateway request, all or nothing.
 //! - `POST /v1/wait`: the same, but the service waits out leaky-bucket delays itself.
-//! - `GET /healthz`: `200 ok`, or `503` when the store is down.
+//! - `POST /v1/charge`: charge response costs past the limits (debts).
+//! - `GET /healthz`: liveness, `200 ok` while the process serves.
+//! - `GET /readyz`: readiness, `200 ready`, or `503` when the store is unreachable or the
+//!   service is shutting down.
 //! - `GET /metrics`: Prometheus (OpenMetrics) text.
+//!
+//! Holding under load: at most [`Settings::max_in_flight`] decisions are made at once; one
+//! more is refused at once with `503 {"error":"overloaded"}` (shed, before its body is
+//! read). Every decision is answered before its deadline, `min(Settings::deadline,
+//! x-diana-timeout-ms − Settings::timeout_margin)` after it arrived (503 at worst), so
+//! the answer reaches the gateway before it gives up; a grant whose store answer comes
+//! later is given back (`Store::release`) instead of being lost to nobody.
 
 use crate::metrics::{self, Metrics};
-use crate::store::{Store, StoreError};
+use crate::store::{Outcome, Store, StoreError};
 use axum::body::Body;
 use axum::extract::{MatchedPath, Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
@@ -14,23 +24,42 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use diana_core::global::wire::{self, AcquireRequest, AcquireResponse, ErrorResponse, RuleResult};
+use diana_core::global::wire::{
+    self, AcquireRequest, AcquireResponse, ErrorResponse, ResolvedRule, RuleResult,
+};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
+
+/// The error text of a shed request.
+pub const OVERLOADED: &str = "overloaded";
 
 /// Tunables of the HTTP layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Settings {
-    /// Longest a store decision may take before the answer is 503.
-    pub store_deadline: Duration,
+    /// The longest the service takes to answer a decision (503 at worst). Shorter than the
+    /// gateway's callout timeout (50 ms by default), so the answer arrives in time.
+    pub deadline: Duration,
+    /// With `x-diana-timeout-ms: T`, the answer comes before `T − timeout_margin` (the
+    /// network and the gateway's own scheduling take the rest).
+    pub timeout_margin: Duration,
+    /// Decisions made at once; one more is shed (503 overloaded).
+    pub max_in_flight: usize,
     /// Longest `/v1/wait` sleeps.
     pub max_wait: Duration,
 }
 
+/// The gateway's default callout timeout (`global.timeout_ms`).
+pub const GATEWAY_TIMEOUT: Duration = Duration::from_millis(50);
+
 impl Default for Settings {
     fn default() -> Self {
         Settings {
-            store_deadline: Duration::from_millis(750),
+            deadline: Duration::from_millis(40),
+            timeout_margin: Duration::from_millis(10),
+            max_in_flight: 256,
             max_wait: Duration::from_millis(wire::MAX_WAIT_MS),
         }
     }
@@ -46,6 +75,8 @@ struct Inner {
     store: Arc<dyn Store>,
     metrics: Metrics,
     settings: Settings,
+    permits: Arc<Semaphore>,
+    shutting_down: AtomicBool,
 }
 
 impl AppState {
@@ -54,7 +85,9 @@ impl AppState {
             inner: Arc::new(Inner {
                 store,
                 metrics: Metrics::new(),
+                permits: Arc::new(Semaphore::new(settings.max_in_flight.max(1))),
                 settings,
+                shutting_down: AtomicBool::new(false),
             }),
         }
     }
@@ -66,6 +99,24 @@ impl AppState {
     pub fn metrics(&self) -> &Metrics {
         &self.inner.metrics
     }
+
+    pub fn settings(&self) -> &Settings {
+        &self.inner.settings
+    }
+
+    /// From now on `/readyz` answers 503 (the load balancer stops sending).
+    pub fn begin_shutdown(&self) {
+        self.inner.shutting_down.store(true, Ordering::SeqCst);
+    }
+
+    pub fn is_shutting_down(&self) -> bool {
+        self.inner.shutting_down.load(Ordering::SeqCst)
+    }
+
+    /// Decisions being made right now.
+    pub fn in_flight(&self) -> usize {
+        self.settings().max_in_flight.max(1) - self.inner.permits.available_permits()
+    }
 }
 
 /// The service's router.
@@ -73,7 +124,9 @@ pub fn app(state: AppState) -> Router {
     Router::new()
         .route(wire::ACQUIRE_PATH, post(acquire))
         .route(wire::WAIT_PATH, post(wait))
+        .route(wire::CHARGE_PATH, post(charge))
         .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
         .route("/metrics", get(metrics_text))
         .layer(middleware::from_fn_with_state(state.clone(), track))
         .with_state(state)
@@ -88,7 +141,9 @@ fn route_label(request: &Request) -> &'static str {
     {
         Some(wire::ACQUIRE_PATH) => wire::ACQUIRE_PATH,
         Some(wire::WAIT_PATH) => wire::WAIT_PATH,
+        Some(wire::CHARGE_PATH) => wire::CHARGE_PATH,
         Some("/healthz") => "/healthz",
+        Some("/readyz") => "/readyz",
         Some("/metrics") => "/metrics",
         _ => "other",
     }
@@ -96,7 +151,7 @@ fn route_label(request: &Request) -> &'static str {
 
 /// Counts and times every request.
 async fn track(State(state): State<AppState>, request: Request, next: Next) -> Response {
-    let started = Instant::now();
+    let started = std::time::Instant::now();
     let route = route_label(&request);
     let response = next.run(request).await;
     state
@@ -119,7 +174,7 @@ fn error(status: StatusCode, message: impl Into<String>) -> Response {
 fn store_failure(state: &AppState, failure: &StoreError) -> Response {
     state.metrics().store_error(failure.kind());
     match failure {
-        StoreError::Unavailable(_) => {
+        StoreError::Unavailable(_) | StoreError::Full(_) => {
             tracing::debug!(error = %failure, "answering 503");
             error(StatusCode::SERVICE_UNAVAILABLE, failure.to_string())
         }
@@ -129,6 +184,87 @@ fn store_failure(state: &AppState, failure: &StoreError) -> Response {
         }
         StoreError::Unsupported(_) => error(StatusCode::BAD_REQUEST, failure.to_string()),
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// Admission: the concurrency limit and the deadline.
+
+/// A decision admitted: its place among those in flight, and when it must be answered.
+struct Admitted {
+    permit: OwnedSemaphorePermit,
+    path: &'static str,
+    /// When the answer must be sent.
+    deadline: Instant,
+    /// `deadline` − arrival, for messages.
+    budget: Duration,
+    /// With the timeout header: when the gateway stops waiting, minus the margin.
+    gateway_deadline: Option<Instant>,
+}
+
+/// Why a decision was not admitted.
+enum Refusal {
+    /// Too many decisions in flight.
+    Overloaded,
+    /// The timeout header is not a number.
+    BadTimeout,
+}
+
+impl Refusal {
+    fn answer(self) -> Response {
+        match self {
+            Refusal::Overloaded => error(StatusCode::SERVICE_UNAVAILABLE, OVERLOADED),
+            Refusal::BadTimeout => error(
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "{}: must be a whole number of milliseconds",
+                    wire::TIMEOUT_HEADER
+                ),
+            ),
+        }
+    }
+}
+
+/// Takes a place among the decisions in flight (or sheds the request at once) and works
+/// out its deadline from the settings and the gateway's timeout header.
+fn admit(state: &AppState, path: &'static str, headers: &HeaderMap) -> Result<Admitted, Refusal> {
+    let arrived = Instant::now();
+    let Ok(permit) = state.inner.permits.clone().try_acquire_owned() else {
+        state.metrics().shed(path);
+        return Err(Refusal::Overloaded);
+    };
+    state.metrics().set_in_flight(state.in_flight());
+    let settings = state.settings();
+    let gateway = match headers.get(wire::TIMEOUT_HEADER) {
+        None => None,
+        Some(value) => {
+            let millis = value
+                .to_str()
+                .ok()
+                .and_then(|text| text.trim().parse::<u64>().ok())
+                .ok_or(Refusal::BadTimeout)?;
+            Some(Duration::from_millis(millis).saturating_sub(settings.timeout_margin))
+        }
+    };
+    let budget = gateway.map_or(settings.deadline, |gateway| gateway.min(settings.deadline));
+    Ok(Admitted {
+        permit,
+        path,
+        deadline: arrived + budget,
+        budget,
+        gateway_deadline: gateway.map(|gateway| arrived + gateway),
+    })
+}
+
+/// The answer at the deadline.
+fn expired(state: &AppState, path: &'static str, budget: Duration) -> Response {
+    state.metrics().expired(path);
+    error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        format!(
+            "deadline exceeded: no answer within {} ms",
+            budget.as_millis()
+        ),
+    )
 }
 
 /// Reads and checks the body; the error is the answer to send.
@@ -168,64 +304,141 @@ async fn read_request(headers: &HeaderMap, body: Body) -> Result<AcquireRequest,
     wire::decode_request(&bytes).map_err(|reason| error(StatusCode::BAD_REQUEST, reason))
 }
 
-/// Decides a request: the results, or the answer to send instead.
-async fn decide(state: &AppState, request: &AcquireRequest) -> Result<Vec<RuleResult>, Response> {
-    let rules = request
-        .resolve()
-        .map_err(|reason| error(StatusCode::BAD_REQUEST, reason))?;
-    let deadline = state.inner.settings.store_deadline;
-    let results = match tokio::time::timeout(deadline, state.store().check_and_update(&rules)).await
-    {
-        Ok(Ok(results)) => results,
-        Ok(Err(failure)) => return Err(store_failure(state, &failure)),
+/// Admits a decision and reads its request before its deadline.
+async fn start(
+    state: &AppState,
+    path: &'static str,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<(Admitted, AcquireRequest), Response> {
+    let admitted = admit(state, path, headers).map_err(Refusal::answer)?;
+    if admitted.budget.is_zero() {
+        return Err(expired(state, path, admitted.budget));
+    }
+    match tokio::time::timeout_at(admitted.deadline, read_request(headers, body)).await {
+        Ok(Ok(request)) => Ok((admitted, request)),
+        Ok(Err(answer)) => Err(answer),
+        Err(_) => Err(expired(state, path, admitted.budget)),
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Decisions.
+
+/// Decides a request, all or nothing, before the deadline: the results, or the answer to
+/// send instead. `max_delay` caps every waiting rule's `max_delay` (`/v1/wait`).
+///
+/// The store call runs in a task of its own, which keeps the place in flight until the
+/// store has answered: when that answer comes after the deadline (the gateway got a 503
+/// and will not use it), its grants are given back.
+async fn decide(
+    state: &AppState,
+    admitted: Admitted,
+    request: AcquireRequest,
+    max_delay: Option<Duration>,
+) -> Result<Vec<RuleResult>, Response> {
+    let algos: Vec<&'static str> = match request.resolve() {
+        Ok(rules) => rules.iter().map(|rule| rule.algo.code()).collect(),
+        Err(reason) => return Err(error(StatusCode::BAD_REQUEST, reason)),
+    };
+    let (sender, receiver) = tokio::sync::oneshot::channel();
+    let task_state = state.clone();
+    let permit = admitted.permit;
+    tokio::spawn(async move {
+        if let Ok(mut rules) = request.resolve() {
+            if let Some(cap) = max_delay {
+                cap_delays(&mut rules, cap);
+            }
+            let outcome = task_state.store().check_and_update(&rules).await;
+            if let Err(Ok(outcomes)) = sender.send(outcome) {
+                give_back_late(&task_state, &rules, &outcomes).await;
+            }
+        }
+        drop(permit);
+        task_state.metrics().set_in_flight(task_state.in_flight());
+    });
+    let outcomes = match tokio::time::timeout_at(admitted.deadline, receiver).await {
+        Ok(Ok(Ok(outcomes))) => outcomes,
+        Ok(Ok(Err(failure))) => return Err(store_failure(state, &failure)),
+        Ok(Err(_)) => {
+            return Err(store_failure(
+                state,
+                &StoreError::Internal("the decision task ended without an answer".into()),
+            ))
+        }
         Err(_) => {
             state.metrics().store_error("timeout");
-            return Err(error(
-                StatusCode::SERVICE_UNAVAILABLE,
-                format!(
-                    "store unavailable: no answer within {} ms",
-                    deadline.as_millis()
-                ),
-            ));
+            return Err(expired(state, admitted.path, admitted.budget));
         }
     };
-    if results.len() != rules.len() {
+    if outcomes.len() != algos.len() {
         return Err(store_failure(
             state,
             &StoreError::Internal(format!(
                 "{} results for {} rules",
-                results.len(),
-                rules.len()
+                outcomes.len(),
+                algos.len()
             )),
         ));
     }
-    for (rule, result) in rules.iter().zip(&results) {
-        state.metrics().decision(rule.algo.code(), result.granted);
+    for (algo, outcome) in algos.iter().zip(&outcomes) {
+        state
+            .metrics()
+            .decision(algo, outcome.result.allowed, outcome.result.granted);
     }
-    Ok(results)
+    Ok(outcomes.into_iter().map(|outcome| outcome.result).collect())
+}
+
+/// Caps the `max_delay` of every rule whose algorithm waits (whole milliseconds).
+fn cap_delays(rules: &mut [ResolvedRule<'_>], cap: Duration) {
+    let cap_ns = u64::try_from(cap.as_millis().saturating_mul(1_000_000)).unwrap_or(u64::MAX);
+    for rule in rules.iter_mut().filter(|rule| rule.algo.waits()) {
+        rule.max_delay = Some(rule.max_delay.map_or(cap_ns, |own| own.min(cap_ns)));
+    }
+}
+
+/// A decision answered after its deadline: nobody uses its grants, so they go back.
+async fn give_back_late(state: &AppState, rules: &[ResolvedRule<'_>], outcomes: &[Outcome]) {
+    if !outcomes.iter().any(|outcome| outcome.result.granted > 0) {
+        return;
+    }
+    state.metrics().late_release();
+    if let Err(error) = state.store().release(rules, outcomes).await {
+        tracing::warn!(%error, "a late decision could not be given back: its tokens stay charged");
+    }
 }
 
 async fn acquire(State(state): State<AppState>, headers: HeaderMap, body: Body) -> Response {
-    let request = match read_request(&headers, body).await {
-        Ok(request) => request,
+    let (admitted, request) = match start(&state, wire::ACQUIRE_PATH, &headers, body).await {
+        Ok(started) => started,
         Err(answer) => return answer,
     };
-    match decide(&state, &request).await {
+    match decide(&state, admitted, request, None).await {
         Ok(results) => Json(AcquireResponse { results }).into_response(),
         Err(answer) => answer,
     }
 }
 
 /// Like `acquire`, but when every rule is allowed the service sleeps the longest
-/// leaky-bucket delay (at most `max_wait`) and reports the delays minus the time slept
-/// (so 0, unless a delay was longer than `max_wait`). When a rule is denied it answers at
-/// once: the gateway rejects the request anyway.
+/// leaky-bucket delay and reports the delays minus the time slept (so 0). A waiting rule's
+/// turn must come within `max_wait` and, with the timeout header, before the gateway stops
+/// waiting (its `max_delay` is capped accordingly: a later turn is denied, not reserved).
+/// When a rule is denied it answers at once: the gateway rejects the request anyway.
 async fn wait(State(state): State<AppState>, headers: HeaderMap, body: Body) -> Response {
-    let request = match read_request(&headers, body).await {
-        Ok(request) => request,
+    let (admitted, request) = match start(&state, wire::WAIT_PATH, &headers, body).await {
+        Ok(started) => started,
         Err(answer) => return answer,
     };
-    let mut results = match decide(&state, &request).await {
+    let settings = *state.settings();
+    // The sleep starts at the decision's deadline at the latest and ends before the gateway
+    // stops waiting.
+    let gateway_deadline = admitted.gateway_deadline;
+    let cap = gateway_deadline.map_or(settings.max_wait, |gateway| {
+        settings
+            .max_wait
+            .min(gateway.saturating_duration_since(admitted.deadline))
+    });
+    let mut results = match decide(&state, admitted, request, Some(cap)).await {
         Ok(results) => results,
         Err(answer) => return answer,
     };
@@ -235,7 +448,10 @@ async fn wait(State(state): State<AppState>, headers: HeaderMap, body: Body) -> 
             .map(|result| result.delay_ms)
             .max()
             .unwrap_or(0);
-        let slept = Duration::from_millis(longest).min(state.inner.settings.max_wait);
+        let mut slept = Duration::from_millis(longest).min(settings.max_wait);
+        if let Some(gateway) = gateway_deadline {
+            slept = slept.min(gateway.saturating_duration_since(Instant::now()));
+        }
         if !slept.is_zero() {
             tokio::time::sleep(slept).await;
             state.metrics().waited(slept);
@@ -248,10 +464,54 @@ async fn wait(State(state): State<AppState>, headers: HeaderMap, body: Body) -> 
     Json(AcquireResponse { results }).into_response()
 }
 
-async fn healthz(State(state): State<AppState>) -> Response {
-    let deadline = state.inner.settings.store_deadline;
+/// Charges every rule `want` tokens past its limit (response costs). Every rule's
+/// algorithm must take debts (400 otherwise, nothing charged).
+async fn charge(State(state): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    let (admitted, request) = match start(&state, wire::CHARGE_PATH, &headers, body).await {
+        Ok(started) => started,
+        Err(answer) => return answer,
+    };
+    let rules = match request.resolve() {
+        Ok(rules) => rules,
+        Err(reason) => return error(StatusCode::BAD_REQUEST, reason),
+    };
+    if let Err(refused) = crate::store::refuse_debtless(&rules) {
+        return error(StatusCode::BAD_REQUEST, refused.to_string());
+    }
+    let answer = tokio::time::timeout_at(admitted.deadline, state.store().charge(&rules)).await;
+    drop(admitted.permit);
+    state.metrics().set_in_flight(state.in_flight());
+    match answer {
+        Ok(Ok(results)) => {
+            for (rule, result) in rules.iter().zip(&results) {
+                state.metrics().charged(rule.algo.code(), result.granted);
+            }
+            Json(AcquireResponse { results }).into_response()
+        }
+        Ok(Err(failure)) => store_failure(&state, &failure),
+        Err(_) => {
+            state.metrics().store_error("timeout");
+            expired(&state, wire::CHARGE_PATH, admitted.budget)
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Health and metrics.
+
+/// Liveness: the process serves HTTP.
+async fn healthz() -> Response {
+    (StatusCode::OK, "ok").into_response()
+}
+
+/// Readiness: not shutting down, and the store answers within the deadline.
+async fn readyz(State(state): State<AppState>) -> Response {
+    if state.is_shutting_down() {
+        return (StatusCode::SERVICE_UNAVAILABLE, "shutting down").into_response();
+    }
+    let deadline = state.settings().deadline;
     match tokio::time::timeout(deadline, state.store().health()).await {
-        Ok(Ok(())) => (StatusCode::OK, "ok").into_response(),
+        Ok(Ok(())) => (StatusCode::OK, "ready").into_response(),
         Ok(Err(failure)) => {
             state.metrics().store_error(failure.kind());
             (StatusCode::SERVICE_UNAVAILABLE, failure.to_string()).into_response()
@@ -271,6 +531,10 @@ async fn healthz(State(state): State<AppState>) -> Response {
 }
 
 async fn metrics_text(State(state): State<AppState>) -> Response {
+    if let Some(usage) = state.store().usage() {
+        state.metrics().store_usage(usage);
+    }
+    state.metrics().set_in_flight(state.in_flight());
     match state.metrics().encode() {
         Ok(text) => ([(header::CONTENT_TYPE, metrics::CONTENT_TYPE)], text).into_response(),
         Err(failure) => error(

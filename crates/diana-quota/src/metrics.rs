@@ -2,18 +2,29 @@
 //!
 //! | name | type | labels |
 //! |---|---|---|
-//! | `diana_quota_decisions_total` | counter | `algo`, `result` = `allowed`/`limited` |
+//! | `diana_quota_decisions_total` | counter | `algo`, `result` = `allowed`/`spared`/`limited` |
 //! | `diana_quota_tokens_granted_total` | counter | `algo` |
+//! | `diana_quota_tokens_charged_total` | counter | `algo` (debts, `/v1/charge`) |
 //! | `diana_quota_http_requests_total` | counter | `path`, `status` |
 //! | `diana_quota_request_duration_seconds` | histogram | `path` |
-//! | `diana_quota_store_errors_total` | counter | `kind` = `unavailable`/`internal`/`unsupported`/`timeout` |
+//! | `diana_quota_store_errors_total` | counter | `kind` = `unavailable`/`internal`/`unsupported`/`full`/`timeout` |
+//! | `diana_quota_shed_total` | counter | `path` (refused at once: too many requests in flight) |
+//! | `diana_quota_deadline_expired_total` | counter | `path` (answered 503 at the request's deadline) |
+//! | `diana_quota_late_releases_total` | counter | — (grants given back: their answer came after the deadline) |
+//! | `diana_quota_in_flight` | gauge | — (decisions being made) |
+//! | `diana_quota_store_keys` | gauge | — (memory store: counters held) |
+//! | `diana_quota_store_key_capacity` | gauge | — (memory store: `--memory-max-keys`) |
+//! | `diana_quota_store_evictions_total` | counter | — (memory store: idle counters evicted) |
 //! | `diana_quota_wait_seconds` | histogram | — (time `/v1/wait` slept) |
 
+use crate::store::Usage;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 /// Content type of [`Metrics::encode`]'s output.
@@ -62,8 +73,19 @@ pub struct Metrics {
     requests: Family<RequestLabels, Counter>,
     latency: Family<PathLabels, Histogram, fn() -> Histogram>,
     store_errors: Family<ErrorLabels, Counter>,
+    charged: Family<AlgoLabels, Counter>,
+    shed: Family<PathLabels, Counter>,
+    expired: Family<PathLabels, Counter>,
+    late_releases: Counter,
+    in_flight: Gauge,
+    keys: Gauge,
+    key_capacity: Gauge,
+    evictions: Counter,
     waits: Histogram,
 }
+
+/// The routes that decide (shed and deadline counters exist for each from the start).
+const DECISION_PATHS: [&str; 3] = ["/v1/acquire", "/v1/wait", "/v1/charge"];
 
 impl Default for Metrics {
     fn default() -> Self {
@@ -77,7 +99,7 @@ impl Metrics {
         let decisions = Family::<DecisionLabels, Counter>::default();
         registry.register(
             "diana_quota_decisions",
-            "Rule decisions, by algorithm and result (allowed = at least one token granted)",
+            "Rule decisions, by algorithm and result (allowed: tokens granted; spared: the rule had them but another rule of the request denied; limited: denied)",
             decisions.clone(),
         );
         let granted = Family::<AlgoLabels, Counter>::default();
@@ -105,10 +127,62 @@ impl Metrics {
             "Store (Redis) failures, by kind (unavailable, timeout, internal, unsupported)",
             store_errors.clone(),
         );
-        for kind in ["unavailable", "timeout", "internal", "unsupported"] {
+        for kind in ["unavailable", "timeout", "internal", "unsupported", "full"] {
             // Present at 0 from the start, so rate() and alerts work before the first failure.
             let _ = store_errors.get_or_create(&ErrorLabels { kind });
         }
+        let charged = Family::<AlgoLabels, Counter>::default();
+        registry.register(
+            "diana_quota_tokens_charged",
+            "Tokens charged past the limit by /v1/charge (debts), by algorithm",
+            charged.clone(),
+        );
+        let shed = Family::<PathLabels, Counter>::default();
+        registry.register(
+            "diana_quota_shed",
+            "Requests refused at once with 503 overloaded: too many decisions in flight",
+            shed.clone(),
+        );
+        let expired = Family::<PathLabels, Counter>::default();
+        registry.register(
+            "diana_quota_deadline_expired",
+            "Requests answered 503 at their deadline (min(--deadline-ms, x-diana-timeout-ms - --timeout-margin-ms))",
+            expired.clone(),
+        );
+        for path in DECISION_PATHS {
+            let _ = shed.get_or_create(&PathLabels { path });
+            let _ = expired.get_or_create(&PathLabels { path });
+        }
+        let late_releases = Counter::default();
+        registry.register(
+            "diana_quota_late_releases",
+            "Decisions whose grants were given back because their answer came after the deadline",
+            late_releases.clone(),
+        );
+        let in_flight = Gauge::default();
+        registry.register(
+            "diana_quota_in_flight",
+            "Decisions being made right now (at most --max-in-flight)",
+            in_flight.clone(),
+        );
+        let keys = Gauge::default();
+        registry.register(
+            "diana_quota_store_keys",
+            "Counters held by the memory store",
+            keys.clone(),
+        );
+        let key_capacity = Gauge::default();
+        registry.register(
+            "diana_quota_store_key_capacity",
+            "Most counters the memory store may hold (--memory-max-keys)",
+            key_capacity.clone(),
+        );
+        let evictions = Counter::default();
+        registry.register(
+            "diana_quota_store_evictions",
+            "Idle counters evicted by the memory store",
+            evictions.clone(),
+        );
         let waits = latency_histogram();
         registry.register(
             "diana_quota_wait_seconds",
@@ -122,13 +196,25 @@ impl Metrics {
             requests,
             latency,
             store_errors,
+            charged,
+            shed,
+            expired,
+            late_releases,
+            in_flight,
+            keys,
+            key_capacity,
+            evictions,
             waits,
         }
     }
 
     /// One rule decided.
-    pub fn decision(&self, algo: &str, granted: u32) {
-        let result = if granted > 0 { "allowed" } else { "limited" };
+    pub fn decision(&self, algo: &str, allowed: bool, granted: u32) {
+        let result = match (allowed, granted > 0) {
+            (_, true) => "allowed",
+            (true, false) => "spared",
+            (false, false) => "limited",
+        };
         self.decisions
             .get_or_create(&DecisionLabels {
                 algo: algo.to_string(),
@@ -157,6 +243,46 @@ impl Metrics {
     /// One store failure.
     pub fn store_error(&self, kind: &'static str) {
         self.store_errors.get_or_create(&ErrorLabels { kind }).inc();
+    }
+
+    /// One rule charged `tokens` past its limit.
+    pub fn charged(&self, algo: &str, tokens: u32) {
+        self.charged
+            .get_or_create(&AlgoLabels {
+                algo: algo.to_string(),
+            })
+            .inc_by(u64::from(tokens));
+    }
+
+    /// One request refused at once (overloaded).
+    pub fn shed(&self, path: &'static str) {
+        self.shed.get_or_create(&PathLabels { path }).inc();
+    }
+
+    /// One request answered at its deadline.
+    pub fn expired(&self, path: &'static str) {
+        self.expired.get_or_create(&PathLabels { path }).inc();
+    }
+
+    /// One decision given back because its answer came too late.
+    pub fn late_release(&self) {
+        self.late_releases.inc();
+    }
+
+    /// Decisions in flight now.
+    pub fn set_in_flight(&self, count: usize) {
+        self.in_flight.set(i64::try_from(count).unwrap_or(i64::MAX));
+    }
+
+    /// The store's table, as it is now.
+    pub fn store_usage(&self, usage: Usage) {
+        let gauge = |value: u64| i64::try_from(value).unwrap_or(i64::MAX);
+        self.keys.set(gauge(usage.keys));
+        self.key_capacity.set(gauge(usage.capacity));
+        // A counter that only follows the store's own (monotonic) count.
+        self.evictions
+            .inner()
+            .fetch_max(usage.evicted, Ordering::Relaxed);
     }
 
     /// `/v1/wait` slept this long.

@@ -1,10 +1,6 @@
 //! The `diana-quota` binary: flags and environment, serving, graceful shutdown.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::indexing_slicing
-)]
+
+#![cfg(test)]
 
 mod common;
 

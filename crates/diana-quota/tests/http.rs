@@ -1,11 +1,7 @@
 //! The HTTP layer in-process (tower `oneshot`): answers, error reasons and codes, health,
 //! metrics, the wait endpoint, and store failures through fake stores.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::indexing_slicing
-)]
+
+#![cfg(test)]
 
 mod common;
 
@@ -18,7 +14,7 @@ use common::*;
 use diana_core::global::wire::{
     AcquireResponse, ErrorResponse, ResolvedRule, RuleResult, MAX_BODY_BYTES,
 };
-use diana_quota::store::{Store, StoreError};
+use diana_quota::store::{Outcome, Store, StoreError};
 use diana_quota::{app, AppState, Cli, Settings};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -214,7 +210,7 @@ async fn content_type_methods_and_routes() {
 }
 
 #[tokio::test]
-async fn healthz_and_metrics() {
+async fn healthz_readyz_and_metrics() {
     let router = memory_service();
     let (status, _, body) = send(
         &router,
@@ -224,6 +220,15 @@ async fn healthz_and_metrics() {
     assert_eq!(
         (status, body.as_slice()),
         (StatusCode::OK, b"ok".as_slice())
+    );
+    let (status, _, body) = send(
+        &router,
+        Request::get("/readyz").body(Body::empty()).unwrap(),
+    )
+    .await;
+    assert_eq!(
+        (status, body.as_slice()),
+        (StatusCode::OK, b"ready".as_slice())
     );
 
     let key = unique_key("metrics");
@@ -252,14 +257,21 @@ async fn healthz_and_metrics() {
     for line in [
         "diana_quota_decisions_total{algo=\"W\",result=\"allowed\"} 2",
         "diana_quota_decisions_total{algo=\"W\",result=\"limited\"} 1",
-        "diana_quota_decisions_total{algo=\"SW\",result=\"allowed\"} 3",
-        "diana_quota_tokens_granted_total{algo=\"SW\"} 3",
+        "diana_quota_decisions_total{algo=\"SW\",result=\"allowed\"} 2",
+        "diana_quota_decisions_total{algo=\"SW\",result=\"spared\"} 1",
+        "diana_quota_tokens_granted_total{algo=\"SW\"} 2",
         "diana_quota_http_requests_total{path=\"/v1/acquire\",status=\"200\"} 3",
         "diana_quota_http_requests_total{path=\"/v1/acquire\",status=\"400\"} 1",
         "diana_quota_http_requests_total{path=\"/healthz\",status=\"200\"} 1",
         "diana_quota_request_duration_seconds_count{path=\"/v1/acquire\"} 4",
         "# TYPE diana_quota_request_duration_seconds histogram",
         "diana_quota_store_errors_total{kind=\"unavailable\"} 0",
+        "diana_quota_shed_total{path=\"/v1/acquire\"} 0",
+        "diana_quota_deadline_expired_total{path=\"/v1/charge\"} 0",
+        "diana_quota_in_flight 0",
+        "diana_quota_store_keys 2",
+        "diana_quota_store_key_capacity 100000",
+        "diana_quota_store_evictions_total 0",
         "# EOF",
     ] {
         assert!(text.contains(line), "missing {line:?} in:\n{text}");
@@ -277,13 +289,31 @@ impl Store for FakeStore {
     async fn check_and_update(
         &self,
         rules: &[ResolvedRule<'_>],
-    ) -> Result<Vec<RuleResult>, StoreError> {
+    ) -> Result<Vec<Outcome>, StoreError> {
         if self.hang {
             tokio::time::sleep(Duration::from_secs(60)).await;
         }
-        self.answer
-            .clone()
-            .map(|results| results.into_iter().cycle().take(rules.len()).collect())
+        self.answer.clone().map(|results| {
+            results
+                .into_iter()
+                .cycle()
+                .take(rules.len())
+                .map(|result| Outcome {
+                    result,
+                    ..Outcome::default()
+                })
+                .collect()
+        })
+    }
+
+    async fn charge(&self, rules: &[ResolvedRule<'_>]) -> Result<Vec<RuleResult>, StoreError> {
+        self.check_and_update(rules)
+            .await
+            .map(|outcomes| outcomes.into_iter().map(|o| o.result).collect())
+    }
+
+    async fn release(&self, _: &[ResolvedRule<'_>], _: &[Outcome]) -> Result<(), StoreError> {
+        Ok(())
     }
 
     async fn health(&self) -> Result<(), StoreError> {
@@ -310,7 +340,9 @@ fn fake_service(
 }
 
 const FAST: Settings = Settings {
-    store_deadline: Duration::from_millis(200),
+    deadline: Duration::from_millis(200),
+    timeout_margin: Duration::from_millis(10),
+    max_in_flight: 256,
     max_wait: Duration::from_millis(100),
 };
 
@@ -324,8 +356,13 @@ async fn store_failures_become_503_or_500() {
     let (status, _, body) = send(&down, post_json("/v1/acquire", EXAMPLE)).await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(error_of(&body), "store unavailable: connection refused");
-    let (status, _, body) =
-        send(&down, Request::get("/healthz").body(Body::empty()).unwrap()).await;
+    let (status, _, _) = send(&down, Request::get("/healthz").body(Body::empty()).unwrap()).await;
+    assert_eq!(
+        status,
+        StatusCode::OK,
+        "liveness does not depend on the store"
+    );
+    let (status, _, body) = send(&down, Request::get("/readyz").body(Body::empty()).unwrap()).await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(
         String::from_utf8(body).unwrap(),
@@ -339,12 +376,12 @@ async fn store_failures_become_503_or_500() {
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(
             error_of(&body),
-            "store unavailable: no answer within 200 ms"
+            "deadline exceeded: no answer within 200 ms"
         );
         assert!(started.elapsed() < Duration::from_millis(500));
     }
     let started = Instant::now();
-    let (status, _, _) = send(&hung, Request::get("/healthz").body(Body::empty()).unwrap()).await;
+    let (status, _, _) = send(&hung, Request::get("/readyz").body(Body::empty()).unwrap()).await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
     assert!(started.elapsed() < Duration::from_millis(500));
 
@@ -405,13 +442,42 @@ fn command_line() {
         (
             cli.redis_connect_timeout_ms,
             cli.redis_timeout_ms,
-            cli.max_wait_ms
+            cli.max_wait_ms,
+            cli.deadline_ms,
+            cli.timeout_margin_ms,
+            cli.max_in_flight,
+            cli.memory_max_keys,
         ),
-        (200, 250, 10_000)
+        (20, 20, 10_000, 40, 10, 256, 100_000)
     );
     let (store, settings) = cli.build().unwrap();
     assert!(store.describe().starts_with("memory"));
-    assert_eq!(settings.max_wait, Duration::from_secs(10));
+    assert_eq!(settings, Settings::default());
+    // The arithmetic of the defaults: the service answers before the gateway gives up
+    // (50 ms), and a connection plus an answer from Redis fit in its deadline.
+    assert!(settings.deadline + settings.timeout_margin <= diana_quota::http::GATEWAY_TIMEOUT);
+    assert!(
+        Duration::from_millis(cli.redis_connect_timeout_ms + cli.redis_timeout_ms)
+            <= settings.deadline
+    );
+    let cli = Cli::try_parse_from([
+        "diana-quota",
+        "--memory-max-keys",
+        "5",
+        "--deadline-ms",
+        "30",
+        "--max-in-flight",
+        "8",
+    ])
+    .unwrap();
+    let (store, settings) = cli.build().unwrap();
+    assert_eq!(store.usage().unwrap().capacity, 5);
+    assert_eq!(
+        (settings.deadline, settings.max_in_flight),
+        (Duration::from_millis(30), 8)
+    );
+    assert!(Cli::try_parse_from(["diana-quota", "--max-in-flight", "0"]).is_err());
+    assert!(Cli::try_parse_from(["diana-quota", "--deadline-ms", "0"]).is_err());
 
     let cli = Cli::try_parse_from([
         "diana-quota",
@@ -423,14 +489,10 @@ fn command_line() {
         "100",
     ])
     .unwrap();
-    let (store, settings) = cli.build().unwrap();
+    let (store, _) = cli.build().unwrap();
     assert_eq!(
         store.describe(),
         "redis cluster [redis://***@10.0.0.1:7000, redis://***@10.0.0.2:7000]"
-    );
-    assert_eq!(
-        settings.store_deadline,
-        Duration::from_millis(200 + 2 * 100 + 50)
     );
 
     let cli = Cli::try_parse_from(["diana-quota", "--redis", "http://nope"]).unwrap();

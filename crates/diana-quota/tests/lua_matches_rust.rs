@@ -1,39 +1,23 @@
-//! The Lua scripts implement the same math as the Rust algorithms (`diana_core::algo`):
-//! the same random sequences of (time, want), on the same fake clock, give identical
-//! answers from Redis (single and cluster) and from the memory store.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::indexing_slicing
-)]
+//! The Lua scripts implement the same math as the Rust algorithms (`diana_core::algo`,
+//! through `store::decide`): property-based random sequences of acquire (random need,
+//! want, cost, max delay; one or two counters per request, the same counter twice too),
+//! charge and release, on a fake clock that also steps back, give identical answers from
+//! Redis and from the memory store; on Redis Cluster, identical to the Rust model of the
+//! cluster's per-key decisions with compensation.
+
+#![cfg(test)]
+
+// Helpers outside #[test] functions (clippy.toml covers only those).
 
 mod common;
 
 use common::*;
-use diana_core::global::wire::RuleRequest;
-use diana_quota::store::{MemoryStore, RedisStore};
-
-/// A small deterministic generator (no dependency needed).
-struct Lcg(u64);
-
-impl Lcg {
-    fn next(&mut self) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6_364_136_223_846_793_005)
-            .wrapping_add(1_442_695_040_888_963_407);
-        self.0 >> 33
-    }
-
-    fn below(&mut self, bound: u64) -> u64 {
-        if bound == 0 {
-            0
-        } else {
-            self.next() % bound
-        }
-    }
-}
+use diana_core::global::wire::{ResolvedRule, RuleRequest};
+use diana_quota::store::{MemoryStore, Outcome, RedisStore};
+use proptest::prelude::*;
+use proptest::strategy::ValueTree;
+use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestRng, TestRunner};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 fn unit_us(unit: &str) -> u64 {
     match unit {
@@ -44,7 +28,10 @@ fn unit_us(unit: &str) -> u64 {
     }
 }
 
-const CASES: [(&str, u32, &str, u32, u32); 22] = [
+/// (algo, rpu, unit, burst, slices)
+type Case = (&'static str, u32, &'static str, u32, u32);
+
+const CASES: [Case; 22] = [
     ("TB", 10, "second", 10, 1),
     ("TB", 3, "second", 2, 1),
     ("TB", 7, "minute", 7, 1),
@@ -69,75 +56,404 @@ const CASES: [(&str, u32, &str, u32, u32); 22] = [
     ("SW", 9, "day", 1, 13),
 ];
 
-async fn compare(redis: &RedisStore, steps: usize) {
-    let memory = MemoryStore::default();
-    let mut rng = Lcg(0x5eed_d1a4);
-    for (algo, rpu, unit_name, burst, slices) in CASES {
-        let key = unique_key("diff");
-        let unit_us = unit_us(unit_name);
-        let period = (unit_us / u64::from(rpu)).max(1);
-        // Somewhere in 2023, with sub-second noise.
-        let mut now_us: u64 = 1_700_000_000_000_000 + rng.below(unit_us);
-        let (mut allowed, mut denied, mut partial) = (0, 0, 0);
-        for step in 0..steps {
-            now_us += match rng.below(10) {
-                0 => 0,
-                1 => 1,
-                2 => rng.below(unit_us),
-                3 => unit_us + rng.below(unit_us),
-                4..=6 => rng.below(period),
-                _ => rng.below(3 * period),
-            };
-            let want = match rng.below(8) {
-                0 | 1 => 1 + rng.below(12) as u32,
-                2 => (1 + rng.below(2 * u64::from(burst.max(rpu).min(50_000)) + 2) as u32)
-                    .min(100_000),
-                _ => 1,
-            };
-            let request = RuleRequest {
-                key: key.clone(),
-                algo: algo.to_string(),
-                rpu,
-                unit: unit_name.to_string(),
-                burst,
-                slices,
-                want,
-                cost: 1,
-                max_delay_ms: None,
-                dry_run: false,
-            };
-            let resolved = [request.resolve(0).unwrap()];
-            let expected = memory.decide_at(&resolved, now_us * 1000);
-            let actual = redis.check_at(&resolved, Some(now_us)).await.unwrap();
-            assert_eq!(
-                actual, expected,
-                "{algo} rpu {rpu}/{unit_name} burst {burst} slices {slices}: step {step} at {now_us} µs, want {want}"
-            );
-            match actual[0].granted {
-                0 => denied += 1,
-                granted if granted < want => partial += 1,
-                _ => allowed += 1,
-            }
-        }
-        // The sequence exercised both sides of the limit.
-        assert!(
-            allowed > 0 && denied > 0,
-            "{algo} rpu {rpu}/{unit_name}: {allowed} allowed, {denied} denied"
-        );
-        eprintln!("{algo} rpu {rpu}/{unit_name} burst {burst} slices {slices}: {allowed} allowed, {partial} partial, {denied} denied");
+fn capacity(case: Case) -> u32 {
+    let (algo, rpu, _, burst, _) = case;
+    match algo {
+        "TB" => burst,
+        "LB" => burst + 1,
+        _ => rpu,
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_scripts_match_the_rust_algorithms() {
+/// A clock move, in units of the counter's period (unit/rpu) or unit.
+#[derive(Debug, Clone, Copy)]
+enum Step {
+    Still,
+    Micro(u64),
+    Periods(u64, u64),
+    Units(u64),
+    Back(u64),
+    BackUnits(u64),
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    /// Counters of the request (0 or 1 each), a want and a cost per counter (reduced to
+    /// what the counter allows), a max delay in ms for leaky buckets.
+    Acquire {
+        step: Step,
+        counters: Vec<usize>,
+        wants: Vec<u32>,
+        costs: Vec<u32>,
+        max_delay_ms: Option<u64>,
+    },
+    Charge {
+        step: Step,
+        counters: Vec<usize>,
+        tokens: u32,
+    },
+    /// Gives back (some of) the grant of an earlier admitted acquire.
+    Release { step: Step, which: usize, part: u32 },
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        2 => Just(Step::Still),
+        1 => (1..1_000u64).prop_map(Step::Micro),
+        4 => (0..4u64, 0..1_000u64).prop_map(|(whole, part)| Step::Periods(whole, part)),
+        1 => (1..3u64).prop_map(Step::Units),
+        1 => (1..1_000u64).prop_map(Step::Back),
+        1 => (1..1_000u64).prop_map(Step::BackUnits),
+    ]
+}
+
+fn counters() -> impl Strategy<Value = Vec<usize>> {
+    prop_oneof![
+        3 => Just(vec![0]),
+        2 => Just(vec![1]),
+        3 => Just(vec![0, 1]),
+        1 => Just(vec![1, 0]),
+        1 => Just(vec![0, 0]),
+    ]
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let want = prop_oneof![4 => 1..4u32, 1 => 1..200u32];
+    prop_oneof![
+        6 => (
+            step(),
+            counters(),
+            prop::collection::vec(want, 2),
+            prop::collection::vec(1..50u32, 2),
+            prop::option::of(0..3_000u64)
+        )
+            .prop_map(|(step, counters, wants, costs, max_delay_ms)| Op::Acquire {
+                step,
+                counters,
+                wants,
+                costs,
+                max_delay_ms
+            }),
+        1 => (step(), counters(), 1..40u32).prop_map(|(step, counters, tokens)| Op::Charge {
+            step,
+            counters,
+            tokens
+        }),
+        2 => (step(), 0..8usize, 1..4u32).prop_map(|(step, which, part)| Op::Release {
+            step,
+            which,
+            part
+        }),
+    ]
+}
+
+/// What one case of the property checks: two counters, their limits, the operations.
+#[derive(Debug, Clone)]
+struct Scenario {
+    cases: [Case; 2],
+    ops: Vec<Op>,
+}
+
+fn scenario() -> impl Strategy<Value = Scenario> {
+    (
+        0..CASES.len(),
+        0..CASES.len(),
+        prop::collection::vec(op(), 1..40),
+    )
+        .prop_map(|(first, second, ops)| Scenario {
+            cases: [CASES[first], CASES[second]],
+            ops,
+        })
+}
+
+fn request(key: &str, case: Case, want: u32, cost: u32, max_delay_ms: Option<u64>) -> RuleRequest {
+    let (algo, rpu, unit, burst, slices) = case;
+    let want = want.min(100_000);
+    RuleRequest {
+        key: key.to_string(),
+        algo: algo.to_string(),
+        rpu,
+        unit: unit.to_string(),
+        burst,
+        slices,
+        want,
+        cost: 1 + (cost - 1) % want.min(capacity(case)),
+        max_delay_ms: if algo == "LB" { max_delay_ms } else { None },
+        dry_run: false,
+    }
+}
+
+fn moved(now_us: u64, step: Step, case: Case) -> u64 {
+    let unit = unit_us(case.2);
+    let period = (unit / u64::from(case.1)).max(1);
+    match step {
+        Step::Still => now_us,
+        Step::Micro(us) => now_us + us,
+        Step::Periods(whole, part) => now_us + whole * period + period * part / 1_000,
+        Step::Units(units) => now_us + units * unit,
+        Step::Back(part) => now_us - period * part / 1_000 - 1,
+        Step::BackUnits(part) => now_us - unit * part / 1_000,
+    }
+}
+
+/// The reference: the memory store, all or nothing in one step (a single Redis), or per
+/// key then compensation (what the service does on a cluster).
+struct Model {
+    memory: MemoryStore,
+    cluster: bool,
+}
+
+impl Model {
+    fn acquire(&self, rules: &[ResolvedRule<'_>], now_ns: u64) -> Vec<Outcome> {
+        if !self.cluster {
+            return self.memory.acquire_at(rules, now_ns).unwrap();
+        }
+        let mut groups: Vec<Vec<usize>> = Vec::new();
+        for (index, rule) in rules.iter().enumerate() {
+            match groups
+                .iter_mut()
+                .find(|group| rules[group[0]].key == rule.key)
+            {
+                Some(group) => group.push(index),
+                None => groups.push(vec![index]),
+            }
+        }
+        let mut outcomes = vec![Outcome::default(); rules.len()];
+        let mut per_group = Vec::new();
+        for group in &groups {
+            let subset: Vec<ResolvedRule<'_>> = group.iter().map(|&i| rules[i]).collect();
+            let decided = self.memory.acquire_at(&subset, now_ns).unwrap();
+            for (&i, outcome) in group.iter().zip(&decided) {
+                outcomes[i] = *outcome;
+            }
+            per_group.push((subset, decided));
+        }
+        if outcomes.iter().all(|o| o.result.granted > 0) {
+            return outcomes;
+        }
+        for (group, (subset, decided)) in groups.iter().zip(&per_group) {
+            if decided.iter().any(|o| o.result.granted > 0) {
+                let after = self.memory.release_at(subset, decided, now_ns).unwrap();
+                for (&i, result) in group.iter().zip(after) {
+                    outcomes[i] = Outcome {
+                        result,
+                        ..Outcome::default()
+                    };
+                }
+            }
+        }
+        outcomes
+    }
+}
+
+/// Acquires admitted and denied over a run (both must happen for the property to mean
+/// anything).
+static ADMITTED: AtomicUsize = AtomicUsize::new(0);
+static DENIED: AtomicUsize = AtomicUsize::new(0);
+
+/// Runs one scenario against Redis and the model; the first difference fails it.
+async fn check(
+    redis: &RedisStore,
+    cluster: bool,
+    scenario: &Scenario,
+) -> Result<(), TestCaseError> {
+    let model = Model {
+        memory: MemoryStore::default(),
+        cluster,
+    };
+    let keys = [unique_key("p0"), unique_key("p1")];
+    let mut now_us: u64 = 1_700_000_000_000_000;
+    // Admitted acquires: their rules and both sides' outcomes.
+    let mut admitted: Vec<(Vec<RuleRequest>, Vec<Outcome>, Vec<Outcome>)> = Vec::new();
+    for (index, op) in scenario.ops.iter().enumerate() {
+        match op {
+            Op::Acquire {
+                step,
+                counters,
+                wants,
+                costs,
+                max_delay_ms,
+            } => {
+                now_us = moved(now_us, *step, scenario.cases[counters[0]]);
+                let requests: Vec<RuleRequest> = counters
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &c)| {
+                        request(
+                            &keys[c],
+                            scenario.cases[c],
+                            wants[i],
+                            costs[i],
+                            *max_delay_ms,
+                        )
+                    })
+                    .collect();
+                let rules: Vec<ResolvedRule<'_>> =
+                    requests.iter().map(|r| r.resolve(0).unwrap()).collect();
+                let expected = model.acquire(&rules, now_us * 1_000);
+                let actual = redis.acquire_at(&rules, Some(now_us)).await.unwrap();
+                prop_assert_eq!(
+                    &actual,
+                    &expected,
+                    "op {} (acquire {:?}) at {} µs",
+                    index,
+                    requests,
+                    now_us
+                );
+                if actual.iter().all(|o| o.result.granted > 0) {
+                    ADMITTED.fetch_add(1, Ordering::Relaxed);
+                    admitted.push((requests, expected, actual));
+                } else {
+                    DENIED.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            Op::Charge {
+                step,
+                counters,
+                tokens,
+            } => {
+                now_us = moved(now_us, *step, scenario.cases[counters[0]]);
+                let requests: Vec<RuleRequest> = counters
+                    .iter()
+                    .filter(|&&c| scenario.cases[c].0 != "LB")
+                    .map(|&c| request(&keys[c], scenario.cases[c], *tokens, 1, None))
+                    .collect();
+                if requests.is_empty() {
+                    continue;
+                }
+                let rules: Vec<ResolvedRule<'_>> =
+                    requests.iter().map(|r| r.resolve(0).unwrap()).collect();
+                let expected = model.memory.charge_at(&rules, now_us * 1_000).unwrap();
+                let actual = redis.charge_at(&rules, Some(now_us)).await.unwrap();
+                prop_assert_eq!(
+                    &actual,
+                    &expected,
+                    "op {} (charge {:?}) at {} µs",
+                    index,
+                    requests,
+                    now_us
+                );
+            }
+            Op::Release { step, which, part } => {
+                if admitted.is_empty() {
+                    continue;
+                }
+                let (requests, expected_grants, actual_grants) =
+                    admitted.remove(which % admitted.len());
+                now_us = moved(now_us, *step, scenario.cases[0]);
+                // Give back a part of each grant: all, half, or one token.
+                let portion = |outcomes: &[Outcome]| -> Vec<Outcome> {
+                    outcomes
+                        .iter()
+                        .map(|o| {
+                            let mut o = *o;
+                            o.result.granted = match part {
+                                1 => o.result.granted,
+                                2 => o.result.granted.div_ceil(2),
+                                _ => 1,
+                            };
+                            o
+                        })
+                        .collect()
+                };
+                let rules: Vec<ResolvedRule<'_>> =
+                    requests.iter().map(|r| r.resolve(0).unwrap()).collect();
+                let expected = model
+                    .memory
+                    .release_at(&rules, &portion(&expected_grants), now_us * 1_000)
+                    .unwrap();
+                let actual = redis
+                    .release_at(&rules, &portion(&actual_grants), Some(now_us))
+                    .await
+                    .unwrap();
+                prop_assert_eq!(
+                    &actual,
+                    &expected,
+                    "op {} (release {:?}) at {} µs",
+                    index,
+                    requests,
+                    now_us
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Runs the property `cases` times (deterministic seed) against the store at `url`.
+fn property(url: &str, cluster: bool, cases: u32) {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let redis = redis_store(url);
+    let config = Config {
+        cases,
+        failure_persistence: None,
+        ..Config::default()
+    };
+    let mut runner =
+        TestRunner::new_with_rng(config, TestRng::deterministic_rng(RngAlgorithm::ChaCha));
+    let outcome = runner.run(&scenario(), |scenario| {
+        runtime.block_on(check(&redis, cluster, &scenario))
+    });
+    if let Err(failure) = outcome {
+        panic!("Lua and Rust disagree: {failure}");
+    }
+    let (admitted, denied) = (
+        ADMITTED.load(Ordering::Relaxed),
+        DENIED.load(Ordering::Relaxed),
+    );
+    eprintln!("{cases} scenarios: {admitted} acquires admitted, {denied} denied");
+    assert!(
+        admitted > 100 && denied > 100,
+        "{admitted} admitted, {denied} denied"
+    );
+}
+
+#[test]
+fn redis_scripts_match_the_rust_algorithms() {
     let server = RedisServer::start();
-    compare(&redis_store(&server.url()), 400).await;
+    property(&server.url(), false, 256);
     drop(server);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn cluster_scripts_match_the_rust_algorithms() {
+#[test]
+fn cluster_scripts_match_the_rust_algorithms() {
     let cluster = RedisCluster::start();
-    compare(&redis_store(&cluster.url()), 100).await;
+    property(&cluster.url(), true, 64);
     drop(cluster);
+}
+
+/// Every algorithm and both sides of the limit are reached by the generator (so the
+/// property above cannot pass by exercising nothing).
+#[test]
+fn the_generator_reaches_every_algorithm_and_every_operation() {
+    let mut runner = TestRunner::new_with_rng(
+        Config::default(),
+        TestRng::deterministic_rng(RngAlgorithm::ChaCha),
+    );
+    let mut algos = std::collections::BTreeSet::new();
+    let (mut acquires, mut charges, mut releases, mut back) = (0, 0, 0, 0);
+    for _ in 0..200 {
+        let scenario = scenario().new_tree(&mut runner).unwrap().current();
+        for case in scenario.cases {
+            algos.insert(case.0);
+        }
+        for op in &scenario.ops {
+            match op {
+                Op::Acquire { step, .. } | Op::Charge { step, .. } | Op::Release { step, .. } => {
+                    back += usize::from(matches!(step, Step::Back(_) | Step::BackUnits(_)));
+                }
+            }
+            match op {
+                Op::Acquire { .. } => acquires += 1,
+                Op::Charge { .. } => charges += 1,
+                Op::Release { .. } => releases += 1,
+            }
+        }
+    }
+    assert_eq!(algos.len(), 4, "{algos:?}");
+    assert!(acquires > 0 && charges > 0 && releases > 0 && back > 0);
 }

@@ -3,12 +3,8 @@
 //!
 //! Exact counts use units of an hour (nothing refills during a test); timing scenarios
 //! (refill, delays, window ends) use seconds and compare with the time measured.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::indexing_slicing
-)]
+
+#![cfg(test)]
 
 mod common;
 
@@ -40,7 +36,9 @@ async fn repeat(
 
 fn check_consistent(results: &[RuleResult]) {
     for result in results {
-        assert_eq!(result.allowed, result.granted > 0, "{result:?}");
+        if results.len() == 1 {
+            assert_eq!(result.allowed, result.granted > 0, "{result:?}");
+        }
         if result.allowed {
             assert_eq!(result.retry_after_ms, 0, "{result:?}");
         } else {
@@ -184,7 +182,8 @@ async fn leases(router: &Router) {
     assert_eq!((result.granted, result.remaining), (100_000, 150_000));
 }
 
-/// Many gateways at once: the count is still exact.
+/// Many gateways at once: the LB queue (8 places) admits 8 requests, and the other
+/// counters are charged for exactly those 8.
 async fn concurrent_exact(router: &Router) {
     away_from_boundary(HOUR_MS, Duration::from_secs(5)).await;
     let (tb, w, lb) = (unique_key("c-tb"), unique_key("c-w"), unique_key("c-lb"));
@@ -198,25 +197,330 @@ async fn concurrent_exact(router: &Router) {
         ];
         tasks.push(tokio::spawn(async move { acquire(&router, rules).await }));
     }
-    let mut allowed = [0; 3];
+    let mut admitted = 0;
     let mut delays = Vec::new();
     for task in tasks {
         let results = task.await.unwrap();
-        check_consistent(&results);
-        for (count, result) in allowed.iter_mut().zip(&results) {
-            *count += usize::from(result.allowed);
-        }
-        if results[2].allowed {
+        let charged = results.iter().filter(|r| r.granted > 0).count();
+        assert!(
+            charged == 0 || charged == 3,
+            "a partial charge: {results:?}"
+        );
+        if charged == 3 {
+            admitted += 1;
             delays.push(results[2].delay_ms);
         }
     }
-    assert_eq!(allowed, [15, 12, 8]);
+    // On a single store exactly the 8 places; on a cluster, concurrent requests can deny
+    // each other while their charges are given back (never more).
+    assert!((1..=8).contains(&admitted), "{admitted} admitted");
+    let left = acquire(
+        router,
+        vec![
+            rule(&tb, "TB", 15, "hour", 15, 10, 100),
+            rule(&w, "W", 12, "hour", 12, 10, 100),
+        ],
+    )
+    .await;
+    assert_eq!(granted(&left), [15 - admitted as u32, 12 - admitted as u32]);
     // The 8 leaky-bucket places are distinct turns, 36 s apart.
+    // Distinct turns, 36 s apart (on a cluster a turn given back behind a later one
+    // passes unused, so there may be gaps).
     delays.sort_unstable();
-    for (place, delay) in delays.iter().enumerate() {
-        let ideal = place as u64 * 36_000;
-        assert!(*delay <= ideal && delay + 5_000 >= ideal, "{delays:?}");
+    assert!(delays[0] <= 5_000, "{delays:?}");
+    for pair in delays.windows(2) {
+        assert!(pair[1] >= pair[0] + 31_000, "{delays:?}");
     }
+}
+
+/// (algo, rpu, burst, want, cost, max_delay_ms, counter)
+type Spec = (&'static str, u32, u32, u32, u32, Option<u64>, usize);
+
+/// One row of the all-or-nothing table: the rules (algo, rpu, burst, want, cost,
+/// max_delay_ms, counter), what to take from each counter first, and the expected answer.
+struct Row {
+    name: &'static str,
+    rules: &'static [Spec],
+    /// Tokens taken from counter i before the request (one-rule requests).
+    before: &'static [u32],
+    allowed: &'static [bool],
+    granted: &'static [u32],
+}
+
+const TABLE: &[Row] = &[
+    Row {
+        name: "two rules, the second spent: neither charged",
+        rules: &[("TB", 10, 10, 1, 1, None, 0), ("W", 1, 1, 1, 1, None, 1)],
+        before: &[0, 1],
+        allowed: &[true, false],
+        granted: &[0, 0],
+    },
+    Row {
+        name: "two rules, both have room: both charged, leases up to what is left",
+        rules: &[("SW", 10, 10, 4, 2, None, 0), ("TB", 10, 5, 8, 1, None, 1)],
+        before: &[7, 0],
+        allowed: &[true, true],
+        granted: &[3, 5],
+    },
+    Row {
+        name: "a cost above what is left denies (a want alone would not)",
+        rules: &[("W", 10, 10, 5, 4, None, 0), ("SW", 10, 10, 1, 1, None, 1)],
+        before: &[7, 0],
+        allowed: &[false, true],
+        granted: &[0, 0],
+    },
+    Row {
+        name: "the same counter twice: the second sees the first's charge",
+        rules: &[("W", 5, 5, 3, 3, None, 0), ("W", 5, 5, 3, 3, None, 0)],
+        before: &[0],
+        allowed: &[true, false],
+        granted: &[0, 0],
+    },
+    Row {
+        name: "a leaky-bucket turn beyond max_delay denies, nothing reserved",
+        rules: &[
+            ("TB", 10, 10, 1, 1, None, 0),
+            ("LB", 10, 5, 1, 1, Some(60_000), 1),
+        ],
+        before: &[0, 2],
+        allowed: &[true, false],
+        granted: &[0, 0],
+    },
+    Row {
+        name: "three rules, the third spent",
+        rules: &[
+            ("TB", 10, 10, 2, 2, None, 0),
+            ("LB", 10, 5, 1, 1, None, 1),
+            ("SW", 3, 3, 1, 1, None, 2),
+        ],
+        before: &[0, 0, 3],
+        allowed: &[true, true, false],
+        granted: &[0, 0, 0],
+    },
+];
+
+fn table_rule(
+    key: &str,
+    (algo, rpu, burst, want, cost, max_delay_ms, _): Spec,
+) -> diana_core::global::wire::RuleRequest {
+    let mut r = rule(key, algo, rpu, "hour", burst, 6, want);
+    r.cost = cost;
+    r.max_delay_ms = max_delay_ms;
+    r
+}
+
+/// The all-or-nothing table: each row's answer, and every counter as it was after a
+/// denial (probed by taking everything that is left).
+async fn all_or_nothing_table(router: &Router) {
+    away_from_boundary(HOUR_MS, Duration::from_secs(5)).await;
+    for row in TABLE {
+        let keys: Vec<String> = (0..3).map(|_| unique_key("aon")).collect();
+        let spec = |counter: usize| {
+            *row.rules
+                .iter()
+                .find(|r| r.6 == counter)
+                .expect("a rule for every counter")
+        };
+        for (counter, &taken) in row.before.iter().enumerate() {
+            if taken > 0 {
+                let mut fill = table_rule(&keys[counter], spec(counter));
+                (fill.want, fill.cost, fill.max_delay_ms) = (taken, taken, None);
+                assert_eq!(
+                    acquire_one(router, fill).await.granted,
+                    taken,
+                    "{}",
+                    row.name
+                );
+            }
+        }
+        let rules: Vec<_> = row
+            .rules
+            .iter()
+            .map(|&r| table_rule(&keys[r.6], r))
+            .collect();
+        let results = acquire(router, rules).await;
+        let allowed: Vec<bool> = results.iter().map(|r| r.allowed).collect();
+        assert_eq!(allowed, row.allowed, "{}: {results:?}", row.name);
+        assert_eq!(granted(&results), row.granted, "{}: {results:?}", row.name);
+        for result in &results {
+            assert_eq!(
+                result.retry_after_ms > 0,
+                !result.allowed,
+                "{}: {result:?}",
+                row.name
+            );
+        }
+        if row.granted.iter().all(|&g| g == 0) {
+            // Nothing was charged: each counter still has what it had before.
+            for (counter, &taken) in row.before.iter().enumerate() {
+                let (algo, rpu, burst, ..) = spec(counter);
+                let capacity = match algo {
+                    "TB" => burst,
+                    "LB" => burst + 1,
+                    _ => rpu,
+                };
+                let mut drain = table_rule(&keys[counter], spec(counter));
+                (drain.want, drain.cost, drain.max_delay_ms) = (100, 1, None);
+                let left = acquire_one(router, drain).await;
+                assert_eq!(
+                    left.granted,
+                    capacity - taken,
+                    "{}: counter {counter}",
+                    row.name
+                );
+            }
+        }
+    }
+}
+
+/// A rule in dry run stays out of the all-or-nothing decision: its denial does not stop
+/// the others from being charged, and it is charged only when the others are.
+async fn dry_run_rules_stand_aside(router: &Router) {
+    away_from_boundary(HOUR_MS, Duration::from_secs(5)).await;
+    let (probe, real) = (unique_key("dry"), unique_key("real"));
+    let dry = |want| {
+        let mut r = rule(&probe, "W", 1, "hour", 1, 6, want);
+        r.dry_run = true;
+        r
+    };
+    let enforced = || rule(&real, "W", 2, "hour", 2, 6, 1);
+    // Both have tokens: both charged.
+    assert_eq!(
+        granted(&acquire(router, vec![dry(1), enforced()]).await),
+        [1, 1]
+    );
+    // The dry-run rule is out of tokens: the enforced one is charged anyway.
+    let results = acquire(router, vec![dry(1), enforced()]).await;
+    assert_eq!(granted(&results), [0, 1]);
+    assert!(!results[0].allowed && results[1].allowed);
+    // The enforced one is out: nothing is charged, the dry-run rule included.
+    let fresh = unique_key("dry2");
+    let mut fresh_dry = rule(&fresh, "W", 5, "hour", 5, 6, 1);
+    fresh_dry.dry_run = true;
+    let results = acquire(router, vec![fresh_dry.clone(), enforced()]).await;
+    assert_eq!(granted(&results), [0, 0]);
+    fresh_dry.want = 5;
+    fresh_dry.dry_run = false;
+    assert_eq!(
+        acquire_one(router, fresh_dry).await.granted,
+        5,
+        "nothing was charged"
+    );
+}
+
+/// Three rules, racing clients: every request is charged on all three counters or on
+/// none, and never more than the tightest limit admits.
+async fn racing_never_partial(router: &Router) {
+    away_from_boundary(HOUR_MS, Duration::from_secs(5)).await;
+    let (a, b, c) = (
+        unique_key("race-a"),
+        unique_key("race-b"),
+        unique_key("race-c"),
+    );
+    let rules = vec![
+        rule(&a, "TB", 20, "hour", 20, 10, 1),
+        rule(&b, "W", 16, "hour", 16, 10, 1),
+        rule(&c, "SW", 12, "hour", 12, 4, 1),
+    ];
+    let tasks: Vec<_> = (0..48)
+        .map(|_| {
+            let router = router.clone();
+            let rules = rules.clone();
+            tokio::spawn(async move { acquire(&router, rules).await })
+        })
+        .collect();
+    let mut admitted = 0u32;
+    for task in tasks {
+        let results = task.await.unwrap();
+        let charged = results.iter().filter(|r| r.granted > 0).count();
+        assert!(
+            charged == 0 || charged == 3,
+            "a partial charge: {results:?}"
+        );
+        admitted += u32::from(charged == 3);
+    }
+    assert!((1..=12).contains(&admitted), "{admitted} admitted");
+    // Each counter was charged exactly once per admitted request.
+    let mut left = Vec::new();
+    for (key, algo, limit, slices) in [(&a, "TB", 20, 10), (&b, "W", 16, 10), (&c, "SW", 12, 4)] {
+        let result = acquire_one(router, rule(key, algo, limit, "hour", limit, slices, 100)).await;
+        left.push(result.granted);
+    }
+    assert_eq!(left, [20 - admitted, 16 - admitted, 12 - admitted]);
+}
+
+/// Many clients on one key (twice in each request): never more than the limit.
+async fn stress_one_key(router: &Router) {
+    away_from_boundary(HOUR_MS, Duration::from_secs(5)).await;
+    let key = unique_key("stress");
+    let limit = 50;
+    let tasks: Vec<_> = (0..8)
+        .map(|_| {
+            let router = router.clone();
+            let key = key.clone();
+            tokio::spawn(async move {
+                let mut tokens = 0;
+                for _ in 0..20 {
+                    let results = acquire(
+                        &router,
+                        vec![
+                            rule(&key, "W", limit, "hour", limit, 10, 2),
+                            rule(&key, "W", limit, "hour", limit, 10, 1),
+                        ],
+                    )
+                    .await;
+                    let charged: Vec<u32> = granted(&results);
+                    assert!(
+                        charged == [0, 0] || charged == [2, 1],
+                        "partial: {charged:?}"
+                    );
+                    tokens += charged.iter().sum::<u32>();
+                }
+                tokens
+            })
+        })
+        .collect();
+    let mut total = 0;
+    for task in tasks {
+        total += task.await.unwrap();
+    }
+    // 3 tokens per admitted request: 16 requests fit in 50 (48), never more.
+    assert_eq!(total, 48);
+    let rest = acquire_one(router, rule(&key, "W", limit, "hour", limit, 10, 100)).await;
+    assert_eq!(rest.granted, 2);
+}
+
+/// `/v1/charge`: debts past the limit deny later requests; LB refuses them.
+async fn charges(router: &Router) {
+    away_from_boundary(HOUR_MS, Duration::from_secs(5)).await;
+    let key = unique_key("debt");
+    let debts = vec![
+        rule(&key, "TB", 10, "hour", 10, 10, 12),
+        rule(&key, "W", 10, "hour", 10, 10, 12),
+        rule(&key, "SW", 10, "hour", 10, 6, 12),
+    ];
+    let (status, body) = post_rules(router, "/v1/charge", debts).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let answer: AcquireResponse = serde_json::from_str(&body).unwrap();
+    for result in &answer.results {
+        assert_eq!(
+            (result.allowed, result.granted, result.remaining),
+            (true, 12, 0),
+            "{body}"
+        );
+        assert!(result.retry_after_ms > 0, "{body}");
+    }
+    for (algo, slices) in [("TB", 10), ("W", 10), ("SW", 6)] {
+        let result = acquire_one(router, rule(&key, algo, 10, "hour", 10, slices, 1)).await;
+        assert!(!result.allowed, "{algo}: {result:?}");
+    }
+    let (status, body) = post_rules(
+        router,
+        "/v1/charge",
+        vec![rule(&key, "LB", 10, "hour", 10, 10, 1)],
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
 }
 
 /// LB delays on a per-second limit, against the time actually spent.
@@ -315,7 +619,7 @@ async fn sliding_slides(router: &Router) {
     assert!(again.allowed, "{again:?}");
 }
 
-/// Several rules in one request: one result each, in order, each decided on its own.
+/// Several rules in one request: one result each, in order, all or nothing.
 async fn several_rules_in_order(router: &Router) {
     away_from_boundary(HOUR_MS, Duration::from_secs(5)).await;
     let (a, b, c) = (unique_key("a"), unique_key("b"), unique_key("c"));
@@ -325,13 +629,18 @@ async fn several_rules_in_order(router: &Router) {
         rule(&c, "SW", 3, "hour", 3, 3, 1),
     ];
     let mut rows = Vec::new();
+    let mut allowed = Vec::new();
     for _ in 0..3 {
-        rows.push(granted(&acquire(router, rules.clone()).await));
+        let results = acquire(router, rules.clone()).await;
+        rows.push(granted(&results));
+        allowed.push(results.iter().map(|r| r.allowed).collect::<Vec<_>>());
     }
-    assert_eq!(rows, [[1, 1, 1], [1, 0, 1], [0, 0, 1]]);
-    // Aliases and case do not make another counter.
-    let alias = acquire_one(router, rule(&a, "token bucket", 2, "Hours", 2, 10, 1)).await;
-    assert!(!alias.allowed);
+    // The W rule is spent after the first: nothing more is charged anywhere.
+    assert_eq!(rows, [[1, 1, 1], [0, 0, 0], [0, 0, 0]]);
+    assert_eq!(allowed[1], [true, false, true]);
+    // Aliases and case do not make another counter: one token taken of 2.
+    let alias = acquire_one(router, rule(&a, "token bucket", 2, "Hours", 2, 10, 5)).await;
+    assert_eq!(alias.granted, 1);
 }
 
 /// `/v1/wait`: the service waits out the leaky-bucket delay and reports 0.
@@ -377,13 +686,14 @@ async fn wait_endpoint(router: &Router) {
     .await;
     assert_eq!(status, StatusCode::OK);
     let answer: AcquireResponse = serde_json::from_str(&body).unwrap();
-    assert_eq!(granted(&answer.results), [1, 1, 0]);
-    // Two turns of the same bucket (in either order on a cluster, where rules run concurrently).
-    assert!(
-        answer.results[0].delay_ms.max(answer.results[1].delay_ms) > 900,
-        "{body}"
-    );
+    // All or nothing: the two LB turns had room but are not reserved.
+    assert_eq!(granted(&answer.results), [0, 0, 0]);
+    let allowed: Vec<bool> = answer.results.iter().map(|r| r.allowed).collect();
+    assert_eq!(allowed, [true, true, false]);
     assert!(started.elapsed() < Duration::from_millis(500));
+    // So the bucket is still empty: a request now passes at once.
+    let now = acquire_one(router, rule(&x, "LB", 1, "second", 3, 10, 1)).await;
+    assert_eq!((now.granted, now.delay_ms), (1, 0), "{now:?}");
 }
 
 // ---------------------------------------------------------------------------------------
@@ -441,4 +751,9 @@ suite!(
     sliding_slides,
     several_rules_in_order,
     wait_endpoint,
+    all_or_nothing_table,
+    dry_run_rules_stand_aside,
+    racing_never_partial,
+    stress_one_key,
+    charges,
 );

@@ -1,16 +1,22 @@
 //! The storage seam: where counters live. One call decides every rule of one gateway
-//! request; each rule is decided atomically on its own.
+//! request, **all or nothing**: either every rule has at least its `cost` available and
+//! each is charged `min(want, available)`, or no rule is charged.
 //!
-//! - [`MemoryStore`]: in-process, reuses `diana_core::algo` (one replica only).
-//! - [`RedisStore`]: Redis or Redis Cluster, one Lua script per algorithm.
+//! - [`MemoryStore`]: in-process, reuses `diana_core::algo` (one replica only), decides
+//!   everything under one lock ([`decide`]).
+//! - [`RedisStore`]: Redis (one Lua script over every key of the request, atomic) or Redis
+//!   Cluster (one script per key, then compensation: grants of a denied request are given
+//!   back).
 
+pub mod decide;
 mod memory;
 mod redis;
 
-pub use self::memory::{Clock, MemoryStore, SystemClock};
+pub use self::memory::{Clock, MemoryStore, SystemClock, DEFAULT_MAX_KEYS};
 pub use self::redis::{RedisOptions, RedisStore, RedisTarget};
 
 use async_trait::async_trait;
+use diana_core::algo::Mark;
 use diana_core::global::wire::{ResolvedRule, RuleResult};
 use std::fmt;
 
@@ -21,8 +27,12 @@ pub enum StoreError {
     Unavailable(String),
     /// The backend answered, but not as expected (HTTP 500).
     Internal(String),
-    /// The store cannot evaluate this rule (HTTP 400), e.g. an algorithm without a Lua script.
+    /// The store cannot evaluate this rule (HTTP 400), e.g. a debt for an algorithm
+    /// without debts.
     Unsupported(String),
+    /// The store holds as many counters as it may and none is idle: a request that needs a
+    /// new counter is refused (HTTP 503) rather than growing past the cap.
+    Full(String),
 }
 
 impl StoreError {
@@ -32,6 +42,7 @@ impl StoreError {
             StoreError::Unavailable(_) => "unavailable",
             StoreError::Internal(_) => "internal",
             StoreError::Unsupported(_) => "unsupported",
+            StoreError::Full(_) => "full",
         }
     }
 }
@@ -42,26 +53,80 @@ impl fmt::Display for StoreError {
             StoreError::Unavailable(reason) => write!(f, "store unavailable: {reason}"),
             StoreError::Internal(reason) => write!(f, "store error: {reason}"),
             StoreError::Unsupported(reason) => f.write_str(reason),
+            StoreError::Full(reason) => write!(f, "store full: {reason}"),
         }
     }
 }
 
 impl std::error::Error for StoreError {}
 
+/// Refuses a charge on a rule whose algorithm takes no debts (the leaky bucket paces
+/// requests; it cannot be charged after the fact).
+pub fn refuse_debtless(rules: &[ResolvedRule<'_>]) -> Result<(), StoreError> {
+    match rules
+        .iter()
+        .enumerate()
+        .find(|(_, rule)| !rule.algo.allows_debt())
+    {
+        Some((index, rule)) => Err(StoreError::Unsupported(format!(
+            "rules[{index}].algo: {} takes no debts (a leaky bucket paces requests; it cannot be charged after the fact)",
+            rule.algo.code()
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// One rule's decision, with where its grant was counted (for [`Store::release`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Outcome {
+    pub result: RuleResult,
+    /// Meaningful only when `result.granted > 0`.
+    pub mark: Mark,
+}
+
+/// How full a store with a bounded table is (the memory store).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Usage {
+    /// Counters held now.
+    pub keys: u64,
+    /// The most it may hold.
+    pub capacity: u64,
+    /// Idle counters evicted since the start.
+    pub evicted: u64,
+}
+
 /// A place where counters live.
 #[async_trait]
 pub trait Store: Send + Sync {
-    /// Decides every rule (each atomically, independently of the others) and returns one
-    /// result per rule, in order. Each rule is granted `min(want, available)` tokens; a
-    /// denied rule changes nothing.
+    /// Decides every rule of one request, all or nothing, and returns one outcome per rule
+    /// in order: all charged (`granted ≥ cost` each), or none (`granted` 0 for all; the
+    /// rules that had their cost available say `allowed`). A leaky-bucket rule whose turn
+    /// is further away than its `max_delay` is denied.
     async fn check_and_update(
         &self,
         rules: &[ResolvedRule<'_>],
-    ) -> Result<Vec<RuleResult>, StoreError>;
+    ) -> Result<Vec<Outcome>, StoreError>;
+
+    /// Charges every rule `want` tokens whatever is left (response costs: the counters may
+    /// go past their limits). Every rule's algorithm must allow debts.
+    async fn charge(&self, rules: &[ResolvedRule<'_>]) -> Result<Vec<RuleResult>, StoreError>;
+
+    /// Gives back the grants of `outcomes` (an earlier [`Store::check_and_update`] of the
+    /// same rules whose answer nobody will use), exactly as the algorithms' `release`.
+    async fn release(
+        &self,
+        rules: &[ResolvedRule<'_>],
+        outcomes: &[Outcome],
+    ) -> Result<(), StoreError>;
 
     /// Whether the store can serve requests right now.
     async fn health(&self) -> Result<(), StoreError>;
 
     /// A human-readable description for logs (no credentials).
     fn describe(&self) -> String;
+
+    /// How full the store is, for stores with a bounded table.
+    fn usage(&self) -> Option<Usage> {
+        None
+    }
 }

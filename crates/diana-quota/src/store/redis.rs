@@ -1,25 +1,36 @@
-//! Counters in Redis or Redis Cluster. Each rule is one atomic Lua script (one script per
-//! algorithm, `lua/*.lua`), run by `EVALSHA` and reloaded on `NOSCRIPT`; the time is the
-//! Redis server's (`TIME`), so gateways with skewed clocks agree. Keys are
-//! `diana:{<key>}:<algo>`: the hash tag keeps every key of one counter in one cluster slot.
+//! Counters in Redis or Redis Cluster, decided by ONE Lua script (`lua/common.lua`, one file
+//! per algorithm, `lua/decide.lua`), run by `EVALSHA` and reloaded on `NOSCRIPT` (the
+//! script never ran, so nothing is charged twice); the time is the Redis server's (`TIME`),
+//! so gateways with skewed clocks agree. Keys are `diana:{<key>}:<algo>`: the hash tag
+//! keeps every key of one counter in one cluster slot.
 //!
-//! A single server gets all rules of a request in one pipeline; a cluster gets the rules'
-//! scripts concurrently (they may live on different nodes).
+//! All or nothing:
+//! - a single server gets every rule of a request in one script call over all its keys:
+//!   the script checks every rule, then charges all or none, atomically;
+//! - a cluster cannot run one script over keys in different slots, so the rules are
+//!   grouped by key (one call per group, concurrently, each group all or nothing); when a
+//!   group is denied (or fails), the groups that were charged are given their grants back
+//!   by a `release` call: exact like `Algorithm::release` (a token-bucket or window count
+//!   comes back whole; a leaky-bucket turn comes back while no later request queued behind
+//!   it, else it passes unused). Between the charge and the release, other requests may
+//!   see those tokens taken: a race can deny both of two requests that one counter could
+//!   have admitted one of, never admit more than the limit. A release that fails leaves
+//!   the tokens charged (stricter, never looser).
 //!
 //! Connections are made lazily, with short timeouts, and dropped on any connection-level
 //! error, so a dead or slow Redis costs one short timeout (then a fast 503 while the
 //! reconnect back-off runs) and a restarted Redis is picked up by the next request.
 
-use super::{Store, StoreError};
+use super::{Outcome, Store, StoreError};
 use async_trait::async_trait;
-use diana_core::algo::Limit;
+use diana_core::algo::{Limit, Mark};
 use diana_core::global::wire::{ResolvedRule, RuleResult};
-use redis::aio::MultiplexedConnection;
+use redis::aio::{ConnectionLike, MultiplexedConnection};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use redis::{
-    AsyncConnectionConfig, ErrorKind, RedisError, RedisResult, Script, ScriptInvocation,
-    ServerErrorKind,
+    AsyncConnectionConfig, Cmd, ErrorKind, Pipeline, RedisError, RedisFuture, RedisResult, Script,
+    ScriptInvocation, ServerErrorKind, Value,
 };
 use std::future::Future;
 use std::time::{Duration, Instant};
@@ -97,7 +108,9 @@ fn redact(url: &str) -> String {
     }
 }
 
-/// Timeouts of the Redis store.
+/// Timeouts of the Redis store. Both stay below the service's request deadline (40 ms by
+/// default, `http::Settings::deadline`), which stays below the gateway's callout timeout
+/// (50 ms by default): see `docs/wire-format.md`, "Deadlines".
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RedisOptions {
     /// Longest wait for a TCP connection (and handshake) to Redis.
@@ -112,68 +125,76 @@ pub struct RedisOptions {
 impl Default for RedisOptions {
     fn default() -> Self {
         RedisOptions {
-            connect_timeout: Duration::from_millis(200),
-            response_timeout: Duration::from_millis(250),
+            connect_timeout: Duration::from_millis(20),
+            response_timeout: Duration::from_millis(20),
             reconnect_backoff: Duration::from_millis(100),
         }
     }
 }
 
-impl RedisOptions {
-    /// The longest a decision can take: a connection plus an answer (plus a NOSCRIPT reload).
-    pub fn deadline(&self) -> Duration {
-        self.connect_timeout + self.response_timeout * 2 + Duration::from_millis(50)
-    }
+// ---------------------------------------------------------------------------------------
+// The script: one for every algorithm and operation. A new algorithm is a new Lua file
+// (adding itself to ALGOS), one line in `SCRIPT` and one entry in `LUA_ALGORITHMS`.
+
+/// The script as Redis runs it (and hashes it for `EVALSHA`): the shared helpers, each
+/// algorithm, then the entry point.
+const SCRIPT: &str = concat!(
+    include_str!("../../lua/common.lua"),
+    include_str!("../../lua/window.lua"),
+    include_str!("../../lua/sliding.lua"),
+    include_str!("../../lua/leaky.lua"),
+    include_str!("../../lua/token.lua"),
+    include_str!("../../lua/decide.lua"),
+);
+
+/// How an algorithm's [`Mark`] travels to and from the script.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum MarkForm {
+    /// No mark (token bucket).
+    Unused,
+    /// A window or slice index, as is.
+    Index,
+    /// An instant `(µs, fraction in 1/rpu µs)`; the Rust mark is that instant × rpu in ns.
+    Instant,
 }
 
-// ---------------------------------------------------------------------------------------
-// Scripts: one per algorithm, found by the algorithm's code (open–closed: a new algorithm
-// is a new script and one entry in LUA_ALGORITHMS).
-
-/// An algorithm as a Lua script: its code, source and argument builder.
+/// An algorithm as the script knows it: its code, its parameters, its mark.
 struct LuaAlgorithm {
     code: &'static str,
-    /// The script as Redis runs it, see `lua_script!`.
-    source: &'static str,
-    /// ARGV (before the optional test clock) for a limit and a `want`.
-    args: fn(&Limit, u32) -> Vec<u64>,
-}
-
-/// A script as Redis runs it (and hashes it for `EVALSHA`): the helpers every script shares,
-/// `lua/common.lua`, then the algorithm's own `lua/<name>.lua`.
-macro_rules! lua_script {
-    ($name:literal) => {
-        concat!(
-            include_str!("../../lua/common.lua"),
-            include_str!(concat!("../../lua/", $name, ".lua"))
-        )
-    };
+    /// The parameters after the code, as the algorithm's Lua header lists them.
+    params: fn(&Limit) -> Vec<u64>,
+    mark: MarkForm,
 }
 
 static LUA_ALGORITHMS: [LuaAlgorithm; 4] = [
     LuaAlgorithm {
         code: "W",
-        source: lua_script!("window"),
-        args: window_args,
+        params: window_params,
+        mark: MarkForm::Index,
     },
     LuaAlgorithm {
         code: "SW",
-        source: lua_script!("sliding"),
-        args: sliding_args,
+        params: sliding_params,
+        mark: MarkForm::Index,
     },
     LuaAlgorithm {
         code: "LB",
-        source: lua_script!("leaky"),
-        args: gcra_args,
+        params: gcra_params,
+        mark: MarkForm::Instant,
     },
     LuaAlgorithm {
         code: "TB",
-        source: lua_script!("token"),
-        args: gcra_args,
+        params: gcra_params,
+        mark: MarkForm::Unused,
     },
 ];
 
+fn lua_algorithm(code: &str) -> Option<&'static LuaAlgorithm> {
+    LUA_ALGORITHMS.iter().find(|algo| algo.code == code)
+}
+
 const MICROS_PER_SECOND: u64 = 1_000_000;
+const NANOS_PER_MICRO: u128 = 1_000;
 /// Largest GCRA tolerance passed to the scripts (keeps every Lua number below 2^53).
 const MAX_TOLERANCE_US: u64 = 1 << 50;
 
@@ -181,28 +202,23 @@ fn unit_micros(limit: &Limit) -> u64 {
     limit.unit.seconds() * MICROS_PER_SECOND
 }
 
-/// window.lua: rpu, unit_us, want.
-fn window_args(limit: &Limit, want: u32) -> Vec<u64> {
-    vec![
-        u64::from(limit.rpu.get()),
-        unit_micros(limit),
-        u64::from(want),
-    ]
+/// window.lua: rpu, unit_us.
+fn window_params(limit: &Limit) -> Vec<u64> {
+    vec![u64::from(limit.rpu.get()), unit_micros(limit)]
 }
 
-/// sliding.lua: rpu, unit_us, slices, want.
-fn sliding_args(limit: &Limit, want: u32) -> Vec<u64> {
+/// sliding.lua: rpu, unit_us, slices.
+fn sliding_params(limit: &Limit) -> Vec<u64> {
     vec![
         u64::from(limit.rpu.get()),
         unit_micros(limit),
         u64::from(limit.slices.get()),
-        u64::from(want),
     ]
 }
 
 /// token.lua / leaky.lua: rpu, T = unit/rpu and B = burst·T as (microseconds, remainder
-/// over rpu), want. Computed exactly in 128 bits; B is clamped to 2^50 µs (35 years).
-fn gcra_args(limit: &Limit, want: u32) -> Vec<u64> {
+/// over rpu). Computed exactly in 128 bits; B is clamped to 2^50 µs (35 years).
+fn gcra_params(limit: &Limit) -> Vec<u64> {
     let rpu = u128::from(limit.rpu.get());
     let unit = u128::from(unit_micros(limit));
     let tolerance = unit * u128::from(limit.burst.get());
@@ -217,71 +233,177 @@ fn gcra_args(limit: &Limit, want: u32) -> Vec<u64> {
         narrow(unit % rpu),
         narrow(b_us),
         narrow(b_rem),
-        u64::from(want),
     ]
 }
 
-struct Scripts {
-    entries: Vec<(&'static LuaAlgorithm, Script)>,
-}
-
-impl Scripts {
-    fn new() -> Scripts {
-        Scripts {
-            entries: LUA_ALGORITHMS
-                .iter()
-                .map(|algo| (algo, Script::new(algo.source)))
-                .collect(),
+impl MarkForm {
+    fn to_mark(self, limit: &Limit, m1: i64, m2: i64) -> Mark {
+        let word = |value: i64| u128::try_from(value).unwrap_or(0);
+        match self {
+            MarkForm::Unused => Mark::default(),
+            MarkForm::Index => Mark(word(m1)),
+            MarkForm::Instant => {
+                let rpu = u128::from(limit.rpu.get());
+                Mark((word(m1) * rpu + word(m2)) * NANOS_PER_MICRO)
+            }
         }
     }
 
-    fn find(&self, code: &str) -> Option<&(&'static LuaAlgorithm, Script)> {
-        self.entries.iter().find(|(algo, _)| algo.code == code)
+    fn to_lua(self, limit: &Limit, mark: Mark) -> (u64, u64) {
+        let narrow = |value: u128| u64::try_from(value).unwrap_or(u64::MAX);
+        match self {
+            MarkForm::Unused => (0, 0),
+            MarkForm::Index => (narrow(mark.0), 0),
+            MarkForm::Instant => {
+                let rpu = u128::from(limit.rpu.get());
+                let scaled = mark.0 / NANOS_PER_MICRO;
+                (narrow(scaled / rpu), narrow(scaled % rpu))
+            }
+        }
     }
+}
 
-    /// The script and its invocation for one rule.
-    fn invocation<'s>(
-        &'s self,
-        index: usize,
-        rule: &ResolvedRule<'_>,
-        now_us: Option<u64>,
-    ) -> Result<(&'s Script, ScriptInvocation<'s>), StoreError> {
+/// What one script call does.
+#[derive(Clone, Copy)]
+enum Op<'a> {
+    Acquire,
+    Charge,
+    /// Gives back the grants of these outcomes (indexed like the request's rules).
+    Release(&'a [Outcome]),
+}
+
+impl Op<'_> {
+    fn name(&self) -> &'static str {
+        match self {
+            Op::Acquire => "acquire",
+            Op::Charge => "charge",
+            Op::Release(_) => "release",
+        }
+    }
+}
+
+/// Values the script returns per rule.
+const REPLY_WIDTH: usize = 8;
+
+/// The script call for `rules` (each with its index in the request).
+fn invocation<'s>(
+    script: &'s Script,
+    op: Op<'_>,
+    rules: &[(usize, &ResolvedRule<'_>)],
+    now_us: Option<u64>,
+) -> Result<ScriptInvocation<'s>, StoreError> {
+    let mut call = script.prepare_invoke();
+    call.arg(op.name());
+    match now_us {
+        Some(now) => call.arg(now),
+        None => call.arg(""),
+    };
+    for &(index, rule) in rules {
         let code = rule.algo.code();
-        let (algo, script) = self.find(code).ok_or_else(|| {
+        let lua = lua_algorithm(code).ok_or_else(|| {
             StoreError::Unsupported(format!(
                 "rules[{index}].algo: {code} is not supported by the Redis store"
             ))
         })?;
-        let mut invocation = script.prepare_invoke();
-        invocation.key(format!("diana:{{{}}}:{}", rule.key, algo.code));
-        for arg in (algo.args)(&rule.limit, rule.want.get()) {
-            invocation.arg(arg);
+        call.key(format!("diana:{{{}}}:{code}", rule.key));
+        call.arg(code);
+        for value in (lua.params)(&rule.limit) {
+            call.arg(value);
         }
-        if let Some(now) = now_us {
-            invocation.arg(now);
+        match op {
+            Op::Acquire => {
+                call.arg(rule.cost.get()).arg(rule.want.get());
+                match rule.max_delay {
+                    Some(nanos) => call.arg(nanos / 1_000),
+                    None => call.arg(""),
+                };
+                call.arg(u8::from(rule.dry_run));
+            }
+            Op::Charge => {
+                call.arg(rule.want.get());
+            }
+            Op::Release(outcomes) => {
+                let outcome = outcomes.get(index).copied().unwrap_or_default();
+                let (m1, m2) = lua.mark.to_lua(&rule.limit, outcome.mark);
+                call.arg(outcome.result.granted).arg(m1).arg(m2);
+            }
         }
-        Ok((script, invocation))
     }
+    Ok(call)
 }
 
-/// A script's reply `{granted, remaining, reset_us, retry_after_us, delay_us}` on the wire.
-fn to_result(index: usize, reply: &[i64], want: u32) -> Result<RuleResult, StoreError> {
-    let &[granted, remaining, reset_us, retry_us, delay_us] = reply else {
+/// The script's reply, [`REPLY_WIDTH`] integers per rule, on the wire.
+fn outcomes(
+    op: Op<'_>,
+    rules: &[(usize, &ResolvedRule<'_>)],
+    reply: &[i64],
+) -> Result<Vec<Outcome>, StoreError> {
+    if reply.len() != rules.len() * REPLY_WIDTH {
         return Err(StoreError::Internal(format!(
-            "rules[{index}]: script returned {} values, expected 5",
+            "the script returned {} values for {} rules",
+            reply.len(),
+            rules.len()
+        )));
+    }
+    rules
+        .iter()
+        .zip(reply.chunks_exact(REPLY_WIDTH))
+        .map(|(&(index, rule), values)| to_outcome(op, index, rule, values))
+        .collect()
+}
+
+/// One rule's `{allowed, granted, remaining, reset_us, retry_after_us, delay_us, mark1,
+/// mark2}`. A charge keeps its retry (when the debt is paid back) although allowed.
+fn to_outcome(
+    op: Op<'_>,
+    index: usize,
+    rule: &ResolvedRule<'_>,
+    reply: &[i64],
+) -> Result<Outcome, StoreError> {
+    let &[allowed, granted, remaining, reset_us, retry_us, delay_us, m1, m2] = reply else {
+        return Err(StoreError::Internal(format!(
+            "rules[{index}]: script returned {} values, expected {REPLY_WIDTH}",
             reply.len()
         )));
     };
     let millis = |us: i64| u64::try_from(us).unwrap_or(0).div_ceil(1000);
-    let granted = u32::try_from(granted.max(0)).unwrap_or(u32::MAX).min(want);
-    Ok(RuleResult {
-        allowed: granted > 0,
-        granted,
-        remaining: u64::try_from(remaining).unwrap_or(0),
-        reset_ms: millis(reset_us),
-        retry_after_ms: if granted > 0 { 0 } else { millis(retry_us) },
-        delay_ms: if granted > 0 { millis(delay_us) } else { 0 },
+    // Never more than asked, whatever the script says.
+    let granted = u32::try_from(granted.max(0))
+        .unwrap_or(u32::MAX)
+        .min(rule.want.get());
+    let mark = lua_algorithm(rule.algo.code())
+        .map_or_else(Mark::default, |lua| lua.mark.to_mark(&rule.limit, m1, m2));
+    Ok(Outcome {
+        result: RuleResult {
+            allowed: allowed != 0 || granted > 0,
+            granted,
+            remaining: u64::try_from(remaining).unwrap_or(0),
+            reset_ms: millis(reset_us),
+            retry_after_ms: if allowed == 0 || matches!(op, Op::Charge) {
+                millis(retry_us)
+            } else {
+                0
+            },
+            delay_ms: if granted > 0 { millis(delay_us) } else { 0 },
+        },
+        mark,
     })
+}
+
+/// The rules grouped by key (a hash tag: one cluster slot), in order of first appearance.
+fn groups_by_key<'r, 'a>(rules: &'r [ResolvedRule<'a>]) -> Vec<Vec<(usize, &'r ResolvedRule<'a>)>> {
+    let mut groups: Vec<Vec<(usize, &ResolvedRule<'a>)>> = Vec::new();
+    for (index, rule) in rules.iter().enumerate() {
+        match groups.iter_mut().find(|group| {
+            group
+                .first()
+                .is_some_and(|(_, first)| first.key == rule.key)
+        }) {
+            Some(group) => group.push((index, rule)),
+            None => groups.push(vec![(index, rule)]),
+        }
+    }
+    groups
 }
 
 // ---------------------------------------------------------------------------------------
@@ -377,7 +499,13 @@ impl<C: Clone> Lazy<C> {
 }
 
 /// Whether an error means the connection should be replaced.
+/// A response timeout does not: the connection stays usable (the late answer is dropped),
+/// and reconnecting on every slow answer under load would turn a slow Redis into a
+/// reconnect storm with its back-off of fast 503s.
 fn needs_reconnect(error: &RedisError) -> bool {
+    if error.is_timeout() {
+        return false;
+    }
     match error.kind() {
         ErrorKind::Server(ServerErrorKind::ReadOnly) => true,
         ErrorKind::Server(_) | ErrorKind::Extension => false,
@@ -404,10 +532,6 @@ fn store_error(error: &RedisError) -> StoreError {
     }
 }
 
-fn is_noscript(error: &RedisError) -> bool {
-    error.kind() == ErrorKind::Server(ServerErrorKind::NoScript)
-}
-
 enum Backend {
     Single {
         client: redis::Client,
@@ -420,10 +544,44 @@ enum Backend {
     },
 }
 
+/// A connection of either backend.
+enum Conn {
+    Single(MultiplexedConnection),
+    Cluster(ClusterConnection),
+}
+
+impl ConnectionLike for Conn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Conn::Single(conn) => conn.req_packed_command(cmd),
+            Conn::Cluster(conn) => conn.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Conn::Single(conn) => conn.req_packed_commands(pipeline, offset, count),
+            Conn::Cluster(conn) => conn.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Conn::Single(conn) => conn.get_db(),
+            Conn::Cluster(conn) => conn.get_db(),
+        }
+    }
+}
+
 /// Counters in Redis (one server) or Redis Cluster.
 pub struct RedisStore {
     backend: Backend,
-    scripts: Scripts,
+    script: Script,
     options: RedisOptions,
     description: String,
 }
@@ -463,7 +621,7 @@ impl RedisStore {
         };
         Ok(RedisStore {
             backend,
-            scripts: Scripts::new(),
+            script: Script::new(SCRIPT),
             options,
             description,
         })
@@ -473,109 +631,215 @@ impl RedisStore {
         self.options
     }
 
-    /// [`Store::check_and_update`] with the scripts' clock set to `now_us` (microseconds
-    /// since the epoch) instead of Redis `TIME`. For tests that compare the scripts with
-    /// the Rust algorithms on a fake clock; the service never sets it.
-    pub async fn check_at(
-        &self,
-        rules: &[ResolvedRule<'_>],
-        now_us: Option<u64>,
-    ) -> Result<Vec<RuleResult>, StoreError> {
-        let calls = rules
-            .iter()
-            .enumerate()
-            .map(|(index, rule)| self.scripts.invocation(index, rule, now_us))
-            .collect::<Result<Vec<_>, _>>()?;
-        let replies = match &self.backend {
+    fn is_cluster(&self) -> bool {
+        matches!(self.backend, Backend::Cluster { .. })
+    }
+
+    /// The current connection (and its generation), connecting if there is none.
+    async fn connection(&self) -> Result<(u64, Conn), StoreError> {
+        match &self.backend {
             Backend::Single {
                 client,
                 config,
                 connection,
             } => {
-                let (generation, mut conn) = connection
+                let (generation, conn) = connection
                     .get(|| client.get_multiplexed_async_connection_with_config(config))
                     .await?;
-                match run_pipeline(&mut conn, &calls).await {
-                    Ok(replies) => replies,
-                    Err(error) => {
-                        if needs_reconnect(&error) {
-                            connection.invalidate(generation, &error.to_string()).await;
-                        }
-                        return Err(store_error(&error));
-                    }
-                }
+                Ok((generation, Conn::Single(conn)))
             }
             Backend::Cluster { client, connection } => {
                 let (generation, conn) = connection.get(|| client.get_async_connection()).await?;
-                let pending = calls.iter().map(|(_, invocation)| {
-                    let mut conn = conn.clone();
-                    async move { invocation.invoke_async::<Vec<i64>>(&mut conn).await }
-                });
-                let mut replies = Vec::with_capacity(calls.len());
-                for reply in futures_util::future::join_all(pending).await {
-                    match reply {
-                        Ok(reply) => replies.push(reply),
-                        Err(error) => {
-                            if needs_reconnect(&error) {
-                                connection.invalidate(generation, &error.to_string()).await;
-                            }
-                            return Err(store_error(&error));
-                        }
+                Ok((generation, Conn::Cluster(conn)))
+            }
+        }
+    }
+
+    /// The store error for a failure on the connection of `generation`, which is dropped
+    /// when the failure means it is broken.
+    async fn failure(&self, generation: u64, error: &RedisError) -> StoreError {
+        if needs_reconnect(error) {
+            let reason = error.to_string();
+            match &self.backend {
+                Backend::Single { connection, .. } => {
+                    connection.invalidate(generation, &reason).await;
+                }
+                Backend::Cluster { connection, .. } => {
+                    connection.invalidate(generation, &reason).await;
+                }
+            }
+        }
+        store_error(error)
+    }
+
+    /// Runs one command (or script) on the connection, dropping it when broken.
+    async fn query<T, F, Fut>(&self, run: F) -> Result<T, StoreError>
+    where
+        F: FnOnce(Conn) -> Fut,
+        Fut: Future<Output = RedisResult<T>>,
+    {
+        let (generation, conn) = self.connection().await?;
+        match run(conn).await {
+            Ok(value) => Ok(value),
+            Err(error) => Err(self.failure(generation, &error).await),
+        }
+    }
+
+    /// One script call over `rules` (all in one slot on a cluster).
+    async fn call(
+        &self,
+        op: Op<'_>,
+        rules: &[(usize, &ResolvedRule<'_>)],
+        now_us: Option<u64>,
+    ) -> Result<Vec<Outcome>, StoreError> {
+        let call = invocation(&self.script, op, rules, now_us)?;
+        let reply: Vec<i64> = self
+            .query(|mut conn| async move { call.invoke_async(&mut conn).await })
+            .await?;
+        outcomes(op, rules, &reply)
+    }
+
+    /// One call per group, concurrently; the outcomes in request order.
+    async fn call_groups(
+        &self,
+        op: Op<'_>,
+        groups: &[Vec<(usize, &ResolvedRule<'_>)>],
+        count: usize,
+        now_us: Option<u64>,
+    ) -> (Vec<Outcome>, Vec<Result<(), StoreError>>) {
+        let replies =
+            futures_util::future::join_all(groups.iter().map(|group| self.call(op, group, now_us)))
+                .await;
+        let mut all = vec![Outcome::default(); count];
+        let mut status = Vec::with_capacity(groups.len());
+        for (group, reply) in groups.iter().zip(replies) {
+            status.push(reply.map(|outcomes| {
+                for (&(index, _), outcome) in group.iter().zip(outcomes) {
+                    if let Some(slot) = all.get_mut(index) {
+                        *slot = outcome;
                     }
                 }
-                replies
-            }
-        };
-        rules
-            .iter()
-            .zip(&replies)
-            .enumerate()
-            .map(|(index, (rule, reply))| to_result(index, reply, rule.want.get()))
-            .collect()
+            }));
+        }
+        (all, status)
     }
-}
 
-/// Runs every invocation in one pipeline. Scripts the server does not know (`NOSCRIPT`,
-/// e.g. after a restart or `SCRIPT FLUSH`) are loaded and only those invocations re-run,
-/// so no rule is charged twice.
-async fn run_pipeline(
-    conn: &mut MultiplexedConnection,
-    calls: &[(&Script, ScriptInvocation<'_>)],
-) -> RedisResult<Vec<Vec<i64>>> {
-    let mut pipe = redis::pipe();
-    pipe.ignore_errors();
-    for (_, invocation) in calls {
-        pipe.invoke_script(invocation);
-    }
-    let first: Vec<RedisResult<Vec<i64>>> = pipe.query_async(conn).await?;
-    let missing: Vec<usize> = first
-        .iter()
-        .enumerate()
-        .filter(|(_, reply)| matches!(reply, Err(error) if is_noscript(error)))
-        .map(|(index, _)| index)
-        .collect();
-    let mut replies = first;
-    if !missing.is_empty() {
-        let mut loaded: Vec<&str> = Vec::new();
-        let mut retry = redis::pipe();
-        retry.ignore_errors();
-        for &index in &missing {
-            if let Some((script, invocation)) = calls.get(index) {
-                if !loaded.contains(&script.get_hash()) {
-                    script.load_async(conn).await?;
-                    loaded.push(script.get_hash());
+    /// [`Store::check_and_update`] with the script's clock set to `now_us` (microseconds
+    /// since the epoch) instead of Redis `TIME` when given (tests on a fake clock).
+    pub async fn acquire_at(
+        &self,
+        rules: &[ResolvedRule<'_>],
+        now_us: Option<u64>,
+    ) -> Result<Vec<Outcome>, StoreError> {
+        let groups = groups_by_key(rules);
+        if !self.is_cluster() || groups.len() == 1 {
+            let all: Vec<(usize, &ResolvedRule<'_>)> = rules.iter().enumerate().collect();
+            return self.call(Op::Acquire, &all, now_us).await;
+        }
+        let (mut outcomes, status) = self
+            .call_groups(Op::Acquire, &groups, rules.len(), now_us)
+            .await;
+        let failed = status.iter().find_map(|status| status.clone().err());
+        let admitted = outcomes
+            .iter()
+            .zip(rules)
+            .all(|(outcome, rule)| outcome.result.granted > 0 || rule.dry_run);
+        if failed.is_none() && admitted {
+            return Ok(outcomes);
+        }
+        // Not all: give back what the other groups were charged.
+        let charged: Vec<Vec<(usize, &ResolvedRule<'_>)>> = groups
+            .iter()
+            .zip(&status)
+            .filter(|(group, status)| {
+                status.is_ok()
+                    && group.iter().any(|&(index, _)| {
+                        outcomes
+                            .get(index)
+                            .is_some_and(|outcome| outcome.result.granted > 0)
+                    })
+            })
+            .map(|(group, _)| group.clone())
+            .collect();
+        let (released, status) = self
+            .call_groups(Op::Release(&outcomes), &charged, rules.len(), now_us)
+            .await;
+        for (group, status) in charged.iter().zip(status) {
+            if let Err(error) = status {
+                tracing::warn!(%error, rules = group.len(), "cluster compensation failed: tokens stay charged");
+            }
+            for &(index, _) in group {
+                if let (Some(slot), Some(after)) = (outcomes.get_mut(index), released.get(index)) {
+                    *slot = Outcome {
+                        result: RuleResult {
+                            allowed: true,
+                            ..after.result
+                        },
+                        mark: Mark::default(),
+                    };
                 }
-                retry.invoke_script(invocation);
             }
         }
-        let second: Vec<RedisResult<Vec<i64>>> = retry.query_async(conn).await?;
-        for (index, reply) in missing.into_iter().zip(second) {
-            if let Some(slot) = replies.get_mut(index) {
-                *slot = reply;
-            }
+        match failed {
+            Some(error) => Err(error),
+            None => Ok(outcomes),
         }
     }
-    replies.into_iter().collect()
+
+    /// [`RedisStore::acquire_at`], the results only.
+    pub async fn check_at(
+        &self,
+        rules: &[ResolvedRule<'_>],
+        now_us: Option<u64>,
+    ) -> Result<Vec<RuleResult>, StoreError> {
+        Ok(self
+            .acquire_at(rules, now_us)
+            .await?
+            .into_iter()
+            .map(|outcome| outcome.result)
+            .collect())
+    }
+
+    /// [`Store::charge`] on the script's clock `now_us` when given. One call on a single
+    /// server (atomic); one per key on a cluster.
+    pub async fn charge_at(
+        &self,
+        rules: &[ResolvedRule<'_>],
+        now_us: Option<u64>,
+    ) -> Result<Vec<RuleResult>, StoreError> {
+        super::refuse_debtless(rules)?;
+        self.each_group(Op::Charge, rules, now_us).await
+    }
+
+    /// Gives back the grants of `outcomes` (from [`RedisStore::acquire_at`] on the same
+    /// rules), on the script's clock `now_us` when given; answers what each rule has after.
+    pub async fn release_at(
+        &self,
+        rules: &[ResolvedRule<'_>],
+        outcomes: &[Outcome],
+        now_us: Option<u64>,
+    ) -> Result<Vec<RuleResult>, StoreError> {
+        self.each_group(Op::Release(outcomes), rules, now_us).await
+    }
+
+    /// One call for every rule (a single server), or one per key (a cluster).
+    async fn each_group(
+        &self,
+        op: Op<'_>,
+        rules: &[ResolvedRule<'_>],
+        now_us: Option<u64>,
+    ) -> Result<Vec<RuleResult>, StoreError> {
+        let groups = if self.is_cluster() {
+            groups_by_key(rules)
+        } else {
+            vec![rules.iter().enumerate().collect()]
+        };
+        let (outcomes, status) = self.call_groups(op, &groups, rules.len(), now_us).await;
+        for status in status {
+            status?;
+        }
+        Ok(outcomes.into_iter().map(|outcome| outcome.result).collect())
+    }
 }
 
 #[async_trait]
@@ -583,48 +847,28 @@ impl Store for RedisStore {
     async fn check_and_update(
         &self,
         rules: &[ResolvedRule<'_>],
-    ) -> Result<Vec<RuleResult>, StoreError> {
-        self.check_at(rules, None).await
+    ) -> Result<Vec<Outcome>, StoreError> {
+        self.acquire_at(rules, None).await
+    }
+
+    async fn charge(&self, rules: &[ResolvedRule<'_>]) -> Result<Vec<RuleResult>, StoreError> {
+        self.charge_at(rules, None).await
+    }
+
+    async fn release(
+        &self,
+        rules: &[ResolvedRule<'_>],
+        outcomes: &[Outcome],
+    ) -> Result<(), StoreError> {
+        self.release_at(rules, outcomes, None).await.map(|_| ())
     }
 
     async fn health(&self) -> Result<(), StoreError> {
-        let outcome = match &self.backend {
-            Backend::Single {
-                client,
-                config,
-                connection,
-            } => {
-                let (generation, mut conn) = connection
-                    .get(|| client.get_multiplexed_async_connection_with_config(config))
-                    .await?;
-                match redis::cmd("PING").query_async::<String>(&mut conn).await {
-                    Ok(_) => Ok(()),
-                    Err(error) => {
-                        if needs_reconnect(&error) {
-                            connection.invalidate(generation, &error.to_string()).await;
-                        }
-                        Err(error)
-                    }
-                }
-            }
-            Backend::Cluster { client, connection } => {
-                let (generation, mut conn) =
-                    connection.get(|| client.get_async_connection()).await?;
-                match redis::cmd("PING")
-                    .query_async::<redis::Value>(&mut conn)
-                    .await
-                {
-                    Ok(_) => Ok(()),
-                    Err(error) => {
-                        if needs_reconnect(&error) {
-                            connection.invalidate(generation, &error.to_string()).await;
-                        }
-                        Err(error)
-                    }
-                }
-            }
-        };
-        outcome.map_err(|error| store_error(&error))
+        self.query(
+            |mut conn| async move { redis::cmd("PING").query_async::<Value>(&mut conn).await },
+        )
+        .await
+        .map(|_| ())
     }
 
     fn describe(&self) -> String {
@@ -634,13 +878,8 @@ impl Store for RedisStore {
 
 #[cfg(test)]
 mod tests {
-    #![allow(
-        clippy::unwrap_used,
-        clippy::expect_used,
-        clippy::panic,
-        clippy::indexing_slicing
-    )]
     use super::*;
+    use diana_core::global::wire::RuleRequest;
     use diana_core::time::Unit;
     use std::num::NonZeroU32;
 
@@ -697,41 +936,73 @@ mod tests {
     fn every_algorithm_has_a_script() {
         for algo in diana_core::algo::REGISTRY.iter() {
             assert!(
-                Scripts::new().find(algo.code()).is_some(),
-                "no Lua script for {}",
+                lua_algorithm(algo.code()).is_some(),
+                "no Lua algorithm for {}",
+                algo.code()
+            );
+            assert!(
+                SCRIPT.contains(&format!("ALGOS.{} = {{", algo.code())),
+                "the script does not define ALGOS.{}",
                 algo.code()
             );
         }
     }
 
     #[test]
-    fn gcra_arguments_are_exact() {
+    fn parameters_are_exact() {
         // 10 per second, burst 10: T = 100 ms, B = 1 s.
         assert_eq!(
-            gcra_args(&limit(10, Unit::Second, 10, 1), 3),
-            vec![10, 100_000, 0, 1_000_000, 0, 3]
+            gcra_params(&limit(10, Unit::Second, 10, 1)),
+            vec![10, 100_000, 0, 1_000_000, 0]
         );
         // 3 per second: T = 333333 + 1/3 µs, B = 2·T = 666666 + 2/3 µs.
         assert_eq!(
-            gcra_args(&limit(3, Unit::Second, 2, 1), 1),
-            vec![3, 333_333, 1, 666_666, 2, 1]
+            gcra_params(&limit(3, Unit::Second, 2, 1)),
+            vec![3, 333_333, 1, 666_666, 2]
         );
         // 7 per day, burst 4e9: B is clamped.
-        let args = gcra_args(&limit(7, Unit::Day, 4_000_000_000, 1), 1);
-        assert_eq!((args[3], args[4]), (MAX_TOLERANCE_US, 0));
+        let params = gcra_params(&limit(7, Unit::Day, 4_000_000_000, 1));
+        assert_eq!((params[3], params[4]), (MAX_TOLERANCE_US, 0));
         assert_eq!(
-            window_args(&limit(5, Unit::Minute, 1, 1), 2),
-            vec![5, 60_000_000, 2]
+            window_params(&limit(5, Unit::Minute, 1, 1)),
+            vec![5, 60_000_000]
         );
         assert_eq!(
-            sliding_args(&limit(5, Unit::Hour, 1, 6), 2),
-            vec![5, 3_600_000_000, 6, 2]
+            sliding_params(&limit(5, Unit::Hour, 1, 6)),
+            vec![5, 3_600_000_000, 6]
         );
     }
 
     #[test]
+    fn marks_travel_both_ways() {
+        let l = limit(3, Unit::Second, 2, 1);
+        // An instant of 1 000 000 µs + 2/3 µs, × rpu in ns.
+        let mark = MarkForm::Instant.to_mark(&l, 1_000_000, 2);
+        assert_eq!(mark, Mark((1_000_000 * 3 + 2) * 1_000));
+        assert_eq!(MarkForm::Instant.to_lua(&l, mark), (1_000_000, 2));
+        assert_eq!(MarkForm::Index.to_mark(&l, 42, 0), Mark(42));
+        assert_eq!(MarkForm::Index.to_lua(&l, Mark(42)), (42, 0));
+        assert_eq!(MarkForm::Unused.to_mark(&l, 7, 7), Mark::default());
+    }
+
+    #[test]
     fn replies() {
-        let result = to_result(0, &[2, 8, 1_500, 0, 0], 3).unwrap();
+        let request = RuleRequest {
+            key: "k".to_string(),
+            algo: "TB".to_string(),
+            rpu: 10,
+            unit: "second".to_string(),
+            burst: 10,
+            slices: 1,
+            want: 3,
+            cost: 1,
+            max_delay_ms: None,
+            dry_run: false,
+        };
+        let rule = request.resolve(0).unwrap();
+        let result = to_outcome(Op::Acquire, 0, &rule, &[1, 2, 8, 1_500, 0, 0, 0, 0])
+            .unwrap()
+            .result;
         assert_eq!(
             result,
             RuleResult {
@@ -743,7 +1014,9 @@ mod tests {
                 delay_ms: 0
             }
         );
-        let denied = to_result(0, &[0, 0, 999_001, 1, 5], 1).unwrap();
+        let denied = to_outcome(Op::Acquire, 0, &rule, &[0, 0, 0, 999_001, 1, 5, 0, 0])
+            .unwrap()
+            .result;
         assert_eq!(
             (
                 denied.allowed,
@@ -753,11 +1026,48 @@ mod tests {
             ),
             (false, 1000, 1, 0)
         );
+        // Spared: allowed, nothing granted, no retry.
+        let spared = to_outcome(Op::Acquire, 0, &rule, &[1, 0, 5, 10, 99, 0, 0, 0])
+            .unwrap()
+            .result;
+        assert_eq!(
+            (spared.allowed, spared.granted, spared.retry_after_ms),
+            (true, 0, 0)
+        );
+        // A charge keeps its retry.
+        let charged = to_outcome(Op::Charge, 0, &rule, &[1, 3, 0, 10, 2_001, 0, 0, 0])
+            .unwrap()
+            .result;
+        assert_eq!((charged.granted, charged.retry_after_ms), (3, 3));
         // Never more than asked, whatever the script says.
-        assert_eq!(to_result(0, &[9, 0, 0, 0, 0], 2).unwrap().granted, 2);
-        assert!(to_result(3, &[1, 2], 1)
+        let greedy = to_outcome(Op::Acquire, 0, &rule, &[1, 9, 0, 0, 0, 0, 0, 0]).unwrap();
+        assert_eq!(greedy.result.granted, 3);
+        assert!(outcomes(Op::Acquire, &[(3, &rule)], &[1, 2])
             .unwrap_err()
             .to_string()
-            .contains("rules[3]"));
+            .contains("2 values for 1 rules"));
+    }
+
+    #[test]
+    fn rules_are_grouped_by_key() {
+        let rule = |key: &str| RuleRequest {
+            key: key.to_string(),
+            algo: "W".to_string(),
+            rpu: 1,
+            unit: "second".to_string(),
+            burst: 1,
+            slices: 1,
+            want: 1,
+            cost: 1,
+            max_delay_ms: None,
+            dry_run: false,
+        };
+        let requests = [rule("a"), rule("b"), rule("a"), rule("c")];
+        let rules: Vec<_> = requests.iter().map(|r| r.resolve(0).unwrap()).collect();
+        let groups: Vec<Vec<usize>> = groups_by_key(&rules)
+            .iter()
+            .map(|group| group.iter().map(|(index, _)| *index).collect())
+            .collect();
+        assert_eq!(groups, vec![vec![0, 2], vec![1], vec![3]]);
     }
 }

@@ -1,6 +1,7 @@
 //! Test support: real `redis-server` processes on free loopback ports (stopped by PID when
 //! dropped, their log printed when the test failed), a 3-master Redis Cluster, and helpers
 //! to call the service in-process.
+#![cfg(test)]
 #![allow(
     dead_code,
     clippy::unwrap_used,
@@ -283,21 +284,35 @@ impl RedisCluster {
 // ---------------------------------------------------------------------------------------
 // Stores and the service in-process.
 
+/// Timeouts for tests: longer than the service's defaults (20 ms), so that a test machine
+/// busy with other tests does not turn a slow answer into a 503.
+pub fn test_options() -> RedisOptions {
+    RedisOptions {
+        connect_timeout: Duration::from_millis(250),
+        response_timeout: Duration::from_millis(250),
+        ..RedisOptions::default()
+    }
+}
+
 pub fn redis_store(url: &str) -> RedisStore {
-    RedisStore::new(&RedisTarget::parse(url).unwrap(), RedisOptions::default()).unwrap()
+    RedisStore::new(&RedisTarget::parse(url).unwrap(), test_options()).unwrap()
 }
 
 pub fn memory_store() -> MemoryStore {
     MemoryStore::default()
 }
 
+/// Settings for tests: the defaults, with a deadline that covers [`test_options`].
+pub fn test_settings() -> Settings {
+    Settings {
+        deadline: Duration::from_millis(800),
+        ..Settings::default()
+    }
+}
+
 /// The service's router around a store, as `diana-quota` builds it.
 pub fn service(store: Arc<dyn Store>) -> Router {
-    let settings = Settings {
-        store_deadline: RedisOptions::default().deadline(),
-        ..Settings::default()
-    };
-    app(AppState::new(store, settings))
+    app(AppState::new(store, test_settings()))
 }
 
 /// A unique key for one counter of one test.

@@ -1,0 +1,241 @@
+//! The decisions over the states of one request's rules, as pure functions: what the
+//! memory store runs under its lock, and what `lua/decide.lua` does in Redis (the two are
+//! tested to agree, `tests/lua_matches_rust.rs`).
+//!
+//! The caller loads one state per distinct counter (`states`) and says which counter each
+//! rule uses (`slots`): two rules on the same counter see each other's tentative charges.
+//!
+//! - [`acquire`]: all or nothing (rules in dry run aside: their denial stops nobody, and
+//!   they are charged only with the others). Every rule is checked in order; an admitted leaky-bucket
+//!   request whose delay is longer than its `max_delay` is denied (retry when its turn
+//!   would be within the limit). Then either every rule was allowed and the states keep
+//!   every charge, or they are restored as they were: the rules that had their cost
+//!   available answer `allowed` with nothing granted (and what they have, read from the
+//!   state as it was), the others are denied.
+//! - [`charge`]: every rule is charged `want` tokens past its limit (a debt).
+//! - [`release`]: gives back the grants of an earlier [`acquire`], rules in reverse order.
+
+use super::Outcome;
+use diana_core::algo::Verdict;
+use diana_core::global::wire::{ceil_millis, ResolvedRule, RuleResult};
+use diana_core::time::Nanos;
+
+/// What a rule has right now, without changing anything (a probe: `want` 0).
+fn probe(rule: &ResolvedRule<'_>, state: &[u64], now: Nanos) -> Verdict {
+    let mut copy = state.to_vec();
+    rule.algo
+        .acquire_at_least(&rule.limit, &mut copy, now, 1, 0)
+}
+
+/// An allowed rule that was not charged: what it has, from a probe.
+fn spared(probe: &Verdict) -> RuleResult {
+    RuleResult {
+        allowed: true,
+        granted: 0,
+        remaining: probe.remaining,
+        reset_ms: ceil_millis(probe.reset),
+        retry_after_ms: 0,
+        delay_ms: 0,
+    }
+}
+
+/// Decides every rule, all or nothing (see the module documentation). Returns one outcome
+/// per rule and whether the states were changed.
+pub fn acquire(
+    rules: &[ResolvedRule<'_>],
+    slots: &[usize],
+    states: &mut [Vec<u64>],
+    now: Nanos,
+) -> (Vec<Outcome>, bool) {
+    let original = states.to_vec();
+    let mut verdicts = Vec::with_capacity(rules.len());
+    for (rule, &slot) in rules.iter().zip(slots) {
+        let Some(state) = states.get_mut(slot) else {
+            verdicts.push(Verdict::default());
+            continue;
+        };
+        let before = state.clone();
+        let mut verdict =
+            rule.algo
+                .acquire_at_least(&rule.limit, state, now, rule.cost.get(), rule.want.get());
+        if let Some(max_delay) = rule.max_delay {
+            if verdict.granted > 0 && rule.algo.waits() && verdict.delay > max_delay {
+                // Its turn is further away than the gateway accepts: nothing reserved.
+                let retry_after = verdict.delay - max_delay;
+                verdict = Verdict {
+                    retry_after,
+                    ..probe(rule, &before, now)
+                };
+                *state = before;
+            }
+        }
+        verdicts.push(verdict);
+    }
+    let all = verdicts
+        .iter()
+        .zip(rules)
+        .all(|(verdict, rule)| verdict.granted > 0 || rule.dry_run);
+    if !all {
+        states.clone_from_slice(&original);
+    }
+    let outcomes = rules
+        .iter()
+        .zip(slots)
+        .zip(&verdicts)
+        .map(|((rule, &slot), verdict)| {
+            if all {
+                Outcome {
+                    result: RuleResult::from_verdict(verdict),
+                    mark: verdict.mark,
+                }
+            } else if verdict.granted > 0 {
+                let before = original.get(slot).map_or(&[][..], Vec::as_slice);
+                Outcome {
+                    result: spared(&probe(rule, before, now)),
+                    ..Outcome::default()
+                }
+            } else {
+                Outcome {
+                    result: RuleResult::from_verdict(verdict),
+                    ..Outcome::default()
+                }
+            }
+        })
+        .collect();
+    (outcomes, all)
+}
+
+/// Charges every rule `want` tokens past its limit. The answer says `granted = want`,
+/// `allowed`, and when the identity may pass again (`retry_after_ms`, 0 while it still has
+/// tokens).
+pub fn charge(
+    rules: &[ResolvedRule<'_>],
+    slots: &[usize],
+    states: &mut [Vec<u64>],
+    now: Nanos,
+) -> Vec<RuleResult> {
+    rules
+        .iter()
+        .zip(slots)
+        .map(|(rule, &slot)| {
+            let mut empty = Vec::new();
+            let state = states.get_mut(slot).unwrap_or(&mut empty);
+            let verdict = rule
+                .algo
+                .charge_debt(&rule.limit, state, now, rule.want.get());
+            RuleResult {
+                allowed: true,
+                granted: rule.want.get(),
+                remaining: verdict.remaining,
+                reset_ms: ceil_millis(verdict.reset),
+                retry_after_ms: ceil_millis(verdict.retry_after),
+                delay_ms: 0,
+            }
+        })
+        .collect()
+}
+
+/// Gives back the grants of `outcomes` (one per rule, from [`acquire`]), in reverse order,
+/// and answers what each rule has afterwards.
+pub fn release(
+    rules: &[ResolvedRule<'_>],
+    slots: &[usize],
+    states: &mut [Vec<u64>],
+    outcomes: &[Outcome],
+    now: Nanos,
+) -> Vec<RuleResult> {
+    for ((rule, &slot), outcome) in rules.iter().zip(slots).zip(outcomes).rev() {
+        if outcome.result.granted > 0 {
+            if let Some(state) = states.get_mut(slot) {
+                rule.algo.release(
+                    &rule.limit,
+                    state,
+                    now,
+                    outcome.result.granted,
+                    outcome.mark,
+                );
+            }
+        }
+    }
+    rules
+        .iter()
+        .zip(slots)
+        .map(|(rule, &slot)| {
+            let state = states.get(slot).map_or(&[][..], Vec::as_slice);
+            spared(&probe(rule, state, now))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use diana_core::global::wire::RuleRequest;
+
+    fn rule(key: &str, algo: &str, rpu: u32, want: u32, cost: u32) -> RuleRequest {
+        RuleRequest {
+            key: key.to_string(),
+            algo: algo.to_string(),
+            rpu,
+            unit: "hour".to_string(),
+            burst: rpu,
+            slices: 4,
+            want,
+            cost,
+            max_delay_ms: None,
+            dry_run: false,
+        }
+    }
+
+    #[test]
+    fn all_or_nothing_on_shared_counters() {
+        let now = 1_700_000_000_000_000_000;
+        let requests = [rule("a", "W", 5, 3, 3), rule("a", "W", 5, 3, 3)];
+        let rules: Vec<_> = requests.iter().filter_map(|r| r.resolve(0).ok()).collect();
+        let mut states = vec![vec![0; 2]];
+        // Two rules on one counter of 5: the second sees the first's 3, has only 2 < 3.
+        let (outcomes, committed) = acquire(&rules, &[0, 0], &mut states, now);
+        assert!(!committed);
+        assert_eq!(states, vec![vec![0; 2]]);
+        let granted: Vec<(bool, u32, u64)> = outcomes
+            .iter()
+            .map(|o| (o.result.allowed, o.result.granted, o.result.remaining))
+            .collect();
+        assert_eq!(granted, [(true, 0, 5), (false, 0, 2)]);
+        // On two counters both pass and both are kept.
+        let mut states = vec![vec![0; 2], vec![0; 2]];
+        let (outcomes, committed) = acquire(&rules, &[0, 1], &mut states, now);
+        assert!(committed);
+        assert!(outcomes.iter().all(|o| o.result.granted == 3));
+        // And come back exactly.
+        let after = release(&rules, &[0, 1], &mut states, &outcomes, now);
+        assert!(after.iter().all(|r| r.remaining == 5 && r.allowed));
+    }
+
+    #[test]
+    fn a_turn_beyond_max_delay_is_denied_and_not_reserved() {
+        let now = 1_700_000_000_000_000_000;
+        let mut lb = rule("q", "LB", 3_600, 1, 1);
+        lb.unit = "second".to_string();
+        lb.burst = 10;
+        lb.max_delay_ms = Some(2);
+        let requests = [lb];
+        let rules: Vec<_> = requests.iter().filter_map(|r| r.resolve(0).ok()).collect();
+        let mut states = vec![vec![0; 2]];
+        let slots = [0];
+        // T = 1/3.6 ms: turns at 0, 0.28, 0.56, ... 1.94 ms are within 2 ms (8 turns).
+        let mut admitted = 0;
+        for _ in 0..8 {
+            let (outcomes, committed) = acquire(&rules, &slots, &mut states, now);
+            admitted += usize::from(committed && outcomes[0].result.granted == 1);
+        }
+        assert_eq!(admitted, 8);
+        let before = states.clone();
+        let (outcomes, committed) = acquire(&rules, &slots, &mut states, now);
+        assert!(!committed);
+        assert_eq!(states, before);
+        assert!(!outcomes[0].result.allowed);
+        assert_eq!(outcomes[0].result.retry_after_ms, 1);
+        assert_eq!(outcomes[0].result.remaining, 3);
+    }
+}
