@@ -4,7 +4,7 @@
 //! held across a hostcall: a local reply re-enters the filter synchronously on Envoy.
 
 use crate::host::{self, HostKind, HostMetrics, HostRequest, HostSharedData, Sink};
-use diana_core::config::{parse_policy, Policy, RemoteSpec};
+use diana_core::config::{parse_policy, MetricsSpec, Policy, RemoteSpec};
 use diana_core::decision::{Callout, Decision, Reply};
 use diana_core::engine::{Engine, EngineDecision, Pending};
 use diana_core::global::MAX_ANSWER_BYTES;
@@ -29,6 +29,8 @@ const WAIT_TICK: Duration = Duration::from_millis(2);
 struct Configured {
     engine: Engine,
     metrics: HostMetrics,
+    /// The policy has a `metrics.path`.
+    serves_metrics: bool,
 }
 
 /// How often a worker checks for a newer remote document published by another worker.
@@ -78,6 +80,9 @@ pub struct DianaRoot {
     tick_fixed: bool,
     /// The config center, from the local document (a remote document cannot move it).
     remote: Option<RemoteSpec>,
+    /// The metrics path, from the local document too (a remote document cannot move it
+    /// or take it away).
+    metrics: Option<MetricsSpec>,
     /// Version of the published remote document this worker runs (0 = local document).
     applied_version: u64,
     /// The poll this worker has in flight.
@@ -94,6 +99,7 @@ impl DianaRoot {
             host: HostKind::Envoy,
             tick_fixed: false,
             remote: None,
+            metrics: None,
             applied_version: 0,
             poll_token: None,
             next_remote_check: 0,
@@ -102,7 +108,8 @@ impl DianaRoot {
     }
 
     /// Makes `policy` the one new requests are evaluated with.
-    fn install(&mut self, policy: Policy, origin: &str) {
+    fn install(&mut self, mut policy: Policy, origin: &str) {
+        policy.metrics = self.metrics.clone();
         let dropped = lifecycle::adopt(&self.store, &HostSharedData, &policy);
         if dropped > 0 {
             log::info!("diana: {dropped} rules left the configuration; their records are released");
@@ -116,7 +123,12 @@ impl DianaRoot {
         );
         Sink(&self.events).event(Event::ConfigReload);
         with_vm(&self.vm, |vm| {
-            vm.configured = Some(Rc::new(Configured { engine, metrics }));
+            let serves_metrics = engine.policy().metrics.is_some();
+            vm.configured = Some(Rc::new(Configured {
+                engine,
+                metrics,
+                serves_metrics,
+            }));
         });
     }
 
@@ -275,6 +287,7 @@ impl RootContext for DianaRoot {
             log::info!("diana: ngx_wasm_module: leaky-bucket waits become Retry-After (local) or are done by the quota service (global)");
         }
         self.remote = policy.remote.clone();
+        self.metrics = policy.metrics.clone();
         self.applied_version = 0;
         self.install(policy, "local");
         let base_tick = self.base_tick();
@@ -390,7 +403,10 @@ impl DianaHttp {
         match decision {
             Decision::Allow { headers } => {
                 self.response_headers = headers;
-                if paused {
+                // ngx_wasm_module resumes a request by itself once its last callout is
+                // answered (ngx_http_proxy_wasm_dispatch.c); Envoy needs the explicit
+                // resume.
+                if paused && self.host == HostKind::Envoy {
                     if let Err(status) = hostcalls::resume_http_request() {
                         log::warn!("diana: cannot resume request: {status:?}");
                     }
@@ -417,10 +433,16 @@ impl DianaHttp {
                     .iter()
                     .map(|(name, value)| (*name, value.as_str()))
                     .collect();
+                // ngx_wasm_module appends a line feed to every local response body:
+                // send one less so that the client gets the configured body.
+                let body = match self.host {
+                    HostKind::Nginx => rejection.body.strip_suffix('\n').unwrap_or(&rejection.body),
+                    HostKind::Envoy => &rejection.body,
+                };
                 if let Err(status) = hostcalls::send_http_response(
                     u32::from(rejection.status),
                     headers,
-                    Some(rejection.body.as_bytes()),
+                    Some(body.as_bytes()),
                 ) {
                     log::warn!("diana: cannot send the rejection: {status:?}");
                 }
@@ -547,11 +569,22 @@ impl HttpContext for DianaHttp {
         let Some(configured) = self.configured.clone() else {
             return Action::Continue;
         };
-        let raw_path = if configured.engine.needs_path() {
+        let raw_path = if configured.engine.needs_path() || configured.serves_metrics {
             host::header_bytes(MapType::HttpRequestHeaders, ":path").unwrap_or_default()
         } else {
             b"/".to_vec()
         };
+        if configured.serves_metrics && configured.engine.serves_metrics(&raw_path) {
+            let text = configured.metrics.exposition();
+            if let Err(status) = hostcalls::send_http_response(
+                200,
+                vec![("content-type", "text/plain; version=0.0.4")],
+                Some(text.as_bytes()),
+            ) {
+                log::warn!("diana: cannot answer with the metrics: {status:?}");
+            }
+            return Action::Pause;
+        }
         let decision = configured.engine.evaluate(
             &HostSharedData,
             &raw_path,

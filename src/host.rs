@@ -4,7 +4,9 @@
 
 use diana_core::actor::RequestFacts;
 use diana_core::config::Rule;
-use diana_core::metrics::{rule_metric_name, Event, MetricSink, RuleEvent, DEGRADED_GAUGE};
+use diana_core::metrics::{
+    prometheus_text, rule_metric_name, Event, MetricSink, RuleEvent, DEGRADED_GAUGE,
+};
 use diana_core::properties::client_ip_from_address;
 use diana_core::store::{HostError, SetOutcome, SharedData};
 use diana_core::time::Nanos;
@@ -156,29 +158,60 @@ pub struct HostMetrics {
     rules: Vec<[Option<u32>; 3]>,
     events: HashMap<Event, u32>,
     degraded: Option<u32>,
+    /// Every metric defined: name, id, is a gauge (for the `metrics.path` answer).
+    defined: Vec<(String, u32, bool)>,
 }
 
 impl HostMetrics {
     pub fn define<'a>(rules: impl Iterator<Item = &'a Rule>) -> HostMetrics {
+        let mut defined = Vec::new();
+        let mut define_named = |kind: MetricType, name: String| {
+            let id = define(kind, &name);
+            if let Some(id) = id {
+                defined.push((name, id, kind == MetricType::Gauge));
+            }
+            id
+        };
         let rules = rules
             .map(|rule| {
                 RuleEvent::ALL.map(|event| {
-                    define(
+                    define_named(
                         MetricType::Counter,
-                        &rule_metric_name(&rule.metric_name, event),
+                        rule_metric_name(&rule.metric_name, event),
                     )
                 })
             })
             .collect();
         let events = Event::ALL
             .iter()
-            .filter_map(|&event| define(MetricType::Counter, event.name()).map(|id| (event, id)))
+            .filter_map(|&event| {
+                define_named(MetricType::Counter, event.name().to_string()).map(|id| (event, id))
+            })
             .collect();
+        let degraded = define_named(MetricType::Gauge, DEGRADED_GAUGE.to_string());
         HostMetrics {
             rules,
             events,
-            degraded: define(MetricType::Gauge, DEGRADED_GAUGE),
+            degraded,
+            defined,
         }
+    }
+
+    /// Every metric's current value (summed over the workers by the host), in the
+    /// Prometheus text format.
+    pub fn exposition(&self) -> String {
+        let values: Vec<(&str, u64, bool)> = self
+            .defined
+            .iter()
+            .map(|(name, id, gauge)| {
+                let value = hostcalls::get_metric(*id).unwrap_or_else(|status| {
+                    log::debug!("diana: metric {name}: {status:?}");
+                    0
+                });
+                (name.as_str(), value, *gauge)
+            })
+            .collect();
+        prometheus_text(values)
     }
 
     /// Only the process-wide counters (before any policy is accepted).

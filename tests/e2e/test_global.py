@@ -1,5 +1,6 @@
-"""Global scope end to end: real Redis, real diana-quota, two real Envoy gateways with
-4 workers each. Diana's rejections are configured as 429 here, so any 5xx is a failure."""
+"""Global scope end to end: real Redis, real diana-quota, two real gateways — Envoy with 4
+worker threads each, or nginx with 2 worker processes each (`global.cluster` is then
+127.0.0.1:PORT). Diana's rejections are configured as 429 here, so any 5xx is a failure."""
 
 from __future__ import annotations
 
@@ -35,8 +36,12 @@ global: {{timeout_ms: 200, retry_seconds: {retry}}}
 """
 
 
-def two_gateways(start_envoy, quota_port: int, doc: str):
-    return start_envoy(doc, quota_port=quota_port), start_envoy(doc, quota_port=quota_port)
+def two_gateways(start_gateway, quota_port: int, doc: str):
+    return start_gateway(doc, quota_port=quota_port), start_gateway(doc, quota_port=quota_port)
+
+
+def kind(gateways) -> str:
+    return gateways[0].kind
 
 
 def spread(gateways, n: int, path: str = "/", headers=None) -> list[harness.Resp]:
@@ -66,23 +71,23 @@ def callouts(gateways) -> int:
 
 
 @pytest.mark.parametrize("algo", sorted(CASES))
-def test_two_gateways_admit_exactly_rpu_with_lease_1(procs, start_envoy, algo):
+def test_two_gateways_admit_exactly_rpu_with_lease_1(procs, start_gateway, algo):
     unit, needs_fresh_minute = CASES[algo]
     redis = procs.add(Redis(procs.log_dir)).start()
     quota = procs.add(Quota(procs.log_dir, redis.url)).start()
-    gateways = two_gateways(start_envoy, quota.port, global_doc(30, algo, unit))
+    gateways = two_gateways(start_gateway, quota.port, global_doc(30, algo, unit))
     if needs_fresh_minute:
         harness.wait_for_fresh_minute(15)
     resps = spread(gateways, 120)
     assert not harness.errors(resps), harness.errors(resps)[:3]
     assert statuses(resps) == {200: 30, 429: 90}, statuses(resps)
-    record(f"global {algo} lease 1: admitted/expected", f"{admitted(resps)}/30 of 120 over 2 gateways x 4 workers")
+    record(f"{kind(gateways)}: global {algo} lease 1: admitted/expected", f"{admitted(resps)}/30 of 120 over 2 gateways")
 
 
-def test_lease_10_cuts_callouts_and_never_exceeds_rpu(procs, start_envoy):
+def test_lease_10_cuts_callouts_and_never_exceeds_rpu(procs, start_gateway):
     redis = procs.add(Redis(procs.log_dir)).start()
     quota = procs.add(Quota(procs.log_dir, redis.url)).start()
-    gateways = two_gateways(start_envoy, quota.port, global_doc(200, "TB", "hour", lease=10))
+    gateways = two_gateways(start_gateway, quota.port, global_doc(200, "TB", "hour", lease=10))
     resps: list[harness.Resp] = []
     # 30 waves of 10 (5 per gateway at once) = 300 requests, 1.5x the limit. Requests that
     # find the lease stash empty at the same moment each call out (there is no coalescing
@@ -94,10 +99,10 @@ def test_lease_10_cuts_callouts_and_never_exceeds_rpu(procs, start_envoy):
     assert not harness.errors(resps), harness.errors(resps)[:3]
     assert set(statuses(resps)) <= {200, 429}, statuses(resps)
     assert admitted(resps) <= 200
-    assert admitted(resps) >= 200 - 2 * 4 * 10, "leases left unspent are bounded by gateways x workers x lease"
+    assert admitted(resps) >= 200 - 2 * 4 * 10, "leases left unspent are bounded by gateways x lease x waves in flight"
     assert calls / n <= 0.2, f"{calls} callouts for {n} requests"
-    record("global lease 10: admitted", f"{admitted(resps)} of {n} (rpu 200)")
-    record("global lease 10: callouts per request", round(calls / n, 3))
+    record(f"{kind(gateways)}: global lease 10: admitted", f"{admitted(resps)} of {n} (rpu 200)")
+    record(f"{kind(gateways)}: global lease 10: callouts per request", round(calls / n, 3))
 
 
 def lat_p99(resps) -> float:
@@ -138,11 +143,11 @@ def wait_until(predicate, timeout: float, what: str) -> None:
 
 
 @pytest.mark.parametrize("victim", ["redis", "diana-quota"])
-def test_backend_killed_mid_run_degrades_to_local_then_recovers(procs, start_envoy, victim):
+def test_backend_killed_mid_run_degrades_to_local_then_recovers(procs, start_gateway, victim):
     redis = procs.add(Redis(procs.log_dir)).start()
     quota = procs.add(Quota(procs.log_dir, redis.url)).start()
     # rpu 1000/hour: never reached here; what matters is latency, 5xx and the switches.
-    gateways = two_gateways(start_envoy, quota.port, global_doc(1000, "TB", "hour", retry=2))
+    gateways = two_gateways(start_gateway, quota.port, global_doc(1000, "TB", "hour", retry=2))
     healthy = steady_load(gateways, 2.0)
     assert all(r.status == 200 for _, r in healthy), statuses(r for _, r in healthy)
     calls_before = callouts(gateways)
@@ -159,9 +164,10 @@ def test_backend_killed_mid_run_degrades_to_local_then_recovers(procs, start_env
     metrics = [g.diana_metrics() for g in gateways]
     assert all(harness.metric_sum(m, "diana_global_degraded_requests") > 0 for m in metrics)
     assert all(m.get("diana_global_degraded") == 1 for m in metrics), metrics
-    record(f"{victim} down: p99 latency ms", round(p99 * 1000, 2))
-    record(f"{victim} down: statuses", statuses(down_resps))
-    record(f"healthy: p99 latency ms ({victim} run)", round(lat_p99([r for _, r in healthy]) * 1000, 2))
+    k = kind(gateways)
+    record(f"{k}: {victim} down: p99 latency ms", round(p99 * 1000, 2))
+    record(f"{k}: {victim} down: statuses", statuses(down_resps))
+    record(f"{k}: healthy: p99 latency ms ({victim} run)", round(lat_p99([r for _, r in healthy]) * 1000, 2))
 
     # Back on the same port: after retry_seconds one probe closes the breaker.
     if victim == "redis":
@@ -175,13 +181,15 @@ def test_backend_killed_mid_run_degrades_to_local_then_recovers(procs, start_env
         ms = [g.diana_metrics() for g in gateways]
         return all(m.get("diana_global_degraded") == 0 for m in ms) and callouts(gateways) > calls_down
 
+    t_back = time.monotonic()
     wait_until(global_again, 30, f"both gateways global again after {victim} restart")
+    record(f"{k}: {victim} restarted: seconds until global again", round(time.monotonic() - t_back, 1))
 
 
-def test_a_local_rule_still_limits_per_gateway_while_redis_is_down(procs, start_envoy):
+def test_a_local_rule_still_limits_per_gateway_while_redis_is_down(procs, start_gateway):
     redis = procs.add(Redis(procs.log_dir)).start()
     quota = procs.add(Quota(procs.log_dir, redis.url)).start()
-    gateways = two_gateways(start_envoy, quota.port, global_doc(10, "TB", "hour", retry=30))
+    gateways = two_gateways(start_gateway, quota.port, global_doc(10, "TB", "hour", retry=30))
     redis.stop(timeout=5)
     resps = spread(gateways, 60)
     assert set(statuses(resps)) <= {200, 429}, statuses(resps)
@@ -205,7 +213,7 @@ def cluster_port() -> int:
     raise AssertionError("no free port for a cluster node")
 
 
-def test_redis_cluster_with_three_masters_is_exact(procs, start_envoy):
+def test_redis_cluster_with_three_masters_is_exact(procs, start_gateway):
     cli = shutil.which("redis-cli")
     assert cli, "redis-cli missing: run scripts/install-deps"
     nodes = []
@@ -234,17 +242,17 @@ actors:
   tenant: {header: x-tenant-id}
 """
     doc = doc.replace("scope: global, lease: 1}", "scope: global, lease: 1, actor: tenant}")
-    gateways = two_gateways(start_envoy, quota.port, doc)
+    gateways = two_gateways(start_gateway, quota.port, doc)
     # Several tenants: their keys hash to different cluster slots (hash tags per key).
     total = 0
     for tenant in ("alpha", "beta", "gamma", "delta"):
         resps = spread(gateways, 60, headers={"x-tenant-id": tenant})
         assert statuses(resps) == {200: 25, 429: 35}, (tenant, statuses(resps))
         total += admitted(resps)
-    record("redis cluster (3 masters): admitted/expected", f"{total}/100 over 4 tenants")
+    record(f"{kind(gateways)}: redis cluster (3 masters): admitted/expected", f"{total}/100 over 4 tenants")
 
 
-def test_global_leaky_bucket_delays_requests_by_the_services_wait(procs, start_envoy):
+def test_global_leaky_bucket_delays_requests_by_the_services_wait(procs, start_gateway):
     quota = procs.add(Quota(procs.log_dir)).start()  # embedded store
     doc = """
 resources:
@@ -254,11 +262,42 @@ resources:
 response: {status: 429}
 global: {timeout_ms: 500}
 """
-    gw = start_envoy(doc, quota_port=quota.port)
+    gw = start_gateway(doc, quota_port=quota.port)
     resps = send_concurrent(gw.port, 8)
     ok = sorted(r.latency for r in resps if r.status == 200)
     assert statuses(resps) == {200: 4, 429: 4}, statuses(resps)
     # One at once, then three spaced by ~100 ms (the service reserves the slots).
     gaps = [b - a for a, b in zip(ok, ok[1:])]
     assert all(0.05 <= g <= 0.2 for g in gaps), gaps
-    record("global LB: admitted latencies s", [round(x, 3) for x in ok])
+    record(f"{gw.kind}: global LB: admitted latencies s", [round(x, 3) for x in ok])
+
+
+def test_keep_alive_connections_hammer_requests_paused_for_callouts(procs, start_gateway):
+    """Every request pauses for a callout (lease 1) and is resumed from the callout's
+    answer, on keep-alive client connections: ngx_wasm_module has had crash bugs on that
+    path (its issues #528, #545). No request may fail, no worker may die, and the count
+    stays exact."""
+    quota = procs.add(Quota(procs.log_dir)).start()
+    gw = start_gateway(global_doc(300, "TB", "hour"), quota_port=quota.port)
+    results: list[harness.Resp] = []
+    lock = threading.Lock()
+
+    def client(c: int) -> None:
+        with harness.KeepAlive(gw.port) as ka:
+            for i in range(50):
+                r = ka.send("/", {"x-device-id": f"ka-{c}-{i}"})
+                with lock:
+                    results.append(r)
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(8)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    elapsed = time.monotonic() - t0
+    st = statuses(results)
+    record(f"{gw.kind}: 8 keep-alive clients x 50 requests, each paused for a callout", f"{st} in {elapsed:.1f}s")
+    assert not harness.errors(results), harness.errors(results)[:3]
+    assert st == {200: 300, 429: 100}, st
+    assert callouts([gw]) >= 300

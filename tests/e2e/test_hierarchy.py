@@ -20,13 +20,13 @@ resources:
 """
 
 
-def test_sample_stops_at_3_and_root_counts_only_what_was_admitted(start_envoy):
-    envoy = start_envoy(HIERARCHY_ALL)
+def test_sample_stops_at_3_and_root_counts_only_what_was_admitted(start_gateway):
+    gw = start_gateway(HIERARCHY_ALL)
     wait_for_fresh_minute(10)
-    sample = [request(envoy.port, "/sample", {"x-device-id": f"d{i}"}) for i in range(4)]
-    rest = [request(envoy.port, "/other") for _ in range(3)]
+    sample = [request(gw.port, "/sample", {"x-device-id": f"d{i}"}) for i in range(4)]
+    rest = [request(gw.port, "/other") for _ in range(3)]
     s_sample, s_rest = [r.status for r in sample], [r.status for r in rest]
-    record("hierarchy / rpu 5, /sample rpu 3", f"/sample x4 -> {s_sample}; then / x3 -> {s_rest}")
+    record(f"{gw.kind}: hierarchy / rpu 5, /sample rpu 3", f"/sample x4 -> {s_sample}; then / x3 -> {s_rest}")
     # /sample admits 3; the 4th is denied by /sample, and / gives back what it had taken
     assert s_sample == [200, 200, 200, 503], sample
     assert sample[3].header("x-ratelimit-limit") in (None, "3"), sample[3].headers
@@ -36,18 +36,18 @@ def test_sample_stops_at_3_and_root_counts_only_what_was_admitted(start_envoy):
     assert rest[1].header("x-ratelimit-limit") in (None, "5"), rest[1].headers
 
 
-def test_concurrent_sample_requests_across_workers(start_envoy):
-    envoy = start_envoy(HIERARCHY_ALL)
+def test_concurrent_sample_requests_across_workers(start_gateway):
+    gw = start_gateway(HIERARCHY_ALL)
     wait_for_fresh_minute(10)
-    resps = send_concurrent(envoy.port, 20, "/sample/x")
+    resps = send_concurrent(gw.port, 20, "/sample/x")
     assert not errors(resps)
     assert statuses(resps) == {200: 3, 503: 17}
     # / counted the 3 admitted only, whatever the order the workers raced in: 2 are left
-    assert [request(envoy.port, "/").status for _ in range(3)] == [200, 200, 503]
+    assert [request(gw.port, "/").status for _ in range(3)] == [200, 200, 503]
 
 
-def test_denial_by_root_does_not_charge_sample(start_envoy):
-    envoy = start_envoy(
+def test_denial_by_root_does_not_charge_sample(start_gateway):
+    gw = start_gateway(
         """\
 resources:
   - Url: /
@@ -60,10 +60,10 @@ resources:
     )
     wait_for_fresh_minute(10)
     a = {"x-device-id": "device-a"}
-    first = [request(envoy.port, "/home", a).status for _ in range(5)]
-    denied = [request(envoy.port, "/sample", a) for _ in range(4)]  # denied by / : must not charge /sample
-    b = [request(envoy.port, "/sample", {"x-device-id": "device-b"}).status for _ in range(4)]
-    record("first denial ends evaluation", f"A /home {first}, A /sample {[r.status for r in denied]}, B /sample {b}")
+    first = [request(gw.port, "/home", a).status for _ in range(5)]
+    denied = [request(gw.port, "/sample", a) for _ in range(4)]  # denied by / : must not charge /sample
+    b = [request(gw.port, "/sample", {"x-device-id": "device-b"}).status for _ in range(4)]
+    record(f"{gw.kind}: first denial ends evaluation", f"A /home {first}, A /sample {[r.status for r in denied]}, B /sample {b}")
     assert first == [200] * 5
     assert [r.status for r in denied] == [503] * 4
     assert denied[0].header("x-ratelimit-limit") in (None, "5"), denied[0].headers
@@ -83,26 +83,26 @@ resources:
 """
 
 
-def test_every_spelling_is_charged_to_sample(start_envoy):
-    envoy = start_envoy(PATHS)
+def test_every_spelling_is_charged_to_sample(start_gateway):
+    gw = start_gateway(PATHS)
     results = {}
     for i, spelling in enumerate(SPELLINGS):
         dev = {"x-device-id": f"spelling-{i}"}
-        with KeepAlive(envoy.port) as ka:
+        with KeepAlive(gw.port) as ka:
             first = ka.send(spelling, dev)
             canonical = ka.send("/sample", dev)
         results[spelling] = (first.status, canonical.status)
-    record("path spellings (first, then canonical /sample)", results)
+    record(f"{gw.kind}: path spellings (first, then canonical /sample)", results)
     for spelling, (first, canonical) in results.items():
         assert first == 200, (spelling, results)
         assert canonical == 503, f"{spelling!r} was not charged to /sample: {results}"
 
 
 @pytest.mark.parametrize("other", ["/samples", "/sampl", "/x/sample", "/sample.json"])
-def test_prefix_matches_on_segment_boundaries_only(start_envoy, other):
-    envoy = start_envoy(PATHS)
+def test_prefix_matches_on_segment_boundaries_only(start_gateway, other):
+    gw = start_gateway(PATHS)
     dev = {"x-device-id": "boundary"}
-    statuses_seen = [request(envoy.port, other, dev).status for _ in range(3)]
-    after = request(envoy.port, "/sample", dev).status
+    statuses_seen = [request(gw.port, other, dev).status for _ in range(3)]
+    after = request(gw.port, "/sample", dev).status
     assert statuses_seen == [200, 200, 200], statuses_seen
     assert after == 200, f"{other!r} was charged to /sample"

@@ -20,10 +20,10 @@ def _int_header(r, name: str) -> int:
 RATELIMIT_HEADERS = ("x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-reset")
 
 
-def test_default_rejection_is_503_with_headers(start_envoy):
-    envoy = start_envoy("Url: /\nrules:\n  - {name: one_per_hour, actor: all, unit: hour, rpu: 1}\n")
-    ok = request(envoy.port, "/")
-    no = request(envoy.port, "/")
+def test_default_rejection_is_503_with_headers(start_gateway):
+    gw = start_gateway("Url: /\nrules:\n  - {name: one_per_hour, actor: all, unit: hour, rpu: 1}\n")
+    ok = request(gw.port, "/")
+    no = request(gw.port, "/")
     assert ok.status == 200, ok
     for h in RATELIMIT_HEADERS:  # headers: limited (default) -> only on rejections
         assert ok.header(h) is None, ok.headers
@@ -35,16 +35,16 @@ def test_default_rejection_is_503_with_headers(start_envoy):
     assert _int_header(no, "x-ratelimit-remaining") == 0
     reset = _int_header(no, "x-ratelimit-reset")
     assert 1 <= reset <= 3600 and 1 <= retry <= 3600, (retry, reset)
-    record("default rejection headers", {k: no.header(k) for k in ("retry-after",) + RATELIMIT_HEADERS})
-    m = envoy.diana_metrics()
-    record("metrics after 1 allowed + 1 limited", m)
-    assert m, "no diana_ metrics under wasmcustom."
+    record(f"{gw.kind}: default rejection headers", {k: no.header(k) for k in ("retry-after",) + RATELIMIT_HEADERS})
+    m = gw.diana_metrics()
+    record(f"{gw.kind}: metrics after 1 allowed + 1 limited", {k: v for k, v in m.items() if "one_per_hour" in k})
+    assert m, "no diana_ metrics"
     assert rule_metric(m, "limited", "one_per_hour") == 1, m
     assert rule_metric(m, "allowed", "one_per_hour") == 1, m
 
 
-def test_custom_status_body_and_no_ratelimit_headers(start_envoy):
-    envoy = start_envoy(
+def test_custom_status_body_and_no_ratelimit_headers(start_gateway):
+    gw = start_gateway(
         """\
 resources:
   - Url: /
@@ -56,8 +56,8 @@ response:
   headers: none
 """
     )
-    assert request(envoy.port, "/").status == 200
-    no = request(envoy.port, "/")
+    assert request(gw.port, "/").status == 200
+    no = request(gw.port, "/")
     assert no.status == 429, no
     assert no.body == b"slow down\n"
     assert _int_header(no, "retry-after") >= 1  # always sent on a rejection
@@ -65,8 +65,8 @@ response:
         assert no.header(h) is None, no.headers
 
 
-def test_headers_all_on_admitted_responses(start_envoy):
-    envoy = start_envoy(
+def test_headers_all_on_admitted_responses(start_gateway):
+    gw = start_gateway(
         """\
 resources:
   - Url: /
@@ -76,10 +76,10 @@ response:
   headers: all
 """
     )
-    seen = [request(envoy.port, "/") for _ in range(4)]
+    seen = [request(gw.port, "/") for _ in range(4)]
     assert [r.status for r in seen] == [200, 200, 200, 503]
     remaining = [_int_header(r, "x-ratelimit-remaining") for r in seen]
-    record("headers: all, remaining after each of 4 requests (rpu 3)", remaining)
+    record(f"{gw.kind}: headers: all, remaining after each of 4 requests (rpu 3)", remaining)
     for r in seen:
         assert _int_header(r, "x-ratelimit-limit") == 3
         _int_header(r, "x-ratelimit-reset")
@@ -88,8 +88,8 @@ response:
     assert _int_header(seen[3], "retry-after") >= 1
 
 
-def test_document_dry_run_never_rejects_and_counts(start_envoy):
-    envoy = start_envoy(
+def test_document_dry_run_never_rejects_and_counts(start_gateway):
+    gw = start_gateway(
         """\
 resources:
   - Url: /
@@ -98,17 +98,17 @@ resources:
 dry_run: true
 """
     )
-    resps = send_concurrent(envoy.port, 6, "/")
+    resps = send_concurrent(gw.port, 6, "/")
     assert statuses(resps) == {200: 6}
-    m = envoy.diana_metrics()
-    record("document dry run metrics (6 requests, rpu 2)", {k: v for k, v in m.items() if "dry_doc" in k})
+    m = gw.diana_metrics()
+    record(f"{gw.kind}: document dry run metrics (6 requests, rpu 2)", {k: v for k, v in m.items() if "dry_doc" in k})
     assert rule_metric(m, "dry_run_limited", "dry_doc") == 4, m
     assert rule_metric(m, "limited", "dry_doc") == 0, m
     assert rule_metric(m, "allowed", "dry_doc") == 2, m
 
 
-def test_rule_dry_run_never_rejects_and_counts(start_envoy):
-    envoy = start_envoy(
+def test_rule_dry_run_never_rejects_and_counts(start_gateway):
+    gw = start_gateway(
         """\
 resources:
   - Url: /
@@ -117,10 +117,10 @@ resources:
       - {name: enforced, actor: all, unit: hour, rpu: 100}
 """
     )
-    resps = send_concurrent(envoy.port, 6, "/")
+    resps = send_concurrent(gw.port, 6, "/")
     assert statuses(resps) == {200: 6}
-    m = envoy.diana_metrics()
-    record("rule dry run metrics (6 requests, rpu 2)", {k: v for k, v in m.items() if k.startswith("diana_rule")})
+    m = gw.diana_metrics()
+    record(f"{gw.kind}: rule dry run metrics (6 requests, rpu 2)", {k: v for k, v in m.items() if k.startswith("diana_rule")})
     assert rule_metric(m, "dry_run_limited", "dry_rule") == 4, m
     assert rule_metric(m, "limited", "dry_rule") == 0, m
     # the dry-run rule's would-be rejections did not stop the next rule from being charged

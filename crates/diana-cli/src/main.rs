@@ -11,6 +11,7 @@
 //! Exit codes: 0 success, 1 invalid document, 2 usage or I/O error.
 
 mod envoy;
+mod nginx;
 mod plan;
 mod schema;
 mod yaml;

@@ -36,6 +36,10 @@ pub fn render_text(policy: &Policy) -> Result<String, String> {
         plural(rules, "rule", "rules"),
         global,
     );
+    out.push_str(&format!(
+        "# nginx (ngx_wasm_module): `{}` holds every counter without eviction (nginx/README.md).\n",
+        crate::nginx::directive(policy)
+    ));
     out.push_str(
         "# Effective plan: every default filled in. Resources are listed in evaluation order\n\
          # (least specific first, all matching resources apply); within a resource, rules apply\n\
@@ -97,6 +101,11 @@ fn build(policy: &Policy, machine: bool) -> Value {
         ]),
     };
 
+    let nginx = map(vec![(
+        "shm_kv_bytes",
+        number(crate::nginx::zone_bytes(policy)),
+    )]);
+
     map(vec![
         ("resources", Value::Sequence(resources)),
         (
@@ -121,6 +130,7 @@ fn build(policy: &Policy, machine: bool) -> Value {
         ),
         ("remote", remote),
         ("dry_run", Value::Bool(policy.dry_run)),
+        ("nginx", nginx),
     ])
 }
 

@@ -19,6 +19,9 @@ use crate::wire::max_duration_ms;
 
 const NANOS_PER_MILLI: Nanos = 1_000_000;
 
+/// Bytes of a sealed lease-stash record.
+pub const RECORD_BYTES: usize = 8 + 32;
+
 /// Tokens taken from the stash for one request, to give back if it is rejected.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StashReceipt {

@@ -210,6 +210,11 @@ pub fn slot_key_in(prefix: &str, slot: u32) -> String {
     key
 }
 
+/// Bytes of a sealed slot record with `words` state words (what shared data holds per slot).
+pub const fn slot_record_bytes(words: usize) -> usize {
+    8 + 8 + 8 * words
+}
+
 /// A decoded slot record: fingerprint plus the algorithm's state words.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Record {
