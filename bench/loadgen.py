@@ -9,7 +9,7 @@ its latency).
 
     loadgen.py --target 127.0.0.1:10000 --path /hot/trending --phase 0:20:1000 \
         [--phase 20:30:200 ...] [--devices 2000] [--users 5000] [--start-at EPOCH] \
-        [--timeout 5] [--out result.json]
+        [--timeout 5] [--out result.json] [--log requests.jsonl]
 
 `--path` may contain `{user}` (a random user id out of --users). With --devices, each
 request carries `x-device-id: d<random>`. Answers are classified:
@@ -20,6 +20,11 @@ request carries `x-device-id: d<random>`. Answers are classified:
   timeout / error
 The JSON output has totals and, per second of the schedule (by scheduled time), counts per
 class and the latencies (ms) of that second's answers.
+
+--log writes the exact request log: one JSON line per request written to a connection, in
+the order sent, `{"ts": <epoch seconds when its bytes were written>, "method", "path",
+"headers", "status", "class"}` — the input of `diana simulate`, which ignores the answer
+fields (bench/weitter.py compares the two).
 """
 
 from __future__ import annotations
@@ -64,15 +69,18 @@ class Gen:
         self.first_send: float | None = None
         self.last_send: float | None = None
         self.rng = random.Random(a.seed)
+        # --log: (sent at, path, headers, status, class) of every request written.
+        self.log: list[tuple[float, str, dict[str, str], int | None, str]] = []
 
-    def request(self) -> bytes:
+    def request(self) -> tuple[bytes, str, dict[str, str]]:
         path = self.a.path
         if "{user}" in path:
             path = path.replace("{user}", f"u{self.rng.randrange(self.a.users)}")
-        lines = [f"GET {path} HTTP/1.1", f"Host: {self.a.host_header}", "User-Agent: diana-bench"]
+        headers = {"host": self.a.host_header, "user-agent": "diana-bench"}
         if self.a.devices:
-            lines.append(f"x-device-id: d{self.rng.randrange(self.a.devices)}")
-        return ("\r\n".join(lines) + "\r\n\r\n").encode()
+            headers["x-device-id"] = f"d{self.rng.randrange(self.a.devices)}"
+        lines = [f"GET {path} HTTP/1.1"] + [f"{k}: {v}" for k, v in headers.items()]
+        return ("\r\n".join(lines) + "\r\n\r\n").encode(), path, headers
 
     async def conn(self):
         if self.idle:
@@ -84,8 +92,10 @@ class Gen:
         second = int(sched - t0)
         b = self.bins[second]
         b["sent"] += 1
-        payload = self.request()
+        payload, path, headers = self.request()
         cls = "error"
+        status: int | None = None
+        sent_at: float | None = None
         async with self.sem:
             rw = None
             try:
@@ -99,23 +109,23 @@ class Gen:
                 head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.a.timeout)
                 lines = head.decode("latin-1").split("\r\n")
                 status = int(lines[0].split()[1])
-                headers = {}
+                answer = {}
                 for line in lines[1:]:
                     if ":" in line:
                         k, v = line.split(":", 1)
-                        headers[k.strip().lower()] = v.strip()
-                n = int(headers.get("content-length", "0"))
+                        answer[k.strip().lower()] = v.strip()
+                n = int(answer.get("content-length", "0"))
                 if n:
                     await asyncio.wait_for(reader.readexactly(n), self.a.timeout)
                 if 200 <= status < 300:
                     cls = "ok"
-                elif "x-timeline" in headers:
+                elif "x-timeline" in answer:
                     cls = "upstream"
-                elif status in (429, 503) and ("retry-after" in headers or "x-ratelimit-limit" in headers):
+                elif status in (429, 503) and ("retry-after" in answer or "x-ratelimit-limit" in answer):
                     cls = "diana"
                 else:
                     cls = f"s{status}"
-                if headers.get("connection", "").lower() == "close":
+                if answer.get("connection", "").lower() == "close":
                     writer.close()
                 else:
                     self.idle.append(rw)
@@ -127,6 +137,8 @@ class Gen:
                 cls = "error"
                 if rw:
                     rw[1].close()
+        if self.a.log and sent_at is not None:
+            self.log.append((sent_at, path, headers, status, cls))
         now = time.time()
         b["classes"][cls] += 1
         b["lat_ms"][cls].append(round((now - sched) * 1000, 3))
@@ -164,6 +176,12 @@ class Gen:
             await asyncio.wait(tasks, timeout=a.timeout + 2)
         for _, w in self.idle:
             w.close()
+        if a.log:
+            self.log.sort(key=lambda entry: entry[0])
+            with open(a.log, "w") as f:
+                for sent_at, path, headers, status, cls in self.log:
+                    f.write(json.dumps({"ts": round(sent_at, 6), "method": "GET", "path": path, "headers": headers,
+                                        "status": status, "class": cls}) + "\n")
         bins = {}
         for s in sorted(self.bins):
             b = self.bins[s]
@@ -191,6 +209,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--label", default="")
     p.add_argument("--out")
+    p.add_argument("--log", help="write every request sent as a JSON line (input of `diana simulate`)")
     a = p.parse_args()
     result = asyncio.run(Gen(a).run())
     text = json.dumps(result)

@@ -124,7 +124,8 @@ def render(res: dict[str, Any], chart_rel: Optional[str]) -> str:
     A("")
     A("`scripts/bench` runs `scripts/install-deps` (when present), builds the filter")
     A("(`cargo build --release --target wasm32-wasip1 -p diana`), diana-quota")
-    A("(`cargo build --release -p diana-quota`) and the empty baseline filter")
+    A("(`cargo build --release -p diana-quota`), the `diana` command (`cargo build --release -p diana-cli`,")
+    A("for the Weitter replay) and the empty baseline filter")
     A("(`cargo build --release --target wasm32-wasip1 --manifest-path bench/empty-filter/Cargo.toml`)")
     A("and the two measuring aids (`bench/probe-filter`, `bench/engine-profile`, optional),")
     A("then runs `bench/bench.py`. Every process (Envoy, redis-server, diana-quota, the demo")
@@ -537,6 +538,33 @@ def render(res: dict[str, Any], chart_rel: Optional[str]) -> str:
                      "normal p99 ms", "normal failed", "flood answers"], rows, "rrrrrrrrl"))
             A("")
             A("</details>")
+            A("")
+        sim = (diana_run or {}).get("simulate")
+        if sim:
+            A("### The same requests replayed by `diana simulate`")
+            A("")
+            A("The load generators wrote every request they sent (`bench/loadgen.py --log`, send times in")
+            A(f"µs; {sim['requests']:,} requests in `weitter-diana-requests.jsonl`), and `diana simulate`")
+            A("replayed that log through the same document, with the log's clock and the filter's own")
+            A("engine, no Envoy. Envoy's figures are its metrics (per rule) and the answers the clients")
+            A("got (per second, by send time).")
+            A("")
+            if sim.get("error"):
+                A(f"Not replayed: {sim['error']}.")
+            else:
+                A(table(["rule", "allowed in Envoy", "allowed replayed", "limited in Envoy", "limited replayed"],
+                        [[f"`{r['rule']}`", f"{r['envoy_allowed']:,}", f"{r['simulate_allowed']:,}",
+                          f"{r['envoy_limited']:,}", f"{r['simulate_limited']:,}"] for r in sim["rules"]]))
+                A("")
+                A(f"Per second, admitted requests differ by at most {sim['max_per_second_difference']} "
+                  f"(t = {sim.get('worst_second')} s); {sim.get('seconds_within_3', '?')} of "
+                  f"{len(sim['seconds'])} seconds are within 3.")
+                A("The token bucket on `/hot` is empty all through the flood, so which request gets the next")
+                A("token depends on when the filter evaluated it, and the log has the client's send time:")
+                A("earlier by a varying amount, and by much more when Envoy falls behind for a moment — the")
+                A("tokens of those milliseconds then land in the next second. Over the whole run such shifts")
+                A("cancel out but for the first and last moments of the flood. (`tests/e2e/test_simulate.py`")
+                A("checks an exact one-worker case and a flood with a stated tolerance.)")
             A("")
 
     errs = res.get("errors") or {}

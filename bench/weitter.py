@@ -12,19 +12,27 @@ devices. Run twice, same load: Envoy without a filter, then Envoy with Diana:
 Per second we record what was offered, what reached the service, what it served, its own
 latency (queue + work), the latency of the normal timeline reads as clients see them, and
 what the flood got (200, 503 from Diana, 503 from the service).
+
+In the run with Diana the load generators also write the exact request log they send
+(`--log`); it is merged into `weitter-diana-requests.jsonl` (JSON lines: send time, path,
+headers, and the answer), Envoy's per-second admitted/rejected counts (from those answers,
+by send time) go to `weitter-diana-envoy-per-second.json`, and the log is replayed by
+`diana simulate` (target/release/diana, or $DIANA_CLI) through the same policy to compare
+per rule and per second (`simulate` in the results; chart `weitter-simulate.svg`).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from common import BENCH, Envoy, Procs, free_port, http_get, percentile, say, wait_http, wasm_filter
+from common import BENCH, ROOT, Envoy, Procs, free_port, http_get, percentile, say, wait_http, wasm_filter
 
 DIANA_DOC = """resources:
   - Url: /
@@ -69,16 +77,24 @@ def one_run(procs: Procs, p: dict[str, Any], with_diana: bool, diana_wasm: Path)
     gens = []
     common = [sys.executable, str(BENCH / "loadgen.py"), "--target", f"127.0.0.1:{e.port}", "--start-at", str(t0),
               "--timeout", "10", "--max-conns", "2048"]
+    request_logs = []
+
+    def log_args(name: str) -> list[str]:
+        if not with_diana:
+            return []
+        request_logs.append(procs.logdir / f"weitter-{tag}-{name}.jsonl")
+        return ["--log", str(request_logs[-1])]
+
     for i in range(p["flood_procs"]):
         out = procs.logdir / f"weitter-{tag}-flood{i}.json"
         argv = common + ["--path", "/hot/trending", "--devices", str(p["flood_devices"]), "--seed", str(10 + i),
                          "--phase", f"{p['flood_from']}:{p['flood_to']}:{p['flood_rate'] / p['flood_procs']}",
-                         "--out", str(out), "--label", "flood"]
+                         "--out", str(out), "--label", "flood"] + log_args(f"flood{i}")
         gens.append((subprocess.Popen(argv, cwd=BENCH), out))
     out = procs.logdir / f"weitter-{tag}-normal.json"
     argv = common + ["--path", "/timeline/{user}", "--users", str(p["normal_users"]), "--devices",
                      str(p["normal_devices"]), "--seed", "99", "--phase", f"0:{p['total_s']}:{p['normal_rate']}",
-                     "--out", str(out), "--label", "normal"]
+                     "--out", str(out), "--label", "normal"] + log_args("normal")
     gens.append((subprocess.Popen(argv, cwd=BENCH), out))
     for g, _ in gens:
         g.wait(timeout=p["total_s"] + 60)
@@ -157,8 +173,77 @@ def one_run(procs: Procs, p: dict[str, Any], with_diana: bool, diana_wasm: Path)
         f"{summary['upstream_served_rps']:.0f}/s (success {summary['upstream_success_rate']:.1%}); normal reads "
         f"ok {summary['normal_ok_rate']:.1%}, p50 {summary['normal_p50_ms']:.0f} ms p99 {summary['normal_p99_ms']:.0f} ms; "
         f"flood answers {ftot}")
-    return {"with_diana": with_diana, "diana_config": doc, "series": series, "summary": summary,
-            "wasmcustom": {k: v for k, v in stats.items() if k.startswith("wasmcustom.") and v}}
+    wasmcustom = {k: v for k, v in stats.items() if k.startswith("wasmcustom.") and v}
+    result = {"with_diana": with_diana, "diana_config": doc, "series": series, "summary": summary,
+              "wasmcustom": wasmcustom}
+    if with_diana and doc is not None:
+        result["simulate"] = replay(procs, doc, request_logs, wasmcustom, t0)
+    return result
+
+
+def diana_cli() -> Path:
+    return Path(os.environ.get("DIANA_CLI") or ROOT / "target/release/diana")
+
+
+def replay(procs: Procs, doc: str, request_logs: list[Path], wasmcustom: dict[str, int], t0: int) -> dict[str, Any]:
+    """Merges the run's request logs, writes Envoy's per-second answers, and replays the log
+    through the same policy with `diana simulate`: per rule (Envoy's metrics against the
+    replay) and per second (the answers the clients got against the replay)."""
+    entries = []
+    for path in request_logs:
+        entries += [json.loads(line) for line in path.read_text().splitlines()]
+    entries.sort(key=lambda e: e["ts"])
+    log = procs.logdir / "weitter-diana-requests.jsonl"
+    log.write_text("".join(json.dumps(e) + "\n" for e in entries))
+    envoy: dict[int, dict[str, int]] = {}
+    for e in entries:
+        row = envoy.setdefault(int(e["ts"]) - t0, {"admitted": 0, "rejected": 0, "other": 0})
+        kind = {"diana": "rejected", "ok": "admitted", "upstream": "admitted"}.get(e["class"], "other")
+        row[kind] += 1
+    per_second = procs.logdir / "weitter-diana-envoy-per-second.json"
+    per_second.write_text(json.dumps({str(t): v for t, v in sorted(envoy.items())}, indent=1))
+    out: dict[str, Any] = {"log": str(log), "requests": len(entries), "envoy_per_second": str(per_second)}
+    cli = diana_cli()
+    if not cli.is_file():
+        out["error"] = f"{cli} not built (cargo build --release -p diana-cli)"
+        return out
+    policy = procs.logdir / "weitter-diana-policy.yaml"
+    policy.write_text(doc)
+    svg = procs.logdir / "weitter-simulate.svg"
+    run = subprocess.run([str(cli), "simulate", str(policy), str(log), "--json", "--svg", str(svg)],
+                         capture_output=True, text=True, timeout=300)
+    if run.returncode != 0:
+        out["error"] = f"diana simulate exited {run.returncode}: {run.stderr.strip()[:300]}"
+        return out
+    report = json.loads(run.stdout)
+    rules = []
+    for rule in report["rules"]:
+        name, totals = rule["name"], rule["totals"]
+        rules.append({
+            "rule": name,
+            "envoy_allowed": wasmcustom.get(f"wasmcustom.diana_rule_allowed.{name}", 0),
+            "envoy_limited": wasmcustom.get(f"wasmcustom.diana_rule_limited.{name}", 0),
+            "simulate_allowed": totals["admitted"] + totals["delayed"],
+            "simulate_limited": totals["rejected"],
+        })
+    simulated = {s["t"] - t0: s["all"] for s in report["seconds"]}
+    seconds = []
+    for t in sorted(set(envoy) | set(simulated)):
+        e, s = envoy.get(t, {}), simulated.get(t, {})
+        seconds.append({"t": t, "envoy_admitted": e.get("admitted", 0), "envoy_rejected": e.get("rejected", 0),
+                        "envoy_other": e.get("other", 0), "simulate_admitted": s.get("admitted", 0) + s.get("delayed", 0),
+                        "simulate_rejected": s.get("rejected", 0)})
+    differences = [abs(x["envoy_admitted"] - x["simulate_admitted"]) for x in seconds]
+    worst = max(differences, default=0)
+    out.update({"rules": rules, "seconds": seconds, "max_per_second_difference": worst,
+                "seconds_within_3": sum(1 for d in differences if d <= 3),
+                "worst_second": seconds[differences.index(worst)]["t"] if seconds else None,
+                "malformed": report["input"]["malformed"], "svg": str(svg)})
+    say("weitter replay by diana simulate: " + "; ".join(
+        f"{r['rule']} allowed {r['envoy_allowed']} in Envoy, {r['simulate_allowed']} replayed" for r in rules)
+        + f"; per second, admitted requests differ by at most {worst} "
+        f"({out['seconds_within_3']} of {len(seconds)} seconds within 3)")
+    return out
 
 
 def run(procs: Procs, cfg: dict[str, Any], diana_wasm: Path) -> dict[str, Any]:

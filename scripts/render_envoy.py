@@ -13,7 +13,7 @@ Standard library only.
 CLI:
   render_envoy.py --listen-port 10000 --admin-port 9901 --upstream-port 18080 \
       --diana-config envoy/demo-diana.yaml --wasm target/wasm32-wasip1/release/diana-envoy.wasm \
-      [--quota-port 18081] [--config-port 18082] [--no-filter] [--out FILE]
+      [--quota-port 18081] [--config-port 18082] [--no-filter] [--access-log FILE] [--out FILE]
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ HCM_TYPE = (
 )
 ROUTER_TYPE = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
 STRING_VALUE_TYPE = "type.googleapis.com/google.protobuf.StringValue"
+FILE_ACCESS_LOG = "envoy.access_loggers.file"
+FILE_ACCESS_LOG_TYPE = "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog"
 
 # Cluster names the Diana document refers to by default (DESIGN §3: global.cluster,
 # remote.cluster). dispatch_http_call needs them to exist in the bootstrap.
@@ -86,6 +88,15 @@ def wasm_filter(diana_config: str, wasm_path: str, runtime: str = "envoy.wasm.ru
     }
 
 
+def file_access_log(path: str, text_format: Optional[str] = None) -> dict[str, Any]:
+    """An HTTP access log written to `path`, in Envoy's default format unless `text_format`
+    is given (`diana simulate` reads the default format, plus appended fields)."""
+    config: dict[str, Any] = {"@type": FILE_ACCESS_LOG_TYPE, "path": str(path)}
+    if text_format is not None:
+        config["log_format"] = {"text_format_source": {"inline_string": text_format}}
+    return {"name": FILE_ACCESS_LOG, "typed_config": config}
+
+
 def render_bootstrap(
     *,
     listen_port: int,
@@ -100,6 +111,7 @@ def render_bootstrap(
     normalize_path: bool = False,
     route_timeout: str = "15s",
     extra_clusters: Optional[list[dict[str, Any]]] = None,
+    access_logs: Optional[list[tuple[str, Optional[str]]]] = None,
 ) -> dict[str, Any]:
     """Build the bootstrap as a dict.
 
@@ -111,6 +123,8 @@ def render_bootstrap(
       ("backend unavailable", DESIGN §1).
     - `normalize_path=False` (the default here) leaves path spelling untouched, so the
       tests exercise the filter's own normalisation.
+    - `access_logs=[(path, format or None), ...]` adds file access logs (None: Envoy's
+      default format).
     """
     if diana_config is not None and not wasm_path:
         raise ValueError("wasm_path is required when diana_config is given")
@@ -143,6 +157,8 @@ def render_bootstrap(
         },
         "http_filters": http_filters,
     }
+    if access_logs:
+        hcm["access_log"] = [file_access_log(path, text_format) for path, text_format in access_logs]
 
     clusters: list[dict[str, Any]] = []
     if upstream_port is not None:
@@ -189,6 +205,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--wasm", default="target/wasm32-wasip1/release/diana-envoy.wasm")
     p.add_argument("--no-filter", action="store_true", help="render Envoy without the Diana filter")
     p.add_argument("--normalize-path", action="store_true", help="let Envoy normalise paths too")
+    p.add_argument("--access-log", help="also write Envoy's access log (default format) to this file")
     p.add_argument("--out", help="output file (default: stdout)")
     a = p.parse_args(argv)
 
@@ -208,6 +225,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         quota_port=a.quota_port,
         config_port=a.config_port,
         normalize_path=a.normalize_path,
+        access_logs=[(a.access_log, None)] if a.access_log else None,
     )
     if a.out:
         with open(a.out, "w", encoding="utf-8") as f:

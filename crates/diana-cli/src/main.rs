@@ -7,6 +7,9 @@
 //!   that loads `diana.wasm` with it.
 //! - `diana schema [--kong]` prints a JSON Schema (draft 4) of the document's JSON forms;
 //!   with `--kong`, wrapped as Kong filter metadata (`kong/diana.meta.json`).
+//! - `diana simulate POLICY LOG` replays a request log (JSON lines or Envoy's access log)
+//!   through the policy with the log's own clock and prints per second and per rule what
+//!   would have been admitted, delayed and rejected (`--json`, `--svg FILE`).
 //!
 //! Exit codes: 0 success, 1 invalid document, 2 usage or I/O error.
 
@@ -14,11 +17,12 @@ mod envoy;
 mod nginx;
 mod plan;
 mod schema;
+mod simulate;
 mod yaml;
 
 use clap::{Args, Parser, Subcommand};
 use diana_core::config::{parse_policy, Policy};
-use std::io::{self, Read, Write};
+use std::io::{self, BufRead, BufReader, Read, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -60,6 +64,51 @@ enum Command {
         #[arg(long)]
         kong: bool,
     },
+    /// Replay a request log through a policy with the log's own clock (the filter's engine,
+    /// no gateway) and print per second and per rule what would have been admitted,
+    /// delayed and rejected.
+    ///
+    /// The log holds JSON lines (`{"ts": RFC 3339 or epoch seconds, "path": "/x",
+    /// "headers": {...}, "client_ip": "..."}`) or Envoy's default access-log format, told
+    /// apart line by line. Malformed lines are counted and the first few named; they never
+    /// stop the replay.
+    Simulate(SimulateArgs),
+}
+
+#[derive(Args, Debug)]
+struct SimulateArgs {
+    /// The Diana document (YAML or JSON).
+    policy: PathBuf,
+    /// The request log; `-` reads standard input.
+    log: PathBuf,
+    /// How lines are read: each on its own (`auto`), or all as one format.
+    #[arg(long, value_enum, default_value = "auto")]
+    format: simulate::Format,
+    /// Fields appended to Envoy's default format, in order: a request header name (for
+    /// `"%REQ(X-DEVICE-ID)%"`) or `client_ip` (for `"%DOWNSTREAM_REMOTE_ADDRESS%"`).
+    /// Repeat the option or separate names with commas.
+    #[arg(long = "envoy-field", value_delimiter = ',', value_name = "FIELD")]
+    envoy_fields: Vec<String>,
+    /// Spread the requests round robin over this many gateways, each with its own local
+    /// counters; global rules share one simulated quota service.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    gateways: u32,
+    /// Seconds per row of the table and bar of the chart.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    interval: u64,
+    /// Lines at most this many seconds out of time order are replayed in time order.
+    #[arg(long = "reorder-seconds", default_value_t = simulate::REORDER_SECONDS)]
+    reorder_seconds: f64,
+    /// Print the totals only (no per-second table).
+    #[arg(long)]
+    totals: bool,
+    /// Print the result as JSON.
+    #[arg(long)]
+    json: bool,
+    /// Also write an SVG chart: requests per second over time, stacked admitted, delayed
+    /// and rejected, one panel for all requests and one per rule.
+    #[arg(long, value_name = "FILE")]
+    svg: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]
@@ -161,7 +210,59 @@ fn run(cli: Cli) -> Result<(), Failure> {
             text.push('\n');
             write_stdout(&text)
         }
+        Command::Simulate(args) => run_simulate(args),
     }
+}
+
+fn run_simulate(args: SimulateArgs) -> Result<(), Failure> {
+    if args.policy.as_os_str() == "-" && args.log.as_os_str() == "-" {
+        return Err(Failure::io(
+            "diana: the policy and the log cannot both come from standard input".into(),
+        ));
+    }
+    let policy = validate(&read_input(&args.policy)?)?;
+    let envoy_fields = args
+        .envoy_fields
+        .iter()
+        .map(|field| simulate::EnvoyField::parse(field))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|err| Failure::io(format!("diana: {err}")))?;
+    if !(0.0..=3_600.0).contains(&args.reorder_seconds) {
+        return Err(Failure::io(
+            "diana: --reorder-seconds must be between 0 and 3600".into(),
+        ));
+    }
+    let options = simulate::Options {
+        format: args.format,
+        envoy_fields,
+        gateways: args.gateways as usize,
+        reorder: (args.reorder_seconds * 1e9) as u64,
+    };
+    let source = args.log.display().to_string();
+    let input: Box<dyn BufRead> = if args.log.as_os_str() == "-" {
+        Box::new(BufReader::new(io::stdin().lock()))
+    } else {
+        let file = std::fs::File::open(&args.log)
+            .map_err(|err| Failure::io(format!("diana: cannot read {source}: {err}")))?;
+        Box::new(BufReader::with_capacity(1 << 16, file))
+    };
+    let simulation = simulate::simulate(&policy, input, &options)
+        .map_err(|err| Failure::io(format!("diana: cannot read {source}: {err}")))?;
+    if let Some(path) = &args.svg {
+        let chart = simulate::render_svg(&policy, &simulation, &source, args.interval);
+        std::fs::write(path, chart)
+            .map_err(|err| Failure::io(format!("diana: cannot write {}: {err}", path.display())))?;
+    }
+    let out = if args.json {
+        let value = simulate::render_json(&policy, &simulation, &source, args.interval);
+        let mut text = serde_json::to_string_pretty(&value)
+            .map_err(|err| Failure::io(format!("diana: cannot print the result: {err}")))?;
+        text.push('\n');
+        text
+    } else {
+        simulate::render_text(&policy, &simulation, &source, args.interval, !args.totals)
+    };
+    write_stdout(&out)
 }
 
 /// The filter's verdict on the document; its message, unchanged, on error.

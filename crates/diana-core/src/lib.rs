@@ -17,6 +17,7 @@
 //! - [`lifecycle`]: releasing the shared-data records of rules a new document dropped.
 //! - [`remote`]: polling the config center and sharing its document with every worker.
 //! - [`properties`]: host property values (Envoy vs nginx spellings).
+//! - [`quota`]: the quota service's decisions, pure, and an in-process quota service.
 
 pub mod actor;
 pub mod algo;
@@ -30,6 +31,7 @@ pub mod matching;
 pub mod metrics;
 pub mod path;
 pub mod properties;
+pub mod quota;
 pub mod remote;
 pub mod response;
 pub mod store;

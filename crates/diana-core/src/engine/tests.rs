@@ -3,10 +3,10 @@ use crate::actor::fake::Facts;
 use crate::config::parse_policy;
 use crate::decision::Callout;
 use crate::metrics::CountingMetrics;
+use crate::quota::MemoryQuota;
 use crate::store::{CasSemantics, HostError, MemoryHost, SetOutcome};
 use crate::time::NANOS_PER_SECOND;
-use crate::wire::{self, AcquireRequest, AcquireResponse, RuleResult};
-use std::collections::HashMap;
+use crate::wire::{AcquireRequest, AcquireResponse, RuleResult};
 use std::sync::{Arc, Barrier};
 
 const S: Nanos = NANOS_PER_SECOND;
@@ -14,65 +14,11 @@ const S: Nanos = NANOS_PER_SECOND;
 /// A fixed instant well inside a minute window: 2026-01-01T00:00:00Z + 1s.
 const T0: Nanos = 1_767_225_601 * S;
 
-/// A quota service in memory that decides like diana-quota: every rule of one request
-/// all or nothing, dry-run rules outside the decision.
-#[derive(Default)]
-struct Service {
-    counters: HashMap<String, Vec<u64>>,
-    calls: usize,
-}
-
-impl Service {
-    fn answer(&mut self, callout: &Callout, now: Nanos) -> Reply {
-        self.calls += 1;
-        let request = wire::decode_request(&callout.body).unwrap();
-        let rules = request.resolve().unwrap();
-        let mut decided = Vec::new();
-        for rule in &rules {
-            let mut state = self
-                .counters
-                .get(rule.key)
-                .cloned()
-                .unwrap_or_else(|| vec![0; rule.algo.state_words(&rule.limit)]);
-            let verdict = rule.algo.acquire_at_least(
-                &rule.limit,
-                &mut state,
-                now,
-                rule.cost.get(),
-                rule.want.get(),
-            );
-            decided.push((verdict, state));
-        }
-        let admitted = rules
-            .iter()
-            .zip(&decided)
-            .all(|(rule, (verdict, _))| verdict.allowed() || rule.dry_run);
-        let results = rules
-            .iter()
-            .zip(decided)
-            .map(|(rule, (verdict, state))| {
-                let mut result = RuleResult::from_verdict(&verdict);
-                if admitted && verdict.allowed() {
-                    self.counters.insert(rule.key.to_string(), state);
-                } else {
-                    result.granted = 0;
-                    result.delay_ms = 0;
-                }
-                result
-            })
-            .collect();
-        Reply::Answered {
-            status: 200,
-            body: Some(serde_json::to_vec(&AcquireResponse { results }).unwrap()),
-        }
-    }
-}
-
 struct Harness {
     engine: Engine,
     host: MemoryHost,
     metrics: CountingMetrics,
-    service: Service,
+    service: MemoryQuota,
     now: Nanos,
 }
 
@@ -87,7 +33,7 @@ impl Harness {
             engine: Engine::new(policy),
             host: MemoryHost::new(semantics),
             metrics: CountingMetrics::default(),
-            service: Service::default(),
+            service: MemoryQuota::new(),
             now: T0,
         }
     }
@@ -506,7 +452,7 @@ fn leased_tokens_go_back_to_the_stash_when_another_rule_rejects() {
     // Without the give-back, 9 more /x attempts would eat the 8 tokens left.
     assert_eq!(h.admitted("/x", &Facts::default(), 10), 1);
     assert_eq!(h.admitted("/", &Facts::default(), 8), 8);
-    assert_eq!(h.service.calls, 1, "all served from the stash");
+    assert_eq!(h.service.calls(), 1, "all served from the stash");
 }
 
 #[test]

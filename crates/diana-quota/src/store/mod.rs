@@ -3,20 +3,20 @@
 //! each is charged `min(want, available)`, or no rule is charged.
 //!
 //! - [`MemoryStore`]: in-process, reuses `diana_core::algo` (one replica only), decides
-//!   everything under one lock ([`decide`]).
+//!   everything under one lock ([`decide`], shared with `diana_core::quota`).
 //! - [`RedisStore`]: Redis (one Lua script over every key of the request, atomic) or Redis
 //!   Cluster (one script per key, then compensation: grants of a denied request are given
 //!   back).
 
-pub mod decide;
 mod memory;
 mod redis;
+
+pub use diana_core::quota::{decide, Outcome};
 
 pub use self::memory::{Clock, MemoryStore, SystemClock, DEFAULT_MAX_KEYS};
 pub use self::redis::{RedisOptions, RedisStore, RedisTarget};
 
 use async_trait::async_trait;
-use diana_core::algo::Mark;
 use diana_core::global::wire::{ResolvedRule, RuleResult};
 use std::fmt;
 
@@ -74,14 +74,6 @@ pub fn refuse_debtless(rules: &[ResolvedRule<'_>]) -> Result<(), StoreError> {
         ))),
         None => Ok(()),
     }
-}
-
-/// One rule's decision, with where its grant was counted (for [`Store::release`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Outcome {
-    pub result: RuleResult,
-    /// Meaningful only when `result.granted > 0`.
-    pub mark: Mark,
 }
 
 /// How full a store with a bounded table is (the memory store).

@@ -1,6 +1,7 @@
-//! The decisions over the states of one request's rules, as pure functions: what the
-//! memory store runs under its lock, and what `lua/decide.lua` does in Redis (the two are
-//! tested to agree, `tests/lua_matches_rust.rs`).
+//! The decisions over the states of one request's rules, as pure functions: what
+//! diana-quota's memory store runs under its lock, what its `lua/decide.lua` does in Redis
+//! (the two are tested to agree, `crates/diana-quota/tests/lua_matches_rust.rs`), and what
+//! the in-process [`super::MemoryQuota`] runs for simulations and tests.
 //!
 //! The caller loads one state per distinct counter (`states`) and says which counter each
 //! rule uses (`slots`): two rules on the same counter see each other's tentative charges.
@@ -16,9 +17,9 @@
 //! - [`release`]: gives back the grants of an earlier [`acquire`], rules in reverse order.
 
 use super::Outcome;
-use diana_core::algo::Verdict;
-use diana_core::global::wire::{ceil_millis, ResolvedRule, RuleResult};
-use diana_core::time::Nanos;
+use crate::algo::Verdict;
+use crate::time::Nanos;
+use crate::wire::{ceil_millis, ResolvedRule, RuleResult};
 
 /// What a rule has right now, without changing anything (a probe: `want` 0).
 fn probe(rule: &ResolvedRule<'_>, state: &[u64], now: Nanos) -> Verdict {
@@ -170,7 +171,7 @@ pub fn release(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use diana_core::global::wire::RuleRequest;
+    use crate::wire::RuleRequest;
 
     fn rule(key: &str, algo: &str, rpu: u32, want: u32, cost: u32) -> RuleRequest {
         RuleRequest {

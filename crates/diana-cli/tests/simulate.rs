@@ -1,0 +1,455 @@
+//! `diana simulate`, run as users run it, on small hand-written logs whose every count is
+//! worked out in the comments.
+
+#![cfg(test)]
+
+use serde_json::Value;
+use std::path::PathBuf;
+use std::process::{Command, Output, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// Where each case writes its policy and log.
+fn case_dir() -> PathBuf {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "diana-simulate-test-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Runs `diana simulate POLICY LOG ARGS...` from files holding `policy` and `log`.
+fn simulate(policy: &str, log: &[u8], args: &[&str]) -> (Output, PathBuf) {
+    let dir = case_dir();
+    std::fs::write(dir.join("policy.yaml"), policy).unwrap();
+    std::fs::write(dir.join("requests.log"), log).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_diana"))
+        .current_dir(&dir)
+        .args(["simulate", "policy.yaml", "requests.log"])
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    (out, dir)
+}
+
+/// Standard output of a run that must succeed.
+fn stdout_of(out: &Output) -> String {
+    assert!(
+        out.status.success(),
+        "exit {:?}, stderr: {}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout.clone()).unwrap()
+}
+
+/// 2026-01-01T00:00:00Z.
+const T0: &str = "1767225600";
+
+/// A local token bucket per device on every path, a dry-run window and a leaky bucket on
+/// /post, a global window on /g.
+const POLICY: &str = "\
+resources:
+  - Url: /
+    rules:
+      - {name: per_device, actor: device, algo: TB, rpu: 2, unit: second, burst: 2}
+  - Url: /post
+    rules:
+      - {name: probe, algo: W, rpu: 1, unit: second, dry_run: true}
+      - {name: pace, algo: LB, rpu: 2, unit: second, burst: 2}
+  - Url: /g
+    rules:
+      - {name: glob, algo: W, rpu: 2, unit: second, scope: global}
+";
+
+/// Both formats, both kinds of JSON time, one malformed line.
+fn mixed_log() -> String {
+    let lines = [
+        // d1: the bucket of 2 admits two, the third finds 0.4 token.
+        r#"{"ts": "2026-01-01T00:00:00.100Z", "method": "GET", "path": "/a", "headers": {"x-device-id": "d1"}}"#.to_string(),
+        r#"{"ts": "2026-01-01T00:00:00.200Z", "path": "/a", "headers": {"x-device-id": "d1"}}"#.to_string(),
+        r#"{"ts": "2026-01-01T00:00:00.300Z", "path": "/a", "headers": {"x-device-id": "d1"}}"#.to_string(),
+        // Three posts at once: `probe` (1/s, dry run) would reject the last two; `pace`
+        // lets the first through, holds the next two for 500 ms and 1 s (queue of 2).
+        format!(r#"{{"ts": {T0}.4, "path": "/post", "headers": {{"x-device-id": "d2"}}}}"#),
+        format!(r#"{{"ts": {T0}.4, "path": "/post", "headers": {{"x-device-id": "d3"}}}}"#),
+        format!(r#"{{"ts": {T0}.4, "path": "/post", "headers": {{"x-device-id": "d4"}}}}"#),
+        "not a request".to_string(),
+        // The global window of 2 admits two of three; the third's local charge goes back.
+        format!(r#"{{"ts": {T0}.5, "path": "/g", "headers": {{"x-device-id": "d5"}}}}"#),
+        format!(r#"{{"ts": {T0}.5, "path": "/g", "headers": {{"x-device-id": "d6"}}}}"#),
+        format!(r#"{{"ts": {T0}.5, "path": "/g", "headers": {{"x-device-id": "d7"}}}}"#),
+        // Envoy's default format; no device id: the device actor falls back to the address.
+        r#"[2026-01-01T00:00:01.000Z] "GET /g HTTP/1.1" 200 - 0 2 1 1 "10.0.0.1" "curl/8.0" "9b1f" "api" "127.0.0.1:8080""#.to_string(),
+    ];
+    lines.join("\n") + "\n"
+}
+
+#[test]
+fn a_mixed_log_gives_the_exact_table() {
+    let (out, _) = simulate(POLICY, mixed_log().as_bytes(), &[]);
+    let expected = "\
+diana simulate: 10 requests from requests.log through 4 rules, 1 gateway
+time: 2026-01-01T00:00:00Z to 2026-01-01T00:00:01Z (2 s)
+lines: 11 read, 10 requests (9 JSON, 1 Envoy), 1 malformed
+malformed: line 7: neither a JSON object nor an Envoy access-log line (\"[time] ...\")
+
+rules, in evaluation order
+rule        scope   algo  actor   limit
+per_device  local   TB    device  2/second, burst 2
+probe       local   W     all     1/second           dry run
+pace        local   LB    all     2/second, queue 2
+glob        global  W     all     2/second
+
+per second            rule        admitted  delayed  rejected  dry-run
+2026-01-01T00:00:00Z  (all)              5        2         2        2
+                      per_device         5        2         1        0
+                      probe              1        0         0        2
+                      pace               1        2         0        0
+                      glob               2        0         1        0
+2026-01-01T00:00:01Z  (all)              1        0         0        0
+                      per_device         1        0         0        0
+                      glob               1        0         0        0
+
+totals      admitted  delayed  rejected  dry-run  max delay  mean delay
+per_device         6        2         1        0  1000.0 ms    750.0 ms
+probe              1        0         0        2          -           -
+pace               1        2         0        0  1000.0 ms    750.0 ms
+glob               3        0         1        0          -           -
+(all)              6        2         2        2  1000.0 ms    750.0 ms
+10 requests: 6 admitted, 2 delayed, 2 rejected; 0 matched no rule; 4 callouts to the simulated quota service
+";
+    assert_eq!(stdout_of(&out), expected);
+}
+
+#[test]
+fn json_output_carries_the_same_counts() {
+    let (out, _) = simulate(POLICY, mixed_log().as_bytes(), &["--json"]);
+    let report: Value = serde_json::from_str(&stdout_of(&out)).unwrap();
+    assert_eq!(report["input"]["malformed"], 1);
+    assert_eq!(report["input"]["malformed_examples"][0]["line"], 7);
+    assert_eq!(report["input"]["envoy"], 1);
+    assert_eq!(report["callouts"], 4);
+    let all = &report["all"];
+    assert_eq!(
+        (
+            &all["requests"],
+            &all["admitted"],
+            &all["delayed"],
+            &all["rejected"],
+            &all["dry_run"]
+        ),
+        (
+            &Value::from(10),
+            &Value::from(6),
+            &Value::from(2),
+            &Value::from(2),
+            &Value::from(2)
+        )
+    );
+    assert_eq!(all["delay_max_ms"], 1000.0);
+    let names: Vec<&str> = report["rules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["per_device", "probe", "pace", "glob"]);
+    assert_eq!(report["rules"][3]["scope"], "global");
+    assert_eq!(report["rules"][1]["dry_run"], true);
+    assert_eq!(report["rules"][2]["totals"]["delayed"], 2);
+    assert_eq!(report["rules"][2]["totals"]["delay_mean_ms"], 750.0);
+    let seconds = report["seconds"].as_array().unwrap();
+    assert_eq!(seconds.len(), 2);
+    assert_eq!(seconds[0]["time"], "2026-01-01T00:00:00Z");
+    assert_eq!(seconds[0]["t"], 1_767_225_600u64);
+    assert_eq!(seconds[0]["rules"][3]["rejected"], 1);
+    assert_eq!(seconds[1]["all"]["admitted"], 1);
+}
+
+#[test]
+fn envoy_logs_are_put_back_in_time_order_with_appended_fields() {
+    // Envoy writes a line when the request ends: the 00.900 request, which took long,
+    // comes after the 01.500 one. `once` admits one request per minute: the earlier.
+    let policy = "\
+resources:
+  - Url: /
+    rules:
+      - {name: per_device, actor: device, algo: W, rpu: 1, unit: minute}
+  - Url: /once
+    rules:
+      - {name: once, algo: W, rpu: 1, unit: minute}
+";
+    let line = |time: &str, path: &str, device: &str, address: &str| {
+        format!(
+            r#"[2026-01-01T00:00:{time}Z] "GET {path} HTTP/1.1" 200 - 0 2 1 1 "-" "curl" "-" "api" "127.0.0.1:8080" "{device}" "{address}""#
+        )
+    };
+    let log = [
+        line("01.500", "/once", "a", "10.0.0.1:40000"),
+        line("00.900", "/once", "b", "10.0.0.1:40001"),
+        // Devices p1 (twice), then no device: the address decides (10.0.0.9 twice).
+        line("02.000", "/x", "p1", "10.0.0.2:1"),
+        line("02.100", "/x", "p1", "10.0.0.3:1"),
+        line("02.200", "/x", "-", "10.0.0.9:5555"),
+        line("02.300", "/x", "-", "10.0.0.9:5556"),
+        line("02.400", "/x", "-", "10.0.0.8:5555"),
+        // Envoy answered before any filter: no request.
+        r#"[2026-01-01T00:00:02.500Z] "- - -" 400 DPE 0 11 0 - "-" "-" "-" "-" "-" "-" "-""#
+            .to_string(),
+    ]
+    .join("\n");
+    let args = ["--json", "--envoy-field", "x-device-id,client_ip"];
+    let (out, _) = simulate(policy, log.as_bytes(), &args);
+    let report: Value = serde_json::from_str(&stdout_of(&out)).unwrap();
+    assert_eq!(report["input"]["envoy"], 7);
+    assert_eq!(report["input"]["no_request"], 1);
+    assert_eq!(report["input"]["late"], 0);
+    let seconds = report["seconds"].as_array().unwrap();
+    // Second 0 (the 00.900 request) admitted by `once`, second 1 rejected.
+    assert_eq!(seconds[0]["rules"][1]["admitted"], 1);
+    assert_eq!(seconds[1]["rules"][1]["rejected"], 1);
+    // p1 once, 10.0.0.9 once, 10.0.0.8 once (and a, b in their own windows).
+    let device = &report["rules"][0]["totals"];
+    assert_eq!(
+        (&device["admitted"], &device["rejected"]),
+        (&Value::from(4), &Value::from(2))
+    );
+
+    // Without the reordering window the file order rules: the 01.500 request is admitted
+    // and the 00.900 one, replayed late, is rejected.
+    let mut args = args.to_vec();
+    args.extend(["--reorder-seconds", "0"]);
+    let (out, _) = simulate(policy, log.as_bytes(), &args);
+    let report: Value = serde_json::from_str(&stdout_of(&out)).unwrap();
+    assert_eq!(report["input"]["late"], 1);
+    assert_eq!(report["seconds"][0]["rules"][1]["rejected"], 1);
+    assert_eq!(report["seconds"][1]["rules"][1]["admitted"], 1);
+
+    // The appended fields must be there when asked for: every line is then malformed.
+    let (out, _) = simulate(
+        policy,
+        log.as_bytes(),
+        &["--json", "--envoy-field", "x-device-id,client_ip,x-tenant"],
+    );
+    let report: Value = serde_json::from_str(&stdout_of(&out)).unwrap();
+    assert_eq!(report["input"]["malformed"], 8);
+    assert_eq!(report["input"]["requests"], 0);
+}
+
+#[test]
+fn malformed_lines_are_counted_and_the_first_few_named() {
+    let mut log = Vec::new();
+    log.extend_from_slice(format!("{{\"ts\": {T0}, \"path\": \"/\"}}\n").as_bytes());
+    for bad in [
+        &b"{\"ts\": \"soon\", \"path\": \"/\"}"[..],
+        b"{\"path\": \"/\"}",
+        b"{\"ts\": 1, \"path\": \"/\", \"headers\": {\"x\": 5}}",
+        b"[2026-01-01T00:00:00Z] \"GET / HTTP/1.1\" 200",
+        b"\xff\xfe{ not utf-8",
+        b"{\"ts\": 1,",
+    ] {
+        log.extend_from_slice(bad);
+        log.push(b'\n');
+    }
+    log.extend(std::iter::repeat_n(b'x', (1 << 20) + 1));
+    log.extend_from_slice(b"\n\n   \n");
+    log.extend_from_slice(format!("{{\"ts\": {T0}.5, \"path\": \"/\"}}").as_bytes());
+    let policy = "Url: /\nrules:\n  - {name: all, algo: W, rpu: 1, unit: second}\n";
+    let (out, _) = simulate(policy, &log, &[]);
+    let stdout = stdout_of(&out);
+    for expected in [
+        "lines: 11 read, 2 requests (2 JSON, 0 Envoy), 2 blank, 7 malformed\n",
+        "malformed: line 2: \"ts\": \"soon\" is not an RFC 3339 time",
+        "malformed: line 3: \"ts\": missing\n",
+        "malformed: line 4: \"headers\".\"x\": a string expected\n",
+        "malformed: line 5: 2 fields after the time, expected 12 (Envoy's default format)\n",
+        "malformed: line 6: neither a JSON object nor an Envoy access-log line",
+        "malformed: ... and 2 more\n",
+        "2 requests: 1 admitted, 0 delayed, 1 rejected;",
+    ] {
+        assert!(
+            stdout.contains(expected),
+            "{expected:?} missing in:\n{stdout}"
+        );
+    }
+    let (out, _) = simulate(policy, &log, &["--json"]);
+    let report: Value = serde_json::from_str(&stdout_of(&out)).unwrap();
+    assert_eq!(report["input"]["malformed"], 7);
+    assert_eq!(
+        report["input"]["malformed_examples"]
+            .as_array()
+            .unwrap()
+            .len(),
+        5
+    );
+}
+
+#[test]
+fn gateways_split_local_counters_and_share_global_ones() {
+    let policy = "\
+resources:
+  - Url: /l
+    rules: [{name: local_w, algo: W, rpu: 2, unit: minute}]
+  - Url: /g
+    rules: [{name: global_w, algo: W, rpu: 3, unit: minute, scope: global, lease: 2}]
+";
+    // Ten requests on /l, then ten on /g a second later: round robin gives each gateway
+    // its share of both.
+    let mut log = String::new();
+    for (second, path) in [(0, "/l"), (1, "/g")] {
+        for i in 0..10 {
+            log.push_str(&format!(
+                "{{\"ts\": {}.{i}, \"path\": \"{path}\"}}\n",
+                1_767_225_600 + second
+            ));
+        }
+    }
+    for (gateways, local, global) in [("1", 2, 3), ("2", 4, 3), ("3", 6, 3)] {
+        let (out, _) = simulate(policy, log.as_bytes(), &["--json", "--gateways", gateways]);
+        let report: Value = serde_json::from_str(&stdout_of(&out)).unwrap();
+        assert_eq!(report["gateways"], gateways.parse::<u64>().unwrap());
+        assert_eq!(
+            report["rules"][0]["totals"]["admitted"], local,
+            "{gateways} gateways"
+        );
+        assert_eq!(
+            report["rules"][1]["totals"]["admitted"], global,
+            "{gateways} gateways"
+        );
+        assert_eq!(report["rules"][1]["totals"]["rejected"], 10 - global);
+    }
+}
+
+#[test]
+fn intervals_merge_seconds_and_totals_can_stand_alone() {
+    let policy = "Url: /\nrules:\n  - {name: w, algo: W, rpu: 2, unit: second}\n";
+    let mut log = String::new();
+    for second in 0..6 {
+        for k in 0..3 {
+            log.push_str(&format!(
+                "{{\"ts\": {}.{k}, \"path\": \"/\"}}\n",
+                1_767_225_600 + second
+            ));
+        }
+    }
+    let (out, _) = simulate(policy, log.as_bytes(), &["--interval", "4"]);
+    let stdout = stdout_of(&out);
+    assert!(stdout.contains("per 4 s"), "{stdout}");
+    // 00..03 (4 seconds: 8 admitted, 4 rejected), then 04..05 (4 and 2).
+    assert!(
+        stdout.contains("2026-01-01T00:00:00Z  (all)         8        0         4        0\n"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("2026-01-01T00:00:04Z  (all)         4        0         2        0\n"),
+        "{stdout}"
+    );
+    let (out, _) = simulate(policy, log.as_bytes(), &["--totals"]);
+    let stdout = stdout_of(&out);
+    assert!(!stdout.contains("per second"), "{stdout}");
+    assert!(
+        stdout.contains("\nw             12        0         6        0          -           -\n"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn the_chart_has_a_panel_per_rule_and_a_bar_per_count() {
+    let (out, dir) = simulate(POLICY, mixed_log().as_bytes(), &["--svg", "chart.svg"]);
+    stdout_of(&out);
+    let svg = std::fs::read_to_string(dir.join("chart.svg")).unwrap();
+    assert!(
+        svg.starts_with("<svg xmlns=\"http://www.w3.org/2000/svg\""),
+        "{svg}"
+    );
+    assert!(svg.trim_end().ends_with("</svg>"));
+    for title in [
+        ">all requests<",
+        ">rule per_device: local TB actor device, 2/second, burst 2<",
+        ">rule probe: local W actor all, 1/second, dry run<",
+        ">rule pace: local LB actor all, 2/second, queue 2<",
+        ">rule glob: global W actor all, 2/second<",
+        ">seconds since 2026-01-01T00:00:00Z<",
+        ">requests/s<",
+    ] {
+        assert!(svg.contains(title), "{title} missing");
+    }
+    // One bar segment per non-zero count (tooltips say which), plus the legend's box.
+    let bars = |what: &str| svg.matches(&format!(" {what}</title>")).count();
+    // admitted: (all) ×2, per_device ×2, probe, pace, glob ×2; delayed: (all),
+    // per_device, pace; rejected: (all), per_device, glob.
+    assert_eq!(
+        (bars("admitted"), bars("delayed"), bars("rejected")),
+        (8, 3, 3)
+    );
+    assert!(svg.contains("<title>2026-01-01T00:00:00Z: 2 delayed</title>"));
+    // The dry-run line: in the all-requests panel and the probe's.
+    assert_eq!(
+        svg.matches("stroke-dasharray=\"4,3\"/>").count(),
+        3,
+        "2 lines + the legend"
+    );
+}
+
+#[test]
+fn a_log_on_standard_input_and_the_errors() {
+    let dir = case_dir();
+    std::fs::write(dir.join("policy.yaml"), POLICY).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_diana"))
+        .current_dir(&dir)
+        .args(["simulate", "policy.yaml", "-", "--totals"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    {
+        use std::io::Write;
+        let mut stdin = child.stdin.take().unwrap();
+        stdin.write_all(mixed_log().as_bytes()).unwrap();
+    }
+    let out = child.wait_with_output().unwrap();
+    assert!(stdout_of(&out).contains("10 requests: 6 admitted, 2 delayed, 2 rejected;"));
+
+    // An invalid policy: the filter's message, exit 1.
+    let (out, _) = simulate("Url: /\nrules:\n  - {rpu: 0}\n", b"", &[]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("rpu"));
+    // A log that cannot be read, a bad option value: exit 2.
+    let out = Command::new(env!("CARGO_BIN_EXE_diana"))
+        .current_dir(&dir)
+        .args(["simulate", "policy.yaml", "no-such.log"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read no-such.log"));
+    for args in [
+        &["--envoy-field", "bad header"][..],
+        &["--gateways", "0"],
+        &["--reorder-seconds", "-1"],
+        &["--format", "csv"],
+    ] {
+        let (out, _) = simulate(POLICY, b"", args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+    }
+    // An empty log is not an error.
+    let (out, _) = simulate(POLICY, b"", &[]);
+    assert!(stdout_of(&out).contains("0 requests: 0 admitted"));
+}
+
+#[test]
+fn a_forced_format_reads_every_line_as_that_format() {
+    // As JSON, the Envoy line and the bad line are malformed; as Envoy lines, all but one.
+    for (format, requests, malformed) in [("jsonl", 9, 2), ("envoy", 1, 10)] {
+        let args = ["--format", format, "--json"];
+        let (out, _) = simulate(POLICY, mixed_log().as_bytes(), &args);
+        let report: Value = serde_json::from_str(&stdout_of(&out)).unwrap();
+        let input = &report["input"];
+        assert_eq!(input["requests"], requests, "{format}");
+        assert_eq!(input["malformed"], malformed, "{format}");
+    }
+}

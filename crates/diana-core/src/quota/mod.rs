@@ -1,0 +1,251 @@
+//! The quota service's side of the global protocol, without I/O: how `diana-quota` decides
+//! the rules of one request ([`decide`], which the service runs under its lock and mirrors
+//! in Lua), and [`MemoryQuota`], an in-process service with the same decisions that
+//! answers the engine's callouts directly (for `diana simulate` and native tests).
+
+pub mod decide;
+
+use crate::algo::{Algorithm, Limit, Mark};
+use crate::decision::{Callout, Reply};
+use crate::time::Nanos;
+use crate::wire::{self, AcquireResponse, ErrorResponse, ResolvedRule, RuleResult};
+use std::collections::HashMap;
+
+/// One rule's decision, with where its grant was counted (for a later release).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Outcome {
+    pub result: RuleResult,
+    /// Meaningful only when `result.granted > 0`.
+    pub mark: Mark,
+}
+
+/// Idle counters are swept when the table reaches this size, then when it doubles.
+const MIN_SWEEP: usize = 4096;
+
+/// A counter: the parameters it was written with, and its state words.
+#[derive(Debug)]
+struct Counter {
+    limit: Limit,
+    algo: &'static dyn Algorithm,
+    state: Vec<u64>,
+}
+
+/// A quota service in memory that decides like `diana-quota`: every rule of one request
+/// all or nothing ([`decide::acquire`]), rules in dry run outside the decision, leases
+/// granted as asked when the limit has them, a leaky-bucket turn beyond the rule's
+/// `max_delay_ms` denied. Time is the caller's (`now`), answers are immediate: there is no
+/// network, no timeout and no failure. `/v1/wait` is answered like `/v1/acquire` (the
+/// delay is reported, not slept).
+///
+/// Memory stays proportional to the counters that still remember something: counters
+/// that became idle (window passed, bucket refilled) are dropped when the table doubles.
+#[derive(Debug)]
+pub struct MemoryQuota {
+    counters: HashMap<(String, &'static str), Counter>,
+    sweep_at: usize,
+    calls: u64,
+}
+
+impl Default for MemoryQuota {
+    fn default() -> Self {
+        MemoryQuota {
+            counters: HashMap::new(),
+            sweep_at: MIN_SWEEP,
+            calls: 0,
+        }
+    }
+}
+
+impl MemoryQuota {
+    pub fn new() -> MemoryQuota {
+        MemoryQuota::default()
+    }
+
+    /// Callouts answered so far.
+    pub fn calls(&self) -> u64 {
+        self.calls
+    }
+
+    /// Counters held (idle ones included until the next sweep).
+    pub fn len(&self) -> usize {
+        self.counters.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.counters.is_empty()
+    }
+
+    /// Answers one callout of the engine at `now`, as the service would: `200` with one
+    /// result per rule, or `400` with the reason when the request breaks the wire format.
+    pub fn answer(&mut self, callout: &Callout, now: Nanos) -> Reply {
+        self.calls += 1;
+        let (status, body) = match self.acquire_body(&callout.body, now) {
+            Ok(response) => (200, serde_json::to_vec(&response)),
+            Err(error) => (400, serde_json::to_vec(&ErrorResponse { error })),
+        };
+        match body {
+            Ok(body) => Reply::Answered {
+                status,
+                body: Some(body),
+            },
+            Err(_) => Reply::NoAnswer,
+        }
+    }
+
+    /// Decides an acquire request body (the wire format's JSON) at `now`.
+    pub fn acquire_body(&mut self, body: &[u8], now: Nanos) -> Result<AcquireResponse, String> {
+        let request = wire::decode_request(body)?;
+        let rules = request.resolve()?;
+        let results = self
+            .acquire(&rules, now)
+            .into_iter()
+            .map(|outcome| outcome.result)
+            .collect();
+        Ok(AcquireResponse { results })
+    }
+
+    /// Decides resolved rules at `now`, all or nothing, and keeps the charges if admitted.
+    pub fn acquire(&mut self, rules: &[ResolvedRule<'_>], now: Nanos) -> Vec<Outcome> {
+        // One state per distinct counter, so that two rules on one counter see each
+        // other's tentative charges (as in the service).
+        let mut ids: Vec<(String, &'static str)> = Vec::new();
+        let mut states: Vec<Vec<u64>> = Vec::new();
+        let mut params: Vec<(&'static dyn Algorithm, Limit)> = Vec::new();
+        let mut slots = Vec::with_capacity(rules.len());
+        for rule in rules {
+            let id = (rule.key.to_string(), rule.algo.code());
+            let slot = match ids.iter().position(|known| *known == id) {
+                Some(slot) => slot,
+                None => {
+                    let words = rule.algo.state_words(&rule.limit);
+                    let state = self
+                        .counters
+                        .get(&id)
+                        .filter(|c| c.limit == rule.limit && c.state.len() == words)
+                        .map_or_else(|| vec![0; words], |c| c.state.clone());
+                    ids.push(id);
+                    states.push(state);
+                    params.push((rule.algo, rule.limit));
+                    states.len() - 1
+                }
+            };
+            slots.push(slot);
+        }
+        let (outcomes, committed) = decide::acquire(rules, &slots, &mut states, now);
+        if committed {
+            for ((id, state), (algo, limit)) in ids.into_iter().zip(states).zip(params) {
+                self.counters.insert(id, Counter { limit, algo, state });
+            }
+            if self.counters.len() >= self.sweep_at {
+                self.counters
+                    .retain(|_, c| !c.algo.is_idle(&c.limit, &c.state, now));
+                self.sweep_at = MIN_SWEEP.max(self.counters.len().saturating_mul(2));
+            }
+        }
+        outcomes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::{AcquireRequest, RuleRequest};
+
+    const NOW: Nanos = 1_767_225_601_000_000_000;
+
+    fn rule(key: &str, rpu: u32, want: u32, dry_run: bool) -> RuleRequest {
+        RuleRequest {
+            key: key.to_string(),
+            algo: "W".to_string(),
+            rpu,
+            unit: "minute".to_string(),
+            burst: rpu,
+            slices: 10,
+            want,
+            cost: 1,
+            max_delay_ms: None,
+            dry_run,
+        }
+    }
+
+    fn ask(quota: &mut MemoryQuota, rules: Vec<RuleRequest>, now: Nanos) -> Vec<RuleResult> {
+        let body = serde_json::to_vec(&AcquireRequest { rules }).unwrap();
+        let callout = Callout {
+            upstream: "diana_quota".to_string(),
+            headers: Vec::new(),
+            body,
+            timeout_ms: 50,
+        };
+        match quota.answer(&callout, now) {
+            Reply::Answered {
+                status: 200,
+                body: Some(body),
+            } => {
+                serde_json::from_slice::<AcquireResponse>(&body)
+                    .unwrap()
+                    .results
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn decides_all_or_nothing_with_dry_run_rules_aside() {
+        let mut quota = MemoryQuota::new();
+        // `b` allows 1: the second request is denied by it, and `a` is not charged.
+        for expected in [true, false, false] {
+            let results = ask(
+                &mut quota,
+                vec![rule("a", 5, 1, false), rule("b", 1, 1, false)],
+                NOW,
+            );
+            assert_eq!(results[1].allowed, expected);
+            assert_eq!(results[0].granted, u32::from(expected));
+        }
+        // `a` still has 4: only one was kept.
+        let results = ask(&mut quota, vec![rule("a", 5, 1, false)], NOW);
+        assert_eq!(results[0].remaining, 3);
+        // A dry-run rule's denial stops nobody.
+        let results = ask(
+            &mut quota,
+            vec![rule("b", 1, 1, true), rule("a", 5, 1, false)],
+            NOW,
+        );
+        assert!(!results[0].allowed);
+        assert_eq!(results[1].granted, 1);
+        assert_eq!(quota.calls(), 5);
+    }
+
+    #[test]
+    fn grants_leases_as_asked_and_refuses_a_broken_request() {
+        let mut quota = MemoryQuota::new();
+        let results = ask(&mut quota, vec![rule("a", 5, 4, false)], NOW);
+        assert_eq!(results[0].granted, 4);
+        let results = ask(&mut quota, vec![rule("a", 5, 4, false)], NOW);
+        assert_eq!(results[0].granted, 1, "only what is left");
+        let callout = Callout {
+            upstream: String::new(),
+            headers: Vec::new(),
+            body: b"{\"rules\":[]}".to_vec(),
+            timeout_ms: 50,
+        };
+        assert!(matches!(
+            quota.answer(&callout, NOW),
+            Reply::Answered { status: 400, .. }
+        ));
+    }
+
+    #[test]
+    fn idle_counters_are_swept_when_the_table_doubles() {
+        let mut quota = MemoryQuota::new();
+        for i in 1..MIN_SWEEP {
+            ask(&mut quota, vec![rule(&format!("k{i}"), 5, 1, false)], NOW);
+        }
+        assert_eq!(quota.len(), MIN_SWEEP - 1);
+        // A minute later every one of them is idle: the counter that fills the table
+        // sweeps them.
+        let later = NOW + 61_000_000_000;
+        ask(&mut quota, vec![rule("fresh", 5, 1, false)], later);
+        assert_eq!(quota.len(), 1);
+    }
+}
