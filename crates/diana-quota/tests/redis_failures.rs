@@ -9,6 +9,8 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use axum::Router;
 use common::*;
+use diana_quota::store::{cluster_slot, RedisOptions, RedisStore, RedisTarget};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -136,6 +138,117 @@ impl Drop for Resume<'_> {
     fn drop(&mut self) {
         self.0.signal("CONT");
     }
+}
+
+/// A TCP proxy to a Redis server whose open connections can be made to go silent for
+/// good — no byte forwarded either way, never closed — while new connections work: a
+/// half-open connection (a peer gone without FIN or RST, a NAT that lost the flow).
+/// Threads of the test process; a frozen connection's threads hold it until the end.
+struct SilencingProxy {
+    port: u16,
+    /// Connections with an id below this are frozen.
+    frozen_below: Arc<AtomicU64>,
+    next_id: Arc<AtomicU64>,
+}
+
+impl SilencingProxy {
+    fn start(target: u16) -> SilencingProxy {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let frozen_below = Arc::new(AtomicU64::new(0));
+        let next_id = Arc::new(AtomicU64::new(0));
+        let (frozen, ids) = (frozen_below.clone(), next_id.clone());
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let Ok(client) = client else { return };
+                let Ok(upstream) = std::net::TcpStream::connect(("127.0.0.1", target)) else {
+                    continue;
+                };
+                let id = ids.fetch_add(1, Ordering::SeqCst);
+                for (from, to) in [
+                    (client.try_clone().unwrap(), upstream.try_clone().unwrap()),
+                    (upstream, client),
+                ] {
+                    let frozen = frozen.clone();
+                    std::thread::spawn(move || pump(from, to, id, &frozen));
+                }
+            }
+        });
+        SilencingProxy {
+            port,
+            frozen_below,
+            next_id,
+        }
+    }
+
+    /// Every connection open now goes silent for good.
+    fn silence_open_connections(&self) -> u64 {
+        let open = self.next_id.load(Ordering::SeqCst);
+        self.frozen_below.store(open, Ordering::SeqCst);
+        open
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+}
+
+fn pump(mut from: std::net::TcpStream, mut to: std::net::TcpStream, id: u64, frozen: &AtomicU64) {
+    use std::io::{Read, Write};
+    let mut buf = [0u8; 16 * 1024];
+    loop {
+        let n = match from.read(&mut buf) {
+            Ok(0) | Err(_) => {
+                let _ = to.shutdown(std::net::Shutdown::Write);
+                return;
+            }
+            Ok(n) => n,
+        };
+        while id < frozen.load(Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(50)); // silent, and holding both sockets
+        }
+        if to.write_all(&buf[..n]).is_err() {
+            return;
+        }
+    }
+}
+
+/// A connection whose peer went silent without closing times out on every command and
+/// TCP never reports it broken: it must be replaced once it has answered nothing for
+/// `dead_after`, or the service answers 503 for ever while a new connection would work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_gone_silent_is_replaced() {
+    let server = RedisServer::start();
+    let proxy = SilencingProxy::start(server.port);
+    let options = RedisOptions {
+        dead_after: Duration::from_millis(600),
+        ..test_options()
+    };
+    let store = RedisStore::new(&RedisTarget::parse(&proxy.url()).unwrap(), options).unwrap();
+    let router = service(Arc::new(store));
+    let key = unique_key("silent");
+    assert!(
+        acquire_one(&router, rule(&key, "TB", 10, "hour", 10, 10, 1))
+            .await
+            .allowed
+    );
+    assert_eq!(proxy.silence_open_connections(), 1);
+    let (status, body) = post_rules(
+        &router,
+        "/v1/acquire",
+        vec![rule(&key, "TB", 10, "hour", 10, 10, 1)],
+    )
+    .await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    // Timeouts of 250 ms each until the connection has been silent 600 ms, then a new one.
+    let took = until_recovered(&router, &key, Duration::from_secs(5)).await;
+    assert!(took < Duration::from_secs(2), "recovered after {took:?}");
+    assert_eq!(
+        proxy.next_id.load(Ordering::SeqCst),
+        2,
+        "one new connection"
+    );
+    drop(server);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -318,23 +431,6 @@ async fn cluster_node_killed_gives_fast_503() {
     }
 }
 
-/// The Redis Cluster slot of a rule key: the store wraps it in a hash tag
-/// (`diana:{<key>}:<ALGO>`), so the slot is CRC16 (XMODEM) of the key, modulo 16384.
-fn cluster_slot(key: &str) -> u16 {
-    let mut crc: u16 = 0;
-    for &byte in key.as_bytes() {
-        crc ^= u16::from(byte) << 8;
-        for _ in 0..8 {
-            crc = if crc & 0x8000 != 0 {
-                (crc << 1) ^ 0x1021
-            } else {
-                crc << 1
-            };
-        }
-    }
-    crc % 16384
-}
-
 /// Twelve keys, four in each third of the slot space: `redis-cli --cluster create` gives
 /// each of the three masters one third, so whichever node is killed holds four of them.
 fn keys_on_every_node() -> Vec<String> {
@@ -353,9 +449,11 @@ fn keys_on_every_node() -> Vec<String> {
     thirds.concat()
 }
 
+/// The store's slot of a rule key (`diana:{<key>}:<ALGO>`: CRC16 of the key, modulo 16384).
 #[test]
 fn cluster_slots_match_redis() {
-    // `CLUSTER KEYSLOT foo` is 12182 (Redis documentation).
+    // `CLUSTER KEYSLOT foo` is 12182, `somekey` 11058 (Redis documentation).
     assert_eq!(cluster_slot("foo"), 12182);
+    assert_eq!(cluster_slot("somekey"), 11058);
     assert_eq!(cluster_slot("123456789"), 0x31C3); // the CRC-16/XMODEM check value
 }

@@ -19,7 +19,10 @@
 //!
 //! Connections are made lazily, with short timeouts, and dropped on any connection-level
 //! error, so a dead or slow Redis costs one short timeout (then a fast 503 while the
-//! reconnect back-off runs) and a restarted Redis is picked up by the next request.
+//! reconnect back-off runs) and a restarted Redis is picked up by the next request. A
+//! response timeout keeps the connection, unless nothing came back on it (on that key's
+//! cluster slot) for [`RedisOptions::dead_after`]: a peer that went silent without
+//! closing (half-open: a host gone, a NAT or firewall that lost the flow) is replaced.
 
 use super::{Outcome, Store, StoreError};
 use async_trait::async_trait;
@@ -33,6 +36,7 @@ use redis::{
     ScriptInvocation, ServerErrorKind, Value,
 };
 use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// Where Redis is.
@@ -120,6 +124,10 @@ pub struct RedisOptions {
     /// After a failed connection attempt, requests fail at once for this long before the
     /// next attempt (so a dead Redis costs one timeout, not one per request).
     pub reconnect_backoff: Duration,
+    /// A response timeout on a connection that answered nothing for this long (on that
+    /// cluster slot) drops it: its peer went silent without closing, and TCP alone would
+    /// keep it for hours.
+    pub dead_after: Duration,
 }
 
 impl Default for RedisOptions {
@@ -128,6 +136,7 @@ impl Default for RedisOptions {
             connect_timeout: Duration::from_millis(20),
             response_timeout: Duration::from_millis(20),
             reconnect_backoff: Duration::from_millis(100),
+            dead_after: Duration::from_secs(1),
         }
     }
 }
@@ -419,6 +428,8 @@ struct Lazy<C> {
 
 struct Slot<C> {
     current: Option<(u64, C)>,
+    /// When the current connection was made.
+    connected_at: Option<Instant>,
     generation: u64,
     last_failure: Option<(Instant, String)>,
     /// Whether the outage was already logged.
@@ -430,6 +441,7 @@ impl<C: Clone> Lazy<C> {
         Lazy {
             slot: tokio::sync::Mutex::new(Slot {
                 current: None,
+                connected_at: None,
                 generation: 0,
                 last_failure: None,
                 down: false,
@@ -468,6 +480,7 @@ impl<C: Clone> Lazy<C> {
             Ok(connection) => {
                 slot.generation += 1;
                 slot.current = Some((slot.generation, connection.clone()));
+                slot.connected_at = Some(Instant::now());
                 slot.last_failure = None;
                 if std::mem::take(&mut slot.down) {
                     tracing::info!(store = %self.name, "redis reachable again");
@@ -483,6 +496,34 @@ impl<C: Clone> Lazy<C> {
                 slot.last_failure = Some((Instant::now(), reason.clone()));
                 Err(StoreError::Unavailable(reason))
             }
+        }
+    }
+
+    /// Drops the connection of this generation if nothing came back on it since it was
+    /// made, or since `last_answer` (its latest answer on the route that timed out), for
+    /// `dead_after`.
+    async fn invalidate_if_silent(
+        &self,
+        generation: u64,
+        last_answer: Option<Instant>,
+        dead_after: Duration,
+    ) {
+        let silent_since = {
+            let slot = self.slot.lock().await;
+            match (&slot.current, slot.connected_at) {
+                (Some((current, _)), Some(connected)) if *current == generation => {
+                    last_answer.map_or(connected, |answer| answer.max(connected))
+                }
+                _ => return,
+            }
+        };
+        let silent = silent_since.elapsed();
+        if silent >= dead_after {
+            let reason = format!(
+                "no answer for {} ms (the connection went silent without closing)",
+                silent.as_millis()
+            );
+            self.invalidate(generation, &reason).await;
         }
     }
 
@@ -584,6 +625,31 @@ pub struct RedisStore {
     script: Script,
     options: RedisOptions,
     description: String,
+    /// When each route last answered, in ms after `epoch` (0: not yet): one route for a
+    /// single server, one per slot for a cluster (a node's connection may go silent
+    /// while the others answer).
+    answered: Box<[AtomicU64]>,
+    epoch: Instant,
+}
+
+/// Redis Cluster hash slots.
+const CLUSTER_SLOTS: usize = 16_384;
+
+/// The Redis Cluster slot of a rule key: the store wraps it in a hash tag
+/// (`diana:{<key>}:<ALGO>`), so the slot is CRC16 (XMODEM) of the key, modulo 16384.
+pub fn cluster_slot(key: &str) -> u16 {
+    let mut crc: u16 = 0;
+    for &byte in key.as_bytes() {
+        crc ^= u16::from(byte) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc % 16_384
 }
 
 impl RedisStore {
@@ -619,11 +685,18 @@ impl RedisStore {
                 ),
             },
         };
+        let routes = if matches!(backend, Backend::Cluster { .. }) {
+            CLUSTER_SLOTS
+        } else {
+            1
+        };
         Ok(RedisStore {
             backend,
             script: Script::new(SCRIPT),
             options,
             description,
+            answered: (0..routes).map(|_| AtomicU64::new(0)).collect(),
+            epoch: Instant::now(),
         })
     }
 
@@ -655,9 +728,32 @@ impl RedisStore {
         }
     }
 
+    /// The route of a command on `key` (a hash tag): its slot on a cluster.
+    fn route(&self, key: Option<&str>) -> usize {
+        match key {
+            Some(key) if self.answered.len() == CLUSTER_SLOTS => usize::from(cluster_slot(key)),
+            _ => 0,
+        }
+    }
+
+    fn answered_now(&self, route: usize) {
+        let millis = u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
+        if let Some(at) = self.answered.get(route) {
+            at.store(millis.max(1), Ordering::Relaxed);
+        }
+    }
+
+    fn last_answer(&self, route: usize) -> Option<Instant> {
+        match self.answered.get(route)?.load(Ordering::Relaxed) {
+            0 => None,
+            millis => Some(self.epoch + Duration::from_millis(millis)),
+        }
+    }
+
     /// The store error for a failure on the connection of `generation`, which is dropped
-    /// when the failure means it is broken.
-    async fn failure(&self, generation: u64, error: &RedisError) -> StoreError {
+    /// when the failure means it is broken, or when it timed out on a route silent for
+    /// `dead_after`.
+    async fn failure(&self, generation: u64, route: usize, error: &RedisError) -> StoreError {
         if needs_reconnect(error) {
             let reason = error.to_string();
             match &self.backend {
@@ -668,20 +764,43 @@ impl RedisStore {
                     connection.invalidate(generation, &reason).await;
                 }
             }
+        } else if error.is_timeout() {
+            let (last, dead_after) = (self.last_answer(route), self.options.dead_after);
+            match &self.backend {
+                Backend::Single { connection, .. } => {
+                    connection
+                        .invalidate_if_silent(generation, last, dead_after)
+                        .await;
+                }
+                Backend::Cluster { connection, .. } => {
+                    connection
+                        .invalidate_if_silent(generation, last, dead_after)
+                        .await;
+                }
+            }
         }
         store_error(error)
     }
 
-    /// Runs one command (or script) on the connection, dropping it when broken.
-    async fn query<T, F, Fut>(&self, run: F) -> Result<T, StoreError>
+    /// Runs one command (or script) on `key`'s route, dropping the connection when broken.
+    async fn query<T, F, Fut>(&self, key: Option<&str>, run: F) -> Result<T, StoreError>
     where
         F: FnOnce(Conn) -> Fut,
         Fut: Future<Output = RedisResult<T>>,
     {
+        let route = self.route(key);
         let (generation, conn) = self.connection().await?;
         match run(conn).await {
-            Ok(value) => Ok(value),
-            Err(error) => Err(self.failure(generation, &error).await),
+            Ok(value) => {
+                self.answered_now(route);
+                Ok(value)
+            }
+            Err(error) => {
+                if matches!(error.kind(), ErrorKind::Server(_)) {
+                    self.answered_now(route); // an error reply is an answer
+                }
+                Err(self.failure(generation, route, &error).await)
+            }
         }
     }
 
@@ -693,8 +812,12 @@ impl RedisStore {
         now_us: Option<u64>,
     ) -> Result<Vec<Outcome>, StoreError> {
         let call = invocation(&self.script, op, rules, now_us)?;
+        let key = rules.first().map(|(_, rule)| rule.key);
         let reply: Vec<i64> = self
-            .query(|mut conn| async move { call.invoke_async(&mut conn).await })
+            .query(
+                key,
+                |mut conn| async move { call.invoke_async(&mut conn).await },
+            )
             .await?;
         outcomes(op, rules, &reply)
     }
@@ -864,9 +987,9 @@ impl Store for RedisStore {
     }
 
     async fn health(&self) -> Result<(), StoreError> {
-        self.query(
-            |mut conn| async move { redis::cmd("PING").query_async::<Value>(&mut conn).await },
-        )
+        self.query(None, |mut conn| async move {
+            redis::cmd("PING").query_async::<Value>(&mut conn).await
+        })
         .await
         .map(|_| ())
     }
