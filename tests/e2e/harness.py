@@ -93,6 +93,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cluster_port() -> int:
+    """A free port whose Redis Cluster bus port (+10000) is free too: Redis refuses
+    cluster ports above 55535."""
+    for _ in range(200):
+        port = free_port()
+        if port <= 55_535:
+            with socket.socket() as bus:
+                try:
+                    bus.bind((HOST, port + 10_000))
+                except OSError:
+                    continue
+            return port
+    raise ProcessError("no free port for a cluster node")
+
+
 def port_open(port: int, host: str = HOST, timeout: float = 0.2) -> bool:
     try:
         with socket.create_connection((host, port), timeout=timeout):
@@ -557,6 +572,56 @@ class Quota(ManagedProcess):
         super().start()
         self.wait_ready(lambda: http_get(self.port, "/healthz")[0] == 200, timeout, "serving /healthz")
         return self
+
+
+FAULTPROXY_PY = Path(__file__).resolve().parent / "faultproxy.py"
+
+
+class FaultProxy(ManagedProcess):
+    """A fault-injecting TCP proxy (tests/e2e/faultproxy.py) from `port` to
+    127.0.0.1:`target_port`; `set(fault, **params)` switches its fault at run time."""
+
+    def __init__(self, log_dir: Path, target_port: int, name: str = "faultproxy") -> None:
+        self.port = free_port()
+        self.control_port = free_port()
+        while self.control_port == self.port:
+            self.control_port = free_port()
+        self.target_port = target_port
+        argv = [
+            sys.executable, str(FAULTPROXY_PY),
+            "--listen", str(self.port), "--target", str(target_port), "--control", str(self.control_port),
+        ]  # fmt: skip
+        super().__init__(name, argv, log_dir / f"{name}.log")
+
+    def start(self, timeout: float = 15.0) -> "FaultProxy":  # type: ignore[override]
+        super().start()
+        self.wait_ready(lambda: port_open(self.control_port), timeout, "listening for control")
+        return self
+
+    def command(self, cmd: Mapping[str, object], timeout: float = 5.0) -> dict[str, object]:
+        """One control command; returns the proxy's counters after it."""
+        with socket.create_connection((HOST, self.control_port), timeout=timeout) as s:
+            s.sendall((json.dumps(cmd) + "\n").encode())
+            buf = b""
+            while not buf.endswith(b"\n"):
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                buf += chunk
+        answer = json.loads(buf)
+        if not answer.get("ok"):
+            raise ProcessError(f"{self.name}: {dict(cmd)} refused: {answer}")
+        return answer
+
+    def set(self, fault: str, **params: object) -> dict[str, object]:
+        """`none`, `latency` (ms=…), `blackhole`, `reset` (probability=…), `halfopen`."""
+        return self.command({"op": "set", "fault": fault, **params})
+
+    def clear(self) -> dict[str, object]:
+        return self.set("none")
+
+    def stats(self) -> dict[str, object]:
+        return self.command({"op": "stats"})
 
 
 # --------------------------------------------------------------------------- HTTP clients

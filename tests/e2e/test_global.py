@@ -5,7 +5,6 @@ worker threads each, or nginx with 2 worker processes each (`global.cluster` is 
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -198,21 +197,6 @@ def test_a_local_rule_still_limits_per_gateway_while_redis_is_down(procs, start_
     assert admitted(resps) >= 10, statuses(resps)
 
 
-def cluster_port() -> int:
-    """A free port whose cluster bus port (+10000) is free too: Redis refuses cluster ports
-    above 55535."""
-    for _ in range(200):
-        port = harness.free_port()
-        if port <= 55_535:
-            with socket.socket() as bus:
-                try:
-                    bus.bind((harness.HOST, port + 10_000))
-                except OSError:
-                    continue
-            return port
-    raise AssertionError("no free port for a cluster node")
-
-
 def test_redis_cluster_with_three_masters_is_exact(procs, start_gateway):
     cli = shutil.which("redis-cli")
     assert cli, "redis-cli missing: run scripts/install-deps"
@@ -220,7 +204,7 @@ def test_redis_cluster_with_three_masters_is_exact(procs, start_gateway):
     for i in range(3):
         d = procs.log_dir / f"node{i}"
         d.mkdir(parents=True, exist_ok=True)
-        node = Redis(d, port=cluster_port())
+        node = Redis(d, port=harness.cluster_port())
         node.argv += ["--cluster-enabled", "yes", "--cluster-config-file", str(d / "nodes.conf")]
         node.name = f"redis-node{i}"
         nodes.append(procs.add(node).start())
