@@ -99,7 +99,7 @@ class Load:
     second and gateway, each on a new connection, `x-tenant-id` cycling over `TENANTS`
     values (so only the `steady` rule applies). Every answer is kept with its gateway."""
 
-    def __init__(self, gateways: Sequence, rate: float = RATE_PER_GATEWAY, threads_per_gateway: int = 2) -> None:
+    def __init__(self, gateways: Sequence, rate: float = RATE_PER_GATEWAY, threads_per_gateway: int = 6) -> None:
         self.gateways = list(gateways)
         self.rate = rate
         self.threads_per_gateway = threads_per_gateway
@@ -424,7 +424,7 @@ def latency_steps(in_time_ms: int, late_ms: int) -> list[Step]:
     global); from `late_ms` on they cannot (they go local); in between, measured only."""
 
     def degrades(ms: int) -> Optional[bool]:
-        return False if ms <= in_time_ms else True if ms >= late_ms else None
+        return False if ms <= in_time_ms else True if ms > late_ms else None
 
     return [Step(f"latency {ms} ms", "latency", {"ms": ms}, degrades(ms)) for ms in LATENCY_STEPS_MS]
 
