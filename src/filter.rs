@@ -5,8 +5,9 @@
 
 use crate::host::{self, HostKind, HostMetrics, HostRequest, HostSharedData, Sink};
 use diana_core::config::{parse_policy, MetricsSpec, Policy, RemoteSpec};
-use diana_core::decision::{Callout, Decision, Reply};
+use diana_core::decision::{AfterResponse, Callout, Decision, Reply};
 use diana_core::engine::{Engine, EngineDecision, Pending};
+use diana_core::global::debts::Debt;
 use diana_core::global::MAX_ANSWER_BYTES;
 use diana_core::lifecycle;
 use diana_core::metrics::{Event, MetricSink};
@@ -87,6 +88,9 @@ pub struct DianaRoot {
     applied_version: u64,
     /// The poll this worker has in flight.
     poll_token: Option<u32>,
+    /// The callout paying this worker's response costs: its token, the policy it was made
+    /// with, and the debts it carries.
+    payment: Option<(u32, Rc<Configured>, Vec<Debt>)>,
     next_remote_check: Nanos,
     store: Store,
 }
@@ -102,6 +106,7 @@ impl DianaRoot {
             metrics: None,
             applied_version: 0,
             poll_token: None,
+            payment: None,
             next_remote_check: 0,
             store: Store::new(),
         }
@@ -234,10 +239,49 @@ impl DianaRoot {
         }
     }
 
+    /// Sends the response costs this worker owes to the quota service (one callout at a
+    /// time).
+    fn pay_debts(&mut self) {
+        if self.payment.is_some() {
+            return;
+        }
+        let Some(configured) = with_vm(&self.vm, |vm| vm.configured.clone()).flatten() else {
+            return;
+        };
+        if !configured.engine.owes() {
+            return;
+        }
+        let Some((callout, debts)) = configured.engine.pay_debts(
+            &HostSharedData,
+            host::now(),
+            &mut Sink(&configured.metrics),
+        ) else {
+            return;
+        };
+        match host::dispatch(self.host, &callout) {
+            Ok(token) => self.payment = Some((token, configured, debts)),
+            Err(reason) => configured.engine.debts_paid(
+                &HostSharedData,
+                debts,
+                Reply::NotSent(reason),
+                host::now(),
+                &mut Sink(&configured.metrics),
+            ),
+        }
+    }
+
     /// The tick period when nobody waits: config-center checks, and releasing the records
     /// of rules an earlier document had.
     fn base_tick(&self) -> Duration {
-        if self.remote.is_some() || lifecycle::has_work(&self.store, &HostSharedData) {
+        let owes = with_vm(&self.vm, |vm| {
+            vm.configured.as_ref().is_some_and(|configured| {
+                configured
+                    .engine
+                    .rules()
+                    .any(|rule| rule.response_cost.is_some())
+            })
+        }) == Some(true);
+        if self.remote.is_some() || owes || lifecycle::has_work(&self.store, &HostSharedData) {
             REMOTE_CHECK
         } else {
             Duration::ZERO
@@ -265,6 +309,19 @@ impl Context for DianaRoot {
         if self.poll_token == Some(token_id) {
             self.poll_token = None;
             self.on_poll_answer(num_headers, body_size);
+        } else if let Some((token, configured, debts)) = self.payment.take() {
+            if token != token_id {
+                self.payment = Some((token, configured, debts));
+                return;
+            }
+            let reply = host::callout_reply(num_headers, body_size, 0);
+            configured.engine.debts_paid(
+                &HostSharedData,
+                debts,
+                reply,
+                host::now(),
+                &mut Sink(&configured.metrics),
+            );
         }
     }
 }
@@ -346,11 +403,14 @@ impl RootContext for DianaRoot {
                 self.poll(&spec, now);
             }
         }
+        self.pay_debts();
         if lifecycle::has_work(&self.store, &HostSharedData) {
             lifecycle::sweep(&self.store, &HostSharedData);
-        } else if self.host == HostKind::Envoy && self.remote.is_none() {
-            // Nothing left to release: the tick was only for that.
-            with_vm(&self.vm, |vm| vm.base_tick = Duration::ZERO);
+        }
+        if self.host == HostKind::Envoy {
+            // The tick stops when nothing needs it any more (the records are released).
+            let base_tick = self.base_tick();
+            with_vm(&self.vm, |vm| vm.base_tick = base_tick);
         }
     }
 
@@ -363,6 +423,7 @@ impl RootContext for DianaRoot {
             host: self.host,
             pending: None,
             response_headers: Vec::new(),
+            after: None,
             waiting_until: None,
         }))
     }
@@ -392,6 +453,8 @@ struct DianaHttp {
     pending: Option<Pending>,
     /// Rate-limit headers for the response (`headers: all`).
     response_headers: Vec<(&'static str, String)>,
+    /// Response costs to charge once the upstream has answered.
+    after: Option<AfterResponse>,
     /// The request is paused until this time (leaky bucket).
     waiting_until: Option<Nanos>,
 }
@@ -401,8 +464,9 @@ impl DianaHttp {
     /// admitting it means resuming it).
     fn apply(&mut self, configured: &Configured, decision: EngineDecision, paused: bool) -> Action {
         match decision {
-            Decision::Allow { headers } => {
+            Decision::Allow { headers, after } => {
                 self.response_headers = headers;
+                self.after = after;
                 // ngx_wasm_module resumes a request by itself once its last callout is
                 // answered (ngx_http_proxy_wasm_dispatch.c); Envoy needs the explicit
                 // resume.
@@ -413,8 +477,13 @@ impl DianaHttp {
                 }
                 Action::Continue
             }
-            Decision::Delay { until, headers } => {
+            Decision::Delay {
+                until,
+                headers,
+                after,
+            } => {
                 self.response_headers = headers;
+                self.after = after;
                 self.waiting_until = Some(until);
                 let first = with_vm(&self.vm, |vm| {
                     vm.waiters.insert((until, self.context_id));
@@ -459,42 +528,16 @@ impl DianaHttp {
         pending: Pending,
         paused: bool,
     ) -> Action {
-        if self.host == HostKind::Nginx && !host::is_host_port(&callout.upstream) {
-            let reply = Reply::NotSent(format!(
-                "upstream {:?} is not host:port, which nginx needs",
-                callout.upstream
-            ));
-            let decision = configured.engine.complete(
-                &HostSharedData,
-                pending,
-                reply,
-                host::now(),
-                &mut Sink(&configured.metrics),
-            );
-            return self.apply(configured, decision, paused);
-        }
-        let headers: Vec<(&str, &str)> = callout
-            .headers
-            .iter()
-            .map(|(name, value)| (*name, value.as_str()))
-            .collect();
-        match hostcalls::dispatch_http_call(
-            &callout.upstream,
-            headers,
-            Some(&callout.body),
-            vec![],
-            Duration::from_millis(callout.timeout_ms),
-        ) {
+        match host::dispatch(self.host, &callout) {
             Ok(_token) => {
                 self.pending = Some(pending);
                 Action::Pause
             }
-            Err(status) => {
-                let reply = Reply::NotSent(format!("{status:?} (upstream {})", callout.upstream));
+            Err(reason) => {
                 let decision = configured.engine.complete(
                     &HostSharedData,
                     pending,
-                    reply,
+                    Reply::NotSent(reason),
                     host::now(),
                     &mut Sink(&configured.metrics),
                 );
@@ -527,23 +570,7 @@ impl Context for DianaHttp {
         else {
             return;
         };
-        let reply = if num_headers == 0 {
-            Reply::NoAnswer
-        } else {
-            let status = host::callout_status();
-            let body = if body_size > MAX_ANSWER_BYTES {
-                None
-            } else {
-                match hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size) {
-                    Ok(body) => Some(body.unwrap_or_default()),
-                    Err(status) => {
-                        log::debug!("diana: callout body unreadable: {status:?}");
-                        None
-                    }
-                }
-            };
-            Reply::Answered { status, body }
-        };
+        let reply = host::callout_reply(num_headers, body_size, MAX_ANSWER_BYTES);
         let decision = configured.engine.complete(
             &HostSharedData,
             pending,
@@ -596,6 +623,19 @@ impl HttpContext for DianaHttp {
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        if let (Some(after), Some(configured)) = (self.after.take(), self.configured.as_ref()) {
+            let values: Vec<Option<Vec<u8>>> = after
+                .headers()
+                .map(|name| host::header_bytes(MapType::HttpResponseHeaders, name))
+                .collect();
+            configured.engine.after_response(
+                &HostSharedData,
+                after,
+                &values,
+                host::now(),
+                &mut Sink(&configured.metrics),
+            );
+        }
         for (name, value) in self.response_headers.drain(..) {
             if let Err(status) =
                 hostcalls::add_map_value(MapType::HttpResponseHeaders, name, &value)

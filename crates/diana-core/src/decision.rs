@@ -3,20 +3,24 @@
 //! body and headers; a call carries its upstream, headers, body and timeout.
 
 use crate::response::Rejection;
+use crate::store::SlotAddress;
 use crate::time::Nanos;
 
 /// What the host must do with the request. `P` is what the evaluator needs back, with
 /// the call's reply, to finish a request it paused for a call.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Decision<P> {
-    /// Let it through now, adding these headers to the response.
+    /// Let it through now, adding these headers to the response; once the upstream has
+    /// answered, hand `after` back with the response headers it names.
     Allow {
         headers: Vec<(&'static str, String)>,
+        after: Option<AfterResponse>,
     },
     /// Let it through at `until` (leaky bucket): pause it and resume it then.
     Delay {
         until: Nanos,
         headers: Vec<(&'static str, String)>,
+        after: Option<AfterResponse>,
     },
     /// Answer with this local reply.
     Reject(Rejection),
@@ -45,4 +49,31 @@ pub enum Reply {
     /// An answer: its status (0 when unreadable) and body (`None` when it was larger than
     /// the caller accepts).
     Answered { status: u16, body: Option<Vec<u8>> },
+}
+
+/// What to charge once the upstream has answered (`response_cost`): for each rule, the
+/// response header that holds the cost and the identity to charge.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct AfterResponse {
+    pub(crate) charges: Vec<ResponseCharge>,
+}
+
+/// One rule's response cost to charge.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ResponseCharge {
+    pub rule: usize,
+    pub header: String,
+    pub address: SlotAddress,
+}
+
+impl AfterResponse {
+    /// The response headers to read, in the order [`crate::engine::Engine::after_response`]
+    /// wants their values.
+    pub fn headers(&self) -> impl Iterator<Item = &str> {
+        self.charges.iter().map(|charge| charge.header.as_str())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.charges.is_empty()
+    }
 }

@@ -15,9 +15,10 @@
 
 use crate::actor::{Identity, RequestFacts};
 use crate::config::{Policy, Rule, Scope};
-use crate::decision::{Decision, Reply};
+use crate::decision::{AfterResponse, Callout, Decision, Reply, ResponseCharge};
+use crate::global::debts::Debt;
 use crate::global::stash::StashReceipt;
-use crate::global::{Asked, Denial, Global, GlobalCharge, Interpretation, Outcome, Plan};
+use crate::global::{Asked, Denial, Global, GlobalCharge, Interpretation, Outcome, Payment, Plan};
 use crate::matching;
 use crate::metrics::{Event, MetricSink, RuleEvent};
 use crate::path;
@@ -59,6 +60,8 @@ struct Progress {
     delay: Nanos,
     /// Rule metrics to report once the request is decided.
     tally: Vec<(usize, RuleEvent)>,
+    /// Response costs to charge once the upstream has answered.
+    after: Vec<ResponseCharge>,
 }
 
 impl Progress {
@@ -97,6 +100,8 @@ impl Progress {
 struct Applicable<'p> {
     local: Vec<(&'p Rule, SlotAddress, u32)>,
     global: Vec<GlobalCharge>,
+    /// The rules with a response cost.
+    after: Vec<ResponseCharge>,
 }
 
 /// The immutable policy plus the per-VM machinery to evaluate it.
@@ -192,10 +197,14 @@ impl Engine {
             metrics.event(Event::ClockError);
             return Decision::Allow {
                 headers: Vec::new(),
+                after: None,
             };
         };
         let applicable = self.applicable(raw_path, facts);
-        let mut progress = Progress::default();
+        let mut progress = Progress {
+            after: applicable.after,
+            ..Progress::default()
+        };
         let mut held = Vec::new();
         for &(rule, address, cost) in &applicable.local {
             if let Err(rejection) = self.charge_locally(
@@ -272,6 +281,7 @@ impl Engine {
             metrics.event(Event::ClockError);
             return Decision::Allow {
                 headers: Vec::new(),
+                after: None,
             };
         };
         match self
@@ -304,6 +314,7 @@ impl Engine {
         let mut applicable = Applicable {
             local: Vec::new(),
             global: Vec::new(),
+            after: Vec::new(),
         };
         let mut waiting = Vec::new();
         for (_, resource) in matching::matching(&self.policy, &path) {
@@ -313,7 +324,14 @@ impl Engine {
                     Identity::Everyone => SlotAddress::single(),
                     Identity::Key(hash) => SlotAddress::of(hash, rule.slots.get()),
                 };
-                let cost = 1;
+                let cost = rule.cost.of(facts);
+                if let Some(response_cost) = &rule.response_cost {
+                    applicable.after.push(ResponseCharge {
+                        rule: rule.index,
+                        header: response_cost.header.clone(),
+                        address,
+                    });
+                }
                 match rule.scope {
                     Scope::Global => applicable.global.push(GlobalCharge {
                         index: rule.index,
@@ -485,14 +503,132 @@ impl Engine {
             metrics.rule_event(index, event);
         }
         let headers = admitted_headers(&self.policy.response, progress.tightest.as_ref());
+        let after = (!progress.after.is_empty()).then_some(AfterResponse {
+            charges: progress.after,
+        });
         if progress.delay > 0 && self.can_pause {
             metrics.event(Event::Delayed);
             Decision::Delay {
                 until: now.saturating_add(progress.delay),
                 headers,
+                after,
             }
         } else {
-            Decision::Allow { headers }
+            Decision::Allow { headers, after }
+        }
+    }
+
+    /// Charges the response costs of an admitted request once the upstream has answered:
+    /// `values` are the response headers [`AfterResponse::headers`] names, in order (`None`
+    /// when absent). Local rules are charged at once, past their limit if need be; global
+    /// rules' costs are owed to the quota service and sent from the tick
+    /// ([`Engine::pay_debts`]).
+    pub fn after_response(
+        &self,
+        host: &dyn SharedData,
+        after: AfterResponse,
+        values: &[Option<Vec<u8>>],
+        now: Option<Nanos>,
+        metrics: &mut dyn MetricSink,
+    ) {
+        let Some(now) = now else {
+            metrics.event(Event::ClockError);
+            return;
+        };
+        for (charge, value) in after.charges.into_iter().zip(values) {
+            let Some(rule) = self.policy.rule(charge.rule) else {
+                continue;
+            };
+            let Some(response_cost) = &rule.response_cost else {
+                continue;
+            };
+            let tokens = response_cost.of(value.as_deref());
+            if tokens == 0 {
+                continue;
+            }
+            let debt = Debt {
+                rule: charge.rule,
+                address: charge.address,
+                tokens: u64::from(tokens),
+            };
+            let local = match rule.scope {
+                Scope::Local => Some(debt),
+                Scope::Global => self.global.owe(debt),
+            };
+            if let Some(debt) = local {
+                self.charge_debt_locally(host, debt, now, metrics);
+            }
+        }
+    }
+
+    /// True when response costs wait to be sent to the quota service.
+    pub fn owes(&self) -> bool {
+        self.global.owes()
+    }
+
+    /// From the tick: the callout that sends this worker's response costs to the quota
+    /// service (`None`: nothing owed, or charged locally because the service is down).
+    pub fn pay_debts(
+        &self,
+        host: &dyn SharedData,
+        now: Option<Nanos>,
+        metrics: &mut dyn MetricSink,
+    ) -> Option<(Callout, Vec<Debt>)> {
+        let now = now?;
+        match self.global.plan_payment(host, &self.policy, now, metrics) {
+            Payment::Nothing => None,
+            Payment::Call(callout, debts) => Some((callout, debts)),
+            Payment::Local(debts) => {
+                for debt in debts {
+                    self.charge_debt_locally(host, debt, now, metrics);
+                }
+                None
+            }
+        }
+    }
+
+    /// The answer to [`Engine::pay_debts`]'s callout: what the service did not take is
+    /// charged locally.
+    pub fn debts_paid(
+        &self,
+        host: &dyn SharedData,
+        debts: Vec<Debt>,
+        reply: Reply,
+        now: Option<Nanos>,
+        metrics: &mut dyn MetricSink,
+    ) {
+        let Some(now) = now else {
+            return;
+        };
+        for debt in self.global.paid(host, debts, reply, now, metrics) {
+            self.charge_debt_locally(host, debt, now, metrics);
+        }
+    }
+
+    fn charge_debt_locally(
+        &self,
+        host: &dyn SharedData,
+        debt: Debt,
+        now: Nanos,
+        metrics: &mut dyn MetricSink,
+    ) {
+        let Some(rule) = self.policy.rule(debt.rule) else {
+            return;
+        };
+        let tokens = u32::try_from(debt.tokens).unwrap_or(u32::MAX);
+        match self
+            .store
+            .charge_debt(host, &self.table(rule), debt.address, now, tokens)
+        {
+            Ok(_) => {}
+            Err(ChargeError::Contention) => metrics.event(Event::StoreContention),
+            Err(ChargeError::Host(error)) => {
+                log::warn!(
+                    "diana: rule {}: response cost not charged: {error}",
+                    rule.name
+                );
+                metrics.event(Event::StoreError);
+            }
         }
     }
 }

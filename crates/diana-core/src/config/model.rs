@@ -1,7 +1,7 @@
 //! The validated, immutable plan that the engine evaluates. Every default is resolved
 //! here, so nothing downstream interprets the document again.
 
-use crate::actor::ActorSource;
+use crate::actor::{ActorSource, RequestFacts};
 use crate::algo::{Algorithm, Limit};
 use crate::time::Nanos;
 use std::fmt;
@@ -86,6 +86,10 @@ pub struct Rule {
     pub slots: NonZeroU32,
     /// Tokens fetched per global callout (global scope only; 1 = exact).
     pub lease: NonZeroU32,
+    /// Tokens a request takes.
+    pub cost: Cost,
+    /// Tokens charged after the upstream answered, from a response header.
+    pub response_cost: Option<ResponseCost>,
     /// Leaky bucket: the longest a request may be held; one whose turn is further away is
     /// rejected with `Retry-After` (`max_wait_seconds`, default 10 s).
     pub max_wait: Nanos,
@@ -93,6 +97,75 @@ pub struct Rule {
     pub dry_run: bool,
     /// Where the rule's state lives in shared data.
     pub keys: RuleKeys,
+}
+
+/// How many tokens a request takes from a rule (`cost`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Cost {
+    /// The same for every request (default 1).
+    Fixed(NonZeroU32),
+    /// From a request header: its value if it is a decimal integer ≥ 1, `default` when it
+    /// is missing or not one, `max` when it is above `max`.
+    Header {
+        name: String,
+        default: NonZeroU32,
+        max: NonZeroU32,
+    },
+}
+
+impl Cost {
+    /// The cost of a request.
+    pub fn of(&self, facts: &dyn RequestFacts) -> u32 {
+        match self {
+            Cost::Fixed(cost) => cost.get(),
+            Cost::Header { name, default, max } => facts
+                .header(name)
+                .and_then(|value| decimal(&value))
+                .and_then(|value| u32::try_from(value.min(u64::from(max.get()))).ok())
+                .and_then(NonZeroU32::new)
+                .unwrap_or(*default)
+                .get(),
+        }
+    }
+
+    /// The most a request can take.
+    pub fn max(&self) -> u32 {
+        match self {
+            Cost::Fixed(cost) => cost.get(),
+            Cost::Header { max, .. } => max.get(),
+        }
+    }
+}
+
+/// `response_cost`: tokens charged after the upstream answered, even past the limit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResponseCost {
+    /// The response header holding the cost (e.g. the tokens an LLM answer used).
+    pub header: String,
+    pub max: NonZeroU32,
+}
+
+impl ResponseCost {
+    /// The tokens a response header value charges: a decimal integer, at most `max`;
+    /// anything else charges nothing.
+    pub fn of(&self, value: Option<&[u8]>) -> u32 {
+        value.and_then(decimal).map_or(0, |value| {
+            u32::try_from(value.min(u64::from(self.max.get()))).unwrap_or(0)
+        })
+    }
+}
+
+/// A header value as a decimal integer (surrounding spaces allowed, nothing else; one
+/// too large for `u64` reads as `u64::MAX`); `None` for anything else.
+pub fn decimal(value: &[u8]) -> Option<u64> {
+    let digits = value.trim_ascii();
+    if digits.is_empty() || !digits.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    Some(digits.iter().fold(0u64, |sum, digit| {
+        sum.saturating_mul(10)
+            .saturating_add(u64::from(digit - b'0'))
+    }))
 }
 
 /// The shared-data key prefixes of a rule, derived from its id: computed once at load, so
@@ -125,6 +198,8 @@ impl fmt::Debug for Rule {
             .field("scope", &self.scope)
             .field("slots", &self.slots)
             .field("lease", &self.lease)
+            .field("cost", &self.cost)
+            .field("response_cost", &self.response_cost)
             .field("max_wait", &self.max_wait)
             .field("dry_run", &self.dry_run)
             .finish()

@@ -17,8 +17,8 @@
 
 use super::raw::{self, ContextGuard, RawBlock, RawFull, RawRule};
 use super::{
-    ConfigError, GlobalSpec, MetricsSpec, Policy, RemoteSpec, Resource, ResponseSpec, Rule,
-    RuleKeys, Scope,
+    ConfigError, Cost, GlobalSpec, MetricsSpec, Policy, RemoteSpec, Resource, ResponseCost,
+    ResponseSpec, Rule, RuleKeys, Scope,
 };
 use crate::actor::{ActorDef, ActorRegistry};
 use crate::algo;
@@ -620,6 +620,63 @@ fn build_rule(
         .lease
         .and_then(|lease| NonZeroU32::new(lease.get_u32()))
         .unwrap_or(global.lease);
+    let cost = match raw.cost {
+        None => Cost::Fixed(NonZeroU32::MIN),
+        Some(raw::CostField::Fixed(cost)) => {
+            Cost::Fixed(NonZeroU32::new(cost).unwrap_or(NonZeroU32::MIN))
+        }
+        Some(raw::CostField::Header(header)) => {
+            let max = NonZeroU32::new(header.max.get_u32()).unwrap_or(NonZeroU32::MIN);
+            let default = header
+                .default
+                .and_then(|default| NonZeroU32::new(default.get_u32()))
+                .unwrap_or(NonZeroU32::MIN);
+            if default > max {
+                return Err(plain(format!(
+                    "{url}#{index}: cost.default ({default}) is above cost.max ({max})"
+                )));
+            }
+            Cost::Header {
+                name: header.header.0,
+                default,
+                max,
+            }
+        }
+    };
+    let limit = algo::Limit {
+        rpu,
+        unit,
+        burst,
+        slices,
+    };
+    if u64::from(cost.max()) > algo.capacity(&limit) {
+        return Err(plain(format!(
+            "{url}#{index}: a cost of {} could never pass: the rule grants at most {} at once (rpu, or burst for TB and LB)",
+            cost.max(),
+            algo.capacity(&limit)
+        )));
+    }
+    if scope == Scope::Global && !algo.waits() && cost.max() > lease.get() {
+        return Err(plain(format!(
+            "{url}#{index}: a cost of {} is above the lease ({lease}): a global rule's callout asks for `lease` tokens, \
+             which must cover one request; set `lease` to at least {}",
+            cost.max(),
+            cost.max()
+        )));
+    }
+    let response_cost = match raw.response_cost {
+        None => None,
+        Some(_) if !algo.allows_debt() => {
+            return Err(plain(format!(
+                "{url}#{index}: response_cost does not apply to algo {}: a leaky bucket paces requests, it does not charge them afterwards",
+                algo.code()
+            )))
+        }
+        Some(raw) => Some(ResponseCost {
+            header: raw.header.0,
+            max: NonZeroU32::new(raw.max.get_u32()).unwrap_or(NonZeroU32::MIN),
+        }),
+    };
     let max_wait_seconds = match raw.max_wait_seconds {
         Some(_) if !algo.waits() => {
             return Err(plain(format!(
@@ -660,15 +717,12 @@ fn build_rule(
         actor_name,
         actor: def.source.clone(),
         algo,
-        limit: algo::Limit {
-            rpu,
-            unit,
-            burst,
-            slices,
-        },
+        limit,
         scope,
         slots,
         lease,
+        cost,
+        response_cost,
         max_wait: max_wait_seconds * NANOS_PER_SECOND,
         dry_run: raw.dry_run.unwrap_or(false),
         keys: RuleKeys::of(id),

@@ -119,6 +119,8 @@ pub(super) struct RawRule {
     pub slots: Option<Ranged<1, 1_048_576>>,
     pub lease: Option<Ranged<1, { wire::MAX_WANT as u64 }>>,
     pub max_wait_seconds: Option<Ranged<0, 86_400>>,
+    pub cost: Option<CostField>,
+    pub response_cost: Option<RawResponseCost>,
     pub name: Option<RuleName>,
     pub dry_run: Option<bool>,
 }
@@ -135,6 +137,81 @@ pub(super) struct RawFull {
     pub remote: Option<Section<RawRemote, SECTION_REMOTE>>,
     pub dry_run: Option<Section<bool, SECTION_DRY_RUN>>,
     pub metrics: Option<Section<RawMetrics, SECTION_METRICS>>,
+}
+
+/// `response_cost: {header: NAME, max: N}`.
+#[derive(Deserialize)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a response cost `{header: NAME, max: N}`"
+)]
+pub(super) struct RawResponseCost {
+    pub header: HeaderNameField,
+    pub max: Ranged<1, 1_000_000_000>,
+}
+
+/// `cost: {header: NAME, default: N, max: N}`.
+#[derive(Deserialize)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a header cost `{header: NAME, default: N, max: N}`"
+)]
+pub(super) struct RawHeaderCost {
+    pub header: HeaderNameField,
+    pub default: Option<Ranged<1, { wire::MAX_WANT as u64 }>>,
+    pub max: Ranged<1, { wire::MAX_WANT as u64 }>,
+}
+
+/// `cost`: tokens a request takes, a constant or read from a request header.
+pub(super) enum CostField {
+    Fixed(u32),
+    Header(RawHeaderCost),
+}
+
+impl<'de> Deserialize<'de> for CostField {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct CostVisitor;
+        impl<'de> Visitor<'de> for CostVisitor {
+            type Value = CostField;
+            fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(
+                    formatter,
+                    "an integer between 1 and {} or `{{header: NAME, default: N, max: N}}`",
+                    wire::MAX_WANT
+                )
+            }
+            fn visit_u64<E: de::Error>(self, value: u64) -> Result<CostField, E> {
+                match u32::try_from(value) {
+                    Ok(cost) if (1..=wire::MAX_WANT).contains(&cost) => Ok(CostField::Fixed(cost)),
+                    _ => Err(E::invalid_value(Unexpected::Unsigned(value), &self)),
+                }
+            }
+            fn visit_i64<E: de::Error>(self, value: i64) -> Result<CostField, E> {
+                match u64::try_from(value) {
+                    Ok(value) => self.visit_u64(value),
+                    Err(_) => Err(E::invalid_value(Unexpected::Signed(value), &self)),
+                }
+            }
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<CostField, A::Error> {
+                RawHeaderCost::deserialize(de::value::MapAccessDeserializer::new(map))
+                    .map(CostField::Header)
+            }
+        }
+        deserializer.deserialize_any(CostVisitor)
+    }
+}
+
+/// A request or response header name, lower-cased (RFC 9110 token).
+pub(super) struct HeaderNameField(pub String);
+
+impl<'de> Deserialize<'de> for HeaderNameField {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserialize_str_with(deserializer, "a header name", |raw| {
+            crate::actor::HeaderKind
+                .parse_value(raw)
+                .map(HeaderNameField)
+        })
+    }
 }
 
 #[derive(Deserialize)]

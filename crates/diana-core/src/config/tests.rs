@@ -759,3 +759,65 @@ fn what_the_quota_service_or_the_metrics_would_refuse_is_refused_at_load() {
     ))
     .is_ok());
 }
+
+#[test]
+fn costs_are_checked_against_the_limit_the_lease_and_the_algorithm() {
+    for (text, expected) in [
+        (
+            "Url: /\nrules:\n  - {rpu: 10, cost: 11}\n",
+            "/#0: a cost of 11 could never pass: the rule grants at most 10 at once (rpu, or burst for TB and LB)",
+        ),
+        (
+            "Url: /\nrules:\n  - {rpu: 100, scope: global, cost: {header: x-cost, max: 20}}\n",
+            "/#0: a cost of 20 is above the lease (1): a global rule's callout asks for `lease` tokens, which must cover one request; set `lease` to at least 20",
+        ),
+        (
+            "Url: /\nrules:\n  - {rpu: 10, algo: LB, response_cost: {header: x-tokens, max: 5}}\n",
+            "/#0: response_cost does not apply to algo LB: a leaky bucket paces requests, it does not charge them afterwards",
+        ),
+        (
+            "Url: /\nrules:\n  - {rpu: 10, cost: {header: x-cost, default: 5, max: 3}}\n",
+            "/#0: cost.default (5) is above cost.max (3)",
+        ),
+    ] {
+        assert_eq!(error(text), expected);
+    }
+    for (text, pieces) in [
+        (
+            "Url: /\nrules:\n  - {rpu: 10, cost: 0}\n",
+            ["rules[0].cost: ", "line 3"],
+        ),
+        (
+            "Url: /\nrules:\n  - {rpu: 10, cost: {header: 'bad header'}}\n",
+            ["rules[0].cost.header: ", "line 3"],
+        ),
+        (
+            "Url: /\nrules:\n  - {rpu: 10, cost: {header: x-cost, max: 0}}\n",
+            ["rules[0].cost.max: ", "line 3"],
+        ),
+        (
+            "Url: /\nrules:\n  - {rpu: 10, response_cost: {header: x-t}}\n",
+            ["rules[0].response_cost: ", "missing field `max`"],
+        ),
+    ] {
+        let message = error(text);
+        assert!(
+            pieces.iter().all(|piece| message.contains(piece)),
+            "{message}"
+        );
+    }
+    let policy = parse_policy(
+        "Url: /\nrules:\n  - {rpu: 100, algo: TB, lease: 20, scope: global, cost: {header: X-Cost, default: 2, max: 20}, response_cost: {header: x-llm-tokens, max: 5000}}\n",
+    )
+    .unwrap();
+    let rule = policy.rules().next().unwrap();
+    assert_eq!(
+        rule.cost,
+        Cost::Header {
+            name: "x-cost".into(),
+            default: NonZeroU32::new(2).unwrap(),
+            max: NonZeroU32::new(20).unwrap()
+        }
+    );
+    assert_eq!(rule.response_cost.as_ref().unwrap().header, "x-llm-tokens");
+}

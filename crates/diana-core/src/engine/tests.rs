@@ -1,7 +1,7 @@
 use super::*;
 use crate::actor::fake::Facts;
 use crate::config::parse_policy;
-use crate::decision::Callout;
+use crate::decision::{AfterResponse, Callout};
 use crate::metrics::CountingMetrics;
 use crate::quota::MemoryQuota;
 use crate::store::{CasSemantics, HostError, MemoryHost, SetOutcome};
@@ -179,7 +179,7 @@ fn header_mode_all_reports_the_tightest_rule_on_admitted_requests() {
         "resources:\n  - Url: /\n    rules:\n      - {rpu: 10, unit: minute}\n      - {rpu: 3, unit: minute}\nresponse: {headers: all}\n",
     );
     match h.request("/", &Facts::default()) {
-        Decision::Allow { headers } => {
+        Decision::Allow { headers, .. } => {
             assert!(headers.contains(&("x-ratelimit-limit", "3".to_string())));
             assert!(headers.contains(&("x-ratelimit-remaining", "2".to_string())));
         }
@@ -810,4 +810,158 @@ fn racing_workers_charge_all_or_nothing_on_both_hosts() {
             );
         }
     }
+}
+
+#[test]
+fn a_request_takes_its_cost_from_every_algorithm_all_or_nothing() {
+    for algo in ["W", "SW", "TB"] {
+        let doc = format!(
+            "Url: /\nrules:\n  - {{algo: {algo}, rpu: 10, unit: minute, cost: {{header: x-cost, default: 2, max: 6}}}}\n"
+        );
+        let mut h = Harness::new(&doc);
+        let cost = |value: &[u8]| Facts::default().header("x-cost", value);
+        // 6 taken, then 4: nothing is left for the default cost of 2.
+        assert!(admits(&h.request("/", &cost(b"6"))), "{algo}");
+        assert!(admits(&h.request("/", &cost(b"4"))), "{algo}");
+        assert!(
+            matches!(h.request("/", &cost(b"junk")), Decision::Reject(_)),
+            "{algo}"
+        );
+        // A rejected costly request took nothing: one of cost 1 would still be refused.
+        assert!(
+            matches!(h.request("/", &cost(b"1")), Decision::Reject(_)),
+            "{algo}"
+        );
+    }
+    // Above max: max; missing: default; zero or signs: default.
+    let doc = "Url: /\nrules:\n  - {algo: W, rpu: 10, unit: minute, cost: {header: x-cost, default: 3, max: 4}}\n";
+    let mut h = Harness::new(doc);
+    assert!(admits(&h.request(
+        "/",
+        &Facts::default().header("x-cost", b"999999999999999999999")
+    )));
+    assert!(admits(&h.request("/", &Facts::default())));
+    assert!(admits(
+        &h.request("/", &Facts::default().header("x-cost", b"-1"))
+    ));
+    // 4 + 3 + 3 = 10 taken.
+    assert!(matches!(
+        h.request("/", &Facts::default().header("x-cost", b"1")),
+        Decision::Reject(_)
+    ));
+}
+
+#[test]
+fn a_costly_request_rejected_by_a_later_rule_gives_back_its_whole_cost() {
+    let doc = "resources:\n  - Url: /\n    rules: [{name: tokens, algo: TB, rpu: 100, unit: minute, cost: {header: x-cost, max: 50}}]\n  - Url: /chat\n    rules: [{name: calls, algo: W, rpu: 1, unit: minute}]\n";
+    let mut h = Harness::new(doc);
+    let big = Facts::default().header("x-cost", b"40");
+    assert!(admits(&h.request("/chat", &big)));
+    for _ in 0..5 {
+        assert!(matches!(h.request("/chat", &big), Decision::Reject(_)));
+    }
+    // 100 - 40 = 60 tokens left for other pages, not 60 - 5 x 40.
+    let sixty = Facts::default().header("x-cost", b"30");
+    assert_eq!(h.admitted("/page", &sixty, 3), 2);
+}
+
+#[test]
+fn a_global_rule_sends_the_cost_and_a_lease_that_covers_it() {
+    let doc = "Url: /\nrules:\n  - {algo: TB, rpu: 100, unit: minute, scope: global, lease: 10, cost: {header: x-cost, max: 8}}\n";
+    let mut h = Harness::new(doc);
+    let (callout, pending) = call(h.evaluate("/", &Facts::default().header("x-cost", b"7")));
+    let request: AcquireRequest = serde_json::from_slice(&callout.body).unwrap();
+    assert_eq!((request.rules[0].want, request.rules[0].cost), (10, 7));
+    assert!(admits(&h.complete(pending, answered(vec![granted(10)]))));
+    // 3 tokens stashed: a request of cost 3 is served locally, one of cost 4 asks again.
+    assert!(matches!(
+        h.evaluate("/", &Facts::default().header("x-cost", b"3")),
+        Decision::Allow { .. }
+    ));
+    assert!(matches!(
+        h.evaluate("/", &Facts::default().header("x-cost", b"4")),
+        Decision::Call(..)
+    ));
+}
+
+fn after(decision: EngineDecision) -> AfterResponse {
+    match decision {
+        Decision::Allow {
+            after: Some(after), ..
+        } => after,
+        other => panic!("expected an admission with response costs, got {other:?}"),
+    }
+}
+
+#[test]
+fn response_costs_are_charged_past_the_limit_and_deny_until_paid_back() {
+    // An LLM token budget: 1000 tokens a minute per account, charged from the answer.
+    let doc = "Url: /\nrules:\n  - {name: llm, actor: account, algo: TB, rpu: 1000, unit: minute, response_cost: {header: x-llm-tokens, max: 100000}}\n";
+    let mut h = Harness::new(doc);
+    let alice = Facts::default().header("x-account-id", b"alice");
+    let charge = after(h.request("/", &alice));
+    assert_eq!(charge.headers().collect::<Vec<_>>(), ["x-llm-tokens"]);
+    // The answer used 2500 tokens: 1000 - 1 - 2500 is a debt, capped at one bucket.
+    h.engine.after_response(
+        &h.host,
+        charge,
+        &[Some(b"2500".to_vec())],
+        Some(h.now),
+        &mut h.metrics,
+    );
+    assert!(matches!(h.request("/", &alice), Decision::Reject(_)));
+    // A minute refills 1000 tokens: still owing.
+    h.now += 60 * S;
+    assert!(matches!(h.request("/", &alice), Decision::Reject(_)));
+    // Two minutes refill the capped debt (one bucket below empty) and one token more.
+    h.now += 61 * S;
+    assert!(admits(&h.request("/", &alice)));
+    // Another account was never charged.
+    assert!(admits(
+        &h.request("/", &Facts::default().header("x-account-id", b"bob"))
+    ));
+    // A missing or unreadable value charges nothing.
+    let charge = after(h.request("/", &Facts::default().header("x-account-id", b"carol")));
+    h.engine
+        .after_response(&h.host, charge, &[None], Some(h.now), &mut h.metrics);
+    assert_eq!(
+        h.admitted(
+            "/",
+            &Facts::default().header("x-account-id", b"carol"),
+            2000
+        ),
+        999
+    );
+}
+
+#[test]
+fn global_response_costs_are_paid_from_the_tick_or_charged_locally() {
+    let doc = "resources:\n  - Url: /\n    rules: [{name: llm, algo: W, rpu: 100, unit: minute, scope: global, response_cost: {header: x-tokens, max: 500}}]\nglobal: {retry_seconds: 5}\n";
+    let mut h = Harness::new(doc);
+    let charge = after(h.request("/", &Facts::default()));
+    h.engine.after_response(
+        &h.host,
+        charge,
+        &[Some(b"60".to_vec())],
+        Some(h.now),
+        &mut h.metrics,
+    );
+    assert!(h.engine.owes());
+    let (callout, debts) = h
+        .engine
+        .pay_debts(&h.host, Some(h.now), &mut h.metrics)
+        .unwrap();
+    assert!(callout
+        .headers
+        .contains(&(":path", "/v1/charge".to_string())));
+    let request: AcquireRequest = serde_json::from_slice(&callout.body).unwrap();
+    assert_eq!(request.rules[0].want, 60);
+    // The service is down: the 60 tokens are charged locally instead, and the breaker opens.
+    h.engine
+        .debts_paid(&h.host, debts, Reply::NoAnswer, Some(h.now), &mut h.metrics);
+    assert!(!h.engine.owes());
+    assert!(h.metrics.degraded);
+    // Degraded: the local counter holds the 60 owed (the first request was counted by the
+    // service): 40 more requests pass.
+    assert_eq!(h.admitted("/", &Facts::default(), 100), 40);
 }

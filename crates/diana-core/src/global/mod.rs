@@ -19,6 +19,7 @@
 //! back into it.
 
 pub mod breaker;
+pub mod debts;
 pub mod stash;
 
 /// The wire format, also reachable here (it was `global::wire` first).
@@ -31,6 +32,7 @@ use crate::response::RuleReport;
 use crate::store::{SharedData, SlotAddress, Store};
 use crate::time::{ceil_seconds, ceil_seconds_at_least_one, Nanos};
 use breaker::{Breaker, Gate};
+use debts::{Debt, Owed};
 use stash::{Stash, StashReceipt, Take};
 use std::cell::Cell;
 use wire::{AcquireRequest, AcquireResponse, ErrorResponse, RuleRequest, RuleResult};
@@ -52,6 +54,15 @@ pub fn wait_path(acquire_path: &str) -> String {
     match acquire_path.strip_suffix("/acquire") {
         Some(base) => format!("{base}/wait"),
         None => format!("{}/wait", acquire_path.trim_end_matches('/')),
+    }
+}
+
+/// The quota service's charge endpoint beside its acquire endpoint: `/v1/acquire` →
+/// `/v1/charge`; any other path gets `/charge` appended.
+pub fn charge_path(acquire_path: &str) -> String {
+    match acquire_path.strip_suffix("/acquire") {
+        Some(base) => format!("{base}/charge"),
+        None => format!("{}/charge", acquire_path.trim_end_matches('/')),
     }
 }
 
@@ -134,6 +145,16 @@ impl Asked {
     }
 }
 
+/// How a worker's response costs get paid.
+#[derive(Debug)]
+pub enum Payment {
+    Nothing,
+    /// Make this call; what it does not take goes to [`Global::paid`].
+    Call(Callout, Vec<Debt>),
+    /// Charge these locally (the service is unavailable).
+    Local(Vec<Debt>),
+}
+
 /// What the answer to a callout means.
 #[derive(Debug)]
 pub enum Interpretation {
@@ -165,6 +186,8 @@ pub struct Global {
     store: Store,
     breaker: Breaker,
     stash: Stash,
+    /// Response costs owed to the service, sent from the tick.
+    owed: Owed,
     /// A refusal or an invalid answer was logged by this VM (each is logged once).
     refusal_logged: Cell<bool>,
     invalid_logged: Cell<bool>,
@@ -179,6 +202,7 @@ impl Global {
             store: Store::new(),
             breaker: Breaker::new(policy.global.retry_seconds),
             stash: Stash::default(),
+            owed: Owed::default(),
             refusal_logged: Cell::new(false),
             invalid_logged: Cell::new(false),
         }
@@ -329,6 +353,10 @@ impl Global {
         } else {
             (self.spec.path.clone(), u64::from(self.spec.timeout_ms))
         };
+        self.callout_to(path, timeout_ms, body)
+    }
+
+    fn callout_to(&self, path: String, timeout_ms: u64, body: Vec<u8>) -> Callout {
         Callout {
             upstream: self.spec.cluster.clone(),
             headers: vec![
@@ -448,6 +476,105 @@ impl Global {
                     .filter(|outcome| matches!(outcome, Outcome::WouldDeny { .. }))
                     .collect();
                 Interpretation::Rejected(denial, dry)
+            }
+        }
+    }
+
+    /// Owes `debt` (a response cost) to the service; when this worker's table of debts is
+    /// full, gives it back to be charged locally at once.
+    pub fn owe(&self, debt: Debt) -> Option<Debt> {
+        self.owed.add(debt)
+    }
+
+    /// True when response costs wait to be sent.
+    pub fn owes(&self) -> bool {
+        !self.owed.is_empty()
+    }
+
+    /// Plans the callout that pays this worker's debts, or gives them back to be charged
+    /// locally when the breaker keeps global rules local.
+    pub fn plan_payment(
+        &self,
+        host: &dyn SharedData,
+        policy: &Policy,
+        now: Nanos,
+        metrics: &mut dyn MetricSink,
+    ) -> Payment {
+        let debts = self.owed.take();
+        if debts.is_empty() {
+            return Payment::Nothing;
+        }
+        if self.breaker.gate(&self.store, host, now) == Gate::Local {
+            return Payment::Local(debts);
+        }
+        let mut rules = Vec::new();
+        for debt in &debts {
+            let Some(rule) = policy.rule(debt.rule) else {
+                continue;
+            };
+            let mut left = debt.tokens;
+            while left > 0 {
+                let tokens = u32::try_from(left.min(u64::from(wire::MAX_WANT))).unwrap_or(1);
+                left -= u64::from(tokens);
+                rules.push(RuleRequest::new(
+                    global_key(rule, debt.address),
+                    rule.algo,
+                    &rule.limit,
+                    tokens,
+                ));
+            }
+        }
+        // A request carries at most MAX_RULES rules: the rest waits for the next tick.
+        if rules.len() > wire::MAX_RULES {
+            for debt in debts {
+                if let Some(local) = self.owed.add(debt) {
+                    return Payment::Local(vec![local]);
+                }
+            }
+            return Payment::Nothing;
+        }
+        let body = match serde_json::to_vec(&AcquireRequest { rules }) {
+            Ok(body) => body,
+            Err(_) => return Payment::Local(debts),
+        };
+        metrics.event(Event::GlobalCallout);
+        let callout = self.callout_to(
+            charge_path(&self.spec.path),
+            u64::from(self.spec.timeout_ms),
+            body,
+        );
+        Payment::Call(callout, debts)
+    }
+
+    /// The answer to a payment: the debts the service did not take, to charge locally.
+    pub fn paid(
+        &self,
+        host: &dyn SharedData,
+        debts: Vec<Debt>,
+        reply: Reply,
+        now: Nanos,
+        metrics: &mut dyn MetricSink,
+    ) -> Vec<Debt> {
+        match reply {
+            Reply::Answered { status: 200, .. } => Vec::new(),
+            Reply::Answered { status, body } if (400..500).contains(&status) => {
+                let reason = body
+                    .and_then(|body| serde_json::from_slice::<ErrorResponse>(&body).ok())
+                    .map_or_else(String::new, |error| error.error);
+                self.failed(host, Failure::Refused(status, reason), false, now, metrics);
+                debts
+            }
+            Reply::Answered { status, .. } => {
+                self.unavailable(host, &format!("status {status}"), now, metrics);
+                debts
+            }
+            Reply::NoAnswer => {
+                self.unavailable(host, "no answer to a charge", now, metrics);
+                debts
+            }
+            Reply::NotSent(reason) => {
+                self.unavailable(host, &reason, now, metrics);
+                debts
             }
         }
     }
