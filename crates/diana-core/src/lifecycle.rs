@@ -177,7 +177,9 @@ pub fn sweep(store: &Store, host: &dyn SharedData) -> usize {
     };
     let keys = RuleKeys::of(rule.id);
     let mut released = 0;
-    for slot in from..to {
+    // A one-counter rule may have used its spare slot 1 ([`SlotAddress::single`]).
+    let spare = (rule.slots == 1 && from == 0).then_some(1);
+    for slot in (from..to).chain(spare) {
         let mut prefixes = vec![&keys.slots];
         if rule.global {
             prefixes.push(&keys.leases);
