@@ -19,25 +19,14 @@
 //! `PROPTEST_CASES` raises the case count (the defaults keep `cargo test` fast).
 //! The engine's all-or-nothing properties are in `engine_properties.rs`.
 
+mod common;
+
+use common::config;
 use diana_core::algo::{Algorithm, Limit, Mark, Verdict, REGISTRY};
 use diana_core::time::{Nanos, Unit};
 use proptest::prelude::*;
 use std::collections::BTreeMap;
 use std::num::NonZeroU32;
-
-/// `PROPTEST_CASES` when set, else `default`.
-fn config(default: u32) -> ProptestConfig {
-    let cases = std::env::var("PROPTEST_CASES")
-        .ok()
-        .and_then(|value| value.parse().ok())
-        .unwrap_or(default);
-    ProptestConfig {
-        cases,
-        // Failures are turned into named regression tests instead.
-        failure_persistence: None,
-        ..ProptestConfig::default()
-    }
-}
 
 fn algorithm(code: &str) -> &'static dyn Algorithm {
     *REGISTRY.iter().find(|algo| algo.code() == code).unwrap()
@@ -259,6 +248,26 @@ fn clamp_need(need: u32, want: u32) -> u32 {
     need.clamp(1, want.max(1))
 }
 
+/// Checks a counting algorithm's verdict when `counted` of `rpu` are taken: what it must
+/// grant (`min(want, left)` if at least `need` is left, else nothing) and leave. Returns
+/// the grant.
+fn check_counted(code: &str, rpu: u64, counted: u64, need: u32, want: u32, v: &Verdict) -> u64 {
+    let available = rpu.saturating_sub(counted);
+    let need = u64::from(clamp_need(need, want));
+    let expected = if want > 0 && available >= need {
+        u64::from(want).min(available)
+    } else {
+        0
+    };
+    assert_eq!(u64::from(v.granted), expected, "{code}: granted");
+    assert_eq!(v.remaining, available - expected, "{code}: remaining");
+    assert!(
+        counted + expected <= rpu || expected == 0,
+        "{code}: over rpu"
+    );
+    expected
+}
+
 /// `W`: counts per window, in the later of the clock's window and the last one written.
 struct WindowModel {
     rpu: u64,
@@ -277,22 +286,9 @@ impl Model for WindowModel {
     fn acquired(&mut self, now: Nanos, need: u32, want: u32, v: &Verdict, _: &[u64]) -> u128 {
         let window = self.effective(now);
         let count = self.counts.get(&window).copied().unwrap_or(0);
-        let available = self.rpu.saturating_sub(count);
-        let need = u64::from(clamp_need(need, want));
-        let expected = if want > 0 && available >= need {
-            u64::from(want).min(available)
-        } else {
-            0
-        };
-        assert_eq!(
-            u64::from(v.granted),
-            expected,
-            "W: granted in window {window}"
-        );
-        assert_eq!(v.remaining, available - expected, "W: remaining");
+        // The definition: never more than rpu counted in one window.
+        let expected = check_counted("W", self.rpu, count, need, want, v);
         if expected > 0 {
-            // The definition: never more than rpu counted in one window.
-            assert!(count + expected <= self.rpu, "W: window {window} over rpu");
             *self.counts.entry(window).or_default() += expected;
             self.written = window;
         }
@@ -363,25 +359,9 @@ impl Model for SlidingModel {
     fn acquired(&mut self, now: Nanos, need: u32, want: u32, v: &Verdict, _: &[u64]) -> u128 {
         let slice = self.effective(now);
         let sum = self.sum(now);
-        let available = self.rpu.saturating_sub(sum);
-        let need = u64::from(clamp_need(need, want));
-        let expected = if want > 0 && available >= need {
-            u64::from(want).min(available)
-        } else {
-            0
-        };
-        assert_eq!(
-            u64::from(v.granted),
-            expected,
-            "SW: granted in slice {slice}"
-        );
-        assert_eq!(v.remaining, available - expected, "SW: remaining");
+        // The definition: the window of `slices` slices ending here holds at most rpu.
+        let expected = check_counted("SW", self.rpu, sum, need, want, v);
         if expected > 0 {
-            // The definition: the window of `slices` slices ending here holds at most rpu.
-            assert!(
-                sum + expected <= self.rpu,
-                "SW: window ending {slice} over rpu"
-            );
             *self.counts.entry(slice).or_default() += expected;
             self.head = slice;
         }

@@ -34,7 +34,7 @@ fn parse_args() -> Result<Args, String> {
             inputs: DEFAULT_INPUTS,
             seconds: DEFAULT_SECONDS,
             threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
-            failures_dir: Some(PathBuf::from("target/fuzz/failures")),
+            failures_dir: Some(PathBuf::from("target/fuzz-failures")),
         },
         target: None,
         replay: None,
