@@ -257,6 +257,26 @@ mod tests {
     }
 
     #[test]
+    fn a_dropped_one_counter_rule_releases_its_spare_slot_too() {
+        let host = MemoryHost::new(CasSemantics::Nginx);
+        let store = Store::new();
+        let first = parse_policy("Url: /\nrules:\n  - {rpu: 5, unit: minute}\n").unwrap();
+        adopt(&store, &host, &first);
+        let rule = first.rules().next().unwrap();
+        // Slot 0 held another key's record: the counter lives in the spare slot 1.
+        let spare = slot_key_in(&rule.keys.slots, 1);
+        host.put_raw(&slot_key_in(&rule.keys.slots, 0), b"another key's record");
+        traffic(&Engine::new(first.clone()), &host, 1);
+        assert!(store.read(&host, &spare).unwrap().is_some());
+        let second = parse_policy("Url: /\nrules:\n  - {rpu: 6, unit: minute}\n").unwrap();
+        assert_eq!(adopt(&store, &host, &second), 1);
+        while has_work(&store, &host) {
+            sweep(&store, &host);
+        }
+        assert_eq!(store.read(&host, &spare).unwrap(), None);
+    }
+
+    #[test]
     fn adopting_the_same_policy_twice_changes_nothing() {
         let host = MemoryHost::new(CasSemantics::Envoy);
         let store = Store::new();
