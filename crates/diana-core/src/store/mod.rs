@@ -14,7 +14,8 @@
 //! Every record is sealed with a check of its own key ([`seal`], [`open`]):
 //! ngx_wasm_module's `shm_kv` finds a key by its CRC32 alone, so two of Diana's keys can
 //! share one entry. A record that carries another key's check is not ours: a slot treats
-//! it like a slot held by another identity, a singleton record like a missing one. A zone
+//! it like a slot held by another identity (a rule with one counter has a spare slot for
+//! this, [`SlotAddress::single`]), a singleton record like a missing one. A zone
 //! that is full evicts entries; an evicted record reads as missing and is created again,
 //! race-free (below).
 //!
@@ -144,12 +145,15 @@ impl SlotAddress {
         }
     }
 
-    /// The single slot of a rule with one counter (`actor: all`).
+    /// The slot of a rule with one counter (`actor: all`): slot 0, and slot 1 as a spare
+    /// for when slot 0 holds another key's record (nginx: two keys with the same CRC32).
+    /// Without the spare, two such rules would take the entry over from each other on
+    /// every request, each starting from a fresh counter: neither would ever limit.
     pub fn single() -> SlotAddress {
         SlotAddress {
             fingerprint: 1,
             first: 0,
-            second: 0,
+            second: 1,
         }
     }
 }
