@@ -83,8 +83,11 @@ def test_rpu_zero_is_refused_with_field_and_position(procs, upstream, host):
         ("Url: sample\nrules:\n  - rpu: 5\n", ["url"]),  # Url not starting with /
         ("Url: /\nrules:\n  - rpu: 5\n    algo: XYZ\n", ["algo"]),  # bad value
         ("resources:\n  - Url: /a\n    rules: [{rpu: 1}]\n  - Url: /a\n    rules: [{rpu: 2}]\n", ["url", "/a"]),
+        # What the quota service would refuse is refused at load (DESIGN §3).
+        ("Url: /\nrules:\n  - {rpu: 5, scope: global, lease: 200000}\n", ["lease", "100000"]),
+        ("Url: /\nrules:\n  - {rpu: 100, scope: global, cost: 20}\n", ["lease"]),
     ],
-    ids=["unknown-key", "url-without-slash", "bad-algo", "duplicate-resource"],
+    ids=["unknown-key", "url-without-slash", "bad-algo", "duplicate-resource", "lease-too-large", "cost-above-lease"],
 )
 def test_bad_documents_are_refused(procs, upstream, host, doc, field):
     """`field`: the message must name one of these (case-insensitive)."""
