@@ -273,12 +273,14 @@ impl DianaRoot {
     /// The tick period when nobody waits: config-center checks, and releasing the records
     /// of rules an earlier document had.
     fn base_tick(&self) -> Duration {
+        // Response costs to send, idle workers' batches to give back.
         let owes = with_vm(&self.vm, |vm| {
             vm.configured.as_ref().is_some_and(|configured| {
-                configured
-                    .engine
-                    .rules()
-                    .any(|rule| rule.response_cost.is_some())
+                configured.engine.lends()
+                    || configured
+                        .engine
+                        .rules()
+                        .any(|rule| rule.response_cost.is_some())
             })
         }) == Some(true);
         if self.remote.is_some() || owes || lifecycle::has_work(&self.store, &HostSharedData) {
@@ -404,6 +406,9 @@ impl RootContext for DianaRoot {
             }
         }
         self.pay_debts();
+        if let Some(configured) = with_vm(&self.vm, |vm| vm.configured.clone()).flatten() {
+            configured.engine.tick(&HostSharedData, host::HostClock);
+        }
         if lifecycle::has_work(&self.store, &HostSharedData) {
             lifecycle::sweep(&self.store, &HostSharedData);
         }
@@ -616,7 +621,7 @@ impl HttpContext for DianaHttp {
             &HostSharedData,
             &raw_path,
             &HostRequest,
-            host::now(),
+            host::HostClock,
             &mut Sink(&configured.metrics),
         );
         self.apply(&configured, decision, false)

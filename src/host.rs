@@ -10,7 +10,7 @@ use diana_core::metrics::{
 };
 use diana_core::properties::client_ip_from_address;
 use diana_core::store::{HostError, SetOutcome, SharedData};
-use diana_core::time::Nanos;
+use diana_core::time::{Clock, Nanos};
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
 use std::collections::HashMap;
@@ -171,6 +171,15 @@ pub fn callout_status() -> u16 {
     header_bytes(MapType::HttpCallResponseHeaders, ":status")
         .and_then(|s| std::str::from_utf8(&s).ok()?.trim().parse::<u16>().ok())
         .unwrap_or(0)
+}
+
+/// The host clock, read when a decision needs it.
+pub struct HostClock;
+
+impl Clock for HostClock {
+    fn now(&self) -> Option<Nanos> {
+        now()
+    }
 }
 
 /// Host time in nanoseconds since the epoch; `None` when the host cannot tell (the engine

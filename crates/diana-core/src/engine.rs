@@ -19,12 +19,18 @@ use crate::decision::{AfterResponse, Callout, Decision, Reply, ResponseCharge};
 use crate::global::debts::Debt;
 use crate::global::stash::StashReceipt;
 use crate::global::{Asked, Denial, Global, GlobalCharge, Interpretation, Outcome, Payment, Plan};
+use crate::local::{Local, LocalCharge, Taken};
 use crate::matching;
 use crate::metrics::{Event, MetricSink, RuleEvent};
 use crate::path;
 use crate::response::{admitted_headers, Rejection, RuleReport};
-use crate::store::{ChargeError, Receipt, SharedData, SlotAddress, SlotTable, Store};
-use crate::time::Nanos;
+use crate::store::{ChargeError, SharedData, SlotAddress, SlotTable};
+use crate::time::{ceil_seconds, ceil_seconds_at_least_one, Clock, Nanos};
+use smallvec::SmallVec;
+
+/// The rules of one request are few: these lists stay on the stack (no allocation on the
+/// hot path).
+type Few<T> = SmallVec<[T; 4]>;
 
 /// What the engine answers: a [`Decision`] whose call carries the paused request's state.
 pub type EngineDecision = Decision<Pending>;
@@ -32,7 +38,7 @@ pub type EngineDecision = Decision<Pending>;
 /// A request paused for a callout: what was charged so far and what was asked.
 #[derive(Debug)]
 pub struct Pending {
-    held: Vec<Held>,
+    held: Few<Held>,
     asked: Asked,
     progress: Progress,
 }
@@ -48,7 +54,7 @@ impl Pending {
 #[derive(Debug)]
 struct Held {
     rule: usize,
-    receipt: Receipt,
+    taken: Taken,
 }
 
 /// What the evaluation gathered so far.
@@ -59,9 +65,9 @@ struct Progress {
     /// Longest leaky-bucket wait among admitting rules.
     delay: Nanos,
     /// Rule metrics to report once the request is decided.
-    tally: Vec<(usize, RuleEvent)>,
+    tally: Few<(usize, RuleEvent)>,
     /// Response costs to charge once the upstream has answered.
-    after: Vec<ResponseCharge>,
+    after: Few<ResponseCharge>,
 }
 
 impl Progress {
@@ -98,10 +104,10 @@ impl Progress {
 
 /// The rules of one request, in charging order.
 struct Applicable<'p> {
-    local: Vec<(&'p Rule, SlotAddress, u32)>,
-    global: Vec<GlobalCharge>,
+    local: Few<(&'p Rule, SlotAddress, u32)>,
+    global: Few<GlobalCharge>,
     /// The rules with a response cost.
-    after: Vec<ResponseCharge>,
+    after: Few<ResponseCharge>,
 }
 
 /// The immutable policy plus the per-VM machinery to evaluate it.
@@ -112,7 +118,7 @@ pub struct Engine {
     needs_path: bool,
     /// The host can pause a request and resume it later (Envoy: yes; nginx: no).
     can_pause: bool,
-    store: Store,
+    local: Local,
     global: Global,
 }
 
@@ -124,7 +130,7 @@ impl Engine {
             policy,
             needs_path,
             can_pause: true,
-            store: Store::new(),
+            local: Local::new(),
             global,
         }
     }
@@ -182,30 +188,36 @@ impl Engine {
         self.rules().any(|rule| rule.scope == Scope::Global)
     }
 
-    /// Evaluates one request. `raw_path` is the `:path` pseudo-header as sent; `now` is
-    /// `None` when the host clock could not be read (the request is then admitted and
-    /// nothing is written: a broken clock must not rewrite counters near the epoch).
+    /// Evaluates one request. `raw_path` is the `:path` pseudo-header as sent; the clock is
+    /// read only when some rule applies, and when it cannot be read the request is admitted
+    /// and nothing is written (a broken clock must not rewrite counters near the epoch).
     pub fn evaluate(
         &self,
         host: &dyn SharedData,
         raw_path: &[u8],
         facts: &dyn RequestFacts,
-        now: Option<Nanos>,
+        clock: impl Clock,
         metrics: &mut dyn MetricSink,
     ) -> EngineDecision {
-        let Some(now) = now else {
+        let applicable = self.applicable(raw_path, facts);
+        if applicable.local.is_empty() && applicable.global.is_empty() {
+            return Decision::Allow {
+                headers: Vec::new(),
+                after: None,
+            };
+        }
+        let Some(now) = clock.now() else {
             metrics.event(Event::ClockError);
             return Decision::Allow {
                 headers: Vec::new(),
                 after: None,
             };
         };
-        let applicable = self.applicable(raw_path, facts);
         let mut progress = Progress {
             after: applicable.after,
             ..Progress::default()
         };
-        let mut held = Vec::new();
+        let mut held = Few::new();
         for &(rule, address, cost) in &applicable.local {
             if let Err(rejection) = self.charge_locally(
                 host,
@@ -312,11 +324,11 @@ impl Engine {
             std::borrow::Cow::Borrowed(&b"/"[..])
         };
         let mut applicable = Applicable {
-            local: Vec::new(),
-            global: Vec::new(),
-            after: Vec::new(),
+            local: Few::new(),
+            global: Few::new(),
+            after: Few::new(),
         };
-        let mut waiting = Vec::new();
+        let mut waiting: Few<(&Rule, SlotAddress, u32)> = Few::new();
         for (_, resource) in matching::matching(&self.policy, &path) {
             for rule in &resource.rules {
                 let address = match rule.actor.identify(facts) {
@@ -366,11 +378,11 @@ impl Engine {
         cost: u32,
         now: Nanos,
         progress: &mut Progress,
-        held: &mut Vec<Held>,
+        held: &mut Few<Held>,
         metrics: &mut dyn MetricSink,
     ) -> Result<(), Rejection> {
         let table = self.table(rule);
-        match self.store.charge(host, &table, address, now, cost, cost) {
+        match self.local.charge(host, &table, rule, address, cost, now) {
             Err(ChargeError::Host(error)) => {
                 // The host store itself failed: a defined behaviour, admit uncounted.
                 log::warn!("diana: rule {}: {error}; request admitted", rule.name);
@@ -388,26 +400,51 @@ impl Engine {
                 progress.tally.push((rule.index, RuleEvent::Limited));
                 Err(Rejection::new(&self.policy.response, rule, &report))
             }
-            Ok(charge) => {
-                if charge.collided {
+            Ok(LocalCharge::Admitted {
+                taken,
+                remaining,
+                reset,
+                delay,
+                collided,
+            }) => {
+                if collided {
                     metrics.event(Event::SlotCollision);
                 }
-                let report = RuleReport::new(rule, &charge.verdict);
-                if let Some(receipt) = charge.receipt {
-                    held.push(Held {
-                        rule: rule.index,
-                        receipt,
-                    });
-                    progress.admit(rule.index, Some(report), charge.verdict.delay);
-                    Ok(())
-                } else if rule.dry_run || self.policy.dry_run {
+                held.push(Held {
+                    rule: rule.index,
+                    taken,
+                });
+                let report = RuleReport {
+                    limit: rule.limit.rpu.get(),
+                    remaining,
+                    reset_seconds: ceil_seconds(reset),
+                    retry_after_seconds: 1,
+                };
+                progress.admit(rule.index, Some(report), delay);
+                Ok(())
+            }
+            Ok(LocalCharge::Denied {
+                retry_after,
+                remaining,
+                reset,
+                collided,
+            }) => {
+                if collided {
+                    metrics.event(Event::SlotCollision);
+                }
+                if rule.dry_run || self.policy.dry_run {
                     log::debug!("diana: dry run: rule {} would reject", rule.name);
                     progress.would_deny(rule.index);
-                    Ok(())
-                } else {
-                    progress.tally.push((rule.index, RuleEvent::Limited));
-                    Err(Rejection::new(&self.policy.response, rule, &report))
+                    return Ok(());
                 }
+                let report = RuleReport {
+                    limit: rule.limit.rpu.get(),
+                    remaining,
+                    reset_seconds: ceil_seconds(reset),
+                    retry_after_seconds: ceil_seconds_at_least_one(retry_after),
+                };
+                progress.tally.push((rule.index, RuleEvent::Limited));
+                Err(Rejection::new(&self.policy.response, rule, &report))
             }
         }
     }
@@ -420,7 +457,7 @@ impl Engine {
         host: &dyn SharedData,
         local: Vec<GlobalCharge>,
         served: Vec<StashReceipt>,
-        mut held: Vec<Held>,
+        mut held: Few<Held>,
         mut progress: Progress,
         now: Nanos,
         metrics: &mut dyn MetricSink,
@@ -459,7 +496,7 @@ impl Engine {
     fn reject(
         &self,
         host: &dyn SharedData,
-        held: Vec<Held>,
+        held: Few<Held>,
         progress: Progress,
         rejection: Rejection,
         now: Nanos,
@@ -470,8 +507,8 @@ impl Engine {
                 continue;
             };
             match self
-                .store
-                .release(host, &self.table(rule), &held.receipt, now)
+                .local
+                .give_back(host, &self.table(rule), rule, &held.taken, now)
             {
                 Ok(()) => {}
                 Err(ChargeError::Contention) => metrics.event(Event::StoreContention),
@@ -503,8 +540,8 @@ impl Engine {
             metrics.rule_event(index, event);
         }
         let headers = admitted_headers(&self.policy.response, progress.tightest.as_ref());
-        let after = (!progress.after.is_empty()).then_some(AfterResponse {
-            charges: progress.after,
+        let after = (!progress.after.is_empty()).then(|| AfterResponse {
+            charges: progress.after.into_vec(),
         });
         if progress.delay > 0 && self.can_pause {
             metrics.event(Event::Delayed);
@@ -559,6 +596,25 @@ impl Engine {
                 self.charge_debt_locally(host, debt, now, metrics);
             }
         }
+    }
+
+    /// From the worker's tick: tokens of local batches this worker no longer spends go
+    /// back to their counters (see [`crate::local`]). Returns how many.
+    pub fn tick(&self, host: &dyn SharedData, clock: impl Clock) -> usize {
+        let Some(now) = clock.now() else {
+            return 0;
+        };
+        self.global.tick(host, &self.policy, now);
+        self.local.return_unspent(host, now, |index| {
+            let rule = self.policy.rule(index)?;
+            Some((rule, self.table(rule)))
+        })
+    }
+
+    /// True when some rule lends batches to workers (the host then ticks to give idle
+    /// workers' tokens back).
+    pub fn lends(&self) -> bool {
+        self.rules().any(|rule| !rule.algo.waits())
     }
 
     /// True when response costs wait to be sent to the quota service.
@@ -617,7 +673,8 @@ impl Engine {
         };
         let tokens = u32::try_from(debt.tokens).unwrap_or(u32::MAX);
         match self
-            .store
+            .local
+            .store()
             .charge_debt(host, &self.table(rule), debt.address, now, tokens)
         {
             Ok(_) => {}

@@ -31,6 +31,9 @@ use super::{Algorithm, Limit, Mark, Verdict};
 use crate::time::{Nanos, Unit};
 use std::num::NonZeroU32;
 
+/// How long a worker may hold tokens taken from a bucket in one batch.
+pub const TOKEN_LEASE: Nanos = 50_000_000;
+
 /// The token-bucket algorithm (`TB`). See the module documentation.
 #[derive(Debug)]
 pub struct TokenBucket;
@@ -98,6 +101,13 @@ impl Algorithm for TokenBucket {
             delay: 0,
             mark: Mark::default(),
         }
+    }
+
+    /// Tokens taken from the bucket are spent within a short span: held longer, a
+    /// worker's tokens would add to what the bucket refills meanwhile (a burst above
+    /// `burst` by what the worker holds).
+    fn lease_until(&self, _limit: &Limit, _mark: Mark, now: Nanos) -> Nanos {
+        now.saturating_add(TOKEN_LEASE)
     }
 
     fn release(&self, limit: &Limit, state: &mut [u64], now: Nanos, tokens: u32, _mark: Mark) {

@@ -364,7 +364,8 @@ fn a_rejected_request_gives_back_its_leaky_bucket_turn() {
     let rule = h.engine.rule(0).unwrap();
     let state = h
         .engine
-        .store
+        .local
+        .store()
         .peek(&h.host, &h.engine.table(rule), SlotAddress::single(), h.now)
         .unwrap();
     assert!(rule.algo.is_idle(&rule.limit, &state, h.now));
@@ -775,7 +776,7 @@ fn racing_workers_charge_all_or_nothing_on_both_hosts() {
                         let engine = Engine::new(policy);
                         let mut metrics = CountingMetrics::default();
                         start.wait();
-                        (0..50)
+                        let admitted = (0..50)
                             .filter(|_| {
                                 admits(&engine.evaluate(
                                     host.as_ref(),
@@ -785,7 +786,10 @@ fn racing_workers_charge_all_or_nothing_on_both_hosts() {
                                     &mut metrics,
                                 ))
                             })
-                            .count()
+                            .count();
+                        // The worker's tick gives back the batch it no longer spends.
+                        engine.tick(host.as_ref(), Some(T0 + S));
+                        admitted
                     })
                 })
                 .collect();
@@ -964,4 +968,84 @@ fn global_response_costs_are_paid_from_the_tick_or_charged_locally() {
     // Degraded: the local counter holds the 60 owed (the first request was counted by the
     // service): 40 more requests pass.
     assert_eq!(h.admitted("/", &Facts::default(), 100), 40);
+}
+
+#[test]
+fn a_busy_counter_is_charged_in_batches_without_host_calls_and_stays_exact() {
+    for algo in ["W", "SW", "TB"] {
+        let doc = format!("Url: /\nrules:\n  - {{algo: {algo}, rpu: 100000, unit: hour}}\n");
+        let mut h = Harness::new(&doc);
+        assert_eq!(h.admitted("/", &Facts::default(), 1000), 1000);
+        let (reads, writes) = h.host.calls();
+        // One read and one compare-and-swap per batch of up to 64, not per request.
+        assert!(writes <= 40, "{algo}: {writes} writes for 1000 requests");
+        assert!(reads <= 80, "{algo}: {reads} reads for 1000 requests");
+        // The worker's tick gives the unspent tokens back: the counter holds exactly 1000.
+        h.engine.tick(&h.host, Some(h.now + S));
+        let rule = h.engine.rule(0).unwrap();
+        let mut state = h
+            .engine
+            .local
+            .store()
+            .peek(&h.host, &h.engine.table(rule), SlotAddress::single(), h.now)
+            .unwrap();
+        let left = rule
+            .algo
+            .acquire(&rule.limit, &mut state, h.now, 0)
+            .remaining;
+        assert_eq!(left, 99_000, "{algo}");
+    }
+}
+
+#[test]
+fn near_the_limit_four_racing_workers_admit_exactly_the_limit() {
+    for semantics in [CasSemantics::Envoy, CasSemantics::Nginx] {
+        for (algo, rpu) in [("W", 20), ("SW", 20), ("TB", 20), ("W", 500), ("TB", 500)] {
+            let doc = format!("Url: /\nrules:\n  - {{algo: {algo}, rpu: {rpu}, unit: hour}}\n");
+            let policy = parse_policy(&doc).unwrap();
+            let host = Arc::new(MemoryHost::new(semantics));
+            let start = Arc::new(Barrier::new(4));
+            let workers: Vec<_> = (0..4)
+                .map(|_| {
+                    let (host, start, policy) =
+                        (Arc::clone(&host), Arc::clone(&start), policy.clone());
+                    std::thread::spawn(move || {
+                        let engine = Engine::new(policy);
+                        let mut metrics = CountingMetrics::default();
+                        start.wait();
+                        (0..rpu + 40)
+                            .filter(|_| {
+                                admits(&engine.evaluate(
+                                    host.as_ref(),
+                                    b"/",
+                                    &Facts::default(),
+                                    Some(T0),
+                                    &mut metrics,
+                                ))
+                            })
+                            .count()
+                    })
+                })
+                .collect();
+            let admitted: usize = workers.into_iter().map(|w| w.join().unwrap()).sum();
+            // Every worker offers more than the limit: the batches end one by one and
+            // nothing is left held.
+            assert_eq!(admitted, rpu as usize, "{algo} rpu {rpu} {semantics:?}");
+        }
+    }
+}
+
+#[test]
+fn a_denial_is_remembered_briefly_without_host_calls() {
+    let mut h = Harness::new("Url: /\nrules:\n  - {algo: W, rpu: 2, unit: minute}\n");
+    assert_eq!(h.admitted("/", &Facts::default(), 3), 2);
+    let before = h.host.calls();
+    assert_eq!(h.admitted("/", &Facts::default(), 50), 0);
+    assert_eq!(h.host.calls(), before, "remembered denials read nothing");
+    h.now += crate::local::DENIAL_CACHE;
+    assert_eq!(h.admitted("/", &Facts::default(), 1), 0);
+    assert!(
+        h.host.calls().0 > before.0,
+        "after the cache time the counter is read again"
+    );
 }

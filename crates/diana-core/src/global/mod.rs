@@ -480,6 +480,11 @@ impl Global {
         }
     }
 
+    /// From the worker's tick: idle batches of leased tokens go back to the shared stash.
+    pub fn tick(&self, host: &dyn SharedData, policy: &Policy, now: Nanos) {
+        self.stash.return_unspent(host, policy, now);
+    }
+
     /// Owes `debt` (a response cost) to the service; when this worker's table of debts is
     /// full, gives it back to be charged locally at once.
     pub fn owe(&self, debt: Debt) -> Option<Debt> {

@@ -9,10 +9,17 @@
 //! has nothing more to give. A request that another rule rejects gives its tokens back
 //! ([`Stash::give_back`]).
 //!
+//! A worker takes a small batch from the shared record when it holds many tokens (as
+//! [`crate::local`] does for local counters: at most 1/[`SHARE`] of them, [`MAX_BATCH`]
+//! at most, none near the end) and spends it without touching shared data; its tick
+//! gives an idle batch back ([`Stash::return_unspent`]). It remembers a denial for
+//! [`DENIAL_CACHE`] at most.
+//!
 //! Stored instants are checked against the clock: an expiry or a denial further ahead
 //! than the rule can explain comes from a clock that stepped back, and is ignored.
 
-use crate::config::Rule;
+use crate::config::{Policy, Rule};
+use crate::local::{DENIAL_CACHE, LEASE_SPAN, MAX_BATCH, MAX_LEASES, SHARE};
 use crate::store::{slot_key_in, SharedData, SlotAddress, Store};
 use crate::time::Nanos;
 use crate::wire::max_duration_ms;
@@ -29,6 +36,17 @@ pub struct StashReceipt {
     key: String,
     fingerprint: u64,
     tokens: u64,
+    /// Taken from this worker's batch (else from the shared record).
+    from_batch: bool,
+}
+
+/// What one worker holds of a (rule, identity)'s stash.
+#[derive(Debug, Clone, Default)]
+struct Batch {
+    key: String,
+    tokens: u64,
+    valid_until: Nanos,
+    denied_until: Nanos,
 }
 
 /// What the stash says for one rule of a request.
@@ -93,10 +111,11 @@ fn ahead(instant: Nanos, now: Nanos, rule: &Rule) -> bool {
     instant > now && instant - now <= horizon(rule)
 }
 
-/// The lease stash; everything it knows is in shared data.
+/// The lease stash: shared data, and this worker's batches of it.
 #[derive(Debug, Default)]
 pub struct Stash {
     store: Store,
+    batches: std::cell::RefCell<hashbrown::HashMap<(usize, u64), Batch>>,
 }
 
 impl Stash {
@@ -113,29 +132,116 @@ impl Stash {
         cost: u32,
         now: Nanos,
     ) -> Take {
-        let key = Stash::key(rule, address);
+        let id = (rule.index, address.fingerprint);
         let cost = u64::from(cost);
+        if let Ok(mut batches) = self.batches.try_borrow_mut() {
+            if let Some(batch) = batches.get_mut(&id) {
+                if batch.denied_until > now && batch.denied_until - now <= DENIAL_CACHE {
+                    return Take::Denied(batch.denied_until);
+                }
+                if batch.tokens >= cost && now < batch.valid_until {
+                    batch.tokens -= cost;
+                    return Take::Served(StashReceipt {
+                        rule: rule.index,
+                        key: batch.key.clone(),
+                        fingerprint: address.fingerprint,
+                        tokens: cost,
+                        from_batch: true,
+                    });
+                }
+            }
+        }
+        let key = Stash::key(rule, address);
         let result = self.store.update(host, &key, |current| {
             let mut lease = Lease::decode(current);
             if lease.fingerprint != address.fingerprint {
-                return (None, Take::Ask);
+                return (None, (Take::Ask, 0, 0));
             }
             if lease.tokens >= cost && ahead(lease.valid_until, now, rule) {
-                lease.tokens -= cost;
+                let spare = lease.tokens - cost;
+                let batch = if spare >= 2 * SHARE {
+                    (spare / SHARE).min(MAX_BATCH)
+                } else {
+                    0
+                };
+                lease.tokens -= cost + batch;
                 let receipt = StashReceipt {
                     rule: rule.index,
                     key: key.clone(),
                     fingerprint: address.fingerprint,
                     tokens: cost,
+                    from_batch: false,
                 };
-                return (Some(lease.encode()), Take::Served(receipt));
+                let until = lease.valid_until;
+                return (Some(lease.encode()), (Take::Served(receipt), batch, until));
             }
             if ahead(lease.denied_until, now, rule) {
-                return (None, Take::Denied(lease.denied_until));
+                return (None, (Take::Denied(lease.denied_until), 0, 0));
             }
-            (None, Take::Ask)
+            (None, (Take::Ask, 0, 0))
         });
-        result.unwrap_or(Take::Ask)
+        let Ok((take, batch, until)) = result else {
+            return Take::Ask;
+        };
+        match &take {
+            Take::Served(_) if batch > 0 => self.remember(id, now, |held| {
+                held.key.clone_from(&key);
+                held.tokens = batch;
+                held.valid_until = until.min(now.saturating_add(LEASE_SPAN));
+                held.denied_until = 0;
+            }),
+            Take::Denied(until) => {
+                let until = (*until).min(now.saturating_add(DENIAL_CACHE));
+                self.remember(id, now, |held| held.denied_until = until);
+            }
+            _ => {}
+        }
+        take
+    }
+
+    /// From the worker's tick: idle batches go back to the shared stash.
+    pub fn return_unspent(&self, host: &dyn SharedData, policy: &Policy, now: Nanos) {
+        let lapsed: Vec<(usize, u64, String, u64)> = match self.batches.try_borrow_mut() {
+            Ok(mut batches) => {
+                let lapsed = batches
+                    .iter_mut()
+                    .filter(|(_, batch)| batch.tokens > 0 && batch.valid_until <= now)
+                    .map(|(&(index, fingerprint), batch)| {
+                        let tokens = std::mem::take(&mut batch.tokens);
+                        (index, fingerprint, batch.key.clone(), tokens)
+                    })
+                    .collect();
+                batches.retain(|_, batch| batch.valid_until > now || batch.denied_until > now);
+                lapsed
+            }
+            Err(_) => return,
+        };
+        for (index, fingerprint, key, tokens) in lapsed {
+            if let Some(rule) = policy.rule(index) {
+                let receipt = StashReceipt {
+                    rule: index,
+                    key,
+                    fingerprint,
+                    tokens,
+                    from_batch: false,
+                };
+                self.give_back(host, rule, &receipt, now);
+            }
+        }
+    }
+
+    /// Updates this worker's batch of `id`, if the table has room.
+    fn remember(&self, id: (usize, u64), now: Nanos, change: impl FnOnce(&mut Batch)) {
+        let Ok(mut batches) = self.batches.try_borrow_mut() else {
+            return;
+        };
+        if batches.len() >= MAX_LEASES && !batches.contains_key(&id) {
+            batches.retain(|_, batch| batch.valid_until > now || batch.denied_until > now);
+            if batches.len() >= MAX_LEASES {
+                return;
+            }
+        }
+        change(batches.entry(id).or_default());
     }
 
     /// Keeps `tokens` granted by the service for `address`, spendable until `valid_until`
@@ -169,7 +275,8 @@ impl Stash {
         });
     }
 
-    /// Gives back the tokens of a request that was rejected after all.
+    /// Gives back the tokens of a request that was rejected after all: to this worker's
+    /// batch when they came from it and it is still valid, else to the shared stash.
     pub fn give_back(
         &self,
         host: &dyn SharedData,
@@ -177,6 +284,24 @@ impl Stash {
         receipt: &StashReceipt,
         now: Nanos,
     ) {
+        if receipt.from_batch {
+            let kept = self
+                .batches
+                .try_borrow_mut()
+                .ok()
+                .is_some_and(|mut batches| {
+                    match batches.get_mut(&(receipt.rule, receipt.fingerprint)) {
+                        Some(batch) if now < batch.valid_until && batch.key == receipt.key => {
+                            batch.tokens = batch.tokens.saturating_add(receipt.tokens);
+                            true
+                        }
+                        _ => false,
+                    }
+                });
+            if kept {
+                return;
+            }
+        }
         let result = self.store.update(host, &receipt.key, |current| {
             let mut lease = Lease::decode(current);
             if lease.fingerprint != receipt.fingerprint || !ahead(lease.valid_until, now, rule) {

@@ -339,6 +339,23 @@ impl Store {
         need: u32,
         want: u32,
     ) -> Result<Charge, ChargeError> {
+        self.exchange(host, table, address, now, need, want, None)
+    }
+
+    /// [`Store::charge`], first giving back `unspent` tokens this identity took earlier
+    /// (counted at their mark) — one compare-and-swap for both. Given back even when the
+    /// charge is denied.
+    #[allow(clippy::too_many_arguments)]
+    pub fn exchange(
+        &self,
+        host: &dyn SharedData,
+        table: &SlotTable<'_>,
+        address: SlotAddress,
+        now: Nanos,
+        need: u32,
+        want: u32,
+        unspent: Option<(u32, Mark)>,
+    ) -> Result<Charge, ChargeError> {
         let words = table.algo.state_words(table.limit);
         for _ in 0..MAX_CAS_ATTEMPTS {
             let Located {
@@ -347,6 +364,14 @@ impl Store {
                 cas,
                 collided,
             } = self.locate(host, table, address, now, words)?;
+            let mut returned = false;
+            let mine = !collided && record.fingerprint == address.fingerprint;
+            if let Some((tokens, mark)) = unspent.filter(|_| mine) {
+                table
+                    .algo
+                    .release(table.limit, &mut record.words, now, tokens, mark);
+                returned = true;
+            }
             let mut verdict =
                 table
                     .algo
@@ -360,7 +385,7 @@ impl Store {
                     ..verdict
                 };
             }
-            if !verdict.allowed() {
+            if !verdict.allowed() && !returned {
                 // A rejected request is not counted: nothing to write.
                 return Ok(Charge {
                     verdict,
@@ -368,20 +393,22 @@ impl Store {
                     receipt: None,
                 });
             }
+            // A denial changes nothing (`acquire_at_least`'s contract): what is written
+            // then is only the tokens given back.
             if !collided {
                 record.fingerprint = address.fingerprint;
             }
             if self.write(host, &key, &seal(&key, &record.encode()), cas)? == SetOutcome::Written {
-                let receipt = Receipt {
+                let receipt = verdict.allowed().then(|| Receipt {
                     key,
                     holder: record.fingerprint,
                     tokens: verdict.granted,
                     mark: verdict.mark,
-                };
+                });
                 return Ok(Charge {
                     verdict,
                     collided,
-                    receipt: Some(receipt),
+                    receipt,
                 });
             }
         }
