@@ -399,7 +399,7 @@ impl Store {
                 record.fingerprint = address.fingerprint;
             }
             if self.write(host, &key, &seal(&key, &record.encode()), cas)? == SetOutcome::Written {
-                let receipt = verdict.allowed().then(|| Receipt {
+                let receipt = verdict.allowed().then_some(Receipt {
                     key,
                     holder: record.fingerprint,
                     tokens: verdict.granted,
