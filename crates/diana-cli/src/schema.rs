@@ -184,8 +184,12 @@ fn rule() -> Value {
                 "description": "Local slot-table size for per-identity actors (default 65536)",
             },
             "lease": {
-                "type": "integer", "minimum": WANT.0, "maximum": WANT.1,
-                "description": "Global: tokens fetched per callout (default global.lease); at least the cost",
+                "description": "Global: tokens fetched per callout (default global.lease); at least the cost; \
+                                `auto`: what the gateway spends in 100 ms, at most 1% of the limit",
+                "oneOf": [
+                    { "type": "integer", "minimum": WANT.0, "maximum": WANT.1 },
+                    { "type": "string", "enum": ["auto"] }
+                ],
             },
             "max_wait_seconds": {
                 "type": "integer", "minimum": 0, "maximum": 86400,
@@ -332,7 +336,13 @@ fn global() -> Value {
             "authority": { "$ref": "#/definitions/text", "description": "Default diana-quota" },
             "path": { "$ref": "#/definitions/path", "description": "Default /v1/acquire" },
             "timeout_ms": { "$ref": "#/definitions/positive", "description": "Default 50" },
-            "lease": { "type": "integer", "minimum": WANT.0, "maximum": WANT.1, "description": "Default 1" },
+            "lease": {
+                "description": "Default 1; `auto`: sized from the observed rate",
+                "oneOf": [
+                    { "type": "integer", "minimum": WANT.0, "maximum": WANT.1 },
+                    { "type": "string", "enum": ["auto"] }
+                ],
+            },
             "retry_seconds": { "type": "integer", "minimum": 0, "maximum": U32_MAX,
                                "description": "Circuit breaker: stay local this long (default 5)" }
         },

@@ -84,8 +84,12 @@ pub struct Rule {
     pub scope: Scope,
     /// Size of the local slot table (1 for actors that have a single counter, like `all`).
     pub slots: NonZeroU32,
-    /// Tokens fetched per global callout (global scope only; 1 = exact).
+    /// Tokens fetched per global callout (global scope only; 1 = exact). With
+    /// `lease: auto`, the most a callout asks for (see [`Lease`]).
     pub lease: NonZeroU32,
+    /// `lease: auto`: each callout asks for what this gateway spends in
+    /// [`AUTO_LEASE_SPAN`], at most [`Rule::lease`].
+    pub lease_auto: bool,
     /// Tokens a request takes.
     pub cost: Cost,
     /// Tokens charged after the upstream answered, from a response header.
@@ -97,6 +101,19 @@ pub struct Rule {
     pub dry_run: bool,
     /// Where the rule's state lives in shared data.
     pub keys: RuleKeys,
+}
+
+/// `lease: auto` sizes a callout's lease to what the gateway spends in this long.
+pub const AUTO_LEASE_SPAN: Nanos = 100_000_000;
+/// `lease: auto` keeps each gateway's lease within this share of the rule's capacity (the
+/// accuracy budget: with G gateways the global count may be off by G × this share).
+pub const AUTO_LEASE_SHARE: u64 = 100;
+
+/// A lease as written: a size, or `auto`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lease {
+    Fixed(NonZeroU32),
+    Auto,
 }
 
 /// How many tokens a request takes from a rule (`cost`).
@@ -198,6 +215,7 @@ impl fmt::Debug for Rule {
             .field("scope", &self.scope)
             .field("slots", &self.slots)
             .field("lease", &self.lease)
+            .field("lease_auto", &self.lease_auto)
             .field("cost", &self.cost)
             .field("response_cost", &self.response_cost)
             .field("max_wait", &self.max_wait)
@@ -265,7 +283,7 @@ pub struct GlobalSpec {
     /// Default 50.
     pub timeout_ms: u32,
     /// Default 1.
-    pub lease: NonZeroU32,
+    pub lease: Lease,
     /// Circuit breaker: after a failure stay local this long, then probe. Default 5.
     pub retry_seconds: u32,
 }
@@ -277,7 +295,7 @@ impl Default for GlobalSpec {
             authority: "diana-quota".to_string(),
             path: "/v1/acquire".to_string(),
             timeout_ms: 50,
-            lease: NonZeroU32::MIN,
+            lease: Lease::Fixed(NonZeroU32::MIN),
             retry_seconds: 5,
         }
     }

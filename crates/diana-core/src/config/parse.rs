@@ -17,8 +17,8 @@
 
 use super::raw::{self, ContextGuard, RawBlock, RawFull, RawRule};
 use super::{
-    ConfigError, Cost, GlobalSpec, MetricsSpec, Policy, RemoteSpec, Resource, ResponseCost,
-    ResponseSpec, Rule, RuleKeys, Scope,
+    ConfigError, Cost, GlobalSpec, Lease, MetricsSpec, Policy, RemoteSpec, Resource, ResponseCost,
+    ResponseSpec, Rule, RuleKeys, Scope, AUTO_LEASE_SHARE,
 };
 use crate::actor::{ActorDef, ActorRegistry};
 use crate::algo;
@@ -477,10 +477,7 @@ fn build(collected: Collected) -> Result<Policy, ConfigError> {
                     .map_or(default.authority, |authority| authority.0),
                 path: raw.path.map_or(default.path, |path| path.0),
                 timeout_ms: raw.timeout_ms.map_or(default.timeout_ms, NonZeroU32::get),
-                lease: raw
-                    .lease
-                    .and_then(|lease| NonZeroU32::new(lease.get_u32()))
-                    .unwrap_or(default.lease),
+                lease: raw.lease.map_or(default.lease, lease_of),
                 retry_seconds: raw.retry_seconds.unwrap_or(default.retry_seconds),
             }
         }
@@ -587,6 +584,15 @@ fn check_global_rules_per_request(resources: &[Resource]) -> Result<(), ConfigEr
     Ok(())
 }
 
+fn lease_of(raw: raw::LeaseField) -> Lease {
+    match raw {
+        raw::LeaseField::Fixed(lease) => {
+            Lease::Fixed(NonZeroU32::new(lease).unwrap_or(NonZeroU32::MIN))
+        }
+        raw::LeaseField::Auto => Lease::Auto,
+    }
+}
+
 fn build_rule(
     url: &str,
     index: usize,
@@ -616,10 +622,7 @@ fn build_rule(
             .unwrap_or(DEFAULT_SLOTS)
     };
     let scope = raw.scope.map_or(Scope::Local, |scope| scope.0);
-    let lease = raw
-        .lease
-        .and_then(|lease| NonZeroU32::new(lease.get_u32()))
-        .unwrap_or(global.lease);
+    let written = raw.lease.map_or(global.lease, lease_of);
     let cost = match raw.cost {
         None => Cost::Fixed(NonZeroU32::MIN),
         Some(raw::CostField::Fixed(cost)) => {
@@ -656,6 +659,16 @@ fn build_rule(
             algo.capacity(&limit)
         )));
     }
+    let (lease, lease_auto) = match written {
+        Lease::Fixed(lease) => (lease, false),
+        // The accuracy budget: a gateway holds at most 1/AUTO_LEASE_SHARE of the limit.
+        Lease::Auto => {
+            let cap =
+                (algo.capacity(&limit) / AUTO_LEASE_SHARE).clamp(1, u64::from(wire::MAX_WANT));
+            let cap = u32::try_from(cap).unwrap_or(1).max(cost.max());
+            (NonZeroU32::new(cap).unwrap_or(NonZeroU32::MIN), true)
+        }
+    };
     if scope == Scope::Global && !algo.waits() && cost.max() > lease.get() {
         return Err(plain(format!(
             "{url}#{index}: a cost of {} is above the lease ({lease}): a global rule's callout asks for `lease` tokens, \
@@ -721,6 +734,7 @@ fn build_rule(
         scope,
         slots,
         lease,
+        lease_auto,
         cost,
         response_cost,
         max_wait: max_wait_seconds * NANOS_PER_SECOND,

@@ -117,7 +117,7 @@ pub(super) struct RawRule {
     pub burst: Option<NonZeroU32>,
     pub slices: Option<Ranged<1, { wire::MAX_SLICES as u64 }>>,
     pub slots: Option<Ranged<1, 1_048_576>>,
-    pub lease: Option<Ranged<1, { wire::MAX_WANT as u64 }>>,
+    pub lease: Option<LeaseField>,
     pub max_wait_seconds: Option<Ranged<0, 86_400>>,
     pub cost: Option<CostField>,
     pub response_cost: Option<RawResponseCost>,
@@ -160,6 +160,51 @@ pub(super) struct RawHeaderCost {
     pub header: HeaderNameField,
     pub default: Option<Ranged<1, { wire::MAX_WANT as u64 }>>,
     pub max: Ranged<1, { wire::MAX_WANT as u64 }>,
+}
+
+/// `lease`: tokens fetched per callout, or `auto`.
+#[derive(Clone, Copy)]
+pub(super) enum LeaseField {
+    Fixed(u32),
+    Auto,
+}
+
+impl<'de> Deserialize<'de> for LeaseField {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct LeaseVisitor;
+        impl<'de> Visitor<'de> for LeaseVisitor {
+            type Value = LeaseField;
+            fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(
+                    formatter,
+                    "an integer between 1 and {} or `auto`",
+                    wire::MAX_WANT
+                )
+            }
+            fn visit_u64<E: de::Error>(self, value: u64) -> Result<LeaseField, E> {
+                match u32::try_from(value) {
+                    Ok(lease) if (1..=wire::MAX_WANT).contains(&lease) => {
+                        Ok(LeaseField::Fixed(lease))
+                    }
+                    _ => Err(E::invalid_value(Unexpected::Unsigned(value), &self)),
+                }
+            }
+            fn visit_i64<E: de::Error>(self, value: i64) -> Result<LeaseField, E> {
+                match u64::try_from(value) {
+                    Ok(value) => self.visit_u64(value),
+                    Err(_) => Err(E::invalid_value(Unexpected::Signed(value), &self)),
+                }
+            }
+            fn visit_str<E: de::Error>(self, value: &str) -> Result<LeaseField, E> {
+                if value.trim().eq_ignore_ascii_case("auto") {
+                    Ok(LeaseField::Auto)
+                } else {
+                    Err(E::invalid_value(Unexpected::Str(value), &self))
+                }
+            }
+        }
+        deserializer.deserialize_any(LeaseVisitor)
+    }
 }
 
 /// `cost`: tokens a request takes, a constant or read from a request header.
@@ -235,7 +280,7 @@ pub(super) struct RawGlobal {
     pub authority: Option<NonEmpty>,
     pub path: Option<PathField>,
     pub timeout_ms: Option<NonZeroU32>,
-    pub lease: Option<Ranged<1, { wire::MAX_WANT as u64 }>>,
+    pub lease: Option<LeaseField>,
     pub retry_seconds: Option<u32>,
 }
 

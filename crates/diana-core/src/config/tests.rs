@@ -180,7 +180,7 @@ fn json_single_block_and_istio_style() {
     );
     assert_eq!(full.response.status, 429);
     assert_eq!(full.response.headers, HeaderMode::All);
-    assert_eq!(full.global.lease, nz(8));
+    assert_eq!(full.global.lease, Lease::Fixed(nz(8)));
     assert_eq!(rules(&full)[0].lease, nz(8));
     assert_eq!(
         full.remote.as_ref().map(|remote| remote.poll_seconds),
@@ -239,7 +239,7 @@ dry_run: true
             authority: "quota.local".to_string(),
             path: "/v2/acquire".to_string(),
             timeout_ms: 25,
-            lease: nz(2),
+            lease: Lease::Fixed(nz(2)),
             retry_seconds: 0,
         }
     );
@@ -355,7 +355,7 @@ fn rule_defaults() {
     assert_eq!(rule.limit.slices, nz(10));
     assert_eq!(rule.scope, Scope::Local);
     assert_eq!(rule.slots, nz(1));
-    assert_eq!(rule.lease, GlobalSpec::default().lease);
+    assert_eq!(Lease::Fixed(rule.lease), GlobalSpec::default().lease);
     assert!(!rule.dry_run);
     assert_eq!(rules[1].slots, nz(65_536));
     // `slots` is ignored (forced to 1) for single-counter actors.
@@ -820,4 +820,19 @@ fn costs_are_checked_against_the_limit_the_lease_and_the_algorithm() {
         }
     );
     assert_eq!(rule.response_cost.as_ref().unwrap().header, "x-llm-tokens");
+}
+
+#[test]
+fn lease_auto_caps_each_gateway_at_a_hundredth_of_the_limit() {
+    let policy = parse_policy(
+        "resources:\n  - Url: /\n    rules:\n      - {rpu: 50000, scope: global, lease: auto}\n      - {rpu: 50, scope: global, lease: auto}\n      - {rpu: 1000, scope: global, lease: 7}\n      - {rpu: 1000, scope: global}\nglobal: {lease: auto}\n",
+    )
+    .unwrap();
+    let leases: Vec<(u32, bool)> = policy
+        .rules()
+        .map(|rule| (rule.lease.get(), rule.lease_auto))
+        .collect();
+    assert_eq!(leases, [(500, true), (1, true), (7, false), (10, true)]);
+    assert!(error("Url: /\nrules:\n  - {rpu: 5, lease: often}\n")
+        .contains("expected an integer between 1 and 100000 or `auto`"));
 }

@@ -1049,3 +1049,33 @@ fn a_denial_is_remembered_briefly_without_host_calls() {
         "after the cache time the counter is read again"
     );
 }
+
+#[test]
+fn lease_auto_grows_with_the_spending_rate_up_to_its_cap() {
+    let doc = "resources:\n  - Url: /\n    rules: [{algo: W, rpu: 100000, unit: second, scope: global, lease: auto}]\n";
+    let mut h = Harness::new(doc);
+    let mut wants = Vec::new();
+    // 10,000 requests a second for one second.
+    for _ in 0..10_000 {
+        h.now += S / 10_000;
+        match h.evaluate("/", &Facts::default()) {
+            Decision::Call(callout, pending) => {
+                let request: AcquireRequest = serde_json::from_slice(&callout.body).unwrap();
+                wants.push(request.rules[0].want);
+                let reply = h.service.answer(&callout, h.now);
+                assert!(admits(&h.complete(pending, reply)));
+            }
+            decided => assert!(admits(&decided)),
+        }
+    }
+    // The first callout asks for one request's cost; then what 100 ms of this rate spends,
+    // at most 1% of the limit (1,000).
+    assert_eq!(wants[0], 1);
+    assert!(wants.iter().all(|&want| want <= 1_000), "{wants:?}");
+    assert!(*wants.last().unwrap() >= 500, "{wants:?}");
+    assert!(
+        wants.len() < 100,
+        "{} callouts for 10,000 requests",
+        wants.len()
+    );
+}

@@ -25,7 +25,7 @@ pub mod stash;
 /// The wire format, also reachable here (it was `global::wire` first).
 pub use crate::wire;
 
-use crate::config::{GlobalSpec, Policy, Rule};
+use crate::config::{GlobalSpec, Policy, Rule, AUTO_LEASE_SPAN};
 use crate::decision::{Callout, Reply};
 use crate::metrics::{Event, MetricSink};
 use crate::response::RuleReport;
@@ -33,7 +33,7 @@ use crate::store::{SharedData, SlotAddress, Store};
 use crate::time::{ceil_seconds, ceil_seconds_at_least_one, Nanos};
 use breaker::{Breaker, Gate};
 use debts::{Debt, Owed};
-use stash::{Stash, StashReceipt, Take};
+use stash::{Grant, Stash, StashReceipt, Take};
 use std::cell::Cell;
 use wire::{AcquireRequest, AcquireResponse, ErrorResponse, RuleRequest, RuleResult};
 
@@ -224,6 +224,7 @@ impl Global {
         let mut outcomes = Vec::new();
         let mut served = Vec::new();
         let mut ask = Vec::new();
+        let mut rates = Vec::new();
         for charge in charges {
             let Some(rule) = policy.rule(charge.index) else {
                 continue;
@@ -263,7 +264,10 @@ impl Global {
                         outcomes,
                     );
                 }
-                Take::Ask => ask.push(*charge),
+                Take::Ask { spend_rate } => {
+                    ask.push(*charge);
+                    rates.push(spend_rate);
+                }
             }
         }
         if ask.is_empty() {
@@ -283,9 +287,10 @@ impl Global {
         let request = AcquireRequest {
             rules: ask
                 .iter()
-                .filter_map(|charge| {
+                .zip(&rates)
+                .filter_map(|(charge, &spend_rate)| {
                     let rule = policy.rule(charge.index)?;
-                    Some(self.rule_request(rule, charge))
+                    Some(self.rule_request(rule, charge, spend_rate))
                 })
                 .collect(),
         };
@@ -319,10 +324,17 @@ impl Global {
         }
     }
 
-    fn rule_request(&self, rule: &Rule, charge: &GlobalCharge) -> RuleRequest {
+    /// The request for one rule. `spend_rate`: tokens per second this gateway spends of
+    /// it, which sizes `lease: auto` (what is spent in [`AUTO_LEASE_SPAN`], at most the
+    /// rule's cap; one request's cost at first).
+    fn rule_request(&self, rule: &Rule, charge: &GlobalCharge, spend_rate: u64) -> RuleRequest {
         // A leaky bucket's turns cannot be prefetched: one request, its own turns.
         let want = if rule.algo.waits() {
             charge.cost
+        } else if rule.lease_auto {
+            let span = u128::from(spend_rate) * u128::from(AUTO_LEASE_SPAN) / 1_000_000_000;
+            let span = u32::try_from(span).unwrap_or(u32::MAX);
+            span.clamp(charge.cost, rule.lease.get().max(charge.cost))
         } else {
             rule.lease.get().max(charge.cost)
         };
@@ -417,8 +429,10 @@ impl Global {
             // Every token granted beyond what the request took is kept for later
             // requests (a lease, or an older service's grant for a rejected request).
             let spare = result.granted.saturating_sub(took);
-            if spare > 0 {
-                if rule.lease.get() > 1 {
+            // An automatic lease learns this gateway's rate from every grant, even one
+            // with nothing to spare.
+            if spare > 0 || (rule.lease_auto && result.granted > 0) {
+                if spare > 0 && rule.lease.get() > 1 {
                     metrics.event(Event::LeaseRefill);
                 }
                 let lifetime =
@@ -427,8 +441,11 @@ impl Global {
                     host,
                     rule,
                     charge.address,
-                    u64::from(spare),
-                    now.saturating_add(lifetime),
+                    Grant {
+                        spare: u64::from(spare),
+                        took: u64::from(took),
+                        valid_until: now.saturating_add(lifetime),
+                    },
                     now,
                 );
             }

@@ -26,8 +26,10 @@ use crate::wire::max_duration_ms;
 
 const NANOS_PER_MILLI: Nanos = 1_000_000;
 
+/// Words of a lease-stash record.
+const LEASE_WORDS: usize = 7;
 /// Bytes of a sealed lease-stash record.
-pub const RECORD_BYTES: usize = 8 + 32;
+pub const RECORD_BYTES: usize = 8 + 8 * LEASE_WORDS;
 
 /// Tokens taken from the stash for one request, to give back if it is rejected.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -49,6 +51,17 @@ struct Batch {
     denied_until: Nanos,
 }
 
+/// What the service granted one request beyond its own cost.
+#[derive(Debug, Clone, Copy)]
+pub struct Grant {
+    /// Tokens granted beyond what the request took, kept for later requests.
+    pub spare: u64,
+    /// Tokens the request itself took (counted into this gateway's spending rate).
+    pub took: u64,
+    /// Until when the spare tokens may be spent.
+    pub valid_until: Nanos,
+}
+
 /// What the stash says for one rule of a request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Take {
@@ -56,8 +69,9 @@ pub enum Take {
     Served(StashReceipt),
     /// The identity is known to be denied until this instant.
     Denied(Nanos),
-    /// Ask the service.
-    Ask,
+    /// Ask the service; this gateway spends about this many tokens a second (0: unknown),
+    /// for sizing `lease: auto`.
+    Ask { spend_rate: u64 },
 }
 
 /// One stash record.
@@ -67,21 +81,30 @@ struct Lease {
     tokens: u64,
     valid_until: Nanos,
     denied_until: Nanos,
+    /// When the last grant was stashed, and the tokens taken since.
+    refilled_at: Nanos,
+    spent: u64,
+    /// This gateway's spending, tokens per second (a moving average over refills).
+    spend_rate: u64,
 }
 
 impl Lease {
     fn decode(payload: Option<&[u8]>) -> Lease {
-        let Some(payload) = payload.filter(|b| b.len() == 32) else {
+        let Some(payload) = payload.filter(|b| b.len() == 8 * LEASE_WORDS) else {
             return Lease::default();
         };
         let mut words = payload
             .chunks_exact(8)
             .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])));
+        let mut next = || words.next().unwrap_or(0);
         Lease {
-            fingerprint: words.next().unwrap_or(0),
-            tokens: words.next().unwrap_or(0),
-            valid_until: words.next().unwrap_or(0),
-            denied_until: words.next().unwrap_or(0),
+            fingerprint: next(),
+            tokens: next(),
+            valid_until: next(),
+            denied_until: next(),
+            refilled_at: next(),
+            spent: next(),
+            spend_rate: next(),
         }
     }
 
@@ -91,6 +114,9 @@ impl Lease {
             self.tokens,
             self.valid_until,
             self.denied_until,
+            self.refilled_at,
+            self.spent,
+            self.spend_rate,
         ]
         .iter()
         .flat_map(|w| w.to_le_bytes())
@@ -155,7 +181,7 @@ impl Stash {
         let result = self.store.update(host, &key, |current| {
             let mut lease = Lease::decode(current);
             if lease.fingerprint != address.fingerprint {
-                return (None, (Take::Ask, 0, 0));
+                return (None, (Take::Ask { spend_rate: 0 }, 0, 0));
             }
             if lease.tokens >= cost && ahead(lease.valid_until, now, rule) {
                 let spare = lease.tokens - cost;
@@ -165,6 +191,7 @@ impl Stash {
                     0
                 };
                 lease.tokens -= cost + batch;
+                lease.spent = lease.spent.saturating_add(cost + batch);
                 let receipt = StashReceipt {
                     rule: rule.index,
                     key: key.clone(),
@@ -178,10 +205,11 @@ impl Stash {
             if ahead(lease.denied_until, now, rule) {
                 return (None, (Take::Denied(lease.denied_until), 0, 0));
             }
-            (None, (Take::Ask, 0, 0))
+            let spend_rate = lease.spend_rate;
+            (None, (Take::Ask { spend_rate }, 0, 0))
         });
         let Ok((take, batch, until)) = result else {
-            return Take::Ask;
+            return Take::Ask { spend_rate: 0 };
         };
         match &take {
             Take::Served(_) if batch > 0 => self.remember(id, now, |held| {
@@ -244,20 +272,34 @@ impl Stash {
         change(batches.entry(id).or_default());
     }
 
-    /// Keeps `tokens` granted by the service for `address`, spendable until `valid_until`
+    /// Keeps the spare tokens of a grant for `address`, spendable until its `valid_until`
     /// (with any still valid from an earlier grant).
     pub fn keep(
         &self,
         host: &dyn SharedData,
         rule: &Rule,
         address: SlotAddress,
-        tokens: u64,
-        valid_until: Nanos,
+        grant: Grant,
         now: Nanos,
     ) {
         self.merge(host, rule, address, now, |lease| {
-            lease.tokens = lease.tokens.saturating_add(tokens);
-            lease.valid_until = lease.valid_until.max(valid_until);
+            // The tokens spent since the last grant (this one's included), over the time
+            // they lasted: this gateway's rate, averaged with what it was.
+            let spent = lease.spent.saturating_add(grant.took);
+            if lease.refilled_at > 0 && now > lease.refilled_at {
+                let elapsed = u128::from(now - lease.refilled_at);
+                let sample = u128::from(spent) * 1_000_000_000 / elapsed;
+                let sample = u64::try_from(sample).unwrap_or(u64::MAX);
+                lease.spend_rate = if lease.spend_rate == 0 {
+                    sample
+                } else {
+                    lease.spend_rate / 2 + sample / 2
+                };
+            }
+            lease.refilled_at = now;
+            lease.spent = 0;
+            lease.tokens = lease.tokens.saturating_add(grant.spare);
+            lease.valid_until = lease.valid_until.max(grant.valid_until);
         });
     }
 
@@ -330,16 +372,15 @@ impl Stash {
         let key = Stash::key(rule, address);
         let result = self.store.update(host, &key, |current| {
             let mut lease = Lease::decode(current);
-            if lease.fingerprint != address.fingerprint || !ahead(lease.valid_until, now, rule) {
+            if lease.fingerprint != address.fingerprint {
                 lease = Lease {
                     fingerprint: address.fingerprint,
-                    denied_until: if lease.fingerprint == address.fingerprint {
-                        lease.denied_until
-                    } else {
-                        0
-                    },
                     ..Lease::default()
                 };
+            } else if !ahead(lease.valid_until, now, rule) {
+                // The tokens lapsed; what the record knows of the rate stays.
+                lease.tokens = 0;
+                lease.valid_until = 0;
             }
             change(&mut lease);
             (Some(lease.encode()), ())
