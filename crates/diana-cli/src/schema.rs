@@ -10,6 +10,7 @@
 
 use diana_core::actor::{Fallback, CONFIGURABLE_BUILTINS, RESERVED_ACTORS, SOURCE_KINDS};
 use diana_core::algo;
+use diana_core::config::{HeaderMode, HeaderStyle};
 use diana_core::time::Unit;
 use serde_json::{json, Map, Value};
 
@@ -87,8 +88,25 @@ fn definitions() -> Value {
     defs.insert(
         "headers".into(),
         words(
-            "Rate-limit headers: none, limited (on rejections, the default), all",
-            &["none", "limited", "all"],
+            "When rate-limit headers are sent: none, limited (on rejections, the default), all \
+             (admitted answers too)",
+            &HeaderMode::ALL
+                .iter()
+                .map(|mode| mode.name())
+                .collect::<Vec<_>>(),
+            false,
+        ),
+    );
+    defs.insert(
+        "header_style".into(),
+        words(
+            "Which rate-limit headers: x-ratelimit (X-RateLimit-Limit/Remaining/Reset, the \
+             default), ietf (RateLimit-Policy and RateLimit of \
+             draft-ietf-httpapi-ratelimit-headers-10, named after the rule), both",
+            &HeaderStyle::ALL
+                .iter()
+                .map(|style| style.name())
+                .collect::<Vec<_>>(),
             false,
         ),
     );
@@ -267,7 +285,8 @@ fn response() -> Value {
             "status": { "type": "integer", "minimum": STATUS.0, "maximum": STATUS.1,
                         "description": "Rejection status (default 503)" },
             "body": { "type": "string", "description": "Rejection body (default \"rate limited\\n\")" },
-            "headers": { "$ref": "#/definitions/headers" }
+            "headers": { "$ref": "#/definitions/headers" },
+            "header_style": { "$ref": "#/definitions/header_style" }
         },
         "additionalProperties": false,
     })
