@@ -162,7 +162,7 @@ fn block() -> Value {
 fn rule() -> Value {
     json!({
         "type": "object",
-        "description": "One limit. Only `rpu` is required; see DESIGN §3 for the defaults.",
+        "description": "One limit. Only `rpu` is required; see docs/design.md §3 and the README for the defaults.",
         "properties": {
             "rpu": { "$ref": "#/definitions/positive", "description": "Requests per unit (≥ 1)" },
             "unit": { "$ref": "#/definitions/unit" },

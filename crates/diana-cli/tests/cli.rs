@@ -401,6 +401,11 @@ fn envoy_bootstraps_tag_rule_counters_with_a_rule_label() {
         "scripts/render_envoy.py renders another regex"
     );
     assert!(python.contains(r#""tag_name": "rule""#));
+    let readme = std::fs::read_to_string(repo_root().join("README.md")).unwrap();
+    assert!(
+        readme.contains(&format!("regex: '{regex}'")),
+        "the README shows another stats_tags regex"
+    );
 }
 
 /// diana.wasm for `envoy --mode validate` (which loads the module and runs on_configure):
