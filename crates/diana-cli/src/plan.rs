@@ -3,7 +3,7 @@
 //! as YAML for people (`diana check`) or as JSON (`diana check --json`).
 
 use crate::yaml::{map, number, string};
-use diana_core::config::{HeaderMode, Lease, Policy, Rule, Scope};
+use diana_core::config::{Lease, Policy, Rule, Scope};
 use serde_yaml::Value;
 
 /// Machine-readable plan (JSON): rates also as numbers (`rate_per_second`).
@@ -85,11 +85,6 @@ fn build(policy: &Policy, machine: bool) -> Value {
         .collect();
 
     let response = &policy.response;
-    let headers = match response.headers {
-        HeaderMode::None => "none",
-        HeaderMode::Limited => "limited",
-        HeaderMode::All => "all",
-    };
     let global = &policy.global;
     let remote = match &policy.remote {
         None => Value::Null,
@@ -113,7 +108,8 @@ fn build(policy: &Policy, machine: bool) -> Value {
             map(vec![
                 ("status", number(u64::from(response.status))),
                 ("body", string(&response.body)),
-                ("headers", string(headers)),
+                ("headers", string(response.headers.name())),
+                ("header_style", string(response.header_style.name())),
             ]),
         ),
         (

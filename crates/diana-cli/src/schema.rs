@@ -10,6 +10,7 @@
 
 use diana_core::actor::{Fallback, CONFIGURABLE_BUILTINS, RESERVED_ACTORS, SOURCE_KINDS};
 use diana_core::algo;
+use diana_core::config::{HeaderMode, HeaderStyle};
 use diana_core::time::Unit;
 use diana_core::wire;
 use serde_json::{json, Map, Value};
@@ -99,8 +100,25 @@ fn definitions() -> Value {
     defs.insert(
         "headers".into(),
         words(
-            "Rate-limit headers: none, limited (on rejections, the default), all",
-            &["none", "limited", "all"],
+            "When rate-limit headers are sent: none, limited (on rejections, the default), all \
+             (admitted answers too)",
+            &HeaderMode::ALL
+                .iter()
+                .map(|mode| mode.name())
+                .collect::<Vec<_>>(),
+            false,
+        ),
+    );
+    defs.insert(
+        "header_style".into(),
+        words(
+            "Which rate-limit headers: x-ratelimit (X-RateLimit-Limit/Remaining/Reset, the \
+             default), ietf (RateLimit-Policy and RateLimit of \
+             draft-ietf-httpapi-ratelimit-headers-10, named after the rule), both",
+            &HeaderStyle::ALL
+                .iter()
+                .map(|style| style.name())
+                .collect::<Vec<_>>(),
             false,
         ),
     );
@@ -156,7 +174,7 @@ fn block() -> Value {
 fn rule() -> Value {
     json!({
         "type": "object",
-        "description": "One limit. Only `rpu` is required; see DESIGN §3 for the defaults.",
+        "description": "One limit. Only `rpu` is required; see docs/design.md §3 and the README for the defaults.",
         "properties": {
             "rpu": { "$ref": "#/definitions/positive", "description": "Requests per unit (≥ 1)" },
             "unit": { "$ref": "#/definitions/unit" },
@@ -320,7 +338,8 @@ fn response() -> Value {
             "status": { "type": "integer", "minimum": STATUS.0, "maximum": STATUS.1,
                         "description": "Rejection status (default 503)" },
             "body": { "type": "string", "description": "Rejection body (default \"rate limited\\n\")" },
-            "headers": { "$ref": "#/definitions/headers" }
+            "headers": { "$ref": "#/definitions/headers" },
+            "header_style": { "$ref": "#/definitions/header_style" }
         },
         "additionalProperties": false,
     })

@@ -23,7 +23,7 @@ use crate::local::{Local, LocalCharge, Taken};
 use crate::matching;
 use crate::metrics::{Event, MetricSink, RuleEvent};
 use crate::path;
-use crate::response::{admitted_headers, Rejection, RuleReport};
+use crate::response::{admitted_rule_headers, Rejection, RuleReport};
 use crate::store::{ChargeError, SharedData, SlotAddress, SlotTable};
 use crate::time::{ceil_seconds, ceil_seconds_at_least_one, Clock, Nanos};
 use smallvec::SmallVec;
@@ -61,7 +61,7 @@ struct Held {
 #[derive(Debug, Default)]
 struct Progress {
     /// The admitting rule with the fewest remaining requests (for `headers: all`).
-    tightest: Option<RuleReport>,
+    tightest: Option<(usize, RuleReport)>,
     /// Longest leaky-bucket wait among admitting rules.
     delay: Nanos,
     /// Rule metrics to report once the request is decided.
@@ -76,9 +76,9 @@ impl Progress {
         if let Some(report) = report {
             if self
                 .tightest
-                .is_none_or(|tightest| report.remaining < tightest.remaining)
+                .is_none_or(|(_, tightest)| report.remaining < tightest.remaining)
             {
-                self.tightest = Some(report);
+                self.tightest = Some((index, report));
             }
         }
         self.tally.push((index, RuleEvent::Allowed));
@@ -539,7 +539,11 @@ impl Engine {
         for &(index, event) in &progress.tally {
             metrics.rule_event(index, event);
         }
-        let headers = admitted_headers(&self.policy.response, progress.tightest.as_ref());
+        let tightest = progress
+            .tightest
+            .as_ref()
+            .and_then(|(index, report)| Some((self.policy.rule(*index)?, report)));
+        let headers = admitted_rule_headers(&self.policy.response, tightest);
         let after = (!progress.after.is_empty()).then(|| AfterResponse {
             charges: progress.after.into_vec(),
         });

@@ -18,6 +18,7 @@
 //! - [`lifecycle`]: releasing the shared-data records of rules a new document dropped.
 //! - [`remote`]: polling the config center and sharing its document with every worker.
 //! - [`properties`]: host property values (Envoy vs nginx spellings).
+//! - [`logline`]: one `diana:` per log line, whatever the host prefixes.
 //! - [`quota`]: the quota service's decisions, pure, and an in-process quota service.
 
 pub mod actor;
@@ -29,6 +30,7 @@ pub mod global;
 pub mod hash;
 pub mod lifecycle;
 pub mod local;
+pub mod logline;
 pub mod matching;
 pub mod metrics;
 pub mod path;

@@ -119,6 +119,25 @@ pub fn rule_metric_name(rule_stat_name: &str, event: RuleEvent) -> String {
     format!("diana_rule_{}.{}", event.suffix(), rule_stat_name)
 }
 
+/// The label that carries the rule of a rule counter in Prometheus text: in the filter's
+/// own metrics path ([`prometheus_text`]) and in Envoy's `/stats/prometheus`
+/// ([`envoy_rule_tag_regex`]).
+pub const RULE_LABEL: &str = "rule";
+
+/// The `regex` of the Envoy `stats_config.stats_tags` entry (with `tag_name: rule`) that
+/// makes Envoy's `/stats/prometheus` show `diana_rule_allowed{rule="login_burst"}` rather
+/// than one metric per rule. Envoy matches it against the full stat name
+/// (`wasmcustom.diana_rule_allowed.login_burst`), removes the first capture group
+/// (`.login_burst`) from the name and takes the second (`login_burst`) as the tag's value.
+/// Envoy's text `/stats` keeps the full names.
+pub fn envoy_rule_tag_regex() -> String {
+    let events: Vec<&str> = RuleEvent::ALL.iter().map(|event| event.suffix()).collect();
+    format!(
+        r"^wasmcustom\.diana_rule_(?:{})(\.([A-Za-z0-9_]+))$",
+        events.join("|")
+    )
+}
+
 /// A rule name as it appears in metric names (see [`rule_metric_name`]): `/#0` (the first
 /// rule of `/`) becomes `root_0`, `/api/v1#2` becomes `api_v1_2`, `login-burst` becomes
 /// `login_burst`. Two rules whose names map to the same stat name are refused at load.
@@ -169,7 +188,9 @@ pub fn prometheus_text<'a>(values: impl IntoIterator<Item = (&'a str, u64, bool)
         text.push_str(&format!("# TYPE {family} {kind}\n"));
         for (rule, value) in samples {
             match rule {
-                Some(rule) => text.push_str(&format!("{family}{{rule=\"{rule}\"}} {value}\n")),
+                Some(rule) => {
+                    text.push_str(&format!("{family}{{{RULE_LABEL}=\"{rule}\"}} {value}\n"))
+                }
                 None => text.push_str(&format!("{family} {value}\n")),
             }
         }
@@ -230,7 +251,7 @@ impl MetricSink for CountingMetrics {
 
 #[cfg(test)]
 mod tests {
-    use super::{prometheus_text, stat_name};
+    use super::{envoy_rule_tag_regex, prometheus_text, rule_metric_name, stat_name, RuleEvent};
 
     #[test]
     fn rule_counters_become_one_family_with_a_rule_label() {
@@ -243,6 +264,29 @@ mod tests {
             text,
             "# TYPE diana_rule_allowed counter\ndiana_rule_allowed{rule=\"root_0\"} 5\ndiana_rule_allowed{rule=\"login\"} 1\n# TYPE diana_global_degraded gauge\ndiana_global_degraded 0\n"
         );
+    }
+
+    #[test]
+    fn envoy_tag_regex_covers_every_rule_counter() {
+        assert_eq!(
+            envoy_rule_tag_regex(),
+            r"^wasmcustom\.diana_rule_(?:allowed|limited|dry_run_limited)(\.([A-Za-z0-9_]+))$"
+        );
+        // Every rule counter, as Envoy names it, has the shape the regex expects: a family
+        // the alternation lists, then `.` and a stat-safe rule name.
+        for event in RuleEvent::ALL {
+            let name = format!(
+                "wasmcustom.{}",
+                rule_metric_name(&stat_name("/api/v1#2"), event)
+            );
+            let (family, rule) = name.rsplit_once('.').expect("a rule suffix");
+            assert_eq!(rule, "api_v1_2");
+            assert!(
+                family.starts_with("wasmcustom.diana_rule_")
+                    && envoy_rule_tag_regex().contains(event.suffix()),
+                "{name}"
+            );
+        }
     }
 
     #[test]

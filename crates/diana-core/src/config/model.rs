@@ -239,15 +239,67 @@ impl Scope {
     }
 }
 
-/// Which rate-limit headers a response carries.
+/// When a response carries rate-limit headers (which ones: [`HeaderStyle`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HeaderMode {
-    /// No `X-RateLimit-*` headers (`Retry-After` is still sent on rejection).
+    /// No rate-limit headers (`Retry-After` is still sent on rejection).
     None,
-    /// `X-RateLimit-*` on rejected responses only.
+    /// Rate-limit headers on rejected responses only.
     Limited,
-    /// `X-RateLimit-*` on every response that a rule evaluated, admitted ones included.
+    /// Rate-limit headers on every response that a rule evaluated, admitted ones included.
     All,
+}
+
+impl HeaderMode {
+    pub const ALL: [HeaderMode; 3] = [HeaderMode::None, HeaderMode::Limited, HeaderMode::All];
+
+    /// The spelling in the document.
+    pub fn name(self) -> &'static str {
+        match self {
+            HeaderMode::None => "none",
+            HeaderMode::Limited => "limited",
+            HeaderMode::All => "all",
+        }
+    }
+}
+
+/// Which rate-limit header fields a response carries (`response.header_style`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeaderStyle {
+    /// `X-RateLimit-Limit`, `X-RateLimit-Remaining`, `X-RateLimit-Reset` (the default).
+    XRateLimit,
+    /// `RateLimit-Policy` and `RateLimit` of draft-ietf-httpapi-ratelimit-headers-10,
+    /// structured fields named after the rule.
+    Ietf,
+    /// Both sets.
+    Both,
+}
+
+impl HeaderStyle {
+    pub const ALL: [HeaderStyle; 3] = [
+        HeaderStyle::XRateLimit,
+        HeaderStyle::Ietf,
+        HeaderStyle::Both,
+    ];
+
+    /// The spelling in the document.
+    pub fn name(self) -> &'static str {
+        match self {
+            HeaderStyle::XRateLimit => "x-ratelimit",
+            HeaderStyle::Ietf => "ietf",
+            HeaderStyle::Both => "both",
+        }
+    }
+
+    /// Sends `X-RateLimit-*`.
+    pub fn x_ratelimit(self) -> bool {
+        self != HeaderStyle::Ietf
+    }
+
+    /// Sends `RateLimit-Policy` and `RateLimit`.
+    pub fn ietf(self) -> bool {
+        self != HeaderStyle::XRateLimit
+    }
 }
 
 /// `response:` section.
@@ -259,6 +311,8 @@ pub struct ResponseSpec {
     pub body: String,
     /// Default [`HeaderMode::Limited`].
     pub headers: HeaderMode,
+    /// Default [`HeaderStyle::XRateLimit`].
+    pub header_style: HeaderStyle,
 }
 
 impl Default for ResponseSpec {
@@ -267,6 +321,7 @@ impl Default for ResponseSpec {
             status: 503,
             body: "rate limited\n".to_string(),
             headers: HeaderMode::Limited,
+            header_style: HeaderStyle::XRateLimit,
         }
     }
 }

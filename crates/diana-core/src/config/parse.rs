@@ -462,6 +462,9 @@ fn build(collected: Collected) -> Result<Policy, ConfigError> {
                 }),
                 body: raw.body.unwrap_or(default.body),
                 headers: raw.headers.map_or(default.headers, |headers| headers.0),
+                header_style: raw
+                    .header_style
+                    .map_or(default.header_style, |style| style.0),
             }
         }
     };

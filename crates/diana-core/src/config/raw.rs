@@ -12,7 +12,7 @@ use crate::actor::{
     RESERVED_ACTORS, SOURCE_KINDS,
 };
 use crate::algo::{self, Algorithm};
-use crate::config::{HeaderMode, Scope};
+use crate::config::{HeaderMode, HeaderStyle, Scope};
 use crate::path;
 use crate::time::Unit;
 use crate::wire;
@@ -271,6 +271,7 @@ pub(super) struct RawResponse {
     pub status: Option<Ranged<100, 599>>,
     pub body: Option<String>,
     pub headers: Option<HeaderModeField>,
+    pub header_style: Option<HeaderStyleField>,
 }
 
 #[derive(Deserialize)]
@@ -503,7 +504,8 @@ impl<'de> Deserialize<'de> for RuleName {
             }
             if !raw.bytes().all(|byte| (0x20..0x7f).contains(&byte)) {
                 return Err(format!(
-                    "invalid rule name `{}`: only printable ASCII is allowed (it is used in headers and metrics)",
+                    "invalid rule name `{}`: only printable ASCII (0x20 to 0x7E) is allowed: the name is \
+                     used in metrics and logs, and as a structured-field string in the RateLimit headers",
                     raw.escape_debug()
                 ));
             }
@@ -518,21 +520,43 @@ impl<'de> Deserialize<'de> for RuleName {
     }
 }
 
+/// The member of `all` named `raw` (case-insensitive, surrounding spaces ignored), or a
+/// message naming every choice.
+fn named<T: Copy>(
+    raw: &str,
+    all: &[T],
+    name: fn(T) -> &'static str,
+    what: &str,
+) -> Result<T, String> {
+    all.iter()
+        .copied()
+        .find(|member| name(*member).eq_ignore_ascii_case(raw.trim()))
+        .ok_or_else(|| {
+            format!(
+                "unknown {what} `{raw}`, expected one of {}",
+                one_of(all.iter().map(|member| name(*member)))
+            )
+        })
+}
+
 /// `response.headers`: none | limited | all.
 pub(super) struct HeaderModeField(pub HeaderMode);
 
 impl<'de> Deserialize<'de> for HeaderModeField {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         deserialize_str_with(deserializer, "none, limited or all", |raw| {
-            match raw.trim().to_ascii_lowercase().as_str() {
-                "none" => Ok(HeaderMode::None),
-                "limited" => Ok(HeaderMode::Limited),
-                "all" => Ok(HeaderMode::All),
-                _ => Err(format!(
-                    "unknown headers mode `{raw}`, expected one of none, limited, all"
-                )),
-            }
-            .map(HeaderModeField)
+            named(raw, &HeaderMode::ALL, HeaderMode::name, "headers mode").map(HeaderModeField)
+        })
+    }
+}
+
+/// `response.header_style`: x-ratelimit | ietf | both.
+pub(super) struct HeaderStyleField(pub HeaderStyle);
+
+impl<'de> Deserialize<'de> for HeaderStyleField {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserialize_str_with(deserializer, "x-ratelimit, ietf or both", |raw| {
+            named(raw, &HeaderStyle::ALL, HeaderStyle::name, "header style").map(HeaderStyleField)
         })
     }
 }

@@ -209,6 +209,7 @@ response:
   status: 429
   body: \"go away\\n\"
   headers: none
+  header_style: both
 global:
   cluster: quota
   authority: quota.local
@@ -229,7 +230,8 @@ dry_run: true
         ResponseSpec {
             status: 429,
             body: "go away\n".to_string(),
-            headers: HeaderMode::None
+            headers: HeaderMode::None,
+            header_style: HeaderStyle::Both,
         }
     );
     assert_eq!(
@@ -433,6 +435,53 @@ fn units_scopes_and_modes_spellings() {
         ));
         assert_eq!(policy.response.headers, mode);
     }
+    for (written, style) in [
+        ("x-ratelimit", HeaderStyle::XRateLimit),
+        ("X-RateLimit", HeaderStyle::XRateLimit),
+        ("ietf", HeaderStyle::Ietf),
+        ("IETF", HeaderStyle::Ietf),
+        ("both", HeaderStyle::Both),
+    ] {
+        let policy = parse(&format!(
+            "resources: [{{Url: /, rules: []}}]\nresponse: {{header_style: {written}}}\n"
+        ));
+        assert_eq!(policy.response.header_style, style);
+        assert_eq!(policy.response.headers, HeaderMode::Limited);
+    }
+    let json = parse(
+        r#"{"resources":[{"Url":"/","rules":[{"rpu":1}]}],"response":{"headers":"all","header_style":"ietf"}}"#,
+    );
+    assert_eq!(json.response.header_style, HeaderStyle::Ietf);
+    assert_eq!(json.response.headers, HeaderMode::All);
+    assert_eq!(
+        parse("Url: /\nrules: [{rpu: 1}]\n").response.header_style,
+        HeaderStyle::XRateLimit,
+        "default"
+    );
+}
+
+/// Every name a document accepts is a valid structured-field string once `"` and `\` are
+/// escaped (the IETF RateLimit headers carry it): printable ASCII only, explicit or default
+/// (a default name is built from the normalised `Url`, in which anything else is
+/// percent-encoded).
+#[test]
+fn rule_names_are_printable_ascii() {
+    let policy = parse(
+        r#"resources:
+  - Url: "/caf\u00e9/a b/\\\"q\t"
+    rules: [{rpu: 1}]
+  - Url: /x
+    rules: [{rpu: 1, name: ' "quoted" \ ~'}]
+"#,
+    );
+    let names: Vec<&str> = policy.rules().map(|rule| rule.name.as_str()).collect();
+    assert_eq!(names, [r#" "quoted" \ ~"#, "/caf%C3%A9/a%20b/%5C%22q%09#0"]);
+    for name in names {
+        assert!(
+            name.bytes().all(|byte| (0x20..0x7f).contains(&byte)),
+            "{name:?}"
+        );
+    }
 }
 
 #[test]
@@ -580,10 +629,25 @@ fn errors_name_field_and_position() {
         ("Url: /\nrules:\n  - {rpu: 1, name: a}\n  - {rpu: 1, name: a}\n", &["rules[1].name: ", "duplicate rule name `a`", "line 4"]),
         ("Url: /\nrules:\n  - {rpu: 1, name: ''}\n", &["rules[0].name: ", "empty rule name", "line 3"]),
         ("Url: /\nrules:\n  - {rpu: 1, name: \"a\\nb\"}\n", &["rules[0].name: ", "printable ASCII", "line 3"]),
+        (
+            "Url: /\nrules:\n  - {rpu: 1}\n  - rpu: 2\n    name: \"café\"\n",
+            &["rules[1].name: ", "invalid rule name `café`", "printable ASCII (0x20 to 0x7E)", "RateLimit headers", "line 5 column 11"],
+        ),
+        ("Url: /\nrules:\n  - {rpu: 1, name: \"tab\\there\"}\n", &["rules[0].name: ", "invalid rule name `tab\\there`", "line 3"]),
+        (
+            "{\"Url\": \"/\", \"rules\": [{\"rpu\": 1, \"name\": \"bell\\u0007\"}]}",
+            &["rules[0].name: ", "invalid rule name `bell\\u{7}`", "printable ASCII", "line 1 column"],
+        ),
         // response
         ("resources: []\nresponse:\n  status: 99\n", &["response.status: ", "integer `99`", "between 100 and 599", "line 3 column 11"]),
         ("resources: []\nresponse: {status: 600}\n", &["response.status: ", "integer `600`", "line 2"]),
         ("resources: []\nresponse: {headers: some}\n", &["response.headers: ", "unknown headers mode `some`", "line 2"]),
+        (
+            "resources: []\nresponse:\n  headers: all\n  header_style: rfc\n",
+            &["response.header_style: ", "unknown header style `rfc`", "expected one of x-ratelimit, ietf, both", "line 4 column 17"],
+        ),
+        ("resources: []\nresponse: {header_style: [ietf]}\n", &["response.header_style: ", "invalid type: sequence", "x-ratelimit, ietf or both", "line 2"]),
+        ("resources: []\nresponse: {headerstyle: ietf}\n", &["response.headerstyle: ", "unknown field `headerstyle`", "header_style", "line 2"]),
         ("resources: []\nresponse: {body: [1]}\n", &["response.body: ", "invalid type", "line 2"]),
         // global
         ("resources: []\nglobal: {timeout_ms: 0}\n", &["global.timeout_ms: ", "nonzero", "line 2"]),
