@@ -1,4 +1,5 @@
-//! What an evaluation answers: admit, admit after a wait, reject, or make a call first.
+//! What an evaluation answers: admit, admit after a wait, reject, make a call first, or
+//! wait for another request's call.
 //! Complete data, so that the host glue only moves bytes: a rejection carries its status,
 //! body and headers; a call carries its upstream, headers, body and timeout.
 
@@ -26,6 +27,10 @@ pub enum Decision<P> {
     Reject(Rejection),
     /// Make this call, pause the request, and hand the reply back with `P`.
     Call(Callout, P),
+    /// Pause the request behind another request's call (single flight); once the engine
+    /// lists it as woken, hand `P` back to be planned again (Envoy only: a host that can
+    /// resume a request from its tick).
+    Wait(P),
 }
 
 /// An HTTP call the host makes on the filter's behalf (`dispatch_http_call`).

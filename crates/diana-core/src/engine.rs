@@ -17,11 +17,12 @@ use crate::actor::{Identity, RequestFacts};
 use crate::config::{Policy, Rule, Scope};
 use crate::decision::{AfterResponse, Callout, Decision, Reply, ResponseCharge};
 use crate::global::debts::Debt;
+use crate::global::flights::RiderId;
 use crate::global::stash::StashReceipt;
 use crate::global::{Asked, Denial, Global, GlobalCharge, Interpretation, Outcome, Payment, Plan};
 use crate::local::{Local, LocalCharge, Taken};
 use crate::matching;
-use crate::metrics::{Event, MetricSink, RuleEvent};
+use crate::metrics::{Event, MetricSink, NoMetrics, RuleEvent};
 use crate::path;
 use crate::response::{admitted_rule_headers, Rejection, RuleReport};
 use crate::store::{ChargeError, SharedData, SlotAddress, SlotTable};
@@ -35,18 +36,41 @@ type Few<T> = SmallVec<[T; 4]>;
 /// What the engine answers: a [`Decision`] whose call carries the paused request's state.
 pub type EngineDecision = Decision<Pending>;
 
-/// A request paused for a callout: what was charged so far and what was asked.
+/// A paused request: what was charged so far, and what it waits for.
 #[derive(Debug)]
 pub struct Pending {
     held: Few<Held>,
-    asked: Asked,
     progress: Progress,
+    stage: Stage,
+}
+
+/// What a paused request waits for.
+#[derive(Debug)]
+enum Stage {
+    /// The answer to its callout.
+    Asked(Asked),
+    /// Another request's callout for one of its global rules; then it plans again.
+    Parked {
+        charges: Few<GlobalCharge>,
+        rider: RiderId,
+    },
 }
 
 impl Pending {
-    /// What the callout asked (for logs and tests).
-    pub fn asked(&self) -> &Asked {
-        &self.asked
+    /// What the callout asked (for logs and tests); `None` for a parked request.
+    pub fn asked(&self) -> Option<&Asked> {
+        match &self.stage {
+            Stage::Asked(asked) => Some(asked),
+            Stage::Parked { .. } => None,
+        }
+    }
+
+    /// The id under which a parked request is woken ([`Engine::woken`]).
+    pub fn rider(&self) -> Option<RiderId> {
+        match &self.stage {
+            Stage::Asked(_) => None,
+            Stage::Parked { rider, .. } => Some(*rider),
+        }
     }
 }
 
@@ -235,10 +259,20 @@ impl Engine {
         if applicable.global.is_empty() {
             return self.finish(progress, now, metrics);
         }
-        match self
-            .global
-            .plan(host, &self.policy, &applicable.global, now, metrics)
-        {
+        self.decide_globally(host, applicable.global, held, progress, now, metrics)
+    }
+
+    /// The global half of an evaluation: the local rules have admitted (`held`).
+    fn decide_globally(
+        &self,
+        host: &dyn SharedData,
+        charges: Few<GlobalCharge>,
+        held: Few<Held>,
+        mut progress: Progress,
+        now: Nanos,
+        metrics: &mut dyn MetricSink,
+    ) -> EngineDecision {
+        match self.global.plan(host, &self.policy, &charges, now, metrics) {
             Plan::Done(outcomes) => {
                 progress.apply(outcomes);
                 self.finish(progress, now, metrics)
@@ -257,6 +291,11 @@ impl Engine {
                 metrics.event(Event::GlobalDegradedRequest);
                 self.degrade(host, local, served, held, progress, now, metrics)
             }
+            Plan::Park(rider) => Decision::Wait(Pending {
+                held,
+                progress,
+                stage: Stage::Parked { charges, rider },
+            }),
             Plan::Call {
                 outcomes,
                 callout,
@@ -267,12 +306,72 @@ impl Engine {
                     callout,
                     Pending {
                         held,
-                        asked,
                         progress,
+                        stage: Stage::Asked(asked),
                     },
                 )
             }
         }
+    }
+
+    /// Plans a woken request again ([`Engine::woken`]): its flight has landed, so its
+    /// global rules are likely served from the lease stash now.
+    pub fn resume(
+        &self,
+        host: &dyn SharedData,
+        pending: Pending,
+        now: Option<Nanos>,
+        metrics: &mut dyn MetricSink,
+    ) -> EngineDecision {
+        let Pending {
+            held,
+            progress,
+            stage,
+        } = pending;
+        match stage {
+            Stage::Parked { charges, .. } => match now {
+                Some(now) => self.decide_globally(host, charges, held, progress, now, metrics),
+                None => {
+                    metrics.event(Event::ClockError);
+                    Decision::Allow {
+                        headers: Vec::new(),
+                        after: None,
+                    }
+                }
+            },
+            stage @ Stage::Asked(_) => {
+                let pending = Pending {
+                    held,
+                    progress,
+                    stage,
+                };
+                self.complete(host, pending, Reply::NoAnswer, now, metrics)
+            }
+        }
+    }
+
+    /// The parked requests to [`Engine::resume`], in the order they parked. Called from
+    /// the host's tick while [`Engine::has_riders`].
+    pub fn woken(&self, now: Option<Nanos>) -> Vec<RiderId> {
+        now.map(|now| self.global.woken(now)).unwrap_or_default()
+    }
+
+    /// True when requests are parked behind another request's callout.
+    pub fn has_riders(&self) -> bool {
+        self.global.has_riders()
+    }
+
+    /// A paused request is gone (its client went away): what it had charged is given
+    /// back, and the requests parked behind its callout plan again.
+    pub fn abandon(&self, host: &dyn SharedData, pending: Pending, now: Option<Nanos>) {
+        let Some(now) = now else {
+            return;
+        };
+        match pending.stage {
+            Stage::Asked(asked) => self.global.abandon_call(host, &self.policy, asked, now),
+            Stage::Parked { rider, .. } => self.global.leave(rider),
+        }
+        self.give_back_held(host, &pending.held, now, &mut NoMetrics);
     }
 
     /// Finishes a request paused for a callout, with the host's account of the call.
@@ -286,9 +385,20 @@ impl Engine {
     ) -> EngineDecision {
         let Pending {
             held,
-            asked,
             mut progress,
+            stage,
         } = pending;
+        let asked = match stage {
+            Stage::Asked(asked) => asked,
+            stage @ Stage::Parked { .. } => {
+                let pending = Pending {
+                    held,
+                    progress,
+                    stage,
+                };
+                return self.resume(host, pending, now, metrics);
+            }
+        };
         let Some(now) = now else {
             metrics.event(Event::ClockError);
             return Decision::Allow {
@@ -502,6 +612,23 @@ impl Engine {
         now: Nanos,
         metrics: &mut dyn MetricSink,
     ) -> EngineDecision {
+        self.give_back_held(host, &held, now, metrics);
+        for (index, event) in progress.tally {
+            if event != RuleEvent::Allowed {
+                metrics.rule_event(index, event);
+            }
+        }
+        Decision::Reject(rejection)
+    }
+
+    /// Gives back every local charge of a request that will not pass.
+    fn give_back_held(
+        &self,
+        host: &dyn SharedData,
+        held: &[Held],
+        now: Nanos,
+        metrics: &mut dyn MetricSink,
+    ) {
         for held in held.iter().rev() {
             let Some(rule) = self.policy.rule(held.rule) else {
                 continue;
@@ -521,12 +648,6 @@ impl Engine {
                 }
             }
         }
-        for (index, event) in progress.tally {
-            if event != RuleEvent::Allowed {
-                metrics.rule_event(index, event);
-            }
-        }
-        Decision::Reject(rejection)
     }
 
     /// Every rule admitted: allow now or after the longest wait.

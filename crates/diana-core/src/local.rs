@@ -230,6 +230,16 @@ impl Local {
         taken: &Taken,
         now: Nanos,
     ) -> Result<(), ChargeError> {
+        // A token given back may end a denial this worker remembers.
+        let fingerprint = match taken {
+            Taken::Shared(receipt) => receipt.holder,
+            Taken::Batch { fingerprint, .. } => *fingerprint,
+        };
+        if let Ok(mut leases) = self.leases.try_borrow_mut() {
+            if let Some(lease) = leases.get_mut(&(rule.index, fingerprint)) {
+                lease.denied_until = 0;
+            }
+        }
         match taken {
             Taken::Shared(receipt) => self.store.release(host, table, receipt, now),
             Taken::Batch {

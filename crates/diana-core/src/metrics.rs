@@ -60,6 +60,9 @@ pub enum Event {
     LeaseRefill,
     /// A global rule was answered from a cached denial, without a callout.
     CachedDenial,
+    /// A request waited for another request's callout for the same rule and identity
+    /// instead of making its own (single flight).
+    GlobalCoalesced,
     /// A new configuration was applied (local or remote).
     ConfigReload,
     /// A configuration document was refused.
@@ -69,7 +72,7 @@ pub enum Event {
 }
 
 impl Event {
-    pub const ALL: [Event; 16] = [
+    pub const ALL: [Event; 17] = [
         Event::StoreError,
         Event::StoreContention,
         Event::ClockError,
@@ -83,6 +86,7 @@ impl Event {
         Event::GlobalInvalidAnswer,
         Event::LeaseRefill,
         Event::CachedDenial,
+        Event::GlobalCoalesced,
         Event::ConfigReload,
         Event::ConfigRejected,
         Event::ConfigFetchError,
@@ -103,6 +107,7 @@ impl Event {
             Event::GlobalInvalidAnswer => "diana_global_invalid_answers",
             Event::LeaseRefill => "diana_global_lease_refills",
             Event::CachedDenial => "diana_global_cached_denials",
+            Event::GlobalCoalesced => "diana_global_coalesced",
             Event::ConfigReload => "diana_config_reloads",
             Event::ConfigRejected => "diana_config_rejected",
             Event::ConfigFetchError => "diana_config_fetch_errors",

@@ -558,20 +558,20 @@ fn a_failing_service_degrades_to_local_and_the_breaker_probes_after_retry_second
         // While the breaker is open: no callout, the same limit enforced locally.
         assert_eq!(h.admitted("/", &Facts::default(), 5), 2, "{failure:?}");
         assert_eq!(h.metrics.event_count(Event::GlobalCallout), 1);
-        // After retry_seconds one request probes; the others stay local meanwhile.
+        // After retry_seconds one request probes; another request of this worker waits
+        // for the probe's answer (single flight), then calls the service again.
         h.now += 5 * S;
         let (_, probe) = call(h.evaluate("/", &Facts::default()));
-        assert!(probe.asked().is_probe());
-        assert!(matches!(
-            h.evaluate("/", &Facts::default()),
-            Decision::Reject(_)
-        ));
+        assert!(probe.asked().is_some_and(|asked| asked.is_probe()));
+        let Decision::Wait(rider) = h.evaluate("/", &Facts::default()) else {
+            panic!("the second request should wait for the probe");
+        };
+        assert!(h.engine.woken(Some(h.now)).is_empty());
         assert!(admits(&h.complete(probe, answered(vec![granted(1)]))));
         assert!(!h.metrics.degraded);
-        assert!(matches!(
-            h.evaluate("/", &Facts::default()),
-            Decision::Call(..)
-        ));
+        assert_eq!(h.engine.woken(Some(h.now)), vec![rider.rider().unwrap()]);
+        let resumed = h.engine.resume(&h.host, rider, Some(h.now), &mut h.metrics);
+        assert!(matches!(resumed, Decision::Call(..)), "{resumed:?}");
     }
 }
 
@@ -615,11 +615,26 @@ fn leased_tokens_are_spent_even_after_a_concurrent_denial_was_cached() {
     let doc =
         "resources:\n  - Url: /\n    rules: [{rpu: 100, unit: minute, scope: global, lease: 10}]\n";
     let mut h = Harness::new(doc);
+    // Two workers call at once; the second is denied.
+    let other = Engine::new(parse_policy(doc).unwrap());
+    let mut other_metrics = CountingMetrics::default();
     let (_, first) = call(h.evaluate("/", &Facts::default()));
-    let (_, second) = call(h.evaluate("/", &Facts::default()));
+    let (_, second) = call(other.evaluate(
+        &h.host,
+        b"/",
+        &Facts::default(),
+        Some(h.now),
+        &mut other_metrics,
+    ));
     assert!(admits(&h.complete(first, answered(vec![granted(10)]))));
     assert!(matches!(
-        h.complete(second, answered(vec![denied(30_000)])),
+        other.complete(
+            &h.host,
+            second,
+            answered(vec![denied(30_000)]),
+            Some(h.now),
+            &mut other_metrics
+        ),
         Decision::Reject(_)
     ));
     for _ in 0..9 {
@@ -632,7 +647,7 @@ fn leased_tokens_are_spent_even_after_a_concurrent_denial_was_cached() {
         h.evaluate("/", &Facts::default()),
         Decision::Reject(_)
     ));
-    assert_eq!(h.metrics.event_count(Event::GlobalCallout), 2);
+    assert_eq!(h.metrics.event_count(Event::GlobalCallout), 1);
 }
 
 #[test]
@@ -642,23 +657,33 @@ fn another_workers_breaker_reaches_this_worker_within_the_cache_time() {
     let b = Engine::new(parse_policy(doc).unwrap());
     let mut b_metrics = CountingMetrics::default();
     let now = a.now;
-    assert!(matches!(
-        b.evaluate(&a.host, b"/", &Facts::default(), Some(now), &mut b_metrics),
-        Decision::Call(..)
-    ));
+    let (_, first) = call(b.evaluate(&a.host, b"/", &Facts::default(), Some(now), &mut b_metrics));
+    let answer = answered(vec![granted(1)]);
+    assert!(admits(&b.complete(
+        &a.host,
+        first,
+        answer,
+        Some(now),
+        &mut b_metrics
+    )));
     let (_, pending) = call(a.evaluate("/", &Facts::default()));
     a.complete(pending, Reply::NoAnswer);
     assert!(a.metrics.degraded);
-    assert!(matches!(
-        b.evaluate(
-            &a.host,
-            b"/",
-            &Facts::default(),
-            Some(now + 1),
-            &mut b_metrics
-        ),
-        Decision::Call(..)
+    let (_, second) = call(b.evaluate(
+        &a.host,
+        b"/",
+        &Facts::default(),
+        Some(now + 1),
+        &mut b_metrics,
     ));
+    let answer = answered(vec![granted(1)]);
+    assert!(admits(&b.complete(
+        &a.host,
+        second,
+        answer,
+        Some(now + 1),
+        &mut b_metrics
+    )));
     let later = now + crate::global::BREAKER_CACHE;
     assert!(matches!(
         b.evaluate(
@@ -1078,4 +1103,167 @@ fn lease_auto_grows_with_the_spending_rate_up_to_its_cap() {
         "{} callouts for 10,000 requests",
         wants.len()
     );
+}
+
+/// Drives one worker's parked requests the way the host's tick does: resumes every woken
+/// request, answers the calls they make at once, and repeats until nobody is parked.
+/// Returns the decisions, in order, and the `want` of each call they made.
+fn drive_riders(h: &mut Harness, mut parked: Vec<Pending>) -> (Vec<EngineDecision>, Vec<u32>) {
+    let mut decided = Vec::new();
+    let mut calls = Vec::new();
+    while !parked.is_empty() {
+        let woken = h.engine.woken(Some(h.now));
+        assert!(!woken.is_empty(), "parked requests but nobody woken");
+        let mut flying = Vec::new();
+        for id in woken {
+            let at = parked.iter().position(|p| p.rider() == Some(id)).unwrap();
+            let pending = parked.remove(at);
+            match h
+                .engine
+                .resume(&h.host, pending, Some(h.now), &mut h.metrics)
+            {
+                Decision::Wait(again) => parked.push(again),
+                Decision::Call(callout, pending) => flying.push((callout, pending)),
+                other => decided.push(other),
+            }
+        }
+        for (callout, pending) in flying {
+            let request: AcquireRequest = serde_json::from_slice(&callout.body).unwrap();
+            calls.push(request.rules[0].want);
+            let reply = h.service.answer(&callout, h.now);
+            decided.push(h.complete(pending, reply));
+        }
+    }
+    (decided, calls)
+}
+
+#[test]
+fn concurrent_requests_of_one_worker_make_one_callout_per_rule_and_identity() {
+    let doc = "resources:\n  - Url: /\n    rules: [{rpu: 1000, unit: minute, scope: global}]\n";
+    let mut h = Harness::new(doc);
+    let (callout, leader) = call(h.evaluate("/", &Facts::default()));
+    let parked: Vec<Pending> = (0..9)
+        .map(|_| match h.evaluate("/", &Facts::default()) {
+            Decision::Wait(pending) => pending,
+            other => panic!("expected to wait for the flight, got {other:?}"),
+        })
+        .collect();
+    assert_eq!(h.metrics.event_count(Event::GlobalCoalesced), 9);
+    let reply = h.service.answer(&callout, h.now);
+    assert!(admits(&h.complete(leader, reply)));
+    // The first woken request leads the next flight and asks for the other eight too.
+    assert!(h.engine.has_riders());
+    let (decided, calls) = drive_riders(&mut h, parked);
+    assert_eq!(calls, vec![9], "one callout for the nine parked requests");
+    assert_eq!(decided.len(), 9);
+    assert!(decided.iter().all(admits), "{decided:?}");
+    assert_eq!(h.metrics.event_count(Event::GlobalCallout), 2);
+    assert!(!h.engine.has_riders());
+    // Nothing was over-leased: the next request calls again.
+    assert!(matches!(
+        h.evaluate("/", &Facts::default()),
+        Decision::Call(..)
+    ));
+}
+
+#[test]
+fn parked_requests_admit_exactly_the_global_limit() {
+    for algo in ["W", "SW", "TB"] {
+        let doc = format!(
+            "resources:\n  - Url: /\n    rules: [{{algo: {algo}, rpu: 5, unit: minute, scope: global, lease: 2}}]\n"
+        );
+        let mut h = Harness::new(&doc);
+        let (callout, leader) = call(h.evaluate("/", &Facts::default()));
+        let parked: Vec<Pending> = (0..11)
+            .map(|_| match h.evaluate("/", &Facts::default()) {
+                Decision::Wait(pending) => pending,
+                other => panic!("{algo}: expected to wait, got {other:?}"),
+            })
+            .collect();
+        let reply = h.service.answer(&callout, h.now);
+        assert!(admits(&h.complete(leader, reply)));
+        let (decided, wants) = drive_riders(&mut h, parked);
+        let admitted = decided.iter().filter(|d| admits(d)).count();
+        assert_eq!(admitted + 1, 5, "{algo}: {decided:?}");
+        assert_eq!(decided.len(), 11);
+        // One flight at a time, each asking for everyone still waiting: the leader's
+        // spare token serves the first woken request; the second leads, asks for its
+        // lease plus the ten behind it (2 + 10) and is granted the 3 left; of the nine
+        // that wait again two are served by that grant, the third asks for 2 + 8 and is
+        // denied, and the denial is cached for the other six.
+        assert_eq!(wants, vec![12, 10], "{algo}");
+    }
+}
+
+#[test]
+fn a_request_that_leaves_while_parked_or_calling_gives_its_charges_back() {
+    // A local rule charged first, then the global one.
+    let doc = "resources:\n  - Url: /\n    rules: [{rpu: 2, unit: minute}, {rpu: 100, unit: minute, scope: global}]\n";
+    let mut h = Harness::new(doc);
+    let (callout, leader) = call(h.evaluate("/", &Facts::default()));
+    let Decision::Wait(rider) = h.evaluate("/", &Facts::default()) else {
+        panic!("expected to wait");
+    };
+    // The local rule (2 per minute) is full: both hold a charge.
+    assert!(matches!(
+        h.evaluate("/", &Facts::default()),
+        Decision::Reject(_)
+    ));
+    // The parked request's client goes away: its local charge comes back.
+    h.engine.abandon(&h.host, rider, Some(h.now));
+    assert!(!h.engine.has_riders());
+    let again = h.evaluate("/", &Facts::default());
+    let Decision::Wait(rider) = again else {
+        panic!("expected to wait, got {again:?}");
+    };
+    // The caller goes away too (the host cancels its call): the parked request is woken
+    // and leads the next flight.
+    h.engine.abandon(&h.host, leader, Some(h.now));
+    assert_eq!(h.engine.woken(Some(h.now)), vec![rider.rider().unwrap()]);
+    let (next, pending) = call(h.engine.resume(&h.host, rider, Some(h.now), &mut h.metrics));
+    let reply = h.service.answer(&next, h.now);
+    assert!(admits(&h.complete(pending, reply)));
+    // One local token left for the abandoned caller's.
+    assert!(matches!(
+        h.request("/", &Facts::default()),
+        Decision::Allow { .. }
+    ));
+    assert!(matches!(
+        h.evaluate("/", &Facts::default()),
+        Decision::Reject(_)
+    ));
+    drop(callout);
+}
+
+#[test]
+fn leaky_buckets_and_hosts_that_cannot_resume_never_park() {
+    let lb =
+        "resources:\n  - Url: /\n    rules: [{algo: LB, rpu: 100, unit: second, scope: global}]\n";
+    let mut h = Harness::new(lb);
+    let _first = call(h.evaluate("/", &Facts::default()));
+    let _second = call(h.evaluate("/", &Facts::default()));
+    let tb = "resources:\n  - Url: /\n    rules: [{rpu: 100, unit: second, scope: global}]\n";
+    let mut h = Harness::new(tb);
+    h.engine = Engine::new(parse_policy(tb).unwrap()).with_pausing(false);
+    let _first = call(h.evaluate("/", &Facts::default()));
+    let _second = call(h.evaluate("/", &Facts::default()));
+    assert_eq!(h.metrics.event_count(Event::GlobalCoalesced), 0);
+}
+
+#[test]
+fn a_lost_flight_wakes_its_riders_after_its_deadline() {
+    let doc = "resources:\n  - Url: /\n    rules: [{rpu: 100, unit: minute, scope: global}]\nglobal: {timeout_ms: 50}\n";
+    let mut h = Harness::new(doc);
+    let _lost = call(h.evaluate("/", &Facts::default()));
+    let Decision::Wait(rider) = h.evaluate("/", &Facts::default()) else {
+        panic!("expected to wait");
+    };
+    h.now += S;
+    assert!(h.engine.woken(Some(h.now)).is_empty());
+    h.now += 50 * S / 1000;
+    assert_eq!(h.engine.woken(Some(h.now)), vec![rider.rider().unwrap()]);
+    assert!(matches!(
+        h.engine.resume(&h.host, rider, Some(h.now), &mut h.metrics),
+        Decision::Call(..)
+    ));
 }

@@ -20,6 +20,7 @@
 
 pub mod breaker;
 pub mod debts;
+pub mod flights;
 pub mod stash;
 
 /// The wire format, also reachable here (it was `global::wire` first).
@@ -33,6 +34,7 @@ use crate::store::{SharedData, SlotAddress, Store};
 use crate::time::{ceil_seconds, ceil_seconds_at_least_one, Nanos};
 use breaker::{Breaker, Gate};
 use debts::{Debt, Owed};
+use flights::{FlightKey, Flights, RiderId};
 use stash::{Grant, Stash, StashReceipt, Take};
 use std::cell::Cell;
 use wire::{AcquireRequest, AcquireResponse, ErrorResponse, RuleRequest, RuleResult};
@@ -115,6 +117,9 @@ pub enum Plan {
         local: Vec<GlobalCharge>,
         served: Vec<StashReceipt>,
     },
+    /// Another request of this worker has a callout in flight for one of these rules:
+    /// wait for it (see [`flights`]), then plan again.
+    Park(RiderId),
     /// Make this call; interpret its reply with the [`Asked`].
     Call {
         outcomes: Vec<Outcome>,
@@ -131,6 +136,8 @@ pub struct Asked {
     served: Vec<StashReceipt>,
     request: AcquireRequest,
     probe: bool,
+    /// The flights this call is (see [`flights`]).
+    flying: Vec<FlightKey>,
 }
 
 impl Asked {
@@ -186,6 +193,7 @@ pub struct Global {
     store: Store,
     breaker: Breaker,
     stash: Stash,
+    flights: Flights,
     /// Response costs owed to the service, sent from the tick.
     owed: Owed,
     /// A refusal or an invalid answer was logged by this VM (each is logged once).
@@ -202,6 +210,7 @@ impl Global {
             store: Store::new(),
             breaker: Breaker::new(policy.global.retry_seconds),
             stash: Stash::default(),
+            flights: Flights::default(),
             owed: Owed::default(),
             refusal_logged: Cell::new(false),
             invalid_logged: Cell::new(false),
@@ -273,6 +282,25 @@ impl Global {
         if ask.is_empty() {
             return Plan::Done(outcomes);
         }
+        // Leaky-bucket turns are per request: never coalesced (see `flights`).
+        let coalesced = |charge: &&GlobalCharge| {
+            self.can_pause
+                && policy
+                    .rule(charge.index)
+                    .is_some_and(|rule| !rule.algo.waits())
+        };
+        let behind = ask.iter().filter(coalesced).find(|charge| {
+            self.flights
+                .in_flight((charge.index, charge.address.fingerprint))
+        });
+        if let Some(charge) = behind {
+            let key = (charge.index, charge.address.fingerprint);
+            if let Some(rider) = self.flights.park(key, charge.cost) {
+                self.give_back(host, policy, &served, now);
+                metrics.event(Event::GlobalCoalesced);
+                return Plan::Park(rider);
+            }
+        }
         let probe = match self.breaker.gate(&self.store, host, now) {
             Gate::Call => false,
             Gate::Probe => true,
@@ -305,6 +333,14 @@ impl Global {
                 };
             }
         };
+        let flying: Vec<FlightKey> = ask
+            .iter()
+            .filter(coalesced)
+            .map(|charge| (charge.index, charge.address.fingerprint))
+            .collect();
+        let deadline =
+            now.saturating_add(u64::from(self.spec.timeout_ms).saturating_mul(NANOS_PER_MILLI));
+        self.flights.take_off(&flying, deadline);
         metrics.event(Event::GlobalCallout);
         let wait = !self.can_pause
             && ask
@@ -320,6 +356,7 @@ impl Global {
                 served,
                 request,
                 probe,
+                flying,
             },
         }
     }
@@ -337,6 +374,17 @@ impl Global {
             span.clamp(charge.cost, rule.lease.get().max(charge.cost))
         } else {
             rule.lease.get().max(charge.cost)
+        };
+        // The requests parked behind the last flight of this key are served by this one.
+        let want = if rule.algo.waits() {
+            want
+        } else {
+            let behind = self
+                .flights
+                .expected((charge.index, charge.address.fingerprint))
+                .saturating_sub(u64::from(charge.cost));
+            let want = u64::from(want).saturating_add(behind);
+            u32::try_from(want.min(u64::from(wire::MAX_WANT))).unwrap_or(wire::MAX_WANT)
         };
         let mut request = RuleRequest::new(
             global_key(rule, charge.address),
@@ -393,6 +441,7 @@ impl Global {
         now: Nanos,
         metrics: &mut dyn MetricSink,
     ) -> Interpretation {
+        self.flights.land(&asked.flying, now);
         let results = match self.check(&asked, reply) {
             Ok(results) => results,
             Err(failure) => {
@@ -500,6 +549,30 @@ impl Global {
     /// From the worker's tick: idle batches of leased tokens go back to the shared stash.
     pub fn tick(&self, host: &dyn SharedData, policy: &Policy, now: Nanos) {
         self.stash.return_unspent(host, policy, now);
+    }
+
+    /// A request paused for its call is gone before the answer: its flights land (the
+    /// requests parked behind them plan again) and the leased tokens it took go back.
+    pub fn abandon_call(&self, host: &dyn SharedData, policy: &Policy, asked: Asked, now: Nanos) {
+        self.flights.land(&asked.flying, now);
+        self.give_back(host, policy, &asked.served, now);
+    }
+
+    /// A parked request is gone.
+    pub fn leave(&self, rider: RiderId) {
+        self.flights.leave(rider);
+    }
+
+    /// The parked requests to plan again (their flight landed), in the order they parked;
+    /// first, flights whose answer is overdue are treated as landed.
+    pub fn woken(&self, now: Nanos) -> Vec<RiderId> {
+        self.flights.land_overdue(now);
+        self.flights.woken()
+    }
+
+    /// True when requests are parked: the host must tick to wake them.
+    pub fn has_riders(&self) -> bool {
+        self.flights.busy()
     }
 
     /// Owes `debt` (a response cost) to the service; when this worker's table of debts is
