@@ -62,6 +62,8 @@ struct Lease {
     left: u64,
     /// Denied until then (0: not denied), and when the limit recovers.
     denied_until: Nanos,
+    /// The least cost that was denied: a cheaper request may still fit.
+    denied_cost: u32,
     reset: Nanos,
 }
 
@@ -129,7 +131,10 @@ impl Local {
         if lends {
             if let Ok(mut leases) = self.leases.try_borrow_mut() {
                 if let Some(lease) = leases.get_mut(&id) {
-                    if lease.denied_until > now && lease.denied_until - now <= DENIAL_CACHE {
+                    if lease.denied_until > now
+                        && lease.denied_until - now <= DENIAL_CACHE
+                        && cost >= lease.denied_cost
+                    {
                         return Ok(LocalCharge::Denied {
                             retry_after: lease.denied_until - now,
                             remaining: 0,
@@ -173,6 +178,11 @@ impl Local {
         let Some(receipt) = charge.receipt else {
             if lends && verdict.retry_after > 0 {
                 self.remember(id, now, |lease| {
+                    lease.denied_cost = if lease.denied_until > now {
+                        lease.denied_cost.min(cost)
+                    } else {
+                        cost
+                    };
                     lease.denied_until = now.saturating_add(verdict.retry_after.min(DENIAL_CACHE));
                     lease.reset = now.saturating_add(verdict.reset);
                     lease.left = verdict.remaining;
@@ -343,6 +353,7 @@ impl Local {
             holder: 0,
             left: 0,
             denied_until: 0,
+            denied_cost: 0,
             reset: 0,
         });
         change(lease);
