@@ -3,6 +3,8 @@
 
 - `GET /healthz` -> 200 `ok`
 - `GET /timeline[...]` -> 200, a small fake timeline (the Weitter "hot event" page)
+- `GET /llm?tokens=N` -> 200, a fake LLM answer whose `x-llm-tokens: N` response header
+  says how many tokens it used (default 100): what Diana's `response_cost` charges
 - anything else -> 200 with a small JSON body: the path as received, and the echoed
   `x-device-id` / `x-account-id` / `x-tenant-id` headers (truncated to 64 characters).
 
@@ -15,6 +17,7 @@ import argparse
 import json
 import sys
 import time
+import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 ECHO_HEADERS = ("x-device-id", "x-account-id", "x-tenant-id")
@@ -54,6 +57,18 @@ class Handler(BaseHTTPRequestHandler):
         path = parts[1] if len(parts) >= 2 else self.path
         if path == "/healthz":
             self._send(200, b"ok\n", "text/plain")
+            return
+        if path == "/llm" or path.startswith("/llm?"):
+            query = urllib.parse.parse_qs(urllib.parse.urlsplit(path).query)
+            tokens = query.get("tokens", ["100"])[0]
+            tokens = tokens if tokens.isdigit() else "100"
+            body = json.dumps({"completion": "42", "tokens": int(tokens)}).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("x-llm-tokens", tokens)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
             return
         if path.startswith("/timeline"):
             now = int(time.time())

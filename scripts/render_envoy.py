@@ -40,6 +40,19 @@ QUOTA_CLUSTER = "diana_quota"
 CONFIG_CLUSTER = "diana_config"
 UPSTREAM_CLUSTER = "demo_upstream"
 
+# Envoy's /stats/prometheus: `diana_rule_allowed{rule="login_burst"}` instead of one metric
+# per rule. Envoy matches the regex against the full stat name
+# (`wasmcustom.diana_rule_allowed.login_burst`), removes the first capture group from the
+# name and takes the second as the value of the `rule` tag. The same label the filter's
+# own metrics path uses (crates/diana-core/src/metrics.rs: RULE_LABEL, envoy_rule_tag_regex;
+# `diana render-envoy` writes the same entry).
+RULE_TAG_REGEX = r"^wasmcustom\.diana_rule_(?:allowed|limited|dry_run_limited)(\.([A-Za-z0-9_]+))$"
+
+
+def stats_config() -> dict[str, Any]:
+    """`stats_config` with the tag that labels Diana's rule counters by rule."""
+    return {"stats_tags": [{"tag_name": "rule", "regex": RULE_TAG_REGEX}]}
+
 
 def _address(host: str, port: int) -> dict[str, Any]:
     return {"socket_address": {"address": host, "port_value": int(port)}}
@@ -171,6 +184,7 @@ def render_bootstrap(
 
     return {
         "admin": {"address": _address(host, admin_port)},
+        "stats_config": stats_config(),
         "static_resources": {
             "listeners": [
                 {

@@ -1,18 +1,24 @@
 //! The proxy-wasm contexts. The root context owns the configuration and the tick that
-//! resumes requests waiting for their leaky-bucket turn; each HTTP context evaluates its
-//! request once and applies the [`Decision`]. Borrows of per-VM state are short and never
-//! held across a hostcall: a local reply re-enters the filter synchronously on Envoy.
+//! resumes requests waiting for their leaky-bucket turn or parked behind another request's
+//! callout (single flight); each HTTP context evaluates its request once and applies the
+//! [`Decision`]. Borrows of per-VM state are short and never held across a hostcall: a
+//! local reply re-enters the filter synchronously on Envoy. For the same reason requests
+//! other than the current one are only ever resumed or answered from the root context:
+//! from an HTTP context, the re-entry would find the SDK's table of HTTP contexts borrowed.
 
 use crate::host::{self, HostKind, HostMetrics, HostRequest, HostSharedData, Sink};
 use diana_core::config::{parse_policy, MetricsSpec, Policy, RemoteSpec};
-use diana_core::decision::{Callout, Decision, Reply};
+use diana_core::decision::{AfterResponse, Callout, Decision, Reply};
 use diana_core::engine::{Engine, EngineDecision, Pending};
+use diana_core::global::debts::Debt;
+use diana_core::global::flights::RiderId;
 use diana_core::global::MAX_ANSWER_BYTES;
 use diana_core::lifecycle;
 use diana_core::metrics::{Event, MetricSink};
 use diana_core::remote::{self, PollOutcome};
 use diana_core::store::Store;
 use diana_core::time::{Nanos, NANOS_PER_SECOND};
+use hashbrown::HashMap;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, MapType};
@@ -23,6 +29,9 @@ use std::time::Duration;
 
 /// How often the root context looks for waiting requests whose turn has come.
 const WAIT_TICK: Duration = Duration::from_millis(2);
+/// How often the root context looks for parked requests whose flight has landed (the
+/// host's finest tick: a parked request waits at most this long beyond its flight).
+const RIDER_TICK: Duration = Duration::from_millis(1);
 
 /// An accepted policy with its host metrics. HTTP contexts keep the one they started
 /// with, so a reload never changes the rules under a request in flight.
@@ -41,14 +50,55 @@ const REMOTE_CHECK_SPACING: Nanos = NANOS_PER_SECOND * 3 / 4;
 /// How long a config-center poll may take.
 const POLL_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// A request parked behind another request's callout: its context, the configuration it
+/// started with, and its state.
+struct Parked {
+    context_id: u32,
+    configured: Rc<Configured>,
+    pending: Pending,
+}
+
+/// What the root context does to another request's stream once its own calls are made.
+struct Effect {
+    context_id: u32,
+    decision: EngineDecision,
+}
+
+/// What the root context decided for a parked request, for its own context to use.
+struct Answer {
+    headers: Vec<(&'static str, String)>,
+    after: Option<AfterResponse>,
+    /// The request was admitted after a wait and is among the waiters until then.
+    waiting_until: Option<Nanos>,
+}
+
 /// Per-VM state shared by the root context and the HTTP contexts of one worker.
 #[derive(Default)]
 struct Vm {
     configured: Option<Rc<Configured>>,
     /// Requests paused until their turn: (resume at, context id).
     waiters: BTreeSet<(Nanos, u32)>,
+    /// Requests parked behind another request's callout.
+    parked: HashMap<RiderId, Parked>,
+    /// The root context's decisions for parked requests, by context id.
+    answers: HashMap<u32, Answer>,
     /// The tick period when nobody waits (remote checks), zero for none.
     base_tick: Duration,
+    /// The tick period set last (Envoy).
+    tick: Duration,
+}
+
+impl Vm {
+    /// The tick period this worker needs now: fine while requests wait or are parked.
+    fn wanted_tick(&self) -> Duration {
+        if !self.parked.is_empty() {
+            RIDER_TICK
+        } else if !self.waiters.is_empty() {
+            WAIT_TICK
+        } else {
+            self.base_tick
+        }
+    }
 }
 
 type VmRef = Rc<RefCell<Vm>>;
@@ -71,7 +121,24 @@ fn set_tick(period: Duration) {
     }
 }
 
+/// Sets the tick period the worker needs now, if it changed (Envoy: the period may be set
+/// from any context, any number of times).
+fn retick(vm: &VmRef) {
+    let change = with_vm(vm, |vm| {
+        let wanted = vm.wanted_tick();
+        (wanted != vm.tick).then(|| {
+            vm.tick = wanted;
+            wanted
+        })
+    })
+    .flatten();
+    if let Some(period) = change {
+        set_tick(period);
+    }
+}
+
 pub struct DianaRoot {
+    context_id: u32,
     vm: VmRef,
     /// Counters for configuration events, defined before any policy exists.
     events: Rc<HostMetrics>,
@@ -87,13 +154,19 @@ pub struct DianaRoot {
     applied_version: u64,
     /// The poll this worker has in flight.
     poll_token: Option<u32>,
+    /// The callout paying this worker's response costs: its token, the policy it was made
+    /// with, and the debts it carries.
+    payment: Option<(u32, Rc<Configured>, Vec<Debt>)>,
     next_remote_check: Nanos,
     store: Store,
+    /// Callouts made for woken parked requests, by token.
+    rider_calls: HashMap<u32, Parked>,
 }
 
 impl DianaRoot {
-    pub fn new(_context_id: u32) -> DianaRoot {
+    pub fn new(context_id: u32) -> DianaRoot {
         DianaRoot {
+            context_id,
             vm: Rc::new(RefCell::new(Vm::default())),
             events: Rc::new(HostMetrics::events_only()),
             host: HostKind::Envoy,
@@ -102,8 +175,139 @@ impl DianaRoot {
             metrics: None,
             applied_version: 0,
             poll_token: None,
+            payment: None,
             next_remote_check: 0,
             store: Store::new(),
+            rider_calls: HashMap::new(),
+        }
+    }
+
+    /// Plans the parked requests whose flight has landed again. Their calls are made at
+    /// once; what touches their streams is added to `effects`, to be carried out after
+    /// every call of this callback (see [`DianaRoot::carry_out`]).
+    fn serve_riders(&mut self, effects: &mut Vec<Effect>) {
+        let engines: Vec<Rc<Configured>> = with_vm(&self.vm, |vm| {
+            let mut engines: Vec<Rc<Configured>> = Vec::new();
+            for parked in vm.parked.values() {
+                if !engines.iter().any(|c| Rc::ptr_eq(c, &parked.configured)) {
+                    engines.push(Rc::clone(&parked.configured));
+                }
+            }
+            engines
+        })
+        .unwrap_or_default();
+        for configured in engines {
+            for rider in configured.engine.woken(host::now()) {
+                let Some(parked) = with_vm(&self.vm, |vm| vm.parked.remove(&rider)).flatten()
+                else {
+                    continue;
+                };
+                let decision = parked.configured.engine.resume(
+                    &HostSharedData,
+                    parked.pending,
+                    host::now(),
+                    &mut Sink(&parked.configured.metrics),
+                );
+                self.settle(parked.context_id, parked.configured, decision, effects);
+            }
+        }
+    }
+
+    /// Takes `decision` for the parked request of `context_id`: parks it again, or makes
+    /// its call, or adds what its stream must do to `effects`.
+    fn settle(
+        &mut self,
+        context_id: u32,
+        configured: Rc<Configured>,
+        decision: EngineDecision,
+        effects: &mut Vec<Effect>,
+    ) {
+        match decision {
+            Decision::Wait(pending) => {
+                if let Some(rider) = pending.rider() {
+                    with_vm(&self.vm, |vm| {
+                        vm.parked.insert(
+                            rider,
+                            Parked {
+                                context_id,
+                                configured,
+                                pending,
+                            },
+                        )
+                    });
+                }
+            }
+            Decision::Call(callout, pending) => {
+                // Made by the root context, which outlives any request.
+                match host::dispatch(self.host, &callout) {
+                    Ok(token) => {
+                        self.rider_calls.insert(
+                            token,
+                            Parked {
+                                context_id,
+                                configured,
+                                pending,
+                            },
+                        );
+                    }
+                    Err(reason) => {
+                        let decision = configured.engine.complete(
+                            &HostSharedData,
+                            pending,
+                            Reply::NotSent(reason),
+                            host::now(),
+                            &mut Sink(&configured.metrics),
+                        );
+                        self.settle(context_id, configured, decision, effects);
+                    }
+                }
+            }
+            decided => effects.push(Effect {
+                context_id,
+                decision: decided,
+            }),
+        }
+    }
+
+    /// Resumes or answers other requests' streams. Last in a callback: either may re-enter
+    /// the filter for that request (a local reply does at once), after which the SDK would
+    /// file a callout made by this callback under that request instead of the root
+    /// context.
+    fn carry_out(&self, effects: Vec<Effect>) {
+        for Effect {
+            context_id,
+            decision,
+        } in effects
+        {
+            if !enter(context_id) {
+                continue;
+            }
+            match decision {
+                Decision::Allow { headers, after } => {
+                    answer(&self.vm, context_id, headers, after, None);
+                    resume_current(context_id);
+                }
+                Decision::Delay {
+                    until,
+                    headers,
+                    after,
+                } => {
+                    answer(&self.vm, context_id, headers, after, Some(until));
+                    with_vm(&self.vm, |vm| vm.waiters.insert((until, context_id)));
+                }
+                Decision::Reject(rejection) => send_rejection(self.host, &rejection),
+                // Settled before (see `settle`).
+                Decision::Wait(_) | Decision::Call(..) => {}
+            }
+        }
+        self.restore_context();
+    }
+
+    /// Makes the root context the effective one again after acting for a request (a
+    /// callout made meanwhile would belong to that request).
+    fn restore_context(&self) {
+        if let Err(status) = hostcalls::set_effective_context(self.context_id) {
+            log::debug!("diana: cannot restore the root context: {status:?}");
         }
     }
 
@@ -234,10 +438,51 @@ impl DianaRoot {
         }
     }
 
+    /// Sends the response costs this worker owes to the quota service (one callout at a
+    /// time).
+    fn pay_debts(&mut self) {
+        if self.payment.is_some() {
+            return;
+        }
+        let Some(configured) = with_vm(&self.vm, |vm| vm.configured.clone()).flatten() else {
+            return;
+        };
+        if !configured.engine.owes() {
+            return;
+        }
+        let Some((callout, debts)) = configured.engine.pay_debts(
+            &HostSharedData,
+            host::now(),
+            &mut Sink(&configured.metrics),
+        ) else {
+            return;
+        };
+        match host::dispatch(self.host, &callout) {
+            Ok(token) => self.payment = Some((token, configured, debts)),
+            Err(reason) => configured.engine.debts_paid(
+                &HostSharedData,
+                debts,
+                Reply::NotSent(reason),
+                host::now(),
+                &mut Sink(&configured.metrics),
+            ),
+        }
+    }
+
     /// The tick period when nobody waits: config-center checks, and releasing the records
     /// of rules an earlier document had.
     fn base_tick(&self) -> Duration {
-        if self.remote.is_some() || lifecycle::has_work(&self.store, &HostSharedData) {
+        // Response costs to send, idle workers' batches to give back.
+        let owes = with_vm(&self.vm, |vm| {
+            vm.configured.as_ref().is_some_and(|configured| {
+                configured.engine.lends()
+                    || configured
+                        .engine
+                        .rules()
+                        .any(|rule| rule.response_cost.is_some())
+            })
+        }) == Some(true);
+        if self.remote.is_some() || owes || lifecycle::has_work(&self.store, &HostSharedData) {
             REMOTE_CHECK
         } else {
             Duration::ZERO
@@ -262,9 +507,37 @@ impl Context for DianaRoot {
         body_size: usize,
         _num_trailers: usize,
     ) {
-        if self.poll_token == Some(token_id) {
+        if let Some(parked) = self.rider_calls.remove(&token_id) {
+            let reply = host::callout_reply(num_headers, body_size, MAX_ANSWER_BYTES);
+            let decision = parked.configured.engine.complete(
+                &HostSharedData,
+                parked.pending,
+                reply,
+                host::now(),
+                &mut Sink(&parked.configured.metrics),
+            );
+            let mut effects = Vec::new();
+            self.settle(parked.context_id, parked.configured, decision, &mut effects);
+            // The requests parked behind this flight are served now, not a tick later.
+            self.serve_riders(&mut effects);
+            self.carry_out(effects);
+            retick(&self.vm);
+        } else if self.poll_token == Some(token_id) {
             self.poll_token = None;
             self.on_poll_answer(num_headers, body_size);
+        } else if let Some((token, configured, debts)) = self.payment.take() {
+            if token != token_id {
+                self.payment = Some((token, configured, debts));
+                return;
+            }
+            let reply = host::callout_reply(num_headers, body_size, 0);
+            configured.engine.debts_paid(
+                &HostSharedData,
+                debts,
+                reply,
+                host::now(),
+                &mut Sink(&configured.metrics),
+            );
         }
     }
 }
@@ -293,13 +566,8 @@ impl RootContext for DianaRoot {
         let base_tick = self.base_tick();
         match self.host {
             HostKind::Envoy => {
-                let idle = with_vm(&self.vm, |vm| {
-                    vm.base_tick = base_tick;
-                    vm.waiters.is_empty()
-                });
-                if idle == Some(true) {
-                    set_tick(base_tick);
-                }
+                with_vm(&self.vm, |vm| vm.base_tick = base_tick);
+                retick(&self.vm);
             }
             HostKind::Nginx if !self.tick_fixed && !base_tick.is_zero() => {
                 // Once, from the root context, and never zero (a zero period re-arms at
@@ -316,7 +584,7 @@ impl RootContext for DianaRoot {
         let Some(now) = host::now() else {
             return;
         };
-        let (due, rest_tick) = with_vm(&self.vm, |vm| {
+        let due = with_vm(&self.vm, |vm| {
             let mut due = Vec::new();
             while let Some(&(until, id)) = vm.waiters.first() {
                 if until > now {
@@ -325,17 +593,9 @@ impl RootContext for DianaRoot {
                 vm.waiters.pop_first();
                 due.push(id);
             }
-            (due, vm.waiters.is_empty().then_some(vm.base_tick))
+            due
         })
         .unwrap_or_default();
-        if self.host.can_pause() {
-            for context_id in due {
-                resume(context_id);
-            }
-            if let Some(base_tick) = rest_tick {
-                set_tick(base_tick);
-            }
-        }
         if let Some(spec) = self.remote.clone() {
             if now >= self.next_remote_check {
                 // A tick that lands a little early must still count: with a deadline of
@@ -346,11 +606,29 @@ impl RootContext for DianaRoot {
                 self.poll(&spec, now);
             }
         }
+        self.pay_debts();
+        if let Some(configured) = with_vm(&self.vm, |vm| vm.configured.clone()).flatten() {
+            configured.engine.tick(&HostSharedData, host::HostClock);
+        }
         if lifecycle::has_work(&self.store, &HostSharedData) {
             lifecycle::sweep(&self.store, &HostSharedData);
-        } else if self.host == HostKind::Envoy && self.remote.is_none() {
-            // Nothing left to release: the tick was only for that.
-            with_vm(&self.vm, |vm| vm.base_tick = Duration::ZERO);
+        }
+        // Other requests' streams last: every call of this tick is made (see `carry_out`).
+        if self.host.can_pause() {
+            let mut effects = Vec::new();
+            self.serve_riders(&mut effects);
+            for context_id in due {
+                if enter(context_id) {
+                    resume_current(context_id);
+                }
+            }
+            self.carry_out(effects);
+        }
+        if self.host == HostKind::Envoy {
+            // The tick stops when nothing needs it any more (the records are released).
+            let base_tick = self.base_tick();
+            with_vm(&self.vm, |vm| vm.base_tick = base_tick);
+            retick(&self.vm);
         }
     }
 
@@ -363,7 +641,9 @@ impl RootContext for DianaRoot {
             host: self.host,
             pending: None,
             response_headers: Vec::new(),
+            after: None,
             waiting_until: None,
+            parked: None,
         }))
     }
 
@@ -372,14 +652,65 @@ impl RootContext for DianaRoot {
     }
 }
 
-/// Resumes a paused request from the root context.
-fn resume(context_id: u32) {
-    if let Err(status) = hostcalls::set_effective_context(context_id) {
-        log::debug!("diana: request {context_id} is gone: {status:?}");
-        return;
+/// From the root context: makes the request of `context_id` the effective context, or
+/// says it is gone.
+fn enter(context_id: u32) -> bool {
+    match hostcalls::set_effective_context(context_id) {
+        Ok(()) => true,
+        Err(status) => {
+            log::debug!("diana: request {context_id} is gone: {status:?}");
+            false
+        }
     }
+}
+
+/// Resumes the effective (paused) request.
+fn resume_current(context_id: u32) {
     if let Err(status) = hostcalls::resume_http_request() {
         log::debug!("diana: cannot resume request {context_id}: {status:?}");
+    }
+}
+
+/// Leaves the root context's decision for a parked request where its context finds it.
+fn answer(
+    vm: &VmRef,
+    context_id: u32,
+    headers: Vec<(&'static str, String)>,
+    after: Option<AfterResponse>,
+    waiting_until: Option<Nanos>,
+) {
+    if headers.is_empty() && after.is_none() && waiting_until.is_none() {
+        return;
+    }
+    with_vm(vm, |vm| {
+        vm.answers.insert(
+            context_id,
+            Answer {
+                headers,
+                after,
+                waiting_until,
+            },
+        )
+    });
+}
+
+/// Sends `rejection` as the effective request's local reply.
+fn send_rejection(host: HostKind, rejection: &diana_core::response::Rejection) {
+    let headers: Vec<(&str, &str)> = rejection
+        .headers
+        .iter()
+        .map(|(name, value)| (*name, value.as_str()))
+        .collect();
+    // ngx_wasm_module appends a line feed to every local response body: send one less so
+    // that the client gets the configured body.
+    let body = match host {
+        HostKind::Nginx => rejection.body.strip_suffix('\n').unwrap_or(&rejection.body),
+        HostKind::Envoy => &rejection.body,
+    };
+    if let Err(status) =
+        hostcalls::send_http_response(u32::from(rejection.status), headers, Some(body.as_bytes()))
+    {
+        log::warn!("diana: cannot send the rejection: {status:?}");
     }
 }
 
@@ -392,8 +723,13 @@ struct DianaHttp {
     pending: Option<Pending>,
     /// Rate-limit headers for the response (`headers: all`).
     response_headers: Vec<(&'static str, String)>,
+    /// Response costs to charge once the upstream has answered.
+    after: Option<AfterResponse>,
     /// The request is paused until this time (leaky bucket).
     waiting_until: Option<Nanos>,
+    /// The request was parked behind another request's callout under this id; the root
+    /// context carries out its decision.
+    parked: Option<RiderId>,
 }
 
 impl DianaHttp {
@@ -401,8 +737,9 @@ impl DianaHttp {
     /// admitting it means resuming it).
     fn apply(&mut self, configured: &Configured, decision: EngineDecision, paused: bool) -> Action {
         match decision {
-            Decision::Allow { headers } => {
+            Decision::Allow { headers, after } => {
                 self.response_headers = headers;
+                self.after = after;
                 // ngx_wasm_module resumes a request by itself once its last callout is
                 // answered (ngx_http_proxy_wasm_dispatch.c); Envoy needs the explicit
                 // resume.
@@ -413,42 +750,47 @@ impl DianaHttp {
                 }
                 Action::Continue
             }
-            Decision::Delay { until, headers } => {
+            Decision::Delay {
+                until,
+                headers,
+                after,
+            } => {
                 self.response_headers = headers;
+                self.after = after;
                 self.waiting_until = Some(until);
-                let first = with_vm(&self.vm, |vm| {
-                    vm.waiters.insert((until, self.context_id));
-                    vm.waiters.len() == 1
-                });
+                with_vm(&self.vm, |vm| vm.waiters.insert((until, self.context_id)));
                 // Only Envoy pauses (HostKind::can_pause); nginx traps on a tick period set
                 // outside the root context.
-                if first == Some(true) && self.host.can_pause() {
-                    set_tick(WAIT_TICK);
+                if self.host.can_pause() {
+                    retick(&self.vm);
                 }
                 Action::Pause
             }
             Decision::Reject(rejection) => {
-                let headers: Vec<(&str, &str)> = rejection
-                    .headers
-                    .iter()
-                    .map(|(name, value)| (*name, value.as_str()))
-                    .collect();
-                // ngx_wasm_module appends a line feed to every local response body:
-                // send one less so that the client gets the configured body.
-                let body = match self.host {
-                    HostKind::Nginx => rejection.body.strip_suffix('\n').unwrap_or(&rejection.body),
-                    HostKind::Envoy => &rejection.body,
-                };
-                if let Err(status) = hostcalls::send_http_response(
-                    u32::from(rejection.status),
-                    headers,
-                    Some(body.as_bytes()),
-                ) {
-                    log::warn!("diana: cannot send the rejection: {status:?}");
-                }
+                send_rejection(self.host, &rejection);
                 Action::Pause
             }
             Decision::Call(callout, pending) => self.dispatch(configured, callout, pending, paused),
+            Decision::Wait(pending) => {
+                // Only where the host can pause (the engine parks nothing elsewhere).
+                let (Some(rider), Some(configured)) = (pending.rider(), self.configured.clone())
+                else {
+                    return Action::Continue;
+                };
+                self.parked = Some(rider);
+                with_vm(&self.vm, |vm| {
+                    vm.parked.insert(
+                        rider,
+                        Parked {
+                            context_id: self.context_id,
+                            configured,
+                            pending,
+                        },
+                    )
+                });
+                retick(&self.vm);
+                Action::Pause
+            }
         }
     }
 
@@ -459,42 +801,16 @@ impl DianaHttp {
         pending: Pending,
         paused: bool,
     ) -> Action {
-        if self.host == HostKind::Nginx && !host::is_host_port(&callout.upstream) {
-            let reply = Reply::NotSent(format!(
-                "upstream {:?} is not host:port, which nginx needs",
-                callout.upstream
-            ));
-            let decision = configured.engine.complete(
-                &HostSharedData,
-                pending,
-                reply,
-                host::now(),
-                &mut Sink(&configured.metrics),
-            );
-            return self.apply(configured, decision, paused);
-        }
-        let headers: Vec<(&str, &str)> = callout
-            .headers
-            .iter()
-            .map(|(name, value)| (*name, value.as_str()))
-            .collect();
-        match hostcalls::dispatch_http_call(
-            &callout.upstream,
-            headers,
-            Some(&callout.body),
-            vec![],
-            Duration::from_millis(callout.timeout_ms),
-        ) {
+        match host::dispatch(self.host, &callout) {
             Ok(_token) => {
                 self.pending = Some(pending);
                 Action::Pause
             }
-            Err(status) => {
-                let reply = Reply::NotSent(format!("{status:?} (upstream {})", callout.upstream));
+            Err(reason) => {
                 let decision = configured.engine.complete(
                     &HostSharedData,
                     pending,
-                    reply,
+                    Reply::NotSent(reason),
                     host::now(),
                     &mut Sink(&configured.metrics),
                 );
@@ -504,7 +820,15 @@ impl DianaHttp {
     }
 
     fn forget_waiter(&mut self) {
-        if let Some(until) = self.waiting_until.take() {
+        let answered = match self.parked {
+            Some(_) => with_vm(&self.vm, |vm| vm.answers.remove(&self.context_id)).flatten(),
+            None => None,
+        };
+        if let Some(until) = self
+            .waiting_until
+            .take()
+            .or(answered.and_then(|answer| answer.waiting_until))
+        {
             let abandoned = with_vm(&self.vm, |vm| vm.waiters.remove(&(until, self.context_id)));
             if abandoned == Some(true) {
                 if let Some(configured) = &self.configured {
@@ -527,23 +851,7 @@ impl Context for DianaHttp {
         else {
             return;
         };
-        let reply = if num_headers == 0 {
-            Reply::NoAnswer
-        } else {
-            let status = host::callout_status();
-            let body = if body_size > MAX_ANSWER_BYTES {
-                None
-            } else {
-                match hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size) {
-                    Ok(body) => Some(body.unwrap_or_default()),
-                    Err(status) => {
-                        log::debug!("diana: callout body unreadable: {status:?}");
-                        None
-                    }
-                }
-            };
-            Reply::Answered { status, body }
-        };
+        let reply = host::callout_reply(num_headers, body_size, MAX_ANSWER_BYTES);
         let decision = configured.engine.complete(
             &HostSharedData,
             pending,
@@ -561,6 +869,22 @@ impl Context for DianaHttp {
 impl Drop for DianaHttp {
     fn drop(&mut self) {
         self.forget_waiter();
+        // Gone while paused for its callout or parked behind another's: what it charged
+        // goes back, and the requests parked behind its callout plan again.
+        let parked = self
+            .parked
+            .and_then(|rider| with_vm(&self.vm, |vm| vm.parked.remove(&rider)).flatten());
+        if let Some(parked) = parked {
+            parked
+                .configured
+                .engine
+                .abandon(&HostSharedData, parked.pending, host::now());
+        }
+        if let (Some(pending), Some(configured)) = (self.pending.take(), &self.configured) {
+            configured
+                .engine
+                .abandon(&HostSharedData, pending, host::now());
+        }
     }
 }
 
@@ -589,13 +913,34 @@ impl HttpContext for DianaHttp {
             &HostSharedData,
             &raw_path,
             &HostRequest,
-            host::now(),
+            host::HostClock,
             &mut Sink(&configured.metrics),
         );
         self.apply(&configured, decision, false)
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        if self.parked.is_some() {
+            if let Some(answer) =
+                with_vm(&self.vm, |vm| vm.answers.remove(&self.context_id)).flatten()
+            {
+                self.response_headers = answer.headers;
+                self.after = answer.after;
+            }
+        }
+        if let (Some(after), Some(configured)) = (self.after.take(), self.configured.as_ref()) {
+            let values: Vec<Option<Vec<u8>>> = after
+                .headers()
+                .map(|name| host::header_bytes(MapType::HttpResponseHeaders, name))
+                .collect();
+            configured.engine.after_response(
+                &HostSharedData,
+                after,
+                &values,
+                host::now(),
+                &mut Sink(&configured.metrics),
+            );
+        }
         for (name, value) in self.response_headers.drain(..) {
             if let Err(status) =
                 hostcalls::add_map_value(MapType::HttpResponseHeaders, name, &value)

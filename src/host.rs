@@ -4,15 +4,17 @@
 
 use diana_core::actor::RequestFacts;
 use diana_core::config::Rule;
+use diana_core::decision::{Callout, Reply};
 use diana_core::metrics::{
     prometheus_text, rule_metric_name, Event, MetricSink, RuleEvent, DEGRADED_GAUGE,
 };
 use diana_core::properties::client_ip_from_address;
 use diana_core::store::{HostError, SetOutcome, SharedData};
-use diana_core::time::Nanos;
+use diana_core::time::{Clock, Nanos};
 use proxy_wasm::hostcalls;
-use proxy_wasm::types::{MapType, MetricType, Status};
+use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
 use std::collections::HashMap;
+use std::time::Duration;
 use std::time::UNIX_EPOCH;
 
 /// proxy-wasm shared data (process-wide on Envoy, across worker processes on nginx).
@@ -119,11 +121,65 @@ pub fn is_host_port(upstream: &str) -> bool {
         && port.parse::<u16>().is_ok_and(|port| port > 0)
 }
 
+/// Makes `callout` (`dispatch_http_call`); the token, or why it was not sent. On nginx a
+/// malformed `host:port` traps inside the host call, so it is checked first.
+pub fn dispatch(host: HostKind, callout: &Callout) -> Result<u32, String> {
+    if host == HostKind::Nginx && !is_host_port(&callout.upstream) {
+        return Err(format!(
+            "upstream {:?} is not host:port, which nginx needs",
+            callout.upstream
+        ));
+    }
+    let headers: Vec<(&str, &str)> = callout
+        .headers
+        .iter()
+        .map(|(name, value)| (*name, value.as_str()))
+        .collect();
+    hostcalls::dispatch_http_call(
+        &callout.upstream,
+        headers,
+        Some(&callout.body),
+        vec![],
+        Duration::from_millis(callout.timeout_ms),
+    )
+    .map_err(|status| format!("{status:?} (upstream {})", callout.upstream))
+}
+
+/// The host's account of a callout, in `on_http_call_response`: no headers means no
+/// answer; a body larger than `max_body` (0: not wanted) is not read.
+pub fn callout_reply(num_headers: usize, body_size: usize, max_body: usize) -> Reply {
+    if num_headers == 0 {
+        return Reply::NoAnswer;
+    }
+    let status = callout_status();
+    let body = if body_size > max_body {
+        None
+    } else {
+        match hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size) {
+            Ok(body) => Some(body.unwrap_or_default()),
+            Err(status) => {
+                log::debug!("diana: callout body unreadable: {status:?}");
+                None
+            }
+        }
+    };
+    Reply::Answered { status, body }
+}
+
 /// The `:status` of a callout's answer (0 when missing or unreadable).
 pub fn callout_status() -> u16 {
     header_bytes(MapType::HttpCallResponseHeaders, ":status")
         .and_then(|s| std::str::from_utf8(&s).ok()?.trim().parse::<u16>().ok())
         .unwrap_or(0)
+}
+
+/// The host clock, read when a decision needs it.
+pub struct HostClock;
+
+impl Clock for HostClock {
+    fn now(&self) -> Option<Nanos> {
+        now()
+    }
 }
 
 /// Host time in nanoseconds since the epoch; `None` when the host cannot tell (the engine

@@ -1,5 +1,6 @@
 """Configuration as the gateways see it: the accepted forms of the document, and a bad
-document refused with a message naming the field and its line/column (DESIGN §3).
+document refused with a message naming the field and its line/column (docs/design.md §3),
+and one `diana:` on every line the filter logs.
 
 Envoy 1.40 behaviour with a plugin whose on_configure returns false at startup: the wasm
 log line carries the filter's message, then `Unable to create Wasm plugin diana`, and the
@@ -65,6 +66,12 @@ def test_rpu_zero_is_refused_with_field_and_position(procs, upstream, host):
     lines = _filter_error_lines(log)
     record(f"{host}: bad document (rpu: 0) log", lines[:3])
     assert lines, f"no error from the filter in the Envoy log:\n{log[-3000:]}"
+    # One `diana:` per line: Envoy's own prefix (`wasm log diana diana: `) already ends in
+    # it and the filter adds none; ngx_wasm_module's (`[proxy-wasm]["diana" #0] `) does
+    # not, and the filter adds it.
+    for ln in lines:
+        assert ln.count("diana:") == 1, f"`diana:` is not there exactly once: {ln}"
+        assert "configuration rejected" in ln, ln
     msg = "\n".join(lines)
     assert "rpu" in msg
     m = re.search(r"line\D{0,3}(\d+)", msg, re.IGNORECASE)
@@ -83,14 +90,40 @@ def test_rpu_zero_is_refused_with_field_and_position(procs, upstream, host):
         ("Url: sample\nrules:\n  - rpu: 5\n", ["url"]),  # Url not starting with /
         ("Url: /\nrules:\n  - rpu: 5\n    algo: XYZ\n", ["algo"]),  # bad value
         ("resources:\n  - Url: /a\n    rules: [{rpu: 1}]\n  - Url: /a\n    rules: [{rpu: 2}]\n", ["url", "/a"]),
+        # What the quota service would refuse is refused at load (DESIGN §3).
+        ("Url: /\nrules:\n  - {rpu: 5, scope: global, lease: 200000}\n", ["lease", "100000"]),
+        ("Url: /\nrules:\n  - {rpu: 100, scope: global, cost: 20}\n", ["lease"]),
     ],
-    ids=["unknown-key", "url-without-slash", "bad-algo", "duplicate-resource"],
+    ids=["unknown-key", "url-without-slash", "bad-algo", "duplicate-resource", "lease-too-large", "cost-above-lease"],
 )
 def test_bad_documents_are_refused(procs, upstream, host, doc, field):
     """`field`: the message must name one of these (case-insensitive)."""
     _, log = _start_bad(procs, upstream, doc, f"{host}-bad", host)
     msg = "\n".join(_filter_error_lines(log))
     assert any(f.lower() in msg.lower() for f in field), f"error does not name {field}:\n{msg or log[-3000:]}"
+
+
+def test_log_lines_say_diana_once(start_gateway):
+    """Every line the filter logs carries exactly one `diana:`, whoever prints it."""
+    gw = start_gateway("Url: /\nrules:\n  - {rpu: 100}\n")
+    assert request(gw.port, "/").status == 200
+    text = gw.error_text() if gw.kind == "nginx" else gw.log_text()
+    lines = [ln for ln in text.splitlines() if "local configuration applied" in ln]
+    record(f"{gw.kind}: configuration applied log line", lines[:1])
+    assert lines, text[-3000:]
+    for ln in lines:
+        assert ln.count("diana:") == 1, f"`diana:` is not there exactly once: {ln}"
+        assert "diana: local configuration applied" in ln, ln
+
+
+def test_ietf_rule_names_refused_at_load_name_the_rule(procs, upstream, host):
+    """A rule name that cannot be a structured-field string (not printable ASCII) is refused
+    when the document is loaded, naming the field and its position."""
+    doc = "resources:\n  - Url: /\n    rules:\n      - {rpu: 1, name: \"café\"}\nresponse: {header_style: ietf}\n"
+    _, log = _start_bad(procs, upstream, doc, f"{host}-bad-name", host)
+    msg = "\n".join(_filter_error_lines(log))
+    assert "rules[0].name" in msg and "printable ASCII" in msg and "line 4" in msg, msg or log[-3000:]
+
 
 
 FORMS = {

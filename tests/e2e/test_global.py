@@ -284,4 +284,6 @@ def test_keep_alive_connections_hammer_requests_paused_for_callouts(procs, start
     record(f"{gw.kind}: 8 keep-alive clients x 50 requests, each paused for a callout", f"{st} in {elapsed:.1f}s")
     assert not harness.errors(results), harness.errors(results)[:3]
     assert st == {200: 300, 429: 100}, st
-    assert callouts([gw]) >= 300
+    # Each request paused for its own callout or (Envoy) parked behind another's.
+    coalesced = harness.metric_sum(gw.diana_metrics(), "diana_global_coalesced")
+    assert callouts([gw]) + coalesced >= 300

@@ -52,6 +52,10 @@ def test_scripts_run_serves_the_demo_policy_and_stops_on_ctrl_c(log_dir):
         wait_for_fresh_minute(5)  # the /sample rule is a fixed window on the epoch minute
         codes = [request(gw, "/sample", {"x-device-id": "phone-1"}).status for _ in range(7)]
         assert codes == [200] * 5 + [503] * 2, codes  # sample_device: 5 per minute per device
+        # llm_tokens: 1 token up front, then the answer's x-llm-tokens (900), in debt after two.
+        llm = [request(gw, "/llm?tokens=900", {"x-account-id": "alice"}).status for _ in range(3)]
+        assert llm == [200, 200, 503], llm
+        assert request(gw, "/llm?tokens=900", {"x-account-id": "bob"}).status == 200
         # sample_global went through the quota service that scripts/run started.
         status, body, _ = http_get(ports["DIANA_ADMIN_PORT"], "/stats?filter=diana_global")
         stats = dict(line.rsplit(": ", 1) for line in body.decode().splitlines() if ": " in line)

@@ -13,6 +13,7 @@
 use crate::plan::count_global;
 use crate::yaml::{map, number, string};
 use diana_core::config::Policy;
+use diana_core::metrics::{envoy_rule_tag_regex, RULE_LABEL};
 use serde_yaml::Value;
 use std::net::IpAddr;
 use std::path::Path;
@@ -205,6 +206,19 @@ fn wasm_filter(document: &str, wasm: &str) -> Value {
     ])
 }
 
+/// `stats_config` with the tag that gives Diana's rule counters a `rule` label in Envoy's
+/// `/stats/prometheus` (`diana_rule_allowed{rule="login_burst"}`, the names and label the
+/// filter's own metrics path uses); `/stats` keeps the full names.
+pub fn stats_config() -> Value {
+    map(vec![(
+        "stats_tags",
+        Value::Sequence(vec![map(vec![
+            ("tag_name", string(RULE_LABEL)),
+            ("regex", string(&envoy_rule_tag_regex())),
+        ])]),
+    )])
+}
+
 fn listener(options: &Options, document: &str, upstream_cluster: &str) -> Value {
     let route = map(vec![
         ("match", map(vec![("prefix", string("/"))])),
@@ -327,6 +341,7 @@ pub fn render(policy: &Policy, document: &str, options: &Options) -> Result<Rend
             "admin",
             map(vec![("address", socket_address(&options.admin))]),
         ),
+        ("stats_config", stats_config()),
         (
             "static_resources",
             map(vec![
@@ -352,7 +367,7 @@ pub fn render(policy: &Policy, document: &str, options: &Options) -> Result<Rend
         options.wasm
     ));
     yaml.push_str(&format!(
-        "# admin {} (Diana metrics: /stats?filter=wasmcustom)\n",
+        "# admin {} (Diana metrics: /stats?filter=wasmcustom, /stats/prometheus with a rule label)\n",
         options.admin.display()
     ));
     for note in &notes {

@@ -34,9 +34,10 @@ fn digits(slots: u32) -> usize {
     slots.saturating_sub(1).max(1).ilog10() as usize + 1
 }
 
-/// Bytes the records of one rule can take.
+/// Bytes the records of one rule can take. A one-counter rule (`actor: all`) has a spare
+/// slot beside its own (`SlotAddress::single`).
 pub fn rule_bytes(rule: &Rule) -> u64 {
-    let slots = u64::from(rule.slots.get());
+    let slots = u64::from(rule.slots.get().max(2));
     let words = rule.algo.state_words(&rule.limit);
     let slot_key = rule.keys.slots.len() + digits(rule.slots.get());
     let mut bytes = slots * allocation(slot_key, slot_record_bytes(words));
@@ -85,7 +86,7 @@ mod tests {
         )
         .unwrap();
         let rules: Vec<u64> = policy.rules().map(rule_bytes).collect();
-        assert_eq!(rules, [65_536 * 256, 256]);
+        assert_eq!(rules, [65_536 * 256, 2 * 256]);
         // 16 MiB of slots + 64 KiB + 1/8 slack: 19 MiB.
         assert_eq!(directive(&policy), "shm_kv diana 19m;");
         let global = parse_policy(

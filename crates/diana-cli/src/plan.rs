@@ -3,7 +3,7 @@
 //! as YAML for people (`diana check`) or as JSON (`diana check --json`).
 
 use crate::yaml::{map, number, string};
-use diana_core::config::{HeaderMode, Policy, Rule, Scope};
+use diana_core::config::{Lease, Policy, Rule, Scope};
 use serde_yaml::Value;
 
 /// Machine-readable plan (JSON): rates also as numbers (`rate_per_second`).
@@ -85,11 +85,6 @@ fn build(policy: &Policy, machine: bool) -> Value {
         .collect();
 
     let response = &policy.response;
-    let headers = match response.headers {
-        HeaderMode::None => "none",
-        HeaderMode::Limited => "limited",
-        HeaderMode::All => "all",
-    };
     let global = &policy.global;
     let remote = match &policy.remote {
         None => Value::Null,
@@ -113,7 +108,8 @@ fn build(policy: &Policy, machine: bool) -> Value {
             map(vec![
                 ("status", number(u64::from(response.status))),
                 ("body", string(&response.body)),
-                ("headers", string(headers)),
+                ("headers", string(response.headers.name())),
+                ("header_style", string(response.header_style.name())),
             ]),
         ),
         (
@@ -123,7 +119,13 @@ fn build(policy: &Policy, machine: bool) -> Value {
                 ("authority", string(&global.authority)),
                 ("path", string(&global.path)),
                 ("timeout_ms", number(u64::from(global.timeout_ms))),
-                ("lease", number(u64::from(global.lease.get()))),
+                (
+                    "lease",
+                    match global.lease {
+                        Lease::Fixed(lease) => number(u64::from(lease.get())),
+                        Lease::Auto => string("auto"),
+                    },
+                ),
                 ("retry_seconds", number(u64::from(global.retry_seconds))),
                 ("used_by_rules", number(count_global(policy) as u64)),
             ]),
@@ -154,7 +156,14 @@ fn rule_plan(rule: &Rule, machine: bool) -> Value {
         ("slices", number(u64::from(limit.slices.get()))),
         ("slots", number(u64::from(rule.slots.get()))),
         ("scope", string(rule.scope.name())),
-        ("lease", number(u64::from(rule.lease.get()))),
+        (
+            "lease",
+            if rule.lease_auto {
+                string(&format!("auto (at most {})", rule.lease))
+            } else {
+                number(u64::from(rule.lease.get()))
+            },
+        ),
         ("dry_run", Value::Bool(rule.dry_run)),
     ]);
     map(entries)

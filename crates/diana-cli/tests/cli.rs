@@ -32,6 +32,7 @@ actors:
 response:
   status: 429
   headers: all
+  header_style: ietf
 global:
   lease: 4
 remote:
@@ -119,6 +120,7 @@ fn seed_plan_has_every_default() {
     assert_eq!(plan["response"]["status"], 503);
     assert_eq!(plan["response"]["body"], "rate limited\n");
     assert_eq!(plan["response"]["headers"], "limited");
+    assert_eq!(plan["response"]["header_style"], "x-ratelimit");
     assert_eq!(plan["global"]["cluster"], "diana_quota");
     assert_eq!(plan["global"]["authority"], "diana-quota");
     assert_eq!(plan["global"]["path"], "/v1/acquire");
@@ -205,6 +207,7 @@ fn full_form_plan_orders_resources_and_resolves_defaults() {
 
     assert_eq!(plan["response"]["status"], 429);
     assert_eq!(plan["response"]["headers"], "all");
+    assert_eq!(plan["response"]["header_style"], "ietf");
     assert_eq!(plan["global"]["used_by_rules"], 0);
     assert_eq!(plan["remote"]["cluster"], "diana_config");
     assert_eq!(
@@ -368,6 +371,40 @@ fn render_envoy_embeds_the_document_and_the_clusters_it_needs() {
     assert_eq!(
         bootstrap["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"],
         8000
+    );
+}
+
+/// The rendered bootstrap labels Diana's rule counters by rule in Envoy's Prometheus
+/// output (`stats_config.stats_tags`), and every other Envoy bootstrap of the repository
+/// (the example, the compose file, the renderer the tests and `scripts/run` use) carries
+/// the same entry.
+#[test]
+fn envoy_bootstraps_tag_rule_counters_with_a_rule_label() {
+    let (_, bootstrap) = render(SEED, &[]);
+    let tags = &bootstrap["stats_config"]["stats_tags"];
+    assert_eq!(tags.as_sequence().map(Vec::len), Some(1), "{tags:?}");
+    assert_eq!(tags[0]["tag_name"], "rule");
+    let regex = tags[0]["regex"].as_str().unwrap().to_string();
+    assert_eq!(
+        regex,
+        r"^wasmcustom\.diana_rule_(?:allowed|limited|dry_run_limited)(\.([A-Za-z0-9_]+))$"
+    );
+    for file in ["envoy/envoy.yaml", "docker/envoy.yaml"] {
+        let other: serde_yaml::Value =
+            serde_yaml::from_str(&std::fs::read_to_string(repo_root().join(file)).unwrap())
+                .unwrap();
+        assert_eq!(other["stats_config"], bootstrap["stats_config"], "{file}");
+    }
+    let python = std::fs::read_to_string(repo_root().join("scripts/render_envoy.py")).unwrap();
+    assert!(
+        python.contains(&format!("RULE_TAG_REGEX = r\"{regex}\"")),
+        "scripts/render_envoy.py renders another regex"
+    );
+    assert!(python.contains(r#""tag_name": "rule""#));
+    let readme = std::fs::read_to_string(repo_root().join("README.md")).unwrap();
+    assert!(
+        readme.contains(&format!("regex: '{regex}'")),
+        "the README shows another stats_tags regex"
     );
 }
 

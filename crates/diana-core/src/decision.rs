@@ -1,27 +1,36 @@
-//! What an evaluation answers: admit, admit after a wait, reject, or make a call first.
+//! What an evaluation answers: admit, admit after a wait, reject, make a call first, or
+//! wait for another request's call.
 //! Complete data, so that the host glue only moves bytes: a rejection carries its status,
 //! body and headers; a call carries its upstream, headers, body and timeout.
 
 use crate::response::Rejection;
+use crate::store::SlotAddress;
 use crate::time::Nanos;
 
 /// What the host must do with the request. `P` is what the evaluator needs back, with
 /// the call's reply, to finish a request it paused for a call.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Decision<P> {
-    /// Let it through now, adding these headers to the response.
+    /// Let it through now, adding these headers to the response; once the upstream has
+    /// answered, hand `after` back with the response headers it names.
     Allow {
         headers: Vec<(&'static str, String)>,
+        after: Option<AfterResponse>,
     },
     /// Let it through at `until` (leaky bucket): pause it and resume it then.
     Delay {
         until: Nanos,
         headers: Vec<(&'static str, String)>,
+        after: Option<AfterResponse>,
     },
     /// Answer with this local reply.
     Reject(Rejection),
     /// Make this call, pause the request, and hand the reply back with `P`.
     Call(Callout, P),
+    /// Pause the request behind another request's call (single flight); once the engine
+    /// lists it as woken, hand `P` back to be planned again (Envoy only: a host that can
+    /// resume a request from its tick).
+    Wait(P),
 }
 
 /// An HTTP call the host makes on the filter's behalf (`dispatch_http_call`).
@@ -45,4 +54,31 @@ pub enum Reply {
     /// An answer: its status (0 when unreadable) and body (`None` when it was larger than
     /// the caller accepts).
     Answered { status: u16, body: Option<Vec<u8>> },
+}
+
+/// What to charge once the upstream has answered (`response_cost`): for each rule, the
+/// response header that holds the cost and the identity to charge.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct AfterResponse {
+    pub(crate) charges: Vec<ResponseCharge>,
+}
+
+/// One rule's response cost to charge.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ResponseCharge {
+    pub rule: usize,
+    pub header: String,
+    pub address: SlotAddress,
+}
+
+impl AfterResponse {
+    /// The response headers to read, in the order [`crate::engine::Engine::after_response`]
+    /// wants their values.
+    pub fn headers(&self) -> impl Iterator<Item = &str> {
+        self.charges.iter().map(|charge| charge.header.as_str())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.charges.is_empty()
+    }
 }

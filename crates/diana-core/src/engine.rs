@@ -15,31 +15,62 @@
 
 use crate::actor::{Identity, RequestFacts};
 use crate::config::{Policy, Rule, Scope};
-use crate::decision::{Decision, Reply};
+use crate::decision::{AfterResponse, Callout, Decision, Reply, ResponseCharge};
+use crate::global::debts::Debt;
+use crate::global::flights::RiderId;
 use crate::global::stash::StashReceipt;
-use crate::global::{Asked, Denial, Global, GlobalCharge, Interpretation, Outcome, Plan};
+use crate::global::{Asked, Denial, Global, GlobalCharge, Interpretation, Outcome, Payment, Plan};
+use crate::local::{Local, LocalCharge, Taken};
 use crate::matching;
-use crate::metrics::{Event, MetricSink, RuleEvent};
+use crate::metrics::{Event, MetricSink, NoMetrics, RuleEvent};
 use crate::path;
-use crate::response::{admitted_headers, Rejection, RuleReport};
-use crate::store::{ChargeError, Receipt, SharedData, SlotAddress, SlotTable, Store};
-use crate::time::Nanos;
+use crate::response::{admitted_rule_headers, Rejection, RuleReport};
+use crate::store::{ChargeError, SharedData, SlotAddress, SlotTable};
+use crate::time::{ceil_seconds, ceil_seconds_at_least_one, Clock, Nanos};
+use smallvec::SmallVec;
+
+/// The rules of one request are few: these lists stay on the stack (no allocation on the
+/// hot path).
+type Few<T> = SmallVec<[T; 4]>;
 
 /// What the engine answers: a [`Decision`] whose call carries the paused request's state.
 pub type EngineDecision = Decision<Pending>;
 
-/// A request paused for a callout: what was charged so far and what was asked.
+/// A paused request: what was charged so far, and what it waits for.
 #[derive(Debug)]
 pub struct Pending {
-    held: Vec<Held>,
-    asked: Asked,
+    held: Few<Held>,
     progress: Progress,
+    stage: Stage,
+}
+
+/// What a paused request waits for.
+#[derive(Debug)]
+enum Stage {
+    /// The answer to its callout.
+    Asked(Asked),
+    /// Another request's callout for one of its global rules; then it plans again.
+    Parked {
+        charges: Few<GlobalCharge>,
+        rider: RiderId,
+    },
 }
 
 impl Pending {
-    /// What the callout asked (for logs and tests).
-    pub fn asked(&self) -> &Asked {
-        &self.asked
+    /// What the callout asked (for logs and tests); `None` for a parked request.
+    pub fn asked(&self) -> Option<&Asked> {
+        match &self.stage {
+            Stage::Asked(asked) => Some(asked),
+            Stage::Parked { .. } => None,
+        }
+    }
+
+    /// The id under which a parked request is woken ([`Engine::woken`]).
+    pub fn rider(&self) -> Option<RiderId> {
+        match &self.stage {
+            Stage::Asked(_) => None,
+            Stage::Parked { rider, .. } => Some(*rider),
+        }
     }
 }
 
@@ -47,18 +78,20 @@ impl Pending {
 #[derive(Debug)]
 struct Held {
     rule: usize,
-    receipt: Receipt,
+    taken: Taken,
 }
 
 /// What the evaluation gathered so far.
 #[derive(Debug, Default)]
 struct Progress {
     /// The admitting rule with the fewest remaining requests (for `headers: all`).
-    tightest: Option<RuleReport>,
+    tightest: Option<(usize, RuleReport)>,
     /// Longest leaky-bucket wait among admitting rules.
     delay: Nanos,
     /// Rule metrics to report once the request is decided.
-    tally: Vec<(usize, RuleEvent)>,
+    tally: Few<(usize, RuleEvent)>,
+    /// Response costs to charge once the upstream has answered.
+    after: Few<ResponseCharge>,
 }
 
 impl Progress {
@@ -67,9 +100,9 @@ impl Progress {
         if let Some(report) = report {
             if self
                 .tightest
-                .is_none_or(|tightest| report.remaining < tightest.remaining)
+                .is_none_or(|(_, tightest)| report.remaining < tightest.remaining)
             {
-                self.tightest = Some(report);
+                self.tightest = Some((index, report));
             }
         }
         self.tally.push((index, RuleEvent::Allowed));
@@ -95,8 +128,10 @@ impl Progress {
 
 /// The rules of one request, in charging order.
 struct Applicable<'p> {
-    local: Vec<(&'p Rule, SlotAddress, u32)>,
-    global: Vec<GlobalCharge>,
+    local: Few<(&'p Rule, SlotAddress, u32)>,
+    global: Few<GlobalCharge>,
+    /// The rules with a response cost.
+    after: Few<ResponseCharge>,
 }
 
 /// The immutable policy plus the per-VM machinery to evaluate it.
@@ -107,7 +142,7 @@ pub struct Engine {
     needs_path: bool,
     /// The host can pause a request and resume it later (Envoy: yes; nginx: no).
     can_pause: bool,
-    store: Store,
+    local: Local,
     global: Global,
 }
 
@@ -119,7 +154,7 @@ impl Engine {
             policy,
             needs_path,
             can_pause: true,
-            store: Store::new(),
+            local: Local::new(),
             global,
         }
     }
@@ -177,26 +212,36 @@ impl Engine {
         self.rules().any(|rule| rule.scope == Scope::Global)
     }
 
-    /// Evaluates one request. `raw_path` is the `:path` pseudo-header as sent; `now` is
-    /// `None` when the host clock could not be read (the request is then admitted and
-    /// nothing is written: a broken clock must not rewrite counters near the epoch).
+    /// Evaluates one request. `raw_path` is the `:path` pseudo-header as sent; the clock is
+    /// read only when some rule applies, and when it cannot be read the request is admitted
+    /// and nothing is written (a broken clock must not rewrite counters near the epoch).
     pub fn evaluate(
         &self,
         host: &dyn SharedData,
         raw_path: &[u8],
         facts: &dyn RequestFacts,
-        now: Option<Nanos>,
+        clock: impl Clock,
         metrics: &mut dyn MetricSink,
     ) -> EngineDecision {
-        let Some(now) = now else {
+        let applicable = self.applicable(raw_path, facts);
+        if applicable.local.is_empty() && applicable.global.is_empty() {
+            return Decision::Allow {
+                headers: Vec::new(),
+                after: None,
+            };
+        }
+        let Some(now) = clock.now() else {
             metrics.event(Event::ClockError);
             return Decision::Allow {
                 headers: Vec::new(),
+                after: None,
             };
         };
-        let applicable = self.applicable(raw_path, facts);
-        let mut progress = Progress::default();
-        let mut held = Vec::new();
+        let mut progress = Progress {
+            after: applicable.after,
+            ..Progress::default()
+        };
+        let mut held = Few::new();
         for &(rule, address, cost) in &applicable.local {
             if let Err(rejection) = self.charge_locally(
                 host,
@@ -214,10 +259,20 @@ impl Engine {
         if applicable.global.is_empty() {
             return self.finish(progress, now, metrics);
         }
-        match self
-            .global
-            .plan(host, &self.policy, &applicable.global, now, metrics)
-        {
+        self.decide_globally(host, applicable.global, held, progress, now, metrics)
+    }
+
+    /// The global half of an evaluation: the local rules have admitted (`held`).
+    fn decide_globally(
+        &self,
+        host: &dyn SharedData,
+        charges: Few<GlobalCharge>,
+        held: Few<Held>,
+        mut progress: Progress,
+        now: Nanos,
+        metrics: &mut dyn MetricSink,
+    ) -> EngineDecision {
+        match self.global.plan(host, &self.policy, &charges, now, metrics) {
             Plan::Done(outcomes) => {
                 progress.apply(outcomes);
                 self.finish(progress, now, metrics)
@@ -236,6 +291,11 @@ impl Engine {
                 metrics.event(Event::GlobalDegradedRequest);
                 self.degrade(host, local, served, held, progress, now, metrics)
             }
+            Plan::Park(rider) => Decision::Wait(Pending {
+                held,
+                progress,
+                stage: Stage::Parked { charges, rider },
+            }),
             Plan::Call {
                 outcomes,
                 callout,
@@ -246,12 +306,72 @@ impl Engine {
                     callout,
                     Pending {
                         held,
-                        asked,
                         progress,
+                        stage: Stage::Asked(asked),
                     },
                 )
             }
         }
+    }
+
+    /// Plans a woken request again ([`Engine::woken`]): its flight has landed, so its
+    /// global rules are likely served from the lease stash now.
+    pub fn resume(
+        &self,
+        host: &dyn SharedData,
+        pending: Pending,
+        now: Option<Nanos>,
+        metrics: &mut dyn MetricSink,
+    ) -> EngineDecision {
+        let Pending {
+            held,
+            progress,
+            stage,
+        } = pending;
+        match stage {
+            Stage::Parked { charges, .. } => match now {
+                Some(now) => self.decide_globally(host, charges, held, progress, now, metrics),
+                None => {
+                    metrics.event(Event::ClockError);
+                    Decision::Allow {
+                        headers: Vec::new(),
+                        after: None,
+                    }
+                }
+            },
+            stage @ Stage::Asked(_) => {
+                let pending = Pending {
+                    held,
+                    progress,
+                    stage,
+                };
+                self.complete(host, pending, Reply::NoAnswer, now, metrics)
+            }
+        }
+    }
+
+    /// The parked requests to [`Engine::resume`], in the order they parked. Called from
+    /// the host's tick while [`Engine::has_riders`].
+    pub fn woken(&self, now: Option<Nanos>) -> Vec<RiderId> {
+        now.map(|now| self.global.woken(now)).unwrap_or_default()
+    }
+
+    /// True when requests are parked behind another request's callout.
+    pub fn has_riders(&self) -> bool {
+        self.global.has_riders()
+    }
+
+    /// A paused request is gone (its client went away): what it had charged is given
+    /// back, and the requests parked behind its callout plan again.
+    pub fn abandon(&self, host: &dyn SharedData, pending: Pending, now: Option<Nanos>) {
+        let Some(now) = now else {
+            return;
+        };
+        match pending.stage {
+            Stage::Asked(asked) => self.global.abandon_call(host, &self.policy, asked, now),
+            Stage::Parked { rider, .. } => self.global.leave(rider),
+        }
+        self.give_back_held(host, &pending.held, now, &mut NoMetrics);
     }
 
     /// Finishes a request paused for a callout, with the host's account of the call.
@@ -265,13 +385,25 @@ impl Engine {
     ) -> EngineDecision {
         let Pending {
             held,
-            asked,
             mut progress,
+            stage,
         } = pending;
+        let asked = match stage {
+            Stage::Asked(asked) => asked,
+            stage @ Stage::Parked { .. } => {
+                let pending = Pending {
+                    held,
+                    progress,
+                    stage,
+                };
+                return self.resume(host, pending, now, metrics);
+            }
+        };
         let Some(now) = now else {
             metrics.event(Event::ClockError);
             return Decision::Allow {
                 headers: Vec::new(),
+                after: None,
             };
         };
         match self
@@ -302,10 +434,11 @@ impl Engine {
             std::borrow::Cow::Borrowed(&b"/"[..])
         };
         let mut applicable = Applicable {
-            local: Vec::new(),
-            global: Vec::new(),
+            local: Few::new(),
+            global: Few::new(),
+            after: Few::new(),
         };
-        let mut waiting = Vec::new();
+        let mut waiting: Few<(&Rule, SlotAddress, u32)> = Few::new();
         for (_, resource) in matching::matching(&self.policy, &path) {
             for rule in &resource.rules {
                 let address = match rule.actor.identify(facts) {
@@ -313,7 +446,14 @@ impl Engine {
                     Identity::Everyone => SlotAddress::single(),
                     Identity::Key(hash) => SlotAddress::of(hash, rule.slots.get()),
                 };
-                let cost = 1;
+                let cost = rule.cost.of(facts);
+                if let Some(response_cost) = &rule.response_cost {
+                    applicable.after.push(ResponseCharge {
+                        rule: rule.index,
+                        header: response_cost.header.clone(),
+                        address,
+                    });
+                }
                 match rule.scope {
                     Scope::Global => applicable.global.push(GlobalCharge {
                         index: rule.index,
@@ -348,11 +488,11 @@ impl Engine {
         cost: u32,
         now: Nanos,
         progress: &mut Progress,
-        held: &mut Vec<Held>,
+        held: &mut Few<Held>,
         metrics: &mut dyn MetricSink,
     ) -> Result<(), Rejection> {
         let table = self.table(rule);
-        match self.store.charge(host, &table, address, now, cost, cost) {
+        match self.local.charge(host, &table, rule, address, cost, now) {
             Err(ChargeError::Host(error)) => {
                 // The host store itself failed: a defined behaviour, admit uncounted.
                 log::warn!("diana: rule {}: {error}; request admitted", rule.name);
@@ -370,26 +510,51 @@ impl Engine {
                 progress.tally.push((rule.index, RuleEvent::Limited));
                 Err(Rejection::new(&self.policy.response, rule, &report))
             }
-            Ok(charge) => {
-                if charge.collided {
+            Ok(LocalCharge::Admitted {
+                taken,
+                remaining,
+                reset,
+                delay,
+                collided,
+            }) => {
+                if collided {
                     metrics.event(Event::SlotCollision);
                 }
-                let report = RuleReport::new(rule, &charge.verdict);
-                if let Some(receipt) = charge.receipt {
-                    held.push(Held {
-                        rule: rule.index,
-                        receipt,
-                    });
-                    progress.admit(rule.index, Some(report), charge.verdict.delay);
-                    Ok(())
-                } else if rule.dry_run || self.policy.dry_run {
+                held.push(Held {
+                    rule: rule.index,
+                    taken,
+                });
+                let report = RuleReport {
+                    limit: rule.limit.rpu.get(),
+                    remaining,
+                    reset_seconds: ceil_seconds(reset),
+                    retry_after_seconds: 1,
+                };
+                progress.admit(rule.index, Some(report), delay);
+                Ok(())
+            }
+            Ok(LocalCharge::Denied {
+                retry_after,
+                remaining,
+                reset,
+                collided,
+            }) => {
+                if collided {
+                    metrics.event(Event::SlotCollision);
+                }
+                if rule.dry_run || self.policy.dry_run {
                     log::debug!("diana: dry run: rule {} would reject", rule.name);
                     progress.would_deny(rule.index);
-                    Ok(())
-                } else {
-                    progress.tally.push((rule.index, RuleEvent::Limited));
-                    Err(Rejection::new(&self.policy.response, rule, &report))
+                    return Ok(());
                 }
+                let report = RuleReport {
+                    limit: rule.limit.rpu.get(),
+                    remaining,
+                    reset_seconds: ceil_seconds(reset),
+                    retry_after_seconds: ceil_seconds_at_least_one(retry_after),
+                };
+                progress.tally.push((rule.index, RuleEvent::Limited));
+                Err(Rejection::new(&self.policy.response, rule, &report))
             }
         }
     }
@@ -402,7 +567,7 @@ impl Engine {
         host: &dyn SharedData,
         local: Vec<GlobalCharge>,
         served: Vec<StashReceipt>,
-        mut held: Vec<Held>,
+        mut held: Few<Held>,
         mut progress: Progress,
         now: Nanos,
         metrics: &mut dyn MetricSink,
@@ -441,19 +606,36 @@ impl Engine {
     fn reject(
         &self,
         host: &dyn SharedData,
-        held: Vec<Held>,
+        held: Few<Held>,
         progress: Progress,
         rejection: Rejection,
         now: Nanos,
         metrics: &mut dyn MetricSink,
     ) -> EngineDecision {
+        self.give_back_held(host, &held, now, metrics);
+        for (index, event) in progress.tally {
+            if event != RuleEvent::Allowed {
+                metrics.rule_event(index, event);
+            }
+        }
+        Decision::Reject(rejection)
+    }
+
+    /// Gives back every local charge of a request that will not pass.
+    fn give_back_held(
+        &self,
+        host: &dyn SharedData,
+        held: &[Held],
+        now: Nanos,
+        metrics: &mut dyn MetricSink,
+    ) {
         for held in held.iter().rev() {
             let Some(rule) = self.policy.rule(held.rule) else {
                 continue;
             };
             match self
-                .store
-                .release(host, &self.table(rule), &held.receipt, now)
+                .local
+                .give_back(host, &self.table(rule), rule, &held.taken, now)
             {
                 Ok(()) => {}
                 Err(ChargeError::Contention) => metrics.event(Event::StoreContention),
@@ -466,12 +648,6 @@ impl Engine {
                 }
             }
         }
-        for (index, event) in progress.tally {
-            if event != RuleEvent::Allowed {
-                metrics.rule_event(index, event);
-            }
-        }
-        Decision::Reject(rejection)
     }
 
     /// Every rule admitted: allow now or after the longest wait.
@@ -484,15 +660,157 @@ impl Engine {
         for &(index, event) in &progress.tally {
             metrics.rule_event(index, event);
         }
-        let headers = admitted_headers(&self.policy.response, progress.tightest.as_ref());
+        let tightest = progress
+            .tightest
+            .as_ref()
+            .and_then(|(index, report)| Some((self.policy.rule(*index)?, report)));
+        let headers = admitted_rule_headers(&self.policy.response, tightest);
+        let after = (!progress.after.is_empty()).then(|| AfterResponse {
+            charges: progress.after.into_vec(),
+        });
         if progress.delay > 0 && self.can_pause {
             metrics.event(Event::Delayed);
             Decision::Delay {
                 until: now.saturating_add(progress.delay),
                 headers,
+                after,
             }
         } else {
-            Decision::Allow { headers }
+            Decision::Allow { headers, after }
+        }
+    }
+
+    /// Charges the response costs of an admitted request once the upstream has answered:
+    /// `values` are the response headers [`AfterResponse::headers`] names, in order (`None`
+    /// when absent). Local rules are charged at once, past their limit if need be; global
+    /// rules' costs are owed to the quota service and sent from the tick
+    /// ([`Engine::pay_debts`]).
+    pub fn after_response(
+        &self,
+        host: &dyn SharedData,
+        after: AfterResponse,
+        values: &[Option<Vec<u8>>],
+        now: Option<Nanos>,
+        metrics: &mut dyn MetricSink,
+    ) {
+        let Some(now) = now else {
+            metrics.event(Event::ClockError);
+            return;
+        };
+        for (charge, value) in after.charges.into_iter().zip(values) {
+            let Some(rule) = self.policy.rule(charge.rule) else {
+                continue;
+            };
+            let Some(response_cost) = &rule.response_cost else {
+                continue;
+            };
+            let tokens = response_cost.of(value.as_deref());
+            if tokens == 0 {
+                continue;
+            }
+            let debt = Debt {
+                rule: charge.rule,
+                address: charge.address,
+                tokens: u64::from(tokens),
+            };
+            let local = match rule.scope {
+                Scope::Local => Some(debt),
+                Scope::Global => self.global.owe(debt),
+            };
+            if let Some(debt) = local {
+                self.charge_debt_locally(host, debt, now, metrics);
+            }
+        }
+    }
+
+    /// From the worker's tick: tokens of local batches this worker no longer spends go
+    /// back to their counters (see [`crate::local`]). Returns how many.
+    pub fn tick(&self, host: &dyn SharedData, clock: impl Clock) -> usize {
+        let Some(now) = clock.now() else {
+            return 0;
+        };
+        self.global.tick(host, &self.policy, now);
+        self.local.return_unspent(host, now, |index| {
+            let rule = self.policy.rule(index)?;
+            Some((rule, self.table(rule)))
+        })
+    }
+
+    /// True when some rule lends batches to workers (the host then ticks to give idle
+    /// workers' tokens back).
+    pub fn lends(&self) -> bool {
+        self.rules().any(|rule| !rule.algo.waits())
+    }
+
+    /// True when response costs wait to be sent to the quota service.
+    pub fn owes(&self) -> bool {
+        self.global.owes()
+    }
+
+    /// From the tick: the callout that sends this worker's response costs to the quota
+    /// service (`None`: nothing owed, or charged locally because the service is down).
+    pub fn pay_debts(
+        &self,
+        host: &dyn SharedData,
+        now: Option<Nanos>,
+        metrics: &mut dyn MetricSink,
+    ) -> Option<(Callout, Vec<Debt>)> {
+        let now = now?;
+        match self.global.plan_payment(host, &self.policy, now, metrics) {
+            Payment::Nothing => None,
+            Payment::Call(callout, debts) => Some((callout, debts)),
+            Payment::Local(debts) => {
+                for debt in debts {
+                    self.charge_debt_locally(host, debt, now, metrics);
+                }
+                None
+            }
+        }
+    }
+
+    /// The answer to [`Engine::pay_debts`]'s callout: what the service did not take is
+    /// charged locally.
+    pub fn debts_paid(
+        &self,
+        host: &dyn SharedData,
+        debts: Vec<Debt>,
+        reply: Reply,
+        now: Option<Nanos>,
+        metrics: &mut dyn MetricSink,
+    ) {
+        let Some(now) = now else {
+            return;
+        };
+        for debt in self.global.paid(host, debts, reply, now, metrics) {
+            self.charge_debt_locally(host, debt, now, metrics);
+        }
+    }
+
+    fn charge_debt_locally(
+        &self,
+        host: &dyn SharedData,
+        debt: Debt,
+        now: Nanos,
+        metrics: &mut dyn MetricSink,
+    ) {
+        let Some(rule) = self.policy.rule(debt.rule) else {
+            return;
+        };
+        let tokens = u32::try_from(debt.tokens).unwrap_or(u32::MAX);
+        match self
+            .local
+            .store()
+            .charge_debt(host, &self.table(rule), debt.address, now, tokens)
+        {
+            Ok(_) => {}
+            Err(ChargeError::Contention) => metrics.event(Event::StoreContention),
+            Err(ChargeError::Host(error)) => {
+                log::warn!(
+                    "diana: rule {}: response cost not charged: {error}",
+                    rule.name
+                );
+                metrics.event(Event::StoreError);
+            }
         }
     }
 }

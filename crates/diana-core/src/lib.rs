@@ -7,6 +7,7 @@
 //! - [`matching`]: which resource blocks (and so which rules) apply to a path.
 //! - [`actor`]: where an identity comes from (header, fallback, client address) and its hash.
 //! - [`algo`]: the rate-limiting algorithms (W, SW, LB, TB) as pure functions over a state.
+//! - [`local`]: per-worker batches of local rules' tokens (the hot path without host calls).
 //! - [`store`]: process-wide state in a key/value host store with compare-and-swap, slot tables.
 //! - [`engine`]: one request's evaluation, from facts to a decision, sequenced.
 //! - [`decision`]: what an evaluation answers (admit, delay, reject, a complete call).
@@ -17,6 +18,7 @@
 //! - [`lifecycle`]: releasing the shared-data records of rules a new document dropped.
 //! - [`remote`]: polling the config center and sharing its document with every worker.
 //! - [`properties`]: host property values (Envoy vs nginx spellings).
+//! - [`logline`]: one `diana:` per log line, whatever the host prefixes.
 //! - [`quota`]: the quota service's decisions, pure, and an in-process quota service.
 
 pub mod actor;
@@ -27,6 +29,8 @@ pub mod engine;
 pub mod global;
 pub mod hash;
 pub mod lifecycle;
+pub mod local;
+pub mod logline;
 pub mod matching;
 pub mod metrics;
 pub mod path;

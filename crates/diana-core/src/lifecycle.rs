@@ -177,7 +177,9 @@ pub fn sweep(store: &Store, host: &dyn SharedData) -> usize {
     };
     let keys = RuleKeys::of(rule.id);
     let mut released = 0;
-    for slot in from..to {
+    // A one-counter rule may have used its spare slot 1 ([`SlotAddress::single`]).
+    let spare = (rule.slots == 1 && from == 0).then_some(1);
+    for slot in (from..to).chain(spare) {
         let mut prefixes = vec![&keys.slots];
         if rule.global {
             prefixes.push(&keys.leases);
@@ -252,6 +254,26 @@ mod tests {
             let id = |policy: &Policy| policy.rules().next().unwrap().id;
             assert_eq!(pending, [id(&first)], "{semantics:?}");
         }
+    }
+
+    #[test]
+    fn a_dropped_one_counter_rule_releases_its_spare_slot_too() {
+        let host = MemoryHost::new(CasSemantics::Nginx);
+        let store = Store::new();
+        let first = parse_policy("Url: /\nrules:\n  - {rpu: 5, unit: minute}\n").unwrap();
+        adopt(&store, &host, &first);
+        let rule = first.rules().next().unwrap();
+        // Slot 0 held another key's record: the counter lives in the spare slot 1.
+        let spare = slot_key_in(&rule.keys.slots, 1);
+        host.put_raw(&slot_key_in(&rule.keys.slots, 0), b"another key's record");
+        traffic(&Engine::new(first.clone()), &host, 1);
+        assert!(store.read(&host, &spare).unwrap().is_some());
+        let second = parse_policy("Url: /\nrules:\n  - {rpu: 6, unit: minute}\n").unwrap();
+        assert_eq!(adopt(&store, &host, &second), 1);
+        while has_work(&store, &host) {
+            sweep(&store, &host);
+        }
+        assert_eq!(store.read(&host, &spare).unwrap(), None);
     }
 
     #[test]

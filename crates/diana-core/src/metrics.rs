@@ -60,6 +60,9 @@ pub enum Event {
     LeaseRefill,
     /// A global rule was answered from a cached denial, without a callout.
     CachedDenial,
+    /// A request waited for another request's callout for the same rule and identity
+    /// instead of making its own (single flight).
+    GlobalCoalesced,
     /// A new configuration was applied (local or remote).
     ConfigReload,
     /// A configuration document was refused.
@@ -69,7 +72,7 @@ pub enum Event {
 }
 
 impl Event {
-    pub const ALL: [Event; 16] = [
+    pub const ALL: [Event; 17] = [
         Event::StoreError,
         Event::StoreContention,
         Event::ClockError,
@@ -83,6 +86,7 @@ impl Event {
         Event::GlobalInvalidAnswer,
         Event::LeaseRefill,
         Event::CachedDenial,
+        Event::GlobalCoalesced,
         Event::ConfigReload,
         Event::ConfigRejected,
         Event::ConfigFetchError,
@@ -103,6 +107,7 @@ impl Event {
             Event::GlobalInvalidAnswer => "diana_global_invalid_answers",
             Event::LeaseRefill => "diana_global_lease_refills",
             Event::CachedDenial => "diana_global_cached_denials",
+            Event::GlobalCoalesced => "diana_global_coalesced",
             Event::ConfigReload => "diana_config_reloads",
             Event::ConfigRejected => "diana_config_rejected",
             Event::ConfigFetchError => "diana_config_fetch_errors",
@@ -117,6 +122,25 @@ pub const DEGRADED_GAUGE: &str = "diana_global_degraded";
 /// the rule's [`stat_name`] (`Rule::metric_name`).
 pub fn rule_metric_name(rule_stat_name: &str, event: RuleEvent) -> String {
     format!("diana_rule_{}.{}", event.suffix(), rule_stat_name)
+}
+
+/// The label that carries the rule of a rule counter in Prometheus text: in the filter's
+/// own metrics path ([`prometheus_text`]) and in Envoy's `/stats/prometheus`
+/// ([`envoy_rule_tag_regex`]).
+pub const RULE_LABEL: &str = "rule";
+
+/// The `regex` of the Envoy `stats_config.stats_tags` entry (with `tag_name: rule`) that
+/// makes Envoy's `/stats/prometheus` show `diana_rule_allowed{rule="login_burst"}` rather
+/// than one metric per rule. Envoy matches it against the full stat name
+/// (`wasmcustom.diana_rule_allowed.login_burst`), removes the first capture group
+/// (`.login_burst`) from the name and takes the second (`login_burst`) as the tag's value.
+/// Envoy's text `/stats` keeps the full names.
+pub fn envoy_rule_tag_regex() -> String {
+    let events: Vec<&str> = RuleEvent::ALL.iter().map(|event| event.suffix()).collect();
+    format!(
+        r"^wasmcustom\.diana_rule_(?:{})(\.([A-Za-z0-9_]+))$",
+        events.join("|")
+    )
 }
 
 /// A rule name as it appears in metric names (see [`rule_metric_name`]): `/#0` (the first
@@ -169,7 +193,9 @@ pub fn prometheus_text<'a>(values: impl IntoIterator<Item = (&'a str, u64, bool)
         text.push_str(&format!("# TYPE {family} {kind}\n"));
         for (rule, value) in samples {
             match rule {
-                Some(rule) => text.push_str(&format!("{family}{{rule=\"{rule}\"}} {value}\n")),
+                Some(rule) => {
+                    text.push_str(&format!("{family}{{{RULE_LABEL}=\"{rule}\"}} {value}\n"))
+                }
                 None => text.push_str(&format!("{family} {value}\n")),
             }
         }
@@ -230,7 +256,7 @@ impl MetricSink for CountingMetrics {
 
 #[cfg(test)]
 mod tests {
-    use super::{prometheus_text, stat_name};
+    use super::{envoy_rule_tag_regex, prometheus_text, rule_metric_name, stat_name, RuleEvent};
 
     #[test]
     fn rule_counters_become_one_family_with_a_rule_label() {
@@ -243,6 +269,29 @@ mod tests {
             text,
             "# TYPE diana_rule_allowed counter\ndiana_rule_allowed{rule=\"root_0\"} 5\ndiana_rule_allowed{rule=\"login\"} 1\n# TYPE diana_global_degraded gauge\ndiana_global_degraded 0\n"
         );
+    }
+
+    #[test]
+    fn envoy_tag_regex_covers_every_rule_counter() {
+        assert_eq!(
+            envoy_rule_tag_regex(),
+            r"^wasmcustom\.diana_rule_(?:allowed|limited|dry_run_limited)(\.([A-Za-z0-9_]+))$"
+        );
+        // Every rule counter, as Envoy names it, has the shape the regex expects: a family
+        // the alternation lists, then `.` and a stat-safe rule name.
+        for event in RuleEvent::ALL {
+            let name = format!(
+                "wasmcustom.{}",
+                rule_metric_name(&stat_name("/api/v1#2"), event)
+            );
+            let (family, rule) = name.rsplit_once('.').expect("a rule suffix");
+            assert_eq!(rule, "api_v1_2");
+            assert!(
+                family.starts_with("wasmcustom.diana_rule_")
+                    && envoy_rule_tag_regex().contains(event.suffix()),
+                "{name}"
+            );
+        }
     }
 
     #[test]

@@ -1,10 +1,32 @@
 //! The answer Diana gives: the rejection response (status, body, `Retry-After`) and the
-//! `X-RateLimit-*` headers of the rule that decided, in the document's header mode.
+//! rate-limit headers of the rule that decided, in the document's header mode
+//! (`response.headers`: when) and style (`response.header_style`: which fields).
+//!
+//! Styles:
+//! - `x-ratelimit`: `X-RateLimit-Limit`, `X-RateLimit-Remaining`, `X-RateLimit-Reset`;
+//! - `ietf`: the fields of draft-ietf-httpapi-ratelimit-headers-10, each a structured-field
+//!   List (RFC 8941) of one Item, a String naming the rule, with Integer parameters:
+//!   `RateLimit-Policy: "<name>";q=<rpu>;w=<unit in seconds>` and
+//!   `RateLimit: "<name>";r=<remaining>;t=<seconds>`, where `t` is, on a rejection, the
+//!   seconds until a request would be admitted (the `Retry-After` value) and, on an admitted
+//!   answer, the seconds until the limit has fully recovered;
+//! - `both`: both sets.
+//!
+//! The IETF fields need the rule's name: a rejection whose rule is unknown
+//! ([`Rejection::unnamed`]) carries the `X-RateLimit-*` fields only.
 
 use crate::algo::Verdict;
 use crate::config::{HeaderMode, ResponseSpec, Rule};
 use crate::time::{ceil_seconds, ceil_seconds_at_least_one};
 use crate::wire::RuleResult;
+
+/// Header names, lower case (HTTP/2 requires it; HTTP/1 hosts print them as given).
+pub const RETRY_AFTER: &str = "retry-after";
+pub const X_RATELIMIT_LIMIT: &str = "x-ratelimit-limit";
+pub const X_RATELIMIT_REMAINING: &str = "x-ratelimit-remaining";
+pub const X_RATELIMIT_RESET: &str = "x-ratelimit-reset";
+pub const RATELIMIT_POLICY: &str = "ratelimit-policy";
+pub const RATELIMIT: &str = "ratelimit";
 
 /// What one rule said about a request, in the units of the rate-limit headers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,11 +65,74 @@ impl RuleReport {
     /// The three `X-RateLimit-*` headers.
     pub fn headers(&self) -> [(&'static str, String); 3] {
         [
-            ("x-ratelimit-limit", self.limit.to_string()),
-            ("x-ratelimit-remaining", self.remaining.to_string()),
-            ("x-ratelimit-reset", self.reset_seconds.to_string()),
+            (X_RATELIMIT_LIMIT, self.limit.to_string()),
+            (X_RATELIMIT_REMAINING, self.remaining.to_string()),
+            (X_RATELIMIT_RESET, self.reset_seconds.to_string()),
         ]
     }
+
+    /// `RateLimit-Policy` and `RateLimit` (draft-ietf-httpapi-ratelimit-headers-10) of
+    /// `rule`. `rejected`: `t` is the wait until a request would be admitted
+    /// (`Retry-After`); otherwise the time until the limit has recovered.
+    pub fn ietf_headers(&self, rule: &Rule, rejected: bool) -> [(&'static str, String); 2] {
+        let name = sf_string(&rule.name);
+        let t = if rejected {
+            self.retry_after_seconds
+        } else {
+            self.reset_seconds
+        };
+        [
+            (
+                RATELIMIT_POLICY,
+                format!(
+                    "{name};q={};w={}",
+                    rule.limit.rpu.get(),
+                    rule.limit.unit.seconds()
+                ),
+            ),
+            (RATELIMIT, format!("{name};r={};t={t}", self.remaining)),
+        ]
+    }
+}
+
+/// `text` as a structured-field String (RFC 8941 §3.3.3): in double quotes, with `"` and
+/// `\` escaped by a backslash. Only printable ASCII (0x20–0x7E) may appear in one; a rule
+/// name is refused at load otherwise, so the `_` that would stand for any other character
+/// is never sent for a valid policy.
+pub fn sf_string(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() + 2);
+    out.push('"');
+    for c in text.chars() {
+        match c {
+            '"' | '\\' => {
+                out.push('\\');
+                out.push(c);
+            }
+            ' '..='~' => out.push(c),
+            _ => out.push('_'),
+        }
+    }
+    out.push('"');
+    out
+}
+
+/// The rate-limit headers of a report in `spec`'s style (the caller checks the mode).
+/// `rule`: the rule the report is about; without it the IETF fields, which name the rule,
+/// are left out.
+fn rate_limit_headers(
+    spec: &ResponseSpec,
+    rule: Option<&Rule>,
+    report: &RuleReport,
+    rejected: bool,
+) -> Vec<(&'static str, String)> {
+    let mut headers = Vec::with_capacity(5);
+    if spec.header_style.x_ratelimit() {
+        headers.extend(report.headers());
+    }
+    if let (true, Some(rule)) = (spec.header_style.ietf(), rule) {
+        headers.extend(report.ietf_headers(rule, rejected));
+    }
+    headers
 }
 
 /// A local reply that rejects the request.
@@ -62,42 +147,273 @@ pub struct Rejection {
 
 impl Rejection {
     pub fn new(spec: &ResponseSpec, rule: &Rule, report: &RuleReport) -> Rejection {
-        let mut headers = vec![("retry-after", report.retry_after_seconds.to_string())];
-        if spec.headers != HeaderMode::None {
-            headers.extend(report.headers());
-        }
-        Rejection {
-            status: spec.status,
-            body: spec.body.clone(),
-            headers,
-            rule: rule.name.clone(),
-        }
+        Rejection::build(spec, Some(rule), report)
     }
-}
 
-impl Rejection {
-    /// A rejection whose rule is unknown (a policy that changed under a paused request).
+    /// A rejection whose rule is unknown (a policy that changed under a paused request):
+    /// no IETF fields, which would have to name it.
     pub fn unnamed(spec: &ResponseSpec, report: &RuleReport) -> Rejection {
-        let mut headers = vec![("retry-after", report.retry_after_seconds.to_string())];
+        Rejection::build(spec, None, report)
+    }
+
+    fn build(spec: &ResponseSpec, rule: Option<&Rule>, report: &RuleReport) -> Rejection {
+        let mut headers = vec![(RETRY_AFTER, report.retry_after_seconds.to_string())];
         if spec.headers != HeaderMode::None {
-            headers.extend(report.headers());
+            headers.extend(rate_limit_headers(spec, rule, report, true));
         }
         Rejection {
             status: spec.status,
             body: spec.body.clone(),
             headers,
-            rule: String::new(),
+            rule: rule.map_or_else(String::new, |rule| rule.name.clone()),
         }
     }
 }
 
-/// Headers to add to an admitted request's response (`headers: all` only).
-pub fn admitted_headers(
+/// Headers to add to an admitted request's response (`headers: all` only), from the
+/// admitting rule with the fewest remaining requests and its report.
+pub fn admitted_rule_headers(
     spec: &ResponseSpec,
-    report: Option<&RuleReport>,
+    tightest: Option<(&Rule, &RuleReport)>,
 ) -> Vec<(&'static str, String)> {
-    match (spec.headers, report) {
-        (HeaderMode::All, Some(report)) => report.headers().to_vec(),
+    match (spec.headers, tightest) {
+        (HeaderMode::All, Some((rule, report))) => {
+            rate_limit_headers(spec, Some(rule), report, false)
+        }
         _ => Vec::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::parse_policy;
+
+    /// A policy with one rule `name` of `rpu` per `unit`, and `response` as its section.
+    fn document(name: &str, rpu: u32, unit: &str, response: &str) -> crate::config::Policy {
+        let text = format!(
+            "resources:\n  - Url: /\n    rules:\n      - {{rpu: {rpu}, unit: {unit}, name: '{}'}}\nresponse: {response}\n",
+            name.replace('\'', "''")
+        );
+        match parse_policy(&text) {
+            Ok(policy) => policy,
+            Err(err) => panic!("{err}\n{text}"),
+        }
+    }
+
+    fn first_rule(policy: &crate::config::Policy) -> &Rule {
+        policy.rules().next().expect("one rule")
+    }
+
+    /// The rejection of [`REPORT`] by the one rule of [`document`]`(name, rpu, unit, response)`.
+    fn reject(name: &str, rpu: u32, unit: &str, response: &str) -> Rejection {
+        let policy = document(name, rpu, unit, response);
+        Rejection::new(&policy.response, first_rule(&policy), &REPORT)
+    }
+
+    const REPORT: RuleReport = RuleReport {
+        limit: 10,
+        remaining: 0,
+        reset_seconds: 42,
+        retry_after_seconds: 6,
+    };
+
+    fn names(headers: &[(&'static str, String)]) -> Vec<&'static str> {
+        headers.iter().map(|(name, _)| *name).collect()
+    }
+
+    fn value<'h>(headers: &'h [(&'static str, String)], name: &str) -> Option<&'h str> {
+        headers
+            .iter()
+            .find(|(known, _)| *known == name)
+            .map(|(_, value)| value.as_str())
+    }
+
+    #[test]
+    fn x_ratelimit_is_the_default_style() {
+        let rejection = reject("login_burst", 10, "minute", "{}");
+        assert_eq!(
+            rejection.headers,
+            vec![
+                ("retry-after", "6".to_string()),
+                ("x-ratelimit-limit", "10".to_string()),
+                ("x-ratelimit-remaining", "0".to_string()),
+                ("x-ratelimit-reset", "42".to_string()),
+            ]
+        );
+        assert_eq!(rejection.rule, "login_burst");
+    }
+
+    #[test]
+    fn ietf_rejection_names_the_rule_and_waits_for_retry_after() {
+        let rejection = reject("login_burst", 10, "minute", "{header_style: ietf}");
+        assert_eq!(
+            rejection.headers,
+            vec![
+                ("retry-after", "6".to_string()),
+                ("ratelimit-policy", "\"login_burst\";q=10;w=60".to_string()),
+                ("ratelimit", "\"login_burst\";r=0;t=6".to_string()),
+            ]
+        );
+    }
+
+    #[test]
+    fn both_styles_on_a_rejection() {
+        let rejection = reject("daily", 1000, "day", "{header_style: both, status: 429}");
+        assert_eq!(rejection.status, 429);
+        assert_eq!(
+            names(&rejection.headers),
+            [
+                "retry-after",
+                "x-ratelimit-limit",
+                "x-ratelimit-remaining",
+                "x-ratelimit-reset",
+                "ratelimit-policy",
+                "ratelimit",
+            ]
+        );
+        assert_eq!(
+            value(&rejection.headers, "ratelimit-policy"),
+            Some("\"daily\";q=1000;w=86400")
+        );
+        assert_eq!(
+            value(&rejection.headers, "ratelimit"),
+            Some("\"daily\";r=0;t=6")
+        );
+    }
+
+    #[test]
+    fn headers_none_sends_only_retry_after_in_every_style() {
+        for style in ["x-ratelimit", "ietf", "both"] {
+            let policy = document(
+                "r",
+                5,
+                "second",
+                &format!("{{headers: none, header_style: {style}}}"),
+            );
+            let rejection = Rejection::new(&policy.response, first_rule(&policy), &REPORT);
+            assert_eq!(
+                rejection.headers,
+                vec![("retry-after", "6".to_string())],
+                "{style}"
+            );
+            let admitted =
+                admitted_rule_headers(&policy.response, Some((first_rule(&policy), &REPORT)));
+            assert!(admitted.is_empty(), "{style}: {admitted:?}");
+        }
+    }
+
+    #[test]
+    fn admitted_answers_carry_the_reset_as_t_with_headers_all() {
+        let report = RuleReport {
+            limit: 3,
+            remaining: 2,
+            reset_seconds: 1200,
+            retry_after_seconds: 1,
+        };
+        let policy = document(
+            "three_per_hour",
+            3,
+            "hour",
+            "{headers: all, header_style: ietf}",
+        );
+        let rule = first_rule(&policy);
+        assert_eq!(
+            admitted_rule_headers(&policy.response, Some((rule, &report))),
+            vec![
+                (
+                    "ratelimit-policy",
+                    "\"three_per_hour\";q=3;w=3600".to_string()
+                ),
+                ("ratelimit", "\"three_per_hour\";r=2;t=1200".to_string()),
+            ]
+        );
+
+        let both = document(
+            "three_per_hour",
+            3,
+            "hour",
+            "{headers: all, header_style: both}",
+        );
+        let headers = admitted_rule_headers(&both.response, Some((first_rule(&both), &report)));
+        assert_eq!(
+            names(&headers),
+            [
+                "x-ratelimit-limit",
+                "x-ratelimit-remaining",
+                "x-ratelimit-reset",
+                "ratelimit-policy",
+                "ratelimit",
+            ]
+        );
+        assert_eq!(headers[..3], report.headers()[..]);
+
+        // `headers: limited`: admitted answers carry nothing.
+        let limited = document("x", 3, "hour", "{header_style: both}");
+        assert!(
+            admitted_rule_headers(&limited.response, Some((first_rule(&limited), &report)))
+                .is_empty()
+        );
+    }
+
+    #[test]
+    fn an_unnamed_rejection_has_no_ietf_fields() {
+        let policy = document("r", 5, "second", "{header_style: both}");
+        let rejection = Rejection::unnamed(&policy.response, &REPORT);
+        assert_eq!(
+            names(&rejection.headers),
+            [
+                "retry-after",
+                "x-ratelimit-limit",
+                "x-ratelimit-remaining",
+                "x-ratelimit-reset"
+            ]
+        );
+        assert_eq!(rejection.rule, "");
+    }
+
+    #[test]
+    fn rule_names_become_sf_strings() {
+        // Quotes and backslashes are escaped; every other printable character is itself.
+        let rejection = reject(r#"say "hi" \ bye"#, 7, "second", "{header_style: ietf}");
+        assert_eq!(
+            value(&rejection.headers, "ratelimit-policy"),
+            Some(r#""say \"hi\" \\ bye";q=7;w=1"#)
+        );
+        assert_eq!(
+            value(&rejection.headers, "ratelimit"),
+            Some(r#""say \"hi\" \\ bye";r=0;t=6"#)
+        );
+        // Default names (`<Url>#<index>`) are printable ASCII too.
+        let text =
+            "resources:\n  - Url: /api/v1\n    rules: [{rpu: 2}]\nresponse: {header_style: ietf}\n";
+        let policy = match parse_policy(text) {
+            Ok(policy) => policy,
+            Err(err) => panic!("{err}\n{text}"),
+        };
+        let rejection = Rejection::new(&policy.response, first_rule(&policy), &REPORT);
+        assert_eq!(
+            value(&rejection.headers, "ratelimit-policy"),
+            Some("\"/api/v1#0\";q=2;w=1")
+        );
+    }
+
+    #[test]
+    fn sf_string_escapes_and_never_lets_a_control_through() {
+        for (text, expected) in [
+            ("", r#""""#),
+            ("plain", r#""plain""#),
+            (r#"a"b"#, r#""a\"b""#),
+            (r"a\b", r#""a\\b""#),
+            (
+                " ~!#$%&'()*+,-./:;<=>?@[]^_`{|}",
+                r#"" ~!#$%&'()*+,-./:;<=>?@[]^_`{|}""#,
+            ),
+            ("tab\there", r#""tab_here""#),
+            ("del\u{7f}", r#""del_""#),
+            ("é", r#""_""#),
+        ] {
+            assert_eq!(sf_string(text), expected, "{text:?}");
+        }
     }
 }

@@ -56,6 +56,19 @@ impl fmt::Display for Unit {
     }
 }
 
+/// Where the current time comes from, read only when a decision needs it (a policy that
+/// matches nothing never reads the clock). `None`: the clock could not be read.
+pub trait Clock {
+    fn now(&self) -> Option<Nanos>;
+}
+
+/// A time already read (or known to be unavailable).
+impl Clock for Option<Nanos> {
+    fn now(&self) -> Option<Nanos> {
+        *self
+    }
+}
+
 /// Rounds a duration up to whole seconds, at least 1: the form `Retry-After` needs.
 pub fn ceil_seconds_at_least_one(duration: Nanos) -> u64 {
     duration.div_ceil(NANOS_PER_SECOND).max(1)

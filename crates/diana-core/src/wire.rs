@@ -329,13 +329,16 @@ pub fn decode_response(request: &AcquireRequest, body: &[u8]) -> Result<AcquireR
     Ok(response)
 }
 
-/// The longest duration a correct answer can announce for a limit: a window or unit, plus
-/// the deepest a bucket can go (a full queue, a bucket in debt), in milliseconds.
+/// The longest duration a correct answer can announce for a limit, in milliseconds: two
+/// windows or units (a counter last written by a clock up to one unit ahead — another
+/// service instance, a clock that stepped back — is counted in that later window or slice,
+/// which ends up to two units away), plus the deepest a bucket can go (a full queue, a
+/// bucket in debt).
 pub fn max_duration_ms(limit: &Limit) -> u64 {
     let unit_ms = u128::from(limit.unit.seconds()) * 1_000;
     let bucket = (u128::from(limit.burst.get()) + 1) * unit_ms * 2;
     let bucket_ms = bucket.div_ceil(u128::from(limit.rpu.get()));
-    u64::try_from(unit_ms + bucket_ms + 1).unwrap_or(u64::MAX)
+    u64::try_from(2 * unit_ms + bucket_ms + 1).unwrap_or(u64::MAX)
 }
 
 /// Checks an answer against the request it answers before anything of it is believed:
@@ -699,6 +702,40 @@ mod tests {
         let resolved = decoded.resolve().unwrap();
         assert_eq!(resolved[0].cost.get(), 1);
         assert_eq!(resolved[0].max_delay, Some(10_000_000_000));
+    }
+
+    /// Found by `scripts/fuzz` (target `wire_answers`, seed 1, case 289): an honest answer
+    /// for a counter last written by a clock up to a unit ahead (W and SW then count in
+    /// the later window or slice) announces a reset up to two units away, and was refused
+    /// as longer than the limit allows — the filter then treated a working service as
+    /// failing. SW 2,689,673,342 per hour: `reset_ms` 6,335,877 against a bound of 3,600,002.
+    #[test]
+    fn an_answer_from_a_counter_written_a_unit_ahead_is_accepted() {
+        for (algo, slices) in [("W", 1), ("SW", 25)] {
+            let mut asked = rule();
+            asked.algo = algo.to_string();
+            asked.rpu = 2_689_673_342;
+            asked.unit = "hour".to_string();
+            asked.burst = 7;
+            asked.slices = slices;
+            let asked = request(vec![asked]);
+            let resolved = asked.resolve().unwrap();
+            let (algo, limit) = (resolved[0].algo, resolved[0].limit);
+            let hour = Unit::Hour.nanos();
+            let now = 490_000 * hour + hour / 10;
+            let mut state = vec![0; algo.state_words(&limit)];
+            // Another instance, 0.99 h ahead, counted in the next window.
+            algo.acquire(&limit, &mut state, now + hour * 99 / 100, 1);
+            let verdict = algo.acquire(&limit, &mut state, now, 1);
+            assert!(
+                verdict.reset > hour,
+                "{algo:?}: the reset is over one unit away"
+            );
+            let answer = AcquireResponse {
+                results: vec![RuleResult::from_verdict(&verdict)],
+            };
+            assert_eq!(validate_response(&asked, &answer), Ok(()), "{algo:?}");
+        }
     }
 
     #[test]

@@ -105,6 +105,8 @@ ALGOS.TB = {
     local n_us, n_f = q_add(den, base_us, base_f, k_us, k_f)
     local cap_us, cap_f = q_add(den, now, 0, a_us, a_f)
     if not q_le(n_us, n_f, cap_us, cap_f) then n_us, n_f = cap_us, cap_f end
+    -- never below the stored TAT (a clock that stepped back puts the cap before it)
+    if not q_le(base_us, base_f, n_us, n_f) then n_us, n_f = base_us, base_f end
     local d_us, d_f = q_sub(den, n_us, n_f, now, 0)
     local available = tb_available(P, d_us, d_f)
     local V = {

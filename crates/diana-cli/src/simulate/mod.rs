@@ -312,7 +312,8 @@ impl Replay {
                 Decision::Delay { until, .. } if until > now => Fate::Delayed(until - now),
                 Decision::Delay { .. } => Fate::Admitted,
                 Decision::Reject(_) => Fate::Rejected,
-                Decision::Call(..) => {
+                // Calls are answered at once here, so nothing is ever parked behind one.
+                Decision::Call(..) | Decision::Wait(_) => {
                     self.unresolved += 1;
                     Fate::Rejected
                 }

@@ -92,6 +92,15 @@ pub trait Algorithm: Send + Sync + fmt::Debug {
         false
     }
 
+    /// Until when a worker may spend tokens it took in one batch at `now` (counted at
+    /// `mark`) without breaking the algorithm's definition: the end of the window (W), of
+    /// the slice (SW), a short span (TB). `now` itself: no batches (LB, whose every turn
+    /// has its own instant). See [`crate::local`].
+    fn lease_until(&self, limit: &Limit, mark: Mark, now: Nanos) -> Nanos {
+        let _ = (limit, mark);
+        now
+    }
+
     /// True when tokens may be charged past the limit ([`Algorithm::charge_debt`]), as a
     /// response cost known only after the upstream answered.
     fn allows_debt(&self) -> bool {

@@ -229,6 +229,14 @@ impl Algorithm for SlidingWindow {
         }
     }
 
+    /// Tokens counted in a slice may be spent only while it lasts: counted in an earlier
+    /// slice, they would leave the window before the requests they admitted.
+    fn lease_until(&self, limit: &Limit, mark: Mark, now: Nanos) -> Nanos {
+        let slices = Slices::of(limit);
+        let end = slices.start(mark.0.saturating_add(1));
+        u64::try_from(end).unwrap_or(u64::MAX).max(now)
+    }
+
     fn release(&self, limit: &Limit, state: &mut [u64], now: Nanos, tokens: u32, mark: Mark) {
         let view = View::new(limit, state, now);
         let Ok(slice) = u64::try_from(mark.0) else {

@@ -31,6 +31,9 @@ use super::{Algorithm, Limit, Mark, Verdict};
 use crate::time::{Nanos, Unit};
 use std::num::NonZeroU32;
 
+/// How long a worker may hold tokens taken from a bucket in one batch.
+pub const TOKEN_LEASE: Nanos = 50_000_000;
+
 /// The token-bucket algorithm (`TB`). See the module documentation.
 #[derive(Debug)]
 pub struct TokenBucket;
@@ -100,6 +103,13 @@ impl Algorithm for TokenBucket {
         }
     }
 
+    /// Tokens taken from the bucket are spent within a short span: held longer, a
+    /// worker's tokens would add to what the bucket refills meanwhile (a burst above
+    /// `burst` by what the worker holds).
+    fn lease_until(&self, _limit: &Limit, _mark: Mark, now: Nanos) -> Nanos {
+        now.saturating_add(TOKEN_LEASE)
+    }
+
     fn release(&self, limit: &Limit, state: &mut [u64], now: Nanos, tokens: u32, _mark: Mark) {
         let s = Scaled::new(limit, now);
         let tat = tat(s, state);
@@ -115,7 +125,12 @@ impl Algorithm for TokenBucket {
     fn charge_debt(&self, limit: &Limit, state: &mut [u64], now: Nanos, tokens: u32) -> Verdict {
         let s = Scaled::new(limit, now);
         let capacity = s.capacity();
-        let tat = (tat(s, state) + u128::from(tokens) * s.interval).min(s.now + 2 * capacity);
+        // The debt is capped at one bucket past empty, and never lowers `tat`: with a clock
+        // that stepped back, `now + 2·capacity` can lie before a `tat` charged earlier.
+        let before = tat(s, state);
+        let tat = (before + u128::from(tokens) * s.interval)
+            .min(s.now + 2 * capacity)
+            .max(before);
         super::common::store(state, tat);
         let debt = tat - s.now;
         let available = capacity.saturating_sub(debt) / s.interval;
@@ -386,6 +401,30 @@ mod tests {
             let verdict = TokenBucket.acquire(&l, &mut state, now, u32::MAX);
             assert!(verdict.granted > 0 || verdict.retry_after > 0);
         }
+    }
+
+    /// Found by `tests/properties.rs` (clock stepping back): a debt charged by a clock
+    /// behind the last grant was capped at `now + 2·capacity`, which lay before the stored
+    /// `tat`, so the debt *lowered* it and refilled the bucket. Rate 2^32−1 per second,
+    /// burst 1: one grant, the clock 0.126 s back, a debt of 0, the clock forward again.
+    #[test]
+    fn a_debt_charged_by_a_clock_behind_never_refills_the_bucket() {
+        let l = limit(u32::MAX, Unit::Second, Some(1));
+        let t1 = 282_216_072;
+        let mut state = [0u64; 2];
+        assert_eq!(TokenBucket.acquire(&l, &mut state, t1, 2).granted, 1);
+        let before = load(&state).unwrap();
+        let t2 = t1 - 125_547_027;
+        let verdict = TokenBucket.charge_debt(&l, &mut state, t2, 0);
+        assert_eq!(load(&state).unwrap(), before, "a debt of 0 changed tat");
+        assert_eq!(verdict.remaining, 0);
+        // Back at t1 the bucket is as empty as right after the grant.
+        assert_eq!(TokenBucket.acquire(&l, &mut state, t1, 1).granted, 0);
+        // A real debt at the lagging clock still adds (up to its cap), never subtracts.
+        let mut state = [0u64; 2];
+        TokenBucket.acquire(&l, &mut state, t1, 1);
+        TokenBucket.charge_debt(&l, &mut state, t2, 5);
+        assert!(load(&state).unwrap() >= before);
     }
 
     #[test]

@@ -129,6 +129,12 @@ impl Algorithm for FixedWindow {
         }
     }
 
+    /// Tokens counted in a window may be spent until it ends.
+    fn lease_until(&self, limit: &Limit, mark: Mark, now: Nanos) -> Nanos {
+        let window = u64::try_from(mark.0).unwrap_or(u64::MAX);
+        now.saturating_add(until_end(window, limit.unit.nanos(), now))
+    }
+
     fn release(&self, limit: &Limit, state: &mut [u64], now: Nanos, tokens: u32, mark: Mark) {
         let mut loaded = load(state, now / limit.unit.nanos());
         if u128::from(loaded.window) == mark.0 {

@@ -1,7 +1,7 @@
 //! The validated, immutable plan that the engine evaluates. Every default is resolved
 //! here, so nothing downstream interprets the document again.
 
-use crate::actor::ActorSource;
+use crate::actor::{ActorSource, RequestFacts};
 use crate::algo::{Algorithm, Limit};
 use crate::time::Nanos;
 use std::fmt;
@@ -84,8 +84,16 @@ pub struct Rule {
     pub scope: Scope,
     /// Size of the local slot table (1 for actors that have a single counter, like `all`).
     pub slots: NonZeroU32,
-    /// Tokens fetched per global callout (global scope only; 1 = exact).
+    /// Tokens fetched per global callout (global scope only; 1 = exact). With
+    /// `lease: auto`, the most a callout asks for (see [`Lease`]).
     pub lease: NonZeroU32,
+    /// `lease: auto`: each callout asks for what this gateway spends in
+    /// [`AUTO_LEASE_SPAN`], at most [`Rule::lease`].
+    pub lease_auto: bool,
+    /// Tokens a request takes.
+    pub cost: Cost,
+    /// Tokens charged after the upstream answered, from a response header.
+    pub response_cost: Option<ResponseCost>,
     /// Leaky bucket: the longest a request may be held; one whose turn is further away is
     /// rejected with `Retry-After` (`max_wait_seconds`, default 10 s).
     pub max_wait: Nanos,
@@ -93,6 +101,88 @@ pub struct Rule {
     pub dry_run: bool,
     /// Where the rule's state lives in shared data.
     pub keys: RuleKeys,
+}
+
+/// `lease: auto` sizes a callout's lease to what the gateway spends in this long.
+pub const AUTO_LEASE_SPAN: Nanos = 100_000_000;
+/// `lease: auto` keeps each gateway's lease within this share of the rule's capacity (the
+/// accuracy budget: with G gateways the global count may be off by G × this share).
+pub const AUTO_LEASE_SHARE: u64 = 100;
+
+/// A lease as written: a size, or `auto`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lease {
+    Fixed(NonZeroU32),
+    Auto,
+}
+
+/// How many tokens a request takes from a rule (`cost`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Cost {
+    /// The same for every request (default 1).
+    Fixed(NonZeroU32),
+    /// From a request header: its value if it is a decimal integer ≥ 1, `default` when it
+    /// is missing or not one, `max` when it is above `max`.
+    Header {
+        name: String,
+        default: NonZeroU32,
+        max: NonZeroU32,
+    },
+}
+
+impl Cost {
+    /// The cost of a request.
+    pub fn of(&self, facts: &dyn RequestFacts) -> u32 {
+        match self {
+            Cost::Fixed(cost) => cost.get(),
+            Cost::Header { name, default, max } => facts
+                .header(name)
+                .and_then(|value| decimal(&value))
+                .and_then(|value| u32::try_from(value.min(u64::from(max.get()))).ok())
+                .and_then(NonZeroU32::new)
+                .unwrap_or(*default)
+                .get(),
+        }
+    }
+
+    /// The most a request can take.
+    pub fn max(&self) -> u32 {
+        match self {
+            Cost::Fixed(cost) => cost.get(),
+            Cost::Header { max, .. } => max.get(),
+        }
+    }
+}
+
+/// `response_cost`: tokens charged after the upstream answered, even past the limit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResponseCost {
+    /// The response header holding the cost (e.g. the tokens an LLM answer used).
+    pub header: String,
+    pub max: NonZeroU32,
+}
+
+impl ResponseCost {
+    /// The tokens a response header value charges: a decimal integer, at most `max`;
+    /// anything else charges nothing.
+    pub fn of(&self, value: Option<&[u8]>) -> u32 {
+        value.and_then(decimal).map_or(0, |value| {
+            u32::try_from(value.min(u64::from(self.max.get()))).unwrap_or(0)
+        })
+    }
+}
+
+/// A header value as a decimal integer (surrounding spaces allowed, nothing else; one
+/// too large for `u64` reads as `u64::MAX`); `None` for anything else.
+pub fn decimal(value: &[u8]) -> Option<u64> {
+    let digits = value.trim_ascii();
+    if digits.is_empty() || !digits.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    Some(digits.iter().fold(0u64, |sum, digit| {
+        sum.saturating_mul(10)
+            .saturating_add(u64::from(digit - b'0'))
+    }))
 }
 
 /// The shared-data key prefixes of a rule, derived from its id: computed once at load, so
@@ -125,6 +215,9 @@ impl fmt::Debug for Rule {
             .field("scope", &self.scope)
             .field("slots", &self.slots)
             .field("lease", &self.lease)
+            .field("lease_auto", &self.lease_auto)
+            .field("cost", &self.cost)
+            .field("response_cost", &self.response_cost)
             .field("max_wait", &self.max_wait)
             .field("dry_run", &self.dry_run)
             .finish()
@@ -146,15 +239,67 @@ impl Scope {
     }
 }
 
-/// Which rate-limit headers a response carries.
+/// When a response carries rate-limit headers (which ones: [`HeaderStyle`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HeaderMode {
-    /// No `X-RateLimit-*` headers (`Retry-After` is still sent on rejection).
+    /// No rate-limit headers (`Retry-After` is still sent on rejection).
     None,
-    /// `X-RateLimit-*` on rejected responses only.
+    /// Rate-limit headers on rejected responses only.
     Limited,
-    /// `X-RateLimit-*` on every response that a rule evaluated, admitted ones included.
+    /// Rate-limit headers on every response that a rule evaluated, admitted ones included.
     All,
+}
+
+impl HeaderMode {
+    pub const ALL: [HeaderMode; 3] = [HeaderMode::None, HeaderMode::Limited, HeaderMode::All];
+
+    /// The spelling in the document.
+    pub fn name(self) -> &'static str {
+        match self {
+            HeaderMode::None => "none",
+            HeaderMode::Limited => "limited",
+            HeaderMode::All => "all",
+        }
+    }
+}
+
+/// Which rate-limit header fields a response carries (`response.header_style`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeaderStyle {
+    /// `X-RateLimit-Limit`, `X-RateLimit-Remaining`, `X-RateLimit-Reset` (the default).
+    XRateLimit,
+    /// `RateLimit-Policy` and `RateLimit` of draft-ietf-httpapi-ratelimit-headers-10,
+    /// structured fields named after the rule.
+    Ietf,
+    /// Both sets.
+    Both,
+}
+
+impl HeaderStyle {
+    pub const ALL: [HeaderStyle; 3] = [
+        HeaderStyle::XRateLimit,
+        HeaderStyle::Ietf,
+        HeaderStyle::Both,
+    ];
+
+    /// The spelling in the document.
+    pub fn name(self) -> &'static str {
+        match self {
+            HeaderStyle::XRateLimit => "x-ratelimit",
+            HeaderStyle::Ietf => "ietf",
+            HeaderStyle::Both => "both",
+        }
+    }
+
+    /// Sends `X-RateLimit-*`.
+    pub fn x_ratelimit(self) -> bool {
+        self != HeaderStyle::Ietf
+    }
+
+    /// Sends `RateLimit-Policy` and `RateLimit`.
+    pub fn ietf(self) -> bool {
+        self != HeaderStyle::XRateLimit
+    }
 }
 
 /// `response:` section.
@@ -166,6 +311,8 @@ pub struct ResponseSpec {
     pub body: String,
     /// Default [`HeaderMode::Limited`].
     pub headers: HeaderMode,
+    /// Default [`HeaderStyle::XRateLimit`].
+    pub header_style: HeaderStyle,
 }
 
 impl Default for ResponseSpec {
@@ -174,6 +321,7 @@ impl Default for ResponseSpec {
             status: 503,
             body: "rate limited\n".to_string(),
             headers: HeaderMode::Limited,
+            header_style: HeaderStyle::XRateLimit,
         }
     }
 }
@@ -190,7 +338,7 @@ pub struct GlobalSpec {
     /// Default 50.
     pub timeout_ms: u32,
     /// Default 1.
-    pub lease: NonZeroU32,
+    pub lease: Lease,
     /// Circuit breaker: after a failure stay local this long, then probe. Default 5.
     pub retry_seconds: u32,
 }
@@ -202,7 +350,7 @@ impl Default for GlobalSpec {
             authority: "diana-quota".to_string(),
             path: "/v1/acquire".to_string(),
             timeout_ms: 50,
-            lease: NonZeroU32::MIN,
+            lease: Lease::Fixed(NonZeroU32::MIN),
             retry_seconds: 5,
         }
     }

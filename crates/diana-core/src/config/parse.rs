@@ -17,8 +17,8 @@
 
 use super::raw::{self, ContextGuard, RawBlock, RawFull, RawRule};
 use super::{
-    ConfigError, GlobalSpec, MetricsSpec, Policy, RemoteSpec, Resource, ResponseSpec, Rule,
-    RuleKeys, Scope,
+    ConfigError, Cost, GlobalSpec, Lease, MetricsSpec, Policy, RemoteSpec, Resource, ResponseCost,
+    ResponseSpec, Rule, RuleKeys, Scope, AUTO_LEASE_SHARE,
 };
 use crate::actor::{ActorDef, ActorRegistry};
 use crate::algo;
@@ -462,6 +462,9 @@ fn build(collected: Collected) -> Result<Policy, ConfigError> {
                 }),
                 body: raw.body.unwrap_or(default.body),
                 headers: raw.headers.map_or(default.headers, |headers| headers.0),
+                header_style: raw
+                    .header_style
+                    .map_or(default.header_style, |style| style.0),
             }
         }
     };
@@ -477,10 +480,7 @@ fn build(collected: Collected) -> Result<Policy, ConfigError> {
                     .map_or(default.authority, |authority| authority.0),
                 path: raw.path.map_or(default.path, |path| path.0),
                 timeout_ms: raw.timeout_ms.map_or(default.timeout_ms, NonZeroU32::get),
-                lease: raw
-                    .lease
-                    .and_then(|lease| NonZeroU32::new(lease.get_u32()))
-                    .unwrap_or(default.lease),
+                lease: raw.lease.map_or(default.lease, lease_of),
                 retry_seconds: raw.retry_seconds.unwrap_or(default.retry_seconds),
             }
         }
@@ -587,6 +587,15 @@ fn check_global_rules_per_request(resources: &[Resource]) -> Result<(), ConfigEr
     Ok(())
 }
 
+fn lease_of(raw: raw::LeaseField) -> Lease {
+    match raw {
+        raw::LeaseField::Fixed(lease) => {
+            Lease::Fixed(NonZeroU32::new(lease).unwrap_or(NonZeroU32::MIN))
+        }
+        raw::LeaseField::Auto => Lease::Auto,
+    }
+}
+
 fn build_rule(
     url: &str,
     index: usize,
@@ -616,10 +625,74 @@ fn build_rule(
             .unwrap_or(DEFAULT_SLOTS)
     };
     let scope = raw.scope.map_or(Scope::Local, |scope| scope.0);
-    let lease = raw
-        .lease
-        .and_then(|lease| NonZeroU32::new(lease.get_u32()))
-        .unwrap_or(global.lease);
+    let written = raw.lease.map_or(global.lease, lease_of);
+    let cost = match raw.cost {
+        None => Cost::Fixed(NonZeroU32::MIN),
+        Some(raw::CostField::Fixed(cost)) => {
+            Cost::Fixed(NonZeroU32::new(cost).unwrap_or(NonZeroU32::MIN))
+        }
+        Some(raw::CostField::Header(header)) => {
+            let max = NonZeroU32::new(header.max.get_u32()).unwrap_or(NonZeroU32::MIN);
+            let default = header
+                .default
+                .and_then(|default| NonZeroU32::new(default.get_u32()))
+                .unwrap_or(NonZeroU32::MIN);
+            if default > max {
+                return Err(plain(format!(
+                    "{url}#{index}: cost.default ({default}) is above cost.max ({max})"
+                )));
+            }
+            Cost::Header {
+                name: header.header.0,
+                default,
+                max,
+            }
+        }
+    };
+    let limit = algo::Limit {
+        rpu,
+        unit,
+        burst,
+        slices,
+    };
+    if u64::from(cost.max()) > algo.capacity(&limit) {
+        return Err(plain(format!(
+            "{url}#{index}: a cost of {} could never pass: the rule grants at most {} at once (rpu, or burst for TB and LB)",
+            cost.max(),
+            algo.capacity(&limit)
+        )));
+    }
+    let (lease, lease_auto) = match written {
+        Lease::Fixed(lease) => (lease, false),
+        // The accuracy budget: a gateway holds at most 1/AUTO_LEASE_SHARE of the limit.
+        Lease::Auto => {
+            let cap =
+                (algo.capacity(&limit) / AUTO_LEASE_SHARE).clamp(1, u64::from(wire::MAX_WANT));
+            let cap = u32::try_from(cap).unwrap_or(1).max(cost.max());
+            (NonZeroU32::new(cap).unwrap_or(NonZeroU32::MIN), true)
+        }
+    };
+    if scope == Scope::Global && !algo.waits() && cost.max() > lease.get() {
+        return Err(plain(format!(
+            "{url}#{index}: a cost of {} is above the lease ({lease}): a global rule's callout asks for `lease` tokens, \
+             which must cover one request; set `lease` to at least {}",
+            cost.max(),
+            cost.max()
+        )));
+    }
+    let response_cost = match raw.response_cost {
+        None => None,
+        Some(_) if !algo.allows_debt() => {
+            return Err(plain(format!(
+                "{url}#{index}: response_cost does not apply to algo {}: a leaky bucket paces requests, it does not charge them afterwards",
+                algo.code()
+            )))
+        }
+        Some(raw) => Some(ResponseCost {
+            header: raw.header.0,
+            max: NonZeroU32::new(raw.max.get_u32()).unwrap_or(NonZeroU32::MIN),
+        }),
+    };
     let max_wait_seconds = match raw.max_wait_seconds {
         Some(_) if !algo.waits() => {
             return Err(plain(format!(
@@ -660,15 +733,13 @@ fn build_rule(
         actor_name,
         actor: def.source.clone(),
         algo,
-        limit: algo::Limit {
-            rpu,
-            unit,
-            burst,
-            slices,
-        },
+        limit,
         scope,
         slots,
         lease,
+        lease_auto,
+        cost,
+        response_cost,
         max_wait: max_wait_seconds * NANOS_PER_SECOND,
         dry_run: raw.dry_run.unwrap_or(false),
         keys: RuleKeys::of(id),

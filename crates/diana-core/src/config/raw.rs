@@ -12,7 +12,7 @@ use crate::actor::{
     RESERVED_ACTORS, SOURCE_KINDS,
 };
 use crate::algo::{self, Algorithm};
-use crate::config::{HeaderMode, Scope};
+use crate::config::{HeaderMode, HeaderStyle, Scope};
 use crate::path;
 use crate::time::Unit;
 use crate::wire;
@@ -117,8 +117,10 @@ pub(super) struct RawRule {
     pub burst: Option<NonZeroU32>,
     pub slices: Option<Ranged<1, { wire::MAX_SLICES as u64 }>>,
     pub slots: Option<Ranged<1, 1_048_576>>,
-    pub lease: Option<Ranged<1, { wire::MAX_WANT as u64 }>>,
+    pub lease: Option<LeaseField>,
     pub max_wait_seconds: Option<Ranged<0, 86_400>>,
+    pub cost: Option<CostField>,
+    pub response_cost: Option<RawResponseCost>,
     pub name: Option<RuleName>,
     pub dry_run: Option<bool>,
 }
@@ -137,6 +139,126 @@ pub(super) struct RawFull {
     pub metrics: Option<Section<RawMetrics, SECTION_METRICS>>,
 }
 
+/// `response_cost: {header: NAME, max: N}`.
+#[derive(Deserialize)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a response cost `{header: NAME, max: N}`"
+)]
+pub(super) struct RawResponseCost {
+    pub header: HeaderNameField,
+    pub max: Ranged<1, 1_000_000_000>,
+}
+
+/// `cost: {header: NAME, default: N, max: N}`.
+#[derive(Deserialize)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a header cost `{header: NAME, default: N, max: N}`"
+)]
+pub(super) struct RawHeaderCost {
+    pub header: HeaderNameField,
+    pub default: Option<Ranged<1, { wire::MAX_WANT as u64 }>>,
+    pub max: Ranged<1, { wire::MAX_WANT as u64 }>,
+}
+
+/// `lease`: tokens fetched per callout, or `auto`.
+#[derive(Clone, Copy)]
+pub(super) enum LeaseField {
+    Fixed(u32),
+    Auto,
+}
+
+impl<'de> Deserialize<'de> for LeaseField {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct LeaseVisitor;
+        impl<'de> Visitor<'de> for LeaseVisitor {
+            type Value = LeaseField;
+            fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(
+                    formatter,
+                    "an integer between 1 and {} or `auto`",
+                    wire::MAX_WANT
+                )
+            }
+            fn visit_u64<E: de::Error>(self, value: u64) -> Result<LeaseField, E> {
+                match u32::try_from(value) {
+                    Ok(lease) if (1..=wire::MAX_WANT).contains(&lease) => {
+                        Ok(LeaseField::Fixed(lease))
+                    }
+                    _ => Err(E::invalid_value(Unexpected::Unsigned(value), &self)),
+                }
+            }
+            fn visit_i64<E: de::Error>(self, value: i64) -> Result<LeaseField, E> {
+                match u64::try_from(value) {
+                    Ok(value) => self.visit_u64(value),
+                    Err(_) => Err(E::invalid_value(Unexpected::Signed(value), &self)),
+                }
+            }
+            fn visit_str<E: de::Error>(self, value: &str) -> Result<LeaseField, E> {
+                if value.trim().eq_ignore_ascii_case("auto") {
+                    Ok(LeaseField::Auto)
+                } else {
+                    Err(E::invalid_value(Unexpected::Str(value), &self))
+                }
+            }
+        }
+        deserializer.deserialize_any(LeaseVisitor)
+    }
+}
+
+/// `cost`: tokens a request takes, a constant or read from a request header.
+pub(super) enum CostField {
+    Fixed(u32),
+    Header(RawHeaderCost),
+}
+
+impl<'de> Deserialize<'de> for CostField {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct CostVisitor;
+        impl<'de> Visitor<'de> for CostVisitor {
+            type Value = CostField;
+            fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(
+                    formatter,
+                    "an integer between 1 and {} or `{{header: NAME, default: N, max: N}}`",
+                    wire::MAX_WANT
+                )
+            }
+            fn visit_u64<E: de::Error>(self, value: u64) -> Result<CostField, E> {
+                match u32::try_from(value) {
+                    Ok(cost) if (1..=wire::MAX_WANT).contains(&cost) => Ok(CostField::Fixed(cost)),
+                    _ => Err(E::invalid_value(Unexpected::Unsigned(value), &self)),
+                }
+            }
+            fn visit_i64<E: de::Error>(self, value: i64) -> Result<CostField, E> {
+                match u64::try_from(value) {
+                    Ok(value) => self.visit_u64(value),
+                    Err(_) => Err(E::invalid_value(Unexpected::Signed(value), &self)),
+                }
+            }
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<CostField, A::Error> {
+                RawHeaderCost::deserialize(de::value::MapAccessDeserializer::new(map))
+                    .map(CostField::Header)
+            }
+        }
+        deserializer.deserialize_any(CostVisitor)
+    }
+}
+
+/// A request or response header name, lower-cased (RFC 9110 token).
+pub(super) struct HeaderNameField(pub String);
+
+impl<'de> Deserialize<'de> for HeaderNameField {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserialize_str_with(deserializer, "a header name", |raw| {
+            crate::actor::HeaderKind
+                .parse_value(raw)
+                .map(HeaderNameField)
+        })
+    }
+}
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, expecting = "the `metrics` section")]
 pub(super) struct RawMetrics {
@@ -149,6 +271,7 @@ pub(super) struct RawResponse {
     pub status: Option<Ranged<100, 599>>,
     pub body: Option<String>,
     pub headers: Option<HeaderModeField>,
+    pub header_style: Option<HeaderStyleField>,
 }
 
 #[derive(Deserialize)]
@@ -158,7 +281,7 @@ pub(super) struct RawGlobal {
     pub authority: Option<NonEmpty>,
     pub path: Option<PathField>,
     pub timeout_ms: Option<NonZeroU32>,
-    pub lease: Option<Ranged<1, { wire::MAX_WANT as u64 }>>,
+    pub lease: Option<LeaseField>,
     pub retry_seconds: Option<u32>,
 }
 
@@ -381,7 +504,8 @@ impl<'de> Deserialize<'de> for RuleName {
             }
             if !raw.bytes().all(|byte| (0x20..0x7f).contains(&byte)) {
                 return Err(format!(
-                    "invalid rule name `{}`: only printable ASCII is allowed (it is used in headers and metrics)",
+                    "invalid rule name `{}`: only printable ASCII (0x20 to 0x7E) is allowed: the name is \
+                     used in metrics and logs, and as a structured-field string in the RateLimit headers",
                     raw.escape_debug()
                 ));
             }
@@ -396,21 +520,43 @@ impl<'de> Deserialize<'de> for RuleName {
     }
 }
 
+/// The member of `all` named `raw` (case-insensitive, surrounding spaces ignored), or a
+/// message naming every choice.
+fn named<T: Copy>(
+    raw: &str,
+    all: &[T],
+    name: fn(T) -> &'static str,
+    what: &str,
+) -> Result<T, String> {
+    all.iter()
+        .copied()
+        .find(|member| name(*member).eq_ignore_ascii_case(raw.trim()))
+        .ok_or_else(|| {
+            format!(
+                "unknown {what} `{raw}`, expected one of {}",
+                one_of(all.iter().map(|member| name(*member)))
+            )
+        })
+}
+
 /// `response.headers`: none | limited | all.
 pub(super) struct HeaderModeField(pub HeaderMode);
 
 impl<'de> Deserialize<'de> for HeaderModeField {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         deserialize_str_with(deserializer, "none, limited or all", |raw| {
-            match raw.trim().to_ascii_lowercase().as_str() {
-                "none" => Ok(HeaderMode::None),
-                "limited" => Ok(HeaderMode::Limited),
-                "all" => Ok(HeaderMode::All),
-                _ => Err(format!(
-                    "unknown headers mode `{raw}`, expected one of none, limited, all"
-                )),
-            }
-            .map(HeaderModeField)
+            named(raw, &HeaderMode::ALL, HeaderMode::name, "headers mode").map(HeaderModeField)
+        })
+    }
+}
+
+/// `response.header_style`: x-ratelimit | ietf | both.
+pub(super) struct HeaderStyleField(pub HeaderStyle);
+
+impl<'de> Deserialize<'de> for HeaderStyleField {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserialize_str_with(deserializer, "x-ratelimit, ietf or both", |raw| {
+            named(raw, &HeaderStyle::ALL, HeaderStyle::name, "header style").map(HeaderStyleField)
         })
     }
 }

@@ -180,7 +180,7 @@ fn json_single_block_and_istio_style() {
     );
     assert_eq!(full.response.status, 429);
     assert_eq!(full.response.headers, HeaderMode::All);
-    assert_eq!(full.global.lease, nz(8));
+    assert_eq!(full.global.lease, Lease::Fixed(nz(8)));
     assert_eq!(rules(&full)[0].lease, nz(8));
     assert_eq!(
         full.remote.as_ref().map(|remote| remote.poll_seconds),
@@ -209,6 +209,7 @@ response:
   status: 429
   body: \"go away\\n\"
   headers: none
+  header_style: both
 global:
   cluster: quota
   authority: quota.local
@@ -229,7 +230,8 @@ dry_run: true
         ResponseSpec {
             status: 429,
             body: "go away\n".to_string(),
-            headers: HeaderMode::None
+            headers: HeaderMode::None,
+            header_style: HeaderStyle::Both,
         }
     );
     assert_eq!(
@@ -239,7 +241,7 @@ dry_run: true
             authority: "quota.local".to_string(),
             path: "/v2/acquire".to_string(),
             timeout_ms: 25,
-            lease: nz(2),
+            lease: Lease::Fixed(nz(2)),
             retry_seconds: 0,
         }
     );
@@ -355,7 +357,7 @@ fn rule_defaults() {
     assert_eq!(rule.limit.slices, nz(10));
     assert_eq!(rule.scope, Scope::Local);
     assert_eq!(rule.slots, nz(1));
-    assert_eq!(rule.lease, GlobalSpec::default().lease);
+    assert_eq!(Lease::Fixed(rule.lease), GlobalSpec::default().lease);
     assert!(!rule.dry_run);
     assert_eq!(rules[1].slots, nz(65_536));
     // `slots` is ignored (forced to 1) for single-counter actors.
@@ -432,6 +434,53 @@ fn units_scopes_and_modes_spellings() {
             "resources: [{{Url: /, rules: []}}]\nresponse: {{headers: {written}}}\n"
         ));
         assert_eq!(policy.response.headers, mode);
+    }
+    for (written, style) in [
+        ("x-ratelimit", HeaderStyle::XRateLimit),
+        ("X-RateLimit", HeaderStyle::XRateLimit),
+        ("ietf", HeaderStyle::Ietf),
+        ("IETF", HeaderStyle::Ietf),
+        ("both", HeaderStyle::Both),
+    ] {
+        let policy = parse(&format!(
+            "resources: [{{Url: /, rules: []}}]\nresponse: {{header_style: {written}}}\n"
+        ));
+        assert_eq!(policy.response.header_style, style);
+        assert_eq!(policy.response.headers, HeaderMode::Limited);
+    }
+    let json = parse(
+        r#"{"resources":[{"Url":"/","rules":[{"rpu":1}]}],"response":{"headers":"all","header_style":"ietf"}}"#,
+    );
+    assert_eq!(json.response.header_style, HeaderStyle::Ietf);
+    assert_eq!(json.response.headers, HeaderMode::All);
+    assert_eq!(
+        parse("Url: /\nrules: [{rpu: 1}]\n").response.header_style,
+        HeaderStyle::XRateLimit,
+        "default"
+    );
+}
+
+/// Every name a document accepts is a valid structured-field string once `"` and `\` are
+/// escaped (the IETF RateLimit headers carry it): printable ASCII only, explicit or default
+/// (a default name is built from the normalised `Url`, in which anything else is
+/// percent-encoded).
+#[test]
+fn rule_names_are_printable_ascii() {
+    let policy = parse(
+        r#"resources:
+  - Url: "/caf\u00e9/a b/\\\"q\t"
+    rules: [{rpu: 1}]
+  - Url: /x
+    rules: [{rpu: 1, name: ' "quoted" \ ~'}]
+"#,
+    );
+    let names: Vec<&str> = policy.rules().map(|rule| rule.name.as_str()).collect();
+    assert_eq!(names, [r#" "quoted" \ ~"#, "/caf%C3%A9/a%20b/%5C%22q%09#0"]);
+    for name in names {
+        assert!(
+            name.bytes().all(|byte| (0x20..0x7f).contains(&byte)),
+            "{name:?}"
+        );
     }
 }
 
@@ -580,10 +629,25 @@ fn errors_name_field_and_position() {
         ("Url: /\nrules:\n  - {rpu: 1, name: a}\n  - {rpu: 1, name: a}\n", &["rules[1].name: ", "duplicate rule name `a`", "line 4"]),
         ("Url: /\nrules:\n  - {rpu: 1, name: ''}\n", &["rules[0].name: ", "empty rule name", "line 3"]),
         ("Url: /\nrules:\n  - {rpu: 1, name: \"a\\nb\"}\n", &["rules[0].name: ", "printable ASCII", "line 3"]),
+        (
+            "Url: /\nrules:\n  - {rpu: 1}\n  - rpu: 2\n    name: \"café\"\n",
+            &["rules[1].name: ", "invalid rule name `café`", "printable ASCII (0x20 to 0x7E)", "RateLimit headers", "line 5 column 11"],
+        ),
+        ("Url: /\nrules:\n  - {rpu: 1, name: \"tab\\there\"}\n", &["rules[0].name: ", "invalid rule name `tab\\there`", "line 3"]),
+        (
+            "{\"Url\": \"/\", \"rules\": [{\"rpu\": 1, \"name\": \"bell\\u0007\"}]}",
+            &["rules[0].name: ", "invalid rule name `bell\\u{7}`", "printable ASCII", "line 1 column"],
+        ),
         // response
         ("resources: []\nresponse:\n  status: 99\n", &["response.status: ", "integer `99`", "between 100 and 599", "line 3 column 11"]),
         ("resources: []\nresponse: {status: 600}\n", &["response.status: ", "integer `600`", "line 2"]),
         ("resources: []\nresponse: {headers: some}\n", &["response.headers: ", "unknown headers mode `some`", "line 2"]),
+        (
+            "resources: []\nresponse:\n  headers: all\n  header_style: rfc\n",
+            &["response.header_style: ", "unknown header style `rfc`", "expected one of x-ratelimit, ietf, both", "line 4 column 17"],
+        ),
+        ("resources: []\nresponse: {header_style: [ietf]}\n", &["response.header_style: ", "invalid type: sequence", "x-ratelimit, ietf or both", "line 2"]),
+        ("resources: []\nresponse: {headerstyle: ietf}\n", &["response.headerstyle: ", "unknown field `headerstyle`", "header_style", "line 2"]),
         ("resources: []\nresponse: {body: [1]}\n", &["response.body: ", "invalid type", "line 2"]),
         // global
         ("resources: []\nglobal: {timeout_ms: 0}\n", &["global.timeout_ms: ", "nonzero", "line 2"]),
@@ -758,4 +822,81 @@ fn what_the_quota_service_or_the_metrics_would_refuse_is_refused_at_load() {
         1
     ))
     .is_ok());
+}
+
+#[test]
+fn costs_are_checked_against_the_limit_the_lease_and_the_algorithm() {
+    for (text, expected) in [
+        (
+            "Url: /\nrules:\n  - {rpu: 10, cost: 11}\n",
+            "/#0: a cost of 11 could never pass: the rule grants at most 10 at once (rpu, or burst for TB and LB)",
+        ),
+        (
+            "Url: /\nrules:\n  - {rpu: 100, scope: global, cost: {header: x-cost, max: 20}}\n",
+            "/#0: a cost of 20 is above the lease (1): a global rule's callout asks for `lease` tokens, which must cover one request; set `lease` to at least 20",
+        ),
+        (
+            "Url: /\nrules:\n  - {rpu: 10, algo: LB, response_cost: {header: x-tokens, max: 5}}\n",
+            "/#0: response_cost does not apply to algo LB: a leaky bucket paces requests, it does not charge them afterwards",
+        ),
+        (
+            "Url: /\nrules:\n  - {rpu: 10, cost: {header: x-cost, default: 5, max: 3}}\n",
+            "/#0: cost.default (5) is above cost.max (3)",
+        ),
+    ] {
+        assert_eq!(error(text), expected);
+    }
+    for (text, pieces) in [
+        (
+            "Url: /\nrules:\n  - {rpu: 10, cost: 0}\n",
+            ["rules[0].cost: ", "line 3"],
+        ),
+        (
+            "Url: /\nrules:\n  - {rpu: 10, cost: {header: 'bad header'}}\n",
+            ["rules[0].cost.header: ", "line 3"],
+        ),
+        (
+            "Url: /\nrules:\n  - {rpu: 10, cost: {header: x-cost, max: 0}}\n",
+            ["rules[0].cost.max: ", "line 3"],
+        ),
+        (
+            "Url: /\nrules:\n  - {rpu: 10, response_cost: {header: x-t}}\n",
+            ["rules[0].response_cost: ", "missing field `max`"],
+        ),
+    ] {
+        let message = error(text);
+        assert!(
+            pieces.iter().all(|piece| message.contains(piece)),
+            "{message}"
+        );
+    }
+    let policy = parse_policy(
+        "Url: /\nrules:\n  - {rpu: 100, algo: TB, lease: 20, scope: global, cost: {header: X-Cost, default: 2, max: 20}, response_cost: {header: x-llm-tokens, max: 5000}}\n",
+    )
+    .unwrap();
+    let rule = policy.rules().next().unwrap();
+    assert_eq!(
+        rule.cost,
+        Cost::Header {
+            name: "x-cost".into(),
+            default: NonZeroU32::new(2).unwrap(),
+            max: NonZeroU32::new(20).unwrap()
+        }
+    );
+    assert_eq!(rule.response_cost.as_ref().unwrap().header, "x-llm-tokens");
+}
+
+#[test]
+fn lease_auto_caps_each_gateway_at_a_hundredth_of_the_limit() {
+    let policy = parse_policy(
+        "resources:\n  - Url: /\n    rules:\n      - {rpu: 50000, scope: global, lease: auto}\n      - {rpu: 50, scope: global, lease: auto}\n      - {rpu: 1000, scope: global, lease: 7}\n      - {rpu: 1000, scope: global}\nglobal: {lease: auto}\n",
+    )
+    .unwrap();
+    let leases: Vec<(u32, bool)> = policy
+        .rules()
+        .map(|rule| (rule.lease.get(), rule.lease_auto))
+        .collect();
+    assert_eq!(leases, [(500, true), (1, true), (7, false), (10, true)]);
+    assert!(error("Url: /\nrules:\n  - {rpu: 5, lease: often}\n")
+        .contains("expected an integer between 1 and 100000 or `auto`"));
 }

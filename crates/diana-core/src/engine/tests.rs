@@ -1,7 +1,7 @@
 use super::*;
 use crate::actor::fake::Facts;
 use crate::config::parse_policy;
-use crate::decision::Callout;
+use crate::decision::{AfterResponse, Callout};
 use crate::metrics::CountingMetrics;
 use crate::quota::MemoryQuota;
 use crate::store::{CasSemantics, HostError, MemoryHost, SetOutcome};
@@ -179,7 +179,7 @@ fn header_mode_all_reports_the_tightest_rule_on_admitted_requests() {
         "resources:\n  - Url: /\n    rules:\n      - {rpu: 10, unit: minute}\n      - {rpu: 3, unit: minute}\nresponse: {headers: all}\n",
     );
     match h.request("/", &Facts::default()) {
-        Decision::Allow { headers } => {
+        Decision::Allow { headers, .. } => {
             assert!(headers.contains(&("x-ratelimit-limit", "3".to_string())));
             assert!(headers.contains(&("x-ratelimit-remaining", "2".to_string())));
         }
@@ -364,7 +364,8 @@ fn a_rejected_request_gives_back_its_leaky_bucket_turn() {
     let rule = h.engine.rule(0).unwrap();
     let state = h
         .engine
-        .store
+        .local
+        .store()
         .peek(&h.host, &h.engine.table(rule), SlotAddress::single(), h.now)
         .unwrap();
     assert!(rule.algo.is_idle(&rule.limit, &state, h.now));
@@ -557,20 +558,20 @@ fn a_failing_service_degrades_to_local_and_the_breaker_probes_after_retry_second
         // While the breaker is open: no callout, the same limit enforced locally.
         assert_eq!(h.admitted("/", &Facts::default(), 5), 2, "{failure:?}");
         assert_eq!(h.metrics.event_count(Event::GlobalCallout), 1);
-        // After retry_seconds one request probes; the others stay local meanwhile.
+        // After retry_seconds one request probes; another request of this worker waits
+        // for the probe's answer (single flight), then calls the service again.
         h.now += 5 * S;
         let (_, probe) = call(h.evaluate("/", &Facts::default()));
-        assert!(probe.asked().is_probe());
-        assert!(matches!(
-            h.evaluate("/", &Facts::default()),
-            Decision::Reject(_)
-        ));
+        assert!(probe.asked().is_some_and(|asked| asked.is_probe()));
+        let Decision::Wait(rider) = h.evaluate("/", &Facts::default()) else {
+            panic!("the second request should wait for the probe");
+        };
+        assert!(h.engine.woken(Some(h.now)).is_empty());
         assert!(admits(&h.complete(probe, answered(vec![granted(1)]))));
         assert!(!h.metrics.degraded);
-        assert!(matches!(
-            h.evaluate("/", &Facts::default()),
-            Decision::Call(..)
-        ));
+        assert_eq!(h.engine.woken(Some(h.now)), vec![rider.rider().unwrap()]);
+        let resumed = h.engine.resume(&h.host, rider, Some(h.now), &mut h.metrics);
+        assert!(matches!(resumed, Decision::Call(..)), "{resumed:?}");
     }
 }
 
@@ -614,11 +615,26 @@ fn leased_tokens_are_spent_even_after_a_concurrent_denial_was_cached() {
     let doc =
         "resources:\n  - Url: /\n    rules: [{rpu: 100, unit: minute, scope: global, lease: 10}]\n";
     let mut h = Harness::new(doc);
+    // Two workers call at once; the second is denied.
+    let other = Engine::new(parse_policy(doc).unwrap());
+    let mut other_metrics = CountingMetrics::default();
     let (_, first) = call(h.evaluate("/", &Facts::default()));
-    let (_, second) = call(h.evaluate("/", &Facts::default()));
+    let (_, second) = call(other.evaluate(
+        &h.host,
+        b"/",
+        &Facts::default(),
+        Some(h.now),
+        &mut other_metrics,
+    ));
     assert!(admits(&h.complete(first, answered(vec![granted(10)]))));
     assert!(matches!(
-        h.complete(second, answered(vec![denied(30_000)])),
+        other.complete(
+            &h.host,
+            second,
+            answered(vec![denied(30_000)]),
+            Some(h.now),
+            &mut other_metrics
+        ),
         Decision::Reject(_)
     ));
     for _ in 0..9 {
@@ -631,7 +647,7 @@ fn leased_tokens_are_spent_even_after_a_concurrent_denial_was_cached() {
         h.evaluate("/", &Facts::default()),
         Decision::Reject(_)
     ));
-    assert_eq!(h.metrics.event_count(Event::GlobalCallout), 2);
+    assert_eq!(h.metrics.event_count(Event::GlobalCallout), 1);
 }
 
 #[test]
@@ -641,23 +657,33 @@ fn another_workers_breaker_reaches_this_worker_within_the_cache_time() {
     let b = Engine::new(parse_policy(doc).unwrap());
     let mut b_metrics = CountingMetrics::default();
     let now = a.now;
-    assert!(matches!(
-        b.evaluate(&a.host, b"/", &Facts::default(), Some(now), &mut b_metrics),
-        Decision::Call(..)
-    ));
+    let (_, first) = call(b.evaluate(&a.host, b"/", &Facts::default(), Some(now), &mut b_metrics));
+    let answer = answered(vec![granted(1)]);
+    assert!(admits(&b.complete(
+        &a.host,
+        first,
+        answer,
+        Some(now),
+        &mut b_metrics
+    )));
     let (_, pending) = call(a.evaluate("/", &Facts::default()));
     a.complete(pending, Reply::NoAnswer);
     assert!(a.metrics.degraded);
-    assert!(matches!(
-        b.evaluate(
-            &a.host,
-            b"/",
-            &Facts::default(),
-            Some(now + 1),
-            &mut b_metrics
-        ),
-        Decision::Call(..)
+    let (_, second) = call(b.evaluate(
+        &a.host,
+        b"/",
+        &Facts::default(),
+        Some(now + 1),
+        &mut b_metrics,
     ));
+    let answer = answered(vec![granted(1)]);
+    assert!(admits(&b.complete(
+        &a.host,
+        second,
+        answer,
+        Some(now + 1),
+        &mut b_metrics
+    )));
     let later = now + crate::global::BREAKER_CACHE;
     assert!(matches!(
         b.evaluate(
@@ -775,7 +801,7 @@ fn racing_workers_charge_all_or_nothing_on_both_hosts() {
                         let engine = Engine::new(policy);
                         let mut metrics = CountingMetrics::default();
                         start.wait();
-                        (0..50)
+                        let admitted = (0..50)
                             .filter(|_| {
                                 admits(&engine.evaluate(
                                     host.as_ref(),
@@ -785,7 +811,10 @@ fn racing_workers_charge_all_or_nothing_on_both_hosts() {
                                     &mut metrics,
                                 ))
                             })
-                            .count()
+                            .count();
+                        // The worker's tick gives back the batch it no longer spends.
+                        engine.tick(host.as_ref(), Some(T0 + S));
+                        admitted
                     })
                 })
                 .collect();
@@ -810,4 +839,431 @@ fn racing_workers_charge_all_or_nothing_on_both_hosts() {
             );
         }
     }
+}
+
+#[test]
+fn a_request_takes_its_cost_from_every_algorithm_all_or_nothing() {
+    for algo in ["W", "SW", "TB"] {
+        let doc = format!(
+            "Url: /\nrules:\n  - {{algo: {algo}, rpu: 10, unit: minute, cost: {{header: x-cost, default: 2, max: 6}}}}\n"
+        );
+        let mut h = Harness::new(&doc);
+        let cost = |value: &[u8]| Facts::default().header("x-cost", value);
+        // 6 taken, then 4: nothing is left for the default cost of 2.
+        assert!(admits(&h.request("/", &cost(b"6"))), "{algo}");
+        assert!(admits(&h.request("/", &cost(b"4"))), "{algo}");
+        assert!(
+            matches!(h.request("/", &cost(b"junk")), Decision::Reject(_)),
+            "{algo}"
+        );
+        // A rejected costly request took nothing: one of cost 1 would still be refused.
+        assert!(
+            matches!(h.request("/", &cost(b"1")), Decision::Reject(_)),
+            "{algo}"
+        );
+    }
+    // Above max: max; missing: default; zero or signs: default.
+    let doc = "Url: /\nrules:\n  - {algo: W, rpu: 10, unit: minute, cost: {header: x-cost, default: 3, max: 4}}\n";
+    let mut h = Harness::new(doc);
+    assert!(admits(&h.request(
+        "/",
+        &Facts::default().header("x-cost", b"999999999999999999999")
+    )));
+    assert!(admits(&h.request("/", &Facts::default())));
+    assert!(admits(
+        &h.request("/", &Facts::default().header("x-cost", b"-1"))
+    ));
+    // 4 + 3 + 3 = 10 taken.
+    assert!(matches!(
+        h.request("/", &Facts::default().header("x-cost", b"1")),
+        Decision::Reject(_)
+    ));
+}
+
+#[test]
+fn a_costly_request_rejected_by_a_later_rule_gives_back_its_whole_cost() {
+    let doc = "resources:\n  - Url: /\n    rules: [{name: tokens, algo: TB, rpu: 100, unit: minute, cost: {header: x-cost, max: 50}}]\n  - Url: /chat\n    rules: [{name: calls, algo: W, rpu: 1, unit: minute}]\n";
+    let mut h = Harness::new(doc);
+    let big = Facts::default().header("x-cost", b"40");
+    assert!(admits(&h.request("/chat", &big)));
+    for _ in 0..5 {
+        assert!(matches!(h.request("/chat", &big), Decision::Reject(_)));
+    }
+    // 100 - 40 = 60 tokens left for other pages, not 60 - 5 x 40.
+    let sixty = Facts::default().header("x-cost", b"30");
+    assert_eq!(h.admitted("/page", &sixty, 3), 2);
+}
+
+#[test]
+fn a_global_rule_sends_the_cost_and_a_lease_that_covers_it() {
+    let doc = "Url: /\nrules:\n  - {algo: TB, rpu: 100, unit: minute, scope: global, lease: 10, cost: {header: x-cost, max: 8}}\n";
+    let mut h = Harness::new(doc);
+    let (callout, pending) = call(h.evaluate("/", &Facts::default().header("x-cost", b"7")));
+    let request: AcquireRequest = serde_json::from_slice(&callout.body).unwrap();
+    assert_eq!((request.rules[0].want, request.rules[0].cost), (10, 7));
+    assert!(admits(&h.complete(pending, answered(vec![granted(10)]))));
+    // 3 tokens stashed: a request of cost 3 is served locally, one of cost 4 asks again.
+    assert!(matches!(
+        h.evaluate("/", &Facts::default().header("x-cost", b"3")),
+        Decision::Allow { .. }
+    ));
+    assert!(matches!(
+        h.evaluate("/", &Facts::default().header("x-cost", b"4")),
+        Decision::Call(..)
+    ));
+}
+
+fn after(decision: EngineDecision) -> AfterResponse {
+    match decision {
+        Decision::Allow {
+            after: Some(after), ..
+        } => after,
+        other => panic!("expected an admission with response costs, got {other:?}"),
+    }
+}
+
+#[test]
+fn response_costs_are_charged_past_the_limit_and_deny_until_paid_back() {
+    // An LLM token budget: 1000 tokens a minute per account, charged from the answer.
+    let doc = "Url: /\nrules:\n  - {name: llm, actor: account, algo: TB, rpu: 1000, unit: minute, response_cost: {header: x-llm-tokens, max: 100000}}\n";
+    let mut h = Harness::new(doc);
+    let alice = Facts::default().header("x-account-id", b"alice");
+    let charge = after(h.request("/", &alice));
+    assert_eq!(charge.headers().collect::<Vec<_>>(), ["x-llm-tokens"]);
+    // The answer used 2500 tokens: 1000 - 1 - 2500 is a debt, capped at one bucket.
+    h.engine.after_response(
+        &h.host,
+        charge,
+        &[Some(b"2500".to_vec())],
+        Some(h.now),
+        &mut h.metrics,
+    );
+    assert!(matches!(h.request("/", &alice), Decision::Reject(_)));
+    // A minute refills 1000 tokens: still owing.
+    h.now += 60 * S;
+    assert!(matches!(h.request("/", &alice), Decision::Reject(_)));
+    // Two minutes refill the capped debt (one bucket below empty) and one token more.
+    h.now += 61 * S;
+    assert!(admits(&h.request("/", &alice)));
+    // Another account was never charged.
+    assert!(admits(
+        &h.request("/", &Facts::default().header("x-account-id", b"bob"))
+    ));
+    // A missing or unreadable value charges nothing.
+    let charge = after(h.request("/", &Facts::default().header("x-account-id", b"carol")));
+    h.engine
+        .after_response(&h.host, charge, &[None], Some(h.now), &mut h.metrics);
+    assert_eq!(
+        h.admitted(
+            "/",
+            &Facts::default().header("x-account-id", b"carol"),
+            2000
+        ),
+        999
+    );
+}
+
+#[test]
+fn global_response_costs_are_paid_from_the_tick_or_charged_locally() {
+    let doc = "resources:\n  - Url: /\n    rules: [{name: llm, algo: W, rpu: 100, unit: minute, scope: global, response_cost: {header: x-tokens, max: 500}}]\nglobal: {retry_seconds: 5}\n";
+    let mut h = Harness::new(doc);
+    let charge = after(h.request("/", &Facts::default()));
+    h.engine.after_response(
+        &h.host,
+        charge,
+        &[Some(b"60".to_vec())],
+        Some(h.now),
+        &mut h.metrics,
+    );
+    assert!(h.engine.owes());
+    let (callout, debts) = h
+        .engine
+        .pay_debts(&h.host, Some(h.now), &mut h.metrics)
+        .unwrap();
+    assert!(callout
+        .headers
+        .contains(&(":path", "/v1/charge".to_string())));
+    let request: AcquireRequest = serde_json::from_slice(&callout.body).unwrap();
+    assert_eq!(request.rules[0].want, 60);
+    // The service is down: the 60 tokens are charged locally instead, and the breaker opens.
+    h.engine
+        .debts_paid(&h.host, debts, Reply::NoAnswer, Some(h.now), &mut h.metrics);
+    assert!(!h.engine.owes());
+    assert!(h.metrics.degraded);
+    // Degraded: the local counter holds the 60 owed (the first request was counted by the
+    // service): 40 more requests pass.
+    assert_eq!(h.admitted("/", &Facts::default(), 100), 40);
+}
+
+#[test]
+fn a_busy_counter_is_charged_in_batches_without_host_calls_and_stays_exact() {
+    for algo in ["W", "SW", "TB"] {
+        let doc = format!("Url: /\nrules:\n  - {{algo: {algo}, rpu: 100000, unit: hour}}\n");
+        let mut h = Harness::new(&doc);
+        assert_eq!(h.admitted("/", &Facts::default(), 1000), 1000);
+        let (reads, writes) = h.host.calls();
+        // One read and one compare-and-swap per batch of up to 64, not per request.
+        assert!(writes <= 40, "{algo}: {writes} writes for 1000 requests");
+        assert!(reads <= 80, "{algo}: {reads} reads for 1000 requests");
+        // The worker's tick gives the unspent tokens back: the counter holds exactly 1000.
+        h.engine.tick(&h.host, Some(h.now + S));
+        let rule = h.engine.rule(0).unwrap();
+        let mut state = h
+            .engine
+            .local
+            .store()
+            .peek(&h.host, &h.engine.table(rule), SlotAddress::single(), h.now)
+            .unwrap();
+        let left = rule
+            .algo
+            .acquire(&rule.limit, &mut state, h.now, 0)
+            .remaining;
+        assert_eq!(left, 99_000, "{algo}");
+    }
+}
+
+#[test]
+fn near_the_limit_four_racing_workers_admit_exactly_the_limit() {
+    for semantics in [CasSemantics::Envoy, CasSemantics::Nginx] {
+        for (algo, rpu) in [("W", 20), ("SW", 20), ("TB", 20), ("W", 500), ("TB", 500)] {
+            let doc = format!("Url: /\nrules:\n  - {{algo: {algo}, rpu: {rpu}, unit: hour}}\n");
+            let policy = parse_policy(&doc).unwrap();
+            let host = Arc::new(MemoryHost::new(semantics));
+            let start = Arc::new(Barrier::new(4));
+            let workers: Vec<_> = (0..4)
+                .map(|_| {
+                    let (host, start, policy) =
+                        (Arc::clone(&host), Arc::clone(&start), policy.clone());
+                    std::thread::spawn(move || {
+                        let engine = Engine::new(policy);
+                        let mut metrics = CountingMetrics::default();
+                        start.wait();
+                        (0..rpu + 40)
+                            .filter(|_| {
+                                admits(&engine.evaluate(
+                                    host.as_ref(),
+                                    b"/",
+                                    &Facts::default(),
+                                    Some(T0),
+                                    &mut metrics,
+                                ))
+                            })
+                            .count()
+                    })
+                })
+                .collect();
+            let admitted: usize = workers.into_iter().map(|w| w.join().unwrap()).sum();
+            // Every worker offers more than the limit: the batches end one by one and
+            // nothing is left held.
+            assert_eq!(admitted, rpu as usize, "{algo} rpu {rpu} {semantics:?}");
+        }
+    }
+}
+
+#[test]
+fn a_denial_is_remembered_briefly_without_host_calls() {
+    let mut h = Harness::new("Url: /\nrules:\n  - {algo: W, rpu: 2, unit: minute}\n");
+    assert_eq!(h.admitted("/", &Facts::default(), 3), 2);
+    let before = h.host.calls();
+    assert_eq!(h.admitted("/", &Facts::default(), 50), 0);
+    assert_eq!(h.host.calls(), before, "remembered denials read nothing");
+    h.now += crate::local::DENIAL_CACHE;
+    assert_eq!(h.admitted("/", &Facts::default(), 1), 0);
+    assert!(
+        h.host.calls().0 > before.0,
+        "after the cache time the counter is read again"
+    );
+}
+
+#[test]
+fn lease_auto_grows_with_the_spending_rate_up_to_its_cap() {
+    let doc = "resources:\n  - Url: /\n    rules: [{algo: W, rpu: 100000, unit: second, scope: global, lease: auto}]\n";
+    let mut h = Harness::new(doc);
+    let mut wants = Vec::new();
+    // 10,000 requests a second for one second.
+    for _ in 0..10_000 {
+        h.now += S / 10_000;
+        match h.evaluate("/", &Facts::default()) {
+            Decision::Call(callout, pending) => {
+                let request: AcquireRequest = serde_json::from_slice(&callout.body).unwrap();
+                wants.push(request.rules[0].want);
+                let reply = h.service.answer(&callout, h.now);
+                assert!(admits(&h.complete(pending, reply)));
+            }
+            decided => assert!(admits(&decided)),
+        }
+    }
+    // The first callout asks for one request's cost; then what 100 ms of this rate spends,
+    // at most 1% of the limit (1,000).
+    assert_eq!(wants[0], 1);
+    assert!(wants.iter().all(|&want| want <= 1_000), "{wants:?}");
+    assert!(*wants.last().unwrap() >= 500, "{wants:?}");
+    assert!(
+        wants.len() < 100,
+        "{} callouts for 10,000 requests",
+        wants.len()
+    );
+}
+
+/// Drives one worker's parked requests the way the host's tick does: resumes every woken
+/// request, answers the calls they make at once, and repeats until nobody is parked.
+/// Returns the decisions, in order, and the `want` of each call they made.
+fn drive_riders(h: &mut Harness, mut parked: Vec<Pending>) -> (Vec<EngineDecision>, Vec<u32>) {
+    let mut decided = Vec::new();
+    let mut calls = Vec::new();
+    while !parked.is_empty() {
+        let woken = h.engine.woken(Some(h.now));
+        assert!(!woken.is_empty(), "parked requests but nobody woken");
+        let mut flying = Vec::new();
+        for id in woken {
+            let at = parked.iter().position(|p| p.rider() == Some(id)).unwrap();
+            let pending = parked.remove(at);
+            match h
+                .engine
+                .resume(&h.host, pending, Some(h.now), &mut h.metrics)
+            {
+                Decision::Wait(again) => parked.push(again),
+                Decision::Call(callout, pending) => flying.push((callout, pending)),
+                other => decided.push(other),
+            }
+        }
+        for (callout, pending) in flying {
+            let request: AcquireRequest = serde_json::from_slice(&callout.body).unwrap();
+            calls.push(request.rules[0].want);
+            let reply = h.service.answer(&callout, h.now);
+            decided.push(h.complete(pending, reply));
+        }
+    }
+    (decided, calls)
+}
+
+#[test]
+fn concurrent_requests_of_one_worker_make_one_callout_per_rule_and_identity() {
+    let doc = "resources:\n  - Url: /\n    rules: [{rpu: 1000, unit: minute, scope: global}]\n";
+    let mut h = Harness::new(doc);
+    let (callout, leader) = call(h.evaluate("/", &Facts::default()));
+    let parked: Vec<Pending> = (0..9)
+        .map(|_| match h.evaluate("/", &Facts::default()) {
+            Decision::Wait(pending) => pending,
+            other => panic!("expected to wait for the flight, got {other:?}"),
+        })
+        .collect();
+    assert_eq!(h.metrics.event_count(Event::GlobalCoalesced), 9);
+    let reply = h.service.answer(&callout, h.now);
+    assert!(admits(&h.complete(leader, reply)));
+    // The first woken request leads the next flight and asks for the other eight too.
+    assert!(h.engine.has_riders());
+    let (decided, calls) = drive_riders(&mut h, parked);
+    assert_eq!(calls, vec![9], "one callout for the nine parked requests");
+    assert_eq!(decided.len(), 9);
+    assert!(decided.iter().all(admits), "{decided:?}");
+    assert_eq!(h.metrics.event_count(Event::GlobalCallout), 2);
+    assert!(!h.engine.has_riders());
+    // Nothing was over-leased: the next request calls again.
+    assert!(matches!(
+        h.evaluate("/", &Facts::default()),
+        Decision::Call(..)
+    ));
+}
+
+#[test]
+fn parked_requests_admit_exactly_the_global_limit() {
+    for algo in ["W", "SW", "TB"] {
+        let doc = format!(
+            "resources:\n  - Url: /\n    rules: [{{algo: {algo}, rpu: 5, unit: minute, scope: global, lease: 2}}]\n"
+        );
+        let mut h = Harness::new(&doc);
+        let (callout, leader) = call(h.evaluate("/", &Facts::default()));
+        let parked: Vec<Pending> = (0..11)
+            .map(|_| match h.evaluate("/", &Facts::default()) {
+                Decision::Wait(pending) => pending,
+                other => panic!("{algo}: expected to wait, got {other:?}"),
+            })
+            .collect();
+        let reply = h.service.answer(&callout, h.now);
+        assert!(admits(&h.complete(leader, reply)));
+        let (decided, wants) = drive_riders(&mut h, parked);
+        let admitted = decided.iter().filter(|d| admits(d)).count();
+        assert_eq!(admitted + 1, 5, "{algo}: {decided:?}");
+        assert_eq!(decided.len(), 11);
+        // One flight at a time, each asking for everyone still waiting: the leader's
+        // spare token serves the first woken request; the second leads, asks for its
+        // lease plus the ten behind it (2 + 10) and is granted the 3 left; of the nine
+        // that wait again two are served by that grant, the third asks for 2 + 8 and is
+        // denied, and the denial is cached for the other six.
+        assert_eq!(wants, vec![12, 10], "{algo}");
+    }
+}
+
+#[test]
+fn a_request_that_leaves_while_parked_or_calling_gives_its_charges_back() {
+    // A local rule charged first, then the global one.
+    let doc = "resources:\n  - Url: /\n    rules: [{rpu: 2, unit: minute}, {rpu: 100, unit: minute, scope: global}]\n";
+    let mut h = Harness::new(doc);
+    let (callout, leader) = call(h.evaluate("/", &Facts::default()));
+    let Decision::Wait(rider) = h.evaluate("/", &Facts::default()) else {
+        panic!("expected to wait");
+    };
+    // The local rule (2 per minute) is full: both hold a charge.
+    assert!(matches!(
+        h.evaluate("/", &Facts::default()),
+        Decision::Reject(_)
+    ));
+    // The parked request's client goes away: its local charge comes back.
+    h.engine.abandon(&h.host, rider, Some(h.now));
+    assert!(!h.engine.has_riders());
+    let again = h.evaluate("/", &Facts::default());
+    let Decision::Wait(rider) = again else {
+        panic!("expected to wait, got {again:?}");
+    };
+    // The caller goes away too (the host cancels its call): the parked request is woken
+    // and leads the next flight.
+    h.engine.abandon(&h.host, leader, Some(h.now));
+    assert_eq!(h.engine.woken(Some(h.now)), vec![rider.rider().unwrap()]);
+    let (next, pending) = call(h.engine.resume(&h.host, rider, Some(h.now), &mut h.metrics));
+    let reply = h.service.answer(&next, h.now);
+    assert!(admits(&h.complete(pending, reply)));
+    // One local token left for the abandoned caller's.
+    assert!(matches!(
+        h.request("/", &Facts::default()),
+        Decision::Allow { .. }
+    ));
+    assert!(matches!(
+        h.evaluate("/", &Facts::default()),
+        Decision::Reject(_)
+    ));
+    drop(callout);
+}
+
+#[test]
+fn leaky_buckets_and_hosts_that_cannot_resume_never_park() {
+    let lb =
+        "resources:\n  - Url: /\n    rules: [{algo: LB, rpu: 100, unit: second, scope: global}]\n";
+    let mut h = Harness::new(lb);
+    let _first = call(h.evaluate("/", &Facts::default()));
+    let _second = call(h.evaluate("/", &Facts::default()));
+    let tb = "resources:\n  - Url: /\n    rules: [{rpu: 100, unit: second, scope: global}]\n";
+    let mut h = Harness::new(tb);
+    h.engine = Engine::new(parse_policy(tb).unwrap()).with_pausing(false);
+    let _first = call(h.evaluate("/", &Facts::default()));
+    let _second = call(h.evaluate("/", &Facts::default()));
+    assert_eq!(h.metrics.event_count(Event::GlobalCoalesced), 0);
+}
+
+#[test]
+fn a_lost_flight_wakes_its_riders_after_its_deadline() {
+    let doc = "resources:\n  - Url: /\n    rules: [{rpu: 100, unit: minute, scope: global}]\nglobal: {timeout_ms: 50}\n";
+    let mut h = Harness::new(doc);
+    let _lost = call(h.evaluate("/", &Facts::default()));
+    let Decision::Wait(rider) = h.evaluate("/", &Facts::default()) else {
+        panic!("expected to wait");
+    };
+    h.now += S;
+    assert!(h.engine.woken(Some(h.now)).is_empty());
+    h.now += 50 * S / 1000;
+    assert_eq!(h.engine.woken(Some(h.now)), vec![rider.rider().unwrap()]);
+    assert!(matches!(
+        h.engine.resume(&h.host, rider, Some(h.now), &mut h.metrics),
+        Decision::Call(..)
+    ));
 }

@@ -19,19 +19,23 @@
 //! back into it.
 
 pub mod breaker;
+pub mod debts;
+pub mod flights;
 pub mod stash;
 
 /// The wire format, also reachable here (it was `global::wire` first).
 pub use crate::wire;
 
-use crate::config::{GlobalSpec, Policy, Rule};
+use crate::config::{GlobalSpec, Policy, Rule, AUTO_LEASE_SPAN};
 use crate::decision::{Callout, Reply};
 use crate::metrics::{Event, MetricSink};
 use crate::response::RuleReport;
 use crate::store::{SharedData, SlotAddress, Store};
 use crate::time::{ceil_seconds, ceil_seconds_at_least_one, Nanos};
 use breaker::{Breaker, Gate};
-use stash::{Stash, StashReceipt, Take};
+use debts::{Debt, Owed};
+use flights::{FlightKey, Flights, RiderId};
+use stash::{Grant, Stash, StashReceipt, Take};
 use std::cell::Cell;
 use wire::{AcquireRequest, AcquireResponse, ErrorResponse, RuleRequest, RuleResult};
 
@@ -52,6 +56,15 @@ pub fn wait_path(acquire_path: &str) -> String {
     match acquire_path.strip_suffix("/acquire") {
         Some(base) => format!("{base}/wait"),
         None => format!("{}/wait", acquire_path.trim_end_matches('/')),
+    }
+}
+
+/// The quota service's charge endpoint beside its acquire endpoint: `/v1/acquire` →
+/// `/v1/charge`; any other path gets `/charge` appended.
+pub fn charge_path(acquire_path: &str) -> String {
+    match acquire_path.strip_suffix("/acquire") {
+        Some(base) => format!("{base}/charge"),
+        None => format!("{}/charge", acquire_path.trim_end_matches('/')),
     }
 }
 
@@ -104,6 +117,9 @@ pub enum Plan {
         local: Vec<GlobalCharge>,
         served: Vec<StashReceipt>,
     },
+    /// Another request of this worker has a callout in flight for one of these rules:
+    /// wait for it (see [`flights`]), then plan again.
+    Park(RiderId),
     /// Make this call; interpret its reply with the [`Asked`].
     Call {
         outcomes: Vec<Outcome>,
@@ -120,6 +136,8 @@ pub struct Asked {
     served: Vec<StashReceipt>,
     request: AcquireRequest,
     probe: bool,
+    /// The flights this call is (see [`flights`]).
+    flying: Vec<FlightKey>,
 }
 
 impl Asked {
@@ -132,6 +150,16 @@ impl Asked {
     pub fn request(&self) -> &AcquireRequest {
         &self.request
     }
+}
+
+/// How a worker's response costs get paid.
+#[derive(Debug)]
+pub enum Payment {
+    Nothing,
+    /// Make this call; what it does not take goes to [`Global::paid`].
+    Call(Callout, Vec<Debt>),
+    /// Charge these locally (the service is unavailable).
+    Local(Vec<Debt>),
 }
 
 /// What the answer to a callout means.
@@ -165,6 +193,9 @@ pub struct Global {
     store: Store,
     breaker: Breaker,
     stash: Stash,
+    flights: Flights,
+    /// Response costs owed to the service, sent from the tick.
+    owed: Owed,
     /// A refusal or an invalid answer was logged by this VM (each is logged once).
     refusal_logged: Cell<bool>,
     invalid_logged: Cell<bool>,
@@ -179,6 +210,8 @@ impl Global {
             store: Store::new(),
             breaker: Breaker::new(policy.global.retry_seconds),
             stash: Stash::default(),
+            flights: Flights::default(),
+            owed: Owed::default(),
             refusal_logged: Cell::new(false),
             invalid_logged: Cell::new(false),
         }
@@ -200,6 +233,7 @@ impl Global {
         let mut outcomes = Vec::new();
         let mut served = Vec::new();
         let mut ask = Vec::new();
+        let mut rates = Vec::new();
         for charge in charges {
             let Some(rule) = policy.rule(charge.index) else {
                 continue;
@@ -239,11 +273,33 @@ impl Global {
                         outcomes,
                     );
                 }
-                Take::Ask => ask.push(*charge),
+                Take::Ask { spend_rate } => {
+                    ask.push(*charge);
+                    rates.push(spend_rate);
+                }
             }
         }
         if ask.is_empty() {
             return Plan::Done(outcomes);
+        }
+        // Leaky-bucket turns are per request: never coalesced (see `flights`).
+        let coalesced = |charge: &&GlobalCharge| {
+            self.can_pause
+                && policy
+                    .rule(charge.index)
+                    .is_some_and(|rule| !rule.algo.waits())
+        };
+        let behind = ask.iter().filter(coalesced).find(|charge| {
+            self.flights
+                .in_flight((charge.index, charge.address.fingerprint))
+        });
+        if let Some(charge) = behind {
+            let key = (charge.index, charge.address.fingerprint);
+            if let Some(rider) = self.flights.park(key, charge.cost) {
+                self.give_back(host, policy, &served, now);
+                metrics.event(Event::GlobalCoalesced);
+                return Plan::Park(rider);
+            }
         }
         let probe = match self.breaker.gate(&self.store, host, now) {
             Gate::Call => false,
@@ -259,9 +315,10 @@ impl Global {
         let request = AcquireRequest {
             rules: ask
                 .iter()
-                .filter_map(|charge| {
+                .zip(&rates)
+                .filter_map(|(charge, &spend_rate)| {
                     let rule = policy.rule(charge.index)?;
-                    Some(self.rule_request(rule, charge))
+                    Some(self.rule_request(rule, charge, spend_rate))
                 })
                 .collect(),
         };
@@ -276,6 +333,14 @@ impl Global {
                 };
             }
         };
+        let flying: Vec<FlightKey> = ask
+            .iter()
+            .filter(coalesced)
+            .map(|charge| (charge.index, charge.address.fingerprint))
+            .collect();
+        let deadline =
+            now.saturating_add(u64::from(self.spec.timeout_ms).saturating_mul(NANOS_PER_MILLI));
+        self.flights.take_off(&flying, deadline);
         metrics.event(Event::GlobalCallout);
         let wait = !self.can_pause
             && ask
@@ -291,16 +356,35 @@ impl Global {
                 served,
                 request,
                 probe,
+                flying,
             },
         }
     }
 
-    fn rule_request(&self, rule: &Rule, charge: &GlobalCharge) -> RuleRequest {
+    /// The request for one rule. `spend_rate`: tokens per second this gateway spends of
+    /// it, which sizes `lease: auto` (what is spent in [`AUTO_LEASE_SPAN`], at most the
+    /// rule's cap; one request's cost at first).
+    fn rule_request(&self, rule: &Rule, charge: &GlobalCharge, spend_rate: u64) -> RuleRequest {
         // A leaky bucket's turns cannot be prefetched: one request, its own turns.
         let want = if rule.algo.waits() {
             charge.cost
+        } else if rule.lease_auto {
+            let span = u128::from(spend_rate) * u128::from(AUTO_LEASE_SPAN) / 1_000_000_000;
+            let span = u32::try_from(span).unwrap_or(u32::MAX);
+            span.clamp(charge.cost, rule.lease.get().max(charge.cost))
         } else {
             rule.lease.get().max(charge.cost)
+        };
+        // The requests parked behind the last flight of this key are served by this one.
+        let want = if rule.algo.waits() {
+            want
+        } else {
+            let behind = self
+                .flights
+                .expected((charge.index, charge.address.fingerprint))
+                .saturating_sub(u64::from(charge.cost));
+            let want = u64::from(want).saturating_add(behind);
+            u32::try_from(want.min(u64::from(wire::MAX_WANT))).unwrap_or(wire::MAX_WANT)
         };
         let mut request = RuleRequest::new(
             global_key(rule, charge.address),
@@ -329,6 +413,10 @@ impl Global {
         } else {
             (self.spec.path.clone(), u64::from(self.spec.timeout_ms))
         };
+        self.callout_to(path, timeout_ms, body)
+    }
+
+    fn callout_to(&self, path: String, timeout_ms: u64, body: Vec<u8>) -> Callout {
         Callout {
             upstream: self.spec.cluster.clone(),
             headers: vec![
@@ -353,6 +441,7 @@ impl Global {
         now: Nanos,
         metrics: &mut dyn MetricSink,
     ) -> Interpretation {
+        self.flights.land(&asked.flying, now);
         let results = match self.check(&asked, reply) {
             Ok(results) => results,
             Err(failure) => {
@@ -389,8 +478,10 @@ impl Global {
             // Every token granted beyond what the request took is kept for later
             // requests (a lease, or an older service's grant for a rejected request).
             let spare = result.granted.saturating_sub(took);
-            if spare > 0 {
-                if rule.lease.get() > 1 {
+            // An automatic lease learns this gateway's rate from every grant, even one
+            // with nothing to spare.
+            if spare > 0 || (rule.lease_auto && result.granted > 0) {
+                if spare > 0 && rule.lease.get() > 1 {
                     metrics.event(Event::LeaseRefill);
                 }
                 let lifetime =
@@ -399,8 +490,11 @@ impl Global {
                     host,
                     rule,
                     charge.address,
-                    u64::from(spare),
-                    now.saturating_add(lifetime),
+                    Grant {
+                        spare: u64::from(spare),
+                        took: u64::from(took),
+                        valid_until: now.saturating_add(lifetime),
+                    },
                     now,
                 );
             }
@@ -448,6 +542,134 @@ impl Global {
                     .filter(|outcome| matches!(outcome, Outcome::WouldDeny { .. }))
                     .collect();
                 Interpretation::Rejected(denial, dry)
+            }
+        }
+    }
+
+    /// From the worker's tick: idle batches of leased tokens go back to the shared stash.
+    pub fn tick(&self, host: &dyn SharedData, policy: &Policy, now: Nanos) {
+        self.stash.return_unspent(host, policy, now);
+    }
+
+    /// A request paused for its call is gone before the answer: its flights land (the
+    /// requests parked behind them plan again) and the leased tokens it took go back.
+    pub fn abandon_call(&self, host: &dyn SharedData, policy: &Policy, asked: Asked, now: Nanos) {
+        self.flights.land(&asked.flying, now);
+        self.give_back(host, policy, &asked.served, now);
+    }
+
+    /// A parked request is gone.
+    pub fn leave(&self, rider: RiderId) {
+        self.flights.leave(rider);
+    }
+
+    /// The parked requests to plan again (their flight landed), in the order they parked;
+    /// first, flights whose answer is overdue are treated as landed.
+    pub fn woken(&self, now: Nanos) -> Vec<RiderId> {
+        self.flights.land_overdue(now);
+        self.flights.woken()
+    }
+
+    /// True when requests are parked: the host must tick to wake them.
+    pub fn has_riders(&self) -> bool {
+        self.flights.busy()
+    }
+
+    /// Owes `debt` (a response cost) to the service; when this worker's table of debts is
+    /// full, gives it back to be charged locally at once.
+    pub fn owe(&self, debt: Debt) -> Option<Debt> {
+        self.owed.add(debt)
+    }
+
+    /// True when response costs wait to be sent.
+    pub fn owes(&self) -> bool {
+        !self.owed.is_empty()
+    }
+
+    /// Plans the callout that pays this worker's debts, or gives them back to be charged
+    /// locally when the breaker keeps global rules local.
+    pub fn plan_payment(
+        &self,
+        host: &dyn SharedData,
+        policy: &Policy,
+        now: Nanos,
+        metrics: &mut dyn MetricSink,
+    ) -> Payment {
+        let debts = self.owed.take();
+        if debts.is_empty() {
+            return Payment::Nothing;
+        }
+        if self.breaker.gate(&self.store, host, now) == Gate::Local {
+            return Payment::Local(debts);
+        }
+        let mut rules = Vec::new();
+        for debt in &debts {
+            let Some(rule) = policy.rule(debt.rule) else {
+                continue;
+            };
+            let mut left = debt.tokens;
+            while left > 0 {
+                let tokens = u32::try_from(left.min(u64::from(wire::MAX_WANT))).unwrap_or(1);
+                left -= u64::from(tokens);
+                rules.push(RuleRequest::new(
+                    global_key(rule, debt.address),
+                    rule.algo,
+                    &rule.limit,
+                    tokens,
+                ));
+            }
+        }
+        // A request carries at most MAX_RULES rules: the rest waits for the next tick.
+        if rules.len() > wire::MAX_RULES {
+            for debt in debts {
+                if let Some(local) = self.owed.add(debt) {
+                    return Payment::Local(vec![local]);
+                }
+            }
+            return Payment::Nothing;
+        }
+        let body = match serde_json::to_vec(&AcquireRequest { rules }) {
+            Ok(body) => body,
+            Err(_) => return Payment::Local(debts),
+        };
+        metrics.event(Event::GlobalCallout);
+        let callout = self.callout_to(
+            charge_path(&self.spec.path),
+            u64::from(self.spec.timeout_ms),
+            body,
+        );
+        Payment::Call(callout, debts)
+    }
+
+    /// The answer to a payment: the debts the service did not take, to charge locally.
+    pub fn paid(
+        &self,
+        host: &dyn SharedData,
+        debts: Vec<Debt>,
+        reply: Reply,
+        now: Nanos,
+        metrics: &mut dyn MetricSink,
+    ) -> Vec<Debt> {
+        match reply {
+            Reply::Answered { status: 200, .. } => Vec::new(),
+            Reply::Answered { status, body } if (400..500).contains(&status) => {
+                let reason = body
+                    .and_then(|body| serde_json::from_slice::<ErrorResponse>(&body).ok())
+                    .map_or_else(String::new, |error| error.error);
+                self.failed(host, Failure::Refused(status, reason), false, now, metrics);
+                debts
+            }
+            Reply::Answered { status, .. } => {
+                self.unavailable(host, &format!("status {status}"), now, metrics);
+                debts
+            }
+            Reply::NoAnswer => {
+                self.unavailable(host, "no answer to a charge", now, metrics);
+                debts
+            }
+            Reply::NotSent(reason) => {
+                self.unavailable(host, &reason, now, metrics);
+                debts
             }
         }
     }

@@ -9,18 +9,27 @@
 //! has nothing more to give. A request that another rule rejects gives its tokens back
 //! ([`Stash::give_back`]).
 //!
+//! A worker takes a small batch from the shared record when it holds many tokens (as
+//! [`crate::local`] does for local counters: at most 1/[`SHARE`] of them, [`MAX_BATCH`]
+//! at most, none near the end) and spends it without touching shared data; its tick
+//! gives an idle batch back ([`Stash::return_unspent`]). It remembers a denial for
+//! [`DENIAL_CACHE`] at most.
+//!
 //! Stored instants are checked against the clock: an expiry or a denial further ahead
 //! than the rule can explain comes from a clock that stepped back, and is ignored.
 
-use crate::config::Rule;
+use crate::config::{Policy, Rule};
+use crate::local::{DENIAL_CACHE, LEASE_SPAN, MAX_BATCH, MAX_LEASES, SHARE};
 use crate::store::{slot_key_in, SharedData, SlotAddress, Store};
 use crate::time::Nanos;
 use crate::wire::max_duration_ms;
 
 const NANOS_PER_MILLI: Nanos = 1_000_000;
 
+/// Words of a lease-stash record.
+const LEASE_WORDS: usize = 7;
 /// Bytes of a sealed lease-stash record.
-pub const RECORD_BYTES: usize = 8 + 32;
+pub const RECORD_BYTES: usize = 8 + 8 * LEASE_WORDS;
 
 /// Tokens taken from the stash for one request, to give back if it is rejected.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -29,6 +38,28 @@ pub struct StashReceipt {
     key: String,
     fingerprint: u64,
     tokens: u64,
+    /// Taken from this worker's batch (else from the shared record).
+    from_batch: bool,
+}
+
+/// What one worker holds of a (rule, identity)'s stash.
+#[derive(Debug, Clone, Default)]
+struct Batch {
+    key: String,
+    tokens: u64,
+    valid_until: Nanos,
+    denied_until: Nanos,
+}
+
+/// What the service granted one request beyond its own cost.
+#[derive(Debug, Clone, Copy)]
+pub struct Grant {
+    /// Tokens granted beyond what the request took, kept for later requests.
+    pub spare: u64,
+    /// Tokens the request itself took (counted into this gateway's spending rate).
+    pub took: u64,
+    /// Until when the spare tokens may be spent.
+    pub valid_until: Nanos,
 }
 
 /// What the stash says for one rule of a request.
@@ -38,8 +69,9 @@ pub enum Take {
     Served(StashReceipt),
     /// The identity is known to be denied until this instant.
     Denied(Nanos),
-    /// Ask the service.
-    Ask,
+    /// Ask the service; this gateway spends about this many tokens a second (0: unknown),
+    /// for sizing `lease: auto`.
+    Ask { spend_rate: u64 },
 }
 
 /// One stash record.
@@ -49,21 +81,30 @@ struct Lease {
     tokens: u64,
     valid_until: Nanos,
     denied_until: Nanos,
+    /// When the last grant was stashed, and the tokens taken since.
+    refilled_at: Nanos,
+    spent: u64,
+    /// This gateway's spending, tokens per second (a moving average over refills).
+    spend_rate: u64,
 }
 
 impl Lease {
     fn decode(payload: Option<&[u8]>) -> Lease {
-        let Some(payload) = payload.filter(|b| b.len() == 32) else {
+        let Some(payload) = payload.filter(|b| b.len() == 8 * LEASE_WORDS) else {
             return Lease::default();
         };
         let mut words = payload
             .chunks_exact(8)
             .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])));
+        let mut next = || words.next().unwrap_or(0);
         Lease {
-            fingerprint: words.next().unwrap_or(0),
-            tokens: words.next().unwrap_or(0),
-            valid_until: words.next().unwrap_or(0),
-            denied_until: words.next().unwrap_or(0),
+            fingerprint: next(),
+            tokens: next(),
+            valid_until: next(),
+            denied_until: next(),
+            refilled_at: next(),
+            spent: next(),
+            spend_rate: next(),
         }
     }
 
@@ -73,6 +114,9 @@ impl Lease {
             self.tokens,
             self.valid_until,
             self.denied_until,
+            self.refilled_at,
+            self.spent,
+            self.spend_rate,
         ]
         .iter()
         .flat_map(|w| w.to_le_bytes())
@@ -93,10 +137,11 @@ fn ahead(instant: Nanos, now: Nanos, rule: &Rule) -> bool {
     instant > now && instant - now <= horizon(rule)
 }
 
-/// The lease stash; everything it knows is in shared data.
+/// The lease stash: shared data, and this worker's batches of it.
 #[derive(Debug, Default)]
 pub struct Stash {
     store: Store,
+    batches: std::cell::RefCell<hashbrown::HashMap<(usize, u64), Batch>>,
 }
 
 impl Stash {
@@ -113,45 +158,148 @@ impl Stash {
         cost: u32,
         now: Nanos,
     ) -> Take {
-        let key = Stash::key(rule, address);
+        let id = (rule.index, address.fingerprint);
         let cost = u64::from(cost);
+        if let Ok(mut batches) = self.batches.try_borrow_mut() {
+            if let Some(batch) = batches.get_mut(&id) {
+                if batch.denied_until > now && batch.denied_until - now <= DENIAL_CACHE {
+                    return Take::Denied(batch.denied_until);
+                }
+                if batch.tokens >= cost && now < batch.valid_until {
+                    batch.tokens -= cost;
+                    return Take::Served(StashReceipt {
+                        rule: rule.index,
+                        key: batch.key.clone(),
+                        fingerprint: address.fingerprint,
+                        tokens: cost,
+                        from_batch: true,
+                    });
+                }
+            }
+        }
+        let key = Stash::key(rule, address);
         let result = self.store.update(host, &key, |current| {
             let mut lease = Lease::decode(current);
             if lease.fingerprint != address.fingerprint {
-                return (None, Take::Ask);
+                return (None, (Take::Ask { spend_rate: 0 }, 0, 0));
             }
             if lease.tokens >= cost && ahead(lease.valid_until, now, rule) {
-                lease.tokens -= cost;
+                let spare = lease.tokens - cost;
+                let batch = if spare >= 2 * SHARE {
+                    (spare / SHARE).min(MAX_BATCH)
+                } else {
+                    0
+                };
+                lease.tokens -= cost + batch;
+                lease.spent = lease.spent.saturating_add(cost + batch);
                 let receipt = StashReceipt {
                     rule: rule.index,
                     key: key.clone(),
                     fingerprint: address.fingerprint,
                     tokens: cost,
+                    from_batch: false,
                 };
-                return (Some(lease.encode()), Take::Served(receipt));
+                let until = lease.valid_until;
+                return (Some(lease.encode()), (Take::Served(receipt), batch, until));
             }
             if ahead(lease.denied_until, now, rule) {
-                return (None, Take::Denied(lease.denied_until));
+                return (None, (Take::Denied(lease.denied_until), 0, 0));
             }
-            (None, Take::Ask)
+            let spend_rate = lease.spend_rate;
+            (None, (Take::Ask { spend_rate }, 0, 0))
         });
-        result.unwrap_or(Take::Ask)
+        let Ok((take, batch, until)) = result else {
+            return Take::Ask { spend_rate: 0 };
+        };
+        match &take {
+            Take::Served(_) if batch > 0 => self.remember(id, now, |held| {
+                held.key.clone_from(&key);
+                held.tokens = batch;
+                held.valid_until = until.min(now.saturating_add(LEASE_SPAN));
+                held.denied_until = 0;
+            }),
+            Take::Denied(until) => {
+                let until = (*until).min(now.saturating_add(DENIAL_CACHE));
+                self.remember(id, now, |held| held.denied_until = until);
+            }
+            _ => {}
+        }
+        take
     }
 
-    /// Keeps `tokens` granted by the service for `address`, spendable until `valid_until`
+    /// From the worker's tick: idle batches go back to the shared stash.
+    pub fn return_unspent(&self, host: &dyn SharedData, policy: &Policy, now: Nanos) {
+        let lapsed: Vec<(usize, u64, String, u64)> = match self.batches.try_borrow_mut() {
+            Ok(mut batches) => {
+                let lapsed = batches
+                    .iter_mut()
+                    .filter(|(_, batch)| batch.tokens > 0 && batch.valid_until <= now)
+                    .map(|(&(index, fingerprint), batch)| {
+                        let tokens = std::mem::take(&mut batch.tokens);
+                        (index, fingerprint, batch.key.clone(), tokens)
+                    })
+                    .collect();
+                batches.retain(|_, batch| batch.valid_until > now || batch.denied_until > now);
+                lapsed
+            }
+            Err(_) => return,
+        };
+        for (index, fingerprint, key, tokens) in lapsed {
+            if let Some(rule) = policy.rule(index) {
+                let receipt = StashReceipt {
+                    rule: index,
+                    key,
+                    fingerprint,
+                    tokens,
+                    from_batch: false,
+                };
+                self.give_back(host, rule, &receipt, now);
+            }
+        }
+    }
+
+    /// Updates this worker's batch of `id`, if the table has room.
+    fn remember(&self, id: (usize, u64), now: Nanos, change: impl FnOnce(&mut Batch)) {
+        let Ok(mut batches) = self.batches.try_borrow_mut() else {
+            return;
+        };
+        if batches.len() >= MAX_LEASES && !batches.contains_key(&id) {
+            batches.retain(|_, batch| batch.valid_until > now || batch.denied_until > now);
+            if batches.len() >= MAX_LEASES {
+                return;
+            }
+        }
+        change(batches.entry(id).or_default());
+    }
+
+    /// Keeps the spare tokens of a grant for `address`, spendable until its `valid_until`
     /// (with any still valid from an earlier grant).
     pub fn keep(
         &self,
         host: &dyn SharedData,
         rule: &Rule,
         address: SlotAddress,
-        tokens: u64,
-        valid_until: Nanos,
+        grant: Grant,
         now: Nanos,
     ) {
         self.merge(host, rule, address, now, |lease| {
-            lease.tokens = lease.tokens.saturating_add(tokens);
-            lease.valid_until = lease.valid_until.max(valid_until);
+            // The tokens spent since the last grant (this one's included), over the time
+            // they lasted: this gateway's rate, averaged with what it was.
+            let spent = lease.spent.saturating_add(grant.took);
+            if lease.refilled_at > 0 && now > lease.refilled_at {
+                let elapsed = u128::from(now - lease.refilled_at);
+                let sample = u128::from(spent) * 1_000_000_000 / elapsed;
+                let sample = u64::try_from(sample).unwrap_or(u64::MAX);
+                lease.spend_rate = if lease.spend_rate == 0 {
+                    sample
+                } else {
+                    lease.spend_rate / 2 + sample / 2
+                };
+            }
+            lease.refilled_at = now;
+            lease.spent = 0;
+            lease.tokens = lease.tokens.saturating_add(grant.spare);
+            lease.valid_until = lease.valid_until.max(grant.valid_until);
         });
     }
 
@@ -169,7 +317,8 @@ impl Stash {
         });
     }
 
-    /// Gives back the tokens of a request that was rejected after all.
+    /// Gives back the tokens of a request that was rejected after all: to this worker's
+    /// batch when they came from it and it is still valid, else to the shared stash.
     pub fn give_back(
         &self,
         host: &dyn SharedData,
@@ -177,6 +326,24 @@ impl Stash {
         receipt: &StashReceipt,
         now: Nanos,
     ) {
+        if receipt.from_batch {
+            let kept = self
+                .batches
+                .try_borrow_mut()
+                .ok()
+                .is_some_and(|mut batches| {
+                    match batches.get_mut(&(receipt.rule, receipt.fingerprint)) {
+                        Some(batch) if now < batch.valid_until && batch.key == receipt.key => {
+                            batch.tokens = batch.tokens.saturating_add(receipt.tokens);
+                            true
+                        }
+                        _ => false,
+                    }
+                });
+            if kept {
+                return;
+            }
+        }
         let result = self.store.update(host, &receipt.key, |current| {
             let mut lease = Lease::decode(current);
             if lease.fingerprint != receipt.fingerprint || !ahead(lease.valid_until, now, rule) {
@@ -205,16 +372,15 @@ impl Stash {
         let key = Stash::key(rule, address);
         let result = self.store.update(host, &key, |current| {
             let mut lease = Lease::decode(current);
-            if lease.fingerprint != address.fingerprint || !ahead(lease.valid_until, now, rule) {
+            if lease.fingerprint != address.fingerprint {
                 lease = Lease {
                     fingerprint: address.fingerprint,
-                    denied_until: if lease.fingerprint == address.fingerprint {
-                        lease.denied_until
-                    } else {
-                        0
-                    },
                     ..Lease::default()
                 };
+            } else if !ahead(lease.valid_until, now, rule) {
+                // The tokens lapsed; what the record knows of the rate stays.
+                lease.tokens = 0;
+                lease.valid_until = 0;
             }
             change(&mut lease);
             (Some(lease.encode()), ())

@@ -33,6 +33,8 @@ struct Entries {
     next_cas: u32,
     clock: u64,
     evictions: u64,
+    reads: u64,
+    writes: u64,
 }
 
 /// How a key finds its entry: the identity of the key, or (nginx) a hash of it alone.
@@ -63,6 +65,8 @@ impl MemoryHost {
                 next_cas: 1,
                 clock: 0,
                 evictions: 0,
+                reads: 0,
+                writes: 0,
             }),
         }
     }
@@ -81,6 +85,14 @@ impl MemoryHost {
     /// Number of entries held.
     pub fn key_count(&self) -> usize {
         self.entries.lock().map(|e| e.map.len()).unwrap_or(0)
+    }
+
+    /// Host calls made so far: (reads, writes).
+    pub fn calls(&self) -> (u64, u64) {
+        self.entries
+            .lock()
+            .map(|e| (e.reads, e.writes))
+            .unwrap_or((0, 0))
     }
 
     /// Entries evicted to make room so far.
@@ -126,6 +138,7 @@ impl SharedData for MemoryHost {
             .lock()
             .map_err(|_| HostError("poisoned".into()))?;
         entries.clock += 1;
+        entries.reads += 1;
         let now = entries.clock;
         Ok(entries.map.get_mut(&id).map(|entry| {
             entry.used = now;
@@ -139,6 +152,7 @@ impl SharedData for MemoryHost {
             .entries
             .lock()
             .map_err(|_| HostError("poisoned".into()))?;
+        entries.writes += 1;
         let current = entries.map.get(&id).map(|entry| entry.cas);
         let accepted = match (self.semantics, current) {
             (CasSemantics::Envoy, None) => true,

@@ -14,7 +14,8 @@
 //! Every record is sealed with a check of its own key ([`seal`], [`open`]):
 //! ngx_wasm_module's `shm_kv` finds a key by its CRC32 alone, so two of Diana's keys can
 //! share one entry. A record that carries another key's check is not ours: a slot treats
-//! it like a slot held by another identity, a singleton record like a missing one. A zone
+//! it like a slot held by another identity (a rule with one counter has a spare slot for
+//! this, [`SlotAddress::single`]), a singleton record like a missing one. A zone
 //! that is full evicts entries; an evicted record reads as missing and is created again,
 //! race-free (below).
 //!
@@ -144,12 +145,15 @@ impl SlotAddress {
         }
     }
 
-    /// The single slot of a rule with one counter (`actor: all`).
+    /// The slot of a rule with one counter (`actor: all`): slot 0, and slot 1 as a spare
+    /// for when slot 0 holds another key's record (nginx: two keys with the same CRC32).
+    /// Without the spare, two such rules would take the entry over from each other on
+    /// every request, each starting from a fresh counter: neither would ever limit.
     pub fn single() -> SlotAddress {
         SlotAddress {
             fingerprint: 1,
             first: 0,
-            second: 0,
+            second: 1,
         }
     }
 }
@@ -335,6 +339,23 @@ impl Store {
         need: u32,
         want: u32,
     ) -> Result<Charge, ChargeError> {
+        self.exchange(host, table, address, now, need, want, None)
+    }
+
+    /// [`Store::charge`], first giving back `unspent` tokens this identity took earlier
+    /// (counted at their mark) — one compare-and-swap for both. Given back even when the
+    /// charge is denied.
+    #[allow(clippy::too_many_arguments)]
+    pub fn exchange(
+        &self,
+        host: &dyn SharedData,
+        table: &SlotTable<'_>,
+        address: SlotAddress,
+        now: Nanos,
+        need: u32,
+        want: u32,
+        unspent: Option<(u32, Mark)>,
+    ) -> Result<Charge, ChargeError> {
         let words = table.algo.state_words(table.limit);
         for _ in 0..MAX_CAS_ATTEMPTS {
             let Located {
@@ -343,6 +364,14 @@ impl Store {
                 cas,
                 collided,
             } = self.locate(host, table, address, now, words)?;
+            let mut returned = false;
+            let mine = !collided && record.fingerprint == address.fingerprint;
+            if let Some((tokens, mark)) = unspent.filter(|_| mine) {
+                table
+                    .algo
+                    .release(table.limit, &mut record.words, now, tokens, mark);
+                returned = true;
+            }
             let mut verdict =
                 table
                     .algo
@@ -356,7 +385,7 @@ impl Store {
                     ..verdict
                 };
             }
-            if !verdict.allowed() {
+            if !verdict.allowed() && !returned {
                 // A rejected request is not counted: nothing to write.
                 return Ok(Charge {
                     verdict,
@@ -364,20 +393,22 @@ impl Store {
                     receipt: None,
                 });
             }
+            // A denial changes nothing (`acquire_at_least`'s contract): what is written
+            // then is only the tokens given back.
             if !collided {
                 record.fingerprint = address.fingerprint;
             }
             if self.write(host, &key, &seal(&key, &record.encode()), cas)? == SetOutcome::Written {
-                let receipt = Receipt {
+                let receipt = verdict.allowed().then_some(Receipt {
                     key,
                     holder: record.fingerprint,
                     tokens: verdict.granted,
                     mark: verdict.mark,
-                };
+                });
                 return Ok(Charge {
                     verdict,
                     collided,
-                    receipt: Some(receipt),
+                    receipt,
                 });
             }
         }

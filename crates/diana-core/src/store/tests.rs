@@ -584,3 +584,39 @@ fn a_released_key_is_cleared_on_both_hosts() {
         );
     }
 }
+
+/// Found by `tests/engine_properties.rs` (racing workers on a zone whose entries collide):
+/// two one-counter rules whose slot-0 keys share an entry took it over from each other on
+/// every request, each from a fresh counter, so neither limited: rules W 3/s on `/a` and
+/// SW 3/min on `/a/b`, requests `/a`, `/a/b`, `//a/./b/`, `/a` admitted 4 on the first.
+/// The second rule now keeps its counter in its spare slot 1.
+#[test]
+fn one_counter_rules_whose_slots_collide_keep_their_own_counts() {
+    let host = MemoryHost::nginx_zone(entry_by_slot, 1024);
+    let store = Store::new();
+    let limit = limit(2);
+    let (one, two) = (prefix(51), prefix(52));
+    let table = |key_prefix| SlotTable {
+        key_prefix,
+        algo: &CountUpTo,
+        limit: &limit,
+        max_delay: u64::MAX,
+    };
+    let charge = |key_prefix| {
+        store
+            .charge(&host, &table(key_prefix), SlotAddress::single(), 100, 1, 1)
+            .unwrap()
+    };
+    // Alternating requests: each rule admits exactly its limit, then denies.
+    let mut admitted = [0, 0];
+    for _ in 0..5 {
+        for (count, key_prefix) in admitted.iter_mut().zip([&one, &two]) {
+            *count += charge(key_prefix).verdict.granted;
+        }
+    }
+    assert_eq!(admitted, [2, 2]);
+    assert!(
+        host.get(&slot_key(52, 1)).unwrap().is_some(),
+        "spare slot used"
+    );
+}

@@ -1,0 +1,257 @@
+//! Single flight: at most one callout per (global rule, identity) per worker at a time.
+//!
+//! When a request needs the quota service for a rule that already has a callout in flight
+//! from this worker, it does not call too: it is *parked* behind that flight. When the
+//! flight lands its spare tokens are in the lease stash, and the parked requests are
+//! *woken* to plan again: most are served from the stash; the first one that still needs
+//! tokens leads the next flight and asks for the woken requests' demand as well
+//! ([`Flights::expected`]), so the requests behind it are served by its answer. Without
+//! this, a burst of N concurrent requests finding the stash empty makes N callouts, each
+//! asking for a lease, and N leases are taken for a burst that needed one.
+//!
+//! Parking needs a host that can resume a request from elsewhere (Envoy, from the root
+//! context's tick); on nginx nothing is parked. Leaky-bucket rules never park: their turns
+//! are per request and cannot be prefetched for others, so serialising them would only
+//! slow them down.
+//!
+//! Everything here is per worker and bounded: at most [`MAX_RIDERS`] parked requests (more
+//! call out on their own), one flight per key of a request in flight, one expected demand
+//! per key that had riders.
+
+use crate::time::{Nanos, NANOS_PER_SECOND};
+use hashbrown::HashMap;
+use smallvec::SmallVec;
+use std::cell::RefCell;
+
+/// Identifies a parked request.
+pub type RiderId = u64;
+
+/// A (rule index, identity fingerprint) pair: what one flight is for.
+pub type FlightKey = (usize, u64);
+
+/// The most requests one worker keeps parked; beyond it a request makes its own callout
+/// (memory stays bounded whatever the load).
+pub const MAX_RIDERS: usize = 4096;
+
+/// How long after its deadline a flight whose answer never came (its request vanished
+/// without being abandoned) is treated as landed.
+const LOST_FLIGHT_GRACE: Nanos = NANOS_PER_SECOND;
+
+/// An expected demand not asked for within this long is forgotten.
+const EXPECTED_TTL: Nanos = NANOS_PER_SECOND;
+
+#[derive(Debug)]
+struct Flight {
+    /// When the flight counts as lost.
+    deadline: Nanos,
+    /// Parked requests and their cost for this key, in arrival order.
+    riders: SmallVec<[(RiderId, u32); 4]>,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    next_rider: RiderId,
+    flying: HashMap<FlightKey, Flight>,
+    /// Parked requests whose flight has landed, in arrival order.
+    woken: Vec<RiderId>,
+    /// Tokens the requests woken from a landed flight need, for the next flight of the
+    /// key, and when they were woken.
+    expected: HashMap<FlightKey, (u64, Nanos)>,
+}
+
+/// This worker's flights and the requests parked behind them.
+#[derive(Debug, Default)]
+pub struct Flights {
+    inner: RefCell<Inner>,
+}
+
+impl Flights {
+    /// True when `key` has a callout in flight from this worker.
+    pub fn in_flight(&self, key: FlightKey) -> bool {
+        self.inner
+            .try_borrow()
+            .is_ok_and(|inner| inner.flying.contains_key(&key))
+    }
+
+    /// Parks a request of `cost` tokens behind the flight of `key`; `None` when the flight
+    /// has landed meanwhile or [`MAX_RIDERS`] are parked already.
+    pub fn park(&self, key: FlightKey, cost: u32) -> Option<RiderId> {
+        let mut inner = self.inner.try_borrow_mut().ok()?;
+        let parked: usize = inner.woken.len()
+            + inner
+                .flying
+                .values()
+                .map(|flight| flight.riders.len())
+                .sum::<usize>();
+        if parked >= MAX_RIDERS {
+            return None;
+        }
+        inner.next_rider = inner.next_rider.wrapping_add(1);
+        let rider = inner.next_rider;
+        let flight = inner.flying.get_mut(&key)?;
+        flight.riders.push((rider, cost));
+        Some(rider)
+    }
+
+    /// Marks `keys` as in flight until they land or `deadline` (plus a grace) passes.
+    pub fn take_off(&self, keys: &[FlightKey], deadline: Nanos) {
+        let Ok(mut inner) = self.inner.try_borrow_mut() else {
+            return;
+        };
+        for &key in keys {
+            inner.flying.entry(key).or_insert_with(|| Flight {
+                deadline: deadline.saturating_add(LOST_FLIGHT_GRACE),
+                riders: SmallVec::new(),
+            });
+        }
+    }
+
+    /// The tokens the requests woken from the last flight of `key` need (0 if none): the
+    /// next flight asks for them too. Taken once.
+    pub fn expected(&self, key: FlightKey) -> u64 {
+        self.inner
+            .try_borrow_mut()
+            .ok()
+            .and_then(|mut inner| inner.expected.remove(&key))
+            .map_or(0, |(tokens, _)| tokens)
+    }
+
+    /// The flights of `keys` have landed (answered, failed or abandoned): their riders are
+    /// woken.
+    pub fn land(&self, keys: &[FlightKey], now: Nanos) {
+        let Ok(mut inner) = self.inner.try_borrow_mut() else {
+            return;
+        };
+        for key in keys {
+            if let Some(flight) = inner.flying.remove(key) {
+                inner.wake(*key, flight, now);
+            }
+        }
+    }
+
+    /// Lands the flights whose answer is overdue (their request vanished unannounced), and
+    /// forgets stale expected demands.
+    pub fn land_overdue(&self, now: Nanos) {
+        let Ok(mut inner) = self.inner.try_borrow_mut() else {
+            return;
+        };
+        let overdue: SmallVec<[FlightKey; 4]> = inner
+            .flying
+            .iter()
+            .filter(|(_, flight)| flight.deadline <= now)
+            .map(|(key, _)| *key)
+            .collect();
+        for key in overdue {
+            if let Some(flight) = inner.flying.remove(&key) {
+                inner.wake(key, flight, now);
+            }
+        }
+        inner
+            .expected
+            .retain(|_, (_, woken_at)| now.saturating_sub(*woken_at) < EXPECTED_TTL);
+    }
+
+    /// The parked requests whose flight has landed, in the order they parked: each is to
+    /// plan again.
+    pub fn woken(&self) -> Vec<RiderId> {
+        self.inner
+            .try_borrow_mut()
+            .map(|mut inner| std::mem::take(&mut inner.woken))
+            .unwrap_or_default()
+    }
+
+    /// A parked request is gone (its client went away).
+    pub fn leave(&self, rider: RiderId) {
+        let Ok(mut inner) = self.inner.try_borrow_mut() else {
+            return;
+        };
+        for flight in inner.flying.values_mut() {
+            if let Some(at) = flight.riders.iter().position(|(id, _)| *id == rider) {
+                flight.riders.remove(at);
+                return;
+            }
+        }
+        inner.woken.retain(|id| *id != rider);
+    }
+
+    /// True when requests are parked behind a flight or woken and not yet planned again:
+    /// the host's tick must run to wake them.
+    pub fn busy(&self) -> bool {
+        self.inner.try_borrow().map_or(true, |inner| {
+            !inner.woken.is_empty() || inner.flying.values().any(|f| !f.riders.is_empty())
+        })
+    }
+}
+
+impl Inner {
+    fn wake(&mut self, key: FlightKey, flight: Flight, now: Nanos) {
+        if flight.riders.is_empty() {
+            return;
+        }
+        let demand: u64 = flight.riders.iter().map(|(_, cost)| u64::from(*cost)).sum();
+        self.expected.insert(key, (demand, now));
+        self.woken
+            .extend(flight.riders.iter().map(|(rider, _)| *rider));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const KEY: FlightKey = (0, 7);
+
+    #[test]
+    fn riders_wait_for_the_flight_and_wake_in_order_with_their_demand() {
+        let flights = Flights::default();
+        assert_eq!(flights.park(KEY, 1), None, "nothing in flight");
+        flights.take_off(&[KEY], 50);
+        assert!(flights.in_flight(KEY) && !flights.in_flight((1, 7)));
+        assert!(!flights.busy(), "a flight without riders needs no tick");
+        let first = flights.park(KEY, 2).unwrap();
+        let second = flights.park(KEY, 3).unwrap();
+        assert!(flights.woken().is_empty() && flights.busy());
+        flights.land(&[KEY], 10);
+        assert!(flights.busy(), "woken, not yet planned again");
+        assert!(!flights.in_flight(KEY));
+        assert_eq!(flights.woken(), vec![first, second]);
+        assert_eq!(flights.expected(KEY), 5);
+        assert_eq!(flights.expected(KEY), 0, "taken once");
+        assert!(!flights.busy());
+    }
+
+    #[test]
+    fn a_rider_that_leaves_is_not_woken() {
+        let flights = Flights::default();
+        flights.take_off(&[KEY], 50);
+        let gone = flights.park(KEY, 1).unwrap();
+        let stays = flights.park(KEY, 1).unwrap();
+        flights.leave(gone);
+        flights.land(&[KEY], 10);
+        assert_eq!(flights.woken(), vec![stays]);
+        assert_eq!(flights.expected(KEY), 1);
+    }
+
+    #[test]
+    fn a_lost_flight_lands_after_its_deadline_and_grace() {
+        let flights = Flights::default();
+        flights.take_off(&[KEY], 50);
+        let rider = flights.park(KEY, 1).unwrap();
+        flights.land_overdue(50 + LOST_FLIGHT_GRACE - 1);
+        assert!(flights.woken().is_empty());
+        flights.land_overdue(50 + LOST_FLIGHT_GRACE);
+        assert_eq!(flights.woken(), vec![rider]);
+        flights.land_overdue(50 + LOST_FLIGHT_GRACE + EXPECTED_TTL);
+        assert_eq!(flights.expected(KEY), 0, "stale demand forgotten");
+    }
+
+    #[test]
+    fn parking_is_bounded() {
+        let flights = Flights::default();
+        flights.take_off(&[KEY], 50);
+        for _ in 0..MAX_RIDERS {
+            assert!(flights.park(KEY, 1).is_some());
+        }
+        assert_eq!(flights.park(KEY, 1), None);
+    }
+}

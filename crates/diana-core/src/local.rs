@@ -1,0 +1,361 @@
+//! Per-worker token leases of local rules: the hot path without host calls.
+//!
+//! A rule's counter lives in shared data so that every worker counts against it; each
+//! read and compare-and-swap of it is a host call (on Envoy, the read also calls back
+//! into the VM to allocate its value). A worker that charges a busy counter therefore
+//! takes a small batch of tokens in its one compare-and-swap, and spends the rest of the
+//! batch on its next requests without touching shared data.
+//!
+//! Counts stay exact where it matters:
+//! - Every token a worker spends was taken from the shared counter: no more is ever
+//!   admitted than the limit allows.
+//! - A batch is a share of what is left: at most 1/[`SHARE`] of the tokens the counter
+//!   still had at the worker's last charge, never more than [`MAX_BATCH`]. Near the limit
+//!   (fewer than `2 × SHARE` left) a worker takes exactly what each request needs, so the
+//!   last tokens go one by one to whichever worker asks, and 80 requests over 4 workers
+//!   against a limit of 20 admit exactly 20.
+//! - Tokens are spent only while the algorithm's definition allows
+//!   ([`crate::algo::Algorithm::lease_until`]: the window, the slice, 50 ms of a bucket)
+//!   and for [`LEASE_SPAN`] at most; the rest go back to the counter with the worker's
+//!   next charge or from its tick ([`Local::return_unspent`]), when their window or slice
+//!   is still current (else they lapsed with it). So a worker that falls idle holds
+//!   tokens for a quarter of a second plus one tick at most. A leaky bucket never lends:
+//!   each of its turns has its own instant.
+//! - A denial is remembered for at most [`DENIAL_CACHE`] (and never beyond the instant a
+//!   token can be back): tokens given back by rejected requests of other workers can come
+//!   back earlier than the algorithm alone says.
+//!
+//! The table is bounded ([`MAX_LEASES`] identities per worker); when it is full, new
+//! identities are charged without a batch.
+
+use crate::algo::Mark;
+use crate::config::Rule;
+use crate::store::{ChargeError, Receipt, SharedData, SlotAddress, SlotTable, Store};
+use crate::time::{Nanos, NANOS_PER_SECOND};
+use hashbrown::HashMap;
+use std::cell::RefCell;
+
+/// A batch is at most this share of what the counter has left.
+pub const SHARE: u64 = 16;
+/// The largest batch, in tokens beyond the request's own cost.
+pub const MAX_BATCH: u64 = 64;
+/// The longest a worker remembers a denial.
+pub const DENIAL_CACHE: Nanos = NANOS_PER_SECOND / 10;
+/// Most identities with a batch or a remembered denial per worker.
+pub const MAX_LEASES: usize = 1024;
+/// The longest a worker holds a batch, whatever the algorithm allows: the worker's tick
+/// ([`Local::return_unspent`]) gives an idle worker's tokens back to the shared counter.
+pub const LEASE_SPAN: Nanos = NANOS_PER_SECOND / 4;
+
+/// What a worker holds for one (rule, identity).
+#[derive(Debug, Clone)]
+struct Lease {
+    /// Tokens taken and not spent.
+    tokens: u32,
+    /// Where they were counted, and until when they may be spent.
+    mark: Mark,
+    valid_until: Nanos,
+    /// The shared record they came from (to give tokens back to it).
+    key: String,
+    holder: u64,
+    /// What the counter had left after the worker's last charge.
+    left: u64,
+    /// Denied until then (0: not denied), and when the limit recovers.
+    denied_until: Nanos,
+    /// The least cost that was denied: a cheaper request may still fit.
+    denied_cost: u32,
+    reset: Nanos,
+}
+
+/// Tokens a request took, to give back if another rule rejects it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Taken {
+    /// From the worker's batch.
+    Batch {
+        fingerprint: u64,
+        tokens: u32,
+        mark: Mark,
+    },
+    /// From the shared counter.
+    Shared(Receipt),
+}
+
+/// How a local rule decided.
+#[derive(Debug)]
+pub enum LocalCharge {
+    /// Admitted: the request's tokens, the verdict's report data.
+    Admitted {
+        taken: Taken,
+        remaining: u64,
+        reset: Nanos,
+        delay: Nanos,
+        collided: bool,
+    },
+    /// Denied: when to retry, what is left, when the limit recovers.
+    Denied {
+        retry_after: Nanos,
+        remaining: u64,
+        reset: Nanos,
+        collided: bool,
+    },
+}
+
+/// One worker's batches.
+#[derive(Debug, Default)]
+pub struct Local {
+    store: Store,
+    leases: RefCell<HashMap<(usize, u64), Lease>>,
+    /// When a full table may be swept of lapsed leases again.
+    next_sweep: std::cell::Cell<Nanos>,
+}
+
+impl Local {
+    pub fn new() -> Local {
+        Local::default()
+    }
+
+    /// Charges `cost` tokens of `rule` to the identity at `address`.
+    pub fn charge(
+        &self,
+        host: &dyn SharedData,
+        table: &SlotTable<'_>,
+        rule: &Rule,
+        address: SlotAddress,
+        cost: u32,
+        now: Nanos,
+    ) -> Result<LocalCharge, ChargeError> {
+        let lends = !rule.algo.waits();
+        let id = (rule.index, address.fingerprint);
+        let mut unspent = None;
+        let mut left = 0;
+        if lends {
+            if let Ok(mut leases) = self.leases.try_borrow_mut() {
+                if let Some(lease) = leases.get_mut(&id) {
+                    if lease.denied_until > now
+                        && lease.denied_until - now <= DENIAL_CACHE
+                        && cost >= lease.denied_cost
+                    {
+                        return Ok(LocalCharge::Denied {
+                            retry_after: lease.denied_until - now,
+                            remaining: 0,
+                            reset: lease.reset.saturating_sub(now),
+                            collided: false,
+                        });
+                    }
+                    if lease.tokens >= cost && now < lease.valid_until {
+                        lease.tokens -= cost;
+                        let taken = Taken::Batch {
+                            fingerprint: address.fingerprint,
+                            tokens: cost,
+                            mark: lease.mark,
+                        };
+                        return Ok(LocalCharge::Admitted {
+                            taken,
+                            remaining: lease.left.saturating_add(u64::from(lease.tokens)),
+                            reset: lease.valid_until - now,
+                            delay: 0,
+                            collided: false,
+                        });
+                    }
+                    if lease.tokens > 0 {
+                        unspent = Some((lease.tokens, lease.mark));
+                        lease.tokens = 0;
+                    }
+                    left = lease.left;
+                }
+            }
+        }
+        let extra = if lends && left >= 2 * SHARE {
+            (left / SHARE).min(MAX_BATCH)
+        } else {
+            0
+        };
+        let want = u32::try_from(u64::from(cost) + extra).unwrap_or(cost);
+        let charge = self
+            .store
+            .exchange(host, table, address, now, cost, want, unspent)?;
+        let verdict = charge.verdict;
+        let Some(receipt) = charge.receipt else {
+            if lends && verdict.retry_after > 0 {
+                self.remember(id, now, |lease| {
+                    lease.denied_cost = if lease.denied_until > now {
+                        lease.denied_cost.min(cost)
+                    } else {
+                        cost
+                    };
+                    lease.denied_until = now.saturating_add(verdict.retry_after.min(DENIAL_CACHE));
+                    lease.reset = now.saturating_add(verdict.reset);
+                    lease.left = verdict.remaining;
+                });
+            }
+            return Ok(LocalCharge::Denied {
+                retry_after: verdict.retry_after,
+                remaining: verdict.remaining,
+                reset: verdict.reset,
+                collided: charge.collided,
+            });
+        };
+        let batch = verdict.granted - cost.min(verdict.granted);
+        // Worth remembering: a batch to spend, or enough left for one next time.
+        if lends && (batch > 0 || verdict.remaining >= 2 * SHARE || left > 0) {
+            let valid_until = rule
+                .algo
+                .lease_until(&rule.limit, verdict.mark, now)
+                .min(now.saturating_add(LEASE_SPAN));
+            self.remember(id, now, |lease| {
+                lease.tokens = batch;
+                lease.mark = verdict.mark;
+                lease.valid_until = valid_until;
+                lease.key.clone_from(&receipt.key);
+                lease.holder = receipt.holder;
+                lease.left = verdict.remaining;
+                lease.denied_until = 0;
+            });
+        }
+        let taken = if batch > 0 {
+            Taken::Batch {
+                fingerprint: address.fingerprint,
+                tokens: cost,
+                mark: verdict.mark,
+            }
+        } else {
+            Taken::Shared(receipt)
+        };
+        Ok(LocalCharge::Admitted {
+            taken,
+            remaining: verdict.remaining.saturating_add(u64::from(batch)),
+            reset: verdict.reset,
+            delay: verdict.delay,
+            collided: charge.collided,
+        })
+    }
+
+    /// Gives back what a request took: into the worker's batch when it is still the one
+    /// the tokens came from, else to the shared counter.
+    pub fn give_back(
+        &self,
+        host: &dyn SharedData,
+        table: &SlotTable<'_>,
+        rule: &Rule,
+        taken: &Taken,
+        now: Nanos,
+    ) -> Result<(), ChargeError> {
+        // A token given back may end a denial this worker remembers.
+        let fingerprint = match taken {
+            Taken::Shared(receipt) => receipt.holder,
+            Taken::Batch { fingerprint, .. } => *fingerprint,
+        };
+        if let Ok(mut leases) = self.leases.try_borrow_mut() {
+            if let Some(lease) = leases.get_mut(&(rule.index, fingerprint)) {
+                lease.denied_until = 0;
+            }
+        }
+        match taken {
+            Taken::Shared(receipt) => self.store.release(host, table, receipt, now),
+            Taken::Batch {
+                fingerprint,
+                tokens,
+                mark,
+            } => {
+                // Into the batch it came from while that batch lasts; else to the shared
+                // record the batch was taken from.
+                let shared = match self.leases.try_borrow_mut() {
+                    Ok(mut leases) => match leases.get_mut(&(rule.index, *fingerprint)) {
+                        Some(lease) if lease.mark == *mark && now < lease.valid_until => {
+                            lease.tokens = lease.tokens.saturating_add(*tokens);
+                            None
+                        }
+                        Some(lease) => Some(Receipt {
+                            key: lease.key.clone(),
+                            holder: lease.holder,
+                            tokens: *tokens,
+                            mark: *mark,
+                        }),
+                        None => None,
+                    },
+                    Err(_) => None,
+                };
+                match shared {
+                    Some(receipt) => self.store.release(host, table, &receipt, now),
+                    None => Ok(()),
+                }
+            }
+        }
+    }
+
+    /// From the worker's tick: gives the tokens of batches it no longer spends back to
+    /// their shared counters (and forgets lapsed denials). `table` finds a rule's table.
+    pub fn return_unspent<'r>(
+        &self,
+        host: &dyn SharedData,
+        now: Nanos,
+        table: impl Fn(usize) -> Option<(&'r Rule, SlotTable<'r>)>,
+    ) -> usize {
+        let lapsed: Vec<(usize, Receipt)> = match self.leases.try_borrow_mut() {
+            Ok(mut leases) => {
+                let mut lapsed = Vec::new();
+                for (&(rule, _), lease) in leases.iter_mut() {
+                    if lease.tokens > 0 && lease.valid_until <= now {
+                        lapsed.push((
+                            rule,
+                            Receipt {
+                                key: lease.key.clone(),
+                                holder: lease.holder,
+                                tokens: lease.tokens,
+                                mark: lease.mark,
+                            },
+                        ));
+                        lease.tokens = 0;
+                    }
+                }
+                leases.retain(|_, lease| lease.valid_until > now || lease.denied_until > now);
+                lapsed
+            }
+            Err(_) => return 0,
+        };
+        let mut returned = 0;
+        for (rule, receipt) in lapsed {
+            if let Some((_, table)) = table(rule) {
+                if self.store.release(host, &table, &receipt, now).is_ok() {
+                    returned += receipt.tokens as usize;
+                }
+            }
+        }
+        returned
+    }
+
+    /// The store behind the batches (for debts and peeks).
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// Updates the lease of `id`, creating it if the table has room (a full table is swept
+    /// of lapsed leases at most every [`DENIAL_CACHE`]).
+    fn remember(&self, id: (usize, u64), now: Nanos, change: impl FnOnce(&mut Lease)) {
+        let Ok(mut leases) = self.leases.try_borrow_mut() else {
+            return;
+        };
+        if leases.len() >= MAX_LEASES && !leases.contains_key(&id) {
+            if now < self.next_sweep.get() {
+                return;
+            }
+            self.next_sweep.set(now.saturating_add(DENIAL_CACHE));
+            leases.retain(|_, lease| lease.valid_until > now || lease.denied_until > now);
+            if leases.len() >= MAX_LEASES {
+                return;
+            }
+        }
+        let lease = leases.entry(id).or_insert_with(|| Lease {
+            tokens: 0,
+            mark: Mark::default(),
+            valid_until: 0,
+            key: String::new(),
+            holder: 0,
+            left: 0,
+            denied_until: 0,
+            denied_cost: 0,
+            reset: 0,
+        });
+        change(lease);
+    }
+}

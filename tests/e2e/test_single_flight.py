@@ -1,0 +1,132 @@
+"""Single flight: concurrent requests of one worker never make more than one callout per
+global rule and identity at a time (docs/design.md §6). Between the gateway and the quota
+service sits a slow counting proxy (every callout held 80 ms, so that requests pile up
+behind it); it records how many callouts were in flight at once. One worker, one rule,
+one identity: the proxy's peak is that worker's peak.
+
+On Envoy the requests that find a callout in flight are parked and served by it (or by the
+one after it, which asks for them too). On nginx nothing can be parked (a request is
+resumed only by its own callout's answer): each request calls out, and the figures say so.
+"""
+
+from __future__ import annotations
+
+import http.client
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import harness
+from harness import Quota, record, send_concurrent, statuses
+
+DELAY = 0.08
+
+
+class CountingProxy:
+    """Forwards POSTs to 127.0.0.1:`target` after `DELAY`, counting callouts in flight."""
+
+    def __init__(self, target: int):
+        self.target = target
+        self.lock = threading.Lock()
+        self.in_flight = 0
+        self.peak = 0
+        self.total = 0
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:  # quiet
+                pass
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length", "0")))
+                with proxy.lock:
+                    proxy.in_flight += 1
+                    proxy.total += 1
+                    proxy.peak = max(proxy.peak, proxy.in_flight)
+                try:
+                    time.sleep(DELAY)
+                    conn = http.client.HTTPConnection("127.0.0.1", proxy.target, timeout=5)
+                    headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
+                    conn.request("POST", self.path, body=body, headers=headers)
+                    resp = conn.getresponse()
+                    answer = resp.read()
+                    status = resp.status
+                    conn.close()
+                finally:
+                    with proxy.lock:
+                        proxy.in_flight -= 1
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
+
+        class Server(ThreadingHTTPServer):
+            request_queue_size = 256  # nginx opens one connection per callout
+
+        self.server = Server(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> "CountingProxy":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def doc(rpu: int, lease: str = "1") -> str:
+    return f"""
+resources:
+  - Url: /
+    rules:
+      - {{name: shared, rpu: {rpu}, unit: hour, algo: TB, scope: global, lease: {lease}}}
+response: {{status: 429}}
+global: {{timeout_ms: 1000}}
+"""
+
+
+def test_one_callout_at_a_time_per_rule_per_worker(procs, start_gateway):
+    quota = procs.add(Quota(procs.log_dir)).start()
+    with CountingProxy(quota.port) as proxy:
+        gw = start_gateway(doc(1000), quota_port=proxy.port, workers=1)
+        t0 = time.monotonic()
+        resps = send_concurrent(gw.port, 40)
+        elapsed = time.monotonic() - t0
+    metrics = gw.diana_metrics()
+    callouts = harness.metric_sum(metrics, "diana_global_callouts")
+    coalesced = harness.metric_sum(metrics, "diana_global_coalesced")
+    record(
+        f"{gw.kind}: 40 concurrent requests, one worker, callouts held {DELAY * 1000:.0f} ms",
+        f"{statuses(resps)} in {elapsed:.2f}s; {callouts} callouts, at most {proxy.peak} at once, {coalesced} requests parked",
+    )
+    assert not harness.errors(resps), harness.errors(resps)[:3]
+    assert statuses(resps) == {200: 40}, statuses(resps)
+    assert callouts == proxy.total
+    if gw.kind == "envoy":
+        assert proxy.peak == 1, f"{proxy.peak} callouts in flight at once"
+        assert coalesced >= 20, coalesced
+        # The first callout, then one for everyone parked behind it (a few more if some
+        # requests arrived while the second was in flight).
+        assert callouts <= 6, callouts
+    else:
+        assert coalesced == 0
+        assert callouts == 40
+
+
+def test_parked_requests_are_counted_exactly(procs, start_gateway):
+    quota = procs.add(Quota(procs.log_dir)).start()
+    with CountingProxy(quota.port) as proxy:
+        gw = start_gateway(doc(25), quota_port=proxy.port, workers=2)
+        resps = send_concurrent(gw.port, 60)
+    record(f"{gw.kind}: 60 concurrent requests against 25 per hour, callouts held {DELAY * 1000:.0f} ms",
+           f"{statuses(resps)}; {proxy.total} callouts, at most {proxy.peak} at once")
+    assert not harness.errors(resps), harness.errors(resps)[:3]
+    assert statuses(resps) == {200: 25, 429: 35}, statuses(resps)
+    if gw.kind == "envoy":
+        assert proxy.peak <= 2, "one flight per worker"
