@@ -314,7 +314,7 @@ fn invocation<'s>(
                 "rules[{index}].algo: {code} is not supported by the Redis store"
             ))
         })?;
-        call.key(format!("diana:{{{}}}:{code}", rule.key));
+        call.key(redis_key(rule.key, code));
         call.arg(code);
         for value in (lua.params)(&rule.limit) {
             call.arg(value);
@@ -634,22 +634,26 @@ pub struct RedisStore {
 
 /// Redis Cluster hash slots.
 const CLUSTER_SLOTS: usize = 16_384;
+const CLUSTER_SLOTS_U16: u16 = 16_384;
 
-/// The Redis Cluster slot of a rule key: the store wraps it in a hash tag
-/// (`diana:{<key>}:<ALGO>`), so the slot is CRC16 (XMODEM) of the key, modulo 16384.
-pub fn cluster_slot(key: &str) -> u16 {
-    let mut crc: u16 = 0;
-    for &byte in key.as_bytes() {
-        crc ^= u16::from(byte) << 8;
-        for _ in 0..8 {
-            crc = if crc & 0x8000 != 0 {
-                (crc << 1) ^ 0x1021
-            } else {
-                crc << 1
-            };
-        }
-    }
-    crc % 16_384
+/// The Redis key of a rule key and algorithm: the rule key is a hash tag, so every key of
+/// one rule lives on one cluster slot.
+fn redis_key(rule_key: &str, algo_code: &str) -> String {
+    format!("diana:{{{rule_key}}}:{algo_code}")
+}
+
+/// The Redis Cluster slot of a rule key: the slot of its Redis key (`diana:{<key>}:<ALGO>`)
+/// by Redis's own rule (CRC16/XMODEM of the hash tag — the bytes between the first `{` and
+/// the next `}` — modulo 16384; `CLUSTER KEYSLOT` gives the same).
+pub fn cluster_slot(rule_key: &str) -> u16 {
+    let key = redis_key(rule_key, "");
+    let tag = key
+        .split_once('{')
+        .and_then(|(_, rest)| rest.split_once('}'))
+        .map(|(tag, _)| tag)
+        .filter(|tag| !tag.is_empty())
+        .unwrap_or(&key);
+    crc16::State::<crc16::XMODEM>::calculate(tag.as_bytes()) % CLUSTER_SLOTS_U16
 }
 
 impl RedisStore {
