@@ -460,7 +460,7 @@ fn build(collected: Collected) -> Result<Policy, ConfigError> {
                 status: raw.status.map_or(default.status, |status| {
                     u16::try_from(status.0).unwrap_or(default.status)
                 }),
-                body: raw.body.unwrap_or(default.body),
+                body: raw.body.map_or(default.body, |text| text.0),
                 headers: raw.headers.map_or(default.headers, |headers| headers.0),
                 header_style: raw
                     .header_style

@@ -269,7 +269,7 @@ pub(super) struct RawMetrics {
 #[serde(deny_unknown_fields, expecting = "the `response` section")]
 pub(super) struct RawResponse {
     pub status: Option<Ranged<100, 599>>,
-    pub body: Option<String>,
+    pub body: Option<Text>,
     pub headers: Option<HeaderModeField>,
     pub header_style: Option<HeaderStyleField>,
 }
@@ -343,29 +343,56 @@ impl<'de, T: Deserialize<'de>, const ID: u8> Deserialize<'de> for Section<T, ID>
 // Validating scalar fields.
 
 /// A visitor for string values validated by `parse`, whose error becomes the message.
-struct StrVisitor<T> {
-    expecting: &'static str,
-    parse: fn(&str) -> Result<T, String>,
+struct StrVisitor<X, F> {
+    expecting: X,
+    parse: F,
 }
 
-impl<T> Visitor<'_> for StrVisitor<T> {
+/// Text fields accept a string, and an integer or a boolean as its text (YAML's `name: 5`,
+/// the same in JSON, so both forms agree). `null` (YAML `~`, `null`, an empty value) is
+/// refused rather than read as the text "null", and so is a float, whose text YAML and
+/// JSON would not keep as written (`1.50` → `1.5`).
+impl<T, X: fmt::Display, F: FnOnce(&str) -> Result<T, String>> Visitor<'_> for StrVisitor<X, F> {
     type Value = T;
 
     fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
-        formatter.write_str(self.expecting)
+        write!(formatter, "{}", self.expecting)
     }
 
     fn visit_str<E: de::Error>(self, value: &str) -> Result<T, E> {
         (self.parse)(value).map_err(E::custom)
     }
+
+    fn visit_u64<E: de::Error>(self, value: u64) -> Result<T, E> {
+        self.visit_str(&value.to_string())
+    }
+
+    fn visit_i64<E: de::Error>(self, value: i64) -> Result<T, E> {
+        self.visit_str(&value.to_string())
+    }
+
+    fn visit_bool<E: de::Error>(self, value: bool) -> Result<T, E> {
+        self.visit_str(if value { "true" } else { "false" })
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<T, E> {
+        Err(E::custom(format!(
+            "null where {} is expected (quote it, \"null\", if that is the text you mean)",
+            self.expecting
+        )))
+    }
+
+    fn visit_none<E: de::Error>(self) -> Result<T, E> {
+        self.visit_unit()
+    }
 }
 
 fn deserialize_str_with<'de, D: Deserializer<'de>, T>(
     deserializer: D,
-    expecting: &'static str,
-    parse: fn(&str) -> Result<T, String>,
+    expecting: impl fmt::Display,
+    parse: impl FnOnce(&str) -> Result<T, String>,
 ) -> Result<T, D::Error> {
-    deserializer.deserialize_str(StrVisitor { expecting, parse })
+    deserializer.deserialize_any(StrVisitor { expecting, parse })
 }
 
 fn one_of<'a>(names: impl IntoIterator<Item = &'a str>) -> String {
@@ -574,6 +601,15 @@ impl<'de> Deserialize<'de> for FallbackField {
                 )
             })
         })
+    }
+}
+
+/// Any text (the rejection body).
+pub(super) struct Text(pub String);
+
+impl<'de> Deserialize<'de> for Text {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserialize_str_with(deserializer, "a string", |raw| Ok(Text(raw.to_string())))
     }
 }
 
@@ -826,18 +862,11 @@ impl<'de> DeserializeSeed<'de> for SourceValueSeed {
     type Value = String;
 
     fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<String, D::Error> {
-        deserializer.deserialize_str(self)
-    }
-}
-
-impl Visitor<'_> for SourceValueSeed {
-    type Value = String;
-
-    fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(formatter, "a string for `{}`", self.kind.key())
-    }
-
-    fn visit_str<E: de::Error>(self, value: &str) -> Result<String, E> {
-        self.kind.parse_value(value).map_err(E::custom)
+        let kind = self.kind;
+        deserialize_str_with(
+            deserializer,
+            format_args!("a string for `{}`", kind.key()),
+            |raw| kind.parse_value(raw),
+        )
     }
 }

@@ -900,3 +900,53 @@ fn lease_auto_caps_each_gateway_at_a_hundredth_of_the_limit() {
     assert!(error("Url: /\nrules:\n  - {rpu: 5, lease: often}\n")
         .contains("expected an integer between 1 and 100000 or `auto`"));
 }
+
+#[test]
+fn null_is_never_read_as_text() {
+    for text in [
+        "resources: [{Url: /, rules: [{rpu: 1, actor: t}]}]\nactors: {t: {header: null}}\n",
+        "resources: [{Url: /, rules: [{rpu: 1, actor: t}]}]\nactors: {t: {header: ~}}\n",
+        "resources: [{Url: /, rules: [{rpu: 1, actor: t}]}]\nactors:\n  t:\n    header:\n",
+        "resources: [{Url: /, rules: []}]\nremote: {cluster: ~, path: /d.yaml}\n",
+        "{\"resources\": [{\"Url\": \"/\", \"rules\": []}], \"remote\": {\"cluster\": null, \"path\": \"/d\"}}",
+    ] {
+        let message = error(text);
+        assert!(message.contains("null where"), "{text:?}: {message}");
+    }
+    // An optional field given null is absent, as in JSON (`name: null`: the default name).
+    assert_eq!(
+        rules(&parse("Url: /\nrules: [{rpu: 1, name: null}]\n"))[0].name,
+        "/#0"
+    );
+    // Quoted, it is text like any other.
+    let policy = parse(
+        "resources: [{Url: /, rules: [{rpu: 1, actor: t}]}]\nactors: {t: {header: \"null\"}}\n",
+    );
+    let facts = Facts {
+        headers: vec![("null", b"v".to_vec())],
+        ip: None,
+    };
+    assert!(matches!(
+        rules(&policy)[0].actor.identify(&facts),
+        Identity::Key(_)
+    ));
+}
+
+#[test]
+fn integers_and_booleans_are_text_alike_in_yaml_and_json() {
+    let yaml = parse("Url: /\nrules: [{rpu: 1, name: 5}, {rpu: 2, name: true}]\n");
+    let json = parse(
+        "{\"Url\": \"/\", \"rules\": [{\"rpu\": 1, \"name\": 5}, {\"rpu\": 2, \"name\": true}]}",
+    );
+    let names =
+        |policy: &Policy| -> Vec<String> { rules(policy).iter().map(|r| r.name.clone()).collect() };
+    assert_eq!(names(&yaml), names(&json));
+    assert!(
+        names(&yaml)[0].contains('5') && names(&yaml)[1].contains("true"),
+        "{:?}",
+        names(&yaml)
+    );
+    // A float would not keep its spelling (`1.50` reads as 1.5): refused, in both forms.
+    error("Url: /\nrules: [{rpu: 1, name: 1.50}]\n");
+    error("{\"Url\": \"/\", \"rules\": [{\"rpu\": 1, \"name\": 1.50}]}");
+}
