@@ -223,6 +223,8 @@ struct Held {
     mark: Mark,
     /// Where the model counted it (window, slice, or departure run).
     place: u128,
+    /// Late releases made before this grant (see [`Op::ReleaseLater`] for TB).
+    late_releases: u64,
 }
 
 /// What each algorithm's definition says, kept beside the real state.
@@ -588,6 +590,7 @@ fn run(algo: &dyn Algorithm, limit: &Limit, start: Nanos, ops: &[Op]) {
     let mut clock = Clock::new(limit, start);
     let mut model = model_for(algo, limit);
     let mut held: Vec<Held> = Vec::new();
+    let mut late_releases = 0u64;
     for op in ops {
         match *op {
             Op::Acquire {
@@ -626,6 +629,7 @@ fn run(algo: &dyn Algorithm, limit: &Limit, start: Nanos, ops: &[Op]) {
                     tokens: verdict.granted,
                     mark: verdict.mark,
                     place,
+                    late_releases,
                 };
                 if release_now {
                     algo.release(limit, &mut state, now, grant.tokens, grant.mark);
@@ -655,14 +659,22 @@ fn run(algo: &dyn Algorithm, limit: &Limit, start: Nanos, ops: &[Op]) {
             }
             Op::ReleaseLater { step, which } => {
                 let now = clock.step(step);
-                if held.is_empty() || algo.code() == "TB" {
-                    // TB gives a late release back whole, even the part that has refilled
-                    // since (its mark does not keep the grant's share of `tat`): a known
-                    // limitation, see RELIABILITY.md. The engine and the quota service
-                    // release at the grant's own instant, where it is exact.
+                if held.is_empty() {
                     continue;
                 }
-                let grant = held.swap_remove(which % held.len());
+                let index = which % held.len();
+                if algo.code() == "TB"
+                    && (now < clock.latest || held[index].late_releases != late_releases)
+                {
+                    // TB gives back what of a grant is still ahead of the clock, by its
+                    // mark (where its span of `tat` ended). Exact unless the clock is
+                    // behind the latest instant, or an earlier grant was given back late
+                    // since (which moved this grant's span earlier than its mark says):
+                    // then up to the grant's tokens come back early (RELIABILITY.md).
+                    continue;
+                }
+                late_releases += 1;
+                let grant = held.swap_remove(index);
                 assert!(grant.at <= clock.latest);
                 let before = state.clone();
                 algo.release(limit, &mut state, now, grant.tokens, grant.mark);

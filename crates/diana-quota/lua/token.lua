@@ -9,8 +9,10 @@
 --
 -- Debts (a response cost charged past the limit): TAT moves on by tokens*T, but never
 -- beyond now + 2*B (an empty bucket owing one more bucket); requests are denied until the
--- refill has paid the debt back. A release moves TAT back by tokens*T, never before now
--- (never fuller than full).
+-- refill has paid the debt back. A release moves TAT back by what of the grant has not
+-- refilled yet: the grant's span of TAT ends at its mark, tokens*T long, and only the part
+-- still ahead of now comes back (the rest has refilled already); never before now (never
+-- fuller than full).
 --
 -- Clock going backwards: the bucket looks emptier until the clock catches up; a TAT more
 -- than 2*B plus one unit ahead of now cannot come from a clock step and reads as a full
@@ -31,7 +33,7 @@
 --   B us           floor(burst*unit_us / rpu), at most 2^50
 --   B fraction     (burst*unit_us) mod rpu (B = burst*T)
 -- Verdict: remaining = whole tokens left; reset = until the bucket is full; retry = until
--- `need` tokens are there; delay = 0; marks 0, 0 (a release needs no mark).
+-- `need` tokens are there; delay = 0; marks: the TAT after a grant (us, fraction), else 0.
 --
 -- The bucket helpers (bucket_*, q_*: exact rational time) come from common.lua.
 
@@ -74,6 +76,7 @@ ALGOS.TB = {
       granted = granted, remaining = tb_available(P, e_us, e_f), reset = q_ceil(e_us, e_f),
       retry = 0, delay = 0, m1 = 0, m2 = 0,
     }
+    if granted >= 1 then V.m1, V.m2 = n_us, n_f end
     if granted < 1 then
       if want > 0 then
         -- `need` tokens are there once the debt is down to B - need*T
@@ -88,9 +91,13 @@ ALGOS.TB = {
   end,
 
   release = function(P, S, now, tokens, m1, m2)
+    -- the grant's span ends at its mark: nothing of it is ahead of now, all has refilled
+    if q_le(m1, m2, now, 0) then return nil end
     local a_us, a_f = tb_ahead(P)
     local base_us, base_f = bucket_start(P, S, now, a_us, a_f)
     local k_us, k_f = bucket_times(P, tokens)
+    local o_us, o_f = q_sub(P.den, m1, m2, now, 0)
+    if q_le(o_us, o_f, k_us, k_f) then k_us, k_f = o_us, o_f end
     local back_us, back_f = q_sub(P.den, base_us, base_f, k_us, k_f)
     if q_le(back_us, back_f, now, 0) then back_us, back_f = now, 0 end
     if back_us == base_us and back_f == base_f then return nil end

@@ -456,6 +456,6 @@ fn cluster_slots_match_redis() {
     assert_eq!(cluster_slot("foo"), 12182);
     assert_eq!(cluster_slot("somekey"), 11058);
     assert_eq!(cluster_slot("123456789"), 0x31C3); // the CRC-16/XMODEM check value
-    // Redis's hash tag ends at the first `}`: a key holding one is placed by its prefix.
+                                                   // Redis's hash tag ends at the first `}`: a key holding one is placed by its prefix.
     assert_eq!(cluster_slot("foo}bar"), cluster_slot("foo"));
 }

@@ -99,7 +99,13 @@ impl Algorithm for TokenBucket {
                     .max(1)
             },
             delay: 0,
-            mark: Mark::default(),
+            // Where the grant's span of `tat` ends: a later release gives back only the
+            // part of it still ahead of the clock (the rest has refilled meanwhile).
+            mark: if granted > 0 {
+                Mark(tat)
+            } else {
+                Mark::default()
+            },
         }
     }
 
@@ -110,13 +116,15 @@ impl Algorithm for TokenBucket {
         now.saturating_add(TOKEN_LEASE)
     }
 
-    fn release(&self, limit: &Limit, state: &mut [u64], now: Nanos, tokens: u32, _mark: Mark) {
+    /// A grant moved `tat` over a span ending at its mark, `tokens` intervals long. What of
+    /// that span is still ahead of the clock has not refilled yet and comes back; the rest
+    /// already has (giving it back again would make the bucket fuller than if the grant had
+    /// never been made). Never fuller than full: `tat` does not go back past now.
+    fn release(&self, limit: &Limit, state: &mut [u64], now: Nanos, tokens: u32, mark: Mark) {
         let s = Scaled::new(limit, now);
         let tat = tat(s, state);
-        // Never fuller than full: `tat` does not go back past now.
-        let back = tat
-            .saturating_sub(u128::from(tokens) * s.interval)
-            .max(s.now);
+        let unrefilled = (u128::from(tokens) * s.interval).min(mark.0.saturating_sub(s.now));
+        let back = tat.saturating_sub(unrefilled).max(s.now);
         if back != tat {
             super::common::store(state, back);
         }
@@ -208,6 +216,37 @@ mod tests {
                 (t0 + 100 * S, 0, 0, 10, 0, 0),
                 (t0 + 100 * S, 11, 10, 0, S, 0),
             ],
+        );
+    }
+
+    #[test]
+    fn a_late_release_gives_back_only_what_has_not_refilled() {
+        // 3 per second, capacity 1: a token every 333,333,333.33 ns.
+        let l = limit(3, Unit::Second, Some(1));
+        let t0 = 50 * S;
+        let mut state = [0u64; 2];
+        let first = TokenBucket.acquire(&l, &mut state, t0, 1);
+        assert_eq!(first.granted, 1);
+        // Refilled: a second grant, then the first is given back. Its token refilled
+        // long ago, so nothing comes back and the bucket stays empty.
+        let later = t0 + 400_000_000;
+        assert_eq!(TokenBucket.acquire(&l, &mut state, later, 1).granted, 1);
+        TokenBucket.release(&l, &mut state, later, 1, first.mark);
+        assert_eq!(TokenBucket.acquire(&l, &mut state, later, 1).granted, 0);
+        // Given back a third of an interval after its grant: a third had refilled, two
+        // thirds come back, the bucket is full again — and no fuller.
+        let t1 = 60 * S;
+        let mut state = [0u64; 2];
+        let grant = TokenBucket.acquire(&l, &mut state, t1, 1);
+        let third = 111_111_111;
+        TokenBucket.release(&l, &mut state, t1 + third, 1, grant.mark);
+        assert_eq!(
+            TokenBucket.acquire(&l, &mut state, t1 + third, 1).granted,
+            1
+        );
+        assert_eq!(
+            TokenBucket.acquire(&l, &mut state, t1 + third, 1).granted,
+            0
         );
     }
 

@@ -159,11 +159,10 @@ const SCRIPT: &str = concat!(
 /// How an algorithm's [`Mark`] travels to and from the script.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum MarkForm {
-    /// No mark (token bucket).
-    Unused,
     /// A window or slice index, as is.
     Index,
-    /// An instant `(µs, fraction in 1/rpu µs)`; the Rust mark is that instant × rpu in ns.
+    /// An instant `(µs, fraction in 1/rpu µs)` (token and leaky bucket); the Rust mark is
+    /// that instant × rpu in ns.
     Instant,
 }
 
@@ -194,7 +193,7 @@ static LUA_ALGORITHMS: [LuaAlgorithm; 4] = [
     LuaAlgorithm {
         code: "TB",
         params: gcra_params,
-        mark: MarkForm::Unused,
+        mark: MarkForm::Instant,
     },
 ];
 
@@ -249,7 +248,6 @@ impl MarkForm {
     fn to_mark(self, limit: &Limit, m1: i64, m2: i64) -> Mark {
         let word = |value: i64| u128::try_from(value).unwrap_or(0);
         match self {
-            MarkForm::Unused => Mark::default(),
             MarkForm::Index => Mark(word(m1)),
             MarkForm::Instant => {
                 let rpu = u128::from(limit.rpu.get());
@@ -261,7 +259,6 @@ impl MarkForm {
     fn to_lua(self, limit: &Limit, mark: Mark) -> (u64, u64) {
         let narrow = |value: u128| u64::try_from(value).unwrap_or(u64::MAX);
         match self {
-            MarkForm::Unused => (0, 0),
             MarkForm::Index => (narrow(mark.0), 0),
             MarkForm::Instant => {
                 let rpu = u128::from(limit.rpu.get());
@@ -1109,7 +1106,6 @@ mod tests {
         assert_eq!(MarkForm::Instant.to_lua(&l, mark), (1_000_000, 2));
         assert_eq!(MarkForm::Index.to_mark(&l, 42, 0), Mark(42));
         assert_eq!(MarkForm::Index.to_lua(&l, Mark(42)), (42, 0));
-        assert_eq!(MarkForm::Unused.to_mark(&l, 7, 7), Mark::default());
     }
 
     #[test]
