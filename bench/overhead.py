@@ -32,7 +32,7 @@ def diana_doc(rules: list[str], url: str = "/", extra: str = "") -> str:
 GLOBAL_SECTION = "global: {cluster: diana_quota, authority: diana-quota, path: /v1/acquire, timeout_ms: 1000}\n"
 
 
-def global_doc(algo: str, lease: int, big: bool = False, with_local: bool = False) -> str:
+def global_doc(algo: str, lease: int | str, big: bool = False, with_local: bool = False) -> str:
     """The global variants: one global rule (rpu 10⁶/s: never reached at this machine's
     rates); `with_local` puts a local TB that is never reached before it, as in the
     design's example."""
@@ -73,6 +73,8 @@ def variants(diana_wasm: Path, empty_wasm: Path, with_global: bool, extra: bool,
         for lease in (1, 100):
             vs.append({"key": f"global_l{lease}", "label": f"Diana global W, lease {lease}", "group": "global",
                        "filters": diana(global_doc("W", lease)), "quota": True})
+        vs.append({"key": "global_auto", "label": "Diana global W, lease auto", "group": "global",
+                   "filters": diana(global_doc("W", "auto")), "quota": True})
     if extra:
         # "Where the time goes": the fixed cost of the filter (a policy that matches nothing),
         # the cost per rule (8 rules), an identity lookup (actor ip), and V8's allow_precompiled.

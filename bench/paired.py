@@ -16,11 +16,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from common import ROOT, Envoy, Procs, median, say, wasm_filter, wrk
-from overhead import diana_doc, local_rule
+from common import ROOT, Envoy, Procs, median, say, start_quota, start_redis, wasm_filter, wrk
+from overhead import diana_doc, global_doc, local_rule
 
 RELEASE = ROOT / "target/wasm32-wasip1/release"
 EMPTY = ROOT / "bench/empty-filter/target/wasm32-wasip1/release"
+QUOTA = ROOT / "target/release/diana-quota"
+# The variants that call diana-quota (started once, with Redis, on the other CPU).
+GLOBAL = ("global_l100", "global_auto")
 
 
 def variants() -> dict[str, tuple[str, list[dict]]]:
@@ -35,6 +38,8 @@ def variants() -> dict[str, tuple[str, list[dict]]]:
         **{f"local_{a}": (f"Diana local {a}", [wasm_filter("diana", envoy_wasm, diana_doc([local_rule(a)]))])
            for a in ("W", "SW", "LB", "TB")},
         "untrimmed_TB": ("Diana local TB, untrimmed diana.wasm", [wasm_filter("diana", untrimmed, tb)]),
+        "global_l100": ("Diana global W, lease 100", [wasm_filter("diana", envoy_wasm, global_doc("W", 100))]),
+        "global_auto": ("Diana global W, lease auto", [wasm_filter("diana", envoy_wasm, global_doc("W", "auto"))]),
     }
 
 
@@ -45,7 +50,17 @@ def main() -> None:
     procs = Procs(ROOT / ".tmp/bench/paired")
     cpu: dict[str, list[float]] = {k: [] for k in vs}
     try:
-        envoys = {k: Envoy(procs, f"paired-{k}", filters, concurrency=1, cpus="0").start()
+        quota_port = None
+        if QUOTA.is_file():
+            _redis, redis_port = start_redis(procs, "paired-redis", cpus="1")
+            _quota, quota_port = start_quota(procs, QUOTA, redis_port, "paired-quota", cpus="1")
+        else:
+            say(f"paired: {QUOTA} missing, global variants left out")
+            for k in GLOBAL:
+                vs.pop(k)
+                cpu.pop(k)
+        envoys = {k: Envoy(procs, f"paired-{k}", filters, concurrency=1, cpus="0",
+                           quota=quota_port if k in GLOBAL else None).start()
                   for k, (_, filters) in vs.items()}
         for e in envoys.values():
             wrk(e.url + "/", duration=2)

@@ -74,20 +74,18 @@ def targets(ov: dict) -> list[dict[str, Any]]:
     def throughput(what: str, v: dict, bound: float) -> dict[str, Any]:
         return {"what": what, "ratio": round_ratio(v, empty, "rps"), "cpu": cpu_ratio(v, empty), "at_least": bound}
 
-    for algo in ("W", "SW", "LB", "TB"):
-        v = vs.get(f"local_{algo}")
-        if not v or not v.get("runs"):
-            continue
-        out.append(throughput(f"Diana local {algo}: throughput ≥ 0.95× empty filter", v, 0.95))
-        out.append({"what": f"Diana local {algo}: p99 ≤ 1.1× empty filter", "ratio": round_ratio(v, empty, "p99"),
-                    "cpu": None, "at_most": 1.1})
-    v = vs.get("global_l100")
-    if v and v.get("runs"):
-        out.append(throughput("Diana global lease 100: throughput ≥ 0.9× empty filter", v, 0.9))
+    # DESIGN §6 (docs/design.md §6): local rules cost no more than the empty stock-SDK
+    # filter (≥ 1.0× its throughput); a global rule with a lease ≤ 1.05× its cost, i.e.
+    # ≥ 1/1.05 of its throughput.
     for algo in ("W", "SW", "LB", "TB"):
         v = vs.get(f"local_{algo}")
         if v and v.get("runs"):
-            out.append(throughput(f"Below the floor: Diana local {algo} ≥ 1.0× empty filter", v, 1.0))
+            out.append(throughput(f"Diana local {algo}: ≥ 1.0× the empty filter", v, 1.0))
+    for key, label in (("global_l100", "lease 100"), ("global_auto", "lease auto")):
+        v = vs.get(key)
+        if v and v.get("runs"):
+            out.append(throughput(f"Diana global W, {label}: cost ≤ 1.05× the empty filter (≥ 0.952×)", v,
+                                  round(1 / 1.05, 3)))
     return out
 
 
