@@ -64,6 +64,8 @@ def main() -> int:
     empty_wasm = (ROOT / "bench/empty-filter/target/wasm32-wasip1/release/empty_filter.wasm").resolve()
     empty_trimmed_wasm = empty_wasm.with_name("empty_filter_trimmed.wasm")
     probe_wasm = (ROOT / "bench/probe-filter/target/wasm32-wasip1/release/probe_filter.wasm").resolve()
+    # The peer (Envoy's ratelimit filter → Limitador): optional, skipped when not built.
+    limitador_bin = (ROOT / "bench/limitador-rls/target/release/limitador-rls").resolve()
     for p, what in ((diana_wasm, "the Diana filter"), (empty_wasm, "the empty filter")):
         if not p.is_file():
             raise SystemExit(f"{what} not found at {p} (run scripts/bench without BENCH_NO_BUILD)")
@@ -81,7 +83,8 @@ def main() -> int:
         "config": cfg, "sections": sections, "machine": machine_info(), "envoy_version": envoy_version(envoy),
         "binaries": {"diana_wasm": str(diana_wasm), "diana_wasm_bytes": diana_wasm.stat().st_size,
                      "untrimmed_wasm_bytes": untrimmed_wasm.stat().st_size if untrimmed_wasm.is_file() else None,
-                     "empty_wasm_bytes": empty_wasm.stat().st_size, "diana_quota": str(quota_bin_opt)},
+                     "empty_wasm_bytes": empty_wasm.stat().st_size, "diana_quota": str(quota_bin_opt),
+                     "limitador_rls": str(limitador_bin) if limitador_bin.is_file() else None},
         "errors": {},
     }
     say(f"Envoy {res['envoy_version']}, {res['machine']['nproc']} CPUs ({res['machine']['cpu_model']}); "
@@ -104,7 +107,8 @@ def main() -> int:
                     res["runtimes"] = overhead.probe_runtimes(procs, empty_wasm, diana_wasm)
                     res["overhead"] = overhead.run(procs, cfg, diana_wasm, empty_wasm, quota_bin_opt,
                                                    untrimmed_wasm=untrimmed_wasm,
-                                                   empty_trimmed_wasm=empty_trimmed_wasm)
+                                                   empty_trimmed_wasm=empty_trimmed_wasm,
+                                                   limitador_bin=limitador_bin if limitador_bin.is_file() else None)
                     procs.stop_all()
                     if cfg["extra"] and probe_wasm.is_file():
                         res["hostcalls"] = overhead.run_hostcalls(procs, cfg, probe_wasm)

@@ -236,6 +236,9 @@ WASM_TYPE = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"
 HCM_TYPE = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 ROUTER_TYPE = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
 LRL_TYPE = "type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit"
+RATELIMIT_TYPE = "type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit"
+FAULT_TYPE = "type.googleapis.com/envoy.extensions.filters.http.fault.v3.HTTPFault"
+HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 STRING_VALUE = "type.googleapis.com/google.protobuf.StringValue"
 V8 = "envoy.wasm.runtime.v8"
 
@@ -278,6 +281,43 @@ def native_local_ratelimit() -> dict:
     }
 
 
+def ratelimit_filter(domain: str, cluster: str, timeout: str = "1s") -> dict:
+    """Envoy's global rate limit filter, calling the gRPC Rate Limit Service (RLS) at
+    `cluster` (see `grpc_cluster`) with the descriptors of the route's `rate_limits`. An RLS
+    error or timeout lets the request through (`failure_mode_deny: false`, Envoy's default)
+    and counts in `cluster.<route cluster>.ratelimit.error`. The filter only acts on routes
+    with a route action: see `bootstrap(rate_limits=...)`."""
+    return {
+        "name": "envoy.filters.http.ratelimit",
+        "typed_config": {
+            "@type": RATELIMIT_TYPE,
+            "domain": domain,
+            "failure_mode_deny": False,
+            "timeout": timeout,
+            "rate_limit_service": {"grpc_service": {"envoy_grpc": {"cluster_name": cluster}},
+                                   "transport_api_version": "V3"},
+        },
+    }
+
+
+def generic_key_rate_limits(value: str = "bench") -> list[dict]:
+    """Route `rate_limits`: one descriptor, `generic_key: <value>`, on every request."""
+    return [{"actions": [{"generic_key": {"descriptor_value": value}}]}]
+
+
+def local_reply_filter(status: int = 200) -> dict:
+    """Ends every request with a local reply (Envoy's fault filter, abort 100 % with
+    `status`): for a routed request (`bootstrap(route_action=True)`) that must not go
+    upstream, where a direct_response route cannot be used."""
+    return {
+        "name": "envoy.filters.http.fault",
+        "typed_config": {
+            "@type": FAULT_TYPE,
+            "abort": {"http_status": status, "percentage": {"numerator": 100, "denominator": "HUNDRED"}},
+        },
+    }
+
+
 def static_cluster(name: str, port: int, connect_timeout: str = "1s") -> dict:
     big = 1000000
     return {
@@ -291,13 +331,47 @@ def static_cluster(name: str, port: int, connect_timeout: str = "1s") -> dict:
     }
 
 
+def grpc_cluster(name: str, port: int, connect_timeout: str = "1s") -> dict:
+    """`static_cluster` speaking HTTP/2 to its upstream, for a gRPC service (e.g. an RLS)."""
+    cluster = static_cluster(name, port, connect_timeout)
+    cluster["typed_extension_protocol_options"] = {HTTP_OPTIONS: {
+        "@type": "type.googleapis.com/" + HTTP_OPTIONS,
+        "explicit_http_config": {"http2_protocol_options": {}},
+    }}
+    return cluster
+
+
+# The route's cluster when a route action is needed but there is no upstream: no endpoints,
+# so a request that reaches the router gets a 503 without any connection being made.
+NO_UPSTREAM = "no_upstream"
+
+
 def bootstrap(listen: int, admin: int, filters: list[dict], *, upstream: Optional[int] = None,
-              quota: Optional[int] = None, route_timeout: str = "10s") -> dict:
-    """Envoy with one listener. Without `upstream` every request gets a direct_response 200."""
-    if upstream is None:
-        route = {"match": {"prefix": "/"}, "direct_response": {"status": 200, "body": {"inline_string": "ok\n"}}}
+              quota: Optional[int] = None, route_timeout: str = "10s",
+              extra_clusters: Optional[list[dict]] = None, rate_limits: Optional[list[dict]] = None,
+              route_action: bool = False) -> dict:
+    """Envoy with one listener. Without `upstream` every request gets a direct_response 200.
+
+    `extra_clusters` are added as they are (e.g. `grpc_cluster(...)`). `rate_limits` are the
+    route's rate limit actions (for `ratelimit_filter`). Envoy's ratelimit filter skips a
+    route without a route action, which a direct_response route is; so with `rate_limits`
+    (or `route_action=True`) and no `upstream`, the route goes to the cluster NO_UPSTREAM
+    and the filter chain must end the request itself (`local_reply_filter()`), else the
+    router answers 503."""
+    if rate_limits is not None:
+        route_action = True
+    if upstream is not None:
+        action: dict[str, Any] = {"cluster": "upstream", "timeout": route_timeout}
+    elif route_action:
+        action = {"cluster": NO_UPSTREAM, "timeout": route_timeout}
     else:
-        route = {"match": {"prefix": "/"}, "route": {"cluster": "upstream", "timeout": route_timeout}}
+        action = {}
+    if rate_limits:
+        action["rate_limits"] = rate_limits
+    if action:
+        route = {"match": {"prefix": "/"}, "route": action}
+    else:
+        route = {"match": {"prefix": "/"}, "direct_response": {"status": 200, "body": {"inline_string": "ok\n"}}}
     hcm = {
         "@type": HCM_TYPE,
         "stat_prefix": "ingress",
@@ -310,6 +384,10 @@ def bootstrap(listen: int, admin: int, filters: list[dict], *, upstream: Optiona
         clusters.append(static_cluster("upstream", upstream))
     if quota is not None:
         clusters.append(static_cluster("diana_quota", quota, connect_timeout="0.25s"))
+    if upstream is None and route_action:
+        clusters.append({"name": NO_UPSTREAM, "type": "STATIC", "connect_timeout": "1s",
+                         "load_assignment": {"cluster_name": NO_UPSTREAM, "endpoints": []}})
+    clusters += extra_clusters or []
     return {
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin}}},
         "static_resources": {
@@ -327,12 +405,14 @@ def bootstrap(listen: int, admin: int, filters: list[dict], *, upstream: Optiona
 class Envoy:
     def __init__(self, procs: Procs, name: str, filters: list[dict], *, concurrency: int = 1,
                  cpus: Optional[str] = None, upstream: Optional[int] = None, quota: Optional[int] = None,
-                 binary: Optional[str] = None):
+                 binary: Optional[str] = None, extra_clusters: Optional[list[dict]] = None,
+                 rate_limits: Optional[list[dict]] = None, route_action: bool = False):
         self.name = name
         self.port = free_port()
         self.admin = free_port()
         self.procs = procs
-        cfg = bootstrap(self.port, self.admin, filters, upstream=upstream, quota=quota)
+        cfg = bootstrap(self.port, self.admin, filters, upstream=upstream, quota=quota,
+                        extra_clusters=extra_clusters, rate_limits=rate_limits, route_action=route_action)
         self.config_path = procs.logdir / f"{name}.json"
         self.config_path.write_text(json.dumps(cfg, indent=1))
         self.argv = [binary or envoy_bin(), "-c", str(self.config_path), "--concurrency", str(concurrency),
@@ -452,4 +532,42 @@ def start_quota(procs: Procs, binary: Path, redis_port: int, name: str = "diana-
                            f"redis://127.0.0.1:{redis_port}", "--log", "warn"], cpus=cpus)
     if not wait_http(f"http://127.0.0.1:{port}/healthz", p, 20):
         raise RuntimeError(f"diana-quota did not start: {tail(p.log)}")
+    return p, port
+
+
+def wait_tcp(port: int, proc: Optional[Proc], timeout: float) -> bool:
+    """Until 127.0.0.1:`port` accepts a connection (False if `proc` exits first)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and not proc.alive():
+            return False
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return True
+        except OSError:
+            time.sleep(0.05)
+    return False
+
+
+# The peer's rate limit: Envoy's ratelimit filter sends domain LIMITADOR_DOMAIN with the
+# descriptor generic_key=LIMITADOR_DOMAIN (`generic_key_rate_limits()`); 10⁶ per second is
+# never reached at this machine's rates (like Diana's global variants).
+LIMITADOR_DOMAIN = "bench"
+LIMITADOR_LIMIT = f"{LIMITADOR_DOMAIN}:1000000:1:generic_key={LIMITADOR_DOMAIN}"
+
+
+def start_limitador(procs: Procs, binary: Path, redis_port: Optional[int], name: str = "limitador-rls",
+                    cpus: Optional[str] = "1", limits: Optional[list[str]] = None) -> tuple[Proc, int]:
+    """bench/limitador-rls (Envoy's gRPC RLS on the Limitador library) with its counters in
+    the Redis at `redis_port` (in its memory when None); `limits` are its `--limit` specs
+    (default: LIMITADOR_LIMIT). Ready when its gRPC port accepts connections (it binds only
+    after connecting to Redis and loading the limits)."""
+    port = free_port()
+    argv = [str(binary), "--listen", f"127.0.0.1:{port}"]
+    argv += ["--redis", f"redis://127.0.0.1:{redis_port}"] if redis_port is not None else ["--memory"]
+    for spec in (limits if limits is not None else [LIMITADOR_LIMIT]):
+        argv += ["--limit", spec]
+    p = procs.spawn(name, argv, cpus=cpus)
+    if not wait_tcp(port, p, 20):
+        raise RuntimeError(f"limitador-rls did not start: {tail(p.log)}")
     return p, port

@@ -15,8 +15,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from common import (V8, Envoy, Procs, median, native_local_ratelimit, say, start_quota, start_redis,
-                    tail, wasm_filter, wrk)
+from common import (LIMITADOR_DOMAIN, NO_UPSTREAM, V8, Envoy, Procs, generic_key_rate_limits, grpc_cluster,
+                    local_reply_filter, median, native_local_ratelimit, ratelimit_filter, say, start_limitador,
+                    start_quota, start_redis, tail, wasm_filter, wrk)
 
 HUGE = 1_000_000_000  # rpu that is never reached
 
@@ -46,12 +47,22 @@ def local_rule(algo: str, name: str = "bench", extra: str = "") -> str:
     return f"{{name: {name}, rpu: {HUGE}, unit: second, algo: {algo}{extra}}}"
 
 
+# The peer's RLS cluster in Envoy (bench/limitador-rls, gRPC over HTTP/2).
+RLS_CLUSTER = "limitador_rls"
+
+
 def variants(diana_wasm: Path, empty_wasm: Path, with_global: bool, extra: bool,
-             untrimmed_wasm: Path | None = None, empty_trimmed_wasm: Path | None = None) -> list[dict[str, Any]]:
+             untrimmed_wasm: Path | None = None, empty_trimmed_wasm: Path | None = None,
+             limitador_port: int | None = None) -> list[dict[str, Any]]:
     """(key, label, filters, needs_quota). Labels are what the report prints.
     `diana_wasm` is the module deployed on Envoy (diana-envoy.wasm, trimmed by diana-trim);
     `untrimmed_wasm` is cargo's output with every SDK callback, `empty_trimmed_wasm` the
-    empty filter trimmed the same way."""
+    empty filter trimmed the same way. With `limitador_port` (bench/limitador-rls running
+    there), the peer: Envoy's own global rate limiting, `envoy.filters.http.ratelimit`
+    calling Limitador over gRPC on every request. That filter skips direct_response routes
+    (no route entry), so its Envoy routes to a cluster without endpoints and ends each
+    request with the fault filter's local reply 200; `peer_route` is that same Envoy
+    without the ratelimit filter, so peer_limitador − peer_route is the filter's cost."""
     d = str(diana_wasm)
 
     def diana(doc: str, wasm: str = d, **kw: Any) -> list[dict]:
@@ -75,6 +86,14 @@ def variants(diana_wasm: Path, empty_wasm: Path, with_global: bool, extra: bool,
                        "filters": diana(global_doc("W", lease)), "quota": True})
         vs.append({"key": "global_auto", "label": "Diana global W, lease auto", "group": "global",
                    "filters": diana(global_doc("W", "auto")), "quota": True})
+    if limitador_port is not None:
+        vs.append({"key": "peer_route", "label": "Envoy routed, local reply by the fault filter (peer's baseline)",
+                   "group": "global", "filters": [local_reply_filter()], "route_action": True})
+        vs.append({"key": "peer_limitador", "label": "Envoy ratelimit filter → Limitador (Redis)", "group": "global",
+                   "filters": [ratelimit_filter(LIMITADOR_DOMAIN, RLS_CLUSTER), local_reply_filter()],
+                   "rate_limits": generic_key_rate_limits(LIMITADOR_DOMAIN),
+                   "extra_clusters": [grpc_cluster(RLS_CLUSTER, limitador_port, connect_timeout="0.25s")],
+                   "peer": True})
     if extra:
         # "Where the time goes": the fixed cost of the filter (a policy that matches nothing),
         # the cost per rule (8 rules), an identity lookup (actor ip), and V8's allow_precompiled.
@@ -101,26 +120,50 @@ def variants(diana_wasm: Path, empty_wasm: Path, with_global: bool, extra: bool,
 
 def run(procs: Procs, cfg: dict[str, Any], diana_wasm: Path, empty_wasm: Path,
         quota_bin: Path | None, untrimmed_wasm: Path | None = None,
-        empty_trimmed_wasm: Path | None = None) -> dict[str, Any]:
+        empty_trimmed_wasm: Path | None = None, limitador_bin: Path | None = None) -> dict[str, Any]:
     rounds, duration, warmup = cfg["rounds"], cfg["duration"], cfg["warmup"]
     out: dict[str, Any] = {"rounds": rounds, "duration_s": duration, "variants": [], "notes": []}
     quota_port = None
-    if quota_bin is not None:
+    redis_port = None
+    if quota_bin is not None or limitador_bin is not None:
         try:
             _redis, redis_port = start_redis(procs, "overhead-redis", cpus="1")
+        except RuntimeError as e:
+            out["notes"].append(f"global variants and the Limitador peer skipped: {e}")
+    if quota_bin is None:
+        out["notes"].append("global variants skipped: diana-quota was not built")
+    elif redis_port is not None:
+        try:
             _quota, quota_port = start_quota(procs, quota_bin, redis_port, "overhead-quota", cpus="1")
         except RuntimeError as e:
             out["notes"].append(f"global variants skipped: {e}")
             quota_port = None
-    else:
-        out["notes"].append("global variants skipped: diana-quota was not built")
+    # The peer: bench/limitador-rls on the same Redis as diana-quota, pinned like it.
+    limitador = None
+    limitador_port = None
+    if limitador_bin is None:
+        out["notes"].append("Limitador peer skipped: bench/limitador-rls was not built")
+    elif redis_port is not None:
+        try:
+            limitador, limitador_port = start_limitador(procs, limitador_bin, redis_port, "overhead-limitador",
+                                                        cpus="1")
+            out["notes"].append(
+                "peer_limitador: Envoy's ratelimit filter acts only on routed requests (not on a direct_response "
+                f"route), so the peer's Envoy routes to `{NO_UPSTREAM}` (a cluster without endpoints) and the fault "
+                "filter ends each request with a local reply 200; peer_route is that Envoy without the ratelimit "
+                "filter. limitador-rls: Limitador's AsyncRedisStorage (limitador-server's `redis` storage), one "
+                "limit of 10⁶/s on generic_key=bench, pinned to CPU 1 with redis-server and diana-quota.")
+        except RuntimeError as e:
+            out["notes"].append(f"Limitador peer skipped: {e}")
     vs = variants(diana_wasm, empty_wasm, with_global=quota_port is not None, extra=cfg["extra"],
-                  untrimmed_wasm=untrimmed_wasm, empty_trimmed_wasm=empty_trimmed_wasm)
+                  untrimmed_wasm=untrimmed_wasm, empty_trimmed_wasm=empty_trimmed_wasm,
+                  limitador_port=limitador_port)
 
     envoys: dict[str, Envoy] = {}
     for v in vs:
         e = Envoy(procs, f"overhead-{v['key']}", v["filters"], concurrency=1, cpus="0",
-                  quota=quota_port if v.get("quota") else None)
+                  quota=quota_port if v.get("quota") else None, extra_clusters=v.get("extra_clusters"),
+                  rate_limits=v.get("rate_limits"), route_action=v.get("route_action", False))
         try:
             e.start()
         except RuntimeError as err:
@@ -145,8 +188,10 @@ def run(procs: Procs, cfg: dict[str, Any], diana_wasm: Path, empty_wasm: Path,
                 continue
             before = e.stats()
             cpu0 = e.proc.cpu_seconds()
+            rls0 = limitador.cpu_seconds() if v.get("peer") and limitador is not None else None
             res = wrk(e.url + "/", duration=duration)
             cpu1 = e.proc.cpu_seconds()
+            rls1 = limitador.cpu_seconds() if rls0 is not None and limitador is not None else None
             after = e.stats()
             res["envoy_cpu_us_per_req"] = (cpu1 - cpu0) * 1e6 / max(1, res["requests"])
             res["envoy_cpu_util"] = (cpu1 - cpu0) / (res["duration_us"] / 1e6)
@@ -157,12 +202,31 @@ def run(procs: Procs, cfg: dict[str, Any], diana_wasm: Path, empty_wasm: Path,
             res["global_errors"] = delta.get("wasmcustom.diana_global_errors", 0)
             res["degraded_requests"] = delta.get("wasmcustom.diana_global_degraded_requests", 0)
             res["rq_2xx"] = after.get("http.ingress.downstream_rq_2xx", 0) - before.get("http.ingress.downstream_rq_2xx", 0)
+            if v.get("peer"):
+                # The ratelimit filter's verdicts (stats of the route's cluster) and the gRPC
+                # calls Envoy made to the RLS: an RLS that errors would make the peer look
+                # cheap, and with failure_mode_deny false its requests still get 200.
+                for k in ("ok", "over_limit", "error", "failure_mode_allowed"):
+                    stat = f"cluster.{NO_UPSTREAM}.ratelimit.{k}"
+                    res[f"ratelimit_{k}"] = after.get(stat, 0) - before.get(stat, 0)
+                stat = f"cluster.{RLS_CLUSTER}.upstream_rq_total"
+                res["rls_calls"] = after.get(stat, 0) - before.get(stat, 0)
+                res["rls_calls_per_req"] = res["rls_calls"] / max(1, res["requests"])
+                if rls0 is not None and rls1 is not None:
+                    res["rls_cpu_us_per_req"] = (rls1 - rls0) * 1e6 / max(1, res["requests"])
             v["runs"].append(res)
             say(f"  {v['label']:<40} {res['rps']:>9.0f} req/s  p50 {res['lat_us']['p50']:>5} µs  "
                 f"p99 {res['lat_us']['p99']:>6} µs  cpu {res['envoy_cpu_us_per_req']:.1f} µs/req"
                 + (f"  callouts/req {res['callouts_per_req']:.4f} errors {res['global_errors']} degraded "
                    f"{res['degraded_requests']}" if v.get("quota") else "")
+                + (f"  RLS calls/req {res['rls_calls_per_req']:.4f} ok {res['ratelimit_ok']} over_limit "
+                   f"{res['ratelimit_over_limit']} error {res['ratelimit_error']}"
+                   + (f" limitador-rls cpu {res['rls_cpu_us_per_req']:.1f} µs/req" if "rls_cpu_us_per_req" in res
+                      else "") if v.get("peer") else "")
                 + (f"  non-2xx {res['errors']['status']}" if res["errors"]["status"] else ""))
+            if v.get("peer") and (res["ratelimit_error"] or res["rls_calls_per_req"] < 0.99):
+                say(f"  warning: {v['label']}: not every request was decided by the RLS "
+                    f"({res['ratelimit_error']} errors, {res['rls_calls_per_req']:.3f} calls/req): {tail(limitador.log, 3) if limitador else ''}")
             if not e.proc.alive():
                 say(f"  {v['label']}: Envoy exited: {tail(e.proc.log)}")
                 envoys.pop(v["key"])
@@ -170,7 +234,11 @@ def run(procs: Procs, cfg: dict[str, Any], diana_wasm: Path, empty_wasm: Path,
         e = envoys.get(v["key"])
         if e is not None:
             v["rss_mib"] = e.proc.rss_mib()
-            v["final_wasmcustom"] = {k: val for k, val in e.stats().items() if k.startswith("wasmcustom.")}
+            final = e.stats()
+            v["final_wasmcustom"] = {k: val for k, val in final.items() if k.startswith("wasmcustom.")}
+            if v.get("peer"):
+                v["final_ratelimit"] = {k: val for k, val in final.items()
+                                        if val and (".ratelimit." in k or k.startswith(f"cluster.{RLS_CLUSTER}.upstream_rq"))}
             v["wrk_command"] = v["runs"][0]["command"] if v.get("runs") else ""
             e.stop()
         runs = v.get("runs") or []
@@ -190,7 +258,13 @@ def run(procs: Procs, cfg: dict[str, Any], diana_wasm: Path, empty_wasm: Path,
                 "non2xx": sum(x["errors"]["status"] for x in runs),
                 "socket_errors": sum(x["errors"][k] for x in runs for k in ("connect", "read", "write", "timeout")),
             }
+            if v.get("peer"):
+                v["median"]["rls_calls_per_req"] = median([x["rls_calls_per_req"] for x in runs])
+                v["median"]["rls_cpu_us_per_req"] = median([x.get("rls_cpu_us_per_req", float("nan")) for x in runs])
+                for k in ("ok", "over_limit", "error", "failure_mode_allowed"):
+                    v["median"][f"ratelimit_{k}"] = sum(x[f"ratelimit_{k}"] for x in runs)
         v.pop("filters", None)
+        v.pop("extra_clusters", None)
     out["variants"] = vs
     return out
 
