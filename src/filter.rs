@@ -9,7 +9,7 @@
 use crate::host::{self, HostKind, HostMetrics, HostRequest, HostSharedData, Sink};
 use diana_core::config::{parse_policy, MetricsSpec, Policy, RemoteSpec};
 use diana_core::decision::{AfterResponse, Callout, Decision, Reply};
-use diana_core::engine::{Engine, EngineDecision, Pending};
+use diana_core::engine::{Engine, EngineDecision, Pending, Refill};
 use diana_core::global::debts::Debt;
 use diana_core::global::flights::RiderId;
 use diana_core::global::MAX_ANSWER_BYTES;
@@ -91,7 +91,11 @@ struct Vm {
 impl Vm {
     /// The tick period this worker needs now: fine while requests wait or are parked.
     fn wanted_tick(&self) -> Duration {
-        if !self.parked.is_empty() {
+        let refill = self
+            .configured
+            .as_ref()
+            .is_some_and(|configured| configured.engine.wants_refill());
+        if !self.parked.is_empty() || refill {
             RIDER_TICK
         } else if !self.waiters.is_empty() {
             WAIT_TICK
@@ -161,6 +165,8 @@ pub struct DianaRoot {
     store: Store,
     /// Callouts made for woken parked requests, by token.
     rider_calls: HashMap<u32, Parked>,
+    /// Callouts refilling lease stashes ahead, by token.
+    refill_calls: HashMap<u32, (Rc<Configured>, Refill)>,
 }
 
 impl DianaRoot {
@@ -179,6 +185,7 @@ impl DianaRoot {
             next_remote_check: 0,
             store: Store::new(),
             rider_calls: HashMap::new(),
+            refill_calls: HashMap::new(),
         }
     }
 
@@ -469,6 +476,33 @@ impl DianaRoot {
         }
     }
 
+    /// Sends the calls that refill running-low lease stashes ahead (Envoy: the engine
+    /// orders none where requests cannot wait on a flight).
+    fn send_refills(&mut self, configured: &Rc<Configured>) {
+        if !configured.engine.wants_refill() {
+            return;
+        }
+        let refills =
+            configured
+                .engine
+                .refill(&HostSharedData, host::now(), &mut Sink(&configured.metrics));
+        for (callout, refill) in refills {
+            match host::dispatch(self.host, &callout) {
+                Ok(token) => {
+                    self.refill_calls
+                        .insert(token, (Rc::clone(configured), refill));
+                }
+                Err(reason) => configured.engine.refilled(
+                    &HostSharedData,
+                    refill,
+                    Reply::NotSent(reason),
+                    host::now(),
+                    &mut Sink(&configured.metrics),
+                ),
+            }
+        }
+    }
+
     /// The tick period when nobody waits: config-center checks, and releasing the records
     /// of rules an earlier document had.
     fn base_tick(&self) -> Duration {
@@ -519,6 +553,19 @@ impl Context for DianaRoot {
             let mut effects = Vec::new();
             self.settle(parked.context_id, parked.configured, decision, &mut effects);
             // The requests parked behind this flight are served now, not a tick later.
+            self.serve_riders(&mut effects);
+            self.carry_out(effects);
+            retick(&self.vm);
+        } else if let Some((configured, refill)) = self.refill_calls.remove(&token_id) {
+            let reply = host::callout_reply(num_headers, body_size, MAX_ANSWER_BYTES);
+            configured.engine.refilled(
+                &HostSharedData,
+                refill,
+                reply,
+                host::now(),
+                &mut Sink(&configured.metrics),
+            );
+            let mut effects = Vec::new();
             self.serve_riders(&mut effects);
             self.carry_out(effects);
             retick(&self.vm);
@@ -609,6 +656,8 @@ impl RootContext for DianaRoot {
         self.pay_debts();
         if let Some(configured) = with_vm(&self.vm, |vm| vm.configured.clone()).flatten() {
             configured.engine.tick(&HostSharedData, host::HostClock);
+            // Before any other request's stream is entered (see `carry_out`).
+            self.send_refills(&configured);
         }
         if lifecycle::has_work(&self.store, &HostSharedData) {
             lifecycle::sweep(&self.store, &HostSharedData);
@@ -916,6 +965,9 @@ impl HttpContext for DianaHttp {
             host::HostClock,
             &mut Sink(&configured.metrics),
         );
+        if configured.engine.wants_refill() {
+            retick(&self.vm);
+        }
         self.apply(&configured, decision, false)
     }
 

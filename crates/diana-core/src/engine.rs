@@ -36,6 +36,10 @@ type Few<T> = SmallVec<[T; 4]>;
 /// What the engine answers: a [`Decision`] whose call carries the paused request's state.
 pub type EngineDecision = Decision<Pending>;
 
+/// A refill ahead in flight (see [`Engine::refill`]).
+#[derive(Debug)]
+pub struct Refill(Asked);
+
 /// A paused request: what was charged so far, and what it waits for.
 #[derive(Debug)]
 pub struct Pending {
@@ -740,6 +744,50 @@ impl Engine {
     /// workers' tokens back).
     pub fn lends(&self) -> bool {
         self.rules().any(|rule| !rule.algo.waits())
+    }
+
+    /// True when a stash of leased tokens runs low and waits to be refilled ahead (the
+    /// host then ticks soon: [`Engine::refill`]).
+    pub fn wants_refill(&self) -> bool {
+        self.global.wants_refill()
+    }
+
+    /// From the tick: the calls that refill running-low stashes ahead, each with what it
+    /// asked (for [`Engine::refilled`]). No request waits for them.
+    pub fn refill(
+        &self,
+        host: &dyn SharedData,
+        now: Option<Nanos>,
+        metrics: &mut dyn MetricSink,
+    ) -> Vec<(Callout, Refill)> {
+        let Some(now) = now else {
+            return Vec::new();
+        };
+        self.global
+            .plan_refills(&self.policy, host, now, metrics)
+            .into_iter()
+            .map(|(callout, asked)| (callout, Refill(asked)))
+            .collect()
+    }
+
+    /// The answer to a refill's call: the tokens granted go to the stash, a denial is
+    /// cached, a failure opens the breaker; the requests parked behind it are woken
+    /// ([`Engine::woken`]).
+    pub fn refilled(
+        &self,
+        host: &dyn SharedData,
+        refill: Refill,
+        reply: Reply,
+        now: Option<Nanos>,
+        metrics: &mut dyn MetricSink,
+    ) {
+        let Some(now) = now else {
+            self.global.abandon_call(host, &self.policy, refill.0, 0);
+            return;
+        };
+        let _ = self
+            .global
+            .interpret(host, &self.policy, refill.0, reply, now, metrics);
     }
 
     /// True when response costs wait to be sent to the quota service.

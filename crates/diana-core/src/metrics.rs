@@ -63,6 +63,8 @@ pub enum Event {
     /// A request waited for another request's callout for the same rule and identity
     /// instead of making its own (single flight).
     GlobalCoalesced,
+    /// A stash running low was refilled ahead by a call of the worker's own.
+    RefillAhead,
     /// A new configuration was applied (local or remote).
     ConfigReload,
     /// A configuration document was refused.
@@ -72,7 +74,7 @@ pub enum Event {
 }
 
 impl Event {
-    pub const ALL: [Event; 17] = [
+    pub const ALL: [Event; 18] = [
         Event::StoreError,
         Event::StoreContention,
         Event::ClockError,
@@ -87,6 +89,7 @@ impl Event {
         Event::LeaseRefill,
         Event::CachedDenial,
         Event::GlobalCoalesced,
+        Event::RefillAhead,
         Event::ConfigReload,
         Event::ConfigRejected,
         Event::ConfigFetchError,
@@ -108,6 +111,7 @@ impl Event {
             Event::LeaseRefill => "diana_global_lease_refills",
             Event::CachedDenial => "diana_global_cached_denials",
             Event::GlobalCoalesced => "diana_global_coalesced",
+            Event::RefillAhead => "diana_global_refills_ahead",
             Event::ConfigReload => "diana_config_reloads",
             Event::ConfigRejected => "diana_config_rejected",
             Event::ConfigFetchError => "diana_config_fetch_errors",

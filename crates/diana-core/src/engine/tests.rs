@@ -1267,3 +1267,89 @@ fn a_lost_flight_wakes_its_riders_after_its_deadline() {
         Decision::Call(..)
     ));
 }
+
+/// Sends the refills the engine wants ahead, answered by the in-memory service at once,
+/// as the host's tick does. Returns how many were sent.
+fn send_refills(h: &mut Harness) -> usize {
+    let refills = h.engine.refill(&h.host, Some(h.now), &mut h.metrics);
+    let sent = refills.len();
+    for (callout, refill) in refills {
+        let request: AcquireRequest = serde_json::from_slice(&callout.body).unwrap();
+        assert_eq!(
+            request.rules[0].cost, 1,
+            "a refill takes nothing for a request"
+        );
+        let reply = h.service.answer(&callout, h.now);
+        h.engine
+            .refilled(&h.host, refill, reply, Some(h.now), &mut h.metrics);
+    }
+    sent
+}
+
+#[test]
+fn a_stash_running_low_is_refilled_ahead_and_no_request_waits_for_a_callout() {
+    let doc = "resources:\n  - Url: /\n    rules: [{rpu: 100000, unit: minute, scope: global, lease: 10}]\n";
+    let mut h = Harness::new(doc);
+    assert!(admits(&h.request("/", &Facts::default())));
+    let mut refills = 0;
+    for i in 0..200 {
+        let decision = h.evaluate("/", &Facts::default());
+        assert!(
+            matches!(decision, Decision::Allow { .. }),
+            "request {i} did not get leased tokens at once: {decision:?}"
+        );
+        refills += send_refills(&mut h);
+    }
+    // The first request's call, then one refill per lease spent.
+    assert_eq!(refills, 20, "one refill per lease of 10");
+    assert_eq!(h.metrics.event_count(Event::RefillAhead), 20);
+    assert_eq!(h.metrics.event_count(Event::GlobalCallout), 21);
+    assert!(!h.engine.wants_refill());
+}
+
+#[test]
+fn refills_ahead_stay_exact_at_the_limit_and_requests_park_behind_one_in_flight() {
+    for algo in ["W", "SW", "TB"] {
+        let doc = format!(
+            "resources:\n  - Url: /\n    rules: [{{algo: {algo}, rpu: 25, unit: minute, scope: global, lease: 10}}]\n"
+        );
+        let mut h = Harness::new(&doc);
+        let mut admitted = 0;
+        for _ in 0..60 {
+            if admits(&h.request("/", &Facts::default())) {
+                admitted += 1;
+            }
+            send_refills(&mut h);
+        }
+        assert_eq!(admitted, 25, "{algo}");
+        // A refill in flight: the request that finds the stash empty parks behind it.
+        let mut h = Harness::new(&doc);
+        assert!(admits(&h.request("/", &Facts::default())));
+        while !h.engine.wants_refill() {
+            assert!(admits(&h.evaluate("/", &Facts::default())), "{algo}");
+        }
+        let mut in_flight = h.engine.refill(&h.host, Some(h.now), &mut h.metrics);
+        assert_eq!(in_flight.len(), 1, "{algo}");
+        let mut parked = Vec::new();
+        loop {
+            match h.evaluate("/", &Facts::default()) {
+                Decision::Allow { .. } => {}
+                Decision::Wait(pending) => {
+                    parked.push(pending);
+                    break;
+                }
+                other => panic!("{algo}: expected leased tokens, then to park: {other:?}"),
+            }
+        }
+        let (callout, refill) = in_flight.remove(0);
+        let reply = h.service.answer(&callout, h.now);
+        h.engine
+            .refilled(&h.host, refill, reply, Some(h.now), &mut h.metrics);
+        let (decided, calls) = drive_riders(&mut h, parked);
+        assert!(decided.iter().all(admits), "{algo}: {decided:?}");
+        assert!(
+            calls.is_empty(),
+            "{algo}: the refill served the parked request"
+        );
+    }
+}

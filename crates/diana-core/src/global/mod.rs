@@ -35,13 +35,20 @@ use crate::time::{ceil_seconds, ceil_seconds_at_least_one, Nanos};
 use breaker::{Breaker, Gate};
 use debts::{Debt, Owed};
 use flights::{FlightKey, Flights, RiderId};
-use stash::{Grant, Stash, StashReceipt, Take};
-use std::cell::Cell;
+use stash::{Grant, Refill, Stash, StashReceipt, Take};
+use std::cell::{Cell, RefCell};
 use wire::{AcquireRequest, AcquireResponse, ErrorResponse, RuleRequest, RuleResult};
 
 pub use breaker::{BREAKER_CACHE, BREAKER_KEY};
 
 const NANOS_PER_MILLI: Nanos = 1_000_000;
+
+/// Refills ahead waiting for the worker's tick, at most (more are asked again by the
+/// requests that find their stash low).
+const MAX_REFILL_ORDERS: usize = 64;
+
+/// Refills ahead sent by one tick, at most.
+pub const MAX_REFILLS_PER_TICK: usize = 8;
 
 /// The longest a wait-endpoint callout may take beyond `timeout_ms` (the service caps
 /// its waits at 10 s).
@@ -138,6 +145,8 @@ pub struct Asked {
     probe: bool,
     /// The flights this call is (see [`flights`]).
     flying: Vec<FlightKey>,
+    /// A refill ahead: no request waits for it, every token granted goes to the stash.
+    refill: bool,
 }
 
 impl Asked {
@@ -196,6 +205,8 @@ pub struct Global {
     flights: Flights,
     /// Response costs owed to the service, sent from the tick.
     owed: Owed,
+    /// Stashes running low, to refill ahead from the tick (see [`Global::plan_refills`]).
+    refills: RefCell<Vec<(GlobalCharge, Refill)>>,
     /// A refusal or an invalid answer was logged by this VM (each is logged once).
     refusal_logged: Cell<bool>,
     invalid_logged: Cell<bool>,
@@ -212,6 +223,7 @@ impl Global {
             stash: Stash::default(),
             flights: Flights::default(),
             owed: Owed::default(),
+            refills: RefCell::new(Vec::new()),
             refusal_logged: Cell::new(false),
             invalid_logged: Cell::new(false),
         }
@@ -242,7 +254,10 @@ impl Global {
                 .stash
                 .take(host, rule, charge.address, charge.cost, now)
             {
-                Take::Served(receipt) => {
+                Take::Served(receipt, refill) => {
+                    if let Some(refill) = refill {
+                        self.order_refill(charge, refill);
+                    }
                     served.push(receipt);
                     outcomes.push(Outcome::Admitted {
                         index: charge.index,
@@ -357,8 +372,96 @@ impl Global {
                 request,
                 probe,
                 flying,
+                refill: false,
             },
         }
+    }
+
+    /// A stash that ran low is refilled ahead, by a call of the worker's own (from its
+    /// tick, so that no request waits for it), while the requests keep spending what is
+    /// left: in the steady state a request never waits for a callout. Only where requests
+    /// can wait on a flight (Envoy): the call is a flight, and the requests that empty the
+    /// stash before its answer park behind it instead of calling too.
+    fn order_refill(&self, charge: &GlobalCharge, refill: Refill) {
+        if !self.can_pause
+            || self
+                .flights
+                .in_flight((charge.index, charge.address.fingerprint))
+        {
+            return;
+        }
+        let Ok(mut orders) = self.refills.try_borrow_mut() else {
+            return;
+        };
+        let same = |(order, _): &(GlobalCharge, Refill)| {
+            order.index == charge.index && order.address.fingerprint == charge.address.fingerprint
+        };
+        if orders.len() < MAX_REFILL_ORDERS && !orders.iter().any(same) {
+            orders.push((*charge, refill));
+        }
+    }
+
+    /// Whether a stash waits to be refilled ahead.
+    pub fn wants_refill(&self) -> bool {
+        self.refills
+            .try_borrow()
+            .is_ok_and(|orders| !orders.is_empty())
+    }
+
+    /// From the worker's tick: one call per stash that ran low (at most
+    /// [`MAX_REFILLS_PER_TICK`]), each asking for the rule's lease with a cost of one, each
+    /// a flight. None while the breaker keeps global rules local.
+    pub fn plan_refills(
+        &self,
+        policy: &Policy,
+        host: &dyn SharedData,
+        now: Nanos,
+        metrics: &mut dyn MetricSink,
+    ) -> Vec<(Callout, Asked)> {
+        let orders: Vec<(GlobalCharge, Refill)> = match self.refills.try_borrow_mut() {
+            Ok(mut orders) => orders.drain(..).collect(),
+            Err(_) => return Vec::new(),
+        };
+        let mut calls = Vec::new();
+        for (charge, refill) in orders.into_iter().take(MAX_REFILLS_PER_TICK) {
+            let key = (charge.index, charge.address.fingerprint);
+            let Some(rule) = policy.rule(charge.index) else {
+                continue;
+            };
+            if self.flights.in_flight(key) {
+                continue;
+            }
+            let probe = match self.breaker.gate(&self.store, host, now) {
+                Gate::Call => false,
+                Gate::Probe => true,
+                Gate::Local => return calls,
+            };
+            let charge = GlobalCharge { cost: 1, ..charge };
+            let request = AcquireRequest {
+                rules: vec![self.rule_request(rule, &charge, refill.spend_rate)],
+            };
+            let Ok(body) = serde_json::to_vec(&request) else {
+                continue;
+            };
+            let deadline =
+                now.saturating_add(u64::from(self.spec.timeout_ms).saturating_mul(NANOS_PER_MILLI));
+            let flying = vec![key];
+            self.flights.take_off(&flying, deadline);
+            metrics.event(Event::GlobalCallout);
+            metrics.event(Event::RefillAhead);
+            calls.push((
+                self.callout(body, false),
+                Asked {
+                    charges: vec![charge],
+                    served: Vec::new(),
+                    request,
+                    probe,
+                    flying,
+                    refill: true,
+                },
+            ));
+        }
+        calls
     }
 
     /// The request for one rule. `spend_rate`: tokens per second this gateway spends of
@@ -446,7 +549,9 @@ impl Global {
             Ok(results) => results,
             Err(failure) => {
                 self.failed(host, failure, asked.probe, now, metrics);
-                metrics.event(Event::GlobalDegradedRequest);
+                if !asked.refill {
+                    metrics.event(Event::GlobalDegradedRequest);
+                }
                 return Interpretation::Degrade {
                     local: asked.charges,
                     served: asked.served,
@@ -470,7 +575,7 @@ impl Global {
                 continue;
             };
             let report = RuleReport::from_result(rule, result);
-            let took = if admitted && result.granted >= charge.cost {
+            let took = if !asked.refill && admitted && result.granted >= charge.cost {
                 charge.cost
             } else {
                 0

@@ -65,13 +65,39 @@ pub struct Grant {
 /// What the stash says for one rule of a request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Take {
-    /// Leased tokens paid for the request.
-    Served(StashReceipt),
+    /// Leased tokens paid for the request. `refill`: the shared record is down to half a
+    /// lease or less; ask for the next one now, before it runs out (the spending rate is
+    /// carried for sizing `lease: auto`).
+    Served(StashReceipt, Option<Refill>),
     /// The identity is known to be denied until this instant.
     Denied(Nanos),
     /// Ask the service; this gateway spends about this many tokens a second (0: unknown),
     /// for sizing `lease: auto`.
     Ask { spend_rate: u64 },
+}
+
+/// The stash of a (rule, identity) is running low: what to ask the service for ahead.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Refill {
+    /// This gateway's spending, tokens per second (0: unknown).
+    pub spend_rate: u64,
+}
+
+/// Half of what the next grant of `rule` will be: at or below it, a stash asks for the
+/// next grant ahead. `None` for rules without leases (lease 1, leaky bucket).
+fn refill_mark(rule: &Rule, spend_rate: u64) -> Option<u64> {
+    if rule.algo.waits() || rule.lease.get() < 2 {
+        return None;
+    }
+    let lease = u64::from(rule.lease.get());
+    let next = if rule.lease_auto {
+        let span =
+            u128::from(spend_rate) * u128::from(crate::config::AUTO_LEASE_SPAN) / 1_000_000_000;
+        u64::try_from(span).unwrap_or(u64::MAX).clamp(1, lease)
+    } else {
+        lease
+    };
+    Some(next / 2).filter(|mark| *mark > 0)
 }
 
 /// One stash record.
@@ -167,13 +193,14 @@ impl Stash {
                 }
                 if batch.tokens >= cost && now < batch.valid_until {
                     batch.tokens -= cost;
-                    return Take::Served(StashReceipt {
+                    let receipt = StashReceipt {
                         rule: rule.index,
                         key: batch.key.clone(),
                         fingerprint: address.fingerprint,
                         tokens: cost,
                         from_batch: true,
-                    });
+                    };
+                    return Take::Served(receipt, None);
                 }
             }
         }
@@ -200,7 +227,15 @@ impl Stash {
                     from_batch: false,
                 };
                 let until = lease.valid_until;
-                return (Some(lease.encode()), (Take::Served(receipt), batch, until));
+                let refill = refill_mark(rule, lease.spend_rate)
+                    .filter(|mark| lease.tokens <= *mark)
+                    .map(|_| Refill {
+                        spend_rate: lease.spend_rate,
+                    });
+                return (
+                    Some(lease.encode()),
+                    (Take::Served(receipt, refill), batch, until),
+                );
             }
             if ahead(lease.denied_until, now, rule) {
                 return (None, (Take::Denied(lease.denied_until), 0, 0));
@@ -212,7 +247,7 @@ impl Stash {
             return Take::Ask { spend_rate: 0 };
         };
         match &take {
-            Take::Served(_) if batch > 0 => self.remember(id, now, |held| {
+            Take::Served(..) if batch > 0 => self.remember(id, now, |held| {
                 held.key.clone_from(&key);
                 held.tokens = batch;
                 held.valid_until = until.min(now.saturating_add(LEASE_SPAN));
