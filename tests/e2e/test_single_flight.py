@@ -130,3 +130,41 @@ def test_parked_requests_are_counted_exactly(procs, start_gateway):
     assert statuses(resps) == {200: 25, 429: 35}, statuses(resps)
     if gw.kind == "envoy":
         assert proxy.peak <= 2, "one flight per worker"
+
+
+def test_a_lease_is_refilled_ahead_and_no_request_waits_for_a_callout(procs, start_gateway):
+    """Lease 10 with callouts held 80 ms by the proxy: once a worker's stash is down to
+    half a lease its tick asks for the next one while requests spend the rest. Requests
+    one after the other, 20 ms apart (a lease lasts 200 ms, longer than a refill's round
+    trip): only each worker's first request calls out itself and waits; every later
+    callout is a refill ahead. On nginx every callout is a request's own."""
+    quota = procs.add(Quota(procs.log_dir)).start()
+    with CountingProxy(quota.port) as proxy:
+        gw = start_gateway(doc(100_000, lease="10"), quota_port=proxy.port, workers=1)
+        slow = []
+        resps = []
+        for _ in range(150):
+            r = harness.request(gw.port, "/", {})
+            resps.append(r)
+            if r.latency >= DELAY:
+                slow.append(round(r.latency * 1000))
+            time.sleep(0.02)
+    metrics = gw.diana_metrics()
+    callouts = harness.metric_sum(metrics, "diana_global_callouts")
+    ahead = harness.metric_sum(metrics, "diana_global_refills_ahead")
+    coalesced = harness.metric_sum(metrics, "diana_global_coalesced")
+    record(
+        f"{gw.kind}: 150 requests 20 ms apart, lease 10, callouts held {DELAY * 1000:.0f} ms",
+        f"{statuses(resps)}; {callouts} callouts ({ahead} refills ahead), {coalesced} parked; "
+        f"requests that waited >= {DELAY * 1000:.0f} ms: {slow}",
+    )
+    assert statuses(resps) == {200: 150}, statuses(resps)
+    assert callouts == proxy.total
+    if gw.kind == "envoy":
+        assert ahead >= 12, f"{ahead} refills ahead for 15 leases"
+        assert callouts - ahead == 1, f"{callouts - ahead} callouts made by requests"
+        assert len(slow) == 1, f"requests that waited for a callout: {slow}"
+        assert proxy.peak == 1
+    else:
+        assert ahead == 0
+        assert len(slow) == callouts
