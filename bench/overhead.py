@@ -87,7 +87,7 @@ def variants(diana_wasm: Path, empty_wasm: Path, with_global: bool, extra: bool,
         vs.append({"key": "global_auto", "label": "Diana global W, lease auto", "group": "global",
                    "filters": diana(global_doc("W", "auto")), "quota": True})
     if limitador_port is not None:
-        vs.append({"key": "peer_route", "label": "Envoy routed, local reply by the fault filter (peer's baseline)",
+        vs.append({"key": "peer_route", "label": "peer baseline: routed, fault-filter reply 200",
                    "group": "global", "filters": [local_reply_filter()], "route_action": True})
         vs.append({"key": "peer_limitador", "label": "Envoy ratelimit filter → Limitador (Redis)", "group": "global",
                    "filters": [ratelimit_filter(LIMITADOR_DOMAIN, RLS_CLUSTER), local_reply_filter()],

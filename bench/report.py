@@ -264,6 +264,33 @@ def render(res: dict[str, Any], chart_rel: Optional[str]) -> str:
           f"{sum((v.get('median') or {}).get('non2xx', 0) for v in ov['variants'])}; socket errors: "
           f"{sum((v.get('median') or {}).get('socket_errors', 0) for v in ov['variants'])}.")
         A("")
+        peer, peer_base, none = vs.get("peer_limitador"), vs.get("peer_route"), vs.get("none")
+        if peer and peer.get("median") and peer_base and peer_base.get("median") and none and none.get("median"):
+            A("### Against the peers: global limiting")
+            A("")
+            A("The peer is Envoy's own global path: `envoy.filters.http.ratelimit` → gRPC →")
+            A("Kuadrant Limitador (the library, served by `bench/limitador-rls`, on the same Redis as")
+            A("diana-quota, pinned like it). Envoy's ratelimit filter acts only on routed requests, so")
+            A("the peer's Envoy routes to a cluster without endpoints and ends each request with a fault")
+            A("filter's local reply; *peer baseline* is that Envoy without the ratelimit filter. Each")
+            A("cost is Envoy's CPU µs per request over its own baseline (no filter for Diana), and the")
+            A("req/s ratio is against the same baseline, so the two are compared like for like.")
+            A("")
+            p_cost = peer["median"]["cpu_us_per_req"] - peer_base["median"]["cpu_us_per_req"]
+            prow = []
+            for key in ("global_l1", "global_l100", "global_auto", "peer_limitador"):
+                v = vs.get(key)
+                if not v or not v.get("median"):
+                    continue
+                base_v = peer_base if key == "peer_limitador" else none
+                cost = v["median"]["cpu_us_per_req"] - base_v["median"]["cpu_us_per_req"]
+                thr = round_ratio(v, base_v, "rps")
+                extra_calls = (f3(v["median"].get("rls_calls_per_req", float("nan"))) if key == "peer_limitador"
+                               else f3(v["median"]["callouts_per_req"]))
+                prow.append([v["label"], f1(cost), f2(thr), f2(p_cost / cost) if cost > 0 else NA, extra_calls])
+            A(table(["variant", "Envoy CPU µs/req over its baseline", "req/s × its baseline",
+                     "peer's cost ÷ this cost", "calls/req"], prow))
+            A("")
         A("Per round (req/s, in the order measured):")
         A("")
         rr_rows = []
