@@ -721,3 +721,44 @@ def test_redis_cluster_master_killed_replica_promoted(procs, start_gateway):
         raise AssertionError("no fresh identity of 60 landed on the promoted node")
 
     assert_fresh_limit_exact(stack, "redis cluster: master killed", pick=on_promoted_node)
+
+
+# --------------------------------------------------------------------------- a saturated service
+
+
+@pytest.mark.parametrize("host", ["envoy"])
+def test_a_saturated_quota_service_sheds_and_no_gateway_request_fails(procs, start_gateway):
+    """diana-quota allowed 2 decisions at once (`--max-in-flight 2`) with every Redis
+    answer 30 ms late: two gateways with a lease-1 global rule (a callout per request)
+    send it far more than it can decide. It sheds the rest at once (503 overloaded, a
+    fast answer), the gateways treat that as unavailable and enforce locally for
+    `retry_seconds`, and no request fails or waits beyond the callout timeout; once the
+    load is gone, both are global again. (Envoy: the service side is host-independent.)"""
+    redis = procs.add(Redis(procs.log_dir)).start()
+    redis_link = procs.add(FaultProxy(procs.log_dir, redis.port, name="faultproxy-redis")).start()
+    quota = procs.add(
+        Quota(
+            procs.log_dir,
+            f"redis://{harness.HOST}:{redis_link.port}",
+            flags=(*harness.QUOTA_TEST_FLAGS, "--max-in-flight", "2"),
+        )
+    ).start()
+    redis_link.set("latency", ms=30)
+    doc = DOC.replace("TB, scope: global}", "TB, scope: global, lease: 1}")
+    gateways = [start_gateway(doc, quota_port=quota.port) for _ in range(2)]
+    stack = Stack(gateways, quota, redis_link, redis_link, redis)
+    q0 = stack.quota_counters()
+    with Load(gateways, rate=150.0, threads_per_gateway=12) as load:
+        t0 = time.monotonic()
+        time.sleep(FAULT_SECONDS + 1.0)
+        during = Window("saturated", load.between(t0, time.monotonic()), stack.degraded_requests())
+    shed = stack.quota_counters(q0)
+    during.figures["diana-quota"] = shed
+    record("envoy: diana-quota saturated (max-in-flight 2, Redis +30 ms)", during.summary())
+    during.check()
+    assert any("shed" in k for k in shed), f"the service never shed: {shed}"
+    assert during.degraded_requests > 0, "shed answers must make the gateways enforce locally"
+    redis_link.clear()
+    took = wait_global(stack, "global again once the load is gone")
+    record("envoy: diana-quota saturated: seconds until global again after the load", round(took, 2))
+    assert took <= MAX_RECOVERY_SECONDS
