@@ -227,13 +227,38 @@ actors:
 """
     doc = doc.replace("scope: global, lease: 1}", "scope: global, lease: 1, actor: tenant}")
     gateways = two_gateways(start_gateway, quota.port, doc)
+
+    def degraded() -> int:
+        return sum(harness.metric_sum(g.diana_metrics(), "diana_global_degraded_requests") for g in gateways)
+
+    # Exactness is promised while the gateways are global: a callout that fails (the
+    # service's first connections to a cluster that has just formed can outlast its
+    # deadline on a busy machine) makes a gateway enforce locally, by design. A tenant
+    # whose run saw a degraded request is not judged; another is tried instead.
     # Several tenants: their keys hash to different cluster slots (hash tags per key).
-    total = 0
-    for tenant in ("alpha", "beta", "gamma", "delta"):
+    total, judged, skipped = 0, 0, []
+    for tenant in ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta"):
+        if judged == 4:
+            break
+        before = degraded()
         resps = spread(gateways, 60, headers={"x-tenant-id": tenant})
+        if degraded() != before:
+            skipped.append(tenant)
+            wait_until(
+                lambda: all(
+                    harness.metric_sum(g.diana_metrics(), "diana_global_degraded", exclude=("requests",)) == 0
+                    for g in gateways
+                ),
+                30,
+                "both gateways global again",
+            )
+            continue
         assert statuses(resps) == {200: 25, 429: 35}, (tenant, statuses(resps))
         total += admitted(resps)
-    record(f"{kind(gateways)}: redis cluster (3 masters): admitted/expected", f"{total}/100 over 4 tenants")
+        judged += 1
+    assert judged == 4, f"only {judged} tenants ran without a degraded request (skipped {skipped})"
+    record(f"{kind(gateways)}: redis cluster (3 masters): admitted/expected",
+           f"{total}/100 over 4 tenants" + (f" (skipped after a degraded request: {skipped})" if skipped else ""))
 
 
 def test_global_leaky_bucket_delays_requests_by_the_services_wait(procs, start_gateway):
