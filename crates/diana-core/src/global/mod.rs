@@ -26,7 +26,7 @@ pub mod stash;
 /// The wire format, also reachable here (it was `global::wire` first).
 pub use crate::wire;
 
-use crate::config::{GlobalSpec, Policy, Rule, AUTO_LEASE_SPAN};
+use crate::config::{GlobalSpec, Policy, Rule};
 use crate::decision::{Callout, Reply};
 use crate::metrics::{Event, MetricSink};
 use crate::response::RuleReport;
@@ -465,18 +465,14 @@ impl Global {
     }
 
     /// The request for one rule. `spend_rate`: tokens per second this gateway spends of
-    /// it, which sizes `lease: auto` (what is spent in [`AUTO_LEASE_SPAN`], at most the
+    /// it, which sizes `lease: auto` (see [`stash::next_lease`]: what is spent in 100 ms, at most the
     /// rule's cap; one request's cost at first).
     fn rule_request(&self, rule: &Rule, charge: &GlobalCharge, spend_rate: u64) -> RuleRequest {
         // A leaky bucket's turns cannot be prefetched: one request, its own turns.
         let want = if rule.algo.waits() {
             charge.cost
-        } else if rule.lease_auto {
-            let span = u128::from(spend_rate) * u128::from(AUTO_LEASE_SPAN) / 1_000_000_000;
-            let span = u32::try_from(span).unwrap_or(u32::MAX);
-            span.clamp(charge.cost, rule.lease.get().max(charge.cost))
         } else {
-            rule.lease.get().max(charge.cost)
+            stash::next_lease(rule, spend_rate).max(charge.cost)
         };
         // The requests parked behind the last flight of this key are served by this one.
         let want = if rule.algo.waits() {

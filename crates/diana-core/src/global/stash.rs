@@ -83,21 +83,27 @@ pub struct Refill {
     pub spend_rate: u64,
 }
 
+/// What this gateway asks `rule`'s next lease to be before a request's own cost: the
+/// rule's `lease`, or with `lease: auto` what it spends in [`AUTO_LEASE_SPAN`] at
+/// `spend_rate` tokens a second, between one and the rule's cap.
+///
+/// [`AUTO_LEASE_SPAN`]: crate::config::AUTO_LEASE_SPAN
+pub fn next_lease(rule: &Rule, spend_rate: u64) -> u32 {
+    let lease = rule.lease.get();
+    if !rule.lease_auto {
+        return lease;
+    }
+    let span = u128::from(spend_rate) * u128::from(crate::config::AUTO_LEASE_SPAN) / 1_000_000_000;
+    u32::try_from(span).unwrap_or(u32::MAX).clamp(1, lease)
+}
+
 /// Half of what the next grant of `rule` will be: at or below it, a stash asks for the
 /// next grant ahead. `None` for rules without leases (lease 1, leaky bucket).
 fn refill_mark(rule: &Rule, spend_rate: u64) -> Option<u64> {
     if rule.algo.waits() || rule.lease.get() < 2 {
         return None;
     }
-    let lease = u64::from(rule.lease.get());
-    let next = if rule.lease_auto {
-        let span =
-            u128::from(spend_rate) * u128::from(crate::config::AUTO_LEASE_SPAN) / 1_000_000_000;
-        u64::try_from(span).unwrap_or(u64::MAX).clamp(1, lease)
-    } else {
-        lease
-    };
-    Some(next / 2).filter(|mark| *mark > 0)
+    Some(u64::from(next_lease(rule, spend_rate)) / 2).filter(|mark| *mark > 0)
 }
 
 /// One stash record.
