@@ -108,6 +108,58 @@ def cluster_port() -> int:
     raise ProcessError("no free port for a cluster node")
 
 
+def redis_cli(port: int, *args: str) -> str:
+    """`redis-cli -p port args…`: its standard output."""
+    cli = shutil.which("redis-cli")
+    if not cli:
+        raise ProcessError("redis-cli missing: run scripts/install-deps")
+    out = subprocess.run([cli, "-p", str(port), *args], capture_output=True, text=True, timeout=20)
+    return out.stdout
+
+
+def start_cluster(
+    procs, masters: int = 3, replicas: int = 0, node_timeout_ms: Optional[int] = None
+) -> list["Redis"]:
+    """A Redis Cluster of `masters` masters with `replicas` replicas each (`procs` starts
+    and stops the nodes), returned once every node says cluster_state:ok and every
+    replica is in sync. `node_timeout_ms`: how long a node may stay silent before its
+    peers declare it failed (Redis's default, 15 s, when None)."""
+    nodes = []
+    for i in range(masters * (1 + replicas)):
+        d = procs.log_dir / f"node{i}"
+        d.mkdir(parents=True, exist_ok=True)
+        node = Redis(d, port=cluster_port())
+        node.argv += ["--cluster-enabled", "yes", "--cluster-config-file", str(d / "nodes.conf")]
+        if node_timeout_ms is not None:
+            node.argv += ["--cluster-node-timeout", str(node_timeout_ms)]
+        node.name = f"redis-node{i}"
+        nodes.append(procs.add(node).start())
+    cli = shutil.which("redis-cli")
+    if not cli:
+        raise ProcessError("redis-cli missing: run scripts/install-deps")
+    addrs = [f"{HOST}:{n.port}" for n in nodes]
+    out = subprocess.run(
+        [cli, "--cluster", "create", *addrs, "--cluster-replicas", str(replicas), "--cluster-yes"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    if out.returncode != 0:
+        raise ProcessError(f"redis-cli --cluster create failed: {out.stdout}{out.stderr}")
+
+    def ready() -> bool:
+        if not all("cluster_state:ok" in redis_cli(n.port, "cluster", "info") for n in nodes):
+            return False
+        roles = [redis_cli(n.port, "role").split() for n in nodes]
+        synced = [r for r in roles if r and r[0] == "slave" and "connected" in r]
+        return len(synced) == masters * replicas
+
+    deadline = time.monotonic() + 30
+    while not ready():
+        if time.monotonic() > deadline:
+            raise ProcessError("the Redis Cluster is not ok (or a replica not in sync) after 30 s")
+        time.sleep(0.2)
+    return nodes
+
+
 def port_open(port: int, host: str = HOST, timeout: float = 0.2) -> bool:
     try:
         with socket.create_connection((host, port), timeout=timeout):

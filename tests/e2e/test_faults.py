@@ -39,9 +39,7 @@ the service-side tests on both hosts too, with 10 s faults and seven latency ste
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import subprocess
 import threading
 import time
 import uuid
@@ -615,55 +613,15 @@ def test_redis_restarted(procs, start_gateway):
     assert_fresh_limit_exact(stack, "redis restarted")
 
 
-def redis_cli(port: int, *args: str) -> str:
-    cli = shutil.which("redis-cli")
-    assert cli, "redis-cli missing: run scripts/install-deps"
-    out = subprocess.run([cli, "-p", str(port), *args], capture_output=True, text=True, timeout=20)
-    return out.stdout
-
-
 # A node is declared failed after this long without answering its peers (the default,
 # 15 s, would make the test wait 15 s for the failover).
 CLUSTER_NODE_TIMEOUT_MS = 1000
 
 
-def start_cluster(procs, masters: int = 3) -> list[Redis]:
-    """A Redis Cluster of `masters` masters with one replica each, every replica in sync."""
-    nodes = []
-    for i in range(2 * masters):
-        d = procs.log_dir / f"node{i}"
-        d.mkdir(parents=True, exist_ok=True)
-        node = Redis(d, port=harness.cluster_port())
-        node.argv += [
-            "--cluster-enabled", "yes", "--cluster-config-file", str(d / "nodes.conf"),
-            "--cluster-node-timeout", str(CLUSTER_NODE_TIMEOUT_MS),
-        ]  # fmt: skip
-        node.name = f"redis-node{i}"
-        nodes.append(procs.add(node).start())
-    cli = shutil.which("redis-cli")
-    assert cli, "redis-cli missing: run scripts/install-deps"
-    addrs = [f"{harness.HOST}:{n.port}" for n in nodes]
-    out = subprocess.run(
-        [cli, "--cluster", "create", *addrs, "--cluster-replicas", "1", "--cluster-yes"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout + out.stderr
-
-    def ready() -> bool:
-        if not all("cluster_state:ok" in redis_cli(n.port, "cluster", "info") for n in nodes):
-            return False
-        roles = [redis_cli(n.port, "role").split() for n in nodes]
-        replicas = [r for r in roles if r and r[0] == "slave"]
-        return len(replicas) == masters and all("connected" in r for r in replicas)
-
-    wait_until(ready, 30, "cluster_state:ok and every replica in sync", period=0.2)
-    return nodes
-
-
 def cluster_nodes(port: int) -> list[dict[str, str]]:
     """`CLUSTER NODES` as seen from the node on `port`: id, port, flags, master id."""
     out = []
-    for line in redis_cli(port, "cluster", "nodes").splitlines():
+    for line in harness.redis_cli(port, "cluster", "nodes").splitlines():
         f = line.split()
         if len(f) >= 8:
             out.append({"id": f[0], "port": f[1].split("@")[0].rsplit(":", 1)[1], "flags": f[2], "master": f[3]})
@@ -671,7 +629,7 @@ def cluster_nodes(port: int) -> list[dict[str, str]]:
 
 
 def keys(port: int) -> set[str]:
-    return set(redis_cli(port, "--scan", "--pattern", "diana:*").split())
+    return set(harness.redis_cli(port, "--scan", "--pattern", "diana:*").split())
 
 
 @pytest.mark.parametrize("host", HOSTS_SERVICE_SIDE)
@@ -681,7 +639,7 @@ def test_redis_cluster_master_killed_replica_promoted(procs, start_gateway):
     its replica is promoted, the gateways go local without failing a request, and are
     global again soon after the promotion. Then a fresh limit whose key lives on the
     promoted node admits exactly rpu over the two gateways."""
-    nodes = start_cluster(procs)
+    nodes = harness.start_cluster(procs, replicas=1, node_timeout_ms=CLUSTER_NODE_TIMEOUT_MS)
     seeds = ",".join(f"{harness.HOST}:{n.port}" for n in nodes)
     stack = start_stack(procs, start_gateway, redis_url=f"redis+cluster://{seeds}")
     by_port = {n.port: n for n in nodes}
@@ -699,8 +657,9 @@ def test_redis_cluster_master_killed_replica_promoted(procs, start_gateway):
         assert victim.wait_exit(10) is not None
 
     def promoted() -> bool:
-        role = redis_cli(replica.port, "role").split()
-        return bool(role) and role[0] == "master" and "cluster_state:ok" in redis_cli(replica.port, "cluster", "info")
+        role = harness.redis_cli(replica.port, "role").split()
+        info = harness.redis_cli(replica.port, "cluster", "info")
+        return bool(role) and role[0] == "master" and "cluster_state:ok" in info
 
     times = run_outage(stack, "redis cluster: master killed", fail=kill, heal=lambda: None, ready=promoted)
     record(

@@ -4,8 +4,6 @@ worker threads each, or nginx with 2 worker processes each (`global.cluster` is 
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -198,28 +196,8 @@ def test_a_local_rule_still_limits_per_gateway_while_redis_is_down(procs, start_
 
 
 def test_redis_cluster_with_three_masters_is_exact(procs, start_gateway):
-    cli = shutil.which("redis-cli")
-    assert cli, "redis-cli missing: run scripts/install-deps"
-    nodes = []
-    for i in range(3):
-        d = procs.log_dir / f"node{i}"
-        d.mkdir(parents=True, exist_ok=True)
-        node = Redis(d, port=harness.cluster_port())
-        node.argv += ["--cluster-enabled", "yes", "--cluster-config-file", str(d / "nodes.conf")]
-        node.name = f"redis-node{i}"
-        nodes.append(procs.add(node).start())
+    nodes = harness.start_cluster(procs, masters=3)
     addrs = [f"127.0.0.1:{n.port}" for n in nodes]
-    out = subprocess.run(
-        [cli, "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout + out.stderr
-
-    def cluster_ok() -> bool:
-        info = subprocess.run([cli, "-p", str(nodes[0].port), "cluster", "info"], capture_output=True, text=True)
-        return "cluster_state:ok" in info.stdout
-
-    wait_until(cluster_ok, 20, "cluster_state:ok")
     quota = procs.add(Quota(procs.log_dir, "redis+cluster://" + ",".join(addrs))).start()
     doc = global_doc(25, "TB", "hour") + """
 actors:
