@@ -13,6 +13,7 @@ Prints a Markdown table.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -30,6 +31,7 @@ def variants() -> dict[str, tuple[str, list[dict]]]:
     envoy_wasm, untrimmed = str(RELEASE / "diana-envoy.wasm"), str(RELEASE / "diana.wasm")
     tb = diana_doc([local_rule("TB")])
     return {
+        "nofilter": ("no filter", []),
         "empty": ("empty wasm filter (stock SDK)", [wasm_filter("empty", str(EMPTY / "empty_filter.wasm"))]),
         "empty_trim": ("empty wasm filter, trimmed like Diana",
                        [wasm_filter("empty", str(EMPTY / "empty_filter_trimmed.wasm"))]),
@@ -47,18 +49,22 @@ def main() -> None:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 10
     seconds = float(sys.argv[2]) if len(sys.argv) > 2 else 4
     vs = variants()
+    # PAIRED_VARIANTS=empty,local_TB,... measures only those (the empty filter is always in).
+    only = [k for k in os.environ.get("PAIRED_VARIANTS", "").split(",") if k]
+    if only:
+        vs = {k: v for k, v in vs.items() if k == "empty" or k in only}
     procs = Procs(ROOT / ".tmp/bench/paired")
     cpu: dict[str, list[float]] = {k: [] for k in vs}
     try:
         quota_port = None
-        if QUOTA.is_file():
+        if QUOTA.is_file() and any(k in vs for k in GLOBAL):
             _redis, redis_port = start_redis(procs, "paired-redis", cpus="1")
             _quota, quota_port = start_quota(procs, QUOTA, redis_port, "paired-quota", cpus="1")
         else:
             say(f"paired: {QUOTA} missing, global variants left out")
             for k in GLOBAL:
-                vs.pop(k)
-                cpu.pop(k)
+                vs.pop(k, None)
+                cpu.pop(k, None)
         envoys = {k: Envoy(procs, f"paired-{k}", filters, concurrency=1, cpus="0",
                            quota=quota_port if k in GLOBAL else None).start()
                   for k, (_, filters) in vs.items()}

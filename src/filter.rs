@@ -504,19 +504,11 @@ impl DianaRoot {
     }
 
     /// The tick period when nobody waits: config-center checks, and releasing the records
-    /// of rules an earlier document had.
+    /// of rules an earlier document had. An installed policy always needs it: its metrics
+    /// are flushed from the tick (and it may owe response costs or hold idle batches).
     fn base_tick(&self) -> Duration {
-        // Response costs to send, idle workers' batches to give back.
-        let owes = with_vm(&self.vm, |vm| {
-            vm.configured.as_ref().is_some_and(|configured| {
-                configured.engine.lends()
-                    || configured
-                        .engine
-                        .rules()
-                        .any(|rule| rule.response_cost.is_some())
-            })
-        }) == Some(true);
-        if self.remote.is_some() || owes || lifecycle::has_work(&self.store, &HostSharedData) {
+        let installed = with_vm(&self.vm, |vm| vm.configured.is_some()) == Some(true);
+        if self.remote.is_some() || installed || lifecycle::has_work(&self.store, &HostSharedData) {
             REMOTE_CHECK
         } else {
             Duration::ZERO
@@ -598,6 +590,7 @@ impl RootContext for DianaRoot {
             Err(message) => {
                 log::error!("diana: configuration rejected: {message}");
                 Sink(&self.events).event(Event::ConfigRejected);
+                self.events.flush();
                 return false;
             }
         };
@@ -658,7 +651,9 @@ impl RootContext for DianaRoot {
             configured.engine.tick(&HostSharedData, host::HostClock);
             // Before any other request's stream is entered (see `carry_out`).
             self.send_refills(&configured);
+            configured.metrics.flush();
         }
+        self.events.flush();
         if lifecycle::has_work(&self.store, &HostSharedData) {
             lifecycle::sweep(&self.store, &HostSharedData);
         }
@@ -942,12 +937,16 @@ impl HttpContext for DianaHttp {
         let Some(configured) = self.configured.clone() else {
             return Action::Continue;
         };
-        let raw_path = if configured.engine.needs_path() || configured.serves_metrics {
-            host::header_bytes(MapType::HttpRequestHeaders, ":path").unwrap_or_default()
+        // Read only when a decision depends on it (a host call, and a copy into the VM).
+        let read_path;
+        let raw_path: &[u8] = if configured.engine.needs_path() || configured.serves_metrics {
+            read_path =
+                host::header_bytes(MapType::HttpRequestHeaders, ":path").unwrap_or_default();
+            &read_path
         } else {
-            b"/".to_vec()
+            b"/"
         };
-        if configured.serves_metrics && configured.engine.serves_metrics(&raw_path) {
+        if configured.serves_metrics && configured.engine.serves_metrics(raw_path) {
             let text = configured.metrics.exposition();
             if let Err(status) = hostcalls::send_http_response(
                 200,
@@ -960,7 +959,7 @@ impl HttpContext for DianaHttp {
         }
         let decision = configured.engine.evaluate(
             &HostSharedData,
-            &raw_path,
+            raw_path,
             &HostRequest,
             host::HostClock,
             &mut Sink(&configured.metrics),

@@ -13,6 +13,7 @@ use diana_core::store::{HostError, SetOutcome, SharedData};
 use diana_core::time::{Clock, Nanos};
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::time::Duration;
 use std::time::UNIX_EPOCH;
@@ -209,24 +210,45 @@ fn define(metric_type: MetricType, name: &str) -> Option<u32> {
 }
 
 /// Host metrics for one policy: ids defined once at configuration time.
+///
+/// Counts are kept in the worker and handed to the host in one `increment_metric` per
+/// counter from the root context's tick ([`HostMetrics::flush`], at least once a second),
+/// not one host call per event: a host call costs the request path as much as the rest
+/// of a local rule's decision (BENCHMARKS.md, "Where the time goes"). So the host's
+/// counters run behind by one tick at most; the filter's own metrics path flushes the
+/// answering worker first, and nothing counted is lost (a policy replaced or a VM
+/// stopped flushes when its metrics are dropped).
 #[derive(Debug, Default)]
 pub struct HostMetrics {
-    rules: Vec<[Option<u32>; 3]>,
-    events: HashMap<Event, u32>,
+    /// Per rule, per [`RuleEvent`]: the index in `defined`.
+    rules: Vec<[Option<usize>; 3]>,
+    events: HashMap<Event, usize>,
     degraded: Option<u32>,
-    /// Every metric defined: name, id, is a gauge (for the `metrics.path` answer).
-    defined: Vec<(String, u32, bool)>,
+    /// Every metric defined, for the `metrics.path` answer and the flush.
+    defined: Vec<Defined>,
+}
+
+#[derive(Debug)]
+struct Defined {
+    name: String,
+    id: u32,
+    gauge: bool,
+    /// Counted in this worker and not yet handed to the host.
+    unflushed: Cell<u64>,
 }
 
 impl HostMetrics {
     pub fn define<'a>(rules: impl Iterator<Item = &'a Rule>) -> HostMetrics {
         let mut defined = Vec::new();
         let mut define_named = |kind: MetricType, name: String| {
-            let id = define(kind, &name);
-            if let Some(id) = id {
-                defined.push((name, id, kind == MetricType::Gauge));
-            }
-            id
+            let id = define(kind, &name)?;
+            defined.push(Defined {
+                name,
+                id,
+                gauge: kind == MetricType::Gauge,
+                unflushed: Cell::new(0),
+            });
+            Some((defined.len() - 1, id))
         };
         let rules = rules
             .map(|rule| {
@@ -235,16 +257,19 @@ impl HostMetrics {
                         MetricType::Counter,
                         rule_metric_name(&rule.metric_name, event),
                     )
+                    .map(|(index, _)| index)
                 })
             })
             .collect();
         let events = Event::ALL
             .iter()
             .filter_map(|&event| {
-                define_named(MetricType::Counter, event.name().to_string()).map(|id| (event, id))
+                define_named(MetricType::Counter, event.name().to_string())
+                    .map(|(index, _)| (event, index))
             })
             .collect();
-        let degraded = define_named(MetricType::Gauge, DEGRADED_GAUGE.to_string());
+        let degraded =
+            define_named(MetricType::Gauge, DEGRADED_GAUGE.to_string()).map(|(_, id)| id);
         HostMetrics {
             rules,
             events,
@@ -254,17 +279,18 @@ impl HostMetrics {
     }
 
     /// Every metric's current value (summed over the workers by the host), in the
-    /// Prometheus text format.
+    /// Prometheus text format; this worker's counts are flushed first.
     pub fn exposition(&self) -> String {
+        self.flush();
         let values: Vec<(&str, u64, bool)> = self
             .defined
             .iter()
-            .map(|(name, id, gauge)| {
-                let value = hostcalls::get_metric(*id).unwrap_or_else(|status| {
-                    log::debug!("diana: metric {name}: {status:?}");
+            .map(|metric| {
+                let value = hostcalls::get_metric(metric.id).unwrap_or_else(|status| {
+                    log::debug!("diana: metric {}: {status:?}", metric.name);
                     0
                 });
-                (name.as_str(), value, *gauge)
+                (metric.name.as_str(), value, metric.gauge)
             })
             .collect();
         prometheus_text(values)
@@ -275,12 +301,32 @@ impl HostMetrics {
         HostMetrics::define(std::iter::empty())
     }
 
-    fn bump(id: Option<u32>) {
-        if let Some(id) = id {
-            if let Err(status) = hostcalls::increment_metric(id, 1) {
-                log::debug!("diana: metric {id}: {status:?}");
+    /// Hands this worker's counts to the host: one call per counter that moved.
+    pub fn flush(&self) {
+        for metric in &self.defined {
+            let count = metric.unflushed.take();
+            if count > 0 {
+                if let Err(status) =
+                    hostcalls::increment_metric(metric.id, i64::try_from(count).unwrap_or(i64::MAX))
+                {
+                    log::debug!("diana: metric {}: {status:?}", metric.name);
+                }
             }
         }
+    }
+
+    fn count(&self, index: Option<usize>) {
+        if let Some(metric) = index.and_then(|index| self.defined.get(index)) {
+            metric
+                .unflushed
+                .set(metric.unflushed.get().saturating_add(1));
+        }
+    }
+}
+
+impl Drop for HostMetrics {
+    fn drop(&mut self) {
+        self.flush();
     }
 }
 
@@ -292,16 +338,16 @@ impl MetricSink for Sink<'_> {
     fn rule_event(&mut self, rule: usize, event: RuleEvent) {
         let metrics = self.0;
         let slot = RuleEvent::ALL.iter().position(|&e| e == event).unwrap_or(0);
-        HostMetrics::bump(
+        metrics.count(
             metrics
                 .rules
                 .get(rule)
-                .and_then(|ids| ids.get(slot).copied().flatten()),
+                .and_then(|indices| indices.get(slot).copied().flatten()),
         );
     }
 
     fn event(&mut self, event: Event) {
-        HostMetrics::bump(self.0.events.get(&event).copied());
+        self.0.count(self.0.events.get(&event).copied());
     }
 
     fn degraded(&mut self, on: bool) {

@@ -45,6 +45,10 @@ NGINX_CACHE = Path(
 )
 QUOTA_BIN = Path(os.environ.get("DIANA_QUOTA_BIN", REPO / "target/release/diana-quota"))
 UPSTREAM_PY = REPO / "demo/upstream.py"
+# Diana counts in each worker and hands the counts to the host from its tick, at least
+# once a second (src/host.rs, HostMetrics): a reading waits this long for the counts of
+# the requests just made.
+METRICS_LAG_S = 1.5
 LOG_ROOT = Path(os.environ.get("DIANA_E2E_LOGS", REPO / ".tmp/e2e"))
 
 HeaderValue = Union[str, bytes]
@@ -400,8 +404,10 @@ class Envoy(ManagedProcess):
                 out[name.strip()] = int(value.strip())
         return out
 
-    def diana_metrics(self) -> dict[str, int]:
-        """Diana's custom metrics (`wasmcustom.diana_*`), with the `wasmcustom.` prefix removed."""
+    def diana_metrics(self, settle: float = METRICS_LAG_S) -> dict[str, int]:
+        """Diana's custom metrics (`wasmcustom.diana_*`), with the `wasmcustom.` prefix
+        removed, after `settle` seconds (0 in a polling loop)."""
+        time.sleep(settle)
         return {
             k[len("wasmcustom.") :]: v
             for k, v in self.stats(r"^wasmcustom\.").items()
@@ -547,9 +553,11 @@ class Nginx(ManagedProcess):
             time.sleep(0.1)
         return None, False
 
-    def diana_metrics(self) -> dict[str, int]:
+    def diana_metrics(self, settle: float = METRICS_LAG_S) -> dict[str, int]:
         """Diana's metrics, named as on Envoy (`diana_rule_allowed.<rule>`), from the
-        filter's own metrics path (nginx has no /stats)."""
+        filter's own metrics path (nginx has no /stats), after `settle` seconds (0 in a
+        polling loop)."""
+        time.sleep(settle)
         if self.metrics_path is None:
             raise ProcessError("this nginx was rendered without a metrics path")
         status, body, _ = http_get(self.port, self.metrics_path, timeout=5.0)

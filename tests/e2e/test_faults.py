@@ -219,8 +219,10 @@ class Stack:
     def kind(self) -> str:
         return self.gateways[0].kind
 
-    def metrics(self) -> list[dict[str, int]]:
-        return [g.diana_metrics() for g in self.gateways]
+    def metrics(self, settle: float = harness.METRICS_LAG_S) -> list[dict[str, int]]:
+        """Both gateways' metrics; `settle` (see harness.METRICS_LAG_S) is waited once."""
+        time.sleep(settle)
+        return [g.diana_metrics(settle=0) for g in self.gateways]
 
     def quota_counters(self, since: Optional[dict[str, int]] = None) -> dict[str, int]:
         """diana-quota's failure counters (store errors by kind, deadlines, sheds, late
@@ -241,8 +243,8 @@ class Stack:
         return sum(metric(m, "diana_global_degraded_requests") for m in self.metrics())
 
     def global_again(self, answered_before: Sequence[int]) -> bool:
-        """Both gateways' breakers closed, and each had a callout answered since."""
-        ms = self.metrics()
+        """Both gateways' breakers closed, and each had a callout answered since (polled)."""
+        ms = self.metrics(settle=0)
         return all(
             metric(m, "diana_global_degraded") == 0 and answered(m) > before for m, before in zip(ms, answered_before)
         )
@@ -468,7 +470,7 @@ def run_half_open(stack: Stack, proxy: FaultProxy, label: str, bound: float = MA
         last_open: Optional[float] = None
         while True:
             now = time.monotonic()
-            gauges = [metric(m, "diana_global_degraded") for m in stack.metrics()]
+            gauges = [metric(m, "diana_global_degraded") for m in stack.metrics(settle=0)]
             if any(gauges):
                 last_open = now
             elif now - t_freeze >= FAULT_SECONDS:

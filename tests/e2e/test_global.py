@@ -175,7 +175,7 @@ def test_backend_killed_mid_run_degrades_to_local_then_recovers(procs, start_gat
 
     def global_again() -> bool:
         steady_load(gateways, 0.5, 10)
-        ms = [g.diana_metrics() for g in gateways]
+        ms = [g.diana_metrics(settle=0) for g in gateways]
         return all(m.get("diana_global_degraded") == 0 for m in ms) and callouts(gateways) > calls_down
 
     t_back = time.monotonic()
@@ -224,7 +224,7 @@ actors:
             skipped.append(tenant)
             wait_until(
                 lambda: all(
-                    harness.metric_sum(g.diana_metrics(), "diana_global_degraded", exclude=("requests",)) == 0
+                    harness.metric_sum(g.diana_metrics(settle=0), "diana_global_degraded", exclude=("requests",)) == 0
                     for g in gateways
                 ),
                 30,

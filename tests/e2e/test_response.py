@@ -10,10 +10,11 @@ accepts any name that holds the counter's kind and ends with the rule name."""
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 
-from harness import http_get, record, request, rule_metric, send_concurrent, statuses
+from harness import METRICS_LAG_S, http_get, record, request, rule_metric, send_concurrent, statuses
 
 
 def _int_header(r, name: str) -> int:
@@ -269,6 +270,7 @@ metrics:
 """
     )
     assert statuses([request(gw.port, "/") for _ in range(4)]) == {200: 2, 503: 2}
+    time.sleep(METRICS_LAG_S)  # the workers hand their counts to Envoy from their ticks
     status, body, _ = http_get(gw.admin_port, "/stats/prometheus", timeout=5.0)
     assert status == 200
     samples = _prometheus_samples(body.decode())

@@ -10,6 +10,7 @@ import subprocess
 import threading
 import time
 
+import harness
 from harness import REPO, WASM, free_port, http_get, port_open, request, wait_for_fresh_minute
 
 
@@ -56,7 +57,9 @@ def test_scripts_run_serves_the_demo_policy_and_stops_on_ctrl_c(log_dir):
         llm = [request(gw, "/llm?tokens=900", {"x-account-id": "alice"}).status for _ in range(3)]
         assert llm == [200, 200, 503], llm
         assert request(gw, "/llm?tokens=900", {"x-account-id": "bob"}).status == 200
-        # sample_global went through the quota service that scripts/run started.
+        # sample_global went through the quota service that scripts/run started (Diana's
+        # counters reach Envoy's stats from the workers' ticks: wait for one).
+        time.sleep(harness.METRICS_LAG_S)
         status, body, _ = http_get(ports["DIANA_ADMIN_PORT"], "/stats?filter=diana_global")
         stats = dict(line.rsplit(": ", 1) for line in body.decode().splitlines() if ": " in line)
         assert int(stats["wasmcustom.diana_global_callouts"]) >= 5, stats

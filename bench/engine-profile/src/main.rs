@@ -6,7 +6,8 @@
 
 use diana_core::actor::RequestFacts;
 use diana_core::config::parse_policy;
-use diana_core::engine::{Decision, Engine};
+use diana_core::decision::Decision;
+use diana_core::engine::Engine;
 use diana_core::metrics::MetricSink;
 use diana_core::metrics::{Event, RuleEvent};
 use diana_core::store::{CasSemantics, MemoryHost};
@@ -61,7 +62,7 @@ fn main() -> ExitCode {
     let (mut allow, mut other) = (0u64, 0u64);
     let start: u64 = 1_700_000_000_000_000_000;
     for i in 0..n {
-        match engine.evaluate(&host, path.as_bytes(), &Facts, start + i * 1000, &mut metrics) {
+        match engine.evaluate(&host, path.as_bytes(), &Facts, Some(start + i * 1000), &mut metrics) {
             Decision::Allow { .. } => allow += 1,
             _ => other += 1,
         }

@@ -40,12 +40,27 @@ pub type EngineDecision = Decision<Pending>;
 #[derive(Debug)]
 pub struct Refill(Asked);
 
-/// A paused request: what was charged so far, and what it waits for.
+/// A paused request: what was charged so far, and what it waits for. Boxed: a decision
+/// that admits at once (the hot path) is then a few words to move, not the paused
+/// request's whole state.
 #[derive(Debug)]
-pub struct Pending {
+pub struct Pending(Box<PendingState>);
+
+#[derive(Debug)]
+struct PendingState {
     held: Few<Held>,
     progress: Progress,
     stage: Stage,
+}
+
+impl Pending {
+    fn new(held: Few<Held>, progress: Progress, stage: Stage) -> Pending {
+        Pending(Box::new(PendingState {
+            held,
+            progress,
+            stage,
+        }))
+    }
 }
 
 /// What a paused request waits for.
@@ -63,7 +78,7 @@ enum Stage {
 impl Pending {
     /// What the callout asked (for logs and tests); `None` for a parked request.
     pub fn asked(&self) -> Option<&Asked> {
-        match &self.stage {
+        match &self.0.stage {
             Stage::Asked(asked) => Some(asked),
             Stage::Parked { .. } => None,
         }
@@ -71,7 +86,7 @@ impl Pending {
 
     /// The id under which a parked request is woken ([`Engine::woken`]).
     pub fn rider(&self) -> Option<RiderId> {
-        match &self.stage {
+        match &self.0.stage {
             Stage::Asked(_) => None,
             Stage::Parked { rider, .. } => Some(*rider),
         }
@@ -94,8 +109,9 @@ struct Progress {
     delay: Nanos,
     /// Rule metrics to report once the request is decided.
     tally: Few<(usize, RuleEvent)>,
-    /// Response costs to charge once the upstream has answered.
-    after: Few<ResponseCharge>,
+    /// Response costs to charge once the upstream has answered (a `Vec`: rarely any, and
+    /// an empty one is a word to move).
+    after: Vec<ResponseCharge>,
 }
 
 impl Progress {
@@ -134,8 +150,8 @@ impl Progress {
 struct Applicable<'p> {
     local: Few<(&'p Rule, SlotAddress, u32)>,
     global: Few<GlobalCharge>,
-    /// The rules with a response cost.
-    after: Few<ResponseCharge>,
+    /// The rules with a response cost (rarely any).
+    after: Vec<ResponseCharge>,
 }
 
 /// The immutable policy plus the per-VM machinery to evaluate it.
@@ -295,25 +311,18 @@ impl Engine {
                 metrics.event(Event::GlobalDegradedRequest);
                 self.degrade(host, local, served, held, progress, now, metrics)
             }
-            Plan::Park(rider) => Decision::Wait(Pending {
+            Plan::Park(rider) => Decision::Wait(Pending::new(
                 held,
                 progress,
-                stage: Stage::Parked { charges, rider },
-            }),
+                Stage::Parked { charges, rider },
+            )),
             Plan::Call {
                 outcomes,
                 callout,
                 asked,
             } => {
                 progress.apply(outcomes);
-                Decision::Call(
-                    callout,
-                    Pending {
-                        held,
-                        progress,
-                        stage: Stage::Asked(asked),
-                    },
-                )
+                Decision::Call(callout, Pending::new(held, progress, Stage::Asked(asked)))
             }
         }
     }
@@ -327,11 +336,11 @@ impl Engine {
         now: Option<Nanos>,
         metrics: &mut dyn MetricSink,
     ) -> EngineDecision {
-        let Pending {
+        let PendingState {
             held,
             progress,
             stage,
-        } = pending;
+        } = *pending.0;
         match stage {
             Stage::Parked { charges, .. } => match now {
                 Some(now) => self.decide_globally(host, charges, held, progress, now, metrics),
@@ -344,11 +353,7 @@ impl Engine {
                 }
             },
             stage @ Stage::Asked(_) => {
-                let pending = Pending {
-                    held,
-                    progress,
-                    stage,
-                };
+                let pending = Pending::new(held, progress, stage);
                 self.complete(host, pending, Reply::NoAnswer, now, metrics)
             }
         }
@@ -371,11 +376,12 @@ impl Engine {
         let Some(now) = now else {
             return;
         };
-        match pending.stage {
+        let PendingState { held, stage, .. } = *pending.0;
+        match stage {
             Stage::Asked(asked) => self.global.abandon_call(host, &self.policy, asked, now),
             Stage::Parked { rider, .. } => self.global.leave(rider),
         }
-        self.give_back_held(host, &pending.held, now, &mut NoMetrics);
+        self.give_back_held(host, &held, now, &mut NoMetrics);
     }
 
     /// Finishes a request paused for a callout, with the host's account of the call.
@@ -387,19 +393,15 @@ impl Engine {
         now: Option<Nanos>,
         metrics: &mut dyn MetricSink,
     ) -> EngineDecision {
-        let Pending {
+        let PendingState {
             held,
             mut progress,
             stage,
-        } = pending;
+        } = *pending.0;
         let asked = match stage {
             Stage::Asked(asked) => asked,
             stage @ Stage::Parked { .. } => {
-                let pending = Pending {
-                    held,
-                    progress,
-                    stage,
-                };
+                let pending = Pending::new(held, progress, stage);
                 return self.resume(host, pending, now, metrics);
             }
         };
@@ -440,7 +442,7 @@ impl Engine {
         let mut applicable = Applicable {
             local: Few::new(),
             global: Few::new(),
-            after: Few::new(),
+            after: Vec::new(),
         };
         let mut waiting: Few<(&Rule, SlotAddress, u32)> = Few::new();
         for (_, resource) in matching::matching(&self.policy, &path) {
@@ -669,8 +671,8 @@ impl Engine {
             .as_ref()
             .and_then(|(index, report)| Some((self.policy.rule(*index)?, report)));
         let headers = admitted_rule_headers(&self.policy.response, tightest);
-        let after = (!progress.after.is_empty()).then(|| AfterResponse {
-            charges: progress.after.into_vec(),
+        let after = (!progress.after.is_empty()).then_some(AfterResponse {
+            charges: progress.after,
         });
         if progress.delay > 0 && self.can_pause {
             metrics.event(Event::Delayed);
@@ -738,12 +740,6 @@ impl Engine {
             let rule = self.policy.rule(index)?;
             Some((rule, self.table(rule)))
         })
-    }
-
-    /// True when some rule lends batches to workers (the host then ticks to give idle
-    /// workers' tokens back).
-    pub fn lends(&self) -> bool {
-        self.rules().any(|rule| !rule.algo.waits())
     }
 
     /// True when a stash of leased tokens runs low and waits to be refilled ahead (the

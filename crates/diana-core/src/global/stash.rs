@@ -23,6 +23,7 @@ use crate::local::{DENIAL_CACHE, LEASE_SPAN, MAX_BATCH, MAX_LEASES, SHARE};
 use crate::store::{slot_key_in, SharedData, SlotAddress, Store};
 use crate::time::Nanos;
 use crate::wire::max_duration_ms;
+use std::rc::Rc;
 
 const NANOS_PER_MILLI: Nanos = 1_000_000;
 
@@ -35,7 +36,7 @@ pub const RECORD_BYTES: usize = 8 + 8 * LEASE_WORDS;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StashReceipt {
     pub rule: usize,
-    key: String,
+    key: Rc<str>,
     fingerprint: u64,
     tokens: u64,
     /// Taken from this worker's batch (else from the shared record).
@@ -45,7 +46,7 @@ pub struct StashReceipt {
 /// What one worker holds of a (rule, identity)'s stash.
 #[derive(Debug, Clone, Default)]
 struct Batch {
-    key: String,
+    key: Rc<str>,
     tokens: u64,
     valid_until: Nanos,
     denied_until: Nanos,
@@ -210,7 +211,7 @@ impl Stash {
                 }
             }
         }
-        let key = Stash::key(rule, address);
+        let key: Rc<str> = Stash::key(rule, address).into();
         let result = self.store.update(host, &key, |current| {
             let mut lease = Lease::decode(current);
             if lease.fingerprint != address.fingerprint {
@@ -227,7 +228,7 @@ impl Stash {
                 lease.spent = lease.spent.saturating_add(cost + batch);
                 let receipt = StashReceipt {
                     rule: rule.index,
-                    key: key.clone(),
+                    key: Rc::clone(&key),
                     fingerprint: address.fingerprint,
                     tokens: cost,
                     from_batch: false,
@@ -254,7 +255,7 @@ impl Stash {
         };
         match &take {
             Take::Served(..) if batch > 0 => self.remember(id, now, |held| {
-                held.key.clone_from(&key);
+                held.key = Rc::clone(&key);
                 held.tokens = batch;
                 held.valid_until = until.min(now.saturating_add(LEASE_SPAN));
                 held.denied_until = 0;
@@ -270,7 +271,7 @@ impl Stash {
 
     /// From the worker's tick: idle batches go back to the shared stash.
     pub fn return_unspent(&self, host: &dyn SharedData, policy: &Policy, now: Nanos) {
-        let lapsed: Vec<(usize, u64, String, u64)> = match self.batches.try_borrow_mut() {
+        let lapsed: Vec<(usize, u64, Rc<str>, u64)> = match self.batches.try_borrow_mut() {
             Ok(mut batches) => {
                 let lapsed = batches
                     .iter_mut()

@@ -1,0 +1,169 @@
+"""Envoy's instructions per request, counted by valgrind: DESIGN §6's bars without the noise.
+
+On a shared 2-vCPU machine the CPU time Envoy spends per request moves by ±20 % from one
+run to the next (other tenants' processes, steal time, cache pollution), more than the
+few µs the bars are about. The number of instructions Envoy executes per request does
+not move: it is what the code does, whatever else runs. So each variant's Envoy runs
+under `valgrind --tool=callgrind` (V8's generated code included: `--smc-check=all-non-file`),
+one at a time; after a warm-up the counters are zeroed (`callgrind_control -z`), N
+requests are sent one after the other on one keep-alive connection, and the counters are
+dumped (`callgrind_control -d`): Ir ÷ N is the variant's instructions per request, all
+threads of Envoy included (the worker, the main thread, the callouts to diana-quota of
+the global variants, amortised over the requests that shared them).
+
+An instruction count is not a time (a cache miss costs more than an add), but the
+variants differ by the code Envoy and the filter run, not by memory behaviour, and the
+ranking by instructions agrees with the least contended CPU-time runs (BENCHMARKS.md).
+Repeat runs of one variant agree within ±0.3 %.
+
+    python3 bench/instructions.py [N=2000] [VARIANT ...]   # after scripts/bench or scripts/build
+
+Prints a Markdown table (instructions per request, ratio to the empty stock-SDK filter as
+a throughput ratio, the bar's verdict) and writes .tmp/bench/instructions/results.json.
+Every process it starts (Envoy under valgrind, redis-server, diana-quota) is stopped by
+its PID at the end, also on failure.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from common import ROOT, Envoy, Procs, say, start_quota, start_redis, wait_http, wasm_filter
+from overhead import diana_doc, global_doc, local_rule
+
+RELEASE = ROOT / "target/wasm32-wasip1/release"
+EMPTY = ROOT / "bench/empty-filter/target/wasm32-wasip1/release"
+QUOTA = ROOT / "target/release/diana-quota"
+WARM_UP = 300
+# DESIGN §6: local rules at least as cheap as the empty filter; a global rule with a lease
+# at most 5 % dearer.
+LOCAL_BAR = 1.0
+GLOBAL_BAR = 1.05
+
+
+def variants() -> dict[str, tuple[str, list[dict], Optional[float]]]:
+    """key -> (label, filters, cost bar relative to the empty filter or None)."""
+    diana = os.environ.get("DIANA_WASM", str(RELEASE / "diana-envoy.wasm"))
+    out: dict[str, tuple[str, list[dict], Optional[float]]] = {
+        "nofilter": ("no filter", [], None),
+        "empty": ("empty wasm filter (stock SDK)", [wasm_filter("empty", str(EMPTY / "empty_filter.wasm"))], None),
+        "empty_trim": ("empty wasm filter, trimmed like Diana",
+                       [wasm_filter("empty", str(EMPTY / "empty_filter_trimmed.wasm"))], None),
+        "nomatch": ("Diana, no rule matches (reads :path)",
+                    [wasm_filter("diana", diana, diana_doc([local_rule("TB")], url="/nomatch"))], None),
+    }
+    for algo in ("W", "SW", "TB", "LB"):
+        out[f"local_{algo}"] = (f"Diana local {algo}", [wasm_filter("diana", diana, diana_doc([local_rule(algo)]))],
+                                LOCAL_BAR)
+    for lease in (1, 100, "auto"):
+        out[f"global_{lease}"] = (f"Diana global W, lease {lease}",
+                                  [wasm_filter("diana", diana, global_doc("W", lease))], GLOBAL_BAR)
+    return out
+
+
+def send(port: int, n: int) -> dict[int, int]:
+    """`n` GETs of / on one keep-alive connection; status -> count."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    codes: dict[int, int] = {}
+    try:
+        for _ in range(n):
+            conn.request("GET", "/")
+            resp = conn.getresponse()
+            resp.read()
+            codes[resp.status] = codes.get(resp.status, 0) + 1
+    finally:
+        conn.close()
+    return codes
+
+
+def control(command: str, pid: int) -> None:
+    subprocess.run(["callgrind_control", command, str(pid)], check=True, capture_output=True, timeout=120)
+
+
+def measure(procs: Procs, key: str, filters: list[dict], n: int, quota: Optional[int]) -> dict:
+    logdir = procs.logdir
+    for old in logdir.glob(f"{key}.cg.*"):
+        old.unlink()
+    envoy = Envoy(procs, f"ir-{key}", filters, concurrency=1, quota=quota)
+    envoy.argv = ["valgrind", "--tool=callgrind", "--smc-check=all-non-file",
+                  f"--callgrind-out-file={logdir}/{key}.cg.%p"] + envoy.argv
+    proc = procs.spawn(envoy.name, envoy.argv)
+    try:
+        if not wait_http(f"http://127.0.0.1:{envoy.admin}/ready", proc, 300):
+            raise RuntimeError(f"Envoy {key} did not start under valgrind:\n{proc.log.read_text()[-3000:]}")
+        send(envoy.port, WARM_UP)
+        control("-z", proc.pid)
+        codes = send(envoy.port, n)
+        control("-d", proc.pid)
+        # Diana's counters reach Envoy from the worker's tick (once a second).
+        time.sleep(2.5)
+        stats = envoy.stats()
+        dumps = sorted(logdir.glob(f"{key}.cg.{proc.pid}.*"), key=lambda p: p.stat().st_mtime)
+        if not dumps:
+            raise RuntimeError(f"no callgrind dump for {key}")
+        summary = next(line for line in dumps[-1].read_text().splitlines() if line.startswith("summary:"))
+        ir = int(summary.split()[1])
+    finally:
+        procs.stop(proc, grace=30)
+    if codes.get(200, 0) != n:
+        raise RuntimeError(f"{key}: answers {codes}, expected {n} × 200")
+    callouts = stats.get("wasmcustom.diana_global_callouts")
+    return {"ir": ir, "requests": n, "ir_per_request": ir / n,
+            "callouts_per_request": None if callouts is None else callouts / (n + WARM_UP)}
+
+
+def main() -> int:
+    args = sys.argv[1:]
+    n = int(args.pop(0)) if args and args[0].isdigit() else 2000
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        say("instructions: valgrind is not installed (apt-get install valgrind)")
+        return 1
+    vs = variants()
+    if args:
+        vs = {k: v for k, v in vs.items() if k in args or k == "empty"}
+    procs = Procs(ROOT / ".tmp/bench/instructions")
+    results: dict[str, dict] = {}
+    try:
+        quota = None
+        if any(k.startswith("global") for k in vs):
+            _redis, redis_port = start_redis(procs, "ir-redis", cpus=None)
+            _quota, quota = start_quota(procs, QUOTA, redis_port, "ir-quota", cpus=None)
+        for key, (label, filters, _) in vs.items():
+            t0 = time.monotonic()
+            results[key] = measure(procs, key, filters, n, quota if key.startswith("global") else None)
+            say(f"instructions: {label}: {results[key]['ir_per_request']:,.0f} per request "
+                f"({time.monotonic() - t0:.0f} s)")
+    finally:
+        procs.stop_all()
+    (procs.logdir / "results.json").write_text(json.dumps(results, indent=1))
+    empty = results["empty"]["ir_per_request"]
+    print(f"| variant ({n} requests each) | instructions per request | over no filter | × empty (throughput) "
+          "| bar | callouts per request |")
+    print("| --- | ---: | ---: | ---: | --- | ---: |")
+    base = results.get("nofilter", {}).get("ir_per_request")
+    for key, (label, _, bar) in vs.items():
+        ir = results[key]["ir_per_request"]
+        over = f"{ir - base:+,.0f}" if base else "—"
+        ratio = empty / ir
+        if bar is None:
+            verdict = "—"
+        elif bar == LOCAL_BAR:
+            verdict = f"≥ 1.0×: {'**met**' if ratio >= 1.0 else '**not met**'}"
+        else:
+            verdict = f"cost ≤ {bar}×: {'**met**' if ir <= bar * empty else '**not met**'} ({ir / empty:.3f}×)"
+        calls = results[key]["callouts_per_request"]
+        calls_text = "—" if calls is None or not key.startswith("global") else f"{calls:.3f}"
+        print(f"| {label} | {ir:,.0f} | {over} | {ratio:.3f} | {verdict} | {calls_text} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
