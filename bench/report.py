@@ -599,6 +599,24 @@ def render(res: dict[str, Any], chart_rel: Optional[str]) -> str:
         for k, v in errs.items():
             A(f"- {k}: `{v}`")
         A("")
+    instructions = BENCH.parent / "docs/bench/instructions.md"
+    if instructions.exists():
+        A("## 6. Instructions per request: the bars without the noise")
+        A("")
+        A("Recorded by `bench/instructions.py` (not rewritten by `scripts/bench`): each variant's")
+        A("Envoy runs under `valgrind --tool=callgrind` (V8's generated code included), and the")
+        A("instructions Envoy executes per request are counted over 2,000 requests on one")
+        A("keep-alive connection after a warm-up. Unlike CPU time on this shared machine, the")
+        A("count does not depend on what else runs (repeat runs of a local variant agree within")
+        A("±0.3 %), so it settles differences of 1–2 % that the CPU-time rounds above cannot.")
+        A("Global variants are less repeatable (±3 %): when a refill lands relative to the")
+        A("requests depends on timing. Under valgrind Envoy serves ~300 requests a second, so")
+        A("costs paid per second (a per-second window's fresh lease, the ticks of a refill ahead)")
+        A("fall on ~40× fewer requests than at production rates; the per-minute rows spread them")
+        A("as production traffic does.")
+        A("")
+        A(instructions.read_text().rstrip())
+        A("")
     obs = BENCH / "observations.md"
     if obs.exists():
         A(obs.read_text().rstrip())

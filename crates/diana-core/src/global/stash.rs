@@ -10,7 +10,7 @@
 //! ([`Stash::give_back`]).
 //!
 //! A worker takes a small batch from the shared record when it holds many tokens (as
-//! [`crate::local`] does for local counters: at most 1/[`SHARE`] of them, [`MAX_BATCH`]
+//! [`crate::local`] does for local counters: at most 1/[`STASH_SHARE`] of them, [`MAX_BATCH`]
 //! at most, none near the end) and spends it without touching shared data; its tick
 //! gives an idle batch back ([`Stash::return_unspent`]). It remembers a denial for
 //! [`DENIAL_CACHE`] at most.
@@ -26,6 +26,14 @@ use crate::wire::max_duration_ms;
 use std::rc::Rc;
 
 const NANOS_PER_MILLI: Nanos = 1_000_000;
+
+/// A worker's batch is at most this share of the spare tokens of a stash. Larger than a
+/// local counter's share ([`SHARE`]): the stash's tokens are this gateway's already (the
+/// quota service counted them when it granted the lease), so a worker that holds more of
+/// them can only make another worker of the same gateway ask the service a little early,
+/// never admit more than the service granted. Near the end of a stash (fewer than
+/// `2 × SHARE` spare) there is still no batch: the last tokens go one by one.
+const STASH_SHARE: u64 = 4;
 
 /// Words of a lease-stash record.
 const LEASE_WORDS: usize = 7;
@@ -220,7 +228,7 @@ impl Stash {
             if lease.tokens >= cost && ahead(lease.valid_until, now, rule) {
                 let spare = lease.tokens - cost;
                 let batch = if spare >= 2 * SHARE {
-                    (spare / SHARE).min(MAX_BATCH)
+                    (spare / STASH_SHARE).min(MAX_BATCH)
                 } else {
                     0
                 };
