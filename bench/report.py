@@ -149,7 +149,10 @@ def render(res: dict[str, Any], chart_rel: Optional[str]) -> str:
     A("`bench/probe-filter/` (host-call cost probe), `bench/engine-profile/` + `bench/engprof.py`")
     A("(native callgrind profile of the filter's logic), `bench/chart.py` (SVG), `bench/report.py`")
     A("(this page), `bench/observations.md` (the notes at the end, written by hand after a run),")
-    A("`bench/paired.py` (a focused re-measurement of the target variants: many short rounds).")
+    A("`bench/paired.py` (a focused re-measurement of the target variants: many short rounds),")
+    A("`bench/instructions.py` (the bars in instructions per request under callgrind, section 6;")
+    A("`INSTRUCTIONS_OUT=docs/bench/instructions.md python3 bench/instructions.py 2000` records it,")
+    A("~25 min).")
     A("")
     A("## This run")
     A("")
@@ -194,6 +197,11 @@ def render(res: dict[str, Any], chart_rel: Optional[str]) -> str:
         A("of CPU 0 Envoy was given; the CPU-cost ratio is the one to trust for capacity, and the wrk")
         A("p99 ratios are dominated by scheduling noise (p99 ≫ p50 everywhere).")
         A("")
+        if (BENCH.parent / "docs/bench/instructions.md").exists():
+            A("The same bars counted in instructions per request, which this machine's noise does not")
+            A("move, are in [section 6](#6-instructions-per-request-the-bars-without-the-noise) (recorded")
+            A("separately by `bench/instructions.py`; it says which build it measured).")
+            A("")
 
     if ov:
         A("## 1. Overhead in Envoy")
