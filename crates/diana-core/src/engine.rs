@@ -841,6 +841,12 @@ impl Engine {
             return;
         };
         let tokens = u32::try_from(debt.tokens).unwrap_or(u32::MAX);
+        let tokens = self
+            .local
+            .pay_from_batch(rule.index, debt.address.fingerprint, tokens, now);
+        if tokens == 0 {
+            return;
+        }
         match self
             .local
             .store()

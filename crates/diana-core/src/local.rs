@@ -324,6 +324,28 @@ impl Local {
         returned
     }
 
+    /// Pays `tokens` of a response cost from this worker's batch of (rule, identity) as
+    /// far as it goes (those tokens were taken from the shared counter already) and returns
+    /// what is left to charge there. The batch is also sized afresh at the next charge:
+    /// without this, a worker went on spending a batch taken before a large response cost
+    /// put the counter in debt. Other workers' batches (each at most 1/[`SHARE`] of what
+    /// the counter had left) are still spent: the inaccuracy a response cost can add.
+    pub fn pay_from_batch(&self, rule: usize, fingerprint: u64, tokens: u32, now: Nanos) -> u32 {
+        let Ok(mut leases) = self.leases.try_borrow_mut() else {
+            return tokens;
+        };
+        let Some(lease) = leases.get_mut(&(rule, fingerprint)) else {
+            return tokens;
+        };
+        lease.left = 0;
+        if now >= lease.valid_until {
+            return tokens;
+        }
+        let paid = lease.tokens.min(tokens);
+        lease.tokens -= paid;
+        tokens - paid
+    }
+
     /// The store behind the batches (for debts and peeks).
     pub fn store(&self) -> &Store {
         &self.store

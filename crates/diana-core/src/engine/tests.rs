@@ -964,6 +964,29 @@ fn response_costs_are_charged_past_the_limit_and_deny_until_paid_back() {
 }
 
 #[test]
+fn a_response_cost_is_paid_from_the_workers_batch_before_it_is_spent_again() {
+    // The e2e LLM budget: 1000 tokens an hour; two answers of 600 tokens each. The second
+    // request takes a batch (the counter had 399 left); its 600-token answer must use up
+    // that batch, or the third request would be admitted from it.
+    let doc = "Url: /\nrules:\n  - {name: llm, actor: account, algo: TB, rpu: 1000, unit: hour, response_cost: {header: x-llm-tokens, max: 100000}}\n";
+    let mut h = Harness::new(doc);
+    let alice = Facts::default().header("x-account-id", b"alice");
+    for _ in 0..2 {
+        let charge = after(h.request("/", &alice));
+        h.now += 1_000_000;
+        h.engine.after_response(
+            &h.host,
+            charge,
+            &[Some(b"600".to_vec())],
+            Some(h.now),
+            &mut h.metrics,
+        );
+        h.now += 1_000_000;
+    }
+    assert!(matches!(h.request("/", &alice), Decision::Reject(_)));
+}
+
+#[test]
 fn global_response_costs_are_paid_from_the_tick_or_charged_locally() {
     let doc = "resources:\n  - Url: /\n    rules: [{name: llm, algo: W, rpu: 100, unit: minute, scope: global, response_cost: {header: x-tokens, max: 500}}]\nglobal: {retry_seconds: 5}\n";
     let mut h = Harness::new(doc);
