@@ -151,6 +151,8 @@ def phase_demo(args: argparse.Namespace, check: Check) -> None:
             headers.get("retry-after"), headers.get("x-ratelimit-limit"), body
         ),
     )
+    # Diana's workers hand their counts to Envoy from their ticks (a second at most).
+    time.sleep(1.5)
     metrics = stats(args.admin_port, "^wasmcustom\\.")
     for name in sorted(metrics):
         print(f"    {name}: {metrics[name]}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 from harness import (
+    METRICS_LAG_S,
     NGINX_CRASH,
     NGINX_WASM,
     REPO,
@@ -56,6 +57,7 @@ def test_the_example_nginx_conf_runs_as_written(procs, upstream):
     # `/sample`: a leaky bucket of 5 per second: one passes, the next is told to retry.
     sample = [request(port, "/sample").status for _ in range(2)]
     metrics_status, body = None, b""
+    time.sleep(METRICS_LAG_S)  # the other worker hands its counts over from its tick
     r = request(port, "/diana/metrics")
     metrics_status, body = r.status, r.body
     metrics = parse_prometheus(body.decode())
