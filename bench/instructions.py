@@ -35,6 +35,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -49,33 +50,48 @@ WARM_UP = 300
 # at most 5 % dearer.
 LOCAL_BAR = 1.0
 GLOBAL_BAR = 1.05
+DIANA_WASM = Path(os.environ.get("DIANA_WASM", RELEASE / "diana-envoy.wasm"))
 
 
-def variants() -> dict[str, tuple[str, list[dict], Optional[float]]]:
-    """key -> (label, filters, cost bar relative to the empty filter or None)."""
-    diana = os.environ.get("DIANA_WASM", str(RELEASE / "diana-envoy.wasm"))
-    out: dict[str, tuple[str, list[dict], Optional[float]]] = {
-        "nofilter": ("no filter", [], None),
-        "empty": ("empty wasm filter (stock SDK)", [wasm_filter("empty", str(EMPTY / "empty_filter.wasm"))], None),
-        "empty_trim": ("empty wasm filter, trimmed like Diana",
-                       [wasm_filter("empty", str(EMPTY / "empty_filter_trimmed.wasm"))], None),
-        "nomatch": ("Diana, no rule matches (reads :path)",
-                    [wasm_filter("diana", diana, diana_doc([local_rule("TB")], url="/nomatch"))], None),
+@dataclass(frozen=True)
+class Variant:
+    label: str
+    filters: list[dict]
+    # The bar this variant is judged by: its throughput at least `at_least` times the empty
+    # filter's (local rules), or its cost at most `cost_at_most` times (global rules).
+    at_least: Optional[float] = None
+    cost_at_most: Optional[float] = None
+    # It calls diana-quota (started once, with Redis, for every such variant).
+    calls_out: bool = False
+
+
+def variants() -> dict[str, Variant]:
+    diana = str(DIANA_WASM)
+    out = {
+        "nofilter": Variant("no filter", []),
+        "empty": Variant("empty wasm filter (stock SDK)", [wasm_filter("empty", str(EMPTY / "empty_filter.wasm"))]),
+        "empty_trim": Variant("empty wasm filter, trimmed like Diana",
+                              [wasm_filter("empty", str(EMPTY / "empty_filter_trimmed.wasm"))]),
+        "nomatch": Variant("Diana, no rule matches (reads :path)",
+                           [wasm_filter("diana", diana, diana_doc([local_rule("TB")], url="/nomatch"))]),
     }
     for algo in ("W", "SW", "TB", "LB"):
-        out[f"local_{algo}"] = (f"Diana local {algo}", [wasm_filter("diana", diana, diana_doc([local_rule(algo)]))],
-                                LOCAL_BAR)
+        out[f"local_{algo}"] = Variant(f"Diana local {algo}",
+                                       [wasm_filter("diana", diana, diana_doc([local_rule(algo)]))],
+                                       at_least=LOCAL_BAR)
     for lease in (1, 100, "auto"):
-        out[f"global_{lease}"] = (f"Diana global W, lease {lease}",
-                                  [wasm_filter("diana", diana, global_doc("W", lease))], GLOBAL_BAR)
+        out[f"global_{lease}"] = Variant(f"Diana global W, lease {lease}",
+                                         [wasm_filter("diana", diana, global_doc("W", lease))],
+                                         cost_at_most=GLOBAL_BAR, calls_out=True)
     # Per minute: under valgrind Envoy serves ~300 requests a second, so a per-second
     # window's fixed costs (a fresh lease each second, the refill ahead's 1 ms ticks) fall
     # on ~40× fewer requests than at production rates; a minute's window spreads them as
     # production traffic would, leaving the per-request path and one callout per lease.
     for lease in (100, "auto"):
         doc = global_doc("W", lease).replace("rpu: 1000000, unit: second", "rpu: 100000000, unit: minute")
-        out[f"global_{lease}_minute"] = (f"Diana global W per minute, lease {lease}",
-                                         [wasm_filter("diana", diana, doc)], GLOBAL_BAR)
+        out[f"global_{lease}_minute"] = Variant(f"Diana global W per minute, lease {lease}",
+                                                [wasm_filter("diana", diana, doc)],
+                                                cost_at_most=GLOBAL_BAR, calls_out=True)
     return out
 
 
@@ -144,10 +160,10 @@ def measure(procs: Procs, key: str, filters: list[dict], n: int, quota: Optional
             "callouts_per_request": None if callouts is None else callouts / n}
 
 
-def render(vs: dict, results: dict[str, dict], n: int) -> str:
+def render(vs: dict[str, Variant], results: dict[str, dict], n: int) -> str:
     """The Markdown page: how it was measured, then the table with the bars' verdicts."""
     envoy = subprocess.run([envoy_bin(), "--version"], capture_output=True, text=True).stdout.strip()
-    diana = Path(os.environ.get("DIANA_WASM", RELEASE / "diana-envoy.wasm"))
+    diana = DIANA_WASM
     lines = [
         f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `python3 bench/instructions.py {n}` "
         f"({envoy.split('version: ')[-1]}; `{diana.name}` {diana.stat().st_size:,} bytes; "
@@ -159,19 +175,20 @@ def render(vs: dict, results: dict[str, dict], n: int) -> str:
     ]
     empty = results["empty"]["ir_per_request"]
     base = results.get("nofilter", {}).get("ir_per_request")
-    for key, (label, _, bar) in vs.items():
+    for key, v in vs.items():
         ir = results[key]["ir_per_request"]
         over = f"{ir - base:+,.0f}" if base else "—"
         ratio = empty / ir
-        if bar is None:
-            verdict = "—"
-        elif bar == LOCAL_BAR:
-            verdict = f"≥ 1.0×: {'**met**' if ratio >= 1.0 else '**not met**'}"
+        if v.at_least is not None:
+            verdict = f"≥ {v.at_least}×: {'**met**' if ratio >= v.at_least else '**not met**'}"
+        elif v.cost_at_most is not None:
+            met = ir <= v.cost_at_most * empty
+            verdict = f"cost ≤ {v.cost_at_most}×: {'**met**' if met else '**not met**'} ({ir / empty:.3f}×)"
         else:
-            verdict = f"cost ≤ {bar}×: {'**met**' if ir <= bar * empty else '**not met**'} ({ir / empty:.3f}×)"
+            verdict = "—"
         calls = results[key]["callouts_per_request"]
-        calls_text = "—" if calls is None or not key.startswith("global") else f"{calls:.4f}"
-        lines.append(f"| {label} | {ir:,.0f} | {over} | {ratio:.3f} | {verdict} | {calls_text} |")
+        calls_text = f"{calls:.4f}" if v.calls_out and calls is not None else "—"
+        lines.append(f"| {v.label} | {ir:,.0f} | {over} | {ratio:.3f} | {verdict} | {calls_text} |")
     return "\n".join(lines)
 
 
@@ -188,13 +205,13 @@ def main() -> int:
     results: dict[str, dict] = {}
     try:
         quota = None
-        if any(k.startswith("global") for k in vs):
+        if any(v.calls_out for v in vs.values()):
             _redis, redis_port = start_redis(procs, "ir-redis", cpus=None)
             _quota, quota = start_quota(procs, QUOTA, redis_port, "ir-quota", cpus=None)
-        for key, (label, filters, _) in vs.items():
+        for key, v in vs.items():
             t0 = time.monotonic()
-            results[key] = measure(procs, key, filters, n, quota if key.startswith("global") else None)
-            say(f"instructions: {label}: {results[key]['ir_per_request']:,.0f} per request "
+            results[key] = measure(procs, key, v.filters, n, quota if v.calls_out else None)
+            say(f"instructions: {v.label}: {results[key]['ir_per_request']:,.0f} per request "
                 f"({time.monotonic() - t0:.0f} s)")
     finally:
         procs.stop_all()
