@@ -342,16 +342,19 @@ impl Engine {
             stage,
         } = *pending.0;
         match stage {
-            Stage::Parked { charges, .. } => match now {
-                Some(now) => self.decide_globally(host, charges, held, progress, now, metrics),
-                None => {
-                    metrics.event(Event::ClockError);
-                    Decision::Allow {
-                        headers: Vec::new(),
-                        after: None,
+            Stage::Parked { charges, rider } => {
+                self.global.replanning(rider);
+                match now {
+                    Some(now) => self.decide_globally(host, charges, held, progress, now, metrics),
+                    None => {
+                        metrics.event(Event::ClockError);
+                        Decision::Allow {
+                            headers: Vec::new(),
+                            after: None,
+                        }
                     }
                 }
-            },
+            }
             stage @ Stage::Asked(_) => {
                 let pending = Pending::new(held, progress, stage);
                 self.complete(host, pending, Reply::NoAnswer, now, metrics)

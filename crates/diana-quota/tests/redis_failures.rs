@@ -9,6 +9,7 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use axum::Router;
 use common::*;
+use diana_core::global::wire::{AcquireResponse, RuleRequest, RuleResult};
 use diana_quota::store::{cluster_slot, RedisOptions, RedisStore, RedisTarget};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -22,16 +23,23 @@ async fn healthz(router: &Router) -> (StatusCode, String) {
 
 /// Polls until a request is answered 200 (counters may have been lost with the restart).
 async fn until_recovered(router: &Router, key: &str, within: Duration) -> Duration {
+    let probe = rule(key, "TB", 1000, "hour", 1000, 10, 1);
+    until_answered(router, probe, within).await.0
+}
+
+/// Sends `request` until it is answered 200 (503 meanwhile): how long that took, and the
+/// answer.
+async fn until_answered(
+    router: &Router,
+    request: RuleRequest,
+    within: Duration,
+) -> (Duration, RuleResult) {
     let started = Instant::now();
     loop {
-        let (status, body) = post_rules(
-            router,
-            "/v1/acquire",
-            vec![rule(key, "TB", 1000, "hour", 1000, 10, 1)],
-        )
-        .await;
+        let (status, body) = post_rules(router, "/v1/acquire", vec![request.clone()]).await;
         if status == StatusCode::OK {
-            return started.elapsed();
+            let mut answer: AcquireResponse = serde_json::from_str(&body).unwrap();
+            return (started.elapsed(), answer.results.remove(0));
         }
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
         assert!(
@@ -140,52 +148,71 @@ impl Drop for Resume<'_> {
     }
 }
 
-/// A TCP proxy to a Redis server whose open connections can be made to go silent for
-/// good — no byte forwarded either way, never closed — while new connections work: a
-/// half-open connection (a peer gone without FIN or RST, a NAT that lost the flow).
-/// Threads of the test process; a frozen connection's threads hold it until the end.
-struct SilencingProxy {
+/// A TCP proxy to a Redis server, with two faults on the connections open at the time:
+/// they go silent for good — no byte forwarded either way, never closed — (a half-open
+/// connection: a peer gone without FIN or RST, a NAT that lost the flow), or they lose
+/// the next answer and are closed (the command ran; its client never hears). New
+/// connections work. Threads of the test process; a frozen connection's threads hold it
+/// until the end.
+struct FaultyProxy {
     port: u16,
-    /// Connections with an id below this are frozen.
-    frozen_below: Arc<AtomicU64>,
-    next_id: Arc<AtomicU64>,
+    faults: Arc<Faults>,
 }
 
-impl SilencingProxy {
-    fn start(target: u16) -> SilencingProxy {
+#[derive(Default)]
+struct Faults {
+    /// Connections with an id below this are frozen.
+    frozen_below: AtomicU64,
+    /// Connections with an id below this lose their next answer and are closed.
+    cut_below: AtomicU64,
+    next_id: AtomicU64,
+}
+
+impl FaultyProxy {
+    fn start(target: u16) -> FaultyProxy {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
-        let frozen_below = Arc::new(AtomicU64::new(0));
-        let next_id = Arc::new(AtomicU64::new(0));
-        let (frozen, ids) = (frozen_below.clone(), next_id.clone());
+        let faults = Arc::new(Faults::default());
+        let shared = faults.clone();
         std::thread::spawn(move || {
             for client in listener.incoming() {
                 let Ok(client) = client else { return };
                 let Ok(upstream) = std::net::TcpStream::connect(("127.0.0.1", target)) else {
                     continue;
                 };
-                let id = ids.fetch_add(1, Ordering::SeqCst);
-                for (from, to) in [
-                    (client.try_clone().unwrap(), upstream.try_clone().unwrap()),
-                    (upstream, client),
+                let id = shared.next_id.fetch_add(1, Ordering::SeqCst);
+                for (from, to, answers) in [
+                    (
+                        client.try_clone().unwrap(),
+                        upstream.try_clone().unwrap(),
+                        false,
+                    ),
+                    (upstream, client, true),
                 ] {
-                    let frozen = frozen.clone();
-                    std::thread::spawn(move || pump(from, to, id, &frozen));
+                    let faults = shared.clone();
+                    std::thread::spawn(move || pump(from, to, id, answers, &faults));
                 }
             }
         });
-        SilencingProxy {
-            port,
-            frozen_below,
-            next_id,
-        }
+        FaultyProxy { port, faults }
     }
 
     /// Every connection open now goes silent for good.
     fn silence_open_connections(&self) -> u64 {
-        let open = self.next_id.load(Ordering::SeqCst);
-        self.frozen_below.store(open, Ordering::SeqCst);
+        let open = self.faults.next_id.load(Ordering::SeqCst);
+        self.faults.frozen_below.store(open, Ordering::SeqCst);
         open
+    }
+
+    /// Every connection open now loses the next answer it carries, and is closed.
+    fn cut_open_connections_at_their_next_answer(&self) -> u64 {
+        let open = self.faults.next_id.load(Ordering::SeqCst);
+        self.faults.cut_below.store(open, Ordering::SeqCst);
+        open
+    }
+
+    fn connections(&self) -> u64 {
+        self.faults.next_id.load(Ordering::SeqCst)
     }
 
     fn url(&self) -> String {
@@ -193,7 +220,14 @@ impl SilencingProxy {
     }
 }
 
-fn pump(mut from: std::net::TcpStream, mut to: std::net::TcpStream, id: u64, frozen: &AtomicU64) {
+/// Copies `from` to `to` for connection `id`; `answers`: this is the direction from Redis.
+fn pump(
+    mut from: std::net::TcpStream,
+    mut to: std::net::TcpStream,
+    id: u64,
+    answers: bool,
+    faults: &Faults,
+) {
     use std::io::{Read, Write};
     let mut buf = [0u8; 16 * 1024];
     loop {
@@ -204,8 +238,13 @@ fn pump(mut from: std::net::TcpStream, mut to: std::net::TcpStream, id: u64, fro
             }
             Ok(n) => n,
         };
-        while id < frozen.load(Ordering::SeqCst) {
+        while id < faults.frozen_below.load(Ordering::SeqCst) {
             std::thread::sleep(Duration::from_millis(50)); // silent, and holding both sockets
+        }
+        if answers && id < faults.cut_below.load(Ordering::SeqCst) {
+            let _ = from.shutdown(std::net::Shutdown::Both);
+            let _ = to.shutdown(std::net::Shutdown::Both);
+            return;
         }
         if to.write_all(&buf[..n]).is_err() {
             return;
@@ -219,7 +258,7 @@ fn pump(mut from: std::net::TcpStream, mut to: std::net::TcpStream, id: u64, fro
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_gone_silent_is_replaced() {
     let server = RedisServer::start();
-    let proxy = SilencingProxy::start(server.port);
+    let proxy = FaultyProxy::start(server.port);
     let options = RedisOptions {
         dead_after: Duration::from_millis(600),
         ..test_options()
@@ -243,11 +282,7 @@ async fn a_connection_gone_silent_is_replaced() {
     // Timeouts of 250 ms each until the connection has been silent 600 ms, then a new one.
     let took = until_recovered(&router, &key, Duration::from_secs(5)).await;
     assert!(took < Duration::from_secs(2), "recovered after {took:?}");
-    assert_eq!(
-        proxy.next_id.load(Ordering::SeqCst),
-        2,
-        "one new connection"
-    );
+    assert_eq!(proxy.connections(), 2, "one new connection");
     drop(server);
 }
 
@@ -458,4 +493,51 @@ fn cluster_slots_match_redis() {
     assert_eq!(cluster_slot("123456789"), 0x31C3); // the CRC-16/XMODEM check value
                                                    // Redis's hash tag ends at the first `}`: a key holding one is placed by its prefix.
     assert_eq!(cluster_slot("foo}bar"), cluster_slot("foo"));
+}
+
+/// A script whose answer is lost has run (its charge stands) and must not run again:
+/// Redis cannot tell a retry from a new request, so a second run charges twice. The
+/// cluster client may retry a command (one retry, for redirects); a connection that drops
+/// after the script ran must give 503 and one charge, and the next request a new
+/// connection. One node holding every slot, which announces the proxy's port, so that
+/// the client reaches it only through the proxy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_a_lost_answer_is_not_run_again() {
+    let node = RedisServer::start_on(free_port(true), true);
+    assert!(node
+        .cli(&["CLUSTER", "ADDSLOTSRANGE", "0", "16383"])
+        .contains("OK"));
+    let proxy = FaultyProxy::start(node.port);
+    let announced = proxy.port.to_string();
+    for (option, value) in [
+        ("cluster-announce-ip", "127.0.0.1"),
+        ("cluster-announce-port", announced.as_str()),
+    ] {
+        assert!(node.cli(&["CONFIG", "SET", option, value]).contains("OK"));
+    }
+    let started = Instant::now();
+    while !node.cli(&["CLUSTER", "INFO"]).contains("cluster_state:ok") {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "cluster not ok"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(node
+        .cli(&["CLUSTER", "SLOTS"])
+        .lines()
+        .any(|line| line.trim() == announced));
+    let url = format!("redis+cluster://127.0.0.1:{}", proxy.port);
+    let router = service(Arc::new(redis_store(&url)));
+    let key = unique_key("lost");
+    let ten = |want: u32| rule(&key, "TB", 10, "hour", 10, 10, want);
+    assert_eq!(acquire_one(&router, ten(1)).await.granted, 1);
+    let open = proxy.cut_open_connections_at_their_next_answer();
+    assert!(open >= 1);
+    let (status, body) = post_rules(&router, "/v1/acquire", vec![ten(1)]).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    // The lost run took its token; nothing else did: 10 − 1 − 1 are left.
+    let (_, left) = until_answered(&router, ten(10), Duration::from_secs(5)).await;
+    assert_eq!(left.granted, 8, "{left:?}");
+    assert!(proxy.connections() > open, "a new connection");
 }

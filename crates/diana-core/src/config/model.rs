@@ -204,6 +204,15 @@ impl RuleKeys {
     }
 }
 
+impl Rule {
+    /// A global rule asking the service for exactly each request's own tokens (`lease: 1`):
+    /// every admission is the service's, so the gateway keeps nothing that could make its
+    /// count differ from the service's.
+    pub fn exact_lease(&self) -> bool {
+        self.lease.get() == 1 && !self.lease_auto
+    }
+}
+
 impl fmt::Debug for Rule {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Rule")

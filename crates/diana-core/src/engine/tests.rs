@@ -610,43 +610,107 @@ fn global_leaky_bucket_rules_use_the_wait_endpoint_where_the_host_cannot_pause()
     assert_eq!(crate::global::wait_path("/quota/"), "/quota/wait");
 }
 
+/// Another worker of the gateway, sharing `host`, deciding a request for `/` at `now`.
+fn on_worker(
+    engine: &Engine,
+    host: &MemoryHost,
+    now: Nanos,
+    metrics: &mut CountingMetrics,
+) -> EngineDecision {
+    engine.evaluate(host, b"/", &Facts::default(), Some(now), metrics)
+}
+
+/// Another worker calls for a request to `/` and the service denies it for 30 s.
+fn denied_on_worker(engine: &Engine, host: &MemoryHost, now: Nanos, metrics: &mut CountingMetrics) {
+    let (_, pending) = call(on_worker(engine, host, now, metrics));
+    let answer = engine.complete(
+        host,
+        pending,
+        answered(vec![denied(30_000)]),
+        Some(now),
+        metrics,
+    );
+    assert!(matches!(answer, Decision::Reject(_)));
+}
+
+/// Worker B is denied by the service while worker A's flight, granted before the service
+/// ran out, is still on its way; A's spare token lands after B's denial. With `lease: 1`
+/// B never answers from a denial it remembers: it reads the shared record, finds the
+/// token, and the gateway admits exactly what the service granted.
+#[test]
+fn at_lease_1_a_remembered_denial_never_hides_a_token_another_worker_brings() {
+    let doc = "resources:\n  - Url: /\n    rules: [{rpu: 100, unit: minute, scope: global}]\n";
+    let mut h = Harness::new(doc);
+    let other = Engine::new(parse_policy(doc).unwrap());
+    let mut other_metrics = CountingMetrics::default();
+    let (_, leader) = call(h.evaluate("/", &Facts::default()));
+    let riders = park(&mut h, 2);
+    assert!(admits(&h.complete(leader, answered(vec![granted(1)]))));
+    assert_eq!(h.engine.woken(Some(h.now)).len(), 2);
+    let mut riders = riders.into_iter();
+    let (second_flight, first_rider) =
+        call(
+            h.engine
+                .resume(&h.host, riders.next().unwrap(), Some(h.now), &mut h.metrics),
+        );
+    assert_eq!(want(&second_flight), 2, "itself and the rider behind it");
+    let Decision::Wait(second_rider) =
+        h.engine
+            .resume(&h.host, riders.next().unwrap(), Some(h.now), &mut h.metrics)
+    else {
+        panic!("expected to wait behind the second flight");
+    };
+    // Worker B: its call is denied; its next request is rejected from the cached denial.
+    denied_on_worker(&other, &h.host, h.now, &mut other_metrics);
+    assert!(matches!(
+        on_worker(&other, &h.host, h.now, &mut other_metrics),
+        Decision::Reject(_)
+    ));
+    // A's second flight lands: 2 granted, one spare in the shared stash.
+    assert!(admits(&h.complete(first_rider, answered(vec![granted(2)]))));
+    // B sees the token at once (not after its memory of the denial lapses).
+    assert!(admits(&on_worker(
+        &other,
+        &h.host,
+        h.now,
+        &mut other_metrics
+    )));
+    // The rider it was asked for finds the stash empty and the denial: 3 granted, 3
+    // admitted.
+    assert_eq!(h.engine.woken(Some(h.now)).len(), 1);
+    assert!(matches!(
+        h.engine
+            .resume(&h.host, second_rider, Some(h.now), &mut h.metrics),
+        Decision::Reject(_)
+    ));
+}
+
+/// Two workers call at once and the second is denied: the first worker's leased tokens
+/// are still spent. It remembers the denial for a moment when it reads it, but forgets it
+/// when its own flight brings tokens.
 #[test]
 fn leased_tokens_are_spent_even_after_a_concurrent_denial_was_cached() {
     let doc =
         "resources:\n  - Url: /\n    rules: [{rpu: 100, unit: minute, scope: global, lease: 10}]\n";
     let mut h = Harness::new(doc);
-    // Two workers call at once; the second is denied.
     let other = Engine::new(parse_policy(doc).unwrap());
     let mut other_metrics = CountingMetrics::default();
     let (_, first) = call(h.evaluate("/", &Facts::default()));
-    let (_, second) = call(other.evaluate(
-        &h.host,
-        b"/",
-        &Facts::default(),
-        Some(h.now),
-        &mut other_metrics,
-    ));
-    assert!(admits(&h.complete(first, answered(vec![granted(10)]))));
-    assert!(matches!(
-        other.complete(
-            &h.host,
-            second,
-            answered(vec![denied(30_000)]),
-            Some(h.now),
-            &mut other_metrics
-        ),
-        Decision::Reject(_)
-    ));
-    for _ in 0..9 {
-        assert!(matches!(
-            h.evaluate("/", &Facts::default()),
-            Decision::Allow { .. }
-        ));
-    }
+    denied_on_worker(&other, &h.host, h.now, &mut other_metrics);
+    // A reads the denial and remembers it (no shared read for the next one).
     assert!(matches!(
         h.evaluate("/", &Facts::default()),
         Decision::Reject(_)
     ));
+    let before = h.host.calls();
+    assert!(matches!(
+        h.evaluate("/", &Facts::default()),
+        Decision::Reject(_)
+    ));
+    assert_eq!(h.host.calls(), before, "remembered");
+    // A's flight lands with 10: its nine spare tokens are spent at once.
+    assert!(admits(&h.complete(first, answered(vec![granted(10)]))));
+    assert_eq!(h.admitted("/", &Facts::default(), 12), 9);
     assert_eq!(h.metrics.event_count(Event::GlobalCallout), 1);
 }
 
@@ -1006,8 +1070,7 @@ fn global_response_costs_are_paid_from_the_tick_or_charged_locally() {
     assert!(callout
         .headers
         .contains(&(":path", "/v1/charge".to_string())));
-    let request: AcquireRequest = serde_json::from_slice(&callout.body).unwrap();
-    assert_eq!(request.rules[0].want, 60);
+    assert_eq!(want(&callout), 60);
     // The service is down: the 60 tokens are charged locally instead, and the breaker opens.
     h.engine
         .debts_paid(&h.host, debts, Reply::NoAnswer, Some(h.now), &mut h.metrics);
@@ -1128,6 +1191,22 @@ fn lease_auto_grows_with_the_spending_rate_up_to_its_cap() {
     );
 }
 
+/// `n` requests that find a flight in the air and park behind it.
+fn park(h: &mut Harness, n: usize) -> Vec<Pending> {
+    (0..n)
+        .map(|_| match h.evaluate("/", &Facts::default()) {
+            Decision::Wait(pending) => pending,
+            other => panic!("expected to wait for the flight, got {other:?}"),
+        })
+        .collect()
+}
+
+/// The tokens a callout asks for its first rule.
+fn want(callout: &Callout) -> u32 {
+    let request: AcquireRequest = serde_json::from_slice(&callout.body).unwrap();
+    request.rules[0].want
+}
+
 /// Drives one worker's parked requests the way the host's tick does: resumes every woken
 /// request, answers the calls they make at once, and repeats until nobody is parked.
 /// Returns the decisions, in order, and the `want` of each call they made.
@@ -1165,12 +1244,7 @@ fn concurrent_requests_of_one_worker_make_one_callout_per_rule_and_identity() {
     let doc = "resources:\n  - Url: /\n    rules: [{rpu: 1000, unit: minute, scope: global}]\n";
     let mut h = Harness::new(doc);
     let (callout, leader) = call(h.evaluate("/", &Facts::default()));
-    let parked: Vec<Pending> = (0..9)
-        .map(|_| match h.evaluate("/", &Facts::default()) {
-            Decision::Wait(pending) => pending,
-            other => panic!("expected to wait for the flight, got {other:?}"),
-        })
-        .collect();
+    let parked = park(&mut h, 9);
     assert_eq!(h.metrics.event_count(Event::GlobalCoalesced), 9);
     let reply = h.service.answer(&callout, h.now);
     assert!(admits(&h.complete(leader, reply)));
@@ -1182,11 +1256,45 @@ fn concurrent_requests_of_one_worker_make_one_callout_per_rule_and_identity() {
     assert!(decided.iter().all(admits), "{decided:?}");
     assert_eq!(h.metrics.event_count(Event::GlobalCallout), 2);
     assert!(!h.engine.has_riders());
-    // Nothing was over-leased: the next request calls again.
-    assert!(matches!(
-        h.evaluate("/", &Facts::default()),
-        Decision::Call(..)
-    ));
+    // Nothing was over-leased: the next request calls again, for itself alone (the eight
+    // served from the stash are not expected any more: asking for them would leave eight
+    // tokens in this gateway's stash that another gateway is refused).
+    let (next, _) = call(h.evaluate("/", &Facts::default()));
+    assert_eq!(want(&next), 1);
+}
+
+#[test]
+fn a_flight_asks_only_for_the_woken_requests_still_waiting() {
+    let doc = "resources:\n  - Url: /\n    rules: [{rpu: 1000, unit: minute, scope: global}]\n";
+    let mut h = Harness::new(doc);
+    let (callout, leader) = call(h.evaluate("/", &Facts::default()));
+    let parked = park(&mut h, 4);
+    let reply = h.service.answer(&callout, h.now);
+    assert!(admits(&h.complete(leader, reply)));
+    // Woken, not yet planned again: a new request leads and asks for the four as well.
+    let (fresh, fresh_pending) = call(h.evaluate("/", &Facts::default()));
+    assert_eq!(want(&fresh), 5);
+    let reply = h.service.answer(&fresh, h.now);
+    assert!(admits(&h.complete(fresh_pending, reply)));
+    // Two of them leave; the two others are served by the new request's grant, and the
+    // two tokens asked for the leavers are what is left in the stash.
+    let mut parked = parked;
+    for _ in 0..2 {
+        let gone = parked.pop().unwrap();
+        h.engine.abandon(&h.host, gone, Some(h.now));
+    }
+    let (decided, calls) = drive_riders(&mut h, parked);
+    assert!(calls.is_empty(), "{calls:?}");
+    assert_eq!(decided.iter().filter(|d| admits(d)).count(), 2);
+    for _ in 0..2 {
+        assert!(matches!(
+            h.evaluate("/", &Facts::default()),
+            Decision::Allow { .. }
+        ));
+    }
+    // Nobody is expected any more: the next flight is for one.
+    let (next, _) = call(h.evaluate("/", &Facts::default()));
+    assert_eq!(want(&next), 1);
 }
 
 #[test]
@@ -1211,10 +1319,10 @@ fn parked_requests_admit_exactly_the_global_limit() {
         assert_eq!(decided.len(), 11);
         // One flight at a time, each asking for everyone still waiting: the leader's
         // spare token serves the first woken request; the second leads, asks for its
-        // lease plus the ten behind it (2 + 10) and is granted the 3 left; of the nine
-        // that wait again two are served by that grant, the third asks for 2 + 8 and is
+        // lease plus the nine behind it (2 + 9) and is granted the 3 left; of the nine
+        // that wait again two are served by that grant, the third asks for 2 + 6 and is
         // denied, and the denial is cached for the other six.
-        assert_eq!(wants, vec![12, 10], "{algo}");
+        assert_eq!(wants, vec![11, 8], "{algo}");
     }
 }
 

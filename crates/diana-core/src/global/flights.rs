@@ -4,10 +4,13 @@
 //! from this worker, it does not call too: it is *parked* behind that flight. When the
 //! flight lands its spare tokens are in the lease stash, and the parked requests are
 //! *woken* to plan again: most are served from the stash; the first one that still needs
-//! tokens leads the next flight and asks for the woken requests' demand as well
-//! ([`Flights::expected`]), so the requests behind it are served by its answer. Without
-//! this, a burst of N concurrent requests finding the stash empty makes N callouts, each
-//! asking for a lease, and N leases are taken for a burst that needed one.
+//! tokens leads the next flight and asks for the demand of the woken requests that have
+//! not planned again yet ([`Flights::expected`]), so the requests behind it are served by
+//! its answer. Without this, a burst of N concurrent requests finding the stash empty
+//! makes N callouts, each asking for a lease, and N leases are taken for a burst that
+//! needed one. Only those still waiting count: a woken request served from the stash, or
+//! gone, needs nothing more, and a token asked for nobody stays in this gateway's stash
+//! while another gateway is refused it (with `lease: 1` the count would not be exact).
 //!
 //! Parking needs a host that can resume a request from elsewhere (Envoy, from the root
 //! context's tick); on nginx nothing is parked. Leaky-bucket rules never park: their turns
@@ -15,8 +18,8 @@
 //! slow them down.
 //!
 //! Everything here is per worker and bounded: at most [`MAX_RIDERS`] parked requests (more
-//! call out on their own), one flight per key of a request in flight, one expected demand
-//! per key that had riders.
+//! call out on their own), one flight per key of a request in flight, one entry per woken
+//! request that has not planned again.
 
 use crate::time::{Nanos, NANOS_PER_SECOND};
 use hashbrown::HashMap;
@@ -37,7 +40,8 @@ pub const MAX_RIDERS: usize = 4096;
 /// without being abandoned) is treated as landed.
 const LOST_FLIGHT_GRACE: Nanos = NANOS_PER_SECOND;
 
-/// An expected demand not asked for within this long is forgotten.
+/// A woken request that has not planned again within this long (its host lost it) no
+/// longer counts in the demand of its key.
 const EXPECTED_TTL: Nanos = NANOS_PER_SECOND;
 
 #[derive(Debug)]
@@ -48,15 +52,26 @@ struct Flight {
     riders: SmallVec<[(RiderId, u32); 4]>,
 }
 
+/// A parked request whose flight has landed and which has not planned again.
+#[derive(Debug, Clone, Copy)]
+struct Waking {
+    key: FlightKey,
+    cost: u32,
+    woken_at: Nanos,
+}
+
 #[derive(Debug, Default)]
 struct Inner {
     next_rider: RiderId,
     flying: HashMap<FlightKey, Flight>,
-    /// Parked requests whose flight has landed, in arrival order.
+    /// Parked requests whose flight has landed, in arrival order, not yet handed to the
+    /// host.
     woken: Vec<RiderId>,
-    /// Tokens the requests woken from a landed flight need, for the next flight of the
-    /// key, and when they were woken.
-    expected: HashMap<FlightKey, (u64, Nanos)>,
+    /// Woken requests that have not planned again (handed to the host or not).
+    waking: HashMap<RiderId, Waking>,
+    /// The sum of the costs in `waking`, per key: what the next flight of the key asks for
+    /// on their behalf.
+    demand: HashMap<FlightKey, u64>,
 }
 
 /// This worker's flights and the requests parked behind them.
@@ -77,7 +92,7 @@ impl Flights {
     /// has landed meanwhile or [`MAX_RIDERS`] are parked already.
     pub fn park(&self, key: FlightKey, cost: u32) -> Option<RiderId> {
         let mut inner = self.inner.try_borrow_mut().ok()?;
-        let parked: usize = inner.woken.len()
+        let parked: usize = inner.waking.len()
             + inner
                 .flying
                 .values()
@@ -106,14 +121,22 @@ impl Flights {
         }
     }
 
-    /// The tokens the requests woken from the last flight of `key` need (0 if none): the
-    /// next flight asks for them too. Taken once.
+    /// The tokens the requests woken from flights of `key` still need: those that have
+    /// not planned again (0 if none). The next flight asks for them too.
     pub fn expected(&self, key: FlightKey) -> u64 {
         self.inner
-            .try_borrow_mut()
+            .try_borrow()
             .ok()
-            .and_then(|mut inner| inner.expected.remove(&key))
-            .map_or(0, |(tokens, _)| tokens)
+            .and_then(|inner| inner.demand.get(&key).copied())
+            .unwrap_or(0)
+    }
+
+    /// A woken request plans again: from now on it asks for itself, it is no longer
+    /// expected behind someone else's flight.
+    pub fn replanning(&self, rider: RiderId) {
+        if let Ok(mut inner) = self.inner.try_borrow_mut() {
+            inner.forget(rider);
+        }
     }
 
     /// The flights of `keys` have landed (answered, failed or abandoned): their riders are
@@ -146,9 +169,15 @@ impl Flights {
                 inner.wake(key, flight, now);
             }
         }
-        inner
-            .expected
-            .retain(|_, (_, woken_at)| now.saturating_sub(*woken_at) < EXPECTED_TTL);
+        let stale: SmallVec<[RiderId; 4]> = inner
+            .waking
+            .iter()
+            .filter(|(_, waking)| now.saturating_sub(waking.woken_at) >= EXPECTED_TTL)
+            .map(|(rider, _)| *rider)
+            .collect();
+        for rider in stale {
+            inner.forget(rider);
+        }
     }
 
     /// The parked requests whose flight has landed, in the order they parked: each is to
@@ -172,26 +201,48 @@ impl Flights {
             }
         }
         inner.woken.retain(|id| *id != rider);
+        inner.forget(rider);
     }
 
     /// True when requests are parked behind a flight or woken and not yet planned again:
-    /// the host's tick must run to wake them.
+    /// the host's tick must run to wake them (and to forget those it lost).
     pub fn busy(&self) -> bool {
         self.inner.try_borrow().map_or(true, |inner| {
-            !inner.woken.is_empty() || inner.flying.values().any(|f| !f.riders.is_empty())
+            !inner.woken.is_empty()
+                || !inner.waking.is_empty()
+                || inner.flying.values().any(|f| !f.riders.is_empty())
         })
     }
 }
 
 impl Inner {
     fn wake(&mut self, key: FlightKey, flight: Flight, now: Nanos) {
-        if flight.riders.is_empty() {
-            return;
+        for (rider, cost) in flight.riders {
+            self.woken.push(rider);
+            self.waking.insert(
+                rider,
+                Waking {
+                    key,
+                    cost,
+                    woken_at: now,
+                },
+            );
+            let demand = self.demand.entry(key).or_insert(0);
+            *demand = demand.saturating_add(u64::from(cost));
         }
-        let demand: u64 = flight.riders.iter().map(|(_, cost)| u64::from(*cost)).sum();
-        self.expected.insert(key, (demand, now));
-        self.woken
-            .extend(flight.riders.iter().map(|(rider, _)| *rider));
+    }
+
+    /// `rider` no longer waits to plan again: its cost leaves its key's demand.
+    fn forget(&mut self, rider: RiderId) {
+        let Some(waking) = self.waking.remove(&rider) else {
+            return;
+        };
+        if let Some(demand) = self.demand.get_mut(&waking.key) {
+            *demand = demand.saturating_sub(u64::from(waking.cost));
+            if *demand == 0 {
+                self.demand.remove(&waking.key);
+            }
+        }
     }
 }
 
@@ -215,8 +266,13 @@ mod tests {
         assert!(flights.busy(), "woken, not yet planned again");
         assert!(!flights.in_flight(KEY));
         assert_eq!(flights.woken(), vec![first, second]);
-        assert_eq!(flights.expected(KEY), 5);
-        assert_eq!(flights.expected(KEY), 0, "taken once");
+        assert_eq!(flights.expected(KEY), 5, "both still to plan again");
+        assert_eq!(flights.expected((1, 7)), 0);
+        flights.replanning(first);
+        assert_eq!(flights.expected(KEY), 3, "the first asks for itself now");
+        assert!(flights.busy());
+        flights.replanning(second);
+        assert_eq!(flights.expected(KEY), 0);
         assert!(!flights.busy());
     }
 

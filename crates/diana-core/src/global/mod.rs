@@ -474,14 +474,13 @@ impl Global {
         } else {
             stash::next_lease(rule, spend_rate).max(charge.cost)
         };
-        // The requests parked behind the last flight of this key are served by this one.
+        // The woken requests still waiting to plan again are served by this flight.
         let want = if rule.algo.waits() {
             want
         } else {
             let behind = self
                 .flights
-                .expected((charge.index, charge.address.fingerprint))
-                .saturating_sub(u64::from(charge.cost));
+                .expected((charge.index, charge.address.fingerprint));
             let want = u64::from(want).saturating_add(behind);
             u32::try_from(want.min(u64::from(wire::MAX_WANT))).unwrap_or(wire::MAX_WANT)
         };
@@ -662,6 +661,11 @@ impl Global {
     /// A parked request is gone.
     pub fn leave(&self, rider: RiderId) {
         self.flights.leave(rider);
+    }
+
+    /// A woken request plans again: it asks for itself from now on.
+    pub fn replanning(&self, rider: RiderId) {
+        self.flights.replanning(rider);
     }
 
     /// The parked requests to plan again (their flight landed), in the order they parked;

@@ -13,7 +13,11 @@
 //! [`crate::local`] does for local counters: at most 1/[`STASH_SHARE`] of them, [`MAX_BATCH`]
 //! at most, none near the end) and spends it without touching shared data; its tick
 //! gives an idle batch back ([`Stash::return_unspent`]). It remembers a denial for
-//! [`DENIAL_CACHE`] at most.
+//! [`DENIAL_CACHE`] at most, and forgets it when its own flight brings tokens; another
+//! worker's tokens (a flight that was granted them before the service ran out, landing
+//! after the denial) may go unseen by it that long. Not for `lease: 1`
+//! ([`Rule::exact_lease`]): there every request reads the shared record, so a token asked
+//! for a parked request is never shadowed by a denial and the count stays exact.
 //!
 //! Stored instants are checked against the clock: an expiry or a denial further ahead
 //! than the rule can explain comes from a clock that stepped back, and is ignored.
@@ -268,7 +272,7 @@ impl Stash {
                 held.valid_until = until.min(now.saturating_add(LEASE_SPAN));
                 held.denied_until = 0;
             }),
-            Take::Denied(until) => {
+            Take::Denied(until) if !rule.exact_lease() => {
                 let until = (*until).min(now.saturating_add(DENIAL_CACHE));
                 self.remember(id, now, |held| held.denied_until = until);
             }
@@ -351,6 +355,14 @@ impl Stash {
             lease.tokens = lease.tokens.saturating_add(grant.spare);
             lease.valid_until = lease.valid_until.max(grant.valid_until);
         });
+        if grant.spare > 0 {
+            // This worker's own tokens are not to be hidden by the denial it remembers.
+            if let Ok(mut batches) = self.batches.try_borrow_mut() {
+                if let Some(held) = batches.get_mut(&(rule.index, address.fingerprint)) {
+                    held.denied_until = 0;
+                }
+            }
+        }
     }
 
     /// Remembers that the service denied `address` until `until`.
