@@ -8,10 +8,10 @@
 //! global rules, all in one callout — so a request rejected locally never costs a callout.
 //!
 //! **A rejected request consumes nothing.** Every charge a rule makes is kept as a receipt;
-//! when a later rule denies, each is given back ([`Store::release`] for local counters,
-//! the lease stash for leased global tokens), and the quota service decides the global
-//! rules of one request all or nothing. Metrics follow the same rule: `allowed` counts the
-//! rules of admitted requests only, `limited` the rule that rejected.
+//! when a later rule denies, each is given back ([`crate::store::Store::release`] for
+//! local counters, the lease stash for leased global tokens), and the quota service
+//! decides the global rules of one request all or nothing. Metrics follow the same rule:
+//! `allowed` counts the rules of admitted requests only, `limited` the rule that rejected.
 
 use crate::actor::{Identity, RequestFacts};
 use crate::config::{Policy, Rule, Scope};

@@ -10,7 +10,7 @@
 //!
 //! So the filter's logger adds `diana: ` to a message unless the host's prefix already
 //! ends in `diana:`. Messages are written with a leading `diana: ` (so that they read well
-//! wherever they surface); [`line`] removes it or keeps it, never doubles it.
+//! wherever they surface); [`line()`] removes it or keeps it, never doubles it.
 
 use std::borrow::Cow;
 

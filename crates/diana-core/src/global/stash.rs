@@ -10,7 +10,7 @@
 //! ([`Stash::give_back`]).
 //!
 //! A worker takes a small batch from the shared record when it holds many tokens (as
-//! [`crate::local`] does for local counters: at most 1/[`STASH_SHARE`] of them, [`MAX_BATCH`]
+//! [`crate::local`] does for local counters: at most a quarter of them, [`MAX_BATCH`]
 //! at most, none near the end) and spends it without touching shared data; its tick
 //! gives an idle batch back ([`Stash::return_unspent`]). It remembers a denial for
 //! [`DENIAL_CACHE`] at most, and forgets it when its own flight brings tokens; another
