@@ -35,64 +35,14 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from common import ROOT, Envoy, Procs, envoy_bin, say, start_quota, start_redis, wait_http, wasm_filter
-from overhead import diana_doc, global_doc, local_rule
+from common import ROOT, Envoy, Procs, envoy_bin, say, start_quota, start_redis, wait_http
+from variants import QUOTA, RELEASE, Variant, chosen, variants
 
-RELEASE = ROOT / "target/wasm32-wasip1/release"
-EMPTY = ROOT / "bench/empty-filter/target/wasm32-wasip1/release"
-QUOTA = ROOT / "target/release/diana-quota"
 WARM_UP = 300
-# DESIGN §6: local rules at least as cheap as the empty filter; a global rule with a lease
-# at most 5 % dearer.
-LOCAL_BAR = 1.0
-GLOBAL_BAR = 1.05
 DIANA_WASM = Path(os.environ.get("DIANA_WASM", RELEASE / "diana-envoy.wasm"))
-
-
-@dataclass(frozen=True)
-class Variant:
-    label: str
-    filters: list[dict]
-    # The bar this variant is judged by: its throughput at least `at_least` times the empty
-    # filter's (local rules), or its cost at most `cost_at_most` times (global rules).
-    at_least: Optional[float] = None
-    cost_at_most: Optional[float] = None
-    # It calls diana-quota (started once, with Redis, for every such variant).
-    calls_out: bool = False
-
-
-def variants() -> dict[str, Variant]:
-    diana = str(DIANA_WASM)
-    out = {
-        "nofilter": Variant("no filter", []),
-        "empty": Variant("empty wasm filter (stock SDK)", [wasm_filter("empty", str(EMPTY / "empty_filter.wasm"))]),
-        "empty_trim": Variant("empty wasm filter, trimmed like Diana",
-                              [wasm_filter("empty", str(EMPTY / "empty_filter_trimmed.wasm"))]),
-        "nomatch": Variant("Diana, no rule matches (reads :path)",
-                           [wasm_filter("diana", diana, diana_doc([local_rule("TB")], url="/nomatch"))]),
-    }
-    for algo in ("W", "SW", "TB", "LB"):
-        out[f"local_{algo}"] = Variant(f"Diana local {algo}",
-                                       [wasm_filter("diana", diana, diana_doc([local_rule(algo)]))],
-                                       at_least=LOCAL_BAR)
-    for lease in (1, 100, "auto"):
-        out[f"global_{lease}"] = Variant(f"Diana global W, lease {lease}",
-                                         [wasm_filter("diana", diana, global_doc("W", lease))],
-                                         cost_at_most=GLOBAL_BAR, calls_out=True)
-    # Per minute: under valgrind Envoy serves ~300 requests a second, so a per-second
-    # window's fixed costs (a fresh lease each second, the refill ahead's 1 ms ticks) fall
-    # on ~40× fewer requests than at production rates; a minute's window spreads them as
-    # production traffic would, leaving the per-request path and one callout per lease.
-    for lease in (100, "auto"):
-        doc = global_doc("W", lease).replace("rpu: 1000000, unit: second", "rpu: 100000000, unit: minute")
-        out[f"global_{lease}_minute"] = Variant(f"Diana global W per minute, lease {lease}",
-                                                [wasm_filter("diana", diana, doc)],
-                                                cost_at_most=GLOBAL_BAR, calls_out=True)
-    return out
 
 
 def send(port: int, n: int) -> dict[int, int]:
@@ -198,9 +148,7 @@ def main() -> int:
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         say("instructions: valgrind is not installed (apt-get install valgrind)")
         return 1
-    vs = variants()
-    if args:
-        vs = {k: v for k, v in vs.items() if k in args or k == "empty"}
+    vs = chosen(variants(DIANA_WASM), args)
     procs = Procs(ROOT / ".tmp/bench/instructions")
     results: dict[str, dict] = {}
     try:

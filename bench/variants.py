@@ -1,0 +1,83 @@
+"""The variants that decide DESIGN §6's bars, one list for every focused measurement.
+
+`bench/paired.py` (Envoy CPU time under wrk, interleaved rounds) and
+`bench/instructions.py` (instructions per request under valgrind) measure the same
+variants, judged by the same bars. (`bench/overhead.py`, the full section of
+`scripts/bench`, keeps its own, larger list: its keys are those of the recorded results.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from common import ROOT, wasm_filter
+from overhead import diana_doc, global_doc, local_rule
+
+RELEASE = ROOT / "target/wasm32-wasip1/release"
+EMPTY = ROOT / "bench/empty-filter/target/wasm32-wasip1/release"
+QUOTA = ROOT / "target/release/diana-quota"
+# DESIGN §6: local rules at least as cheap as the empty filter; a global rule with a lease
+# at most 5 % dearer.
+LOCAL_BAR = 1.0
+GLOBAL_BAR = 1.05
+
+
+@dataclass(frozen=True)
+class Variant:
+    label: str
+    filters: list[dict]
+    # The bar this variant is judged by: its throughput at least `at_least` times the empty
+    # filter's (local rules), or its cost at most `cost_at_most` times (global rules).
+    at_least: Optional[float] = None
+    cost_at_most: Optional[float] = None
+    # It calls diana-quota (started once, with Redis, for every such variant).
+    calls_out: bool = False
+
+
+def variants(diana_wasm: Path, untrimmed_wasm: Optional[Path] = None) -> dict[str, Variant]:
+    """Every variant, by key. `diana_wasm` is the module deployed on Envoy; with
+    `untrimmed_wasm` (cargo's output with every SDK callback), local TB on it too."""
+    diana = str(diana_wasm)
+    out = {
+        "nofilter": Variant("no filter", []),
+        "empty": Variant("empty wasm filter (stock SDK)", [wasm_filter("empty", str(EMPTY / "empty_filter.wasm"))]),
+        "empty_trim": Variant("empty wasm filter, trimmed like Diana",
+                              [wasm_filter("empty", str(EMPTY / "empty_filter_trimmed.wasm"))]),
+        "nomatch": Variant("Diana, no rule matches (reads :path)",
+                           [wasm_filter("diana", diana, diana_doc([local_rule("TB")], url="/nomatch"))]),
+    }
+    for algo in ("W", "SW", "TB", "LB"):
+        out[f"local_{algo}"] = Variant(f"Diana local {algo}",
+                                       [wasm_filter("diana", diana, diana_doc([local_rule(algo)]))],
+                                       at_least=LOCAL_BAR)
+    if untrimmed_wasm is not None:
+        out["untrimmed_TB"] = Variant("Diana local TB, untrimmed diana.wasm",
+                                      [wasm_filter("diana", str(untrimmed_wasm), diana_doc([local_rule("TB")]))],
+                                      at_least=LOCAL_BAR)
+    for lease in (1, 100, "auto"):
+        out[f"global_{lease}"] = Variant(f"Diana global W, lease {lease}",
+                                         [wasm_filter("diana", diana, global_doc("W", lease))],
+                                         cost_at_most=GLOBAL_BAR, calls_out=True)
+    # Per minute: under valgrind Envoy serves ~300 requests a second, so a per-second
+    # window's fixed costs (a fresh lease each second, the refill ahead's 1 ms ticks) fall
+    # on ~40× fewer requests than at production rates; a minute's window spreads them as
+    # production traffic would, leaving the per-request path and one callout per lease.
+    for lease in (100, "auto"):
+        doc = global_doc("W", lease).replace("rpu: 1000000, unit: second", "rpu: 100000000, unit: minute")
+        out[f"global_{lease}_minute"] = Variant(f"Diana global W per minute, lease {lease}",
+                                                [wasm_filter("diana", diana, doc)],
+                                                cost_at_most=GLOBAL_BAR, calls_out=True)
+    return out
+
+
+def chosen(vs: dict[str, Variant], keys: list[str]) -> dict[str, Variant]:
+    """The variants named in `keys` (all when empty), the empty filter always among them:
+    every ratio is to it."""
+    if not keys:
+        return vs
+    unknown = [k for k in keys if k not in vs]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; known: {', '.join(vs)}")
+    return {k: v for k, v in vs.items() if k == "empty" or k in keys}
