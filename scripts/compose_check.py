@@ -151,16 +151,24 @@ def phase_demo(args: argparse.Namespace, check: Check) -> None:
             headers.get("retry-after"), headers.get("x-ratelimit-limit"), body
         ),
     )
+    def counted(metrics: Dict[str, int]) -> bool:
+        return (
+            metrics.get("wasmcustom.diana_rule_allowed.sample_global", 0) >= 5
+            and metrics.get("wasmcustom.diana_rule_limited.sample_global", 0) >= 2
+            and metrics.get("wasmcustom.diana_global_callouts", 0) > 0
+            and metrics.get(DEGRADED) == 0
+        )
+
     # Diana's workers hand their counts to Envoy from their ticks (a second at most).
-    time.sleep(1.5)
+    deadline = time.monotonic() + 5
     metrics = stats(args.admin_port, "^wasmcustom\\.")
+    while not counted(metrics) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        metrics = stats(args.admin_port, "^wasmcustom\\.")
     for name in sorted(metrics):
         print(f"    {name}: {metrics[name]}")
     check.expect(
-        metrics.get("wasmcustom.diana_rule_allowed.sample_global", 0) >= 5
-        and metrics.get("wasmcustom.diana_rule_limited.sample_global", 0) >= 2
-        and metrics.get("wasmcustom.diana_global_callouts", 0) > 0
-        and metrics.get(DEGRADED) == 0,
+        counted(metrics),
         "Diana's metrics are in Envoy's /stats (sample_global allowed >= 5, limited >= 2, "
         "callouts > 0, not degraded)",
     )

@@ -43,16 +43,13 @@ check passed.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Callable, Optional, Union
 
@@ -112,57 +109,20 @@ global: {{timeout_ms: 100, retry_seconds: 2}}{remote}
 """
 
 
-class ConfigCenter:
-    """Serves, per path, the current document with an ETag (304 on If-None-Match);
-    `advance()` switches every path to the next variant."""
+class Documents:
+    """What the config center serves: per path, a document rendered from the current
+    variant; `advance()` moves every path to the next variant."""
 
-    def __init__(self, paths: dict[str, Callable[[dict], str]]) -> None:
-        self.render = paths  # path -> function(variant) -> document text
+    def __init__(self, renders: dict[str, Callable[[dict], str]]) -> None:
+        self.renders = renders  # path -> function(variant) -> document text
         self.variant = 0
-        self.fetches = 0
-        self.errors: list[str] = []
-        center = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802
-                center.fetches += 1
-                make = center.render.get(self.path)
-                if make is None:
-                    center.errors.append(f"unknown path {self.path}")
-                    self._send(404, b"")
-                    return
-                body = make(VARIANTS[center.variant % len(VARIANTS)]).encode()
-                etag = '"' + hashlib.sha256(body).hexdigest()[:16] + '"'
-                if self.headers.get("If-None-Match") == etag:
-                    self._send(304, b"", etag)
-                else:
-                    self._send(200, body, etag)
-
-            def _send(self, status: int, body: bytes, etag: str = "") -> None:
-                self.send_response(status)
-                if etag:
-                    self.send_header("ETag", etag)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args) -> None:  # quiet
-                pass
-
-        self.port = harness.free_port()
-        self.server = ThreadingHTTPServer((harness.HOST, self.port), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+    def serve(self, path: str) -> Optional[str]:
+        make = self.renders.get(path)
+        return None if make is None else make(VARIANTS[self.variant % len(VARIANTS)])
 
     def advance(self) -> None:
         self.variant += 1
-
-    def __enter__(self) -> "ConfigCenter":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 WRK_LUA = r"""
@@ -326,7 +286,8 @@ def main() -> int:
             "/envoy.yaml": lambda v: document(v, None),
             "/nginx.yaml": lambda v: render_nginx.nginx_document(document(v, None), quota_port=quota.port),
         }
-        with ConfigCenter(renders) as center:
+        documents = Documents(renders)
+        with harness.ConfigCenter(serve=documents.serve) as center:
             gateways: dict[str, Gateway] = {}
             for host in hosts:
                 local = document(VARIANTS[0], f"/{host}.yaml")
@@ -372,7 +333,7 @@ def main() -> int:
                     problems.append("wrk did not finish within 60 s of its duration")
                     break
                 if now >= next_reload and now < t0 + a.seconds - 1:
-                    center.advance()
+                    documents.advance()
                     reloads_served += 1
                     next_reload += a.reload_seconds
                 for name in samples:
@@ -445,7 +406,7 @@ def main() -> int:
             result["traffic"] = traffic
             result["diana-quota"] = quota_failures(quota.port)
             result["documents_served"] = reloads_served
-            result["config_center_fetches"] = center.fetches
+            result["config_center_fetches"] = len(center.requests)
             if center.errors:
                 problems.append(f"config center: {center.errors[:5]}")
             if isinstance(nginx, Nginx):

@@ -10,7 +10,9 @@ Rules this module keeps:
 
 from __future__ import annotations
 
+import hashlib
 import http.client
+import http.server
 import json
 import os
 import re
@@ -696,6 +698,71 @@ class FaultProxy(ManagedProcess):
 
     def stats(self) -> dict[str, object]:
         return self.command({"op": "stats"})
+
+
+# --------------------------------------------------------------------------- config center
+
+
+class ConfigCenter:
+    """A config center on 127.0.0.1, in a thread of this process, serving documents with an
+    ETag (304 to a matching If-None-Match). `serve(path)` gives the document of a path
+    (`None`: 404, recorded in `errors`); by default every path serves `document`. `mode`
+    makes it fail: "error" answers 500, "garbage" an unparsable document. Every request's
+    headers (lower-cased) are in `requests`. Use as a context manager: shut down at exit."""
+
+    def __init__(self, port: Optional[int] = None, serve: Optional[Callable[[str], Optional[str]]] = None) -> None:
+        self.port = port if port is not None else free_port()
+        self.document = ""
+        self.mode = "ok"  # ok | error | garbage
+        self.serve = serve if serve is not None else (lambda _path: self.document)
+        self.requests: list[dict[str, str]] = []
+        self.not_modified = 0
+        self.errors: list[str] = []
+        center = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802
+                center.requests.append({k.lower(): v for k, v in self.headers.items()})
+                if center.mode == "error":
+                    self._send(500, b"boom")
+                    return
+                if center.mode == "garbage":
+                    self._send(200, b"rules: [[[ {{ not: yaml", etag='"garbage"')
+                    return
+                document = center.serve(self.path)
+                if document is None:
+                    center.errors.append(f"unknown path {self.path}")
+                    self._send(404, b"")
+                    return
+                body = document.encode()
+                etag = '"' + hashlib.sha256(body).hexdigest()[:16] + '"'
+                if self.headers.get("If-None-Match") == etag:
+                    center.not_modified += 1
+                    self._send(304, b"", etag=etag)
+                else:
+                    self._send(200, body, etag=etag)
+
+            def _send(self, status: int, body: bytes, etag: str = "") -> None:
+                self.send_response(status)
+                if etag:
+                    self.send_header("ETag", etag)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:  # quiet
+                pass
+
+        self.server = http.server.ThreadingHTTPServer((HOST, self.port), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> "ConfigCenter":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
 
 
 # --------------------------------------------------------------------------- HTTP clients

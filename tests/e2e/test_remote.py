@@ -3,67 +3,12 @@ processes) polling a config center that changes, fails, serves garbage, or is ne
 
 from __future__ import annotations
 
-import hashlib
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 import harness
-from harness import free_port, record, send_concurrent, statuses
-
-
-class ConfigCenter:
-    """A config center on 127.0.0.1 whose answer the test controls: a document (with an
-    ETag, honouring If-None-Match), a status code, or garbage. Runs in a thread of the
-    test process and is shut down when the test ends."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.document = ""
-        self.mode = "ok"  # ok | error | garbage
-        self.requests: list[dict[str, str]] = []
-        self.not_modified = 0
-        center = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802
-                center.requests.append({k.lower(): v for k, v in self.headers.items()})
-                if center.mode == "error":
-                    self._send(500, b"boom")
-                elif center.mode == "garbage":
-                    self._send(200, b"rules: [[[ {{ not: yaml", etag='"garbage"')
-                else:
-                    body = center.document.encode()
-                    etag = '"' + hashlib.sha256(body).hexdigest()[:16] + '"'
-                    if self.headers.get("If-None-Match") == etag:
-                        center.not_modified += 1
-                        self._send(304, b"", etag=etag)
-                    else:
-                        self._send(200, body, etag=etag)
-
-            def _send(self, status: int, body: bytes, etag: str = "") -> None:
-                self.send_response(status)
-                if etag:
-                    self.send_header("ETag", etag)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args) -> None:  # quiet
-                pass
-
-        self.server = ThreadingHTTPServer((harness.HOST, port), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self) -> "ConfigCenter":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+from harness import ConfigCenter, free_port, record, send_concurrent, statuses
 
 
 def local_doc(config_port_cluster: str = "diana_config", rpu: int = 1000) -> str:
