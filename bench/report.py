@@ -152,7 +152,7 @@ def render(res: dict[str, Any], chart_rel: Optional[str]) -> str:
     A("`bench/paired.py` (a focused re-measurement of the target variants: many short rounds),")
     A("`bench/instructions.py` (the bars in instructions per request under callgrind, section 6;")
     A("`INSTRUCTIONS_OUT=docs/bench/instructions.md python3 bench/instructions.py 2000` records it,")
-    A("~25 min).")
+    A("~25 min), `bench/variants.py` (the variants both of them measure, with their bars).")
     A("")
     A("## This run")
     A("")
