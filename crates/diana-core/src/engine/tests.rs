@@ -610,27 +610,44 @@ fn global_leaky_bucket_rules_use_the_wait_endpoint_where_the_host_cannot_pause()
     assert_eq!(crate::global::wait_path("/quota/"), "/quota/wait");
 }
 
-/// Another worker of the gateway, sharing `host`, deciding a request for `/` at `now`.
-fn on_worker(
-    engine: &Engine,
-    host: &MemoryHost,
-    now: Nanos,
-    metrics: &mut CountingMetrics,
-) -> EngineDecision {
-    engine.evaluate(host, b"/", &Facts::default(), Some(now), metrics)
+/// Another worker of the gateway: its own engine and metrics, the shared data of the
+/// harness it is given.
+struct Worker {
+    engine: Engine,
+    metrics: CountingMetrics,
 }
 
-/// Another worker calls for a request to `/` and the service denies it for 30 s.
-fn denied_on_worker(engine: &Engine, host: &MemoryHost, now: Nanos, metrics: &mut CountingMetrics) {
-    let (_, pending) = call(on_worker(engine, host, now, metrics));
-    let answer = engine.complete(
-        host,
-        pending,
-        answered(vec![denied(30_000)]),
-        Some(now),
-        metrics,
-    );
-    assert!(matches!(answer, Decision::Reject(_)));
+impl Worker {
+    fn new(document: &str) -> Worker {
+        Worker {
+            engine: Engine::new(parse_policy(document).unwrap()),
+            metrics: CountingMetrics::default(),
+        }
+    }
+
+    /// Decides a request for `/` at `now`.
+    fn request(&mut self, host: &MemoryHost, now: Nanos) -> EngineDecision {
+        self.engine
+            .evaluate(host, b"/", &Facts::default(), Some(now), &mut self.metrics)
+    }
+
+    fn complete(
+        &mut self,
+        host: &MemoryHost,
+        pending: Pending,
+        reply: Reply,
+        now: Nanos,
+    ) -> EngineDecision {
+        self.engine
+            .complete(host, pending, reply, Some(now), &mut self.metrics)
+    }
+
+    /// Calls for a request to `/`, which the service denies for 30 s.
+    fn denied(&mut self, host: &MemoryHost, now: Nanos) {
+        let (_, pending) = call(self.request(host, now));
+        let answer = self.complete(host, pending, answered(vec![denied(30_000)]), now);
+        assert!(matches!(answer, Decision::Reject(_)));
+    }
 }
 
 /// Worker B is denied by the service while worker A's flight, granted before the service
@@ -641,8 +658,7 @@ fn denied_on_worker(engine: &Engine, host: &MemoryHost, now: Nanos, metrics: &mu
 fn at_lease_1_a_remembered_denial_never_hides_a_token_another_worker_brings() {
     let doc = "resources:\n  - Url: /\n    rules: [{rpu: 100, unit: minute, scope: global}]\n";
     let mut h = Harness::new(doc);
-    let other = Engine::new(parse_policy(doc).unwrap());
-    let mut other_metrics = CountingMetrics::default();
+    let mut other = Worker::new(doc);
     let (_, leader) = call(h.evaluate("/", &Facts::default()));
     let riders = park(&mut h, 2);
     assert!(admits(&h.complete(leader, answered(vec![granted(1)]))));
@@ -661,20 +677,12 @@ fn at_lease_1_a_remembered_denial_never_hides_a_token_another_worker_brings() {
         panic!("expected to wait behind the second flight");
     };
     // Worker B: its call is denied; its next request is rejected from the cached denial.
-    denied_on_worker(&other, &h.host, h.now, &mut other_metrics);
-    assert!(matches!(
-        on_worker(&other, &h.host, h.now, &mut other_metrics),
-        Decision::Reject(_)
-    ));
+    other.denied(&h.host, h.now);
+    assert!(matches!(other.request(&h.host, h.now), Decision::Reject(_)));
     // A's second flight lands: 2 granted, one spare in the shared stash.
     assert!(admits(&h.complete(first_rider, answered(vec![granted(2)]))));
     // B sees the token at once (not after its memory of the denial lapses).
-    assert!(admits(&on_worker(
-        &other,
-        &h.host,
-        h.now,
-        &mut other_metrics
-    )));
+    assert!(admits(&other.request(&h.host, h.now)));
     // The rider it was asked for finds the stash empty and the denial: 3 granted, 3
     // admitted.
     assert_eq!(h.engine.woken(Some(h.now)).len(), 1);
@@ -693,10 +701,9 @@ fn leased_tokens_are_spent_even_after_a_concurrent_denial_was_cached() {
     let doc =
         "resources:\n  - Url: /\n    rules: [{rpu: 100, unit: minute, scope: global, lease: 10}]\n";
     let mut h = Harness::new(doc);
-    let other = Engine::new(parse_policy(doc).unwrap());
-    let mut other_metrics = CountingMetrics::default();
+    let mut other = Worker::new(doc);
     let (_, first) = call(h.evaluate("/", &Facts::default()));
-    denied_on_worker(&other, &h.host, h.now, &mut other_metrics);
+    other.denied(&h.host, h.now);
     // A reads the denial and remembers it (no shared read for the next one).
     assert!(matches!(
         h.evaluate("/", &Facts::default()),
@@ -718,48 +725,28 @@ fn leased_tokens_are_spent_even_after_a_concurrent_denial_was_cached() {
 fn another_workers_breaker_reaches_this_worker_within_the_cache_time() {
     let doc = "resources:\n  - Url: /\n    rules: [{rpu: 1000, unit: minute, scope: global}]\nglobal: {retry_seconds: 5}\n";
     let mut a = Harness::new(doc);
-    let b = Engine::new(parse_policy(doc).unwrap());
-    let mut b_metrics = CountingMetrics::default();
+    let mut b = Worker::new(doc);
     let now = a.now;
-    let (_, first) = call(b.evaluate(&a.host, b"/", &Facts::default(), Some(now), &mut b_metrics));
-    let answer = answered(vec![granted(1)]);
+    let (_, first) = call(b.request(&a.host, now));
     assert!(admits(&b.complete(
         &a.host,
         first,
-        answer,
-        Some(now),
-        &mut b_metrics
+        answered(vec![granted(1)]),
+        now
     )));
     let (_, pending) = call(a.evaluate("/", &Facts::default()));
     a.complete(pending, Reply::NoAnswer);
     assert!(a.metrics.degraded);
-    let (_, second) = call(b.evaluate(
-        &a.host,
-        b"/",
-        &Facts::default(),
-        Some(now + 1),
-        &mut b_metrics,
-    ));
-    let answer = answered(vec![granted(1)]);
+    let (_, second) = call(b.request(&a.host, now + 1));
     assert!(admits(&b.complete(
         &a.host,
         second,
-        answer,
-        Some(now + 1),
-        &mut b_metrics
+        answered(vec![granted(1)]),
+        now + 1
     )));
     let later = now + crate::global::BREAKER_CACHE;
-    assert!(matches!(
-        b.evaluate(
-            &a.host,
-            b"/",
-            &Facts::default(),
-            Some(later),
-            &mut b_metrics
-        ),
-        Decision::Allow { .. }
-    ));
-    assert_eq!(b_metrics.event_count(Event::GlobalDegradedRequest), 1);
+    assert!(matches!(b.request(&a.host, later), Decision::Allow { .. }));
+    assert_eq!(b.metrics.event_count(Event::GlobalDegradedRequest), 1);
 }
 
 #[test]

@@ -9,10 +9,10 @@
 //! has nothing more to give. A request that another rule rejects gives its tokens back
 //! ([`Stash::give_back`]).
 //!
-//! A worker takes a small batch from the shared record when it holds many tokens (as
-//! [`crate::local`] does for local counters: at most a quarter of them, [`MAX_BATCH`]
-//! at most, none near the end) and spends it without touching shared data; its tick
-//! gives an idle batch back ([`Stash::return_unspent`]). It remembers a denial for
+//! A worker takes a small batch from the shared record when it holds many tokens, as
+//! [`crate::local`] does for local counters (here at most 1/`STASH_SHARE` of them,
+//! [`MAX_BATCH`] at most, none near the end), and spends it without touching shared data;
+//! its tick gives an idle batch back ([`Stash::return_unspent`]). It remembers a denial for
 //! [`DENIAL_CACHE`] at most, and forgets it when its own flight brings tokens; another
 //! worker's tokens (a flight that was granted them before the service ran out, landing
 //! after the denial) may go unseen by it that long. Not for `lease: 1`
