@@ -528,8 +528,11 @@ def start_redis(procs: Procs, name: str = "redis", cpus: Optional[str] = "1") ->
 def start_quota(procs: Procs, binary: Path, redis_port: int, name: str = "diana-quota",
                 cpus: Optional[str] = "1") -> tuple[Proc, int]:
     port = free_port()
+    # Loopback only, so without a credential (the gateways under test send none); the
+    # check itself is one constant-time comparison per call (SECURITY.md).
     p = procs.spawn(name, [str(binary), "--listen", f"127.0.0.1:{port}", "--redis",
-                           f"redis://127.0.0.1:{redis_port}", "--log", "warn"], cpus=cpus)
+                           f"redis://127.0.0.1:{redis_port}", "--log", "warn", "--insecure-no-auth"],
+                    cpus=cpus)
     if not wait_http(f"http://127.0.0.1:{port}/healthz", p, 20):
         raise RuntimeError(f"diana-quota did not start: {tail(p.log)}")
     return p, port

@@ -20,7 +20,7 @@ def run(procs: Procs, cfg: dict[str, Any], quota_bin: Path) -> dict[str, Any]:
     redis, redis_port = start_redis(procs, "quota-redis", cpus="1")
     quota, quota_port = start_quota(procs, quota_bin, redis_port, "quota-redis-backed", cpus="0")
     mem_port = free_port()
-    mem = procs.spawn("quota-memory", [str(quota_bin), "--listen", f"127.0.0.1:{mem_port}", "--log", "warn"],
+    mem = procs.spawn("quota-memory", [str(quota_bin), "--listen", f"127.0.0.1:{mem_port}", "--log", "warn", "--insecure-no-auth"],
                       cpus="0")
     if not wait_http(f"http://127.0.0.1:{mem_port}/healthz", mem, 20):
         mem = None

@@ -81,6 +81,10 @@ def static_cluster(name: str, host: str, port: int, connect_timeout: str = "1s")
     }
 
 
+# diana-core's config::TOKEN_ENV: global.token's default, read from the gateway's environment.
+TOKEN_ENV = "DIANA_QUOTA_TOKEN"
+
+
 def wasm_filter(diana_config: str, wasm_path: str, runtime: str = "envoy.wasm.runtime.v8") -> dict[str, Any]:
     """The envoy.filters.http.wasm entry that loads diana.wasm with `diana_config` as plugin configuration."""
     return {
@@ -95,6 +99,9 @@ def wasm_filter(diana_config: str, wasm_path: str, runtime: str = "envoy.wasm.ru
                     "vm_id": "diana",
                     "runtime": runtime,
                     "code": {"local": {"filename": str(wasm_path)}},
+                    # The quota service's credential reaches the filter from Envoy's
+                    # environment, not from the document (global.token's default).
+                    "environment_variables": {"host_env_keys": [TOKEN_ENV]},
                 },
             },
         },

@@ -143,6 +143,9 @@ wasm {{
 daemon off;
 master_process on;
 worker_processes {workers};
+# The quota service's credential (global.token's default) reaches the filter from the
+# environment: nginx clears its workers' environment but for the variables named here.
+env DIANA_QUOTA_TOKEN;
 error_log {prefix}/error.log info;
 pid {prefix}/nginx.pid;
 

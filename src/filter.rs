@@ -149,8 +149,11 @@ pub struct DianaRoot {
     host: HostKind,
     /// On hosts where the tick period may be set only once: whether it was.
     tick_fixed: bool,
-    /// The config center, from the local document (a remote document cannot move it).
+    /// The config center, from the local document (a remote document moves it only if the
+    /// local one's `remote.allow` names `remote`).
     remote: Option<RemoteSpec>,
+    /// The local document: what a remote one is judged against (DESIGN §6).
+    local: Option<Rc<Policy>>,
     /// The metrics path, from the local document too (a remote document cannot move it
     /// or take it away).
     metrics: Option<MetricsSpec>,
@@ -178,6 +181,7 @@ impl DianaRoot {
             host: HostKind::Envoy,
             tick_fixed: false,
             remote: None,
+            local: None,
             metrics: None,
             applied_version: 0,
             poll_token: None,
@@ -321,6 +325,10 @@ impl DianaRoot {
     /// Makes `policy` the one new requests are evaluated with.
     fn install(&mut self, mut policy: Policy, origin: &str) {
         policy.metrics = self.metrics.clone();
+        // Identities keyed with the process's random key when the document sets no
+        // identity_key (read again at every install); one warning when global rules hash
+        // with the public key (DESIGN §6).
+        diana_core::store::identity::prepare(&mut policy, &self.store, &HostSharedData);
         let dropped = lifecycle::adopt(&self.store, &HostSharedData, &policy);
         if dropped > 0 {
             log::info!("diana: {dropped} rules left the configuration; their records are released");
@@ -355,10 +363,26 @@ impl DianaRoot {
             return;
         }
         self.applied_version = published.version;
-        match parse_policy(&published.text) {
-            Ok(policy) => self.install(policy, &format!("remote (version {})", published.version)),
-            Err(error) => log::error!("diana: published remote document refused: {error}"),
+        let Some(local) = self.local.clone() else {
+            return;
+        };
+        match remote::adopt(&published, &local) {
+            Ok(policy) => {
+                self.install_remote(policy, &format!("remote (version {})", published.version))
+            }
+            Err(error) => {
+                log::error!("diana: published {error}; keeping the current configuration")
+            }
         }
+    }
+
+    /// Installs a remote document, and polls where it says (the local document's config
+    /// center unless `remote.allow` lets it move).
+    fn install_remote(&mut self, policy: Policy, origin: &str) {
+        if policy.remote.is_some() {
+            self.remote.clone_from(&policy.remote);
+        }
+        self.install(policy, origin);
     }
 
     /// Polls the config center if this worker claims this period's poll.
@@ -374,7 +398,11 @@ impl DianaRoot {
             )));
             return;
         }
-        let etag = remote::read_published(&self.store, &HostSharedData).and_then(|p| p.etag);
+        // Conditional only for the document this worker runs: one it refused (its local
+        // document changed since) is asked for again in full.
+        let etag = remote::read_published(&self.store, &HostSharedData)
+            .filter(|p| p.version == self.applied_version)
+            .and_then(|p| p.etag);
         let headers = remote::poll_headers(spec, etag.as_deref());
         match hostcalls::dispatch_http_call(&spec.cluster, headers, None, vec![], POLL_TIMEOUT) {
             Ok(token) => self.poll_token = Some(token),
@@ -400,13 +428,18 @@ impl DianaRoot {
     }
 
     fn on_poll_answer(&mut self, num_headers: usize, body_size: usize) {
-        let (status, etag) = if num_headers == 0 {
-            (0, None)
+        let (status, etag, signature) = if num_headers == 0 {
+            (0, None, None)
         } else {
             let status = host::callout_status();
             let etag = host::header_bytes(MapType::HttpCallResponseHeaders, "etag")
                 .and_then(|e| String::from_utf8(e).ok());
-            (status, etag)
+            let signature =
+                host::header_bytes(MapType::HttpCallResponseHeaders, remote::SIGNATURE_HEADER);
+            (status, etag, signature)
+        };
+        let Some(local) = self.local.clone() else {
+            return;
         };
         let body = if status == 200 && body_size <= remote::MAX_DOCUMENT_BYTES {
             match hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size) {
@@ -420,8 +453,26 @@ impl DianaRoot {
             vec![0; body_size.min(remote::MAX_DOCUMENT_BYTES + 1)]
         };
         let published = remote::read_published(&self.store, &HostSharedData);
-        match remote::interpret(status, etag, &body, published.as_ref()) {
+        match remote::interpret(
+            status,
+            etag,
+            signature.as_deref(),
+            &body,
+            published.as_ref(),
+            &local,
+        ) {
             PollOutcome::Unchanged => self.record_poll(Ok(())),
+            PollOutcome::Refused(reason) => {
+                Sink(&self.events).event(Event::ConfigRejected);
+                Sink(&self.events).event(Event::ConfigRemoteRefused);
+                // Once per document and reason: the same body unsigned, then badly signed,
+                // is logged twice.
+                let refusal = [body.as_slice(), reason.as_bytes()].concat();
+                if remote::first_rejection(&self.store, &HostSharedData, &refusal) {
+                    log::error!("diana: {reason}; keeping the current configuration");
+                }
+                self.record_poll(Err(reason));
+            }
             PollOutcome::Rejected(reason) => {
                 Sink(&self.events).event(Event::ConfigRejected);
                 if remote::first_rejection(&self.store, &HostSharedData, &body) {
@@ -430,12 +481,17 @@ impl DianaRoot {
                 self.record_poll(Err(reason));
             }
             PollOutcome::Failed(reason) => self.record_poll(Err(reason)),
-            PollOutcome::New { policy, text, etag } => {
+            PollOutcome::New {
+                policy,
+                text,
+                etag,
+                signature,
+            } => {
                 self.record_poll(Ok(()));
-                match remote::publish(&self.store, &HostSharedData, &text, etag) {
+                match remote::publish(&self.store, &HostSharedData, &text, etag, signature) {
                     Some(version) => {
                         self.applied_version = version;
-                        self.install(*policy, &format!("remote (version {version})"));
+                        self.install_remote(*policy, &format!("remote (version {version})"));
                     }
                     None => log::warn!(
                         "diana: could not publish the remote document; retrying next poll"
@@ -600,6 +656,7 @@ impl RootContext for DianaRoot {
             log::info!("diana: ngx_wasm_module: leaky-bucket waits become Retry-After (local) or are done by the quota service (global)");
         }
         self.remote = policy.remote.clone();
+        self.local = Some(Rc::new(policy.clone()));
         self.metrics = policy.metrics.clone();
         self.applied_version = 0;
         self.install(policy, "local");

@@ -16,6 +16,7 @@ import http.server
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -52,6 +53,12 @@ UPSTREAM_PY = REPO / "demo/upstream.py"
 # the requests just made.
 METRICS_LAG_S = 1.5
 LOG_ROOT = Path(os.environ.get("DIANA_E2E_LOGS", REPO / ".tmp/e2e"))
+# The credential shared by the gateways and diana-quota in a test run, as a deployment
+# would: diana-quota reads it from --token-file, the gateways from the environment variable
+# DIANA_QUOTA_TOKEN (global.token's default; Envoy's vm_config host_env_keys and nginx's
+# `env` directive pass it to the filter). A fresh random one per run.
+TOKEN_ENV = "DIANA_QUOTA_TOKEN"
+QUOTA_TOKEN = secrets.token_hex(24)
 
 HeaderValue = Union[str, bytes]
 Headers = Mapping[str, HeaderValue]
@@ -196,7 +203,8 @@ class ManagedProcess:
         self.name = name
         self.argv = [str(a) for a in argv]
         self.log_path = Path(log_path)
-        self.env = dict(os.environ, **(env or {}))
+        # `env`: the whole environment of the process (default: this one's).
+        self.env = dict(os.environ) if env is None else dict(env)
         self.cwd = str(cwd or REPO)
         self.proc: Optional[subprocess.Popen] = None
         self._log_file = None
@@ -329,6 +337,7 @@ class Envoy(ManagedProcess):
         name: str = "envoy",
         log_level: str = "info",
         extra_args: Sequence[str] = (),
+        quota_token: Optional[str] = QUOTA_TOKEN,
     ) -> None:
         self.port = free_port()
         self.admin_port = free_port()
@@ -362,7 +371,7 @@ class Envoy(ManagedProcess):
             log_level,
             *extra_args,
         ]
-        super().__init__(name, argv, log_dir / f"{name}.log")
+        super().__init__(name, argv, log_dir / f"{name}.log", env=gateway_env(quota_token))
 
     def is_ready(self) -> bool:
         status, body, _ = http_get(self.admin_port, "/ready", timeout=1.0)
@@ -472,6 +481,7 @@ class Nginx(ManagedProcess):
         eviction: str = "lru",
         raw_document: bool = False,
         direct_response: Optional[tuple[int, str]] = None,
+        quota_token: Optional[str] = QUOTA_TOKEN,
     ) -> None:
         self.port = free_port()
         self.workers = workers
@@ -501,7 +511,7 @@ class Nginx(ManagedProcess):
         self.conf_path = self.prefix / "nginx.conf"
         self.conf_path.write_text(conf)
         argv = [nginx_binary(), "-p", str(self.prefix), "-c", str(self.conf_path), "-e", str(self.prefix / "error.log")]
-        super().__init__(name, argv, log_dir / f"{name}.log")
+        super().__init__(name, argv, log_dir / f"{name}.log", env=gateway_env(quota_token))
 
     @property
     def error_log(self) -> Path:
@@ -628,18 +638,40 @@ class Redis(ManagedProcess):
 QUOTA_TEST_FLAGS = ("--deadline-ms", "150", "--redis-connect-timeout-ms", "100", "--redis-timeout-ms", "60")
 
 
+def gateway_env(quota_token: Optional[str]) -> dict[str, str]:
+    """The environment of a gateway process: DIANA_QUOTA_TOKEN set to `quota_token`, or
+    removed (None: the gateway sends no credential)."""
+    env = dict(os.environ)
+    env.pop(TOKEN_ENV, None)
+    if quota_token is not None:
+        env[TOKEN_ENV] = quota_token
+    return env
+
+
 class Quota(ManagedProcess):
+    """diana-quota on loopback. `tokens`: the secrets it accepts (one per line of its
+    --token-file); None starts it with --insecure-no-auth."""
+
     def __init__(
         self,
         log_dir: Path,
         redis_url: Optional[str] = None,
         port: Optional[int] = None,
         flags: Sequence[str] = QUOTA_TEST_FLAGS,
+        tokens: Optional[Sequence[str]] = (QUOTA_TOKEN,),
     ) -> None:
         if not QUOTA_BIN.is_file():
             raise ProcessError(f"{QUOTA_BIN} does not exist: run scripts/build first")
         self.port = port or free_port()
         argv = [str(QUOTA_BIN), "--listen", f"{HOST}:{self.port}", *flags]
+        if tokens is None:
+            argv.append("--insecure-no-auth")
+        else:
+            log_dir.mkdir(parents=True, exist_ok=True)
+            self.token_file = log_dir / f"diana-quota-{self.port}.token"
+            self.token_file.write_text("".join(f"{token}\n" for token in tokens))
+            self.token_file.chmod(0o600)
+            argv += ["--token-file", str(self.token_file)]
         if redis_url:
             argv += ["--redis", redis_url]
         super().__init__("diana-quota", argv, log_dir / f"diana-quota-{self.port}.log")
@@ -707,14 +739,17 @@ class ConfigCenter:
     """A config center on 127.0.0.1, in a thread of this process, serving documents with an
     ETag (304 to a matching If-None-Match). `serve(path)` gives the document of a path
     (`None`: 404, recorded in `errors`); by default every path serves `document`. `mode`
-    makes it fail: "error" answers 500, "garbage" an unparsable document. Every request's
-    headers (lower-cased) are in `requests`. Use as a context manager: shut down at exit."""
+    makes it fail: "error" answers 500, "garbage" an unparsable document. `headers_for(body)`
+    gives extra headers of an answer with that body (e.g. its `x-diana-signature`). Every
+    request's headers (lower-cased) are in `requests`. Use as a context manager: shut down
+    at exit."""
 
     def __init__(self, port: Optional[int] = None, serve: Optional[Callable[[str], Optional[str]]] = None) -> None:
         self.port = port if port is not None else free_port()
         self.document = ""
         self.mode = "ok"  # ok | error | garbage
         self.serve = serve if serve is not None else (lambda _path: self.document)
+        self.headers_for: Callable[[bytes], dict[str, str]] = lambda _body: {}
         self.requests: list[dict[str, str]] = []
         self.not_modified = 0
         self.errors: list[str] = []
@@ -746,6 +781,9 @@ class ConfigCenter:
                 self.send_response(status)
                 if etag:
                     self.send_header("ETag", etag)
+                if status == 200:
+                    for name, value in center.headers_for(body).items():
+                        self.send_header(name, value)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)

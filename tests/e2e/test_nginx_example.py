@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import time
 
+import harness
+
 from harness import (
     METRICS_LAG_S,
     NGINX_CRASH,
@@ -43,7 +45,13 @@ def test_the_example_nginx_conf_runs_as_written(procs, upstream):
     conf = prefix / "nginx.conf"
     conf.write_text("daemon off;\npid logs/nginx.pid;\n" + text)
     nginx = procs.add(
-        ManagedProcess("nginx-example", [nginx_binary(), "-p", str(prefix), "-c", str(conf)], procs.log_dir / "nginx-example.log")
+        ManagedProcess(
+            "nginx-example",
+            [nginx_binary(), "-p", str(prefix), "-c", str(conf)],
+            procs.log_dir / "nginx-example.log",
+            # the credential, as nginx.conf's `env DIANA_QUOTA_TOKEN;` expects it
+            env=harness.gateway_env(harness.QUOTA_TOKEN),
+        )
     ).start()
     error_log = prefix / "logs/error.log"
 

@@ -5,7 +5,8 @@ another key is treated like a slot held by someone else; an evicted record is cr
 again, race-free; and `diana check` says how large the zone must be never to evict.
 
 The identities and keys are computed here the way crates/diana-core computes them
-(XXH3 identity hashes, `SlotAddress::of`), so that the test can aim at colliding keys."""
+(the keyed identity hash of a document's `identity_key`, `SlotAddress::of`; tests/e2e/forge.py),
+so that the test can aim at colliding keys."""
 
 from __future__ import annotations
 
@@ -13,24 +14,20 @@ import json
 import subprocess
 import zlib
 
-import xxhash
-
+import forge
 from harness import REPO, Nginx, errors, record, request, send_concurrent, statuses
 
 DIANA = REPO / "target/release/diana"
-HEADER_SEED = 0x6469_616E_615F_6864  # "diana_hd", crates/diana-core/src/actor.rs
-MASK = (1 << 64) - 1
+# The deployment's identity key: with it, the test (like any holder of the key, and nobody
+# else) can compute where an identity lands.
+IDENTITY_KEY = "shm-test-identity-key-0123456789abcdef"
+KEY = forge.identity_key(IDENTITY_KEY)
 
 
-def identity_hash(header: str, value: str) -> int:
-    seed = xxhash.xxh3_64_intdigest(header.encode(), seed=HEADER_SEED)
-    return xxhash.xxh3_64_intdigest(value.encode(), seed=seed)
-
-
-def candidates(h: int, slots: int) -> tuple[int, int]:
-    """`SlotAddress::of`: the identity's two candidate slots."""
-    mixed = (((h << 29) | (h >> 35)) & MASK) * 0x9E3779B97F4A7C15 & MASK
-    return h % slots, (mixed >> 17) % slots
+def first_slot(value: str, slots: int) -> int:
+    name = b"x-device-id"
+    h = forge.siphash13(KEY, b"\x02" + len(name).to_bytes(8, "little") + name + value.encode())
+    return forge.candidates(h, slots)[0]
 
 
 def plan(document: str) -> dict:
@@ -57,32 +54,45 @@ def test_keys_with_the_same_crc32_do_not_share_a_counter(procs, upstream):
     def y_rule(k: int) -> str:
         return f"  - Url: /y{k}\n    rules: [{{name: y{k}, actor: device, algo: W, unit: hour, rpu: 3, slots: {other}}}]\n"
 
-    candidates_doc = "resources:\n" + x_rule + "".join(y_rule(k) for k in range(200))
+    candidates_doc = f"identity_key: {IDENTITY_KEY}\nresources:\n" + x_rule + "".join(y_rule(k) for k in range(200))
     ids = {rule["name"]: rule["id"] for resource in plan(candidates_doc)["resources"] for rule in resource["rules"]}
     x_keys = {zlib.crc32(f"diana/{ids['x']}/{slot}".encode()): slot for slot in range(big)}
-    pair = None
+    pairs: dict[int, int] = {}
     # /y49 collides with /x (found by this search); it is tried first to keep the test
-    # short, and the search goes on if ids ever change.
+    # short, and the search goes on if ids ever change. Every colliding pair of the first
+    # such rule is kept: the identities are then found among thousands of targets.
     for k in [49] + [k for k in range(200) if k != 49]:
         for slot in range(other):
             crc = zlib.crc32(f"diana/{ids[f'y{k}']}/{slot}".encode())
             if crc in x_keys:
-                pair = (k, x_keys[crc], slot)
-                break
-        if pair:
+                pairs[x_keys[crc]] = slot
+        if pairs:
             break
-    assert pair, "no pair of rules with colliding keys among 200 candidates"
-    k, x_slot, y_slot = pair
-    document = "resources:\n" + x_rule + y_rule(k)
+    assert pairs, "no pair of rules with colliding keys among 200 candidates"
+    document = f"identity_key: {IDENTITY_KEY}\nresources:\n" + x_rule + y_rule(k)
+    partner = {y: x for x, y in pairs.items()}
 
-    def find(slots: int, first: int) -> str:
-        for i in range(50_000_000):
-            value = f"crc-{i}"
-            if candidates(identity_hash("x-device-id", value), slots)[0] == first:
-                return value
-        raise AssertionError(f"no identity for slot {first}")
-
-    alice, bob = find(big, x_slot), find(other, y_slot)
+    # alice's first slot on /x and bob's on /y<k> hold keys with one CRC32.
+    on_x: dict[int, str] = {}
+    on_y: dict[int, str] = {}
+    found = None
+    for i in range(5_000_000):
+        value = f"crc-{i}"
+        x = first_slot(value, big)
+        if x in pairs:
+            on_x[x] = value
+            if pairs[x] in on_y:
+                found = (x, pairs[x])
+                break
+        y = first_slot(value, other)
+        if y in partner:
+            on_y[y] = value
+            if partner[y] in on_x:
+                found = (partner[y], y)
+                break
+    assert found, f"no identities on colliding slots ({len(pairs)} pairs)"
+    x_slot, y_slot = found
+    alice, bob = on_x[x_slot], on_y[y_slot]
     gw = start(procs, upstream, document, "8m")
     first = [request(gw.port, "/x", {"x-device-id": alice}).status for _ in range(4)]
     second = [request(gw.port, f"/y{k}", {"x-device-id": bob}).status for _ in range(4)]
@@ -121,14 +131,17 @@ def test_a_tiny_zone_evicts_without_failing_and_counters_start_over(procs, upstr
 
 def test_the_zone_diana_check_asks_for_never_evicts(procs, upstream):
     slots = 8000
-    document = f"Url: /\nrules:\n  - {{name: dev, actor: device, algo: SW, unit: hour, rpu: 1, slots: {slots}}}\n"
+    document = (
+        f"identity_key: {IDENTITY_KEY}\nresources:\n  - Url: /\n"
+        f"    rules: [{{name: dev, actor: device, algo: SW, unit: hour, rpu: 1, slots: {slots}}}]\n"
+    )
     size = plan(document)["nginx"]["shm_kv_bytes"]
     # One identity per first slot, nearly every slot: no two share a counter, so each is
     # limited on its own, and the table is nearly full.
     taken: dict[int, str] = {}
     for i in range(6 * slots):
         value = f"size-{i}"
-        taken.setdefault(candidates(identity_hash("x-device-id", value), slots)[0], value)
+        taken.setdefault(first_slot(value, slots), value)
     ids = list(taken.values())
 
     def passes(gw) -> tuple[dict, dict]:

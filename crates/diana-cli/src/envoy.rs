@@ -13,6 +13,7 @@
 use crate::plan::count_global;
 use crate::yaml::{map, number, string};
 use diana_core::config::Policy;
+use diana_core::config::TOKEN_ENV;
 use diana_core::metrics::{envoy_rule_tag_regex, RULE_LABEL};
 use serde_yaml::Value;
 use std::net::IpAddr;
@@ -189,6 +190,16 @@ fn wasm_filter(document: &str, wasm: &str) -> Value {
                                 (
                                     "code",
                                     map(vec![("local", map(vec![("filename", string(wasm))]))]),
+                                ),
+                                // The quota service's credential reaches the filter from
+                                // Envoy's environment (global.token's default), not from
+                                // the document.
+                                (
+                                    "environment_variables",
+                                    map(vec![(
+                                        "host_env_keys",
+                                        Value::Sequence(vec![string(TOKEN_ENV)]),
+                                    )]),
                                 ),
                             ]),
                         ),

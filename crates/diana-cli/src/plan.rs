@@ -40,6 +40,9 @@ pub fn render_text(policy: &Policy) -> Result<String, String> {
         "# nginx (ngx_wasm_module): `{}` holds every counter without eviction (nginx/README.md).\n",
         crate::nginx::directive(policy)
     ));
+    if let Some(warning) = diana_core::store::identity::public_key_warning(policy) {
+        out.push_str(&format!("# {warning}\n"));
+    }
     out.push_str(
         "# Effective plan: every default filled in. Resources are listed in evaluation order\n\
          # (least specific first, all matching resources apply); within a resource, rules apply\n\
@@ -93,6 +96,23 @@ fn build(policy: &Policy, machine: bool) -> Value {
             ("authority", string(&remote.authority)),
             ("path", string(&remote.path)),
             ("poll_seconds", number(u64::from(remote.poll_seconds))),
+            (
+                "allow",
+                Value::Sequence(
+                    remote
+                        .allow
+                        .iter()
+                        .map(|name| string(name.name()))
+                        .collect(),
+                ),
+            ),
+            (
+                "signature",
+                // An HMAC key is a secret: the plan says which kind, never the value.
+                remote.signature.as_ref().map_or(Value::Null, |key| {
+                    map(vec![(key.kind(), string(&key.shown()))])
+                }),
+            ),
         ]),
     };
 
@@ -132,8 +152,18 @@ fn build(policy: &Policy, machine: bool) -> Value {
         ),
         ("remote", remote),
         ("dry_run", Value::Bool(policy.dry_run)),
+        ("identity_key", identity_key_plan(policy)),
         ("nginx", nginx),
     ])
+}
+
+/// `identity_key`: whether the document sets one, never its value.
+fn identity_key_plan(policy: &Policy) -> Value {
+    string(if policy.identity_key().is_some() {
+        "<redacted>"
+    } else {
+        "none: local rules hash identities with a per-process random key, global rules with a public key"
+    })
 }
 
 fn rule_plan(rule: &Rule, machine: bool) -> Value {
@@ -201,6 +231,47 @@ pub fn format_rate(per_second: f64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_plan_shows_remote_allow_and_the_kind_of_signature_never_an_hmac_key() {
+        let key = "plan-hmac-key-0123456789abcdef0123456789";
+        let document = format!(
+            "resources: [{{Url: /, rules: [{{rpu: 1}}]}}]\n\
+             remote: {{cluster: c, path: /p, allow: [dry_run], signature: {{hmac_sha256: {key}}}}}\n"
+        );
+        let policy = diana_core::config::parse_policy(&document).unwrap();
+        for plan in [render_text(&policy).unwrap(), render_json(&policy).unwrap()] {
+            assert!(!plan.contains(key), "{plan}");
+            assert!(
+                plan.contains("hmac_sha256") && plan.contains("<redacted>"),
+                "{plan}"
+            );
+            assert!(plan.contains("dry_run"), "{plan}");
+        }
+    }
+
+    #[test]
+    fn the_plan_says_whether_an_identity_key_is_set_never_its_value() {
+        let key = "plan-identity-key-0123456789abcdef012345";
+        let rules = "resources: [{Url: /, rules: [{rpu: 1, actor: device, scope: global}]}]\n";
+        let keyed =
+            diana_core::config::parse_policy(&format!("{rules}identity_key: {key}\n")).unwrap();
+        for plan in [render_text(&keyed).unwrap(), render_json(&keyed).unwrap()] {
+            assert!(!plan.contains(key), "{plan}");
+            assert!(
+                plan.contains("identity_key") && plan.contains("<redacted>"),
+                "{plan}"
+            );
+            assert!(!plan.contains("WARNING"), "{plan}");
+        }
+        assert!(!format!("{keyed:?}").contains(key));
+        let unkeyed = diana_core::config::parse_policy(rules).unwrap();
+        let text = render_text(&unkeyed).unwrap();
+        assert!(
+            text.contains("# WARNING: identity_key is not set"),
+            "{text}"
+        );
+    }
 
     #[test]
     fn rates_are_readable() {

@@ -263,6 +263,19 @@ fn full() -> Value {
             "global": { "$ref": "#/definitions/global" },
             "remote": { "$ref": "#/definitions/remote" },
             "dry_run": { "type": "boolean", "description": "Count and report, never reject" },
+            "identity_key": {
+                "description": "The key of the identity hash, shared by every gateway of a deployment: \
+                                a secret of at least 32 bytes of printable ASCII, or {env: NAME}",
+                "oneOf": [
+                    { "type": "string", "minLength": 32 },
+                    {
+                        "type": "object",
+                        "properties": { "env": { "type": "string", "minLength": 1 } },
+                        "required": ["env"],
+                        "additionalProperties": false
+                    }
+                ]
+            },
             "metrics": {
                 "type": "object",
                 "description": "The filter answers GET <path> with its metrics (Prometheus text)",
@@ -377,7 +390,37 @@ fn remote() -> Value {
             "cluster": { "$ref": "#/definitions/text" },
             "authority": { "$ref": "#/definitions/text", "description": "Default: cluster" },
             "path": { "$ref": "#/definitions/path" },
-            "poll_seconds": { "$ref": "#/definitions/positive", "description": "Default 10" }
+            "poll_seconds": { "$ref": "#/definitions/positive", "description": "Default 10" },
+            "allow": {
+                "type": "array",
+                "description": "What a remote document may change of what this document pins \
+                                (default none: a remote document that changes one is refused)",
+                "items": { "type": "string", "enum": ["global", "remote", "dry_run", "identity_key"] }
+            },
+            "signature": {
+                "description": "Adopt only remote documents signed with this key (x-diana-signature header)",
+                "type": "object",
+                "oneOf": [
+                    { "required": ["hmac_sha256"] },
+                    { "required": ["ed25519"] }
+                ],
+                "properties": {
+                    "hmac_sha256": {
+                        "description": "Shared secret, at least 32 bytes, or {env: NAME}",
+                        "oneOf": [
+                            { "type": "string", "minLength": 32 },
+                            {
+                                "type": "object",
+                                "properties": { "env": { "type": "string", "minLength": 1 } },
+                                "required": ["env"],
+                                "additionalProperties": false
+                            }
+                        ]
+                    },
+                    "ed25519": { "type": "string", "description": "The config center's public key, base64" }
+                },
+                "additionalProperties": false
+            }
         },
         "required": ["cluster", "path"],
         "additionalProperties": false,

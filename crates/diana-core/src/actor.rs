@@ -1,6 +1,8 @@
 //! Actors: whose counter a request is charged to. An [`ActorSource`] turns the facts of a
 //! request into an [`Identity`]; identities are hashed, so a raw header value never becomes
-//! a key and its size never matters.
+//! a key and its size never matters. The hash is keyed ([`IdentityHasher`], DESIGN §6) and
+//! each source hashes in its own domain ([`IdentityKind`]): a client chooses its header
+//! values, not where they land, and no header value can equal another client's address.
 //!
 //! Built-in actors: `all` (one counter per rule), `ip` (client address), `account`
 //! (`x-account-id`, fallback skip), `device` (`x-device-id`, fallback ip). User-defined actors
@@ -8,7 +10,7 @@
 //! A new kind of source is a new type implementing [`ActorSource`] plus one entry in the
 //! registry; existing sources are not touched.
 
-use crate::hash::hash64;
+use crate::hash::{IdentityHasher, IdentityKind};
 use std::fmt;
 use std::sync::Arc;
 
@@ -25,7 +27,8 @@ pub trait RequestFacts {
 pub enum Identity {
     /// One counter shared by every request (actor `all`, or fallback `shared`).
     Everyone,
-    /// A per-identity counter, keyed by this 64-bit hash of the identity's value.
+    /// A per-identity counter, keyed by this 64-bit keyed hash of the identity's kind and
+    /// value ([`IdentityHasher::identity`]).
     Key(u64),
     /// The rule does not apply to this request (fallback `skip` and no identity).
     Skip,
@@ -33,7 +36,9 @@ pub enum Identity {
 
 /// A source of identities for one actor name.
 pub trait ActorSource: Send + Sync + fmt::Debug {
-    fn identify(&self, request: &dyn RequestFacts) -> Identity;
+    /// The identity of `request`, hashed with `hasher` (the rule's: see
+    /// [`crate::config::Rule::identify`]).
+    fn identify(&self, request: &dyn RequestFacts, hasher: &IdentityHasher) -> Identity;
     /// True when every request maps to [`Identity::Everyone`] (a one-slot table suffices).
     fn is_single_counter(&self) -> bool {
         false
@@ -43,22 +48,17 @@ pub trait ActorSource: Send + Sync + fmt::Debug {
 // ---------------------------------------------------------------------------------------
 // Implementations.
 
-/// Domain seed of client-address identities (actor `ip` and fallback `ip`).
-const IP_SEED: u64 = 0x6469_616e_615f_6970; // "diana_ip"
-/// Domain seed from which each header actor derives its own seed.
-const HEADER_SEED: u64 = 0x6469_616e_615f_6864; // "diana_hd"
-
 /// Longest accepted header name in an `actors:` entry.
 pub const MAX_HEADER_NAME: usize = 256;
 
 /// The identity of a client address: `Key` of its hash, or `Everyone` when the host gave
 /// no address (a missing address is a host limitation, not a reason to let a request
 /// through uncounted: such requests share one counter).
-pub fn ip_identity(request: &dyn RequestFacts) -> Identity {
+pub fn ip_identity(request: &dyn RequestFacts, hasher: &IdentityHasher) -> Identity {
     match request.client_ip() {
         Some(ip) => match ip.trim_ascii() {
             [] => Identity::Everyone,
-            ip => Identity::Key(hash64(IP_SEED, ip)),
+            ip => Identity::Key(hasher.identity(IdentityKind::Ip, ip)),
         },
         None => Identity::Everyone,
     }
@@ -69,7 +69,7 @@ pub fn ip_identity(request: &dyn RequestFacts) -> Identity {
 pub struct AllActor;
 
 impl ActorSource for AllActor {
-    fn identify(&self, _request: &dyn RequestFacts) -> Identity {
+    fn identify(&self, _request: &dyn RequestFacts, _hasher: &IdentityHasher) -> Identity {
         Identity::Everyone
     }
 
@@ -83,8 +83,8 @@ impl ActorSource for AllActor {
 pub struct IpActor;
 
 impl ActorSource for IpActor {
-    fn identify(&self, request: &dyn RequestFacts) -> Identity {
-        ip_identity(request)
+    fn identify(&self, request: &dyn RequestFacts, hasher: &IdentityHasher) -> Identity {
+        ip_identity(request, hasher)
     }
 }
 
@@ -119,10 +119,10 @@ impl Fallback {
     }
 
     /// The identity of a request that has no identity of its own.
-    pub fn identify(self, request: &dyn RequestFacts) -> Identity {
+    pub fn identify(self, request: &dyn RequestFacts, hasher: &IdentityHasher) -> Identity {
         match self {
             Fallback::Skip => Identity::Skip,
-            Fallback::Ip => ip_identity(request),
+            Fallback::Ip => ip_identity(request, hasher),
             Fallback::Shared => Identity::Everyone,
         }
     }
@@ -140,20 +140,15 @@ impl fmt::Display for Fallback {
 pub struct HeaderActor {
     header: String,
     fallback: Fallback,
-    seed: u64,
 }
 
 impl HeaderActor {
-    /// `header` is lower-cased. The seed of the identity hash derives from the header name,
-    /// so two actors reading the same header agree and the identity is stable everywhere.
+    /// `header` is lower-cased. The header's name is part of the hashed input
+    /// ([`IdentityKind::Header`]), so two actors reading the same header agree, and a value
+    /// of one header never lands where the same value of another header (or an address) does.
     pub fn new(header: &str, fallback: Fallback) -> HeaderActor {
         let header = header.trim().to_ascii_lowercase();
-        let seed = hash64(HEADER_SEED, header.as_bytes());
-        HeaderActor {
-            header,
-            fallback,
-            seed,
-        }
+        HeaderActor { header, fallback }
     }
 
     pub fn header(&self) -> &str {
@@ -166,14 +161,14 @@ impl HeaderActor {
 }
 
 impl ActorSource for HeaderActor {
-    fn identify(&self, request: &dyn RequestFacts) -> Identity {
+    fn identify(&self, request: &dyn RequestFacts, hasher: &IdentityHasher) -> Identity {
         if let Some(value) = request.header(&self.header) {
             let value = value.trim_ascii();
             if !value.is_empty() {
-                return Identity::Key(hash64(self.seed, value));
+                return Identity::Key(hasher.identity(IdentityKind::Header(&self.header), value));
             }
         }
-        self.fallback.identify(request)
+        self.fallback.identify(request, hasher)
     }
 }
 
@@ -405,12 +400,17 @@ mod tests {
         ActorRegistry::builtin()
     }
 
+    /// The hasher of these tests: keyed like a deployment's.
+    fn hasher() -> IdentityHasher {
+        IdentityHasher::configured(b"a deployment secret of at least 32 bytes")
+    }
+
     fn identify(actor: &str, facts: &Facts) -> Identity {
         registry()
             .get(actor)
             .expect("known actor")
             .source
-            .identify(facts)
+            .identify(facts, &hasher())
     }
 
     fn key(identity: Identity) -> u64 {
@@ -424,10 +424,15 @@ mod tests {
     fn all_is_one_counter() {
         let all = registry().get("all").expect("all").clone();
         assert!(all.source.is_single_counter());
-        assert_eq!(all.source.identify(&Facts::default()), Identity::Everyone);
         assert_eq!(
-            all.source
-                .identify(&Facts::default().header("x-account-id", b"a").ip(b"1.2.3.4")),
+            all.source.identify(&Facts::default(), &hasher()),
+            Identity::Everyone
+        );
+        assert_eq!(
+            all.source.identify(
+                &Facts::default().header("x-account-id", b"a").ip(b"1.2.3.4"),
+                &hasher()
+            ),
             Identity::Everyone
         );
         for name in ["ip", "account", "device", "actor"] {
@@ -538,20 +543,78 @@ mod tests {
         assert_ne!(by_ip, by_header);
     }
 
+    /// (b) The actor's kind is part of the hashed input: a header value made of an address's
+    /// bytes is not that address, under every key, for every header actor.
+    #[test]
+    fn a_header_value_equal_to_an_address_is_not_that_address() {
+        let address = b"203.0.7.112";
+        let hashers = [
+            hasher(),
+            IdentityHasher::public(),
+            IdentityHasher::unbound(),
+            IdentityHasher::process(crate::hash::IdentityKey::from_bytes([7; 16])),
+        ];
+        for hasher in hashers {
+            let by_address = ip_identity(&Facts::default().ip(address), &hasher);
+            assert!(matches!(by_address, Identity::Key(_)));
+            for (actor, header) in [("device", "x-device-id"), ("account", "x-account-id")] {
+                let source = registry().get(actor).expect("known").source.clone();
+                let forged = Facts::default().header(header, address).ip(b"192.0.2.1");
+                assert_ne!(source.identify(&forged, &hasher), by_address, "{actor}");
+                // Without the header, device falls back to the very same address identity.
+                if actor == "device" {
+                    let plain = Facts::default().ip(address);
+                    assert_eq!(source.identify(&plain, &hasher), by_address);
+                }
+            }
+            // Two headers holding the same value are two identities, too.
+            let value = Facts::default()
+                .header("x-device-id", b"v")
+                .header("x-account-id", b"v");
+            assert_ne!(
+                identify_with("device", &value, &hasher),
+                identify_with("account", &value, &hasher)
+            );
+        }
+    }
+
+    fn identify_with(actor: &str, facts: &Facts, hasher: &IdentityHasher) -> Identity {
+        registry()
+            .get(actor)
+            .expect("known actor")
+            .source
+            .identify(facts, hasher)
+    }
+
     #[test]
     fn fallbacks() {
         let facts = Facts::default().ip(b"10.0.0.7");
         let skip = HeaderKind.build("x-t", Fallback::Skip);
         let ip = HeaderKind.build("x-t", Fallback::Ip);
         let shared = HeaderKind.build("x-t", Fallback::Shared);
-        assert_eq!(skip.source.identify(&facts), Identity::Skip);
-        assert_eq!(ip.source.identify(&facts), ip_identity(&facts));
-        assert!(matches!(ip.source.identify(&facts), Identity::Key(_)));
-        assert_eq!(ip.source.identify(&Facts::default()), Identity::Everyone);
-        assert_eq!(shared.source.identify(&facts), Identity::Everyone);
+        assert_eq!(skip.source.identify(&facts, &hasher()), Identity::Skip);
+        assert_eq!(
+            ip.source.identify(&facts, &hasher()),
+            ip_identity(&facts, &hasher())
+        );
+        assert!(matches!(
+            ip.source.identify(&facts, &hasher()),
+            Identity::Key(_)
+        ));
+        assert_eq!(
+            ip.source.identify(&Facts::default(), &hasher()),
+            Identity::Everyone
+        );
+        assert_eq!(
+            shared.source.identify(&facts, &hasher()),
+            Identity::Everyone
+        );
         // The fallback does not change the identity of a request that has the header.
         let with = Facts::default().header("x-t", b"v").ip(b"10.0.0.7");
-        assert_eq!(skip.source.identify(&with), shared.source.identify(&with));
+        assert_eq!(
+            skip.source.identify(&with, &hasher()),
+            shared.source.identify(&with, &hasher())
+        );
         assert_eq!(skip.spec, "header=x-t;fallback=skip");
         for fallback in Fallback::ALL {
             assert_eq!(
@@ -583,7 +646,10 @@ mod tests {
         let actor = HeaderActor::new("X-Tenant-Id", Fallback::Skip);
         assert_eq!(actor.header(), "x-tenant-id");
         let facts = Facts::default().header("x-tenant-id", b"t1");
-        assert!(matches!(actor.identify(&facts), Identity::Key(_)));
+        assert!(matches!(
+            actor.identify(&facts, &hasher()),
+            Identity::Key(_)
+        ));
     }
 
     #[test]
@@ -628,10 +694,164 @@ mod tests {
                 .get("tenant")
                 .expect("tenant")
                 .source
-                .identify(&facts),
+                .identify(&facts, &hasher()),
             Identity::Key(_)
         ));
         assert!(source_kind("header").is_some());
         assert!(source_kind("cookie").is_none());
+    }
+}
+
+/// The attack on the identity hash as it was (XXH3-64 with fixed public seeds, invertible
+/// for inputs of 4 to 8 bytes): a test-only copy of the old formula and its inverse, to show
+/// that the values that forged an address then are nobody in particular now.
+#[cfg(test)]
+mod forged {
+    use super::fake::Facts;
+    use super::Identity;
+    use crate::config::parse_policy;
+    use crate::decision::Decision;
+    use crate::engine::Engine;
+    use crate::metrics::NoMetrics;
+    use crate::store::{CasSemantics, MemoryHost, SlotAddress};
+    use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+    /// The old seeds (actor.rs before the keyed hash).
+    const OLD_IP_SEED: u64 = 0x6469_616e_615f_6970;
+    const OLD_HEADER_SEED: u64 = 0x6469_616e_615f_6864;
+
+    fn old_ip(ip: &str) -> u64 {
+        xxh3_64_with_seed(ip.as_bytes(), OLD_IP_SEED)
+    }
+
+    fn old_header_seed() -> u64 {
+        xxh3_64_with_seed(b"x-device-id", OLD_HEADER_SEED)
+    }
+
+    fn old_device(value: &[u8]) -> u64 {
+        xxh3_64_with_seed(value, old_header_seed())
+    }
+
+    const PRIME_MX2: u64 = 0x9FB2_1C65_1E98_DF25;
+    /// `XXH3_kSecret` bytes 8..16 and 16..24, little endian.
+    const SECRET_8: u64 = 0x1cad_21f7_2c81_017c;
+    const SECRET_16: u64 = 0xdb97_9083_e96d_d4de;
+
+    fn inverse(odd: u64) -> u64 {
+        // Newton's iteration: each step doubles the correct low bits (3 to start).
+        (0..6).fold(odd, |x, _| {
+            x.wrapping_mul(2u64.wrapping_sub(odd.wrapping_mul(x)))
+        })
+    }
+
+    /// XXH3-64's 4-to-8-byte path undone: the `len`-byte input whose hash under `seed` is
+    /// `hash`, if one exists (for `len < 8` the two 4-byte reads overlap and must agree).
+    fn invert(hash: u64, len: usize, seed: u64) -> Option<Vec<u8>> {
+        let mut h = hash ^ (hash >> 28) ^ (hash >> 56);
+        h = h.wrapping_mul(inverse(PRIME_MX2));
+        h ^= (h >> 35) + len as u64;
+        h = h.wrapping_mul(inverse(PRIME_MX2));
+        // x ^ rotl(x, 49) ^ rotl(x, 24) is 1 + g over GF(2)[R]/(R^64 - 1) with g nilpotent
+        // of order 64: its inverse is the product of (1 + g^(2^i)), i < 6.
+        for i in 0..6 {
+            h ^= h.rotate_left((49 << i) % 64) ^ h.rotate_left((24 << i) % 64);
+        }
+        let seed = seed ^ (u64::from((seed as u32).swap_bytes()) << 32);
+        let input = h ^ (SECRET_8 ^ SECRET_16).wrapping_sub(seed);
+        let (high, low) = (
+            ((input >> 32) as u32).to_le_bytes(),
+            (input as u32).to_le_bytes(),
+        );
+        let mut value = vec![0u8; len];
+        value[..4].copy_from_slice(&high);
+        for (i, byte) in low.into_iter().enumerate() {
+            let at = len - 4 + i;
+            if at < 4 && value[at] != byte {
+                return None;
+            }
+            value[at] = byte;
+        }
+        Some(value)
+    }
+
+    /// A header value (printable ASCII, no space at either end) that the old scheme hashed
+    /// exactly like `ip`'s address.
+    fn forge(ip: &str) -> Option<Vec<u8>> {
+        (4..=8)
+            .rev()
+            .filter_map(|len| invert(old_ip(ip), len, old_header_seed()))
+            .find(|value| {
+                value.iter().all(|byte| (0x20..0x7f).contains(byte))
+                    && value.first() != Some(&b' ')
+                    && value.last() != Some(&b' ')
+            })
+    }
+
+    #[test]
+    fn the_inverse_is_exact() {
+        for (len, value) in [(8, &b"g-}OD.%{"[..]), (4, b"abcd"), (7, b"\x00\xff seven")] {
+            let value = &value[..len];
+            assert_eq!(
+                invert(old_device(value), len, old_header_seed()).as_deref(),
+                Some(value)
+            );
+        }
+        // The report's attack: this device id was the client at 203.0.7.112.
+        assert_eq!(forge("203.0.7.112").as_deref(), Some(&b"g-}OD.%{"[..]));
+    }
+
+    /// (a) Header values found by inverting the old hash: under it each landed on the slot,
+    /// fingerprint and global key of an address; under the keyed hash they are another
+    /// identity, and three forged requests no longer lock the address's client out of a
+    /// 3-per-minute rule.
+    #[test]
+    fn values_that_forged_an_address_no_longer_share_its_counter() {
+        let forged: Vec<(String, Vec<u8>)> = (0..=255u32)
+            .flat_map(|c| (1..=255u32).map(move |d| format!("10.0.{c}.{d}")))
+            .filter_map(|ip| forge(&ip).map(|value| (ip, value)))
+            .take(3)
+            .collect();
+        assert_eq!(forged.len(), 3, "{forged:?}");
+
+        let document = "resources: [{Url: /, rules: [{actor: device, rpu: 3, unit: minute}]}]\n\
+                        identity_key: a-deployment-secret-of-32-bytes-or-more\n";
+        let engine = Engine::new(parse_policy(document).expect("document"));
+        let rule = engine.rules().next().expect("one rule");
+        let admitted = |host: &MemoryHost, facts: &Facts, now: u64| {
+            matches!(
+                engine.evaluate(host, b"/", facts, Some(now), &mut NoMetrics),
+                Decision::Allow { .. }
+            )
+        };
+        let now = 1_767_225_600_000_000_000u64;
+        for (ip, value) in &forged {
+            // Then: the same slots and fingerprint (so the same global key) as the address.
+            assert_eq!(
+                SlotAddress::of(old_device(value), 65_536),
+                SlotAddress::of(old_ip(ip), 65_536),
+                "{ip} {value:?}"
+            );
+            // Now: another identity.
+            let attacker = Facts::default()
+                .header("x-device-id", value)
+                .ip(b"192.0.2.66");
+            let victim = Facts::default().ip(ip.as_bytes());
+            let (Identity::Key(a), Identity::Key(v)) =
+                (rule.identify(&attacker), rule.identify(&victim))
+            else {
+                panic!("both have keys");
+            };
+            assert_ne!(SlotAddress::of(a, 65_536), SlotAddress::of(v, 65_536));
+            // And they do not share a counter: the attacker spends its own three.
+            let host = MemoryHost::new(CasSemantics::Envoy);
+            let spent: Vec<bool> = (0..4)
+                .map(|i| admitted(&host, &attacker, now + i))
+                .collect();
+            assert_eq!(spent, [true, true, true, false], "{ip}");
+            let victim: Vec<bool> = (0..4)
+                .map(|i| admitted(&host, &victim, now + 10 + i))
+                .collect();
+            assert_eq!(victim, [true, true, true, false], "{ip}: not locked out");
+        }
     }
 }

@@ -450,7 +450,7 @@ impl Engine {
         let mut waiting: Few<(&Rule, SlotAddress, u32)> = Few::new();
         for (_, resource) in matching::matching(&self.policy, &path) {
             for rule in &resource.rules {
-                let address = match rule.actor.identify(facts) {
+                let address = match rule.identify(facts) {
                     Identity::Skip => continue,
                     Identity::Everyone => SlotAddress::single(),
                     Identity::Key(hash) => SlotAddress::of(hash, rule.slots.get()),

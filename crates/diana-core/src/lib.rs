@@ -19,6 +19,8 @@
 //! - [`remote`]: polling the config center and sharing its document with every worker.
 //! - [`properties`]: host property values (Envoy vs nginx spellings).
 //! - [`logline`]: one `diana:` per log line, whatever the host prefixes.
+//! - [`secret`]: secrets the document carries, never shown (`Debug`, logs, plans).
+//! - [`signature`]: signed remote documents (HMAC-SHA256, Ed25519).
 //! - [`quota`]: the quota service's decisions, pure, and an in-process quota service.
 
 pub mod actor;
@@ -38,6 +40,8 @@ pub mod properties;
 pub mod quota;
 pub mod remote;
 pub mod response;
+pub mod secret;
+pub mod signature;
 pub mod store;
 pub mod time;
 pub mod wire;

@@ -71,10 +71,13 @@ pub enum Event {
     ConfigRejected,
     /// The config center could not be reached or answered an error.
     ConfigFetchError,
+    /// A remote document was refused because the local document does not let it in
+    /// (a pinned field changed, or a missing or bad signature: DESIGN §6).
+    ConfigRemoteRefused,
 }
 
 impl Event {
-    pub const ALL: [Event; 18] = [
+    pub const ALL: [Event; 19] = [
         Event::StoreError,
         Event::StoreContention,
         Event::ClockError,
@@ -93,6 +96,7 @@ impl Event {
         Event::ConfigReload,
         Event::ConfigRejected,
         Event::ConfigFetchError,
+        Event::ConfigRemoteRefused,
     ];
 
     pub fn name(self) -> &'static str {
@@ -115,6 +119,7 @@ impl Event {
             Event::ConfigReload => "diana_config_reloads",
             Event::ConfigRejected => "diana_config_rejected",
             Event::ConfigFetchError => "diana_config_fetch_errors",
+            Event::ConfigRemoteRefused => "diana_config_remote_refused",
         }
     }
 }

@@ -11,8 +11,14 @@
 //! Failures (center down, 5xx, invalid document) keep the last good document (or the local
 //! one if there never was one); the switch from healthy to failing and back is logged once
 //! and counted. `ETag` / `If-None-Match` are honoured; `304` means unchanged.
+//!
+//! A document is judged against the local one (DESIGN §6, [`accept`]): with
+//! `remote.signature` it must come with a good signature in [`SIGNATURE_HEADER`], and it
+//! may not change what the local document pins ([`crate::config::parse_remote`]). A refused
+//! document is kept out like an invalid one, and counted apart.
 
-use crate::config::{parse_policy, Policy, RemoteSpec};
+use crate::config::{parse_remote, ConfigError, Policy, RemoteError, RemoteSpec};
+pub use crate::signature::SIGNATURE_HEADER;
 use crate::store::{decode_u64, SharedData, Store};
 use crate::time::{Nanos, NANOS_PER_SECOND};
 
@@ -30,29 +36,44 @@ pub const MAX_DOCUMENT_BYTES: usize = 1 << 20;
 pub struct Published {
     pub version: u64,
     pub etag: Option<String>,
+    /// The [`SIGNATURE_HEADER`] it came with: every worker checks it again before adopting
+    /// the document, against its own local document (which may have gained a key since).
+    pub signature: Option<String>,
     pub text: String,
 }
 
 impl Published {
-    /// `version (8 bytes LE) | etag length (4 bytes LE) | etag | text`.
+    /// `version (8 bytes LE) | etag length (4 bytes LE) | etag | signature length (4 bytes
+    /// LE) | signature | text`.
     pub fn encode(&self) -> Vec<u8> {
         let etag = self.etag.as_deref().unwrap_or("").as_bytes();
-        let mut bytes = Vec::with_capacity(12 + etag.len() + self.text.len());
+        let signature = self.signature.as_deref().unwrap_or("").as_bytes();
+        let mut bytes = Vec::with_capacity(16 + etag.len() + signature.len() + self.text.len());
         bytes.extend_from_slice(&self.version.to_le_bytes());
-        bytes.extend_from_slice(&(etag.len() as u32).to_le_bytes());
-        bytes.extend_from_slice(etag);
+        for field in [etag, signature] {
+            bytes.extend_from_slice(&(field.len() as u32).to_le_bytes());
+            bytes.extend_from_slice(field);
+        }
         bytes.extend_from_slice(self.text.as_bytes());
         bytes
     }
 
     pub fn decode(bytes: &[u8]) -> Option<Published> {
         let version = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
-        let etag_len = u32::from_le_bytes(bytes.get(8..12)?.try_into().ok()?) as usize;
-        let etag = std::str::from_utf8(bytes.get(12..12 + etag_len)?).ok()?;
-        let text = std::str::from_utf8(bytes.get(12 + etag_len..)?).ok()?;
+        let mut rest = bytes.get(8..)?;
+        let mut field = || -> Option<Option<String>> {
+            let len = u32::from_le_bytes(rest.get(..4)?.try_into().ok()?) as usize;
+            let text = std::str::from_utf8(rest.get(4..4usize.checked_add(len)?)?).ok()?;
+            rest = rest.get(4 + len..)?;
+            Some((!text.is_empty()).then(|| text.to_string()))
+        };
+        let etag = field()?;
+        let signature = field()?;
+        let text = std::str::from_utf8(rest).ok()?;
         Some(Published {
             version,
-            etag: (!etag.is_empty()).then(|| etag.to_string()),
+            etag,
+            signature,
             text: text.to_string(),
         })
     }
@@ -122,6 +143,7 @@ pub enum PollOutcome {
         policy: Box<Policy>,
         text: String,
         etag: Option<String>,
+        signature: Option<String>,
     },
     /// `304`, or the same document again.
     Unchanged,
@@ -129,14 +151,48 @@ pub enum PollOutcome {
     Failed(String),
     /// The center answered a document that is not valid: keep what we have.
     Rejected(String),
+    /// The center answered a valid document that the local one does not let in (DESIGN
+    /// §6: it changes a pinned field, or its signature is missing or wrong): keep what we
+    /// have. Counted apart (`diana_config_remote_refused`) as well as rejected.
+    Refused(String),
 }
 
-/// Interprets a poll's answer. `status` 0 means no response (timeout, connection failure).
+/// Judges a document from the config center against the local document: its signature
+/// first (with `remote.signature`: over the exact bytes received), then
+/// [`parse_remote`]. The reason of a refusal names the field, never a secret.
+pub fn accept(
+    body: &[u8],
+    signature: Option<&[u8]>,
+    local: &Policy,
+) -> Result<Policy, RemoteError> {
+    if let Some(key) = local
+        .remote
+        .as_ref()
+        .and_then(|spec| spec.signature.as_ref())
+    {
+        key.verify(body, signature).map_err(|error| {
+            RemoteError::Refused(ConfigError {
+                message: format!("remote.signature ({}): {error}", key.kind()),
+            })
+        })?;
+    }
+    let text = std::str::from_utf8(body).map_err(|error| {
+        RemoteError::Invalid(ConfigError {
+            message: format!("not UTF-8: {error}"),
+        })
+    })?;
+    parse_remote(text, local)
+}
+
+/// Interprets a poll's answer against the local document. `status` 0 means no response
+/// (timeout, connection failure); `signature` is the answer's [`SIGNATURE_HEADER`].
 pub fn interpret(
     status: u16,
     etag: Option<String>,
+    signature: Option<&[u8]>,
     body: &[u8],
     current: Option<&Published>,
+    local: &Policy,
 ) -> PollOutcome {
     match status {
         0 => return PollOutcome::Failed("config center unreachable (no response)".into()),
@@ -150,23 +206,36 @@ pub fn interpret(
             body.len()
         ));
     }
-    let text = match std::str::from_utf8(body) {
-        Ok(text) => text,
-        Err(error) => {
-            return PollOutcome::Rejected(format!("invalid remote document: not UTF-8: {error}"))
-        }
-    };
-    if current.is_some_and(|published| published.text == text) {
+    // A header that is not text cannot be a signature; kept as text it could not be
+    // published, so it is dropped (and a key, if any, finds the document unsigned).
+    let signature = signature.and_then(|value| std::str::from_utf8(value).ok());
+    // The same document with the same signature: judged already (and [`adopt`] judges it
+    // again against a local document that changed since).
+    if current.is_some_and(|published| {
+        published.text.as_bytes() == body && published.signature.as_deref() == signature
+    }) {
         return PollOutcome::Unchanged;
     }
-    match parse_policy(text) {
+    match accept(body, signature.map(str::as_bytes), local) {
         Ok(policy) => PollOutcome::New {
             policy: Box::new(policy),
-            text: text.to_string(),
+            text: String::from_utf8_lossy(body).into_owned(),
             etag,
+            signature: signature.map(str::to_string),
         },
-        Err(error) => PollOutcome::Rejected(format!("invalid remote document: {error}")),
+        Err(error @ RemoteError::Invalid(_)) => PollOutcome::Rejected(error.to_string()),
+        Err(error @ RemoteError::Refused(_)) => PollOutcome::Refused(error.to_string()),
     }
+}
+
+/// Adopts a published document (another worker's poll, or this one's before a reload):
+/// judged again against this worker's local document.
+pub fn adopt(published: &Published, local: &Policy) -> Result<Policy, RemoteError> {
+    accept(
+        published.text.as_bytes(),
+        published.signature.as_deref().map(str::as_bytes),
+        local,
+    )
 }
 
 /// Publishes a new document with the next version, then the version in its own record;
@@ -176,6 +245,7 @@ pub fn publish(
     host: &dyn SharedData,
     text: &str,
     etag: Option<String>,
+    signature: Option<String>,
 ) -> Option<u64> {
     let version = store
         .update(host, DOCUMENT_KEY, |current| {
@@ -187,6 +257,7 @@ pub fn publish(
             let published = Published {
                 version,
                 etag: etag.clone(),
+                signature: signature.clone(),
                 text: text.to_string(),
             };
             (Some(published.encode()), version)
@@ -248,12 +319,22 @@ mod tests {
 
     const GOOD: &str = "Url: /\nrules:\n  - rpu: 5\n";
 
+    /// The local document the answers are judged against.
+    fn local() -> Policy {
+        crate::config::parse_policy(
+            "resources: [{Url: /, rules: [{rpu: 1}]}]\nremote: {cluster: diana_config, authority: config, path: /diana.yaml}\n",
+        )
+        .unwrap()
+    }
+
     fn spec() -> RemoteSpec {
         RemoteSpec {
             cluster: "diana_config".into(),
             authority: "config".into(),
             path: "/diana.yaml".into(),
             poll_seconds: 10,
+            allow: Vec::new(),
+            signature: None,
         }
     }
 
@@ -299,26 +380,33 @@ mod tests {
     #[test]
     fn answers_are_interpreted() {
         assert!(matches!(
-            interpret(0, None, b"", None),
+            interpret(0, None, None, b"", None, &local()),
             PollOutcome::Failed(_)
         ));
         assert!(matches!(
-            interpret(503, None, GOOD.as_bytes(), None),
+            interpret(503, None, None, GOOD.as_bytes(), None, &local()),
             PollOutcome::Failed(_)
         ));
         assert!(matches!(
-            interpret(304, None, b"", None),
+            interpret(304, None, None, b"", None, &local()),
             PollOutcome::Unchanged
         ));
         assert!(matches!(
-            interpret(200, None, b"rules: [[[", None),
+            interpret(200, None, None, b"rules: [[[", None, &local()),
             PollOutcome::Rejected(_)
         ));
         assert!(matches!(
-            interpret(200, None, b"\xff\xfe", None),
+            interpret(200, None, None, b"\xff\xfe", None, &local()),
             PollOutcome::Rejected(_)
         ));
-        match interpret(200, Some("\"v1\"".into()), GOOD.as_bytes(), None) {
+        match interpret(
+            200,
+            Some("\"v1\"".into()),
+            None,
+            GOOD.as_bytes(),
+            None,
+            &local(),
+        ) {
             PollOutcome::New { etag, text, .. } => {
                 assert_eq!(etag.as_deref(), Some("\"v1\""));
                 assert_eq!(text, GOOD);
@@ -328,26 +416,273 @@ mod tests {
         let published = Published {
             version: 3,
             etag: None,
+            signature: None,
             text: GOOD.into(),
         };
         assert!(matches!(
-            interpret(200, None, GOOD.as_bytes(), Some(&published)),
+            interpret(200, None, None, GOOD.as_bytes(), Some(&published), &local()),
             PollOutcome::Unchanged
         ));
         let huge = vec![b'#'; MAX_DOCUMENT_BYTES + 1];
         assert!(matches!(
-            interpret(200, None, &huge, None),
+            interpret(200, None, None, &huge, None, &local()),
             PollOutcome::Rejected(_)
         ));
+    }
+
+    const KEY: &str = "config-center-key-0123456789abcdef0123";
+
+    /// A local document that wants documents signed with `KEY`.
+    fn signed_local() -> Policy {
+        crate::config::parse_policy(&format!(
+            "resources: [{{Url: /, rules: [{{rpu: 1}}]}}]\n\
+             global: {{cluster: quota_local}}\n\
+             remote: {{cluster: diana_config, path: /diana.yaml, signature: {{hmac_sha256: {KEY}}}}}\n"
+        ))
+        .unwrap()
+    }
+
+    /// What the config center sends in `x-diana-signature`: base64 of HMAC-SHA256(body).
+    fn sign(key: &str, body: &[u8]) -> Vec<u8> {
+        use base64::Engine as _;
+        use hmac::{Hmac, Mac};
+        let mut mac = Hmac::<sha2::Sha256>::new_from_slice(key.as_bytes()).unwrap();
+        mac.update(body);
+        base64::engine::general_purpose::STANDARD
+            .encode(mac.finalize().into_bytes())
+            .into_bytes()
+    }
+
+    fn refusal(outcome: PollOutcome) -> String {
+        match outcome {
+            PollOutcome::Refused(reason) => reason,
+            other => panic!("should be refused: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_signed_document_is_adopted_with_its_signature() {
+        let local = signed_local();
+        let signature = sign(KEY, GOOD.as_bytes());
+        match interpret(200, None, Some(&signature), GOOD.as_bytes(), None, &local) {
+            PollOutcome::New {
+                policy,
+                signature: kept,
+                ..
+            } => {
+                assert_eq!(
+                    kept.as_deref().map(str::as_bytes),
+                    Some(signature.as_slice())
+                );
+                // It left out `global` and `remote`: the local ones.
+                assert_eq!(policy.global.cluster, "quota_local");
+                assert_eq!(policy.remote, local.remote);
+                assert_eq!(policy.rules().next().map(|r| r.limit.rpu.get()), Some(5));
+            }
+            other => panic!("{other:?}"),
+        }
+        // Published with it, the same answer again changes nothing.
+        let published = Published {
+            version: 1,
+            etag: None,
+            signature: String::from_utf8(signature.clone()).ok(),
+            text: GOOD.into(),
+        };
+        assert!(matches!(
+            interpret(
+                200,
+                None,
+                Some(&signature),
+                GOOD.as_bytes(),
+                Some(&published),
+                &local
+            ),
+            PollOutcome::Unchanged
+        ));
+        assert!(adopt(&published, &local).is_ok());
+    }
+
+    #[test]
+    fn an_unsigned_or_badly_signed_document_is_refused() {
+        let local = signed_local();
+        let body = GOOD.as_bytes();
+        let unsigned = refusal(interpret(200, None, None, body, None, &local));
+        assert!(
+            unsigned.contains("remote.signature (hmac_sha256): unsigned"),
+            "{unsigned}"
+        );
+        let other_key = sign("another-key-0123456789abcdef0123456789", body);
+        let wrong = refusal(interpret(200, None, Some(&other_key), body, None, &local));
+        assert!(wrong.contains("does not verify"), "{wrong}");
+        let garbage = refusal(interpret(200, None, Some(b"%%%"), body, None, &local));
+        assert!(garbage.contains("not a signature"), "{garbage}");
+        let binary = refusal(interpret(200, None, Some(b"\xff\xfe"), body, None, &local));
+        assert!(binary.contains("unsigned"), "{binary}");
+        for reason in [unsigned, wrong, garbage, binary] {
+            assert!(reason.starts_with("remote document refused: "), "{reason}");
+            assert!(!reason.contains(KEY), "{reason}");
+        }
+        // Even a document that is invalid anyway: the signature is checked first.
+        assert!(matches!(
+            interpret(200, None, None, b"rules: [[[", None, &local),
+            PollOutcome::Refused(_)
+        ));
+    }
+
+    #[test]
+    fn a_document_modified_after_signing_is_refused() {
+        let local = signed_local();
+        let signature = sign(KEY, GOOD.as_bytes());
+        let modified = GOOD.replace("rpu: 5", "rpu: 500000");
+        let reason = refusal(interpret(
+            200,
+            None,
+            Some(&signature),
+            modified.as_bytes(),
+            None,
+            &local,
+        ));
+        assert!(reason.contains("does not verify"), "{reason}");
+        // A trailing newline is a modification too.
+        let longer = format!("{GOOD}\n");
+        refusal(interpret(
+            200,
+            None,
+            Some(&signature),
+            longer.as_bytes(),
+            None,
+            &local,
+        ));
+    }
+
+    #[test]
+    fn a_valid_document_that_changes_what_the_local_one_pins_is_refused() {
+        for local in [local(), signed_local()] {
+            for (body, field) in [
+                (
+                    "resources: [{Url: /, rules: [{rpu: 5}]}]\nglobal: {cluster: \"evil:443\"}\n",
+                    "global.cluster: ",
+                ),
+                (
+                    "resources: [{Url: /, rules: [{rpu: 5}]}]\ndry_run: true\n",
+                    "dry_run: ",
+                ),
+                (
+                    "resources: [{Url: /, rules: [{rpu: 5}]}]\nremote: {cluster: evil, path: /x}\n",
+                    "remote.cluster: ",
+                ),
+            ] {
+                let signature = sign(KEY, body.as_bytes());
+                let reason = refusal(interpret(
+                    200,
+                    None,
+                    Some(&signature),
+                    body.as_bytes(),
+                    None,
+                    &local,
+                ));
+                assert!(
+                    reason.starts_with(&format!("remote document refused: {field}")),
+                    "{reason}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn ed25519_signed_documents_are_adopted_and_others_refused() {
+        use base64::Engine as _;
+        use ed25519_dalek::{Signer, SigningKey};
+        let b64 = base64::engine::general_purpose::STANDARD;
+        let center = SigningKey::from_bytes(&[9u8; 32]);
+        let local = crate::config::parse_policy(&format!(
+            "resources: [{{Url: /, rules: [{{rpu: 1}}]}}]\n\
+             remote: {{cluster: c, path: /p, signature: {{ed25519: \"{}\"}}}}\n",
+            b64.encode(center.verifying_key().as_bytes())
+        ))
+        .unwrap();
+        let good = b64.encode(center.sign(GOOD.as_bytes()).to_bytes());
+        assert!(matches!(
+            interpret(
+                200,
+                None,
+                Some(good.as_bytes()),
+                GOOD.as_bytes(),
+                None,
+                &local
+            ),
+            PollOutcome::New { .. }
+        ));
+        let impostor = SigningKey::from_bytes(&[8u8; 32]);
+        let bad = b64.encode(impostor.sign(GOOD.as_bytes()).to_bytes());
+        refusal(interpret(
+            200,
+            None,
+            Some(bad.as_bytes()),
+            GOOD.as_bytes(),
+            None,
+            &local,
+        ));
+        refusal(interpret(200, None, None, GOOD.as_bytes(), None, &local));
+        let modified = GOOD.replace('5', "6");
+        refusal(interpret(
+            200,
+            None,
+            Some(good.as_bytes()),
+            modified.as_bytes(),
+            None,
+            &local,
+        ));
+    }
+
+    #[test]
+    fn a_published_document_is_judged_again_by_the_local_document_that_adopts_it() {
+        // Published while the local document had no key; the gateway then gained one.
+        let published = Published {
+            version: 4,
+            etag: Some("\"e\"".into()),
+            signature: None,
+            text: GOOD.into(),
+        };
+        assert!(adopt(&published, &local()).is_ok());
+        assert!(matches!(
+            adopt(&published, &signed_local()),
+            Err(RemoteError::Refused(_))
+        ));
+        // The same text, now signed, is a new document (not "unchanged").
+        let signature = sign(KEY, GOOD.as_bytes());
+        assert!(matches!(
+            interpret(
+                200,
+                None,
+                Some(&signature),
+                GOOD.as_bytes(),
+                Some(&published),
+                &signed_local()
+            ),
+            PollOutcome::New { .. }
+        ));
+        // Published documents keep their signature.
+        let with_signature = Published {
+            signature: Some("c2lnbmF0dXJl".into()),
+            ..published
+        };
+        assert_eq!(
+            Published::decode(&with_signature.encode()),
+            Some(with_signature)
+        );
     }
 
     #[test]
     fn published_documents_round_trip_with_increasing_versions() {
         let host = MemoryHost::new(CasSemantics::Nginx);
         let store = Store::new();
-        assert_eq!(publish(&store, &host, GOOD, Some("e1".into())), Some(1));
         assert_eq!(
-            publish(&store, &host, "Url: /x\nrules: [{rpu: 1}]\n", None),
+            publish(&store, &host, GOOD, Some("e1".into()), None),
+            Some(1)
+        );
+        assert_eq!(
+            publish(&store, &host, "Url: /x\nrules: [{rpu: 1}]\n", None, None),
             Some(2)
         );
         let published = read_published(&store, &host).unwrap();

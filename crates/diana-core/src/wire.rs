@@ -15,6 +15,7 @@
 use crate::algo::{self, Algorithm, Limit, Verdict};
 use crate::time::{Nanos, Unit};
 use serde::{Deserialize, Serialize};
+use std::fmt;
 use std::num::NonZeroU32;
 
 /// Asks for tokens; the answer carries admitted leaky-bucket delays for the caller to apply.
@@ -45,6 +46,13 @@ pub const MAX_BODY_BYTES: usize = 64 * 1024;
 pub const MAX_WAIT_MS: u64 = 10_000;
 /// Largest `max_delay_ms` (a day); leave the field out for no cap.
 pub const MAX_DELAY_MS: u64 = 86_400_000;
+/// Longest a token or leaky bucket may span, `burst × unit / rpu`, in seconds (a day): the
+/// time a full bucket takes to empty at the rate, or an empty one to refill. With windows
+/// of at most a day, no counter remembers anything for much longer than a day (the exact
+/// bounds of a Redis key's TTL are in `docs/wire-format.md`, "Bounds").
+pub const MAX_BUCKET_SECONDS: u64 = 86_400;
+/// Most tokens one request may ask for, `want` added up over its rules (every endpoint).
+pub const MAX_TOTAL_WANT: u64 = 1_000_000;
 
 /// `POST /v1/acquire` and `POST /v1/wait` body: every global rule of one gateway request.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -63,11 +71,13 @@ pub struct RuleRequest {
     pub rpu: u32,
     /// `second`, `minute`, `hour`, `day`.
     pub unit: String,
-    /// Token-bucket capacity / leaky-bucket queue length, ≥ 1 (ignored by W and SW).
+    /// Token-bucket capacity / leaky-bucket queue length, ≥ 1 (ignored by W and SW); a
+    /// bucket spans at most a day (`burst × unit / rpu ≤` [`MAX_BUCKET_SECONDS`]).
     pub burst: u32,
     /// Sliding-window slices, 1..=[`MAX_SLICES`] (ignored by the other algorithms).
     pub slices: u32,
-    /// Tokens asked for (the lease size), 1..=[`MAX_WANT`]. Default 1.
+    /// Tokens asked for (the lease size), 1..=[`MAX_WANT`], and at most [`MAX_TOTAL_WANT`]
+    /// over the rules of one request. Default 1.
     #[serde(default = "one")]
     pub want: u32,
     /// Tokens the gateway request itself needs (its cost), 1..=`want`: the rule admits the
@@ -246,6 +256,8 @@ impl RuleRequest {
             burst,
             slices,
         };
+        check_rule_limits(algo, &limit)
+            .map_err(|error| format!("{}: {}", field(error.field), error.reason))?;
         if u64::from(cost.get()) > algo.capacity(&limit) {
             return Err(format!(
                 "{}: {} is more than the limit can ever grant ({})",
@@ -266,6 +278,64 @@ impl RuleRequest {
             dry_run: self.dry_run,
         })
     }
+}
+
+/// A rule's limit out of the bounds of the wire format: the field to blame, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LimitError {
+    /// `rpu`, `burst`, `slices` (the wire's and the document's name alike).
+    pub field: &'static str,
+    /// Why, with the values (`burst 5 at 1 per day spans 432000 s …`).
+    pub reason: String,
+}
+
+impl fmt::Display for LimitError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.field, self.reason)
+    }
+}
+
+impl std::error::Error for LimitError {}
+
+/// Whether the service can keep a counter of this algorithm and limit: the bounds on what
+/// one rule may make the service store, shared by [`validate`] (every rule of every
+/// request) and the filter's configuration loader (every global rule, so that a document
+/// the service would refuse is refused at load time instead).
+///
+/// - the unit is at most a day (a [`Unit`] cannot be longer);
+/// - sliding windows have 1 to [`MAX_SLICES`] slices;
+/// - token and leaky buckets (`TB`, `LB`) span at most a day: `burst × unit / rpu ≤`
+///   [`MAX_BUCKET_SECONDS`] (1 per day with burst 1 is the longest; 10 per hour allows a
+///   burst up to 240).
+///
+/// Fixed and sliding windows ignore `burst`; the other algorithms ignore `slices` beyond
+/// its range check.
+pub fn check_rule_limits(algo: &dyn Algorithm, limit: &Limit) -> Result<(), LimitError> {
+    let slices = limit.slices.get();
+    if slices > MAX_SLICES {
+        return Err(LimitError {
+            field: "slices",
+            reason: format!("must be between 1 and {MAX_SLICES}, got {slices}"),
+        });
+    }
+    if matches!(algo.code(), "TB" | "LB") {
+        let (rpu, burst) = (u64::from(limit.rpu.get()), u64::from(limit.burst.get()));
+        let unit = limit.unit.seconds();
+        // burst × unit / rpu ≤ a day, in integers: burst × unit ≤ rpu × a day.
+        if u128::from(burst) * u128::from(unit) > u128::from(rpu) * u128::from(MAX_BUCKET_SECONDS) {
+            let span = (u128::from(burst) * u128::from(unit)).div_ceil(u128::from(rpu));
+            let most = u128::from(rpu) * u128::from(MAX_BUCKET_SECONDS) / u128::from(unit);
+            return Err(LimitError {
+                field: "burst",
+                reason: format!(
+                    "{burst} at {rpu} per {} spans {span} s (burst × unit / rpu), more than a day ({MAX_BUCKET_SECONDS} s): \
+                     at most {most} at this rate",
+                    limit.unit.name()
+                ),
+            });
+        }
+    }
+    Ok(())
 }
 
 fn check_key(key: &str) -> Result<(), String> {
@@ -299,16 +369,26 @@ impl AcquireRequest {
                 self.rules.len()
             ));
         }
-        self.rules
+        let rules = self
+            .rules
             .iter()
             .enumerate()
             .map(|(index, rule)| rule.resolve(index))
-            .collect()
+            .collect::<Result<Vec<_>, _>>()?;
+        let total: u64 = self.rules.iter().map(|rule| u64::from(rule.want)).sum();
+        if total > MAX_TOTAL_WANT {
+            return Err(format!(
+                "rules: want adds up to {total} over the request's rules, at most {MAX_TOTAL_WANT}"
+            ));
+        }
+        Ok(rules)
     }
 }
 
 /// Checks a request against every limit of the format; the error names the field
 /// (`rules[2].rpu: must be ≥ 1`). Shared by the filter (before sending) and the service.
+/// Each rule's limit is checked by [`check_rule_limits`]; the `want`s of all rules add up
+/// to at most [`MAX_TOTAL_WANT`].
 pub fn validate(request: &AcquireRequest) -> Result<(), String> {
     request.resolve().map(|_| ())
 }
@@ -549,6 +629,78 @@ mod tests {
         let mut longest = rule();
         longest.key = "a".repeat(MAX_KEY_BYTES);
         assert!(validate(&request(vec![longest])).is_ok());
+    }
+
+    #[test]
+    fn buckets_span_at_most_a_day() {
+        let bucket = |algo: &str, rpu: u32, unit: &str, burst: u32| {
+            let mut r = rule();
+            (r.algo, r.rpu, r.unit, r.burst) = (algo.to_string(), rpu, unit.to_string(), burst);
+            validate(&request(vec![r]))
+        };
+        for algo in ["TB", "LB"] {
+            // 1 per day, burst 1: exactly a day, the longest.
+            assert_eq!(bucket(algo, 1, "day", 1), Ok(()), "{algo}");
+            assert_eq!(
+                bucket(algo, 1, "day", 2).unwrap_err(),
+                "rules[0].burst: 2 at 1 per day spans 172800 s (burst × unit / rpu), more than a day (86400 s): at most 1 at this rate"
+            );
+            // 10 per hour: 240 × 6 min = a day.
+            assert_eq!(bucket(algo, 10, "hour", 240), Ok(()), "{algo}");
+            assert!(bucket(algo, 10, "hour", 241)
+                .unwrap_err()
+                .starts_with("rules[0].burst: 241 at 10 per hour spans 86760 s"));
+            // The largest values of the format where the rate allows them.
+            assert_eq!(bucket(algo, u32::MAX, "second", u32::MAX), Ok(()));
+            assert!(bucket(algo, 1, "second", u32::MAX).is_err());
+        }
+        // Windows ignore burst.
+        assert_eq!(bucket("W", 1, "day", u32::MAX), Ok(()));
+        assert_eq!(bucket("SW", 1, "day", u32::MAX), Ok(()));
+        // The function the configuration loader calls, with a typed error.
+        let limit = |rpu, unit, burst, slices| Limit {
+            rpu: NonZeroU32::new(rpu).unwrap(),
+            unit,
+            burst: NonZeroU32::new(burst).unwrap(),
+            slices: NonZeroU32::new(slices).unwrap(),
+        };
+        let tb = algo::lookup("TB").unwrap();
+        let sw = algo::lookup("SW").unwrap();
+        assert_eq!(
+            check_rule_limits(tb, &limit(5, Unit::Minute, 7200, 10)),
+            Ok(())
+        );
+        let error = check_rule_limits(tb, &limit(5, Unit::Minute, 7201, 10)).unwrap_err();
+        assert_eq!(error.field, "burst");
+        assert!(
+            error.to_string().starts_with("burst: 7201 at 5 per minute"),
+            "{error}"
+        );
+        let error = check_rule_limits(sw, &limit(5, Unit::Minute, 1, 61)).unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "slices: must be between 1 and 60, got 61"
+        );
+    }
+
+    #[test]
+    fn the_total_want_of_a_request_is_bounded() {
+        let lease = |want| RuleRequest { want, ..rule() };
+        let ten = vec![lease(MAX_WANT); 10];
+        assert_eq!(validate(&request(ten.clone())), Ok(()));
+        let mut eleven = ten;
+        eleven.push(lease(1));
+        assert_eq!(
+            validate(&request(eleven)).unwrap_err(),
+            "rules: want adds up to 1000001 over the request's rules, at most 1000000"
+        );
+        // A rule's own error comes first.
+        let mut bad = vec![lease(MAX_WANT); 11];
+        bad[3].rpu = 0;
+        assert_eq!(
+            validate(&request(bad)).unwrap_err(),
+            "rules[3].rpu: must be ≥ 1"
+        );
     }
 
     #[test]

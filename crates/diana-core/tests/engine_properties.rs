@@ -141,7 +141,7 @@ fn covers(url: &str, path: &str) -> bool {
 }
 
 fn address(rule: &Rule, client: &Client) -> SlotAddress {
-    match rule.actor.identify(client) {
+    match rule.identify(client) {
         Identity::Key(hash) => SlotAddress::of(hash, rule.slots.get()),
         _ => SlotAddress::single(),
     }
@@ -181,7 +181,7 @@ fn probe(algo: &dyn Algorithm, rule: &Rule, state: &[u64], now: Nanos) -> Verdic
 /// Whose counter of `rule` a request from `CLIENTS[client]` is charged to: the client's
 /// own (per-identity rules) or the one shared counter (0).
 fn who(rule: &Rule, client: usize) -> usize {
-    match rule.actor.identify(&Client(CLIENTS[client])) {
+    match rule.identify(&Client(CLIENTS[client])) {
         Identity::Key(_) => client,
         _ => 0,
     }

@@ -8,7 +8,8 @@
 //! ```
 //!
 //! Starts its own `redis-server` and `diana-quota` on free loopback ports (stopped by PID
-//! at the end), sends `POST /v1/acquire` with two rules (a token bucket and a sliding
+//! at the end; the service gets a fresh secret in `DIANA_QUOTA_TOKEN`, which every request
+//! presents as `authorization: Bearer …`), sends `POST /v1/acquire` with two rules (a token bucket and a sliding
 //! window that never run out, one pair of keys per connection), and prints, per store and
 //! concurrency: answers per second, the share of 200s and of 503s (shed as overloaded,
 //! or at the deadline), and p50/p99 latency of the 200s and of the shed answers.
@@ -77,9 +78,10 @@ impl Drop for Process {
     }
 }
 
-fn spawn(program: &str, args: &[String]) -> Result<Process, String> {
+fn spawn(program: &str, args: &[String], env: &[(&str, &str)]) -> Result<Process, String> {
     Command::new(program)
         .args(args)
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -137,13 +139,22 @@ async fn exchange(
     Ok((status, body))
 }
 
+/// A secret for this run (at least 32 bytes; the service refuses a shorter one).
+fn secret() -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|elapsed| elapsed.as_nanos())
+        .unwrap_or(0);
+    format!("load-{}-{nanos:032x}", std::process::id())
+}
+
 /// One closed-loop client until `end`.
-async fn client(port: u16, id: usize, end: Instant) -> Vec<Answer> {
+async fn client(port: u16, token: &str, id: usize, end: Instant) -> Vec<Answer> {
     let body = format!(
         r#"{{"rules":[{{"key":"load:{id}","algo":"TB","rpu":4000000000,"unit":"second","burst":4000000000,"slices":1,"want":1}},{{"key":"load:{id}","algo":"SW","rpu":4000000000,"unit":"second","burst":1,"slices":10,"want":1}}]}}"#
     );
     let request = format!(
-        "POST /v1/acquire HTTP/1.1\r\nhost: quota\r\ncontent-type: application/json\r\ncontent-length: {}\r\nx-diana-timeout-ms: 50\r\n\r\n{body}",
+        "POST /v1/acquire HTTP/1.1\r\nhost: quota\r\ncontent-type: application/json\r\nauthorization: Bearer {token}\r\ncontent-length: {}\r\nx-diana-timeout-ms: 50\r\n\r\n{body}",
         body.len()
     );
     let mut answers = Vec::new();
@@ -182,10 +193,13 @@ fn percentile(sorted: &[u32], p: f64) -> f64 {
         .map_or(f64::NAN, |&micros| f64::from(micros) / 1_000.0)
 }
 
-async fn run_level(port: u16, concurrency: usize, seconds: u64) -> String {
+async fn run_level(port: u16, token: &str, concurrency: usize, seconds: u64) -> String {
     let end = Instant::now() + Duration::from_secs(seconds);
     let tasks: Vec<_> = (0..concurrency)
-        .map(|id| tokio::spawn(client(port, id, end)))
+        .map(|id| {
+            let token = token.to_string();
+            tokio::spawn(async move { client(port, &token, id, end).await })
+        })
         .collect();
     let mut answers = Vec::new();
     for task in tasks {
@@ -257,22 +271,24 @@ async fn main_async(options: Options) -> Result<(), String> {
                     "--appendonly".into(),
                     "no".into(),
                 ],
+                &[],
             )?);
             wait_listening(redis_port).await?;
             args.push("--redis".into());
             args.push(format!("redis://127.0.0.1:{redis_port}"));
         }
-        let quota = spawn(&options.quota_bin, &args)?;
+        let token = secret();
+        let quota = spawn(&options.quota_bin, &args, &[("DIANA_QUOTA_TOKEN", &token)])?;
         wait_listening(quota_port).await?;
         println!("### {store}\n");
         println!("| connections | answers/s | 200/s | shed (overloaded) | 503 at the deadline | p50 200 (ms) | p99 200 (ms) | p50 shed (ms) | p99 shed (ms) | other |");
         println!("|---|---|---|---|---|---|---|---|---|---|");
         // Warm-up: connections, the script loaded.
-        let _ = run_level(quota_port, 4, 1).await;
+        let _ = run_level(quota_port, &token, 4, 1).await;
         for &concurrency in &options.concurrency {
             println!(
                 "{}",
-                run_level(quota_port, concurrency, options.seconds).await
+                run_level(quota_port, &token, concurrency, options.seconds).await
             );
         }
         println!();

@@ -11,9 +11,12 @@
 --   decision whose answer came too late), rules taken in reverse order so that leaky-
 --   bucket turns reserved by one request come back one after the other.
 --
--- KEYS[i]  the state of rule i: `diana:{<key>}:<ALGO>` (the algorithm's file documents
---          it). The braces are a Redis Cluster hash tag; in a cluster the service sends
---          one call per key (so all KEYS of a call live in one slot).
+-- KEYS[i]  the state of rule i: `diana:{<key>}:<ALGO>:<rpu>:<unit>:<burst>:<slices>` (the
+--          algorithm's file documents it). The service names the key after every
+--          parameter of the rule, so a state is only ever read with the parameters it was
+--          written with: a rule with other parameters has another key. The braces are a
+--          Redis Cluster hash tag; in a cluster the service sends one call per rule key
+--          (so all KEYS of a call live in one slot).
 -- ARGV[1]  the operation: acquire, charge or release
 -- ARGV[2]  "now" in microseconds since the epoch (tests only); empty -> the server clock
 --          (redis TIME), so every gateway uses the same clock

@@ -21,7 +21,8 @@
 -- Every number stays an integer < 2^53: now ~ 2^51 us, B is clamped to 2^50 us by the
 -- service, k*T is only computed exactly for k <= 2^20.
 --
--- KEYS[i]  state: hash `diana:{<key>}:LB`, fields
+-- KEYS[i]  state: hash `diana:{<key>}:LB:<rpu>:<unit>:<burst>:<slices>`
+--          (the counter is bound to its parameters), fields
 --            u = integer microseconds of next_free, f = its fraction in 1/rpu microseconds
 --          expires when the queue is empty again (next_free) + 1 s
 -- ARGV (the rule's parameters, after its code "LB"; see decide.lua for the rest):

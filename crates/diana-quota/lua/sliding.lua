@@ -13,7 +13,8 @@
 -- limit until that slice has left it. A release takes tokens off the slice its grant was
 -- counted in (the mark), if that slice is still in the window.
 --
--- KEYS[i]  state: hash `diana:{<key>}:SW`, fields
+-- KEYS[i]  state: hash `diana:{<key>}:SW:<rpu>:<unit>:<burst>:<slices>`
+--          (the counter is bound to its parameters), fields
 --            h = the head slice (absolute index, decimal)
 --            <g> = tokens counted in slice g, for the slices h-slices+1 .. h that hold any
 --          expires when the head slice leaves the window + 1 s

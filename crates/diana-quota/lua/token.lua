@@ -22,7 +22,8 @@
 -- T = unit/rpu is exact. Every number stays an integer < 2^53: now ~ 2^51 us, B is clamped
 -- to 2^50 us by the service, k*T is only computed exactly for k <= 2^20.
 --
--- KEYS[i]  state: hash `diana:{<key>}:TB`, fields
+-- KEYS[i]  state: hash `diana:{<key>}:TB:<rpu>:<unit>:<burst>:<slices>`
+--          (the counter is bound to its parameters), fields
 --            u = integer microseconds of TAT, f = its fraction in 1/rpu microseconds
 --          expires when the bucket is full again (TAT) + 1 s; a debt pushes TAT, and so
 --          the expiry, further

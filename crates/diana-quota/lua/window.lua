@@ -10,7 +10,8 @@
 -- (garbage). Debts leave the count above rpu until the window ends. A release takes the
 -- tokens off the count if their window (the mark) is still the stored one.
 --
--- KEYS[i]  state: hash `diana:{<key>}:W`, fields
+-- KEYS[i]  state: hash `diana:{<key>}:W:<rpu>:<unit>:<burst>:<slices>`
+--          (the counter is bound to its parameters), fields
 --            w = index of the window the count belongs to (floor(now / unit))
 --            c = tokens counted in window w (above rpu only after a debt)
 --          expires at the end of window w + 1 s

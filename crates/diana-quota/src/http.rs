@@ -8,6 +8,11 @@
 //!   service is shutting down.
 //! - `GET /metrics`: Prometheus (OpenMetrics) text.
 //!
+//! Only gateways may call the first three: a layer in front of them answers `401` (with
+//! `www-authenticate: Bearer`) to a request without `authorization: Bearer <secret>`
+//! before its body is read, its place in flight taken or its store touched
+//! ([`crate::auth`]). Health and metrics need no secret and reveal no counter or key.
+//!
 //! Holding under load: at most [`Settings::max_in_flight`] decisions are made at once; one
 //! more is refused at once with `503 {"error":"overloaded"}` (shed, before its body is
 //! read). Every decision is answered before its deadline, `min(Settings::deadline,
@@ -15,6 +20,7 @@
 //! the answer reaches the gateway before it gives up; a grant whose store answer comes
 //! later is given back (`Store::release`) instead of being lost to nobody.
 
+use crate::auth::{Auth, SCHEME};
 use crate::metrics::{self, Metrics};
 use crate::store::{Outcome, Store, StoreError};
 use axum::body::Body;
@@ -73,6 +79,7 @@ pub struct AppState {
 
 struct Inner {
     store: Arc<dyn Store>,
+    auth: Arc<Auth>,
     metrics: Metrics,
     settings: Settings,
     permits: Arc<Semaphore>,
@@ -80,11 +87,17 @@ struct Inner {
 }
 
 impl AppState {
-    pub fn new(store: Arc<dyn Store>, settings: Settings) -> AppState {
+    /// The state of a service over `store`, accepting the gateways `auth` accepts
+    /// ([`Auth::insecure`]: everyone).
+    pub fn new(store: Arc<dyn Store>, settings: Settings, auth: impl Into<Arc<Auth>>) -> AppState {
+        let auth = auth.into();
+        let metrics = Metrics::new();
+        metrics.set_auth_required(auth.is_required());
         AppState {
             inner: Arc::new(Inner {
                 store,
-                metrics: Metrics::new(),
+                auth,
+                metrics,
                 permits: Arc::new(Semaphore::new(settings.max_in_flight.max(1))),
                 settings,
                 shutting_down: AtomicBool::new(false),
@@ -94,6 +107,11 @@ impl AppState {
 
     pub fn store(&self) -> &Arc<dyn Store> {
         &self.inner.store
+    }
+
+    /// Who may call the gateway endpoints (its secrets can be replaced while serving).
+    pub fn auth(&self) -> &Arc<Auth> {
+        &self.inner.auth
     }
 
     pub fn metrics(&self) -> &Metrics {
@@ -119,12 +137,16 @@ impl AppState {
     }
 }
 
-/// The service's router.
+/// The service's router: the gateway endpoints behind `authenticate`, health and
+/// metrics open.
 pub fn app(state: AppState) -> Router {
-    Router::new()
+    let gateway = Router::new()
         .route(wire::ACQUIRE_PATH, post(acquire))
         .route(wire::WAIT_PATH, post(wait))
         .route(wire::CHARGE_PATH, post(charge))
+        .route_layer(middleware::from_fn_with_state(state.clone(), authenticate));
+    Router::new()
+        .merge(gateway)
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics_text))
@@ -158,6 +180,27 @@ async fn track(State(state): State<AppState>, request: Request, next: Next) -> R
         .metrics()
         .request(route, response.status().as_u16(), started.elapsed());
     response
+}
+
+/// The text of a 401.
+pub const UNAUTHORIZED: &str = "unauthorized";
+
+/// In front of every gateway endpoint: a request without a valid `authorization: Bearer
+/// <secret>` is answered 401 here, before its body is read, a place in flight taken or the
+/// store touched, and counted (`diana_quota_unauthorized_total`).
+async fn authenticate(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    match state.auth().check(request.headers()) {
+        Ok(()) => next.run(request).await,
+        Err(rejection) => {
+            state.metrics().unauthorized(rejection.label());
+            let mut answer = error(StatusCode::UNAUTHORIZED, UNAUTHORIZED);
+            answer.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                axum::http::HeaderValue::from_static(SCHEME),
+            );
+            answer
+        }
+    }
 }
 
 /// A JSON error answer.

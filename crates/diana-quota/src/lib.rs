@@ -9,19 +9,28 @@
 //! past the limits. The wire format is `docs/wire-format.md` and
 //! [`diana_core::global::wire`].
 //!
+//! Only gateways may call it: every gateway endpoint needs `authorization: Bearer
+//! <secret>` ([`auth`]); the service refuses to start without a secret unless told
+//! `--insecure-no-auth`.
+//!
+//! - [`auth`]: the secrets, and the check of every gateway request.
 //! - [`http`]: the router ([`app`]), handlers, load shedding and deadlines.
 //! - [`store`]: the storage seam ([`store::Store`]) with [`store::MemoryStore`] and [`store::RedisStore`].
 //! - [`metrics`]: Prometheus metrics.
 //! - [`Cli`], [`serve`] and [`run`]: what the binary does.
 
+pub mod auth;
 pub mod http;
 pub mod metrics;
 pub mod store;
 
+pub use auth::Auth;
 pub use http::{app, AppState, Settings};
 
+use auth::{Secret, TOKEN_ENV};
 use clap::Parser;
 use std::future::Future;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 use store::{MemoryStore, RedisOptions, RedisStore, RedisTarget, Store, SystemClock};
@@ -37,7 +46,8 @@ use store::{MemoryStore, RedisOptions, RedisStore, RedisTarget, Store, SystemClo
 #[command(
     name = "diana-quota",
     version,
-    about = "Diana's global-limit service (HTTP in front of Redis)"
+    about = "Diana's global-limit service (HTTP in front of Redis)",
+    after_help = AFTER_HELP
 )]
 pub struct Cli {
     /// Address to listen on, ADDR:PORT.
@@ -46,7 +56,8 @@ pub struct Cli {
 
     /// Redis: redis://host:port[/db] or redis+cluster://h1:p1,h2:p2. Without it counters
     /// live in this process's memory (run one replica only).
-    #[arg(long, env = "DIANA_QUOTA_REDIS")]
+    // `--help` never shows the variable's value: it may hold a password.
+    #[arg(long, env = "DIANA_QUOTA_REDIS", hide_env_values = true)]
     pub redis: Option<String>,
 
     /// Longest wait for a connection to Redis, in milliseconds (keep it within
@@ -92,9 +103,73 @@ pub struct Cli {
     /// Log filter (tracing-subscriber EnvFilter syntax), e.g. `info` or `diana_quota=debug`.
     #[arg(long, env = "DIANA_QUOTA_LOG", default_value = "info")]
     pub log: String,
+
+    /// File holding the secret gateways must present (`authorization: Bearer <secret>`):
+    /// one secret per line, any of them accepted (rotation), each at least 32 bytes of
+    /// printable ASCII; surrounding whitespace and blank lines are ignored. SIGHUP re-reads
+    /// it. The secret can also come from the environment variable DIANA_QUOTA_TOKEN (never
+    /// from a command-line value).
+    #[arg(long, env = "DIANA_QUOTA_TOKEN_FILE", value_name = "PATH")]
+    pub token_file: Option<PathBuf>,
+
+    /// Serve WITHOUT authentication: anyone who can reach the port can read, drain and
+    /// reset every counter. For loopback demos and benchmarks only (a warning is logged).
+    #[arg(long)]
+    pub insecure_no_auth: bool,
 }
 
+/// The end of `--help`.
+const AFTER_HELP: &str = "\
+Authentication: every call to /v1/acquire, /v1/wait and /v1/charge must carry
+`authorization: Bearer <secret>` (otherwise 401, nothing touched). The secret comes from
+--token-file PATH or the environment variable DIANA_QUOTA_TOKEN (at least 32 bytes, e.g.
+`openssl rand -hex 32`); there is no flag that takes the secret itself. Without a secret
+the service refuses to start, unless --insecure-no-auth. /healthz, /readyz and /metrics
+need no secret.
+
+Rotation: add the new secret as a second line of the token file and send SIGHUP (or
+restart); move the gateways to the new secret; remove the old line and SIGHUP again.";
+
+/// The message when no secret was given.
+pub const NO_SECRET: &str = "no secret to authenticate the gateways: give --token-file PATH \
+(one secret per line, at least 32 bytes each) or the environment variable DIANA_QUOTA_TOKEN; \
+or, to serve without authentication (anyone who can reach the port can read, drain and reset \
+every counter), --insecure-no-auth";
+
 impl Cli {
+    /// The secrets of `--token-file` and of `env_token` (the value of DIANA_QUOTA_TOKEN, if
+    /// set), both checked; empty when neither is given.
+    pub fn secrets(&self, env_token: Option<&str>) -> Result<Vec<Secret>, String> {
+        let mut secrets = Vec::new();
+        if let Some(path) = &self.token_file {
+            secrets.extend(auth::read_token_file(path)?);
+        }
+        if let Some(text) = env_token {
+            secrets.extend(auth::parse_secrets(text, TOKEN_ENV)?);
+        }
+        Ok(secrets)
+    }
+
+    /// The authentication these flags and `env_token` (DIANA_QUOTA_TOKEN's value) describe:
+    /// the secrets, or none with `--insecure-no-auth`; an error (the service must not start)
+    /// without either, with both, or with a bad secret.
+    pub fn auth_with(&self, env_token: Option<&str>) -> Result<Auth, String> {
+        let secrets = self.secrets(env_token)?;
+        match (self.insecure_no_auth, secrets.is_empty()) {
+            (true, true) => Ok(Auth::insecure()),
+            (true, false) => Err(format!(
+                "--insecure-no-auth, but a secret is given too (--token-file or {TOKEN_ENV}): choose one"
+            )),
+            (false, true) => Err(NO_SECRET.to_string()),
+            (false, false) => Auth::with_secrets(&secrets),
+        }
+    }
+
+    /// [`Cli::auth_with`] the environment's DIANA_QUOTA_TOKEN.
+    pub fn auth(&self) -> Result<Auth, String> {
+        self.auth_with(env_token()?.as_deref())
+    }
+
     /// The store and the HTTP settings these flags describe.
     pub fn build(&self) -> Result<(Arc<dyn Store>, Settings), String> {
         let settings = Settings {
@@ -165,9 +240,23 @@ pub async fn serve(
     }
 }
 
-/// Serves until SIGTERM or SIGINT, then finishes the requests in flight.
+/// The value of DIANA_QUOTA_TOKEN, if set.
+fn env_token() -> Result<Option<String>, String> {
+    match std::env::var(TOKEN_ENV) {
+        Ok(value) => Ok(Some(value)),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(_)) => Err(format!(
+            "{TOKEN_ENV}: not valid UTF-8 (a secret is printable ASCII)"
+        )),
+    }
+}
+
+/// Serves until SIGTERM or SIGINT, then finishes the requests in flight. SIGHUP re-reads
+/// the token file.
 pub async fn run(cli: Cli) -> Result<(), String> {
+    let auth = Arc::new(cli.auth()?);
     let (store, settings) = cli.build()?;
+    reload_on_sighup(cli.clone(), auth.clone());
     let listener = tokio::net::TcpListener::bind(&cli.listen)
         .await
         .map_err(|error| format!("cannot listen on {}: {error}", cli.listen))?;
@@ -182,9 +271,79 @@ pub async fn run(cli: Cli) -> Result<(), String> {
     if cli.redis.is_none() {
         tracing::warn!("no --redis: counters live in this process; run a single replica");
     }
-    serve(listener, AppState::new(store, settings), shutdown_signal()).await?;
+    if auth.is_required() {
+        if let Some(path) = &cli.token_file {
+            auth::warn_if_readable_by_others(path);
+        }
+        tracing::info!(
+            secrets = auth.secrets(),
+            token_file = cli
+                .token_file
+                .as_ref()
+                .map(|path| path.display().to_string()),
+            env = std::env::var_os(TOKEN_ENV).is_some(),
+            "gateway endpoints require authorization: Bearer <secret>"
+        );
+    } else {
+        tracing::warn!(
+            "--insecure-no-auth: AUTHENTICATION IS OFF. Anyone who can reach {address} can read, \
+             drain and reset every counter. Use --token-file or {TOKEN_ENV} anywhere but on a \
+             loopback demo or benchmark."
+        );
+    }
+    serve(
+        listener,
+        AppState::new(store, settings, auth),
+        shutdown_signal(),
+    )
+    .await?;
     tracing::info!("diana-quota stopped");
     Ok(())
+}
+
+/// From now on, every SIGHUP re-reads the token file (and DIANA_QUOTA_TOKEN), and exactly
+/// those secrets are accepted from then on; a file that cannot be read or holds a bad
+/// secret changes nothing (logged as an error). Without a token file, SIGHUP is logged and
+/// ignored. (Call it within the runtime: it installs the handler, then watches in a task.)
+pub fn reload_on_sighup(cli: Cli, auth: Arc<Auth>) {
+    #[cfg(unix)]
+    {
+        let mut hangup = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+        {
+            Ok(signal) => signal,
+            Err(error) => {
+                tracing::error!(%error, "cannot listen for SIGHUP: the token file is read at start only");
+                return;
+            }
+        };
+        tokio::spawn(async move {
+            while hangup.recv().await.is_some() {
+                match reload(&cli, &auth) {
+                    Ok(count) => tracing::info!(secrets = count, "SIGHUP: token file reloaded"),
+                    Err(error) => tracing::error!(
+                        "SIGHUP: {error}; the secrets accepted so far stay in force"
+                    ),
+                }
+            }
+        });
+    }
+    #[cfg(not(unix))]
+    let _ = (cli, auth);
+}
+
+/// Re-reads the secrets; how many are accepted now.
+fn reload(cli: &Cli, auth: &Auth) -> Result<usize, String> {
+    if !auth.is_required() {
+        return Err("nothing to reload: --insecure-no-auth".to_string());
+    }
+    if cli.token_file.is_none() {
+        return Err(format!(
+            "nothing to reload: no --token-file ({TOKEN_ENV} is read at start only)"
+        ));
+    }
+    let secrets = cli.secrets(env_token()?.as_deref())?;
+    auth.replace(&secrets)?;
+    Ok(auth.secrets())
 }
 
 /// Resolves on SIGINT (Ctrl-C) or SIGTERM.

@@ -16,6 +16,11 @@
 //! | `diana_quota_store_key_capacity` | gauge | — (memory store: `--memory-max-keys`) |
 //! | `diana_quota_store_evictions_total` | counter | — (memory store: idle counters evicted) |
 //! | `diana_quota_wait_seconds` | histogram | — (time `/v1/wait` slept) |
+//! | `diana_quota_unauthorized_total` | counter | `reason` = `missing`/`invalid` (gateway requests refused 401) |
+//! | `diana_quota_auth_required` | gauge | — (1: a secret is required; 0: `--insecure-no-auth`) |
+//!
+//! No label carries a key, an identity or a counter's value: every label set is one of a
+//! few fixed names (routes, algorithms, statuses, kinds), so `/metrics` can stay open.
 
 use crate::store::Usage;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -57,6 +62,11 @@ struct ErrorLabels {
     kind: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: &'static str,
+}
+
 const LATENCY_BUCKETS: [f64; 14] = [
     0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
 ];
@@ -82,6 +92,8 @@ pub struct Metrics {
     key_capacity: Gauge,
     evictions: Counter,
     waits: Histogram,
+    unauthorized: Family<ReasonLabels, Counter>,
+    auth_required: Gauge,
 }
 
 /// The routes that decide (shed and deadline counters exist for each from the start).
@@ -189,6 +201,21 @@ impl Metrics {
             "Time /v1/wait slept before answering",
             waits.clone(),
         );
+        let unauthorized = Family::<ReasonLabels, Counter>::default();
+        registry.register(
+            "diana_quota_unauthorized",
+            "Gateway requests refused with 401 (no valid authorization: Bearer <secret>), by reason (missing, invalid)",
+            unauthorized.clone(),
+        );
+        for reason in ["missing", "invalid"] {
+            let _ = unauthorized.get_or_create(&ReasonLabels { reason });
+        }
+        let auth_required = Gauge::default();
+        registry.register(
+            "diana_quota_auth_required",
+            "1 when the gateway endpoints require a secret, 0 when started with --insecure-no-auth",
+            auth_required.clone(),
+        );
         Metrics {
             registry,
             decisions,
@@ -205,7 +232,21 @@ impl Metrics {
             key_capacity,
             evictions,
             waits,
+            unauthorized,
+            auth_required,
         }
+    }
+
+    /// One gateway request refused 401 (`missing` or `invalid` credential).
+    pub fn unauthorized(&self, reason: &'static str) {
+        self.unauthorized
+            .get_or_create(&ReasonLabels { reason })
+            .inc();
+    }
+
+    /// Whether a secret is required.
+    pub fn set_auth_required(&self, required: bool) {
+        self.auth_required.set(i64::from(required));
     }
 
     /// One rule decided.

@@ -14,10 +14,15 @@ use common::*;
 use diana_core::global::wire::{
     AcquireResponse, ErrorResponse, ResolvedRule, RuleResult, MAX_BODY_BYTES,
 };
-use diana_quota::store::{Outcome, Store, StoreError};
+use diana_quota::auth::Auth;
+use diana_quota::store::{MemoryStore, Outcome, Store, StoreError};
 use diana_quota::{app, AppState, Cli, Settings};
+use http_body_util::BodyExt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::{Duration, Instant};
+use tower::ServiceExt;
 
 fn memory_service() -> Router {
     service(Arc::new(memory_store()))
@@ -118,6 +123,17 @@ async fn bad_requests_get_400_with_the_field_named() {
         ),
         (many, "rules: at most 64 rules, got 65"),
         (
+            with(&good.replace(r#""burst":10"#, r#""burst":864001"#)),
+            "rules[2].burst: 864001 at 10 per second spans 86401 s (burst × unit / rpu), more than a day",
+        ),
+        (
+            format!(
+                r#"{{"rules":[{}]}}"#,
+                vec![good.replace(r#""want":1"#, r#""want":100000"#); 11].join(",")
+            ),
+            "rules: want adds up to 1100000 over the request's rules, at most 1000000",
+        ),
+        (
             r#"{"rules":[]}"#.to_string(),
             "rules: must contain at least one rule",
         ),
@@ -162,6 +178,7 @@ async fn oversized_bodies_get_413() {
         .map(|c| Ok(c.to_vec()))
         .collect();
     let request = Request::post("/v1/acquire")
+        .header("authorization", bearer())
         .header("content-type", "application/json")
         .body(Body::from_stream(futures_util::stream::iter(chunks)))
         .unwrap();
@@ -183,6 +200,7 @@ async fn oversized_bodies_get_413() {
 async fn content_type_methods_and_routes() {
     let router = memory_service();
     let request = Request::post("/v1/acquire")
+        .header("authorization", bearer())
         .header("content-type", "text/plain")
         .body(Body::from(EXAMPLE))
         .unwrap();
@@ -191,20 +209,32 @@ async fn content_type_methods_and_routes() {
     assert_eq!(error_of(&body), "content-type must be application/json");
     // Parameters and case are fine; so is no content type at all.
     let request = Request::post("/v1/acquire")
+        .header("authorization", bearer())
         .header("content-type", "Application/JSON; charset=utf-8")
         .body(Body::from(EXAMPLE))
         .unwrap();
     assert_eq!(send(&router, request).await.0, StatusCode::OK);
     let request = Request::post("/v1/acquire")
+        .header("authorization", bearer())
         .body(Body::from(EXAMPLE))
         .unwrap();
     assert_eq!(send(&router, request).await.0, StatusCode::OK);
     let (status, _, _) = send(
         &router,
-        Request::get("/v1/acquire").body(Body::empty()).unwrap(),
+        Request::get("/v1/acquire")
+            .header("authorization", bearer())
+            .body(Body::empty())
+            .unwrap(),
     )
     .await;
     assert_eq!(status, StatusCode::METHOD_NOT_ALLOWED);
+    // Without the secret, a gateway route tells nothing, not even its methods.
+    let (status, _, _) = send(
+        &router,
+        Request::get("/v1/acquire").body(Body::empty()).unwrap(),
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
     let (status, _, _) = send(&router, Request::get("/nope").body(Body::empty()).unwrap()).await;
     assert_eq!(status, StatusCode::NOT_FOUND);
 }
@@ -276,6 +306,9 @@ async fn healthz_readyz_and_metrics() {
     ] {
         assert!(text.contains(line), "missing {line:?} in:\n{text}");
     }
+    // No key, no identity, no counter value: only fixed label values.
+    assert!(!text.contains(&key), "{text}");
+    assert!(!text.contains("key="), "{text}");
 }
 
 /// A store that fails (or hangs) on demand.
@@ -336,6 +369,7 @@ fn fake_service(
     app(AppState::new(
         Arc::new(FakeStore { answer, hang }),
         settings,
+        test_auth(),
     ))
 }
 
@@ -498,4 +532,196 @@ fn command_line() {
     let cli = Cli::try_parse_from(["diana-quota", "--redis", "http://nope"]).unwrap();
     assert!(cli.build().err().unwrap().contains("unsupported Redis URL"));
     assert!(Cli::try_parse_from(["diana-quota", "--bogus"]).is_err());
+}
+
+fn get(path: &str) -> Request<Body> {
+    Request::get(path).body(Body::empty()).unwrap()
+}
+
+/// A body that records whether anyone polled it.
+fn watched_body(polled: Arc<AtomicBool>, body: String) -> Body {
+    let mut sent = false;
+    Body::from_stream(futures_util::stream::poll_fn(move |_| {
+        polled.store(true, Ordering::SeqCst);
+        if std::mem::replace(&mut sent, true) {
+            Poll::Ready(None)
+        } else {
+            Poll::Ready(Some(Ok::<_, std::io::Error>(body.clone().into_bytes())))
+        }
+    }))
+}
+
+#[tokio::test]
+async fn gateway_endpoints_need_the_secret_and_a_refusal_touches_nothing() {
+    let store = Arc::new(MemoryStore::default());
+    let router = service(store.clone());
+    let key = unique_key("auth");
+    // What each refused request asks for: the one token of `key` (or a debt on it).
+    let body = serde_json::to_string(&diana_core::global::wire::AcquireRequest {
+        rules: vec![rule(&key, "W", 1, "hour", 1, 10, 1)],
+    })
+    .unwrap();
+    let wrong = format!("Bearer {}x", TEST_TOKEN);
+    let credentials: [(Option<&str>, &str); 5] = [
+        (None, "missing"),
+        (Some(wrong.as_str()), "invalid"),
+        (Some(&TEST_TOKEN[..TEST_TOKEN.len() - 1]), "invalid"),
+        (Some(TEST_TOKEN), "invalid"), // no scheme
+        (Some("Basic dGVzdDp0ZXN0"), "invalid"),
+    ];
+    for path in ["/v1/acquire", "/v1/wait", "/v1/charge"] {
+        for (credential, _) in credentials {
+            let polled = Arc::new(AtomicBool::new(false));
+            let mut request = Request::post(path).header("content-type", "application/json");
+            if let Some(value) = credential {
+                request = request.header("authorization", value);
+            }
+            let request = request
+                .body(watched_body(polled.clone(), body.clone()))
+                .unwrap();
+            let response = router.clone().oneshot(request).await.unwrap();
+            assert_eq!(
+                response.status(),
+                StatusCode::UNAUTHORIZED,
+                "{path} {credential:?}"
+            );
+            assert_eq!(response.headers()["www-authenticate"], "Bearer");
+            assert_eq!(response.headers()["content-type"], "application/json");
+            let answer = response.into_body().collect().await.unwrap().to_bytes();
+            assert_eq!(error_of(&answer), "unauthorized");
+            assert!(!polled.load(Ordering::SeqCst), "{path}: the body was read");
+        }
+        // Even a body too large: refused for the credential, before its size matters.
+        let big = format!(r#"{{"pad":"{}"}}"#, "x".repeat(MAX_BODY_BYTES));
+        let request = Request::post(path).body(Body::from(big)).unwrap();
+        assert_eq!(send(&router, request).await.0, StatusCode::UNAUTHORIZED);
+    }
+    assert!(store.is_empty(), "a refused request created a counter");
+    // With the secret: the counter is whole (1 of 1 left), then spent.
+    let first = acquire_one(&router, rule(&key, "W", 1, "hour", 1, 10, 1)).await;
+    assert!(first.allowed && first.remaining == 0, "{first:?}");
+    // Health and metrics need no secret; metrics name no key.
+    for path in ["/healthz", "/readyz", "/metrics"] {
+        assert_eq!(send(&router, get(path)).await.0, StatusCode::OK, "{path}");
+    }
+    let (_, _, text) = send(&router, get("/metrics")).await;
+    let text = String::from_utf8(text).unwrap();
+    for line in [
+        "diana_quota_unauthorized_total{reason=\"missing\"} 6",
+        "diana_quota_unauthorized_total{reason=\"invalid\"} 12",
+        "diana_quota_http_requests_total{path=\"/v1/charge\",status=\"401\"} 6",
+        "diana_quota_auth_required 1",
+        "diana_quota_decisions_total{algo=\"W\",result=\"allowed\"} 1",
+    ] {
+        assert!(text.contains(line), "missing {line:?} in:\n{text}");
+    }
+    assert!(!text.contains(&key) && !text.contains(TEST_TOKEN), "{text}");
+}
+
+#[tokio::test]
+async fn insecure_no_auth_serves_without_a_secret() {
+    let router = app(AppState::new(
+        Arc::new(memory_store()),
+        test_settings(),
+        Auth::insecure(),
+    ));
+    let request = Request::post("/v1/acquire")
+        .body(Body::from(EXAMPLE))
+        .unwrap();
+    assert_eq!(send(&router, request).await.0, StatusCode::OK);
+    let (_, _, text) = send(&router, get("/metrics")).await;
+    assert!(String::from_utf8(text)
+        .unwrap()
+        .contains("diana_quota_auth_required 0"));
+}
+
+/// A file in the temporary directory, removed when dropped.
+struct TempFile(std::path::PathBuf);
+
+impl TempFile {
+    fn new(tag: &str, content: &str) -> TempFile {
+        let path =
+            std::env::temp_dir().join(format!("diana-quota-http-{}-{tag}", std::process::id()));
+        std::fs::write(&path, content).unwrap();
+        TempFile(path)
+    }
+
+    fn path(&self) -> &str {
+        self.0.to_str().unwrap()
+    }
+}
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+#[test]
+fn command_line_authentication() {
+    let plain = Cli::try_parse_from(["diana-quota"]).unwrap();
+    // No secret: refused, naming every way out.
+    let refused = plain.auth_with(None).unwrap_err();
+    for name in ["--token-file", "DIANA_QUOTA_TOKEN", "--insecure-no-auth"] {
+        assert!(refused.contains(name), "{refused}");
+    }
+    // A short secret: refused, the secret not repeated.
+    let short = "0123456789abcdef0123456789abcde";
+    let refused = plain.auth_with(Some(short)).unwrap_err();
+    assert!(refused.contains("at least 32 bytes"), "{refused}");
+    assert!(!refused.contains(short));
+    // The environment's secret.
+    let auth = plain.auth_with(Some(&format!("{TEST_TOKEN}\n"))).unwrap();
+    assert!(auth.is_required() && auth.accepts(TEST_TOKEN.as_bytes()));
+    // A token file of two lines: both accepted; with the environment's, three.
+    let second = "second-secret-abcdefghijklmnopqrstuvwxyz";
+    let file = TempFile::new("two", &format!("{TEST_TOKEN}\n{second}\n"));
+    let cli = Cli::try_parse_from(["diana-quota", "--token-file", file.path()]).unwrap();
+    let auth = cli.auth_with(None).unwrap();
+    assert_eq!(auth.secrets(), 2);
+    assert!(auth.accepts(TEST_TOKEN.as_bytes()) && auth.accepts(second.as_bytes()));
+    assert!(!auth.accepts(b"third-secret-abcdefghijklmnopqrstuvwxyz"));
+    let third = "third-secret-abcdefghijklmnopqrstuvwxyz";
+    assert_eq!(cli.auth_with(Some(third)).unwrap().secrets(), 3);
+    // A file with a short line, or none at all: refused.
+    let bad = TempFile::new("bad", &format!("{TEST_TOKEN}\nshort\n"));
+    let cli = Cli::try_parse_from(["diana-quota", "--token-file", bad.path()]).unwrap();
+    let refused = cli.auth_with(None).unwrap_err();
+    assert!(
+        refused.contains("line 2: a secret must be at least 32 bytes"),
+        "{refused}"
+    );
+    let cli = Cli::try_parse_from(["diana-quota", "--token-file", "/nonexistent/token"]).unwrap();
+    assert!(cli
+        .auth_with(None)
+        .unwrap_err()
+        .starts_with("--token-file /nonexistent/token: "));
+    // --insecure-no-auth: no secret needed, and none allowed alongside.
+    let insecure = Cli::try_parse_from(["diana-quota", "--insecure-no-auth"]).unwrap();
+    assert!(!insecure.auth_with(None).unwrap().is_required());
+    assert!(insecure
+        .auth_with(Some(TEST_TOKEN))
+        .unwrap_err()
+        .contains("choose one"));
+    // There is no flag that takes the secret itself.
+    for flag in ["--token", "--secret", "--auth-token", "--bearer"] {
+        assert!(
+            Cli::try_parse_from(["diana-quota", flag, TEST_TOKEN]).is_err(),
+            "{flag}"
+        );
+        assert!(Cli::try_parse_from(["diana-quota", &format!("{flag}={TEST_TOKEN}")]).is_err());
+    }
+    // --help explains it.
+    let help = Cli::try_parse_from(["diana-quota", "--help"])
+        .unwrap_err()
+        .to_string();
+    for text in [
+        "--token-file <PATH>",
+        "--insecure-no-auth",
+        "DIANA_QUOTA_TOKEN",
+        "Rotation:",
+        "SIGHUP",
+    ] {
+        assert!(help.contains(text), "{text:?} not in --help:\n{help}");
+    }
 }

@@ -350,18 +350,23 @@ async fn keys_carry_a_hash_tag_and_a_ttl() {
     let keys = server.cli(&["--scan", "--pattern", "diana:*"]);
     let mut keys: Vec<&str> = keys.lines().collect();
     keys.sort_unstable();
-    let expected: Vec<String> = ["LB", "SW", "TB", "W"]
-        .iter()
-        .map(|algo| format!("diana:{{{key}}}:{algo}"))
-        .collect();
+    let expected: Vec<String> = [
+        "LB:10:day:3:10",
+        "SW:10:hour:10:6",
+        "TB:10:second:10:10",
+        "W:10:minute:10:10",
+    ]
+    .iter()
+    .map(|params| format!("diana:{{{key}}}:{params}"))
+    .collect();
     assert_eq!(keys, expected);
     // TTL: until the state is idle again, plus one second.
     let ttl = |name: &str| server.cli(&["PTTL", name]).trim().parse::<i64>().unwrap();
     let limits = [
-        ("TB", 100, 1_100),
-        ("W", 1_000, 61_000),
-        ("SW", 1_000, 3_601_000),
-        ("LB", 1_000, 9_640_000),
+        ("TB:10:second:10:10", 100, 1_100),
+        ("W:10:minute:10:10", 1_000, 61_000),
+        ("SW:10:hour:10:6", 1_000, 3_601_000),
+        ("LB:10:day:3:10", 1_000, 9_640_000),
     ];
     for (algo, low, high) in limits {
         let pttl = ttl(&format!("diana:{{{key}}}:{algo}"));
@@ -379,19 +384,93 @@ async fn keys_carry_a_hash_tag_and_a_ttl() {
     )
     .await;
     assert_eq!(status, StatusCode::OK, "{body}");
-    let pttl = ttl(&format!("diana:{{{debt_key}}}:TB"));
+    let pttl = ttl(&format!("diana:{{{debt_key}}}:TB:10:second:10:10"));
     assert!(
         pttl > 2_000 && pttl <= 2_500,
         "PTTL {pttl}: must cover the 1.5 s debt + 1 s"
     );
     // A denied request writes nothing (and creates no key).
     let _ = acquire(&router, vec![rule(&denied_key, "W", 1, "hour", 1, 10, 1)]).await;
-    let before = server.cli(&["HGETALL", &format!("diana:{{{denied_key}}}:W")]);
+    let before = server.cli(&["HGETALL", &format!("diana:{{{denied_key}}}:W:1:hour:1:10")]);
     let denied = acquire(&router, vec![rule(&denied_key, "W", 1, "hour", 1, 10, 1)]).await;
     assert!(!denied[0].allowed);
     assert_eq!(
-        server.cli(&["HGETALL", &format!("diana:{{{denied_key}}}:W")]),
+        server.cli(&["HGETALL", &format!("diana:{{{denied_key}}}:W:1:hour:1:10")]),
         before
+    );
+}
+
+/// The Redis key of a counter is bound to its parameters: requests with the same key and
+/// other parameters (the old script read a window of seconds, or a bucket of 1 per day,
+/// over an hour's state and wrote it back: a reset) leave the original key exactly as it
+/// was, value and expiry, and get keys of their own, in the same cluster slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn other_parameters_leave_the_original_redis_key_unchanged() {
+    let server = RedisServer::start();
+    let router = service(Arc::new(redis_store(&server.url())));
+    away_from_boundary(3_600_000, Duration::from_secs(5)).await;
+    let key = unique_key("bound");
+    let window = rule(&key, "W", 3, "hour", 3, 10, 3);
+    let bucket = rule(&key, "TB", 10, "hour", 10, 10, 10);
+    assert_eq!(acquire_one(&router, window.clone()).await.granted, 3);
+    assert_eq!(acquire_one(&router, bucket.clone()).await.granted, 10);
+    let originals = [
+        format!("diana:{{{key}}}:W:3:hour:3:10"),
+        format!("diana:{{{key}}}:TB:10:hour:10:10"),
+    ];
+    let snapshot = || {
+        originals
+            .iter()
+            .map(|name| {
+                let fields = server.cli(&["HGETALL", name]);
+                let expiry = server.cli(&["PEXPIRETIME", name]);
+                assert!(!fields.trim().is_empty(), "{name} missing");
+                (fields, expiry)
+            })
+            .collect::<Vec<_>>()
+    };
+    let before = snapshot();
+    let mut others = Vec::new();
+    for unit in ["second", "minute", "day"] {
+        let mut w = window.clone();
+        (w.unit, w.want) = (unit.to_string(), 1);
+        others.push(w);
+    }
+    let mut per_day = bucket.clone();
+    (per_day.rpu, per_day.unit, per_day.burst, per_day.want) = (1, "day".to_string(), 1, 1);
+    others.push(per_day);
+    let mut deeper = bucket.clone();
+    (deeper.burst, deeper.want) = (240, 1);
+    others.push(deeper);
+    for other in &others {
+        let result = acquire_one(&router, other.clone()).await;
+        assert!(result.allowed, "{other:?}: {result:?}");
+    }
+    let mut debt = window.clone();
+    (debt.rpu, debt.want) = (100, 50);
+    let (status, body) = post_rules(&router, "/v1/charge", vec![debt]).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(snapshot(), before, "an original key changed");
+    // The others have keys of their own, all in the rule key's slot.
+    let keys = server.cli(&["--scan", "--pattern", &format!("diana:{{{key}}}:*")]);
+    assert_eq!(keys.lines().count(), 2 + others.len() + 1, "{keys}");
+    for name in keys.lines() {
+        // Redis hashes the bytes between the first `{` and the next `}`: the rule key.
+        let tag = name
+            .split_once('{')
+            .and_then(|(_, rest)| rest.split_once('}'));
+        assert_eq!(tag.map(|(tag, _)| tag), Some(key.as_str()), "{name}");
+    }
+    // And the originals still deny.
+    assert!(
+        !acquire_one(&router, rule(&key, "W", 3, "hour", 3, 10, 1))
+            .await
+            .allowed
+    );
+    assert!(
+        !acquire_one(&router, rule(&key, "TB", 10, "hour", 10, 10, 1))
+            .await
+            .allowed
     );
 }
 

@@ -696,6 +696,95 @@ async fn wait_endpoint(router: &Router) {
     assert_eq!((now.granted, now.delay_ms), (1, 0), "{now:?}");
 }
 
+/// Counters are bound to their parameters: a request with the same key and another
+/// algorithm, rate, unit, burst or slice count addresses a counter of its own. It can
+/// neither reset the original (the old stores treated mismatched state as fresh and wrote
+/// over it), nor read it (its answer describes its own counter), nor be denied by it.
+async fn parameters_bind_the_counter(router: &Router) {
+    away_from_boundary(HOUR_MS, Duration::from_secs(5)).await;
+    let key = unique_key("bound");
+    let w = rule(&key, "W", 3, "hour", 3, 10, 1);
+    let tb = rule(&key, "TB", 10, "hour", 10, 10, 1);
+    let sw = rule(&key, "SW", 4, "hour", 4, 6, 1);
+    // Spend all three.
+    for (original, capacity) in [(&w, 3), (&tb, 10), (&sw, 4)] {
+        let mut all = original.clone();
+        all.want = capacity;
+        assert_eq!(
+            acquire_one(router, all).await.granted,
+            capacity,
+            "{original:?}"
+        );
+        assert!(!acquire_one(router, original.clone()).await.allowed);
+    }
+    let other = |base: &diana_core::global::wire::RuleRequest,
+                 change: &dyn Fn(&mut diana_core::global::wire::RuleRequest)| {
+        let mut r = base.clone();
+        change(&mut r);
+        r
+    };
+    // The same key with other parameters: each a fresh counter describing itself.
+    let others: Vec<(diana_core::global::wire::RuleRequest, u64)> = vec![
+        (other(&w, &|r| r.unit = "second".into()), 2),
+        (other(&w, &|r| r.unit = "day".into()), 2),
+        (other(&w, &|r| r.rpu = 1000), 999),
+        (other(&w, &|r| r.burst = 7), 2),
+        (other(&w, &|r| r.algo = "SW".into()), 2),
+        (
+            other(&tb, &|r| (r.rpu, r.unit, r.burst) = (1, "day".into(), 1)),
+            0,
+        ),
+        (other(&tb, &|r| r.burst = 20), 19),
+        (other(&tb, &|r| r.unit = "second".into()), 9),
+        (other(&tb, &|r| r.algo = "LB".into()), 10),
+        (other(&sw, &|r| r.slices = 60), 3),
+        (other(&sw, &|r| r.unit = "minute".into()), 3),
+    ];
+    for (request, remaining) in &others {
+        let result = acquire_one(router, request.clone()).await;
+        assert!(
+            result.allowed && result.granted == 1 && result.remaining == *remaining,
+            "{request:?}: {result:?}"
+        );
+    }
+    // Several at once, the original among them: denied by the original alone; the other
+    // answers for its own counter (spared: 999 left of 1000).
+    let results = acquire(router, vec![others[2].0.clone(), w.clone()]).await;
+    assert!(
+        results[0].allowed && results[0].remaining == 999,
+        "{results:?}"
+    );
+    assert!(!results[1].allowed, "{results:?}");
+    // A debt on other parameters lands on their own counter.
+    let (status, body) = post_rules(
+        router,
+        "/v1/charge",
+        vec![other(&w, &|r| r.rpu = 50), other(&tb, &|r| r.burst = 5)],
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    // The originals are untouched: still spent, and say so (nothing to give, the retry of
+    // their own window or bucket).
+    for original in [&w, &tb, &sw] {
+        let result = acquire_one(router, original.clone()).await;
+        assert!(
+            !result.allowed && result.remaining == 0,
+            "{original:?}: {result:?}"
+        );
+    }
+    let denied = acquire_one(router, w.clone()).await;
+    let to_end = HOUR_MS - now_ms() % HOUR_MS;
+    assert!(
+        denied.retry_after_ms.abs_diff(to_end) < 1_000,
+        "{denied:?}, the hour ends in {to_end} ms"
+    );
+    let denied = acquire_one(router, tb.clone()).await;
+    assert!(
+        denied.retry_after_ms > 300_000 && denied.retry_after_ms <= 360_000,
+        "a token of 10 per hour: {denied:?}"
+    );
+}
+
 // ---------------------------------------------------------------------------------------
 // Every scenario × every store.
 
@@ -756,4 +845,5 @@ suite!(
     racing_never_partial,
     stress_one_key,
     charges,
+    parameters_bind_the_counter,
 );

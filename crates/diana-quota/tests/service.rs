@@ -107,7 +107,11 @@ async fn metrics(router: &Router) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn saturated_requests_are_shed_fast() {
     let store = slow(300);
-    let router = app(AppState::new(store.clone(), settings(2_000, 2)));
+    let router = app(AppState::new(
+        store.clone(),
+        settings(2_000, 2),
+        test_auth(),
+    ));
     let busy: Vec<_> = (0..2)
         .map(|_| {
             let router = router.clone();
@@ -156,7 +160,7 @@ async fn saturated_requests_are_shed_fast() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_store_is_answered_at_the_deadline_and_its_grants_given_back() {
     let store = slow(300);
-    let router = app(AppState::new(store.clone(), settings(100, 16)));
+    let router = app(AppState::new(store.clone(), settings(100, 16), test_auth()));
     let started = Instant::now();
     let (status, _, body) = send(&router, post_json("/v1/acquire", BODY)).await;
     let took = started.elapsed();
@@ -191,6 +195,7 @@ async fn a_slow_store_is_answered_at_the_deadline_and_its_grants_given_back() {
 fn with_timeout(path: &str, timeout: &str) -> Request<Body> {
     Request::post(path)
         .header("content-type", "application/json")
+        .header("authorization", bearer())
         .header("x-diana-timeout-ms", timeout)
         .body(Body::from(BODY))
         .unwrap()
@@ -199,7 +204,11 @@ fn with_timeout(path: &str, timeout: &str) -> Request<Body> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_gateway_timeout_header_shortens_the_deadline() {
     let store = slow(300);
-    let router = app(AppState::new(store.clone(), settings(1_000, 16)));
+    let router = app(AppState::new(
+        store.clone(),
+        settings(1_000, 16),
+        test_auth(),
+    ));
     // 70 ms minus the 10 ms margin: answered at 60 ms, not at the own 1 s.
     let started = Instant::now();
     let (status, _, body) = send(&router, with_timeout("/v1/acquire", "70")).await;
@@ -221,7 +230,7 @@ async fn the_gateway_timeout_header_shortens_the_deadline() {
         "x-diana-timeout-ms: must be a whole number of milliseconds"
     );
     // A generous header does not lengthen the own deadline.
-    let fast = app(AppState::new(slow(300), settings(50, 16)));
+    let fast = app(AppState::new(slow(300), settings(50, 16), test_auth()));
     let (_, _, body) = send(&fast, with_timeout("/v1/acquire", "5000")).await;
     assert_eq!(error_of(&body), "deadline exceeded: no answer within 50 ms");
 }
@@ -238,6 +247,7 @@ async fn wait_never_sleeps_past_the_gateway_timeout() {
     let wait = |body: String, timeout: &str| {
         Request::post("/v1/wait")
             .header("content-type", "application/json")
+            .header("authorization", bearer())
             .header("x-diana-timeout-ms", timeout)
             .body(Body::from(body))
             .unwrap()
@@ -267,7 +277,7 @@ async fn wait_never_sleeps_past_the_gateway_timeout() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readiness_follows_the_store_and_the_shutdown() {
-    let state = AppState::new(Arc::new(memory_store()), test_settings());
+    let state = AppState::new(Arc::new(memory_store()), test_settings(), test_auth());
     let router = app(state.clone());
     let ready = || async {
         let (status, _, body) = send(
@@ -298,7 +308,7 @@ async fn readiness_follows_the_store_and_the_shutdown() {
 async fn http_status(port: u16, body: &str) -> std::io::Result<u16> {
     let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
     let request = format!(
-        "POST /v1/acquire HTTP/1.1\r\nhost: q\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        "POST /v1/acquire HTTP/1.1\r\nhost: q\r\ncontent-type: application/json\r\nauthorization: Bearer {TEST_TOKEN}\r\ncontent-length: {}\r\n\r\n{body}",
         body.len()
     );
     stream.write_all(request.as_bytes()).await?;
@@ -322,7 +332,7 @@ async fn http_status(port: u16, body: &str) -> std::io::Result<u16> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn graceful_shutdown_answers_in_flight_and_refuses_new_connections() {
     let store = slow(300);
-    let state = AppState::new(store.clone(), settings(2_000, 16));
+    let state = AppState::new(store.clone(), settings(2_000, 16), test_auth());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();

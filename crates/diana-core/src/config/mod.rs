@@ -4,9 +4,11 @@
 
 mod model;
 mod parse;
+mod pin;
 mod raw;
 #[cfg(test)]
 mod tests;
 
 pub use model::*;
-pub use parse::parse_policy;
+pub use parse::{parse_policy, TOKEN_ENV};
+pub use pin::{parse_remote, RemoteError};

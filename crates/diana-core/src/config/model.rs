@@ -1,8 +1,11 @@
 //! The validated, immutable plan that the engine evaluates. Every default is resolved
 //! here, so nothing downstream interprets the document again.
 
-use crate::actor::{ActorSource, RequestFacts};
+use crate::actor::{ActorSource, Identity, RequestFacts};
 use crate::algo::{Algorithm, Limit};
+use crate::hash::{IdentityHasher, IdentityKey, KeyOrigin};
+use crate::secret::Secret;
+use crate::signature::SignatureKey;
 use crate::time::Nanos;
 use std::fmt;
 use std::num::NonZeroU32;
@@ -51,6 +54,55 @@ impl Policy {
     pub fn rule(&self, index: usize) -> Option<&Rule> {
         self.rules().nth(index)
     }
+
+    /// The identity key the document sets (`identity_key`, derived), `None` without one.
+    /// Every rule carries the hasher of its scope ([`Rule::identity`]); this reads it back.
+    pub fn identity_key(&self) -> Option<IdentityKey> {
+        self.rules()
+            .next()
+            .filter(|rule| rule.identity.origin() == KeyOrigin::Configured)
+            .map(|rule| rule.identity.key())
+    }
+
+    /// Keys every rule's identities with `key` (the document's `identity_key`, or the local
+    /// document's pinned on a remote one), or without one: global rules with the public
+    /// key (gateways must agree), local rules unbound until the process key is bound
+    /// ([`Policy::bind_process_key`]).
+    pub fn set_identity_key(&mut self, key: Option<IdentityKey>) {
+        for rule in self.rules_mut() {
+            rule.identity = match (key, rule.scope) {
+                (Some(key), _) => IdentityHasher::new(key, KeyOrigin::Configured),
+                (None, Scope::Global) => IdentityHasher::public(),
+                (None, Scope::Local) => IdentityHasher::unbound(),
+            };
+        }
+    }
+
+    /// True when a local rule waits for the process's key (the document sets no
+    /// `identity_key`).
+    pub fn needs_process_key(&self) -> bool {
+        self.rules()
+            .any(|rule| rule.identity.origin() == KeyOrigin::Unbound)
+    }
+
+    /// Keys the local rules of a document without `identity_key` with the process's random
+    /// key (`store::identity`); rules keyed otherwise are left alone.
+    pub fn bind_process_key(&mut self, key: IdentityKey) {
+        for rule in self.rules_mut() {
+            if matches!(
+                rule.identity.origin(),
+                KeyOrigin::Unbound | KeyOrigin::Process
+            ) {
+                rule.identity = IdentityHasher::process(key);
+            }
+        }
+    }
+
+    fn rules_mut(&mut self) -> impl Iterator<Item = &mut Rule> {
+        self.resources
+            .iter_mut()
+            .flat_map(|resource| resource.rules.iter_mut())
+    }
 }
 
 /// One `Url` block.
@@ -79,6 +131,10 @@ pub struct Rule {
     pub actor_name: String,
     /// Where the identity for this rule comes from.
     pub actor: Arc<dyn ActorSource>,
+    /// The keyed hash of this rule's identities (DESIGN §6): the document's
+    /// `identity_key`, else the process's random key (local) or the public key (global).
+    /// Set through [`Policy::set_identity_key`] and [`Policy::bind_process_key`].
+    pub identity: IdentityHasher,
     pub algo: &'static dyn Algorithm,
     pub limit: Limit,
     pub scope: Scope,
@@ -205,6 +261,11 @@ impl RuleKeys {
 }
 
 impl Rule {
+    /// The identity a request is charged to under this rule, hashed with its key.
+    pub fn identify(&self, facts: &dyn RequestFacts) -> Identity {
+        self.actor.identify(facts, &self.identity)
+    }
+
     /// A global rule asking the service for exactly each request's own tokens (`lease: 1`):
     /// every admission is the service's, so the gateway keeps nothing that could make its
     /// count differ from the service's.
@@ -350,6 +411,9 @@ pub struct GlobalSpec {
     pub lease: Lease,
     /// Circuit breaker: after a failure stay local this long, then probe. Default 5.
     pub retry_seconds: u32,
+    /// The quota service's credential, sent as `authorization: Bearer …` on every call.
+    /// None: calls carry no credential (a service started with `--insecure-no-auth`).
+    pub token: Option<Secret>,
 }
 
 impl Default for GlobalSpec {
@@ -361,6 +425,7 @@ impl Default for GlobalSpec {
             timeout_ms: 50,
             lease: Lease::Fixed(NonZeroU32::MIN),
             retry_seconds: 5,
+            token: None,
         }
     }
 }
@@ -381,4 +446,53 @@ pub struct RemoteSpec {
     pub path: String,
     /// Default 10 when the section is present without it.
     pub poll_seconds: u32,
+    /// What a remote document may change of what the local document pins
+    /// (`remote.allow`, default none). Always the local document's own.
+    pub allow: Vec<Pinned>,
+    /// The key every remote document must be signed with (`remote.signature`); `None`:
+    /// unsigned documents are accepted. Always the local document's own.
+    pub signature: Option<SignatureKey>,
+}
+
+impl RemoteSpec {
+    /// Whether `remote.allow` lets a remote document change `pinned`.
+    pub fn allows(&self, pinned: Pinned) -> bool {
+        self.allow.contains(&pinned)
+    }
+}
+
+/// What a remote document may not change unless the local document's `remote.allow`
+/// names it (DESIGN §6: a remote document cannot redirect or disarm). Omitted from a
+/// remote document, each keeps the local document's value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pinned {
+    /// `global.cluster`, `global.authority`, `global.path` and `global.token`: where the
+    /// quota service callouts go, and their credential.
+    Global,
+    /// `remote.cluster`, `remote.authority`, `remote.path`, `remote.poll_seconds`: where
+    /// and how often the config center is polled.
+    Remote,
+    /// The document-level `dry_run` (a rule's own `dry_run` is the remote document's).
+    DryRun,
+    /// `identity_key`: the key of the identity hash.
+    IdentityKey,
+}
+
+impl Pinned {
+    pub const ALL: [Pinned; 4] = [
+        Pinned::Global,
+        Pinned::Remote,
+        Pinned::DryRun,
+        Pinned::IdentityKey,
+    ];
+
+    /// The spelling in `remote.allow`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Pinned::Global => "global",
+            Pinned::Remote => "remote",
+            Pinned::DryRun => "dry_run",
+            Pinned::IdentityKey => "identity_key",
+        }
+    }
 }

@@ -17,14 +17,15 @@
 
 use super::raw::{self, ContextGuard, RawBlock, RawFull, RawRule};
 use super::{
-    ConfigError, Cost, GlobalSpec, Lease, MetricsSpec, Policy, RemoteSpec, Resource, ResponseCost,
-    ResponseSpec, Rule, RuleKeys, Scope, AUTO_LEASE_SHARE,
+    ConfigError, Cost, GlobalSpec, Lease, MetricsSpec, Pinned, Policy, RemoteSpec, Resource,
+    ResponseCost, ResponseSpec, Rule, RuleKeys, Scope, AUTO_LEASE_SHARE,
 };
 use crate::actor::{ActorDef, ActorRegistry};
 use crate::algo;
-use crate::hash::hash_parts;
+use crate::hash::{hash_parts, IdentityHasher, IdentityKey};
 use crate::metrics::stat_name;
 use crate::path;
+use crate::secret::Secret;
 use crate::time::{Unit, NANOS_PER_SECOND};
 use crate::wire;
 use serde::de::{self, IgnoredAny, Visitor};
@@ -39,6 +40,9 @@ const DEFAULT_SLICES: NonZeroU32 = nonzero(10);
 const DEFAULT_SLOTS: NonZeroU32 = nonzero(65_536);
 /// Default `remote.poll_seconds`.
 const DEFAULT_POLL_SECONDS: u32 = 10;
+/// The environment variable that holds the quota service's credential when the document
+/// has no `global.token` (the same name diana-quota reads).
+pub const TOKEN_ENV: &str = "DIANA_QUOTA_TOKEN";
 /// Default `max_wait_seconds` (leaky bucket).
 const DEFAULT_MAX_WAIT_SECONDS: u64 = 10;
 
@@ -247,6 +251,7 @@ struct Collected {
     remote: Option<raw::RawRemote>,
     metrics: Option<raw::RawMetrics>,
     dry_run: Option<bool>,
+    identity_key: Option<Secret>,
 }
 
 impl Collected {
@@ -270,12 +275,15 @@ impl Collected {
         if let Some(dry_run) = full.dry_run {
             self.dry_run = Some(dry_run.0);
         }
+        if let Some(identity_key) = full.identity_key {
+            self.identity_key = Some(identity_key.0 .0);
+        }
     }
 }
 
 /// True when the text is a JSON object or array (JSON is read by serde_json, whose
 /// positions are exact; YAML flow style that is not JSON goes to the YAML reader).
-fn is_json(text: &str) -> bool {
+pub(super) fn is_json(text: &str) -> bool {
     let trimmed = text.trim_start();
     (trimmed.starts_with('{') || trimmed.starts_with('['))
         && serde_json::from_str::<IgnoredAny>(text).is_ok()
@@ -383,7 +391,7 @@ fn parse_yaml(text: &str) -> Result<Collected, ConfigError> {
 }
 
 /// One message: `[document N: ][path: ]message[ at line L column C]`.
-fn compose(
+pub(super) fn compose(
     document: Option<usize>,
     path: &str,
     message: &str,
@@ -470,9 +478,19 @@ fn build(collected: Collected) -> Result<Policy, ConfigError> {
     };
 
     let global = match collected.global {
-        None => GlobalSpec::default(),
+        None => GlobalSpec {
+            token: token_from_environment()?,
+            ..GlobalSpec::default()
+        },
         Some(raw) => {
-            let default = GlobalSpec::default();
+            let default = GlobalSpec {
+                token: if raw.token.is_some() {
+                    None
+                } else {
+                    token_from_environment()?
+                },
+                ..GlobalSpec::default()
+            };
             GlobalSpec {
                 cluster: raw.cluster.map_or(default.cluster, |cluster| cluster.0),
                 authority: raw
@@ -482,6 +500,7 @@ fn build(collected: Collected) -> Result<Policy, ConfigError> {
                 timeout_ms: raw.timeout_ms.map_or(default.timeout_ms, NonZeroU32::get),
                 lease: raw.lease.map_or(default.lease, lease_of),
                 retry_seconds: raw.retry_seconds.unwrap_or(default.retry_seconds),
+                token: raw.token.map(|token| token.0).or(default.token),
             }
         }
     };
@@ -495,6 +514,16 @@ fn build(collected: Collected) -> Result<Policy, ConfigError> {
         poll_seconds: raw
             .poll_seconds
             .map_or(DEFAULT_POLL_SECONDS, NonZeroU32::get),
+        allow: raw.allow.map_or_else(Vec::new, |allow| {
+            let mut names: Vec<Pinned> = Vec::new();
+            for name in allow {
+                if !names.contains(&name.0) {
+                    names.push(name.0);
+                }
+            }
+            names
+        }),
+        signature: raw.signature.map(|signature| signature.0),
     });
 
     if collected.blocks.is_empty() {
@@ -546,7 +575,7 @@ fn build(collected: Collected) -> Result<Policy, ConfigError> {
     }
     check_global_rules_per_request(&resources)?;
 
-    Ok(Policy {
+    let mut policy = Policy {
         resources,
         response,
         global,
@@ -555,6 +584,29 @@ fn build(collected: Collected) -> Result<Policy, ConfigError> {
             path: path::normalize_str(&raw.path.0),
         }),
         dry_run: collected.dry_run.unwrap_or(false),
+    };
+    // Identities hashed with the document's secret (DESIGN §6), or see `set_identity_key`.
+    policy.set_identity_key(
+        collected
+            .identity_key
+            .map(|secret| IdentityKey::derive(secret.expose().as_bytes())),
+    );
+    Ok(policy)
+}
+
+/// `global.token` when the document does not write one: the gateway process's environment
+/// variable [`TOKEN_ENV`] when it is set (Envoy passes it to the VM when
+/// `vm_config.environment_variables.host_env_keys` lists it; nginx with `env
+/// DIANA_QUOTA_TOKEN;`), so that the secret can live where the platform keeps secrets and
+/// not in the document. Set but too short: refused, naming the variable, not its value.
+fn token_from_environment() -> Result<Option<Secret>, ConfigError> {
+    if std::env::var_os(TOKEN_ENV).is_none() {
+        return Ok(None);
+    }
+    Secret::from_env(TOKEN_ENV).map(Some).map_err(|error| {
+        plain(format!(
+            "global.token (from the environment variable {TOKEN_ENV}): {error}"
+        ))
     })
 }
 
@@ -575,6 +627,21 @@ fn check_global_rules_per_request(resources: &[Resource]) -> Result<(), ConfigEr
             .filter(|outer| path::is_prefix(&outer.url, &resource.url))
             .map(globals)
             .sum();
+        let costs: u64 = resources
+            .iter()
+            .filter(|outer| path::is_prefix(&outer.url, &resource.url))
+            .flat_map(|outer| outer.rules.iter())
+            .filter(|rule| rule.scope == Scope::Global)
+            .map(|rule| u64::from(rule.cost.max()))
+            .sum();
+        if costs > wire::MAX_TOTAL_WANT {
+            return Err(plain(format!(
+                "{}: a request to it could ask for {costs} tokens over its global rules (their `cost` maxima); \
+                 one callout asks for at most {}",
+                resource.url,
+                wire::MAX_TOTAL_WANT
+            )));
+        }
         if applying > wire::MAX_RULES {
             return Err(plain(format!(
                 "{}: a request to it would carry {applying} global rules (its own and those of the resources above it); \
@@ -680,6 +747,15 @@ fn build_rule(
             cost.max()
         )));
     }
+    // What diana-quota would refuse is refused here, naming the field: a global counter
+    // lives at most about a day (docs/wire-format.md, "Bounds").
+    if scope == Scope::Global {
+        if let Err(error) = wire::check_rule_limits(algo, &limit) {
+            return Err(plain(format!(
+                "{url}#{index}: {error}; the quota service refuses such a global rule (a bucket may span at most a day)"
+            )));
+        }
+    }
     let response_cost = match raw.response_cost {
         None => None,
         Some(_) if !algo.allows_debt() => {
@@ -732,6 +808,7 @@ fn build_rule(
         id,
         actor_name,
         actor: def.source.clone(),
+        identity: IdentityHasher::default(),
         algo,
         limit,
         scope,

@@ -12,8 +12,10 @@ use crate::actor::{
     RESERVED_ACTORS, SOURCE_KINDS,
 };
 use crate::algo::{self, Algorithm};
-use crate::config::{HeaderMode, HeaderStyle, Scope};
+use crate::config::{HeaderMode, HeaderStyle, Pinned, Scope};
 use crate::path;
+use crate::secret::Secret;
+use crate::signature::SignatureKey;
 use crate::time::Unit;
 use crate::wire;
 use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, Unexpected, Visitor};
@@ -137,6 +139,8 @@ pub(super) struct RawFull {
     pub remote: Option<Section<RawRemote, SECTION_REMOTE>>,
     pub dry_run: Option<Section<bool, SECTION_DRY_RUN>>,
     pub metrics: Option<Section<RawMetrics, SECTION_METRICS>>,
+    /// The deployment's identity-hash secret (DESIGN §6), or `{env: NAME}`.
+    pub identity_key: Option<Section<IdentityKeyField, SECTION_IDENTITY_KEY>>,
 }
 
 /// `response_cost: {header: NAME, max: N}`.
@@ -259,6 +263,99 @@ impl<'de> Deserialize<'de> for HeaderNameField {
     }
 }
 
+/// A secret (`global.token`): the value itself, or `{env: NAME}` to read it from the
+/// gateway process's environment. Errors never quote the value.
+pub(super) struct SecretField(pub Secret);
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, expecting = "`{env: NAME}`")]
+struct RawSecretFromEnv {
+    env: NonEmpty,
+}
+
+impl<'de> Deserialize<'de> for SecretField {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct SecretVisitor;
+
+        impl<'de> Visitor<'de> for SecretVisitor {
+            type Value = SecretField;
+
+            fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+                formatter.write_str("a secret string, or `{env: NAME}`")
+            }
+
+            fn visit_str<E: de::Error>(self, value: &str) -> Result<SecretField, E> {
+                Secret::new(value).map(SecretField).map_err(E::custom)
+            }
+
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<SecretField, A::Error> {
+                let raw =
+                    RawSecretFromEnv::deserialize(de::value::MapAccessDeserializer::new(map))?;
+                Secret::from_env(raw.env.0.trim())
+                    .map(SecretField)
+                    .map_err(de::Error::custom)
+            }
+        }
+        deserializer.deserialize_any(SecretVisitor)
+    }
+}
+
+/// `identity_key`: a secret of at least 32 bytes, or `{env: NAME}` ([`SecretField`]). A
+/// value of another type (a number, a boolean) is refused without being quoted either.
+pub(super) struct IdentityKeyField(pub Secret);
+
+impl<'de> Deserialize<'de> for IdentityKeyField {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct KeyVisitor;
+
+        impl KeyVisitor {
+            fn refuse<T, E: de::Error>(self) -> Result<T, E> {
+                Err(E::custom(
+                    "expected a secret string of at least 32 bytes (quoted), or `{env: NAME}`",
+                ))
+            }
+        }
+
+        impl<'de> Visitor<'de> for KeyVisitor {
+            type Value = IdentityKeyField;
+
+            fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+                formatter.write_str("a secret string of at least 32 bytes, or `{env: NAME}`")
+            }
+
+            fn visit_str<E: de::Error>(self, value: &str) -> Result<IdentityKeyField, E> {
+                Secret::new(value).map(IdentityKeyField).map_err(E::custom)
+            }
+
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<IdentityKeyField, A::Error> {
+                SecretField::deserialize(de::value::MapAccessDeserializer::new(map))
+                    .map(|field| IdentityKeyField(field.0))
+            }
+
+            fn visit_u64<E: de::Error>(self, _: u64) -> Result<IdentityKeyField, E> {
+                self.refuse()
+            }
+
+            fn visit_i64<E: de::Error>(self, _: i64) -> Result<IdentityKeyField, E> {
+                self.refuse()
+            }
+
+            fn visit_f64<E: de::Error>(self, _: f64) -> Result<IdentityKeyField, E> {
+                self.refuse()
+            }
+
+            fn visit_bool<E: de::Error>(self, _: bool) -> Result<IdentityKeyField, E> {
+                self.refuse()
+            }
+
+            fn visit_bytes<E: de::Error>(self, _: &[u8]) -> Result<IdentityKeyField, E> {
+                self.refuse()
+            }
+        }
+        deserializer.deserialize_any(KeyVisitor)
+    }
+}
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, expecting = "the `metrics` section")]
 pub(super) struct RawMetrics {
@@ -283,6 +380,7 @@ pub(super) struct RawGlobal {
     pub timeout_ms: Option<NonZeroU32>,
     pub lease: Option<LeaseField>,
     pub retry_seconds: Option<u32>,
+    pub token: Option<SecretField>,
 }
 
 #[derive(Deserialize)]
@@ -292,6 +390,75 @@ pub(super) struct RawRemote {
     pub authority: Option<NonEmpty>,
     pub path: PathField,
     pub poll_seconds: Option<NonZeroU32>,
+    pub allow: Option<Vec<PinnedField>>,
+    pub signature: Option<SignatureField>,
+}
+
+/// A name in `remote.allow`: what a remote document may change.
+#[derive(Clone, Copy)]
+pub(super) struct PinnedField(pub Pinned);
+
+impl<'de> Deserialize<'de> for PinnedField {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserialize_str_with(
+            deserializer,
+            "global, remote, dry_run or identity_key",
+            |raw| named(raw, &Pinned::ALL, Pinned::name, "name in remote.allow").map(PinnedField),
+        )
+    }
+}
+
+/// `remote.signature`: `{hmac_sha256: SECRET}` (or `{hmac_sha256: {env: NAME}}`) or
+/// `{ed25519: PUBLIC_KEY}`, exactly one.
+pub(super) struct SignatureField(pub SignatureKey);
+
+impl<'de> Deserialize<'de> for SignatureField {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct SignatureVisitor;
+
+        impl<'de> Visitor<'de> for SignatureVisitor {
+            type Value = SignatureField;
+
+            fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+                formatter.write_str("`{hmac_sha256: SECRET}` or `{ed25519: PUBLIC_KEY}`")
+            }
+
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<SignatureField, A::Error> {
+                const KINDS: &[&str] = &["hmac_sha256", "ed25519"];
+                let mut key: Option<SignatureKey> = None;
+                while let Some(kind) = map.next_key::<String>()? {
+                    if key.is_some() {
+                        return Err(de::Error::custom(
+                            "two signature keys, expected one: `hmac_sha256` or `ed25519`",
+                        ));
+                    }
+                    let next = match kind.as_str() {
+                        "hmac_sha256" => {
+                            SignatureKey::HmacSha256(map.next_value::<SecretField>()?.0)
+                        }
+                        "ed25519" => map.next_value::<Ed25519KeyField>()?.0,
+                        other => return Err(de::Error::unknown_field(other, KINDS)),
+                    };
+                    key = Some(next);
+                }
+                key.map(SignatureField).ok_or_else(|| {
+                    de::Error::custom("no signature key, expected `hmac_sha256` or `ed25519`")
+                })
+            }
+        }
+        deserializer.deserialize_map(SignatureVisitor)
+    }
+}
+
+/// An Ed25519 public key in base64.
+struct Ed25519KeyField(SignatureKey);
+
+impl<'de> Deserialize<'de> for Ed25519KeyField {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserialize_str_with(deserializer, "a base64 Ed25519 public key", |raw| {
+            SignatureKey::ed25519(raw).map(Ed25519KeyField)
+        })
+    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -303,6 +470,7 @@ pub(super) const SECTION_GLOBAL: u8 = 2;
 pub(super) const SECTION_REMOTE: u8 = 3;
 pub(super) const SECTION_DRY_RUN: u8 = 4;
 pub(super) const SECTION_METRICS: u8 = 5;
+pub(super) const SECTION_IDENTITY_KEY: u8 = 6;
 
 fn section_name(id: u8) -> &'static str {
     match id {
@@ -311,6 +479,7 @@ fn section_name(id: u8) -> &'static str {
         SECTION_GLOBAL => "global",
         SECTION_REMOTE => "remote",
         SECTION_DRY_RUN => "dry_run",
+        SECTION_IDENTITY_KEY => "identity_key",
         _ => "metrics",
     }
 }
@@ -387,7 +556,7 @@ impl<T, X: fmt::Display, F: FnOnce(&str) -> Result<T, String>> Visitor<'_> for S
     }
 }
 
-fn deserialize_str_with<'de, D: Deserializer<'de>, T>(
+pub(super) fn deserialize_str_with<'de, D: Deserializer<'de>, T>(
     deserializer: D,
     expecting: impl fmt::Display,
     parse: impl FnOnce(&str) -> Result<T, String>,

@@ -243,6 +243,7 @@ dry_run: true
             timeout_ms: 25,
             lease: Lease::Fixed(nz(2)),
             retry_seconds: 0,
+            token: None,
         }
     );
     assert_eq!(
@@ -252,6 +253,8 @@ dry_run: true
             authority: "config".to_string(),
             path: "/diana.yaml".to_string(),
             poll_seconds: 10,
+            allow: Vec::new(),
+            signature: None,
         })
     );
     assert!(policy.dry_run);
@@ -274,9 +277,9 @@ dry_run: true
         headers: vec![("x-tenant-id", b"acme".to_vec())],
         ip: None,
     };
-    assert!(matches!(tenant.actor.identify(&facts), Identity::Key(_)));
+    assert!(matches!(tenant.identify(&facts), Identity::Key(_)));
     assert_eq!(
-        tenant.actor.identify(&Facts::default()),
+        tenant.identify(&Facts::default()),
         Identity::Skip,
         "user actors skip by default"
     );
@@ -294,11 +297,8 @@ dry_run: true
         headers: vec![("x-user", b"u1".to_vec())],
         ip: None,
     };
-    assert!(matches!(account.actor.identify(&facts), Identity::Key(_)));
-    assert_eq!(
-        account.actor.identify(&Facts::default()),
-        Identity::Everyone
-    );
+    assert!(matches!(account.identify(&facts), Identity::Key(_)));
+    assert_eq!(account.identify(&Facts::default()), Identity::Everyone);
 }
 
 #[test]
@@ -314,8 +314,8 @@ fn redefined_device_keeps_its_fallback() {
         ip: Some(b"10.0.0.1".to_vec()),
     };
     // x-device-id is no longer read: both fall back to the address.
-    assert_eq!(device.actor.identify(&facts), device.actor.identify(&by_ip));
-    assert!(matches!(device.actor.identify(&by_ip), Identity::Key(_)));
+    assert_eq!(device.identify(&facts), device.identify(&by_ip));
+    assert!(matches!(device.identify(&by_ip), Identity::Key(_)));
 }
 
 #[test]
@@ -328,11 +328,8 @@ fn seed_actor_word_means_account() {
         headers: vec![("x-account-id", b"a".to_vec())],
         ip: None,
     };
-    assert_eq!(
-        rules[0].actor.identify(&facts),
-        rules[1].actor.identify(&facts)
-    );
-    assert_eq!(rules[0].actor.identify(&Facts::default()), Identity::Skip);
+    assert_eq!(rules[0].identify(&facts), rules[1].identify(&facts));
+    assert_eq!(rules[0].identify(&Facts::default()), Identity::Skip);
     // Same counter shape: `actor` and `account` are one actor, so only the occurrence differs.
     let a = parse("Url: /\nrules: [{rpu: 1, actor: actor}]\n");
     let b = parse("Url: /\nrules: [{rpu: 1, actor: account}]\n");
@@ -927,7 +924,7 @@ fn null_is_never_read_as_text() {
         ip: None,
     };
     assert!(matches!(
-        rules(&policy)[0].actor.identify(&facts),
+        rules(&policy)[0].identify(&facts),
         Identity::Key(_)
     ));
 }
@@ -949,4 +946,134 @@ fn integers_and_booleans_are_text_alike_in_yaml_and_json() {
     // A float would not keep its spelling (`1.50` reads as 1.5): refused, in both forms.
     error("Url: /\nrules: [{rpu: 1, name: 1.50}]\n");
     error("{\"Url\": \"/\", \"rules\": [{\"rpu\": 1, \"name\": 1.50}]}");
+}
+
+#[test]
+fn global_token_is_a_secret_from_the_document_or_the_environment() {
+    let token = "q".repeat(40);
+    let doc = format!("resources: [{{Url: /, rules: [{{rpu: 1}}]}}]\nglobal: {{token: {token}}}\n");
+    let policy = parse_policy(&doc).expect("valid");
+    assert_eq!(
+        policy.global.token.as_ref().map(|t| t.expose().to_string()),
+        Some(token.clone())
+    );
+    assert!(!format!("{policy:?}").contains(&token));
+
+    // Too short: refused with its position, never its value.
+    let short = "resources: [{Url: /, rules: [{rpu: 1}]}]\nglobal: {token: hunter2hunter2}\n";
+    let error = parse_policy(short).expect_err("short").message;
+    assert!(error.contains("global.token"), "{error}");
+    assert!(error.contains("at least 32 bytes"), "{error}");
+    assert!(!error.contains("hunter2"), "{error}");
+
+    // From the environment: a missing variable is named.
+    let env = "resources: [{Url: /, rules: [{rpu: 1}]}]\nglobal: {token: {env: DIANA_TEST_UNSET_TOKEN_VAR}}\n";
+    let error = parse_policy(env).expect_err("unset").message;
+    assert!(error.contains("DIANA_TEST_UNSET_TOKEN_VAR"), "{error}");
+    assert!(error.contains("global.token"), "{error}");
+}
+
+/// (c) `identity_key`: two gateways given the same secret (two parses) compute the same
+/// identities, local and global; another secret, or none, gives others.
+#[test]
+fn identity_key_makes_gateways_agree_and_only_them() {
+    use crate::hash::KeyOrigin;
+    let rules_doc = "resources:\n  - Url: /\n    rules:\n      - {rpu: 1, actor: device}\n      - {rpu: 1, actor: device, scope: global}\n";
+    let keyed = |secret: &str| parse(&format!("{rules_doc}identity_key: \"{secret}\"\n"));
+    let secret = "a-deployment-secret-of-at-least-32-bytes";
+    let (one, two) = (keyed(secret), keyed(secret));
+    let other = keyed("another-deployment-secret-of-32-bytes!!");
+    let unkeyed = parse(rules_doc);
+    let facts = Facts {
+        headers: vec![("x-device-id", b"phone-1".to_vec())],
+        ip: Some(b"10.0.0.1".to_vec()),
+    };
+    for index in 0..2 {
+        let identity = |policy: &Policy| rules(policy)[index].identify(&facts);
+        assert!(matches!(identity(&one), Identity::Key(_)));
+        assert_eq!(identity(&one), identity(&two), "rule {index}");
+        assert_ne!(identity(&one), identity(&other), "rule {index}");
+        assert_ne!(identity(&one), identity(&unkeyed), "rule {index}");
+        assert_eq!(rules(&one)[index].identity.origin(), KeyOrigin::Configured);
+    }
+    assert_eq!(one.identity_key(), two.identity_key());
+    assert!(one.identity_key().is_some() && unkeyed.identity_key().is_none());
+    // Without a key: global rules agree on the public key, local ones wait for the process's.
+    assert_eq!(rules(&unkeyed)[1].identity.origin(), KeyOrigin::Public);
+    assert_eq!(rules(&unkeyed)[0].identity.origin(), KeyOrigin::Unbound);
+    assert_eq!(
+        rules(&unkeyed)[1].identify(&facts),
+        rules(&parse(rules_doc))[1].identify(&facts)
+    );
+    // The key never shows: not in the policy's Debug, not in a rule's.
+    let shown = format!("{one:?}");
+    assert!(!shown.contains("deployment-secret"), "{shown}");
+    // In its own `---` document, or from the environment.
+    let split = parse(&format!("{rules_doc}---\nidentity_key: \"{secret}\"\n"));
+    assert_eq!(
+        rules(&split)[0].identify(&facts),
+        rules(&one)[0].identify(&facts)
+    );
+}
+
+#[test]
+fn a_bad_identity_key_is_refused_without_its_value() {
+    let rules_doc = "resources: [{Url: /, rules: [{rpu: 1, actor: device}]}]\n";
+    for (value, wanted) in [
+        ("hunter2hunter2", "at least 32 bytes"),
+        ("\"\"", "at least 32 bytes"),
+        ("12345678901234567", "secret string"),
+        ("true", "secret string"),
+        (
+            "{env: DIANA_TEST_UNSET_IDENTITY_KEY_VAR}",
+            "DIANA_TEST_UNSET_IDENTITY_KEY_VAR",
+        ),
+    ] {
+        let message = error(&format!("{rules_doc}identity_key: {value}\n"));
+        assert!(message.starts_with("identity_key: "), "{message}");
+        assert!(message.contains(wanted), "{message}");
+        assert!(message.contains("line 2"), "{message}");
+        if !value.starts_with('{') && value.len() > 2 {
+            assert!(!message.contains(value), "{message}");
+        }
+    }
+    // JSON too.
+    let message = error(
+        "{\"resources\": [{\"Url\": \"/\", \"rules\": [{\"rpu\": 1}]}], \"identity_key\": \"hunter2hunter2\"}",
+    );
+    assert!(
+        message.contains("identity_key") && !message.contains("hunter2"),
+        "{message}"
+    );
+    // Given by two documents: refused like any section.
+    let twice = format!(
+        "{rules_doc}identity_key: \"{}\"\n---\nidentity_key: \"{}\"\n",
+        "a".repeat(32),
+        "b".repeat(32)
+    );
+    let message = error(&twice);
+    assert!(message.contains("already given"), "{message}");
+    assert!(!message.contains(&"b".repeat(32)), "{message}");
+}
+
+#[test]
+fn global_rules_the_quota_service_would_refuse_are_refused_at_load() {
+    // A bucket that would take more than a day to refill: the service bounds what a key
+    // can live. The same rule is fine locally.
+    let global =
+        "resources: [{Url: /, rules: [{algo: TB, rpu: 1, unit: day, burst: 5, scope: global}]}]\n";
+    let error = parse_policy(global).expect_err("refused").message;
+    assert!(error.contains("burst"), "{error}");
+    assert!(error.contains("quota service"), "{error}");
+    let local = "resources: [{Url: /, rules: [{algo: TB, rpu: 1, unit: day, burst: 5}]}]\n";
+    assert!(parse_policy(local).is_ok());
+    // Costs that one callout could never carry (12 × 100,000 > 1,000,000).
+    let mut doc = String::from("resources:\n  - Url: /\n    rules:\n");
+    for i in 0..12 {
+        doc.push_str(&format!(
+            "      - {{name: r{i}, rpu: 1000000, unit: hour, scope: global, lease: 100000, cost: 100000}}\n"
+        ));
+    }
+    let error = parse_policy(&doc).expect_err("refused").message;
+    assert!(error.contains("1000000"), "{error}");
 }

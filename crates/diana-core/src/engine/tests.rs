@@ -6,7 +6,7 @@ use crate::metrics::CountingMetrics;
 use crate::quota::MemoryQuota;
 use crate::store::{CasSemantics, HostError, MemoryHost, SetOutcome};
 use crate::time::NANOS_PER_SECOND;
-use crate::wire::{AcquireRequest, AcquireResponse, RuleResult};
+use crate::wire::{self, AcquireRequest, AcquireResponse, RuleResult};
 use std::sync::{Arc, Barrier};
 
 const S: Nanos = NANOS_PER_SECOND;
@@ -541,6 +541,76 @@ fn a_refusal_is_decided_locally_counted_apart_and_leaves_the_breaker_closed() {
 }
 
 #[test]
+fn every_callout_carries_the_configured_credential_and_none_without_one() {
+    let token = "t0ken-".repeat(6);
+    let with = format!(
+        "resources:\n  - Url: /\n    rules: [{{rpu: 3, unit: minute, scope: global}}]\nglobal: {{token: \"{token}\"}}\n"
+    );
+    let mut h = Harness::new(&with);
+    let (callout, _) = call(h.evaluate("/", &Facts::default()));
+    let authorization: Vec<&str> = callout
+        .headers
+        .iter()
+        .filter(|(name, _)| *name == "authorization")
+        .map(|(_, value)| value.as_str())
+        .collect();
+    assert_eq!(authorization, [format!("Bearer {token}").as_str()]);
+
+    let without = "resources:\n  - Url: /\n    rules: [{rpu: 3, unit: minute, scope: global}]\n";
+    let mut h = Harness::new(without);
+    let (callout, _) = call(h.evaluate("/", &Facts::default()));
+    assert!(callout
+        .headers
+        .iter()
+        .all(|(name, _)| *name != "authorization"));
+}
+
+#[test]
+fn a_refused_credential_or_any_4xx_never_opens_the_breaker_whatever_its_body() {
+    let doc = "resources:\n  - Url: /\n    rules: [{rpu: 3, unit: minute, scope: global}]\n";
+    let huge = vec![b'x'; 200 * 1024];
+    for refusal in [
+        Reply::Answered {
+            status: 401,
+            body: Some(br#"{"error":"missing or wrong credential"}"#.to_vec()),
+        },
+        Reply::Answered {
+            status: 403,
+            body: Some(b"forbidden".to_vec()),
+        },
+        // Larger than any answer the filter reads: still a refusal, not an invalid answer.
+        Reply::Answered {
+            status: 413,
+            body: Some(huge.clone()),
+        },
+        Reply::Answered {
+            status: 401,
+            body: None,
+        },
+    ] {
+        let mut h = Harness::new(doc);
+        let (_, pending) = call(h.evaluate("/", &Facts::default()));
+        assert!(admits(&h.complete(pending, refusal.clone())));
+        let status = match &refusal {
+            Reply::Answered { status, .. } => *status,
+            _ => 0,
+        };
+        assert_eq!(h.metrics.event_count(Event::GlobalRefused), 1, "{status}");
+        assert_eq!(h.metrics.event_count(Event::GlobalError), 0, "{status}");
+        assert_eq!(
+            h.metrics.event_count(Event::GlobalInvalidAnswer),
+            0,
+            "{status}"
+        );
+        assert!(!h.metrics.degraded, "{status}");
+        assert!(matches!(
+            h.evaluate("/", &Facts::default()),
+            Decision::Call(..)
+        ));
+    }
+}
+
+#[test]
 fn a_failing_service_degrades_to_local_and_the_breaker_probes_after_retry_seconds() {
     for failure in [
         Reply::NoAnswer,
@@ -1066,6 +1136,77 @@ fn global_response_costs_are_paid_from_the_tick_or_charged_locally() {
     // Degraded: the local counter holds the 60 owed (the first request was counted by the
     // service): 40 more requests pass.
     assert_eq!(h.admitted("/", &Facts::default(), 100), 40);
+}
+
+#[test]
+fn global_debts_beyond_one_charge_are_all_sent_over_the_next_ticks() {
+    // 200 identities owe in one tick (more than the 64 rules one charge carries), and one
+    // of them owes 250,000 tokens (more than one rule's 100,000): every token is sent, in
+    // charges of at most 64 rules and MAX_TOTAL_WANT tokens. Before, nothing was ever sent.
+    let doc = "resources:\n  - Url: /\n    rules: [{name: llm, actor: account, algo: TB, rpu: 1000000, unit: hour, scope: global, lease: 1, response_cost: {header: x-tokens, max: 1000000}}]\nglobal: {retry_seconds: 5}\n";
+    let mut h = Harness::new(doc);
+    let mut owed = 0u64;
+    for i in 0..200u64 {
+        let facts = Facts::default().header("x-account-id", format!("acct-{i}").as_bytes());
+        let (_, pending) = call(h.evaluate("/", &facts));
+        let charge = after(h.complete(pending, answered(vec![granted(1)])));
+        let tokens: u64 = if i == 7 { 250_000 } else { 100 + i };
+        owed += tokens;
+        h.engine.after_response(
+            &h.host,
+            charge,
+            &[Some(tokens.to_string().into_bytes())],
+            Some(h.now),
+            &mut h.metrics,
+        );
+    }
+    let mut sent = 0u64;
+    let mut charges = 0;
+    while let Some((callout, debts)) = h.engine.pay_debts(&h.host, Some(h.now), &mut h.metrics) {
+        let request: AcquireRequest = serde_json::from_slice(&callout.body).unwrap();
+        assert!(request.rules.len() <= wire::MAX_RULES);
+        let total: u64 = request.rules.iter().map(|rule| u64::from(rule.want)).sum();
+        assert!(total <= wire::MAX_TOTAL_WANT);
+        assert!(wire::validate(&request).is_ok());
+        assert_eq!(total, debts.iter().map(|debt| debt.tokens).sum::<u64>());
+        sent += total;
+        charges += 1;
+        h.engine.debts_paid(
+            &h.host,
+            debts,
+            Reply::Answered {
+                status: 200,
+                body: Some(b"{\"results\":[]}".to_vec()),
+            },
+            Some(h.now),
+            &mut h.metrics,
+        );
+        assert!(charges < 50, "charges never end");
+    }
+    assert!(!h.engine.owes());
+    assert_eq!(sent, owed);
+    assert!(charges >= 200 / wire::MAX_RULES, "{charges}");
+}
+
+#[test]
+fn one_requests_wants_add_up_to_what_the_service_accepts() {
+    // Twelve global rules, each with a lease of 100,000: 1.2 million asked at once would be
+    // refused (400); the wants are lowered to 1,000,000 in all, each keeping its cost.
+    let mut doc = String::from("resources:\n  - Url: /\n    rules:\n");
+    for i in 0..12 {
+        doc.push_str(&format!(
+            "      - {{name: r{i}, algo: TB, rpu: 1000000, unit: hour, scope: global, lease: 100000}}\n"
+        ));
+    }
+    let mut h = Harness::new(&doc);
+    let (callout, _) = call(h.evaluate("/", &Facts::default()));
+    let request: AcquireRequest = serde_json::from_slice(&callout.body).unwrap();
+    assert_eq!(request.rules.len(), 12);
+    let total: u64 = request.rules.iter().map(|rule| u64::from(rule.want)).sum();
+    assert!(total <= wire::MAX_TOTAL_WANT, "{total}");
+    assert!(total > wire::MAX_TOTAL_WANT - 12, "{total}");
+    assert!(request.rules.iter().all(|rule| rule.want >= rule.cost));
+    assert!(wire::validate(&request).is_ok());
 }
 
 #[test]

@@ -327,7 +327,7 @@ impl Global {
                 }
             }
         };
-        let request = AcquireRequest {
+        let mut request = AcquireRequest {
             rules: ask
                 .iter()
                 .zip(&rates)
@@ -337,6 +337,7 @@ impl Global {
                 })
                 .collect(),
         };
+        fit_total_want(&mut request.rules);
         let body = match serde_json::to_vec(&request) {
             Ok(body) => body,
             Err(error) => {
@@ -515,15 +516,19 @@ impl Global {
     }
 
     fn callout_to(&self, path: String, timeout_ms: u64, body: Vec<u8>) -> Callout {
+        let mut headers = vec![
+            (":method", "POST".to_string()),
+            (":path", path),
+            (":authority", self.spec.authority.clone()),
+            ("content-type", wire::CONTENT_TYPE.to_string()),
+            (wire::TIMEOUT_HEADER, timeout_ms.to_string()),
+        ];
+        if let Some(token) = &self.spec.token {
+            headers.push(("authorization", format!("Bearer {}", token.expose())));
+        }
         Callout {
             upstream: self.spec.cluster.clone(),
-            headers: vec![
-                (":method", "POST".to_string()),
-                (":path", path),
-                (":authority", self.spec.authority.clone()),
-                ("content-type", wire::CONTENT_TYPE.to_string()),
-                (wire::TIMEOUT_HEADER, timeout_ms.to_string()),
-            ],
+            headers,
             body,
             timeout_ms,
         }
@@ -707,15 +712,25 @@ impl Global {
         if self.breaker.gate(&self.store, host, now) == Gate::Local {
             return Payment::Local(debts);
         }
+        // One charge carries at most MAX_RULES rules of at most MAX_WANT tokens each, and
+        // MAX_TOTAL_WANT in all: what does not fit (a debt's rest included) stays owed and
+        // goes with the next tick's charge.
         let mut rules = Vec::new();
-        for debt in &debts {
+        let mut sent: Vec<Debt> = Vec::new();
+        let mut later: Vec<Debt> = Vec::new();
+        let mut total = 0u64;
+        for debt in debts {
             let Some(rule) = policy.rule(debt.rule) else {
                 continue;
             };
             let mut left = debt.tokens;
-            while left > 0 {
-                let tokens = u32::try_from(left.min(u64::from(wire::MAX_WANT))).unwrap_or(1);
+            while left > 0 && rules.len() < wire::MAX_RULES && total < wire::MAX_TOTAL_WANT {
+                let room = left
+                    .min(u64::from(wire::MAX_WANT))
+                    .min(wire::MAX_TOTAL_WANT - total);
+                let tokens = u32::try_from(room).unwrap_or(wire::MAX_WANT);
                 left -= u64::from(tokens);
+                total += u64::from(tokens);
                 rules.push(RuleRequest::new(
                     global_key(rule, debt.address),
                     rule.algo,
@@ -723,19 +738,39 @@ impl Global {
                     tokens,
                 ));
             }
-        }
-        // A request carries at most MAX_RULES rules: the rest waits for the next tick.
-        if rules.len() > wire::MAX_RULES {
-            for debt in debts {
-                if let Some(local) = self.owed.add(debt) {
-                    return Payment::Local(vec![local]);
-                }
+            if left < debt.tokens {
+                sent.push(Debt {
+                    tokens: debt.tokens - left,
+                    ..debt
+                });
             }
-            return Payment::Nothing;
+            if left > 0 {
+                later.push(Debt {
+                    tokens: left,
+                    ..debt
+                });
+            }
+        }
+        // The debts were all taken out, so the rests fit back (the table only shrank); one
+        // that does not is charged locally with the rest, never dropped.
+        let mut local: Vec<Debt> = later
+            .into_iter()
+            .filter_map(|debt| self.owed.add(debt))
+            .collect();
+        if rules.is_empty() {
+            return if local.is_empty() {
+                Payment::Nothing
+            } else {
+                Payment::Local(local)
+            };
+        }
+        if !local.is_empty() {
+            local.extend(sent);
+            return Payment::Local(local);
         }
         let body = match serde_json::to_vec(&AcquireRequest { rules }) {
             Ok(body) => body,
-            Err(_) => return Payment::Local(debts),
+            Err(_) => return Payment::Local(sent),
         };
         metrics.event(Event::GlobalCallout);
         let callout = self.callout_to(
@@ -743,7 +778,7 @@ impl Global {
             u64::from(self.spec.timeout_ms),
             body,
         );
-        Payment::Call(callout, debts)
+        Payment::Call(callout, sent)
     }
 
     /// The answer to a payment: the debts the service did not take, to charge locally.
@@ -758,9 +793,7 @@ impl Global {
         match reply {
             Reply::Answered { status: 200, .. } => Vec::new(),
             Reply::Answered { status, body } if (400..500).contains(&status) => {
-                let reason = body
-                    .and_then(|body| serde_json::from_slice::<ErrorResponse>(&body).ok())
-                    .map_or_else(String::new, |error| error.error);
+                let reason = refusal_reason(body.as_deref());
                 self.failed(host, Failure::Refused(status, reason), false, now, metrics);
                 debts
             }
@@ -808,17 +841,16 @@ impl Global {
             }
             Reply::Answered { status, body } => (status, body),
         };
+        // A 4xx is a refusal whatever its body (too large, unreadable or absent): the service
+        // is up, so it must never open the breaker.
+        if (400..500).contains(&status) {
+            return Err(Failure::Refused(status, refusal_reason(body.as_deref())));
+        }
         let Some(body) = body.filter(|body| body.len() <= MAX_ANSWER_BYTES) else {
             return Err(Failure::Invalid(format!(
                 "answer larger than {MAX_ANSWER_BYTES} bytes"
             )));
         };
-        if (400..500).contains(&status) {
-            let reason = serde_json::from_slice::<ErrorResponse>(&body)
-                .map(|error| error.error)
-                .unwrap_or_else(|_| String::from_utf8_lossy(&body).into_owned());
-            return Err(Failure::Refused(status, reason.chars().take(300).collect()));
-        }
         if status != 200 {
             return Err(Failure::Unavailable(format!("status {status}")));
         }
@@ -844,9 +876,16 @@ impl Global {
                     metrics.degraded(false);
                 }
                 if !self.refusal_logged.replace(true) {
-                    log::error!(
-                        "diana: the quota service refused a request ({status}: {reason}); it is decided locally"
-                    );
+                    if status == 401 || status == 403 {
+                        log::error!(
+                            "diana: the quota service refused this gateway's credential ({status}: {reason}); \
+                             check global.token against the service's --token-file; global rules are decided locally"
+                        );
+                    } else {
+                        log::error!(
+                            "diana: the quota service refused a request ({status}: {reason}); it is decided locally"
+                        );
+                    }
                 }
             }
             Failure::Invalid(reason) => {
@@ -878,4 +917,41 @@ impl Global {
             metrics.degraded(true);
         }
     }
+}
+
+/// Lowers the wants of one request's rules so that they add up to at most
+/// [`wire::MAX_TOTAL_WANT`] (the service refuses more): each rule keeps its own cost (the
+/// configuration keeps the costs within the bound) and the rest of the bound is shared in
+/// proportion to what each asked beyond its cost.
+fn fit_total_want(rules: &mut [RuleRequest]) {
+    let total: u64 = rules.iter().map(|rule| u64::from(rule.want)).sum();
+    if total <= wire::MAX_TOTAL_WANT {
+        return;
+    }
+    let costs: u64 = rules
+        .iter()
+        .map(|rule| u64::from(rule.cost.min(rule.want)))
+        .sum();
+    let extra = total - costs;
+    let room = wire::MAX_TOTAL_WANT.saturating_sub(costs);
+    for rule in rules.iter_mut() {
+        let cost = rule.cost.min(rule.want);
+        let beyond = u64::from(rule.want - cost);
+        let share = beyond.saturating_mul(room).checked_div(extra).unwrap_or(0);
+        rule.want = cost.saturating_add(u32::try_from(share).unwrap_or(0));
+    }
+}
+
+/// The service's reason for a 4xx: its JSON `error`, else the body's text, at most 300
+/// characters; empty when the body was too large to read.
+fn refusal_reason(body: Option<&[u8]>) -> String {
+    let Some(body) = body.filter(|body| body.len() <= MAX_ANSWER_BYTES) else {
+        return String::new();
+    };
+    serde_json::from_slice::<ErrorResponse>(body)
+        .map(|error| error.error)
+        .unwrap_or_else(|_| String::from_utf8_lossy(body).into_owned())
+        .chars()
+        .take(300)
+        .collect()
 }

@@ -22,6 +22,54 @@ pub struct Outcome {
 /// Idle counters are swept when the table reaches this size, then when it doubles.
 const MIN_SWEEP: usize = 4096;
 
+/// The counter a rule addresses: its key **bound to its algorithm and every parameter of
+/// its limit**. A request with the same key but another algorithm, rate, unit, burst or
+/// slice count addresses another counter: it can neither read nor reset (nor deny through)
+/// the first one. Every store keys its counters by this (the memory store as is, Redis as
+/// [`CounterId::params`] after the hash tag), so they all behave alike.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct CounterId {
+    pub key: String,
+    pub algo: &'static str,
+    pub limit: Limit,
+}
+
+impl CounterId {
+    /// The counter of a validated rule (aliases and case already resolved: `token bucket`
+    /// per `Hours` is `TB` per `hour`).
+    pub fn of(rule: &ResolvedRule<'_>) -> CounterId {
+        CounterId {
+            key: rule.key.to_string(),
+            algo: rule.algo.code(),
+            limit: rule.limit,
+        }
+    }
+
+    /// Whether `rule` addresses this counter.
+    pub fn is(&self, rule: &ResolvedRule<'_>) -> bool {
+        self.key == rule.key && self.algo == rule.algo.code() && self.limit == rule.limit
+    }
+
+    /// The parameters, as they follow the key in a store's name for the counter:
+    /// `<ALGO>:<rpu>:<unit>:<burst>:<slices>` (`TB:10:second:10:10`).
+    pub fn params(&self) -> String {
+        counter_params(self.algo, &self.limit)
+    }
+}
+
+/// `<ALGO>:<rpu>:<unit>:<burst>:<slices>`, every parameter of a counter in one canonical
+/// form (`W:100:minute:100:10`): distinct parameters give distinct names, and a key cannot
+/// hold `{` or `}`, so `diana:{<key>}:<params>` names one counter only.
+pub fn counter_params(algo: &str, limit: &Limit) -> String {
+    format!(
+        "{algo}:{}:{}:{}:{}",
+        limit.rpu,
+        limit.unit.name(),
+        limit.burst,
+        limit.slices
+    )
+}
+
 /// A counter: the parameters it was written with, and its state words.
 #[derive(Debug)]
 struct Counter {
@@ -41,7 +89,7 @@ struct Counter {
 /// that became idle (window passed, bucket refilled) are dropped when the table doubles.
 #[derive(Debug)]
 pub struct MemoryQuota {
-    counters: HashMap<(String, &'static str), Counter>,
+    counters: HashMap<CounterId, Counter>,
     sweep_at: usize,
     calls: u64,
 }
@@ -108,20 +156,20 @@ impl MemoryQuota {
     pub fn acquire(&mut self, rules: &[ResolvedRule<'_>], now: Nanos) -> Vec<Outcome> {
         // One state per distinct counter, so that two rules on one counter see each
         // other's tentative charges (as in the service).
-        let mut ids: Vec<(String, &'static str)> = Vec::new();
+        let mut ids: Vec<CounterId> = Vec::new();
         let mut states: Vec<Vec<u64>> = Vec::new();
         let mut params: Vec<(&'static dyn Algorithm, Limit)> = Vec::new();
         let mut slots = Vec::with_capacity(rules.len());
         for rule in rules {
-            let id = (rule.key.to_string(), rule.algo.code());
-            let slot = match ids.iter().position(|known| *known == id) {
+            let slot = match ids.iter().position(|known| known.is(rule)) {
                 Some(slot) => slot,
                 None => {
+                    let id = CounterId::of(rule);
                     let words = rule.algo.state_words(&rule.limit);
                     let state = self
                         .counters
                         .get(&id)
-                        .filter(|c| c.limit == rule.limit && c.state.len() == words)
+                        .filter(|c| c.state.len() == words)
                         .map_or_else(|| vec![0; words], |c| c.state.clone());
                     ids.push(id);
                     states.push(state);
@@ -233,6 +281,43 @@ mod tests {
             quota.answer(&callout, NOW),
             Reply::Answered { status: 400, .. }
         ));
+    }
+
+    #[test]
+    fn a_counter_is_bound_to_its_parameters() {
+        let mut quota = MemoryQuota::new();
+        // W 2 per minute on `a`, spent.
+        for expected in [true, true, false] {
+            assert_eq!(
+                ask(&mut quota, vec![rule("a", 2, 1, false)], NOW)[0].allowed,
+                expected
+            );
+        }
+        // The same key with another rate, unit or algorithm is another counter: it starts
+        // full and describes itself, never the spent one.
+        let mut per_second = rule("a", 2, 1, false);
+        per_second.unit = "second".to_string();
+        let mut bucket = rule("a", 1, 1, false);
+        (bucket.algo, bucket.unit) = ("TB".to_string(), "day".to_string());
+        for (other, remaining) in [(rule("a", 5, 1, false), 4), (per_second, 1), (bucket, 0)] {
+            let result = ask(&mut quota, vec![other.clone()], NOW)[0];
+            assert!(
+                result.allowed && result.remaining == remaining,
+                "{other:?}: {result:?}"
+            );
+        }
+        // And the first is untouched: still spent.
+        assert!(!ask(&mut quota, vec![rule("a", 2, 1, false)], NOW)[0].allowed);
+        assert_eq!(quota.len(), 4);
+        // Identity and canonical names: aliases resolve to one counter.
+        let mut alias = rule("a", 2, 1, false);
+        (alias.algo, alias.unit) = ("window".to_string(), "Minutes".to_string());
+        let request = AcquireRequest {
+            rules: vec![alias, rule("a", 2, 1, false)],
+        };
+        let rules = request.resolve().unwrap();
+        assert_eq!(CounterId::of(&rules[0]), CounterId::of(&rules[1]));
+        assert_eq!(CounterId::of(&rules[0]).params(), "W:2:minute:2:10");
     }
 
     #[test]

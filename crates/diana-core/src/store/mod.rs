@@ -3,13 +3,23 @@
 //! worker thread (Envoy) or worker process (nginx) charges the same counters.
 //!
 //! Memory is bounded whatever clients send: each rule owns a fixed-size table of `slots`
-//! keys. An identity hashes to two candidate slots; a slot record starts with a
-//! fingerprint of the identity that holds it, so a collision is detected, and a slot whose
-//! state has gone idle (see [`crate::algo::Algorithm::is_idle`]) is reused by a new
-//! identity. When both candidates are held by active identities, the newcomer is charged
-//! on the first candidate's counter (it shares a counter, so it may be limited early but
-//! nobody ever gets more than the limit). Envoy never frees a shared-data key, so the table
-//! can never grow past `slots` keys per rule.
+//! keys. An identity hashes (keyed, [`crate::hash::IdentityHasher`]) to two candidate
+//! slots; a slot record starts with a fingerprint of the identity that holds it, so a
+//! collision is detected, and a slot whose state has gone idle (see
+//! [`crate::algo::Algorithm::is_idle`]) is reused by a new identity. When both candidates
+//! are held by active identities, the newcomer takes over the one whose identity came back
+//! the fewest times, then the least recently used ([`Eviction::FewestVisits`]), with a
+//! fresh counter — except a leaky bucket's record, whose queued turns must keep their
+//! pacing: that one is shared (charged as it is). Sharing, the only policy before, let a
+//! flood of strangers lock every newcomer out (docs/security-slots.md has the figures and
+//! the alternatives measured). A takeover is a compare-and-swap on the record as it was
+//! read: a charge of its holder in between makes it fail and be decided again, so no
+//! record is ever replaced under a charge; the holder's later give-backs carry its
+//! fingerprint and leave the newcomer's counter alone. The identity taken over starts
+//! afresh when it comes back (what it had spent is forgiven; a worker's batch of its
+//! tokens, already counted, is still spent).
+//! Envoy never frees a shared-data key, so the table can never grow past `slots` keys per
+//! rule.
 //!
 //! Every record is sealed with a check of its own key ([`seal`], [`open`]):
 //! ngx_wasm_module's `shm_kv` finds a key by its CRC32 alone, so two of Diana's keys can
@@ -26,6 +36,7 @@
 //! there first. If a host refuses that for a key that is still missing, it is strict
 //! (nginx) and we create with CAS 0, which such a host only accepts for a missing key.
 
+pub mod identity;
 mod memory;
 
 pub use memory::{CasSemantics, MemoryHost};
@@ -43,6 +54,31 @@ pub const CREATE_CAS: u32 = u32::MAX;
 
 /// How many times one update is retried when other workers keep winning the race.
 pub const MAX_CAS_ATTEMPTS: usize = 32;
+
+/// Two uses of a record at least this far apart are two visits ([`Eviction::FewestVisits`]);
+/// also how often a refused client's own record notes that it asked again (so a client that
+/// keeps being refused writes at most 8 times a second, and each worker's denial cache,
+/// [`crate::local::DENIAL_CACHE`], spaces its attempts further).
+pub const VISIT_GAP: Nanos = crate::local::LEASE_SPAN / 2;
+
+/// What a newcomer does when both its candidate slots are held by active identities.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Eviction {
+    /// Charge it on the first candidate's counter (the policy before; under a flood of
+    /// strangers, a newcomer shares an exhausted counter and is locked out).
+    Share,
+    /// Take over the candidate charged least recently, with a fresh counter.
+    LeastRecent,
+    /// Take over the candidate whose state is closest to idle — the most tokens left, then
+    /// the soonest full reset, then the least recently charged — with a fresh counter: the
+    /// eviction forgives the fewest tokens.
+    ClosestToIdle,
+    /// Take over the candidate whose identity came back the fewest times ([`VISIT_GAP`]
+    /// apart), then the least recently used, with a fresh counter: the one-shot identities
+    /// of a flood go first, clients that keep coming (and keep being refused) stay.
+    #[default]
+    FewestVisits,
+}
 
 /// Seed of the key checks that seal records.
 const KEY_CHECK_SEED: u64 = 0x6469_616e_615f_6b63; // "diana_kc"
@@ -214,15 +250,21 @@ pub fn slot_key_in(prefix: &str, slot: u32) -> String {
     key
 }
 
-/// Bytes of a sealed slot record with `words` state words (what shared data holds per slot).
+/// Bytes of a sealed slot record with `words` state words (what shared data holds per slot):
+/// the key check, the fingerprint, the last use and the visits, the words.
 pub const fn slot_record_bytes(words: usize) -> usize {
-    8 + 8 + 8 * words
+    8 + 8 + 8 + 8 + 8 * words
 }
 
-/// A decoded slot record: fingerprint plus the algorithm's state words.
+/// A decoded slot record: fingerprint, when it was last used and how many times its
+/// identity came back, the algorithm's words.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Record {
     fingerprint: u64,
+    /// The instant of the last use: a charge, or a refusal noted (0: never).
+    touched: Nanos,
+    /// Uses at least [`VISIT_GAP`] after the one before.
+    visits: u64,
     words: Vec<u64>,
 }
 
@@ -230,29 +272,45 @@ impl Record {
     fn empty(words: usize) -> Record {
         Record {
             fingerprint: 0,
+            touched: 0,
+            visits: 0,
             words: vec![0; words],
         }
+    }
+
+    /// Notes a use at `now`.
+    fn touch(&mut self, now: Nanos) {
+        if self.touched != 0 && now.saturating_sub(self.touched) >= VISIT_GAP {
+            self.visits = self.visits.saturating_add(1);
+        }
+        self.touched = self.touched.max(now);
     }
 
     /// Decodes the payload of a sealed record; a payload of the wrong size (another
     /// build's layout, garbage) reads as empty, so the slot is simply reclaimed.
     fn decode(payload: &[u8], words: usize) -> Record {
-        if payload.len() != 8 * (words + 1) {
+        if payload.len() != 8 * (words + 3) {
             return Record::empty(words);
         }
         let mut values = payload
             .chunks_exact(8)
             .map(|chunk| u64::from_le_bytes(chunk.try_into().unwrap_or([0; 8])));
         let fingerprint = values.next().unwrap_or(0);
+        let touched = values.next().unwrap_or(0);
+        let visits = values.next().unwrap_or(0);
         Record {
             fingerprint,
+            touched,
+            visits,
             words: values.collect(),
         }
     }
 
     fn encode(&self) -> Vec<u8> {
-        let mut bytes = Vec::with_capacity(8 * (self.words.len() + 1));
+        let mut bytes = Vec::with_capacity(8 * (self.words.len() + 3));
         bytes.extend_from_slice(&self.fingerprint.to_le_bytes());
+        bytes.extend_from_slice(&self.touched.to_le_bytes());
+        bytes.extend_from_slice(&self.visits.to_le_bytes());
         for word in &self.words {
             bytes.extend_from_slice(&word.to_le_bytes());
         }
@@ -278,6 +336,7 @@ pub struct SlotTable<'a> {
 #[derive(Debug, Default)]
 pub struct Store {
     strict_host: Cell<bool>,
+    eviction: Eviction,
 }
 
 /// What a read of one candidate slot says about an identity.
@@ -297,7 +356,10 @@ struct Located {
     record: Record,
     /// `None`: the key is missing (create it).
     cas: Option<u32>,
+    /// Both candidates were held by active identities (a shared counter or a takeover).
     collided: bool,
+    /// The record is another identity's, charged as it is (its fingerprint stays).
+    shared: bool,
 }
 
 impl Located {
@@ -307,6 +369,19 @@ impl Located {
             record,
             cas,
             collided,
+            shared: collided,
+        }
+    }
+
+    /// Another identity's record, taken over with a fresh counter (compare-and-swap on its
+    /// CAS: if it changed meanwhile, the charge is retried on what is there then).
+    fn taken_over(key: String, words: usize, cas: u32) -> Located {
+        Located {
+            key,
+            record: Record::empty(words),
+            cas: Some(cas),
+            collided: true,
+            shared: false,
         }
     }
 }
@@ -320,7 +395,17 @@ impl Store {
     pub fn strict() -> Store {
         Store {
             strict_host: Cell::new(true),
+            ..Store::default()
         }
+    }
+
+    /// The same store with another [`Eviction`] policy (to measure the alternatives).
+    pub fn with_eviction(self, eviction: Eviction) -> Store {
+        Store { eviction, ..self }
+    }
+
+    pub fn eviction(&self) -> Eviction {
+        self.eviction
     }
 
     /// True once the host has refused a create-CAS on a missing key (nginx semantics).
@@ -363,9 +448,10 @@ impl Store {
                 mut record,
                 cas,
                 collided,
+                shared,
             } = self.locate(host, table, address, now, words)?;
             let mut returned = false;
-            let mine = !collided && record.fingerprint == address.fingerprint;
+            let mine = !shared && record.fingerprint == address.fingerprint;
             if let Some((tokens, mark)) = unspent.filter(|_| mine) {
                 table
                     .algo
@@ -386,7 +472,16 @@ impl Store {
                 };
             }
             if !verdict.allowed() && !returned {
-                // A rejected request is not counted: nothing to write.
+                // A rejected request is not counted: nothing to write, except that an
+                // identity's own record notes it was asked (at most every `IN_USE`, best
+                // effort): a client that keeps being refused stays recent, and is not
+                // flushed out of the table to a fresh counter while it insists. (A leaky
+                // bucket's words may hold the turn just refused: never written back, and
+                // its records are never taken over anyway.)
+                if mine && !table.algo.waits() && now.saturating_sub(record.touched) >= VISIT_GAP {
+                    record.touch(now);
+                    let _ = self.write(host, &key, &seal(&key, &record.encode()), cas);
+                }
                 return Ok(Charge {
                     verdict,
                     collided,
@@ -395,8 +490,11 @@ impl Store {
             }
             // A denial changes nothing (`acquire_at_least`'s contract): what is written
             // then is only the tokens given back.
-            if !collided {
+            if !shared {
                 record.fingerprint = address.fingerprint;
+            }
+            if verdict.allowed() {
+                record.touch(now);
             }
             if self.write(host, &key, &seal(&key, &record.encode()), cas)? == SetOutcome::Written {
                 let receipt = verdict.allowed().then_some(Receipt {
@@ -459,14 +557,16 @@ impl Store {
                 key,
                 mut record,
                 cas,
-                collided,
+                shared,
+                ..
             } = self.locate(host, table, address, now, words)?;
             let verdict = table
                 .algo
                 .charge_debt(table.limit, &mut record.words, now, tokens);
-            if !collided {
+            if !shared {
                 record.fingerprint = address.fingerprint;
             }
+            record.touch(now);
             if self.write(host, &key, &seal(&key, &record.encode()), cas)? == SetOutcome::Written {
                 return Ok(verdict);
             }
@@ -554,8 +654,8 @@ impl Store {
     }
 
     /// Finds the slot to charge: the identity's own record in either candidate, else a
-    /// free or idle candidate, else (both held by active identities) the first candidate,
-    /// shared.
+    /// free or idle candidate, else (both held by active identities) one taken over or the
+    /// first shared, as [`Eviction`] says.
     fn locate(
         &self,
         host: &dyn SharedData,
@@ -575,26 +675,66 @@ impl Store {
             let second = self.probe(host, table, address, &second_key, now, words)?;
             candidates.push((second_key, second));
         }
-        let (mut free, mut shared, mut foreign) = (None, None, None);
+        let (mut free, mut foreign) = (None, None);
+        let mut taken: Vec<(String, Record, u32)> = Vec::new();
         for (key, probe) in candidates {
             match probe {
                 Probe::Mine(record, cas) => return Ok(Located::at(key, record, Some(cas), false)),
                 Probe::Free(cas) => {
                     free = free.or(Some(Located::at(key, Record::empty(words), cas, false)))
                 }
-                Probe::Taken(record, cas) => {
-                    shared = shared.or(Some(Located::at(key, record, Some(cas), true)))
-                }
+                Probe::Taken(record, cas) => taken.push((key, record, cas)),
                 Probe::Foreign(cas) => {
                     let fresh = Located::at(key, Record::empty(words), Some(cas), false);
                     foreign = foreign.or(Some(fresh))
                 }
             }
         }
-        // A free slot first, then a shared counter, then another key's entry.
-        free.or(shared)
+        // A free slot first, then a record taken over or shared, then another key's entry.
+        if let Some(free) = free {
+            return Ok(free);
+        }
+        if let Some((key, cas)) = self.victim(table, &taken, now) {
+            return Ok(Located::taken_over(key, words, cas));
+        }
+        let shared = taken
+            .into_iter()
+            .next()
+            .map(|(key, record, cas)| Located::at(key, record, Some(cas), true));
+        shared
             .or(foreign)
             .ok_or_else(|| HostError("no candidate slot".to_string()))
+    }
+
+    /// The held candidate a newcomer takes over (its key and CAS), or `None` to share the
+    /// first one's counter: the [`Eviction`] policy, never a leaky bucket's record (its
+    /// queued turns keep their pacing).
+    fn victim(
+        &self,
+        table: &SlotTable<'_>,
+        taken: &[(String, Record, u32)],
+        now: Nanos,
+    ) -> Option<(String, u32)> {
+        if self.eviction == Eviction::Share || table.algo.waits() {
+            return None;
+        }
+        let evictable = taken.iter();
+        let chosen = match self.eviction {
+            Eviction::Share => None,
+            Eviction::LeastRecent => evictable.min_by_key(|(_, record, _)| record.touched),
+            Eviction::FewestVisits => {
+                evictable.min_by_key(|(_, record, _)| (record.visits, record.touched))
+            }
+            Eviction::ClosestToIdle => evictable.min_by_key(|(_, record, _)| {
+                // A read-only probe: what is left, and how long until the state is as fresh.
+                let mut words = record.words.clone();
+                let probe = table
+                    .algo
+                    .acquire_at_least(table.limit, &mut words, now, 0, 0);
+                (u64::MAX - probe.remaining, probe.reset, record.touched)
+            }),
+        };
+        chosen.map(|(key, _, cas)| (key.clone(), *cas))
     }
 
     fn probe(

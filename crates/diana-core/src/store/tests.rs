@@ -192,6 +192,8 @@ fn creating_a_key_never_overwrites_a_competitors_creation() {
         // The competitor charged one request for the same identity.
         let competitor = Record {
             fingerprint: address.fingerprint,
+            touched: 100,
+            visits: 0,
             words: vec![1, 100],
         };
         let host = RacingHost {
@@ -243,7 +245,9 @@ fn memory_is_bounded_by_the_slot_table_whatever_identities_arrive() {
 #[test]
 fn a_busy_slot_is_shared_conservatively_and_an_idle_one_is_reused() {
     let host = MemoryHost::new(CasSemantics::Nginx);
-    let store = Store::new();
+    // The policy before (still available): a newcomer shares a held counter. The policy
+    // now takes one over: `a_held_slot_is_taken_over_with_a_fresh_counter_...`.
+    let store = Store::new().with_eviction(Eviction::Share);
     let limit = limit(3);
     let table = SlotTable {
         key_prefix: &prefix(9),
@@ -619,4 +623,323 @@ fn one_counter_rules_whose_slots_collide_keep_their_own_counts() {
         host.get(&slot_key(52, 1)).unwrap().is_some(),
         "spare slot used"
     );
+}
+
+// ---------------------------------------------------------------------------------------
+// Both candidates held: a newcomer takes one over (docs/security-slots.md).
+
+const SECOND: Nanos = crate::time::NANOS_PER_SECOND;
+const T0: Nanos = 1_767_225_600 * SECOND;
+
+/// The real token bucket, `rpu` per minute (records stay active for minutes).
+fn bucket(rpu: u32) -> (&'static dyn Algorithm, Limit) {
+    let rpu = NonZeroU32::new(rpu).unwrap();
+    let limit = Limit {
+        rpu,
+        unit: Unit::Minute,
+        burst: rpu,
+        slices: NonZeroU32::new(10).unwrap(),
+    };
+    (crate::algo::lookup("TB").unwrap(), limit)
+}
+
+/// Uniform identities (as keyed hashes are to anyone without the key).
+fn stranger(n: u64, slots: u32) -> SlotAddress {
+    SlotAddress::of(crate::hash::hash64(0x5eed, &n.to_le_bytes()), slots)
+}
+
+/// A flood of strangers (each spending its whole budget at once) and, meanwhile, newcomers
+/// sending 10 requests a second apart: what each newcomer is admitted.
+fn newcomers_under_a_flood(eviction: Eviction) -> Vec<usize> {
+    let slots = 4096;
+    let (algo, limit) = bucket(5);
+    let table = SlotTable {
+        key_prefix: &prefix(61),
+        algo,
+        limit: &limit,
+        max_delay: 0,
+    };
+    let host = MemoryHost::new(CasSemantics::Envoy);
+    let store = Store::new().with_eviction(eviction);
+    let charge = |who: SlotAddress, now: Nanos| {
+        store
+            .charge(&host, &table, who, now, 1, 1)
+            .unwrap()
+            .verdict
+            .allowed()
+    };
+    // 300,000 ids in 12 s against 65,536 slots, scaled to 4,096 slots.
+    let strangers = 18_750u64;
+    let step = 12 * SECOND / strangers;
+    let mut admitted = vec![0; 20];
+    for n in 0..strangers {
+        let now = T0 + n * step;
+        for _ in 0..5 {
+            charge(stranger(n, slots), now);
+        }
+        // Newcomer k asks at 2 s + i s (+ k µs), i < 10.
+        for (k, count) in admitted.iter_mut().enumerate() {
+            let k = k as u64;
+            let due = (0..10).map(|i| T0 + (2 + i) * SECOND + k * 1_000);
+            if due
+                .clone()
+                .any(|at| at > now.saturating_sub(step) && at <= now)
+            {
+                *count += usize::from(charge(stranger(1 << 40 | k, slots), now));
+            }
+        }
+    }
+    admitted
+}
+
+#[test]
+fn a_flood_of_strangers_does_not_lock_newcomers_out() {
+    let before = newcomers_under_a_flood(Eviction::Share);
+    let now = newcomers_under_a_flood(Eviction::default());
+    let mean = |admitted: &[usize]| admitted.iter().sum::<usize>() as f64 / admitted.len() as f64;
+    // Sharing: newcomers share exhausted counters and get (nearly) nothing.
+    assert!(mean(&before) < 3.0, "{before:?}");
+    assert!(before.iter().any(|&a| a <= 1), "{before:?}");
+    // Now every newcomer gets at least its limit (5 of 10), and not much beyond on average.
+    assert!(now.iter().all(|&a| a >= 5), "{now:?}");
+    assert!(mean(&now) <= 8.0, "{now:?}");
+}
+
+/// Every slot of a small table held by active strangers charged long enough ago.
+fn saturated(store: &Store, host: &dyn SharedData, table: &SlotTable<'_>, slots: u32, at: Nanos) {
+    for n in 0..u64::from(slots) * 8 {
+        store
+            .charge(host, table, stranger(n, slots), at, 1, 1)
+            .unwrap();
+    }
+}
+
+#[test]
+fn a_held_slot_is_taken_over_with_a_fresh_counter_but_a_leaky_buckets_never() {
+    let (algo, limit) = bucket(5);
+    let table = SlotTable {
+        key_prefix: &prefix(62),
+        algo,
+        limit: &limit,
+        max_delay: 0,
+    };
+    let host = MemoryHost::new(CasSemantics::Envoy);
+    let store = Store::new();
+    let alice = SlotAddress {
+        fingerprint: 11,
+        first: 0,
+        second: 0,
+    };
+    let bob = SlotAddress {
+        fingerprint: 13,
+        ..alice
+    };
+    let receipt = store
+        .charge(&host, &table, alice, T0, 5, 5)
+        .unwrap()
+        .receipt
+        .unwrap();
+    // Bob takes the slot over with a fresh counter (Alice is forgiven what she spent).
+    let bob_charge = store.charge(&host, &table, bob, T0 + 1, 1, 5).unwrap();
+    assert!(bob_charge.collided);
+    assert_eq!(bob_charge.verdict.granted, 5);
+    assert_eq!(bob_charge.receipt.unwrap().holder, 13);
+    // Alice's late give-back leaves Bob's counter alone (holder check).
+    store.release(&host, &table, &receipt, T0 + 2).unwrap();
+    assert!(!store
+        .charge(&host, &table, bob, T0 + 2, 1, 1)
+        .unwrap()
+        .verdict
+        .allowed());
+    // The policy before: Bob would have shared Alice's exhausted counter.
+    let host = MemoryHost::new(CasSemantics::Envoy);
+    let sharing = Store::new().with_eviction(Eviction::Share);
+    sharing.charge(&host, &table, alice, T0, 5, 5).unwrap();
+    let shared = sharing.charge(&host, &table, bob, T0 + 1, 1, 1).unwrap();
+    assert!(shared.collided && !shared.verdict.allowed());
+
+    // A leaky bucket's record holds queued turns: shared, never taken over.
+    let leaky = crate::algo::lookup("LB").unwrap();
+    let table = SlotTable {
+        key_prefix: &prefix(63),
+        algo: leaky,
+        limit: &limit,
+        max_delay: u64::MAX,
+    };
+    store.charge(&host, &table, alice, T0, 1, 1).unwrap();
+    let later = store.charge(&host, &table, bob, T0 + SECOND, 1, 1).unwrap();
+    assert!(later.collided);
+    assert_eq!(
+        later.receipt.unwrap().holder,
+        11,
+        "charged on Alice's record"
+    );
+}
+
+/// A takeover never lands on a record its holder changed meanwhile: the holder's charge,
+/// made between the newcomer's read and write, makes the takeover's CAS fail, and the
+/// charge is decided again on what is there then.
+#[test]
+fn a_takeover_never_replaces_a_record_under_its_holders_charge() {
+    type Charging<'a> = &'a dyn Fn(&MemoryHost);
+    struct HolderCharges<'a> {
+        inner: MemoryHost,
+        holder: Cell<Option<Charging<'a>>>,
+    }
+    impl SharedData for HolderCharges<'_> {
+        fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, HostError> {
+            self.inner.get(key)
+        }
+        fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<SetOutcome, HostError> {
+            if let Some(charge) = self.holder.take() {
+                charge(&self.inner);
+            }
+            self.inner.set(key, value, cas)
+        }
+    }
+    let (algo, limit) = bucket(5);
+    let table = SlotTable {
+        key_prefix: &prefix(65),
+        algo,
+        limit: &limit,
+        max_delay: 0,
+    };
+    let alice = SlotAddress {
+        fingerprint: 11,
+        first: 0,
+        second: 0,
+    };
+    let bob = SlotAddress {
+        fingerprint: 13,
+        ..alice
+    };
+    for semantics in BOTH {
+        let alice_store = Store::new();
+        let alice_charges = |host: &MemoryHost| {
+            assert!(alice_store
+                .charge(host, &table, alice, T0 + 1, 1, 1)
+                .unwrap()
+                .verdict
+                .allowed());
+        };
+        let host = HolderCharges {
+            inner: MemoryHost::new(semantics),
+            holder: Cell::new(None),
+        };
+        alice_store
+            .charge(&host.inner, &table, alice, T0, 1, 1)
+            .unwrap();
+        let (_, cas_read) = host.inner.get(&slot_key(65, 0)).unwrap().unwrap();
+        host.holder.set(Some(&alice_charges));
+        let bob_charge = Store::new()
+            .charge(&host, &table, bob, T0 + 2, 1, 1)
+            .unwrap();
+        // Bob's first CAS (on the record as read) failed: Alice's charge was written
+        // first and then Bob's takeover was decided again, on a later CAS.
+        assert!(bob_charge.verdict.allowed() && bob_charge.collided);
+        let (bytes, cas_now) = host.inner.get(&slot_key(65, 0)).unwrap().unwrap();
+        assert!(cas_now > cas_read + 1, "{semantics:?}");
+        let record = Record::decode(open(&slot_key(65, 0), &bytes).unwrap(), 2);
+        assert_eq!(record.fingerprint, 13);
+    }
+}
+
+#[test]
+fn a_refused_client_that_insists_keeps_its_record_a_quiet_one_is_flushed() {
+    let (algo, limit) = bucket(5);
+    let table = SlotTable {
+        key_prefix: &prefix(64),
+        algo,
+        limit: &limit,
+        max_delay: 0,
+    };
+    let victim = SlotAddress {
+        fingerprint: 21,
+        first: 0,
+        second: 1,
+    };
+    for insists in [true, false] {
+        let host = MemoryHost::new(CasSemantics::Envoy);
+        let store = Store::new();
+        for _ in 0..5 {
+            store.charge(&host, &table, victim, T0, 1, 1).unwrap();
+        }
+        let mut now = T0;
+        // The victim asks again every 50 ms (or not); from 1 s on, newcomers aim at its
+        // two slots (which the keyed hash makes impossible to do on purpose), one every
+        // 10 ms for 5 s, each spending 1.
+        for n in 0..600u64 {
+            now += SECOND / 100;
+            if insists && n % 5 == 0 {
+                let refused = store.charge(&host, &table, victim, now, 1, 1).unwrap();
+                assert!(
+                    !refused.verdict.allowed(),
+                    "never admitted while it insists"
+                );
+            }
+            if n >= 100 {
+                let newcomer = SlotAddress {
+                    fingerprint: 1001 + 2 * n,
+                    ..victim
+                };
+                store.charge(&host, &table, newcomer, now, 1, 1).unwrap();
+            }
+        }
+        // 5 s of refill is less than one token at 5 a minute: only a flush admits it.
+        let back = store.charge(&host, &table, victim, now, 1, 1).unwrap();
+        assert_eq!(back.verdict.allowed(), !insists, "insists: {insists}");
+    }
+}
+
+/// Exact counting across workers holds for an identity that must take a slot over: the
+/// workers' takeovers race on one record's CAS, one wins, the others find it and charge it.
+#[test]
+fn concurrent_workers_count_a_newcomer_exactly_in_a_full_table() {
+    for semantics in BOTH {
+        for round in 0..10u64 {
+            let slots = 64;
+            let (algo, limit) = bucket(20);
+            let host = Arc::new(MemoryHost::new(semantics));
+            let key_prefix = prefix(70 + round);
+            {
+                let table = SlotTable {
+                    key_prefix: &key_prefix,
+                    algo,
+                    limit: &limit,
+                    max_delay: 0,
+                };
+                saturated(&Store::new(), host.as_ref(), &table, slots, T0);
+            }
+            let newcomer = stranger(1 << 50 | round, slots);
+            let start = Arc::new(Barrier::new(4));
+            let workers: Vec<_> = (0..4)
+                .map(|_| {
+                    let host = Arc::clone(&host);
+                    let start = Arc::clone(&start);
+                    let key_prefix = key_prefix.clone();
+                    std::thread::spawn(move || {
+                        let store = Store::new();
+                        let table = SlotTable {
+                            key_prefix: &key_prefix,
+                            algo,
+                            limit: &limit,
+                            max_delay: 0,
+                        };
+                        start.wait();
+                        (0..50)
+                            .filter(|_| {
+                                store
+                                    .charge(host.as_ref(), &table, newcomer, T0 + SECOND, 1, 1)
+                                    .unwrap()
+                                    .verdict
+                                    .allowed()
+                            })
+                            .count()
+                    })
+                })
+                .collect();
+            let total: usize = workers.into_iter().map(|w| w.join().unwrap()).sum();
+            assert_eq!(total, 20, "{semantics:?} round {round}");
+        }
+    }
 }

@@ -2,7 +2,9 @@
 //! surrounding spaces and tabs never change an identity; an empty (or blank) header
 //! falls back as configured; the same bytes always give the same identity; a header
 //! actor's name is checked (any bytes as a name are refused or accepted, never a panic);
-//! and a whole request with such headers goes through the engine.
+//! a header value never hashes like the same bytes as a client address (kinds are separate
+//! domains of the keyed hash); and a whole request with such headers goes through the
+//! engine.
 //! The input is `name \0 value \0 ip \0 path`.
 
 use crate::rng::Rng;
@@ -12,6 +14,7 @@ use diana_core::actor::{
 };
 use diana_core::config::parse_policy;
 use diana_core::engine::Engine;
+use diana_core::hash::IdentityHasher;
 use diana_core::metrics::NoMetrics;
 use diana_core::store::{CasSemantics, MemoryHost};
 
@@ -131,21 +134,22 @@ impl Target for Identities {
         let part = |i: usize| parts.get(i).copied().unwrap_or_default();
         let (name, value, ip, path) = (part(0), part(1), part(2), part(3));
         let facts = Facts { name, value, ip };
+        let hasher = IdentityHasher::configured(b"the fuzzer's identity key, 32+ bytes");
 
         // Any bytes as an actor's header name: refused or accepted, and if accepted the
         // actor reads that header (lower-cased).
         let raw_name = String::from_utf8_lossy(name);
         if let Ok(canonical) = HeaderKind.parse_value(&raw_name) {
             let def = HeaderKind.build(&canonical, Fallback::Skip);
-            let _ = def.source.identify(&facts);
+            let _ = def.source.identify(&facts, &hasher);
         }
 
         // A header actor over every fallback.
         let header = String::from_utf8_lossy(name).to_ascii_lowercase();
         for fallback in Fallback::ALL {
             let actor = HeaderActor::new(&header, fallback);
-            let identity = actor.identify(&facts);
-            if identity != actor.identify(&facts) {
+            let identity = actor.identify(&facts, &hasher);
+            if identity != actor.identify(&facts, &hasher) {
                 return Err("the same request has two identities".to_string());
             }
             let trimmed = value.trim_ascii();
@@ -155,11 +159,13 @@ impl Target for Identities {
                 value: &padded,
                 ip,
             };
-            if actor.header().as_bytes() == name && actor.identify(&padded_facts) != identity {
+            if actor.header().as_bytes() == name
+                && actor.identify(&padded_facts, &hasher) != identity
+            {
                 return Err("spaces around a header value changed its identity".to_string());
             }
             if actor.header().as_bytes() == name && trimmed.is_empty() {
-                let expected = fallback.identify(&facts);
+                let expected = fallback.identify(&facts, &hasher);
                 if identity != expected {
                     return Err(format!(
                         "a blank header gave {identity:?}, not the {fallback} fallback {expected:?}"
@@ -172,8 +178,20 @@ impl Target for Identities {
             {
                 return Err(format!("a header value gave {identity:?}"));
             }
+            // The same bytes as a client address are another identity.
+            let as_address = Facts {
+                name: b"",
+                value: b"",
+                ip: value,
+            };
+            if actor.header().as_bytes() == name
+                && matches!(identity, Identity::Key(_))
+                && identity == ip_identity(&as_address, &hasher)
+            {
+                return Err("a header value hashed like the same bytes as an address".to_string());
+            }
         }
-        let _ = ip_identity(&facts);
+        let _ = ip_identity(&facts, &hasher);
 
         // The whole request through the engine.
         ENGINE.with(|engine| {

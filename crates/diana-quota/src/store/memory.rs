@@ -9,11 +9,16 @@
 //! table is full of live counters it is refused ([`StoreError::Full`], HTTP 503) and the
 //! table never grows past the cap. Requests on counters already held, and denials, never
 //! need room. Idle counters are also swept when the table doubles (from 4096).
+//!
+//! A counter is its key bound to its parameters ([`CounterId`]: the algorithm, rpu, unit,
+//! burst and slices): a request with the same key and other parameters has a counter of
+//! its own, and cannot read or reset another's.
 
 use super::{decide, Outcome, Store, StoreError, Usage};
 use async_trait::async_trait;
 use diana_core::algo::{Algorithm, Limit};
 use diana_core::global::wire::{ResolvedRule, RuleResult};
+use diana_core::quota::CounterId;
 use diana_core::time::Nanos;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -55,10 +60,10 @@ struct Entry {
     state: Vec<u64>,
 }
 
-type Id = (String, &'static str);
+type Id = CounterId;
 
 struct Table {
-    /// (key, algorithm code) → counter.
+    /// (key, algorithm, limit) → counter.
     entries: HashMap<Id, Entry>,
     sweep_at: usize,
     /// When full: no sweep before this instant.
@@ -135,7 +140,7 @@ impl MemoryStore {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Loads the counters of `rules` (a counter with other parameters reads as fresh).
+    /// Loads the counters of `rules` (each rule's own: its key bound to its parameters).
     fn load(table: &Table, rules: &[ResolvedRule<'_>]) -> Loaded {
         let mut loaded = Loaded {
             ids: Vec::new(),
@@ -144,18 +149,14 @@ impl MemoryStore {
             slots: Vec::with_capacity(rules.len()),
         };
         for rule in rules {
-            let code = rule.algo.code();
-            let known = loaded
-                .ids
-                .iter()
-                .position(|(key, algo)| key == rule.key && *algo == code);
+            let known = loaded.ids.iter().position(|id| id.is(rule));
             let slot = known.unwrap_or_else(|| {
-                let id = (rule.key.to_string(), code);
+                let id = CounterId::of(rule);
                 let words = rule.algo.state_words(&rule.limit);
                 let state = table
                     .entries
                     .get(&id)
-                    .filter(|entry| entry.limit == rule.limit && entry.state.len() == words)
+                    .filter(|entry| entry.state.len() == words)
                     .map_or_else(|| vec![0; words], |entry| entry.state.clone());
                 loaded.ids.push(id);
                 loaded.algos.push((rule.algo, rule.limit));

@@ -14,7 +14,7 @@ mod redis;
 pub use diana_core::quota::{decide, Outcome};
 
 pub use self::memory::{Clock, MemoryStore, SystemClock, DEFAULT_MAX_KEYS};
-pub use self::redis::{cluster_slot, RedisOptions, RedisStore, RedisTarget};
+pub use self::redis::{cluster_slot, redis_key, RedisOptions, RedisStore, RedisTarget};
 
 use async_trait::async_trait;
 use diana_core::global::wire::{ResolvedRule, RuleResult};

@@ -1,8 +1,11 @@
 //! Counters in Redis or Redis Cluster, decided by ONE Lua script (`lua/common.lua`, one file
 //! per algorithm, `lua/decide.lua`), run by `EVALSHA` and reloaded on `NOSCRIPT` (the
 //! script never ran, so nothing is charged twice); the time is the Redis server's (`TIME`),
-//! so gateways with skewed clocks agree. Keys are `diana:{<key>}:<algo>`: the hash tag
-//! keeps every key of one counter in one cluster slot.
+//! so gateways with skewed clocks agree. Keys are
+//! `diana:{<key>}:<ALGO>:<rpu>:<unit>:<burst>:<slices>` ([`diana_core::quota::CounterId::params`]): a counter
+//! is bound to its parameters (a request with other parameters addresses another key and
+//! can neither read nor reset this one), and the hash tag keeps every counter of one rule
+//! key in one cluster slot.
 //!
 //! All or nothing:
 //! - a single server gets every rule of a request in one script call over all its keys:
@@ -28,6 +31,7 @@ use super::{Outcome, Store, StoreError};
 use async_trait::async_trait;
 use diana_core::algo::{Limit, Mark};
 use diana_core::global::wire::{ResolvedRule, RuleResult};
+use diana_core::quota::counter_params;
 use redis::aio::{ConnectionLike, MultiplexedConnection};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
@@ -311,7 +315,7 @@ fn invocation<'s>(
                 "rules[{index}].algo: {code} is not supported by the Redis store"
             ))
         })?;
-        call.key(redis_key(rule.key, code));
+        call.key(redis_key(rule));
         call.arg(code);
         for value in (lua.params)(&rule.limit) {
             call.arg(value);
@@ -633,17 +637,22 @@ pub struct RedisStore {
 const CLUSTER_SLOTS: usize = 16_384;
 const CLUSTER_SLOTS_U16: u16 = 16_384;
 
-/// The Redis key of a rule key and algorithm: the rule key is a hash tag, so every key of
-/// one rule lives on one cluster slot.
-fn redis_key(rule_key: &str, algo_code: &str) -> String {
-    format!("diana:{{{rule_key}}}:{algo_code}")
+/// The Redis key of a rule's counter, `diana:{<key>}:<ALGO>:<rpu>:<unit>:<burst>:<slices>`
+/// (`diana:{8f3a:5c1e}:TB:10:second:10:10`): the rule key is a hash tag, so every counter
+/// of one rule key lives on one cluster slot; the parameters bind the counter to them.
+pub fn redis_key(rule: &ResolvedRule<'_>) -> String {
+    format!(
+        "diana:{{{}}}:{}",
+        rule.key,
+        counter_params(rule.algo.code(), &rule.limit)
+    )
 }
 
-/// The Redis Cluster slot of a rule key: the slot of its Redis key (`diana:{<key>}:<ALGO>`)
+/// The Redis Cluster slot of a rule key: the slot of its Redis keys (`diana:{<key>}:…`)
 /// by Redis's own rule (CRC16/XMODEM of the hash tag — the bytes between the first `{` and
 /// the next `}` — modulo 16384; `CLUSTER KEYSLOT` gives the same).
 pub fn cluster_slot(rule_key: &str) -> u16 {
-    let key = redis_key(rule_key, "");
+    let key = format!("diana:{{{rule_key}}}:");
     let tag = key
         .split_once('{')
         .and_then(|(_, rest)| rest.split_once('}'))
@@ -1169,6 +1178,45 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("2 values for 1 rules"));
+    }
+
+    #[test]
+    fn keys_are_bound_to_the_parameters() {
+        let request = |algo: &str, rpu: u32, unit: &str, burst: u32, slices: u32| RuleRequest {
+            key: "8f3a:5c1e".to_string(),
+            algo: algo.to_string(),
+            rpu,
+            unit: unit.to_string(),
+            burst,
+            slices,
+            want: 1,
+            cost: 1,
+            max_delay_ms: None,
+            dry_run: false,
+        };
+        let key = |r: RuleRequest| redis_key(&r.resolve(0).unwrap());
+        assert_eq!(
+            key(request("TB", 10, "second", 10, 10)),
+            "diana:{8f3a:5c1e}:TB:10:second:10:10"
+        );
+        // Aliases and spellings resolve first: one counter.
+        assert_eq!(
+            key(request("token bucket", 10, "Seconds", 10, 10)),
+            "diana:{8f3a:5c1e}:TB:10:second:10:10"
+        );
+        // Any other parameter: another key, in the same slot.
+        let others = [
+            request("LB", 10, "second", 10, 10),
+            request("TB", 11, "second", 10, 10),
+            request("TB", 10, "minute", 10, 10),
+            request("TB", 10, "second", 9, 10),
+            request("TB", 10, "second", 10, 9),
+        ];
+        for other in others {
+            let name = key(other);
+            assert_ne!(name, "diana:{8f3a:5c1e}:TB:10:second:10:10");
+            assert!(name.starts_with("diana:{8f3a:5c1e}:"), "{name}");
+        }
     }
 
     #[test]

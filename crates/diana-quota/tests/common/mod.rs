@@ -14,6 +14,7 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use axum::Router;
 use diana_core::global::wire::{AcquireRequest, AcquireResponse, RuleRequest, RuleResult};
+use diana_quota::auth::{parse_secrets, Auth};
 use diana_quota::store::{MemoryStore, RedisOptions, RedisStore, RedisTarget, Store};
 use diana_quota::{app, AppState, Settings};
 use http_body_util::BodyExt;
@@ -310,9 +311,22 @@ pub fn test_settings() -> Settings {
     }
 }
 
-/// The service's router around a store, as `diana-quota` builds it.
+/// The secret of the in-process services of the tests (every request helper sends it).
+pub const TEST_TOKEN: &str = "test-secret-0123456789abcdef0123456789";
+
+/// `authorization` with [`TEST_TOKEN`].
+pub fn bearer() -> String {
+    format!("Bearer {TEST_TOKEN}")
+}
+
+/// Authentication accepting [`TEST_TOKEN`] only.
+pub fn test_auth() -> Auth {
+    Auth::with_secrets(&parse_secrets(TEST_TOKEN, "test").unwrap()).unwrap()
+}
+
+/// The service's router around a store, as `diana-quota` builds it (with [`test_auth`]).
 pub fn service(store: Arc<dyn Store>) -> Router {
-    app(AppState::new(store, test_settings()))
+    app(AppState::new(store, test_settings(), test_auth()))
 }
 
 /// A unique key for one counter of one test.
@@ -366,11 +380,13 @@ pub async fn send(router: &Router, request: Request<Body>) -> (StatusCode, Strin
     (status, content_type, body)
 }
 
+/// A POST of JSON with the test's credential.
 pub fn post_json(path: &str, body: impl Into<Body>) -> Request<Body> {
     Request::builder()
         .method("POST")
         .uri(path)
         .header("content-type", "application/json")
+        .header("authorization", bearer())
         .body(body.into())
         .unwrap()
 }

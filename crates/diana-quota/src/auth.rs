@@ -1,0 +1,369 @@
+//! Who may call the gateway endpoints (`/v1/acquire`, `/v1/wait`, `/v1/charge`): only a
+//! caller presenting `authorization: Bearer <secret>` with one of the service's secrets.
+//! Everything else is answered `401` (with `www-authenticate: Bearer`) before its body is
+//! read, and nothing is touched. `/healthz`, `/readyz` and `/metrics` need no secret (they
+//! reveal no counter and no key).
+//!
+//! - The secrets come from `--token-file PATH` (one per line: several are accepted at once,
+//!   for rotation) and/or the environment variable [`TOKEN_ENV`]; never from a
+//!   command-line value (which `ps` would show). Each is at least [`MIN_SECRET_BYTES`]
+//!   bytes of printable ASCII.
+//! - A presented token is compared with every secret, each as a SHA-256 digest, with
+//!   `subtle`'s constant-time equality, without stopping at the first match: the time taken
+//!   tells nothing of which secret matched, nor how much of one, nor its length.
+//! - A secret is never logged, nor printed in an error (not even its length).
+//! - Without any secret the service refuses to start, unless `--insecure-no-auth` says to
+//!   serve everyone ([`Auth::insecure`]).
+
+use axum::http::{header, HeaderMap};
+use sha2::{Digest, Sha256};
+use std::fmt;
+use std::path::Path;
+use std::sync::{Arc, RwLock};
+use subtle::{Choice, ConstantTimeEq};
+
+/// The environment variable that may hold the secret (or several, one per line).
+pub const TOKEN_ENV: &str = "DIANA_QUOTA_TOKEN";
+
+/// The shortest secret accepted, in bytes (e.g. `openssl rand -hex 32` gives 64).
+pub const MIN_SECRET_BYTES: usize = 32;
+
+/// The authentication scheme, as sent back in `www-authenticate`.
+pub const SCHEME: &str = "Bearer";
+
+/// A secret. Its `Debug` never shows it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(Vec<u8>);
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(***)")
+    }
+}
+
+impl Secret {
+    /// Checks one secret (already trimmed); `origin` names where it comes from, for the
+    /// error (which never contains the secret).
+    pub fn new(text: &str, origin: &str) -> Result<Secret, String> {
+        if text.len() < MIN_SECRET_BYTES {
+            return Err(format!(
+                "{origin}: a secret must be at least {MIN_SECRET_BYTES} bytes (for example the output of `openssl rand -hex 32`)"
+            ));
+        }
+        if !text.bytes().all(|byte| byte.is_ascii_graphic()) {
+            return Err(format!(
+                "{origin}: a secret must be printable ASCII without spaces (it travels in an HTTP header)"
+            ));
+        }
+        Ok(Secret(text.as_bytes().to_vec()))
+    }
+
+    fn digest(&self) -> [u8; 32] {
+        digest(&self.0)
+    }
+}
+
+fn digest(bytes: &[u8]) -> [u8; 32] {
+    Sha256::digest(bytes).into()
+}
+
+/// The secrets in `text`: one per line, surrounding whitespace (and the newline) trimmed,
+/// blank lines skipped. `origin` (`--token-file /etc/x`, `DIANA_QUOTA_TOKEN`) names the
+/// source in errors, with the line number when there are several lines.
+pub fn parse_secrets(text: &str, origin: &str) -> Result<Vec<Secret>, String> {
+    let lines: Vec<&str> = text.lines().collect();
+    let mut secrets = Vec::new();
+    for (number, line) in lines.iter().enumerate() {
+        let line = line.trim();
+        if line.is_empty() {
+            continue;
+        }
+        let at = if lines.len() > 1 {
+            format!("{origin}: line {}", number + 1)
+        } else {
+            origin.to_string()
+        };
+        secrets.push(Secret::new(line, &at)?);
+    }
+    if secrets.is_empty() {
+        return Err(format!("{origin}: no secret in it (one per line)"));
+    }
+    Ok(secrets)
+}
+
+/// The secrets of a token file (see [`parse_secrets`]).
+pub fn read_token_file(path: &Path) -> Result<Vec<Secret>, String> {
+    let origin = format!("--token-file {}", path.display());
+    let text = std::fs::read_to_string(path).map_err(|error| format!("{origin}: {error}"))?;
+    parse_secrets(&text, &origin)
+}
+
+/// Warns when a token file can be read by others than its owner.
+pub fn warn_if_readable_by_others(path: &Path) {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        if let Ok(metadata) = std::fs::metadata(path) {
+            let mode = metadata.permissions().mode() & 0o777;
+            if mode & 0o077 != 0 {
+                tracing::warn!(
+                    "--token-file {}: readable by group or others (mode {mode:o}); chmod 600 it",
+                    path.display()
+                );
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = path;
+}
+
+/// Why a request was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rejection {
+    /// No `authorization` header.
+    Missing,
+    /// Not `Bearer <token>`, several headers, or a token that is no secret of ours.
+    Invalid,
+}
+
+impl Rejection {
+    /// The metric label (`diana_quota_unauthorized_total{reason=…}`).
+    pub fn label(self) -> &'static str {
+        match self {
+            Rejection::Missing => "missing",
+            Rejection::Invalid => "invalid",
+        }
+    }
+}
+
+/// The secrets the service accepts (any one of them), or none at all when authentication
+/// is off. The set can be replaced while serving (`SIGHUP` re-reads the token file).
+pub struct Auth {
+    required: bool,
+    digests: RwLock<Arc<Vec<[u8; 32]>>>,
+}
+
+impl fmt::Debug for Auth {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Auth")
+            .field("required", &self.required)
+            .field("secrets", &self.secrets())
+            .finish()
+    }
+}
+
+impl Auth {
+    /// No authentication: every caller is served (`--insecure-no-auth`, tests).
+    pub fn insecure() -> Auth {
+        Auth {
+            required: false,
+            digests: RwLock::new(Arc::new(Vec::new())),
+        }
+    }
+
+    /// Requires one of `secrets` (at least one).
+    pub fn with_secrets(secrets: &[Secret]) -> Result<Auth, String> {
+        let auth = Auth {
+            required: true,
+            digests: RwLock::new(Arc::new(Vec::new())),
+        };
+        auth.replace(secrets)?;
+        Ok(auth)
+    }
+
+    /// Whether a secret is required.
+    pub fn is_required(&self) -> bool {
+        self.required
+    }
+
+    /// How many secrets are accepted.
+    pub fn secrets(&self) -> usize {
+        self.current().len()
+    }
+
+    /// Accepts `secrets` from now on instead of the current ones (a reload). Refused, and
+    /// nothing changed, when there are none or authentication is off.
+    pub fn replace(&self, secrets: &[Secret]) -> Result<(), String> {
+        if !self.required {
+            return Err("authentication is off (--insecure-no-auth)".to_string());
+        }
+        if secrets.is_empty() {
+            return Err("no secret".to_string());
+        }
+        let digests: Vec<[u8; 32]> = secrets.iter().map(Secret::digest).collect();
+        *self
+            .digests
+            .write()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = Arc::new(digests);
+        Ok(())
+    }
+
+    fn current(&self) -> Arc<Vec<[u8; 32]>> {
+        self.digests
+            .read()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone()
+    }
+
+    /// Whether `token` is one of the secrets: its digest is compared with every secret's
+    /// in constant time, all of them every time.
+    pub fn accepts(&self, token: &[u8]) -> bool {
+        let presented = digest(token);
+        let mut matched = Choice::from(0);
+        for known in self.current().iter() {
+            matched |= known.as_slice().ct_eq(presented.as_slice());
+        }
+        bool::from(matched)
+    }
+
+    /// Checks a request's headers: exactly one `authorization: Bearer <token>` (the scheme
+    /// in any case) whose token is a secret. Always `Ok` when authentication is off.
+    pub fn check(&self, headers: &HeaderMap) -> Result<(), Rejection> {
+        if !self.required {
+            return Ok(());
+        }
+        let mut values = headers.get_all(header::AUTHORIZATION).iter();
+        let Some(value) = values.next() else {
+            return Err(Rejection::Missing);
+        };
+        if values.next().is_some() {
+            return Err(Rejection::Invalid);
+        }
+        let value = value.as_bytes().trim_ascii();
+        let Some(space) = value.iter().position(|&byte| byte == b' ') else {
+            return Err(Rejection::Invalid);
+        };
+        let (scheme, token) = value.split_at(space);
+        let token = token.trim_ascii();
+        if !scheme.eq_ignore_ascii_case(SCHEME.as_bytes()) || token.is_empty() {
+            return Err(Rejection::Invalid);
+        }
+        if self.accepts(token) {
+            Ok(())
+        } else {
+            Err(Rejection::Invalid)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::HeaderValue;
+
+    const ONE: &str = "0123456789abcdef0123456789abcdef";
+    const TWO: &str = "fedcba9876543210fedcba9876543210-second";
+
+    fn headers(values: &[&str]) -> HeaderMap {
+        let mut map = HeaderMap::new();
+        for value in values {
+            map.append(header::AUTHORIZATION, HeaderValue::from_str(value).unwrap());
+        }
+        map
+    }
+
+    #[test]
+    fn secrets_are_checked_and_never_shown() {
+        assert_eq!(ONE.len(), MIN_SECRET_BYTES);
+        assert!(Secret::new(ONE, "x").is_ok());
+        let short = &ONE[..31];
+        let error = Secret::new(short, "DIANA_QUOTA_TOKEN").unwrap_err();
+        assert_eq!(
+            error,
+            "DIANA_QUOTA_TOKEN: a secret must be at least 32 bytes (for example the output of `openssl rand -hex 32`)"
+        );
+        assert!(!error.contains(short));
+        let spaced = format!("{ONE} x");
+        let error = Secret::new(&spaced, "x").unwrap_err();
+        assert!(error.contains("printable ASCII"), "{error}");
+        assert!(!error.contains(ONE));
+        assert_eq!(
+            format!("{:?}", Secret::new(ONE, "x").unwrap()),
+            "Secret(***)"
+        );
+        let auth = Auth::with_secrets(&[Secret::new(ONE, "x").unwrap()]).unwrap();
+        assert!(!format!("{auth:?}").contains(ONE));
+    }
+
+    #[test]
+    fn a_file_holds_one_secret_per_line() {
+        let secrets = parse_secrets(&format!("{ONE}\n"), "f").unwrap();
+        assert_eq!(secrets, [Secret::new(ONE, "f").unwrap()]);
+        let secrets = parse_secrets(&format!("  {ONE}  \r\n\n\t{TWO}\t\n\n"), "f").unwrap();
+        assert_eq!(secrets.len(), 2);
+        assert_eq!(
+            parse_secrets(&format!("{ONE}\nshort\n"), "--token-file /t").unwrap_err(),
+            "--token-file /t: line 2: a secret must be at least 32 bytes (for example the output of `openssl rand -hex 32`)"
+        );
+        assert_eq!(
+            parse_secrets("\n  \n", "--token-file /t").unwrap_err(),
+            "--token-file /t: no secret in it (one per line)"
+        );
+        assert!(read_token_file(Path::new("/nonexistent/diana-token"))
+            .unwrap_err()
+            .starts_with("--token-file /nonexistent/diana-token: "));
+    }
+
+    #[test]
+    fn only_a_bearer_secret_passes() {
+        let secrets = parse_secrets(&format!("{ONE}\n{TWO}"), "f").unwrap();
+        let auth = Auth::with_secrets(&secrets).unwrap();
+        assert!(auth.is_required());
+        assert_eq!(auth.secrets(), 2);
+        for good in [
+            format!("Bearer {ONE}"),
+            format!("Bearer {TWO}"),
+            format!("bearer {ONE}"),
+            format!("BEARER   {ONE} "),
+        ] {
+            assert_eq!(auth.check(&headers(&[&good])), Ok(()), "{good}");
+        }
+        assert_eq!(auth.check(&HeaderMap::new()), Err(Rejection::Missing));
+        for bad in [
+            format!("Bearer {ONE}x"),
+            format!("Bearer {}", &ONE[..31]),
+            format!("Basic {ONE}"),
+            format!("Bearer{ONE}"),
+            ONE.to_string(),
+            "Bearer ".to_string(),
+            "Bearer".to_string(),
+            String::new(),
+        ] {
+            assert_eq!(
+                auth.check(&headers(&[&bad])),
+                Err(Rejection::Invalid),
+                "{bad:?}"
+            );
+        }
+        // Two headers, even both right: refused.
+        let both = [format!("Bearer {ONE}"), format!("Bearer {ONE}")];
+        assert_eq!(
+            auth.check(&headers(&[&both[0], &both[1]])),
+            Err(Rejection::Invalid)
+        );
+    }
+
+    #[test]
+    fn secrets_can_be_replaced_and_never_emptied() {
+        let auth = Auth::with_secrets(&[Secret::new(ONE, "x").unwrap()]).unwrap();
+        assert!(auth.accepts(ONE.as_bytes()));
+        auth.replace(&[Secret::new(TWO, "x").unwrap()]).unwrap();
+        assert!(!auth.accepts(ONE.as_bytes()));
+        assert!(auth.accepts(TWO.as_bytes()));
+        assert!(auth.replace(&[]).is_err());
+        assert!(
+            auth.accepts(TWO.as_bytes()),
+            "a refused reload changes nothing"
+        );
+        assert!(Auth::with_secrets(&[]).is_err());
+    }
+
+    #[test]
+    fn insecure_serves_everyone() {
+        let auth = Auth::insecure();
+        assert!(!auth.is_required());
+        assert_eq!(auth.check(&HeaderMap::new()), Ok(()));
+        assert_eq!(auth.check(&headers(&["Bearer nonsense"])), Ok(()));
+        assert!(auth.replace(&[Secret::new(ONE, "x").unwrap()]).is_err());
+    }
+}
