@@ -26,9 +26,10 @@ pub enum SecretError {
 impl fmt::Display for SecretError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            SecretError::TooShort { bytes } => write!(
+            // Not even its length is shown.
+            SecretError::TooShort { .. } => write!(
                 f,
-                "a secret must be at least {MIN_SECRET_BYTES} bytes, this one has {bytes} (e.g. `openssl rand -hex 32`)"
+                "a secret must be at least {MIN_SECRET_BYTES} bytes (e.g. `openssl rand -hex 32`)"
             ),
             SecretError::NotHeaderSafe => f.write_str(
                 "a secret may hold printable ASCII only, without spaces (it travels in an HTTP header)",

@@ -25,42 +25,20 @@ use subtle::{Choice, ConstantTimeEq};
 /// The environment variable that may hold the secret (or several, one per line).
 pub const TOKEN_ENV: &str = "DIANA_QUOTA_TOKEN";
 
-/// The shortest secret accepted, in bytes (e.g. `openssl rand -hex 32` gives 64).
-pub const MIN_SECRET_BYTES: usize = 32;
-
 /// The authentication scheme, as sent back in `www-authenticate`.
 pub const SCHEME: &str = "Bearer";
 
-/// A secret. Its `Debug` never shows it.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Secret(Vec<u8>);
+/// A secret: the filter's own type (its `Debug` and `Display` never show it).
+pub use diana_core::secret::{Secret, MIN_SECRET_BYTES};
 
-impl fmt::Debug for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("Secret(***)")
-    }
+/// Checks one secret (already trimmed); `origin` names where it comes from, for the
+/// error (which never contains the secret).
+pub fn checked(text: &str, origin: &str) -> Result<Secret, String> {
+    Secret::new(text).map_err(|error| format!("{origin}: {error}"))
 }
 
-impl Secret {
-    /// Checks one secret (already trimmed); `origin` names where it comes from, for the
-    /// error (which never contains the secret).
-    pub fn new(text: &str, origin: &str) -> Result<Secret, String> {
-        if text.len() < MIN_SECRET_BYTES {
-            return Err(format!(
-                "{origin}: a secret must be at least {MIN_SECRET_BYTES} bytes (for example the output of `openssl rand -hex 32`)"
-            ));
-        }
-        if !text.bytes().all(|byte| byte.is_ascii_graphic()) {
-            return Err(format!(
-                "{origin}: a secret must be printable ASCII without spaces (it travels in an HTTP header)"
-            ));
-        }
-        Ok(Secret(text.as_bytes().to_vec()))
-    }
-
-    fn digest(&self) -> [u8; 32] {
-        digest(&self.0)
-    }
+fn digest_of(secret: &Secret) -> [u8; 32] {
+    digest(secret.expose().as_bytes())
 }
 
 fn digest(bytes: &[u8]) -> [u8; 32] {
@@ -83,7 +61,7 @@ pub fn parse_secrets(text: &str, origin: &str) -> Result<Vec<Secret>, String> {
         } else {
             origin.to_string()
         };
-        secrets.push(Secret::new(line, &at)?);
+        secrets.push(checked(line, &at)?);
     }
     if secrets.is_empty() {
         return Err(format!("{origin}: no secret in it (one per line)"));
@@ -190,7 +168,7 @@ impl Auth {
         if secrets.is_empty() {
             return Err("no secret".to_string());
         }
-        let digests: Vec<[u8; 32]> = secrets.iter().map(Secret::digest).collect();
+        let digests: Vec<[u8; 32]> = secrets.iter().map(digest_of).collect();
         *self
             .digests
             .write()
@@ -265,35 +243,35 @@ mod tests {
     #[test]
     fn secrets_are_checked_and_never_shown() {
         assert_eq!(ONE.len(), MIN_SECRET_BYTES);
-        assert!(Secret::new(ONE, "x").is_ok());
+        assert!(checked(ONE, "x").is_ok());
         let short = &ONE[..31];
-        let error = Secret::new(short, "DIANA_QUOTA_TOKEN").unwrap_err();
+        let error = checked(short, "DIANA_QUOTA_TOKEN").unwrap_err();
         assert_eq!(
             error,
-            "DIANA_QUOTA_TOKEN: a secret must be at least 32 bytes (for example the output of `openssl rand -hex 32`)"
+            "DIANA_QUOTA_TOKEN: a secret must be at least 32 bytes (e.g. `openssl rand -hex 32`)"
         );
         assert!(!error.contains(short));
         let spaced = format!("{ONE} x");
-        let error = Secret::new(&spaced, "x").unwrap_err();
+        let error = checked(&spaced, "x").unwrap_err();
         assert!(error.contains("printable ASCII"), "{error}");
         assert!(!error.contains(ONE));
         assert_eq!(
-            format!("{:?}", Secret::new(ONE, "x").unwrap()),
-            "Secret(***)"
+            format!("{:?}", checked(ONE, "x").unwrap()),
+            "Secret(<redacted>)"
         );
-        let auth = Auth::with_secrets(&[Secret::new(ONE, "x").unwrap()]).unwrap();
+        let auth = Auth::with_secrets(&[checked(ONE, "x").unwrap()]).unwrap();
         assert!(!format!("{auth:?}").contains(ONE));
     }
 
     #[test]
     fn a_file_holds_one_secret_per_line() {
         let secrets = parse_secrets(&format!("{ONE}\n"), "f").unwrap();
-        assert_eq!(secrets, [Secret::new(ONE, "f").unwrap()]);
+        assert_eq!(secrets, [checked(ONE, "f").unwrap()]);
         let secrets = parse_secrets(&format!("  {ONE}  \r\n\n\t{TWO}\t\n\n"), "f").unwrap();
         assert_eq!(secrets.len(), 2);
         assert_eq!(
             parse_secrets(&format!("{ONE}\nshort\n"), "--token-file /t").unwrap_err(),
-            "--token-file /t: line 2: a secret must be at least 32 bytes (for example the output of `openssl rand -hex 32`)"
+            "--token-file /t: line 2: a secret must be at least 32 bytes (e.g. `openssl rand -hex 32`)"
         );
         assert_eq!(
             parse_secrets("\n  \n", "--token-file /t").unwrap_err(),
@@ -345,9 +323,9 @@ mod tests {
 
     #[test]
     fn secrets_can_be_replaced_and_never_emptied() {
-        let auth = Auth::with_secrets(&[Secret::new(ONE, "x").unwrap()]).unwrap();
+        let auth = Auth::with_secrets(&[checked(ONE, "x").unwrap()]).unwrap();
         assert!(auth.accepts(ONE.as_bytes()));
-        auth.replace(&[Secret::new(TWO, "x").unwrap()]).unwrap();
+        auth.replace(&[checked(TWO, "x").unwrap()]).unwrap();
         assert!(!auth.accepts(ONE.as_bytes()));
         assert!(auth.accepts(TWO.as_bytes()));
         assert!(auth.replace(&[]).is_err());
@@ -364,6 +342,6 @@ mod tests {
         assert!(!auth.is_required());
         assert_eq!(auth.check(&HeaderMap::new()), Ok(()));
         assert_eq!(auth.check(&headers(&["Bearer nonsense"])), Ok(()));
-        assert!(auth.replace(&[Secret::new(ONE, "x").unwrap()]).is_err());
+        assert!(auth.replace(&[checked(ONE, "x").unwrap()]).is_err());
     }
 }
