@@ -260,7 +260,15 @@ FULL = {
 }
 
 # (document, what is wrong) — each refused by the schema and by the filter.
+# The secrets of the full form: the value, or where the gateway's environment holds it.
+SECRETS = {
+    "resources": [{"Url": "/", "rules": [{"rpu": 5, "scope": "global"}]}],
+    "global": {"token": "t" * 40},
+    "identity_key": "k" * 40,
+}
+
 BAD = [
+    ({**SECRETS, "global": {"token": "short"}}, "a global.token shorter than 32 bytes"),
     ({"Url": "/", "rules": [{"rpu": 0}]}, "rpu 0"),
     ({"Url": "/", "rules": [{"rpu": 5, "colour": "red"}]}, "unknown rule key"),
     ({"Url": "/", "rules": [{"rpu": 5, "algo": "fastest"}]}, "unknown algorithm"),
@@ -315,7 +323,10 @@ def diana_check(document: object) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize("name,document", [("seed", SEED), ("full", FULL), ("list", [SEED, {**SEED, "Url": "/x"}])])
+@pytest.mark.parametrize(
+    "name,document",
+    [("seed", SEED), ("full", FULL), ("list", [SEED, {**SEED, "Url": "/x"}]), ("secrets", SECRETS)],
+)
 def test_kong_schema_accepts_valid_documents(name, document):
     validator = kong_validator()
     problems = [f"{'/'.join(map(str, e.path))}: {e.message}" for e in validator.iter_errors(document)]

@@ -11,6 +11,7 @@
 use diana_core::actor::{Fallback, CONFIGURABLE_BUILTINS, RESERVED_ACTORS, SOURCE_KINDS};
 use diana_core::algo;
 use diana_core::config::{HeaderMode, HeaderStyle};
+use diana_core::secret::MIN_SECRET_BYTES;
 use diana_core::time::Unit;
 use diana_core::wire;
 use serde_json::{json, Map, Value};
@@ -62,6 +63,23 @@ fn definitions() -> Value {
     defs.insert("response".into(), response());
     defs.insert("global".into(), global());
     defs.insert("remote".into(), remote());
+    // A secret (global.token, identity_key, remote.signature.hmac_sha256): the value, or
+    // where the gateway's environment holds it.
+    defs.insert(
+        "secret".into(),
+        json!({
+            "description": "A secret of at least 32 bytes of printable ASCII, or {env: NAME}",
+            "oneOf": [
+                { "type": "string", "minLength": MIN_SECRET_BYTES, "pattern": "^[!-~]+$" },
+                {
+                    "type": "object",
+                    "properties": { "env": { "type": "string", "minLength": 1 } },
+                    "required": ["env"],
+                    "additionalProperties": false
+                }
+            ]
+        }),
+    );
     defs.insert(
         "header_name".into(),
         json!({
@@ -264,17 +282,8 @@ fn full() -> Value {
             "remote": { "$ref": "#/definitions/remote" },
             "dry_run": { "type": "boolean", "description": "Count and report, never reject" },
             "identity_key": {
-                "description": "The key of the identity hash, shared by every gateway of a deployment: \
-                                a secret of at least 32 bytes of printable ASCII, or {env: NAME}",
-                "oneOf": [
-                    { "type": "string", "minLength": 32 },
-                    {
-                        "type": "object",
-                        "properties": { "env": { "type": "string", "minLength": 1 } },
-                        "required": ["env"],
-                        "additionalProperties": false
-                    }
-                ]
+                "$ref": "#/definitions/secret",
+                "description": "The key of the identity hash, shared by every gateway of a deployment"
             },
             "metrics": {
                 "type": "object",
@@ -376,7 +385,9 @@ fn global() -> Value {
                 ],
             },
             "retry_seconds": { "type": "integer", "minimum": 0, "maximum": U32_MAX,
-                               "description": "Circuit breaker: stay local this long (default 5)" }
+                               "description": "Circuit breaker: stay local this long (default 5)" },
+            "token": { "$ref": "#/definitions/secret",
+                       "description": "The quota service's credential (default: the environment variable DIANA_QUOTA_TOKEN)" }
         },
         "additionalProperties": false,
     })
@@ -406,16 +417,8 @@ fn remote() -> Value {
                 ],
                 "properties": {
                     "hmac_sha256": {
-                        "description": "Shared secret, at least 32 bytes, or {env: NAME}",
-                        "oneOf": [
-                            { "type": "string", "minLength": 32 },
-                            {
-                                "type": "object",
-                                "properties": { "env": { "type": "string", "minLength": 1 } },
-                                "required": ["env"],
-                                "additionalProperties": false
-                            }
-                        ]
+                        "$ref": "#/definitions/secret",
+                        "description": "Shared signing key"
                     },
                     "ed25519": { "type": "string", "description": "The config center's public key, base64" }
                 },
