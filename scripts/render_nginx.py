@@ -91,14 +91,16 @@ def render(
     quota_port: Optional[int] = None,
     config_port: Optional[int] = None,
     metrics_path: Optional[str] = None,
-    shm_size: str = "16m",
+    shm_size: Optional[str] = "16m",
     eviction: str = "lru",
     raw_document: bool = False,
     direct_response: Optional[tuple[int, int, str]] = None,
 ) -> str:
     """The nginx.conf text. `diana_config` None renders nginx without the filter.
     `direct_response` (port, status, body): the upstream is a second server of this nginx
-    on that port answering at once, to measure the gateway and the filter alone."""
+    on that port answering at once, to measure the gateway and the filter alone.
+    `shm_size` None leaves the shm_kv zone out (a broken setup, for the tests). Requests
+    under `/__plain/` go upstream without the filter."""
     filter_lines = ""
     wasm_block = ""
     if diana_config is not None:
@@ -120,13 +122,18 @@ def render(
             "            proxy_wasm_request_headers_in_access on;\n"
             f"            proxy_wasm diana {quote(document)};\n"
         )
+        shm_line = (
+            ""
+            if shm_size is None
+            else f"""    # Diana's keys are diana/...: they live in this zone. Never eviction=none (a write
+    # into a full zone traps); size it with `diana check` (nginx/README.md).
+    shm_kv diana {shm_size} eviction={eviction};
+"""
+        )
         wasm_block = f"""
 wasm {{
     module diana {wasm_path};
-    # Diana's keys are diana/...: they live in this zone. Never eviction=none (a write
-    # into a full zone traps); size it with `diana check` (nginx/README.md).
-    shm_kv diana {shm_size} eviction={eviction};
-}}
+{shm_line}}}
 """
     direct_server = ""
     if direct_response is not None:
@@ -172,6 +179,11 @@ http {{
         listen {HOST}:{listen_port} reuseport;
         location / {{
 {filter_lines}            add_header X-Diana-Worker $pid always;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_pass http://backend;
+        }}
+        location /__plain/ {{
             proxy_http_version 1.1;
             proxy_set_header Connection "";
             proxy_pass http://backend;

@@ -1,11 +1,10 @@
-//! Diana's proxy-wasm filter: the thin host glue. It only moves data between
-//! `proxy_wasm::hostcalls` and the host-agnostic logic in `diana_core`; every decision is
-//! made there and tested natively. Every hostcall result is handled: a panic would kill the
-//! worker's VM and fail every later request.
+//! Diana's proxy-wasm filter: the thin host glue. Each proxy-wasm callback becomes an event
+//! of `diana_core::worker::Worker`, which makes every decision and is tested natively under
+//! each host's rules; its commands become hostcalls. Every hostcall result is handled: a
+//! panic would kill the worker's VM and fail every later request.
 //!
-//! - `host`: the host's shared data, request facts, metrics and clock behind the core's traits.
-//! - `filter`: the root context (configuration, ticks resuming waiting requests) and the
-//!   HTTP context (evaluate on request headers; pause, resume, reject; callout answers).
+//! - `host`: the worker's `Host` trait over `proxy_wasm::hostcalls`, and which host this is.
+//! - `filter`: the root and HTTP contexts: callbacks to events, commands to hostcalls.
 //! - `logger`: `log` records to the host's log, with one `diana:` per line on every host.
 
 #[cfg(target_arch = "wasm32")]

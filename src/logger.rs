@@ -6,59 +6,45 @@
 use diana_core::logline;
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::LogLevel;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::OnceLock;
 
-/// Not known yet: decided on the first line written (in the root context's
-/// `on_configure`, where the properties are readable on both hosts).
-const UNKNOWN: u8 = 0;
-const HOST_SAYS_DIANA: u8 = 1;
-const WE_SAY_DIANA: u8 = 2;
-
-static PREFIX: AtomicU8 = AtomicU8::new(UNKNOWN);
+/// Whether the host's prefix already ends in `diana:`, decided on the first line written
+/// once the properties can be read (the root context's `on_configure`). Only
+/// `plugin_root_id` is read on nginx, which answers it safely (`"0"`), where other plugin
+/// properties can crash its worker.
+static HOST_SAYS_DIANA: OnceLock<bool> = OnceLock::new();
 
 struct Logger;
 
-static LOGGER: Logger = Logger;
-
 /// Installs the logger (once per VM) and sets the level.
 pub fn init(level: log::LevelFilter) {
-    if log::set_logger(&LOGGER).is_ok() {
+    if log::set_logger(&Logger).is_ok() {
         std::panic::set_hook(Box::new(|info| {
-            write(LogLevel::Critical, &info.to_string());
+            write(LogLevel::Critical, &info.to_string())
         }));
     }
     log::set_max_level(level);
 }
 
-/// Whether the host's prefix already ends in `diana:` (remembered once the properties
-/// could be read). Only `plugin_root_id` is read on nginx: ngx_wasm_module answers it
-/// safely (`"0"`), where other plugin properties can crash its worker.
 fn host_says_diana() -> bool {
-    match PREFIX.load(Ordering::Relaxed) {
-        HOST_SAYS_DIANA => return true,
-        WE_SAY_DIANA => return false,
-        _ => {}
+    if let Some(&says) = HOST_SAYS_DIANA.get() {
+        return says;
     }
     let Ok(root_id) = hostcalls::get_property(vec!["plugin_root_id"]) else {
         return false;
     };
-    let says = if logline::is_nginx_root_id(root_id.as_deref()) {
-        false
-    } else {
+    let says = !logline::is_nginx_root_id(root_id.as_deref()) && {
         let Ok(vm_id) = hostcalls::get_property(vec!["plugin_vm_id"]) else {
             return false;
         };
         logline::host_says_diana(root_id.as_deref(), vm_id.as_deref())
     };
-    let decided = if says { HOST_SAYS_DIANA } else { WE_SAY_DIANA };
-    PREFIX.store(decided, Ordering::Relaxed);
-    says
+    *HOST_SAYS_DIANA.get_or_init(|| says)
 }
 
 fn write(level: LogLevel, message: &str) {
-    let line = logline::line(message, host_says_diana());
     // Nothing useful can be done when the host refuses a log line.
-    let _ = hostcalls::log(level, &line);
+    let _ = hostcalls::log(level, &logline::line(message, host_says_diana()));
 }
 
 impl log::Log for Logger {
@@ -67,17 +53,16 @@ impl log::Log for Logger {
     }
 
     fn log(&self, record: &log::Record) {
-        if !self.enabled(record.metadata()) {
-            return;
+        if self.enabled(record.metadata()) {
+            let level = match record.level() {
+                log::Level::Trace => LogLevel::Trace,
+                log::Level::Debug => LogLevel::Debug,
+                log::Level::Info => LogLevel::Info,
+                log::Level::Warn => LogLevel::Warn,
+                log::Level::Error => LogLevel::Error,
+            };
+            write(level, &record.args().to_string());
         }
-        let level = match record.level() {
-            log::Level::Trace => LogLevel::Trace,
-            log::Level::Debug => LogLevel::Debug,
-            log::Level::Info => LogLevel::Info,
-            log::Level::Warn => LogLevel::Warn,
-            log::Level::Error => LogLevel::Error,
-        };
-        write(level, &record.args().to_string());
     }
 
     fn flush(&self) {}

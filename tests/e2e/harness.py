@@ -32,7 +32,6 @@ from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
-import render_envoy  # noqa: E402  (scripts/render_envoy.py: one renderer for run and tests)
 import render_nginx  # noqa: E402  (scripts/render_nginx.py)
 
 HOST = "127.0.0.1"
@@ -47,6 +46,9 @@ NGINX_CACHE = Path(
     )
 )
 QUOTA_BIN = Path(os.environ.get("DIANA_QUOTA_BIN", REPO / "target/release/diana-quota"))
+# `diana` (crates/diana-cli): its `render-envoy` renders every Envoy bootstrap, here and in
+# scripts/run (one renderer for both).
+DIANA_BIN = Path(os.environ.get("DIANA_BIN", REPO / "target/release/diana"))
 UPSTREAM_PY = REPO / "demo/upstream.py"
 # Diana counts in each worker and hands the counts to the host from its tick, at least
 # once a second (src/host.rs, HostMetrics): a reading waits this long for the counts of
@@ -188,6 +190,61 @@ class ProcessError(RuntimeError):
     pass
 
 
+def render_envoy_json(
+    *,
+    listen_port: int,
+    admin_port: int,
+    upstream_port: Optional[int] = None,
+    diana_config: Optional[str] = None,
+    wasm_path: Optional[str] = None,
+    quota_port: Optional[int] = None,
+    config_port: Optional[int] = None,
+    direct_response: Optional[tuple[int, str]] = None,
+    normalize_path: bool = False,
+    route_timeout: str = "15s",
+    access_logs: Optional[Sequence[tuple[str, Optional[str]]]] = None,
+) -> str:
+    """The Envoy bootstrap, as JSON, from `diana render-envoy` (everything on 127.0.0.1).
+
+    - `diana_config=None` renders Envoy without the wasm filter (smoke tests, baselines);
+      a document is embedded unvalidated (`--no-validate`): the tests give Envoy bad ones
+      to see the filter refuse them.
+    - `direct_response=(status, body)` answers every request from Envoy itself after the
+      filter chain (no upstream needed): used for floods that measure the filter only.
+    - `quota_port` / `config_port` add the `diana_quota` / `diana_config` clusters;
+      without them the clusters are absent, and the filter sees a failed callout
+      ("backend unavailable", DESIGN §1).
+    - `normalize_path=False` (the default here) leaves path spelling untouched, so the
+      tests exercise the filter's own normalisation.
+    - `access_logs=[(path, format or None), ...]` adds file access logs (None: Envoy's
+      default format).
+    """
+    if diana_config is not None and not wasm_path:
+        raise ValueError("wasm_path is required when diana_config is given")
+    if direct_response is None and upstream_port is None:
+        raise ValueError("upstream_port is required unless direct_response is given")
+    if not DIANA_BIN.is_file():
+        raise ProcessError(f"{DIANA_BIN} does not exist: run scripts/build first")
+    argv = [str(DIANA_BIN), "render-envoy", "--json", "--no-validate",
+            "--listen-port", str(listen_port), "--admin-port", str(admin_port),
+            "--normalize-path" if normalize_path else "--no-normalize-path",
+            "--route-timeout", route_timeout]  # fmt: skip
+    if wasm_path:
+        argv += ["--wasm", str(wasm_path)]
+    for flag, port in (("--upstream-port", upstream_port), ("--quota-port", quota_port), ("--config-port", config_port)):
+        if port is not None:
+            argv += [flag, str(port)]
+    if direct_response is not None:
+        argv += ["--direct-response", f"{int(direct_response[0])}:{direct_response[1]}"]
+    for path, text_format in access_logs or ():
+        argv += ["--access-log", str(path)] if text_format is None else ["--formatted-access-log", str(path), text_format]
+    argv += ["--no-filter"] if diana_config is None else ["-"]
+    out = subprocess.run(argv, input=(diana_config or "").encode(), capture_output=True, timeout=60)
+    if out.returncode != 0:
+        raise ProcessError(f"diana render-envoy failed ({out.returncode}): {out.stderr.decode(errors='replace')}")
+    return out.stdout.decode()
+
+
 class ManagedProcess:
     """A child process with its output in a log file, stopped by its own PID."""
 
@@ -319,7 +376,7 @@ class Upstream(ManagedProcess):
 
 
 class Envoy(ManagedProcess):
-    """Envoy with a rendered bootstrap (see scripts/render_envoy.py)."""
+    """Envoy with a bootstrap rendered by `diana render-envoy` (render_envoy_json)."""
 
     kind = "envoy"
 
@@ -347,7 +404,7 @@ class Envoy(ManagedProcess):
         self.diana_config = diana_config
         if diana_config is not None and not Path(wasm).is_file():
             raise ProcessError(f"{wasm} does not exist: run scripts/build first")
-        bootstrap = render_envoy.render_json(
+        bootstrap = render_envoy_json(
             listen_port=self.port,
             admin_port=self.admin_port,
             upstream_port=upstream_port,
@@ -477,7 +534,7 @@ class Nginx(ManagedProcess):
         quota_port: Optional[int] = None,
         config_port: Optional[int] = None,
         name: str = "nginx",
-        shm_size: str = "16m",
+        shm_size: Optional[str] = "16m",
         eviction: str = "lru",
         raw_document: bool = False,
         direct_response: Optional[tuple[int, str]] = None,
@@ -551,16 +608,19 @@ class Nginx(ManagedProcess):
 
     def start_expecting_failure(self, timeout: float = 60.0) -> tuple[Optional[int], bool]:
         """Start and wait until every worker either configured Diana or refused the
-        document. Returns (exit code or None, whether every worker applied a configuration)."""
+        document (or found no shm_kv zone), and listens. Returns (exit code or None,
+        whether every worker applied a configuration)."""
         super().start()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.alive():
                 return self.returncode(), False
             text = self.error_text()
-            if text.count("local configuration applied") >= self.workers:
+            listening = len(self.worker_pids()) >= self.workers and port_open(self.port)
+            if text.count("local configuration applied") >= self.workers and listening:
                 return None, True
-            if text.count('failed initializing "diana" filter') >= self.workers:
+            refused = text.count("configuration rejected") + text.count("diana: no shared data")
+            if refused >= self.workers and listening:
                 return None, False
             time.sleep(0.1)
         return None, False

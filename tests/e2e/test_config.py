@@ -6,9 +6,11 @@ Envoy 1.40 behaviour with a plugin whose on_configure returns false at startup: 
 log line carries the filter's message, then `Unable to create Wasm plugin diana`, and the
 bootstrap fails: Envoy exits with code 1 and never opens the listener.
 
-nginx 1.27.4 + ngx_wasm_module 0.6.0: each worker logs the filter's message, then
-`[emerg] failed initializing "diana" filter (on_configure failure)`, and answers no
-request (the connection is closed): the document is never enforced half-way."""
+nginx 1.27.4 + ngx_wasm_module 0.6.0: a filter whose on_configure returns false stops
+the worker processes for good while the master keeps the port open (every request then
+hangs), so on nginx the filter accepts the document, logs the refusal once per worker and
+answers `on_invalid_config` (503 by default) until it is fixed: the document is never
+enforced half-way (tests/e2e/test_nginx_invalid.py has the rest)."""
 
 from __future__ import annotations
 
@@ -26,9 +28,9 @@ def _start_bad(procs, upstream, doc: str, name: str, host: str = "envoy"):
         _, ready = nginx.start_expecting_failure(timeout=60)
         assert not ready, "nginx applied a bad Diana document"
         log = nginx.error_text()
-        assert 'failed initializing "diana" filter' in log, log[-3000:]
+        assert "exited with fatal code" not in log, log[-3000:]
         r = request(nginx.port, "/", timeout=5)
-        assert r.status is None or r.status >= 500, f"a request passed the refused filter: {r}"
+        assert r.status == 503, f"a request passed the refused filter: {r}"
         return nginx, log
     envoy = procs.add(Envoy(procs.log_dir, diana_config=doc, upstream_port=upstream.port, name=name))
     code, ready = envoy.start_expecting_failure(timeout=60)

@@ -256,7 +256,7 @@ def _prometheus_samples(text: str) -> dict[tuple[str, tuple], int]:
 
 def test_envoy_prometheus_labels_rule_counters(start_envoy):
     """Envoy's /stats/prometheus shows Diana's rule counters as one metric per kind with a
-    `rule` label (stats_config.stats_tags of scripts/render_envoy.py), the same names and
+    `rule` label (stats_config.stats_tags of `diana render-envoy`), the same names and
     label as the filter's own metrics path."""
     gw = start_envoy(
         """\
@@ -295,3 +295,25 @@ metrics:
     assert status == 200
     own_rules = {k: v for k, v in _prometheus_samples(own.decode()).items() if k[0].startswith("diana_rule")}
     assert own_rules == expected, own_rules
+
+
+def test_every_rejection_in_a_burst_says_the_real_wait(start_gateway):
+    """Issue 20.1: a rejection answered from a worker's remembered denial said
+    `Retry-After: 1` while `X-RateLimit-Reset` said 55. Every rejection of a burst, computed
+    or remembered, now carries the real wait: Retry-After equals the reset of a fixed
+    window (within a second of rounding)."""
+    gw = start_gateway("Url: /\nrules:\n  - {name: five_a_minute, actor: all, unit: minute, rpu: 5, algo: W}\n")
+    # Windows are aligned to the epoch's minutes: start the burst well inside one.
+    into_minute = time.time() % 60
+    if into_minute > 50:
+        time.sleep(60.2 - into_minute)
+    answers = [request(gw.port, "/") for _ in range(25)]
+    assert [r.status for r in answers[:5]] == [200] * 5, [r.status for r in answers]
+    rejected = answers[5:]
+    assert all(r.status == 503 for r in rejected), [r.status for r in rejected]
+    pairs = [(_int_header(r, "retry-after"), _int_header(r, "x-ratelimit-reset")) for r in rejected]
+    record(f"{gw.kind}: Retry-After / X-RateLimit-Reset of 20 rejections in a burst", pairs)
+    for retry, reset in pairs:
+        assert abs(retry - reset) <= 1 and retry >= 1, pairs
+    # The burst started at least 10 s before the window's end.
+    assert min(retry for retry, _ in pairs) >= 9, pairs

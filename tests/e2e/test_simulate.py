@@ -57,7 +57,7 @@ ENVOY_LINE = re.compile(r'^\[([^\]]+)\] "(\S+) (\S+) ')
 
 _DIANA: list[Path] = []
 # The renderer the harness uses, before any test wraps it.
-_RENDER = harness.render_envoy.render_json
+_RENDER = harness.render_envoy_json
 
 
 def diana_binary() -> Path:
@@ -92,7 +92,7 @@ def with_access_logs(monkeypatch: pytest.MonkeyPatch, default_log: Path, device_
         kwargs["access_logs"] = [(str(default_log), None), (str(device_log), WITH_DEVICE)]
         return _RENDER(**kwargs)
 
-    monkeypatch.setattr(harness.render_envoy, "render_json", render_with_logs)
+    monkeypatch.setattr(harness, "render_envoy_json", render_with_logs)
 
 
 def wait_for_lines(path: Path, count: int, timeout: float = 20.0) -> list[str]:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 from harness import (
+    DIANA_BIN,
     REPO,
     WASM,
     envoy_binary,
@@ -75,9 +75,9 @@ def test_demo_config_is_valid(log_dir):
     assert WASM.is_file(), f"{WASM} missing: run scripts/build"
     out = log_dir / "demo.json"
     subprocess.run(
-        [sys.executable, "scripts/render_envoy.py", "--listen-port", "10000", "--admin-port", "9901",
+        [str(DIANA_BIN), "render-envoy", "--listen-port", "10000", "--admin-port", "9901",
          "--upstream-port", "18080", "--quota-port", "18081", "--diana-config", "envoy/demo-diana.yaml",
-         "--wasm", str(WASM), "--out", str(out)],
+         "--wasm", str(WASM), "--normalize-path", "--json", "--out", str(out)],
         cwd=REPO, check=True, timeout=60,
     )  # fmt: skip
     p = subprocess.run(

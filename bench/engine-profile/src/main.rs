@@ -50,7 +50,7 @@ fn main() -> ExitCode {
     let policy = match parse_policy(&text) {
         Ok(p) => p,
         Err(e) => {
-            eprintln!("policy: {}", e.message);
+            eprintln!("policy: {e}");
             return ExitCode::FAILURE;
         }
     };

@@ -2,13 +2,18 @@
 //!
 //! ```text
 //! listener -> http_connection_manager -> envoy.filters.http.wasm (Diana) -> router -> upstream
-//! cluster <global.cluster>  -> --quota          (only when the document has global rules)
-//! cluster <remote.cluster>  -> --config-center  (only when the document has `remote`)
+//! cluster <global.cluster>  -> --quota          (when the document has global rules, or --quota is given)
+//! cluster <remote.cluster>  -> --config-center  (when the document has `remote`, or --config-center is given)
 //! ```
 //!
-//! Built as a `serde_yaml::Value` tree, printed as YAML. The document is embedded verbatim
-//! (a `google.protobuf.StringValue`), so the line/column numbers of the filter's error
-//! messages refer to it exactly as written.
+//! Built as a `serde_yaml::Value` tree, printed as YAML (with a header comment) or JSON. The
+//! document is embedded verbatim (a `google.protobuf.StringValue`), so the line/column
+//! numbers of the filter's error messages refer to it exactly as written.
+//!
+//! The one renderer of the repository: `scripts/run` and the end-to-end tests
+//! (`tests/e2e/harness.py`) call `diana render-envoy --json` too; the tests render documents
+//! unvalidated (`--no-validate`, the filter's own refusals are under test), Envoy without
+//! the filter (`--no-filter`), answers from Envoy itself (`--direct-response`) and access logs.
 
 use crate::plan::count_global;
 use crate::yaml::{map, number, string};
@@ -27,6 +32,19 @@ const HCM_TYPE: &str =
 const WASM_TYPE: &str = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm";
 const ROUTER_TYPE: &str = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router";
 const STRING_VALUE_TYPE: &str = "type.googleapis.com/google.protobuf.StringValue";
+const FILE_ACCESS_LOG_TYPE: &str =
+    "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog";
+
+/// The cluster names a document that is not read (`--no-validate`, `--no-filter`) gets for
+/// `--quota` / `--config-center`: `global.cluster`'s default, and the name the examples use
+/// for `remote.cluster`.
+const QUOTA_CLUSTER: &str = "diana_quota";
+const CONFIG_CLUSTER: &str = "diana_config";
+
+/// Endpoints used when the bootstrap needs a cluster that no option gave.
+pub const DEFAULT_UPSTREAM: (&str, u16) = ("127.0.0.1", 8080);
+pub const DEFAULT_QUOTA: (&str, u16) = ("127.0.0.1", 8081);
+pub const DEFAULT_CONFIG_CENTER: (&str, u16) = ("127.0.0.1", 8082);
 
 /// Names tried, in order, for the protected service's cluster (the first one the document
 /// does not use for `global.cluster` / `remote.cluster`).
@@ -40,6 +58,13 @@ pub struct Endpoint {
 }
 
 impl Endpoint {
+    pub fn new(host: &str, port: u16) -> Endpoint {
+        Endpoint {
+            host: host.to_string(),
+            port,
+        }
+    }
+
     fn display(&self) -> String {
         if self.host.contains(':') {
             format!("[{}]:{}", self.host, self.port)
@@ -95,23 +120,98 @@ pub fn parse_endpoint(
     })
 }
 
-/// What `render-envoy` was asked for.
+/// What the filter is given.
+#[derive(Debug, Clone, Copy)]
+pub enum Filter<'a> {
+    /// A validated document: the clusters it needs are rendered under its names.
+    Validated {
+        policy: &'a Policy,
+        document: &'a str,
+    },
+    /// A document embedded unread (`--no-validate`): only the clusters given by options,
+    /// under the default names.
+    Unvalidated { document: &'a str },
+    /// No Diana filter (`--no-filter`): Envoy alone, a baseline.
+    Absent,
+}
+
+impl Filter<'_> {
+    fn document(&self) -> Option<&str> {
+        match self {
+            Filter::Validated { document, .. } | Filter::Unvalidated { document } => Some(document),
+            Filter::Absent => None,
+        }
+    }
+}
+
+/// An HTTP access log written to a file: Envoy's default format, or `format`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AccessLog {
+    pub path: String,
+    pub format: Option<String>,
+}
+
+/// What `render-envoy` was asked for. `None` endpoints were not given: the cluster is then
+/// rendered, at its default endpoint, only when the bootstrap needs it.
 #[derive(Debug, Clone)]
 pub struct Options {
     pub wasm: String,
     pub listen: Endpoint,
     pub admin: Endpoint,
-    pub upstream: Endpoint,
-    pub quota: Endpoint,
-    pub config_center: Endpoint,
+    pub upstream: Option<Endpoint>,
+    pub quota: Option<Endpoint>,
+    pub config_center: Option<Endpoint>,
     pub concurrency: u32,
+    /// Envoy's `normalize_path` and `merge_slashes` (the filter normalises on its own too).
+    pub normalize_path: bool,
+    /// The route's timeout (an Envoy duration).
+    pub route_timeout: String,
+    /// Answer every request from Envoy itself, after the filter chain: (status, body).
+    pub direct_response: Option<(u16, String)>,
+    pub access_logs: Vec<AccessLog>,
 }
 
-/// The bootstrap, and things worth telling the user on stderr.
+/// The bootstrap, the comment lines that head its YAML form, and things worth telling the
+/// user on stderr.
 #[derive(Debug, Clone)]
 pub struct Rendered {
-    pub yaml: String,
+    pub bootstrap: Value,
+    pub comments: Vec<String>,
     pub warnings: Vec<String>,
+}
+
+impl Rendered {
+    /// YAML, headed by the comments.
+    pub fn yaml(&self) -> Result<String, String> {
+        let body = serde_yaml::to_string(&self.bootstrap)
+            .map_err(|err| format!("diana: cannot print the bootstrap: {err}"))?;
+        let mut yaml = String::new();
+        for comment in &self.comments {
+            yaml.push_str(&format!("# {comment}\n"));
+        }
+        yaml.push_str(&body);
+        Ok(yaml)
+    }
+
+    /// JSON (Envoy reads a `.json` bootstrap as JSON), indented by two spaces.
+    pub fn json(&self) -> Result<String, String> {
+        let mut json = serde_json::to_string_pretty(&self.bootstrap)
+            .map_err(|err| format!("diana: cannot print the bootstrap: {err}"))?;
+        json.push('\n');
+        Ok(json)
+    }
+}
+
+/// Parses `STATUS` or `STATUS:BODY` (`--direct-response`); Envoy takes a status from 200 to 599.
+pub fn parse_direct_response(text: &str) -> Result<(u16, String), String> {
+    let (status, body) = text.split_once(':').unwrap_or((text, ""));
+    match status.trim().parse::<u16>() {
+        Ok(status @ 200..=599) => Ok((status, body.to_string())),
+        _ => Err(format!(
+            "diana: invalid --direct-response `{text}`: expected STATUS or STATUS:BODY, \
+             STATUS from 200 to 599"
+        )),
+    }
 }
 
 fn socket_address(endpoint: &Endpoint) -> Value {
@@ -230,17 +330,46 @@ pub fn stats_config() -> Value {
     )])
 }
 
-fn listener(options: &Options, document: &str, upstream_cluster: &str) -> Value {
-    let route = map(vec![
-        ("match", map(vec![("prefix", string("/"))])),
-        (
-            "route",
+/// An access log entry of the connection manager.
+fn file_access_log(log: &AccessLog) -> Value {
+    let mut config = vec![
+        ("@type", string(FILE_ACCESS_LOG_TYPE)),
+        ("path", string(&log.path)),
+    ];
+    if let Some(format) = &log.format {
+        config.push((
+            "log_format",
+            map(vec![(
+                "text_format_source",
+                map(vec![("inline_string", string(format))]),
+            )]),
+        ));
+    }
+    map(vec![
+        ("name", string("envoy.access_loggers.file")),
+        ("typed_config", map(config)),
+    ])
+}
+
+/// `upstream_cluster` is `None` when Envoy answers by itself (`options.direct_response`).
+fn listener(options: &Options, document: Option<&str>, upstream_cluster: Option<&str>) -> Value {
+    let action = match (&options.direct_response, upstream_cluster) {
+        (Some((status, body)), _) => (
+            "direct_response",
             map(vec![
-                ("cluster", string(upstream_cluster)),
-                ("timeout", string("15s")),
+                ("status", number(u64::from(*status))),
+                ("body", map(vec![("inline_string", string(body))])),
             ]),
         ),
-    ]);
+        (None, cluster) => (
+            "route",
+            map(vec![
+                ("cluster", string(cluster.unwrap_or(UPSTREAM_NAMES[0]))),
+                ("timeout", string(&options.route_timeout)),
+            ]),
+        ),
+    };
+    let route = map(vec![("match", map(vec![("prefix", string("/"))])), action]);
     let route_config = map(vec![
         ("name", string("local")),
         (
@@ -252,26 +381,33 @@ fn listener(options: &Options, document: &str, upstream_cluster: &str) -> Value 
             ])]),
         ),
     ]);
-    let hcm = map(vec![
+    // Diana first: a rejected request costs nothing further down the chain.
+    let mut http_filters: Vec<Value> = document
+        .map(|document| wasm_filter(document, &options.wasm))
+        .into_iter()
+        .collect();
+    http_filters.push(map(vec![
+        ("name", string("envoy.filters.http.router")),
+        ("typed_config", map(vec![("@type", string(ROUTER_TYPE))])),
+    ]));
+    let mut hcm = vec![
         ("@type", string(HCM_TYPE)),
         ("stat_prefix", string("ingress")),
         ("codec_type", string("AUTO")),
-        // The upstream then sees the path Diana matched (Diana normalises on its own too).
-        ("normalize_path", Value::Bool(true)),
-        ("merge_slashes", Value::Bool(true)),
+        // By default the upstream then sees the path Diana matched (Diana normalises on
+        // its own too); the end-to-end tests turn it off to exercise the filter's own.
+        ("normalize_path", Value::Bool(options.normalize_path)),
+        ("merge_slashes", Value::Bool(options.normalize_path)),
         ("route_config", route_config),
-        (
-            "http_filters",
-            Value::Sequence(vec![
-                // Diana first: a rejected request costs nothing further down the chain.
-                wasm_filter(document, &options.wasm),
-                map(vec![
-                    ("name", string("envoy.filters.http.router")),
-                    ("typed_config", map(vec![("@type", string(ROUTER_TYPE))])),
-                ]),
-            ]),
-        ),
-    ]);
+        ("http_filters", Value::Sequence(http_filters)),
+    ];
+    if !options.access_logs.is_empty() {
+        hcm.push((
+            "access_log",
+            Value::Sequence(options.access_logs.iter().map(file_access_log).collect()),
+        ));
+    }
+    let hcm = map(hcm);
     map(vec![
         ("name", string("ingress")),
         ("address", socket_address(&options.listen)),
@@ -291,45 +427,80 @@ fn listener(options: &Options, document: &str, upstream_cluster: &str) -> Value 
     ])
 }
 
-/// Renders the bootstrap for a validated `policy` whose text is `document`.
-pub fn render(policy: &Policy, document: &str, options: &Options) -> Result<Rendered, String> {
+/// Renders the bootstrap for `filter` (a validated document, an unread one, or none).
+pub fn render(filter: Filter, options: &Options) -> Result<Rendered, String> {
     let mut warnings = Vec::new();
     let mut notes = Vec::new();
     let mut clusters: Vec<(String, Endpoint, &str)> = Vec::new();
+    let default = |(host, port): (&str, u16)| Endpoint::new(host, port);
 
-    if count_global(policy) > 0 {
-        clusters.push((
-            policy.global.cluster.clone(),
-            options.quota.clone(),
-            "diana-quota (global rules)",
-        ));
+    // The names of the quota service's and the config center's clusters, and whether the
+    // document needs them; an unread document gets the clusters given by options only.
+    let (quota_name, needs_quota, remote_name, needs_remote) = match filter {
+        Filter::Validated { policy, .. } => (
+            policy.global.cluster.as_str(),
+            count_global(policy) > 0,
+            policy
+                .remote
+                .as_ref()
+                .map_or(CONFIG_CLUSTER, |remote| remote.cluster.as_str()),
+            policy.remote.is_some(),
+        ),
+        Filter::Unvalidated { .. } | Filter::Absent => {
+            (QUOTA_CLUSTER, false, CONFIG_CLUSTER, false)
+        }
+    };
+    let quota = (options.quota.clone()).or_else(|| needs_quota.then(|| default(DEFAULT_QUOTA)));
+    if let Some(quota) = quota {
+        let what = if needs_quota {
+            "diana-quota (global rules)"
+        } else {
+            "diana-quota"
+        };
+        clusters.push((quota_name.to_string(), quota, what));
     }
-    if let Some(remote) = &policy.remote {
-        match clusters.iter().find(|(name, _, _)| *name == remote.cluster) {
+    let config_center = (options.config_center.clone())
+        .or_else(|| needs_remote.then(|| default(DEFAULT_CONFIG_CENTER)));
+    if let Some(config_center) = config_center {
+        match clusters.iter().find(|(name, _, _)| name == remote_name) {
             Some((_, endpoint, _)) => {
-                if *endpoint != options.config_center {
+                if *endpoint != config_center {
                     warnings.push(format!(
-                        "remote.cluster and global.cluster are both `{}`: the cluster points at \
-                         --quota {}, --config-center {} is not used",
-                        remote.cluster,
+                        "remote.cluster and global.cluster are both `{remote_name}`: the cluster \
+                         points at --quota {}, --config-center {} is not used",
                         endpoint.display(),
-                        options.config_center.display()
+                        config_center.display()
                     ));
                 }
             }
-            None => clusters.push((
-                remote.cluster.clone(),
-                options.config_center.clone(),
-                "config center (remote)",
-            )),
+            None => {
+                let what = if needs_remote {
+                    "config center (remote)"
+                } else {
+                    "config center"
+                };
+                clusters.push((remote_name.to_string(), config_center, what));
+            }
         }
     }
-    let upstream_name = UPSTREAM_NAMES
-        .iter()
-        .find(|candidate| clusters.iter().all(|(name, _, _)| name != *candidate))
-        .copied()
-        .ok_or_else(|| "diana: no free name for the upstream cluster".to_string())?;
-    if !Path::new(&options.wasm).is_file() {
+    // The protected service: needed unless Envoy answers by itself.
+    let upstream = match (&options.upstream, &options.direct_response) {
+        (Some(upstream), _) => Some(upstream.clone()),
+        (None, None) => Some(default(DEFAULT_UPSTREAM)),
+        (None, Some(_)) => None,
+    };
+    let upstream_name = match &upstream {
+        Some(_) => Some(
+            UPSTREAM_NAMES
+                .iter()
+                .find(|candidate| clusters.iter().all(|(name, _, _)| name != *candidate))
+                .copied()
+                .ok_or_else(|| "diana: no free name for the upstream cluster".to_string())?,
+        ),
+        None => None,
+    };
+    let document = filter.document();
+    if document.is_some() && !Path::new(&options.wasm).is_file() {
         warnings.push(format!(
             "{} does not exist here (Envoy opens it relative to its own working directory); \
              build it with `cargo build --release --target wasm32-wasip1`",
@@ -337,11 +508,14 @@ pub fn render(policy: &Policy, document: &str, options: &Options) -> Result<Rend
         ));
     }
 
-    let mut cluster_values = vec![cluster(upstream_name, &options.upstream, "1s")];
-    notes.push(format!(
-        "cluster {upstream_name}: the protected service at {}",
-        options.upstream.display()
-    ));
+    let mut cluster_values = Vec::new();
+    if let (Some(name), Some(endpoint)) = (upstream_name, &upstream) {
+        cluster_values.push(cluster(name, endpoint, "1s"));
+        notes.push(format!(
+            "cluster {name}: the protected service at {}",
+            endpoint.display()
+        ));
+    }
     for (name, endpoint, what) in &clusters {
         cluster_values.push(cluster(name, endpoint, "0.25s"));
         notes.push(format!("cluster {name}: {what} at {}", endpoint.display()));
@@ -364,28 +538,39 @@ pub fn render(policy: &Policy, document: &str, options: &Options) -> Result<Rend
             ]),
         ),
     ]);
-    let body = serde_yaml::to_string(&bootstrap)
-        .map_err(|err| format!("diana: cannot print the bootstrap: {err}"))?;
 
-    let mut yaml = String::from("# Envoy bootstrap for Diana, rendered by `diana render-envoy`.\n");
-    yaml.push_str(&format!(
-        "# Run: envoy -c THIS_FILE --concurrency {}\n",
-        options.concurrency
-    ));
-    yaml.push_str(&format!(
-        "# listener {} -> diana.wasm ({}) -> router -> {upstream_name}\n",
-        options.listen.display(),
-        options.wasm
-    ));
-    yaml.push_str(&format!(
-        "# admin {} (Diana metrics: /stats?filter=wasmcustom, /stats/prometheus with a rule label)\n",
+    let filter_step = match document {
+        Some(_) => format!("diana.wasm ({}) -> ", options.wasm),
+        None => "no Diana filter -> ".to_string(),
+    };
+    let destination = match (&options.direct_response, upstream_name) {
+        (Some((status, _)), _) => format!("direct response {status}"),
+        (None, name) => name.unwrap_or_default().to_string(),
+    };
+    let mut comments = vec![
+        "Envoy bootstrap for Diana, rendered by `diana render-envoy`.".to_string(),
+        format!(
+            "Run: envoy -c THIS_FILE --concurrency {}",
+            options.concurrency
+        ),
+        format!(
+            "listener {} -> {filter_step}router -> {destination}",
+            options.listen.display()
+        ),
+    ];
+    if let Filter::Unvalidated { .. } = filter {
+        comments.push("the document is embedded unvalidated (--no-validate)".to_string());
+    }
+    comments.push(format!(
+        "admin {} (Diana metrics: /stats?filter=wasmcustom, /stats/prometheus with a rule label)",
         options.admin.display()
     ));
-    for note in &notes {
-        yaml.push_str(&format!("# {note}\n"));
-    }
-    yaml.push_str(&body);
-    Ok(Rendered { yaml, warnings })
+    comments.extend(notes);
+    Ok(Rendered {
+        bootstrap,
+        comments,
+        warnings,
+    })
 }
 
 #[cfg(test)]

@@ -4,7 +4,8 @@
 //!   (`diana_core::config::parse_policy`) and prints the effective plan, every default
 //!   filled in; on error it prints the filter's message and exits 1.
 //! - `diana render-envoy FILE` validates the document and prints an Envoy v3 bootstrap
-//!   that loads `diana.wasm` with it.
+//!   that loads `diana.wasm` with it (YAML, or JSON with `--json`); `scripts/run` and the
+//!   end-to-end tests render theirs with it too.
 //! - `diana schema [--kong]` prints a JSON Schema (draft 4) of the document's JSON forms;
 //!   with `--kong`, wrapped as Kong filter metadata (`kong/diana.meta.json`).
 //! - `diana simulate POLICY LOG` replays a request log (JSON lines or Envoy's access log)
@@ -56,8 +57,13 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Validate a document and print an Envoy v3 bootstrap (YAML) that loads diana.wasm with it.
-    RenderEnvoy(RenderArgs),
+    /// Validate a document and print an Envoy v3 bootstrap (YAML, or JSON) that loads
+    /// diana.wasm with it.
+    ///
+    /// The document's `global.cluster` / `remote.cluster` are rendered when it needs them
+    /// (global rules, `remote`) or when --quota / --config-center (or their -port forms) are
+    /// given.
+    RenderEnvoy(Box<RenderArgs>),
     /// Print a JSON Schema (draft 4) of the document's JSON forms (block, list of blocks, full form).
     Schema {
         /// Wrap it as Kong filter metadata: `{"config_schema": ...}` (kong/diana.meta.json).
@@ -114,29 +120,88 @@ struct SimulateArgs {
 #[derive(Args, Debug)]
 struct RenderArgs {
     /// The Diana document (YAML or JSON); `-` reads standard input.
-    file: PathBuf,
+    #[arg(required_unless_present_any = ["diana_config", "no_filter"])]
+    file: Option<PathBuf>,
+    /// The Diana document, given as an option instead of FILE.
+    #[arg(long = "diana-config", value_name = "FILE", conflicts_with = "file")]
+    diana_config: Option<PathBuf>,
+    /// Render Envoy without the Diana filter (and without a document): a baseline.
+    #[arg(long = "no-filter", conflicts_with_all = ["file", "diana_config"])]
+    no_filter: bool,
+    /// Embed the document as it is, unvalidated (to see the filter refuse it): the quota
+    /// and config-center clusters are then only those given by options, named
+    /// `diana_quota` and `diana_config`.
+    #[arg(long = "no-validate")]
+    no_validate: bool,
     /// diana.wasm as Envoy will open it (a relative path is relative to Envoy's working directory).
     #[arg(long, default_value = envoy::DEFAULT_WASM)]
     wasm: String,
-    /// Listener: PORT (on 0.0.0.0) or HOST:PORT.
-    #[arg(long, default_value = "10000")]
-    listen: String,
-    /// Admin interface: PORT (on 127.0.0.1) or HOST:PORT.
-    #[arg(long, default_value = "9901")]
-    admin: String,
-    /// The protected service, HOST:PORT (an IP makes a STATIC cluster, a name a STRICT_DNS one).
-    #[arg(long, default_value = "127.0.0.1:8080")]
-    upstream: String,
-    /// diana-quota, HOST:PORT: the `global.cluster` cluster (only when the document has global rules).
-    #[arg(long, default_value = "127.0.0.1:8081")]
-    quota: String,
-    /// Config center, HOST:PORT: the `remote.cluster` cluster (only when the document has `remote`).
-    #[arg(long = "config-center", default_value = "127.0.0.1:8082")]
-    config_center: String,
+    /// Listener: PORT (on 0.0.0.0) or HOST:PORT [default: 10000].
+    #[arg(long)]
+    listen: Option<String>,
+    /// Listener on 127.0.0.1:PORT.
+    #[arg(long = "listen-port", value_name = "PORT", conflicts_with = "listen", value_parser = port_parser())]
+    listen_port: Option<u16>,
+    /// Admin interface: PORT (on 127.0.0.1) or HOST:PORT [default: 9901].
+    #[arg(long)]
+    admin: Option<String>,
+    /// Admin interface on 127.0.0.1:PORT.
+    #[arg(long = "admin-port", value_name = "PORT", conflicts_with = "admin", value_parser = port_parser())]
+    admin_port: Option<u16>,
+    /// The protected service, HOST:PORT (an IP makes a STATIC cluster, a name a STRICT_DNS
+    /// one) [default: 127.0.0.1:8080, unless --direct-response].
+    #[arg(long)]
+    upstream: Option<String>,
+    /// The protected service on 127.0.0.1:PORT.
+    #[arg(long = "upstream-port", value_name = "PORT", conflicts_with = "upstream", value_parser = port_parser())]
+    upstream_port: Option<u16>,
+    /// diana-quota, HOST:PORT: the `global.cluster` cluster [default: 127.0.0.1:8081, when
+    /// the document has global rules].
+    #[arg(long)]
+    quota: Option<String>,
+    /// diana-quota on 127.0.0.1:PORT.
+    #[arg(long = "quota-port", value_name = "PORT", conflicts_with = "quota", value_parser = port_parser())]
+    quota_port: Option<u16>,
+    /// Config center, HOST:PORT: the `remote.cluster` cluster [default: 127.0.0.1:8082, when
+    /// the document has `remote`].
+    #[arg(long = "config-center")]
+    config_center: Option<String>,
+    /// Config center on 127.0.0.1:PORT.
+    #[arg(long = "config-port", value_name = "PORT", conflicts_with = "config_center", value_parser = port_parser())]
+    config_port: Option<u16>,
     /// Worker threads: Envoy takes this on its command line (`--concurrency`), not in the
     /// bootstrap; it goes in the run command printed in the header comment.
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=1024))]
     concurrency: u32,
+    /// Let Envoy normalise paths and merge slashes before the filter sees them (the default).
+    #[arg(long = "normalize-path", overrides_with = "no_normalize_path")]
+    normalize_path: bool,
+    /// Leave the path as the client spelled it (the filter normalises on its own).
+    #[arg(long = "no-normalize-path", overrides_with = "normalize_path")]
+    no_normalize_path: bool,
+    /// The route's timeout, an Envoy duration.
+    #[arg(long = "route-timeout", default_value = "15s", value_name = "DURATION")]
+    route_timeout: String,
+    /// Answer every request from Envoy itself after the filter chain (no upstream needed):
+    /// STATUS or STATUS:BODY.
+    #[arg(long = "direct-response", value_name = "STATUS[:BODY]")]
+    direct_response: Option<String>,
+    /// Also write an HTTP access log, in Envoy's default format, to FILE (repeatable).
+    #[arg(long = "access-log", value_name = "FILE")]
+    access_log: Vec<String>,
+    /// Also write an HTTP access log to FILE in Envoy's text FORMAT (repeatable).
+    #[arg(long = "formatted-access-log", num_args = 2, value_names = ["FILE", "FORMAT"], allow_hyphen_values = true)]
+    formatted_access_log: Vec<String>,
+    /// Print JSON instead of YAML (implied by an --out file ending in `.json`).
+    #[arg(long)]
+    json: bool,
+    /// Write the bootstrap to FILE instead of standard output.
+    #[arg(long, value_name = "FILE")]
+    out: Option<PathBuf>,
+}
+
+fn port_parser() -> clap::builder::RangedI64ValueParser<u16> {
+    clap::value_parser!(u16).range(1..)
 }
 
 fn main() -> ExitCode {
@@ -177,28 +242,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
             };
             write_stdout(&out)
         }
-        Command::RenderEnvoy(args) => {
-            let text = read_input(&args.file)?;
-            let policy = validate(&text)?;
-            let options = envoy::Options {
-                wasm: args.wasm,
-                listen: envoy::parse_endpoint("--listen", &args.listen, Some("0.0.0.0"))
-                    .map_err(Failure::io)?,
-                admin: envoy::parse_endpoint("--admin", &args.admin, Some("127.0.0.1"))
-                    .map_err(Failure::io)?,
-                upstream: envoy::parse_endpoint("--upstream", &args.upstream, None)
-                    .map_err(Failure::io)?,
-                quota: envoy::parse_endpoint("--quota", &args.quota, None).map_err(Failure::io)?,
-                config_center: envoy::parse_endpoint("--config-center", &args.config_center, None)
-                    .map_err(Failure::io)?,
-                concurrency: args.concurrency,
-            };
-            let rendered = envoy::render(&policy, &text, &options).map_err(Failure::io)?;
-            for warning in &rendered.warnings {
-                let _ = writeln!(io::stderr().lock(), "diana: warning: {warning}");
-            }
-            write_stdout(&rendered.yaml)
-        }
+        Command::RenderEnvoy(args) => run_render_envoy(*args),
         Command::Schema { kong } => {
             let value = if kong {
                 schema::kong_meta()
@@ -214,13 +258,105 @@ fn run(cli: Cli) -> Result<(), Failure> {
     }
 }
 
+fn run_render_envoy(args: RenderArgs) -> Result<(), Failure> {
+    // `--x-port PORT` is `--x 127.0.0.1:PORT`.
+    let endpoint = |flag: &str,
+                    text: &Option<String>,
+                    port: Option<u16>,
+                    default_host: Option<&str>|
+     -> Result<Option<envoy::Endpoint>, Failure> {
+        match (text, port) {
+            (_, Some(port)) => Ok(Some(envoy::Endpoint::new("127.0.0.1", port))),
+            (Some(text), None) => envoy::parse_endpoint(flag, text, default_host)
+                .map(Some)
+                .map_err(Failure::io),
+            (None, None) => Ok(None),
+        }
+    };
+    let listen = endpoint("--listen", &args.listen, args.listen_port, Some("0.0.0.0"))?
+        .unwrap_or_else(|| envoy::Endpoint::new("0.0.0.0", 10000));
+    let admin = endpoint("--admin", &args.admin, args.admin_port, Some("127.0.0.1"))?
+        .unwrap_or_else(|| envoy::Endpoint::new("127.0.0.1", 9901));
+    let mut access_logs: Vec<envoy::AccessLog> = (args.access_log.iter())
+        .map(|path| envoy::AccessLog {
+            path: path.clone(),
+            format: None,
+        })
+        .collect();
+    // clap gives the FILE FORMAT pairs one after the other.
+    access_logs.extend(
+        args.formatted_access_log
+            .chunks_exact(2)
+            .filter_map(|pair| match pair {
+                [path, format] => Some(envoy::AccessLog {
+                    path: path.clone(),
+                    format: Some(format.clone()),
+                }),
+                _ => None,
+            }),
+    );
+    let options = envoy::Options {
+        wasm: args.wasm,
+        listen,
+        admin,
+        upstream: endpoint("--upstream", &args.upstream, args.upstream_port, None)?,
+        quota: endpoint("--quota", &args.quota, args.quota_port, None)?,
+        config_center: endpoint(
+            "--config-center",
+            &args.config_center,
+            args.config_port,
+            None,
+        )?,
+        concurrency: args.concurrency,
+        normalize_path: !args.no_normalize_path,
+        route_timeout: args.route_timeout,
+        direct_response: (args.direct_response.as_deref())
+            .map(envoy::parse_direct_response)
+            .transpose()
+            .map_err(Failure::io)?,
+        access_logs,
+    };
+
+    let text = match args.file.as_ref().or(args.diana_config.as_ref()) {
+        Some(file) if !args.no_filter => Some(read_input(file)?),
+        _ => None,
+    };
+    let policy = match &text {
+        Some(text) if !args.no_validate => Some(validate(text)?),
+        _ => None,
+    };
+    let filter = match (&text, &policy) {
+        (Some(document), Some(policy)) => envoy::Filter::Validated { policy, document },
+        (Some(document), None) => envoy::Filter::Unvalidated { document },
+        (None, _) => envoy::Filter::Absent,
+    };
+    let rendered = envoy::render(filter, &options).map_err(Failure::io)?;
+    for warning in &rendered.warnings {
+        let _ = writeln!(io::stderr().lock(), "diana: warning: {warning}");
+    }
+    let json = args.json
+        || (args.out.as_ref()).is_some_and(|out| out.extension().is_some_and(|ext| ext == "json"));
+    let out = if json {
+        rendered.json()
+    } else {
+        rendered.yaml()
+    }
+    .map_err(Failure::io)?;
+    match &args.out {
+        Some(path) => std::fs::write(path, out)
+            .map_err(|err| Failure::io(format!("diana: cannot write {}: {err}", path.display()))),
+        None => write_stdout(&out),
+    }
+}
+
 fn run_simulate(args: SimulateArgs) -> Result<(), Failure> {
     if args.policy.as_os_str() == "-" && args.log.as_os_str() == "-" {
         return Err(Failure::io(
             "diana: the policy and the log cannot both come from standard input".into(),
         ));
     }
-    let policy = validate(&read_input(&args.policy)?)?;
+    let document = read_input(&args.policy)?;
+    let policy = validate(&document)?;
     let envoy_fields = args
         .envoy_fields
         .iter()
@@ -246,7 +382,7 @@ fn run_simulate(args: SimulateArgs) -> Result<(), Failure> {
             .map_err(|err| Failure::io(format!("diana: cannot read {source}: {err}")))?;
         Box::new(BufReader::with_capacity(1 << 16, file))
     };
-    let simulation = simulate::simulate(&policy, input, &options)
+    let simulation = simulate::simulate(&policy, &document, input, &options)
         .map_err(|err| Failure::io(format!("diana: cannot read {source}: {err}")))?;
     if let Some(path) = &args.svg {
         let chart = simulate::render_svg(&policy, &simulation, &source, args.interval);
@@ -268,7 +404,7 @@ fn run_simulate(args: SimulateArgs) -> Result<(), Failure> {
 /// The filter's verdict on the document; its message, unchanged, on error.
 fn validate(text: &str) -> Result<Policy, Failure> {
     parse_policy(text).map_err(|err| Failure {
-        message: err.message,
+        message: err.to_string(),
         code: EXIT_INVALID,
     })
 }

@@ -1,9 +1,13 @@
 //! The effective plan of a validated [`Policy`]: what the filter will do, every default
-//! filled in, resources in evaluation order. Built once as an ordered YAML value; printed
-//! as YAML for people (`diana check`) or as JSON (`diana check --json`).
+//! filled in, resources in evaluation order. Every setting of a rule is shown as the filter
+//! uses it: its cost, response cost and longest wait, the actor it counts (with where that
+//! actor's identity comes from, under `actors`), and its dry run with the document's
+//! included. Built once as an ordered YAML value; printed as YAML for people (`diana
+//! check`) or as JSON (`diana check --json`).
 
 use crate::yaml::{map, number, string};
-use diana_core::config::{Lease, Policy, Rule, Scope};
+use diana_core::config::{Cost, Lease, Policy, Rule, Scope};
+use diana_core::time::NANOS_PER_SECOND;
 use serde_yaml::Value;
 
 /// Machine-readable plan (JSON): rates also as numbers (`rate_per_second`).
@@ -44,7 +48,8 @@ pub fn render_text(policy: &Policy) -> Result<String, String> {
         out.push_str(&format!("# {warning}\n"));
     }
     out.push_str(
-        "# Effective plan: every default filled in. Resources are listed in evaluation order\n\
+        "# Effective plan: every default filled in, every setting as the filter uses it (a\n\
+         # rule's dry_run includes the document's). Resources are listed in evaluation order\n\
          # (least specific first, all matching resources apply); within a resource, rules apply\n\
          # in order and the first rule that denies ends the evaluation.\n",
     );
@@ -78,7 +83,7 @@ fn build(policy: &Policy, machine: bool) -> Value {
             let rules = resource
                 .rules
                 .iter()
-                .map(|rule| rule_plan(rule, machine))
+                .map(|rule| rule_plan(policy, rule, machine))
                 .collect();
             map(vec![
                 ("url", string(&resource.url)),
@@ -121,8 +126,14 @@ fn build(policy: &Policy, machine: bool) -> Value {
         number(crate::nginx::zone_bytes(policy)),
     )]);
 
+    let metrics = match &policy.metrics {
+        None => Value::Null,
+        Some(metrics) => map(vec![("path", string(&metrics.path))]),
+    };
+
     map(vec![
         ("resources", Value::Sequence(resources)),
+        ("actors", actors_plan(policy)),
         (
             "response",
             map(vec![
@@ -147,11 +158,25 @@ fn build(policy: &Policy, machine: bool) -> Value {
                     },
                 ),
                 ("retry_seconds", number(u64::from(global.retry_seconds))),
+                // A secret: whether there is one, never its value.
+                (
+                    "token",
+                    string(if global.token.is_some() {
+                        "<redacted>"
+                    } else {
+                        "none"
+                    }),
+                ),
                 ("used_by_rules", number(count_global(policy) as u64)),
             ]),
         ),
         ("remote", remote),
+        ("metrics", metrics),
         ("dry_run", Value::Bool(policy.dry_run)),
+        (
+            "on_invalid_config",
+            Value::String(policy.on_invalid_config.name().to_string()),
+        ),
         ("identity_key", identity_key_plan(policy)),
         ("nginx", nginx),
     ])
@@ -166,7 +191,40 @@ fn identity_key_plan(policy: &Policy) -> Value {
     })
 }
 
-fn rule_plan(rule: &Rule, machine: bool) -> Value {
+/// Every actor a rule counts, in the order rules first use it: where its identities come
+/// from (`source: all`, `source: ip`, or `source: header` with the header and the
+/// fallback for requests without it).
+fn actors_plan(policy: &Policy) -> Value {
+    let mut seen: Vec<&str> = Vec::new();
+    let mut entries = Vec::new();
+    for rule in policy.rules() {
+        if seen.contains(&rule.actor_name.as_str()) {
+            continue;
+        }
+        seen.push(&rule.actor_name);
+        let settings = rule
+            .actor_source()
+            .into_iter()
+            .map(|(key, value)| (key, string(value)))
+            .collect();
+        entries.push((rule.actor_name.as_str(), map(settings)));
+    }
+    map(entries)
+}
+
+/// `cost`: a number, or where a request's cost is read from.
+fn cost_plan(cost: &Cost) -> Value {
+    match cost {
+        Cost::Fixed(cost) => number(u64::from(cost.get())),
+        Cost::Header { name, default, max } => map(vec![
+            ("header", string(name)),
+            ("default", number(u64::from(default.get()))),
+            ("max", number(u64::from(max.get()))),
+        ]),
+    }
+}
+
+fn rule_plan(policy: &Policy, rule: &Rule, machine: bool) -> Value {
     let limit = &rule.limit;
     let per_second = rate_per_second(limit.rpu.get(), limit.unit.seconds());
     let mut entries = vec![
@@ -194,7 +252,28 @@ fn rule_plan(rule: &Rule, machine: bool) -> Value {
                 number(u64::from(rule.lease.get()))
             },
         ),
-        ("dry_run", Value::Bool(rule.dry_run)),
+        ("cost", cost_plan(&rule.cost)),
+        (
+            "response_cost",
+            rule.response_cost.as_ref().map_or(Value::Null, |cost| {
+                map(vec![
+                    ("header", string(&cost.header)),
+                    ("max", number(u64::from(cost.max.get()))),
+                ])
+            }),
+        ),
+        // Only a leaky bucket holds a request; for the others the setting does not exist.
+        (
+            "max_wait_seconds",
+            if rule.algo.waits() {
+                number(rule.max_wait / NANOS_PER_SECOND)
+            } else {
+                Value::Null
+            },
+        ),
+        // As the filter decides: the rule's own, or the whole document's.
+        ("dry_run", Value::Bool(rule.dry_run || policy.dry_run)),
+        ("metric_name", string(&rule.metric_name)),
     ]);
     map(entries)
 }

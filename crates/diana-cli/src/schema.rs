@@ -281,6 +281,11 @@ fn full() -> Value {
             "global": { "$ref": "#/definitions/global" },
             "remote": { "$ref": "#/definitions/remote" },
             "dry_run": { "type": "boolean", "description": "Count and report, never reject" },
+            "on_invalid_config": {
+                "type": "string",
+                "enum": ["deny", "allow"],
+                "description": "nginx: what requests get while the worker has no usable configuration (a refused document, no shm_kv zone): 503 (deny, the default) or through unlimited (allow)"
+            },
             "identity_key": {
                 "$ref": "#/definitions/secret",
                 "description": "The key of the identity hash, shared by every gateway of a deployment"

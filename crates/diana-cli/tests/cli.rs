@@ -59,7 +59,9 @@ fn diana(args: &[&str], stdin: Option<&str>) -> Output {
     {
         let mut pipe = child.stdin.take().unwrap();
         if let Some(text) = stdin {
-            pipe.write_all(text.as_bytes()).unwrap();
+            // A command that fails before reading its input closes the pipe: the write
+            // then fails, and the exit status is what the test looks at.
+            let _ = pipe.write_all(text.as_bytes());
         }
     }
     child.wait_with_output().unwrap()
@@ -227,7 +229,9 @@ fn bad_document_exits_1_with_the_filters_message() {
     assert!(out.stdout.is_empty());
     let stderr = text(&out.stderr);
     // Exactly the filter's message: the CLI shares the parser with diana.wasm.
-    let expected = diana_core::config::parse_policy(bad).unwrap_err().message;
+    let expected = diana_core::config::parse_policy(bad)
+        .unwrap_err()
+        .to_string();
     assert_eq!(stderr, format!("{expected}\n"));
     assert!(stderr.starts_with("rules[1].rpu: "), "{stderr}");
     assert!(stderr.contains("at line 4 column"), "{stderr}");
@@ -376,8 +380,8 @@ fn render_envoy_embeds_the_document_and_the_clusters_it_needs() {
 
 /// The rendered bootstrap labels Diana's rule counters by rule in Envoy's Prometheus
 /// output (`stats_config.stats_tags`), and every other Envoy bootstrap of the repository
-/// (the example, the compose file, the renderer the tests and `scripts/run` use) carries
-/// the same entry.
+/// (the example, the compose file) carries the same entry. (`scripts/run` and the
+/// end-to-end tests render theirs with `diana render-envoy` too.)
 #[test]
 fn envoy_bootstraps_tag_rule_counters_with_a_rule_label() {
     let (_, bootstrap) = render(SEED, &[]);
@@ -395,17 +399,289 @@ fn envoy_bootstraps_tag_rule_counters_with_a_rule_label() {
                 .unwrap();
         assert_eq!(other["stats_config"], bootstrap["stats_config"], "{file}");
     }
-    let python = std::fs::read_to_string(repo_root().join("scripts/render_envoy.py")).unwrap();
-    assert!(
-        python.contains(&format!("RULE_TAG_REGEX = r\"{regex}\"")),
-        "scripts/render_envoy.py renders another regex"
-    );
-    assert!(python.contains(r#""tag_name": "rule""#));
     let readme = std::fs::read_to_string(repo_root().join("README.md")).unwrap();
     assert!(
         readme.contains(&format!("regex: '{regex}'")),
         "the README shows another stats_tags regex"
     );
+}
+
+/// `diana render-envoy ARGS` with `stdin`, printed as JSON (`--json`), parsed.
+fn render_json(args: &[&str], stdin: Option<&str>) -> Value {
+    let mut all = vec!["render-envoy", "--json"];
+    all.extend_from_slice(args);
+    let out = diana(&all, stdin);
+    assert!(out.status.success(), "stderr: {}", text(&out.stderr));
+    let printed = text(&out.stdout);
+    assert!(
+        printed.starts_with('{') && printed.ends_with("}\n"),
+        "{printed}"
+    );
+    serde_json::from_str(&printed).unwrap()
+}
+
+/// The connection manager of the one listener.
+fn connection_manager(bootstrap: &Value) -> &Value {
+    &bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+}
+
+fn json_clusters(bootstrap: &Value) -> Vec<(String, String, u64)> {
+    let yaml: serde_yaml::Value = serde_yaml::to_value(bootstrap).unwrap();
+    clusters(&yaml)
+}
+
+fn socket(address: &Value) -> (String, u64) {
+    let socket = &address["socket_address"];
+    (
+        socket["address"].as_str().unwrap().to_string(),
+        socket["port_value"].as_u64().unwrap(),
+    )
+}
+
+/// `scripts/run`'s form: PORT options on 127.0.0.1, the document as `--diana-config`, JSON.
+#[test]
+fn render_envoy_json_with_port_options() {
+    let seed = temp_file("seed-for-ports.yaml", SEED);
+    let bootstrap = render_json(
+        &[
+            "--listen-port",
+            "10000",
+            "--admin-port",
+            "9901",
+            "--upstream-port",
+            "18080",
+            "--quota-port",
+            "18081",
+            "--diana-config",
+            seed.to_str().unwrap(),
+            "--wasm",
+            "/opt/diana-envoy.wasm",
+            "--normalize-path",
+        ],
+        None,
+    );
+    let listener = &bootstrap["static_resources"]["listeners"][0];
+    assert_eq!(
+        socket(&listener["address"]),
+        ("127.0.0.1".to_string(), 10000)
+    );
+    assert_eq!(
+        socket(&bootstrap["admin"]["address"]),
+        ("127.0.0.1".to_string(), 9901)
+    );
+    assert_eq!(
+        json_clusters(&bootstrap),
+        [
+            ("upstream".to_string(), "127.0.0.1".to_string(), 18080),
+            ("diana_quota".to_string(), "127.0.0.1".to_string(), 18081)
+        ]
+    );
+    let hcm = connection_manager(&bootstrap);
+    assert_eq!(hcm["normalize_path"], true);
+    assert_eq!(hcm["merge_slashes"], true);
+    assert!(hcm.get("access_log").is_none());
+    let route = &hcm["route_config"]["virtual_hosts"][0]["routes"][0];
+    assert_eq!(route["route"]["cluster"], "upstream");
+    assert_eq!(route["route"]["timeout"], "15s");
+    let config = &hcm["http_filters"][0]["typed_config"]["config"];
+    assert_eq!(config["configuration"]["value"], SEED);
+    assert_eq!(
+        config["vm_config"]["code"]["local"]["filename"],
+        "/opt/diana-envoy.wasm"
+    );
+    assert_eq!(
+        config["vm_config"]["environment_variables"]["host_env_keys"],
+        serde_json::json!(["DIANA_QUOTA_TOKEN"])
+    );
+    assert_eq!(hcm["http_filters"][1]["name"], "envoy.filters.http.router");
+    assert_eq!(
+        bootstrap["stats_config"]["stats_tags"],
+        serde_json::json!([{
+            "tag_name": "rule",
+            "regex": r"^wasmcustom\.diana_rule_(?:allowed|limited|dry_run_limited)(\.([A-Za-z0-9_]+))$"
+        }])
+    );
+
+    // The same bootstrap as YAML, FILE instead of --diana-config, HOST:PORT options.
+    let (yaml, from_yaml) = render(
+        SEED,
+        &[
+            "--listen",
+            "127.0.0.1:10000",
+            "--admin",
+            "9901",
+            "--upstream",
+            "127.0.0.1:18080",
+            "--quota",
+            "127.0.0.1:18081",
+            "--wasm",
+            "/opt/diana-envoy.wasm",
+        ],
+    );
+    assert!(yaml.starts_with("# Envoy bootstrap for Diana"), "{yaml}");
+    assert_eq!(serde_json::to_value(&from_yaml).unwrap(), bootstrap);
+
+    // --out: JSON for a `.json` file, YAML otherwise; nothing on stdout.
+    for (name, json) in [("out.json", true), ("out.yaml", false)] {
+        let out = temp_file(name, "");
+        let run = diana(
+            &["render-envoy", "-", "--out", out.to_str().unwrap()],
+            Some(SEED),
+        );
+        assert!(run.status.success(), "{}", text(&run.stderr));
+        assert!(run.stdout.is_empty());
+        let written = std::fs::read_to_string(&out).unwrap();
+        assert_eq!(written.starts_with('{'), json, "{name}: {written}");
+        assert_eq!(written.starts_with("# "), !json, "{name}: {written}");
+    }
+
+    // An explicit --quota-port / --config-port renders the cluster even when the document
+    // does not need it, under the document's names.
+    let bootstrap = render_json(
+        &["--quota-port", "7001", "--config-port", "7002", "-"],
+        Some("resources: [{Url: /, rules: [{rpu: 5}]}]\nglobal: {cluster: q}\n"),
+    );
+    assert_eq!(
+        json_clusters(&bootstrap),
+        [
+            ("upstream".to_string(), "127.0.0.1".to_string(), 8080),
+            ("q".to_string(), "127.0.0.1".to_string(), 7001),
+            ("diana_config".to_string(), "127.0.0.1".to_string(), 7002)
+        ]
+    );
+}
+
+/// What the end-to-end tests render: documents unvalidated, Envoy without the filter, answers
+/// from Envoy itself, access logs, paths left as sent.
+#[test]
+fn render_envoy_options_of_the_end_to_end_tests() {
+    let bad = "resources:\n  - Url: /\n    rules: [{rpu: 0}]\nglobal: {cluster: elsewhere}\n";
+    assert_eq!(
+        diana(&["render-envoy", "-"], Some(bad)).status.code(),
+        Some(1)
+    );
+    let format = "[%START_TIME%] \"%REQ(X-DEVICE-ID)%\"\n";
+    let bootstrap = render_json(
+        &[
+            "--no-validate",
+            "--listen-port",
+            "4000",
+            "--admin-port",
+            "4001",
+            "--upstream-port",
+            "4002",
+            "--quota-port",
+            "4003",
+            "--config-port",
+            "4004",
+            "--no-normalize-path",
+            "--route-timeout",
+            "3s",
+            "--access-log",
+            "/tmp/a.log",
+            "--formatted-access-log",
+            "/tmp/b.log",
+            format,
+            "-",
+        ],
+        Some(bad),
+    );
+    // Unread: the default names, whatever the document says.
+    assert_eq!(
+        json_clusters(&bootstrap),
+        [
+            ("upstream".to_string(), "127.0.0.1".to_string(), 4002),
+            ("diana_quota".to_string(), "127.0.0.1".to_string(), 4003),
+            ("diana_config".to_string(), "127.0.0.1".to_string(), 4004)
+        ]
+    );
+    let hcm = connection_manager(&bootstrap);
+    assert_eq!(
+        hcm["http_filters"][0]["typed_config"]["config"]["configuration"]["value"],
+        bad
+    );
+    assert_eq!(hcm["normalize_path"], false);
+    assert_eq!(hcm["merge_slashes"], false);
+    assert_eq!(
+        hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"]["timeout"],
+        "3s"
+    );
+    let log_type = "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog";
+    assert_eq!(
+        hcm["access_log"],
+        serde_json::json!([
+            {"name": "envoy.access_loggers.file",
+             "typed_config": {"@type": log_type, "path": "/tmp/a.log"}},
+            {"name": "envoy.access_loggers.file",
+             "typed_config": {"@type": log_type, "path": "/tmp/b.log",
+                              "log_format": {"text_format_source": {"inline_string": format}}}}
+        ])
+    );
+    // Unread, without options: no quota or config-center cluster at all.
+    let bootstrap = render_json(&["--no-validate", "-"], Some(SEED));
+    assert_eq!(
+        json_clusters(&bootstrap),
+        [("upstream".to_string(), "127.0.0.1".to_string(), 8080)]
+    );
+
+    // No filter, no document, Envoy answers by itself: no cluster.
+    let bootstrap = render_json(
+        &[
+            "--no-filter",
+            "--direct-response",
+            "200:ok\n",
+            "--admin-port",
+            "4001",
+        ],
+        None,
+    );
+    let hcm = connection_manager(&bootstrap);
+    assert_eq!(
+        hcm["http_filters"],
+        serde_json::json!([{"name": "envoy.filters.http.router", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}])
+    );
+    assert_eq!(
+        hcm["route_config"]["virtual_hosts"][0]["routes"][0],
+        serde_json::json!({"match": {"prefix": "/"},
+                           "direct_response": {"status": 200, "body": {"inline_string": "ok\n"}}})
+    );
+    assert_eq!(
+        bootstrap["static_resources"]["clusters"],
+        serde_json::json!([])
+    );
+    // ... with the filter and an upstream given anyway: the cluster is there, unused.
+    let bootstrap = render_json(
+        &["--direct-response", "429", "--upstream-port", "4002", "-"],
+        Some(SEED),
+    );
+    assert_eq!(
+        connection_manager(&bootstrap)["route_config"]["virtual_hosts"][0]["routes"][0]
+            ["direct_response"],
+        serde_json::json!({"status": 429, "body": {"inline_string": ""}})
+    );
+    assert_eq!(
+        json_clusters(&bootstrap)[0],
+        ("upstream".to_string(), "127.0.0.1".to_string(), 4002)
+    );
+
+    // Usage errors exit 2.
+    for args in [
+        &["render-envoy", "--json"][..],
+        &["render-envoy", "--no-filter", "-"],
+        &["render-envoy", "--listen", "1", "--listen-port", "2", "-"],
+        &["render-envoy", "--quota-port", "0", "-"],
+        &["render-envoy", "--direct-response", "99", "-"],
+        &["render-envoy", "--direct-response", "x:y", "-"],
+    ] {
+        let out = diana(args, None);
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+    }
 }
 
 /// diana.wasm for `envoy --mode validate` (which loads the module and runs on_configure):
@@ -499,6 +775,36 @@ fn rendered_bootstraps_pass_envoy_validate() {
         ],
     );
     envoy_validate(&yaml, "full-envoy.yaml");
+    // JSON (Envoy reads a `.json` file as JSON), with what the end-to-end tests add.
+    let out = diana(
+        &[
+            "render-envoy",
+            "--json",
+            "--wasm",
+            wasm,
+            "--no-validate",
+            "--listen-port",
+            "10000",
+            "--upstream-port",
+            "18080",
+            "--quota-port",
+            "18081",
+            "--config-port",
+            "18082",
+            "--no-normalize-path",
+            "--access-log",
+            "/dev/null",
+            "--formatted-access-log",
+            "/dev/null",
+            "[%START_TIME%] \"%REQ(X-DEVICE-ID)%\"\n",
+            "--direct-response",
+            "200:ok\n",
+            "-",
+        ],
+        Some(SEED),
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    envoy_validate(&text(&out.stdout), "seed-envoy.json");
 }
 
 #[test]

@@ -7,12 +7,12 @@
 
 use diana_core::algo::{self, Algorithm, Limit};
 use diana_core::store::{CasSemantics, Eviction, MemoryHost, SlotAddress, SlotTable, Store};
-use diana_core::time::{Nanos, Unit, NANOS_PER_SECOND};
+use diana_core::time::{Instant, Nanos, Unit, NANOS_PER_SECOND};
 use std::num::NonZeroU32;
 
 const SLOTS: u32 = 65_536;
 const S: Nanos = NANOS_PER_SECOND;
-const START: Nanos = 1_767_225_600 * S;
+const START: Instant = 1_767_225_600 * S;
 
 /// Identity hashes are keyed, so to anyone but the gateway they are uniform: a mixer of a
 /// counter stands for them.
@@ -49,7 +49,7 @@ impl Rule {
     }
 }
 
-fn admit(store: &Store, host: &MemoryHost, rule: &Rule, who: SlotAddress, now: Nanos) -> bool {
+fn admit(store: &Store, host: &MemoryHost, rule: &Rule, who: SlotAddress, now: Instant) -> bool {
     store
         .charge(host, &rule.table(), who, now, 1, 1)
         .map(|charge| charge.verdict.allowed())
@@ -80,7 +80,7 @@ fn newcomers(
         .collect();
     plan.sort_unstable();
     let mut next = plan.into_iter().peekable();
-    let newcomer = |at: Nanos, n: u64, admitted: &mut Vec<u32>| {
+    let newcomer = |at: Instant, n: u64, admitted: &mut Vec<u32>| {
         if admit(&store, &host, &rule, identity(1 << 40 | n), at) {
             if let Some(count) = admitted.get_mut(n as usize) {
                 *count += 1;

@@ -5,7 +5,8 @@
 
 use crate::response::Rejection;
 use crate::store::SlotAddress;
-use crate::time::Nanos;
+use crate::time::Instant;
+use std::fmt;
 
 /// What the host must do with the request. `P` is what the evaluator needs back, with
 /// the call's reply, to finish a request it paused for a call.
@@ -19,7 +20,7 @@ pub enum Decision<P> {
     },
     /// Let it through at `until` (leaky bucket): pause it and resume it then.
     Delay {
-        until: Nanos,
+        until: Instant,
         headers: Vec<(&'static str, String)>,
         after: Option<AfterResponse>,
     },
@@ -48,7 +49,7 @@ pub struct Callout {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Reply {
     /// The host refused to make the call (unknown cluster, bad upstream).
-    NotSent(String),
+    NotSent(DispatchError),
     /// No answer: timeout, connection refused or reset (a reply without headers).
     NoAnswer,
     /// An answer: its status (0 when unreadable) and body (`None` when it was larger than
@@ -72,13 +73,38 @@ pub(crate) struct ResponseCharge {
 }
 
 impl AfterResponse {
-    /// The response headers to read, in the order [`crate::engine::Engine::after_response`]
-    /// wants their values.
+    /// The response headers to read, in the order their values are handed back.
     pub fn headers(&self) -> impl Iterator<Item = &str> {
         self.charges.iter().map(|charge| charge.header.as_str())
     }
 
     pub fn is_empty(&self) -> bool {
         self.charges.is_empty()
+    }
+}
+
+/// Why the host did not send a call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DispatchError {
+    /// The host refused it (unknown cluster, no upstream, a closed VM): its status.
+    Refused { upstream: String, status: String },
+    /// The upstream is not `host:port`, which this host needs (a malformed one traps
+    /// inside ngx_wasm_module's dispatch).
+    NotHostPort { upstream: String },
+}
+
+impl fmt::Display for DispatchError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DispatchError::Refused { upstream, status } => {
+                write!(f, "{status} (upstream {upstream})")
+            }
+            DispatchError::NotHostPort { upstream } => {
+                write!(
+                    f,
+                    "upstream {upstream:?} is not host:port, which this host needs"
+                )
+            }
+        }
     }
 }

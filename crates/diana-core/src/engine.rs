@@ -19,14 +19,16 @@ use crate::decision::{AfterResponse, Callout, Decision, Reply, ResponseCharge};
 use crate::global::debts::Debt;
 use crate::global::flights::RiderId;
 use crate::global::stash::StashReceipt;
-use crate::global::{Asked, Denial, Global, GlobalCharge, Interpretation, Outcome, Payment, Plan};
+use crate::global::{
+    Admission, Asked, Denial, Global, GlobalCharge, Interpretation, Payment, Plan,
+};
 use crate::local::{Local, LocalCharge, Taken};
 use crate::matching;
 use crate::metrics::{Event, MetricSink, NoMetrics, RuleEvent};
 use crate::path;
 use crate::response::{admitted_rule_headers, Rejection, RuleReport};
 use crate::store::{ChargeError, SharedData, SlotAddress, SlotTable};
-use crate::time::{ceil_seconds, ceil_seconds_at_least_one, Clock, Nanos};
+use crate::time::{ceil_seconds, ceil_seconds_at_least_one, Clock, Instant, Nanos};
 use smallvec::SmallVec;
 
 /// The rules of one request are few: these lists stay on the stack (no allocation on the
@@ -38,7 +40,7 @@ pub type EngineDecision = Decision<Pending>;
 
 /// A refill ahead in flight (see [`Engine::refill`]).
 #[derive(Debug)]
-pub struct Refill(Asked);
+pub(crate) struct Refill(Asked);
 
 /// A paused request: what was charged so far, and what it waits for. Boxed: a decision
 /// that admits at once (the hot path) is then a few words to move, not the paused
@@ -51,14 +53,26 @@ struct PendingState {
     held: Few<Held>,
     progress: Progress,
     stage: Stage,
+    /// Leaky-bucket rules whose turn is taken when the request may leave (see
+    /// [`Engine::defer_turns`]).
+    turns: Few<Turn>,
+}
+
+/// A leaky-bucket rule's turn, taken once the request's global rules are decided.
+#[derive(Debug, Clone, Copy)]
+struct Turn {
+    rule: usize,
+    address: SlotAddress,
+    cost: u32,
 }
 
 impl Pending {
-    fn new(held: Few<Held>, progress: Progress, stage: Stage) -> Pending {
+    fn new(held: Few<Held>, progress: Progress, stage: Stage, turns: Few<Turn>) -> Pending {
         Pending(Box::new(PendingState {
             held,
             progress,
             stage,
+            turns,
         }))
     }
 }
@@ -76,8 +90,9 @@ enum Stage {
 }
 
 impl Pending {
-    /// What the callout asked (for logs and tests); `None` for a parked request.
-    pub fn asked(&self) -> Option<&Asked> {
+    /// What the callout asked (for tests); `None` for a parked request.
+    #[cfg(test)]
+    pub(crate) fn asked(&self) -> Option<&Asked> {
         match &self.0.stage {
             Stage::Asked(asked) => Some(asked),
             Stage::Parked { .. } => None,
@@ -85,7 +100,7 @@ impl Pending {
     }
 
     /// The id under which a parked request is woken ([`Engine::woken`]).
-    pub fn rider(&self) -> Option<RiderId> {
+    pub(crate) fn rider(&self) -> Option<RiderId> {
         match &self.0.stage {
             Stage::Asked(_) => None,
             Stage::Parked { rider, .. } => Some(*rider),
@@ -97,6 +112,8 @@ impl Pending {
 #[derive(Debug)]
 struct Held {
     rule: usize,
+    address: SlotAddress,
+    cost: u32,
     taken: Taken,
 }
 
@@ -132,15 +149,15 @@ impl Progress {
         self.tally.push((index, RuleEvent::DryRunLimited));
     }
 
-    fn apply(&mut self, outcomes: Vec<Outcome>) {
+    fn apply(&mut self, outcomes: Vec<Admission>) {
         for outcome in outcomes {
             match outcome {
-                Outcome::Admitted {
+                Admission::Admitted {
                     index,
                     report,
                     delay,
                 } => self.admit(index, report, delay),
-                Outcome::WouldDeny { index } => self.would_deny(index),
+                Admission::WouldDeny { index } => self.would_deny(index),
             }
         }
     }
@@ -188,10 +205,6 @@ impl Engine {
         self
     }
 
-    pub fn can_pause(&self) -> bool {
-        self.can_pause
-    }
-
     pub fn policy(&self) -> &Policy {
         &self.policy
     }
@@ -201,35 +214,19 @@ impl Engine {
         self.policy.rules()
     }
 
-    /// The rule at `index`.
-    pub fn rule(&self, index: usize) -> Option<&Rule> {
-        self.policy.rule(index)
-    }
-
     /// False when every request matches the same rules whatever its path (the policy's
     /// only resource is `/`): the host may then skip reading `:path`.
-    pub fn needs_path(&self) -> bool {
+    pub(crate) fn needs_path(&self) -> bool {
         self.needs_path
     }
 
     /// True when `raw_path` (query ignored) is the policy's `metrics.path`: the host answers
     /// with its metrics instead of evaluating the request.
-    pub fn serves_metrics(&self, raw_path: &[u8]) -> bool {
+    pub(crate) fn serves_metrics(&self, raw_path: &[u8]) -> bool {
         self.policy
             .metrics
             .as_ref()
             .is_some_and(|spec| path::normalize(raw_path).as_ref() == spec.path.as_bytes())
-    }
-
-    /// True when some rule may make a request wait (the host then needs a tick to
-    /// resume waiters).
-    pub fn has_waiting_rules(&self) -> bool {
-        self.rules().any(|rule| rule.algo.waits())
-    }
-
-    /// True when some rule has global scope.
-    pub fn has_global_rules(&self) -> bool {
-        self.rules().any(|rule| rule.scope == Scope::Global)
     }
 
     /// Evaluates one request. `raw_path` is the `:path` pseudo-header as sent; the clock is
@@ -279,20 +276,92 @@ impl Engine {
         if applicable.global.is_empty() {
             return self.finish(progress, now, metrics);
         }
-        self.decide_globally(host, applicable.global, held, progress, now, metrics)
+        let turns = Few::new();
+        self.decide_globally(host, applicable.global, held, progress, turns, now, metrics)
+    }
+
+    /// The request waits for the quota service (its call, or another request's): the
+    /// leaky-bucket turns it took are given back, to be taken again when it may leave.
+    /// A turn kept across the wait would be spent while the request waits: with a 40 ms
+    /// call, a request of a 10/s bucket served from the stash right after would reach
+    /// the upstream 60 ms after this one.
+    fn defer_turns(
+        &self,
+        host: &dyn SharedData,
+        held: &mut Few<Held>,
+        progress: &mut Progress,
+        turns: &mut Few<Turn>,
+        now: Instant,
+    ) {
+        let waits = |index: usize| self.policy.rule(index).is_some_and(|r| r.algo.waits());
+        if !held.iter().any(|held| waits(held.rule)) {
+            return;
+        }
+        let (deferred, kept): (Few<Held>, Few<Held>) =
+            held.drain(..).partition(|held| waits(held.rule));
+        *held = kept;
+        self.give_back_held(host, &deferred, now, &mut NoMetrics);
+        turns.extend(deferred.iter().map(|held| Turn {
+            rule: held.rule,
+            address: held.address,
+            cost: held.cost,
+        }));
+        progress.tally.retain(|(index, _)| !waits(*index));
+        if progress
+            .tightest
+            .as_ref()
+            .is_some_and(|(index, _)| waits(*index))
+        {
+            progress.tightest = None;
+        }
+        progress.delay = 0;
+    }
+
+    /// Takes the deferred leaky-bucket turns of a request that may leave now.
+    fn take_turns(
+        &self,
+        host: &dyn SharedData,
+        turns: &[Turn],
+        held: &mut Few<Held>,
+        progress: &mut Progress,
+        now: Instant,
+        metrics: &mut dyn MetricSink,
+    ) -> Result<(), Rejection> {
+        for turn in turns {
+            let Some(rule) = self.policy.rule(turn.rule) else {
+                continue;
+            };
+            self.charge_locally(
+                host,
+                rule,
+                turn.address,
+                turn.cost,
+                now,
+                progress,
+                held,
+                metrics,
+            )?;
+        }
+        Ok(())
     }
 
     /// The global half of an evaluation: the local rules have admitted (`held`).
+    #[allow(clippy::too_many_arguments)]
     fn decide_globally(
         &self,
         host: &dyn SharedData,
         charges: Few<GlobalCharge>,
-        held: Few<Held>,
+        mut held: Few<Held>,
         mut progress: Progress,
-        now: Nanos,
+        mut turns: Few<Turn>,
+        now: Instant,
         metrics: &mut dyn MetricSink,
     ) -> EngineDecision {
-        match self.global.plan(host, &self.policy, &charges, now, metrics) {
+        let plan = self.global.plan(host, &self.policy, &charges, now, metrics);
+        if matches!(plan, Plan::Park(_) | Plan::Call { .. }) {
+            self.defer_turns(host, &mut held, &mut progress, &mut turns, now);
+        }
+        match plan {
             Plan::Done(outcomes) => {
                 progress.apply(outcomes);
                 self.finish(progress, now, metrics)
@@ -315,6 +384,7 @@ impl Engine {
                 held,
                 progress,
                 Stage::Parked { charges, rider },
+                turns,
             )),
             Plan::Call {
                 outcomes,
@@ -322,41 +392,47 @@ impl Engine {
                 asked,
             } => {
                 progress.apply(outcomes);
-                Decision::Call(callout, Pending::new(held, progress, Stage::Asked(asked)))
+                let pending = Pending::new(held, progress, Stage::Asked(asked), turns);
+                Decision::Call(callout, pending)
             }
         }
     }
 
     /// Plans a woken request again ([`Engine::woken`]): its flight has landed, so its
     /// global rules are likely served from the lease stash now.
-    pub fn resume(
+    pub(crate) fn resume(
         &self,
         host: &dyn SharedData,
         pending: Pending,
-        now: Option<Nanos>,
+        now: Option<Instant>,
         metrics: &mut dyn MetricSink,
     ) -> EngineDecision {
         let PendingState {
-            held,
-            progress,
+            mut held,
+            mut progress,
             stage,
+            turns,
         } = *pending.0;
         match stage {
             Stage::Parked { charges, rider } => {
                 self.global.replanning(rider);
-                match now {
-                    Some(now) => self.decide_globally(host, charges, held, progress, now, metrics),
-                    None => {
-                        metrics.event(Event::ClockError);
-                        Decision::Allow {
-                            headers: Vec::new(),
-                            after: None,
-                        }
-                    }
+                let Some(now) = now else {
+                    metrics.event(Event::ClockError);
+                    return Decision::Allow {
+                        headers: Vec::new(),
+                        after: None,
+                    };
+                };
+                if let Err(rejection) =
+                    self.take_turns(host, &turns, &mut held, &mut progress, now, metrics)
+                {
+                    return self.reject(host, held, progress, rejection, now, metrics);
                 }
+                let turns = Few::new();
+                self.decide_globally(host, charges, held, progress, turns, now, metrics)
             }
             stage @ Stage::Asked(_) => {
-                let pending = Pending::new(held, progress, stage);
+                let pending = Pending::new(held, progress, stage, turns);
                 self.complete(host, pending, Reply::NoAnswer, now, metrics)
             }
         }
@@ -364,18 +440,18 @@ impl Engine {
 
     /// The parked requests to [`Engine::resume`], in the order they parked. Called from
     /// the host's tick while [`Engine::has_riders`].
-    pub fn woken(&self, now: Option<Nanos>) -> Vec<RiderId> {
+    pub(crate) fn woken(&self, now: Option<Instant>) -> Vec<RiderId> {
         now.map(|now| self.global.woken(now)).unwrap_or_default()
     }
 
     /// True when requests are parked behind another request's callout.
-    pub fn has_riders(&self) -> bool {
+    pub(crate) fn has_riders(&self) -> bool {
         self.global.has_riders()
     }
 
     /// A paused request is gone (its client went away): what it had charged is given
     /// back, and the requests parked behind its callout plan again.
-    pub fn abandon(&self, host: &dyn SharedData, pending: Pending, now: Option<Nanos>) {
+    pub(crate) fn abandon(&self, host: &dyn SharedData, pending: Pending, now: Option<Instant>) {
         let Some(now) = now else {
             return;
         };
@@ -387,34 +463,79 @@ impl Engine {
         self.give_back_held(host, &held, now, &mut NoMetrics);
     }
 
+    /// The answer to the call of a request that is gone (see [`Engine::abandon`] for one
+    /// whose answer will never come): what the service granted serves later requests from
+    /// the lease stash, and what the request held goes back.
+    pub(crate) fn complete_for_nobody(
+        &self,
+        host: &dyn SharedData,
+        pending: Pending,
+        reply: Reply,
+        now: Option<Instant>,
+        metrics: &mut dyn MetricSink,
+    ) {
+        let PendingState { held, stage, .. } = *pending.0;
+        let now = match now {
+            Some(now) => now,
+            None => {
+                metrics.event(Event::ClockError);
+                0
+            }
+        };
+        match stage {
+            Stage::Asked(asked) if now > 0 => {
+                self.global
+                    .interpret_for_nobody(host, &self.policy, asked, reply, now, metrics)
+            }
+            Stage::Asked(asked) => self.global.abandon_call(host, &self.policy, asked, now),
+            Stage::Parked { rider, .. } => self.global.leave(rider),
+        }
+        if now > 0 {
+            self.give_back_held(host, &held, now, &mut NoMetrics);
+        }
+    }
+
     /// Finishes a request paused for a callout, with the host's account of the call.
     pub fn complete(
         &self,
         host: &dyn SharedData,
         pending: Pending,
         reply: Reply,
-        now: Option<Nanos>,
+        now: Option<Instant>,
         metrics: &mut dyn MetricSink,
     ) -> EngineDecision {
         let PendingState {
-            held,
+            mut held,
             mut progress,
             stage,
+            turns,
         } = *pending.0;
         let asked = match stage {
             Stage::Asked(asked) => asked,
             stage @ Stage::Parked { .. } => {
-                let pending = Pending::new(held, progress, stage);
+                let pending = Pending::new(held, progress, stage, turns);
                 return self.resume(host, pending, now, metrics);
             }
         };
         let Some(now) = now else {
+            // Admitted, as without a clock anywhere; the call is settled all the same (its
+            // flight lands, the requests parked behind it plan again).
             metrics.event(Event::ClockError);
+            self.global.abandon_call(host, &self.policy, asked, 0);
             return Decision::Allow {
                 headers: Vec::new(),
                 after: None,
             };
         };
+        if let Err(rejection) =
+            self.take_turns(host, &turns, &mut held, &mut progress, now, metrics)
+        {
+            // The request cannot leave within its wait: what the service granted serves
+            // later requests.
+            self.global
+                .interpret_for_nobody(host, &self.policy, asked, reply, now, metrics);
+            return self.reject(host, held, progress, rejection, now, metrics);
+        }
         match self
             .global
             .interpret(host, &self.policy, asked, reply, now, metrics)
@@ -495,7 +616,7 @@ impl Engine {
         rule: &Rule,
         address: SlotAddress,
         cost: u32,
-        now: Nanos,
+        now: Instant,
         progress: &mut Progress,
         held: &mut Few<Held>,
         metrics: &mut dyn MetricSink,
@@ -531,6 +652,8 @@ impl Engine {
                 }
                 held.push(Held {
                     rule: rule.index,
+                    address,
+                    cost,
                     taken,
                 });
                 let report = RuleReport {
@@ -578,7 +701,7 @@ impl Engine {
         served: Vec<StashReceipt>,
         mut held: Few<Held>,
         mut progress: Progress,
-        now: Nanos,
+        now: Instant,
         metrics: &mut dyn MetricSink,
     ) -> EngineDecision {
         for charge in local {
@@ -618,7 +741,7 @@ impl Engine {
         held: Few<Held>,
         progress: Progress,
         rejection: Rejection,
-        now: Nanos,
+        now: Instant,
         metrics: &mut dyn MetricSink,
     ) -> EngineDecision {
         self.give_back_held(host, &held, now, metrics);
@@ -635,7 +758,7 @@ impl Engine {
         &self,
         host: &dyn SharedData,
         held: &[Held],
-        now: Nanos,
+        now: Instant,
         metrics: &mut dyn MetricSink,
     ) {
         for held in held.iter().rev() {
@@ -663,7 +786,7 @@ impl Engine {
     fn finish(
         &self,
         progress: Progress,
-        now: Nanos,
+        now: Instant,
         metrics: &mut dyn MetricSink,
     ) -> EngineDecision {
         for &(index, event) in &progress.tally {
@@ -694,12 +817,12 @@ impl Engine {
     /// when absent). Local rules are charged at once, past their limit if need be; global
     /// rules' costs are owed to the quota service and sent from the tick
     /// ([`Engine::pay_debts`]).
-    pub fn after_response(
+    pub(crate) fn after_response(
         &self,
         host: &dyn SharedData,
         after: AfterResponse,
         values: &[Option<Vec<u8>>],
-        now: Option<Nanos>,
+        now: Option<Instant>,
         metrics: &mut dyn MetricSink,
     ) {
         let Some(now) = now else {
@@ -734,7 +857,7 @@ impl Engine {
 
     /// From the worker's tick: tokens of local batches this worker no longer spends go
     /// back to their counters (see [`crate::local`]). Returns how many.
-    pub fn tick(&self, host: &dyn SharedData, clock: impl Clock) -> usize {
+    pub(crate) fn tick(&self, host: &dyn SharedData, clock: impl Clock) -> usize {
         let Some(now) = clock.now() else {
             return 0;
         };
@@ -747,16 +870,16 @@ impl Engine {
 
     /// True when a stash of leased tokens runs low and waits to be refilled ahead (the
     /// host then ticks soon: [`Engine::refill`]).
-    pub fn wants_refill(&self) -> bool {
+    pub(crate) fn wants_refill(&self) -> bool {
         self.global.wants_refill()
     }
 
     /// From the tick: the calls that refill running-low stashes ahead, each with what it
     /// asked (for [`Engine::refilled`]). No request waits for them.
-    pub fn refill(
+    pub(crate) fn refill(
         &self,
         host: &dyn SharedData,
-        now: Option<Nanos>,
+        now: Option<Instant>,
         metrics: &mut dyn MetricSink,
     ) -> Vec<(Callout, Refill)> {
         let Some(now) = now else {
@@ -772,12 +895,12 @@ impl Engine {
     /// The answer to a refill's call: the tokens granted go to the stash, a denial is
     /// cached, a failure opens the breaker; the requests parked behind it are woken
     /// ([`Engine::woken`]).
-    pub fn refilled(
+    pub(crate) fn refilled(
         &self,
         host: &dyn SharedData,
         refill: Refill,
         reply: Reply,
-        now: Option<Nanos>,
+        now: Option<Instant>,
         metrics: &mut dyn MetricSink,
     ) {
         let Some(now) = now else {
@@ -790,16 +913,16 @@ impl Engine {
     }
 
     /// True when response costs wait to be sent to the quota service.
-    pub fn owes(&self) -> bool {
+    pub(crate) fn owes(&self) -> bool {
         self.global.owes()
     }
 
     /// From the tick: the callout that sends this worker's response costs to the quota
     /// service (`None`: nothing owed, or charged locally because the service is down).
-    pub fn pay_debts(
+    pub(crate) fn pay_debts(
         &self,
         host: &dyn SharedData,
-        now: Option<Nanos>,
+        now: Option<Instant>,
         metrics: &mut dyn MetricSink,
     ) -> Option<(Callout, Vec<Debt>)> {
         let now = now?;
@@ -817,12 +940,12 @@ impl Engine {
 
     /// The answer to [`Engine::pay_debts`]'s callout: what the service did not take is
     /// charged locally.
-    pub fn debts_paid(
+    pub(crate) fn debts_paid(
         &self,
         host: &dyn SharedData,
         debts: Vec<Debt>,
         reply: Reply,
-        now: Option<Nanos>,
+        now: Option<Instant>,
         metrics: &mut dyn MetricSink,
     ) {
         let Some(now) = now else {
@@ -837,7 +960,7 @@ impl Engine {
         &self,
         host: &dyn SharedData,
         debt: Debt,
-        now: Nanos,
+        now: Instant,
         metrics: &mut dyn MetricSink,
     ) {
         let Some(rule) = self.policy.rule(debt.rule) else {

@@ -21,6 +21,7 @@
 //! - [`logline`]: one `diana:` per log line, whatever the host prefixes.
 //! - [`secret`]: secrets the document carries, never shown (`Debug`, logs, plans).
 //! - [`signature`]: signed remote documents (HMAC-SHA256, Ed25519).
+//! - [`worker`]: one worker, sans IO: events in (with a host behind one trait), commands out.
 //! - [`quota`]: the quota service's decisions, pure, and an in-process quota service.
 
 pub mod actor;
@@ -45,3 +46,4 @@ pub mod signature;
 pub mod store;
 pub mod time;
 pub mod wire;
+pub mod worker;

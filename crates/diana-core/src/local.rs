@@ -16,24 +16,32 @@
 //!   against a limit of 20 admit exactly 20.
 //! - Tokens are spent only while the algorithm's definition allows
 //!   ([`crate::algo::Algorithm::lease_until`]: the window, the slice, 50 ms of a bucket)
-//!   and for [`LEASE_SPAN`] at most; the rest go back to the counter with the worker's
+//!   and for [`BATCH_SPAN`] at most; the rest go back to the counter with the worker's
 //!   next charge or from its tick ([`Local::return_unspent`]), when their window or slice
 //!   is still current (else they lapsed with it). So a worker that falls idle holds
 //!   tokens for a quarter of a second plus one tick at most. A leaky bucket never lends:
 //!   each of its turns has its own instant.
 //! - A denial is remembered for at most [`DENIAL_CACHE`] (and never beyond the instant a
 //!   token can be back): tokens given back by rejected requests of other workers can come
-//!   back earlier than the algorithm alone says.
+//!   back earlier than the algorithm alone says. The memory's short life is only how long
+//!   it is trusted: it keeps the instants the counter answered (when a request of that
+//!   cost passes, when the limit has recovered), and a request it rejects is told the wait
+//!   still left until them, as the counter would have said. It answers requests of the
+//!   cost that was denied only (a wait depends on the cost); others read the counter.
+//! - A request's tokens from a batch go back exactly if another rule rejects it: into the
+//!   batch while it lasts, else to the shared record they were taken from (the request
+//!   carries its key and holder), also when the tick has retired the batch meanwhile.
 //!
-//! The table is bounded ([`MAX_LEASES`] identities per worker); when it is full, new
+//! The table is bounded ([`MAX_BATCHES`] identities per worker); when it is full, new
 //! identities are charged without a batch.
 
 use crate::algo::Mark;
 use crate::config::Rule;
 use crate::store::{ChargeError, Receipt, SharedData, SlotAddress, SlotTable, Store};
-use crate::time::{Nanos, NANOS_PER_SECOND};
+use crate::time::{Instant, Nanos, NANOS_PER_SECOND};
 use hashbrown::HashMap;
 use std::cell::RefCell;
+use std::rc::Rc;
 
 /// A batch is at most this share of what the counter has left.
 pub const SHARE: u64 = 16;
@@ -42,39 +50,45 @@ pub const MAX_BATCH: u64 = 64;
 /// The longest a worker remembers a denial.
 pub const DENIAL_CACHE: Nanos = NANOS_PER_SECOND / 10;
 /// Most identities with a batch or a remembered denial per worker.
-pub const MAX_LEASES: usize = 1024;
+pub const MAX_BATCHES: usize = 1024;
 /// The longest a worker holds a batch, whatever the algorithm allows: the worker's tick
 /// ([`Local::return_unspent`]) gives an idle worker's tokens back to the shared counter.
-pub const LEASE_SPAN: Nanos = NANOS_PER_SECOND / 4;
+pub const BATCH_SPAN: Nanos = NANOS_PER_SECOND / 4;
 
 /// What a worker holds for one (rule, identity).
 #[derive(Debug, Clone)]
-struct Lease {
+struct Batch {
     /// Tokens taken and not spent.
     tokens: u32,
     /// Where they were counted, and until when they may be spent.
     mark: Mark,
-    valid_until: Nanos,
+    valid_until: Instant,
     /// The shared record they came from (to give tokens back to it).
-    key: String,
+    key: Rc<str>,
     holder: u64,
     /// What the counter had left after the worker's last charge.
     left: u64,
-    /// Denied until then (0: not denied), and when the limit recovers.
-    denied_until: Nanos,
-    /// The least cost that was denied: a cheaper request may still fit.
+    /// The remembered denial is trusted until then (0: none), at most [`DENIAL_CACHE`].
+    denied_until: Instant,
+    /// The cost it is about: another cost may fit, or wait another time.
     denied_cost: u32,
+    /// What the counter answered: when a request of `denied_cost` passes, and when the
+    /// limit has recovered (instants, so that a later answer tells the wait left).
+    retry_at: Instant,
     reset: Nanos,
 }
 
 /// Tokens a request took, to give back if another rule rejects it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Taken {
-    /// From the worker's batch.
+    /// From the worker's batch; `key` and `holder` name the shared record the batch was
+    /// taken from (where the tokens go when the batch is gone).
     Batch {
         fingerprint: u64,
         tokens: u32,
         mark: Mark,
+        key: Rc<str>,
+        holder: u64,
     },
     /// From the shared counter.
     Shared(Receipt),
@@ -104,7 +118,7 @@ pub enum LocalCharge {
 #[derive(Debug, Default)]
 pub struct Local {
     store: Store,
-    leases: RefCell<HashMap<(usize, u64), Lease>>,
+    leases: RefCell<HashMap<(usize, u64), Batch>>,
     /// When a full table may be swept of lapsed leases again.
     next_sweep: std::cell::Cell<Nanos>,
 }
@@ -122,7 +136,7 @@ impl Local {
         rule: &Rule,
         address: SlotAddress,
         cost: u32,
-        now: Nanos,
+        now: Instant,
     ) -> Result<LocalCharge, ChargeError> {
         let lends = !rule.algo.waits();
         let id = (rule.index, address.fingerprint);
@@ -133,11 +147,13 @@ impl Local {
                 if let Some(lease) = leases.get_mut(&id) {
                     if lease.denied_until > now
                         && lease.denied_until - now <= DENIAL_CACHE
-                        && cost >= lease.denied_cost
+                        && cost == lease.denied_cost
                     {
+                        // The wait the counter gave, less the time since: not the
+                        // memory's own (shorter) life.
                         return Ok(LocalCharge::Denied {
-                            retry_after: lease.denied_until - now,
-                            remaining: 0,
+                            retry_after: lease.retry_at.saturating_sub(now).max(1),
+                            remaining: lease.left,
                             reset: lease.reset.saturating_sub(now),
                             collided: false,
                         });
@@ -148,6 +164,8 @@ impl Local {
                             fingerprint: address.fingerprint,
                             tokens: cost,
                             mark: lease.mark,
+                            key: Rc::clone(&lease.key),
+                            holder: lease.holder,
                         };
                         return Ok(LocalCharge::Admitted {
                             taken,
@@ -178,12 +196,9 @@ impl Local {
         let Some(receipt) = charge.receipt else {
             if lends && verdict.retry_after > 0 {
                 self.remember(id, now, |lease| {
-                    lease.denied_cost = if lease.denied_until > now {
-                        lease.denied_cost.min(cost)
-                    } else {
-                        cost
-                    };
+                    lease.denied_cost = cost;
                     lease.denied_until = now.saturating_add(verdict.retry_after.min(DENIAL_CACHE));
+                    lease.retry_at = now.saturating_add(verdict.retry_after);
                     lease.reset = now.saturating_add(verdict.reset);
                     lease.left = verdict.remaining;
                 });
@@ -201,26 +216,39 @@ impl Local {
             let valid_until = rule
                 .algo
                 .lease_until(&rule.limit, verdict.mark, now)
-                .min(now.saturating_add(LEASE_SPAN));
+                .min(now.saturating_add(BATCH_SPAN));
+            let mut key = None;
             self.remember(id, now, |lease| {
                 lease.tokens = batch;
                 lease.mark = verdict.mark;
                 lease.valid_until = valid_until;
-                lease.key.clone_from(&receipt.key);
+                if *lease.key != *receipt.key {
+                    lease.key = Rc::from(receipt.key.as_str());
+                }
                 lease.holder = receipt.holder;
                 lease.left = verdict.remaining;
                 lease.denied_until = 0;
+                key = Some(Rc::clone(&lease.key));
             });
-        }
-        let taken = if batch > 0 {
-            Taken::Batch {
-                fingerprint: address.fingerprint,
-                tokens: cost,
-                mark: verdict.mark,
+            if let (true, Some(key)) = (batch > 0, key) {
+                return Ok(LocalCharge::Admitted {
+                    taken: Taken::Batch {
+                        fingerprint: address.fingerprint,
+                        tokens: cost,
+                        mark: verdict.mark,
+                        key,
+                        holder: receipt.holder,
+                    },
+                    remaining: verdict.remaining.saturating_add(u64::from(batch)),
+                    reset: verdict.reset,
+                    delay: verdict.delay,
+                    collided: charge.collided,
+                });
             }
-        } else {
-            Taken::Shared(receipt)
-        };
+        }
+        // No batch (a batch is only taken for a lease this table holds): the request holds
+        // all it took.
+        let taken = Taken::Shared(receipt);
         Ok(LocalCharge::Admitted {
             taken,
             remaining: verdict.remaining.saturating_add(u64::from(batch)),
@@ -231,14 +259,15 @@ impl Local {
     }
 
     /// Gives back what a request took: into the worker's batch when it is still the one
-    /// the tokens came from, else to the shared counter.
+    /// the tokens came from, else to the shared record they were taken from (also when the
+    /// batch was retired meanwhile: the tokens are never dropped).
     pub fn give_back(
         &self,
         host: &dyn SharedData,
         table: &SlotTable<'_>,
         rule: &Rule,
         taken: &Taken,
-        now: Nanos,
+        now: Instant,
     ) -> Result<(), ChargeError> {
         // A token given back may end a denial this worker remembers.
         let fingerprint = match taken {
@@ -256,29 +285,36 @@ impl Local {
                 fingerprint,
                 tokens,
                 mark,
+                key,
+                holder,
             } => {
-                // Into the batch it came from while that batch lasts; else to the shared
-                // record the batch was taken from.
-                let shared = match self.leases.try_borrow_mut() {
-                    Ok(mut leases) => match leases.get_mut(&(rule.index, *fingerprint)) {
-                        Some(lease) if lease.mark == *mark && now < lease.valid_until => {
-                            lease.tokens = lease.tokens.saturating_add(*tokens);
-                            None
+                // Into the batch it came from while that batch lasts.
+                let kept =
+                    self.leases.try_borrow_mut().ok().is_some_and(|mut leases| {
+                        match leases.get_mut(&(rule.index, *fingerprint)) {
+                            Some(lease)
+                                if lease.mark == *mark
+                                    && now < lease.valid_until
+                                    && lease.key == *key =>
+                            {
+                                lease.tokens = lease.tokens.saturating_add(*tokens);
+                                true
+                            }
+                            _ => false,
                         }
-                        Some(lease) => Some(Receipt {
-                            key: lease.key.clone(),
-                            holder: lease.holder,
-                            tokens: *tokens,
-                            mark: *mark,
-                        }),
-                        None => None,
-                    },
-                    Err(_) => None,
-                };
-                match shared {
-                    Some(receipt) => self.store.release(host, table, &receipt, now),
-                    None => Ok(()),
+                    });
+                if kept {
+                    return Ok(());
                 }
+                // Else to the shared record the batch was taken from (which takes them
+                // only while their window or slice is current, and its holder the same).
+                let receipt = Receipt {
+                    key: key.to_string(),
+                    holder: *holder,
+                    tokens: *tokens,
+                    mark: *mark,
+                };
+                self.store.release(host, table, &receipt, now)
             }
         }
     }
@@ -288,7 +324,7 @@ impl Local {
     pub fn return_unspent<'r>(
         &self,
         host: &dyn SharedData,
-        now: Nanos,
+        now: Instant,
         table: impl Fn(usize) -> Option<(&'r Rule, SlotTable<'r>)>,
     ) -> usize {
         let lapsed: Vec<(usize, Receipt)> = match self.leases.try_borrow_mut() {
@@ -299,7 +335,7 @@ impl Local {
                         lapsed.push((
                             rule,
                             Receipt {
-                                key: lease.key.clone(),
+                                key: lease.key.to_string(),
                                 holder: lease.holder,
                                 tokens: lease.tokens,
                                 mark: lease.mark,
@@ -330,7 +366,7 @@ impl Local {
     /// without this, a worker went on spending a batch taken before a large response cost
     /// put the counter in debt. Other workers' batches (each at most 1/[`SHARE`] of what
     /// the counter had left) are still spent: the inaccuracy a response cost can add.
-    pub fn pay_from_batch(&self, rule: usize, fingerprint: u64, tokens: u32, now: Nanos) -> u32 {
+    pub fn pay_from_batch(&self, rule: usize, fingerprint: u64, tokens: u32, now: Instant) -> u32 {
         let Ok(mut leases) = self.leases.try_borrow_mut() else {
             return tokens;
         };
@@ -353,29 +389,30 @@ impl Local {
 
     /// Updates the lease of `id`, creating it if the table has room (a full table is swept
     /// of lapsed leases at most every [`DENIAL_CACHE`]).
-    fn remember(&self, id: (usize, u64), now: Nanos, change: impl FnOnce(&mut Lease)) {
+    fn remember(&self, id: (usize, u64), now: Instant, change: impl FnOnce(&mut Batch)) {
         let Ok(mut leases) = self.leases.try_borrow_mut() else {
             return;
         };
-        if leases.len() >= MAX_LEASES && !leases.contains_key(&id) {
+        if leases.len() >= MAX_BATCHES && !leases.contains_key(&id) {
             if now < self.next_sweep.get() {
                 return;
             }
             self.next_sweep.set(now.saturating_add(DENIAL_CACHE));
             leases.retain(|_, lease| lease.valid_until > now || lease.denied_until > now);
-            if leases.len() >= MAX_LEASES {
+            if leases.len() >= MAX_BATCHES {
                 return;
             }
         }
-        let lease = leases.entry(id).or_insert_with(|| Lease {
+        let lease = leases.entry(id).or_insert_with(|| Batch {
             tokens: 0,
             mark: Mark::default(),
             valid_until: 0,
-            key: String::new(),
+            key: Rc::from(""),
             holder: 0,
             left: 0,
             denied_until: 0,
             denied_cost: 0,
+            retry_at: 0,
             reset: 0,
         });
         change(lease);

@@ -106,6 +106,7 @@ mod tests {
             metrics: None,
             remote: None,
             dry_run: false,
+            on_invalid_config: Default::default(),
         }
     }
 

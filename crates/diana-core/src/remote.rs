@@ -17,10 +17,10 @@
 //! may not change what the local document pins ([`crate::config::parse_remote`]). A refused
 //! document is kept out like an invalid one, and counted apart.
 
-use crate::config::{parse_remote, ConfigError, Policy, RemoteError, RemoteSpec};
+use crate::config::{parse_remote, ConfigError, ConfigErrorKind, Policy, RemoteError, RemoteSpec};
 pub use crate::signature::SIGNATURE_HEADER;
 use crate::store::{decode_u64, SharedData, Store};
-use crate::time::{Nanos, NANOS_PER_SECOND};
+use crate::time::{Instant, Nanos, NANOS_PER_SECOND};
 
 /// Shared-data key holding the next time a poll is due (claimed by CAS).
 pub const POLL_KEY: &str = "diana/remote/next_poll";
@@ -101,7 +101,7 @@ const TICK_SLACK: Nanos = NANOS_PER_SECOND / 20;
 /// Claims this period's poll: true for exactly one worker per period. A claim further
 /// ahead than one period comes from a clock that stepped back: it is due, so a clock step
 /// never stops the polls for longer than one period.
-pub fn claim_poll(store: &Store, host: &dyn SharedData, spec: &RemoteSpec, now: Nanos) -> bool {
+pub fn claim_poll(store: &Store, host: &dyn SharedData, spec: &RemoteSpec, now: Instant) -> bool {
     let period = u64::from(spec.poll_seconds.max(1)) * NANOS_PER_SECOND - TICK_SLACK;
     store
         .update(host, POLL_KEY, |current| {
@@ -135,6 +135,32 @@ pub fn poll_headers<'a>(
     headers
 }
 
+/// A poll answer's body: read, or only its size (not read: larger than
+/// [`MAX_DOCUMENT_BYTES`], or the status says there is no document).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PollBody {
+    Read(Vec<u8>),
+    NotRead(usize),
+}
+
+impl PollBody {
+    /// The bytes read (none when not read).
+    pub fn bytes(&self) -> &[u8] {
+        match self {
+            PollBody::Read(body) => body,
+            PollBody::NotRead(_) => &[],
+        }
+    }
+}
+
+fn too_large(size: usize) -> PollOutcome {
+    PollOutcome::Rejected(RemoteError::Invalid(ConfigError::of(
+        ConfigErrorKind::Invalid {
+            reason: format!("{size} bytes exceeds {MAX_DOCUMENT_BYTES}"),
+        },
+    )))
+}
+
 /// What a poll's answer means.
 #[derive(Debug)]
 pub enum PollOutcome {
@@ -148,13 +174,32 @@ pub enum PollOutcome {
     /// `304`, or the same document again.
     Unchanged,
     /// Center down or error status: keep what we have.
-    Failed(String),
-    /// The center answered a document that is not valid: keep what we have.
-    Rejected(String),
+    Failed(PollFailure),
+    /// The center answered a document that is not valid (or too large): keep what we
+    /// have.
+    Rejected(RemoteError),
     /// The center answered a valid document that the local one does not let in (DESIGN
     /// §6: it changes a pinned field, or its signature is missing or wrong): keep what we
     /// have. Counted apart (`diana_config_remote_refused`) as well as rejected.
-    Refused(String),
+    Refused(RemoteError),
+}
+
+/// Why a poll brought no document.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PollFailure {
+    /// No answer: timeout, connection refused or reset.
+    Unreachable,
+    /// An answer with a status other than 200 or 304.
+    Status(u16),
+}
+
+impl std::fmt::Display for PollFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PollFailure::Unreachable => f.write_str("config center unreachable (no response)"),
+            PollFailure::Status(status) => write!(f, "config center answered {status}"),
+        }
+    }
 }
 
 /// Judges a document from the config center against the local document: its signature
@@ -171,15 +216,16 @@ pub fn accept(
         .and_then(|spec| spec.signature.as_ref())
     {
         key.verify(body, signature).map_err(|error| {
-            RemoteError::Refused(ConfigError {
-                message: format!("remote.signature ({}): {error}", key.kind()),
-            })
+            RemoteError::Refused(ConfigError::of(ConfigErrorKind::Signature {
+                scheme: key.kind(),
+                reason: error.to_string(),
+            }))
         })?;
     }
     let text = std::str::from_utf8(body).map_err(|error| {
-        RemoteError::Invalid(ConfigError {
-            message: format!("not UTF-8: {error}"),
-        })
+        RemoteError::Invalid(ConfigError::of(ConfigErrorKind::NotUtf8 {
+            reason: error.to_string(),
+        }))
     })?;
     parse_remote(text, local)
 }
@@ -190,22 +236,21 @@ pub fn interpret(
     status: u16,
     etag: Option<String>,
     signature: Option<&[u8]>,
-    body: &[u8],
+    body: &PollBody,
     current: Option<&Published>,
     local: &Policy,
 ) -> PollOutcome {
     match status {
-        0 => return PollOutcome::Failed("config center unreachable (no response)".into()),
+        0 => return PollOutcome::Failed(PollFailure::Unreachable),
         304 => return PollOutcome::Unchanged,
         200 => {}
-        other => return PollOutcome::Failed(format!("config center answered {other}")),
+        other => return PollOutcome::Failed(PollFailure::Status(other)),
     }
-    if body.len() > MAX_DOCUMENT_BYTES {
-        return PollOutcome::Rejected(format!(
-            "invalid remote document: {} bytes exceeds {MAX_DOCUMENT_BYTES}",
-            body.len()
-        ));
-    }
+    let body = match body {
+        PollBody::Read(body) if body.len() <= MAX_DOCUMENT_BYTES => body.as_slice(),
+        PollBody::Read(body) => return too_large(body.len()),
+        PollBody::NotRead(size) => return too_large(*size),
+    };
     // A header that is not text cannot be a signature; kept as text it could not be
     // published, so it is dropped (and a key, if any, finds the document unsigned).
     let signature = signature.and_then(|value| std::str::from_utf8(value).ok());
@@ -223,8 +268,8 @@ pub fn interpret(
             etag,
             signature: signature.map(str::to_string),
         },
-        Err(error @ RemoteError::Invalid(_)) => PollOutcome::Rejected(error.to_string()),
-        Err(error @ RemoteError::Refused(_)) => PollOutcome::Refused(error.to_string()),
+        Err(error @ RemoteError::Invalid(_)) => PollOutcome::Rejected(error),
+        Err(error @ RemoteError::Refused(_)) => PollOutcome::Refused(error),
     }
 }
 
@@ -314,6 +359,24 @@ pub fn record_health(store: &Store, host: &dyn SharedData, ok: bool) -> bool {
 
 #[cfg(test)]
 mod tests {
+    fn interpret_bytes(
+        status: u16,
+        etag: Option<String>,
+        signature: Option<&[u8]>,
+        body: &[u8],
+        current: Option<&Published>,
+        local: &Policy,
+    ) -> PollOutcome {
+        interpret(
+            status,
+            etag,
+            signature,
+            &PollBody::Read(body.to_vec()),
+            current,
+            local,
+        )
+    }
+
     use super::*;
     use crate::store::{CasSemantics, MemoryHost};
 
@@ -380,26 +443,26 @@ mod tests {
     #[test]
     fn answers_are_interpreted() {
         assert!(matches!(
-            interpret(0, None, None, b"", None, &local()),
+            interpret_bytes(0, None, None, b"", None, &local()),
             PollOutcome::Failed(_)
         ));
         assert!(matches!(
-            interpret(503, None, None, GOOD.as_bytes(), None, &local()),
+            interpret_bytes(503, None, None, GOOD.as_bytes(), None, &local()),
             PollOutcome::Failed(_)
         ));
         assert!(matches!(
-            interpret(304, None, None, b"", None, &local()),
+            interpret_bytes(304, None, None, b"", None, &local()),
             PollOutcome::Unchanged
         ));
         assert!(matches!(
-            interpret(200, None, None, b"rules: [[[", None, &local()),
+            interpret_bytes(200, None, None, b"rules: [[[", None, &local()),
             PollOutcome::Rejected(_)
         ));
         assert!(matches!(
-            interpret(200, None, None, b"\xff\xfe", None, &local()),
+            interpret_bytes(200, None, None, b"\xff\xfe", None, &local()),
             PollOutcome::Rejected(_)
         ));
-        match interpret(
+        match interpret_bytes(
             200,
             Some("\"v1\"".into()),
             None,
@@ -420,13 +483,17 @@ mod tests {
             text: GOOD.into(),
         };
         assert!(matches!(
-            interpret(200, None, None, GOOD.as_bytes(), Some(&published), &local()),
+            interpret_bytes(200, None, None, GOOD.as_bytes(), Some(&published), &local()),
             PollOutcome::Unchanged
         ));
         let huge = vec![b'#'; MAX_DOCUMENT_BYTES + 1];
         assert!(matches!(
-            interpret(200, None, None, &huge, None, &local()),
+            interpret_bytes(200, None, None, &huge, None, &local()),
             PollOutcome::Rejected(_)
+        ));
+        assert!(matches!(
+            interpret(200, None, None, &PollBody::NotRead(huge.len()), None, &local()),
+            PollOutcome::Rejected(reason) if reason.to_string().contains(&huge.len().to_string())
         ));
     }
 
@@ -455,7 +522,7 @@ mod tests {
 
     fn refusal(outcome: PollOutcome) -> String {
         match outcome {
-            PollOutcome::Refused(reason) => reason,
+            PollOutcome::Refused(reason) => reason.to_string(),
             other => panic!("should be refused: {other:?}"),
         }
     }
@@ -464,7 +531,7 @@ mod tests {
     fn a_signed_document_is_adopted_with_its_signature() {
         let local = signed_local();
         let signature = sign(KEY, GOOD.as_bytes());
-        match interpret(200, None, Some(&signature), GOOD.as_bytes(), None, &local) {
+        match interpret_bytes(200, None, Some(&signature), GOOD.as_bytes(), None, &local) {
             PollOutcome::New {
                 policy,
                 signature: kept,
@@ -489,7 +556,7 @@ mod tests {
             text: GOOD.into(),
         };
         assert!(matches!(
-            interpret(
+            interpret_bytes(
                 200,
                 None,
                 Some(&signature),
@@ -506,17 +573,31 @@ mod tests {
     fn an_unsigned_or_badly_signed_document_is_refused() {
         let local = signed_local();
         let body = GOOD.as_bytes();
-        let unsigned = refusal(interpret(200, None, None, body, None, &local));
+        let unsigned = refusal(interpret_bytes(200, None, None, body, None, &local));
         assert!(
             unsigned.contains("remote.signature (hmac_sha256): unsigned"),
             "{unsigned}"
         );
         let other_key = sign("another-key-0123456789abcdef0123456789", body);
-        let wrong = refusal(interpret(200, None, Some(&other_key), body, None, &local));
+        let wrong = refusal(interpret_bytes(
+            200,
+            None,
+            Some(&other_key),
+            body,
+            None,
+            &local,
+        ));
         assert!(wrong.contains("does not verify"), "{wrong}");
-        let garbage = refusal(interpret(200, None, Some(b"%%%"), body, None, &local));
+        let garbage = refusal(interpret_bytes(200, None, Some(b"%%%"), body, None, &local));
         assert!(garbage.contains("not a signature"), "{garbage}");
-        let binary = refusal(interpret(200, None, Some(b"\xff\xfe"), body, None, &local));
+        let binary = refusal(interpret_bytes(
+            200,
+            None,
+            Some(b"\xff\xfe"),
+            body,
+            None,
+            &local,
+        ));
         assert!(binary.contains("unsigned"), "{binary}");
         for reason in [unsigned, wrong, garbage, binary] {
             assert!(reason.starts_with("remote document refused: "), "{reason}");
@@ -524,7 +605,7 @@ mod tests {
         }
         // Even a document that is invalid anyway: the signature is checked first.
         assert!(matches!(
-            interpret(200, None, None, b"rules: [[[", None, &local),
+            interpret_bytes(200, None, None, b"rules: [[[", None, &local),
             PollOutcome::Refused(_)
         ));
     }
@@ -534,7 +615,7 @@ mod tests {
         let local = signed_local();
         let signature = sign(KEY, GOOD.as_bytes());
         let modified = GOOD.replace("rpu: 5", "rpu: 500000");
-        let reason = refusal(interpret(
+        let reason = refusal(interpret_bytes(
             200,
             None,
             Some(&signature),
@@ -545,7 +626,7 @@ mod tests {
         assert!(reason.contains("does not verify"), "{reason}");
         // A trailing newline is a modification too.
         let longer = format!("{GOOD}\n");
-        refusal(interpret(
+        refusal(interpret_bytes(
             200,
             None,
             Some(&signature),
@@ -573,7 +654,7 @@ mod tests {
                 ),
             ] {
                 let signature = sign(KEY, body.as_bytes());
-                let reason = refusal(interpret(
+                let reason = refusal(interpret_bytes(
                     200,
                     None,
                     Some(&signature),
@@ -603,7 +684,7 @@ mod tests {
         .unwrap();
         let good = b64.encode(center.sign(GOOD.as_bytes()).to_bytes());
         assert!(matches!(
-            interpret(
+            interpret_bytes(
                 200,
                 None,
                 Some(good.as_bytes()),
@@ -615,7 +696,7 @@ mod tests {
         ));
         let impostor = SigningKey::from_bytes(&[8u8; 32]);
         let bad = b64.encode(impostor.sign(GOOD.as_bytes()).to_bytes());
-        refusal(interpret(
+        refusal(interpret_bytes(
             200,
             None,
             Some(bad.as_bytes()),
@@ -623,9 +704,16 @@ mod tests {
             None,
             &local,
         ));
-        refusal(interpret(200, None, None, GOOD.as_bytes(), None, &local));
+        refusal(interpret_bytes(
+            200,
+            None,
+            None,
+            GOOD.as_bytes(),
+            None,
+            &local,
+        ));
         let modified = GOOD.replace('5', "6");
-        refusal(interpret(
+        refusal(interpret_bytes(
             200,
             None,
             Some(good.as_bytes()),
@@ -652,7 +740,7 @@ mod tests {
         // The same text, now signed, is a new document (not "unchanged").
         let signature = sign(KEY, GOOD.as_bytes());
         assert!(matches!(
-            interpret(
+            interpret_bytes(
                 200,
                 None,
                 Some(&signature),

@@ -3,7 +3,11 @@
 
 use std::fmt;
 
-/// Nanoseconds since the Unix epoch (UTC), or a duration in nanoseconds.
+/// An instant: nanoseconds since the Unix epoch (UTC), as the host's clock tells it.
+pub type Instant = u64;
+
+/// A span of time in nanoseconds (a wait, a period, a lifetime): never an instant. Kept
+/// apart from [`Instant`] by name, so that a signature says which one it means.
 pub type Nanos = u64;
 
 pub const NANOS_PER_SECOND: Nanos = 1_000_000_000;
@@ -59,12 +63,12 @@ impl fmt::Display for Unit {
 /// Where the current time comes from, read only when a decision needs it (a policy that
 /// matches nothing never reads the clock). `None`: the clock could not be read.
 pub trait Clock {
-    fn now(&self) -> Option<Nanos>;
+    fn now(&self) -> Option<Instant>;
 }
 
 /// A time already read (or known to be unavailable).
-impl Clock for Option<Nanos> {
-    fn now(&self) -> Option<Nanos> {
+impl Clock for Option<Instant> {
+    fn now(&self) -> Option<Instant> {
         *self
     }
 }

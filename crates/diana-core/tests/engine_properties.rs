@@ -28,14 +28,14 @@ use diana_core::decision::Decision;
 use diana_core::engine::Engine;
 use diana_core::metrics::NoMetrics;
 use diana_core::store::{CasSemantics, MemoryHost, SlotAddress, SlotTable, Store};
-use diana_core::time::{Nanos, Unit, NANOS_PER_SECOND};
+use diana_core::time::{Instant, Nanos, Unit, NANOS_PER_SECOND};
 use proptest::prelude::*;
 use std::collections::HashMap;
 use std::sync::{Arc, Barrier};
 
 const S: Nanos = NANOS_PER_SECOND;
 /// 2026-01-01T00:00:00Z plus a little, inside every window.
-const T0: Nanos = 1_767_225_600 * S + 123_456_789;
+const T0: Instant = 1_767_225_600 * S + 123_456_789;
 
 const RESOURCES: [&str; 3] = ["/", "/a", "/a/b"];
 
@@ -173,7 +173,7 @@ fn admits<P>(decision: &Decision<P>) -> bool {
     matches!(decision, Decision::Allow { .. } | Decision::Delay { .. })
 }
 
-fn probe(algo: &dyn Algorithm, rule: &Rule, state: &[u64], now: Nanos) -> Verdict {
+fn probe(algo: &dyn Algorithm, rule: &Rule, state: &[u64], now: Instant) -> Verdict {
     let mut copy = state.to_vec();
     algo.acquire_at_least(&rule.limit, &mut copy, now, 0, 0)
 }
@@ -196,7 +196,7 @@ fn model_request(
     states: &mut ModelStates,
     path: &str,
     client: usize,
-    now: Nanos,
+    now: Instant,
     max_delay: impl Fn(&Rule) -> Nanos,
 ) -> bool {
     let mut tentative = Vec::new();

@@ -23,7 +23,7 @@ mod common;
 
 use common::config;
 use diana_core::algo::{Algorithm, Limit, Mark, Verdict, REGISTRY};
-use diana_core::time::{Nanos, Unit};
+use diana_core::time::{Instant, Nanos, Unit};
 use proptest::prelude::*;
 use std::collections::BTreeMap;
 use std::num::NonZeroU32;
@@ -150,12 +150,12 @@ struct Clock {
     unit: Nanos,
     interval: u128,
     rpu: u128,
-    now: Nanos,
-    latest: Nanos,
+    now: Instant,
+    latest: Instant,
 }
 
 impl Clock {
-    fn new(limit: &Limit, start: Nanos) -> Clock {
+    fn new(limit: &Limit, start: Instant) -> Clock {
         Clock {
             unit: limit.unit.nanos(),
             interval: u128::from(limit.unit.nanos()),
@@ -207,7 +207,7 @@ fn tokens(amount: Amount, capacity: u64) -> u32 {
     }
 }
 
-fn probe(algo: &dyn Algorithm, limit: &Limit, state: &[u64], now: Nanos) -> Verdict {
+fn probe(algo: &dyn Algorithm, limit: &Limit, state: &[u64], now: Instant) -> Verdict {
     let mut copy = state.to_vec();
     let verdict = algo.acquire_at_least(limit, &mut copy, now, 0, 0);
     assert_eq!(copy, state, "a probe changed the state");
@@ -218,7 +218,7 @@ fn probe(algo: &dyn Algorithm, limit: &Limit, state: &[u64], now: Nanos) -> Verd
 /// A grant still held (not given back), for [`Op::ReleaseLater`].
 #[derive(Debug, Clone, Copy)]
 struct Held {
-    at: Nanos,
+    at: Instant,
     tokens: u32,
     mark: Mark,
     /// Where the model counted it (window, slice, or departure run).
@@ -233,17 +233,17 @@ trait Model {
     /// records it. `state` is the algorithm's state after the decision.
     fn acquired(
         &mut self,
-        now: Nanos,
+        now: Instant,
         need: u32,
         want: u32,
         verdict: &Verdict,
         state: &[u64],
     ) -> u128;
     /// The grant at `place` was given back right after (as if it never happened).
-    fn undone(&mut self, now: Nanos, held: &Held);
+    fn undone(&mut self, now: Instant, held: &Held);
     /// A later release of `held`; `changed`: the release changed the state.
-    fn released(&mut self, now: Nanos, held: &Held, changed: bool);
-    fn debt(&mut self, now: Nanos, tokens: u32, verdict: &Verdict);
+    fn released(&mut self, now: Instant, held: &Held, changed: bool);
+    fn debt(&mut self, now: Instant, tokens: u32, verdict: &Verdict);
 }
 
 fn clamp_need(need: u32, want: u32) -> u32 {
@@ -279,13 +279,13 @@ struct WindowModel {
 }
 
 impl WindowModel {
-    fn effective(&self, now: Nanos) -> u64 {
+    fn effective(&self, now: Instant) -> u64 {
         (now / self.unit).max(self.written)
     }
 }
 
 impl Model for WindowModel {
-    fn acquired(&mut self, now: Nanos, need: u32, want: u32, v: &Verdict, _: &[u64]) -> u128 {
+    fn acquired(&mut self, now: Instant, need: u32, want: u32, v: &Verdict, _: &[u64]) -> u128 {
         let window = self.effective(now);
         let count = self.counts.get(&window).copied().unwrap_or(0);
         // The definition: never more than rpu counted in one window.
@@ -302,7 +302,7 @@ impl Model for WindowModel {
         *self.counts.entry(window).or_default() -= u64::from(held.tokens);
     }
 
-    fn released(&mut self, now: Nanos, held: &Held, changed: bool) {
+    fn released(&mut self, now: Instant, held: &Held, changed: bool) {
         // Tokens of a window that has passed are gone; in the current window they return.
         let window = u64::try_from(held.place).unwrap();
         let honoured = window == self.effective(now);
@@ -313,7 +313,7 @@ impl Model for WindowModel {
         }
     }
 
-    fn debt(&mut self, now: Nanos, tokens: u32, v: &Verdict) {
+    fn debt(&mut self, now: Instant, tokens: u32, v: &Verdict) {
         let window = self.effective(now);
         let count = self.counts.entry(window).or_default();
         *count += u64::from(tokens);
@@ -337,19 +337,19 @@ struct SlidingModel {
 }
 
 impl SlidingModel {
-    fn slice(&self, now: Nanos) -> u64 {
+    fn slice(&self, now: Instant) -> u64 {
         u64::try_from(u128::from(now) * u128::from(self.slices) / self.unit).unwrap()
     }
 
-    fn effective(&self, now: Nanos) -> u64 {
+    fn effective(&self, now: Instant) -> u64 {
         self.slice(now).max(self.head)
     }
 
-    fn oldest(&self, now: Nanos) -> u64 {
+    fn oldest(&self, now: Instant) -> u64 {
         self.effective(now).saturating_sub(self.slices - 1)
     }
 
-    fn sum(&self, now: Nanos) -> u64 {
+    fn sum(&self, now: Instant) -> u64 {
         self.counts
             .range(self.oldest(now)..=self.effective(now))
             .map(|(_, count)| count)
@@ -358,7 +358,7 @@ impl SlidingModel {
 }
 
 impl Model for SlidingModel {
-    fn acquired(&mut self, now: Nanos, need: u32, want: u32, v: &Verdict, _: &[u64]) -> u128 {
+    fn acquired(&mut self, now: Instant, need: u32, want: u32, v: &Verdict, _: &[u64]) -> u128 {
         let slice = self.effective(now);
         let sum = self.sum(now);
         // The definition: the window of `slices` slices ending here holds at most rpu.
@@ -370,14 +370,14 @@ impl Model for SlidingModel {
         u128::from(slice)
     }
 
-    fn undone(&mut self, now: Nanos, held: &Held) {
+    fn undone(&mut self, now: Instant, held: &Held) {
         let slice = u64::try_from(held.place).unwrap();
         *self.counts.entry(slice).or_default() -= u64::from(held.tokens);
         // The grant wrote the head forward; giving it back leaves it there.
         self.head = self.effective(now);
     }
 
-    fn released(&mut self, now: Nanos, held: &Held, changed: bool) {
+    fn released(&mut self, now: Instant, held: &Held, changed: bool) {
         let slice = u64::try_from(held.place).unwrap();
         let honoured = slice >= self.oldest(now);
         assert!(
@@ -390,7 +390,7 @@ impl Model for SlidingModel {
         }
     }
 
-    fn debt(&mut self, now: Nanos, tokens: u32, v: &Verdict) {
+    fn debt(&mut self, now: Instant, tokens: u32, v: &Verdict) {
         let slice = self.effective(now);
         *self.counts.entry(slice).or_default() += u64::from(tokens);
         self.head = slice;
@@ -442,7 +442,7 @@ impl BucketModel {
 }
 
 impl Model for BucketModel {
-    fn acquired(&mut self, now: Nanos, _: u32, _: u32, v: &Verdict, _: &[u64]) -> u128 {
+    fn acquired(&mut self, now: Instant, _: u32, _: u32, v: &Verdict, _: &[u64]) -> u128 {
         self.next_place += 1;
         if v.granted > 0 {
             self.admitted.insert(self.next_place, (now, v.granted));
@@ -479,7 +479,7 @@ fn load128(state: &[u64]) -> u128 {
 impl LeakyModel {
     /// Spacing always; the queue length when `now` is an admission's instant (a later
     /// clock step back shows more departures ahead, which no admission decided).
-    fn check(&self, now: Option<Nanos>) {
+    fn check(&self, now: Option<Instant>) {
         let mut last: Option<u128> = None;
         for (&first, &count) in &self.runs {
             if let Some(last) = last {
@@ -512,7 +512,7 @@ impl LeakyModel {
 }
 
 impl Model for LeakyModel {
-    fn acquired(&mut self, now: Nanos, _: u32, _: u32, v: &Verdict, state: &[u64]) -> u128 {
+    fn acquired(&mut self, now: Instant, _: u32, _: u32, v: &Verdict, state: &[u64]) -> u128 {
         if v.granted == 0 {
             assert_eq!(v.delay, 0, "LB: a denial with a delay");
             return u128::MAX;
@@ -583,7 +583,7 @@ fn model_for(algo: &dyn Algorithm, limit: &Limit) -> Box<dyn Model> {
 }
 
 /// Runs one case on one algorithm, checking every property along the way.
-fn run(algo: &dyn Algorithm, limit: &Limit, start: Nanos, ops: &[Op]) {
+fn run(algo: &dyn Algorithm, limit: &Limit, start: Instant, ops: &[Op]) {
     let words = algo.state_words(limit);
     let capacity = algo.capacity(limit);
     let mut state = vec![0u64; words];

@@ -17,7 +17,7 @@
 
 use diana_core::actor::RequestFacts;
 use diana_core::properties::client_ip_from_address;
-use diana_core::time::Nanos;
+use diana_core::time::Instant;
 use std::io::{self, BufRead};
 
 use super::clock::{parse_epoch_seconds, parse_rfc3339};
@@ -68,7 +68,7 @@ impl EnvoyField {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Request {
     /// When it arrived, nanoseconds since the epoch.
-    pub ts: Nanos,
+    pub ts: Instant,
     /// Line number in the log (from 1).
     pub line: u64,
     /// `:path` as sent.
@@ -374,7 +374,7 @@ impl<R: BufRead> LineReader<R> {
 mod tests {
     use super::*;
 
-    const S: Nanos = diana_core::time::NANOS_PER_SECOND;
+    const S: diana_core::time::Nanos = diana_core::time::NANOS_PER_SECOND;
 
     fn request(line: Result<Line, String>) -> Request {
         match line {

@@ -1,12 +1,15 @@
 //! `diana simulate POLICY LOG`: replays a request log through a policy with the log's own
-//! clock — the filter's engine (`diana_core::engine`), no gateway — and tallies per rule
-//! and per second what would have been admitted, delayed and rejected.
+//! clock — the filter's own worker (`diana_core::worker`) on a simulated host, no gateway —
+//! and tallies per rule and per second what would have been admitted, delayed and rejected.
 //!
-//! - Every request goes through [`Engine::evaluate`] at its log time; the engine's
-//!   decision is the only source of truth (rules, actors, costs, dry run all come from it).
-//! - Local rules count in an in-memory shared-data store per gateway ([`MemoryHost`], the
-//!   semantics of Envoy's shared data). With `--gateways N`, requests are spread round
-//!   robin over N gateways, each with its own engine and local store.
+//! - Every request goes through the worker at its log time, and time passes between
+//!   requests as in a gateway: the worker's tick runs at the gateway's period (local
+//!   batches returned, lease stashes refilled ahead, waiters resumed), so the numbers are
+//!   a gateway's. The worker's decision is the only source of truth (rules, actors, costs,
+//!   dry run all come from it); a request's rule events are what its rule counters moved.
+//! - Local rules count in an in-memory shared-data store per gateway (Envoy's semantics).
+//!   With `--gateways N`, requests are spread round robin over N gateways, each with its
+//!   own worker and local store.
 //! - Global rules call an in-process quota service shared by every gateway
 //!   ([`MemoryQuota`]: all or nothing per request, dry-run rules aside, leases granted as
 //!   asked), answered at once: a callout never fails or times out here.
@@ -30,15 +33,16 @@ pub use self::svg::render_svg;
 use self::log::{parse_line, Line, LineReader, RawLine, Request};
 use self::tally::{Fate, Tally};
 use diana_core::config::Policy;
-use diana_core::decision::Decision;
-use diana_core::engine::Engine;
-use diana_core::metrics::{Event, MetricSink, RuleEvent};
+use diana_core::metrics::{rule_metric_name, RuleEvent};
 use diana_core::quota::MemoryQuota;
-use diana_core::store::{CasSemantics, MemoryHost};
-use diana_core::time::{Nanos, NANOS_PER_SECOND};
+use diana_core::time::{Instant, Nanos, NANOS_PER_SECOND};
+use diana_core::worker::sim::{Fate as SimFate, Service, Sim};
+use diana_core::worker::HostProfile;
+use std::cell::RefCell;
 use std::cmp::{Ordering, Reverse};
 use std::collections::BinaryHeap;
 use std::io::{self, BufRead};
+use std::rc::Rc;
 
 /// The default reordering window, seconds: lines up to this much out of time order are
 /// replayed in order.
@@ -50,9 +54,6 @@ const MAX_BUFFERED: usize = 1_000_000;
 
 /// Malformed lines listed by number (all are counted).
 pub const MALFORMED_EXAMPLES: usize = 5;
-
-/// Callouts one request may make before it is given up (the engine makes at most one).
-const MAX_CALLOUTS: usize = 4;
 
 /// How to read and replay.
 #[derive(Debug, Clone)]
@@ -82,8 +83,8 @@ pub struct InputStats {
     pub malformed_examples: Vec<(u64, String)>,
     /// Lines later than the reordering window: replayed at the current simulated time.
     pub late: u64,
-    pub first: Option<Nanos>,
-    pub last: Option<Nanos>,
+    pub first: Option<Instant>,
+    pub last: Option<Instant>,
 }
 
 /// The whole result.
@@ -101,10 +102,12 @@ pub struct Simulation {
 /// Replays `input` through `policy`.
 pub fn simulate<R: BufRead>(
     policy: &Policy,
+    document: &str,
     input: R,
     options: &Options,
 ) -> io::Result<Simulation> {
-    let mut replay = Replay::new(policy, options.gateways.max(1));
+    let mut replay = Replay::new(policy, document, options.gateways.max(1))
+        .map_err(|error| io::Error::new(io::ErrorKind::InvalidInput, error))?;
     let mut stats = InputStats::default();
     let mut buffer = Reorder::new(options.reorder);
     let mut reader = LineReader::new(input);
@@ -139,9 +142,10 @@ pub fn simulate<R: BufRead>(
     while let Some(ready) = buffer.pop() {
         replay.request(&ready, &mut stats);
     }
+    let callouts = replay.quota.borrow().calls();
     Ok(Simulation {
         input: stats,
-        callouts: replay.quota.calls(),
+        callouts,
         gateways: replay.gateways.len(),
         unresolved: replay.unresolved,
         tally: replay.tally,
@@ -181,7 +185,7 @@ impl Ord for Queued {
 struct Reorder {
     heap: BinaryHeap<Reverse<Queued>>,
     window: Nanos,
-    newest: Nanos,
+    newest: Instant,
 }
 
 impl Reorder {
@@ -215,53 +219,83 @@ impl Reorder {
     }
 }
 
-/// The rule events of one request, as the engine reports them.
-#[derive(Default)]
-struct RequestEvents {
-    rules: Vec<(usize, RuleEvent)>,
-}
-
-impl MetricSink for RequestEvents {
-    fn rule_event(&mut self, rule: usize, event: RuleEvent) {
-        self.rules.push((rule, event));
-    }
-    fn event(&mut self, _event: Event) {}
-    fn degraded(&mut self, _on: bool) {}
-}
-
-/// One simulated gateway: an engine (a worker's VM) and its process's shared data.
+/// One simulated gateway: a worker ([`diana_core::worker::Worker`], the filter's own) on a
+/// simulated host with its own shared data, and what its metrics said after the previous
+/// request (a request's rule events are what they moved by).
 struct Gateway {
-    engine: Engine,
-    host: MemoryHost,
+    sim: Sim,
+    seen: Vec<u64>,
 }
 
 struct Replay {
+    /// Started at the first request's time.
     gateways: Vec<Gateway>,
+    /// How many, and the document they run.
+    count: usize,
+    document: String,
     next: usize,
-    quota: MemoryQuota,
+    quota: Rc<RefCell<MemoryQuota>>,
+    /// Per rule, per [`RuleEvent`]: its metric's name.
+    metrics: Vec<(usize, RuleEvent, String)>,
     /// The simulated time: the latest request time replayed.
     clock: Nanos,
-    events: RequestEvents,
     tally: Tally,
     unresolved: u64,
 }
 
 impl Replay {
-    fn new(policy: &Policy, gateways: usize) -> Replay {
-        Replay {
-            gateways: (0..gateways)
-                .map(|_| Gateway {
-                    engine: Engine::new(policy.clone()),
-                    host: MemoryHost::new(CasSemantics::Envoy),
+    fn new(policy: &Policy, document: &str, gateways: usize) -> Result<Replay, String> {
+        let mut replay = Replay::unstarted(policy, document, gateways);
+        // Refused here rather than at the first request.
+        replay.start(NANOS_PER_SECOND)?;
+        replay.gateways.clear();
+        Ok(replay)
+    }
+
+    fn unstarted(policy: &Policy, document: &str, count: usize) -> Replay {
+        let metrics: Vec<(usize, RuleEvent, String)> = policy
+            .rules()
+            .flat_map(|rule| {
+                RuleEvent::ALL.map(|event| {
+                    (
+                        rule.index,
+                        event,
+                        rule_metric_name(&rule.metric_name, event),
+                    )
                 })
-                .collect(),
+            })
+            .collect();
+        Replay {
+            gateways: Vec::new(),
+            count: count.max(1),
+            document: document.to_string(),
             next: 0,
-            quota: MemoryQuota::new(),
-            clock: 0,
-            events: RequestEvents::default(),
+            quota: Rc::new(RefCell::new(MemoryQuota::new())),
             tally: Tally::new(policy.rules().count()),
+            metrics,
+            clock: 0,
             unresolved: 0,
         }
+    }
+
+    /// Starts the gateways at `now` (the first request's time).
+    fn start(&mut self, now: Instant) -> Result<(), String> {
+        for _ in 0..self.count {
+            let sim = Sim::new(
+                HostProfile::ENVOY,
+                &self.document,
+                1,
+                Service::Answers(0),
+                now,
+            )
+            .map_err(|refused| refused.to_string())?
+            .sharing_quota(Rc::clone(&self.quota));
+            self.gateways.push(Gateway {
+                sim,
+                seen: vec![0; self.metrics.len()],
+            });
+        }
+        Ok(())
     }
 
     fn request(&mut self, request: &Request, stats: &mut InputStats) {
@@ -277,49 +311,48 @@ impl Replay {
         }
         let now = request.ts.max(self.clock);
         self.clock = now;
+        if self.gateways.is_empty() && self.start(now).is_err() {
+            return;
+        }
+        // Every gateway lives through the time that passed: its ticks run at the
+        // gateway's period (batches returned, stashes refilled ahead, waiters resumed).
+        for gateway in &mut self.gateways {
+            gateway.sim.advance_to(now);
+        }
         let index = self.next % self.gateways.len();
         self.next = index + 1;
-        let Some(gateway) = self.gateways.get(index) else {
+        let Some(gateway) = self.gateways.get_mut(index) else {
             return;
         };
-        self.events.rules.clear();
-        let fate = if gateway.engine.serves_metrics(&request.path) {
-            // The filter answers its metrics page itself: no rule applies.
-            Fate::Admitted
-        } else {
-            let mut decision = gateway.engine.evaluate(
-                &gateway.host,
-                &request.path,
-                request,
-                Some(now),
-                &mut self.events,
-            );
-            for _ in 0..MAX_CALLOUTS {
-                let Decision::Call(callout, pending) = decision else {
-                    break;
-                };
-                let reply = self.quota.answer(&callout, now);
-                decision = gateway.engine.complete(
-                    &gateway.host,
-                    pending,
-                    reply,
-                    Some(now),
-                    &mut self.events,
-                );
-            }
-            match decision {
-                Decision::Allow { .. } => Fate::Admitted,
-                Decision::Delay { until, .. } if until > now => Fate::Delayed(until - now),
-                Decision::Delay { .. } => Fate::Admitted,
-                Decision::Reject(_) => Fate::Rejected,
-                // Calls are answered at once here, so nothing is ever parked behind one.
-                Decision::Call(..) | Decision::Wait(_) => {
+        let mut headers = request.headers.clone();
+        headers.push((":path".to_string(), request.path.clone()));
+        let context = gateway.sim.send_raw(0, request.client_ip.clone(), headers);
+        // Calls are answered at once: deliver them at this same instant.
+        gateway.sim.advance_to(now);
+        let fate = match gateway.sim.fate(context) {
+            Some(SimFate::Admitted(_)) | Some(SimFate::Replied(200)) => Fate::Admitted,
+            Some(SimFate::Replied(_)) => Fate::Rejected,
+            _ => match gateway.sim.waiting_until(context) {
+                Some(until) if until > now => Fate::Delayed(until - now),
+                Some(_) => Fate::Admitted,
+                None => {
                     self.unresolved += 1;
                     Fate::Rejected
                 }
-            }
+            },
         };
+        // Its turn stays taken, as in the gateway; the request itself is not held.
+        gateway.sim.forget(context);
+        gateway.sim.flush_metrics();
+        let mut events = Vec::new();
+        for ((rule, event, name), seen) in self.metrics.iter().zip(gateway.seen.iter_mut()) {
+            let value = gateway.sim.host.metric(name);
+            for _ in *seen..value {
+                events.push((*rule, *event));
+            }
+            *seen = value;
+        }
         self.tally
-            .record(request.ts / NANOS_PER_SECOND, fate, &self.events.rules);
+            .record(request.ts / NANOS_PER_SECOND, fate, &events);
     }
 }

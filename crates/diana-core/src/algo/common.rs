@@ -7,7 +7,7 @@
 //! drifts. The stored instant is that product as a 128-bit number, high word first.
 
 use super::Limit;
-use crate::time::Nanos;
+use crate::time::{Instant, Nanos};
 
 /// Reads the 128-bit value stored as two words, high first; `None` for a short state.
 pub(super) fn load(state: &[u64]) -> Option<u128> {
@@ -37,7 +37,7 @@ pub(super) struct Scaled {
 }
 
 impl Scaled {
-    pub fn new(limit: &Limit, now: Nanos) -> Self {
+    pub fn new(limit: &Limit, now: Instant) -> Self {
         let rpu = u128::from(limit.rpu.get());
         Scaled {
             rpu,
@@ -86,7 +86,7 @@ impl Scaled {
 #[cfg(test)]
 pub(super) mod testing {
     use super::super::{Algorithm, Limit, Verdict};
-    use crate::time::{Nanos, Unit};
+    use crate::time::{Instant, Nanos, Unit};
     use std::num::NonZeroU32;
 
     /// A limit; without `burst`, the algorithm's default.
@@ -135,7 +135,7 @@ pub(super) mod testing {
         limit: &Limit,
         state: &mut [u64],
         i: usize,
-        now: Nanos,
+        now: Instant,
         want: u32,
         expected: Verdict,
     ) {

@@ -33,7 +33,7 @@
 
 use super::common::Scaled;
 use super::{Algorithm, Limit, Mark, Verdict};
-use crate::time::{Nanos, Unit};
+use crate::time::{Instant, Unit};
 use std::num::NonZeroU32;
 
 /// The leaky-bucket algorithm (`LB`). See the module documentation.
@@ -85,7 +85,7 @@ impl Algorithm for LeakyBucket {
         &self,
         limit: &Limit,
         state: &mut [u64],
-        now: Nanos,
+        now: Instant,
         need: u32,
         want: u32,
     ) -> Verdict {
@@ -115,7 +115,7 @@ impl Algorithm for LeakyBucket {
         }
     }
 
-    fn release(&self, limit: &Limit, state: &mut [u64], now: Nanos, tokens: u32, mark: Mark) {
+    fn release(&self, limit: &Limit, state: &mut [u64], now: Instant, tokens: u32, mark: Mark) {
         let s = Scaled::new(limit, now);
         if super::common::load(state) == Some(mark.0) {
             // Still the last turn reserved.
@@ -128,13 +128,13 @@ impl Algorithm for LeakyBucket {
         &self,
         _limit: &Limit,
         _state: &mut [u64],
-        _now: Nanos,
+        _now: Instant,
         _tokens: u32,
     ) -> Verdict {
         Verdict::default()
     }
 
-    fn is_idle(&self, limit: &Limit, state: &[u64], now: Nanos) -> bool {
+    fn is_idle(&self, limit: &Limit, state: &[u64], now: Instant) -> bool {
         let s = Scaled::new(limit, now);
         start(s, state) == s.now
     }
@@ -144,7 +144,7 @@ impl Algorithm for LeakyBucket {
 mod tests {
     use super::*;
     use crate::algo::common::{load, testing};
-    use crate::time::NANOS_PER_SECOND as S;
+    use crate::time::{Nanos, NANOS_PER_SECOND as S};
 
     fn limit(rpu: u32, unit: Unit, burst: Option<u32>) -> Limit {
         testing::limit(&LeakyBucket, rpu, unit, burst, 10)

@@ -19,7 +19,7 @@ pub use sliding::SlidingWindow;
 pub use token::TokenBucket;
 pub use window::FixedWindow;
 
-use crate::time::{Nanos, Unit};
+use crate::time::{Instant, Nanos, Unit};
 use std::fmt;
 use std::num::NonZeroU32;
 
@@ -96,7 +96,7 @@ pub trait Algorithm: Send + Sync + fmt::Debug {
     /// `mark`) without breaking the algorithm's definition: the end of the window (W), of
     /// the slice (SW), a short span (TB). `now` itself: no batches (LB, whose every turn
     /// has its own instant). See [`crate::local`].
-    fn lease_until(&self, limit: &Limit, mark: Mark, now: Nanos) -> Nanos {
+    fn lease_until(&self, limit: &Limit, mark: Mark, now: Instant) -> Instant {
         let _ = (limit, mark);
         now
     }
@@ -116,30 +116,30 @@ pub trait Algorithm: Send + Sync + fmt::Debug {
         &self,
         limit: &Limit,
         state: &mut [u64],
-        now: Nanos,
+        now: Instant,
         need: u32,
         want: u32,
     ) -> Verdict;
 
     /// [`Algorithm::acquire_at_least`] with a need of one token: as many as are available,
     /// up to `want`.
-    fn acquire(&self, limit: &Limit, state: &mut [u64], now: Nanos, want: u32) -> Verdict {
+    fn acquire(&self, limit: &Limit, state: &mut [u64], now: Instant, want: u32) -> Verdict {
         self.acquire_at_least(limit, state, now, want.min(1), want)
     }
 
     /// Gives back `tokens` of a grant counted at `mark` (a request that another rule
     /// denied consumes nothing). Tokens whose window or slice has passed are gone already;
     /// a bucket is never filled beyond its capacity.
-    fn release(&self, limit: &Limit, state: &mut [u64], now: Nanos, tokens: u32, mark: Mark);
+    fn release(&self, limit: &Limit, state: &mut [u64], now: Instant, tokens: u32, mark: Mark);
 
     /// Charges `tokens` whatever is left (a response cost): the counter may go past its
     /// limit, and later requests are denied until the debt is paid back. Only called when
     /// [`Algorithm::allows_debt`]; returns the state after the charge as a zero-grant verdict.
-    fn charge_debt(&self, limit: &Limit, state: &mut [u64], now: Nanos, tokens: u32) -> Verdict;
+    fn charge_debt(&self, limit: &Limit, state: &mut [u64], now: Instant, tokens: u32) -> Verdict;
 
     /// True when the state carries no memory any more (as if fresh): the slot may be
     /// given to another identity without changing anyone's limit.
-    fn is_idle(&self, limit: &Limit, state: &[u64], now: Nanos) -> bool;
+    fn is_idle(&self, limit: &Limit, state: &[u64], now: Instant) -> bool;
 }
 
 /// Every algorithm Diana knows. Order matters only for documentation.
@@ -180,7 +180,7 @@ mod tests {
             .map(|&algo| (algo, limit(algo, 10, Unit::Second, Some(10), 5)))
     }
 
-    fn probe(algo: &dyn Algorithm, limit: &Limit, state: &[u64], now: Nanos) -> u64 {
+    fn probe(algo: &dyn Algorithm, limit: &Limit, state: &[u64], now: Instant) -> u64 {
         let mut copy = state.to_vec();
         algo.acquire(limit, &mut copy, now, 0).remaining
     }

@@ -26,7 +26,7 @@
 //! left it.
 
 use super::{Algorithm, Limit, Mark, Verdict};
-use crate::time::{Nanos, Unit};
+use crate::time::{Instant, Nanos, Unit};
 use std::num::NonZeroU32;
 
 /// The sliding-window algorithm (`SW`). See the module documentation.
@@ -50,7 +50,7 @@ impl Slices {
     }
 
     /// The slice `now` falls in, counted from the epoch.
-    fn index(self, now: Nanos) -> u64 {
+    fn index(self, now: Instant) -> u64 {
         let index = u128::from(now) * u128::from(self.n) / u128::from(self.unit_ns);
         u64::try_from(index).unwrap_or(u64::MAX)
     }
@@ -62,7 +62,7 @@ impl Slices {
 
     /// Nanoseconds from `now` until slice `g` has left the window, i.e. until slice
     /// `g + slices` begins.
-    fn until_expired(self, g: u64, now: Nanos) -> Nanos {
+    fn until_expired(self, g: u64, now: Instant) -> Nanos {
         let end = self.start(u128::from(g) + u128::from(self.n));
         u64::try_from(end.saturating_sub(u128::from(now))).unwrap_or(u64::MAX)
     }
@@ -87,7 +87,7 @@ struct View<'a> {
 }
 
 impl<'a> View<'a> {
-    fn new(limit: &Limit, state: &'a [u64], now: Nanos) -> Self {
+    fn new(limit: &Limit, state: &'a [u64], now: Instant) -> Self {
         let slices = Slices::of(limit);
         let current = slices.index(now);
         let stored = state.split_first().and_then(|(&head, ring)| {
@@ -170,7 +170,7 @@ impl Algorithm for SlidingWindow {
         &self,
         limit: &Limit,
         state: &mut [u64],
-        now: Nanos,
+        now: Instant,
         need: u32,
         want: u32,
     ) -> Verdict {
@@ -231,13 +231,13 @@ impl Algorithm for SlidingWindow {
 
     /// Tokens counted in a slice may be spent only while it lasts: counted in an earlier
     /// slice, they would leave the window before the requests they admitted.
-    fn lease_until(&self, limit: &Limit, mark: Mark, now: Nanos) -> Nanos {
+    fn lease_until(&self, limit: &Limit, mark: Mark, now: Instant) -> Instant {
         let slices = Slices::of(limit);
         let end = slices.start(mark.0.saturating_add(1));
         u64::try_from(end).unwrap_or(u64::MAX).max(now)
     }
 
-    fn release(&self, limit: &Limit, state: &mut [u64], now: Nanos, tokens: u32, mark: Mark) {
+    fn release(&self, limit: &Limit, state: &mut [u64], now: Instant, tokens: u32, mark: Mark) {
         let view = View::new(limit, state, now);
         let Ok(slice) = u64::try_from(mark.0) else {
             return;
@@ -255,7 +255,7 @@ impl Algorithm for SlidingWindow {
         }
     }
 
-    fn charge_debt(&self, limit: &Limit, state: &mut [u64], now: Nanos, tokens: u32) -> Verdict {
+    fn charge_debt(&self, limit: &Limit, state: &mut [u64], now: Instant, tokens: u32) -> Verdict {
         let rpu = u64::from(limit.rpu.get());
         let view = View::new(limit, state, now);
         let sum = view.sum().saturating_add(u64::from(tokens));
@@ -288,7 +288,7 @@ impl Algorithm for SlidingWindow {
         }
     }
 
-    fn is_idle(&self, limit: &Limit, state: &[u64], now: Nanos) -> bool {
+    fn is_idle(&self, limit: &Limit, state: &[u64], now: Instant) -> bool {
         View::new(limit, state, now)
             .counted()
             .all(|(_, count)| count == 0)

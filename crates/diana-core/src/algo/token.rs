@@ -28,7 +28,7 @@
 
 use super::common::Scaled;
 use super::{Algorithm, Limit, Mark, Verdict};
-use crate::time::{Nanos, Unit};
+use crate::time::{Instant, Nanos, Unit};
 use std::num::NonZeroU32;
 
 /// How long a worker may hold tokens taken from a bucket in one batch.
@@ -70,7 +70,7 @@ impl Algorithm for TokenBucket {
         &self,
         limit: &Limit,
         state: &mut [u64],
-        now: Nanos,
+        now: Instant,
         need: u32,
         want: u32,
     ) -> Verdict {
@@ -112,7 +112,7 @@ impl Algorithm for TokenBucket {
     /// Tokens taken from the bucket are spent within a short span: held longer, a
     /// worker's tokens would add to what the bucket refills meanwhile (a burst above
     /// `burst` by what the worker holds).
-    fn lease_until(&self, _limit: &Limit, _mark: Mark, now: Nanos) -> Nanos {
+    fn lease_until(&self, _limit: &Limit, _mark: Mark, now: Instant) -> Instant {
         now.saturating_add(TOKEN_LEASE)
     }
 
@@ -120,7 +120,7 @@ impl Algorithm for TokenBucket {
     /// that span is still ahead of the clock has not refilled yet and comes back; the rest
     /// already has (giving it back again would make the bucket fuller than if the grant had
     /// never been made). Never fuller than full: `tat` does not go back past now.
-    fn release(&self, limit: &Limit, state: &mut [u64], now: Nanos, tokens: u32, mark: Mark) {
+    fn release(&self, limit: &Limit, state: &mut [u64], now: Instant, tokens: u32, mark: Mark) {
         let s = Scaled::new(limit, now);
         let tat = tat(s, state);
         let unrefilled = (u128::from(tokens) * s.interval).min(mark.0.saturating_sub(s.now));
@@ -130,7 +130,7 @@ impl Algorithm for TokenBucket {
         }
     }
 
-    fn charge_debt(&self, limit: &Limit, state: &mut [u64], now: Nanos, tokens: u32) -> Verdict {
+    fn charge_debt(&self, limit: &Limit, state: &mut [u64], now: Instant, tokens: u32) -> Verdict {
         let s = Scaled::new(limit, now);
         let capacity = s.capacity();
         // The debt is capped at one bucket past empty, and never lowers `tat`: with a clock
@@ -154,7 +154,7 @@ impl Algorithm for TokenBucket {
         }
     }
 
-    fn is_idle(&self, limit: &Limit, state: &[u64], now: Nanos) -> bool {
+    fn is_idle(&self, limit: &Limit, state: &[u64], now: Instant) -> bool {
         let s = Scaled::new(limit, now);
         tat(s, state) == s.now
     }
@@ -176,7 +176,7 @@ mod tests {
     }
 
     /// Drains the bucket at `now`; returns the tokens taken.
-    fn drain(limit: &Limit, state: &mut [u64], now: Nanos) -> u32 {
+    fn drain(limit: &Limit, state: &mut [u64], now: Instant) -> u32 {
         TokenBucket.acquire(limit, state, now, u32::MAX).granted
     }
 

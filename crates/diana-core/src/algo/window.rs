@@ -20,7 +20,7 @@
 //! above `rpu`: the rest of the window is denied, and the debt ends with the window.
 
 use super::{Algorithm, Limit, Mark, Verdict};
-use crate::time::{Nanos, Unit};
+use crate::time::{Instant, Nanos, Unit};
 use std::num::NonZeroU32;
 
 /// The fixed-window algorithm (`W`). See the module documentation.
@@ -62,7 +62,7 @@ fn store(state: &mut [u64], loaded: WindowState) {
 }
 
 /// Nanoseconds from `now` to the end of `window`, saturating.
-fn until_end(window: u64, unit_ns: u64, now: Nanos) -> Nanos {
+fn until_end(window: u64, unit_ns: u64, now: Instant) -> Nanos {
     let end = (u128::from(window) + 1) * u128::from(unit_ns);
     u64::try_from(end.saturating_sub(u128::from(now))).unwrap_or(u64::MAX)
 }
@@ -93,7 +93,7 @@ impl Algorithm for FixedWindow {
         &self,
         limit: &Limit,
         state: &mut [u64],
-        now: Nanos,
+        now: Instant,
         need: u32,
         want: u32,
     ) -> Verdict {
@@ -130,12 +130,12 @@ impl Algorithm for FixedWindow {
     }
 
     /// Tokens counted in a window may be spent until it ends.
-    fn lease_until(&self, limit: &Limit, mark: Mark, now: Nanos) -> Nanos {
+    fn lease_until(&self, limit: &Limit, mark: Mark, now: Instant) -> Instant {
         let window = u64::try_from(mark.0).unwrap_or(u64::MAX);
         now.saturating_add(until_end(window, limit.unit.nanos(), now))
     }
 
-    fn release(&self, limit: &Limit, state: &mut [u64], now: Nanos, tokens: u32, mark: Mark) {
+    fn release(&self, limit: &Limit, state: &mut [u64], now: Instant, tokens: u32, mark: Mark) {
         let mut loaded = load(state, now / limit.unit.nanos());
         if u128::from(loaded.window) == mark.0 {
             loaded.count = loaded.count.saturating_sub(u64::from(tokens));
@@ -143,7 +143,7 @@ impl Algorithm for FixedWindow {
         }
     }
 
-    fn charge_debt(&self, limit: &Limit, state: &mut [u64], now: Nanos, tokens: u32) -> Verdict {
+    fn charge_debt(&self, limit: &Limit, state: &mut [u64], now: Instant, tokens: u32) -> Verdict {
         let unit_ns = limit.unit.nanos();
         let mut loaded = load(state, now / unit_ns);
         loaded.count = loaded.count.saturating_add(u64::from(tokens));
@@ -159,7 +159,7 @@ impl Algorithm for FixedWindow {
         }
     }
 
-    fn is_idle(&self, limit: &Limit, state: &[u64], now: Nanos) -> bool {
+    fn is_idle(&self, limit: &Limit, state: &[u64], now: Instant) -> bool {
         load(state, now / limit.unit.nanos()).count == 0
     }
 }
@@ -393,7 +393,7 @@ mod release_tests {
         assert_eq!(state, [11, 0]);
     }
 
-    fn algorithm_release(l: &Limit, state: &mut [u64], now: Nanos, tokens: u32, mark: Mark) {
+    fn algorithm_release(l: &Limit, state: &mut [u64], now: Instant, tokens: u32, mark: Mark) {
         FixedWindow.release(l, state, now, tokens, mark);
     }
 }

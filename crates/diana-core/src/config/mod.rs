@@ -1,7 +1,9 @@
 //! The Diana document: parsing (YAML or JSON, every form of DESIGN §3), defaults and
 //! validation, producing an immutable [`Policy`]. A bad document yields one
-//! [`ConfigError`] naming the field and, for YAML/JSON text, its line and column.
+//! [`ConfigError`]: what is wrong ([`ConfigErrorKind`]), the field path and, for what the
+//! text holds, its line and column — checks across fields included.
 
+mod locate;
 mod model;
 mod parse;
 mod pin;

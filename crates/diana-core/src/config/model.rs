@@ -11,20 +11,195 @@ use std::fmt;
 use std::num::NonZeroU32;
 use std::sync::Arc;
 
-/// A document that could not be accepted, with one message naming the field and position.
+/// A document that could not be accepted: what is wrong ([`ConfigErrorKind`]), the field
+/// it is about (its path in the document as written) and, for what the text holds, the
+/// line and column. Displayed as one message, `[document N: ][path: ]what[ at line L column
+/// C]`, e.g. `resources[0].rules[1].rpu: invalid value: integer `0`, expected a nonzero u32
+/// at line 5 column 10` or `rules[0].cost: a cost of 11 could never pass: … at line 3
+/// column 22`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConfigError {
-    /// e.g. `resources[0].rules[1].rpu: invalid value: integer `0`, expected a nonzero u32 at line 5 column 10`
-    pub message: String,
+    /// The document of a `---` stream (from 1), when the text holds more than one.
+    pub document: Option<usize>,
+    /// The field path as written (`resources[0].rules[1].rpu`, `rules[0].cost`,
+    /// `global.token`); empty when the refusal is about the whole text.
+    pub path: String,
+    /// Where the field's value is in the text; `None` when the text does not hold what is
+    /// refused (an empty document, an environment variable, a signature header).
+    pub position: Option<Position>,
+    /// What is wrong.
+    pub kind: ConfigErrorKind,
+}
+
+/// A place in the text: line and column, both from 1.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Position {
+    pub line: usize,
+    pub column: usize,
+}
+
+/// What is wrong with a document.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ConfigErrorKind {
+    /// Not YAML (the reader's message).
+    Syntax { reason: String },
+    /// A value the field does not take, as the typed reader found it: a wrong type, a
+    /// value out of range, an unknown name, an unknown, missing or duplicate field, a
+    /// section given by two documents.
+    Invalid { reason: String },
+    /// A remote document writes a value the local document pins (DESIGN §6).
+    Pinned { reason: String },
+    /// No resource block at all.
+    NoResources,
+    /// An actor definition the registry refuses.
+    Actor { reason: String },
+    /// A rule names an actor that is not defined.
+    UnknownActor { actor: String },
+    /// `cost.default` above `cost.max`.
+    CostDefaultAboveMax { default: u32, max: u32 },
+    /// A cost above what the rule could ever grant at once.
+    CostNeverPasses { cost: u32, capacity: u64 },
+    /// A global rule's cost above its lease (one callout must cover one request).
+    CostAboveLease { cost: u32, lease: u32 },
+    /// A global rule the quota service would refuse (wire-format "Bounds").
+    QuotaBounds { reason: String },
+    /// `response_cost` on an algorithm that cannot charge after the fact.
+    ResponseCostNotApplicable { algo: &'static str },
+    /// `max_wait_seconds` on an algorithm that does not hold requests.
+    MaxWaitNotApplicable { algo: &'static str },
+    /// Two rules with the same name.
+    DuplicateRuleName { name: String },
+    /// Two rule names that make the same metric name
+    /// ([`crate::metrics::stat_name`]).
+    MetricNameClash { first: String, second: String },
+    /// A request to `url` could ask one callout for more tokens than it may carry.
+    TokensPerCallout { url: String, tokens: u64, most: u64 },
+    /// A request to `url` could carry more global rules than one callout may.
+    RulesPerCallout {
+        url: String,
+        rules: usize,
+        most: usize,
+    },
+    /// A value from the environment (`global.token` from [`super::TOKEN_ENV`]) refused.
+    Environment {
+        variable: &'static str,
+        reason: String,
+    },
+    /// A remote document whose signature does not verify (`remote.signature`).
+    Signature {
+        scheme: &'static str,
+        reason: String,
+    },
+    /// A remote document that is not UTF-8 text.
+    NotUtf8 { reason: String },
+}
+
+impl ConfigError {
+    /// A refusal of the whole text, or of what the text does not hold: no path, no
+    /// position.
+    pub fn of(kind: ConfigErrorKind) -> ConfigError {
+        ConfigError {
+            document: None,
+            path: String::new(),
+            position: None,
+            kind,
+        }
+    }
+
+    /// The refusal as one line (what [`fmt::Display`] writes).
+    pub fn message(&self) -> String {
+        self.to_string()
+    }
 }
 
 impl fmt::Display for ConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.message)
+        let what = self.kind.to_string();
+        if let Some(document) = self.document {
+            write!(f, "document {document}: ")?;
+        }
+        if !self.path.is_empty() {
+            write!(f, "{}: ", self.path)?;
+        }
+        f.write_str(&what)?;
+        match self.position {
+            // Some reader messages already place themselves (`… at line 3 column 1, while
+            // parsing …`).
+            Some(Position { line, column }) if !what.contains(" at line ") => {
+                write!(f, " at line {line} column {column}")
+            }
+            _ => Ok(()),
+        }
     }
 }
 
 impl std::error::Error for ConfigError {}
+
+impl fmt::Display for ConfigErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ConfigErrorKind::Syntax { reason } => write!(f, "invalid YAML: {reason}"),
+            ConfigErrorKind::Invalid { reason }
+            | ConfigErrorKind::Pinned { reason }
+            | ConfigErrorKind::Actor { reason } => f.write_str(reason),
+            ConfigErrorKind::NoResources => f.write_str(
+                "no resources: the configuration is empty; expected a block (`Url:` and `rules:`), a sequence of \
+                 blocks, or a document with `resources:`",
+            ),
+            ConfigErrorKind::UnknownActor { actor } => write!(f, "unknown actor `{actor}`"),
+            ConfigErrorKind::CostDefaultAboveMax { default, max } => {
+                write!(f, "cost.default ({default}) is above cost.max ({max})")
+            }
+            ConfigErrorKind::CostNeverPasses { cost, capacity } => write!(
+                f,
+                "a cost of {cost} could never pass: the rule grants at most {capacity} at once (rpu, or burst for TB and LB)"
+            ),
+            ConfigErrorKind::CostAboveLease { cost, lease } => write!(
+                f,
+                "a cost of {cost} is above the lease ({lease}): a global rule's callout asks for `lease` tokens, \
+                 which must cover one request; set `lease` to at least {cost}"
+            ),
+            ConfigErrorKind::QuotaBounds { reason } => write!(
+                f,
+                "{reason}; the quota service refuses such a global rule (a bucket may span at most a day)"
+            ),
+            ConfigErrorKind::ResponseCostNotApplicable { algo } => write!(
+                f,
+                "response_cost does not apply to algo {algo}: a leaky bucket paces requests, it does not charge them afterwards"
+            ),
+            ConfigErrorKind::MaxWaitNotApplicable { algo } => write!(
+                f,
+                "max_wait_seconds applies to algo LB (leaky bucket) only, not to {algo}"
+            ),
+            ConfigErrorKind::DuplicateRuleName { name } => write!(
+                f,
+                "duplicate rule name `{name}`: two rules would share its metrics"
+            ),
+            ConfigErrorKind::MetricNameClash { first, second } => write!(
+                f,
+                "rule names `{first}` and `{second}` are both `{}` in metric names: two rules would share their metrics",
+                crate::metrics::stat_name(second)
+            ),
+            ConfigErrorKind::TokensPerCallout { url, tokens, most } => write!(
+                f,
+                "a request to {url} could ask for {tokens} tokens over its global rules (their `cost` maxima); \
+                 one callout asks for at most {most}"
+            ),
+            ConfigErrorKind::RulesPerCallout { url, rules, most } => write!(
+                f,
+                "a request to {url} would carry {rules} global rules (its own and those of the resources above it); \
+                 one callout carries at most {most}"
+            ),
+            ConfigErrorKind::Environment { variable, reason } => {
+                write!(f, "from the environment variable {variable}: {reason}")
+            }
+            ConfigErrorKind::Signature { scheme, reason } => {
+                write!(f, "remote.signature ({scheme}): {reason}")
+            }
+            ConfigErrorKind::NotUtf8 { reason } => write!(f, "not UTF-8: {reason}"),
+        }
+    }
+}
 
 /// The whole validated configuration.
 #[derive(Debug, Clone)]
@@ -40,6 +215,31 @@ pub struct Policy {
     pub metrics: Option<MetricsSpec>,
     /// Document-level dry run: count and report, never reject.
     pub dry_run: bool,
+    /// What requests get where the host cannot run without a valid configuration (nginx).
+    pub on_invalid_config: OnInvalidConfig,
+}
+
+/// `on_invalid_config`: what a worker does with requests when it has no usable
+/// configuration, on a host where refusing the document would stop the worker (nginx: a
+/// refused document, or no `shm_kv` zone). Read from a refused document leniently, so a
+/// typo elsewhere does not hide it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnInvalidConfig {
+    /// Answer 503 at once (fail closed).
+    #[default]
+    Deny,
+    /// Let requests through unlimited (fail open).
+    Allow,
+}
+
+impl OnInvalidConfig {
+    pub fn name(self) -> &'static str {
+        match self {
+            OnInvalidConfig::Deny => "deny",
+            OnInvalidConfig::Allow => "allow",
+        }
+    }
 }
 
 impl Policy {
@@ -131,6 +331,9 @@ pub struct Rule {
     pub actor_name: String,
     /// Where the identity for this rule comes from.
     pub actor: Arc<dyn ActorSource>,
+    /// The actor's source in canonical form (`all`, `ip`, `header=x-device-id;fallback=ip`;
+    /// part of [`Rule::id`]); read it with [`Rule::actor_source`].
+    pub actor_spec: String,
     /// The keyed hash of this rule's identities (DESIGN §6): the document's
     /// `identity_key`, else the process's random key (local) or the public key (global).
     /// Set through [`Policy::set_identity_key`] and [`Policy::bind_process_key`].
@@ -266,6 +469,25 @@ impl Rule {
         self.actor.identify(facts, &self.identity)
     }
 
+    /// Where this rule's identities come from, as `(key, value)` pairs in the order the
+    /// source defines them: `[("source", "all")]`, `[("source", "ip")]`, `[("source",
+    /// "header"), ("header", "x-device-id"), ("fallback", "ip")]`.
+    pub fn actor_source(&self) -> Vec<(&str, &str)> {
+        let mut settings = Vec::new();
+        for (index, part) in self.actor_spec.split(';').enumerate() {
+            match part.split_once('=') {
+                Some((key, value)) => {
+                    if index == 0 {
+                        settings.push(("source", key));
+                    }
+                    settings.push((key, value));
+                }
+                None => settings.push(("source", part)),
+            }
+        }
+        settings
+    }
+
     /// A global rule asking the service for exactly each request's own tokens (`lease: 1`):
     /// every admission is the service's, so the gateway keeps nothing that could make its
     /// count differ from the service's.
@@ -280,6 +502,7 @@ impl fmt::Debug for Rule {
             .field("name", &self.name)
             .field("id", &format_args!("{:016x}", self.id))
             .field("actor", &self.actor_name)
+            .field("actor_spec", &self.actor_spec)
             .field("algo", &self.algo.code())
             .field("limit", &self.limit)
             .field("scope", &self.scope)

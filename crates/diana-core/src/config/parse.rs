@@ -15,10 +15,12 @@
 //! e.g. `resources[0].rules[1].rpu: invalid value: integer `0`, expected a nonzero u32 at
 //! line 5 column 10`.
 
+use super::locate::{locate, Site};
 use super::raw::{self, ContextGuard, RawBlock, RawFull, RawRule};
 use super::{
-    ConfigError, Cost, GlobalSpec, Lease, MetricsSpec, Pinned, Policy, RemoteSpec, Resource,
-    ResponseCost, ResponseSpec, Rule, RuleKeys, Scope, AUTO_LEASE_SHARE,
+    ConfigError, ConfigErrorKind, Cost, GlobalSpec, Lease, MetricsSpec, OnInvalidConfig, Pinned,
+    Policy, Position, RemoteSpec, Resource, ResponseCost, ResponseSpec, Rule, RuleKeys, Scope,
+    AUTO_LEASE_SHARE,
 };
 use crate::actor::{ActorDef, ActorRegistry};
 use crate::algo;
@@ -31,7 +33,6 @@ use crate::wire;
 use serde::de::{self, IgnoredAny, Visitor};
 use serde::Deserialize;
 use std::fmt;
-use std::fmt::Write as _;
 use std::num::NonZeroU32;
 
 /// Default `slices` (sliding window).
@@ -58,12 +59,13 @@ const RULE_SEED: u64 = 0x6469_616e_615f_7275; // "diana_ru"
 
 /// Parses and validates a Diana document (YAML or JSON, any form of DESIGN §3).
 pub fn parse_policy(text: &str) -> Result<Policy, ConfigError> {
-    let collected = if is_json(text) {
+    let json = is_json(text);
+    let collected = if json {
         parse_json(text)?
     } else {
         parse_yaml(text)?
     };
-    build(collected)
+    build(collected).map_err(|refusal| refusal.located(text, json))
 }
 
 // ---------------------------------------------------------------------------------------
@@ -245,20 +247,48 @@ fn add_names(names: &mut Vec<String>, more: Vec<String>) {
 #[derive(Default)]
 struct Collected {
     blocks: Vec<RawBlock>,
-    actors: Vec<(String, ActorDef)>,
+    /// Where each of `blocks` is written.
+    sites: Vec<Site>,
+    /// Each definition, with the document that writes it.
+    actors: Vec<(String, ActorDef, usize)>,
+    /// The documents of the full form, in order.
+    full_documents: Vec<usize>,
     response: Option<raw::RawResponse>,
     global: Option<raw::RawGlobal>,
     remote: Option<raw::RawRemote>,
     metrics: Option<raw::RawMetrics>,
     dry_run: Option<bool>,
+    on_invalid_config: Option<OnInvalidConfig>,
     identity_key: Option<Secret>,
 }
 
 impl Collected {
-    fn add_full(&mut self, full: RawFull) {
-        self.blocks.extend(full.resources);
+    fn add_block(&mut self, block: RawBlock, site: Site) {
+        self.blocks.push(block);
+        self.sites.push(site);
+    }
+
+    fn add_blocks(&mut self, blocks: Vec<RawBlock>, document: usize) {
+        let root = Site::new(document);
+        for (index, block) in blocks.into_iter().enumerate() {
+            self.add_block(block, root.index(index));
+        }
+    }
+
+    fn add_full(&mut self, full: RawFull, document: usize) {
+        self.full_documents.push(document);
+        let resources = Site::new(document).key("resources");
+        for (index, block) in full.resources.into_iter().enumerate() {
+            self.add_block(block, resources.index(index));
+        }
         if let Some(actors) = full.actors {
-            self.actors.extend(actors.0 .0);
+            self.actors.extend(
+                actors
+                    .0
+                     .0
+                    .into_iter()
+                    .map(|(name, def)| (name, def, document)),
+            );
         }
         if let Some(response) = full.response {
             self.response = Some(response.0);
@@ -277,6 +307,9 @@ impl Collected {
         }
         if let Some(identity_key) = full.identity_key {
             self.identity_key = Some(identity_key.0 .0);
+        }
+        if let Some(on_invalid_config) = full.on_invalid_config {
+            self.on_invalid_config = Some(on_invalid_config.0);
         }
     }
 }
@@ -299,6 +332,7 @@ fn parse_json(text: &str) -> Result<Collected, ConfigError> {
             &inner.to_string(),
             position,
             false,
+            invalid,
         )
     };
     let sketch: Sketch =
@@ -312,15 +346,18 @@ fn parse_json(text: &str) -> Result<Collected, ConfigError> {
     let mut deserializer = serde_json::Deserializer::from_str(text);
     match sketch.shape {
         Shape::Empty => {}
-        Shape::Block => collected
-            .blocks
-            .push(serde_path_to_error::deserialize(&mut deserializer).map_err(error)?),
-        Shape::Blocks => {
-            collected.blocks = serde_path_to_error::deserialize(&mut deserializer).map_err(error)?
-        }
-        Shape::Full => {
-            collected.add_full(serde_path_to_error::deserialize(&mut deserializer).map_err(error)?)
-        }
+        Shape::Block => collected.add_block(
+            serde_path_to_error::deserialize(&mut deserializer).map_err(error)?,
+            Site::new(0),
+        ),
+        Shape::Blocks => collected.add_blocks(
+            serde_path_to_error::deserialize(&mut deserializer).map_err(error)?,
+            0,
+        ),
+        Shape::Full => collected.add_full(
+            serde_path_to_error::deserialize(&mut deserializer).map_err(error)?,
+            0,
+        ),
     }
     Ok(collected)
 }
@@ -339,8 +376,8 @@ fn parse_yaml(text: &str) -> Result<Collected, ConfigError> {
                 // Only a multi-document stream needs a document number; it is unknown
                 // here whether more follow, so number from the second on.
                 let label = (label > 1).then_some(label);
-                let message = format!("invalid YAML: {err}");
-                return Err(compose(label, ".", &message, position, false));
+                let reason = err.to_string();
+                return Err(compose(label, ".", &reason, position, false, syntax));
             }
         }
     }
@@ -370,33 +407,48 @@ fn parse_yaml(text: &str) -> Result<Collected, ConfigError> {
                 &inner.to_string(),
                 position,
                 true,
+                invalid,
             )
         };
         match shapes.get(index).copied().unwrap_or(Shape::Empty) {
             Shape::Empty => {}
-            Shape::Block => collected
-                .blocks
-                .push(serde_path_to_error::deserialize(document).map_err(error)?),
-            Shape::Blocks => {
-                let blocks: Vec<RawBlock> =
-                    serde_path_to_error::deserialize(document).map_err(error)?;
-                collected.blocks.extend(blocks);
-            }
-            Shape::Full => {
-                collected.add_full(serde_path_to_error::deserialize(document).map_err(error)?)
-            }
+            Shape::Block => collected.add_block(
+                serde_path_to_error::deserialize(document).map_err(error)?,
+                Site::new(index),
+            ),
+            Shape::Blocks => collected.add_blocks(
+                serde_path_to_error::deserialize(document).map_err(error)?,
+                index,
+            ),
+            Shape::Full => collected.add_full(
+                serde_path_to_error::deserialize(document).map_err(error)?,
+                index,
+            ),
         }
     }
     Ok(collected)
 }
 
-/// One message: `[document N: ][path: ]message[ at line L column C]`.
+/// [`ConfigErrorKind::Invalid`].
+pub(super) fn invalid(reason: String) -> ConfigErrorKind {
+    ConfigErrorKind::Invalid { reason }
+}
+
+/// [`ConfigErrorKind::Syntax`].
+fn syntax(reason: String) -> ConfigErrorKind {
+    ConfigErrorKind::Syntax { reason }
+}
+
+/// A reader's error as a [`ConfigError`] of `kind`: its path, its position, and its message
+/// without the path and position the reader may have written into it, so that it displays
+/// as `[document N: ][path: ]message[ at line L column C]`.
 pub(super) fn compose(
     document: Option<usize>,
     path: &str,
     message: &str,
     position: Option<(usize, usize)>,
     yaml_path_prefix: bool,
+    kind: fn(String) -> ConfigErrorKind,
 ) -> ConfigError {
     let mut message = message;
     if let Some((line, column)) = position {
@@ -406,20 +458,16 @@ pub(super) fn compose(
     if yaml_path_prefix {
         message = strip_path_prefix(message);
     }
-    let mut out = String::new();
-    if let Some(document) = document {
-        let _ = write!(out, "document {document}: ");
+    ConfigError {
+        document,
+        path: if path == "." {
+            String::new()
+        } else {
+            path.to_string()
+        },
+        position: position.map(|(line, column)| Position { line, column }),
+        kind: kind(message.to_string()),
     }
-    if path != "." && !path.is_empty() {
-        let _ = write!(out, "{path}: ");
-    }
-    out.push_str(message);
-    if let Some((line, column)) = position {
-        if !message.contains(" at line ") {
-            let _ = write!(out, " at line {line} column {column}");
-        }
-    }
-    ConfigError { message: out }
 }
 
 /// serde_yaml prefixes messages with its own idea of the path (`rules[0].rpu: …`); the
@@ -448,16 +496,49 @@ fn is_word(text: &str) -> bool {
 // ---------------------------------------------------------------------------------------
 // Resolution.
 
-fn plain(message: String) -> ConfigError {
-    ConfigError { message }
+/// A refusal found after the typed pass: what is wrong, and the value it is about, whose
+/// path and position [`locate`] reads from the text.
+struct Refusal {
+    /// The value refused; `None` when the text does not hold it.
+    site: Option<Site>,
+    /// The path when there is no site.
+    path: &'static str,
+    kind: ConfigErrorKind,
 }
 
-fn build(collected: Collected) -> Result<Policy, ConfigError> {
+impl Refusal {
+    fn at(site: Site, kind: ConfigErrorKind) -> Refusal {
+        Refusal {
+            site: Some(site),
+            path: "",
+            kind,
+        }
+    }
+
+    fn located(self, text: &str, json: bool) -> ConfigError {
+        let Some(site) = self.site else {
+            return ConfigError {
+                path: self.path.to_string(),
+                ..ConfigError::of(self.kind)
+            };
+        };
+        let (document, path, position) = locate(text, json, &site);
+        ConfigError {
+            document,
+            path,
+            position,
+            kind: self.kind,
+        }
+    }
+}
+
+fn build(collected: Collected) -> Result<Policy, Refusal> {
     let mut actors = ActorRegistry::builtin();
-    for (name, def) in collected.actors {
+    for (name, def, document) in collected.actors {
+        let site = Site::new(document).key("actors").key(&name);
         actors
             .define(&name, def)
-            .map_err(|message| plain(format!("actors.{name}: {message}")))?;
+            .map_err(|reason| Refusal::at(site, ConfigErrorKind::Actor { reason }))?;
     }
 
     let response = match collected.response {
@@ -527,24 +608,32 @@ fn build(collected: Collected) -> Result<Policy, ConfigError> {
     });
 
     if collected.blocks.is_empty() {
-        return Err(plain(
-            "no resources: the configuration is empty; expected a block (`Url:` and `rules:`), a sequence of \
-             blocks, or a document with `resources:`"
-                .to_string(),
-        ));
+        return Err(Refusal {
+            site: collected
+                .full_documents
+                .first()
+                .map(|&document| Site::new(document).key("resources")),
+            path: "",
+            kind: ConfigErrorKind::NoResources,
+        });
     }
 
-    let mut resources = Vec::with_capacity(collected.blocks.len());
-    for block in collected.blocks {
+    // Each resource with where its block is written, in evaluation order.
+    let mut written = Vec::with_capacity(collected.blocks.len());
+    for (block, site) in collected.blocks.into_iter().zip(collected.sites) {
         let url = block.url.0;
         let mut bases = Vec::with_capacity(block.rules.len());
         let mut rules = Vec::with_capacity(block.rules.len());
         for (index, raw) in block.rules.into_iter().enumerate() {
-            rules.push(build_rule(&url, index, raw, &actors, &global, &mut bases)?);
+            let at = site.key("rules").index(index);
+            rules.push(build_rule(
+                &url, index, raw, &actors, &global, &mut bases, &at,
+            )?);
         }
-        resources.push(Resource { url, rules });
+        written.push((Resource { url, rules }, site));
     }
-    resources.sort_by_key(|resource| path::segment_count(resource.url.as_bytes()));
+    written.sort_by_key(|(resource, _)| path::segment_count(resource.url.as_bytes()));
+    let (mut resources, sites): (Vec<Resource>, Vec<Site>) = written.into_iter().unzip();
     for (index, rule) in resources
         .iter_mut()
         .flat_map(|resource| resource.rules.iter_mut())
@@ -554,26 +643,31 @@ fn build(collected: Collected) -> Result<Policy, ConfigError> {
     }
 
     let mut names: Vec<(&str, &str)> = Vec::new();
-    for rule in resources.iter().flat_map(|resource| resource.rules.iter()) {
-        if let Some((other, _)) = names
-            .iter()
-            .find(|(_, metric_name)| *metric_name == rule.metric_name)
-        {
-            return Err(plain(if *other == rule.name {
-                format!(
-                    "duplicate rule name `{}`: two rules would share its metrics",
-                    rule.name
-                )
-            } else {
-                format!(
-                    "rule names `{other}` and `{}` are both `{}` in metric names: two rules would share their metrics",
-                    rule.name, rule.metric_name
-                )
-            }));
+    for (resource, site) in resources.iter().zip(&sites) {
+        for (index, rule) in resource.rules.iter().enumerate() {
+            if let Some((other, _)) = names
+                .iter()
+                .find(|(_, metric_name)| *metric_name == rule.metric_name)
+            {
+                let kind = if *other == rule.name {
+                    ConfigErrorKind::DuplicateRuleName {
+                        name: rule.name.clone(),
+                    }
+                } else {
+                    ConfigErrorKind::MetricNameClash {
+                        first: other.to_string(),
+                        second: rule.name.clone(),
+                    }
+                };
+                return Err(Refusal::at(
+                    site.key("rules").index(index).key("name"),
+                    kind,
+                ));
+            }
+            names.push((&rule.name, &rule.metric_name));
         }
-        names.push((&rule.name, &rule.metric_name));
     }
-    check_global_rules_per_request(&resources)?;
+    check_global_rules_per_request(&resources, &sites)?;
 
     let mut policy = Policy {
         resources,
@@ -584,6 +678,7 @@ fn build(collected: Collected) -> Result<Policy, ConfigError> {
             path: path::normalize_str(&raw.path.0),
         }),
         dry_run: collected.dry_run.unwrap_or(false),
+        on_invalid_config: collected.on_invalid_config.unwrap_or_default(),
     };
     // Identities hashed with the document's secret (DESIGN §6), or see `set_identity_key`.
     policy.set_identity_key(
@@ -599,21 +694,26 @@ fn build(collected: Collected) -> Result<Policy, ConfigError> {
 /// `vm_config.environment_variables.host_env_keys` lists it; nginx with `env
 /// DIANA_QUOTA_TOKEN;`), so that the secret can live where the platform keeps secrets and
 /// not in the document. Set but too short: refused, naming the variable, not its value.
-fn token_from_environment() -> Result<Option<Secret>, ConfigError> {
+fn token_from_environment() -> Result<Option<Secret>, Refusal> {
     if std::env::var_os(TOKEN_ENV).is_none() {
         return Ok(None);
     }
-    Secret::from_env(TOKEN_ENV).map(Some).map_err(|error| {
-        plain(format!(
-            "global.token (from the environment variable {TOKEN_ENV}): {error}"
-        ))
-    })
+    Secret::from_env(TOKEN_ENV)
+        .map(Some)
+        .map_err(|error| Refusal {
+            site: None,
+            path: "global.token",
+            kind: ConfigErrorKind::Environment {
+                variable: TOKEN_ENV,
+                reason: error.to_string(),
+            },
+        })
 }
 
 /// Refuses a document in which one request could carry more global rules than one
 /// callout may (the quota service would answer 400 to every such request): the global
 /// rules of a resource and of every resource whose `Url` is a prefix of it all apply.
-fn check_global_rules_per_request(resources: &[Resource]) -> Result<(), ConfigError> {
+fn check_global_rules_per_request(resources: &[Resource], sites: &[Site]) -> Result<(), Refusal> {
     let globals = |resource: &Resource| {
         resource
             .rules
@@ -621,7 +721,7 @@ fn check_global_rules_per_request(resources: &[Resource]) -> Result<(), ConfigEr
             .filter(|rule| rule.scope == Scope::Global)
             .count()
     };
-    for resource in resources {
+    for (resource, site) in resources.iter().zip(sites) {
         let applying: usize = resources
             .iter()
             .filter(|outer| path::is_prefix(&outer.url, &resource.url))
@@ -635,20 +735,24 @@ fn check_global_rules_per_request(resources: &[Resource]) -> Result<(), ConfigEr
             .map(|rule| u64::from(rule.cost.max()))
             .sum();
         if costs > wire::MAX_TOTAL_WANT {
-            return Err(plain(format!(
-                "{}: a request to it could ask for {costs} tokens over its global rules (their `cost` maxima); \
-                 one callout asks for at most {}",
-                resource.url,
-                wire::MAX_TOTAL_WANT
-            )));
+            return Err(Refusal::at(
+                site.key("Url"),
+                ConfigErrorKind::TokensPerCallout {
+                    url: resource.url.clone(),
+                    tokens: costs,
+                    most: wire::MAX_TOTAL_WANT,
+                },
+            ));
         }
         if applying > wire::MAX_RULES {
-            return Err(plain(format!(
-                "{}: a request to it would carry {applying} global rules (its own and those of the resources above it); \
-                 one callout carries at most {}",
-                resource.url,
-                wire::MAX_RULES
-            )));
+            return Err(Refusal::at(
+                site.key("Url"),
+                ConfigErrorKind::RulesPerCallout {
+                    url: resource.url.clone(),
+                    rules: applying,
+                    most: wire::MAX_RULES,
+                },
+            ));
         }
     }
     Ok(())
@@ -670,12 +774,22 @@ fn build_rule(
     actors: &ActorRegistry,
     global: &GlobalSpec,
     bases: &mut Vec<u64>,
-) -> Result<Rule, ConfigError> {
+    site: &Site,
+) -> Result<Rule, Refusal> {
+    let refuse = |field: &[&str], kind: ConfigErrorKind| {
+        let site = field.iter().fold(site.clone(), |site, key| site.key(key));
+        Refusal::at(site, kind)
+    };
     let actor_name = raw.actor.map_or_else(|| "all".to_string(), |actor| actor.0);
     let canonical = ActorRegistry::canonical_name(&actor_name);
-    let def = actors
-        .get(&actor_name)
-        .ok_or_else(|| plain(format!("{url}#{index}: unknown actor `{actor_name}`")))?;
+    let def = actors.get(&actor_name).ok_or_else(|| {
+        refuse(
+            &["actor"],
+            ConfigErrorKind::UnknownActor {
+                actor: actor_name.clone(),
+            },
+        )
+    })?;
     let algo = raw.algo.map_or_else(algo::default_algorithm, |algo| algo.0);
     let rpu = raw.rpu;
     let unit = raw.unit.map_or(Unit::Second, |unit| unit.0);
@@ -693,6 +807,11 @@ fn build_rule(
     };
     let scope = raw.scope.map_or(Scope::Local, |scope| scope.0);
     let written = raw.lease.map_or(global.lease, lease_of);
+    // Where the cost's largest value is written.
+    let cost_field: &[&str] = match raw.cost {
+        Some(raw::CostField::Header(_)) => &["cost", "max"],
+        _ => &["cost"],
+    };
     let cost = match raw.cost {
         None => Cost::Fixed(NonZeroU32::MIN),
         Some(raw::CostField::Fixed(cost)) => {
@@ -705,9 +824,13 @@ fn build_rule(
                 .and_then(|default| NonZeroU32::new(default.get_u32()))
                 .unwrap_or(NonZeroU32::MIN);
             if default > max {
-                return Err(plain(format!(
-                    "{url}#{index}: cost.default ({default}) is above cost.max ({max})"
-                )));
+                return Err(refuse(
+                    &["cost", "default"],
+                    ConfigErrorKind::CostDefaultAboveMax {
+                        default: default.get(),
+                        max: max.get(),
+                    },
+                ));
             }
             Cost::Header {
                 name: header.header.0,
@@ -723,11 +846,13 @@ fn build_rule(
         slices,
     };
     if u64::from(cost.max()) > algo.capacity(&limit) {
-        return Err(plain(format!(
-            "{url}#{index}: a cost of {} could never pass: the rule grants at most {} at once (rpu, or burst for TB and LB)",
-            cost.max(),
-            algo.capacity(&limit)
-        )));
+        return Err(refuse(
+            cost_field,
+            ConfigErrorKind::CostNeverPasses {
+                cost: cost.max(),
+                capacity: algo.capacity(&limit),
+            },
+        ));
     }
     let (lease, lease_auto) = match written {
         Lease::Fixed(lease) => (lease, false),
@@ -740,29 +865,33 @@ fn build_rule(
         }
     };
     if scope == Scope::Global && !algo.waits() && cost.max() > lease.get() {
-        return Err(plain(format!(
-            "{url}#{index}: a cost of {} is above the lease ({lease}): a global rule's callout asks for `lease` tokens, \
-             which must cover one request; set `lease` to at least {}",
-            cost.max(),
-            cost.max()
-        )));
+        return Err(refuse(
+            cost_field,
+            ConfigErrorKind::CostAboveLease {
+                cost: cost.max(),
+                lease: lease.get(),
+            },
+        ));
     }
     // What diana-quota would refuse is refused here, naming the field: a global counter
     // lives at most about a day (docs/wire-format.md, "Bounds").
     if scope == Scope::Global {
         if let Err(error) = wire::check_rule_limits(algo, &limit) {
-            return Err(plain(format!(
-                "{url}#{index}: {error}; the quota service refuses such a global rule (a bucket may span at most a day)"
-            )));
+            return Err(refuse(
+                &[error.field],
+                ConfigErrorKind::QuotaBounds {
+                    reason: error.reason,
+                },
+            ));
         }
     }
     let response_cost = match raw.response_cost {
         None => None,
         Some(_) if !algo.allows_debt() => {
-            return Err(plain(format!(
-                "{url}#{index}: response_cost does not apply to algo {}: a leaky bucket paces requests, it does not charge them afterwards",
-                algo.code()
-            )))
+            return Err(refuse(
+                &["response_cost"],
+                ConfigErrorKind::ResponseCostNotApplicable { algo: algo.code() },
+            ))
         }
         Some(raw) => Some(ResponseCost {
             header: raw.header.0,
@@ -771,9 +900,10 @@ fn build_rule(
     };
     let max_wait_seconds = match raw.max_wait_seconds {
         Some(_) if !algo.waits() => {
-            return Err(plain(format!(
-                "{url}#{index}: max_wait_seconds applies to algo LB (leaky bucket) only"
-            )))
+            return Err(refuse(
+                &["max_wait_seconds"],
+                ConfigErrorKind::MaxWaitNotApplicable { algo: algo.code() },
+            ))
         }
         Some(seconds) => seconds.0,
         None => DEFAULT_MAX_WAIT_SECONDS,
@@ -808,6 +938,7 @@ fn build_rule(
         id,
         actor_name,
         actor: def.source.clone(),
+        actor_spec: def.spec.clone(),
         identity: IdentityHasher::default(),
         algo,
         limit,

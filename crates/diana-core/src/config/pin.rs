@@ -15,7 +15,7 @@ use super::parse::{compose, is_json, parse_policy};
 use super::raw::{
     deserialize_str_with, IdentityKeyField, PinnedField, SecretField, SignatureField,
 };
-use super::{ConfigError, Pinned, Policy, RemoteSpec};
+use super::{ConfigError, ConfigErrorKind, Pinned, Policy, RemoteSpec};
 use crate::hash::IdentityKey;
 use serde::de::{
     self, DeserializeSeed, Deserializer, IgnoredAny, IntoDeserializer, MapAccess, SeqAccess,
@@ -37,10 +37,16 @@ pub enum RemoteError {
 }
 
 impl RemoteError {
-    pub fn message(&self) -> &str {
+    /// The refusal of the document itself (without what kind of refusal it is).
+    pub fn error(&self) -> &ConfigError {
         match self {
-            RemoteError::Invalid(error) | RemoteError::Refused(error) => &error.message,
+            RemoteError::Invalid(error) | RemoteError::Refused(error) => error,
         }
+    }
+
+    /// That refusal's message.
+    pub fn message(&self) -> String {
+        self.error().to_string()
     }
 }
 
@@ -147,7 +153,14 @@ fn check_pins(text: &str, local: &Policy) -> Result<Written, ConfigError> {
         )) {
             let position = (error.line() > 0).then(|| (error.line(), error.column()));
             let path = track.path().to_string();
-            return Err(compose(None, &path, &error.to_string(), position, false));
+            return Err(compose(
+                None,
+                &path,
+                &error.to_string(),
+                position,
+                false,
+                pinned,
+            ));
         }
         return Ok(written);
     }
@@ -166,10 +179,22 @@ fn check_pins(text: &str, local: &Policy) -> Result<Written, ConfigError> {
                 .map(|location| (location.line(), location.column()));
             let path = track.path().to_string();
             let label = multiple.then_some(index + 1);
-            return Err(compose(label, &path, &error.to_string(), position, true));
+            return Err(compose(
+                label,
+                &path,
+                &error.to_string(),
+                position,
+                true,
+                pinned,
+            ));
         }
     }
     Ok(written)
+}
+
+/// [`ConfigErrorKind::Pinned`].
+fn pinned(reason: String) -> ConfigErrorKind {
+    ConfigErrorKind::Pinned { reason }
 }
 
 /// Whether the local document lets a remote one change `pinned`.
@@ -601,7 +626,7 @@ mod tests {
 
     fn refused(text: &str, local: &Policy) -> String {
         match parse_remote(text, local) {
-            Err(RemoteError::Refused(error)) => error.message,
+            Err(RemoteError::Refused(error)) => error.to_string(),
             other => panic!("should be refused: {other:?}\n---\n{text}"),
         }
     }
@@ -847,7 +872,7 @@ mod tests {
         ];
         for (more, want) in cases {
             let text = format!("resources: [{{Url: /, rules: [{{rpu: 1}}]}}]\nremote:\n  cluster: c\n  path: /p\n  {more}\n");
-            let message = parse_policy(&text).map(|_| ()).expect_err(more).message;
+            let message = parse_policy(&text).map(|_| ()).expect_err(more).to_string();
             assert!(message.starts_with(want), "{message}");
             assert!(message.contains(" at line 5 column "), "{message}");
             assert!(

@@ -141,6 +141,8 @@ pub(super) struct RawFull {
     pub metrics: Option<Section<RawMetrics, SECTION_METRICS>>,
     /// The deployment's identity-hash secret (DESIGN §6), or `{env: NAME}`.
     pub identity_key: Option<Section<IdentityKeyField, SECTION_IDENTITY_KEY>>,
+    pub on_invalid_config:
+        Option<Section<super::model::OnInvalidConfig, SECTION_ON_INVALID_CONFIG>>,
 }
 
 /// `response_cost: {header: NAME, max: N}`.
@@ -471,6 +473,7 @@ pub(super) const SECTION_REMOTE: u8 = 3;
 pub(super) const SECTION_DRY_RUN: u8 = 4;
 pub(super) const SECTION_METRICS: u8 = 5;
 pub(super) const SECTION_IDENTITY_KEY: u8 = 6;
+pub(super) const SECTION_ON_INVALID_CONFIG: u8 = 7;
 
 fn section_name(id: u8) -> &'static str {
     match id {
@@ -480,6 +483,7 @@ fn section_name(id: u8) -> &'static str {
         SECTION_REMOTE => "remote",
         SECTION_DRY_RUN => "dry_run",
         SECTION_IDENTITY_KEY => "identity_key",
+        SECTION_ON_INVALID_CONFIG => "on_invalid_config",
         _ => "metrics",
     }
 }

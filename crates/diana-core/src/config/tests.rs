@@ -20,7 +20,7 @@ fn parse(text: &str) -> Policy {
 fn error(text: &str) -> String {
     match parse_policy(text) {
         Ok(policy) => panic!("document should be rejected: {policy:?}\n---\n{text}"),
-        Err(err) => err.message,
+        Err(err) => err.to_string(),
     }
 }
 
@@ -725,7 +725,7 @@ fn empty_documents_are_rejected_clearly() {
     ] {
         let message = parse_policy(text)
             .err()
-            .map(|err| err.message)
+            .map(|err| err.to_string())
             .unwrap_or_default();
         // `- []` is a sequence holding a non-block: a type error with a position.
         if text == "- []\n" {
@@ -796,22 +796,11 @@ fn what_the_quota_service_or_the_metrics_would_refuse_is_refused_at_load() {
     for i in 0..25 {
         many.push_str(&format!("      - {{name: b{i}, rpu: 5, scope: global}}\n"));
     }
-    for (text, expected) in [
-        (
-            "Url: /\nrules:\n  - {rpu: 1, max_wait_seconds: 5}\n".to_string(),
-            "/#0: max_wait_seconds applies to algo LB (leaky bucket) only",
-        ),
-        (
-            "Url: /\nrules:\n  - {rpu: 1, name: a-b}\n  - {rpu: 2, name: a_b}\n".to_string(),
-            "rule names `a-b` and `a_b` are both `a_b` in metric names: two rules would share their metrics",
-        ),
-        (
-            many.clone(),
-            "/api: a request to it would carry 65 global rules (its own and those of the resources above it); one callout carries at most 64",
-        ),
-    ] {
-        assert_eq!(error(&text), expected);
-    }
+    assert_eq!(
+        error(&many),
+        "resources[1].Url: a request to /api would carry 65 global rules (its own and those of the \
+         resources above it); one callout carries at most 64 at line 44 column 10"
+    );
     // 64 in all is fine.
     assert!(parse_policy(&many.replace("b24", "x").replacen(
         "      - {name: x, rpu: 5, scope: global}\n",
@@ -821,28 +810,240 @@ fn what_the_quota_service_or_the_metrics_would_refuse_is_refused_at_load() {
     .is_ok());
 }
 
+/// Every refusal that looks at more than one value names the field path and the line and
+/// column of the value, like the reader's own refusals (issue 22, item 3), in every form:
+/// `(document, kind, document label, path, line, column)`.
+#[test]
+fn checks_across_fields_name_the_field_path_and_position() {
+    use super::{ConfigErrorKind as K, Position};
+    let mut costly = String::from("resources:\n  - Url: /\n    rules:\n");
+    for i in 0..12 {
+        costly.push_str(&format!(
+            "      - {{name: r{i}, rpu: 1000000, unit: hour, scope: global, lease: 100000, cost: 100000}}\n"
+        ));
+    }
+    let mut many = String::from("resources:\n  - Url: /\n    rules:\n");
+    for i in 0..40 {
+        many.push_str(&format!("      - {{name: a{i}, rpu: 5, scope: global}}\n"));
+    }
+    many.push_str("  - Url: /api\n    rules:\n");
+    for i in 0..25 {
+        many.push_str(&format!("      - {{name: b{i}, rpu: 5, scope: global}}\n"));
+    }
+    let never = |cost, capacity| K::CostNeverPasses { cost, capacity };
+    let no_wait = K::MaxWaitNotApplicable { algo: "TB" };
+    /// `(document, kind, document label, path, line, column)`.
+    type Case = (String, K, Option<usize>, &'static str, usize, usize);
+    let table: Vec<Case> = vec![
+        // cost above what the rule grants at once: flow, block, header, sequence, JSON
+        ("Url: /\nrules:\n  - {rpu: 10, cost: 11}\n".into(), never(11, 10), None, "rules[0].cost", 3, 21),
+        ("Url: /\nrules:\n  - rpu: 10\n    cost: 11\n".into(), never(11, 10), None, "rules[0].cost", 4, 11),
+        (
+            "Url: /\nrules:\n  - {rpu: 5, algo: TB, burst: 8, cost: {header: x-cost, max: 9}}\n".into(),
+            never(9, 8),
+            None,
+            "rules[0].cost.max",
+            3,
+            62,
+        ),
+        (
+            "- Url: /a\n  rules: []\n- Url: /b\n  rules:\n    - rpu: 5\n      cost: 6\n".into(),
+            never(6, 5),
+            None,
+            "[1].rules[0].cost",
+            6,
+            13,
+        ),
+        (
+            "{\n  \"Url\": \"/\",\n  \"rules\": [\n    {\"rpu\": 1, \"cost\": {\"header\": \"x\", \"max\": 5}}\n  ]\n}".into(),
+            never(5, 1),
+            None,
+            "rules[0].cost.max",
+            4,
+            47,
+        ),
+        // cost above the lease of a global rule
+        (
+            "Url: /\nrules:\n  - {rpu: 100, scope: global, cost: 20}\n".into(),
+            K::CostAboveLease { cost: 20, lease: 1 },
+            None,
+            "rules[0].cost",
+            3,
+            37,
+        ),
+        (
+            "Url: /\nrules:\n  - {rpu: 100, scope: global, cost: {header: x-cost, max: 20}}\n".into(),
+            K::CostAboveLease { cost: 20, lease: 1 },
+            None,
+            "rules[0].cost.max",
+            3,
+            59,
+        ),
+        // cost.default above cost.max
+        (
+            "Url: /\nrules:\n  - {rpu: 10, cost: {header: x-cost, default: 5, max: 3}}\n".into(),
+            K::CostDefaultAboveMax { default: 5, max: 3 },
+            None,
+            "rules[0].cost.default",
+            3,
+            47,
+        ),
+        // response_cost on a leaky bucket
+        (
+            "Url: /\nrules:\n  - rpu: 10\n    algo: LB\n    response_cost: {header: x, max: 5}\n".into(),
+            K::ResponseCostNotApplicable { algo: "LB" },
+            None,
+            "rules[0].response_cost",
+            5,
+            20,
+        ),
+        // max_wait_seconds on anything but a leaky bucket: flow, full form, second document, JSON
+        ("Url: /\nrules:\n  - {rpu: 1, max_wait_seconds: 5}\n".into(), no_wait.clone(), None, "rules[0].max_wait_seconds", 3, 32),
+        (
+            "resources:\n  - Url: /\n    rules:\n      - rpu: 1\n        max_wait_seconds: 5\n".into(),
+            no_wait.clone(),
+            None,
+            "resources[0].rules[0].max_wait_seconds",
+            5,
+            27,
+        ),
+        (
+            "Url: /\nrules: []\n---\nUrl: /x\nrules:\n  - rpu: 1\n    max_wait_seconds: 3\n".into(),
+            no_wait.clone(),
+            Some(2),
+            "rules[0].max_wait_seconds",
+            7,
+            23,
+        ),
+        (
+            r#"{"Url": "/", "rules": [{"rpu": 1, "max_wait_seconds": 5}]}"#.into(),
+            no_wait,
+            None,
+            "rules[0].max_wait_seconds",
+            1,
+            55,
+        ),
+        // what the quota service refuses: a bucket spanning more than a day
+        (
+            "resources: [{Url: /, rules: [{algo: TB, rpu: 1, unit: day, burst: 5, scope: global}]}]\n".into(),
+            K::QuotaBounds {
+                reason: "5 at 1 per day spans 432000 s (burst × unit / rpu), more than a day (86400 s): at most 1 at this rate".into(),
+            },
+            None,
+            "resources[0].rules[0].burst",
+            1,
+            67,
+        ),
+        // names: the later rule's name, or the rule itself when its name is the default
+        (
+            "Url: /\nrules:\n  - {rpu: 1, name: a-b}\n  - {rpu: 2, name: a_b}\n".into(),
+            K::MetricNameClash { first: "a-b".into(), second: "a_b".into() },
+            None,
+            "rules[1].name",
+            4,
+            20,
+        ),
+        (
+            "Url: /\nrules:\n  - {rpu: 1}\n  - {rpu: 2, name: \"/#0\"}\n".into(),
+            K::DuplicateRuleName { name: "/#0".into() },
+            None,
+            "rules[1].name",
+            4,
+            20,
+        ),
+        (
+            "Url: /\nrules:\n  - {rpu: 1, name: \"/#1\"}\n  - {rpu: 2}\n".into(),
+            K::DuplicateRuleName { name: "/#1".into() },
+            None,
+            "rules[1]",
+            4,
+            5,
+        ),
+        // what one callout could not carry: the resource's Url
+        (
+            costly,
+            K::TokensPerCallout { url: "/".into(), tokens: 1_200_000, most: 1_000_000 },
+            None,
+            "resources[0].Url",
+            2,
+            10,
+        ),
+        (
+            many,
+            K::RulesPerCallout { url: "/api".into(), rules: 65, most: 64 },
+            None,
+            "resources[1].Url",
+            44,
+            10,
+        ),
+        // no resources, in a document that has the section
+        ("resources: []\n".into(), K::NoResources, None, "resources", 1, 12),
+    ];
+    for (text, kind, document, path, line, column) in table {
+        let error = parse_policy(&text).expect_err(&text);
+        assert_eq!(
+            (
+                &error.kind,
+                error.document,
+                error.path.as_str(),
+                error.position
+            ),
+            (&kind, document, path, Some(Position { line, column })),
+            "{text}\n  -> {error}"
+        );
+        let label = document.map_or_else(String::new, |n| format!("document {n}: "));
+        assert_eq!(
+            error.to_string(),
+            format!("{label}{path}: {kind} at line {line} column {column}"),
+        );
+    }
+}
+
+/// The error is a value: what is wrong, where, and one line for logs (today's format).
+#[test]
+fn config_errors_are_typed_and_display_as_one_line() {
+    use super::{ConfigErrorKind, Position};
+    let error = parse_policy("Url: /\nrules:\n  - rpu: 0\n").unwrap_err();
+    assert_eq!(error.path, "rules[0].rpu");
+    assert_eq!(
+        error.position,
+        Some(Position {
+            line: 3,
+            column: 10
+        })
+    );
+    assert_eq!(error.document, None);
+    assert!(
+        matches!(&error.kind, ConfigErrorKind::Invalid { reason } if reason.contains("nonzero"))
+    );
+    assert_eq!(
+        error.to_string(),
+        "rules[0].rpu: invalid value: integer `0`, expected a nonzero u32 at line 3 column 10"
+    );
+    assert_eq!(error.message(), error.to_string());
+    let source: &dyn std::error::Error = &error;
+    assert_eq!(source.to_string(), error.to_string());
+
+    let syntax = parse_policy("Url: /\nrules: [\n").unwrap_err();
+    assert!(
+        matches!(syntax.kind, ConfigErrorKind::Syntax { .. }),
+        "{syntax:?}"
+    );
+    assert!(syntax.to_string().starts_with("invalid YAML: "), "{syntax}");
+    assert!(syntax.position.is_some(), "{syntax:?}");
+
+    // Small enough to return by value (clippy's `result_large_err` draws the line at 128).
+    assert!(std::mem::size_of::<super::ConfigError>() <= 128);
+
+    let empty = parse_policy("").unwrap_err();
+    assert_eq!(
+        (empty.kind.clone(), empty.path.as_str(), empty.position),
+        (ConfigErrorKind::NoResources, "", None)
+    );
+}
+
 #[test]
 fn costs_are_checked_against_the_limit_the_lease_and_the_algorithm() {
-    for (text, expected) in [
-        (
-            "Url: /\nrules:\n  - {rpu: 10, cost: 11}\n",
-            "/#0: a cost of 11 could never pass: the rule grants at most 10 at once (rpu, or burst for TB and LB)",
-        ),
-        (
-            "Url: /\nrules:\n  - {rpu: 100, scope: global, cost: {header: x-cost, max: 20}}\n",
-            "/#0: a cost of 20 is above the lease (1): a global rule's callout asks for `lease` tokens, which must cover one request; set `lease` to at least 20",
-        ),
-        (
-            "Url: /\nrules:\n  - {rpu: 10, algo: LB, response_cost: {header: x-tokens, max: 5}}\n",
-            "/#0: response_cost does not apply to algo LB: a leaky bucket paces requests, it does not charge them afterwards",
-        ),
-        (
-            "Url: /\nrules:\n  - {rpu: 10, cost: {header: x-cost, default: 5, max: 3}}\n",
-            "/#0: cost.default (5) is above cost.max (3)",
-        ),
-    ] {
-        assert_eq!(error(text), expected);
-    }
     for (text, pieces) in [
         (
             "Url: /\nrules:\n  - {rpu: 10, cost: 0}\n",
@@ -961,14 +1162,14 @@ fn global_token_is_a_secret_from_the_document_or_the_environment() {
 
     // Too short: refused with its position, never its value.
     let short = "resources: [{Url: /, rules: [{rpu: 1}]}]\nglobal: {token: hunter2hunter2}\n";
-    let error = parse_policy(short).expect_err("short").message;
+    let error = parse_policy(short).expect_err("short").to_string();
     assert!(error.contains("global.token"), "{error}");
     assert!(error.contains("at least 32 bytes"), "{error}");
     assert!(!error.contains("hunter2"), "{error}");
 
     // From the environment: a missing variable is named.
     let env = "resources: [{Url: /, rules: [{rpu: 1}]}]\nglobal: {token: {env: DIANA_TEST_UNSET_TOKEN_VAR}}\n";
-    let error = parse_policy(env).expect_err("unset").message;
+    let error = parse_policy(env).expect_err("unset").to_string();
     assert!(error.contains("DIANA_TEST_UNSET_TOKEN_VAR"), "{error}");
     assert!(error.contains("global.token"), "{error}");
 }
@@ -1062,7 +1263,7 @@ fn global_rules_the_quota_service_would_refuse_are_refused_at_load() {
     // can live. The same rule is fine locally.
     let global =
         "resources: [{Url: /, rules: [{algo: TB, rpu: 1, unit: day, burst: 5, scope: global}]}]\n";
-    let error = parse_policy(global).expect_err("refused").message;
+    let error = parse_policy(global).expect_err("refused").to_string();
     assert!(error.contains("burst"), "{error}");
     assert!(error.contains("quota service"), "{error}");
     let local = "resources: [{Url: /, rules: [{algo: TB, rpu: 1, unit: day, burst: 5}]}]\n";
@@ -1074,6 +1275,6 @@ fn global_rules_the_quota_service_would_refuse_are_refused_at_load() {
             "      - {{name: r{i}, rpu: 1000000, unit: hour, scope: global, lease: 100000, cost: 100000}}\n"
         ));
     }
-    let error = parse_policy(&doc).expect_err("refused").message;
+    let error = parse_policy(&doc).expect_err("refused").to_string();
     assert!(error.contains("1000000"), "{error}");
 }

@@ -12,14 +12,14 @@ use std::sync::{Arc, Barrier};
 const S: Nanos = NANOS_PER_SECOND;
 
 /// A fixed instant well inside a minute window: 2026-01-01T00:00:00Z + 1s.
-const T0: Nanos = 1_767_225_601 * S;
+const T0: Instant = 1_767_225_601 * S;
 
 struct Harness {
     engine: Engine,
     host: MemoryHost,
     metrics: CountingMetrics,
     service: MemoryQuota,
-    now: Nanos,
+    now: Instant,
 }
 
 impl Harness {
@@ -361,7 +361,7 @@ fn a_rejected_request_gives_back_its_leaky_bucket_turn() {
     }
     // Two turns reserved, not seven: the queue is back to idle 200 ms later.
     h.now += 2 * S / 10;
-    let rule = h.engine.rule(0).unwrap();
+    let rule = h.engine.policy().rule(0).unwrap();
     let state = h
         .engine
         .local
@@ -614,7 +614,10 @@ fn a_refused_credential_or_any_4xx_never_opens_the_breaker_whatever_its_body() {
 fn a_failing_service_degrades_to_local_and_the_breaker_probes_after_retry_seconds() {
     for failure in [
         Reply::NoAnswer,
-        Reply::NotSent("BadArgument".into()),
+        Reply::NotSent(crate::decision::DispatchError::Refused {
+            upstream: "diana_quota".into(),
+            status: "BadArgument".into(),
+        }),
         Reply::Answered {
             status: 503,
             body: Some(b"{\"error\":\"overloaded\"}".to_vec()),
@@ -696,7 +699,7 @@ impl Worker {
     }
 
     /// Decides a request for `/` at `now`.
-    fn request(&mut self, host: &MemoryHost, now: Nanos) -> EngineDecision {
+    fn request(&mut self, host: &MemoryHost, now: Instant) -> EngineDecision {
         self.engine
             .evaluate(host, b"/", &Facts::default(), Some(now), &mut self.metrics)
     }
@@ -706,14 +709,14 @@ impl Worker {
         host: &MemoryHost,
         pending: Pending,
         reply: Reply,
-        now: Nanos,
+        now: Instant,
     ) -> EngineDecision {
         self.engine
             .complete(host, pending, reply, Some(now), &mut self.metrics)
     }
 
     /// Calls for a request to `/`, which the service denies for 30 s.
-    fn denied(&mut self, host: &MemoryHost, now: Nanos) {
+    fn denied(&mut self, host: &MemoryHost, now: Instant) {
         let (_, pending) = call(self.request(host, now));
         let answer = self.complete(host, pending, answered(vec![denied(30_000)]), now);
         assert!(matches!(answer, Decision::Reject(_)));
@@ -1221,7 +1224,7 @@ fn a_busy_counter_is_charged_in_batches_without_host_calls_and_stays_exact() {
         assert!(reads <= 80, "{algo}: {reads} reads for 1000 requests");
         // The worker's tick gives the unspent tokens back: the counter holds exactly 1000.
         h.engine.tick(&h.host, Some(h.now + S));
-        let rule = h.engine.rule(0).unwrap();
+        let rule = h.engine.policy().rule(0).unwrap();
         let mut state = h
             .engine
             .local
@@ -1611,4 +1614,190 @@ fn refills_ahead_stay_exact_at_the_limit_and_requests_park_behind_one_in_flight(
             "{algo}: the refill served the parked request"
         );
     }
+}
+
+/// The rate-limit fields of a rejection: `Retry-After`, `X-RateLimit-Reset` and the
+/// IETF `RateLimit` field's `t` (`None` where the style leaves a field out).
+fn waits(rejection: &Rejection) -> (Option<u64>, Option<u64>, Option<u64>) {
+    let number = |name: &str| header(rejection, name).and_then(|v| v.parse().ok());
+    let t = header(rejection, "ratelimit")
+        .and_then(|v| v.rsplit(";t=").next())
+        .and_then(|t| t.parse().ok());
+    (number("retry-after"), number("x-ratelimit-reset"), t)
+}
+
+/// W 5/minute: five requests at T0 (one second into a minute), then more from five seconds
+/// on. The 6th is computed (the counter, or the quota service); later ones within 100 ms
+/// are answered from what the worker or the gateway remembers of that denial. Every one
+/// says the real wait, 54 s (the window ends at :60), in every header style — not the
+/// memory's own life (`Retry-After: 1` before).
+#[test]
+fn every_rejection_says_the_real_wait_computed_or_remembered_in_every_style() {
+    let rules = [
+        ("local", "algo: W"),
+        ("global, lease 1", "algo: W, scope: global"),
+        ("global, lease 10", "algo: W, scope: global, lease: 10"),
+    ];
+    let styles = [
+        ("x-ratelimit", true, false),
+        ("ietf", false, true),
+        ("both", true, true),
+    ];
+    // Offsets after T0 + 5 s: computed, then remembered (the worker's memory lasts 100 ms).
+    let offsets = [0, S / 20, 80 * S / 1000, 99 * S / 1000];
+    for (label, rule) in rules {
+        for (style, legacy, ietf) in styles {
+            let doc = format!(
+                "resources:\n  - Url: /\n    rules: [{{name: w, rpu: 5, unit: minute, {rule}}}]\nresponse: {{header_style: {style}}}\n"
+            );
+            let mut h = Harness::new(&doc);
+            assert_eq!(h.admitted("/", &Facts::default(), 5), 5, "{label}");
+            for (n, offset) in offsets.into_iter().enumerate() {
+                h.now = T0 + 5 * S + offset;
+                let rejection = rejection(h.request("/", &Facts::default()));
+                let expected = (Some(54), legacy.then_some(54), ietf.then_some(54));
+                assert_eq!(
+                    waits(&rejection),
+                    expected,
+                    "{label}, {style}: request {} at +{offset} ns: {:?}",
+                    n + 6,
+                    rejection.headers
+                );
+            }
+        }
+    }
+}
+
+/// The same for algorithms whose wait depends on the time left and the cost (sliding
+/// window, token bucket): a worker's remembered answer is what a worker with no memory
+/// computes from the counter at the same instant.
+#[test]
+fn a_remembered_denial_answers_what_the_counter_says_at_that_instant() {
+    for algo in ["W", "SW", "TB"] {
+        let doc = format!(
+            "resources:\n  - Url: /\n    rules: [{{name: r, rpu: 5, unit: minute, algo: {algo}}}]\nresponse: {{header_style: both}}\n"
+        );
+        let mut h = Harness::new(&doc);
+        let mut fresh = Worker::new(&doc);
+        assert_eq!(h.admitted("/", &Facts::default(), 5), 5, "{algo}");
+        h.now = T0 + 5 * S;
+        let computed = rejection(h.request("/", &Facts::default()));
+        for offset in [S / 20, 99 * S / 1000] {
+            h.now = T0 + 5 * S + offset;
+            let before = h.host.calls();
+            let remembered = rejection(h.request("/", &Facts::default()));
+            assert_eq!(h.host.calls(), before, "{algo}: answered from memory");
+            let counted = rejection(fresh.request(&h.host, h.now));
+            assert_eq!(waits(&remembered), waits(&counted), "{algo} +{offset}");
+            assert!(
+                waits(&remembered).0 > Some(1),
+                "{algo}: {:?}",
+                remembered.headers
+            );
+        }
+        assert!(
+            waits(&computed).0 > Some(1),
+            "{algo}: {:?}",
+            computed.headers
+        );
+    }
+}
+
+/// A request takes a local token from its worker's batch, then waits for its global
+/// callout; meanwhile the worker's tick retires the batch (its span ended). The service
+/// denies: the token goes back to the shared counter, which then admits exactly the 999
+/// the first request left (998 before: the token was dropped with the retired batch).
+#[test]
+fn a_token_from_a_batch_retired_during_the_callout_goes_back_when_the_request_is_rejected() {
+    let doc = "resources:\n  - Url: /\n    rules: [{name: site, rpu: 1000, unit: hour, algo: W}]\n  - Url: /g\n    rules: [{name: g, rpu: 10, unit: minute, scope: global}]\n";
+    let mut h = Harness::new(doc);
+    assert!(admits(&h.request("/", &Facts::default())));
+    // The second request's local charge takes a batch (999 left: 62 beyond its own).
+    let (_, pending) = call(h.evaluate("/g", &Facts::default()));
+    h.now += S;
+    assert_eq!(
+        h.engine.tick(&h.host, Some(h.now)),
+        62,
+        "the idle batch is retired, its unspent tokens returned"
+    );
+    assert!(matches!(
+        h.complete(pending, answered(vec![denied(30_000)])),
+        Decision::Reject(_)
+    ));
+    assert_eq!(h.admitted("/", &Facts::default(), 1_100), 999);
+}
+
+/// Identities whose lease stashes share a slot (`slots: 1`: every identity in slot 0).
+fn same_slot(rpu: u32) -> String {
+    format!("resources:\n  - Url: /\n    rules: [{{actor: ip, rpu: {rpu}, unit: minute, scope: global, lease: 10, slots: 1}}]\n")
+}
+
+fn ip(last: u8) -> Facts {
+    Facts::default().ip(format!("10.0.0.{last}").as_bytes())
+}
+
+/// Three identities in one stash slot each get a lease of 10: each spends its own nine
+/// spare tokens without another callout (two in the slot's ways, the third in its
+/// worker's batch); before, each grant overwrote the record, and the tokens the service
+/// had charged for the others were lost (and called for again).
+#[test]
+fn identities_sharing_a_stash_slot_keep_their_own_tokens() {
+    let mut h = Harness::new(&same_slot(100));
+    for last in 1..=3 {
+        assert!(admits(&h.request("/", &ip(last))));
+    }
+    assert_eq!(h.service.calls(), 3);
+    for last in 1..=3 {
+        assert_eq!(h.admitted("/", &ip(last), 9), 9, "10.0.0.{last}");
+    }
+    assert_eq!(
+        h.service.calls(),
+        3,
+        "every spare token spent, none asked again"
+    );
+    // The next request of each asks the service.
+    assert!(matches!(h.evaluate("/", &ip(1)), Decision::Call(..)));
+}
+
+/// One identity's denial, cached in the slot it shares, neither destroys another's tokens
+/// nor is destroyed by another's grant.
+#[test]
+fn a_denial_cached_in_a_shared_stash_slot_keeps_the_other_identitys_tokens() {
+    let mut h = Harness::new(&same_slot(10));
+    let (a, b) = (ip(1), ip(2));
+    assert!(admits(&h.request("/", &a)));
+    assert!(admits(&h.request("/", &b)));
+    assert_eq!(h.admitted("/", &a, 9), 9);
+    // a's limit is spent: the service denies it, and the denial is cached.
+    assert!(matches!(h.request("/", &a), Decision::Reject(_)));
+    assert_eq!(h.service.calls(), 3);
+    // b still spends its nine spare tokens; a is still denied without a callout.
+    assert_eq!(h.admitted("/", &b, 9), 9);
+    h.now += S / 5;
+    assert!(matches!(h.evaluate("/", &a), Decision::Reject(_)));
+    assert_eq!(h.service.calls(), 3);
+}
+
+/// A token bucket's wait grows with the cost: a remembered denial of a request of cost 1
+/// does not answer one of cost 3 (which reads the counter and is told its own wait).
+#[test]
+fn a_remembered_denial_answers_only_requests_of_the_cost_it_was_about() {
+    let doc = "Url: /\nrules:\n  - {name: r, algo: TB, rpu: 6, unit: minute, cost: {header: x-cost, default: 1, max: 6}}\n";
+    let mut h = Harness::new(doc);
+    let mut fresh = Worker::new(doc);
+    let cost = |value: &[u8]| Facts::default().header("x-cost", value);
+    assert!(admits(&h.request("/", &cost(b"6"))));
+    let one = rejection(h.request("/", &cost(b"1")));
+    h.now += S / 20;
+    let three = rejection(h.request("/", &cost(b"3")));
+    let counted = rejection(fresh.engine.evaluate(
+        &h.host,
+        b"/",
+        &cost(b"3"),
+        Some(h.now),
+        &mut fresh.metrics,
+    ));
+    assert_eq!(waits(&one).0, Some(10), "one token back in 10 s");
+    assert_eq!(waits(&three), waits(&counted));
+    assert_eq!(waits(&three).0, Some(30), "three tokens back in 30 s");
 }

@@ -14,7 +14,7 @@
 //! rules local for at most one retry period more.
 
 use crate::store::{decode_u64, SharedData, Store};
-use crate::time::{Nanos, NANOS_PER_SECOND};
+use crate::time::{Instant, Nanos, NANOS_PER_SECOND};
 use std::cell::Cell;
 
 /// The shared-data key of the circuit breaker.
@@ -51,7 +51,7 @@ impl Breaker {
     }
 
     /// `open_until`, from the cache while it is fresh and said "closed", else from the host.
-    fn open_until(&self, store: &Store, host: &dyn SharedData, now: Nanos) -> Nanos {
+    fn open_until(&self, store: &Store, host: &dyn SharedData, now: Instant) -> Instant {
         let (trusted_until, open_until) = self.cached.get();
         if open_until == 0 && now < trusted_until && trusted_until - now <= BREAKER_CACHE {
             return 0;
@@ -61,20 +61,20 @@ impl Breaker {
         open_until
     }
 
-    fn remember(&self, open_until: Nanos, now: Nanos) {
+    fn remember(&self, open_until: Instant, now: Instant) {
         self.cached
             .set((now.saturating_add(BREAKER_CACHE), open_until));
     }
 
     /// A stored instant is due at `now`, or cannot come from this clock.
-    fn due(&self, open_until: Nanos, now: Nanos) -> bool {
+    fn due(&self, open_until: Instant, now: Instant) -> bool {
         now >= open_until || open_until - now > 2 * self.retry
     }
 
     /// Whether a request that needs the service may call it. A request that finds the
     /// retry period over claims the probe by pushing `open_until` forward, so that the
     /// other workers stay local until the probe answers.
-    pub fn gate(&self, store: &Store, host: &dyn SharedData, now: Nanos) -> Gate {
+    pub fn gate(&self, store: &Store, host: &dyn SharedData, now: Instant) -> Gate {
         let open_until = self.open_until(store, host, now);
         if open_until == 0 {
             return Gate::Call;
@@ -97,16 +97,16 @@ impl Breaker {
     }
 
     /// Opens the breaker for one retry period; true when it was closed (a switch to log).
-    pub fn open(&self, store: &Store, host: &dyn SharedData, now: Nanos) -> bool {
+    pub fn open(&self, store: &Store, host: &dyn SharedData, now: Instant) -> bool {
         self.set(store, host, now.saturating_add(self.retry).max(1), now)
     }
 
     /// Closes the breaker; true when it was open.
-    pub fn close(&self, store: &Store, host: &dyn SharedData, now: Nanos) -> bool {
+    pub fn close(&self, store: &Store, host: &dyn SharedData, now: Instant) -> bool {
         self.set(store, host, 0, now)
     }
 
-    fn set(&self, store: &Store, host: &dyn SharedData, open_until: Nanos, now: Nanos) -> bool {
+    fn set(&self, store: &Store, host: &dyn SharedData, open_until: Instant, now: Instant) -> bool {
         self.remember(open_until, now);
         store
             .update(host, BREAKER_KEY, |current| {

@@ -21,7 +21,7 @@
 //! call out on their own), one flight per key of a request in flight, one entry per woken
 //! request that has not planned again.
 
-use crate::time::{Nanos, NANOS_PER_SECOND};
+use crate::time::{Instant, Nanos, NANOS_PER_SECOND};
 use hashbrown::HashMap;
 use smallvec::SmallVec;
 use std::cell::RefCell;
@@ -47,7 +47,7 @@ const EXPECTED_TTL: Nanos = NANOS_PER_SECOND;
 #[derive(Debug)]
 struct Flight {
     /// When the flight counts as lost.
-    deadline: Nanos,
+    deadline: Instant,
     /// Parked requests and their cost for this key, in arrival order.
     riders: SmallVec<[(RiderId, u32); 4]>,
 }
@@ -57,7 +57,7 @@ struct Flight {
 struct Waking {
     key: FlightKey,
     cost: u32,
-    woken_at: Nanos,
+    woken_at: Instant,
 }
 
 #[derive(Debug, Default)]
@@ -109,7 +109,7 @@ impl Flights {
     }
 
     /// Marks `keys` as in flight until they land or `deadline` (plus a grace) passes.
-    pub fn take_off(&self, keys: &[FlightKey], deadline: Nanos) {
+    pub fn take_off(&self, keys: &[FlightKey], deadline: Instant) {
         let Ok(mut inner) = self.inner.try_borrow_mut() else {
             return;
         };
@@ -141,7 +141,7 @@ impl Flights {
 
     /// The flights of `keys` have landed (answered, failed or abandoned): their riders are
     /// woken.
-    pub fn land(&self, keys: &[FlightKey], now: Nanos) {
+    pub fn land(&self, keys: &[FlightKey], now: Instant) {
         let Ok(mut inner) = self.inner.try_borrow_mut() else {
             return;
         };
@@ -154,7 +154,7 @@ impl Flights {
 
     /// Lands the flights whose answer is overdue (their request vanished unannounced), and
     /// forgets stale expected demands.
-    pub fn land_overdue(&self, now: Nanos) {
+    pub fn land_overdue(&self, now: Instant) {
         let Ok(mut inner) = self.inner.try_borrow_mut() else {
             return;
         };
@@ -216,7 +216,7 @@ impl Flights {
 }
 
 impl Inner {
-    fn wake(&mut self, key: FlightKey, flight: Flight, now: Nanos) {
+    fn wake(&mut self, key: FlightKey, flight: Flight, now: Instant) {
         for (rider, cost) in flight.riders {
             self.woken.push(rider);
             self.waking.insert(

@@ -31,11 +31,11 @@ use crate::decision::{Callout, Reply};
 use crate::metrics::{Event, MetricSink};
 use crate::response::RuleReport;
 use crate::store::{SharedData, SlotAddress, Store};
-use crate::time::{ceil_seconds, ceil_seconds_at_least_one, Nanos};
+use crate::time::{ceil_seconds, ceil_seconds_at_least_one, Instant, Nanos};
 use breaker::{Breaker, Gate};
 use debts::{Debt, Owed};
 use flights::{FlightKey, Flights, RiderId};
-use stash::{Grant, Refill, Stash, StashReceipt, Take};
+use stash::{Grant, RefillOrder, Stash, StashReceipt, Take};
 use std::cell::{Cell, RefCell};
 use wire::{AcquireRequest, AcquireResponse, ErrorResponse, RuleRequest, RuleResult};
 
@@ -92,7 +92,7 @@ pub struct GlobalCharge {
 
 /// What one global rule said about an admitted request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome {
+pub enum Admission {
     /// The rule admits (and was charged). No report when leased tokens paid.
     Admitted {
         index: usize,
@@ -114,13 +114,13 @@ pub struct Denial {
 #[derive(Debug)]
 pub enum Plan {
     /// Decided without a call.
-    Done(Vec<Outcome>),
+    Done(Vec<Admission>),
     /// A cached denial rejects the request.
-    Rejected(Denial, Vec<Outcome>),
+    Rejected(Denial, Vec<Admission>),
     /// The breaker keeps these rules local: enforce them with the same parameters. The
     /// leased tokens already taken must be given back if the request is rejected.
     Degrade {
-        outcomes: Vec<Outcome>,
+        outcomes: Vec<Admission>,
         local: Vec<GlobalCharge>,
         served: Vec<StashReceipt>,
     },
@@ -129,7 +129,7 @@ pub enum Plan {
     Park(RiderId),
     /// Make this call; interpret its reply with the [`Asked`].
     Call {
-        outcomes: Vec<Outcome>,
+        outcomes: Vec<Admission>,
         callout: Callout,
         asked: Asked,
     },
@@ -174,8 +174,8 @@ pub enum Payment {
 /// What the answer to a callout means.
 #[derive(Debug)]
 pub enum Interpretation {
-    Done(Vec<Outcome>),
-    Rejected(Denial, Vec<Outcome>),
+    Done(Vec<Admission>),
+    Rejected(Denial, Vec<Admission>),
     /// The service could not decide: enforce these rules locally. The leased tokens
     /// already taken must be given back if the request is rejected.
     Degrade {
@@ -186,11 +186,52 @@ pub enum Interpretation {
 
 /// Why a reply could not be believed.
 enum Failure {
-    /// The service refused what was sent (4xx): it should have been refused at load.
+    /// The service refused what was sent (4xx): its status and its own reason.
     Refused(u16, String),
-    /// The service is unavailable or answered something that does not match.
-    Unavailable(String),
-    Invalid(String),
+    /// The service could not be asked, or did not answer.
+    Unavailable(Unavailable),
+    /// The service answered something that does not match what was asked.
+    Invalid(InvalidAnswer),
+}
+
+/// Why the quota service could not decide.
+#[derive(Debug)]
+enum Unavailable {
+    NotSent(crate::decision::DispatchError),
+    /// Timeout, connection refused or reset.
+    NoAnswer,
+    /// An answer with a status other than 200 or 4xx.
+    Status(u16),
+}
+
+impl std::fmt::Display for Unavailable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Unavailable::NotSent(error) => write!(f, "callout not sent: {error}"),
+            Unavailable::NoAnswer => f.write_str("no answer (timeout or connection failure)"),
+            Unavailable::Status(status) => write!(f, "status {status}"),
+        }
+    }
+}
+
+/// What is wrong with an answer.
+#[derive(Debug)]
+enum InvalidAnswer {
+    TooLarge,
+    /// Not the wire format's JSON.
+    Unreadable(serde_json::Error),
+    /// Valid JSON that does not answer what was asked (the wire check's reason).
+    Mismatch(String),
+}
+
+impl std::fmt::Display for InvalidAnswer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            InvalidAnswer::TooLarge => write!(f, "answer larger than {MAX_ANSWER_BYTES} bytes"),
+            InvalidAnswer::Unreadable(error) => write!(f, "unreadable answer: {error}"),
+            InvalidAnswer::Mismatch(reason) => f.write_str(reason),
+        }
+    }
 }
 
 /// The global half of one policy's evaluation, per VM.
@@ -206,7 +247,7 @@ pub struct Global {
     /// Response costs owed to the service, sent from the tick.
     owed: Owed,
     /// Stashes running low, to refill ahead from the tick (see [`Global::plan_refills`]).
-    refills: RefCell<Vec<(GlobalCharge, Refill)>>,
+    refills: RefCell<Vec<(GlobalCharge, RefillOrder)>>,
     /// A refusal or an invalid answer was logged by this VM (each is logged once).
     refusal_logged: Cell<bool>,
     invalid_logged: Cell<bool>,
@@ -239,7 +280,7 @@ impl Global {
         host: &dyn SharedData,
         policy: &Policy,
         charges: &[GlobalCharge],
-        now: Nanos,
+        now: Instant,
         metrics: &mut dyn MetricSink,
     ) -> Plan {
         let mut outcomes = Vec::new();
@@ -259,16 +300,16 @@ impl Global {
                         self.order_refill(charge, refill);
                     }
                     served.push(receipt);
-                    outcomes.push(Outcome::Admitted {
+                    outcomes.push(Admission::Admitted {
                         index: charge.index,
                         report: None,
                         delay: 0,
                     });
                 }
-                Take::Denied(until) => {
+                Take::Denied { retry_at, reset_at } => {
                     metrics.event(Event::CachedDenial);
                     if self.dry_run(rule) {
-                        outcomes.push(Outcome::WouldDeny {
+                        outcomes.push(Admission::WouldDeny {
                             index: charge.index,
                         });
                         continue;
@@ -277,8 +318,10 @@ impl Global {
                     let report = RuleReport {
                         limit: rule.limit.rpu.get(),
                         remaining: 0,
-                        reset_seconds: ceil_seconds(until - now),
-                        retry_after_seconds: ceil_seconds_at_least_one(until - now),
+                        reset_seconds: ceil_seconds(reset_at.saturating_sub(now)),
+                        retry_after_seconds: ceil_seconds_at_least_one(
+                            retry_at.saturating_sub(now),
+                        ),
                     };
                     return Plan::Rejected(
                         Denial {
@@ -383,7 +426,7 @@ impl Global {
     /// left: in the steady state a request never waits for a callout. Only where requests
     /// can wait on a flight (Envoy): the call is a flight, and the requests that empty the
     /// stash before its answer park behind it instead of calling too.
-    fn order_refill(&self, charge: &GlobalCharge, refill: Refill) {
+    fn order_refill(&self, charge: &GlobalCharge, refill: RefillOrder) {
         if !self.can_pause
             || self
                 .flights
@@ -394,7 +437,7 @@ impl Global {
         let Ok(mut orders) = self.refills.try_borrow_mut() else {
             return;
         };
-        let same = |(order, _): &(GlobalCharge, Refill)| {
+        let same = |(order, _): &(GlobalCharge, RefillOrder)| {
             order.index == charge.index && order.address.fingerprint == charge.address.fingerprint
         };
         if orders.len() < MAX_REFILL_ORDERS && !orders.iter().any(same) {
@@ -416,10 +459,10 @@ impl Global {
         &self,
         policy: &Policy,
         host: &dyn SharedData,
-        now: Nanos,
+        now: Instant,
         metrics: &mut dyn MetricSink,
     ) -> Vec<(Callout, Asked)> {
-        let orders: Vec<(GlobalCharge, Refill)> = match self.refills.try_borrow_mut() {
+        let orders: Vec<(GlobalCharge, RefillOrder)> = match self.refills.try_borrow_mut() {
             Ok(mut orders) => orders.drain(..).collect(),
             Err(_) => return Vec::new(),
         };
@@ -541,7 +584,7 @@ impl Global {
         policy: &Policy,
         asked: Asked,
         reply: Reply,
-        now: Nanos,
+        now: Instant,
         metrics: &mut dyn MetricSink,
     ) -> Interpretation {
         self.flights.land(&asked.flying, now);
@@ -604,9 +647,10 @@ impl Global {
                 );
             }
             if !result.allowed {
-                let until =
-                    now.saturating_add(result.retry_after_ms.saturating_mul(NANOS_PER_MILLI));
-                self.stash.deny(host, rule, charge.address, until, now);
+                let at = |ms: u64| now.saturating_add(ms.saturating_mul(NANOS_PER_MILLI));
+                let (retry_at, reset_at) = (at(result.retry_after_ms), at(result.reset_ms));
+                self.stash
+                    .deny(host, rule, charge.address, retry_at, reset_at, now);
             }
             if took > 0 {
                 let delay = result.delay_ms.saturating_mul(NANOS_PER_MILLI);
@@ -622,13 +666,13 @@ impl Global {
                     });
                     continue;
                 }
-                outcomes.push(Outcome::Admitted {
+                outcomes.push(Admission::Admitted {
                     index: charge.index,
                     report: Some(report),
                     delay,
                 });
             } else if !result.allowed && self.dry_run(rule) {
-                outcomes.push(Outcome::WouldDeny {
+                outcomes.push(Admission::WouldDeny {
                     index: charge.index,
                 });
             } else if !result.allowed && denial.is_none() {
@@ -642,9 +686,9 @@ impl Global {
             None => Interpretation::Done(outcomes),
             Some(denial) => {
                 self.give_back(host, policy, &asked.served, now);
-                let dry: Vec<Outcome> = outcomes
+                let dry: Vec<Admission> = outcomes
                     .into_iter()
-                    .filter(|outcome| matches!(outcome, Outcome::WouldDeny { .. }))
+                    .filter(|outcome| matches!(outcome, Admission::WouldDeny { .. }))
                     .collect();
                 Interpretation::Rejected(denial, dry)
             }
@@ -652,15 +696,33 @@ impl Global {
     }
 
     /// From the worker's tick: idle batches of leased tokens go back to the shared stash.
-    pub fn tick(&self, host: &dyn SharedData, policy: &Policy, now: Nanos) {
+    pub fn tick(&self, host: &dyn SharedData, policy: &Policy, now: Instant) {
         self.stash.return_unspent(host, policy, now);
     }
 
     /// A request paused for its call is gone before the answer: its flights land (the
     /// requests parked behind them plan again) and the leased tokens it took go back.
-    pub fn abandon_call(&self, host: &dyn SharedData, policy: &Policy, asked: Asked, now: Nanos) {
+    pub fn abandon_call(&self, host: &dyn SharedData, policy: &Policy, asked: Asked, now: Instant) {
         self.flights.land(&asked.flying, now);
         self.give_back(host, policy, &asked.served, now);
+    }
+
+    /// The answer to a call whose request is gone (its client left while the call was in
+    /// flight): every token the service granted is kept for later requests, as a refill's
+    /// would be, and the tokens the request took from stashes go back.
+    pub fn interpret_for_nobody(
+        &self,
+        host: &dyn SharedData,
+        policy: &Policy,
+        mut asked: Asked,
+        reply: Reply,
+        now: Instant,
+        metrics: &mut dyn MetricSink,
+    ) {
+        self.give_back(host, policy, &asked.served, now);
+        asked.served.clear();
+        asked.refill = true;
+        let _ = self.interpret(host, policy, asked, reply, now, metrics);
     }
 
     /// A parked request is gone.
@@ -675,7 +737,7 @@ impl Global {
 
     /// The parked requests to plan again (their flight landed), in the order they parked;
     /// first, flights whose answer is overdue are treated as landed.
-    pub fn woken(&self, now: Nanos) -> Vec<RiderId> {
+    pub fn woken(&self, now: Instant) -> Vec<RiderId> {
         self.flights.land_overdue(now);
         self.flights.woken()
     }
@@ -702,7 +764,7 @@ impl Global {
         &self,
         host: &dyn SharedData,
         policy: &Policy,
-        now: Nanos,
+        now: Instant,
         metrics: &mut dyn MetricSink,
     ) -> Payment {
         let debts = self.owed.take();
@@ -787,7 +849,7 @@ impl Global {
         host: &dyn SharedData,
         debts: Vec<Debt>,
         reply: Reply,
-        now: Nanos,
+        now: Instant,
         metrics: &mut dyn MetricSink,
     ) -> Vec<Debt> {
         match reply {
@@ -805,8 +867,8 @@ impl Global {
                 self.unavailable(host, "no answer to a charge", now, metrics);
                 debts
             }
-            Reply::NotSent(reason) => {
-                self.unavailable(host, &reason, now, metrics);
+            Reply::NotSent(error) => {
+                self.unavailable(host, &error.to_string(), now, metrics);
                 debts
             }
         }
@@ -819,7 +881,7 @@ impl Global {
         host: &dyn SharedData,
         policy: &Policy,
         served: &[StashReceipt],
-        now: Nanos,
+        now: Instant,
     ) {
         for receipt in served {
             if let Some(rule) = policy.rule(receipt.rule) {
@@ -831,14 +893,8 @@ impl Global {
     /// Checks a reply against what was asked.
     fn check(&self, asked: &Asked, reply: Reply) -> Result<Vec<RuleResult>, Failure> {
         let (status, body) = match reply {
-            Reply::NotSent(reason) => {
-                return Err(Failure::Unavailable(format!("callout not sent: {reason}")))
-            }
-            Reply::NoAnswer => {
-                return Err(Failure::Unavailable(
-                    "no answer (timeout or connection failure)".to_string(),
-                ))
-            }
+            Reply::NotSent(error) => return Err(Failure::Unavailable(Unavailable::NotSent(error))),
+            Reply::NoAnswer => return Err(Failure::Unavailable(Unavailable::NoAnswer)),
             Reply::Answered { status, body } => (status, body),
         };
         // A 4xx is a refusal whatever its body (too large, unreadable or absent): the service
@@ -847,16 +903,15 @@ impl Global {
             return Err(Failure::Refused(status, refusal_reason(body.as_deref())));
         }
         let Some(body) = body.filter(|body| body.len() <= MAX_ANSWER_BYTES) else {
-            return Err(Failure::Invalid(format!(
-                "answer larger than {MAX_ANSWER_BYTES} bytes"
-            )));
+            return Err(Failure::Invalid(InvalidAnswer::TooLarge));
         };
         if status != 200 {
-            return Err(Failure::Unavailable(format!("status {status}")));
+            return Err(Failure::Unavailable(Unavailable::Status(status)));
         }
         let answer: AcquireResponse = serde_json::from_slice(&body)
-            .map_err(|error| Failure::Invalid(format!("unreadable answer: {error}")))?;
-        wire::validate_response(&asked.request, &answer).map_err(Failure::Invalid)?;
+            .map_err(|error| Failure::Invalid(InvalidAnswer::Unreadable(error)))?;
+        wire::validate_response(&asked.request, &answer)
+            .map_err(|reason| Failure::Invalid(InvalidAnswer::Mismatch(reason)))?;
         Ok(answer.results)
     }
 
@@ -865,7 +920,7 @@ impl Global {
         host: &dyn SharedData,
         failure: Failure,
         probe: bool,
-        now: Nanos,
+        now: Instant,
         metrics: &mut dyn MetricSink,
     ) {
         match failure {
@@ -895,9 +950,11 @@ impl Global {
                         "diana: the quota service answered what was not asked ({reason}); not believed"
                     );
                 }
-                self.unavailable(host, &reason, now, metrics);
+                self.unavailable(host, &reason.to_string(), now, metrics);
             }
-            Failure::Unavailable(reason) => self.unavailable(host, &reason, now, metrics),
+            Failure::Unavailable(reason) => {
+                self.unavailable(host, &reason.to_string(), now, metrics)
+            }
         }
     }
 
@@ -905,7 +962,7 @@ impl Global {
         &self,
         host: &dyn SharedData,
         reason: &str,
-        now: Nanos,
+        now: Instant,
         metrics: &mut dyn MetricSink,
     ) {
         metrics.event(Event::GlobalError);

@@ -1,9 +1,24 @@
 //! The lease stash of global rules: tokens the quota service granted beyond what the
 //! request that asked needed (`lease: N`), kept in shared data so that every worker of the
 //! gateway spends them without a callout, and the service's denials, cached until they can
-//! change. One record per (rule, slot), `diana/lease/<rule id>/<slot>`, holding the
-//! identity's fingerprint, the tokens left, until when they may be spent, and until when
-//! the identity is known to be denied.
+//! change.
+//!
+//! One record per (rule, slot), `diana/lease/<rule id>/<slot>`, with [`WAYS`] ways; a way
+//! belongs to one identity (its full fingerprint) and holds its tokens left, until when
+//! they may be spent, until when it is known to be denied and when its limit recovers, and
+//! what the gateway learnt of its spending rate. An identity uses the way that holds its
+//! fingerprint; a newcomer takes a free way, or one whose identity has nothing live in it
+//! (no tokens that may still be spent, no denial still ahead). A way that still holds
+//! another identity's tokens or denial is never taken, read or written: identities that
+//! share a slot never spend, overwrite or drop each other's tokens (bounded: at most
+//! [`WAYS`] identities per slot share it at once, in one record read and written in one
+//! compare-and-swap). An identity that finds every way of its slot live keeps its spare
+//! tokens in its worker's own batch (below) until they lapse, and its denial in the
+//! worker's memory for [`DENIAL_CACHE`] at most; it does not learn a spending rate
+//! (`lease: auto` then asks for small leases). Tokens given back ([`Stash::give_back`])
+//! follow the same path: to the identity's way (taken afresh if it was given up while
+//! the request was out), else to the worker's batch. A token is dropped only when it
+//! lapsed, or when the worker's table is full as well ([`MAX_BATCHES`]).
 //!
 //! Tokens are spent first: a denial cached by a concurrent request only means the service
 //! has nothing more to give. A request that another rule rejects gives its tokens back
@@ -12,20 +27,24 @@
 //! A worker takes a small batch from the shared record when it holds many tokens, as
 //! [`crate::local`] does for local counters (here at most 1/`STASH_SHARE` of them,
 //! [`MAX_BATCH`] at most, none near the end), and spends it without touching shared data;
-//! its tick gives an idle batch back ([`Stash::return_unspent`]). It remembers a denial for
+//! its tick gives an idle batch back ([`Stash::return_unspent`]); a batch's tokens are
+//! spent before a denial it remembers. It remembers a denial for
 //! [`DENIAL_CACHE`] at most, and forgets it when its own flight brings tokens; another
 //! worker's tokens (a flight that was granted them before the service ran out, landing
 //! after the denial) may go unseen by it that long. Not for `lease: 1`
 //! ([`Rule::exact_lease`]): there every request reads the shared record, so a token asked
-//! for a parked request is never shadowed by a denial and the count stays exact.
+//! for a parked request is never shadowed by a denial and the count stays exact. A denial,
+//! cached or remembered, is answered with the wait the service gave, less the time since
+//! (and the service's reset): the short life of the worker's memory is only how long it
+//! is trusted.
 //!
 //! Stored instants are checked against the clock: an expiry or a denial further ahead
 //! than the rule can explain comes from a clock that stepped back, and is ignored.
 
 use crate::config::{Policy, Rule};
-use crate::local::{DENIAL_CACHE, LEASE_SPAN, MAX_BATCH, MAX_LEASES, SHARE};
+use crate::local::{BATCH_SPAN, DENIAL_CACHE, MAX_BATCH, MAX_BATCHES, SHARE};
 use crate::store::{slot_key_in, SharedData, SlotAddress, Store};
-use crate::time::Nanos;
+use crate::time::{Instant, Nanos};
 use crate::wire::max_duration_ms;
 use std::rc::Rc;
 
@@ -39,9 +58,15 @@ const NANOS_PER_MILLI: Nanos = 1_000_000;
 /// `2 × SHARE` spare) there is still no batch: the last tokens go one by one.
 const STASH_SHARE: u64 = 4;
 
+/// Identities one stash record holds at once (see the module doc).
+pub const WAYS: usize = 2;
+/// Words of one way: fingerprint, tokens and spent (32 bits each), valid until, denied
+/// until, reset at, refilled at, spending rate.
+const WAY_WORDS: usize = 7;
 /// Words of a lease-stash record.
-const LEASE_WORDS: usize = 7;
-/// Bytes of a sealed lease-stash record.
+const LEASE_WORDS: usize = WAYS * WAY_WORDS;
+/// Bytes of a sealed lease-stash record (with a key of up to 36 bytes, one 256-byte slab
+/// allocation of nginx's `shm_kv`, as a slot record).
 pub const RECORD_BYTES: usize = 8 + 8 * LEASE_WORDS;
 
 /// Tokens taken from the stash for one request, to give back if it is rejected.
@@ -51,6 +76,8 @@ pub struct StashReceipt {
     key: Rc<str>,
     fingerprint: u64,
     tokens: u64,
+    /// Until when they may be spent (the lease's end).
+    valid_until: Instant,
     /// Taken from this worker's batch (else from the shared record).
     from_batch: bool,
 }
@@ -60,8 +87,16 @@ pub struct StashReceipt {
 struct Batch {
     key: Rc<str>,
     tokens: u64,
-    valid_until: Nanos,
-    denied_until: Nanos,
+    /// Until when this worker spends them; then they go back to the shared record.
+    valid_until: Instant,
+    /// Until when they may be spent at all (the lease's end).
+    lease_until: Instant,
+    /// The remembered denial is trusted until then (at most [`DENIAL_CACHE`]) ...
+    denied_until: Instant,
+    /// ... and answered with the service's instants: when a request may pass, when the
+    /// limit has recovered.
+    retry_at: Instant,
+    reset_at: Instant,
 }
 
 /// What the service granted one request beyond its own cost.
@@ -72,7 +107,7 @@ pub struct Grant {
     /// Tokens the request itself took (counted into this gateway's spending rate).
     pub took: u64,
     /// Until when the spare tokens may be spent.
-    pub valid_until: Nanos,
+    pub valid_until: Instant,
 }
 
 /// What the stash says for one rule of a request.
@@ -81,9 +116,13 @@ pub enum Take {
     /// Leased tokens paid for the request. `refill`: the shared record is down to half a
     /// lease or less; ask for the next one now, before it runs out (the spending rate is
     /// carried for sizing `lease: auto`).
-    Served(StashReceipt, Option<Refill>),
-    /// The identity is known to be denied until this instant.
-    Denied(Nanos),
+    Served(StashReceipt, Option<RefillOrder>),
+    /// The identity is known to be denied: a request may pass at `retry_at`, the limit
+    /// has recovered at `reset_at` (what the service said).
+    Denied {
+        retry_at: Instant,
+        reset_at: Instant,
+    },
     /// Ask the service; this gateway spends about this many tokens a second (0: unknown),
     /// for sizing `lease: auto`.
     Ask { spend_rate: u64 },
@@ -91,7 +130,7 @@ pub enum Take {
 
 /// The stash of a (rule, identity) is running low: what to ask the service for ahead.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Refill {
+pub struct RefillOrder {
     /// This gateway's spending, tokens per second (0: unknown).
     pub spend_rate: u64,
 }
@@ -119,53 +158,128 @@ fn refill_mark(rule: &Rule, spend_rate: u64) -> Option<u64> {
     Some(u64::from(next_lease(rule, spend_rate)) / 2).filter(|mark| *mark > 0)
 }
 
-/// One stash record.
+/// One way of a stash record: one identity's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-struct Lease {
+struct Way {
+    /// The identity's fingerprint (0: a free way).
     fingerprint: u64,
     tokens: u64,
-    valid_until: Nanos,
-    denied_until: Nanos,
+    valid_until: Instant,
+    /// Denied until then (a request may pass then), and when the limit recovers.
+    denied_until: Instant,
+    reset_at: Instant,
     /// When the last grant was stashed, and the tokens taken since.
-    refilled_at: Nanos,
+    refilled_at: Instant,
     spent: u64,
     /// This gateway's spending, tokens per second (a moving average over refills).
     spend_rate: u64,
 }
 
-impl Lease {
-    fn decode(payload: Option<&[u8]>) -> Lease {
-        let Some(payload) = payload.filter(|b| b.len() == 8 * LEASE_WORDS) else {
-            return Lease::default();
-        };
-        let mut words = payload
-            .chunks_exact(8)
-            .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])));
+impl Way {
+    /// A way of `fingerprint`'s with nothing in it.
+    fn of(fingerprint: u64) -> Way {
+        Way {
+            fingerprint,
+            ..Way::default()
+        }
+    }
+
+    fn decode(words: &mut impl Iterator<Item = u64>) -> Way {
         let mut next = || words.next().unwrap_or(0);
-        Lease {
-            fingerprint: next(),
-            tokens: next(),
+        let fingerprint = next();
+        let counts = next();
+        Way {
+            fingerprint,
+            tokens: counts & u64::from(u32::MAX),
+            spent: counts >> 32,
             valid_until: next(),
             denied_until: next(),
+            reset_at: next(),
             refilled_at: next(),
-            spent: next(),
             spend_rate: next(),
         }
     }
 
-    fn encode(&self) -> Vec<u8> {
-        [
+    fn encode(&self, bytes: &mut Vec<u8>) {
+        let narrow = |count: u64| count.min(u64::from(u32::MAX));
+        let counts = narrow(self.tokens) | (narrow(self.spent) << 32);
+        for word in [
             self.fingerprint,
-            self.tokens,
+            counts,
             self.valid_until,
             self.denied_until,
+            self.reset_at,
             self.refilled_at,
-            self.spent,
             self.spend_rate,
-        ]
-        .iter()
-        .flat_map(|w| w.to_le_bytes())
-        .collect()
+        ] {
+            bytes.extend_from_slice(&word.to_le_bytes());
+        }
+    }
+
+    /// Holds nothing that must be kept at `now`: no tokens still spendable, no denial
+    /// still ahead (its way may go to another identity).
+    fn idle(&self, now: Instant, rule: &Rule) -> bool {
+        let spendable = self.tokens > 0 && ahead(self.valid_until, now, rule);
+        !spendable && !ahead(self.denied_until, now, rule)
+    }
+}
+
+/// One stash record: the ways of the identities that share a slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+struct Record {
+    ways: [Way; WAYS],
+}
+
+impl Record {
+    /// A payload of another size (another build's layout, garbage) reads as empty.
+    fn decode(payload: Option<&[u8]>) -> Record {
+        let mut record = Record::default();
+        let Some(payload) = payload.filter(|b| b.len() == 8 * LEASE_WORDS) else {
+            return record;
+        };
+        let mut words = payload
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])));
+        for way in &mut record.ways {
+            *way = Way::decode(&mut words);
+        }
+        record
+    }
+
+    fn encode(&self) -> Vec<u8> {
+        let mut bytes = Vec::with_capacity(8 * LEASE_WORDS);
+        for way in &self.ways {
+            way.encode(&mut bytes);
+        }
+        bytes
+    }
+
+    /// The way of `fingerprint`, if it has one.
+    fn own(&mut self, fingerprint: u64) -> Option<&mut Way> {
+        self.ways
+            .iter_mut()
+            .find(|way| way.fingerprint == fingerprint)
+    }
+
+    /// The way of `fingerprint`, or one taken for it (a free one first, then one whose
+    /// identity has nothing live in it); `None` when every way holds another identity's
+    /// live tokens or denial. An own way whose tokens lapsed keeps only what it knows of
+    /// the rate.
+    fn place(&mut self, fingerprint: u64, now: Instant, rule: &Rule) -> Option<&mut Way> {
+        let index = self
+            .ways
+            .iter()
+            .position(|way| way.fingerprint == fingerprint)
+            .or_else(|| self.ways.iter().position(|way| way.fingerprint == 0))
+            .or_else(|| self.ways.iter().position(|way| way.idle(now, rule)))?;
+        let way = self.ways.get_mut(index)?;
+        if way.fingerprint != fingerprint {
+            *way = Way::of(fingerprint);
+        } else if !ahead(way.valid_until, now, rule) {
+            way.tokens = 0;
+            way.valid_until = 0;
+        }
+        Some(way)
     }
 }
 
@@ -178,7 +292,7 @@ fn horizon(rule: &Rule) -> Nanos {
 
 /// An instant stored for `rule` that is still ahead of `now`, and not further ahead than
 /// the rule can explain.
-fn ahead(instant: Nanos, now: Nanos, rule: &Rule) -> bool {
+fn ahead(instant: Instant, now: Instant, rule: &Rule) -> bool {
     instant > now && instant - now <= horizon(rule)
 }
 
@@ -201,15 +315,13 @@ impl Stash {
         rule: &Rule,
         address: SlotAddress,
         cost: u32,
-        now: Nanos,
+        now: Instant,
     ) -> Take {
         let id = (rule.index, address.fingerprint);
         let cost = u64::from(cost);
         if let Ok(mut batches) = self.batches.try_borrow_mut() {
             if let Some(batch) = batches.get_mut(&id) {
-                if batch.denied_until > now && batch.denied_until - now <= DENIAL_CACHE {
-                    return Take::Denied(batch.denied_until);
-                }
+                // Tokens are spent first (as from the shared record).
                 if batch.tokens >= cost && now < batch.valid_until {
                     batch.tokens -= cost;
                     let receipt = StashReceipt {
@@ -217,18 +329,26 @@ impl Stash {
                         key: batch.key.clone(),
                         fingerprint: address.fingerprint,
                         tokens: cost,
+                        valid_until: batch.lease_until,
                         from_batch: true,
                     };
                     return Take::Served(receipt, None);
+                }
+                if batch.denied_until > now && batch.denied_until - now <= DENIAL_CACHE {
+                    // The service's instants: the memory's own life is shorter.
+                    return Take::Denied {
+                        retry_at: batch.retry_at,
+                        reset_at: batch.reset_at,
+                    };
                 }
             }
         }
         let key: Rc<str> = Stash::key(rule, address).into();
         let result = self.store.update(host, &key, |current| {
-            let mut lease = Lease::decode(current);
-            if lease.fingerprint != address.fingerprint {
+            let mut record = Record::decode(current);
+            let Some(lease) = record.own(address.fingerprint) else {
                 return (None, (Take::Ask { spend_rate: 0 }, 0, 0));
-            }
+            };
             if lease.tokens >= cost && ahead(lease.valid_until, now, rule) {
                 let spare = lease.tokens - cost;
                 let batch = if spare >= 2 * SHARE {
@@ -243,21 +363,26 @@ impl Stash {
                     key: Rc::clone(&key),
                     fingerprint: address.fingerprint,
                     tokens: cost,
+                    valid_until: lease.valid_until,
                     from_batch: false,
                 };
                 let until = lease.valid_until;
                 let refill = refill_mark(rule, lease.spend_rate)
                     .filter(|mark| lease.tokens <= *mark)
-                    .map(|_| Refill {
+                    .map(|_| RefillOrder {
                         spend_rate: lease.spend_rate,
                     });
                 return (
-                    Some(lease.encode()),
+                    Some(record.encode()),
                     (Take::Served(receipt, refill), batch, until),
                 );
             }
             if ahead(lease.denied_until, now, rule) {
-                return (None, (Take::Denied(lease.denied_until), 0, 0));
+                let denied = Take::Denied {
+                    retry_at: lease.denied_until,
+                    reset_at: lease.reset_at,
+                };
+                return (None, (denied, 0, 0));
             }
             let spend_rate = lease.spend_rate;
             (None, (Take::Ask { spend_rate }, 0, 0))
@@ -266,15 +391,37 @@ impl Stash {
             return Take::Ask { spend_rate: 0 };
         };
         match &take {
-            Take::Served(..) if batch > 0 => self.remember(id, now, |held| {
-                held.key = Rc::clone(&key);
-                held.tokens = batch;
-                held.valid_until = until.min(now.saturating_add(LEASE_SPAN));
-                held.denied_until = 0;
-            }),
-            Take::Denied(until) if !rule.exact_lease() => {
-                let until = (*until).min(now.saturating_add(DENIAL_CACHE));
-                self.remember(id, now, |held| held.denied_until = until);
+            Take::Served(..) if batch > 0 => {
+                let held = self.remember(id, now, |held| {
+                    // Tokens still held (fewer than a request needed, or idle and not yet
+                    // returned by the tick) are kept while their lease lasts.
+                    if !ahead(held.lease_until, now, rule) {
+                        held.tokens = 0;
+                    }
+                    held.lease_until = if held.tokens > 0 {
+                        held.lease_until.max(until)
+                    } else {
+                        until
+                    };
+                    held.key = Rc::clone(&key);
+                    held.tokens = held.tokens.saturating_add(batch);
+                    held.valid_until = until.min(now.saturating_add(BATCH_SPAN));
+                    held.denied_until = 0;
+                });
+                if !held {
+                    // No room in this worker's table: the batch goes back at once.
+                    if let Take::Served(receipt, _) = &take {
+                        let batch = StashReceipt {
+                            tokens: batch,
+                            from_batch: false,
+                            ..receipt.clone()
+                        };
+                        self.give_back(host, rule, &batch, now);
+                    }
+                }
+            }
+            Take::Denied { retry_at, reset_at } if !rule.exact_lease() => {
+                self.remember_denial(id, *retry_at, *reset_at, now);
             }
             _ => {}
         }
@@ -282,15 +429,19 @@ impl Stash {
     }
 
     /// From the worker's tick: idle batches go back to the shared stash.
-    pub fn return_unspent(&self, host: &dyn SharedData, policy: &Policy, now: Nanos) {
-        let lapsed: Vec<(usize, u64, Rc<str>, u64)> = match self.batches.try_borrow_mut() {
+    pub fn return_unspent(&self, host: &dyn SharedData, policy: &Policy, now: Instant) {
+        let lapsed: Vec<StashReceipt> = match self.batches.try_borrow_mut() {
             Ok(mut batches) => {
                 let lapsed = batches
                     .iter_mut()
                     .filter(|(_, batch)| batch.tokens > 0 && batch.valid_until <= now)
-                    .map(|(&(index, fingerprint), batch)| {
-                        let tokens = std::mem::take(&mut batch.tokens);
-                        (index, fingerprint, batch.key.clone(), tokens)
+                    .map(|(&(index, fingerprint), batch)| StashReceipt {
+                        rule: index,
+                        key: batch.key.clone(),
+                        fingerprint,
+                        tokens: std::mem::take(&mut batch.tokens),
+                        valid_until: batch.lease_until,
+                        from_batch: false,
                     })
                     .collect();
                 batches.retain(|_, batch| batch.valid_until > now || batch.denied_until > now);
@@ -298,45 +449,92 @@ impl Stash {
             }
             Err(_) => return,
         };
-        for (index, fingerprint, key, tokens) in lapsed {
-            if let Some(rule) = policy.rule(index) {
-                let receipt = StashReceipt {
-                    rule: index,
-                    key,
-                    fingerprint,
-                    tokens,
-                    from_batch: false,
-                };
+        for receipt in lapsed {
+            if let Some(rule) = policy.rule(receipt.rule) {
                 self.give_back(host, rule, &receipt, now);
             }
         }
     }
 
-    /// Updates this worker's batch of `id`, if the table has room.
-    fn remember(&self, id: (usize, u64), now: Nanos, change: impl FnOnce(&mut Batch)) {
+    /// Updates this worker's batch of `id`, if the table has room (a full table is swept
+    /// of batches with nothing left to spend, to return or to remember).
+    fn remember(&self, id: (usize, u64), now: Instant, change: impl FnOnce(&mut Batch)) -> bool {
         let Ok(mut batches) = self.batches.try_borrow_mut() else {
-            return;
+            return false;
         };
-        if batches.len() >= MAX_LEASES && !batches.contains_key(&id) {
-            batches.retain(|_, batch| batch.valid_until > now || batch.denied_until > now);
-            if batches.len() >= MAX_LEASES {
-                return;
+        if batches.len() >= MAX_BATCHES && !batches.contains_key(&id) {
+            batches.retain(|_, batch| {
+                batch.tokens > 0 || batch.valid_until > now || batch.denied_until > now
+            });
+            if batches.len() >= MAX_BATCHES {
+                return false;
             }
         }
         change(batches.entry(id).or_default());
+        true
+    }
+
+    /// Remembers, for [`DENIAL_CACHE`] at most, that `id` is denied: a request may pass at
+    /// `retry_at`, the limit has recovered at `reset_at`.
+    fn remember_denial(
+        &self,
+        id: (usize, u64),
+        retry_at: Instant,
+        reset_at: Instant,
+        now: Instant,
+    ) {
+        self.remember(id, now, |held| {
+            held.denied_until = retry_at.min(now.saturating_add(DENIAL_CACHE));
+            held.retry_at = retry_at;
+            held.reset_at = reset_at;
+        });
+    }
+
+    /// Keeps the tokens of `tokens` (an identity's, spendable until its `valid_until`) in
+    /// this worker's own batch: their way in the shared record is another identity's (or
+    /// cannot be written).
+    fn hold(&self, rule: &Rule, tokens: &StashReceipt, now: Instant) {
+        if tokens.tokens == 0 || !ahead(tokens.valid_until, now, rule) {
+            return;
+        }
+        let id = (tokens.rule, tokens.fingerprint);
+        let held = self.remember(id, now, |held| {
+            if !ahead(held.lease_until, now, rule) {
+                // What it held lapsed with its lease.
+                held.tokens = 0;
+            }
+            held.lease_until = if held.tokens > 0 {
+                held.lease_until.max(tokens.valid_until)
+            } else {
+                tokens.valid_until
+            };
+            // With no place to go back to, they are this worker's until the lease ends.
+            held.valid_until = held.lease_until;
+            held.key = Rc::clone(&tokens.key);
+            held.tokens = held.tokens.saturating_add(tokens.tokens);
+            held.denied_until = 0;
+        });
+        if !held {
+            log::debug!(
+                "diana: lease stash of {}: no room for {} tokens; they lapse",
+                rule.name,
+                tokens.tokens
+            );
+        }
     }
 
     /// Keeps the spare tokens of a grant for `address`, spendable until its `valid_until`
-    /// (with any still valid from an earlier grant).
+    /// (with any still valid from an earlier grant): in the identity's way of the shared
+    /// record, else (every way another identity's) in this worker's batch.
     pub fn keep(
         &self,
         host: &dyn SharedData,
         rule: &Rule,
         address: SlotAddress,
         grant: Grant,
-        now: Nanos,
+        now: Instant,
     ) {
-        self.merge(host, rule, address, now, |lease| {
+        let placed = self.merge(host, rule, address, now, |lease| {
             // The tokens spent since the last grant (this one's included), over the time
             // they lasted: this gateway's rate, averaged with what it was.
             let spent = lease.spent.saturating_add(grant.took);
@@ -355,100 +553,260 @@ impl Stash {
             lease.tokens = lease.tokens.saturating_add(grant.spare);
             lease.valid_until = lease.valid_until.max(grant.valid_until);
         });
-        if grant.spare > 0 {
+        let id = (rule.index, address.fingerprint);
+        if !placed {
+            let spare = StashReceipt {
+                rule: rule.index,
+                key: Stash::key(rule, address).into(),
+                fingerprint: address.fingerprint,
+                tokens: grant.spare,
+                valid_until: grant.valid_until,
+                from_batch: false,
+            };
+            self.hold(rule, &spare, now);
+        } else if grant.spare > 0 {
             // This worker's own tokens are not to be hidden by the denial it remembers.
             if let Ok(mut batches) = self.batches.try_borrow_mut() {
-                if let Some(held) = batches.get_mut(&(rule.index, address.fingerprint)) {
+                if let Some(held) = batches.get_mut(&id) {
                     held.denied_until = 0;
                 }
             }
         }
     }
 
-    /// Remembers that the service denied `address` until `until`.
+    /// Remembers that the service denied `address`: a request may pass at `retry_at`, the
+    /// limit has recovered at `reset_at`. In the identity's way of the shared record, else
+    /// (every way another identity's) in this worker's memory only.
     pub fn deny(
         &self,
         host: &dyn SharedData,
         rule: &Rule,
         address: SlotAddress,
-        until: Nanos,
-        now: Nanos,
+        retry_at: Instant,
+        reset_at: Instant,
+        now: Instant,
     ) {
-        self.merge(host, rule, address, now, |lease| {
-            lease.denied_until = until;
+        let placed = self.merge(host, rule, address, now, |lease| {
+            lease.denied_until = retry_at;
+            lease.reset_at = reset_at;
         });
+        if !placed && !rule.exact_lease() {
+            self.remember_denial((rule.index, address.fingerprint), retry_at, reset_at, now);
+        }
     }
 
     /// Gives back the tokens of a request that was rejected after all: to this worker's
-    /// batch when they came from it and it is still valid, else to the shared stash.
+    /// batch when they came from it and it is still valid, else to the identity's way of
+    /// the shared stash (taken afresh if it went to another identity meanwhile), else to
+    /// this worker's batch until the lease ends. Lapsed tokens are gone.
     pub fn give_back(
         &self,
         host: &dyn SharedData,
         rule: &Rule,
         receipt: &StashReceipt,
-        now: Nanos,
+        now: Instant,
     ) {
+        let id = (receipt.rule, receipt.fingerprint);
         if receipt.from_batch {
             let kept = self
                 .batches
                 .try_borrow_mut()
                 .ok()
-                .is_some_and(|mut batches| {
-                    match batches.get_mut(&(receipt.rule, receipt.fingerprint)) {
-                        Some(batch) if now < batch.valid_until && batch.key == receipt.key => {
-                            batch.tokens = batch.tokens.saturating_add(receipt.tokens);
-                            true
-                        }
-                        _ => false,
+                .is_some_and(|mut batches| match batches.get_mut(&id) {
+                    Some(batch) if now < batch.valid_until && batch.key == receipt.key => {
+                        batch.tokens = batch.tokens.saturating_add(receipt.tokens);
+                        true
                     }
+                    _ => false,
                 });
             if kept {
                 return;
             }
         }
+        if !ahead(receipt.valid_until, now, rule) {
+            // The lease ended: the tokens lapsed with it.
+            return;
+        }
         let result = self.store.update(host, &receipt.key, |current| {
-            let mut lease = Lease::decode(current);
-            if lease.fingerprint != receipt.fingerprint || !ahead(lease.valid_until, now, rule) {
-                // Another identity took the record over, or the lease ended: the tokens
-                // are gone with it.
-                return (None, ());
-            }
+            let mut record = Record::decode(current);
+            let Some(lease) = record.place(receipt.fingerprint, now, rule) else {
+                return (None, false);
+            };
             lease.tokens = lease.tokens.saturating_add(receipt.tokens);
-            (Some(lease.encode()), ())
+            lease.valid_until = lease.valid_until.max(receipt.valid_until);
+            (Some(record.encode()), true)
         });
-        if let Err(error) = result {
-            log::debug!("diana: lease stash of {}: {error}", rule.name);
+        match result {
+            Ok(true) => {}
+            Ok(false) => self.hold(rule, receipt, now),
+            Err(error) => {
+                log::debug!("diana: lease stash of {}: {error}", rule.name);
+                self.hold(rule, receipt, now);
+            }
         }
     }
 
-    /// Updates the record of `address` with `change`, starting from an empty one when the
-    /// record is another identity's or has nothing valid left.
+    /// Updates the way of `address` with `change` (see [`Record::place`]). False when it
+    /// has none and no way can be taken for it, or the record could not be written.
     fn merge(
         &self,
         host: &dyn SharedData,
         rule: &Rule,
         address: SlotAddress,
-        now: Nanos,
-        change: impl Fn(&mut Lease),
-    ) {
+        now: Instant,
+        change: impl Fn(&mut Way),
+    ) -> bool {
         let key = Stash::key(rule, address);
         let result = self.store.update(host, &key, |current| {
-            let mut lease = Lease::decode(current);
-            if lease.fingerprint != address.fingerprint {
-                lease = Lease {
-                    fingerprint: address.fingerprint,
-                    ..Lease::default()
-                };
-            } else if !ahead(lease.valid_until, now, rule) {
-                // The tokens lapsed; what the record knows of the rate stays.
-                lease.tokens = 0;
-                lease.valid_until = 0;
-            }
-            change(&mut lease);
-            (Some(lease.encode()), ())
+            let mut record = Record::decode(current);
+            let Some(lease) = record.place(address.fingerprint, now, rule) else {
+                return (None, false);
+            };
+            change(lease);
+            (Some(record.encode()), true)
         });
-        if let Err(error) = result {
-            log::debug!("diana: lease stash of {}: {error}", rule.name);
+        match result {
+            Ok(placed) => placed,
+            Err(error) => {
+                log::debug!("diana: lease stash of {}: {error}", rule.name);
+                false
+            }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::parse_policy;
+    use crate::store::{CasSemantics, MemoryHost};
+    use crate::time::NANOS_PER_SECOND;
+
+    const S: Nanos = NANOS_PER_SECOND;
+    const T0: Instant = 1_767_225_601 * S;
+
+    fn policy() -> Policy {
+        let doc = "resources:\n  - Url: /\n    rules: [{actor: ip, rpu: 100, unit: minute, scope: global, lease: 10, slots: 1}]\n";
+        parse_policy(doc).unwrap()
+    }
+
+    /// Identities that all share slot 0 of a one-slot table.
+    fn identity(n: u64) -> SlotAddress {
+        let address = SlotAddress::of(n.wrapping_mul(0x9E37_79B9_7F4A_7C15), 1);
+        assert_eq!(address.first, 0);
+        address
+    }
+
+    fn grant(spare: u64) -> Grant {
+        Grant {
+            spare,
+            took: 1,
+            valid_until: T0 + 60 * S,
+        }
+    }
+
+    fn served(take: Take) -> StashReceipt {
+        match take {
+            Take::Served(receipt, _) => receipt,
+            other => panic!("expected leased tokens, got {other:?}"),
+        }
+    }
+
+    /// Takes one token at a time until none is left: how many there were.
+    fn drain(stash: &Stash, host: &MemoryHost, rule: &Rule, who: SlotAddress) -> usize {
+        (0..100)
+            .take_while(|_| matches!(stash.take(host, rule, who, 1, T0), Take::Served(..)))
+            .count()
+    }
+
+    // nginx: 96 bytes of node, a key of up to 36 bytes, the record: one 256-byte slab.
+    const _: () = assert!(96 + 36 + RECORD_BYTES <= 256);
+
+    #[test]
+    fn a_record_holds_two_identities_and_fits_a_slot_records_allocation() {
+        let policy = policy();
+        let rule = policy.rule(0).unwrap();
+        let (host, stash) = (MemoryHost::new(CasSemantics::Envoy), Stash::default());
+        let (a, b) = (identity(1), identity(2));
+        stash.keep(&host, rule, a, grant(5), T0);
+        stash.keep(&host, rule, b, grant(7), T0);
+        stash.deny(&host, rule, b, T0 + 30 * S, T0 + 40 * S, T0);
+        let key = Stash::key(rule, a);
+        let payload = stash.store.read(&host, &key).unwrap().unwrap();
+        let record = Record::decode(Some(&payload));
+        assert_eq!(Record::decode(Some(&record.encode())), record);
+        let [first, second] = record.ways;
+        assert_eq!((first.fingerprint, first.tokens), (a.fingerprint, 5));
+        assert_eq!((second.fingerprint, second.tokens), (b.fingerprint, 7));
+        assert_eq!(
+            (second.denied_until, second.reset_at),
+            (T0 + 30 * S, T0 + 40 * S)
+        );
+    }
+
+    /// Both ways hold live tokens: a third identity's grant goes to its worker's batch,
+    /// and touches neither of the others'.
+    #[test]
+    fn a_third_identity_keeps_its_tokens_in_its_worker_and_takes_no_others() {
+        let policy = policy();
+        let rule = policy.rule(0).unwrap();
+        let (host, stash) = (MemoryHost::new(CasSemantics::Envoy), Stash::default());
+        let (a, b, c) = (identity(1), identity(2), identity(3));
+        stash.keep(&host, rule, a, grant(5), T0);
+        stash.keep(&host, rule, b, grant(6), T0);
+        stash.keep(&host, rule, c, grant(7), T0);
+        stash.deny(&host, rule, c, T0 + 30 * S, T0 + 30 * S, T0);
+        // Another worker sees a's and b's tokens, not c's (held by the first worker).
+        let other = Stash::default();
+        assert_eq!(drain(&other, &host, rule, a), 5);
+        assert_eq!(drain(&other, &host, rule, b), 6);
+        assert_eq!(
+            other.take(&host, rule, c, 1, T0),
+            Take::Ask { spend_rate: 0 }
+        );
+        assert_eq!(drain(&stash, &host, rule, c), 7);
+    }
+
+    /// a took its way's last token; its way, idle, went to another identity while the
+    /// request was out. The rejected request's token is not dropped: it goes to a's
+    /// worker (every way is live), and a spends it next.
+    #[test]
+    fn a_token_given_back_after_its_way_was_taken_over_is_kept() {
+        let policy = policy();
+        let rule = policy.rule(0).unwrap();
+        let (host, stash) = (MemoryHost::new(CasSemantics::Envoy), Stash::default());
+        let (a, b, c) = (identity(1), identity(2), identity(3));
+        stash.keep(&host, rule, a, grant(1), T0);
+        let receipt = served(stash.take(&host, rule, a, 1, T0));
+        stash.keep(&host, rule, b, grant(3), T0);
+        stash.keep(&host, rule, c, grant(4), T0);
+        let other = Stash::default();
+        assert_eq!(
+            other.take(&host, rule, a, 1, T0),
+            Take::Ask { spend_rate: 0 }
+        );
+        stash.give_back(&host, rule, &receipt, T0);
+        assert_eq!(drain(&stash, &host, rule, a), 1);
+        assert_eq!(drain(&other, &host, rule, b), 3);
+        assert_eq!(drain(&other, &host, rule, c), 4);
+    }
+
+    /// A denial read from the shared record and then remembered by the worker answers the
+    /// service's instants, not the memory's short life.
+    #[test]
+    fn a_remembered_denial_carries_the_services_instants() {
+        let policy = policy();
+        let rule = policy.rule(0).unwrap();
+        let (host, stash) = (MemoryHost::new(CasSemantics::Envoy), Stash::default());
+        let a = identity(1);
+        stash.deny(&host, rule, a, T0 + 54 * S, T0 + 59 * S, T0);
+        let denied = Take::Denied {
+            retry_at: T0 + 54 * S,
+            reset_at: T0 + 59 * S,
+        };
+        assert_eq!(stash.take(&host, rule, a, 1, T0), denied);
+        let before = host.calls();
+        assert_eq!(stash.take(&host, rule, a, 1, T0 + S / 20), denied);
+        assert_eq!(host.calls(), before, "remembered");
     }
 }

@@ -18,11 +18,11 @@
 
 use super::Outcome;
 use crate::algo::Verdict;
-use crate::time::Nanos;
+use crate::time::Instant;
 use crate::wire::{ceil_millis, ResolvedRule, RuleResult};
 
 /// What a rule has right now, without changing anything (a probe: `want` 0).
-fn probe(rule: &ResolvedRule<'_>, state: &[u64], now: Nanos) -> Verdict {
+fn probe(rule: &ResolvedRule<'_>, state: &[u64], now: Instant) -> Verdict {
     let mut copy = state.to_vec();
     rule.algo
         .acquire_at_least(&rule.limit, &mut copy, now, 1, 0)
@@ -46,7 +46,7 @@ pub fn acquire(
     rules: &[ResolvedRule<'_>],
     slots: &[usize],
     states: &mut [Vec<u64>],
-    now: Nanos,
+    now: Instant,
 ) -> (Vec<Outcome>, bool) {
     let original = states.to_vec();
     let mut verdicts = Vec::with_capacity(rules.len());
@@ -113,7 +113,7 @@ pub fn charge(
     rules: &[ResolvedRule<'_>],
     slots: &[usize],
     states: &mut [Vec<u64>],
-    now: Nanos,
+    now: Instant,
 ) -> Vec<RuleResult> {
     rules
         .iter()
@@ -143,7 +143,7 @@ pub fn release(
     slots: &[usize],
     states: &mut [Vec<u64>],
     outcomes: &[Outcome],
-    now: Nanos,
+    now: Instant,
 ) -> Vec<RuleResult> {
     for ((rule, &slot), outcome) in rules.iter().zip(slots).zip(outcomes).rev() {
         if outcome.result.granted > 0 {

@@ -7,7 +7,7 @@ pub mod decide;
 
 use crate::algo::{Algorithm, Limit, Mark};
 use crate::decision::{Callout, Reply};
-use crate::time::Nanos;
+use crate::time::Instant;
 use crate::wire::{self, AcquireResponse, ErrorResponse, ResolvedRule, RuleResult};
 use std::collections::HashMap;
 
@@ -125,7 +125,7 @@ impl MemoryQuota {
 
     /// Answers one callout of the engine at `now`, as the service would: `200` with one
     /// result per rule, or `400` with the reason when the request breaks the wire format.
-    pub fn answer(&mut self, callout: &Callout, now: Nanos) -> Reply {
+    pub fn answer(&mut self, callout: &Callout, now: Instant) -> Reply {
         self.calls += 1;
         let (status, body) = match self.acquire_body(&callout.body, now) {
             Ok(response) => (200, serde_json::to_vec(&response)),
@@ -141,7 +141,7 @@ impl MemoryQuota {
     }
 
     /// Decides an acquire request body (the wire format's JSON) at `now`.
-    pub fn acquire_body(&mut self, body: &[u8], now: Nanos) -> Result<AcquireResponse, String> {
+    pub fn acquire_body(&mut self, body: &[u8], now: Instant) -> Result<AcquireResponse, String> {
         let request = wire::decode_request(body)?;
         let rules = request.resolve()?;
         let results = self
@@ -153,7 +153,7 @@ impl MemoryQuota {
     }
 
     /// Decides resolved rules at `now`, all or nothing, and keeps the charges if admitted.
-    pub fn acquire(&mut self, rules: &[ResolvedRule<'_>], now: Nanos) -> Vec<Outcome> {
+    pub fn acquire(&mut self, rules: &[ResolvedRule<'_>], now: Instant) -> Vec<Outcome> {
         // One state per distinct counter, so that two rules on one counter see each
         // other's tentative charges (as in the service).
         let mut ids: Vec<CounterId> = Vec::new();
@@ -199,7 +199,7 @@ mod tests {
     use super::*;
     use crate::wire::{AcquireRequest, RuleRequest};
 
-    const NOW: Nanos = 1_767_225_601_000_000_000;
+    const NOW: Instant = 1_767_225_601_000_000_000;
 
     fn rule(key: &str, rpu: u32, want: u32, dry_run: bool) -> RuleRequest {
         RuleRequest {
@@ -216,7 +216,7 @@ mod tests {
         }
     }
 
-    fn ask(quota: &mut MemoryQuota, rules: Vec<RuleRequest>, now: Nanos) -> Vec<RuleResult> {
+    fn ask(quota: &mut MemoryQuota, rules: Vec<RuleRequest>, now: Instant) -> Vec<RuleResult> {
         let body = serde_json::to_vec(&AcquireRequest { rules }).unwrap();
         let callout = Callout {
             upstream: "diana_quota".to_string(),

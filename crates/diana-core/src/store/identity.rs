@@ -42,7 +42,7 @@ use std::fmt;
 pub const PROCESS_KEYS: [&str; 2] = ["diana/identity/0", "diana/identity/1"];
 
 /// Bytes of a stored key (after the record's key check).
-const KEY_BYTES: usize = 16;
+pub const KEY_BYTES: usize = 16;
 
 /// Why the process key could not be had: the local rules then hash with the public key.
 #[derive(Debug, Clone, PartialEq, Eq)]

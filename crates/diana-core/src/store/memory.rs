@@ -133,10 +133,7 @@ impl MemoryHost {
 impl SharedData for MemoryHost {
     fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, HostError> {
         let id = (self.entry_of)(key);
-        let mut entries = self
-            .entries
-            .lock()
-            .map_err(|_| HostError("poisoned".into()))?;
+        let mut entries = self.entries.lock().map_err(|_| HostError::Poisoned)?;
         entries.clock += 1;
         entries.reads += 1;
         let now = entries.clock;
@@ -148,10 +145,7 @@ impl SharedData for MemoryHost {
 
     fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<SetOutcome, HostError> {
         let id = (self.entry_of)(key);
-        let mut entries = self
-            .entries
-            .lock()
-            .map_err(|_| HostError("poisoned".into()))?;
+        let mut entries = self.entries.lock().map_err(|_| HostError::Poisoned)?;
         entries.writes += 1;
         let current = entries.map.get(&id).map(|entry| entry.cas);
         let accepted = match (self.semantics, current) {

@@ -43,7 +43,7 @@ pub use memory::{CasSemantics, MemoryHost};
 
 use crate::algo::{Algorithm, Limit, Mark, Verdict};
 use crate::hash::hash64;
-use crate::time::Nanos;
+use crate::time::{Instant, Nanos};
 use std::cell::Cell;
 use std::fmt;
 
@@ -59,7 +59,7 @@ pub const MAX_CAS_ATTEMPTS: usize = 32;
 /// also how often a refused client's own record notes that it asked again (so a client that
 /// keeps being refused writes at most 8 times a second, and each worker's denial cache,
 /// [`crate::local::DENIAL_CACHE`], spaces its attempts further).
-pub const VISIT_GAP: Nanos = crate::local::LEASE_SPAN / 2;
+pub const VISIT_GAP: Nanos = crate::local::BATCH_SPAN / 2;
 
 /// What a newcomer does when both its candidate slots are held by active identities.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -83,13 +83,58 @@ pub enum Eviction {
 /// Seed of the key checks that seal records.
 const KEY_CHECK_SEED: u64 = 0x6469_616e_615f_6b63; // "diana_kc"
 
-/// A failure of the host store itself (not a CAS conflict).
+/// A failure of the host itself (not a CAS conflict).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct HostError(pub String);
+pub enum HostError {
+    /// The host refused a call: which, on what (a key), and the status it answered.
+    Refused {
+        call: HostCall,
+        subject: String,
+        status: String,
+    },
+    /// No slot of an identity could be read (every candidate unreadable).
+    NoCandidateSlot,
+    /// An in-memory host's lock was poisoned by a panicking thread (tests, tools).
+    Poisoned,
+}
+
+impl HostError {
+    /// The host refused `call` on `subject` with `status` (the host's own status type).
+    pub fn refused(call: HostCall, subject: &str, status: impl fmt::Debug) -> HostError {
+        HostError::Refused {
+            call,
+            subject: subject.to_string(),
+            status: format!("{status:?}"),
+        }
+    }
+}
+
+/// A host call that can fail.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HostCall {
+    GetSharedData,
+    SetSharedData,
+    CallBody,
+}
 
 impl fmt::Display for HostError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "shared data: {}", self.0)
+        match self {
+            HostError::Refused {
+                call,
+                subject,
+                status,
+            } => {
+                let call = match call {
+                    HostCall::GetSharedData => "shared data: get",
+                    HostCall::SetSharedData => "shared data: set",
+                    HostCall::CallBody => "call answer's body",
+                };
+                write!(f, "{call} {subject}: {status}")
+            }
+            HostError::NoCandidateSlot => f.write_str("shared data: no candidate slot"),
+            HostError::Poisoned => f.write_str("shared data: poisoned"),
+        }
     }
 }
 
@@ -262,7 +307,7 @@ pub const fn slot_record_bytes(words: usize) -> usize {
 struct Record {
     fingerprint: u64,
     /// The instant of the last use: a charge, or a refusal noted (0: never).
-    touched: Nanos,
+    touched: Instant,
     /// Uses at least [`VISIT_GAP`] after the one before.
     visits: u64,
     words: Vec<u64>,
@@ -279,7 +324,7 @@ impl Record {
     }
 
     /// Notes a use at `now`.
-    fn touch(&mut self, now: Nanos) {
+    fn touch(&mut self, now: Instant) {
         if self.touched != 0 && now.saturating_sub(self.touched) >= VISIT_GAP {
             self.visits = self.visits.saturating_add(1);
         }
@@ -420,7 +465,7 @@ impl Store {
         host: &dyn SharedData,
         table: &SlotTable<'_>,
         address: SlotAddress,
-        now: Nanos,
+        now: Instant,
         need: u32,
         want: u32,
     ) -> Result<Charge, ChargeError> {
@@ -436,7 +481,7 @@ impl Store {
         host: &dyn SharedData,
         table: &SlotTable<'_>,
         address: SlotAddress,
-        now: Nanos,
+        now: Instant,
         need: u32,
         want: u32,
         unspent: Option<(u32, Mark)>,
@@ -519,7 +564,7 @@ impl Store {
         host: &dyn SharedData,
         table: &SlotTable<'_>,
         receipt: &Receipt,
-        now: Nanos,
+        now: Instant,
     ) -> Result<(), ChargeError> {
         let words = table.algo.state_words(table.limit);
         self.update(host, &receipt.key, |current| {
@@ -548,7 +593,7 @@ impl Store {
         host: &dyn SharedData,
         table: &SlotTable<'_>,
         address: SlotAddress,
-        now: Nanos,
+        now: Instant,
         tokens: u32,
     ) -> Result<Verdict, ChargeError> {
         let words = table.algo.state_words(table.limit);
@@ -647,7 +692,7 @@ impl Store {
         host: &dyn SharedData,
         table: &SlotTable<'_>,
         address: SlotAddress,
-        now: Nanos,
+        now: Instant,
     ) -> Result<Vec<u64>, HostError> {
         let words = table.algo.state_words(table.limit);
         Ok(self.locate(host, table, address, now, words)?.record.words)
@@ -661,7 +706,7 @@ impl Store {
         host: &dyn SharedData,
         table: &SlotTable<'_>,
         address: SlotAddress,
-        now: Nanos,
+        now: Instant,
         words: usize,
     ) -> Result<Located, HostError> {
         let first_key = slot_key_in(table.key_prefix, address.first);
@@ -701,9 +746,7 @@ impl Store {
             .into_iter()
             .next()
             .map(|(key, record, cas)| Located::at(key, record, Some(cas), true));
-        shared
-            .or(foreign)
-            .ok_or_else(|| HostError("no candidate slot".to_string()))
+        shared.or(foreign).ok_or(HostError::NoCandidateSlot)
     }
 
     /// The held candidate a newcomer takes over (its key and CAS), or `None` to share the
@@ -713,7 +756,7 @@ impl Store {
         &self,
         table: &SlotTable<'_>,
         taken: &[(String, Record, u32)],
-        now: Nanos,
+        now: Instant,
     ) -> Option<(String, u32)> {
         if self.eviction == Eviction::Share || table.algo.waits() {
             return None;
@@ -743,7 +786,7 @@ impl Store {
         table: &SlotTable<'_>,
         address: SlotAddress,
         key: &str,
-        now: Nanos,
+        now: Instant,
         words: usize,
     ) -> Result<Probe, HostError> {
         Ok(match host.get(key)? {

@@ -29,7 +29,7 @@ impl Algorithm for CountUpTo {
         &self,
         limit: &Limit,
         state: &mut [u64],
-        now: Nanos,
+        now: Instant,
         need: u32,
         want: u32,
     ) -> Verdict {
@@ -52,15 +52,15 @@ impl Algorithm for CountUpTo {
             ..Verdict::default()
         }
     }
-    fn release(&self, _limit: &Limit, state: &mut [u64], _now: Nanos, tokens: u32, _mark: Mark) {
+    fn release(&self, _limit: &Limit, state: &mut [u64], _now: Instant, tokens: u32, _mark: Mark) {
         state[0] = state[0].saturating_sub(u64::from(tokens));
     }
-    fn charge_debt(&self, _limit: &Limit, state: &mut [u64], now: Nanos, tokens: u32) -> Verdict {
+    fn charge_debt(&self, _limit: &Limit, state: &mut [u64], now: Instant, tokens: u32) -> Verdict {
         state[0] += u64::from(tokens);
         state[1] = now;
         Verdict::default()
     }
-    fn is_idle(&self, _limit: &Limit, state: &[u64], now: Nanos) -> bool {
+    fn is_idle(&self, _limit: &Limit, state: &[u64], now: Instant) -> bool {
         state[0] == 0 || now.saturating_sub(state[1]) >= 1_000
     }
 }
@@ -629,7 +629,7 @@ fn one_counter_rules_whose_slots_collide_keep_their_own_counts() {
 // Both candidates held: a newcomer takes one over (docs/security-slots.md).
 
 const SECOND: Nanos = crate::time::NANOS_PER_SECOND;
-const T0: Nanos = 1_767_225_600 * SECOND;
+const T0: Instant = 1_767_225_600 * SECOND;
 
 /// The real token bucket, `rpu` per minute (records stay active for minutes).
 fn bucket(rpu: u32) -> (&'static dyn Algorithm, Limit) {
@@ -661,7 +661,7 @@ fn newcomers_under_a_flood(eviction: Eviction) -> Vec<usize> {
     };
     let host = MemoryHost::new(CasSemantics::Envoy);
     let store = Store::new().with_eviction(eviction);
-    let charge = |who: SlotAddress, now: Nanos| {
+    let charge = |who: SlotAddress, now: Instant| {
         store
             .charge(&host, &table, who, now, 1, 1)
             .unwrap()
@@ -706,7 +706,7 @@ fn a_flood_of_strangers_does_not_lock_newcomers_out() {
 }
 
 /// Every slot of a small table held by active strangers charged long enough ago.
-fn saturated(store: &Store, host: &dyn SharedData, table: &SlotTable<'_>, slots: u32, at: Nanos) {
+fn saturated(store: &Store, host: &dyn SharedData, table: &SlotTable<'_>, slots: u32, at: Instant) {
     for n in 0..u64::from(slots) * 8 {
         store
             .charge(host, table, stranger(n, slots), at, 1, 1)

@@ -88,7 +88,7 @@ fn generate(rng: &mut Rng, docs: &[Vec<u8>]) -> Vec<u8> {
 fn outcome(result: &Result<Policy, ConfigError>) -> Result<String, String> {
     match result {
         Ok(policy) => Ok(format!("{policy:?}")),
-        Err(error) => Err(error.message.clone()),
+        Err(error) => Err(error.to_string()),
     }
 }
 
@@ -347,8 +347,8 @@ impl Target for Forms {
             (Err(_), Err(_)) => Ok(()),
             _ => Err(format!(
                 "the JSON and YAML forms disagree:\nJSON {json}\n  -> {:?}\nYAML {yaml}\n  -> {:?}",
-                from_json.as_ref().map(rules_of).map_err(|e| &e.message),
-                from_yaml.as_ref().map(rules_of).map_err(|e| &e.message)
+                from_json.as_ref().map(rules_of).map_err(|e| e.to_string()),
+                from_yaml.as_ref().map(rules_of).map_err(|e| e.to_string())
             )),
         }
     }

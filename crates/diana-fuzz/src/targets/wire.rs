@@ -5,23 +5,27 @@
 //! no panic; a request that decodes survives a serialise/decode round trip; an invalid
 //! request validates no answer; an honest answer is accepted; an accepted answer keeps
 //! every promise of the format (checked here independently). [`Callouts`]: the same
-//! answers (and failures: no answer, not sent, error statuses) handed to the engine for
-//! the callout it made, through `Engine::complete`.
+//! answers (and failures: no answer, not sent, error statuses) handed to the filter's
+//! worker for the callout it made, under each host's profile: no panic, no second callout
+//! for a completed request, every answered request resumed or answered, an honest answer
+//! obeyed, nothing held once the contexts are gone.
 
 use crate::mutate::{mutate, random_bytes};
 use crate::rng::Rng;
 use crate::Target;
 use diana_core::actor::RequestFacts;
 use diana_core::algo::Verdict;
-use diana_core::config::parse_policy;
-use diana_core::decision::{Decision, Reply};
-use diana_core::engine::Engine;
-use diana_core::metrics::NoMetrics;
-use diana_core::store::{CasSemantics, MemoryHost};
-use diana_core::time::Nanos;
+use diana_core::decision::{Callout, DispatchError};
+use diana_core::global::MAX_ANSWER_BYTES;
+use diana_core::store::{
+    identity, CasSemantics, HostError, MemoryHost, SetOutcome, SharedData, Store,
+};
+use diana_core::time::{Clock, Instant, Nanos};
 use diana_core::wire::{
     self, AcquireRequest, AcquireResponse, RuleRequest, RuleResult, MAX_SLICES, MAX_WANT,
 };
+use diana_core::worker::{CallToken, Command, Host, HostProfile, MetricId, MetricKind, Worker};
+use std::cell::{Cell, RefCell};
 
 const ALGOS: &[&str] = &[
     "W",
@@ -36,7 +40,7 @@ const ALGOS: &[&str] = &[
 ];
 const UNITS: &[&str] = &["second", "minute", "hour", "day", "Seconds", "week", ""];
 /// 2026-01-01T00:00:00Z plus a little.
-const NOW: Nanos = 1_767_225_600_123_456_789;
+const NOW: Instant = 1_767_225_600_123_456_789;
 
 fn key(rng: &mut Rng) -> String {
     if rng.one_in(20) {
@@ -329,20 +333,87 @@ const DOCUMENT: &str = "resources:
       - {name: g4, rpu: 4, unit: hour, algo: W, scope: global, dry_run: true}
 ";
 
-thread_local! {
-    static ENGINES: Option<[Engine; 2]> = parse_policy(DOCUMENT).ok().map(|policy| {
-        [Engine::new(policy.clone()), Engine::new(policy).with_pausing(false)]
-    });
+/// The document, with the quota service where each host wants it.
+fn document(profile: HostProfile) -> String {
+    let cluster = if profile.upstreams_are_host_port {
+        "127.0.0.1:18081"
+    } else {
+        "diana_quota"
+    };
+    format!("{DOCUMENT}global: {{cluster: \"{cluster}\"}}\n")
 }
 
-struct Device(u8);
+/// The host of one fuzzed worker: shared data in memory, one device's request on one
+/// path, the clock the target moves, the calls the worker makes, and the answer being
+/// delivered (`:status`, body).
+struct FuzzHost {
+    shared: MemoryHost,
+    path: &'static str,
+    device: u8,
+    now: Cell<Nanos>,
+    refuse: Cell<bool>,
+    next_token: Cell<CallToken>,
+    sent: RefCell<Vec<(CallToken, Callout)>>,
+    answer: RefCell<(u16, Vec<u8>)>,
+}
 
-impl RequestFacts for Device {
+impl SharedData for FuzzHost {
+    fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, HostError> {
+        self.shared.get(key)
+    }
+    fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<SetOutcome, HostError> {
+        self.shared.set(key, value, cas)
+    }
+}
+
+impl RequestFacts for FuzzHost {
     fn header(&self, name: &str) -> Option<Vec<u8>> {
-        (name == "x-device-id").then(|| vec![b'd', self.0])
+        match name {
+            ":path" => Some(self.path.as_bytes().to_vec()),
+            "x-device-id" => Some(vec![b'd', self.device]),
+            _ => None,
+        }
     }
     fn client_ip(&self) -> Option<Vec<u8>> {
         Some(b"10.1.2.3".to_vec())
+    }
+}
+
+impl Clock for FuzzHost {
+    fn now(&self) -> Option<Instant> {
+        Some(self.now.get())
+    }
+}
+
+impl Host for FuzzHost {
+    fn response_header(&self, _: &str) -> Option<Vec<u8>> {
+        None
+    }
+    fn call_header(&self, name: &str) -> Option<Vec<u8>> {
+        (name == ":status").then(|| self.answer.borrow().0.to_string().into_bytes())
+    }
+    fn call_body(&self, size: usize) -> Result<Vec<u8>, HostError> {
+        Ok(self.answer.borrow().1.iter().take(size).copied().collect())
+    }
+    fn dispatch(&self, callout: &Callout) -> Result<CallToken, DispatchError> {
+        if self.refuse.get() {
+            return Err(DispatchError::Refused {
+                upstream: callout.upstream.clone(),
+                status: "BadArgument".into(),
+            });
+        }
+        let token = self.next_token.get();
+        self.next_token.set(token.wrapping_add(1));
+        self.sent.borrow_mut().push((token, callout.clone()));
+        Ok(token)
+    }
+    fn define_metric(&self, _: MetricKind, _: &str) -> Option<MetricId> {
+        None
+    }
+    fn add_to_metric(&self, _: MetricId, _: u64) {}
+    fn set_metric(&self, _: MetricId, _: u64) {}
+    fn metric_value(&self, _: MetricId) -> u64 {
+        0
     }
 }
 
@@ -359,7 +430,7 @@ impl Target for Callouts {
     fn weight(&self) -> u64 {
         5
     }
-    /// `[engine, path, device, status index, reply kind, answer seed (8 bytes)]`.
+    /// `[profile, path, device, status index, reply kind, answer seed (8 bytes)]`.
     fn generate(&self, rng: &mut Rng) -> Vec<u8> {
         let mut input = vec![
             rng.byte() % 2,
@@ -373,76 +444,115 @@ impl Target for Callouts {
     }
 
     fn run(&self, input: &[u8]) -> Result<(), String> {
-        let [engine, path, device, status, reply, seed @ ..] = input else {
+        let [profile, path, device, status, reply, seed @ ..] = input else {
             return Ok(());
         };
         let seed = u64::from_le_bytes(<[u8; 8]>::try_from(seed).unwrap_or_default());
-        let path = PATHS.get(usize::from(*path)).copied().unwrap_or("/");
+        let profile = if *profile == 0 {
+            HostProfile::ENVOY
+        } else {
+            HostProfile::NGINX
+        };
         let status = STATUSES.get(usize::from(*status)).copied().unwrap_or(200);
-        ENGINES.with(|engines| {
-            let engine = engines
-                .as_ref()
-                .and_then(|e| e.get(usize::from(*engine)))
-                .ok_or("the callout document does not parse")?;
-            let host = MemoryHost::new(CasSemantics::Envoy);
-            let mut rng = Rng::new(seed);
-            let mut now = NOW;
-            for _ in 0..3 {
-                let decision = engine.evaluate(
-                    &host,
-                    path.as_bytes(),
-                    &Device(*device),
-                    Some(now),
-                    &mut NoMetrics,
-                );
-                let Decision::Call(callout, pending) = decision else {
-                    now += rng.below(2_000_000_000);
-                    continue;
-                };
-                let request = wire::decode_request(&callout.body)
-                    .map_err(|e| format!("the engine sent an invalid request: {e}"))?;
-                // `/v1/wait` waits out the delays itself: its answers carry none.
-                let waited = callout
-                    .headers
+        let host = FuzzHost {
+            shared: MemoryHost::new(if profile.strict_compare_and_swap {
+                CasSemantics::Nginx
+            } else {
+                CasSemantics::Envoy
+            }),
+            path: PATHS.get(usize::from(*path)).copied().unwrap_or("/"),
+            device: *device,
+            now: Cell::new(NOW),
+            refuse: Cell::new(*reply == 1),
+            next_token: Cell::new(1),
+            sent: RefCell::new(Vec::new()),
+            answer: RefCell::new((0, Vec::new())),
+        };
+        // One identity key, where a gateway draws one at random: a case replays exactly.
+        let _ = identity::process_key(&Store::new(), &host, || Ok([0x5a; identity::KEY_BYTES]));
+        let document = document(profile);
+        let mut worker = Worker::new(profile);
+        worker
+            .configure(&host, document.as_bytes())
+            .map_err(|refused| format!("the callout document is refused: {refused}"))?;
+        let mut rng = Rng::new(seed);
+        for context in 2..5 {
+            let step = worker.on_request_headers(&host, context);
+            let sent = host.sent.take();
+            let Some((token, callout)) = sent.into_iter().next_back() else {
+                let replied = step
+                    .commands
                     .iter()
-                    .any(|(name, value)| *name == ":path" && value.ends_with(wire::WAIT_PATH));
-                let (kind, body) = answer(&mut rng, &request, waited);
-                let honest = kind == Kind::Honest && status == 200 && *reply >= 3;
-                let reply = match reply {
-                    0 => Reply::NoAnswer,
-                    1 => Reply::NotSent("fuzz".to_string()),
-                    2 => Reply::Answered { status, body: None },
-                    _ => Reply::Answered {
-                        status,
-                        body: Some(body.clone()),
-                    },
-                };
-                let decided = engine.complete(&host, pending, reply, Some(now), &mut NoMetrics);
-                if matches!(decided, Decision::Call(..)) {
-                    return Err("a completed request asks for another callout".to_string());
+                    .any(|c| matches!(c, Command::Reply(..)));
+                if step.pause && !replied && worker.waiting_until(context).is_none() {
+                    return Err("a request was left paused with no call and no turn".into());
                 }
-                if honest {
-                    let answer: AcquireResponse =
-                        serde_json::from_slice(&body).map_err(|e| e.to_string())?;
-                    let all = answer
-                        .results
-                        .iter()
-                        .zip(&request.rules)
-                        .all(|(result, rule)| result.allowed || rule.dry_run);
-                    let admitted =
-                        matches!(decided, Decision::Allow { .. } | Decision::Delay { .. });
-                    if admitted != all {
-                        return Err(format!(
-                            "an honest answer {} the request, the engine {}: {}",
-                            if all { "admits" } else { "denies" },
-                            if admitted { "admitted" } else { "rejected" },
-                            String::from_utf8_lossy(&body)
-                        ));
-                    }
-                }
-                now += rng.below(2_000_000_000);
+                worker.on_context_gone(&host, context);
+                host.now.set(host.now.get() + rng.below(2_000_000_000));
+                continue;
+            };
+            let request = wire::decode_request(&callout.body)
+                .map_err(|e| format!("the worker sent an invalid request: {e}"))?;
+            // `/v1/wait` waits out the delays itself: its answers carry none.
+            let waited = callout
+                .headers
+                .iter()
+                .any(|(name, value)| *name == ":path" && value.ends_with(wire::WAIT_PATH));
+            let (kind, body) = answer(&mut rng, &request, waited);
+            let honest = kind == Kind::Honest && status == 200 && *reply >= 3;
+            let (headers, body_size) = match reply {
+                0 => (0, 0),
+                // Larger than the worker reads.
+                2 => (1, MAX_ANSWER_BYTES + 1),
+                _ => (1, body.len()),
+            };
+            *host.answer.borrow_mut() = (status, body.clone());
+            let step = worker.on_call_answered(&host, token, headers, body_size);
+            if !host.sent.take().is_empty() {
+                return Err("a completed request asks for another callout".to_string());
             }
-            Ok(())
-        })
+            let replied = step
+                .commands
+                .iter()
+                .any(|command| matches!(command, Command::Reply(c, _) if *c == context));
+            let admitted = !replied;
+            if !replied && !step.pause && worker.waiting_until(context).is_none() {
+                let resumed = step
+                    .commands
+                    .iter()
+                    .any(|command| matches!(command, Command::Resume(c) if *c == context));
+                if !resumed && !profile.resumes_after_own_call {
+                    return Err("an answered request is neither resumed nor answered".into());
+                }
+            }
+            if honest {
+                let answer: AcquireResponse =
+                    serde_json::from_slice(&body).map_err(|e| e.to_string())?;
+                let all = answer
+                    .results
+                    .iter()
+                    .zip(&request.rules)
+                    .all(|(result, rule)| result.allowed || rule.dry_run);
+                if admitted != all {
+                    return Err(format!(
+                        "an honest answer {} the request, the worker {}: {}",
+                        if all { "admits" } else { "denies" },
+                        if admitted { "admitted" } else { "rejected" },
+                        String::from_utf8_lossy(&body)
+                    ));
+                }
+            }
+            worker.on_context_gone(&host, context);
+            host.now.set(host.now.get() + rng.below(2_000_000_000));
+            let _ = worker.on_tick(&host);
+            // Refills ahead and payments from the tick: no answer (their flights land).
+            for (token, _) in host.sent.take() {
+                let _ = worker.on_call_answered(&host, token, 0, 0);
+            }
+        }
+        if worker.requests_held() != 0 {
+            return Err("the worker holds requests whose contexts are gone".into());
+        }
+        Ok(())
     }
 }

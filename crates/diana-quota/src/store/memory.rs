@@ -19,7 +19,7 @@ use async_trait::async_trait;
 use diana_core::algo::{Algorithm, Limit};
 use diana_core::global::wire::{ResolvedRule, RuleResult};
 use diana_core::quota::CounterId;
-use diana_core::time::Nanos;
+use diana_core::time::{Instant, Nanos};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -27,7 +27,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 /// Where the memory store's "now" comes from (tests drive it by hand).
 pub trait Clock: Send + Sync {
     /// Nanoseconds since the Unix epoch.
-    fn now(&self) -> Nanos;
+    fn now(&self) -> Instant;
 }
 
 /// The system clock.
@@ -35,7 +35,7 @@ pub trait Clock: Send + Sync {
 pub struct SystemClock;
 
 impl Clock for SystemClock {
-    fn now(&self) -> Nanos {
+    fn now(&self) -> Instant {
         SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|elapsed| u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX))
@@ -67,13 +67,13 @@ struct Table {
     entries: HashMap<Id, Entry>,
     sweep_at: usize,
     /// When full: no sweep before this instant.
-    next_full_sweep: Nanos,
+    next_full_sweep: Instant,
     evicted: u64,
 }
 
 impl Table {
     /// Drops every idle counter; returns how many.
-    fn sweep(&mut self, now: Nanos) -> usize {
+    fn sweep(&mut self, now: Instant) -> usize {
         let before = self.entries.len();
         self.entries
             .retain(|_, entry| !entry.algo.is_idle(&entry.limit, &entry.state, now));
@@ -170,7 +170,7 @@ impl MemoryStore {
 
     /// Writes the counters back, making room for new ones first; refuses (writing nothing)
     /// when the table would grow past its cap.
-    fn write(&self, table: &mut Table, loaded: Loaded, now: Nanos) -> Result<(), StoreError> {
+    fn write(&self, table: &mut Table, loaded: Loaded, now: Instant) -> Result<(), StoreError> {
         let new = loaded
             .ids
             .iter()
@@ -206,7 +206,7 @@ impl MemoryStore {
     pub fn acquire_at(
         &self,
         rules: &[ResolvedRule<'_>],
-        now: Nanos,
+        now: Instant,
     ) -> Result<Vec<Outcome>, StoreError> {
         let mut table = self.lock();
         let mut loaded = Self::load(&table, rules);
@@ -221,7 +221,7 @@ impl MemoryStore {
     pub fn decide_at(
         &self,
         rules: &[ResolvedRule<'_>],
-        now: Nanos,
+        now: Instant,
     ) -> Result<Vec<RuleResult>, StoreError> {
         Ok(self
             .acquire_at(rules, now)?
@@ -234,7 +234,7 @@ impl MemoryStore {
     pub fn charge_at(
         &self,
         rules: &[ResolvedRule<'_>],
-        now: Nanos,
+        now: Instant,
     ) -> Result<Vec<RuleResult>, StoreError> {
         super::refuse_debtless(rules)?;
         let mut table = self.lock();
@@ -249,7 +249,7 @@ impl MemoryStore {
         &self,
         rules: &[ResolvedRule<'_>],
         outcomes: &[Outcome],
-        now: Nanos,
+        now: Instant,
     ) -> Result<Vec<RuleResult>, StoreError> {
         let mut table = self.lock();
         let mut loaded = Self::load(&table, rules);

@@ -1,0 +1,257 @@
+//! `diana check`: the plan shows every effective setting of every rule as the filter uses
+//! it, and a refused document names the field path and its line and column, checks across
+//! fields included (issue 22, items 2 and 3).
+
+#![cfg(test)]
+
+use serde_json::Value;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .canonicalize()
+        .unwrap()
+}
+
+fn diana(args: &[&str], stdin: Option<&str>) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_diana"))
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    {
+        let mut pipe = child.stdin.take().unwrap();
+        if let Some(text) = stdin {
+            let _ = pipe.write_all(text.as_bytes());
+        }
+    }
+    child.wait_with_output().unwrap()
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8(bytes.to_vec()).unwrap()
+}
+
+fn check_json(document: &str) -> Value {
+    let out = diana(&["check", "--json", "-"], Some(document));
+    assert!(out.status.success(), "stderr: {}", text(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn check_text(document: &str) -> String {
+    let out = diana(&["check", "-"], Some(document));
+    assert!(out.status.success(), "stderr: {}", text(&out.stderr));
+    text(&out.stdout)
+}
+
+fn demo() -> String {
+    std::fs::read_to_string(repo_root().join("envoy/demo-diana.yaml")).unwrap()
+}
+
+/// The rule named `name` in a plan.
+fn rule<'p>(plan: &'p Value, name: &str) -> &'p Value {
+    plan["resources"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|resource| resource["rules"].as_array().unwrap())
+        .find(|rule| rule["name"] == name)
+        .unwrap_or_else(|| panic!("no rule {name} in {plan:#}"))
+}
+
+fn rules(plan: &Value) -> Vec<&Value> {
+    plan["resources"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|resource| resource["rules"].as_array().unwrap())
+        .collect()
+}
+
+#[test]
+fn the_demo_plan_shows_costs_waits_actors_and_metrics() {
+    let plan = check_json(&demo());
+    let llm = rule(&plan, "llm_tokens");
+    assert_eq!(llm["cost"], 1, "one token up front");
+    assert_eq!(
+        llm["response_cost"],
+        serde_json::json!({"header": "x-llm-tokens", "max": 100000}),
+        "{llm:#}"
+    );
+    assert_eq!(llm["max_wait_seconds"], Value::Null, "TB holds no request");
+    assert_eq!(llm["actor"], "account");
+    assert_eq!(llm["metric_name"], "llm_tokens");
+    let site = rule(&plan, "site_tb");
+    assert_eq!(site["cost"], 1);
+    assert_eq!(site["response_cost"], Value::Null);
+    // Where each actor's identity comes from: the document's definition, or the built-in one.
+    assert_eq!(
+        plan["actors"],
+        serde_json::json!({
+            "all": {"source": "all"},
+            "device": {"source": "header", "header": "x-device-id", "fallback": "ip"},
+            "account": {"source": "header", "header": "x-account-id", "fallback": "skip"},
+        })
+    );
+    assert_eq!(
+        plan["metrics"],
+        Value::Null,
+        "the demo serves no metrics path"
+    );
+    assert_eq!(plan["global"]["token"], "none");
+
+    let yaml = check_text(&demo());
+    for line in [
+        "    cost: 1",
+        "    response_cost:",
+        "      header: x-llm-tokens",
+        "      max: 100000",
+        "    max_wait_seconds: null",
+        "actors:",
+        "  device:",
+        "    source: header",
+        "    header: x-device-id",
+        "    fallback: ip",
+        "metrics: null",
+    ] {
+        assert!(
+            yaml.lines().any(|l| l == line),
+            "missing line {line:?} in:\n{yaml}"
+        );
+    }
+}
+
+#[test]
+fn a_document_level_dry_run_shows_on_every_rule() {
+    let document = "resources:\n  - Url: /\n    rules:\n      - {name: a, rpu: 5}\n      - {name: b, rpu: 5, scope: global}\n  - Url: /x\n    rules: [{name: c, rpu: 1, algo: LB}]\ndry_run: true\n";
+    let plan = check_json(document);
+    assert_eq!(plan["dry_run"], true);
+    for rule in rules(&plan) {
+        assert_eq!(rule["dry_run"], true, "{rule:#}");
+    }
+    let yaml = check_text(document);
+    assert!(
+        !yaml.contains("    dry_run: false"),
+        "a rule listed as enforcing under a dry-run document:\n{yaml}"
+    );
+    // Without it, a rule's own dry run is its alone.
+    let plan = check_json(
+        &document
+            .replace("dry_run: true\n", "")
+            .replace("{name: a, rpu: 5}", "{name: a, rpu: 5, dry_run: true}"),
+    );
+    let runs: Vec<&Value> = rules(&plan).iter().map(|rule| &rule["dry_run"]).collect();
+    assert_eq!(runs, [true, false, false]);
+}
+
+#[test]
+fn costs_waits_and_metrics_as_the_filter_uses_them() {
+    let document = "\
+resources:
+  - Url: /
+    rules:
+      - {name: pace, rpu: 10, algo: LB}
+      - {name: patient, rpu: 10, algo: LB, max_wait_seconds: 0}
+      - {name: priced, rpu: 100, lease: 20, scope: global, cost: {header: X-Cost, max: 20}}
+      - {name: fixed, rpu: 100, cost: 7, response_cost: {header: x-used, max: 50}}
+actors:
+  tenant: {header: x-tenant-id, fallback: shared}
+metrics: {path: /diana/metrics/}
+";
+    let plan = check_json(document);
+    assert_eq!(rule(&plan, "pace")["max_wait_seconds"], 10, "the default");
+    assert_eq!(rule(&plan, "patient")["max_wait_seconds"], 0);
+    assert_eq!(
+        rule(&plan, "priced")["cost"],
+        serde_json::json!({"header": "x-cost", "default": 1, "max": 20})
+    );
+    assert_eq!(rule(&plan, "fixed")["cost"], 7);
+    assert_eq!(
+        rule(&plan, "fixed")["response_cost"],
+        serde_json::json!({"header": "x-used", "max": 50})
+    );
+    assert_eq!(plan["metrics"]["path"], "/diana/metrics");
+    // Only the actors rules count are listed (`tenant` is defined but unused).
+    assert_eq!(
+        plan["actors"],
+        serde_json::json!({"all": {"source": "all"}})
+    );
+}
+
+/// The plan cannot fall behind the document: every key a rule may be written with, and
+/// every section of the full form, is in the plan (the schema lists them from the code).
+#[test]
+fn every_setting_the_document_can_write_is_in_the_plan() {
+    let out = diana(&["schema"], None);
+    assert!(out.status.success(), "stderr: {}", text(&out.stderr));
+    let schema: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let keys = |definition: &str| -> Vec<String> {
+        schema["definitions"][definition]["properties"]
+            .as_object()
+            .unwrap_or_else(|| panic!("no {definition} in the schema"))
+            .keys()
+            .cloned()
+            .collect()
+    };
+    let plan = check_json(
+        "resources: [{Url: /, rules: [{rpu: 1}]}]\nremote: {cluster: c, path: /p}\nmetrics: {path: /m}\n",
+    );
+    let written = &plan["resources"][0]["rules"][0];
+    for key in keys("rule") {
+        assert!(
+            written.get(&key).is_some(),
+            "the plan's rule has no `{key}`: {written:#}"
+        );
+    }
+    for section in keys("full") {
+        assert!(plan.get(&section).is_some(), "the plan has no `{section}`");
+    }
+    for (definition, section) in [
+        ("global", "global"),
+        ("response", "response"),
+        ("remote", "remote"),
+    ] {
+        for key in keys(definition) {
+            assert!(
+                plan[section].get(&key).is_some(),
+                "the plan's {section} has no `{key}`: {:#}",
+                plan[section]
+            );
+        }
+    }
+}
+
+/// A refusal across fields names the path and position, on stderr, exactly as the filter
+/// logs it; `diana check` exits 1.
+#[test]
+fn refusals_across_fields_name_the_field_and_its_position() {
+    for (document, expected) in [
+        (
+            "Url: /\nrules:\n  - {rpu: 10, cost: 11}\n",
+            "rules[0].cost: a cost of 11 could never pass: the rule grants at most 10 at once \
+             (rpu, or burst for TB and LB) at line 3 column 21",
+        ),
+        (
+            "Url: /\nrules:\n  - rpu: 10\n    algo: LB\n    response_cost: {header: x, max: 5}\n",
+            "rules[0].response_cost: response_cost does not apply to algo LB: a leaky bucket paces \
+             requests, it does not charge them afterwards at line 5 column 20",
+        ),
+        (
+            "resources:\n  - Url: /\n    rules:\n      - rpu: 1\n        max_wait_seconds: 5\n",
+            "resources[0].rules[0].max_wait_seconds: max_wait_seconds applies to algo LB (leaky \
+             bucket) only, not to TB at line 5 column 27",
+        ),
+    ] {
+        let out = diana(&["check", "-"], Some(document));
+        assert_eq!(out.status.code(), Some(1), "{document}");
+        assert!(out.stdout.is_empty());
+        assert_eq!(text(&out.stderr), format!("{expected}\n"));
+        let filter = diana_core::config::parse_policy(document).unwrap_err();
+        assert_eq!(filter.to_string(), expected);
+    }
+}

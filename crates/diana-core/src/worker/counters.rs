@@ -1,0 +1,151 @@
+//! A worker's metric counts, batched: counted in the worker on the request path and handed
+//! to the host in one call per counter that moved, from the tick (at least once a second).
+//! A host call costs the request path as much as the rest of a local rule's decision
+//! (BENCHMARKS.md, "Where the time goes"), so the host's counters run behind by one tick at
+//! most; the metrics path flushes the answering worker first, and a configuration that
+//! was replaced is flushed until its last request is gone.
+
+use super::host::{Host, MetricId, MetricKind};
+use crate::config::Rule;
+use crate::metrics::DEGRADED_GAUGE;
+use crate::metrics::{prometheus_text, rule_metric_name, Event, MetricSink, RuleEvent};
+use hashbrown::HashMap;
+use std::cell::Cell;
+
+/// The metrics of one configuration: host ids defined once, counts kept here until the
+/// next flush. Counting needs no mutable borrow (cells), so the engine reports through a
+/// shared reference.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    /// Per rule, per [`RuleEvent`]: the index in `defined`.
+    rules: Vec<[Option<usize>; 3]>,
+    events: HashMap<Event, usize>,
+    degraded: Option<MetricId>,
+    /// The breaker's state not yet handed to the host.
+    degraded_unset: Cell<Option<bool>>,
+    /// Every metric defined, for the metrics path and the flush.
+    defined: Vec<Defined>,
+}
+
+#[derive(Debug)]
+struct Defined {
+    name: String,
+    id: MetricId,
+    kind: MetricKind,
+    unflushed: Cell<u64>,
+}
+
+impl Counters {
+    /// Defines the rules' counters, the process-wide event counters and the degraded
+    /// gauge.
+    pub(crate) fn define<'a>(host: &dyn Host, rules: impl Iterator<Item = &'a Rule>) -> Counters {
+        let mut defined = Vec::new();
+        let mut define = |kind: MetricKind, name: String| {
+            let id = host.define_metric(kind, &name)?;
+            defined.push(Defined {
+                name,
+                id,
+                kind,
+                unflushed: Cell::new(0),
+            });
+            Some((defined.len() - 1, id))
+        };
+        let rules = rules
+            .map(|rule| {
+                RuleEvent::ALL.map(|event| {
+                    define(
+                        MetricKind::Counter,
+                        rule_metric_name(&rule.metric_name, event),
+                    )
+                    .map(|(index, _)| index)
+                })
+            })
+            .collect();
+        let events = Event::ALL
+            .iter()
+            .filter_map(|&event| {
+                define(MetricKind::Counter, event.name().to_string())
+                    .map(|(index, _)| (event, index))
+            })
+            .collect();
+        let degraded = define(MetricKind::Gauge, DEGRADED_GAUGE.to_string()).map(|(_, id)| id);
+        Counters {
+            rules,
+            events,
+            degraded,
+            degraded_unset: Cell::new(None),
+            defined,
+        }
+    }
+
+    /// Hands the counts to the host: one call per counter that moved.
+    pub(crate) fn flush(&self, host: &dyn Host) {
+        for metric in &self.defined {
+            let count = metric.unflushed.take();
+            if count > 0 {
+                host.add_to_metric(metric.id, count);
+            }
+        }
+        self.flush_gauge(host);
+    }
+
+    /// Hands the breaker's state to the host, if it changed.
+    pub(crate) fn flush_gauge(&self, host: &dyn Host) {
+        if let (Some(id), Some(on)) = (self.degraded, self.degraded_unset.take()) {
+            host.set_metric(id, u64::from(on));
+        }
+    }
+
+    /// Every metric's value (summed over the workers by the host) in the Prometheus text
+    /// format; this worker's counts are flushed first.
+    pub(crate) fn exposition(&self, host: &dyn Host) -> String {
+        self.flush(host);
+        prometheus_text(self.defined.iter().map(|metric| {
+            (
+                metric.name.as_str(),
+                host.metric_value(metric.id),
+                metric.kind == MetricKind::Gauge,
+            )
+        }))
+    }
+
+    fn count(&self, index: Option<usize>) {
+        if let Some(metric) = index.and_then(|index| self.defined.get(index)) {
+            metric
+                .unflushed
+                .set(metric.unflushed.get().saturating_add(1));
+        }
+    }
+
+    pub(crate) fn event(&self, event: Event) {
+        self.count(self.events.get(&event).copied());
+    }
+
+    /// A [`MetricSink`] counting here.
+    pub(crate) fn sink(&self) -> Sink<'_> {
+        Sink(self)
+    }
+}
+
+/// The engine's [`MetricSink`] over a [`Counters`].
+pub(crate) struct Sink<'a>(&'a Counters);
+
+impl MetricSink for Sink<'_> {
+    fn rule_event(&mut self, rule: usize, event: RuleEvent) {
+        let slot = RuleEvent::ALL.iter().position(|&e| e == event).unwrap_or(0);
+        self.0.count(
+            self.0
+                .rules
+                .get(rule)
+                .and_then(|indices| indices.get(slot).copied().flatten()),
+        );
+    }
+
+    fn event(&mut self, event: Event) {
+        self.0.event(event);
+    }
+
+    fn degraded(&mut self, on: bool) {
+        self.0.degraded_unset.set(Some(on));
+    }
+}

@@ -1,0 +1,144 @@
+//! What the worker needs from its host: the synchronous services behind one trait
+//! ([`Host`]), and how hosts differ, as a value ([`HostProfile`]) rather than branches in
+//! each binding.
+
+use crate::actor::RequestFacts;
+use crate::decision::{Callout, DispatchError};
+use crate::store::{HostError, SharedData};
+use crate::time::Clock;
+
+/// The host's id of an HTTP context (one request).
+pub type ContextId = u32;
+
+/// The host's token for a call it dispatched; its answer comes back with it.
+pub type CallToken = u32;
+
+/// The host's id of a metric it defined.
+pub type MetricId = u32;
+
+/// What a metric is, for the host to define it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MetricKind {
+    Counter,
+    Gauge,
+}
+
+/// Everything the host provides synchronously, each through a call that reports failure
+/// rather than trapping: shared data with compare-and-swap, the current request's facts,
+/// the clock, the current response's and the current call answer's headers, dispatching
+/// calls and metrics. What changes a request's stream (resume, local reply, headers) is
+/// not here: the worker returns it as a [`super::Command`], carried out once the worker
+/// is no longer borrowed (a local reply re-enters the filter at once on Envoy).
+pub trait Host: SharedData + RequestFacts + Clock {
+    /// A header of the current response, as bytes (`None`: absent or unreadable).
+    fn response_header(&self, name: &str) -> Option<Vec<u8>>;
+    /// A header of the call answer being delivered (`:status` included).
+    fn call_header(&self, name: &str) -> Option<Vec<u8>>;
+    /// The first `size` bytes of the call answer's body.
+    fn call_body(&self, size: usize) -> Result<Vec<u8>, HostError>;
+    /// Sends `callout`; its answer is delivered with the returned token.
+    fn dispatch(&self, callout: &Callout) -> Result<CallToken, DispatchError>;
+    /// Defines a metric (`None`: the host refused; its events are then not counted).
+    fn define_metric(&self, kind: MetricKind, name: &str) -> Option<MetricId>;
+    /// Adds `count` to a counter.
+    fn add_to_metric(&self, metric: MetricId, count: u64);
+    /// Sets a gauge.
+    fn set_metric(&self, metric: MetricId, value: u64);
+    /// A metric's value as the host keeps it (summed over the workers).
+    fn metric_value(&self, metric: MetricId) -> u64;
+}
+
+/// How a host behaves, where hosts differ. Each binding passes one; the worker does the
+/// rest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostProfile {
+    /// Its name in log lines.
+    pub name: &'static str,
+    /// A paused request can be resumed later from another context (the tick, another
+    /// request's call answer): leaky-bucket waits and parking behind another request's
+    /// call are possible.
+    pub resumes_from_other_contexts: bool,
+    /// After a request's own call is answered, the host resumes it by itself (nginx) —
+    /// otherwise the filter must resume it (Envoy).
+    pub resumes_after_own_call: bool,
+    /// The tick period may be set from any context, any number of times (Envoy). Otherwise
+    /// it is set once, from configuration, and never to zero (nginx: zero re-arms at once,
+    /// a busy loop; a period set from a request traps).
+    pub tick_settable_anywhere: bool,
+    /// Call upstreams must be `host:port` (nginx) rather than cluster names.
+    pub upstreams_are_host_port: bool,
+    /// The host appends a line feed to every local reply's body (ngx_wasm_module).
+    pub appends_line_feed_to_replies: bool,
+    /// Shared data's compare-and-swap rule: a CAS of 0 is not "unconditional" (nginx),
+    /// so every write reads first ([`crate::store::Store::strict`]).
+    pub strict_compare_and_swap: bool,
+    /// Refusing the configuration stops the worker for good (nginx: `exited with fatal
+    /// code 2 and cannot be respawned`, while the master keeps the port open and every
+    /// request hangs). There the worker accepts it and answers requests with
+    /// `on_invalid_config` instead.
+    pub refusal_stops_the_worker: bool,
+}
+
+impl HostProfile {
+    /// Envoy, and any proxy-wasm-cpp-host.
+    pub const ENVOY: HostProfile = HostProfile {
+        name: "envoy",
+        resumes_from_other_contexts: true,
+        resumes_after_own_call: false,
+        tick_settable_anywhere: true,
+        upstreams_are_host_port: false,
+        appends_line_feed_to_replies: false,
+        strict_compare_and_swap: false,
+        refusal_stops_the_worker: false,
+    };
+
+    /// ngx_wasm_module (nginx, Kong, OpenResty): resuming a request from `on_tick` crashes
+    /// the worker (its request context is NULL there) and `set_effective_context` is a
+    /// no-op; the request is resumed by the host once its last call is answered.
+    pub const NGINX: HostProfile = HostProfile {
+        name: "ngx_wasm_module",
+        resumes_from_other_contexts: false,
+        resumes_after_own_call: true,
+        tick_settable_anywhere: false,
+        upstreams_are_host_port: true,
+        appends_line_feed_to_replies: true,
+        strict_compare_and_swap: true,
+        refusal_stops_the_worker: true,
+    };
+
+    /// Both, for tests that run every scenario under each host's rules.
+    pub const ALL: [HostProfile; 2] = [HostProfile::ENVOY, HostProfile::NGINX];
+}
+
+/// True when `upstream` is `host:port` with a decimal port.
+pub fn is_host_port(upstream: &str) -> bool {
+    let Some((host, port)) = upstream.rsplit_once(':') else {
+        return false;
+    };
+    !host.is_empty()
+        && !port.is_empty()
+        && port.bytes().all(|b| b.is_ascii_digit())
+        && port.parse::<u16>().is_ok_and(|port| port > 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_host_port;
+
+    #[test]
+    fn host_port_needs_a_host_and_a_decimal_port() {
+        for (upstream, ok) in [
+            ("127.0.0.1:8080", true),
+            ("quota.internal:1", true),
+            ("[::1]:80", true),
+            ("diana_quota", false),
+            (":80", false),
+            ("host:", false),
+            ("host:0", false),
+            ("host:65536", false),
+            ("host:8o", false),
+        ] {
+            assert_eq!(is_host_port(upstream), ok, "{upstream}");
+        }
+    }
+}

@@ -1,0 +1,657 @@
+//! A deterministic simulated gateway: workers sharing one [`MemoryHost`] (with the
+//! compare-and-swap rule of the profile's host), a clock that steps, calls answered by an
+//! in-process quota service ([`MemoryQuota`]) after a chosen latency — or not at all —,
+//! requests whose clients leave at any point, and the host's rules enforced: a request is
+//! resumed only while paused, resumed from another context only where the profile allows,
+//! and on nginx resumed by the host once its call is answered. Every rule broken is a
+//! [`Violation`], for tests to assert there are none.
+
+use super::{CallToken, Command, ContextId, DispatchError, Host, HostProfile, MetricId};
+use super::{LocalReply, MetricKind, Refused, Worker};
+use crate::actor::RequestFacts;
+use crate::decision::{Callout, Reply};
+use crate::quota::MemoryQuota;
+use crate::store::{identity, CasSemantics, HostError, MemoryHost, SetOutcome, SharedData, Store};
+use crate::time::{Clock, Instant, Nanos};
+use hashbrown::HashMap;
+use std::cell::{Cell, RefCell};
+use std::rc::Rc;
+use std::time::Duration;
+
+/// Header names and values, as the host holds them.
+pub type Headers = Vec<(String, Vec<u8>)>;
+
+/// The host services of the simulated gateway, shared by its workers.
+pub struct SimHost {
+    shared: MemoryHost,
+    /// `None`: the clock cannot be read.
+    clock: Cell<Option<Nanos>>,
+    next_token: Cell<CallToken>,
+    /// Calls dispatched during the current event.
+    dispatched: RefCell<Vec<(CallToken, Callout)>>,
+    /// The host refuses every dispatch.
+    refuse_dispatch: Cell<bool>,
+    metrics: RefCell<Vec<(String, u64)>>,
+    /// The current request's headers and client address.
+    request: RefCell<Headers>,
+    client_ip: RefCell<Option<Vec<u8>>>,
+    response: RefCell<Headers>,
+    /// The call answer being delivered: headers (`:status` first) and body.
+    answer: RefCell<(Headers, Vec<u8>)>,
+}
+
+impl SimHost {
+    pub fn new(profile: HostProfile, start: Instant) -> SimHost {
+        let semantics = if profile.strict_compare_and_swap {
+            CasSemantics::Nginx
+        } else {
+            CasSemantics::Envoy
+        };
+        SimHost {
+            shared: MemoryHost::new(semantics),
+            clock: Cell::new(Some(start)),
+            next_token: Cell::new(1),
+            dispatched: RefCell::new(Vec::new()),
+            refuse_dispatch: Cell::new(false),
+            metrics: RefCell::new(Vec::new()),
+            request: RefCell::new(Vec::new()),
+            client_ip: RefCell::new(None),
+            response: RefCell::new(Vec::new()),
+            answer: RefCell::new((Vec::new(), Vec::new())),
+        }
+    }
+
+    pub fn now(&self) -> Option<Instant> {
+        self.clock.get()
+    }
+
+    /// A metric's value by name (0 when never defined).
+    pub fn metric(&self, name: &str) -> u64 {
+        self.metrics
+            .borrow()
+            .iter()
+            .filter(|(defined, _)| defined == name)
+            .map(|(_, value)| *value)
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+impl SharedData for SimHost {
+    fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, HostError> {
+        self.shared.get(key)
+    }
+
+    fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<SetOutcome, HostError> {
+        self.shared.set(key, value, cas)
+    }
+}
+
+impl RequestFacts for SimHost {
+    fn header(&self, name: &str) -> Option<Vec<u8>> {
+        find(&self.request.borrow(), name)
+    }
+
+    fn client_ip(&self) -> Option<Vec<u8>> {
+        self.client_ip.borrow().clone()
+    }
+}
+
+impl Clock for SimHost {
+    fn now(&self) -> Option<Instant> {
+        self.clock.get()
+    }
+}
+
+impl Host for SimHost {
+    fn response_header(&self, name: &str) -> Option<Vec<u8>> {
+        find(&self.response.borrow(), name)
+    }
+
+    fn call_header(&self, name: &str) -> Option<Vec<u8>> {
+        find(&self.answer.borrow().0, name)
+    }
+
+    fn call_body(&self, size: usize) -> Result<Vec<u8>, HostError> {
+        let answer = self.answer.borrow();
+        Ok(answer.1.iter().take(size).copied().collect())
+    }
+
+    fn dispatch(&self, callout: &Callout) -> Result<CallToken, DispatchError> {
+        if self.refuse_dispatch.get() {
+            return Err(DispatchError::Refused {
+                upstream: callout.upstream.clone(),
+                status: "BadArgument".into(),
+            });
+        }
+        let token = self.next_token.get();
+        self.next_token.set(token.wrapping_add(1).max(1));
+        self.dispatched.borrow_mut().push((token, callout.clone()));
+        Ok(token)
+    }
+
+    fn define_metric(&self, _kind: MetricKind, name: &str) -> Option<MetricId> {
+        let mut metrics = self.metrics.borrow_mut();
+        metrics.push((name.to_string(), 0));
+        MetricId::try_from(metrics.len() - 1).ok()
+    }
+
+    fn add_to_metric(&self, metric: MetricId, count: u64) {
+        if let Some((_, value)) = self.metrics.borrow_mut().get_mut(metric as usize) {
+            *value = value.saturating_add(count);
+        }
+    }
+
+    fn set_metric(&self, metric: MetricId, value: u64) {
+        if let Some((_, slot)) = self.metrics.borrow_mut().get_mut(metric as usize) {
+            *slot = value;
+        }
+    }
+
+    fn metric_value(&self, metric: MetricId) -> u64 {
+        self.metrics
+            .borrow()
+            .get(metric as usize)
+            .map_or(0, |(_, value)| *value)
+    }
+}
+
+/// A call to the quota service's API (a config-center poll is not).
+fn is_quota_call(callout: &Callout) -> bool {
+    callout
+        .headers
+        .iter()
+        .any(|(name, value)| *name == ":path" && value.starts_with("/v1/"))
+}
+
+fn find(headers: &[(String, Vec<u8>)], name: &str) -> Option<Vec<u8>> {
+    headers
+        .iter()
+        .find(|(key, _)| key == name)
+        .map(|(_, value)| value.clone())
+}
+
+/// What became of a request so far.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Fate {
+    /// Paused by the filter.
+    Paused,
+    /// Went on to the upstream at this time.
+    Admitted(Instant),
+    /// Answered by the filter with this status.
+    Replied(u16),
+    /// Its client left.
+    Gone,
+}
+
+/// A host rule the worker broke.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Violation {
+    /// Resumed a request that was not paused.
+    ResumedNotPaused(ContextId),
+    /// Resumed or answered a request from another context where the host cannot.
+    FromOtherContext(ContextId),
+    /// Set the tick from a request, or to zero, where the host cannot.
+    Tick(Duration),
+    /// A command for a request the host never had.
+    Unknown(ContextId),
+}
+
+/// A call in flight, answered at `due`.
+struct Flight {
+    worker: usize,
+    token: CallToken,
+    callout: Callout,
+    due: Instant,
+    /// The request whose context made it (`None`: the root context).
+    context: Option<ContextId>,
+    /// Its context was deleted: the service still gets the call, the host drops the
+    /// answer.
+    dropped: bool,
+}
+
+/// How calls are answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Service {
+    /// By the in-process quota service after this latency.
+    Answers(Nanos),
+    /// Never: each call fails (no answer) after this latency.
+    Down(Nanos),
+}
+
+/// A gateway of `workers` workers under one profile. See the module docs.
+pub struct Sim {
+    pub host: SimHost,
+    /// The quota service (several gateways may share one).
+    quota: Rc<RefCell<MemoryQuota>>,
+    profile: HostProfile,
+    workers: Vec<Worker>,
+    /// Per worker: its tick period and next tick.
+    ticks: Vec<Option<(Duration, Nanos)>>,
+    service: Service,
+    flights: Vec<Flight>,
+    requests: HashMap<ContextId, (usize, Fate)>,
+    /// Headers the worker added to each response.
+    added: HashMap<ContextId, Vec<(&'static str, String)>>,
+    /// Local replies, as the client receives them (the host's line feed added).
+    replies: HashMap<ContextId, LocalReply>,
+    next_context: ContextId,
+    pub violations: Vec<Violation>,
+}
+
+impl Sim {
+    /// A gateway configured with `document` on every worker, at time `start`.
+    pub fn new(
+        profile: HostProfile,
+        document: &str,
+        workers: usize,
+        service: Service,
+        start: Instant,
+    ) -> Result<Sim, Refused> {
+        let mut sim = Sim::unconfigured(profile, workers, service, start);
+        sim.configure(document)?;
+        Ok(sim)
+    }
+
+    /// A gateway whose workers have no configuration yet.
+    pub fn unconfigured(
+        profile: HostProfile,
+        workers: usize,
+        service: Service,
+        start: Instant,
+    ) -> Sim {
+        let sim = Sim {
+            host: SimHost::new(profile, start),
+            quota: Rc::new(RefCell::new(MemoryQuota::new())),
+            profile,
+            workers: (0..workers.max(1)).map(|_| Worker::new(profile)).collect(),
+            ticks: vec![None; workers.max(1)],
+            service,
+            flights: Vec::new(),
+            requests: HashMap::new(),
+            added: HashMap::new(),
+            replies: HashMap::new(),
+            next_context: 2,
+            violations: Vec::new(),
+        };
+        // One identity key for every run, where the gateway would draw one at random: the
+        // same log replays to the same numbers.
+        let _ = identity::process_key(&Store::new(), &sim.host, || Ok([0x5a; identity::KEY_BYTES]));
+        sim
+    }
+
+    /// The host hands `document` to every worker (`on_configure`).
+    pub fn configure(&mut self, document: &str) -> Result<(), Refused> {
+        for index in 0..self.workers.len() {
+            let Some(worker) = self.workers.get_mut(index) else {
+                continue;
+            };
+            let step = worker.configure(&self.host, document.as_bytes())?;
+            self.carry_out(index, None, step.commands, true);
+        }
+        Ok(())
+    }
+
+    pub fn now(&self) -> Instant {
+        self.host.now().unwrap_or(0)
+    }
+
+    /// Calls to the quota service answered `quota`, shared with other gateways.
+    pub fn sharing_quota(mut self, quota: Rc<RefCell<MemoryQuota>>) -> Sim {
+        self.quota = quota;
+        self
+    }
+
+    /// Calls the quota service has answered.
+    pub fn quota_calls(&self) -> u64 {
+        self.quota.borrow().calls()
+    }
+
+    /// Hands every worker's metric counts to the host now (not at the next tick).
+    pub fn flush_metrics(&self) {
+        for worker in &self.workers {
+            worker.flush_metrics(&self.host);
+        }
+    }
+
+    /// The time a request waiting for its leaky-bucket turn will be resumed.
+    pub fn waiting_until(&self, context: ContextId) -> Option<Instant> {
+        let (worker, _) = self.requests.get(&context)?;
+        self.workers.get(*worker)?.waiting_until(context)
+    }
+
+    pub fn worker(&self, index: usize) -> Option<&Worker> {
+        self.workers.get(index)
+    }
+
+    pub fn set_service(&mut self, service: Service) {
+        self.service = service;
+    }
+
+    /// The host refuses (`true`) or makes (`false`) every later dispatch.
+    pub fn refuse_dispatch(&self, refuse: bool) {
+        self.host.refuse_dispatch.set(refuse);
+    }
+
+    /// A request from `client_ip` with `headers` reaches worker `worker` now.
+    pub fn send(&mut self, worker: usize, client_ip: &str, headers: &[(&str, &str)]) -> ContextId {
+        let headers = headers
+            .iter()
+            .map(|(name, value)| (name.to_string(), value.as_bytes().to_vec()))
+            .collect();
+        self.send_raw(worker, Some(client_ip.as_bytes().to_vec()), headers)
+    }
+
+    /// A request with these raw headers (`:path` among them) and client address.
+    pub fn send_raw(
+        &mut self,
+        worker: usize,
+        client_ip: Option<Vec<u8>>,
+        headers: Headers,
+    ) -> ContextId {
+        let context = self.next_context;
+        self.next_context += 1;
+        let worker = worker % self.workers.len().max(1);
+        self.requests.insert(context, (worker, Fate::Paused));
+        *self.host.request.borrow_mut() = headers;
+        *self.host.client_ip.borrow_mut() = client_ip;
+        let Some(step) = self
+            .workers
+            .get_mut(worker)
+            .map(|w| w.on_request_headers(&self.host, context))
+        else {
+            return context;
+        };
+        self.collect_calls(worker, Some(context));
+        if !step.pause {
+            let now = self.now();
+            self.set_fate(context, Fate::Admitted(now));
+        }
+        self.carry_out(worker, Some(context), step.commands, false);
+        context
+    }
+
+    /// The upstream answers an admitted request with `headers`; the headers the filter
+    /// added are returned.
+    pub fn respond(
+        &mut self,
+        context: ContextId,
+        headers: &[(&str, &str)],
+    ) -> Vec<(&'static str, String)> {
+        let Some(&(worker, _)) = self.requests.get(&context) else {
+            return Vec::new();
+        };
+        *self.host.response.borrow_mut() = headers
+            .iter()
+            .map(|(name, value)| (name.to_string(), value.as_bytes().to_vec()))
+            .collect();
+        if let Some(step) = self
+            .workers
+            .get_mut(worker)
+            .map(|w| w.on_response_headers(&self.host, context))
+        {
+            self.carry_out(worker, Some(context), step.commands, false);
+        }
+        self.added.remove(&context).unwrap_or_default()
+    }
+
+    /// The request's context is deleted (it ended, or its client left). `forget`: the
+    /// simulation keeps no record of it either (long replays).
+    pub fn end(&mut self, context: ContextId) {
+        self.end_request(context, false);
+    }
+
+    /// Ends a request and forgets it.
+    pub fn forget(&mut self, context: ContextId) {
+        self.end_request(context, true);
+    }
+
+    fn end_request(&mut self, context: ContextId, forget: bool) {
+        let Some((worker, fate)) = self.requests.get_mut(&context) else {
+            return;
+        };
+        if *fate == Fate::Paused {
+            *fate = Fate::Gone;
+        }
+        let worker = *worker;
+        if let Some(step) = self
+            .workers
+            .get_mut(worker)
+            .map(|w| w.on_context_gone(&self.host, context))
+        {
+            self.carry_out(worker, Some(context), step.commands, false);
+        }
+        self.collect_calls(worker, None);
+        // The calls its context made are on their way all the same; the host drops their
+        // answers (the SDK files an answer under the context that made the call).
+        for flight in &mut self.flights {
+            if flight.context == Some(context) {
+                flight.dropped = true;
+            }
+        }
+        if forget {
+            self.requests.remove(&context);
+            self.added.remove(&context);
+            self.replies.remove(&context);
+        }
+    }
+
+    /// The local reply a request's client received.
+    pub fn reply(&self, context: ContextId) -> Option<&LocalReply> {
+        self.replies.get(&context)
+    }
+
+    pub fn fate(&self, context: ContextId) -> Option<&Fate> {
+        self.requests.get(&context).map(|(_, fate)| fate)
+    }
+
+    /// Every request's fate.
+    pub fn fates(&self) -> impl Iterator<Item = (&ContextId, &Fate)> {
+        self.requests
+            .iter()
+            .map(|(context, (_, fate))| (context, fate))
+    }
+
+    /// Calls in flight in the simulated network.
+    pub fn in_flight(&self) -> usize {
+        self.flights.len()
+    }
+
+    /// Moves the clock to `now + by`, delivering every answer and tick due on the way, in
+    /// time order.
+    pub fn advance(&mut self, by: Duration) {
+        let target = self
+            .now()
+            .saturating_add(u64::try_from(by.as_nanos()).unwrap_or(u64::MAX));
+        self.advance_to(target);
+    }
+
+    /// Moves the clock to `target` (never back), delivering every answer and tick due on
+    /// the way, in time order.
+    pub fn advance_to(&mut self, target: Instant) {
+        loop {
+            let next_flight = self.flights.iter().map(|flight| flight.due).min();
+            let next_tick = self.ticks.iter().flatten().map(|&(_, at)| at).min();
+            let next = match (next_flight, next_tick) {
+                (Some(a), Some(b)) => a.min(b),
+                (a, b) => match a.or(b) {
+                    Some(next) => next,
+                    None => break,
+                },
+            };
+            if next > target {
+                break;
+            }
+            self.host.clock.set(Some(next.max(self.now())));
+            if next_flight == Some(next) {
+                self.deliver_due();
+            } else {
+                self.tick_due();
+            }
+        }
+        self.host.clock.set(Some(target.max(self.now())));
+    }
+
+    fn deliver_due(&mut self) {
+        let now = self.now();
+        let Some(position) = self.flights.iter().position(|flight| flight.due <= now) else {
+            return;
+        };
+        let flight = self.flights.swap_remove(position);
+        let reply = match self.service {
+            Service::Answers(_) if is_quota_call(&flight.callout) => {
+                self.quota.borrow_mut().answer(&flight.callout, now)
+            }
+            Service::Answers(_) => Reply::Answered {
+                status: 404,
+                body: Some(Vec::new()),
+            },
+            Service::Down(_) => Reply::NoAnswer,
+        };
+        if flight.dropped {
+            return;
+        }
+        let (headers, body_size) = match reply {
+            Reply::Answered { status, body } => {
+                let body = body.unwrap_or_default();
+                let size = body.len();
+                *self.host.answer.borrow_mut() = (
+                    vec![(":status".to_string(), status.to_string().into_bytes())],
+                    body,
+                );
+                (1, size)
+            }
+            Reply::NoAnswer | Reply::NotSent(_) => {
+                *self.host.answer.borrow_mut() = (Vec::new(), Vec::new());
+                (0, 0)
+            }
+        };
+        let Some(step) = self
+            .workers
+            .get_mut(flight.worker)
+            .map(|w| w.on_call_answered(&self.host, flight.token, headers, body_size))
+        else {
+            return;
+        };
+        self.collect_calls(flight.worker, flight.context);
+        if let Some(context) = flight.context {
+            // nginx resumes a request itself once its last call is answered.
+            if self.profile.resumes_after_own_call
+                && !step.pause
+                && !step
+                    .commands
+                    .iter()
+                    .any(|command| matches!(command, Command::Reply(c, _) if *c == context))
+                && self.fate(context) == Some(&Fate::Paused)
+            {
+                self.set_fate(context, Fate::Admitted(now));
+            }
+        }
+        self.carry_out(
+            flight.worker,
+            flight.context,
+            step.commands,
+            flight.context.is_none(),
+        );
+    }
+
+    fn tick_due(&mut self) {
+        let now = self.now();
+        for index in 0..self.workers.len() {
+            let Some(Some((period, at))) = self.ticks.get(index).copied() else {
+                continue;
+            };
+            if at > now {
+                continue;
+            }
+            if let Some(slot) = self.ticks.get_mut(index) {
+                let period_nanos = u64::try_from(period.as_nanos()).unwrap_or(u64::MAX).max(1);
+                *slot = Some((period, now.saturating_add(period_nanos)));
+            }
+            let Some(step) = self.workers.get_mut(index).map(|w| w.on_tick(&self.host)) else {
+                continue;
+            };
+            self.collect_calls(index, None);
+            self.carry_out(index, None, step.commands, true);
+        }
+    }
+
+    /// Files the calls the last event dispatched.
+    fn collect_calls(&mut self, worker: usize, context: Option<ContextId>) {
+        let latency = match self.service {
+            Service::Answers(latency) | Service::Down(latency) => latency,
+        };
+        let due = self.now().saturating_add(latency);
+        for (token, callout) in self.host.dispatched.borrow_mut().drain(..) {
+            self.flights.push(Flight {
+                worker,
+                token,
+                callout,
+                due,
+                context,
+                dropped: false,
+            });
+        }
+    }
+
+    fn set_fate(&mut self, context: ContextId, fate: Fate) {
+        if let Some((_, current)) = self.requests.get_mut(&context) {
+            *current = fate;
+        }
+    }
+
+    /// Carries out commands from `current` (`None`: the root context).
+    fn carry_out(
+        &mut self,
+        worker: usize,
+        current: Option<ContextId>,
+        commands: Vec<Command>,
+        from_root: bool,
+    ) {
+        for command in commands {
+            match command {
+                Command::Resume(context) | Command::Reply(context, _)
+                    if Some(context) != current && !self.profile.resumes_from_other_contexts =>
+                {
+                    self.violations.push(Violation::FromOtherContext(context));
+                }
+                Command::Resume(context) => match self.fate(context) {
+                    Some(Fate::Paused) => {
+                        let now = self.now();
+                        self.set_fate(context, Fate::Admitted(now));
+                    }
+                    Some(Fate::Gone) => {}
+                    Some(_) => self.violations.push(Violation::ResumedNotPaused(context)),
+                    None => self.violations.push(Violation::Unknown(context)),
+                },
+                Command::Reply(context, mut reply) => match self.fate(context) {
+                    Some(Fate::Gone) => {}
+                    Some(_) => {
+                        self.set_fate(context, Fate::Replied(reply.status));
+                        if self.profile.appends_line_feed_to_replies {
+                            reply.body.push('\n');
+                        }
+                        self.replies.insert(context, reply);
+                    }
+                    None => self.violations.push(Violation::Unknown(context)),
+                },
+                Command::AddHeaders(headers) => {
+                    if let Some(context) = current {
+                        self.added.entry(context).or_default().extend(headers);
+                    }
+                }
+                Command::SetTick(period) => {
+                    if !self.profile.tick_settable_anywhere && (!from_root || period.is_zero()) {
+                        self.violations.push(Violation::Tick(period));
+                    }
+                    let at = self
+                        .now()
+                        .saturating_add(u64::try_from(period.as_nanos()).unwrap_or(u64::MAX));
+                    if let Some(slot) = self.ticks.get_mut(worker) {
+                        *slot = (!period.is_zero()).then_some((period, at));
+                    }
+                }
+            }
+        }
+    }
+}

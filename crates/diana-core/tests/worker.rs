@@ -1,0 +1,395 @@
+//! The worker under each host's rules, on a simulated gateway (`diana_core::worker::sim`):
+//! several workers sharing one shared-data store, calls answered by an in-process quota
+//! service after chosen latencies (or never), clients that leave mid-call or mid-wait, a
+//! clock that steps. Every scenario runs under both profiles; the invariants hold over
+//! randomised schedules.
+
+// The helpers below stop a test at once when a scenario cannot even be set up.
+#![allow(clippy::panic)]
+
+mod common;
+
+use diana_core::time::{Instant, Nanos, NANOS_PER_SECOND};
+use diana_core::worker::sim::{Fate, Service, Sim};
+use diana_core::worker::HostProfile;
+use proptest::prelude::*;
+use std::time::Duration;
+
+const S: Nanos = NANOS_PER_SECOND;
+const MS: Nanos = S / 1000;
+/// 2026-01-01T00:00:01Z: a minute window starts a second before.
+const T0: Instant = 1_767_225_601 * S;
+
+/// A global rule of `limit` per minute with `lease` tokens per call (the quota service at
+/// a host:port, which both hosts accept).
+fn global(limit: u32, lease: u32) -> String {
+    format!(
+        "resources:\n  - Url: /\n    rules: [{{rpu: {limit}, unit: minute, scope: global, lease: {lease}}}]\nglobal: {{cluster: \"127.0.0.1:18081\"}}\n"
+    )
+}
+
+fn sim(profile: HostProfile, document: &str, workers: usize, service: Service) -> Sim {
+    match Sim::new(profile, document, workers, service, T0) {
+        Ok(sim) => sim,
+        Err(refused) => panic!("document refused: {refused}"),
+    }
+}
+
+fn count(sim: &Sim, wanted: impl Fn(&Fate) -> bool) -> usize {
+    sim.fates().filter(|(_, fate)| wanted(fate)).count()
+}
+
+fn admitted(sim: &Sim) -> usize {
+    count(sim, |fate| matches!(fate, Fate::Admitted(_)))
+}
+
+fn paused(sim: &Sim) -> usize {
+    count(sim, |fate| *fate == Fate::Paused)
+}
+
+/// Ends every request (the host deletes every context), then checks the worker let go
+/// of everything.
+fn end_all(sim: &mut Sim, workers: usize) {
+    let contexts: Vec<u32> = sim.fates().map(|(context, _)| *context).collect();
+    for context in contexts {
+        sim.end(context);
+    }
+    for index in 0..workers {
+        let worker = sim.worker(index).map(|w| (w.requests_held(), w.paused()));
+        assert_eq!(worker, Some((0, 0)), "worker {index} still holds requests");
+    }
+}
+
+/// One step of a randomised schedule.
+#[derive(Debug, Clone)]
+enum Op {
+    /// A request reaches this worker.
+    Send(usize),
+    /// Time passes, in milliseconds.
+    Wait(u64),
+    /// The client of the n-th request sent so far leaves.
+    Leave(usize),
+}
+
+fn ops(workers: usize) -> impl Strategy<Value = Vec<Op>> {
+    prop::collection::vec(
+        prop_oneof![
+            6 => (0..workers).prop_map(Op::Send),
+            3 => (0u64..30).prop_map(Op::Wait),
+            1 => (0usize..64).prop_map(Op::Leave),
+        ],
+        1..80,
+    )
+}
+
+/// Runs `ops`, then lets every call land and every tick run.
+fn run(sim: &mut Sim, ops: &[Op]) -> Vec<u32> {
+    let mut sent = Vec::new();
+    for (n, op) in ops.iter().enumerate() {
+        match op {
+            Op::Send(worker) => {
+                let client = format!("10.0.0.{}", n % 3);
+                sent.push(sim.send(*worker, &client, &[(":path", "/")]));
+            }
+            Op::Wait(ms) => sim.advance(Duration::from_millis(*ms)),
+            Op::Leave(index) => {
+                if let Some(&context) = sent.get(index % sent.len().max(1)) {
+                    if sim.fate(context) == Some(&Fate::Paused) {
+                        sim.end(context);
+                    }
+                }
+            }
+        }
+    }
+    sim.advance(Duration::from_secs(2));
+    sent
+}
+
+proptest! {
+    #![proptest_config(common::config(64))]
+
+    /// `lease: 1`: whatever the schedule, latency and host, the service's count is the
+    /// gateway's: exactly min(requests, limit) admitted when no client leaves, no request
+    /// left paused, no host rule broken.
+    #[test]
+    fn lease_1_is_exact_on_every_schedule(
+        ops in ops(3).prop_map(|ops| ops.into_iter().filter(|op| !matches!(op, Op::Leave(_))).collect::<Vec<_>>()),
+        latency in 0u64..60,
+        limit in 1u32..12,
+        envoy in any::<bool>(),
+    ) {
+        let profile = if envoy { HostProfile::ENVOY } else { HostProfile::NGINX };
+        let mut sim = sim(profile, &global(limit, 1), 3, Service::Answers(latency * MS));
+        let sent = run(&mut sim, &ops);
+        prop_assert_eq!(paused(&sim), 0);
+        prop_assert_eq!(admitted(&sim), sent.len().min(limit as usize));
+        prop_assert_eq!(&sim.violations, &Vec::new());
+        end_all(&mut sim, 3);
+    }
+
+    /// Clients that leave mid-call or while parked: nobody is left paused, the worker lets
+    /// go of every request, no more is admitted than the limit, and no host rule broken.
+    #[test]
+    fn leaving_clients_leave_nothing_behind(
+        ops in ops(2),
+        latency in 1u64..60,
+        lease in 1u32..6,
+        envoy in any::<bool>(),
+    ) {
+        let profile = if envoy { HostProfile::ENVOY } else { HostProfile::NGINX };
+        let mut sim = sim(profile, &global(10, lease), 2, Service::Answers(latency * MS));
+        run(&mut sim, &ops);
+        prop_assert_eq!(paused(&sim), 0);
+        prop_assert!(admitted(&sim) <= 10);
+        prop_assert_eq!(&sim.violations, &Vec::new());
+        prop_assert_eq!(sim.in_flight(), 0);
+        end_all(&mut sim, 2);
+    }
+
+    /// A local leaky bucket of 10/s spaces the requests it admits by 100 ms on a host that
+    /// can hold them, whatever the arrival schedule; elsewhere the waits are refused.
+    #[test]
+    fn leaky_bucket_spacing_holds(gaps in prop::collection::vec(0u64..40, 1..30)) {
+        let document = "resources:\n  - Url: /\n    rules: [{algo: LB, rpu: 10, unit: second}]\n";
+        for profile in HostProfile::ALL {
+            let mut sim = sim(profile, document, 1, Service::Answers(0));
+            for gap in &gaps {
+                sim.send(0, "10.0.0.1", &[(":path", "/")]);
+                sim.advance(Duration::from_millis(*gap));
+            }
+            sim.advance(Duration::from_secs(15));
+            let mut times: Vec<Nanos> = sim
+                .fates()
+                .filter_map(|(_, fate)| match fate {
+                    Fate::Admitted(at) => Some(*at),
+                    _ => None,
+                })
+                .collect();
+            times.sort_unstable();
+            for pair in times.windows(2) {
+                // The tick that resumes a waiter runs every 2 ms: a turn is kept to within
+                // one tick late, never early.
+                prop_assert!(pair[1] - pair[0] >= 100 * MS - 2 * MS, "{profile:?}: {times:?}");
+            }
+            prop_assert_eq!(paused(&sim), 0);
+            prop_assert_eq!(&sim.violations, &Vec::new());
+        }
+    }
+}
+
+/// A burst on one Envoy worker: one call is made, the others park behind it and are
+/// resumed within one tick (1 ms) of its landing, served from the lease it brought.
+#[test]
+fn parked_requests_resume_within_one_tick_of_their_flight() {
+    let mut sim = sim(
+        HostProfile::ENVOY,
+        &global(100, 10),
+        1,
+        Service::Answers(40 * MS),
+    );
+    let sent: Vec<u32> = (0..8)
+        .map(|_| sim.send(0, "10.0.0.1", &[(":path", "/")]))
+        .collect();
+    assert_eq!(sim.in_flight(), 1, "one flight for the burst");
+    sim.advance(Duration::from_millis(100));
+    for context in sent {
+        match sim.fate(context) {
+            Some(Fate::Admitted(at)) => assert!(*at <= T0 + 41 * MS, "resumed at +{} ns", at - T0),
+            other => panic!("request {context}: {other:?}"),
+        }
+    }
+    // The burst's flight, then one refill ahead once the stash ran low (8 of 10 spent).
+    assert_eq!(sim.quota_calls(), 2);
+    assert!(sim.violations.is_empty(), "{:?}", sim.violations);
+}
+
+/// nginx cannot resume a request from elsewhere: nothing parks, each request calls on its
+/// own and the host resumes it when its answer comes.
+#[test]
+fn on_nginx_every_request_is_resumed_by_its_own_answer() {
+    let mut sim = sim(
+        HostProfile::NGINX,
+        &global(100, 10),
+        1,
+        Service::Answers(40 * MS),
+    );
+    let sent: Vec<u32> = (0..4)
+        .map(|_| sim.send(0, "10.0.0.1", &[(":path", "/")]))
+        .collect();
+    sim.advance(Duration::from_millis(100));
+    assert!(sent
+        .iter()
+        .all(|context| matches!(sim.fate(*context), Some(Fate::Admitted(_)))));
+    assert!(sim.violations.is_empty(), "{:?}", sim.violations);
+}
+
+/// A host that refuses to dispatch: the request is decided at once by the rule's failure
+/// behaviour (here: admitted, fail open), never left paused, on both hosts.
+#[test]
+fn a_refused_dispatch_decides_at_once() {
+    for profile in HostProfile::ALL {
+        let mut sim = sim(profile, &global(5, 1), 1, Service::Answers(10 * MS));
+        sim.refuse_dispatch(true);
+        let context = sim.send(0, "10.0.0.1", &[(":path", "/")]);
+        assert!(
+            matches!(sim.fate(context), Some(Fate::Admitted(_))),
+            "{profile:?}"
+        );
+        assert_eq!(sim.worker(0).map(|w| w.calls_in_flight()), Some(0));
+    }
+}
+
+/// A quota service that never answers: every request is decided when its call times out,
+/// none is left paused.
+#[test]
+fn a_silent_service_leaves_no_request_paused() {
+    for profile in HostProfile::ALL {
+        let mut sim = sim(profile, &global(5, 1), 2, Service::Down(100 * MS));
+        for n in 0..10 {
+            sim.send(n % 2, "10.0.0.1", &[(":path", "/")]);
+        }
+        sim.advance(Duration::from_secs(1));
+        assert_eq!(paused(&sim), 0, "{profile:?}");
+        assert!(sim.violations.is_empty(), "{:?}", sim.violations);
+        end_all(&mut sim, 2);
+    }
+}
+
+/// A client that leaves while waiting for its leaky-bucket turn leaves the queue: the
+/// tick does not resume it, and the abandonment is counted.
+#[test]
+fn a_client_that_leaves_mid_wait_leaves_the_queue() {
+    let document = "resources:\n  - Url: /\n    rules: [{algo: LB, rpu: 10, unit: second}]\n";
+    let mut sim = sim(HostProfile::ENVOY, document, 1, Service::Answers(0));
+    sim.send(0, "10.0.0.1", &[(":path", "/")]);
+    let waiting = sim.send(0, "10.0.0.1", &[(":path", "/")]);
+    assert_eq!(sim.fate(waiting), Some(&Fate::Paused));
+    sim.end(waiting);
+    sim.advance(Duration::from_secs(2));
+    assert_eq!(sim.fate(waiting), Some(&Fate::Gone));
+    assert_eq!(sim.host.metric("diana_delay_abandoned"), 1);
+    assert!(sim.violations.is_empty(), "{:?}", sim.violations);
+}
+
+/// A rejection is the configured local reply, and the client receives the configured body
+/// on both hosts (ngx_wasm_module appends a line feed to every local reply's body).
+#[test]
+fn rejections_are_local_replies_shaped_for_the_host() {
+    let document = "response: {body: \"slow down\\n\"}\nresources:\n  - Url: /\n    rules: [{rpu: 1, unit: minute}]\n";
+    for profile in HostProfile::ALL {
+        let mut sim = sim(profile, document, 1, Service::Answers(0));
+        let first = sim.send(0, "10.0.0.1", &[(":path", "/")]);
+        let second = sim.send(0, "10.0.0.1", &[(":path", "/")]);
+        assert!(matches!(sim.fate(first), Some(Fate::Admitted(_))));
+        // The default rejection status (`response.status`).
+        assert_eq!(sim.fate(second), Some(&Fate::Replied(503)), "{profile:?}");
+        let body = sim.reply(second).map(|reply| reply.body.as_str());
+        assert_eq!(body, Some("slow down\n"), "{profile:?}");
+    }
+}
+
+/// The metrics path is answered by the worker itself, with this worker's counts flushed
+/// first.
+#[test]
+fn the_metrics_path_answers_with_flushed_counts() {
+    let document = "metrics: {path: /diana/metrics}\nresources:\n  - Url: /\n    rules: [{name: one, rpu: 1, unit: minute}]\n";
+    let mut sim = sim(HostProfile::ENVOY, document, 1, Service::Answers(0));
+    sim.send(0, "10.0.0.1", &[(":path", "/")]);
+    sim.send(0, "10.0.0.1", &[(":path", "/")]);
+    let page = sim.send(0, "10.0.0.1", &[(":path", "/diana/metrics")]);
+    assert_eq!(sim.fate(page), Some(&Fate::Replied(200)));
+    assert_eq!(sim.host.metric("diana_rule_allowed.one"), 1);
+    assert_eq!(sim.host.metric("diana_rule_limited.one"), 1);
+}
+
+/// Issue 20.4: a leaky-bucket wait is kept whatever the quota service's latency. Two
+/// requests of a local 10/s bucket behind a global rule reach the upstream at least
+/// 100 ms apart: the first waits 40 ms for its call, the second arrives 50 ms later and
+/// is served from the lease the first one brought.
+#[test]
+fn leaky_bucket_spacing_holds_behind_a_slow_quota_service() {
+    let document = "resources:\n  - Url: /\n    rules:\n      - {algo: LB, rpu: 10, unit: second}\n      - {rpu: 100, unit: minute, scope: global, lease: 10}\nglobal: {cluster: \"127.0.0.1:18081\"}\n";
+    for latency in [0, 40] {
+        let mut sim = sim(
+            HostProfile::ENVOY,
+            document,
+            1,
+            Service::Answers(latency * MS),
+        );
+        let first = sim.send(0, "10.0.0.1", &[(":path", "/")]);
+        sim.advance(Duration::from_millis(50));
+        let second = sim.send(0, "10.0.0.1", &[(":path", "/")]);
+        sim.advance(Duration::from_secs(1));
+        let (Some(Fate::Admitted(a)), Some(Fate::Admitted(b))) =
+            (sim.fate(first), sim.fate(second))
+        else {
+            panic!("{:?} {:?}", sim.fate(first), sim.fate(second));
+        };
+        let spacing = b.abs_diff(*a);
+        assert!(
+            spacing >= 100 * MS - 2 * MS,
+            "latency {latency} ms: {} ms apart",
+            spacing / MS
+        );
+        assert!(sim.violations.is_empty(), "{:?}", sim.violations);
+    }
+}
+
+/// Issue 20.5: under `lease: 1`, a request whose call was made from another context (it
+/// was parked behind a flight, then woken) and whose client left before the answer does
+/// not cost the budget a token: the token the service charged serves the next request.
+#[test]
+fn a_grant_for_a_client_that_left_serves_the_next_request() {
+    let mut sim = sim(
+        HostProfile::ENVOY,
+        &global(3, 1),
+        1,
+        Service::Answers(40 * MS),
+    );
+    let leader = sim.send(0, "10.0.0.1", &[(":path", "/")]);
+    sim.advance(Duration::from_millis(1));
+    let rider = sim.send(0, "10.0.0.1", &[(":path", "/")]);
+    sim.advance(Duration::from_millis(9));
+    // The leader leaves: its own call's answer is dropped with its context; the rider is
+    // woken and calls for itself, from the root context.
+    sim.end(leader);
+    sim.advance(Duration::from_millis(10));
+    assert_eq!(sim.fate(rider), Some(&Fate::Paused));
+    sim.end(rider);
+    sim.advance(Duration::from_millis(100));
+    assert_eq!(sim.quota_calls(), 2, "the leader's call and the rider's");
+    let next = sim.send(0, "10.0.0.1", &[(":path", "/")]);
+    assert!(
+        matches!(sim.fate(next), Some(Fate::Admitted(_))),
+        "served at once from the rider's token: {:?}",
+        sim.fate(next)
+    );
+    assert_eq!(sim.quota_calls(), 2);
+    assert!(sim.violations.is_empty(), "{:?}", sim.violations);
+}
+
+/// Issue 22.1: on nginx a refused document must not stop the worker: it stays up and
+/// answers what `on_invalid_config` says (503 by default), at once. On Envoy the document
+/// is refused (Envoy keeps the listener's previous configuration).
+#[test]
+fn on_nginx_an_invalid_setup_answers_on_invalid_config() {
+    let typo = "resources:\n  - Url: /\n    rules: [{rpu: 0, unit: minute}]\n";
+    let allow =
+        "on_invalid_config: allow\nresources:\n  - Url: /\n    rules: [{rpu: 0, unit: minute}]\n";
+    let good = "resources:\n  - Url: /\n    rules: [{rpu: 10, unit: minute}]\n";
+    for (document, expected) in [
+        (typo, Fate::Replied(503)),
+        (allow, Fate::Admitted(T0)),
+        (good, Fate::Admitted(T0)),
+    ] {
+        let mut sim = Sim::unconfigured(HostProfile::NGINX, 2, Service::Answers(0), T0);
+        assert!(sim.configure(document).is_ok(), "the worker stays up");
+        for worker in 0..2 {
+            let context = sim.send(worker, "10.0.0.1", &[(":path", "/")]);
+            assert_eq!(sim.fate(context), Some(&expected), "{document}");
+        }
+        assert!(sim.violations.is_empty(), "{:?}", sim.violations);
+    }
+    let mut envoy = Sim::unconfigured(HostProfile::ENVOY, 1, Service::Answers(0), T0);
+    assert!(envoy.configure(typo).is_err());
+}
