@@ -15,9 +15,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from common import (LIMITADOR_DOMAIN, NO_UPSTREAM, V8, Envoy, Procs, generic_key_rate_limits, grpc_cluster,
-                    local_reply_filter, median, native_local_ratelimit, ratelimit_filter, say, start_limitador,
-                    start_quota, start_redis, tail, wasm_filter, wrk)
+from common import (LIMITADOR_DOMAIN, NO_UPSTREAM, V8, Envoy, Proc, Procs, free_port, generic_key_rate_limits,
+                    grpc_cluster, local_reply_filter, median, native_local_ratelimit, ratelimit_filter, redis_cmd, say,
+                    start_limitador, start_quota, start_redis, tail, wait_http, wait_tcp, wasm_filter, wrk)
 
 HUGE = 1_000_000_000  # rpu that is never reached
 
@@ -49,11 +49,53 @@ def local_rule(algo: str, name: str = "bench", extra: str = "") -> str:
 
 # The peer's RLS cluster in Envoy (bench/limitador-rls, gRPC over HTTP/2).
 RLS_CLUSTER = "limitador_rls"
+# diana-quota's RLS (--rls-listen) in Envoy: the same filter and descriptor as the peer.
+DIANA_RLS_CLUSTER = "diana_rls"
+# diana-quota's --rls-config for that: envoyproxy/ratelimit's format, the peer's limit
+# (10⁶ per second on generic_key=bench, a fixed window as Limitador counts it).
+DIANA_RLS_CONFIG = f"""domain: {LIMITADOR_DOMAIN}
+descriptors:
+  - key: generic_key
+    value: {LIMITADOR_DOMAIN}
+    rate_limit: {{unit: second, requests_per_unit: 1000000}}
+"""
+
+
+def start_diana_rls(procs: Procs, binary: Path, redis_port: int, name: str = "diana-quota-rls",
+                    cpus: str | None = "1") -> tuple[Proc, int]:
+    """diana-quota serving Envoy's RLS (`--rls-listen`) on the Redis at `redis_port`, with
+    DIANA_RLS_CONFIG; its own process, so that its CPU time is the RLS's alone. Its deadline
+    sits under the filter's 1 s timeout as docs/rls.md advises (the production defaults,
+    40 ms, are for the 20–50 ms timeouts gateways use): like Limitador, which has none, it
+    then answers every call on these shared cores instead of failing the slow ones fast."""
+    config = procs.logdir / "diana-rls.yaml"
+    config.write_text(DIANA_RLS_CONFIG)
+    http_port, rls_port = free_port(), free_port()
+    p = procs.spawn(name, [str(binary), "--listen", f"127.0.0.1:{http_port}", "--redis",
+                           f"redis://127.0.0.1:{redis_port}", "--log", "warn", "--insecure-no-auth",
+                           "--deadline-ms", "900", "--redis-timeout-ms", "800", "--redis-connect-timeout-ms", "100",
+                           "--rls-listen", f"127.0.0.1:{rls_port}", "--rls-config", str(config)], cpus=cpus)
+    if not wait_http(f"http://127.0.0.1:{http_port}/healthz", p, 20) or not wait_tcp(rls_port, p, 10):
+        raise RuntimeError(f"diana-quota --rls-listen did not start: {tail(p.log)}")
+    return p, rls_port
+
+
+def redis_commands(port: int | None) -> int | None:
+    """Commands Redis has processed so far (INFO stats), None without Redis."""
+    if port is None:
+        return None
+    try:
+        for line in redis_cmd(port, "INFO", "stats").decode(errors="replace").splitlines():
+            if line.startswith("total_commands_processed:"):
+                return int(line.split(":", 1)[1])
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 def variants(diana_wasm: Path, empty_wasm: Path, with_global: bool, extra: bool,
              untrimmed_wasm: Path | None = None, empty_trimmed_wasm: Path | None = None,
-             limitador_port: int | None = None) -> list[dict[str, Any]]:
+             limitador_port: int | None = None, diana_rls_port: int | None = None) -> list[dict[str, Any]]:
     """(key, label, filters, needs_quota). Labels are what the report prints.
     `diana_wasm` is the module deployed on Envoy (diana-envoy.wasm, trimmed by diana-trim);
     `untrimmed_wasm` is cargo's output with every SDK callback, `empty_trimmed_wasm` the
@@ -62,7 +104,9 @@ def variants(diana_wasm: Path, empty_wasm: Path, with_global: bool, extra: bool,
     calling Limitador over gRPC on every request. That filter skips direct_response routes
     (no route entry), so its Envoy routes to a cluster without endpoints and ends each
     request with the fault filter's local reply 200; `peer_route` is that same Envoy
-    without the ratelimit filter, so peer_limitador − peer_route is the filter's cost."""
+    without the ratelimit filter, so peer_limitador − peer_route is the filter's cost.
+    With `diana_rls_port` (diana-quota's --rls-listen), the same Envoy, filter and
+    descriptor calling diana-quota instead: peer_diana."""
     d = str(diana_wasm)
 
     def diana(doc: str, wasm: str = d, **kw: Any) -> list[dict]:
@@ -86,14 +130,22 @@ def variants(diana_wasm: Path, empty_wasm: Path, with_global: bool, extra: bool,
                        "filters": diana(global_doc("W", lease)), "quota": True})
         vs.append({"key": "global_auto", "label": "Diana global W, lease auto", "group": "global",
                    "filters": diana(global_doc("W", "auto")), "quota": True})
-    if limitador_port is not None:
+    if limitador_port is not None or diana_rls_port is not None:
         vs.append({"key": "peer_route", "label": "peer baseline: routed, fault-filter reply 200",
                    "group": "global", "filters": [local_reply_filter()], "route_action": True})
+    if limitador_port is not None:
         vs.append({"key": "peer_limitador", "label": "Envoy ratelimit filter → Limitador (Redis)", "group": "global",
                    "filters": [ratelimit_filter(LIMITADOR_DOMAIN, RLS_CLUSTER), local_reply_filter()],
                    "rate_limits": generic_key_rate_limits(LIMITADOR_DOMAIN),
                    "extra_clusters": [grpc_cluster(RLS_CLUSTER, limitador_port, connect_timeout="0.25s")],
-                   "peer": True})
+                   "peer": True, "rls": "limitador", "rls_cluster": RLS_CLUSTER})
+    if diana_rls_port is not None:
+        vs.append({"key": "peer_diana", "label": "Envoy ratelimit filter → diana-quota RLS (Redis)",
+                   "group": "global",
+                   "filters": [ratelimit_filter(LIMITADOR_DOMAIN, DIANA_RLS_CLUSTER), local_reply_filter()],
+                   "rate_limits": generic_key_rate_limits(LIMITADOR_DOMAIN),
+                   "extra_clusters": [grpc_cluster(DIANA_RLS_CLUSTER, diana_rls_port, connect_timeout="0.25s")],
+                   "peer": True, "rls": "diana", "rls_cluster": DIANA_RLS_CLUSTER})
     if extra:
         # "Where the time goes": the fixed cost of the filter (a policy that matches nothing),
         # the cost per rule (8 rules), an identity lookup (actor ip), and V8's allow_precompiled.
@@ -125,9 +177,10 @@ def run(procs: Procs, cfg: dict[str, Any], diana_wasm: Path, empty_wasm: Path,
     out: dict[str, Any] = {"rounds": rounds, "duration_s": duration, "variants": [], "notes": []}
     quota_port = None
     redis_port = None
+    redis_proc = None
     if quota_bin is not None or limitador_bin is not None:
         try:
-            _redis, redis_port = start_redis(procs, "overhead-redis", cpus="1")
+            redis_proc, redis_port = start_redis(procs, "overhead-redis", cpus="1")
         except RuntimeError as e:
             out["notes"].append(f"global variants and the Limitador peer skipped: {e}")
     if quota_bin is None:
@@ -155,9 +208,22 @@ def run(procs: Procs, cfg: dict[str, Any], diana_wasm: Path, empty_wasm: Path,
                 "limit of 10⁶/s on generic_key=bench, pinned to CPU 1 with redis-server and diana-quota.")
         except RuntimeError as e:
             out["notes"].append(f"Limitador peer skipped: {e}")
+    # diana-quota's own RLS, the same filter and descriptor as the peer, on the same Redis.
+    diana_rls = None
+    diana_rls_port = None
+    if quota_bin is not None and redis_port is not None:
+        try:
+            diana_rls, diana_rls_port = start_diana_rls(procs, quota_bin, redis_port, "overhead-diana-rls", cpus="1")
+            out["notes"].append(
+                "peer_diana: the peer's Envoy, filter and descriptor (domain bench, generic_key=bench, 10⁶/s) "
+                "calling diana-quota's RLS (--rls-listen, a fixed window as in envoyproxy/ratelimit's format) on the "
+                "same Redis, its own diana-quota process pinned to CPU 1 like Limitador.")
+        except RuntimeError as e:
+            out["notes"].append(f"diana-quota RLS peer skipped: {e}")
+    rls_procs = {"limitador": limitador, "diana": diana_rls}
     vs = variants(diana_wasm, empty_wasm, with_global=quota_port is not None, extra=cfg["extra"],
                   untrimmed_wasm=untrimmed_wasm, empty_trimmed_wasm=empty_trimmed_wasm,
-                  limitador_port=limitador_port)
+                  limitador_port=limitador_port, diana_rls_port=diana_rls_port)
 
     envoys: dict[str, Envoy] = {}
     for v in vs:
@@ -188,10 +254,21 @@ def run(procs: Procs, cfg: dict[str, Any], diana_wasm: Path, empty_wasm: Path,
                 continue
             before = e.stats()
             cpu0 = e.proc.cpu_seconds()
-            rls0 = limitador.cpu_seconds() if v.get("peer") and limitador is not None else None
+            rls_proc = rls_procs.get(v.get("rls", ""))
+            rls0 = rls_proc.cpu_seconds() if rls_proc is not None else None
+            redis0 = redis_commands(redis_port) if v.get("peer") or v.get("quota") else None
+            redis_cpu0 = redis_proc.cpu_seconds() if redis0 is not None and redis_proc is not None else None
             res = wrk(e.url + "/", duration=duration)
             cpu1 = e.proc.cpu_seconds()
-            rls1 = limitador.cpu_seconds() if rls0 is not None and limitador is not None else None
+            rls1 = rls_proc.cpu_seconds() if rls_proc is not None else None
+            redis1 = redis_commands(redis_port) if redis0 is not None else None
+            redis_cpu1 = redis_proc.cpu_seconds() if redis_cpu0 is not None and redis_proc is not None else None
+            if redis0 is not None and redis1 is not None:
+                # Redis's own INFO call is one of them; the variants run one at a time.
+                # Commands run by a script (redis.call) count too, as INFO counts them.
+                res["redis_cmds_per_req"] = max(0, redis1 - redis0 - 1) / max(1, res["requests"])
+            if redis_cpu0 is not None and redis_cpu1 is not None:
+                res["redis_cpu_us_per_req"] = (redis_cpu1 - redis_cpu0) * 1e6 / max(1, res["requests"])
             after = e.stats()
             res["envoy_cpu_us_per_req"] = (cpu1 - cpu0) * 1e6 / max(1, res["requests"])
             res["envoy_cpu_util"] = (cpu1 - cpu0) / (res["duration_us"] / 1e6)
@@ -209,7 +286,7 @@ def run(procs: Procs, cfg: dict[str, Any], diana_wasm: Path, empty_wasm: Path,
                 for k in ("ok", "over_limit", "error", "failure_mode_allowed"):
                     stat = f"cluster.{NO_UPSTREAM}.ratelimit.{k}"
                     res[f"ratelimit_{k}"] = after.get(stat, 0) - before.get(stat, 0)
-                stat = f"cluster.{RLS_CLUSTER}.upstream_rq_total"
+                stat = f"cluster.{v['rls_cluster']}.upstream_rq_total"
                 res["rls_calls"] = after.get(stat, 0) - before.get(stat, 0)
                 res["rls_calls_per_req"] = res["rls_calls"] / max(1, res["requests"])
                 if rls0 is not None and rls1 is not None:
@@ -221,12 +298,15 @@ def run(procs: Procs, cfg: dict[str, Any], diana_wasm: Path, empty_wasm: Path,
                    f"{res['degraded_requests']}" if v.get("quota") else "")
                 + (f"  RLS calls/req {res['rls_calls_per_req']:.4f} ok {res['ratelimit_ok']} over_limit "
                    f"{res['ratelimit_over_limit']} error {res['ratelimit_error']}"
-                   + (f" limitador-rls cpu {res['rls_cpu_us_per_req']:.1f} µs/req" if "rls_cpu_us_per_req" in res
+                   + (f" {v['rls']} cpu {res['rls_cpu_us_per_req']:.1f} µs/req" if "rls_cpu_us_per_req" in res
                       else "") if v.get("peer") else "")
+                + (f"  redis cmds/req {res['redis_cmds_per_req']:.3f}" if "redis_cmds_per_req" in res else "")
+                + (f" redis cpu {res['redis_cpu_us_per_req']:.1f} µs/req" if "redis_cpu_us_per_req" in res else "")
                 + (f"  non-2xx {res['errors']['status']}" if res["errors"]["status"] else ""))
             if v.get("peer") and (res["ratelimit_error"] or res["rls_calls_per_req"] < 0.99):
                 say(f"  warning: {v['label']}: not every request was decided by the RLS "
-                    f"({res['ratelimit_error']} errors, {res['rls_calls_per_req']:.3f} calls/req): {tail(limitador.log, 3) if limitador else ''}")
+                    f"({res['ratelimit_error']} errors, {res['rls_calls_per_req']:.3f} calls/req): "
+                    f"{tail(rls_proc.log, 3) if rls_proc else ''}")
             if not e.proc.alive():
                 say(f"  {v['label']}: Envoy exited: {tail(e.proc.log)}")
                 envoys.pop(v["key"])
@@ -238,7 +318,8 @@ def run(procs: Procs, cfg: dict[str, Any], diana_wasm: Path, empty_wasm: Path,
             v["final_wasmcustom"] = {k: val for k, val in final.items() if k.startswith("wasmcustom.")}
             if v.get("peer"):
                 v["final_ratelimit"] = {k: val for k, val in final.items()
-                                        if val and (".ratelimit." in k or k.startswith(f"cluster.{RLS_CLUSTER}.upstream_rq"))}
+                                        if val and (".ratelimit." in k
+                                                    or k.startswith(f"cluster.{v['rls_cluster']}.upstream_rq"))}
             v["wrk_command"] = v["runs"][0]["command"] if v.get("runs") else ""
             e.stop()
         runs = v.get("runs") or []
@@ -258,6 +339,9 @@ def run(procs: Procs, cfg: dict[str, Any], diana_wasm: Path, empty_wasm: Path,
                 "non2xx": sum(x["errors"]["status"] for x in runs),
                 "socket_errors": sum(x["errors"][k] for x in runs for k in ("connect", "read", "write", "timeout")),
             }
+            for k in ("redis_cmds_per_req", "redis_cpu_us_per_req"):
+                if any(k in x for x in runs):
+                    v["median"][k] = median([x[k] for x in runs if k in x])
             if v.get("peer"):
                 v["median"]["rls_calls_per_req"] = median([x["rls_calls_per_req"] for x in runs])
                 v["median"]["rls_cpu_us_per_req"] = median([x.get("rls_cpu_us_per_req", float("nan")) for x in runs])

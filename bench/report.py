@@ -272,7 +272,7 @@ def render(res: dict[str, Any], chart_rel: Optional[str]) -> str:
           f"{sum((v.get('median') or {}).get('non2xx', 0) for v in ov['variants'])}; socket errors: "
           f"{sum((v.get('median') or {}).get('socket_errors', 0) for v in ov['variants'])}.")
         A("")
-        peer, peer_base, none = vs.get("peer_limitador"), vs.get("peer_route"), vs.get("none")
+        peer, peer_base, none = vs.get("peer_limitador") or vs.get("peer_diana"), vs.get("peer_route"), vs.get("none")
         if peer and peer.get("median") and peer_base and peer_base.get("median") and none and none.get("median"):
             A("### Against the peers: global limiting")
             A("")
@@ -286,19 +286,42 @@ def render(res: dict[str, Any], chart_rel: Optional[str]) -> str:
             A("")
             p_cost = peer["median"]["cpu_us_per_req"] - peer_base["median"]["cpu_us_per_req"]
             prow = []
-            for key in ("global_l1", "global_l100", "global_auto", "peer_limitador"):
+            for key in ("global_l1", "global_l100", "global_auto", "peer_diana", "peer_limitador"):
                 v = vs.get(key)
                 if not v or not v.get("median"):
                     continue
-                base_v = peer_base if key == "peer_limitador" else none
+                is_peer = key in ("peer_limitador", "peer_diana")
+                base_v = peer_base if is_peer else none
                 cost = v["median"]["cpu_us_per_req"] - base_v["median"]["cpu_us_per_req"]
                 thr = round_ratio(v, base_v, "rps")
-                extra_calls = (f3(v["median"].get("rls_calls_per_req", float("nan"))) if key == "peer_limitador"
+                extra_calls = (f3(v["median"].get("rls_calls_per_req", float("nan"))) if is_peer
                                else f3(v["median"]["callouts_per_req"]))
-                prow.append([v["label"], f1(cost), f2(thr), f2(p_cost / cost) if cost > 0 else NA, extra_calls])
+                redis = v["median"].get("redis_cmds_per_req")
+                prow.append([v["label"], f1(cost), f2(thr), f2(p_cost / cost) if cost > 0 else NA, extra_calls,
+                             f3(redis) if redis is not None else NA])
             A(table(["variant", "Envoy CPU µs/req over its baseline", "req/s × its baseline",
-                     "peer's cost ÷ this cost", "calls/req"], prow))
+                     "peer's cost ÷ this cost", "calls/req", "Redis commands/req"], prow))
             A("")
+            ours = vs.get("peer_diana")
+            if ours and ours.get("median"):
+                A("Same protocol, same Envoy, same descriptor, same Redis: Envoy's `ratelimit` filter")
+                A("calling diana-quota's RLS (`--rls-listen`, `tests/e2e/test_rls.py`) against calling")
+                A("Limitador. The RLS process's own CPU per request is beside Envoy's:")
+                A("")
+                rrow = []
+                for key in ("peer_diana", "peer_limitador"):
+                    v = vs.get(key)
+                    if not v or not v.get("median"):
+                        continue
+                    m = v["median"]
+                    rrow.append([v["label"], f0(m["rps"]), ms(m["p50"]), ms(m["p99"]),
+                                 f1(m.get("rls_cpu_us_per_req", float("nan"))),
+                                 f1(m["redis_cpu_us_per_req"]) if "redis_cpu_us_per_req" in m else NA,
+                                 f3(m["redis_cmds_per_req"]) if "redis_cmds_per_req" in m else NA,
+                                 str(m.get("ratelimit_ok", 0)), str(m.get("ratelimit_error", 0))])
+                A(table(["variant", "req/s", "p50", "p99", "RLS CPU µs/req", "Redis CPU µs/req",
+                         "Redis commands/req", "OK answers", "errors"], rrow))
+                A("")
         A("Per round (req/s, in the order measured):")
         A("")
         rr_rows = []

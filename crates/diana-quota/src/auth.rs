@@ -200,14 +200,30 @@ impl Auth {
         if !self.required {
             return Ok(());
         }
-        let mut values = headers.get_all(header::AUTHORIZATION).iter();
+        self.check_values(
+            headers
+                .get_all(header::AUTHORIZATION)
+                .iter()
+                .map(|value| value.as_bytes()),
+        )
+    }
+
+    /// [`Auth::check`] on the values of the `authorization` header (or gRPC metadata key):
+    /// exactly one, `Bearer <token>`, whose token is a secret.
+    pub fn check_values<'a>(
+        &self,
+        mut values: impl Iterator<Item = &'a [u8]>,
+    ) -> Result<(), Rejection> {
+        if !self.required {
+            return Ok(());
+        }
         let Some(value) = values.next() else {
             return Err(Rejection::Missing);
         };
         if values.next().is_some() {
             return Err(Rejection::Invalid);
         }
-        let value = value.as_bytes().trim_ascii();
+        let value = value.trim_ascii();
         let Some(space) = value.iter().position(|&byte| byte == b' ') else {
             return Err(Rejection::Invalid);
         };

@@ -131,6 +131,21 @@ impl AppState {
         self.inner.shutting_down.load(Ordering::SeqCst)
     }
 
+    /// Takes a place among the decisions in flight, or `None` (counted as shed on `path`)
+    /// when all are taken: the gRPC servers share the HTTP API's limit.
+    pub fn try_admit(&self, path: &'static str) -> Option<OwnedSemaphorePermit> {
+        match self.inner.permits.clone().try_acquire_owned() {
+            Ok(permit) => {
+                self.metrics().set_in_flight(self.in_flight());
+                Some(permit)
+            }
+            Err(_) => {
+                self.metrics().shed(path);
+                None
+            }
+        }
+    }
+
     /// Decisions being made right now.
     pub fn in_flight(&self) -> usize {
         self.settings().max_in_flight.max(1) - self.inner.permits.available_permits()

@@ -17,11 +17,15 @@
 //! - [`http`]: the router ([`app`]), handlers, load shedding and deadlines.
 //! - [`store`]: the storage seam ([`store::Store`]) with [`store::MemoryStore`] and [`store::RedisStore`].
 //! - [`metrics`]: Prometheus metrics.
+//! - [`rls`]: Envoy's rate limit protocols over gRPC (`--rls-listen`): RLS
+//!   (`ShouldRateLimit`, a drop-in for envoyproxy/ratelimit reading its configuration files)
+//!   and RLQS (`StreamRateLimitQuotas`), on the same store.
 //! - [`Cli`], [`serve`] and [`run`]: what the binary does.
 
 pub mod auth;
 pub mod http;
 pub mod metrics;
+pub mod rls;
 pub mod store;
 
 pub use auth::Auth;
@@ -116,6 +120,42 @@ pub struct Cli {
     /// reset every counter. For loopback demos and benchmarks only (a warning is logged).
     #[arg(long)]
     pub insecure_no_auth: bool,
+
+    /// Also serve Envoy's rate limit protocols over gRPC (HTTP/2 cleartext) on ADDR:PORT:
+    /// RLS (`envoy.service.ratelimit.v3.RateLimitService`, for the `ratelimit` filter) and
+    /// RLQS (`envoy.service.rate_limit_quota.v3.RateLimitQuotaService`, for the
+    /// `rate_limit_quota` filter). Needs --rls-config.
+    #[arg(long, env = "DIANA_QUOTA_RLS_LISTEN", value_name = "ADDR:PORT")]
+    pub rls_listen: Option<String>,
+
+    /// The rate limits of --rls-listen, in envoyproxy/ratelimit's configuration format: a
+    /// YAML file (one domain), or a directory of them (*.yaml, *.yml); repeat the flag (or
+    /// separate with commas) for several. SIGHUP re-reads them (a bad file changes nothing).
+    #[arg(
+        long,
+        env = "DIANA_QUOTA_RLS_CONFIG",
+        value_name = "FILE",
+        value_delimiter = ','
+    )]
+    pub rls_config: Vec<PathBuf>,
+
+    /// Rate-limit headers the RLS answer asks Envoy to add to the response (with
+    /// `Retry-After` when refused): none, x-ratelimit, ietf (RateLimit-Policy and
+    /// RateLimit), both.
+    #[arg(
+        long,
+        env = "DIANA_QUOTA_RLS_HEADERS",
+        value_enum,
+        default_value = "none"
+    )]
+    pub rls_headers: rls::HeaderStyle,
+
+    /// Serve --rls-listen WITHOUT authentication (the HTTP API keeps its secret): for
+    /// platforms whose Envoy cannot send `authorization` metadata to the rate limit
+    /// service, where the port is reachable by the gateways only (bind it to loopback or a
+    /// pod-local address, or fence it with a network policy). A warning is logged.
+    #[arg(long)]
+    pub rls_insecure_no_auth: bool,
 }
 
 /// The end of `--help`.
@@ -128,7 +168,13 @@ the service refuses to start, unless --insecure-no-auth. /healthz, /readyz and /
 need no secret.
 
 Rotation: add the new secret as a second line of the token file and send SIGHUP (or
-restart); move the gateways to the new secret; remove the old line and SIGHUP again.";
+restart); move the gateways to the new secret; remove the old line and SIGHUP again.
+
+Envoy's protocols: --rls-listen ADDR:PORT --rls-config FILE serves RLS (the `ratelimit`
+filter) and RLQS (the `rate_limit_quota` filter) over gRPC from envoyproxy/ratelimit's own
+configuration files, on the same store. Calls need `authorization: Bearer <secret>` in their
+gRPC metadata (Envoy: grpc_service.initial_metadata) unless --rls-insecure-no-auth. See
+docs/rls.md.";
 
 /// The message when no secret was given.
 pub const NO_SECRET: &str = "no secret to authenticate the gateways: give --token-file PATH \
@@ -168,6 +214,22 @@ impl Cli {
     /// [`Cli::auth_with`] the environment's DIANA_QUOTA_TOKEN.
     pub fn auth(&self) -> Result<Auth, String> {
         self.auth_with(env_token()?.as_deref())
+    }
+
+    /// Checks the RLS flags go together; the configuration they name, loaded (`None`
+    /// without --rls-listen).
+    pub fn rls_config(&self) -> Result<Option<rls::RlsConfig>, String> {
+        match (&self.rls_listen, self.rls_config.is_empty()) {
+            (None, true) => Ok(None),
+            (None, false) => Err("--rls-config without --rls-listen: give the address to serve RLS on".to_string()),
+            (Some(_), true) => Err(
+                "--rls-listen without --rls-config: give envoyproxy/ratelimit configuration files (a file or a directory)"
+                    .to_string(),
+            ),
+            (Some(_), false) => rls::load(&self.rls_config)
+                .map(Some)
+                .map_err(|error| error.to_string()),
+        }
     }
 
     /// The store and the HTTP settings these flags describe.
@@ -255,11 +317,20 @@ fn env_token() -> Result<Option<String>, String> {
 /// the token file.
 pub async fn run(cli: Cli) -> Result<(), String> {
     let auth = Arc::new(cli.auth()?);
+    let rls_config = cli.rls_config()?;
     let (store, settings) = cli.build()?;
     reload_on_sighup(cli.clone(), auth.clone());
     let listener = tokio::net::TcpListener::bind(&cli.listen)
         .await
         .map_err(|error| format!("cannot listen on {}: {error}", cli.listen))?;
+    let rls_listener = match &cli.rls_listen {
+        Some(address) => Some(
+            tokio::net::TcpListener::bind(address)
+                .await
+                .map_err(|error| format!("cannot listen on {address} (--rls-listen): {error}"))?,
+        ),
+        None => None,
+    };
     let address = listener.local_addr().map_err(|error| error.to_string())?;
     tracing::info!(
         %address,
@@ -291,14 +362,103 @@ pub async fn run(cli: Cli) -> Result<(), String> {
              loopback demo or benchmark."
         );
     }
-    serve(
-        listener,
-        AppState::new(store, settings, auth),
-        shutdown_signal(),
-    )
-    .await?;
+    let state = AppState::new(store, settings, auth.clone());
+    let (stop, stopping) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        let _ = stop.send(true);
+    });
+    let stopped = |mut stopping: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = stopping.wait_for(|stop| *stop).await;
+    };
+    let grpc = match (rls_listener, rls_config) {
+        (Some(rls_listener), Some(config)) => {
+            let rls = start_rls(&cli, &state, &auth, &rls_listener, config)?;
+            let shutdown = stopped(stopping.clone());
+            Some(tokio::spawn(rls::serve(rls_listener, rls, shutdown)))
+        }
+        _ => None,
+    };
+    let served = serve(listener, state, stopped(stopping)).await;
+    if let Some(grpc) = grpc {
+        match grpc.await {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => tracing::error!("{error}"),
+            Err(error) => tracing::error!("the gRPC server failed: {error}"),
+        }
+    }
+    served?;
     tracing::info!("diana-quota stopped");
     Ok(())
+}
+
+/// The RLS/RLQS services of `--rls-listen`, logged, with SIGHUP re-reading their files.
+fn start_rls(
+    cli: &Cli,
+    state: &AppState,
+    auth: &Arc<Auth>,
+    listener: &tokio::net::TcpListener,
+    config: rls::RlsConfig,
+) -> Result<rls::Rls, String> {
+    let address = listener.local_addr().map_err(|error| error.to_string())?;
+    let grpc_auth = if cli.rls_insecure_no_auth {
+        tracing::warn!(
+            "--rls-insecure-no-auth: the gRPC rate limit services on {address} need NO secret. Anyone who \
+             can reach that port can spend and drain every counter: keep it reachable by the gateways only."
+        );
+        Arc::new(Auth::insecure())
+    } else {
+        auth.clone()
+    };
+    tracing::info!(
+        %address,
+        domains = %config.domains().join(","),
+        rules = config.rules(),
+        headers = ?cli.rls_headers,
+        auth = grpc_auth.is_required(),
+        "diana-quota serving Envoy's RLS and RLQS"
+    );
+    let rls = rls::Rls::new(
+        state.clone(),
+        config,
+        cli.rls_config.clone(),
+        cli.rls_headers,
+        grpc_auth,
+    );
+    reload_rls_on_sighup(rls.clone());
+    Ok(rls)
+}
+
+/// From now on, every SIGHUP re-reads the --rls-config files; a file that cannot be read
+/// or is invalid changes nothing (logged as an error).
+fn reload_rls_on_sighup(rls: rls::Rls) {
+    #[cfg(unix)]
+    {
+        let mut hangup = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+        {
+            Ok(signal) => signal,
+            Err(error) => {
+                tracing::error!(%error, "cannot listen for SIGHUP: --rls-config is read at start only");
+                return;
+            }
+        };
+        tokio::spawn(async move {
+            while hangup.recv().await.is_some() {
+                match rls.reload() {
+                    Ok(config) => tracing::info!(
+                        domains = %config.domains().join(","),
+                        rules = config.rules(),
+                        "SIGHUP: --rls-config reloaded"
+                    ),
+                    Err(error) => tracing::error!(
+                        "SIGHUP: {error}; the rate limit configuration in force stays"
+                    ),
+                }
+            }
+        });
+    }
+    #[cfg(not(unix))]
+    let _ = rls;
 }
 
 /// From now on, every SIGHUP re-reads the token file (and DIANA_QUOTA_TOKEN), and exactly

@@ -1,0 +1,1218 @@
+//! The rate limit configuration of the RLS and RLQS servers: envoyproxy/ratelimit's own YAML
+//! format, read as it is, plus a few optional fields of Diana's under `rate_limit`.
+//!
+//! ```yaml
+//! domain: edge                    # one domain per file; several files, several domains
+//! descriptors:
+//!   - key: remote_address         # no value: every value counts apart
+//!     rate_limit: {unit: second, requests_per_unit: 10}
+//!   - key: remote_address
+//!     value: 50.0.0.5             # the most specific match wins: key and value first
+//!     rate_limit: {unit: second, requests_per_unit: 0}
+//!   - key: path
+//!     value: /api/*               # wildcard: `*` matches any run of characters
+//!     share_threshold: true       # ... and every match shares one counter
+//!     rate_limit: {unit: minute, requests_per_unit: 100, algorithm: SW}
+//!   - key: tenant
+//!     descriptors:                # nested: (tenant, x), (plan, y) as one descriptor
+//!       - key: plan
+//!         value: free
+//!         rate_limit: {unit: hour, requests_per_unit: 1000, name: free}
+//!         shadow_mode: true       # counted, never refused
+//! ```
+//!
+//! Fields (envoyproxy/ratelimit's): `domain`; `descriptors[].key`, `.value` (exact, or with
+//! `*` wildcards), `.rate_limit` (`unit`: second/minute/hour/day, `requests_per_unit`,
+//! `unlimited`, `name`, `replaces: [{name}]`), `.shadow_mode`, `.share_threshold`, nested
+//! `.descriptors`; `detailed_metric`, `value_to_metric` and `metadata` are accepted and
+//! change nothing here (they shape envoyproxy/ratelimit's own metrics and metadata);
+//! `quota_mode` is refused (not supported). Diana's, all optional, under `rate_limit`:
+//! `algorithm` (`W` default, `SW`, `TB`; `LB` is refused: neither protocol can carry a
+//! wait), `burst` (TB capacity, default `requests_per_unit`), `slices` (SW, default 10) and
+//! `diana_key` (the counter's key, to share it with a Diana global rule). Anything else is
+//! refused, naming the file and the field.
+//!
+//! A request's descriptor reaches a counter keyed `rls:<32 hex digits>`, the XXH3-128 of
+//! its domain and entries (see [`counter_key`]), bound to the rule's algorithm and every
+//! parameter like any Diana counter (`diana:{rls:…}:W:10:minute:10:10` in Redis).
+
+use diana_core::algo::{self, Algorithm, Limit};
+use diana_core::time::Unit;
+use diana_core::wire::{self, RuleRequest};
+use serde::Deserialize;
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::num::NonZeroU32;
+use std::path::{Path, PathBuf};
+use xxhash_rust::xxh3::Xxh3;
+
+/// Default sliding-window slices (as a Diana rule's).
+pub const DEFAULT_SLICES: u32 = 10;
+/// Most bytes of one descriptor entry's key or value in a request.
+pub const MAX_TEXT_BYTES: usize = 4096;
+/// Most entries in one request descriptor (or one RLQS bucket id).
+pub const MAX_ENTRIES: usize = 64;
+/// Most nesting in a configuration file.
+pub const MAX_DEPTH: usize = 64;
+/// The prefix of the counter key of a descriptor.
+pub const KEY_PREFIX: &str = "rls:";
+
+/// A YAML scalar read as text, as envoyproxy/ratelimit reads `key` and `value` (`value: 500`
+/// is the string `500`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+enum Scalar {
+    Text(String),
+    Unsigned(u64),
+    Signed(i64),
+    Float(f64),
+    Bool(bool),
+}
+
+impl Scalar {
+    fn text(&self) -> String {
+        match self {
+            Scalar::Text(text) => text.clone(),
+            Scalar::Unsigned(number) => number.to_string(),
+            Scalar::Signed(number) => number.to_string(),
+            Scalar::Float(number) => number.to_string(),
+            Scalar::Bool(flag) => flag.to_string(),
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRoot {
+    domain: Option<Scalar>,
+    descriptors: Option<Vec<RawDescriptor>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawDescriptor {
+    key: Option<Scalar>,
+    value: Option<Scalar>,
+    rate_limit: Option<RawRateLimit>,
+    descriptors: Option<Vec<RawDescriptor>>,
+    #[serde(default)]
+    shadow_mode: bool,
+    #[serde(default)]
+    quota_mode: bool,
+    #[serde(default)]
+    share_threshold: bool,
+    // Metrics and metadata of envoyproxy/ratelimit: accepted, nothing to do here.
+    #[serde(default)]
+    #[allow(dead_code)]
+    detailed_metric: bool,
+    #[serde(default)]
+    #[allow(dead_code)]
+    value_to_metric: bool,
+    #[serde(default)]
+    #[allow(dead_code)]
+    metadata: Option<serde_yaml::Value>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRateLimit {
+    unit: Option<String>,
+    requests_per_unit: Option<u64>,
+    #[serde(default)]
+    unlimited: bool,
+    name: Option<String>,
+    replaces: Option<Vec<RawReplaces>>,
+    // Diana's.
+    algorithm: Option<String>,
+    burst: Option<u64>,
+    slices: Option<u64>,
+    diana_key: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawReplaces {
+    name: Option<String>,
+}
+
+/// What a rule does with the descriptors it matches.
+#[derive(Debug, Clone)]
+pub enum RuleKind {
+    /// `unlimited: true`: always OK, no counter.
+    Unlimited,
+    /// `requests_per_unit: 0`: always over the limit, no counter.
+    Blocked,
+    /// A counter with this algorithm and limit.
+    Limited {
+        algo: &'static dyn Algorithm,
+        limit: Limit,
+        /// `diana_key`: this counter's key instead of the descriptor's.
+        diana_key: Option<String>,
+    },
+}
+
+/// One `rate_limit` block, resolved.
+#[derive(Debug, Clone)]
+pub struct Rule {
+    /// `rate_limit.name` (for `replaces`, and the IETF headers).
+    pub name: Option<String>,
+    /// Names of the rules this one replaces in a request that matches both.
+    pub replaces: Vec<String>,
+    /// `shadow_mode`: counted, never refuses.
+    pub shadow: bool,
+    pub kind: RuleKind,
+    /// As configured (0 when blocked or unlimited).
+    pub requests_per_unit: u32,
+    /// As configured (`None` when unlimited).
+    pub unit: Option<Unit>,
+    /// `domain.key_value.key…`, the descriptor's place in the file (logs, headers).
+    pub path: String,
+}
+
+impl Rule {
+    /// The name the IETF headers give the rule: its `name`, else its place.
+    pub fn label(&self) -> &str {
+        self.name.as_deref().unwrap_or(&self.path)
+    }
+}
+
+/// How a configured descriptor matches a request entry's value.
+#[derive(Debug, Clone)]
+enum Value {
+    /// No value: any value, each counted apart.
+    Any,
+    Exact(String),
+    /// With `*`: the literal parts between the stars, and the pattern as written.
+    Wildcard {
+        parts: Vec<String>,
+        pattern: String,
+    },
+}
+
+#[derive(Debug, Clone)]
+struct Child {
+    key: String,
+    value: Value,
+    share_threshold: bool,
+    rule: Option<Rule>,
+    node: Node,
+}
+
+/// One level of descriptors.
+#[derive(Debug, Clone, Default)]
+struct Node {
+    children: Vec<Child>,
+    /// `key` → `value` of exact children → index.
+    exact: HashMap<String, HashMap<String, usize>>,
+    /// `key` of children without a value → index.
+    any: HashMap<String, usize>,
+    /// Wildcard children, in file order.
+    wildcards: Vec<usize>,
+}
+
+impl Node {
+    /// The child matching `key` = `value`: key and value first, then the wildcards in file
+    /// order, then the key alone (envoyproxy/ratelimit's order).
+    fn find(&self, key: &str, value: &str) -> Option<&Child> {
+        let index = self
+            .exact
+            .get(key)
+            .and_then(|values| values.get(value))
+            .copied()
+            .or_else(|| {
+                self.wildcards.iter().copied().find(|&index| {
+                    self.children.get(index).is_some_and(|child| {
+                        child.key == key
+                            && matches!(&child.value, Value::Wildcard { parts, .. } if wildcard_match(parts, value))
+                    })
+                })
+            })
+            .or_else(|| self.any.get(key).copied())?;
+        self.children.get(index)
+    }
+}
+
+/// Whether `value` matches a pattern split at its stars: starts with the first part, ends
+/// with the last, and holds the middle ones in order in between. Each `*` matches any run
+/// of characters, the empty one too.
+pub fn wildcard_match(parts: &[String], value: &str) -> bool {
+    let (Some(first), Some(last)) = (parts.first(), parts.last()) else {
+        return false;
+    };
+    if parts.len() == 1 {
+        return first == value;
+    }
+    if value.len() < parts.iter().map(String::len).sum::<usize>() {
+        return false;
+    }
+    let Some(rest) = value.strip_prefix(first.as_str()) else {
+        return false;
+    };
+    let Some(mut middle) = rest.strip_suffix(last.as_str()) else {
+        return false;
+    };
+    for part in parts.iter().skip(1).take(parts.len().saturating_sub(2)) {
+        match middle.find(part.as_str()) {
+            Some(at) => middle = middle.get(at + part.len()..).unwrap_or(""),
+            None => return false,
+        }
+    }
+    true
+}
+
+/// One domain's descriptors.
+#[derive(Debug, Clone)]
+pub struct Domain {
+    pub name: String,
+    /// The file it was read from.
+    pub file: PathBuf,
+    root: Node,
+}
+
+/// Every domain of every file.
+#[derive(Debug, Clone, Default)]
+pub struct RlsConfig {
+    domains: HashMap<String, Domain>,
+}
+
+/// The counter a descriptor was matched to.
+#[derive(Debug, Clone)]
+pub struct Matched<'a> {
+    pub rule: &'a Rule,
+    /// The counter's key (`rls:…`, or the rule's `diana_key`).
+    pub key: String,
+}
+
+/// What a request descriptor (or an RLQS bucket) finds in the configuration.
+#[derive(Debug, Clone)]
+pub enum Lookup<'a> {
+    /// No file has this domain.
+    UnknownDomain,
+    /// No rule: no limit applies.
+    NoMatch,
+    Matched(Matched<'a>),
+}
+
+impl RlsConfig {
+    /// The domains, sorted.
+    pub fn domains(&self) -> Vec<&str> {
+        let mut names: Vec<&str> = self.domains.keys().map(String::as_str).collect();
+        names.sort_unstable();
+        names
+    }
+
+    /// Rules configured, over every domain.
+    pub fn rules(&self) -> usize {
+        fn count(node: &Node) -> usize {
+            node.children
+                .iter()
+                .map(|child| usize::from(child.rule.is_some()) + count(&child.node))
+                .sum()
+        }
+        self.domains
+            .values()
+            .map(|domain| count(&domain.root))
+            .sum()
+    }
+
+    /// The rule of a request descriptor (its entries in order), as envoyproxy/ratelimit
+    /// finds it: level by level, each entry matched by key and value, then by wildcard, then
+    /// by key alone; the rule is the one at the level of the last entry (a request with more
+    /// or fewer entries than the configuration nests matches nothing).
+    pub fn lookup<'a>(&'a self, domain: &str, entries: &[(&str, &str)]) -> Lookup<'a> {
+        let Some(found) = self.domains.get(domain) else {
+            return Lookup::UnknownDomain;
+        };
+        let mut node = &found.root;
+        let mut path = Vec::with_capacity(entries.len());
+        let mut rule = None;
+        for (index, &(key, value)) in entries.iter().enumerate() {
+            let Some(child) = node.find(key, value) else {
+                return Lookup::NoMatch;
+            };
+            path.push((key, counted_value(child, value)));
+            if index + 1 == entries.len() {
+                rule = child.rule.as_ref();
+            }
+            node = &child.node;
+        }
+        match rule {
+            Some(rule) => Lookup::Matched(Matched {
+                key: key_of(rule, domain, &path),
+                rule,
+            }),
+            None => Lookup::NoMatch,
+        }
+    }
+
+    /// The rule of an RLQS bucket (an unordered map of entries): the entries are matched
+    /// in the order the configuration nests their keys, trying at each level the
+    /// descriptors in file order whose key the bucket holds; the match must use every
+    /// entry. Returns the match with the entries in that order (so a bucket and an RLS
+    /// descriptor with the same entries name the same counter).
+    pub fn lookup_bucket<'a>(
+        &'a self,
+        domain: &str,
+        bucket: &BTreeMap<String, String>,
+    ) -> (Lookup<'a>, Vec<(String, String)>) {
+        let Some(found) = self.domains.get(domain) else {
+            return (Lookup::UnknownDomain, Vec::new());
+        };
+        let mut order = Vec::with_capacity(bucket.len());
+        let mut used = vec![false; bucket.len()];
+        let entries: Vec<(&str, &str)> = bucket
+            .iter()
+            .map(|(key, value)| (key.as_str(), value.as_str()))
+            .collect();
+        if entries.is_empty() || !order_bucket(&found.root, &entries, &mut used, &mut order) {
+            return (Lookup::NoMatch, Vec::new());
+        }
+        let ordered: Vec<(&str, &str)> = order
+            .iter()
+            .filter_map(|&index| entries.get(index).copied())
+            .collect();
+        let lookup = self.lookup(domain, &ordered);
+        let owned = ordered
+            .iter()
+            .map(|&(key, value)| (key.to_string(), value.to_string()))
+            .collect();
+        (lookup, owned)
+    }
+}
+
+/// Depth-first: extends `order` with an entry of `entries` not yet `used` that a child of
+/// `node` matches, until every entry is used at a level whose child has a rule.
+fn order_bucket(
+    node: &Node,
+    entries: &[(&str, &str)],
+    used: &mut [bool],
+    order: &mut Vec<usize>,
+) -> bool {
+    let mut tried: Vec<&str> = Vec::new();
+    for child in &node.children {
+        if tried.contains(&child.key.as_str()) {
+            continue;
+        }
+        tried.push(&child.key);
+        let Some(index) = entries.iter().enumerate().position(|(index, (key, _))| {
+            *key == child.key && !used.get(index).copied().unwrap_or(true)
+        }) else {
+            continue;
+        };
+        let Some(&(key, value)) = entries.get(index) else {
+            continue;
+        };
+        // The child the entry really lands on (key and value first, as for a request).
+        let Some(target) = node.find(key, value) else {
+            continue;
+        };
+        if let Some(flag) = used.get_mut(index) {
+            *flag = true;
+        }
+        order.push(index);
+        let done = used.iter().all(|&flag| flag);
+        if (done && target.rule.is_some())
+            || (!done && order_bucket(&target.node, entries, used, order))
+        {
+            return true;
+        }
+        order.pop();
+        if let Some(flag) = used.get_mut(index) {
+            *flag = false;
+        }
+    }
+    false
+}
+
+/// The value an entry contributes to its counter's key: the pattern for a wildcard with
+/// `share_threshold` (every match shares the counter), else the request's value.
+fn counted_value<'a>(child: &'a Child, value: &'a str) -> &'a str {
+    match &child.value {
+        Value::Wildcard { pattern, .. } if child.share_threshold => pattern,
+        _ => value,
+    }
+}
+
+fn key_of(rule: &Rule, domain: &str, path: &[(&str, &str)]) -> String {
+    match &rule.kind {
+        RuleKind::Limited {
+            diana_key: Some(key),
+            ..
+        } => key.clone(),
+        _ => counter_key(domain, path),
+    }
+}
+
+/// The counter key of a descriptor: `rls:` and the 32 lowercase hex digits of the XXH3-128
+/// (seed 0) of the domain, then each entry's key and value, each written as its length in
+/// bytes (4 bytes, little-endian) followed by its bytes. For a wildcard with
+/// `share_threshold` the value is the pattern as written (`files/*`).
+pub fn counter_key(domain: &str, entries: &[(&str, &str)]) -> String {
+    let mut hasher = Xxh3::new();
+    let mut feed = |text: &str| {
+        let length = u32::try_from(text.len()).unwrap_or(u32::MAX);
+        hasher.update(&length.to_le_bytes());
+        hasher.update(text.as_bytes());
+    };
+    feed(domain);
+    for (key, value) in entries {
+        feed(key);
+        feed(value);
+    }
+    format!("{KEY_PREFIX}{:032x}", hasher.digest128())
+}
+
+/// Maps Envoy's `RateLimitResponse.RateLimit.Unit` to Diana's; `None` for units longer
+/// than a day (and UNKNOWN).
+pub fn unit_of_proto(unit: i32) -> Option<Unit> {
+    match unit {
+        1 => Some(Unit::Second),
+        2 => Some(Unit::Minute),
+        3 => Some(Unit::Hour),
+        4 => Some(Unit::Day),
+        _ => None,
+    }
+}
+
+/// Diana's unit as Envoy's `RateLimitResponse.RateLimit.Unit`.
+pub fn proto_unit(unit: Unit) -> i32 {
+    match unit {
+        Unit::Second => 1,
+        Unit::Minute => 2,
+        Unit::Hour => 3,
+        Unit::Day => 4,
+    }
+}
+
+/// Why a configuration could not be loaded: the file and what is wrong in it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError(pub String);
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// The files `paths` name: a file as is, a directory's `*.yaml` and `*.yml` files (not
+/// recursively, sorted by name).
+pub fn config_files(paths: &[PathBuf]) -> Result<Vec<PathBuf>, ConfigError> {
+    let mut files = Vec::new();
+    for path in paths {
+        let metadata = std::fs::metadata(path)
+            .map_err(|error| ConfigError(format!("--rls-config {}: {error}", path.display())))?;
+        if metadata.is_dir() {
+            let entries = std::fs::read_dir(path).map_err(|error| {
+                ConfigError(format!("--rls-config {}: {error}", path.display()))
+            })?;
+            let mut found: Vec<PathBuf> = entries
+                .filter_map(Result::ok)
+                .map(|entry| entry.path())
+                .filter(|file| {
+                    file.is_file()
+                        && file
+                            .extension()
+                            .and_then(|ext| ext.to_str())
+                            .is_some_and(|ext| ext == "yaml" || ext == "yml")
+                })
+                .collect();
+            found.sort();
+            if found.is_empty() {
+                return Err(ConfigError(format!(
+                    "--rls-config {}: no *.yaml or *.yml file in this directory",
+                    path.display()
+                )));
+            }
+            files.extend(found);
+        } else {
+            files.push(path.clone());
+        }
+    }
+    if files.is_empty() {
+        return Err(ConfigError("--rls-config: no file given".to_string()));
+    }
+    Ok(files)
+}
+
+/// Reads every file of `paths` ([`config_files`]), one domain each; a domain in two
+/// files is refused.
+pub fn load(paths: &[PathBuf]) -> Result<RlsConfig, ConfigError> {
+    let mut config = RlsConfig::default();
+    for file in config_files(paths)? {
+        let text = std::fs::read_to_string(&file)
+            .map_err(|error| ConfigError(format!("{}: {error}", file.display())))?;
+        let domain = parse_domain(&text, &file)?;
+        if let Some(first) = config.domains.get(&domain.name) {
+            return Err(ConfigError(format!(
+                "{}: duplicate domain `{}` (also in {})",
+                file.display(),
+                domain.name,
+                first.file.display()
+            )));
+        }
+        config.domains.insert(domain.name.clone(), domain);
+    }
+    Ok(config)
+}
+
+/// Parses one file's text (`file` names it in errors).
+pub fn parse_domain(text: &str, file: &Path) -> Result<Domain, ConfigError> {
+    let at = |message: String| ConfigError(format!("{}: {message}", file.display()));
+    let raw: RawRoot = serde_yaml::from_str(text).map_err(|error| at(error.to_string()))?;
+    let name = raw.domain.map(|domain| domain.text()).unwrap_or_default();
+    if name.is_empty() {
+        return Err(at(
+            "domain: a config file cannot have an empty domain".to_string()
+        ));
+    }
+    let mut root = Node::default();
+    let mut context = Context {
+        domain: &name,
+        path: String::from("descriptors"),
+        depth: 0,
+    };
+    load_level(
+        &mut root,
+        raw.descriptors.unwrap_or_default(),
+        &mut context,
+        &name,
+        false,
+    )
+    .map_err(at)?;
+    Ok(Domain {
+        name,
+        file: file.to_path_buf(),
+        root,
+    })
+}
+
+struct Context<'a> {
+    domain: &'a str,
+    /// The field path of the current list (`descriptors[0].descriptors`).
+    path: String,
+    depth: usize,
+}
+
+/// Loads one list of descriptors into `node`. `parent`: the composite key so far
+/// (`domain.key_value`); `counts_apart`: an entry above matches values it counts apart
+/// (no value, or a wildcard without `share_threshold`).
+fn load_level(
+    node: &mut Node,
+    descriptors: Vec<RawDescriptor>,
+    context: &mut Context<'_>,
+    parent: &str,
+    counts_apart: bool,
+) -> Result<(), String> {
+    if context.depth >= MAX_DEPTH {
+        return Err(format!(
+            "{}: nested more than {MAX_DEPTH} levels",
+            context.path
+        ));
+    }
+    for (index, raw) in descriptors.into_iter().enumerate() {
+        let here = format!("{}[{index}]", context.path);
+        let key = raw.key.as_ref().map(Scalar::text).unwrap_or_default();
+        if key.is_empty() {
+            return Err(format!("{here}.key: a descriptor has an empty key"));
+        }
+        let value_text = raw.value.as_ref().map(Scalar::text).unwrap_or_default();
+        let composite = if value_text.is_empty() {
+            key.clone()
+        } else {
+            format!("{key}_{value_text}")
+        };
+        let path = format!("{parent}.{composite}");
+        if raw.quota_mode {
+            return Err(format!(
+                "{here}.quota_mode: not supported by diana-quota (every descriptor of a request is decided together)"
+            ));
+        }
+        let value = if value_text.is_empty() {
+            Value::Any
+        } else if value_text.contains('*') {
+            Value::Wildcard {
+                parts: value_text.split('*').map(str::to_string).collect(),
+                pattern: value_text.clone(),
+            }
+        } else {
+            Value::Exact(value_text.clone())
+        };
+        if raw.share_threshold && !matches!(value, Value::Wildcard { .. }) {
+            return Err(format!(
+                "{here}.share_threshold: only for a wildcard value (containing `*`), but `{composite}` has none"
+            ));
+        }
+        let duplicate = match &value {
+            Value::Any => node.any.contains_key(&key),
+            Value::Exact(value) => node
+                .exact
+                .get(&key)
+                .is_some_and(|values| values.contains_key(value)),
+            Value::Wildcard { pattern, .. } => node.wildcards.iter().any(|&other| {
+                node.children.get(other).is_some_and(|child| {
+                    child.key == key
+                        && matches!(&child.value, Value::Wildcard { pattern: seen, .. } if seen == pattern)
+                })
+            }),
+        };
+        if duplicate {
+            return Err(format!(
+                "{here}: duplicate descriptor composite key `{path}`"
+            ));
+        }
+        let apart = counts_apart
+            || matches!(value, Value::Any)
+            || (matches!(value, Value::Wildcard { .. }) && !raw.share_threshold);
+        let rule = match raw.rate_limit {
+            Some(rate_limit) => Some(load_rule(
+                rate_limit,
+                raw.shadow_mode,
+                &format!("{here}.rate_limit"),
+                &path,
+                apart,
+            )?),
+            None => None,
+        };
+        let mut child = Child {
+            key: key.clone(),
+            value,
+            share_threshold: raw.share_threshold,
+            rule,
+            node: Node::default(),
+        };
+        if let Some(nested) = raw.descriptors {
+            let saved = std::mem::replace(&mut context.path, format!("{here}.descriptors"));
+            context.depth += 1;
+            let loaded = load_level(&mut child.node, nested, context, &path, apart);
+            context.depth -= 1;
+            context.path = saved;
+            loaded?;
+        }
+        let position = node.children.len();
+        match &child.value {
+            Value::Any => {
+                node.any.insert(key, position);
+            }
+            Value::Exact(value) => {
+                node.exact
+                    .entry(key)
+                    .or_default()
+                    .insert(value.clone(), position);
+            }
+            Value::Wildcard { .. } => node.wildcards.push(position),
+        }
+        node.children.push(child);
+    }
+    let _ = context.domain;
+    Ok(())
+}
+
+fn load_rule(
+    raw: RawRateLimit,
+    shadow: bool,
+    here: &str,
+    path: &str,
+    counts_apart: bool,
+) -> Result<Rule, String> {
+    let name = raw.name.filter(|name| !name.is_empty());
+    let mut replaces = Vec::new();
+    for (index, replaced) in raw.replaces.unwrap_or_default().into_iter().enumerate() {
+        let replaced = replaced.name.unwrap_or_default();
+        if replaced.is_empty() {
+            return Err(format!(
+                "{here}.replaces[{index}].name: should not have an empty replaces entry"
+            ));
+        }
+        if name.as_deref() == Some(replaced.as_str()) {
+            return Err(format!(
+                "{here}.replaces[{index}].name: replaces should not contain the name of the same descriptor (`{replaced}`)"
+            ));
+        }
+        replaces.push(replaced);
+    }
+    let unit_text = raw.unit.unwrap_or_default();
+    let rule = |kind, requests_per_unit, unit| Rule {
+        name: name.clone(),
+        replaces: replaces.clone(),
+        shadow,
+        kind,
+        requests_per_unit,
+        unit,
+        path: path.to_string(),
+    };
+    if raw.unlimited {
+        if !unit_text.is_empty() {
+            return Err(format!(
+                "{here}.unit: should not specify a rate limit unit when unlimited"
+            ));
+        }
+        let extra = [
+            ("algorithm", raw.algorithm.is_some()),
+            ("burst", raw.burst.is_some()),
+            ("slices", raw.slices.is_some()),
+            ("diana_key", raw.diana_key.is_some()),
+        ];
+        if let Some((field, _)) = extra.iter().find(|(_, set)| *set) {
+            return Err(format!(
+                "{here}.{field}: means nothing on an unlimited rate limit"
+            ));
+        }
+        return Ok(rule(RuleKind::Unlimited, 0, None));
+    }
+    let unit = parse_unit(&unit_text).map_err(|reason| format!("{here}.unit: {reason}"))?;
+    let requests = raw.requests_per_unit.unwrap_or(0);
+    let requests = u32::try_from(requests)
+        .map_err(|_| format!("{here}.requests_per_unit: {requests} is more than 4294967295"))?;
+    let algo = match &raw.algorithm {
+        None => &algo::FixedWindow as &'static dyn Algorithm,
+        Some(text) => algo::lookup(text)
+            .ok_or_else(|| format!("{here}.algorithm: unknown algorithm `{text}` (W, SW, TB)"))?,
+    };
+    if algo.waits() {
+        return Err(format!(
+            "{here}.algorithm: {} (leaky bucket) answers with a wait, which neither Envoy's rate limit \
+             protocol nor its quota protocol can carry (the filter forwards or rejects): use TB for bursts \
+             or SW for a smooth window",
+            algo.code()
+        ));
+    }
+    let Some(rpu) = NonZeroU32::new(requests) else {
+        // Zero requests per unit: every request is over the limit (a block list).
+        let extra = [
+            ("burst", raw.burst.is_some()),
+            ("slices", raw.slices.is_some()),
+            ("diana_key", raw.diana_key.is_some()),
+        ];
+        if let Some((field, _)) = extra.iter().find(|(_, set)| *set) {
+            return Err(format!(
+                "{here}.{field}: means nothing with requests_per_unit 0 (every request is over the limit)"
+            ));
+        }
+        return Ok(rule(RuleKind::Blocked, 0, Some(unit)));
+    };
+    let burst = match raw.burst {
+        None => algo.default_burst(rpu, unit),
+        Some(burst) => u32::try_from(burst)
+            .ok()
+            .and_then(NonZeroU32::new)
+            .ok_or_else(|| {
+                format!("{here}.burst: must be between 1 and 4294967295, got {burst}")
+            })?,
+    };
+    let slices = match raw.slices {
+        None => NonZeroU32::new(DEFAULT_SLICES).unwrap_or(NonZeroU32::MIN),
+        Some(slices) => u32::try_from(slices)
+            .ok()
+            .and_then(NonZeroU32::new)
+            .filter(|slices| slices.get() <= wire::MAX_SLICES)
+            .ok_or_else(|| {
+                format!(
+                    "{here}.slices: must be between 1 and {}, got {slices}",
+                    wire::MAX_SLICES
+                )
+            })?,
+    };
+    let limit = Limit {
+        rpu,
+        unit,
+        burst,
+        slices,
+    };
+    wire::check_rule_limits(algo, &limit)
+        .map_err(|error| format!("{here}.{}: {}", error.field, error.reason))?;
+    if let Some(key) = &raw.diana_key {
+        if counts_apart {
+            return Err(format!(
+                "{here}.diana_key: names one counter, but this descriptor counts each value apart \
+                 (a descriptor without a value, or a wildcard without share_threshold, on the way to it): \
+                 give it values, or share_threshold"
+            ));
+        }
+        RuleRequest::new(key.clone(), algo, &limit, 1)
+            .resolve(0)
+            .map_err(|reason| {
+                format!(
+                    "{here}.diana_key: {}",
+                    reason.trim_start_matches("rules[0].key: ")
+                )
+            })?;
+    }
+    Ok(rule(
+        RuleKind::Limited {
+            algo,
+            limit,
+            diana_key: raw.diana_key,
+        },
+        requests,
+        Some(unit),
+    ))
+}
+
+/// `second`, `minute`, `hour`, `day`, case-insensitive (envoyproxy/ratelimit's names);
+/// longer units are refused.
+fn parse_unit(text: &str) -> Result<Unit, String> {
+    let lower = text.trim().to_ascii_lowercase();
+    match lower.as_str() {
+        "second" => Ok(Unit::Second),
+        "minute" => Ok(Unit::Minute),
+        "hour" => Ok(Unit::Hour),
+        "day" => Ok(Unit::Day),
+        "week" | "month" | "year" => Err(format!(
+            "`{text}` is not supported: a Diana counter spans at most a day (second, minute, hour, day)"
+        )),
+        "" => Err("missing: second, minute, hour or day".to_string()),
+        _ => Err(format!(
+            "invalid rate limit unit `{text}` (second, minute, hour, day)"
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<RlsConfig, String> {
+        let domain = parse_domain(text, Path::new("test.yaml")).map_err(|error| error.0)?;
+        let mut config = RlsConfig::default();
+        config.domains.insert(domain.name.clone(), domain);
+        Ok(config)
+    }
+
+    fn matched<'a>(
+        config: &'a RlsConfig,
+        domain: &str,
+        entries: &[(&str, &str)],
+    ) -> Option<Matched<'a>> {
+        match config.lookup(domain, entries) {
+            Lookup::Matched(matched) => Some(matched),
+            _ => None,
+        }
+    }
+
+    const EXAMPLES: &str = r#"
+domain: messaging
+descriptors:
+  # Only allow 5 marketing messages a day
+  - key: message_type
+    value: marketing
+    descriptors:
+      - key: to_number
+        rate_limit:
+          unit: day
+          requests_per_unit: 5
+  - key: to_number
+    rate_limit:
+      unit: day
+      requests_per_unit: 100
+  - key: remote_address
+    rate_limit: {unit: second, requests_per_unit: 10}
+  - key: remote_address
+    value: 50.0.0.5
+    rate_limit: {unit: second, requests_per_unit: 0}
+  - key: database
+    value: 500
+    rate_limit: {unit: Second, requests_per_unit: 500}
+  - key: ldap
+    rate_limit:
+      unlimited: true
+  - key: files
+    value: files/*
+    share_threshold: true
+    rate_limit: {unit: hour, requests_per_unit: 10}
+  - key: route
+    value: /api/*/action
+    detailed_metric: true
+    value_to_metric: true
+    metadata: {team: a}
+    rate_limit: {unit: minute, requests_per_unit: 20, algorithm: SW, slices: 6}
+  - key: tenant
+    descriptors:
+      - key: plan
+        value: free
+        shadow_mode: true
+        rate_limit: {unit: hour, requests_per_unit: 1000, name: free, algorithm: TB, burst: 50}
+"#;
+
+    #[test]
+    fn reads_envoyproxy_ratelimit_files() {
+        let config = parse(EXAMPLES).unwrap();
+        assert_eq!(config.domains(), ["messaging"]);
+        assert_eq!(config.rules(), 9);
+
+        let nested = matched(
+            &config,
+            "messaging",
+            &[("message_type", "marketing"), ("to_number", "2061111111")],
+        )
+        .unwrap();
+        assert_eq!(nested.rule.requests_per_unit, 5);
+        assert_eq!(
+            nested.rule.path,
+            "messaging.message_type_marketing.to_number"
+        );
+        let other = matched(
+            &config,
+            "messaging",
+            &[("message_type", "marketing"), ("to_number", "2062222222")],
+        )
+        .unwrap();
+        assert_ne!(nested.key, other.key, "each value counts apart");
+        assert!(nested.key.starts_with("rls:") && nested.key.len() == 36);
+
+        // Most specific first: key and value, then the key alone.
+        let blocked = matched(&config, "messaging", &[("remote_address", "50.0.0.5")]).unwrap();
+        assert!(matches!(blocked.rule.kind, RuleKind::Blocked));
+        let any = matched(&config, "messaging", &[("remote_address", "50.0.0.1")]).unwrap();
+        assert_eq!(any.rule.requests_per_unit, 10);
+
+        // Numbers are values too; units are case-insensitive.
+        let database = matched(&config, "messaging", &[("database", "500")]).unwrap();
+        assert_eq!(database.rule.unit, Some(Unit::Second));
+        assert!(matches!(
+            matched(&config, "messaging", &[("ldap", "x")])
+                .unwrap()
+                .rule
+                .kind,
+            RuleKind::Unlimited
+        ));
+
+        // share_threshold: every match shares one counter; other wildcards count apart.
+        let a = matched(&config, "messaging", &[("files", "files/a.pdf")]).unwrap();
+        let b = matched(&config, "messaging", &[("files", "files/b.csv")]).unwrap();
+        assert_eq!(a.key, b.key);
+        assert!(matches!(
+            config.lookup("messaging", &[("files", "other/a")]),
+            Lookup::NoMatch
+        ));
+        let one = matched(&config, "messaging", &[("route", "/api/1/action")]).unwrap();
+        let two = matched(&config, "messaging", &[("route", "/api/2/action")]).unwrap();
+        assert_ne!(one.key, two.key);
+        assert!(matches!(
+            config.lookup("messaging", &[("route", "/api/1/other")]),
+            Lookup::NoMatch
+        ));
+        match &one.rule.kind {
+            RuleKind::Limited { algo, limit, .. } => {
+                assert_eq!(algo.code(), "SW");
+                assert_eq!(limit.slices.get(), 6);
+                assert_eq!(limit.burst.get(), 20);
+            }
+            other => panic!("{other:?}"),
+        }
+
+        // Depth must match: fewer or more entries than the nesting match nothing.
+        assert!(matches!(
+            config.lookup("messaging", &[("message_type", "marketing")]),
+            Lookup::NoMatch
+        ));
+        assert!(matches!(
+            config.lookup("messaging", &[("remote_address", "1"), ("x", "y")]),
+            Lookup::NoMatch
+        ));
+        assert!(matches!(
+            config.lookup("other", &[("to_number", "1")]),
+            Lookup::UnknownDomain
+        ));
+
+        let free = matched(&config, "messaging", &[("tenant", "t1"), ("plan", "free")]).unwrap();
+        assert!(free.rule.shadow);
+        assert_eq!(free.rule.label(), "free");
+        match &free.rule.kind {
+            RuleKind::Limited { algo, limit, .. } => {
+                assert_eq!(algo.code(), "TB");
+                assert_eq!(limit.burst.get(), 50);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn counter_keys_are_stable_and_bound_to_domain_and_entries() {
+        // The documented derivation, pinned: a change here changes every counter.
+        assert_eq!(
+            counter_key("d", &[("k", "v")]),
+            counter_key("d", &[("k", "v")])
+        );
+        assert_ne!(
+            counter_key("d", &[("k", "v")]),
+            counter_key("e", &[("k", "v")])
+        );
+        assert_ne!(
+            counter_key("d", &[("ab", "c")]),
+            counter_key("d", &[("a", "bc")])
+        );
+        assert_ne!(
+            counter_key("d", &[("k", "v"), ("k2", "v2")]),
+            counter_key("d", &[("k2", "v2"), ("k", "v")])
+        );
+        let mut bytes = Vec::new();
+        for text in ["d", "k", "v"] {
+            bytes.extend_from_slice(&u32::try_from(text.len()).unwrap().to_le_bytes());
+            bytes.extend_from_slice(text.as_bytes());
+        }
+        assert_eq!(
+            counter_key("d", &[("k", "v")]),
+            format!("rls:{:032x}", xxhash_rust::xxh3::xxh3_128(&bytes))
+        );
+    }
+
+    #[test]
+    fn wildcards_match_like_envoyproxy_ratelimit() {
+        let parts = |pattern: &str| pattern.split('*').map(str::to_string).collect::<Vec<_>>();
+        assert!(wildcard_match(&parts("value*"), "value"));
+        assert!(wildcard_match(&parts("value*"), "valueXYZ"));
+        assert!(!wildcard_match(&parts("value*"), "valu"));
+        assert!(wildcard_match(&parts("/api/*/action"), "/api/123/action"));
+        assert!(!wildcard_match(&parts("/api/*/action"), "/api/123/other"));
+        assert!(wildcard_match(
+            &parts("/api/*/resource/*/action"),
+            "/api/v1/resource/1/action"
+        ));
+        assert!(!wildcard_match(
+            &parts("/api/*/resource/*/action"),
+            "/api/v1/action"
+        ));
+        assert!(!wildcard_match(&parts("ab*ba"), "aba"));
+        assert!(wildcard_match(&parts("*"), "anything"));
+    }
+
+    #[test]
+    fn bad_files_are_refused_naming_the_field() {
+        let cases = [
+            ("descriptors: []", "domain: a config file cannot have an empty domain"),
+            ("domain: d\ndescriptors: [{value: x}]", "descriptors[0].key: a descriptor has an empty key"),
+            ("domain: d\ndescriptors: [{key: k, rate_limit: {unit: fortnight, requests_per_unit: 1}}]",
+             "descriptors[0].rate_limit.unit: invalid rate limit unit `fortnight`"),
+            ("domain: d\ndescriptors: [{key: k, rate_limit: {unit: month, requests_per_unit: 1}}]",
+             "a Diana counter spans at most a day"),
+            ("domain: d\ndescriptors: [{key: k, rate_limit: {unlimited: true, unit: second}}]",
+             "should not specify a rate limit unit when unlimited"),
+            ("domain: d\ndescriptors: [{key: k, rate_limit: {unit: second, requests_per_unit: 1, algorithm: LB}}]",
+             "descriptors[0].rate_limit.algorithm: LB (leaky bucket) answers with a wait"),
+            ("domain: d\ndescriptors: [{key: k, rate_limit: {unit: second, requests_per_unit: 1, algorithm: XX}}]",
+             "unknown algorithm `XX`"),
+            ("domain: d\ndescriptors: [{key: k, rate_limit: {unit: second, requests_per_unit: 1, colour: red}}]",
+             "unknown field `colour`"),
+            ("domain: d\ndescriptors: [{key: k, value: v}, {key: k, value: v}]",
+             "descriptors[1]: duplicate descriptor composite key `d.k_v`"),
+            ("domain: d\ndescriptors: [{key: k, quota_mode: true}]", "quota_mode: not supported"),
+            ("domain: d\ndescriptors: [{key: k, share_threshold: true}]", "only for a wildcard value"),
+            ("domain: d\ndescriptors: [{key: k, rate_limit: {name: a, replaces: [{name: a}], unit: second, requests_per_unit: 1}}]",
+             "replaces should not contain the name of the same descriptor"),
+            ("domain: d\ndescriptors: [{key: k, rate_limit: {unit: day, requests_per_unit: 1, algorithm: TB, burst: 5}}]",
+             "descriptors[0].rate_limit.burst: 5 at 1 per day spans"),
+            ("domain: d\ndescriptors: [{key: k, rate_limit: {unit: second, requests_per_unit: 1, diana_key: x}}]",
+             "diana_key: names one counter, but this descriptor counts each value apart"),
+            ("domain: d\ndescriptors: [{key: k, value: v, rate_limit: {unit: second, requests_per_unit: 1, diana_key: 'a b'}}]",
+             "diana_key: invalid character ' '"),
+            ("domain: d\ndescriptors: [{key: k, value: v, rate_limit: {unit: second, requests_per_unit: 1, slices: 61}}]",
+             "slices: must be between 1 and 60"),
+            ("domain: d\ndescriptors: [{key: k, descriptors: [{key: j, rate_limit: {unit: hour}}, {key: j, value: '', rate_limit: {unit: hour}}]}]",
+             "descriptors[0].descriptors[1]: duplicate descriptor composite key `d.k.j`"),
+        ];
+        for (text, expected) in cases {
+            let error = parse(text).unwrap_err();
+            assert!(error.starts_with("test.yaml: "), "{error}");
+            assert!(
+                error.contains(expected),
+                "{text}\n→ {error}\nexpected: {expected}"
+            );
+        }
+        // Missing requests_per_unit reads as 0, as in envoyproxy/ratelimit: a block.
+        let config = parse("domain: d\ndescriptors: [{key: k, rate_limit: {unit: hour}}]").unwrap();
+        assert!(matches!(
+            matched(&config, "d", &[("k", "v")]).unwrap().rule.kind,
+            RuleKind::Blocked
+        ));
+    }
+
+    #[test]
+    fn a_diana_key_names_a_shared_counter() {
+        let config = parse(
+            "domain: d\ndescriptors:\n  - key: tier\n    value: gold\n    rate_limit: {unit: minute, requests_per_unit: 10, diana_key: '8f3a2c1d00e1b7a4:0000000000000001'}\n  - key: path\n    value: /x/*\n    share_threshold: true\n    rate_limit: {unit: minute, requests_per_unit: 10, diana_key: shared}\n",
+        )
+        .unwrap();
+        assert_eq!(
+            matched(&config, "d", &[("tier", "gold")]).unwrap().key,
+            "8f3a2c1d00e1b7a4:0000000000000001"
+        );
+        assert_eq!(
+            matched(&config, "d", &[("path", "/x/1")]).unwrap().key,
+            "shared"
+        );
+    }
+
+    #[test]
+    fn buckets_match_in_the_order_the_file_nests_them() {
+        let config = parse(
+            "domain: d\ndescriptors:\n  - key: tenant\n    descriptors:\n      - key: plan\n        value: free\n        rate_limit: {unit: minute, requests_per_unit: 5}\n  - key: name\n    rate_limit: {unit: minute, requests_per_unit: 7}\n",
+        )
+        .unwrap();
+        let bucket: BTreeMap<String, String> = [("plan", "free"), ("tenant", "t1")]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let (lookup, order) = config.lookup_bucket("d", &bucket);
+        let Lookup::Matched(found) = lookup else {
+            panic!("{lookup:?}")
+        };
+        assert_eq!(found.rule.requests_per_unit, 5);
+        assert_eq!(
+            order,
+            [
+                ("tenant".to_string(), "t1".to_string()),
+                ("plan".to_string(), "free".to_string())
+            ]
+        );
+        // The same counter as the RLS descriptor (tenant, t1), (plan, free).
+        assert_eq!(
+            found.key,
+            matched(&config, "d", &[("tenant", "t1"), ("plan", "free")])
+                .unwrap()
+                .key
+        );
+
+        let one: BTreeMap<String, String> = [("name".to_string(), "a".to_string())]
+            .into_iter()
+            .collect();
+        assert!(matches!(
+            config.lookup_bucket("d", &one).0,
+            Lookup::Matched(_)
+        ));
+        let extra: BTreeMap<String, String> = [("name", "a"), ("zzz", "b")]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        assert!(matches!(
+            config.lookup_bucket("d", &extra).0,
+            Lookup::NoMatch
+        ));
+        assert!(matches!(
+            config.lookup_bucket("x", &one).0,
+            Lookup::UnknownDomain
+        ));
+    }
+
+    #[test]
+    fn files_and_directories_load_one_domain_each() {
+        let dir = std::env::temp_dir().join(format!("diana-rls-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("a.yaml"), "domain: a\ndescriptors: [{key: k, rate_limit: {unit: second, requests_per_unit: 1}}]\n").unwrap();
+        std::fs::write(dir.join("b.yml"), "domain: b\ndescriptors: []\n").unwrap();
+        std::fs::write(dir.join("notes.txt"), "not read").unwrap();
+        let config = load(std::slice::from_ref(&dir)).unwrap();
+        assert_eq!(config.domains(), ["a", "b"]);
+        std::fs::write(dir.join("c.yaml"), "domain: a\n").unwrap();
+        let error = load(std::slice::from_ref(&dir)).unwrap_err().0;
+        assert!(
+            error.contains("c.yaml: duplicate domain `a` (also in"),
+            "{error}"
+        );
+        let error = load(&[dir.join("missing.yaml")]).unwrap_err().0;
+        assert!(error.starts_with("--rls-config "), "{error}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

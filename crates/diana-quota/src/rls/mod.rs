@@ -1,0 +1,417 @@
+//! Envoy's own rate limit protocols, served from the same store as the HTTP API:
+//!
+//! - [`service`]: `envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit` (RLS), what
+//!   Envoy's `envoy.filters.http.ratelimit` filter calls; a drop-in for envoyproxy/ratelimit
+//!   reading its configuration files ([`config`]).
+//! - [`quota`]: `envoy.service.rate_limit_quota.v3.RateLimitQuotaService` (RLQS), the
+//!   `envoy.filters.http.rate_limit_quota` filter's stream: usage reports in, quota
+//!   assignments out.
+//!
+//! Both listen on `--rls-listen` (gRPC over HTTP/2 cleartext). A descriptor's counter is a
+//! Diana counter like any other, so a descriptor and a Diana global rule can name the same
+//! one (`rate_limit.diana_key`) and the wasm filter and Envoy's filters spend one budget.
+//!
+//! Calls need `authorization: Bearer <secret>` in their gRPC metadata (Envoy:
+//! `grpc_service.initial_metadata`) unless `--rls-insecure-no-auth` (or
+//! `--insecure-no-auth`); every answer comes before the call's deadline (its
+//! `grpc-timeout`, less `--timeout-margin-ms`, and at most `--deadline-ms`), an error
+//! at worst, so that Envoy applies its failure mode at once instead of timing out.
+
+pub mod config;
+pub mod quota;
+pub mod service;
+
+pub use config::{load, RlsConfig};
+
+use crate::auth::Auth;
+use crate::http::AppState;
+use crate::store::{Outcome, StoreError};
+use diana_core::algo::{Algorithm, Limit};
+use diana_core::wire::ResolvedRule;
+use std::future::Future;
+use std::num::NonZeroU32;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+use tokio::time::Instant;
+use tonic::metadata::MetadataMap;
+use tonic::Status;
+
+/// The metric and log label of RLS calls.
+pub const RLS_PATH: &str = "rls";
+/// The metric and log label of RLQS streams.
+pub const RLQS_PATH: &str = "rlqs";
+
+/// Which rate-limit headers the RLS answer asks Envoy to add (`--rls-headers`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum HeaderStyle {
+    /// None (Envoy's filter can still add `X-RateLimit-*` itself from the descriptor
+    /// statuses: `enable_x_ratelimit_headers: DRAFT_VERSION_03`).
+    #[default]
+    None,
+    /// `X-RateLimit-Limit`, `X-RateLimit-Remaining`, `X-RateLimit-Reset`.
+    XRatelimit,
+    /// `RateLimit-Policy` and `RateLimit` (draft-ietf-httpapi-ratelimit-headers-10).
+    Ietf,
+    /// Both sets.
+    Both,
+}
+
+impl HeaderStyle {
+    pub fn x_ratelimit(self) -> bool {
+        matches!(self, HeaderStyle::XRatelimit | HeaderStyle::Both)
+    }
+
+    pub fn ietf(self) -> bool {
+        matches!(self, HeaderStyle::Ietf | HeaderStyle::Both)
+    }
+}
+
+/// What the gRPC services share: the HTTP API's state (store, metrics, limits, secrets),
+/// the configuration (replaced whole on SIGHUP), and their own settings.
+#[derive(Clone)]
+pub struct Rls {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    state: AppState,
+    config: RwLock<Arc<RlsConfig>>,
+    files: Vec<PathBuf>,
+    headers: HeaderStyle,
+    auth: Arc<Auth>,
+    warnings: LogGate,
+}
+
+impl Rls {
+    /// `auth`: who may call (`Auth::insecure()` with `--rls-insecure-no-auth`).
+    pub fn new(
+        state: AppState,
+        config: RlsConfig,
+        files: Vec<PathBuf>,
+        headers: HeaderStyle,
+        auth: Arc<Auth>,
+    ) -> Rls {
+        Rls {
+            inner: Arc::new(Inner {
+                state,
+                config: RwLock::new(Arc::new(config)),
+                files,
+                headers,
+                auth,
+                warnings: LogGate::new(20),
+            }),
+        }
+    }
+
+    pub fn state(&self) -> &AppState {
+        &self.inner.state
+    }
+
+    /// The configuration now.
+    pub fn config(&self) -> Arc<RlsConfig> {
+        self.inner
+            .config
+            .read()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone()
+    }
+
+    pub fn headers(&self) -> HeaderStyle {
+        self.inner.headers
+    }
+
+    /// Re-reads the configuration files; on error the current configuration stays.
+    pub fn reload(&self) -> Result<Arc<RlsConfig>, String> {
+        let config = Arc::new(load(&self.inner.files).map_err(|error| error.to_string())?);
+        *self
+            .inner
+            .config
+            .write()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = config.clone();
+        Ok(config)
+    }
+
+    /// Checks a call's `authorization` metadata.
+    pub fn authenticate(&self, metadata: &MetadataMap) -> Result<(), Status> {
+        let values = metadata
+            .get_all("authorization")
+            .iter()
+            .map(|value| value.as_encoded_bytes());
+        match self.inner.auth.check_values(values) {
+            Ok(()) => Ok(()),
+            Err(rejection) => {
+                self.state().metrics().unauthorized(rejection.label());
+                Err(Status::unauthenticated(
+                    "unauthorized: send `authorization: Bearer <secret>` in the gRPC metadata \
+                     (Envoy: grpc_service.initial_metadata)",
+                ))
+            }
+        }
+    }
+
+    /// A warning, at most 20 a second (a flood of bad calls does not flood the log); the
+    /// lines left out are counted in the next one that passes.
+    pub fn warn(&self, message: std::fmt::Arguments<'_>) {
+        if let Some(suppressed) = self.inner.warnings.pass() {
+            if suppressed > 0 {
+                tracing::warn!("{message} ({suppressed} similar lines suppressed)");
+            } else {
+                tracing::warn!("{message}");
+            }
+        }
+    }
+}
+
+/// At most `per_second` passes a second.
+struct LogGate {
+    per_second: u64,
+    second: AtomicU64,
+    passed: AtomicU64,
+    suppressed: AtomicU64,
+}
+
+impl LogGate {
+    fn new(per_second: u64) -> LogGate {
+        LogGate {
+            per_second,
+            second: AtomicU64::new(0),
+            passed: AtomicU64::new(0),
+            suppressed: AtomicU64::new(0),
+        }
+    }
+
+    /// `Some(lines suppressed since the last pass)`, or `None` to suppress this one.
+    fn pass(&self) -> Option<u64> {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |since| since.as_secs());
+        if self.second.swap(now, Ordering::Relaxed) != now {
+            self.passed.store(0, Ordering::Relaxed);
+        }
+        if self.passed.fetch_add(1, Ordering::Relaxed) < self.per_second {
+            Some(self.suppressed.swap(0, Ordering::Relaxed))
+        } else {
+            self.suppressed.fetch_add(1, Ordering::Relaxed);
+            None
+        }
+    }
+}
+
+/// The `grpc-timeout` of a call (`<digits><H|M|S|m|u|n>`), if it has a valid one.
+pub fn grpc_timeout(metadata: &MetadataMap) -> Option<Duration> {
+    let text = metadata.get("grpc-timeout")?.to_str().ok()?;
+    let split = text.len().checked_sub(1)?;
+    let (digits, unit) = (text.get(..split)?, text.get(split..)?);
+    if digits.is_empty() || digits.len() > 8 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let value: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(value.saturating_mul(3600)),
+        "M" => Duration::from_secs(value.saturating_mul(60)),
+        "S" => Duration::from_secs(value),
+        "m" => Duration::from_millis(value),
+        "u" => Duration::from_micros(value),
+        "n" => Duration::from_nanos(value),
+        _ => return None,
+    })
+}
+
+/// How long a call may take: `--deadline-ms`, or less when the caller's `grpc-timeout`
+/// minus `--timeout-margin-ms` is sooner.
+pub fn budget(state: &AppState, metadata: &MetadataMap) -> Duration {
+    let settings = state.settings();
+    match grpc_timeout(metadata) {
+        Some(timeout) => timeout
+            .saturating_sub(settings.timeout_margin)
+            .min(settings.deadline),
+        None => settings.deadline,
+    }
+}
+
+/// One rule to decide, owning its key.
+#[derive(Debug, Clone)]
+pub struct OwnedRule {
+    pub key: String,
+    pub algo: &'static dyn Algorithm,
+    pub limit: Limit,
+    pub want: NonZeroU32,
+    pub cost: NonZeroU32,
+    pub dry_run: bool,
+}
+
+impl OwnedRule {
+    pub fn resolved(&self) -> ResolvedRule<'_> {
+        ResolvedRule {
+            key: &self.key,
+            algo: self.algo,
+            limit: self.limit,
+            want: self.want,
+            cost: self.cost,
+            max_delay: None,
+            dry_run: self.dry_run,
+        }
+    }
+}
+
+/// Why no decision came back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Failure {
+    Store(StoreError),
+    /// No answer before the deadline (`budget` in milliseconds).
+    Deadline(u128),
+}
+
+impl Failure {
+    /// The gRPC status Envoy gets (any error makes it apply its failure mode).
+    pub fn status(&self) -> Status {
+        match self {
+            Failure::Store(StoreError::Unsupported(reason)) => Status::invalid_argument(reason),
+            Failure::Store(StoreError::Internal(reason)) => {
+                Status::internal(format!("store error: {reason}"))
+            }
+            Failure::Store(failure) => Status::unavailable(failure.to_string()),
+            Failure::Deadline(budget) => {
+                Status::unavailable(format!("deadline exceeded: no answer within {budget} ms"))
+            }
+        }
+    }
+}
+
+/// Decides `rules` all or nothing (the store's `check_and_update`), answering by
+/// `deadline`. The store call is awaited here; if the deadline comes first it goes on in a
+/// task of its own, which keeps `permit` (the call's place in flight) until the store has
+/// answered and gives that late answer's grants back, as the HTTP API does.
+pub async fn decide(
+    state: &AppState,
+    path: &'static str,
+    rules: Vec<OwnedRule>,
+    deadline: Instant,
+    budget: Duration,
+    permit: Option<tokio::sync::OwnedSemaphorePermit>,
+) -> Result<Vec<Outcome>, Failure> {
+    let task_state = state.clone();
+    let mut call = Box::pin(async move {
+        let resolved: Vec<ResolvedRule<'_>> = rules.iter().map(OwnedRule::resolved).collect();
+        let outcome = task_state.store().check_and_update(&resolved).await;
+        (rules, outcome)
+    });
+    let outcome = tokio::select! {
+        biased;
+        (_, outcome) = &mut call => outcome,
+        () = tokio::time::sleep_until(deadline) => {
+            let late_state = state.clone();
+            tokio::spawn(async move {
+                let _permit = permit;
+                let (rules, outcome) = call.await;
+                let Ok(outcomes) = outcome else {
+                    return;
+                };
+                if outcomes.iter().any(|outcome| outcome.result.granted > 0) {
+                    late_state.metrics().late_release();
+                    let resolved: Vec<ResolvedRule<'_>> = rules.iter().map(OwnedRule::resolved).collect();
+                    if let Err(error) = late_state.store().release(&resolved, &outcomes).await {
+                        tracing::warn!(%error, "a late decision could not be given back: its tokens stay charged");
+                    }
+                }
+            });
+            state.metrics().store_error("timeout");
+            state.metrics().expired(path);
+            return Err(Failure::Deadline(budget.as_millis()));
+        }
+    };
+    outcome.map_err(|failure| {
+        state.metrics().store_error(failure.kind());
+        Failure::Store(failure)
+    })
+}
+
+/// Serves RLS and RLQS on `listener` until `shutdown` resolves; then RLQS streams are
+/// ended and calls in flight answered (for at most the deadline plus one second).
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    rls: Rls,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), String> {
+    use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaServiceServer;
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
+
+    let (stop, stopping) = tokio::sync::watch::channel(false);
+    let quota = quota::Rlqs::new(rls.clone(), stopping);
+    let drain = rls.state().settings().deadline + Duration::from_secs(1);
+    let (stopped_tx, stopped_rx) = tokio::sync::oneshot::channel::<()>();
+    let signal = async move {
+        shutdown.await;
+        let _ = stop.send(true);
+        let _ = stopped_tx.send(());
+    };
+    // Small answers, sent at once: no Nagle delay on the gRPC connections.
+    let incoming = tokio_stream::StreamExt::map(
+        tokio_stream::wrappers::TcpListenerStream::new(listener),
+        |stream| {
+            if let Ok(stream) = &stream {
+                if let Err(error) = stream.set_nodelay(true) {
+                    tracing::debug!(%error, "cannot set TCP_NODELAY on a gRPC connection");
+                }
+            }
+            stream
+        },
+    );
+    let server = tonic::transport::Server::builder()
+        .add_service(RateLimitServiceServer::new(service::RateLimiter::new(
+            rls.clone(),
+        )))
+        .add_service(RateLimitQuotaServiceServer::new(quota))
+        .serve_with_incoming_shutdown(incoming, signal);
+    let deadline = async move {
+        if stopped_rx.await.is_ok() {
+            tokio::time::sleep(drain).await;
+        } else {
+            std::future::pending::<()>().await;
+        }
+    };
+    tokio::select! {
+        served = server => served.map_err(|error| format!("gRPC server error: {error}")),
+        () = deadline => {
+            tracing::warn!("gRPC calls still in flight after the drain time: stopping anyway");
+            Ok(())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tonic::metadata::MetadataValue;
+
+    #[test]
+    fn grpc_timeouts_are_read() {
+        let mut metadata = MetadataMap::new();
+        assert_eq!(grpc_timeout(&metadata), None);
+        for (text, expected) in [
+            ("20m", Duration::from_millis(20)),
+            ("1S", Duration::from_secs(1)),
+            ("2M", Duration::from_secs(120)),
+            ("1H", Duration::from_secs(3600)),
+            ("500u", Duration::from_micros(500)),
+            ("7n", Duration::from_nanos(7)),
+        ] {
+            metadata.insert("grpc-timeout", MetadataValue::from_static(text));
+            assert_eq!(grpc_timeout(&metadata), Some(expected), "{text}");
+        }
+        for bad in ["", "m", "20", "20x", "-1m", "123456789m"] {
+            metadata.insert("grpc-timeout", MetadataValue::try_from(bad).unwrap());
+            assert_eq!(grpc_timeout(&metadata), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn the_log_gate_lets_a_few_lines_through_each_second() {
+        let gate = LogGate::new(3);
+        let passed = (0..10).filter(|_| gate.pass().is_some()).count();
+        // Two seconds may have started during the loop; at most 6 pass either way.
+        assert!((3..=6).contains(&passed), "{passed}");
+    }
+}

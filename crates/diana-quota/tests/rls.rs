@@ -1,0 +1,805 @@
+//! Envoy's protocols over real gRPC (loopback, memory store): RLS decisions (exact counts,
+//! all or nothing, hits_addend, unlimited, replaces, shadow mode, blocks, overrides,
+//! headers, bad calls, authentication, failures before the deadline) and RLQS
+//! assignments (share, deny when dry, allow-all, charges of reported usage).
+
+#![cfg(test)]
+
+use async_trait::async_trait;
+use diana_core::global::wire::{ResolvedRule, RuleResult};
+use diana_quota::auth::{checked, Auth};
+use diana_quota::rls::{self, HeaderStyle, Rls};
+use diana_quota::store::{MemoryStore, Outcome, Store, StoreError, SystemClock};
+use diana_quota::{AppState, Settings};
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::{
+    Entry, RateLimitOverride,
+};
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy};
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::BucketAction as Action;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_client::RateLimitQuotaServiceClient;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_reports::BucketQuotaUsage;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::{BucketId, RateLimitQuotaUsageReports};
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use envoy_types::pb::google::protobuf::UInt64Value;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tonic::transport::Channel;
+
+const SECRET: &str = "0123456789abcdef0123456789abcdef-rls";
+
+const CONFIG: &str = r#"
+domain: edge
+descriptors:
+  - key: tenant
+    value: a
+    rate_limit: {unit: hour, requests_per_unit: 3}
+  - key: tenant
+    value: wide
+    rate_limit: {unit: hour, requests_per_unit: 5, name: wide}
+  - key: tenant
+    value: narrow
+    rate_limit: {unit: hour, requests_per_unit: 1, replaces: [{name: wide}]}
+  - key: tenant
+    value: one
+    rate_limit: {unit: hour, requests_per_unit: 1, name: one}
+  - key: tenant
+    value: blocked
+    rate_limit: {unit: hour, requests_per_unit: 0}
+  - key: tenant
+    value: shadow
+    shadow_mode: true
+    rate_limit: {unit: hour, requests_per_unit: 1}
+  - key: tenant
+    value: free
+    rate_limit: {unlimited: true}
+  - key: tenant
+    value: bucket
+    rate_limit: {unit: hour, requests_per_unit: 100, algorithm: TB, burst: 4}
+  - key: tenant
+    value: shared
+    rate_limit: {unit: hour, requests_per_unit: 4, diana_key: "8f3a2c1d00e1b7a4:0000000000000001"}
+  - key: remote_address
+    rate_limit: {unit: hour, requests_per_unit: 2}
+"#;
+
+struct Server {
+    port: u16,
+    state: AppState,
+    rls: Rls,
+    file: PathBuf,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<Result<(), String>>,
+    _dir: TempDir,
+}
+
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn temp_dir(name: &str) -> TempDir {
+    let dir = std::env::temp_dir().join(format!("diana-rls-test-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    TempDir(dir)
+}
+
+async fn start_with(
+    name: &str,
+    store: Arc<dyn Store>,
+    auth: Auth,
+    headers: HeaderStyle,
+    settings: Settings,
+) -> Server {
+    let dir = temp_dir(name);
+    let file = dir.0.join("edge.yaml");
+    std::fs::write(&file, CONFIG).unwrap();
+    let config = rls::load(std::slice::from_ref(&file)).unwrap();
+    let auth = Arc::new(auth);
+    let state = AppState::new(store, settings, auth.clone());
+    let rls = Rls::new(state.clone(), config, vec![file.clone()], headers, auth);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(rls::serve(listener, rls.clone(), async move {
+        let _ = stopped.await;
+    }));
+    Server {
+        port,
+        state,
+        rls,
+        file,
+        stop: Some(stop),
+        task,
+        _dir: dir,
+    }
+}
+
+async fn start(name: &str) -> Server {
+    let store = Arc::new(MemoryStore::with_capacity(Arc::new(SystemClock), 10_000));
+    start_with(
+        name,
+        store,
+        Auth::insecure(),
+        HeaderStyle::None,
+        Settings::default(),
+    )
+    .await
+}
+
+impl Server {
+    async fn client(&self) -> RateLimitServiceClient<Channel> {
+        RateLimitServiceClient::connect(format!("http://127.0.0.1:{}", self.port))
+            .await
+            .unwrap()
+    }
+
+    async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(5), &mut self.task).await;
+    }
+}
+
+fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        entries: entries
+            .iter()
+            .map(|(key, value)| Entry {
+                key: key.to_string(),
+                value: value.to_string(),
+            })
+            .collect(),
+        ..RateLimitDescriptor::default()
+    }
+}
+
+fn call(descriptors: Vec<RateLimitDescriptor>) -> RateLimitRequest {
+    RateLimitRequest {
+        domain: "edge".to_string(),
+        descriptors,
+        hits_addend: 0,
+    }
+}
+
+async fn ask(
+    client: &mut RateLimitServiceClient<Channel>,
+    request: RateLimitRequest,
+) -> RateLimitResponse {
+    client
+        .should_rate_limit(request)
+        .await
+        .unwrap()
+        .into_inner()
+}
+
+fn codes(response: &RateLimitResponse) -> (i32, Vec<i32>) {
+    (
+        response.overall_code,
+        response.statuses.iter().map(|status| status.code).collect(),
+    )
+}
+
+const OK: i32 = Code::Ok as i32;
+const OVER: i32 = Code::OverLimit as i32;
+
+#[tokio::test]
+async fn descriptors_are_counted_exactly_and_decided_together() {
+    let server = start("exact").await;
+    let mut client = server.client().await;
+    // Exactly 3 of 5 pass; each status says what remains and when it resets.
+    let mut remaining = Vec::new();
+    for _ in 0..5 {
+        let answer = ask(&mut client, call(vec![descriptor(&[("tenant", "a")])])).await;
+        remaining.push((answer.overall_code, answer.statuses[0].limit_remaining));
+        let limit = answer.statuses[0].current_limit.clone().unwrap();
+        assert_eq!((limit.requests_per_unit, limit.unit), (3, 3));
+        assert!(answer.statuses[0].duration_until_reset.is_some());
+    }
+    assert_eq!(remaining, [(OK, 2), (OK, 1), (OK, 0), (OVER, 0), (OVER, 0)]);
+
+    // All or nothing: `one` has 1; the call with `one` and remote_address 1.2.3.4 passes,
+    // the next one is refused by `one` and charges remote_address nothing.
+    let both = || {
+        call(vec![
+            descriptor(&[("tenant", "one")]),
+            descriptor(&[("remote_address", "1.2.3.4")]),
+        ])
+    };
+    assert_eq!(codes(&ask(&mut client, both()).await), (OK, vec![OK, OK]));
+    let refused = ask(&mut client, both()).await;
+    assert_eq!(codes(&refused), (OVER, vec![OVER, OK]));
+    assert_eq!(
+        refused.statuses[1].limit_remaining, 1,
+        "remote_address not charged"
+    );
+    let alone = ask(
+        &mut client,
+        call(vec![descriptor(&[("remote_address", "1.2.3.4")])]),
+    )
+    .await;
+    assert_eq!(
+        (alone.overall_code, alone.statuses[0].limit_remaining),
+        (OK, 0)
+    );
+    // Each value of a descriptor without a value counts apart.
+    let other = ask(
+        &mut client,
+        call(vec![descriptor(&[("remote_address", "5.6.7.8")])]),
+    )
+    .await;
+    assert_eq!(
+        (other.overall_code, other.statuses[0].limit_remaining),
+        (OK, 1)
+    );
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn hits_addend_unlimited_replaces_shadow_blocks_and_overrides() {
+    let server = start("kinds").await;
+    let mut client = server.client().await;
+    // The call's hits_addend, then a descriptor's own; 0 asks without taking.
+    let mut request = call(vec![descriptor(&[("tenant", "wide")])]);
+    request.hits_addend = 2;
+    assert_eq!(
+        ask(&mut client, request.clone()).await.statuses[0].limit_remaining,
+        3
+    );
+    request.descriptors[0].hits_addend = Some(UInt64Value { value: 3 });
+    assert_eq!(
+        ask(&mut client, request.clone()).await.statuses[0].limit_remaining,
+        0
+    );
+    request.descriptors[0].hits_addend = Some(UInt64Value { value: 0 });
+    assert_eq!(ask(&mut client, request.clone()).await.overall_code, OK);
+    request.descriptors[0].hits_addend = Some(UInt64Value { value: 1 });
+    assert_eq!(ask(&mut client, request.clone()).await.overall_code, OVER);
+    // A cost the limit can never grant is over the limit, not an error.
+    let mut huge = call(vec![descriptor(&[("tenant", "a")])]);
+    huge.hits_addend = 1_000_000;
+    assert_eq!(ask(&mut client, huge).await.overall_code, OVER);
+
+    // `narrow` replaces `wide`: with both, only narrow counts (wide is spent, yet OK).
+    let replaced = ask(
+        &mut client,
+        call(vec![
+            descriptor(&[("tenant", "wide")]),
+            descriptor(&[("tenant", "narrow")]),
+        ]),
+    )
+    .await;
+    assert_eq!(codes(&replaced), (OK, vec![OK, OK]));
+    assert!(replaced.statuses[0].current_limit.is_none());
+
+    // Unlimited: OK with everything remaining; no rule: OK; unknown domain: OK.
+    let free = ask(&mut client, call(vec![descriptor(&[("tenant", "free")])])).await;
+    assert_eq!(
+        (free.overall_code, free.statuses[0].limit_remaining),
+        (OK, u32::MAX)
+    );
+    assert_eq!(
+        ask(&mut client, call(vec![descriptor(&[("nothing", "x")])]))
+            .await
+            .overall_code,
+        OK
+    );
+    let mut elsewhere = call(vec![descriptor(&[("tenant", "a")])]);
+    elsewhere.domain = "other".to_string();
+    assert_eq!(ask(&mut client, elsewhere).await.overall_code, OK);
+
+    // Shadow mode: counted, never refuses.
+    for _ in 0..3 {
+        let shadow = ask(&mut client, call(vec![descriptor(&[("tenant", "shadow")])])).await;
+        assert_eq!(shadow.overall_code, OK);
+    }
+    // A block refuses, and nothing else of the call is charged.
+    let blocked = ask(
+        &mut client,
+        call(vec![
+            descriptor(&[("tenant", "blocked")]),
+            descriptor(&[("remote_address", "9.9.9.9")]),
+        ]),
+    )
+    .await;
+    assert_eq!(blocked.overall_code, OVER);
+    let after = ask(
+        &mut client,
+        call(vec![descriptor(&[("remote_address", "9.9.9.9")])]),
+    )
+    .await;
+    assert_eq!(after.statuses[0].limit_remaining, 1);
+
+    // A descriptor carrying its own limit (envoyproxy/ratelimit's override).
+    let mut over = descriptor(&[("custom", "x")]);
+    over.limit = Some(RateLimitOverride {
+        requests_per_unit: 2,
+        unit: 3,
+    });
+    let answers: Vec<i32> = {
+        let mut out = Vec::new();
+        for _ in 0..3 {
+            out.push(
+                ask(&mut client, call(vec![over.clone()]))
+                    .await
+                    .overall_code,
+            );
+        }
+        out
+    };
+    assert_eq!(answers, [OK, OK, OVER]);
+    over.limit = Some(RateLimitOverride {
+        requests_per_unit: 2,
+        unit: 5,
+    });
+    let status = client
+        .should_rate_limit(call(vec![over]))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_diana_key_shares_the_counter_of_a_diana_global_rule() {
+    let server = start("shared").await;
+    let mut client = server.client().await;
+    // The wasm filter's rule (W 4/hour, actor all) takes 3 through the HTTP API's store.
+    let rule = ResolvedRule {
+        key: "8f3a2c1d00e1b7a4:0000000000000001",
+        algo: diana_core::algo::lookup("W").unwrap(),
+        limit: diana_core::algo::Limit {
+            rpu: 4.try_into().unwrap(),
+            unit: diana_core::time::Unit::Hour,
+            burst: 4.try_into().unwrap(),
+            slices: 10.try_into().unwrap(),
+        },
+        want: 3.try_into().unwrap(),
+        cost: 1.try_into().unwrap(),
+        max_delay: None,
+        dry_run: false,
+    };
+    let granted = server
+        .state
+        .store()
+        .check_and_update(&[rule])
+        .await
+        .unwrap();
+    assert_eq!(granted[0].result.granted, 3);
+    let codes: Vec<i32> = {
+        let mut out = Vec::new();
+        for _ in 0..2 {
+            out.push(
+                ask(&mut client, call(vec![descriptor(&[("tenant", "shared")])]))
+                    .await
+                    .overall_code,
+            );
+        }
+        out
+    };
+    assert_eq!(codes, [OK, OVER], "one left for Envoy's filter");
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn bad_calls_are_refused_naming_the_field() {
+    let server = start("bad").await;
+    let mut client = server.client().await;
+    let cases = [
+        (call(vec![]), "descriptors: must not be empty"),
+        (
+            call(vec![descriptor(&[])]),
+            "descriptors[0].entries: must not be empty",
+        ),
+        (
+            call(vec![descriptor(&[("", "x")])]),
+            "descriptors[0].entries[0].key: must not be empty",
+        ),
+        (
+            call(vec![
+                descriptor(&[("tenant", "a")]),
+                descriptor(&[("path", &"p".repeat(5000))]),
+            ]),
+            "descriptors[1].entries[0].value: 5000 bytes, at most 4096",
+        ),
+    ];
+    for (request, expected) in cases {
+        let status = client.should_rate_limit(request).await.unwrap_err();
+        assert_eq!(status.code(), tonic::Code::InvalidArgument);
+        assert!(
+            status.message().starts_with(expected),
+            "{}",
+            status.message()
+        );
+    }
+    let mut nameless = call(vec![descriptor(&[("tenant", "a")])]);
+    nameless.domain.clear();
+    let status = client.should_rate_limit(nameless).await.unwrap_err();
+    assert_eq!(status.message(), "domain: must not be empty");
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn calls_need_the_secret_in_their_metadata() {
+    let store = Arc::new(MemoryStore::with_capacity(Arc::new(SystemClock), 100));
+    let auth = Auth::with_secrets(&[checked(SECRET, "test").unwrap()]).unwrap();
+    let server = start_with("auth", store, auth, HeaderStyle::None, Settings::default()).await;
+    let mut client = server.client().await;
+    let status = client
+        .should_rate_limit(call(vec![descriptor(&[("tenant", "a")])]))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), tonic::Code::Unauthenticated);
+    let mut wrong = tonic::Request::new(call(vec![descriptor(&[("tenant", "a")])]));
+    wrong
+        .metadata_mut()
+        .insert("authorization", "Bearer nope-nope-nope".parse().unwrap());
+    assert_eq!(
+        client.should_rate_limit(wrong).await.unwrap_err().code(),
+        tonic::Code::Unauthenticated
+    );
+    let mut right = tonic::Request::new(call(vec![descriptor(&[("tenant", "a")])]));
+    right
+        .metadata_mut()
+        .insert("authorization", format!("Bearer {SECRET}").parse().unwrap());
+    assert_eq!(
+        client
+            .should_rate_limit(right)
+            .await
+            .unwrap()
+            .into_inner()
+            .overall_code,
+        OK
+    );
+    // RLQS too.
+    let mut quota =
+        RateLimitQuotaServiceClient::connect(format!("http://127.0.0.1:{}", server.port))
+            .await
+            .unwrap();
+    let reports = tokio_stream::iter(vec![report("edge", &[("tenant", "a")], 1)]);
+    let status = quota.stream_rate_limit_quotas(reports).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::Unauthenticated);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn headers_ride_on_the_answer() {
+    let store = Arc::new(MemoryStore::with_capacity(Arc::new(SystemClock), 100));
+    let server = start_with(
+        "headers",
+        store,
+        Auth::insecure(),
+        HeaderStyle::Both,
+        Settings::default(),
+    )
+    .await;
+    let mut client = server.client().await;
+    let first = ask(&mut client, call(vec![descriptor(&[("tenant", "one")])])).await;
+    let names: Vec<&str> = first
+        .response_headers_to_add
+        .iter()
+        .map(|h| h.key.as_str())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "x-ratelimit-limit",
+            "x-ratelimit-remaining",
+            "x-ratelimit-reset",
+            "ratelimit-policy",
+            "ratelimit"
+        ]
+    );
+    assert_eq!(first.response_headers_to_add[3].value, "\"one\";q=1;w=3600");
+    let refused = ask(&mut client, call(vec![descriptor(&[("tenant", "one")])])).await;
+    assert_eq!(refused.overall_code, OVER);
+    assert_eq!(refused.response_headers_to_add[0].key, "retry-after");
+    let retry: u64 = refused.response_headers_to_add[0].value.parse().unwrap();
+    assert!((1..=3600).contains(&retry));
+    server.stop().await;
+}
+
+/// A store that fails, or takes a second.
+struct Broken {
+    slow: bool,
+}
+
+#[async_trait]
+impl Store for Broken {
+    async fn check_and_update(&self, _: &[ResolvedRule<'_>]) -> Result<Vec<Outcome>, StoreError> {
+        if self.slow {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        Err(StoreError::Unavailable("connection refused".into()))
+    }
+    async fn charge(&self, _: &[ResolvedRule<'_>]) -> Result<Vec<RuleResult>, StoreError> {
+        Err(StoreError::Unavailable("connection refused".into()))
+    }
+    async fn release(&self, _: &[ResolvedRule<'_>], _: &[Outcome]) -> Result<(), StoreError> {
+        Ok(())
+    }
+    async fn health(&self) -> Result<(), StoreError> {
+        Err(StoreError::Unavailable("connection refused".into()))
+    }
+    fn describe(&self) -> String {
+        "broken".into()
+    }
+}
+
+#[tokio::test]
+async fn a_failing_store_is_an_error_before_the_callers_deadline() {
+    for slow in [false, true] {
+        let settings = Settings {
+            deadline: Duration::from_millis(200),
+            ..Settings::default()
+        };
+        let server = start_with(
+            "broken",
+            Arc::new(Broken { slow }),
+            Auth::insecure(),
+            HeaderStyle::None,
+            settings,
+        )
+        .await;
+        let mut client = server.client().await;
+        let mut request = tonic::Request::new(call(vec![descriptor(&[("tenant", "a")])]));
+        // Envoy's 50 ms timeout, less the 10 ms margin: answered within 40 ms.
+        request.set_timeout(Duration::from_millis(50));
+        let started = Instant::now();
+        let status = client.should_rate_limit(request).await.unwrap_err();
+        let took = started.elapsed();
+        assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+        if slow {
+            assert!(
+                status
+                    .message()
+                    .starts_with("deadline exceeded: no answer within 40 ms"),
+                "{}",
+                status.message()
+            );
+        } else {
+            assert!(
+                status.message().contains("connection refused"),
+                "{}",
+                status.message()
+            );
+        }
+        assert!(took < Duration::from_millis(500), "{took:?}");
+        // A descriptor without a rule needs no store.
+        let free = ask(&mut client, call(vec![descriptor(&[("tenant", "free")])])).await;
+        assert_eq!(free.overall_code, OK);
+        server.stop().await;
+    }
+}
+
+fn report(domain: &str, bucket: &[(&str, &str)], allowed: u64) -> RateLimitQuotaUsageReports {
+    RateLimitQuotaUsageReports {
+        domain: domain.to_string(),
+        bucket_quota_usages: vec![BucketQuotaUsage {
+            bucket_id: Some(BucketId {
+                bucket: bucket
+                    .iter()
+                    .map(|(key, value)| (key.to_string(), value.to_string()))
+                    .collect(),
+            }),
+            time_elapsed: Some(envoy_types::pb::google::protobuf::Duration {
+                seconds: 1,
+                nanos: 0,
+            }),
+            num_requests_allowed: allowed,
+            num_requests_denied: 0,
+        }],
+    }
+}
+
+/// The strategy of the first bucket action of an RLQS answer.
+fn strategy_of(
+    response: &envoy_types::pb::envoy::service::rate_limit_quota::v3::RateLimitQuotaResponse,
+) -> Strategy {
+    let action = response.bucket_action[0].bucket_action.unwrap();
+    let Action::QuotaAssignmentAction(assignment) = action else {
+        panic!("{action:?}")
+    };
+    assert_eq!(assignment.assignment_time_to_live.unwrap().seconds, 3);
+    assignment.rate_limit_strategy.unwrap().strategy.unwrap()
+}
+
+#[tokio::test]
+async fn rlqs_assigns_shares_and_charges_the_reported_usage() {
+    let server = start("rlqs").await;
+    let mut quota =
+        RateLimitQuotaServiceClient::connect(format!("http://127.0.0.1:{}", server.port))
+            .await
+            .unwrap();
+    let (sender, receiver) = tokio::sync::mpsc::channel(8);
+    let mut answers = quota
+        .stream_rate_limit_quotas(tokio_stream::wrappers::ReceiverStream::new(receiver))
+        .await
+        .unwrap()
+        .into_inner();
+    // A bucket of `tenant: a` (W 3/hour), its first request admitted: one gateway's share
+    // is the whole limit, at most the 2 left.
+    sender
+        .send(report("edge", &[("tenant", "a")], 1))
+        .await
+        .unwrap();
+    let first = answers.message().await.unwrap().unwrap();
+    let Strategy::TokenBucket(bucket) = strategy_of(&first) else {
+        panic!("{first:?}")
+    };
+    assert_eq!(
+        (bucket.max_tokens, bucket.tokens_per_fill.unwrap().value),
+        (2, 3)
+    );
+    assert_eq!(bucket.fill_interval.unwrap().seconds, 3600);
+    // The gateway reports 2 more: 3 charged, nothing left: DENY_ALL.
+    sender
+        .send(report("", &[("tenant", "a")], 2))
+        .await
+        .unwrap();
+    let second = answers.message().await.unwrap().unwrap();
+    assert_eq!(
+        strategy_of(&second),
+        Strategy::BlanketRule(BlanketRule::DenyAll as i32)
+    );
+    // RLS sees the same counter spent.
+    let mut client = server.client().await;
+    assert_eq!(
+        ask(&mut client, call(vec![descriptor(&[("tenant", "a")])]))
+            .await
+            .overall_code,
+        OVER
+    );
+    // Unlimited and unknown buckets: ALLOW_ALL; blocked: DENY_ALL.
+    for (entries, expected) in [
+        (&[("tenant", "free")][..], BlanketRule::AllowAll),
+        (&[("nothing", "x")][..], BlanketRule::AllowAll),
+        (&[("tenant", "blocked")][..], BlanketRule::DenyAll),
+    ] {
+        sender.send(report("", entries, 0)).await.unwrap();
+        let answer = answers.message().await.unwrap().unwrap();
+        assert_eq!(
+            strategy_of(&answer),
+            Strategy::BlanketRule(expected as i32),
+            "{entries:?}"
+        );
+    }
+    // A second gateway on `tenant: bucket` (TB 100/hour, burst 4): each gets half.
+    sender
+        .send(report("", &[("tenant", "bucket")], 0))
+        .await
+        .unwrap();
+    let alone = answers.message().await.unwrap().unwrap();
+    let Strategy::TokenBucket(alone) = strategy_of(&alone) else {
+        panic!()
+    };
+    assert_eq!(
+        (alone.max_tokens, alone.tokens_per_fill.unwrap().value),
+        (4, 100)
+    );
+    let (other_sender, other_receiver) = tokio::sync::mpsc::channel(8);
+    let mut other = quota
+        .stream_rate_limit_quotas(tokio_stream::wrappers::ReceiverStream::new(other_receiver))
+        .await
+        .unwrap()
+        .into_inner();
+    other_sender
+        .send(report("edge", &[("tenant", "bucket")], 0))
+        .await
+        .unwrap();
+    let half = other.message().await.unwrap().unwrap();
+    let Strategy::TokenBucket(half) = strategy_of(&half) else {
+        panic!()
+    };
+    assert_eq!(
+        (half.max_tokens, half.tokens_per_fill.unwrap().value),
+        (2, 50)
+    );
+    drop(sender);
+    drop(other_sender);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn an_rlqs_stream_must_name_its_domain() {
+    let server = start("rlqs-domain").await;
+    let mut quota =
+        RateLimitQuotaServiceClient::connect(format!("http://127.0.0.1:{}", server.port))
+            .await
+            .unwrap();
+    let mut answers = quota
+        .stream_rate_limit_quotas(tokio_stream::iter(vec![report("", &[("tenant", "a")], 1)]))
+        .await
+        .unwrap()
+        .into_inner();
+    let status = answers.message().await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn sighup_reloads_the_files_and_a_bad_one_changes_nothing() {
+    let server = start("reload").await;
+    let mut client = server.client().await;
+    let a = || call(vec![descriptor(&[("tenant", "a")])]);
+    assert_eq!(ask(&mut client, a()).await.statuses[0].limit_remaining, 2);
+    // A bad file: refused, the configuration in force stays.
+    std::fs::write(
+        &server.file,
+        "domain: edge\ndescriptors: [{key: tenant, rate_limit: {unit: fortnight}}]\n",
+    )
+    .unwrap();
+    let error = server.rls.reload().unwrap_err();
+    assert!(
+        error.contains("invalid rate limit unit `fortnight`"),
+        "{error}"
+    );
+    assert_eq!(ask(&mut client, a()).await.statuses[0].limit_remaining, 1);
+    // A good one: in force at once (another limit, another counter).
+    std::fs::write(
+        &server.file,
+        CONFIG.replace("requests_per_unit: 3}", "requests_per_unit: 7}"),
+    )
+    .unwrap();
+    let config = server.rls.reload().unwrap();
+    assert_eq!(config.domains(), ["edge"]);
+    assert_eq!(ask(&mut client, a()).await.statuses[0].limit_remaining, 6);
+    server.stop().await;
+}
+
+#[test]
+fn the_rls_flags_go_together() {
+    use clap::Parser;
+    let parse = |args: &[&str]| {
+        diana_quota::Cli::try_parse_from(std::iter::once("diana-quota").chain(args.iter().copied()))
+            .unwrap()
+    };
+    assert!(parse(&[]).rls_config().unwrap().is_none());
+    let error = parse(&["--rls-listen", "127.0.0.1:0"])
+        .rls_config()
+        .unwrap_err();
+    assert!(
+        error.starts_with("--rls-listen without --rls-config"),
+        "{error}"
+    );
+    let error = parse(&["--rls-config", "/nonexistent.yaml"])
+        .rls_config()
+        .unwrap_err();
+    assert!(
+        error.starts_with("--rls-config without --rls-listen"),
+        "{error}"
+    );
+    let dir = temp_dir("flags");
+    let (a, b) = (dir.0.join("a.yaml"), dir.0.join("b.yaml"));
+    std::fs::write(&a, "domain: a\n").unwrap();
+    std::fs::write(&b, "domain: b\n").unwrap();
+    let both = format!("{},{}", a.display(), b.display());
+    let cli = parse(&[
+        "--rls-listen",
+        "127.0.0.1:0",
+        "--rls-config",
+        &both,
+        "--rls-headers",
+        "ietf",
+    ]);
+    assert_eq!(cli.rls_config().unwrap().unwrap().domains(), ["a", "b"]);
+    assert_eq!(cli.rls_headers, HeaderStyle::Ietf);
+    assert!(!cli.rls_insecure_no_auth);
+    let error = parse(&[
+        "--rls-listen",
+        "127.0.0.1:0",
+        "--rls-config",
+        &format!("{}", dir.0.join("c.yaml").display()),
+    ])
+    .rls_config()
+    .unwrap_err();
+    assert!(error.starts_with("--rls-config "), "{error}");
+}
