@@ -17,7 +17,9 @@
 //!                                 │   Wait   → parked[rider]      ┘
 //!                                 │   Reject → Reply
 //!   on_http_call_response ─▶ on_call_answered ── calls[token] says what it resumes:
-//!                                 a request (complete → apply), a refill, a payment, a poll
+//!                                 a request (complete → apply), an orphan (its client
+//!                                 left: the grant goes to the stash), a refill, a
+//!                                 payment, a poll
 //!   on_tick ───────────────▶ on_tick ── remote check, debts, engine ticks, refills,
 //!                                 metrics, sweeps; then parked and waiting requests
 //!   on_response_headers ───▶ on_response_headers ── response costs, AddHeaders
