@@ -4,44 +4,10 @@
 
 #![cfg(test)]
 
+mod common;
+
+use common::{check_json, diana, repo_root, text};
 use serde_json::Value;
-use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
-
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../..")
-        .canonicalize()
-        .unwrap()
-}
-
-fn diana(args: &[&str], stdin: Option<&str>) -> Output {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_diana"))
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    {
-        let mut pipe = child.stdin.take().unwrap();
-        if let Some(text) = stdin {
-            let _ = pipe.write_all(text.as_bytes());
-        }
-    }
-    child.wait_with_output().unwrap()
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8(bytes.to_vec()).unwrap()
-}
-
-fn check_json(document: &str) -> Value {
-    let out = diana(&["check", "--json", "-"], Some(document));
-    assert!(out.status.success(), "stderr: {}", text(&out.stderr));
-    serde_json::from_slice(&out.stdout).unwrap()
-}
 
 fn check_text(document: &str) -> String {
     let out = diana(&["check", "-"], Some(document));

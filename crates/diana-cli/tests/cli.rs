@@ -2,10 +2,12 @@
 
 #![cfg(test)]
 
+mod common;
+
+use common::{check_json, diana, repo_root, text};
 use serde_json::Value;
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::Command;
 use std::sync::OnceLock;
 
 /// The seed design's document, verbatim (one copy for every test that needs it).
@@ -41,48 +43,12 @@ remote:
 dry_run: true
 ";
 
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../..")
-        .canonicalize()
-        .unwrap()
-}
-
-fn diana(args: &[&str], stdin: Option<&str>) -> Output {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_diana"))
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    {
-        let mut pipe = child.stdin.take().unwrap();
-        if let Some(text) = stdin {
-            // A command that fails before reading its input closes the pipe: the write
-            // then fails, and the exit status is what the test looks at.
-            let _ = pipe.write_all(text.as_bytes());
-        }
-    }
-    child.wait_with_output().unwrap()
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8(bytes.to_vec()).unwrap()
-}
-
 fn temp_file(name: &str, content: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("diana-cli-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join(name);
     std::fs::write(&path, content).unwrap();
     path
-}
-
-fn check_json(document: &str) -> Value {
-    let out = diana(&["check", "--json", "-"], Some(document));
-    assert!(out.status.success(), "stderr: {}", text(&out.stderr));
-    serde_json::from_slice(&out.stdout).unwrap()
 }
 
 #[test]

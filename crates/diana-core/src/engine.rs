@@ -475,24 +475,23 @@ impl Engine {
         metrics: &mut dyn MetricSink,
     ) {
         let PendingState { held, stage, .. } = *pending.0;
-        let now = match now {
-            Some(now) => now,
-            None => {
-                metrics.event(Event::ClockError);
-                0
+        let Some(now) = now else {
+            // Without a clock nothing is written; the call is settled all the same.
+            metrics.event(Event::ClockError);
+            match stage {
+                Stage::Asked(asked) => self.global.abandon_call(host, &self.policy, asked, 0),
+                Stage::Parked { rider, .. } => self.global.leave(rider),
             }
+            return;
         };
         match stage {
-            Stage::Asked(asked) if now > 0 => {
+            Stage::Asked(asked) => {
                 self.global
                     .interpret_for_nobody(host, &self.policy, asked, reply, now, metrics)
             }
-            Stage::Asked(asked) => self.global.abandon_call(host, &self.policy, asked, now),
             Stage::Parked { rider, .. } => self.global.leave(rider),
         }
-        if now > 0 {
-            self.give_back_held(host, &held, now, &mut NoMetrics);
-        }
+        self.give_back_held(host, &held, now, &mut NoMetrics);
     }
 
     /// Finishes a request paused for a callout, with the host's account of the call.

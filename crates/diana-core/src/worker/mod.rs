@@ -256,7 +256,7 @@ impl Worker {
 
     /// Hands the counts of every configuration to the host now (the tick does otherwise).
     pub fn flush_metrics(&self, host: &dyn Host) {
-        for configured in self.configured.iter().chain(&self.retired) {
+        for configured in self.generations() {
             configured.counters.flush(host);
         }
         if let Some(events) = &self.events {
@@ -422,7 +422,7 @@ impl Worker {
             Call::Poll => self.on_poll_answer(host, headers, body_size),
         }
         // The breaker's gauge is written when it changes, not at the next tick.
-        for configured in self.configured.iter().chain(&self.retired) {
+        for configured in self.generations() {
             configured.counters.flush_gauge(host);
         }
         self.retick(&mut step);
@@ -474,7 +474,9 @@ impl Worker {
         };
         self.check_remote(host, now);
         self.pay_debts(host);
-        for configured in self.generations() {
+        // Collected: sending refills needs the worker mutably.
+        let generations: Vec<Rc<Configured>> = self.generations().cloned().collect();
+        for configured in generations {
             configured.engine.tick(host, Some(now));
             self.send_refills(host, &configured);
             configured.counters.flush(host);
@@ -511,12 +513,8 @@ impl Worker {
     }
 
     /// The current configuration and the replaced ones still in use.
-    fn generations(&self) -> Vec<Rc<Configured>> {
-        self.configured
-            .iter()
-            .chain(self.retired.iter())
-            .cloned()
-            .collect()
+    fn generations(&self) -> impl Iterator<Item = &Rc<Configured>> {
+        self.configured.iter().chain(&self.retired)
     }
 
     /// Takes `decision` for the request of `context`: the one place a [`Decision`] is
@@ -644,10 +642,12 @@ impl Worker {
             return;
         }
         let now = host.now();
-        for configured in self.generations() {
-            if !configured.engine.has_riders() {
-                continue;
-            }
+        let generations: Vec<Rc<Configured>> = self
+            .generations()
+            .filter(|configured| configured.engine.has_riders())
+            .cloned()
+            .collect();
+        for configured in generations {
             for rider in configured.engine.woken(now) {
                 let Some(context) = self.parked.remove(&(configured.generation, rider)) else {
                     continue;
@@ -683,8 +683,8 @@ impl Worker {
         }
         let Some(configured) = self
             .generations()
-            .into_iter()
             .find(|configured| configured.engine.owes())
+            .cloned()
         else {
             return;
         };

@@ -47,7 +47,7 @@ impl SimHost {
         } else {
             CasSemantics::Envoy
         };
-        SimHost {
+        let host = SimHost {
             shared: MemoryHost::new(semantics),
             clock: Cell::new(Some(start)),
             next_token: Cell::new(1),
@@ -58,11 +58,49 @@ impl SimHost {
             client_ip: RefCell::new(None),
             response: RefCell::new(Vec::new()),
             answer: RefCell::new((Vec::new(), Vec::new())),
-        }
+        };
+        // One identity key for every run, where a gateway draws one at random: the same
+        // inputs replay to the same numbers.
+        let _ = identity::process_key(&Store::new(), &host, || Ok([0x5a; identity::KEY_BYTES]));
+        host
     }
 
     pub fn now(&self) -> Option<Instant> {
         self.clock.get()
+    }
+
+    /// Moves the clock (never back).
+    pub fn set_now(&self, now: Instant) {
+        self.clock.set(Some(now.max(self.clock.get().unwrap_or(0))));
+    }
+
+    /// The host refuses (`true`) or makes (`false`) every later dispatch.
+    pub fn refuse_dispatch(&self, refuse: bool) {
+        self.refuse_dispatch.set(refuse);
+    }
+
+    /// The request the next `on_request_headers` reads: its headers (`:path` among them)
+    /// and client address.
+    pub fn set_request(&self, client_ip: Option<Vec<u8>>, headers: Headers) {
+        *self.request.borrow_mut() = headers;
+        *self.client_ip.borrow_mut() = client_ip;
+    }
+
+    /// The call answer the next `on_call_answered` reads: `None` for no answer (the host
+    /// then reports no headers), else its status and body.
+    pub fn set_answer(&self, answer: Option<(u16, Vec<u8>)>) {
+        *self.answer.borrow_mut() = match answer {
+            Some((status, body)) => (
+                vec![(":status".to_string(), status.to_string().into_bytes())],
+                body,
+            ),
+            None => (Vec::new(), Vec::new()),
+        };
+    }
+
+    /// The calls dispatched since the last time, with their tokens.
+    pub fn take_dispatched(&self) -> Vec<(CallToken, Callout)> {
+        self.dispatched.take()
     }
 
     /// A metric's value by name (0 when never defined).
@@ -260,7 +298,7 @@ impl Sim {
         service: Service,
         start: Instant,
     ) -> Sim {
-        let sim = Sim {
+        Sim {
             host: SimHost::new(profile, start),
             quota: Rc::new(RefCell::new(MemoryQuota::new())),
             profile,
@@ -273,11 +311,7 @@ impl Sim {
             replies: HashMap::new(),
             next_context: 2,
             violations: Vec::new(),
-        };
-        // One identity key for every run, where the gateway would draw one at random: the
-        // same log replays to the same numbers.
-        let _ = identity::process_key(&Store::new(), &sim.host, || Ok([0x5a; identity::KEY_BYTES]));
-        sim
+        }
     }
 
     /// The host hands `document` to every worker (`on_configure`).
@@ -330,7 +364,7 @@ impl Sim {
 
     /// The host refuses (`true`) or makes (`false`) every later dispatch.
     pub fn refuse_dispatch(&self, refuse: bool) {
-        self.host.refuse_dispatch.set(refuse);
+        self.host.refuse_dispatch(refuse);
     }
 
     /// A request from `client_ip` with `headers` reaches worker `worker` now.
@@ -353,8 +387,7 @@ impl Sim {
         self.next_context += 1;
         let worker = worker % self.workers.len().max(1);
         self.requests.insert(context, (worker, Fate::Paused));
-        *self.host.request.borrow_mut() = headers;
-        *self.host.client_ip.borrow_mut() = client_ip;
+        self.host.set_request(client_ip, headers);
         let Some(step) = self
             .workers
             .get_mut(worker)
@@ -515,14 +548,11 @@ impl Sim {
             Reply::Answered { status, body } => {
                 let body = body.unwrap_or_default();
                 let size = body.len();
-                *self.host.answer.borrow_mut() = (
-                    vec![(":status".to_string(), status.to_string().into_bytes())],
-                    body,
-                );
+                self.host.set_answer(Some((status, body)));
                 (1, size)
             }
             Reply::NoAnswer | Reply::NotSent(_) => {
-                *self.host.answer.borrow_mut() = (Vec::new(), Vec::new());
+                self.host.set_answer(None);
                 (0, 0)
             }
         };
@@ -582,7 +612,7 @@ impl Sim {
             Service::Answers(latency) | Service::Down(latency) => latency,
         };
         let due = self.now().saturating_add(latency);
-        for (token, callout) in self.host.dispatched.borrow_mut().drain(..) {
+        for (token, callout) in self.host.take_dispatched() {
             self.flights.push(Flight {
                 worker,
                 token,

@@ -13,19 +13,14 @@
 use crate::mutate::{mutate, random_bytes};
 use crate::rng::Rng;
 use crate::Target;
-use diana_core::actor::RequestFacts;
 use diana_core::algo::Verdict;
-use diana_core::decision::{Callout, DispatchError};
 use diana_core::global::MAX_ANSWER_BYTES;
-use diana_core::store::{
-    identity, CasSemantics, HostError, MemoryHost, SetOutcome, SharedData, Store,
-};
-use diana_core::time::{Clock, Instant, Nanos};
+use diana_core::time::Instant;
 use diana_core::wire::{
     self, AcquireRequest, AcquireResponse, RuleRequest, RuleResult, MAX_SLICES, MAX_WANT,
 };
-use diana_core::worker::{CallToken, Command, Host, HostProfile, MetricId, MetricKind, Worker};
-use std::cell::{Cell, RefCell};
+use diana_core::worker::sim::SimHost;
+use diana_core::worker::{Command, HostProfile, Worker};
 
 const ALGOS: &[&str] = &[
     "W",
@@ -343,80 +338,6 @@ fn document(profile: HostProfile) -> String {
     format!("{DOCUMENT}global: {{cluster: \"{cluster}\"}}\n")
 }
 
-/// The host of one fuzzed worker: shared data in memory, one device's request on one
-/// path, the clock the target moves, the calls the worker makes, and the answer being
-/// delivered (`:status`, body).
-struct FuzzHost {
-    shared: MemoryHost,
-    path: &'static str,
-    device: u8,
-    now: Cell<Nanos>,
-    refuse: Cell<bool>,
-    next_token: Cell<CallToken>,
-    sent: RefCell<Vec<(CallToken, Callout)>>,
-    answer: RefCell<(u16, Vec<u8>)>,
-}
-
-impl SharedData for FuzzHost {
-    fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, HostError> {
-        self.shared.get(key)
-    }
-    fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<SetOutcome, HostError> {
-        self.shared.set(key, value, cas)
-    }
-}
-
-impl RequestFacts for FuzzHost {
-    fn header(&self, name: &str) -> Option<Vec<u8>> {
-        match name {
-            ":path" => Some(self.path.as_bytes().to_vec()),
-            "x-device-id" => Some(vec![b'd', self.device]),
-            _ => None,
-        }
-    }
-    fn client_ip(&self) -> Option<Vec<u8>> {
-        Some(b"10.1.2.3".to_vec())
-    }
-}
-
-impl Clock for FuzzHost {
-    fn now(&self) -> Option<Instant> {
-        Some(self.now.get())
-    }
-}
-
-impl Host for FuzzHost {
-    fn response_header(&self, _: &str) -> Option<Vec<u8>> {
-        None
-    }
-    fn call_header(&self, name: &str) -> Option<Vec<u8>> {
-        (name == ":status").then(|| self.answer.borrow().0.to_string().into_bytes())
-    }
-    fn call_body(&self, size: usize) -> Result<Vec<u8>, HostError> {
-        Ok(self.answer.borrow().1.iter().take(size).copied().collect())
-    }
-    fn dispatch(&self, callout: &Callout) -> Result<CallToken, DispatchError> {
-        if self.refuse.get() {
-            return Err(DispatchError::Refused {
-                upstream: callout.upstream.clone(),
-                status: "BadArgument".into(),
-            });
-        }
-        let token = self.next_token.get();
-        self.next_token.set(token.wrapping_add(1));
-        self.sent.borrow_mut().push((token, callout.clone()));
-        Ok(token)
-    }
-    fn define_metric(&self, _: MetricKind, _: &str) -> Option<MetricId> {
-        None
-    }
-    fn add_to_metric(&self, _: MetricId, _: u64) {}
-    fn set_metric(&self, _: MetricId, _: u64) {}
-    fn metric_value(&self, _: MetricId) -> u64 {
-        0
-    }
-}
-
 /// The engine's own callouts, answered.
 pub struct Callouts;
 
@@ -454,22 +375,18 @@ impl Target for Callouts {
             HostProfile::NGINX
         };
         let status = STATUSES.get(usize::from(*status)).copied().unwrap_or(200);
-        let host = FuzzHost {
-            shared: MemoryHost::new(if profile.strict_compare_and_swap {
-                CasSemantics::Nginx
-            } else {
-                CasSemantics::Envoy
-            }),
-            path: PATHS.get(usize::from(*path)).copied().unwrap_or("/"),
-            device: *device,
-            now: Cell::new(NOW),
-            refuse: Cell::new(*reply == 1),
-            next_token: Cell::new(1),
-            sent: RefCell::new(Vec::new()),
-            answer: RefCell::new((0, Vec::new())),
-        };
-        // One identity key, where a gateway draws one at random: a case replays exactly.
-        let _ = identity::process_key(&Store::new(), &host, || Ok([0x5a; identity::KEY_BYTES]));
+        // The simulated gateway's host, driven by hand: one device's request on one path,
+        // answers crafted here (it seeds a fixed identity key: a case replays exactly).
+        let host = SimHost::new(profile, NOW);
+        let path = PATHS.get(usize::from(*path)).copied().unwrap_or("/");
+        host.set_request(
+            Some(b"10.1.2.3".to_vec()),
+            vec![
+                (":path".to_string(), path.as_bytes().to_vec()),
+                ("x-device-id".to_string(), vec![b'd', *device]),
+            ],
+        );
+        host.refuse_dispatch(*reply == 1);
         let document = document(profile);
         let mut worker = Worker::new(profile);
         worker
@@ -478,7 +395,7 @@ impl Target for Callouts {
         let mut rng = Rng::new(seed);
         for context in 2..5 {
             let step = worker.on_request_headers(&host, context);
-            let sent = host.sent.take();
+            let sent = host.take_dispatched();
             let Some((token, callout)) = sent.into_iter().next_back() else {
                 let replied = step
                     .commands
@@ -488,7 +405,7 @@ impl Target for Callouts {
                     return Err("a request was left paused with no call and no turn".into());
                 }
                 worker.on_context_gone(&host, context);
-                host.now.set(host.now.get() + rng.below(2_000_000_000));
+                host.set_now(host.now().unwrap_or(NOW) + rng.below(2_000_000_000));
                 continue;
             };
             let request = wire::decode_request(&callout.body)
@@ -506,9 +423,9 @@ impl Target for Callouts {
                 2 => (1, MAX_ANSWER_BYTES + 1),
                 _ => (1, body.len()),
             };
-            *host.answer.borrow_mut() = (status, body.clone());
+            host.set_answer(Some((status, body.clone())));
             let step = worker.on_call_answered(&host, token, headers, body_size);
-            if !host.sent.take().is_empty() {
+            if !host.take_dispatched().is_empty() {
                 return Err("a completed request asks for another callout".to_string());
             }
             let replied = step
@@ -543,10 +460,10 @@ impl Target for Callouts {
                 }
             }
             worker.on_context_gone(&host, context);
-            host.now.set(host.now.get() + rng.below(2_000_000_000));
+            host.set_now(host.now().unwrap_or(NOW) + rng.below(2_000_000_000));
             let _ = worker.on_tick(&host);
             // Refills ahead and payments from the tick: no answer (their flights land).
-            for (token, _) in host.sent.take() {
+            for (token, _) in host.take_dispatched() {
                 let _ = worker.on_call_answered(&host, token, 0, 0);
             }
         }
