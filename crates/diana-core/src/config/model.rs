@@ -67,6 +67,9 @@ pub enum ConfigErrorKind {
     ResponseCostNotApplicable { algo: &'static str },
     /// `max_wait_seconds` on an algorithm that does not hold requests.
     MaxWaitNotApplicable { algo: &'static str },
+    /// `lease` on a rule that is not `scope: global`: a local rule never calls the quota
+    /// service, so a lease there would mean nothing.
+    LeaseNotApplicable,
     /// Two rules with the same name.
     DuplicateRuleName { name: String },
     /// Two rule names that make the same metric name
@@ -170,6 +173,10 @@ impl fmt::Display for ConfigErrorKind {
             ConfigErrorKind::MaxWaitNotApplicable { algo } => write!(
                 f,
                 "max_wait_seconds applies to algo LB (leaky bucket) only, not to {algo}"
+            ),
+            ConfigErrorKind::LeaseNotApplicable => f.write_str(
+                "lease applies to scope: global rules only (the tokens fetched from the quota \
+                 service per callout); this rule is local: remove `lease`, or add `scope: global`",
             ),
             ConfigErrorKind::DuplicateRuleName { name } => write!(
                 f,

@@ -278,7 +278,13 @@ impl Collected {
     fn add_full(&mut self, full: RawFull, document: usize) {
         self.full_documents.push(document);
         let resources = Site::new(document).key("resources");
-        for (index, block) in full.resources.into_iter().enumerate() {
+        for (index, block) in full
+            .resources
+            .map(|section| section.0)
+            .unwrap_or_default()
+            .into_iter()
+            .enumerate()
+        {
             self.add_block(block, resources.index(index));
         }
         if let Some(actors) = full.actors {
@@ -326,14 +332,15 @@ fn parse_json(text: &str) -> Result<Collected, ConfigError> {
     let error = |err: serde_path_to_error::Error<serde_json::Error>| {
         let inner = err.inner();
         let position = (inner.line() > 0).then(|| (inner.line(), inner.column()));
-        compose(
+        let composed = compose(
             None,
             &err.path().to_string(),
             &inner.to_string(),
             position,
             false,
             invalid,
-        )
+        );
+        at_the_value(composed, &inner.to_string(), text, true, 0, err.path())
     };
     let sketch: Sketch =
         serde_path_to_error::deserialize(&mut serde_json::Deserializer::from_str(text))
@@ -401,14 +408,15 @@ fn parse_yaml(text: &str) -> Result<Collected, ConfigError> {
             let position = inner
                 .location()
                 .map(|location| (location.line(), location.column()));
-            compose(
+            let composed = compose(
                 label,
                 &err.path().to_string(),
                 &inner.to_string(),
                 position,
                 true,
                 invalid,
-            )
+            );
+            at_the_value(composed, &inner.to_string(), text, false, index, err.path())
         };
         match shapes.get(index).copied().unwrap_or(Shape::Empty) {
             Shape::Empty => {}
@@ -427,6 +435,37 @@ fn parse_yaml(text: &str) -> Result<Collected, ConfigError> {
         }
     }
     Ok(collected)
+}
+
+/// A refusal raised before the value was read (a `null`, a section given again: see
+/// [`raw::refused_before_reading`]) is reported by the YAML reader at the mapping around
+/// it; this moves the error to the value itself, read again from the text at the error's
+/// path.
+fn at_the_value(
+    mut error: ConfigError,
+    message: &str,
+    text: &str,
+    json: bool,
+    document: usize,
+    path: &serde_path_to_error::Path,
+) -> ConfigError {
+    if !raw::refused_before_reading(message) {
+        return error;
+    }
+    let mut site = Site::new(document);
+    for segment in path.iter() {
+        site = match segment {
+            serde_path_to_error::Segment::Seq { index } => site.index(*index),
+            serde_path_to_error::Segment::Map { key } => site.key(key),
+            serde_path_to_error::Segment::Enum { variant } => site.key(variant),
+            serde_path_to_error::Segment::Unknown => return error,
+        };
+    }
+    let (_, _, position) = locate(text, json, &site);
+    if position.is_some() {
+        error.position = position;
+    }
+    error
 }
 
 /// [`ConfigErrorKind::Invalid`].
@@ -806,6 +845,10 @@ fn build_rule(
             .unwrap_or(DEFAULT_SLOTS)
     };
     let scope = raw.scope.map_or(Scope::Local, |scope| scope.0);
+    // Accepting it silently would let an operator believe a local rule is shared or batched.
+    if scope == Scope::Local && raw.lease.is_some() {
+        return Err(refuse(&["lease"], ConfigErrorKind::LeaseNotApplicable));
+    }
     let written = raw.lease.map_or(global.lease, lease_of);
     // Where the cost's largest value is written.
     let cost_field: &[&str] = match raw.cost {

@@ -104,7 +104,8 @@ pub(super) struct RawBlock {
     pub rules: Vec<RawRule>,
 }
 
-/// One rule as written; `None` means "use the default".
+/// One rule as written; `None` means "use the default" (the key is absent: a key written
+/// with `null` is refused, see [`present`]).
 #[derive(Deserialize)]
 #[serde(
     deny_unknown_fields,
@@ -112,35 +113,57 @@ pub(super) struct RawBlock {
 )]
 pub(super) struct RawRule {
     pub rpu: NonZeroU32,
+    #[serde(default, deserialize_with = "present")]
     pub unit: Option<UnitField>,
+    #[serde(default, deserialize_with = "present")]
     pub algo: Option<AlgoField>,
+    #[serde(default, deserialize_with = "present")]
     pub scope: Option<ScopeField>,
+    #[serde(default, deserialize_with = "present")]
     pub actor: Option<ActorRef>,
+    #[serde(default, deserialize_with = "present")]
     pub burst: Option<NonZeroU32>,
+    #[serde(default, deserialize_with = "present")]
     pub slices: Option<Ranged<1, { wire::MAX_SLICES as u64 }>>,
+    #[serde(default, deserialize_with = "present")]
     pub slots: Option<Ranged<1, 1_048_576>>,
+    #[serde(default, deserialize_with = "present")]
     pub lease: Option<LeaseField>,
+    #[serde(default, deserialize_with = "present")]
     pub max_wait_seconds: Option<Ranged<0, 86_400>>,
+    #[serde(default, deserialize_with = "present")]
     pub cost: Option<CostField>,
+    #[serde(default, deserialize_with = "present")]
     pub response_cost: Option<RawResponseCost>,
+    #[serde(default, deserialize_with = "present")]
     pub name: Option<RuleName>,
+    #[serde(default, deserialize_with = "present")]
     pub dry_run: Option<bool>,
 }
 
-/// The full form. Every section is optional; a section may be given by one document only.
+/// The full form. Every section is optional; a section, `resources` included, may be given
+/// by one document only.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, expecting = "a Diana document")]
 pub(super) struct RawFull {
-    #[serde(default)]
-    pub resources: Vec<RawBlock>,
+    #[serde(default, deserialize_with = "present")]
+    pub resources: Option<Section<Vec<RawBlock>, SECTION_RESOURCES>>,
+    #[serde(default, deserialize_with = "present")]
     pub actors: Option<Section<RawActors, SECTION_ACTORS>>,
+    #[serde(default, deserialize_with = "present")]
     pub response: Option<Section<RawResponse, SECTION_RESPONSE>>,
+    #[serde(default, deserialize_with = "present")]
     pub global: Option<Section<RawGlobal, SECTION_GLOBAL>>,
+    #[serde(default, deserialize_with = "present")]
     pub remote: Option<Section<RawRemote, SECTION_REMOTE>>,
+    #[serde(default, deserialize_with = "present")]
     pub dry_run: Option<Section<bool, SECTION_DRY_RUN>>,
+    #[serde(default, deserialize_with = "present")]
     pub metrics: Option<Section<RawMetrics, SECTION_METRICS>>,
     /// The deployment's identity-hash secret (DESIGN §6), or `{env: NAME}`.
+    #[serde(default, deserialize_with = "present")]
     pub identity_key: Option<Section<IdentityKeyField, SECTION_IDENTITY_KEY>>,
+    #[serde(default, deserialize_with = "present")]
     pub on_invalid_config:
         Option<Section<super::model::OnInvalidConfig, SECTION_ON_INVALID_CONFIG>>,
 }
@@ -164,6 +187,7 @@ pub(super) struct RawResponseCost {
 )]
 pub(super) struct RawHeaderCost {
     pub header: HeaderNameField,
+    #[serde(default, deserialize_with = "present")]
     pub default: Option<Ranged<1, { wire::MAX_WANT as u64 }>>,
     pub max: Ranged<1, { wire::MAX_WANT as u64 }>,
 }
@@ -367,21 +391,32 @@ pub(super) struct RawMetrics {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, expecting = "the `response` section")]
 pub(super) struct RawResponse {
+    #[serde(default, deserialize_with = "present")]
     pub status: Option<Ranged<100, 599>>,
+    #[serde(default, deserialize_with = "present")]
     pub body: Option<Text>,
+    #[serde(default, deserialize_with = "present")]
     pub headers: Option<HeaderModeField>,
+    #[serde(default, deserialize_with = "present")]
     pub header_style: Option<HeaderStyleField>,
 }
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, expecting = "the `global` section")]
 pub(super) struct RawGlobal {
+    #[serde(default, deserialize_with = "present")]
     pub cluster: Option<NonEmpty>,
+    #[serde(default, deserialize_with = "present")]
     pub authority: Option<NonEmpty>,
+    #[serde(default, deserialize_with = "present")]
     pub path: Option<PathField>,
+    #[serde(default, deserialize_with = "present")]
     pub timeout_ms: Option<NonZeroU32>,
+    #[serde(default, deserialize_with = "present")]
     pub lease: Option<LeaseField>,
+    #[serde(default, deserialize_with = "present")]
     pub retry_seconds: Option<u32>,
+    #[serde(default, deserialize_with = "present")]
     pub token: Option<SecretField>,
 }
 
@@ -389,10 +424,14 @@ pub(super) struct RawGlobal {
 #[serde(deny_unknown_fields, expecting = "the `remote` section")]
 pub(super) struct RawRemote {
     pub cluster: NonEmpty,
+    #[serde(default, deserialize_with = "present")]
     pub authority: Option<NonEmpty>,
     pub path: PathField,
+    #[serde(default, deserialize_with = "present")]
     pub poll_seconds: Option<NonZeroU32>,
+    #[serde(default, deserialize_with = "present")]
     pub allow: Option<Vec<PinnedField>>,
+    #[serde(default, deserialize_with = "present")]
     pub signature: Option<SignatureField>,
 }
 
@@ -474,6 +513,7 @@ pub(super) const SECTION_DRY_RUN: u8 = 4;
 pub(super) const SECTION_METRICS: u8 = 5;
 pub(super) const SECTION_IDENTITY_KEY: u8 = 6;
 pub(super) const SECTION_ON_INVALID_CONFIG: u8 = 7;
+pub(super) const SECTION_RESOURCES: u8 = 8;
 
 fn section_name(id: u8) -> &'static str {
     match id {
@@ -484,16 +524,20 @@ fn section_name(id: u8) -> &'static str {
         SECTION_DRY_RUN => "dry_run",
         SECTION_IDENTITY_KEY => "identity_key",
         SECTION_ON_INVALID_CONFIG => "on_invalid_config",
+        SECTION_RESOURCES => "resources",
         _ => "metrics",
     }
 }
 
-/// A top-level section; refuses a second occurrence in a later `---` document.
+/// A top-level section; refuses a second occurrence in a later `---` document. (Merging
+/// two `resources:` lists, or two `global:` sections, would make one document's meaning
+/// depend on another's that the reader may never look at.)
 pub(super) struct Section<T, const ID: u8>(pub T);
 
 impl<'de, T: Deserialize<'de>, const ID: u8> Deserialize<'de> for Section<T, ID> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        let value = T::deserialize(deserializer)?;
+        // Checked before the value is read, so that the error's position is where the
+        // repeated section's value starts, not where the reader stopped after it.
         let repeated = with_context(|context| {
             if context.sections.contains(&ID) {
                 true
@@ -504,12 +548,60 @@ impl<'de, T: Deserialize<'de>, const ID: u8> Deserialize<'de> for Section<T, ID>
         });
         if repeated {
             return Err(de::Error::custom(format_args!(
-                "section `{}` is already given by an earlier document",
+                "section `{}` {SECTION_REPEATED}: give each section in one document only",
                 section_name(ID)
             )));
         }
-        Ok(Section(value))
+        T::deserialize(deserializer).map(Section)
     }
+}
+
+/// What the refusal of a section given again says.
+const SECTION_REPEATED: &str = "is already given by an earlier document";
+
+/// The message for a key written with `null` (YAML `~`, `null`, or nothing after the key).
+const NULL_REFUSED: &str = "null where a value is expected: write the value, or leave the key \
+                            out for its default (quote it, \"null\", if that is the text you mean)";
+
+/// True when `message` is a refusal raised before the value was read: a `null` refused by
+/// [`present`], or a [`Section`] given again. The YAML reader reports such an error at the
+/// enclosing mapping, so the caller finds the value's own position.
+pub(super) fn refused_before_reading(message: &str) -> bool {
+    message.contains(NULL_REFUSED) || message.contains(SECTION_REPEATED)
+}
+
+/// Reads an optional field that is present: absent is `None` (through `#[serde(default)]`),
+/// and `null` is refused rather than read as absent. A key written with nothing after it is
+/// more often a value forgotten than a wish for the default, which leaving the key out
+/// gives; and a text field must not take `~` as "default" when it refuses it as text.
+pub(super) fn present<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
+    deserializer: D,
+) -> Result<Option<T>, D::Error> {
+    struct PresentVisitor<T>(std::marker::PhantomData<T>);
+
+    impl<'de, T: Deserialize<'de>> Visitor<'de> for PresentVisitor<T> {
+        type Value = Option<T>;
+
+        fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+            formatter.write_str("a value")
+        }
+
+        fn visit_none<E: de::Error>(self) -> Result<Option<T>, E> {
+            Err(E::custom(NULL_REFUSED))
+        }
+
+        fn visit_unit<E: de::Error>(self) -> Result<Option<T>, E> {
+            Err(E::custom(NULL_REFUSED))
+        }
+
+        fn visit_some<D2: Deserializer<'de>>(
+            self,
+            deserializer: D2,
+        ) -> Result<Option<T>, D2::Error> {
+            T::deserialize(deserializer).map(Some)
+        }
+    }
+    deserializer.deserialize_option(PresentVisitor(std::marker::PhantomData))
 }
 
 // ---------------------------------------------------------------------------------------

@@ -527,7 +527,7 @@ fn rule_ids_are_stable() {
     assert_ne!(ids_a[0], ids_a[2]);
 
     // Inserting an unrelated rule does not move the others; names and dry runs don't matter.
-    let inserted = parse("Url: /\nrules:\n  - {rpu: 1, algo: W}\n  - {rpu: 5, actor: device, name: d}\n  - {rpu: 5, actor: device, dry_run: true, lease: 3}\n  - {rpu: 9}\n");
+    let inserted = parse("Url: /\nrules:\n  - {rpu: 1, algo: W}\n  - {rpu: 5, actor: device, name: d}\n  - {rpu: 5, actor: device, dry_run: true}\n  - {rpu: 9}\n");
     assert_eq!(ids(&inserted)[1..], ids_a[..]);
 
     // Anything that shapes the counter changes the id.
@@ -672,6 +672,22 @@ fn errors_name_field_and_position() {
         (
             "Url: /\nrules: []\n---\nglobal: {lease: 2}\n---\nglobal: {lease: 3}\n",
             &["document 3: ", "global", "section `global` is already given by an earlier document", "line 6"],
+        ),
+        // `resources` too (issue 22, item 4: two lists were merged)
+        (
+            "resources:\n  - Url: /\n    rules: []\n---\nresources:\n  - Url: /a\n    rules: []\n",
+            &["document 2: ", "resources: ", "section `resources` is already given by an earlier document", "line 6 column 3"],
+        ),
+        (
+            "resources: [{Url: /, rules: []}]\n---\nUrl: /b\nrules: []\n---\nresources: [{Url: /c, rules: []}]\n",
+            &["document 3: ", "resources: ", "section `resources` is already given", "line 6 column 12"],
+        ),
+        // a lease on a local rule (issue 22, item 4: accepted silently)
+        ("Url: /\nrules:\n  - rpu: 5\n    lease: 4\n", &["rules[0].lease: ", "lease applies to scope: global rules only", "line 4 column 12"]),
+        ("Url: /\nrules: [{rpu: 5, scope: local, lease: auto}]\n", &["rules[0].lease: ", "this rule is local", "line 2 column 39"]),
+        (
+            "{\"resources\": [{\"Url\": \"/\", \"rules\": [{\"rpu\": 5, \"lease\": 2}]}]}",
+            &["resources[0].rules[0].lease: ", "scope: global", "line 1 column"],
         ),
         ("Url: /\nrules: []\n---\nUrl: /a\nrules:\n  - rpu: 0\n", &["document 2: rules[0].rpu: ", "nonzero", "line 6 column 10"]),
         // structure
@@ -1111,11 +1127,106 @@ fn null_is_never_read_as_text() {
         let message = error(text);
         assert!(message.contains("null where"), "{text:?}: {message}");
     }
-    // An optional field given null is absent, as in JSON (`name: null`: the default name).
-    assert_eq!(
-        rules(&parse("Url: /\nrules: [{rpu: 1, name: null}]\n"))[0].name,
-        "/#0"
-    );
+    // An optional field given null is refused too, with its path and the position of the
+    // null (issue 22, item 4: `name: ~`, `name:`, `"name": null` and `body: ~` were read as
+    // absent, i.e. as the default, while the README said null is refused). Leaving the key
+    // out is how a default is asked for. `(document, path, line, column)`.
+    let optional: &[(&str, &str, usize, usize)] = &[
+        (
+            "Url: /\nrules: [{rpu: 1, name: ~}]\n",
+            "rules[0].name",
+            2,
+            24,
+        ),
+        (
+            "Url: /\nrules:\n  - rpu: 1\n    name:\n",
+            "rules[0].name",
+            4,
+            10,
+        ),
+        (
+            "Url: /\nrules:\n  - rpu: 1\n    name:\n    unit: second\n",
+            "rules[0].name",
+            4,
+            10,
+        ),
+        (
+            "{\"Url\": \"/\", \"rules\": [{\"rpu\": 1, \"name\": null}]}",
+            "rules[0].name",
+            1,
+            46,
+        ),
+        (
+            "resources: [{Url: /, rules: []}]\nresponse: {body: ~}\n",
+            "response.body",
+            2,
+            18,
+        ),
+        (
+            "Url: /\nrules: [{rpu: 1, unit: ~}]\n",
+            "rules[0].unit",
+            2,
+            24,
+        ),
+        (
+            "Url: /\nrules: [{rpu: 1, burst: null}]\n",
+            "rules[0].burst",
+            2,
+            25,
+        ),
+        (
+            "Url: /\nrules: [{rpu: 1, cost: {header: x, default: ~, max: 2}}]\n",
+            "rules[0].cost.default",
+            2,
+            45,
+        ),
+        (
+            "resources: [{Url: /, rules: []}]\nglobal: {authority: ~}\n",
+            "global.authority",
+            2,
+            21,
+        ),
+        (
+            "resources: [{Url: /, rules: []}]\nremote: {cluster: c, path: /d, authority: ~}\n",
+            "remote.authority",
+            2,
+            43,
+        ),
+        (
+            "resources: [{Url: /, rules: []}]\nglobal:\n",
+            "global",
+            2,
+            8,
+        ),
+        (
+            "resources: [{Url: /, rules: []}]\ndry_run: ~\n",
+            "dry_run",
+            2,
+            10,
+        ),
+    ];
+    for (text, path, line, column) in optional {
+        let err = parse_policy(text).expect_err(text);
+        assert_eq!(err.path, *path, "{text:?}: {err}");
+        assert_eq!(
+            err.position,
+            Some(Position {
+                line: *line,
+                column: *column
+            }),
+            "{text:?}: {err}"
+        );
+        assert!(
+            err.to_string().contains("null where a value is expected"),
+            "{text:?}: {err}"
+        );
+        assert!(
+            err.to_string().contains("leave the key out"),
+            "{text:?}: {err}"
+        );
+    }
+    // Left out, the same fields take their defaults.
+    assert_eq!(rules(&parse("Url: /\nrules: [{rpu: 1}]\n"))[0].name, "/#0");
     // Quoted, it is text like any other.
     let policy = parse(
         "resources: [{Url: /, rules: [{rpu: 1, actor: t}]}]\nactors: {t: {header: \"null\"}}\n",
