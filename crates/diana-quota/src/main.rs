@@ -2,6 +2,7 @@
 
 use clap::Parser;
 use diana_quota::{run, Cli};
+use std::io::IsTerminal;
 use std::process::ExitCode;
 use tracing_subscriber::EnvFilter;
 
@@ -11,6 +12,9 @@ fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_target(false)
+        // Colours for a person at a terminal only: escape codes in a redirected log (a
+        // file, journald, a container's log) would be noise in every line and every grep.
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr)
         .init();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
