@@ -145,7 +145,7 @@ def start_gateway(host: str, procs: Processes, upstream: Upstream):
         name = host if counter[0] == 1 else f"{host}{counter[0]}"
         kw.setdefault("upstream_port", upstream.port)
         if host == "envoy":
-            for nginx_only in ("raw_document", "shm_size", "eviction"):
+            for nginx_only in ("raw_document", "shm_size", "eviction", "request_headers_in_access"):
                 kw.pop(nginx_only, None)
             gw = Envoy(procs.log_dir, diana_config=diana_config, concurrency=workers or 4, name=name, **kw)
         else:

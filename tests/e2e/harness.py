@@ -539,6 +539,7 @@ class Nginx(ManagedProcess):
         raw_document: bool = False,
         direct_response: Optional[tuple[int, str]] = None,
         quota_token: Optional[str] = QUOTA_TOKEN,
+        request_headers_in_access: bool = True,
     ) -> None:
         self.port = free_port()
         self.workers = workers
@@ -565,6 +566,13 @@ class Nginx(ManagedProcess):
             raw_document=raw_document,
             direct_response=None if direct_response is None else (free_port(), *direct_response),
         )
+        if not request_headers_in_access:
+            # A setup that forgot the directive (nginx/README.md: required): the request
+            # headers step then runs in nginx's rewrite phase (test_nginx_directive.py).
+            directive = "proxy_wasm_request_headers_in_access on;\n"
+            if directive not in conf:
+                raise ProcessError("render_nginx no longer writes proxy_wasm_request_headers_in_access")
+            conf = conf.replace(directive, "")
         self.conf_path = self.prefix / "nginx.conf"
         self.conf_path.write_text(conf)
         argv = [nginx_binary(), "-p", str(self.prefix), "-c", str(self.conf_path), "-e", str(self.prefix / "error.log")]

@@ -11,7 +11,7 @@ mod common;
 
 use diana_core::time::{Instant, Nanos, NANOS_PER_SECOND};
 use diana_core::worker::sim::{Fate, Service, Sim};
-use diana_core::worker::HostProfile;
+use diana_core::worker::{HostProfile, UNHELD_FOR};
 use proptest::prelude::*;
 use std::time::Duration;
 
@@ -221,6 +221,76 @@ fn on_nginx_every_request_is_resumed_by_its_own_answer() {
         .iter()
         .all(|context| matches!(sim.fate(*context), Some(Fate::Admitted(_)))));
     assert!(sim.violations.is_empty(), "{:?}", sim.violations);
+}
+
+/// nginx without `proxy_wasm_request_headers_in_access on;` runs a request on while it is
+/// paused for its call, and deletes it before the answer (the worker that made the call
+/// then crashes on the answer, which the simulation does not play). Seen once, on one
+/// worker: every worker decides the global rule locally, at once and within the limit,
+/// without a call, until `UNHELD_FOR` has passed; then requests pause for calls again.
+#[test]
+fn on_nginx_a_request_run_on_while_paused_keeps_every_worker_from_pausing() {
+    let mut sim = sim(
+        HostProfile::NGINX,
+        &global(5, 1),
+        2,
+        Service::Answers(5 * MS),
+    );
+    let first = sim.send(0, "10.0.0.1", &[(":path", "/")]);
+    assert_eq!(sim.fate(first), Some(&Fate::Paused));
+    sim.run_on(first);
+    let later: Vec<u32> = (0..12)
+        .map(|n| sim.send(n % 2, "10.0.0.1", &[(":path", "/")]))
+        .collect();
+    let fates: Vec<Option<&Fate>> = later.iter().map(|c| sim.fate(*c)).collect();
+    assert!(
+        fates.iter().all(|fate| !matches!(fate, Some(Fate::Paused))),
+        "{fates:?}"
+    );
+    for worker in 0..2 {
+        assert_eq!(sim.worker(worker).map(|w| w.calls_in_flight()), Some(0));
+    }
+    // Decided locally: the rule's limit still holds, per gateway.
+    let admitted = fates
+        .iter()
+        .filter(|fate| matches!(fate, Some(Fate::Admitted(_))))
+        .count();
+    assert_eq!(admitted, 5, "{fates:?}");
+    assert!(sim.violations.is_empty(), "{:?}", sim.violations);
+    // A period later (and a fresh minute): requests pause for their calls again.
+    sim.advance(Duration::from_nanos(UNHELD_FOR) + Duration::from_secs(60));
+    for worker in 0..2 {
+        let context = sim.send(worker, "10.0.0.1", &[(":path", "/")]);
+        assert_eq!(sim.fate(context), Some(&Fate::Paused), "worker {worker}");
+        sim.advance(Duration::from_millis(10));
+        assert!(
+            matches!(sim.fate(context), Some(Fate::Admitted(_))),
+            "worker {worker}: {:?}",
+            sim.fate(context)
+        );
+    }
+    assert!(sim.violations.is_empty(), "{:?}", sim.violations);
+}
+
+/// A client that leaves while its request is paused for a call is no such sign: on Envoy
+/// the context goes at once, on nginx (with the directive) once the call answered; the
+/// next requests still pause for their calls.
+#[test]
+fn a_client_that_leaves_mid_call_does_not_stop_pausing() {
+    for profile in HostProfile::ALL {
+        let mut sim = sim(profile, &global(5, 1), 2, Service::Answers(5 * MS));
+        let first = sim.send(0, "10.0.0.1", &[(":path", "/")]);
+        sim.end(first);
+        sim.advance(Duration::from_millis(10));
+        for worker in 0..2 {
+            let context = sim.send(worker, "10.0.0.1", &[(":path", "/")]);
+            assert_eq!(sim.fate(context), Some(&Fate::Paused), "{profile:?}");
+        }
+        sim.advance(Duration::from_millis(10));
+        assert_eq!(paused(&sim), 0, "{profile:?}");
+        assert!(sim.violations.is_empty(), "{:?}", sim.violations);
+        end_all(&mut sim, 2);
+    }
 }
 
 /// A host that refuses to dispatch: the request is decided at once by the rule's failure

@@ -77,6 +77,16 @@ pub struct HostProfile {
     /// request hangs). There the worker accepts it and answers requests with
     /// `on_invalid_config` instead.
     pub refusal_stops_the_worker: bool,
+    /// The host holds a paused request only with this directive in its configuration
+    /// (ngx_wasm_module: `proxy_wasm_request_headers_in_access on;`). Without it the host
+    /// runs a later request of a keep-alive connection on while it is paused for its call,
+    /// and its worker crashes when the call answers; nothing the filter can read before
+    /// pausing tells (every property and variable, and the order of callbacks, are the
+    /// same either way). What shows it is a request deleted while its own call is in
+    /// flight, which with the directive does not happen (the client of a paused request is
+    /// not even read): the worker then keeps every worker from pausing for
+    /// [`super::UNHELD_FOR`] (`worker/unheld.rs`).
+    pub pausing_needs: Option<&'static str>,
 }
 
 impl HostProfile {
@@ -90,6 +100,7 @@ impl HostProfile {
         appends_line_feed_to_replies: false,
         strict_compare_and_swap: false,
         refusal_stops_the_worker: false,
+        pausing_needs: None,
     };
 
     /// ngx_wasm_module (nginx, Kong, OpenResty): resuming a request from `on_tick` crashes
@@ -104,6 +115,7 @@ impl HostProfile {
         appends_line_feed_to_replies: true,
         strict_compare_and_swap: true,
         refusal_stops_the_worker: true,
+        pausing_needs: Some("proxy_wasm_request_headers_in_access on;"),
     };
 
     /// Both, for tests that run every scenario under each host's rules.

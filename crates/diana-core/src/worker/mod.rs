@@ -46,9 +46,11 @@ mod configure;
 mod counters;
 pub mod host;
 pub mod sim;
+mod unheld;
 
 pub use crate::decision::DispatchError;
 pub use host::{is_host_port, CallToken, ContextId, Host, HostProfile, MetricId, MetricKind};
+pub use unheld::{UNHELD_FOR, UNHELD_KEY};
 
 use crate::config::OnInvalidConfig;
 use crate::decision::{AfterResponse, Callout, Decision, Reply};
@@ -190,6 +192,11 @@ pub struct Worker {
     /// No usable configuration on a host where refusing it stops the worker: what
     /// requests get meanwhile.
     invalid: Option<OnInvalidConfig>,
+    /// Requests do not pause for calls before this instant: the host was seen running a
+    /// paused request on ([`unheld`]; 0: not seen, as far as this worker knows).
+    unheld_until: Instant,
+    /// The error line naming the missing directive was logged.
+    unheld_logged: bool,
 }
 
 impl Worker {
@@ -214,6 +221,8 @@ impl Worker {
             base_tick: Duration::ZERO,
             tick: None,
             invalid: None,
+            unheld_until: 0,
+            unheld_logged: false,
         }
     }
 
@@ -445,10 +454,16 @@ impl Worker {
                 }
             }
             Stage::Calling(token, pending) => {
+                let call = self.calls.remove(&token);
+                if let (Some(Call::Request { own: true, .. }), Some(directive)) =
+                    (&call, self.profile.pausing_needs)
+                {
+                    self.seen_unheld(host, directive);
+                }
                 // A call made from the request's own context is dropped with it by the
                 // host (the SDK files its answer under the context): what it held goes
                 // back now. One made from another context still answers.
-                match self.calls.remove(&token) {
+                match call {
                     Some(Call::Request { own: false, .. }) => {
                         let orphan = Call::Orphan(Rc::clone(configured), pending);
                         self.calls.insert(token, orphan);
@@ -556,7 +571,10 @@ impl Worker {
                 step.commands.push(Command::Reply(context, reply));
                 step.pause = true;
             }
-            Decision::Call(callout, pending) => match self.dispatch(host, &callout) {
+            Decision::Call(callout, pending) => match self
+                .may_pause(host, &callout.upstream)
+                .and_then(|()| self.dispatch(host, &callout))
+            {
                 Ok(token) => {
                     let own = origin != Origin::Elsewhere;
                     self.calls.insert(token, Call::Request { context, own });
@@ -624,6 +642,59 @@ impl Worker {
             headers: rejection.headers,
             body,
         }
+    }
+
+    /// A request paused for its own call was deleted before the answer, which a host that
+    /// holds paused requests never does: this one runs them on (see [`unheld`]). Every
+    /// worker stops pausing for a while; this one is likely to crash when the call
+    /// answers, so the line that says why is logged now.
+    fn seen_unheld(&mut self, host: &dyn Host, directive: &str) {
+        let Some(now) = host.now() else {
+            return;
+        };
+        unheld::record(&self.store, host, now);
+        self.unheld_until = now.saturating_add(UNHELD_FOR);
+        self.unheld_logged = true;
+        log::error!(
+            "diana: {} ran a request on while Diana held it paused for its call, and may crash \
+             this worker when the call answers: add `{directive}` to every location with \
+             `proxy_wasm diana` (nginx/README.md); until then every worker decides global \
+             rules locally, for {} s after each time this is seen",
+            self.profile.name,
+            UNHELD_FOR / crate::time::NANOS_PER_SECOND
+        );
+    }
+
+    /// Whether a request may pause for its call now: not for [`UNHELD_FOR`] after a
+    /// worker saw this host run a paused request on. The refusal takes the path of a call
+    /// the host refused: decided locally, without pausing.
+    fn may_pause(&mut self, host: &dyn Host, upstream: &str) -> Result<(), DispatchError> {
+        let Some(directive) = self.profile.pausing_needs else {
+            return Ok(());
+        };
+        let Some(now) = host.now() else {
+            return Ok(());
+        };
+        if now >= self.unheld_until {
+            // Shared data is read only past what this worker already knows.
+            match unheld::unheld_until(&self.store, host, now) {
+                Some(until) => self.unheld_until = until,
+                None => return Ok(()),
+            }
+        }
+        if !self.unheld_logged {
+            self.unheld_logged = true;
+            log::error!(
+                "diana: {} does not hold requests paused for their calls here: add \
+                 `{directive}` to every location with `proxy_wasm diana` (nginx/README.md); \
+                 until then global rules are decided locally, without pausing",
+                self.profile.name
+            );
+        }
+        Err(DispatchError::Refused {
+            upstream: upstream.to_string(),
+            status: format!("pausing needs `{directive}`"),
+        })
     }
 
     /// Sends `callout` through the host, within this host's rules for upstreams.

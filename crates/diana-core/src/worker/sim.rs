@@ -274,6 +274,9 @@ pub struct Sim {
     /// Local replies, as the client receives them (the host's line feed added).
     replies: HashMap<ContextId, LocalReply>,
     next_context: ContextId,
+    /// Requests whose clients left while paused for a call, on a host that notices only
+    /// once the call answered (with whether to forget them then).
+    leaving: HashMap<ContextId, bool>,
     pub violations: Vec<Violation>,
 }
 
@@ -310,6 +313,7 @@ impl Sim {
             added: HashMap::new(),
             replies: HashMap::new(),
             next_context: 2,
+            leaving: HashMap::new(),
             violations: Vec::new(),
         }
     }
@@ -439,7 +443,37 @@ impl Sim {
         self.end_request(context, true);
     }
 
+    /// The host runs a request on while it is paused for its call, and deletes its
+    /// context before the call answers: what nginx does without
+    /// `proxy_wasm_request_headers_in_access on;` (its worker then crashes when the call
+    /// answers, which the simulation does not play).
+    pub fn run_on(&mut self, context: ContextId) {
+        if self.fate(context) == Some(&Fate::Paused) {
+            let now = self.now();
+            self.set_fate(context, Fate::Admitted(now));
+        }
+        self.delete(context, false);
+    }
+
     fn end_request(&mut self, context: ContextId, forget: bool) {
+        let calling = self
+            .flights
+            .iter()
+            .any(|flight| flight.context == Some(context) && !flight.dropped);
+        if self.profile.pausing_needs.is_some()
+            && calling
+            && self.fate(context) == Some(&Fate::Paused)
+        {
+            // ngx_wasm_module does not read the client of a paused request: it sees it gone
+            // once the call answered and the request went on.
+            self.leaving.insert(context, forget);
+            return;
+        }
+        self.delete(context, forget);
+    }
+
+    /// The host deletes the request's context now.
+    fn delete(&mut self, context: ContextId, forget: bool) {
         let Some((worker, fate)) = self.requests.get_mut(&context) else {
             return;
         };
@@ -583,6 +617,11 @@ impl Sim {
             step.commands,
             flight.context.is_none(),
         );
+        if let Some(forget) = flight.context.and_then(|c| self.leaving.remove(&c)) {
+            if let Some(context) = flight.context {
+                self.end_request(context, forget);
+            }
+        }
     }
 
     fn tick_due(&mut self) {
