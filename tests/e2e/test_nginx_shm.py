@@ -44,31 +44,32 @@ def start(procs, upstream, document: str, shm_size: str, name: str = "nginx") ->
 
 def test_keys_with_the_same_crc32_do_not_share_a_counter(procs, upstream):
     # Two per-device rules on two resources, with slot tables of different sizes. Their
-    # keys `diana/<rule id>/<slot>` share a CRC32 (and so one shm_kv entry on nginx) only
+    # keys `diana/<table>/<slot>` share a CRC32 (and so one shm_kv entry on nginx) only
     # for some pairs of rules: CRC32 is linear, and decimal slot numbers vary in few bits.
-    # About one pair of rules in twenty has thousands of colliding slot pairs: look among
+    # Some pairs of rules have thousands of colliding slot pairs (one in 50 to 200): look among
     # candidate rules `/y<k>` for one.
     big, other = 1 << 20, (1 << 20) - 3
+    CANDIDATES = 400
     x_rule = f"  - Url: /x\n    rules: [{{name: x, actor: device, algo: W, unit: hour, rpu: 3, slots: {big}}}]\n"
 
     def y_rule(k: int) -> str:
         return f"  - Url: /y{k}\n    rules: [{{name: y{k}, actor: device, algo: W, unit: hour, rpu: 3, slots: {other}}}]\n"
 
-    candidates_doc = f"identity_key: {IDENTITY_KEY}\nresources:\n" + x_rule + "".join(y_rule(k) for k in range(200))
-    ids = {rule["name"]: rule["id"] for resource in plan(candidates_doc)["resources"] for rule in resource["rules"]}
+    candidates_doc = f"identity_key: {IDENTITY_KEY}\nresources:\n" + x_rule + "".join(y_rule(k) for k in range(CANDIDATES))
+    ids = {rule["name"]: rule["table"] for resource in plan(candidates_doc)["resources"] for rule in resource["rules"]}
     x_keys = {zlib.crc32(f"diana/{ids['x']}/{slot}".encode()): slot for slot in range(big)}
     pairs: dict[int, int] = {}
-    # /y49 collides with /x (found by this search); it is tried first to keep the test
+    # /y204 collides with /x (found by this search); it is tried first to keep the test
     # short, and the search goes on if ids ever change. Every colliding pair of the first
     # such rule is kept: the identities are then found among thousands of targets.
-    for k in [49] + [k for k in range(200) if k != 49]:
+    for k in [204] + [k for k in range(CANDIDATES) if k != 204]:
         for slot in range(other):
             crc = zlib.crc32(f"diana/{ids[f'y{k}']}/{slot}".encode())
             if crc in x_keys:
                 pairs[x_keys[crc]] = slot
         if pairs:
             break
-    assert pairs, "no pair of rules with colliding keys among 200 candidates"
+    assert pairs, f"no pair of rules with colliding keys among {CANDIDATES} candidates"
     document = f"identity_key: {IDENTITY_KEY}\nresources:\n" + x_rule + y_rule(k)
     partner = {y: x for x, y in pairs.items()}
 

@@ -230,6 +230,7 @@ fn rule_plan(policy: &Policy, rule: &Rule, machine: bool) -> Value {
     let mut entries = vec![
         ("name", string(&rule.name)),
         ("id", string(&format!("{:016x}", rule.id))),
+        ("table", string(&format!("{:016x}", rule.keys.table))),
         ("actor", string(&rule.actor_name)),
         ("algo", string(rule.algo.code())),
         ("rpu", number(u64::from(limit.rpu.get()))),

@@ -42,6 +42,7 @@ impl Rule {
     fn table(&self) -> SlotTable<'_> {
         SlotTable {
             key_prefix: "diana/00000000000000aa/",
+            generation: diana_core::store::ONLY_GENERATION,
             algo: self.algo,
             limit: &self.limit,
             max_delay: 0,

@@ -601,6 +601,7 @@ impl Engine {
     fn table<'r>(&self, rule: &'r Rule) -> SlotTable<'r> {
         SlotTable {
             key_prefix: &rule.keys.slots,
+            generation: rule.keys.generation,
             algo: rule.algo,
             limit: &rule.limit,
             max_delay: if self.can_pause { rule.max_wait } else { 0 },

@@ -163,6 +163,7 @@ fn clients_apart(policy: &Policy) -> bool {
 fn table(rule: &Rule, max_delay: Nanos) -> SlotTable<'_> {
     SlotTable {
         key_prefix: &rule.keys.slots,
+        generation: rule.keys.generation,
         algo: rule.algo,
         limit: &rule.limit,
         max_delay,

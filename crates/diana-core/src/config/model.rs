@@ -6,6 +6,7 @@ use crate::algo::{Algorithm, Limit};
 use crate::hash::{IdentityHasher, IdentityKey, KeyOrigin};
 use crate::secret::Secret;
 use crate::signature::SignatureKey;
+use crate::store::Generation;
 use crate::time::Nanos;
 use std::fmt;
 use std::num::NonZeroU32;
@@ -451,21 +452,33 @@ pub fn decimal(value: &[u8]) -> Option<u64> {
     }))
 }
 
-/// The shared-data key prefixes of a rule, derived from its id: computed once at load, so
+/// Where a rule's state lives in shared data. The key names come from the rule's *table*,
+/// which an edit of its limit leaves alone (its url, actor, scope, slots and name, or its
+/// place among the block's rules of the same actor): a document that only tunes `rpu`,
+/// `unit`, `burst` or the algorithm writes the same keys again, so a config center that
+/// keeps changing limits cannot grow a host that never frees a key name (Envoy). Each
+/// record is sealed with its rule's *generation* (the rule id): a record written under
+/// other parameters reads as free, never as this rule's state. Computed once at load, so
 /// evaluating a request builds no key prefix.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RuleKeys {
-    /// `diana/<id>/`: the rule's slot table (scope local, and global rules degraded).
+    /// `diana/<table>/`: the rule's slot table (scope local, and global rules degraded).
     pub slots: String,
-    /// `diana/lease/<id>/`: the lease stash of a global rule.
+    /// `diana/lease/<table>/`: the lease stash of a global rule.
     pub leases: String,
+    /// The table's id (what the lifecycle releases when no rule uses it any more).
+    pub table: u64,
+    /// What the records of this rule are sealed with: [`Rule::id`].
+    pub generation: Generation,
 }
 
 impl RuleKeys {
-    pub fn of(rule_id: u64) -> RuleKeys {
+    pub fn of(table: u64, generation: Generation) -> RuleKeys {
         RuleKeys {
-            slots: format!("diana/{rule_id:016x}/"),
-            leases: format!("diana/lease/{rule_id:016x}/"),
+            slots: format!("diana/{table:016x}/"),
+            leases: format!("diana/lease/{table:016x}/"),
+            table,
+            generation,
         }
     }
 }

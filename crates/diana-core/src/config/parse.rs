@@ -56,6 +56,8 @@ const fn nonzero(value: u32) -> NonZeroU32 {
 
 /// Seed of rule ids.
 const RULE_SEED: u64 = 0x6469_616e_615f_7275; // "diana_ru"
+/// Seed of a rule's table id ([`RuleKeys`]).
+const TABLE_SEED: u64 = 0x6469_616e_615f_7462; // "diana_tb"
 
 /// Parses and validates a Diana document (YAML or JSON, any form of DESIGN §3).
 pub fn parse_policy(text: &str) -> Result<Policy, ConfigError> {
@@ -661,12 +663,12 @@ fn build(collected: Collected) -> Result<Policy, Refusal> {
     let mut written = Vec::with_capacity(collected.blocks.len());
     for (block, site) in collected.blocks.into_iter().zip(collected.sites) {
         let url = block.url.0;
-        let mut bases = Vec::with_capacity(block.rules.len());
+        let mut seen = Seen::default();
         let mut rules = Vec::with_capacity(block.rules.len());
         for (index, raw) in block.rules.into_iter().enumerate() {
             let at = site.key("rules").index(index);
             rules.push(build_rule(
-                &url, index, raw, &actors, &global, &mut bases, &at,
+                &url, index, raw, &actors, &global, &mut seen, &at,
             )?);
         }
         written.push((Resource { url, rules }, site));
@@ -812,7 +814,7 @@ fn build_rule(
     raw: RawRule,
     actors: &ActorRegistry,
     global: &GlobalSpec,
-    bases: &mut Vec<u64>,
+    seen: &mut Seen,
     site: &Site,
 ) -> Result<Rule, Refusal> {
     let refuse = |field: &[&str], kind: ConfigErrorKind| {
@@ -967,9 +969,21 @@ fn build_rule(
             scope.name().as_bytes(),
         ],
     );
-    let occurrence = bases.iter().filter(|&&seen| seen == base).count() as u64;
-    bases.push(base);
-    let id = hash_parts(RULE_SEED, &[&base.to_le_bytes(), &occurrence.to_le_bytes()]);
+    let id = seen.distinct(base);
+    // Where the counters live: what an edit of the limit leaves alone, so that a config
+    // center tuning `rpu` reuses the key names (Envoy never frees one) — the rule's name
+    // when it has one, else its place among the block's rules of the same actor.
+    let table = seen.distinct(hash_parts(
+        TABLE_SEED,
+        &[
+            url.as_bytes(),
+            canonical.as_bytes(),
+            def.spec.as_bytes(),
+            &slots.get().to_le_bytes(),
+            scope.name().as_bytes(),
+            raw.name.as_ref().map_or(&b""[..], |name| name.0.as_bytes()),
+        ],
+    ));
 
     let name = raw
         .name
@@ -993,6 +1007,19 @@ fn build_rule(
         response_cost,
         max_wait: max_wait_seconds * NANOS_PER_SECOND,
         dry_run: raw.dry_run.unwrap_or(false),
-        keys: RuleKeys::of(id),
+        keys: RuleKeys::of(table, id),
     })
+}
+
+/// The hashes already given to a block's rules: a repeated one is told apart by how many
+/// times it came before (identical rules keep counters of their own).
+#[derive(Default)]
+struct Seen(Vec<u64>);
+
+impl Seen {
+    fn distinct(&mut self, base: u64) -> u64 {
+        let occurrence = self.0.iter().filter(|&&seen| seen == base).count() as u64;
+        self.0.push(base);
+        hash_parts(RULE_SEED, &[&base.to_le_bytes(), &occurrence.to_le_bytes()])
+    }
 }

@@ -3,7 +3,8 @@
 //! gateway spends them without a callout, and the service's denials, cached until they can
 //! change.
 //!
-//! One record per (rule, slot), `diana/lease/<rule id>/<slot>`, with [`WAYS`] ways; a way
+//! One record per (rule, slot), `diana/lease/<table>/<slot>` (sealed with the rule's
+//! generation, [`crate::config::RuleKeys`]), with [`WAYS`] ways; a way
 //! belongs to one identity (its full fingerprint) and holds its tokens left, until when
 //! they may be spent, until when it is known to be denied and when its limit recovers, and
 //! what the gateway learnt of its spending rate. An identity uses the way that holds its
@@ -344,49 +345,51 @@ impl Stash {
             }
         }
         let key: Rc<str> = Stash::key(rule, address).into();
-        let result = self.store.update(host, &key, |current| {
-            let mut record = Record::decode(current);
-            let Some(lease) = record.own(address.fingerprint) else {
-                return (None, (Take::Ask { spend_rate: 0 }, 0, 0));
-            };
-            if lease.tokens >= cost && ahead(lease.valid_until, now, rule) {
-                let spare = lease.tokens - cost;
-                let batch = if spare >= 2 * SHARE {
-                    (spare / STASH_SHARE).min(MAX_BATCH)
-                } else {
-                    0
+        let result = self
+            .store
+            .update_for(host, &key, rule.keys.generation, |current| {
+                let mut record = Record::decode(current);
+                let Some(lease) = record.own(address.fingerprint) else {
+                    return (None, (Take::Ask { spend_rate: 0 }, 0, 0));
                 };
-                lease.tokens -= cost + batch;
-                lease.spent = lease.spent.saturating_add(cost + batch);
-                let receipt = StashReceipt {
-                    rule: rule.index,
-                    key: Rc::clone(&key),
-                    fingerprint: address.fingerprint,
-                    tokens: cost,
-                    valid_until: lease.valid_until,
-                    from_batch: false,
-                };
-                let until = lease.valid_until;
-                let refill = refill_mark(rule, lease.spend_rate)
-                    .filter(|mark| lease.tokens <= *mark)
-                    .map(|_| RefillOrder {
-                        spend_rate: lease.spend_rate,
-                    });
-                return (
-                    Some(record.encode()),
-                    (Take::Served(receipt, refill), batch, until),
-                );
-            }
-            if ahead(lease.denied_until, now, rule) {
-                let denied = Take::Denied {
-                    retry_at: lease.denied_until,
-                    reset_at: lease.reset_at,
-                };
-                return (None, (denied, 0, 0));
-            }
-            let spend_rate = lease.spend_rate;
-            (None, (Take::Ask { spend_rate }, 0, 0))
-        });
+                if lease.tokens >= cost && ahead(lease.valid_until, now, rule) {
+                    let spare = lease.tokens - cost;
+                    let batch = if spare >= 2 * SHARE {
+                        (spare / STASH_SHARE).min(MAX_BATCH)
+                    } else {
+                        0
+                    };
+                    lease.tokens -= cost + batch;
+                    lease.spent = lease.spent.saturating_add(cost + batch);
+                    let receipt = StashReceipt {
+                        rule: rule.index,
+                        key: Rc::clone(&key),
+                        fingerprint: address.fingerprint,
+                        tokens: cost,
+                        valid_until: lease.valid_until,
+                        from_batch: false,
+                    };
+                    let until = lease.valid_until;
+                    let refill = refill_mark(rule, lease.spend_rate)
+                        .filter(|mark| lease.tokens <= *mark)
+                        .map(|_| RefillOrder {
+                            spend_rate: lease.spend_rate,
+                        });
+                    return (
+                        Some(record.encode()),
+                        (Take::Served(receipt, refill), batch, until),
+                    );
+                }
+                if ahead(lease.denied_until, now, rule) {
+                    let denied = Take::Denied {
+                        retry_at: lease.denied_until,
+                        reset_at: lease.reset_at,
+                    };
+                    return (None, (denied, 0, 0));
+                }
+                let spend_rate = lease.spend_rate;
+                (None, (Take::Ask { spend_rate }, 0, 0))
+            });
         let Ok((take, batch, until)) = result else {
             return Take::Ask { spend_rate: 0 };
         };
@@ -627,15 +630,17 @@ impl Stash {
             // The lease ended: the tokens lapsed with it.
             return;
         }
-        let result = self.store.update(host, &receipt.key, |current| {
-            let mut record = Record::decode(current);
-            let Some(lease) = record.place(receipt.fingerprint, now, rule) else {
-                return (None, false);
-            };
-            lease.tokens = lease.tokens.saturating_add(receipt.tokens);
-            lease.valid_until = lease.valid_until.max(receipt.valid_until);
-            (Some(record.encode()), true)
-        });
+        let result = self
+            .store
+            .update_for(host, &receipt.key, rule.keys.generation, |current| {
+                let mut record = Record::decode(current);
+                let Some(lease) = record.place(receipt.fingerprint, now, rule) else {
+                    return (None, false);
+                };
+                lease.tokens = lease.tokens.saturating_add(receipt.tokens);
+                lease.valid_until = lease.valid_until.max(receipt.valid_until);
+                (Some(record.encode()), true)
+            });
         match result {
             Ok(true) => {}
             Ok(false) => self.hold(rule, receipt, now),
@@ -657,14 +662,16 @@ impl Stash {
         change: impl Fn(&mut Way),
     ) -> bool {
         let key = Stash::key(rule, address);
-        let result = self.store.update(host, &key, |current| {
-            let mut record = Record::decode(current);
-            let Some(lease) = record.place(address.fingerprint, now, rule) else {
-                return (None, false);
-            };
-            change(lease);
-            (Some(record.encode()), true)
-        });
+        let result = self
+            .store
+            .update_for(host, &key, rule.keys.generation, |current| {
+                let mut record = Record::decode(current);
+                let Some(lease) = record.place(address.fingerprint, now, rule) else {
+                    return (None, false);
+                };
+                change(lease);
+                (Some(record.encode()), true)
+            });
         match result {
             Ok(placed) => placed,
             Err(error) => {
@@ -732,7 +739,12 @@ mod tests {
         stash.keep(&host, rule, b, grant(7), T0);
         stash.deny(&host, rule, b, T0 + 30 * S, T0 + 40 * S, T0);
         let key = Stash::key(rule, a);
-        let payload = stash.store.read(&host, &key).unwrap().unwrap();
+        let generation = rule.keys.generation;
+        let payload = stash
+            .store
+            .read_for(&host, &key, generation)
+            .unwrap()
+            .unwrap();
         let record = Record::decode(Some(&payload));
         assert_eq!(Record::decode(Some(&record.encode())), record);
         let [first, second] = record.ways;

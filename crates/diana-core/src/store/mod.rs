@@ -239,24 +239,74 @@ impl SlotAddress {
     }
 }
 
-/// The check a record of `key` carries in its first 8 bytes (never 0).
-pub fn key_check(key: &str) -> u64 {
-    hash64(KEY_CHECK_SEED, key.as_bytes()) | 1
+/// Which writing of a key a record belongs to: the key names of a rule's table outlive an
+/// edit of its limit ([`crate::config::RuleKeys`]), so its records carry the rule's id and
+/// a record of another generation reads as free. Records of one meaning use
+/// [`ONLY_GENERATION`].
+pub type Generation = u64;
+
+/// The generation of records whose key has one meaning (breaker, remote, lifecycle, ...).
+pub const ONLY_GENERATION: Generation = 0;
+
+/// The check a record of `key` written for `generation` carries in its first 8 bytes: the
+/// key's half (low 32 bits, never 0) tells Diana's own records from another key's sharing
+/// the entry (nginx: same CRC32), the generation's half (high 32 bits) the current
+/// writing from an earlier one.
+pub fn key_check(key: &str, generation: Generation) -> u64 {
+    let key_half = (hash64(KEY_CHECK_SEED, key.as_bytes()) & 0xffff_ffff) | 1;
+    let generation_half = hash64(KEY_CHECK_SEED, &generation.to_le_bytes()) & !0xffff_ffff;
+    generation_half | key_half
 }
 
-/// A record of `key` with `payload`: the key check, then the payload.
+/// A record of `key` with `payload`, of the [`ONLY_GENERATION`].
 pub fn seal(key: &str, payload: &[u8]) -> Vec<u8> {
+    seal_for(key, ONLY_GENERATION, payload)
+}
+
+/// A record of `key` written for `generation`: the key check, then the payload.
+pub fn seal_for(key: &str, generation: Generation, payload: &[u8]) -> Vec<u8> {
     let mut bytes = Vec::with_capacity(8 + payload.len());
-    bytes.extend_from_slice(&key_check(key).to_le_bytes());
+    bytes.extend_from_slice(&key_check(key, generation).to_le_bytes());
     bytes.extend_from_slice(payload);
     bytes
 }
 
-/// The payload of a record of `key`; `None` when the bytes are not a record of this key
-/// (another key sharing the entry, an empty or released value, garbage).
+/// What the bytes stored at a key are, for one generation of its records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sealed<'b> {
+    /// A record of this key and generation: its payload.
+    Current(&'b [u8]),
+    /// Diana's record of this key, written for another generation (a rule since edited).
+    Stale,
+    /// No record: an empty (released) value, or too short to be one.
+    Empty,
+    /// Another key's record sharing the entry, or garbage.
+    Foreign,
+}
+
+/// Reads the bytes stored at `key` as a record of `generation`.
+pub fn unseal<'b>(key: &str, generation: Generation, bytes: &'b [u8]) -> Sealed<'b> {
+    let Some((check, payload)) = bytes.split_first_chunk::<8>() else {
+        return Sealed::Empty;
+    };
+    let check = u64::from_le_bytes(*check);
+    let expected = key_check(key, generation);
+    if check == expected {
+        Sealed::Current(payload)
+    } else if check & 0xffff_ffff == expected & 0xffff_ffff {
+        Sealed::Stale
+    } else {
+        Sealed::Foreign
+    }
+}
+
+/// The payload of a record of `key` of the [`ONLY_GENERATION`]; `None` when the bytes are
+/// not one (another key sharing the entry, an empty or released value, garbage).
 pub fn open<'b>(key: &str, bytes: &'b [u8]) -> Option<&'b [u8]> {
-    let (check, payload) = bytes.split_first_chunk::<8>()?;
-    (u64::from_le_bytes(*check) == key_check(key)).then_some(payload)
+    match unseal(key, ONLY_GENERATION, bytes) {
+        Sealed::Current(payload) => Some(payload),
+        Sealed::Stale | Sealed::Empty | Sealed::Foreign => None,
+    }
 }
 
 /// Reads a `u64` kept as 8 little-endian bytes; anything else (missing, another size)
@@ -269,7 +319,7 @@ pub fn decode_u64(bytes: Option<&[u8]>) -> u64 {
 }
 
 /// The shared-data key of one slot of a rule, from the rule's key prefix
-/// ([`crate::config::RuleKeys`]): `diana/<rule id>/<slot>`. Printable, fixed shape, bounded
+/// ([`crate::config::RuleKeys`]): `diana/<table>/<slot>`. Printable, fixed shape, bounded
 /// length; every key starts with `diana/` (ngx_wasm_module stores `ns/key` in the
 /// `shm_kv ns` zone). Built without the formatting machinery: this runs for every rule of
 /// every request.
@@ -368,6 +418,8 @@ impl Record {
 pub struct SlotTable<'a> {
     /// The rule's slot key prefix ([`crate::config::RuleKeys::slots`]).
     pub key_prefix: &'a str,
+    /// What its records are sealed with ([`crate::config::RuleKeys::generation`]).
+    pub generation: Generation,
     pub algo: &'a dyn Algorithm,
     pub limit: &'a Limit,
     /// The longest an admitted request may wait for its turn (leaky bucket). A request
@@ -525,7 +577,12 @@ impl Store {
                 // its records are never taken over anyway.)
                 if mine && !table.algo.waits() && now.saturating_sub(record.touched) >= VISIT_GAP {
                     record.touch(now);
-                    let _ = self.write(host, &key, &seal(&key, &record.encode()), cas);
+                    let _ = self.write(
+                        host,
+                        &key,
+                        &seal_for(&key, table.generation, &record.encode()),
+                        cas,
+                    );
                 }
                 return Ok(Charge {
                     verdict,
@@ -541,7 +598,13 @@ impl Store {
             if verdict.allowed() {
                 record.touch(now);
             }
-            if self.write(host, &key, &seal(&key, &record.encode()), cas)? == SetOutcome::Written {
+            if self.write(
+                host,
+                &key,
+                &seal_for(&key, table.generation, &record.encode()),
+                cas,
+            )? == SetOutcome::Written
+            {
                 let receipt = verdict.allowed().then_some(Receipt {
                     key,
                     holder: record.fingerprint,
@@ -567,7 +630,7 @@ impl Store {
         now: Instant,
     ) -> Result<(), ChargeError> {
         let words = table.algo.state_words(table.limit);
-        self.update(host, &receipt.key, |current| {
+        self.update_for(host, &receipt.key, table.generation, |current| {
             let Some(payload) = current else {
                 return (None, ());
             };
@@ -612,7 +675,13 @@ impl Store {
                 record.fingerprint = address.fingerprint;
             }
             record.touch(now);
-            if self.write(host, &key, &seal(&key, &record.encode()), cas)? == SetOutcome::Written {
+            if self.write(
+                host,
+                &key,
+                &seal_for(&key, table.generation, &record.encode()),
+                cas,
+            )? == SetOutcome::Written
+            {
                 return Ok(verdict);
             }
         }
@@ -627,19 +696,34 @@ impl Store {
         &self,
         host: &dyn SharedData,
         key: &str,
+        change: impl FnMut(Option<&[u8]>) -> (Option<Vec<u8>>, T),
+    ) -> Result<T, ChargeError> {
+        self.update_for(host, key, ONLY_GENERATION, change)
+    }
+
+    /// [`Store::update`] of a record of `generation`: a record of another generation is
+    /// seen as missing (`None`) and written over.
+    pub fn update_for<T>(
+        &self,
+        host: &dyn SharedData,
+        key: &str,
+        generation: Generation,
         mut change: impl FnMut(Option<&[u8]>) -> (Option<Vec<u8>>, T),
     ) -> Result<T, ChargeError> {
         for _ in 0..MAX_CAS_ATTEMPTS {
             let current = host.get(key)?;
             let (payload, cas) = match &current {
-                Some((bytes, cas)) => (open(key, bytes), Some(*cas)),
+                Some((bytes, cas)) => match unseal(key, generation, bytes) {
+                    Sealed::Current(payload) => (Some(payload), Some(*cas)),
+                    Sealed::Stale | Sealed::Empty | Sealed::Foreign => (None, Some(*cas)),
+                },
                 None => (None, None),
             };
             let (new_payload, result) = change(payload);
             let Some(new_payload) = new_payload else {
                 return Ok(result);
             };
-            let sealed = seal(key, &new_payload);
+            let sealed = seal_for(key, generation, &new_payload);
             let outcome = match (&current, cas) {
                 (Some((bytes, _)), Some(cas))
                     if self.strict_host.get() && sealed.len() > bytes.len() =>
@@ -663,21 +747,35 @@ impl Store {
 
     /// The payload of the sealed record at `key`, if there is one of this key.
     pub fn read(&self, host: &dyn SharedData, key: &str) -> Result<Option<Vec<u8>>, HostError> {
-        Ok(host
-            .get(key)?
-            .and_then(|(bytes, _)| open(key, &bytes).map(<[u8]>::to_vec)))
+        self.read_for(host, key, ONLY_GENERATION)
     }
 
-    /// Releases the record at `key` if it is one of Diana's records of this key (a
-    /// dropped rule's slot): nginx deletes it, Envoy keeps the key with no value. A
-    /// missing key stays missing (Envoy would create it).
+    /// The payload of the record at `key` of `generation`, if there is one.
+    pub fn read_for(
+        &self,
+        host: &dyn SharedData,
+        key: &str,
+        generation: Generation,
+    ) -> Result<Option<Vec<u8>>, HostError> {
+        Ok(host
+            .get(key)?
+            .and_then(|(bytes, _)| match unseal(key, generation, &bytes) {
+                Sealed::Current(payload) => Some(payload.to_vec()),
+                Sealed::Stale | Sealed::Empty | Sealed::Foreign => None,
+            }))
+    }
+
+    /// Releases the record at `key` if it is one of Diana's records of this key, of any
+    /// generation (a dropped table's slot): nginx deletes it, Envoy keeps the key with no
+    /// value. A missing key stays missing (Envoy would create it).
     pub fn clear(&self, host: &dyn SharedData, key: &str) -> Result<bool, HostError> {
         for _ in 0..MAX_CAS_ATTEMPTS {
             let Some((bytes, cas)) = host.get(key)? else {
                 return Ok(false);
             };
-            if open(key, &bytes).is_none() {
-                return Ok(false);
+            match unseal(key, ONLY_GENERATION, &bytes) {
+                Sealed::Current(_) | Sealed::Stale => {}
+                Sealed::Empty | Sealed::Foreign => return Ok(false),
             }
             if host.set(key, &[], cas)? == SetOutcome::Written {
                 return Ok(true);
@@ -791,12 +889,13 @@ impl Store {
     ) -> Result<Probe, HostError> {
         Ok(match host.get(key)? {
             None => Probe::Free(None),
-            Some((bytes, cas)) => match open(key, &bytes) {
-                // An empty (released) value is free; another key's record sharing the
-                // entry (nginx: same CRC32) is held, as long as it is not idle garbage.
-                None if bytes.len() < 8 => Probe::Free(Some(cas)),
-                None => Probe::Foreign(cas),
-                Some(payload) => {
+            Some((bytes, cas)) => match unseal(key, table.generation, &bytes) {
+                // An empty (released) value is free, and so is a record of the rule's
+                // table written under other parameters (an edited rule starts afresh);
+                // another key's record sharing the entry (nginx: same CRC32) is held.
+                Sealed::Empty | Sealed::Stale => Probe::Free(Some(cas)),
+                Sealed::Foreign => Probe::Foreign(cas),
+                Sealed::Current(payload) => {
                     let record = Record::decode(payload, words);
                     if record.fingerprint == address.fingerprint {
                         Probe::Mine(record, cas)

@@ -66,7 +66,7 @@ impl Algorithm for CountUpTo {
 }
 
 fn prefix(rule_id: u64) -> String {
-    crate::config::RuleKeys::of(rule_id).slots
+    crate::config::RuleKeys::of(rule_id, ONLY_GENERATION).slots
 }
 
 fn slot_key(rule_id: u64, slot: u32) -> String {
@@ -111,6 +111,7 @@ fn sequential_requests_admit_exactly_the_limit_on_both_hosts() {
         let limit = limit(20);
         let table = SlotTable {
             key_prefix: &prefix(7),
+            generation: ONLY_GENERATION,
             algo: &CountUpTo,
             limit: &limit,
             max_delay: u64::MAX,
@@ -140,6 +141,7 @@ fn concurrent_workers_share_one_counter_on_both_hosts() {
                         let store = Store::new();
                         let table = SlotTable {
                             key_prefix: &prefix(round),
+                            generation: ONLY_GENERATION,
                             algo: &CountUpTo,
                             limit: &limit,
                             max_delay: u64::MAX,
@@ -184,6 +186,7 @@ fn creating_a_key_never_overwrites_a_competitors_creation() {
         let limit = limit(20);
         let table = SlotTable {
             key_prefix: &prefix(1),
+            generation: ONLY_GENERATION,
             algo: &CountUpTo,
             limit: &limit,
             max_delay: u64::MAX,
@@ -217,6 +220,7 @@ fn memory_is_bounded_by_the_slot_table_whatever_identities_arrive() {
     let limit = limit(10);
     let table = SlotTable {
         key_prefix: &prefix(3),
+        generation: ONLY_GENERATION,
         algo: &CountUpTo,
         limit: &limit,
         max_delay: u64::MAX,
@@ -251,6 +255,7 @@ fn a_busy_slot_is_shared_conservatively_and_an_idle_one_is_reused() {
     let limit = limit(3);
     let table = SlotTable {
         key_prefix: &prefix(9),
+        generation: ONLY_GENERATION,
         algo: &CountUpTo,
         limit: &limit,
         max_delay: u64::MAX,
@@ -296,6 +301,7 @@ fn an_identity_finds_its_record_in_the_second_slot_before_claiming_the_first() {
     let limit = limit(2);
     let table = SlotTable {
         key_prefix: &prefix(5),
+        generation: ONLY_GENERATION,
         algo: &CountUpTo,
         limit: &limit,
         max_delay: u64::MAX,
@@ -327,6 +333,7 @@ fn garbage_in_a_slot_is_reclaimed_not_trusted() {
         let limit = limit(2);
         let table = SlotTable {
             key_prefix: &prefix(4),
+            generation: ONLY_GENERATION,
             algo: &CountUpTo,
             limit: &limit,
             max_delay: u64::MAX,
@@ -345,6 +352,7 @@ fn rejected_requests_write_nothing() {
     let limit = limit(1);
     let table = SlotTable {
         key_prefix: &prefix(8),
+        generation: ONLY_GENERATION,
         algo: &CountUpTo,
         limit: &limit,
         max_delay: u64::MAX,
@@ -382,6 +390,7 @@ fn endless_contention_is_bounded() {
     let limit = limit(1_000_000);
     let table = SlotTable {
         key_prefix: &prefix(2),
+        generation: ONLY_GENERATION,
         algo: &CountUpTo,
         limit: &limit,
         max_delay: u64::MAX,
@@ -408,6 +417,7 @@ fn a_release_gives_back_to_the_holder_only() {
         let limit = limit(3);
         let table = SlotTable {
             key_prefix: &prefix(12),
+            generation: ONLY_GENERATION,
             algo: &CountUpTo,
             limit: &limit,
             max_delay: u64::MAX,
@@ -466,6 +476,7 @@ fn another_keys_record_in_the_same_entry_is_not_trusted() {
     let (one, two) = (prefix(21), prefix(22));
     let table = |key_prefix| SlotTable {
         key_prefix,
+        generation: ONLY_GENERATION,
         algo: &CountUpTo,
         limit: &limit,
         max_delay: u64::MAX,
@@ -519,6 +530,7 @@ fn an_evicted_record_is_created_again_race_free() {
     let limit = limit(1_000);
     let table = SlotTable {
         key_prefix: &prefix(31),
+        generation: ONLY_GENERATION,
         algo: &CountUpTo,
         limit: &limit,
         max_delay: u64::MAX,
@@ -561,6 +573,7 @@ fn a_released_key_is_cleared_on_both_hosts() {
         let limit = limit(2);
         let table = SlotTable {
             key_prefix: &prefix(41),
+            generation: ONLY_GENERATION,
             algo: &CountUpTo,
             limit: &limit,
             max_delay: u64::MAX,
@@ -602,6 +615,7 @@ fn one_counter_rules_whose_slots_collide_keep_their_own_counts() {
     let (one, two) = (prefix(51), prefix(52));
     let table = |key_prefix| SlotTable {
         key_prefix,
+        generation: ONLY_GENERATION,
         algo: &CountUpTo,
         limit: &limit,
         max_delay: u64::MAX,
@@ -655,6 +669,7 @@ fn newcomers_under_a_flood(eviction: Eviction) -> Vec<usize> {
     let (algo, limit) = bucket(5);
     let table = SlotTable {
         key_prefix: &prefix(61),
+        generation: ONLY_GENERATION,
         algo,
         limit: &limit,
         max_delay: 0,
@@ -719,6 +734,7 @@ fn a_held_slot_is_taken_over_with_a_fresh_counter_but_a_leaky_buckets_never() {
     let (algo, limit) = bucket(5);
     let table = SlotTable {
         key_prefix: &prefix(62),
+        generation: ONLY_GENERATION,
         algo,
         limit: &limit,
         max_delay: 0,
@@ -762,6 +778,7 @@ fn a_held_slot_is_taken_over_with_a_fresh_counter_but_a_leaky_buckets_never() {
     let leaky = crate::algo::lookup("LB").unwrap();
     let table = SlotTable {
         key_prefix: &prefix(63),
+        generation: ONLY_GENERATION,
         algo: leaky,
         limit: &limit,
         max_delay: u64::MAX,
@@ -800,6 +817,7 @@ fn a_takeover_never_replaces_a_record_under_its_holders_charge() {
     let (algo, limit) = bucket(5);
     let table = SlotTable {
         key_prefix: &prefix(65),
+        generation: ONLY_GENERATION,
         algo,
         limit: &limit,
         max_delay: 0,
@@ -849,6 +867,7 @@ fn a_refused_client_that_insists_keeps_its_record_a_quiet_one_is_flushed() {
     let (algo, limit) = bucket(5);
     let table = SlotTable {
         key_prefix: &prefix(64),
+        generation: ONLY_GENERATION,
         algo,
         limit: &limit,
         max_delay: 0,
@@ -904,6 +923,7 @@ fn concurrent_workers_count_a_newcomer_exactly_in_a_full_table() {
             {
                 let table = SlotTable {
                     key_prefix: &key_prefix,
+                    generation: ONLY_GENERATION,
                     algo,
                     limit: &limit,
                     max_delay: 0,
@@ -921,6 +941,7 @@ fn concurrent_workers_count_a_newcomer_exactly_in_a_full_table() {
                         let store = Store::new();
                         let table = SlotTable {
                             key_prefix: &key_prefix,
+                            generation: ONLY_GENERATION,
                             algo,
                             limit: &limit,
                             max_delay: 0,
