@@ -95,8 +95,23 @@ def test_rpu_zero_is_refused_with_field_and_position(procs, upstream, host):
         # What the quota service would refuse is refused at load (DESIGN §3).
         ("Url: /\nrules:\n  - {rpu: 5, scope: global, lease: 200000}\n", ["lease", "100000"]),
         ("Url: /\nrules:\n  - {rpu: 100, scope: global, cost: 20}\n", ["lease"]),
+        # Issue 22, item 4: each was accepted before (null read as the default, two
+        # `resources:` lists merged, a lease that means nothing on a local rule).
+        ("Url: /\nrules:\n  - rpu: 5\n    name:\n", ["rules[0].name: null where a value is expected"]),
+        ("resources: [{Url: /, rules: [{rpu: 5}]}]\n---\nresources: [{Url: /a, rules: [{rpu: 5}]}]\n", ["section `resources` is already given"]),
+        ("Url: /\nrules:\n  - {rpu: 5, lease: 10}\n", ["rules[0].lease: lease applies to scope: global rules only"]),
     ],
-    ids=["unknown-key", "url-without-slash", "bad-algo", "duplicate-resource", "lease-too-large", "cost-above-lease"],
+    ids=[
+        "unknown-key",
+        "url-without-slash",
+        "bad-algo",
+        "duplicate-resource",
+        "lease-too-large",
+        "cost-above-lease",
+        "null-name",
+        "resources-twice",
+        "lease-on-local-rule",
+    ],
 )
 def test_bad_documents_are_refused(procs, upstream, host, doc, field):
     """`field`: the message must name one of these (case-insensitive)."""
