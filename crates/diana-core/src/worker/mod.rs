@@ -24,6 +24,8 @@
 //!                                 metrics, sweeps; then parked and waiting requests
 //!   on_response_headers ───▶ on_response_headers ── response costs, AddHeaders
 //!   context deleted ───────▶ on_context_gone ── give back what a paused request held
+//!                                 (on nginx, one gone before its own call answered: the
+//!                                 host runs paused requests on, see `unheld.rs`)
 //! ```
 //!
 //! A request's life in the worker (`requests[context]`, absent when nothing is left):
@@ -440,7 +442,8 @@ impl Worker {
 
     /// The host deleted a request's context (it ended, or its client went away): what a
     /// paused request held is given back, and the requests parked behind its call plan
-    /// again.
+    /// again. On a host that holds paused requests only with a directive, one deleted
+    /// before its own call answered shows the directive missing (`unheld.rs`).
     pub fn on_context_gone(&mut self, host: &dyn Host, context: ContextId) -> Step {
         let Some(request) = self.requests.remove(&context) else {
             return Step::default();
