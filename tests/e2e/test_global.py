@@ -222,14 +222,18 @@ actors:
         resps = spread(gateways, 60, headers={"x-tenant-id": tenant})
         if degraded() != before:
             skipped.append(tenant)
-            wait_until(
-                lambda: all(
-                    harness.metric_sum(g.diana_metrics(settle=0), "diana_global_degraded", exclude=("requests",)) == 0
+
+            def global_again() -> bool:
+                # The breaker closes on a probe, and only a request makes one: each check
+                # sends one (a tenant of its own, never judged).
+                for g in gateways:
+                    harness.request(g.port, "/", {"x-tenant-id": "probe"}, timeout=5.0)
+                return all(
+                    harness.metric_sum(g.diana_metrics(), "diana_global_degraded", exclude=("requests",)) == 0
                     for g in gateways
-                ),
-                30,
-                "both gateways global again",
-            )
+                )
+
+            wait_until(global_again, 30, "both gateways global again")
             continue
         assert statuses(resps) == {200: 25, 429: 35}, (tenant, statuses(resps))
         total += admitted(resps)

@@ -91,6 +91,10 @@ pub enum DispatchError {
     /// The upstream is not `host:port`, which this host needs (a malformed one traps
     /// inside ngx_wasm_module's dispatch).
     NotHostPort { upstream: String },
+    /// Not sent: this host would not hold the request paused for the answer without the
+    /// configuration line `needs` (see `HostProfile::pausing_needs`). The service is not
+    /// at fault: the request is decided locally, the breaker stays as it is.
+    CannotPause { needs: &'static str },
 }
 
 impl fmt::Display for DispatchError {
@@ -104,6 +108,9 @@ impl fmt::Display for DispatchError {
                     f,
                     "upstream {upstream:?} is not host:port, which this host needs"
                 )
+            }
+            DispatchError::CannotPause { needs } => {
+                write!(f, "this host holds no paused request without `{needs}`")
             }
         }
     }

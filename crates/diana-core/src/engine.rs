@@ -20,7 +20,7 @@ use crate::global::debts::Debt;
 use crate::global::flights::RiderId;
 use crate::global::stash::StashReceipt;
 use crate::global::{
-    Admission, Asked, Denial, Global, GlobalCharge, Interpretation, Payment, Plan,
+    Admission, Asked, Denial, Global, GlobalCharge, Interpretation, Payment, Plan, Release,
 };
 use crate::local::{Local, LocalCharge, Taken};
 use crate::matching;
@@ -449,18 +449,34 @@ impl Engine {
         self.global.has_riders()
     }
 
-    /// A paused request is gone (its client went away): what it had charged is given
-    /// back, and the requests parked behind its callout plan again.
-    pub(crate) fn abandon(&self, host: &dyn SharedData, pending: Pending, now: Option<Instant>) {
-        let Some(now) = now else {
-            return;
-        };
+    /// A paused request is gone (its client went away) and the answer to its call will
+    /// never be read: what it had charged is given back, the requests parked behind its
+    /// callout plan again, and the call that releases what the service granted it is
+    /// returned, to send (see [`crate::global::Global::abandon_call`]).
+    pub(crate) fn abandon(
+        &self,
+        host: &dyn SharedData,
+        pending: Pending,
+        now: Option<Instant>,
+    ) -> Option<Release> {
+        let now = now?;
         let PendingState { held, stage, .. } = *pending.0;
-        match stage {
+        let release = match stage {
             Stage::Asked(asked) => self.global.abandon_call(host, &self.policy, asked, now),
-            Stage::Parked { rider, .. } => self.global.leave(rider),
-        }
+            Stage::Parked { rider, .. } => {
+                self.global.leave(rider);
+                None
+            }
+        };
         self.give_back_held(host, &held, now, &mut NoMetrics);
+        release
+    }
+
+    /// A release sent by [`Engine::abandon`]'s caller was answered.
+    pub(crate) fn released(&self, host: &dyn SharedData, release: &Release, now: Option<Instant>) {
+        if let Some(now) = now {
+            self.global.released(host, &self.policy, release, now);
+        }
     }
 
     /// The answer to the call of a request that is gone (see [`Engine::abandon`] for one
@@ -478,8 +494,12 @@ impl Engine {
         let Some(now) = now else {
             // Without a clock nothing is written; the call is settled all the same.
             metrics.event(Event::ClockError);
+            // The answer came: the service keeps what it granted (unspent, as when a
+            // clock-less gateway is answered); there is nothing to release.
             match stage {
-                Stage::Asked(asked) => self.global.abandon_call(host, &self.policy, asked, 0),
+                Stage::Asked(asked) => {
+                    let _ = self.global.abandon_call(host, &self.policy, asked, 0);
+                }
                 Stage::Parked { rider, .. } => self.global.leave(rider),
             }
             return;

@@ -65,6 +65,9 @@ pub enum Event {
     GlobalCoalesced,
     /// A stash running low was refilled ahead by a call of the worker's own.
     RefillAhead,
+    /// A release was sent for the call of a request that went away before its answer
+    /// (the host dropped the answer): what the service granted it goes back.
+    GlobalReleased,
     /// A new configuration was applied (local or remote).
     ConfigReload,
     /// A configuration document was refused.
@@ -77,7 +80,7 @@ pub enum Event {
 }
 
 impl Event {
-    pub const ALL: [Event; 19] = [
+    pub const ALL: [Event; 20] = [
         Event::StoreError,
         Event::StoreContention,
         Event::ClockError,
@@ -93,6 +96,7 @@ impl Event {
         Event::CachedDenial,
         Event::GlobalCoalesced,
         Event::RefillAhead,
+        Event::GlobalReleased,
         Event::ConfigReload,
         Event::ConfigRejected,
         Event::ConfigFetchError,
@@ -116,6 +120,7 @@ impl Event {
             Event::CachedDenial => "diana_global_cached_denials",
             Event::GlobalCoalesced => "diana_global_coalesced",
             Event::RefillAhead => "diana_global_refills_ahead",
+            Event::GlobalReleased => "diana_global_releases",
             Event::ConfigReload => "diana_config_reloads",
             Event::ConfigRejected => "diana_config_rejected",
             Event::ConfigFetchError => "diana_config_fetch_errors",

@@ -6,6 +6,7 @@
 //! POST /v1/acquire   {"rules":[{"key":"…","algo":"TB","rpu":10,"unit":"second","burst":10,"slices":10,"want":1,"cost":1}]}
 //! 200                {"results":[{"allowed":true,"granted":1,"remaining":9,"reset_ms":100,"retry_after_ms":0,"delay_ms":0}]}
 //! POST /v1/charge    {"rules":[{"key":"…","algo":"TB","rpu":10,"unit":"second","burst":10,"slices":10,"want":250}]}
+//! POST /v1/release   {"call":"9f2c…","rules":[…the rules of that acquire…]}
 //! 400 / 413 / 415 / 503   {"error":"rules[2].rpu: must be ≥ 1"}
 //! ```
 //!
@@ -26,6 +27,13 @@ pub const WAIT_PATH: &str = "/v1/wait";
 /// Charges response costs: every rule is charged `want` tokens unconditionally (past the
 /// limit if need be: the identity then owes them). Algorithms without debts are refused.
 pub const CHARGE_PATH: &str = "/v1/charge";
+/// Gives back what the acquire with the same `call` id granted: its gateway request went
+/// away before the answer came (the host dropped the answer), so nobody will spend it.
+/// Sent after the acquire, it may still arrive first: the grant is then given back as
+/// soon as it is made.
+pub const RELEASE_PATH: &str = "/v1/release";
+/// Longest `call` id, in bytes (`[A-Za-z0-9_-]`).
+pub const MAX_CALL_ID_BYTES: usize = 64;
 /// Request header carrying the gateway's callout timeout in milliseconds: the service
 /// answers (503 at worst) before it, so that no charge lands after the gateway gave up.
 pub const TIMEOUT_HEADER: &str = "x-diana-timeout-ms";
@@ -58,6 +66,11 @@ pub const MAX_TOTAL_WANT: u64 = 1_000_000;
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AcquireRequest {
     pub rules: Vec<RuleRequest>,
+    /// The gateway's id of this call, unique among its calls (at most
+    /// [`MAX_CALL_ID_BYTES`] of `[A-Za-z0-9_-]`): with it, the service remembers what it
+    /// granted for a while, so that [`RELEASE_PATH`] can give it back.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub call: Option<String>,
 }
 
 /// One rule of an [`AcquireRequest`]: which counter, its limit, and how many tokens.
@@ -124,6 +137,13 @@ pub struct RuleResult {
     /// reserved). The `i`-th token of a lease (from 0) leaves at `delay_ms + i·unit/rpu`.
     #[serde(default)]
     pub delay_ms: u64,
+}
+
+/// The answer to a release: whether a grant was given back (`false`: none was known yet —
+/// the acquire will give its grant back when it comes — or the call was forgotten).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReleaseResponse {
+    pub released: bool,
 }
 
 /// The body of every non-200 answer.
@@ -358,8 +378,25 @@ fn is_key_char(c: char) -> bool {
 }
 
 impl AcquireRequest {
+    /// A request for `rules`, with no call id.
+    pub fn new(rules: Vec<RuleRequest>) -> AcquireRequest {
+        AcquireRequest { rules, call: None }
+    }
+
     /// Checks every limit of the format and resolves each rule, in order.
     pub fn resolve(&self) -> Result<Vec<ResolvedRule<'_>>, String> {
+        if let Some(call) = &self.call {
+            let valid = !call.is_empty()
+                && call.len() <= MAX_CALL_ID_BYTES
+                && call
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+            if !valid {
+                return Err(format!(
+                    "call: 1 to {MAX_CALL_ID_BYTES} characters of [A-Za-z0-9_-]"
+                ));
+            }
+        }
         if self.rules.is_empty() {
             return Err("rules: must contain at least one rule".to_string());
         }
@@ -541,7 +578,7 @@ mod tests {
     type Mutation = Box<dyn Fn(&mut RuleRequest)>;
 
     fn request(rules: Vec<RuleRequest>) -> AcquireRequest {
-        AcquireRequest { rules }
+        AcquireRequest::new(rules)
     }
 
     #[test]

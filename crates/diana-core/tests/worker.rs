@@ -146,6 +146,32 @@ proptest! {
         end_all(&mut sim, 2);
     }
 
+    /// Issue 20.5: `lease: 1` stays exact when clients leave mid-call. The host drops the
+    /// answer to a gone request's own call, so what the service granted it (its token, and
+    /// those of the requests parked behind it) was lost before: the budget ended short.
+    /// Now the worker releases that call from its next tick, and once everything settles,
+    /// patient clients find exactly what is left: the requests admitted over the whole
+    /// run add up to the limit.
+    #[test]
+    fn lease_1_stays_exact_when_clients_leave_mid_call(
+        ops in ops(2),
+        latency in 1u64..60,
+        envoy in any::<bool>(),
+    ) {
+        let profile = if envoy { HostProfile::ENVOY } else { HostProfile::NGINX };
+        let limit = 10;
+        let mut sim = sim(profile, &global(limit, 1), 2, Service::Answers(latency * MS));
+        run(&mut sim, &ops);
+        for n in 0..limit + 5 {
+            sim.send(n as usize % 2, "10.0.0.9", &[(":path", "/")]);
+            sim.advance(Duration::from_millis(latency + 5));
+        }
+        sim.advance(Duration::from_secs(2));
+        prop_assert_eq!(admitted(&sim), limit as usize);
+        prop_assert_eq!(paused(&sim), 0);
+        prop_assert_eq!(&sim.violations, &Vec::new());
+    }
+
     /// A local leaky bucket of 10/s spaces the requests it admits by 100 ms on a host that
     /// can hold them, whatever the arrival schedule; elsewhere the waits are refused.
     #[test]
@@ -427,14 +453,18 @@ fn a_grant_for_a_client_that_left_serves_the_next_request() {
     assert_eq!(sim.fate(rider), Some(&Fate::Paused));
     sim.end(rider);
     sim.advance(Duration::from_millis(100));
-    assert_eq!(sim.quota_calls(), 2, "the leader's call and the rider's");
+    assert_eq!(
+        sim.quota_calls(),
+        3,
+        "the leader's call, its release and the rider's call"
+    );
     let next = sim.send(0, "10.0.0.1", &[(":path", "/")]);
     assert!(
         matches!(sim.fate(next), Some(Fate::Admitted(_))),
         "served at once from the rider's token: {:?}",
         sim.fate(next)
     );
-    assert_eq!(sim.quota_calls(), 2);
+    assert_eq!(sim.quota_calls(), 3);
     assert!(sim.violations.is_empty(), "{:?}", sim.violations);
 }
 

@@ -22,7 +22,7 @@
 
 use crate::auth::{Auth, SCHEME};
 use crate::metrics::{self, Metrics};
-use crate::store::{Outcome, Store, StoreError};
+use crate::store::{Grant, Noted, Outcome, Store, StoreError};
 use axum::body::Body;
 use axum::extract::{MatchedPath, Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
@@ -31,7 +31,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use diana_core::global::wire::{
-    self, AcquireRequest, AcquireResponse, ErrorResponse, ResolvedRule, RuleResult,
+    self, AcquireRequest, AcquireResponse, ErrorResponse, ReleaseResponse, ResolvedRule, RuleResult,
 };
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -159,6 +159,7 @@ pub fn app(state: AppState) -> Router {
         .route(wire::ACQUIRE_PATH, post(acquire))
         .route(wire::WAIT_PATH, post(wait))
         .route(wire::CHARGE_PATH, post(charge))
+        .route(wire::RELEASE_PATH, post(release))
         .route_layer(middleware::from_fn_with_state(state.clone(), authenticate));
     Router::new()
         .merge(gateway)
@@ -179,6 +180,7 @@ fn route_label(request: &Request) -> &'static str {
         Some(wire::ACQUIRE_PATH) => wire::ACQUIRE_PATH,
         Some(wire::WAIT_PATH) => wire::WAIT_PATH,
         Some(wire::CHARGE_PATH) => wire::CHARGE_PATH,
+        Some(wire::RELEASE_PATH) => wire::RELEASE_PATH,
         Some("/healthz") => "/healthz",
         Some("/readyz") => "/readyz",
         Some("/metrics") => "/metrics",
@@ -408,8 +410,20 @@ async fn decide(
                 cap_delays(&mut rules, cap);
             }
             let outcome = task_state.store().check_and_update(&rules).await;
-            if let Err(Ok(outcomes)) = sender.send(outcome) {
-                give_back_late(&task_state, &rules, &outcomes).await;
+            // A call with an id is noted after its answer left (no latency added): its
+            // gateway may release it if the answer never reaches the request.
+            let noted = match (&request.call, &outcome) {
+                (Some(call), Ok(outcomes)) => Grant::of(outcomes).map(|grants| (call, grants)),
+                _ => None,
+            };
+            match sender.send(outcome) {
+                Err(Ok(outcomes)) => give_back_late(&task_state, &rules, &outcomes).await,
+                Ok(()) => {
+                    if let Some((call, grants)) = noted {
+                        note_call(&task_state, call, &rules, &grants).await;
+                    }
+                }
+                Err(Err(_)) => {}
             }
         }
         drop(permit);
@@ -463,6 +477,74 @@ async fn give_back_late(state: &AppState, rules: &[ResolvedRule<'_>], outcomes: 
     state.metrics().late_release();
     if let Err(error) = state.store().release(rules, outcomes).await {
         tracing::warn!(%error, "a late decision could not be given back: its tokens stay charged");
+    }
+}
+
+/// Notes what a call with an id was granted; if its release came first, gives it back.
+async fn note_call(state: &AppState, call: &str, rules: &[ResolvedRule<'_>], grants: &[Grant]) {
+    match state.store().note_call(call, grants).await {
+        Ok(Noted::Kept) => {}
+        Ok(Noted::AlreadyReleased) => {
+            state.metrics().call_release();
+            if let Err(error) = state.store().release(rules, &Grant::outcomes(grants)).await {
+                tracing::warn!(%error, "a released call's grant could not be given back: its tokens stay charged");
+            }
+        }
+        Err(error) => {
+            tracing::debug!(%error, "a call was not noted: a release of it will find nothing");
+        }
+    }
+}
+
+/// Gives back what the acquire with the same `call` id granted: the gateway's request went
+/// away before the answer reached it. The body is that acquire's (its rules name the
+/// counters). Answers whether a grant was given back; when the acquire has not been
+/// decided yet, it gives its grant back as soon as it is made.
+async fn release(State(state): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    let (admitted, request) = match start(&state, wire::RELEASE_PATH, &headers, body).await {
+        Ok(started) => started,
+        Err(answer) => return answer,
+    };
+    let rules = match request.resolve() {
+        Ok(rules) => rules,
+        Err(reason) => return error(StatusCode::BAD_REQUEST, reason),
+    };
+    let Some(call) = &request.call else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "call: a release names the call it releases",
+        );
+    };
+    let work = async {
+        let Some(grants) = state.store().take_call(call).await? else {
+            return Ok(false);
+        };
+        if grants.len() != rules.len() {
+            // Not the rules of that acquire: nothing is given back to other counters.
+            return Err(StoreError::Unsupported(format!(
+                "rules: {} rules, the call {call} had {}",
+                rules.len(),
+                grants.len()
+            )));
+        }
+        state.metrics().call_release();
+        state
+            .store()
+            .release(&rules, &Grant::outcomes(&grants))
+            .await
+            .map(|()| true)
+    };
+    let answer = tokio::time::timeout_at(admitted.deadline, work).await;
+    drop(admitted.permit);
+    state.metrics().set_in_flight(state.in_flight());
+    match answer {
+        Ok(Ok(released)) => Json(ReleaseResponse { released }).into_response(),
+        Ok(Err(StoreError::Unsupported(reason))) => error(StatusCode::BAD_REQUEST, reason),
+        Ok(Err(failure)) => store_failure(&state, &failure),
+        Err(_) => {
+            state.metrics().store_error("timeout");
+            expired(&state, wire::RELEASE_PATH, admitted.budget)
+        }
     }
 }
 

@@ -11,6 +11,7 @@
 //! | `diana_quota_shed_total` | counter | `path` (refused at once: too many requests in flight) |
 //! | `diana_quota_deadline_expired_total` | counter | `path` (answered 503 at the request's deadline) |
 //! | `diana_quota_late_releases_total` | counter | — (grants given back: their answer came after the deadline) |
+//! | `diana_quota_call_releases_total` | counter | — (grants given back at a gateway's `/v1/release`: its request went away before the answer) |
 //! | `diana_quota_in_flight` | gauge | — (decisions being made) |
 //! | `diana_quota_store_keys` | gauge | — (memory store: counters held) |
 //! | `diana_quota_store_key_capacity` | gauge | — (memory store: `--memory-max-keys`) |
@@ -87,6 +88,7 @@ pub struct Metrics {
     shed: Family<PathLabels, Counter>,
     expired: Family<PathLabels, Counter>,
     late_releases: Counter,
+    call_releases: Counter,
     in_flight: Gauge,
     keys: Gauge,
     key_capacity: Gauge,
@@ -97,7 +99,7 @@ pub struct Metrics {
 }
 
 /// The routes that decide (shed and deadline counters exist for each from the start).
-const DECISION_PATHS: [&str; 3] = ["/v1/acquire", "/v1/wait", "/v1/charge"];
+const DECISION_PATHS: [&str; 4] = ["/v1/acquire", "/v1/wait", "/v1/charge", "/v1/release"];
 
 impl Default for Metrics {
     fn default() -> Self {
@@ -171,6 +173,12 @@ impl Metrics {
             "Decisions whose grants were given back because their answer came after the deadline",
             late_releases.clone(),
         );
+        let call_releases = Counter::default();
+        registry.register(
+            "diana_quota_call_releases",
+            "Grants given back at a gateway's release: its request went away before the answer",
+            call_releases.clone(),
+        );
         let in_flight = Gauge::default();
         registry.register(
             "diana_quota_in_flight",
@@ -227,6 +235,7 @@ impl Metrics {
             shed,
             expired,
             late_releases,
+            call_releases,
             in_flight,
             keys,
             key_capacity,
@@ -308,6 +317,11 @@ impl Metrics {
     /// One decision given back because its answer came too late.
     pub fn late_release(&self) {
         self.late_releases.inc();
+    }
+
+    /// One grant given back at a gateway's release.
+    pub fn call_release(&self) {
+        self.call_releases.inc();
     }
 
     /// Decisions in flight now.

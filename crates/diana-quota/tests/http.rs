@@ -15,7 +15,7 @@ use diana_core::global::wire::{
     AcquireResponse, ErrorResponse, ResolvedRule, RuleResult, MAX_BODY_BYTES,
 };
 use diana_quota::auth::Auth;
-use diana_quota::store::{MemoryStore, Outcome, Store, StoreError};
+use diana_quota::store::{Grant, MemoryStore, Noted, Outcome, Store, StoreError};
 use diana_quota::{app, AppState, Cli, Settings};
 use http_body_util::BodyExt;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -349,6 +349,14 @@ impl Store for FakeStore {
         Ok(())
     }
 
+    async fn note_call(&self, _: &str, _: &[Grant]) -> Result<Noted, StoreError> {
+        Ok(Noted::Kept)
+    }
+
+    async fn take_call(&self, _: &str) -> Result<Option<Vec<Grant>>, StoreError> {
+        Ok(None)
+    }
+
     async fn health(&self) -> Result<(), StoreError> {
         if self.hang {
             tokio::time::sleep(Duration::from_secs(60)).await;
@@ -557,9 +565,9 @@ async fn gateway_endpoints_need_the_secret_and_a_refusal_touches_nothing() {
     let router = service(store.clone());
     let key = unique_key("auth");
     // What each refused request asks for: the one token of `key` (or a debt on it).
-    let body = serde_json::to_string(&diana_core::global::wire::AcquireRequest {
-        rules: vec![rule(&key, "W", 1, "hour", 1, 10, 1)],
-    })
+    let body = serde_json::to_string(&diana_core::global::wire::AcquireRequest::new(vec![rule(
+        &key, "W", 1, "hour", 1, 10, 1,
+    )]))
     .unwrap();
     let wrong = format!("Bearer {}x", TEST_TOKEN);
     let credentials: [(Option<&str>, &str); 5] = [

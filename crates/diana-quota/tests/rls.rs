@@ -9,7 +9,7 @@ use async_trait::async_trait;
 use diana_core::global::wire::{ResolvedRule, RuleResult};
 use diana_quota::auth::{checked, Auth};
 use diana_quota::rls::{self, HeaderStyle, Rls};
-use diana_quota::store::{MemoryStore, Outcome, Store, StoreError, SystemClock};
+use diana_quota::store::{Grant, MemoryStore, Noted, Outcome, Store, StoreError, SystemClock};
 use diana_quota::{AppState, Settings};
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::{
     Entry, RateLimitOverride,
@@ -525,6 +525,12 @@ impl Store for Broken {
     }
     async fn release(&self, _: &[ResolvedRule<'_>], _: &[Outcome]) -> Result<(), StoreError> {
         Ok(())
+    }
+    async fn note_call(&self, _: &str, _: &[Grant]) -> Result<Noted, StoreError> {
+        Err(StoreError::Unavailable("connection refused".into()))
+    }
+    async fn take_call(&self, _: &str) -> Result<Option<Vec<Grant>>, StoreError> {
+        Err(StoreError::Unavailable("connection refused".into()))
     }
     async fn health(&self) -> Result<(), StoreError> {
         Err(StoreError::Unavailable("connection refused".into()))

@@ -785,6 +785,93 @@ async fn parameters_bind_the_counter(router: &Router) {
     );
 }
 
+/// POSTs the request of `rules` with the call id `call` to `path`.
+async fn post_call(
+    router: &Router,
+    path: &str,
+    call: Option<&str>,
+    rules: Vec<diana_core::global::wire::RuleRequest>,
+) -> (StatusCode, String) {
+    let mut request = diana_core::global::wire::AcquireRequest::new(rules);
+    request.call = call.map(str::to_string);
+    let body = serde_json::to_vec(&request).unwrap();
+    let (status, _, body) = send(router, post_json(path, body)).await;
+    (status, String::from_utf8_lossy(&body).into_owned())
+}
+
+/// What `rule` has left, read by spending it all (the rule must allow `want` that large).
+async fn left(router: &Router, rule_: &diana_core::global::wire::RuleRequest) -> u32 {
+    let mut all = rule_.clone();
+    all.want = all.rpu;
+    acquire_one(router, all).await.granted
+}
+
+/// `/v1/release` gives back what the acquire of the same call id granted — released after
+/// the acquire, or before it (the acquire's grant then goes back as soon as it is made) —
+/// once, and only to the counters of that acquire.
+async fn released_calls_give_their_grants_back(router: &Router) {
+    away_from_boundary(HOUR_MS, Duration::from_secs(5)).await;
+    let settle = || tokio::time::sleep(Duration::from_millis(150));
+    let after = rule(&unique_key("release-after"), "W", 5, "hour", 5, 10, 2);
+    let before = rule(&unique_key("release-before"), "TB", 5, "hour", 5, 10, 1);
+    let call_a = unique_key("call").replace([':', '.'], "-");
+    let call_b = unique_key("call").replace([':', '.'], "-");
+
+    // Acquire, then release.
+    let (status, body) = post_call(router, "/v1/acquire", Some(&call_a), vec![after.clone()]).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert!(body.contains("\"granted\":2"), "{body}");
+    settle().await;
+    let (status, body) = post_call(router, "/v1/release", Some(&call_a), vec![after.clone()]).await;
+    assert_eq!(
+        (status, body.as_str()),
+        (StatusCode::OK, "{\"released\":true}")
+    );
+    let (status, body) = post_call(router, "/v1/release", Some(&call_a), vec![after.clone()]).await;
+    assert_eq!(
+        (status, body.as_str()),
+        (StatusCode::OK, "{\"released\":false}"),
+        "a second release gives nothing back"
+    );
+    assert_eq!(left(router, &after).await, 5, "both tokens came back, once");
+
+    // Release first: the acquire is answered as usual, and its grant goes back.
+    let (status, body) =
+        post_call(router, "/v1/release", Some(&call_b), vec![before.clone()]).await;
+    assert_eq!(
+        (status, body.as_str()),
+        (StatusCode::OK, "{\"released\":false}")
+    );
+    let (status, body) =
+        post_call(router, "/v1/acquire", Some(&call_b), vec![before.clone()]).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert!(body.contains("\"granted\":1"), "{body}");
+    settle().await;
+    assert_eq!(
+        left(router, &before).await,
+        5,
+        "the grant went back once it was made"
+    );
+
+    // A release must name its call, and carry that call's rules.
+    let (status, _) = post_call(router, "/v1/release", None, vec![after.clone()]).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let call_c = unique_key("call").replace([':', '.'], "-");
+    let spare = rule(&unique_key("release-rules"), "W", 5, "hour", 5, 10, 1);
+    post_call(router, "/v1/acquire", Some(&call_c), vec![spare.clone()]).await;
+    settle().await;
+    let (status, body) = post_call(
+        router,
+        "/v1/release",
+        Some(&call_c),
+        vec![spare.clone(), after.clone()],
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    let (status, _) = post_call(router, "/v1/release", Some("no spaces"), vec![spare]).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+}
+
 // ---------------------------------------------------------------------------------------
 // Every scenario × every store.
 
@@ -846,4 +933,5 @@ suite!(
     stress_one_key,
     charges,
     parameters_bind_the_counter,
+    released_calls_give_their_grants_back,
 );

@@ -14,7 +14,7 @@ use axum::http::{Request, StatusCode};
 use axum::Router;
 use common::*;
 use diana_core::global::wire::{AcquireResponse, ErrorResponse, ResolvedRule, RuleResult};
-use diana_quota::store::{Clock, MemoryStore, Outcome, Store, StoreError};
+use diana_quota::store::{Clock, Grant, MemoryStore, Noted, Outcome, Store, StoreError};
 use diana_quota::{app, serve, AppState, Settings};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -69,6 +69,14 @@ impl Store for SlowStore {
         let granted = outcomes.iter().filter(|o| o.result.granted > 0).count();
         self.released.fetch_add(granted, Ordering::SeqCst);
         Ok(())
+    }
+
+    async fn note_call(&self, _: &str, _: &[Grant]) -> Result<Noted, StoreError> {
+        Ok(Noted::Kept)
+    }
+
+    async fn take_call(&self, _: &str) -> Result<Option<Vec<Grant>>, StoreError> {
+        Ok(None)
     }
 
     async fn health(&self) -> Result<(), StoreError> {
@@ -242,7 +250,7 @@ async fn wait_never_sleeps_past_the_gateway_timeout() {
     let lb = |max_delay_ms: Option<u64>| {
         let mut r = rule(&key, "LB", 10, "second", 10, 10, 1);
         r.max_delay_ms = max_delay_ms;
-        serde_json::to_string(&diana_core::global::wire::AcquireRequest { rules: vec![r] }).unwrap()
+        serde_json::to_string(&diana_core::global::wire::AcquireRequest::new(vec![r])).unwrap()
     };
     let wait = |body: String, timeout: &str| {
         Request::post("/v1/wait")

@@ -680,7 +680,10 @@ fn global_leaky_bucket_rules_use_the_wait_endpoint_where_the_host_cannot_pause()
     let (callout, _) = call(h.evaluate("/", &Facts::default()));
     assert!(callout.headers.contains(&(":path", "/v1/wait".to_string())));
     assert_eq!(callout.timeout_ms, 50 + 10_000);
-    assert_eq!(crate::global::wait_path("/quota/"), "/quota/wait");
+    assert_eq!(
+        crate::global::endpoint_beside("/quota/", "wait"),
+        "/quota/wait"
+    );
 }
 
 /// Another worker of the gateway: its own engine and metrics, the shared data of the

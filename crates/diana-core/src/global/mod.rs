@@ -27,7 +27,7 @@ pub mod stash;
 pub use crate::wire;
 
 use crate::config::{GlobalSpec, Policy, Rule};
-use crate::decision::{Callout, Reply};
+use crate::decision::{Callout, DispatchError, Reply};
 use crate::metrics::{Event, MetricSink};
 use crate::response::RuleReport;
 use crate::store::{SharedData, SlotAddress, Store};
@@ -57,21 +57,36 @@ pub const MAX_SERVICE_WAIT_MS: u64 = wire::MAX_WAIT_MS;
 /// The largest answer body read from the service.
 pub const MAX_ANSWER_BYTES: usize = 64 * 1024;
 
-/// The quota service's wait endpoint beside its acquire endpoint: `/v1/acquire` →
-/// `/v1/wait`; any other path gets `/wait` appended.
-pub fn wait_path(acquire_path: &str) -> String {
+/// The quota service's endpoint `name` (`wait`, `charge`, `release`) beside its acquire
+/// endpoint: `/v1/acquire` → `/v1/<name>`; any other path gets `/<name>` appended.
+pub fn endpoint_beside(acquire_path: &str, name: &str) -> String {
     match acquire_path.strip_suffix("/acquire") {
-        Some(base) => format!("{base}/wait"),
-        None => format!("{}/wait", acquire_path.trim_end_matches('/')),
+        Some(base) => format!("{base}/{name}"),
+        None => format!("{}/{name}", acquire_path.trim_end_matches('/')),
     }
 }
 
-/// The quota service's charge endpoint beside its acquire endpoint: `/v1/acquire` →
-/// `/v1/charge`; any other path gets `/charge` appended.
-pub fn charge_path(acquire_path: &str) -> String {
-    match acquire_path.strip_suffix("/acquire") {
-        Some(base) => format!("{base}/charge"),
-        None => format!("{}/charge", acquire_path.trim_end_matches('/')),
+/// Ids of the calls a VM makes for its requests (the wire's `call`): a random prefix,
+/// drawn once, and a counter. `None` when the host has no random source: the calls then
+/// carry no id and cannot be released.
+#[derive(Debug, Default)]
+struct CallIds {
+    prefix: std::cell::OnceCell<Option<String>>,
+    next: Cell<u64>,
+}
+
+impl CallIds {
+    fn next(&self) -> Option<String> {
+        let prefix = self.prefix.get_or_init(|| {
+            crate::store::identity::random_key()
+                .ok()
+                .map(|bytes| bytes.iter().map(|byte| format!("{byte:02x}")).collect())
+        });
+        let counter = self.next.get();
+        self.next.set(counter.wrapping_add(1));
+        prefix
+            .as_ref()
+            .map(|prefix| format!("{prefix}-{counter:x}"))
     }
 }
 
@@ -108,6 +123,14 @@ pub enum Admission {
 pub struct Denial {
     pub index: usize,
     pub report: RuleReport,
+}
+
+/// The call that gives back the grant of a call whose answer nobody will read (see
+/// [`Global::abandon_call`]), and the (rule, identity) pairs it frees.
+#[derive(Debug, Clone)]
+pub struct Release {
+    pub callout: Callout,
+    pub charges: Vec<GlobalCharge>,
 }
 
 /// What the global rules of a request need before the answer.
@@ -192,6 +215,9 @@ enum Failure {
     Unavailable(Unavailable),
     /// The service answered something that does not match what was asked.
     Invalid(InvalidAnswer),
+    /// Not asked: the host would not hold the request for the answer (the worker logged
+    /// why). The service is not at fault.
+    NotHeld,
 }
 
 /// Why the quota service could not decide.
@@ -251,6 +277,8 @@ pub struct Global {
     /// A refusal or an invalid answer was logged by this VM (each is logged once).
     refusal_logged: Cell<bool>,
     invalid_logged: Cell<bool>,
+    /// Ids for the calls of requests, so that one whose answer is lost can be released.
+    calls: CallIds,
 }
 
 impl Global {
@@ -267,6 +295,7 @@ impl Global {
             refills: RefCell::new(Vec::new()),
             refusal_logged: Cell::new(false),
             invalid_logged: Cell::new(false),
+            calls: CallIds::default(),
         }
     }
 
@@ -379,6 +408,7 @@ impl Global {
                     Some(self.rule_request(rule, charge, spend_rate))
                 })
                 .collect(),
+            call: self.calls.next(),
         };
         fit_total_want(&mut request.rules);
         let body = match serde_json::to_vec(&request) {
@@ -481,9 +511,8 @@ impl Global {
                 Gate::Local => return calls,
             };
             let charge = GlobalCharge { cost: 1, ..charge };
-            let request = AcquireRequest {
-                rules: vec![self.rule_request(rule, &charge, refill.spend_rate)],
-            };
+            let request =
+                AcquireRequest::new(vec![self.rule_request(rule, &charge, refill.spend_rate)]);
             let Ok(body) = serde_json::to_vec(&request) else {
                 continue;
             };
@@ -549,7 +578,7 @@ impl Global {
     fn callout(&self, body: Vec<u8>, wait: bool) -> Callout {
         let (path, timeout_ms) = if wait {
             (
-                wait_path(&self.spec.path),
+                endpoint_beside(&self.spec.path, "wait"),
                 u64::from(self.spec.timeout_ms).saturating_add(MAX_SERVICE_WAIT_MS),
             )
         } else {
@@ -702,9 +731,46 @@ impl Global {
 
     /// A request paused for its call is gone before the answer: its flights land (the
     /// requests parked behind them plan again) and the leased tokens it took go back.
-    pub fn abandon_call(&self, host: &dyn SharedData, policy: &Policy, asked: Asked, now: Instant) {
+    ///
+    /// Returns the call that gives back what the service granted it, if it carried an id:
+    /// nobody will read the answer (the host dropped it with its request), and without the
+    /// release its tokens would stay charged — under `lease: 1`, tokens that the requests
+    /// parked behind it ask for again.
+    pub fn abandon_call(
+        &self,
+        host: &dyn SharedData,
+        policy: &Policy,
+        asked: Asked,
+        now: Instant,
+    ) -> Option<Release> {
         self.flights.land(&asked.flying, now);
         self.give_back(host, policy, &asked.served, now);
+        asked.request.call.as_ref()?;
+        let body = serde_json::to_vec(&asked.request).ok()?;
+        Some(Release {
+            callout: self.callout_to(
+                endpoint_beside(&self.spec.path, "release"),
+                u64::from(self.spec.timeout_ms),
+                body,
+            ),
+            charges: asked.charges,
+        })
+    }
+
+    /// A release was answered: the tokens are back at the service, so a denial cached for
+    /// its (rule, identity) meanwhile no longer holds.
+    pub fn released(
+        &self,
+        host: &dyn SharedData,
+        policy: &Policy,
+        release: &Release,
+        now: Instant,
+    ) {
+        for charge in &release.charges {
+            if let Some(rule) = policy.rule(charge.index) {
+                self.stash.forget_denial(host, rule, charge.address, now);
+            }
+        }
     }
 
     /// The answer to a call whose request is gone (its client left while the call was in
@@ -830,13 +896,13 @@ impl Global {
             local.extend(sent);
             return Payment::Local(local);
         }
-        let body = match serde_json::to_vec(&AcquireRequest { rules }) {
+        let body = match serde_json::to_vec(&AcquireRequest::new(rules)) {
             Ok(body) => body,
             Err(_) => return Payment::Local(sent),
         };
         metrics.event(Event::GlobalCallout);
         let callout = self.callout_to(
-            charge_path(&self.spec.path),
+            endpoint_beside(&self.spec.path, "charge"),
             u64::from(self.spec.timeout_ms),
             body,
         );
@@ -893,6 +959,7 @@ impl Global {
     /// Checks a reply against what was asked.
     fn check(&self, asked: &Asked, reply: Reply) -> Result<Vec<RuleResult>, Failure> {
         let (status, body) = match reply {
+            Reply::NotSent(DispatchError::CannotPause { .. }) => return Err(Failure::NotHeld),
             Reply::NotSent(error) => return Err(Failure::Unavailable(Unavailable::NotSent(error))),
             Reply::NoAnswer => return Err(Failure::Unavailable(Unavailable::NoAnswer)),
             Reply::Answered { status, body } => (status, body),
@@ -955,6 +1022,7 @@ impl Global {
             Failure::Unavailable(reason) => {
                 self.unavailable(host, &reason.to_string(), now, metrics)
             }
+            Failure::NotHeld => {}
         }
     }
 

@@ -598,6 +598,24 @@ impl Stash {
         }
     }
 
+    /// Forgets a denial of `address`, in the shared record and in this worker's memory:
+    /// tokens went back to the service (a release), which the denial would hide until its
+    /// retry.
+    pub fn forget_denial(
+        &self,
+        host: &dyn SharedData,
+        rule: &Rule,
+        address: SlotAddress,
+        now: Instant,
+    ) {
+        self.merge(host, rule, address, now, |lease| lease.denied_until = 0);
+        if let Ok(mut batches) = self.batches.try_borrow_mut() {
+            if let Some(batch) = batches.get_mut(&(rule.index, address.fingerprint)) {
+                batch.denied_until = 0;
+            }
+        }
+    }
+
     /// Gives back the tokens of a request that was rejected after all: to this worker's
     /// batch when they came from it and it is still valid, else to the identity's way of
     /// the shared stash (taken afresh if it went to another identity meanwhile), else to

@@ -4,11 +4,15 @@
 //! answers the engine's callouts directly (for `diana simulate` and native tests).
 
 pub mod decide;
+pub mod ledger;
 
 use crate::algo::{Algorithm, Limit, Mark};
 use crate::decision::{Callout, Reply};
 use crate::time::Instant;
-use crate::wire::{self, AcquireResponse, ErrorResponse, ResolvedRule, RuleResult};
+use crate::wire::{
+    self, AcquireResponse, ErrorResponse, ReleaseResponse, ResolvedRule, RuleResult,
+};
+use ledger::{CallLedger, Grant, Noted};
 use std::collections::HashMap;
 
 /// One rule's decision, with where its grant was counted (for a later release).
@@ -83,7 +87,8 @@ struct Counter {
 /// granted as asked when the limit has them, a leaky-bucket turn beyond the rule's
 /// `max_delay_ms` denied. Time is the caller's (`now`), answers are immediate: there is no
 /// network, no timeout and no failure. `/v1/wait` is answered like `/v1/acquire` (the
-/// delay is reported, not slept).
+/// delay is reported, not slept). A call with an id is remembered ([`ledger`]) so that
+/// `/v1/release` gives its grant back.
 ///
 /// Memory stays proportional to the counters that still remember something: counters
 /// that became idle (window passed, bucket refilled) are dropped when the table doubles.
@@ -92,6 +97,7 @@ pub struct MemoryQuota {
     counters: HashMap<CounterId, Counter>,
     sweep_at: usize,
     calls: u64,
+    ledger: CallLedger,
 }
 
 impl Default for MemoryQuota {
@@ -100,6 +106,7 @@ impl Default for MemoryQuota {
             counters: HashMap::new(),
             sweep_at: MIN_SWEEP,
             calls: 0,
+            ledger: CallLedger::default(),
         }
     }
 }
@@ -127,8 +134,19 @@ impl MemoryQuota {
     /// result per rule, or `400` with the reason when the request breaks the wire format.
     pub fn answer(&mut self, callout: &Callout, now: Instant) -> Reply {
         self.calls += 1;
-        let (status, body) = match self.acquire_body(&callout.body, now) {
-            Ok(response) => (200, serde_json::to_vec(&response)),
+        let release = callout
+            .headers
+            .iter()
+            .any(|(name, path)| *name == ":path" && path.ends_with("/release"));
+        let answer = if release {
+            self.release_body(&callout.body, now)
+                .map(|response| serde_json::to_vec(&response))
+        } else {
+            self.acquire_body(&callout.body, now)
+                .map(|response| serde_json::to_vec(&response))
+        };
+        let (status, body) = match answer {
+            Ok(body) => (200, body),
             Err(error) => (400, serde_json::to_vec(&ErrorResponse { error })),
         };
         match body {
@@ -144,12 +162,49 @@ impl MemoryQuota {
     pub fn acquire_body(&mut self, body: &[u8], now: Instant) -> Result<AcquireResponse, String> {
         let request = wire::decode_request(body)?;
         let rules = request.resolve()?;
-        let results = self
-            .acquire(&rules, now)
-            .into_iter()
-            .map(|outcome| outcome.result)
-            .collect();
+        let outcomes = self.acquire(&rules, now);
+        if let (Some(call), Some(grants)) = (&request.call, Grant::of(&outcomes)) {
+            if self.ledger.granted(call, grants, now) == Noted::AlreadyReleased {
+                self.release(&rules, &outcomes, now);
+            }
+        }
+        let results = outcomes.into_iter().map(|outcome| outcome.result).collect();
         Ok(AcquireResponse { results })
+    }
+
+    /// Gives back what the acquire of the same call granted (a release body: the wire
+    /// format's JSON, with its `call`).
+    pub fn release_body(&mut self, body: &[u8], now: Instant) -> Result<ReleaseResponse, String> {
+        let request = wire::decode_request(body)?;
+        let rules = request.resolve()?;
+        let Some(call) = &request.call else {
+            return Err("call: a release names the call it releases".to_string());
+        };
+        let grants = self.ledger.release(call, now);
+        if let Some(grants) = &grants {
+            self.release(&rules, &Grant::outcomes(grants), now);
+        }
+        Ok(ReleaseResponse {
+            released: grants.is_some(),
+        })
+    }
+
+    /// Gives back the grants of `outcomes`, an earlier decision of the same rules.
+    pub fn release(&mut self, rules: &[ResolvedRule<'_>], outcomes: &[Outcome], now: Instant) {
+        for (rule, outcome) in rules.iter().zip(outcomes) {
+            if outcome.result.granted == 0 {
+                continue;
+            }
+            if let Some(counter) = self.counters.get_mut(&CounterId::of(rule)) {
+                counter.algo.release(
+                    &counter.limit,
+                    &mut counter.state,
+                    now,
+                    outcome.result.granted,
+                    outcome.mark,
+                );
+            }
+        }
     }
 
     /// Decides resolved rules at `now`, all or nothing, and keeps the charges if admitted.
@@ -217,7 +272,7 @@ mod tests {
     }
 
     fn ask(quota: &mut MemoryQuota, rules: Vec<RuleRequest>, now: Instant) -> Vec<RuleResult> {
-        let body = serde_json::to_vec(&AcquireRequest { rules }).unwrap();
+        let body = serde_json::to_vec(&AcquireRequest::new(rules)).unwrap();
         let callout = Callout {
             upstream: "diana_quota".to_string(),
             headers: Vec::new(),
@@ -312,9 +367,7 @@ mod tests {
         // Identity and canonical names: aliases resolve to one counter.
         let mut alias = rule("a", 2, 1, false);
         (alias.algo, alias.unit) = ("window".to_string(), "Minutes".to_string());
-        let request = AcquireRequest {
-            rules: vec![alias, rule("a", 2, 1, false)],
-        };
+        let request = AcquireRequest::new(vec![alias, rule("a", 2, 1, false)]);
         let rules = request.resolve().unwrap();
         assert_eq!(CounterId::of(&rules[0]), CounterId::of(&rules[1]));
         assert_eq!(CounterId::of(&rules[0]).params(), "W:2:minute:2:10");

@@ -59,7 +59,7 @@ use crate::decision::{AfterResponse, Callout, Decision, Reply};
 use crate::engine::{Engine, EngineDecision, Pending, Refill};
 use crate::global::debts::Debt;
 use crate::global::flights::RiderId;
-use crate::global::MAX_ANSWER_BYTES;
+use crate::global::{Release, MAX_ANSWER_BYTES};
 use crate::lifecycle;
 use crate::metrics::Event;
 use crate::response::Rejection;
@@ -80,6 +80,8 @@ const WAIT_TICK: Duration = Duration::from_millis(2);
 const RIDER_TICK: Duration = Duration::from_millis(1);
 /// The tick when nobody waits: config-center checks, metric flushes, debts, sweeps.
 const BASE_TICK: Duration = Duration::from_secs(1);
+/// Releases waiting for the tick, at most (beyond, a gone request's grant stays charged).
+const MAX_RELEASES: usize = 1024;
 
 /// What the binding does after an event, beyond the current request's [`Step::pause`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -154,6 +156,9 @@ enum Call {
     Orphan(Rc<Configured>, Pending),
     /// Response costs sent to the quota service.
     Payment(Rc<Configured>, Vec<Debt>),
+    /// The release of a gone request's call: its answer clears the denials cached
+    /// meanwhile for what it freed.
+    Release(Rc<Configured>, Release),
     /// The config center's document.
     Poll,
 }
@@ -199,6 +204,9 @@ pub struct Worker {
     unheld_until: Instant,
     /// The error line naming the missing directive was logged.
     unheld_logged: bool,
+    /// Releases of the calls of requests that went away, sent from the next tick (the
+    /// root context, whose calls outlive any request).
+    releases: Vec<(Rc<Configured>, Release)>,
 }
 
 impl Worker {
@@ -225,6 +233,7 @@ impl Worker {
             invalid: None,
             unheld_until: 0,
             unheld_logged: false,
+            releases: Vec::new(),
         }
     }
 
@@ -430,6 +439,12 @@ impl Worker {
                     &mut configured.counters.sink(),
                 );
             }
+            Call::Release(configured, release) => {
+                // Whatever it says: a grant given back, or one the service will give back
+                // when its acquire comes (or none known), a denial cached meanwhile may
+                // hide tokens that are there now.
+                configured.engine.released(host, &release, host.now());
+            }
             Call::Poll => self.on_poll_answer(host, headers, body_size),
         }
         // The breaker's gauge is written when it changes, not at the next tick.
@@ -466,17 +481,26 @@ impl Worker {
                 // A call made from the request's own context is dropped with it by the
                 // host (the SDK files its answer under the context): what it held goes
                 // back now. One made from another context still answers.
+                // Its grant is released: the service gives it back.
                 match call {
                     Some(Call::Request { own: false, .. }) => {
                         let orphan = Call::Orphan(Rc::clone(configured), pending);
                         self.calls.insert(token, orphan);
                     }
-                    _ => configured.engine.abandon(host, pending, host.now()),
+                    _ => {
+                        let release = configured.engine.abandon(host, pending, host.now());
+                        if let Some(release) = release {
+                            if self.releases.len() < MAX_RELEASES {
+                                configured.counters.event(Event::GlobalReleased);
+                                self.releases.push((Rc::clone(configured), release));
+                            }
+                        }
+                    }
                 }
             }
             Stage::Parked(rider, pending) => {
                 self.parked.remove(&(configured.generation, rider));
-                configured.engine.abandon(host, pending, host.now());
+                let _ = configured.engine.abandon(host, pending, host.now());
             }
         }
         Step::default()
@@ -492,6 +516,7 @@ impl Worker {
         };
         self.check_remote(host, now);
         self.pay_debts(host);
+        self.send_releases(host);
         // Collected: sending refills needs the worker mutably.
         let generations: Vec<Rc<Configured>> = self.generations().cloned().collect();
         for configured in generations {
@@ -575,7 +600,7 @@ impl Worker {
                 step.pause = true;
             }
             Decision::Call(callout, pending) => match self
-                .may_pause(host, &callout.upstream)
+                .may_pause(host)
                 .and_then(|()| self.dispatch(host, &callout))
             {
                 Ok(token) => {
@@ -670,8 +695,8 @@ impl Worker {
 
     /// Whether a request may pause for its call now: not for [`UNHELD_FOR`] after a
     /// worker saw this host run a paused request on. The refusal takes the path of a call
-    /// the host refused: decided locally, without pausing.
-    fn may_pause(&mut self, host: &dyn Host, upstream: &str) -> Result<(), DispatchError> {
+    /// not sent: decided locally, without pausing (and without blaming the service).
+    fn may_pause(&mut self, host: &dyn Host) -> Result<(), DispatchError> {
         let Some(directive) = self.profile.pausing_needs else {
             return Ok(());
         };
@@ -694,10 +719,7 @@ impl Worker {
                 self.profile.name
             );
         }
-        Err(DispatchError::Refused {
-            upstream: upstream.to_string(),
-            status: format!("pausing needs `{directive}`"),
-        })
+        Err(DispatchError::CannotPause { needs: directive })
     }
 
     /// Sends `callout` through the host, within this host's rules for upstreams.
@@ -708,6 +730,19 @@ impl Worker {
             });
         }
         host.dispatch(callout)
+    }
+
+    /// Sends the releases queued by requests that went away. Nothing waits for their
+    /// answers: one that fails leaves that grant charged, as before releases existed.
+    fn send_releases(&mut self, host: &dyn Host) {
+        for (configured, release) in std::mem::take(&mut self.releases) {
+            match self.dispatch(host, &release.callout) {
+                Ok(token) => {
+                    self.calls.insert(token, Call::Release(configured, release));
+                }
+                Err(error) => log::debug!("diana: a release was not sent: {error}"),
+            }
+        }
     }
 
     /// Plans the parked requests whose flight has landed again.

@@ -270,9 +270,7 @@ impl Target for Answers {
         12
     }
     fn generate(&self, rng: &mut Rng) -> Vec<u8> {
-        let request = AcquireRequest {
-            rules: (0..rng.index(5)).map(|_| rule(rng)).collect(),
-        };
+        let request = AcquireRequest::new((0..rng.index(5)).map(|_| rule(rng)).collect());
         let mut request_json = serde_json::to_vec(&request).unwrap_or_default();
         let (mut kind, body) = answer(rng, &request, false);
         if rng.one_in(8) {

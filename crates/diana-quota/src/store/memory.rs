@@ -14,14 +14,15 @@
 //! burst and slices): a request with the same key and other parameters has a counter of
 //! its own, and cannot read or reset another's.
 
-use super::{decide, Outcome, Store, StoreError, Usage};
+use super::{decide, Grant, Noted, Outcome, Store, StoreError, Usage};
 use async_trait::async_trait;
 use diana_core::algo::{Algorithm, Limit};
 use diana_core::global::wire::{ResolvedRule, RuleResult};
+use diana_core::quota::ledger::CallLedger;
 use diana_core::quota::CounterId;
 use diana_core::time::{Instant, Nanos};
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 /// Where the memory store's "now" comes from (tests drive it by hand).
@@ -96,6 +97,8 @@ pub struct MemoryStore {
     clock: Arc<dyn Clock>,
     max_keys: usize,
     table: Mutex<Table>,
+    /// Calls with an id, for their releases (bounded: `ledger::MAX_CALLS`).
+    calls: Mutex<CallLedger>,
 }
 
 impl Default for MemoryStore {
@@ -120,6 +123,7 @@ impl MemoryStore {
                 next_full_sweep: 0,
                 evicted: 0,
             }),
+            calls: Mutex::new(CallLedger::default()),
         }
     }
 
@@ -286,6 +290,18 @@ impl Store for MemoryStore {
     ) -> Result<(), StoreError> {
         self.release_at(rules, outcomes, self.clock.now())
             .map(|_| ())
+    }
+
+    async fn note_call(&self, call: &str, grants: &[Grant]) -> Result<Noted, StoreError> {
+        let now = self.clock.now();
+        let mut calls = self.calls.lock().unwrap_or_else(PoisonError::into_inner);
+        Ok(calls.granted(call, grants.to_vec(), now))
+    }
+
+    async fn take_call(&self, call: &str) -> Result<Option<Vec<Grant>>, StoreError> {
+        let now = self.clock.now();
+        let mut calls = self.calls.lock().unwrap_or_else(PoisonError::into_inner);
+        Ok(calls.release(call, now))
     }
 
     async fn health(&self) -> Result<(), StoreError> {

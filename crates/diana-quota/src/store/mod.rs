@@ -11,6 +11,7 @@
 mod memory;
 mod redis;
 
+pub use diana_core::quota::ledger::{Grant, Noted};
 pub use diana_core::quota::{decide, Outcome};
 
 pub use self::memory::{Clock, MemoryStore, SystemClock, DEFAULT_MAX_KEYS};
@@ -110,6 +111,15 @@ pub trait Store: Send + Sync {
         rules: &[ResolvedRule<'_>],
         outcomes: &[Outcome],
     ) -> Result<(), StoreError>;
+
+    /// Notes what the acquire of `call` granted, so that a release can give it back
+    /// (`diana_core::quota::ledger`); [`Noted::AlreadyReleased`] when the release came
+    /// first: the caller gives the grant back.
+    async fn note_call(&self, call: &str, grants: &[Grant]) -> Result<Noted, StoreError>;
+
+    /// Takes what the acquire of `call` granted (at most once), or notes the release for
+    /// an acquire still to come.
+    async fn take_call(&self, call: &str) -> Result<Option<Vec<Grant>>, StoreError>;
 
     /// Whether the store can serve requests right now.
     async fn health(&self) -> Result<(), StoreError>;

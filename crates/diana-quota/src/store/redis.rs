@@ -27,7 +27,8 @@
 //! cluster slot) for [`RedisOptions::dead_after`]: a peer that went silent without
 //! closing (half-open: a host gone, a NAT or firewall that lost the flow) is replaced.
 
-use super::{Outcome, Store, StoreError};
+use super::{Grant, Noted, Outcome, Store, StoreError};
+use diana_core::quota::ledger::{self, CALL_MEMORY, RELEASED};
 use async_trait::async_trait;
 use diana_core::algo::{Limit, Mark};
 use diana_core::global::wire::{ResolvedRule, RuleResult};
@@ -159,6 +160,14 @@ const SCRIPT: &str = concat!(
     include_str!("../../lua/token.lua"),
     include_str!("../../lua/decide.lua"),
 );
+
+/// The release ledger's script (`lua/calls.lua`): one key per call with an id.
+const CALLS_SCRIPT: &str = include_str!("../../lua/calls.lua");
+
+/// The Redis key of a call's ledger entry (its own hash tag: one slot per call).
+fn call_key(call: &str) -> String {
+    format!("diana:{{call:{call}}}")
+}
 
 /// How an algorithm's [`Mark`] travels to and from the script.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -624,6 +633,8 @@ impl ConnectionLike for Conn {
 pub struct RedisStore {
     backend: Backend,
     script: Script,
+    /// The release ledger ([`CALLS_SCRIPT`]).
+    calls_script: Script,
     options: RedisOptions,
     description: String,
     /// When each route last answered, in ms after `epoch` (0: not yet): one route for a
@@ -703,6 +714,7 @@ impl RedisStore {
         Ok(RedisStore {
             backend,
             script: Script::new(SCRIPT),
+            calls_script: Script::new(CALLS_SCRIPT),
             options,
             description,
             answered: (0..routes).map(|_| AtomicU64::new(0)).collect(),
@@ -994,6 +1006,44 @@ impl Store for RedisStore {
         outcomes: &[Outcome],
     ) -> Result<(), StoreError> {
         self.release_at(rules, outcomes, None).await.map(|_| ())
+    }
+
+    async fn note_call(&self, call: &str, grants: &[Grant]) -> Result<Noted, StoreError> {
+        let key = call_key(call);
+        let tag = format!("call:{call}");
+        let mut invocation = self.calls_script.prepare_invoke();
+        invocation
+            .key(&key)
+            .arg("note")
+            .arg(ledger::encode(grants))
+            .arg(CALL_MEMORY / 1_000_000);
+        let released: i64 = self
+            .query(Some(&tag), |mut conn| async move {
+                invocation.invoke_async(&mut conn).await
+            })
+            .await?;
+        Ok(if released == 1 {
+            Noted::AlreadyReleased
+        } else {
+            Noted::Kept
+        })
+    }
+
+    async fn take_call(&self, call: &str) -> Result<Option<Vec<Grant>>, StoreError> {
+        let key = call_key(call);
+        let tag = format!("call:{call}");
+        let mut invocation = self.calls_script.prepare_invoke();
+        invocation
+            .key(&key)
+            .arg("take")
+            .arg(RELEASED)
+            .arg(CALL_MEMORY / 1_000_000);
+        let held: Option<String> = self
+            .query(Some(&tag), |mut conn| async move {
+                invocation.invoke_async(&mut conn).await
+            })
+            .await?;
+        Ok(held.as_deref().and_then(ledger::decode))
     }
 
     async fn health(&self) -> Result<(), StoreError> {

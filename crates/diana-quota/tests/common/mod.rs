@@ -397,7 +397,7 @@ pub async fn post_rules(
     path: &str,
     rules: Vec<RuleRequest>,
 ) -> (StatusCode, String) {
-    let body = serde_json::to_vec(&AcquireRequest { rules }).unwrap();
+    let body = serde_json::to_vec(&AcquireRequest::new(rules)).unwrap();
     let (status, _, body) = send(router, post_json(path, body)).await;
     (status, String::from_utf8_lossy(&body).into_owned())
 }

@@ -1,0 +1,253 @@
+//! What the quota service remembers of the calls that carry an id (the wire's `call`), so
+//! that a gateway can give back a grant nobody will spend: its request went away while the
+//! call was in flight, and the host dropped the answer with it (the proxy-wasm SDK files a
+//! call's answer under the request's context). The gateway then sends the same request to
+//! [`crate::wire::RELEASE_PATH`].
+//!
+//! The release may reach the service before the acquire it releases (another connection,
+//! another replica), so both orders end the same way — the grant given back, once:
+//!
+//! ```text
+//!            acquire granted               release
+//!   (none) ───────────────────▶ Granted ───────────▶ (none)   the grant given back
+//!      │         release                  acquire granted
+//!      └──────────────────────▶ Released ──────────▶ (none)   the grant given back at once
+//! ```
+//!
+//! An entry is forgotten [`CALL_MEMORY`] after it was written (a release that late finds
+//! nothing, and the grant stays charged, as it did before releases existed). The memory
+//! store keeps at most [`MAX_CALLS`] entries; the Redis store keeps them as keys with that
+//! expiry. Entries carry only what a release needs: per rule, the tokens granted and where
+//! they were counted ([`Mark`]), encoded by [`encode`].
+
+use super::Outcome;
+use crate::algo::Mark;
+use crate::time::{Instant, Nanos, NANOS_PER_SECOND};
+use crate::wire::RuleResult;
+use std::collections::HashMap;
+
+/// How long a call is remembered: longer than any gateway waits for an answer (the wait
+/// endpoint's 10 s and the longest callout timeout), plus the tick that sends a release.
+pub const CALL_MEMORY: Nanos = 60 * NANOS_PER_SECOND;
+/// Most calls the memory store remembers at once.
+pub const MAX_CALLS: usize = 100_000;
+/// The stored value of a release that came first.
+pub const RELEASED: &str = "released";
+
+/// What one rule of a call was granted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Grant {
+    pub granted: u32,
+    pub mark: Mark,
+}
+
+impl Grant {
+    /// The grants of a decision, rule by rule (`None` when nothing was granted).
+    pub fn of(outcomes: &[Outcome]) -> Option<Vec<Grant>> {
+        outcomes
+            .iter()
+            .any(|outcome| outcome.result.granted > 0)
+            .then(|| {
+                outcomes
+                    .iter()
+                    .map(|outcome| Grant {
+                        granted: outcome.result.granted,
+                        mark: outcome.mark,
+                    })
+                    .collect()
+            })
+    }
+
+    /// The outcomes a store's release takes for these grants.
+    pub fn outcomes(grants: &[Grant]) -> Vec<Outcome> {
+        grants
+            .iter()
+            .map(|grant| Outcome {
+                result: RuleResult {
+                    allowed: grant.granted > 0,
+                    granted: grant.granted,
+                    ..RuleResult::default()
+                },
+                mark: grant.mark,
+            })
+            .collect()
+    }
+}
+
+/// Grants as stored: `<granted>:<mark hex>` per rule, comma separated.
+pub fn encode(grants: &[Grant]) -> String {
+    grants
+        .iter()
+        .map(|grant| format!("{}:{:x}", grant.granted, grant.mark.0))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// The grants of an [`encode`]d value; `None` for anything else ([`RELEASED`] included).
+pub fn decode(value: &str) -> Option<Vec<Grant>> {
+    value
+        .split(',')
+        .map(|part| {
+            let (granted, mark) = part.split_once(':')?;
+            Some(Grant {
+                granted: granted.parse().ok()?,
+                mark: Mark(u128::from_str_radix(mark, 16).ok()?),
+            })
+        })
+        .collect()
+}
+
+/// What noting a grant found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Noted {
+    /// Remembered for a release (or not, when the ledger is full: then it stays charged).
+    Kept,
+    /// The call was released before it was decided: give the grant back now.
+    AlreadyReleased,
+}
+
+#[derive(Debug)]
+enum Entry {
+    Granted(Vec<Grant>),
+    Released,
+}
+
+/// The calls of one process (the memory store, [`super::MemoryQuota`]), with time passed in.
+#[derive(Debug, Default)]
+pub struct CallLedger {
+    entries: HashMap<String, (Entry, Instant)>,
+}
+
+impl CallLedger {
+    /// Notes what `call` was granted at `now`.
+    pub fn granted(&mut self, call: &str, grants: Vec<Grant>, now: Instant) -> Noted {
+        if let Some((Entry::Released, at)) = self.entries.remove(call) {
+            if !expired(at, now) {
+                return Noted::AlreadyReleased;
+            }
+        }
+        if self.has_room(now) {
+            self.entries
+                .insert(call.to_string(), (Entry::Granted(grants), now));
+        }
+        Noted::Kept
+    }
+
+    /// Takes what `call` was granted (at most once); when it is not known yet, notes the
+    /// release so that its acquire gives its grant back.
+    pub fn release(&mut self, call: &str, now: Instant) -> Option<Vec<Grant>> {
+        match self.entries.remove(call) {
+            Some((Entry::Granted(grants), at)) if !expired(at, now) => Some(grants),
+            Some((Entry::Released, at)) if !expired(at, now) => {
+                self.entries.insert(call.to_string(), (Entry::Released, at));
+                None
+            }
+            _ => {
+                if self.has_room(now) {
+                    self.entries
+                        .insert(call.to_string(), (Entry::Released, now));
+                }
+                None
+            }
+        }
+    }
+
+    /// Calls remembered (expired ones until the next sweep).
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Room for one more entry, after forgetting the expired ones if the ledger is full.
+    fn has_room(&mut self, now: Instant) -> bool {
+        if self.entries.len() >= MAX_CALLS {
+            self.entries.retain(|_, (_, at)| !expired(*at, now));
+        }
+        self.entries.len() < MAX_CALLS
+    }
+}
+
+fn expired(at: Instant, now: Instant) -> bool {
+    now.saturating_sub(at) >= CALL_MEMORY
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: Nanos = NANOS_PER_SECOND;
+
+    fn grants(granted: u32) -> Vec<Grant> {
+        vec![
+            Grant {
+                granted,
+                mark: Mark(0xfeed_0000_0000_0000_0001),
+            },
+            Grant {
+                granted: 0,
+                mark: Mark(0),
+            },
+        ]
+    }
+
+    #[test]
+    fn either_order_gives_the_grant_back_once() {
+        let mut ledger = CallLedger::default();
+        // Acquire first, then release: the release takes the grant, once.
+        assert_eq!(ledger.granted("a", grants(3), 10 * S), Noted::Kept);
+        assert_eq!(ledger.release("a", 11 * S), Some(grants(3)));
+        assert_eq!(ledger.release("a", 11 * S), None);
+        // Release first: the acquire is told to give its grant back, once.
+        assert_eq!(ledger.release("b", 10 * S), None);
+        assert_eq!(
+            ledger.release("b", 10 * S),
+            None,
+            "a second release changes nothing"
+        );
+        assert_eq!(
+            ledger.granted("b", grants(2), 11 * S),
+            Noted::AlreadyReleased
+        );
+        assert_eq!(ledger.granted("b", grants(2), 12 * S), Noted::Kept);
+        assert_eq!(ledger.release("b", 12 * S), Some(grants(2)));
+        // What is left: a's second release, waiting for an acquire until it expires.
+        assert_eq!(ledger.len(), 1);
+    }
+
+    #[test]
+    fn a_call_is_forgotten_after_its_memory() {
+        let mut ledger = CallLedger::default();
+        ledger.granted("a", grants(3), 10 * S);
+        assert_eq!(ledger.release("a", 10 * S + CALL_MEMORY), None);
+        ledger.release("b", 10 * S);
+        assert_eq!(
+            ledger.granted("b", grants(1), 10 * S + CALL_MEMORY),
+            Noted::Kept
+        );
+    }
+
+    #[test]
+    fn the_ledger_is_bounded() {
+        let mut ledger = CallLedger::default();
+        for call in 0..MAX_CALLS + 10 {
+            ledger.granted(&call.to_string(), grants(1), S);
+        }
+        assert_eq!(ledger.len(), MAX_CALLS);
+        // Once the first ones expire, new calls are remembered again.
+        ledger.granted("late", grants(1), S + CALL_MEMORY);
+        assert_eq!(ledger.release("late", S + CALL_MEMORY), Some(grants(1)));
+    }
+
+    #[test]
+    fn grants_round_trip_through_their_encoding() {
+        let value = encode(&grants(7));
+        assert_eq!(value, "7:feed0000000000000001,0:0");
+        assert_eq!(decode(&value), Some(grants(7)));
+        assert_eq!(decode(RELEASED), None);
+        assert_eq!(decode("7:zz"), None);
+        assert_eq!(decode(""), None);
+    }
+}
