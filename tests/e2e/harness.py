@@ -26,9 +26,10 @@ import threading
 import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
+from typing import Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
@@ -1027,6 +1028,64 @@ def errors(resps: Iterable[Resp]) -> list[str]:
 
 
 # --------------------------------------------------------------------------- time
+
+
+class ScriptsRun:
+    """`scripts/run --no-build` as the README starts it: its process and what it printed."""
+
+    def __init__(self, process: subprocess.Popen, lines: list[str]) -> None:
+        self.process = process
+        self.lines = lines
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+
+@contextmanager
+def scripts_run(log_dir: Path, env: Mapping[str, str]) -> Iterator[ScriptsRun]:
+    """Starts `scripts/run --no-build` with `env` added (ports, DIANA_RUN_FOR, ...), waits for
+    its banner, and on exit presses Ctrl-C (SIGINT) and waits for it to stop; what it printed
+    is kept in `log_dir/run.out`. It runs in a session of its own with SIGINT at its default,
+    as a terminal gives it: a test run started in the background (`cmd &`) ignores SIGINT, a
+    disposition children inherit, and bash cannot trap a signal ignored at its start."""
+    assert WASM.is_file(), f"{WASM} missing: run scripts/build"
+    process = subprocess.Popen(
+        ["bash", "scripts/run", "--no-build"],
+        cwd=REPO,
+        env=dict(os.environ, DIANA_WASM=str(WASM), **env),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    run = ScriptsRun(process, [])
+    banner = threading.Event()
+
+    def reader() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            run.lines.append(line)
+            if "Ctrl-C stops everything" in line:
+                banner.set()
+
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    try:
+        assert banner.wait(120), "scripts/run did not print its banner:\n" + run.output
+        yield run
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=10)
+        t.join(timeout=5)
+        (log_dir / "run.out").write_text(run.output)
 
 
 def wait_for_fresh_minute(min_remaining: float = 10.0) -> None:

@@ -24,7 +24,6 @@ import re
 import signal
 import subprocess
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +44,7 @@ from harness import (
     free_port,
     gateway_env,
     http_get,
+    scripts_run,
     wait_for_fresh_minute,
 )
 
@@ -312,57 +312,18 @@ def run_block(block: Block, ports: dict[str, int], log_dir: Path, timeout: float
 
 def test_readme_quickstart_against_scripts_run(log_dir):
     """The README's first requests, against `scripts/run` as the README starts it."""
-    assert WASM.is_file(), f"{WASM} missing: run scripts/build"
     ports = {"gateway": free_port(), "admin": free_port(), "upstream": free_port(), "quota": free_port()}
     assert len(set(ports.values())) == 4
-    env = dict(
-        os.environ,
-        DIANA_PORT=str(ports["gateway"]),
-        DIANA_ADMIN_PORT=str(ports["admin"]),
-        DIANA_UPSTREAM_PORT=str(ports["upstream"]),
-        DIANA_QUOTA_PORT=str(ports["quota"]),
-        DIANA_RUN_FOR="300",
-        DIANA_WASM=str(WASM),
-    )
-    run = subprocess.Popen(
-        ["bash", "scripts/run", "--no-build"],
-        cwd=REPO,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        # SIGINT at its default, as a terminal gives it (see test_run_script.py): Ctrl-C is
-        # how it is stopped below.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
-    lines: list[str] = []
-    banner = threading.Event()
-
-    def reader() -> None:
-        assert run.stdout is not None
-        for line in run.stdout:
-            lines.append(line)
-            if "Ctrl-C stops everything" in line:
-                banner.set()
-
-    t = threading.Thread(target=reader, daemon=True)
-    t.start()
-    try:
-        assert banner.wait(120), "scripts/run did not print its banner:\n" + "".join(lines)
+    env = {
+        "DIANA_PORT": str(ports["gateway"]),
+        "DIANA_ADMIN_PORT": str(ports["admin"]),
+        "DIANA_UPSTREAM_PORT": str(ports["upstream"]),
+        "DIANA_QUOTA_PORT": str(ports["quota"]),
+        "DIANA_RUN_FOR": "300",
+    }
+    with scripts_run(log_dir, env):
         wait_for_fresh_minute(10)  # /sample's rule is a fixed window on the epoch minute
         run_block(checked_block("README.md", "quickstart"), ports, log_dir)
-    finally:
-        if run.poll() is None:
-            run.send_signal(signal.SIGINT)
-            try:
-                run.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                run.kill()
-                run.wait(timeout=10)
-        t.join(timeout=5)
-        (log_dir / "run.out").write_text("".join(lines))
 
 
 def test_envoy_yaml_answers_as_the_readme_says(procs, log_dir):
