@@ -19,13 +19,16 @@
 //!   on_http_call_response ─▶ on_call_answered ── calls[token] says what it resumes:
 //!                                 a request (complete → apply), an orphan (its client
 //!                                 left: the grant goes to the stash), a refill, a
-//!                                 payment, a poll
-//!   on_tick ───────────────▶ on_tick ── remote check, debts, engine ticks, refills,
-//!                                 metrics, sweeps; then parked and waiting requests
+//!                                 payment, a release, a poll
+//!   on_tick ───────────────▶ on_tick ── remote check, debts, releases, engine ticks,
+//!                                 refills, metrics, sweeps; then parked and waiting
+//!                                 requests
 //!   on_response_headers ───▶ on_response_headers ── response costs, AddHeaders
-//!   context deleted ───────▶ on_context_gone ── give back what a paused request held
-//!                                 (on nginx, one gone before its own call answered: the
-//!                                 host runs paused requests on, see `unheld.rs`)
+//!   context deleted ───────▶ on_context_gone ── give back what a paused request held;
+//!                                 its own call's answer is lost with it, so a release
+//!                                 of that call waits for the next tick (on nginx, one
+//!                                 gone before its own call answered: the host runs
+//!                                 paused requests on, see `unheld.rs`)
 //! ```
 //!
 //! A request's life in the worker (`requests[context]`, absent when nothing is left):
@@ -440,9 +443,9 @@ impl Worker {
                 );
             }
             Call::Release(configured, release) => {
-                // Whatever it says: a grant given back, or one the service will give back
-                // when its acquire comes (or none known), a denial cached meanwhile may
-                // hide tokens that are there now.
+                // Whatever the answer (a grant given back now, or when its acquire is
+                // decided, or none known), a denial cached since may hide tokens that
+                // are back at the service.
                 configured.engine.released(host, &release, host.now());
             }
             Call::Poll => self.on_poll_answer(host, headers, body_size),
@@ -480,8 +483,8 @@ impl Worker {
                 }
                 // A call made from the request's own context is dropped with it by the
                 // host (the SDK files its answer under the context): what it held goes
-                // back now. One made from another context still answers.
-                // Its grant is released: the service gives it back.
+                // back now, and the call is released from the next tick (the service
+                // gives its grant back). One made from another context still answers.
                 match call {
                     Some(Call::Request { own: false, .. }) => {
                         let orphan = Call::Orphan(Rc::clone(configured), pending);
