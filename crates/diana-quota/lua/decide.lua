@@ -157,7 +157,9 @@ else
   end
   commit()
   for _, r in ipairs(rules) do
-    put(1, 0, probe(r, scratch[r.key]), 0, 0, 0, 0)
+    -- state_of, not scratch: a rule with nothing to give back (a dry run's denial) was
+    -- never loaded above
+    put(1, 0, probe(r, state_of(r)), 0, 0, 0, 0)
   end
 end
 return reply

@@ -4,9 +4,9 @@
 //!
 //! - [`MemoryStore`]: in-process, reuses `diana_core::algo` (one replica only), decides
 //!   everything under one lock ([`decide`], shared with `diana_core::quota`).
-//! - [`RedisStore`]: Redis (one Lua script over every key of the request, atomic) or Redis
-//!   Cluster (one script per key, then compensation: grants of a denied request are given
-//!   back).
+//! - [`RedisStore`]: Redis (one Lua script over every key of the request, atomic; a lean
+//!   one when every rule is a fixed window) or Redis Cluster (one script per key, then
+//!   compensation: grants of a denied request are given back).
 
 mod memory;
 mod redis;

@@ -1,7 +1,12 @@
 //! Counters in Redis or Redis Cluster, decided by ONE Lua script (`lua/common.lua`, one file
 //! per algorithm, `lua/decide.lua`), run by `EVALSHA` and reloaded on `NOSCRIPT` (the
 //! script never ran, so nothing is charged twice); the time is the Redis server's (`TIME`),
-//! so gateways with skewed clocks agree. Keys are
+//! so gateways with skewed clocks agree. An acquire whose rules are all fixed windows (the
+//! RLS default, envoyproxy/ratelimit's only algorithm) takes a lean script instead
+//! (`window.lua`, next to this file): the same decision on the same stored counters for a
+//! third of the general script's Redis time (most of which is the general script building
+//! every algorithm's functions on each call; `window.lua`'s header has the figures), also
+//! by `EVALSHA` on `TIME`. Keys are
 //! `diana:{<key>}:<ALGO>:<rpu>:<unit>:<burst>:<slices>` ([`diana_core::quota::CounterId::params`]): a counter
 //! is bound to its parameters (a request with other parameters addresses another key and
 //! can neither read nor reset this one), and the hash tag keeps every counter of one rule
@@ -28,11 +33,11 @@
 //! closing (half-open: a host gone, a NAT or firewall that lost the flow) is replaced.
 
 use super::{Grant, Noted, Outcome, Store, StoreError};
-use diana_core::quota::ledger::{self, CALL_MEMORY, RELEASED};
 use async_trait::async_trait;
 use diana_core::algo::{Limit, Mark};
 use diana_core::global::wire::{ResolvedRule, RuleResult};
 use diana_core::quota::counter_params;
+use diana_core::quota::ledger::{self, CALL_MEMORY, RELEASED};
 use redis::aio::{ConnectionLike, MultiplexedConnection};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
@@ -161,6 +166,10 @@ const SCRIPT: &str = concat!(
     include_str!("../../lua/decide.lua"),
 );
 
+/// The lean script: an acquire whose rules are all fixed windows ([`takes_lean_window`]).
+/// It decides as `SCRIPT` does on the same keys and state (`tests/lean_window.rs`).
+const WINDOW_SCRIPT: &str = include_str!("window.lua");
+
 /// The release ledger's script (`lua/calls.lua`): one key per call with an id.
 const CALLS_SCRIPT: &str = include_str!("../../lua/calls.lua");
 
@@ -168,6 +177,9 @@ const CALLS_SCRIPT: &str = include_str!("../../lua/calls.lua");
 fn call_key(call: &str) -> String {
     format!("diana:{{call:{call}}}")
 }
+
+/// The fixed window's code, the one algorithm the lean script decides.
+const WINDOW_CODE: &str = "W";
 
 /// How an algorithm's [`Mark`] travels to and from the script.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -349,6 +361,40 @@ fn invocation<'s>(
         }
     }
     Ok(call)
+}
+
+/// Whether a call goes to the lean script: an acquire of fixed windows only. Charges and
+/// releases (response costs, cluster compensation, late answers) are rare and stay on the
+/// general script, which reads and writes the same state.
+fn takes_lean_window(op: Op<'_>, rules: &[(usize, &ResolvedRule<'_>)]) -> bool {
+    matches!(op, Op::Acquire)
+        && !rules.is_empty()
+        && rules
+            .iter()
+            .all(|(_, rule)| rule.algo.code() == WINDOW_CODE)
+}
+
+/// The lean script's call: per rule its key, then rpu, unit (µs), need, want, dry run
+/// (`window.lua`'s header). Its reply is the general script's (8 integers per rule).
+fn window_invocation<'s>(
+    script: &'s Script,
+    rules: &[(usize, &ResolvedRule<'_>)],
+    now_us: Option<u64>,
+) -> ScriptInvocation<'s> {
+    let mut call = script.prepare_invoke();
+    match now_us {
+        Some(now) => call.arg(now),
+        None => call.arg(""),
+    };
+    for &(_, rule) in rules {
+        call.key(redis_key(rule));
+        call.arg(rule.limit.rpu.get())
+            .arg(unit_micros(&rule.limit))
+            .arg(rule.cost.get())
+            .arg(rule.want.get())
+            .arg(u8::from(rule.dry_run));
+    }
+    call
 }
 
 /// The script's reply, [`REPLY_WIDTH`] integers per rule, on the wire.
@@ -633,8 +679,13 @@ impl ConnectionLike for Conn {
 pub struct RedisStore {
     backend: Backend,
     script: Script,
+    /// The lean script for fixed-window acquires ([`WINDOW_SCRIPT`]).
+    window_script: Script,
     /// The release ledger ([`CALLS_SCRIPT`]).
     calls_script: Script,
+    /// Whether fixed-window acquires take the lean script (always, but for the tests and
+    /// benchmarks that compare it with the general one).
+    lean_window: bool,
     options: RedisOptions,
     description: String,
     /// When each route last answered, in ms after `epoch` (0: not yet): one route for a
@@ -714,7 +765,9 @@ impl RedisStore {
         Ok(RedisStore {
             backend,
             script: Script::new(SCRIPT),
+            window_script: Script::new(WINDOW_SCRIPT),
             calls_script: Script::new(CALLS_SCRIPT),
+            lean_window: true,
             options,
             description,
             answered: (0..routes).map(|_| AtomicU64::new(0)).collect(),
@@ -724,6 +777,14 @@ impl RedisStore {
 
     pub fn options(&self) -> RedisOptions {
         self.options
+    }
+
+    /// With `false`, every call takes the general script, fixed-window acquires too: for
+    /// the tests and benchmarks that compare the lean script with it (both decide the same).
+    #[must_use]
+    pub fn with_lean_window(mut self, enabled: bool) -> RedisStore {
+        self.lean_window = enabled;
+        self
     }
 
     fn is_cluster(&self) -> bool {
@@ -833,7 +894,11 @@ impl RedisStore {
         rules: &[(usize, &ResolvedRule<'_>)],
         now_us: Option<u64>,
     ) -> Result<Vec<Outcome>, StoreError> {
-        let call = invocation(&self.script, op, rules, now_us)?;
+        let call = if self.lean_window && takes_lean_window(op, rules) {
+            window_invocation(&self.window_script, rules, now_us)
+        } else {
+            invocation(&self.script, op, rules, now_us)?
+        };
         let key = rules.first().map(|(_, rule)| rule.key);
         let reply: Vec<i64> = self
             .query(
@@ -1267,6 +1332,30 @@ mod tests {
             assert_ne!(name, "diana:{8f3a:5c1e}:TB:10:second:10:10");
             assert!(name.starts_with("diana:{8f3a:5c1e}:"), "{name}");
         }
+    }
+
+    #[test]
+    fn only_fixed_window_acquires_take_the_lean_script() {
+        let request = |algo: &str| RuleRequest {
+            key: "k".to_string(),
+            algo: algo.to_string(),
+            rpu: 5,
+            unit: "minute".to_string(),
+            burst: 1,
+            slices: 1,
+            want: 2,
+            cost: 1,
+            max_delay_ms: None,
+            dry_run: true,
+        };
+        let (w, tb) = (request("W"), request("TB"));
+        let (w, tb) = (w.resolve(0).unwrap(), tb.resolve(0).unwrap());
+        let windows = [(0, &w), (1, &w)];
+        assert!(takes_lean_window(Op::Acquire, &windows));
+        assert!(!takes_lean_window(Op::Acquire, &[(0, &w), (1, &tb)]));
+        assert!(!takes_lean_window(Op::Acquire, &[]));
+        assert!(!takes_lean_window(Op::Charge, &windows));
+        assert!(!takes_lean_window(Op::Release(&[]), &windows));
     }
 
     #[test]
