@@ -12,10 +12,19 @@
 //!   through the policy with the log's own clock and prints per second and per rule what
 //!   would have been admitted, delayed and rejected (`--json`, `--svg FILE`).
 //!
-//! Exit codes: 0 success, 1 invalid document, 2 usage or I/O error.
+//! - `diana check-nginx NGINX_CONF` reads an nginx configuration (its includes too) and
+//!   reports, with file:line, what ngx_wasm_module does not let the filter catch at run
+//!   time: no `shm_kv` zone for Diana's keys, a location with global rules and without
+//!   `proxy_wasm_request_headers_in_access on;`, a zone too small for the document, an
+//!   upstream not written `host:port`; the documents are checked as `diana check` does.
+//!
+//! Exit codes: 0 success, 1 invalid document (or, for `check-nginx`, problems found),
+//! 2 usage or I/O error (or an nginx configuration that cannot be parsed).
 
 mod envoy;
 mod nginx;
+mod nginx_check;
+mod nginx_conf;
 mod plan;
 mod schema;
 mod simulate;
@@ -24,7 +33,7 @@ mod yaml;
 use clap::{Args, Parser, Subcommand};
 use diana_core::config::{parse_policy, Policy};
 use std::io::{self, BufRead, BufReader, Read, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 /// Exit code of an invalid document.
@@ -56,6 +65,25 @@ enum Command {
         /// Print the plan as JSON.
         #[arg(long)]
         json: bool,
+    },
+    /// Check an nginx configuration that runs Diana through ngx_wasm_module, before you
+    /// reload it.
+    ///
+    /// Reads NGINX_CONF and the files it includes (relative to its directory, globs
+    /// allowed), and prints one line per problem with its file:line: no `shm_kv` zone for
+    /// Diana's keys in the `wasm { }` block, a location running `proxy_wasm diana` with a
+    /// global rule without `proxy_wasm_request_headers_in_access on;`, a zone smaller than
+    /// the documents need, a document the filter refuses (checked as `diana check` does),
+    /// `global.cluster` / `remote.cluster` not written host:port. Exits 1 when it found a
+    /// problem, 2 when the configuration cannot be read or parsed, 0 with a one-line
+    /// summary otherwise.
+    CheckNginx {
+        /// The nginx configuration file (nginx.conf).
+        nginx_conf: PathBuf,
+        /// Check this Diana document (YAML or JSON; `-` reads standard input) instead of
+        /// those written in the `proxy_wasm diana '<document>'` lines.
+        #[arg(long, value_name = "FILE")]
+        document: Option<PathBuf>,
     },
     /// Validate a document and print an Envoy v3 bootstrap (YAML, or JSON) that loads
     /// diana.wasm with it.
@@ -242,6 +270,10 @@ fn run(cli: Cli) -> Result<(), Failure> {
             };
             write_stdout(&out)
         }
+        Command::CheckNginx {
+            nginx_conf,
+            document,
+        } => run_check_nginx(&nginx_conf, document.as_ref()),
         Command::RenderEnvoy(args) => run_render_envoy(*args),
         Command::Schema { kong } => {
             let value = if kong {
@@ -256,6 +288,32 @@ fn run(cli: Cli) -> Result<(), Failure> {
         }
         Command::Simulate(args) => run_simulate(args),
     }
+}
+
+fn run_check_nginx(conf: &Path, document: Option<&PathBuf>) -> Result<(), Failure> {
+    let config = nginx_conf::load(conf).map_err(|err| Failure::io(err.message))?;
+    let text = document.map(read_input).transpose()?;
+    let name = document.map(|path| path.display().to_string());
+    let document = match (&text, &name) {
+        (Some(text), Some(name)) => Some(nginx_check::Document { name, text }),
+        _ => None,
+    };
+    let outcome = nginx_check::check(&config, document.as_ref());
+    if outcome.problems.is_empty() {
+        return write_stdout(&format!("{}\n", outcome.summary));
+    }
+    let mut out = outcome.problems.join("\n");
+    out.push('\n');
+    write_stdout(&out)?;
+    let count = outcome.problems.len();
+    Err(Failure {
+        message: format!(
+            "diana: {count} problem{} in {}",
+            if count == 1 { "" } else { "s" },
+            conf.display()
+        ),
+        code: EXIT_INVALID,
+    })
 }
 
 fn run_render_envoy(args: RenderArgs) -> Result<(), Failure> {

@@ -11,6 +11,7 @@ use diana_core::config::{Policy, Rule, Scope};
 use diana_core::global::stash;
 use diana_core::remote::MAX_DOCUMENT_BYTES;
 use diana_core::store::slot_record_bytes;
+use std::collections::HashSet;
 
 /// ngx_wa_shm_kv_node_t on 64-bit.
 const NODE_BYTES: u64 = 96;
@@ -51,8 +52,27 @@ pub fn rule_bytes(rule: &Rule) -> u64 {
 /// The zone size for `policy`: every record at once, with 1/8 of slack for the slab
 /// allocator's partly used pages, rounded up to whole MiB.
 pub fn zone_bytes(policy: &Policy) -> u64 {
-    let mut bytes = FIXED_BYTES + policy.rules().map(rule_bytes).sum::<u64>();
-    if policy.remote.is_some() {
+    zone_bytes_of(&[policy])
+}
+
+/// The zone size for several documents sharing one zone (several `proxy_wasm diana`
+/// lines, `diana check-nginx`): a rule whose slot table an earlier document already has
+/// (the same rule in both) counts once.
+pub fn zone_bytes_of(policies: &[&Policy]) -> u64 {
+    let mut seen: HashSet<&str> = HashSet::new();
+    let mut bytes = FIXED_BYTES;
+    for policy in policies {
+        let tables: Vec<&str> = policy
+            .rules()
+            .map(|rule| rule.keys.slots.as_str())
+            .collect();
+        bytes += (policy.rules())
+            .filter(|rule| !seen.contains(rule.keys.slots.as_str()))
+            .map(rule_bytes)
+            .sum::<u64>();
+        seen.extend(tables);
+    }
+    if policies.iter().any(|policy| policy.remote.is_some()) {
         // The published document, in whole pages (and room to replace it).
         bytes += 2 * allocation(32, MAX_DOCUMENT_BYTES + 64);
     }
