@@ -3,6 +3,7 @@ Rules are TB rpu 3 per hour: nothing refills during a test."""
 
 from __future__ import annotations
 
+import base64
 from typing import Optional
 
 from harness import errors, record, send_concurrent, statuses
@@ -100,3 +101,39 @@ def test_user_defined_actor_with_shared_fallback(start_gateway):
     assert t2 == LIMITED
     assert shared == LIMITED
     assert shared_again == {503: N}
+
+
+def _bearer(payload: str, signature: str = "c2ln") -> dict:
+    """An `authorization` header with a JWT whose payload is `payload` (not signed: Diana
+    reads claims, a filter before it verifies them)."""
+    def b64(raw: str) -> str:
+        return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+
+    header = b64('{"alg":"RS256"}')
+    return {"authorization": f"Bearer {header}.{b64(payload)}.{signature}"}
+
+
+def test_actor_from_a_jwt_claim_counts_by_the_claim(start_gateway):
+    gw = start_gateway(
+        _config(
+            "user",
+            extra="actors:\n  user: {jwt_claim: /org/id, fallback: shared}\n",
+        )
+    )
+    # Two tokens of one organisation (other subjects, other signatures): one counter.
+    acme = _burst(gw, _bearer('{"sub":"alice","org":{"id":"acme"}}'))
+    acme_again = _burst(gw, _bearer('{"sub":"bob","org":{"id":"acme"}}', signature="b3RoZXI"))
+    globex = _burst(gw, _bearer('{"sub":"carol","org":{"id":"globex"}}'))
+    # The claim's text as a header, another scheme, a malformed token, no such claim: the
+    # shared fallback, none of them on acme's counter.
+    no_claim = _burst(gw, {"x-device-id": "acme", **_bearer('{"sub":"dave"}')})
+    no_claim_again = _burst(gw, {"authorization": "Bearer not.a-jwt"})
+    record(
+        f"{gw.kind}: actor from a JWT claim (/org/id)",
+        f"acme {acme} then {acme_again}, globex {globex}, no claim (shared) {no_claim} then {no_claim_again}",
+    )
+    assert acme == LIMITED
+    assert acme_again == {503: N}
+    assert globex == LIMITED
+    assert no_claim == LIMITED
+    assert no_claim_again == {503: N}

@@ -306,14 +306,11 @@ fn full() -> Value {
 fn actors() -> Value {
     let sources: Vec<&str> = SOURCE_KINDS.iter().map(|kind| kind.key()).collect();
     let mut source_props = Map::new();
-    for key in &sources {
+    for kind in &SOURCE_KINDS {
+        let (pattern, max_length) = kind.value_shape();
         source_props.insert(
-            (*key).to_string(),
-            json!({
-                "type": "string",
-                "pattern": "^\\s*:?[!#$%&'*+.^_`|~0-9A-Za-z-]+\\s*$",
-                "maxLength": MAX_HEADER_NAME,
-            }),
+            kind.key().to_string(),
+            json!({ "type": "string", "pattern": pattern, "maxLength": max_length }),
         );
     }
     source_props.insert(

@@ -11,6 +11,7 @@
 //! registry; existing sources are not touched.
 
 use crate::hash::{IdentityHasher, IdentityKind};
+use crate::jwt::{self, ClaimPath};
 use std::fmt;
 use std::sync::Arc;
 
@@ -172,6 +173,30 @@ impl ActorSource for HeaderActor {
     }
 }
 
+/// An actor whose identity is a claim of the request's bearer token (`authorization:
+/// Bearer <jwt>`), read but not verified ([`crate::jwt`]): a filter that verifies the token
+/// must run first. No token, a malformed one, or no such claim: the fallback.
+#[derive(Debug, Clone)]
+pub struct JwtClaimActor {
+    /// Its JSON Pointer is part of the hashed input ([`IdentityKind::Claim`]).
+    path: ClaimPath,
+    fallback: Fallback,
+}
+
+impl ActorSource for JwtClaimActor {
+    fn identify(&self, request: &dyn RequestFacts, hasher: &IdentityHasher) -> Identity {
+        let value = request
+            .header("authorization")
+            .and_then(|header| jwt::claim(jwt::bearer(&header)?, &self.path));
+        match value {
+            Some(value) => {
+                Identity::Key(hasher.identity(IdentityKind::Claim(self.path.pointer()), &value))
+            }
+            None => self.fallback.identify(request, hasher),
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // Registry.
 
@@ -194,6 +219,9 @@ pub trait SourceKind: Sync + fmt::Debug {
     fn parse_value(&self, raw: &str) -> Result<String, String>;
     /// Builds the actor from a value returned by [`SourceKind::parse_value`].
     fn build(&self, value: &str, fallback: Fallback) -> ActorDef;
+    /// What the value may look like, for the JSON schema: a regular expression and the
+    /// longest value, in bytes.
+    fn value_shape(&self) -> (&'static str, usize);
 }
 
 /// `{header: NAME}`: identity from a request header.
@@ -232,6 +260,39 @@ impl SourceKind for HeaderKind {
             spec,
         }
     }
+
+    fn value_shape(&self) -> (&'static str, usize) {
+        ("^\\s*:?[!#$%&'*+.^_`|~0-9A-Za-z-]+\\s*$", MAX_HEADER_NAME)
+    }
+}
+
+/// `{jwt_claim: sub}` or `{jwt_claim: /org/id}`: identity from a claim of the bearer token.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct JwtClaimKind;
+
+impl SourceKind for JwtClaimKind {
+    fn key(&self) -> &'static str {
+        "jwt_claim"
+    }
+
+    fn parse_value(&self, raw: &str) -> Result<String, String> {
+        ClaimPath::parse(raw)
+            .map(|path| path.pointer().to_string())
+            .map_err(|error| error.to_string())
+    }
+
+    fn build(&self, value: &str, fallback: Fallback) -> ActorDef {
+        // `value` is a canonical pointer (from `parse_value`): it parses again.
+        let path = ClaimPath::parse(value).unwrap_or_else(|_| ClaimPath::matching_nothing());
+        ActorDef {
+            spec: format!("jwt_claim={};fallback={fallback}", path.pointer()),
+            source: Arc::new(JwtClaimActor { path, fallback }),
+        }
+    }
+
+    fn value_shape(&self) -> (&'static str, usize) {
+        ("\\S", jwt::MAX_PATH_SEGMENTS * (jwt::MAX_SEGMENT_BYTES + 1))
+    }
 }
 
 /// RFC 9110 `tchar`.
@@ -240,7 +301,7 @@ fn is_token_byte(byte: u8) -> bool {
 }
 
 /// Every kind of source an `actors:` entry may use.
-pub static SOURCE_KINDS: [&dyn SourceKind; 1] = [&HeaderKind];
+pub static SOURCE_KINDS: [&dyn SourceKind; 2] = [&HeaderKind, &JwtClaimKind];
 
 /// Finds a source kind by its key.
 pub fn source_kind(key: &str) -> Option<&'static dyn SourceKind> {
@@ -417,6 +478,82 @@ mod tests {
         match identity {
             Identity::Key(key) => key,
             other => panic!("expected a key, got {other:?}"),
+        }
+    }
+
+    /// A bearer token whose payload is `payload` (unsigned: Diana does not verify).
+    fn bearer(payload: &str) -> Vec<u8> {
+        use base64::Engine as _;
+        let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD;
+        format!(
+            "Bearer {}.{}.c2ln",
+            b64.encode(br#"{"alg":"RS256"}"#),
+            b64.encode(payload)
+        )
+        .into_bytes()
+    }
+
+    #[test]
+    fn a_jwt_claim_actor_counts_by_the_claim_and_falls_back_without_it() {
+        let def = |value: &str, fallback| {
+            let canonical = JwtClaimKind.parse_value(value).expect("a claim path");
+            JwtClaimKind.build(&canonical, fallback)
+        };
+        let user = def("sub", Fallback::Skip);
+        assert_eq!(user.spec, "jwt_claim=/sub;fallback=skip");
+        let with = |token: Vec<u8>| {
+            Facts::default()
+                .header("authorization", &token)
+                .ip(b"10.0.0.1")
+        };
+        let who = |def: &ActorDef, facts: &Facts| def.source.identify(facts, &hasher());
+        let alice = key(who(&user, &with(bearer(r#"{"sub":"alice","iat":1}"#))));
+        // Another token of the same subject (other claims, another signature): the same.
+        assert_eq!(
+            who(&user, &with(bearer(r#"{"iat":2,"sub":"alice"}"#))),
+            Identity::Key(alice)
+        );
+        assert_ne!(key(who(&user, &with(bearer(r#"{"sub":"bob"}"#)))), alice);
+        // No token, another scheme, a malformed one, no such claim: the fallback.
+        for facts in [
+            Facts::default(),
+            Facts::default().header("authorization", b"Basic YWxpY2U6eA=="),
+            with(b"Bearer not-a-jwt".to_vec()),
+            with(bearer(r#"{"iss":"x"}"#)),
+            with(bearer(r#"{"sub":{"nested":true}}"#)),
+        ] {
+            assert_eq!(who(&user, &facts), Identity::Skip);
+            assert_eq!(
+                who(&def("sub", Fallback::Ip), &facts),
+                ip_identity(&facts, &hasher())
+            );
+        }
+        // A nested claim by JSON Pointer; numbers count by their JSON text.
+        let org = def("/org/id", Fallback::Shared);
+        let org_of = |payload: &str| who(&org, &with(bearer(payload)));
+        assert_eq!(
+            org_of(r#"{"sub":"a","org":{"id":7}}"#),
+            org_of(r#"{"sub":"b","org":{"id":7}}"#)
+        );
+        assert_ne!(org_of(r#"{"org":{"id":7}}"#), org_of(r#"{"org":{"id":8}}"#));
+        // The same text as a claim, as another claim, as a header, as an address: four
+        // identities (the claim's path is part of the hashed input).
+        let as_claim = key(who(
+            &def("tenant", Fallback::Skip),
+            &with(bearer(r#"{"tenant":"x1"}"#)),
+        ));
+        let as_other = key(who(
+            &def("team", Fallback::Skip),
+            &with(bearer(r#"{"team":"x1"}"#)),
+        ));
+        let header = HeaderKind.build("x-tenant", Fallback::Skip);
+        let as_header = key(header
+            .source
+            .identify(&Facts::default().header("x-tenant", b"x1"), &hasher()));
+        let as_address = key(ip_identity(&Facts::default().ip(b"x1"), &hasher()));
+        let all = [as_claim, as_other, as_header, as_address];
+        for (i, a) in all.iter().enumerate() {
+            assert!(all[i + 1..].iter().all(|b| a != b), "{all:?}");
         }
     }
 

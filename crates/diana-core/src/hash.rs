@@ -47,6 +47,8 @@ const PUBLIC_KEY_TEXT: &[u8] = b"diana public identity key: set identity_key";
 const TAG_IP: u8 = 1;
 /// Domain tag of header identities; the header's name follows, length-prefixed.
 const TAG_HEADER: u8 = 2;
+/// Domain tag of bearer-token claim identities; the claim's path follows, length-prefixed.
+const TAG_CLAIM: u8 = 3;
 
 /// A 128-bit identity key. Never shown: not in `Debug`, not in logs.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -124,6 +126,8 @@ pub enum IdentityKind<'a> {
     Ip,
     /// The value of the named request header (lower case).
     Header(&'a str),
+    /// A claim of the bearer token, by its path (a JSON Pointer, [`crate::jwt::ClaimPath`]).
+    Claim(&'a str),
 }
 
 /// The keyed hash of identities: SipHash-1-3 under a 128-bit key, the identity's kind
@@ -183,6 +187,11 @@ impl IdentityHasher {
                 hasher.write(&[TAG_HEADER]);
                 hasher.write(&(name.len() as u64).to_le_bytes());
                 hasher.write(name.as_bytes());
+            }
+            IdentityKind::Claim(path) => {
+                hasher.write(&[TAG_CLAIM]);
+                hasher.write(&(path.len() as u64).to_le_bytes());
+                hasher.write(path.as_bytes());
             }
         }
         hasher.write(value);

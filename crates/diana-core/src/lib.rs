@@ -31,6 +31,7 @@ pub mod decision;
 pub mod engine;
 pub mod global;
 pub mod hash;
+pub mod jwt;
 pub mod lifecycle;
 pub mod local;
 pub mod logline;

@@ -973,7 +973,7 @@ impl<'de> Visitor<'de> for ActorsVisitor {
 
     fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
         formatter
-            .write_str("a mapping of actor names to `{header: NAME, fallback: skip|ip|shared}`")
+            .write_str("a mapping of actor names to `{header: NAME | jwt_claim: CLAIM, fallback: skip|ip|shared}`")
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawActors, A::Error> {

@@ -565,6 +565,25 @@ fn rule_ids_are_stable() {
 /// `(document, expected pieces of the message in order)`; every YAML/JSON error must also
 /// carry `at line L column C`.
 #[test]
+fn an_actor_may_count_by_a_claim_of_the_bearer_token() {
+    let policy = parse(
+        "resources: [{Url: /, rules: [{rpu: 5, actor: user}, {rpu: 50, actor: org, scope: global}]}]\n\
+         actors:\n  user: {jwt_claim: sub}\n  org: {jwt_claim: /org/id, fallback: ip}\n",
+    );
+    let specs: Vec<&str> = rules(&policy)
+        .iter()
+        .map(|rule| rule.actor_spec.as_str())
+        .collect();
+    assert_eq!(
+        specs,
+        [
+            "jwt_claim=/sub;fallback=skip",
+            "jwt_claim=/org/id;fallback=ip"
+        ]
+    );
+}
+
+#[test]
 fn errors_name_field_and_position() {
     let table: &[(&str, &[&str])] = &[
         // rpu
@@ -661,10 +680,13 @@ fn errors_name_field_and_position() {
         ("resources: []\nactors:\n  ip: {header: x}\n", &["actors", "`ip` is built in", "line 3"]),
         ("resources: []\nactors:\n  actor: {header: x}\n", &["actors", "`actor` is built in", "line 3"]),
         ("resources: []\nactors:\n  t: {cookie: sid}\n", &["actors.t", "unknown field `cookie`", "`header`", "line 3"]),
-        ("resources: []\nactors:\n  t: {fallback: ip}\n", &["actors.t: ", "needs a source", "`header`", "line 3"]),
+        ("resources: []\nactors:\n  t: {fallback: ip}\n", &["actors.t: ", "needs a source", "`header`, `jwt_claim`", "line 3"]),
         ("resources: []\nactors:\n  t: {header: x, fallback: never}\n", &["actors.t.fallback: ", "unknown fallback `never`", "skip, ip, shared", "line 3"]),
         ("resources: []\nactors:\n  t: {header: 'x y'}\n", &["actors.t.header: ", "invalid header name", "line 3"]),
         ("resources: []\nactors:\n  t: {header: ''}\n", &["actors.t.header: ", "empty header name", "line 3"]),
+        ("resources: []\nactors:\n  t: {jwt_claim: '/org/a~2'}\n", &["actors.t.jwt_claim: ", "JSON Pointer", "line 3"]),
+        ("resources: []\nactors:\n  t: {jwt_claim: ''}\n", &["actors.t.jwt_claim: ", "empty claim", "line 3"]),
+        ("resources: []\nactors:\n  t: {jwt_claim: sub, header: x}\n", &["actors.t", "two sources", "line 3"]),
         ("resources: []\nactors:\n  'a b': {header: x}\n", &["actors", "invalid actor name", "line 3"]),
         ("resources: []\nactors:\n  t: x-tenant\n", &["actors.t: ", "invalid type", "line 3"]),
         ("resources: []\nactors: [t]\n", &["actors: ", "invalid type", "line 2"]),

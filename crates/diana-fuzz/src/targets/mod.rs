@@ -2,6 +2,7 @@
 
 pub mod config;
 pub mod identity;
+pub mod jwt;
 pub mod path;
 pub mod wire;
 
@@ -17,6 +18,7 @@ pub fn all() -> Vec<Box<dyn Target>> {
         Box::new(path::Normalise),
         Box::new(path::Spellings),
         Box::new(identity::Identities::new()),
+        Box::new(jwt::Claims),
         Box::new(wire::Answers),
         Box::new(wire::Callouts),
     ]

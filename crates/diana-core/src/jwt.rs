@@ -1,0 +1,249 @@
+//! The claims of a bearer token (a JWT, RFC 7519, in JWS compact form), **read, not
+//! verified**, for actors that count requests by a claim (`actors: {user: {jwt_claim:
+//! sub}}`). Diana does not check signatures: a filter that does (Envoy's `jwt_authn`, with
+//! `forward: true` so that the token stays on the request) must run before it, or anyone
+//! can count against anyone's claim. Every size is bounded, and anything malformed — no
+//! bearer token, not three segments, payload not base64url JSON, the claim absent or not a
+//! scalar — reads as no claim: the actor's fallback decides.
+//!
+//! A claim is named as it is (`sub`, `https://example.com/tenant`), or by a JSON Pointer
+//! (RFC 6901) into the payload when it is nested (`/org/id`, `/roles/0`).
+
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use base64::Engine as _;
+use serde_json::Value;
+use std::fmt;
+
+/// Longest token read, in bytes (larger: no claim).
+pub const MAX_TOKEN_BYTES: usize = 8 * 1024;
+/// Most segments of a claim's path.
+pub const MAX_PATH_SEGMENTS: usize = 8;
+/// Longest segment of a claim's path, in bytes.
+pub const MAX_SEGMENT_BYTES: usize = 256;
+
+/// Where a claim is in a token's payload, kept as a JSON Pointer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimPath {
+    /// Empty: no claim (see [`ClaimPath::matching_nothing`]).
+    pointer: String,
+}
+
+/// Why a claim's path was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClaimPathError {
+    Empty,
+    TooManySegments,
+    SegmentTooLong,
+    /// A `~` not followed by `0` or `1` in a JSON Pointer.
+    BadEscape,
+}
+
+impl fmt::Display for ClaimPathError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ClaimPathError::Empty => f.write_str("empty claim"),
+            ClaimPathError::TooManySegments => {
+                write!(f, "a claim path has at most {MAX_PATH_SEGMENTS} segments")
+            }
+            ClaimPathError::SegmentTooLong => {
+                write!(f, "a claim name has at most {MAX_SEGMENT_BYTES} bytes")
+            }
+            ClaimPathError::BadEscape => {
+                f.write_str("`~` in a JSON Pointer must be followed by 0 (for ~) or 1 (for /)")
+            }
+        }
+    }
+}
+
+impl std::error::Error for ClaimPathError {}
+
+impl ClaimPath {
+    /// A claim name (`sub`), or a JSON Pointer (`/org/id`).
+    pub fn parse(raw: &str) -> Result<ClaimPath, ClaimPathError> {
+        let raw = raw.trim();
+        let segments: Vec<String> = match raw.strip_prefix('/') {
+            None => vec![raw.to_string()],
+            Some(pointer) => pointer.split('/').map(unescape).collect::<Result<_, _>>()?,
+        };
+        if segments.iter().all(String::is_empty) {
+            return Err(ClaimPathError::Empty);
+        }
+        if segments.len() > MAX_PATH_SEGMENTS {
+            return Err(ClaimPathError::TooManySegments);
+        }
+        if segments.iter().any(|s| s.len() > MAX_SEGMENT_BYTES) {
+            return Err(ClaimPathError::SegmentTooLong);
+        }
+        let pointer = segments
+            .iter()
+            .map(|segment| format!("/{}", segment.replace('~', "~0").replace('/', "~1")))
+            .collect();
+        Ok(ClaimPath { pointer })
+    }
+
+    /// A path that finds no claim in any token (every request takes the fallback).
+    pub fn matching_nothing() -> ClaimPath {
+        ClaimPath {
+            pointer: String::new(),
+        }
+    }
+
+    /// The path as a JSON Pointer (`/sub`, `/org/id`): its canonical form.
+    pub fn pointer(&self) -> &str {
+        &self.pointer
+    }
+
+    /// The claim's value in `payload`, as the bytes an identity is made of: a string's
+    /// text, a number's or a boolean's JSON text. `None` for anything else.
+    fn find(&self, payload: &Value) -> Option<Vec<u8>> {
+        if self.pointer.is_empty() {
+            return None;
+        }
+        match payload.pointer(&self.pointer)? {
+            Value::String(text) if !text.is_empty() => Some(text.as_bytes().to_vec()),
+            Value::Number(number) => Some(number.to_string().into_bytes()),
+            Value::Bool(flag) => Some(flag.to_string().into_bytes()),
+            _ => None,
+        }
+    }
+}
+
+fn unescape(segment: &str) -> Result<String, ClaimPathError> {
+    let mut out = String::with_capacity(segment.len());
+    let mut chars = segment.chars();
+    while let Some(c) = chars.next() {
+        if c == '~' {
+            match chars.next() {
+                Some('0') => out.push('~'),
+                Some('1') => out.push('/'),
+                _ => return Err(ClaimPathError::BadEscape),
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    Ok(out)
+}
+
+/// The token of an `authorization` header's value, `Bearer <token>` (the scheme is
+/// case-insensitive).
+pub fn bearer(value: &[u8]) -> Option<&[u8]> {
+    let value = value.trim_ascii();
+    let (scheme, token) = value.split_at_checked(7)?;
+    (scheme.eq_ignore_ascii_case(b"bearer ") && !token.trim_ascii().is_empty())
+        .then(|| token.trim_ascii())
+}
+
+/// The claim at `path` in the payload of `token`, unverified (see the module doc).
+pub fn claim(token: &[u8], path: &ClaimPath) -> Option<Vec<u8>> {
+    if token.len() > MAX_TOKEN_BYTES {
+        return None;
+    }
+    let mut parts = token.split(|&byte| byte == b'.');
+    let (_header, payload, _signature) = (parts.next()?, parts.next()?, parts.next()?);
+    if parts.next().is_some() {
+        return None; // not a JWS (a JWE has five parts, and its payload is encrypted)
+    }
+    let payload = payload
+        .strip_suffix(b"==")
+        .or_else(|| payload.strip_suffix(b"="))
+        .unwrap_or(payload);
+    let json = URL_SAFE_NO_PAD.decode(payload).ok()?;
+    let payload: Value = serde_json::from_slice(&json).ok()?;
+    path.find(&payload)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn token(payload: &str) -> Vec<u8> {
+        let header = URL_SAFE_NO_PAD.encode(br#"{"alg":"none"}"#);
+        format!("{header}.{}.sig", URL_SAFE_NO_PAD.encode(payload)).into_bytes()
+    }
+
+    fn path(raw: &str) -> ClaimPath {
+        ClaimPath::parse(raw).unwrap()
+    }
+
+    #[test]
+    fn claims_are_read_by_name_or_pointer() {
+        let payload = r#"{"sub":"alice","https://x.example/tenant":"t1","org":{"id":42,"a/b":true,"t~":"x"},"roles":["admin","ops"],"empty":"","nil":null,"obj":{}}"#;
+        let t = token(payload);
+        let cases: [(&str, Option<&str>); 12] = [
+            ("sub", Some("alice")),
+            ("/sub", Some("alice")),
+            ("https://x.example/tenant", Some("t1")),
+            ("/org/id", Some("42")),
+            ("/org/a~1b", Some("true")),
+            ("/org/t~0", Some("x")),
+            ("/roles/1", Some("ops")),
+            ("/roles/2", None),
+            ("empty", None),
+            ("nil", None),
+            ("obj", None),
+            ("missing", None),
+        ];
+        for (raw, expected) in cases {
+            let got = claim(&t, &path(raw));
+            assert_eq!(got.as_deref(), expected.map(str::as_bytes), "{raw}");
+        }
+    }
+
+    #[test]
+    fn malformed_tokens_have_no_claim() {
+        let p = path("sub");
+        let good = URL_SAFE_NO_PAD.encode(br#"{"sub":"a"}"#);
+        let padded = base64::engine::general_purpose::URL_SAFE.encode(br#"{"sub":"ab"}"#);
+        assert_eq!(
+            claim(format!("h.{good}.s").as_bytes(), &p).as_deref(),
+            Some(&b"a"[..])
+        );
+        assert_eq!(
+            claim(format!("h.{padded}.s").as_bytes(), &p).as_deref(),
+            Some(&b"ab"[..])
+        );
+        for bad in [
+            String::new(),
+            "onlyone".to_string(),
+            format!("h.{good}"),
+            format!("h.{good}.s.x.y"),
+            "h.!!!.s".to_string(),
+            format!("h.{}.s", URL_SAFE_NO_PAD.encode(b"not json")),
+            format!("h.{}.s", URL_SAFE_NO_PAD.encode(b"[1,2]")),
+            format!("h.{good}.{}", "s".repeat(MAX_TOKEN_BYTES)),
+        ] {
+            assert_eq!(claim(bad.as_bytes(), &p), None, "{bad:.40}");
+        }
+    }
+
+    #[test]
+    fn bearer_tokens_are_found_whatever_the_scheme_case() {
+        assert_eq!(bearer(b"Bearer abc"), Some(&b"abc"[..]));
+        assert_eq!(bearer(b"  bearer   abc  "), Some(&b"abc"[..]));
+        assert_eq!(bearer(b"BEARER abc"), Some(&b"abc"[..]));
+        assert_eq!(bearer(b"Basic abc"), None);
+        assert_eq!(bearer(b"Bearer "), None);
+        assert_eq!(bearer(b"Bearer"), None);
+        assert_eq!(bearer(b""), None);
+    }
+
+    #[test]
+    fn paths_are_checked_and_have_one_canonical_form() {
+        assert_eq!(path("sub").pointer(), "/sub");
+        assert_eq!(path(" /org/id ").pointer(), "/org/id");
+        assert_eq!(path("a/b").pointer(), "/a~1b");
+        assert_eq!(path("/a~1b").pointer(), "/a~1b");
+        assert_eq!(ClaimPath::parse(""), Err(ClaimPathError::Empty));
+        assert_eq!(ClaimPath::parse("/"), Err(ClaimPathError::Empty));
+        assert_eq!(ClaimPath::parse("/a~2"), Err(ClaimPathError::BadEscape));
+        assert_eq!(
+            ClaimPath::parse(&"/a".repeat(MAX_PATH_SEGMENTS + 1)),
+            Err(ClaimPathError::TooManySegments)
+        );
+        assert_eq!(
+            ClaimPath::parse(&"x".repeat(MAX_SEGMENT_BYTES + 1)),
+            Err(ClaimPathError::SegmentTooLong)
+        );
+    }
+}
