@@ -1030,6 +1030,16 @@ def errors(resps: Iterable[Resp]) -> list[str]:
 # --------------------------------------------------------------------------- time
 
 
+# diana-quota's release ledger: one short-lived key per call with an id
+# (`diana:{call:<id>}`, docs/wire-format.md "POST /v1/release"), beside the counters.
+LEDGER_KEY_PREFIX = "diana:{call:"
+
+
+def counter_keys(keys: Iterable[str]) -> list[str]:
+    """The counters among Redis keys: without the release ledger's keys."""
+    return [k for k in keys if k and not k.startswith(LEDGER_KEY_PREFIX)]
+
+
 class ScriptsRun:
     """`scripts/run --no-build` as the README starts it: its process and what it printed."""
 

@@ -631,7 +631,8 @@ def cluster_nodes(port: int) -> list[dict[str, str]]:
 
 
 def keys(port: int) -> set[str]:
-    return set(harness.redis_cli(port, "--scan", "--pattern", "diana:*").split())
+    """The counters on the node at `port` (the release ledger's keys aside)."""
+    return set(harness.counter_keys(harness.redis_cli(port, "--scan", "--pattern", "diana:*").split()))
 
 
 @pytest.mark.parametrize("host", HOSTS_SERVICE_SIDE)

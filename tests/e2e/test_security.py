@@ -31,9 +31,10 @@ global: {timeout_ms: 300, retry_seconds: 30}
 
 
 def redis_state(port: int) -> dict[str, str]:
-    """Every key of the Redis at `port` with its type and value (what a counter holds)."""
+    """Every counter of the Redis at `port` with its type and value (the release ledger's
+    keys, which the gateway's own calls write, aside)."""
     out: dict[str, str] = {}
-    for key in sorted(k for k in redis_cli(port, "--scan").split("\n") if k):
+    for key in sorted(harness.counter_keys(redis_cli(port, "--scan").split("\n"))):
         kind = redis_cli(port, "TYPE", key).strip()
         if kind == "hash":
             value = redis_cli(port, "HGETALL", key)
@@ -69,7 +70,7 @@ def acquire_body(key: str, **params: object) -> dict:
 def gateway_key(redis_port: int) -> str:
     """The wire key (`<rule-id>:<identity>`) of the one counter the gateway made, read from
     its Redis key name (`…{<key>}…`, the hash tag)."""
-    keys = [k for k in redis_cli(redis_port, "--scan").split("\n") if k]
+    keys = harness.counter_keys(redis_cli(redis_port, "--scan").split("\n"))
     assert len(keys) == 1, keys
     name = keys[0]
     assert "{" in name and "}" in name, name

@@ -58,8 +58,8 @@ pub struct Cli {
     #[arg(long, env = "DIANA_QUOTA_LISTEN", default_value = "127.0.0.1:8081")]
     pub listen: String,
 
-    /// Redis: redis://[user:password@]host:port[/db] or
-    /// redis+cluster://[user:password@]h1:p1,h2:p2 (a password or an ACL user: better in
+    /// Redis: `redis://[user:password@]host:port[/db]` or
+    /// `redis+cluster://[user:password@]h1:p1,h2:p2` (a password or an ACL user: better in
     /// DIANA_QUOTA_REDIS than on the command line, where `ps` shows it). Without it
     /// counters live in this process's memory (run one replica only).
     // `--help` never shows the variable's value: it may hold a password.

@@ -26,9 +26,12 @@ use crate::time::{Instant, Nanos, NANOS_PER_SECOND};
 use crate::wire::RuleResult;
 use std::collections::HashMap;
 
-/// How long a call is remembered: longer than any gateway waits for an answer (the wait
-/// endpoint's 10 s and the longest callout timeout), plus the tick that sends a release.
-pub const CALL_MEMORY: Nanos = 60 * NANOS_PER_SECOND;
+/// How long a call is remembered. A release leaves the gateway at most a tick (1 s) after
+/// its request went, which is before the call's answer came, so within the callout's
+/// timeout (`global.timeout_ms`; on the wait endpoint up to 10 s more) of the acquire:
+/// 20 s covers timeouts of up to several seconds. It is also what a call costs: one entry
+/// (a Redis key of about 100 bytes) for 20 s, so 10,000 calls a second hold some 200,000.
+pub const CALL_MEMORY: Nanos = 20 * NANOS_PER_SECOND;
 /// Most calls the memory store remembers at once.
 pub const MAX_CALLS: usize = 100_000;
 /// The stored value of a release that came first.
