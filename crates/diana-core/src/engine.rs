@@ -473,10 +473,8 @@ impl Engine {
     }
 
     /// A release sent by [`Engine::abandon`]'s caller was answered.
-    pub(crate) fn released(&self, host: &dyn SharedData, release: &Release, now: Option<Instant>) {
-        if let Some(now) = now {
-            self.global.released(host, &self.policy, release, now);
-        }
+    pub(crate) fn released(&self, host: &dyn SharedData, release: &Release) {
+        self.global.released(host, &self.policy, release);
     }
 
     /// The answer to the call of a request that is gone (see [`Engine::abandon`] for one

@@ -759,16 +759,10 @@ impl Global {
 
     /// A release was answered: the tokens are back at the service, so a denial cached for
     /// its (rule, identity) meanwhile no longer holds.
-    pub fn released(
-        &self,
-        host: &dyn SharedData,
-        policy: &Policy,
-        release: &Release,
-        now: Instant,
-    ) {
+    pub fn released(&self, host: &dyn SharedData, policy: &Policy, release: &Release) {
         for charge in &release.charges {
             if let Some(rule) = policy.rule(charge.index) {
-                self.stash.forget_denial(host, rule, charge.address, now);
+                self.stash.forget_denial(host, rule, charge.address);
             }
         }
     }

@@ -601,14 +601,25 @@ impl Stash {
     /// Forgets a denial of `address`, in the shared record and in this worker's memory:
     /// tokens went back to the service (a release), which the denial would hide until its
     /// retry.
-    pub fn forget_denial(
-        &self,
-        host: &dyn SharedData,
-        rule: &Rule,
-        address: SlotAddress,
-        now: Instant,
-    ) {
-        self.merge(host, rule, address, now, |lease| lease.denied_until = 0);
+    pub fn forget_denial(&self, host: &dyn SharedData, rule: &Rule, address: SlotAddress) {
+        // Only the identity's own way, and only if it holds a denial: nothing is taken
+        // for an identity that has none, nor written when there is nothing to forget.
+        let key = Stash::key(rule, address);
+        let result = self
+            .store
+            .update_for(host, &key, rule.keys.generation, |current| {
+                let mut record = Record::decode(current);
+                match record.own(address.fingerprint) {
+                    Some(way) if way.denied_until != 0 => {
+                        way.denied_until = 0;
+                        (Some(record.encode()), ())
+                    }
+                    _ => (None, ()),
+                }
+            });
+        if let Err(error) = result {
+            log::debug!("diana: lease stash of {}: {error}", rule.name);
+        }
         if let Ok(mut batches) = self.batches.try_borrow_mut() {
             if let Some(batch) = batches.get_mut(&(rule.index, address.fingerprint)) {
                 batch.denied_until = 0;

@@ -446,7 +446,7 @@ impl Worker {
                 // Whatever the answer (a grant given back now, or when its acquire is
                 // decided, or none known), a denial cached since may hide tokens that
                 // are back at the service.
-                configured.engine.released(host, &release, host.now());
+                configured.engine.released(host, &release);
             }
             Call::Poll => self.on_poll_answer(host, headers, body_size),
         }
