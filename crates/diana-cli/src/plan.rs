@@ -6,7 +6,7 @@
 //! check`) or as JSON (`diana check --json`).
 
 use crate::yaml::{map, number, string};
-use diana_core::config::{Cost, Lease, Policy, Rule, Scope};
+use diana_core::config::{Cost, Lease, PlanChoice, PlanName, Policy, Rule, Scope};
 use diana_core::time::NANOS_PER_SECOND;
 use serde_yaml::Value;
 
@@ -275,8 +275,26 @@ fn rule_plan(policy: &Policy, rule: &Rule, machine: bool) -> Value {
         // As the filter decides: the rule's own, or the whole document's.
         ("dry_run", Value::Bool(rule.dry_run || policy.dry_run)),
         ("metric_name", string(&rule.metric_name)),
+        ("plan", rule.plan.as_ref().map_or(Value::Null, plan_choice)),
     ]);
     map(entries)
+}
+
+/// One plan of a rule written with `rpu: {by, values, default}`: where the plan is read,
+/// and which values it counts.
+fn plan_choice(choice: &PlanChoice) -> Value {
+    let selects = match &choice.plan {
+        PlanName::Named(name) => string(name),
+        PlanName::Default { named } => string(&format!(
+            "any other value, or none (not {})",
+            named.join(", ")
+        )),
+    };
+    map(vec![
+        ("by", string(&choice.by.describe())),
+        ("name", string(choice.name())),
+        ("selects", selects),
+    ])
 }
 
 /// Requests per second of `rpu` per `unit_seconds`.

@@ -10,7 +10,7 @@
 
 use diana_core::actor::{Fallback, CONFIGURABLE_BUILTINS, RESERVED_ACTORS, SOURCE_KINDS};
 use diana_core::algo;
-use diana_core::config::{HeaderMode, HeaderStyle};
+use diana_core::config::{HeaderMode, HeaderStyle, MAX_PLANS, MAX_PLAN_NAME};
 use diana_core::secret::MIN_SECRET_BYTES;
 use diana_core::time::Unit;
 use diana_core::wire;
@@ -194,7 +194,43 @@ fn rule() -> Value {
         "type": "object",
         "description": "One limit. Only `rpu` is required; see docs/design.md §3 and the README for the defaults.",
         "properties": {
-            "rpu": { "$ref": "#/definitions/positive", "description": "Requests per unit (≥ 1)" },
+            "rpu": {
+                "description": "Requests per unit (≥ 1), or a limit per plan: `{by: x-plan, values: {free: 10, pro: 1000}, default: 10}` \
+                                (each plan counted on its own counter; `default` for any other value or none)",
+                "oneOf": [
+                    { "$ref": "#/definitions/positive" },
+                    {
+                        "type": "object",
+                        "properties": {
+                            "by": {
+                                "description": "Where the plan is read: a request header, or a claim of the bearer token",
+                                "oneOf": [
+                                    { "$ref": "#/definitions/header_name" },
+                                    {
+                                        "type": "object",
+                                        "properties": { "jwt_claim": { "type": "string", "minLength": 1 } },
+                                        "required": ["jwt_claim"],
+                                        "additionalProperties": false,
+                                    }
+                                ],
+                            },
+                            "values": {
+                                "type": "object",
+                                "minProperties": 1,
+                                "maxProperties": MAX_PLANS,
+                                "patternProperties": {
+                                    format!("^[!-~]{{1,{MAX_PLAN_NAME}}}$"): { "$ref": "#/definitions/positive" }
+                                },
+                                "additionalProperties": false,
+                                "not": { "required": ["default"] },
+                            },
+                            "default": { "$ref": "#/definitions/positive" }
+                        },
+                        "required": ["by", "values", "default"],
+                        "additionalProperties": false,
+                    }
+                ],
+            },
             "unit": { "$ref": "#/definitions/unit" },
             "algo": { "$ref": "#/definitions/algo" },
             "scope": { "$ref": "#/definitions/scope" },

@@ -14,7 +14,7 @@
 //! `allowed` counts the rules of admitted requests only, `limited` the rule that rejected.
 
 use crate::actor::{Identity, RequestFacts};
-use crate::config::{Policy, Rule, Scope};
+use crate::config::{PlanSource, Policy, Rule, Scope};
 use crate::decision::{AfterResponse, Callout, Decision, Reply, ResponseCharge};
 use crate::global::debts::Debt;
 use crate::global::flights::RiderId;
@@ -169,6 +169,26 @@ struct Applicable<'p> {
     global: Few<GlobalCharge>,
     /// The rules with a response cost (rarely any).
     after: Vec<ResponseCharge>,
+}
+
+/// The plans of one request, each source read once (a rule with plans is several rules
+/// reading the same header).
+#[derive(Default)]
+struct PlansRead<'p> {
+    read: Few<(&'p PlanSource, Option<Vec<u8>>)>,
+}
+
+impl<'p> PlansRead<'p> {
+    fn read(&mut self, by: &'p PlanSource, facts: &dyn RequestFacts) -> Option<&[u8]> {
+        let at = match self.read.iter().position(|(source, _)| *source == by) {
+            Some(at) => at,
+            None => {
+                self.read.push((by, by.read(facts)));
+                self.read.len() - 1
+            }
+        };
+        self.read.get(at).and_then(|(_, value)| value.as_deref())
+    }
 }
 
 /// The immutable policy plus the per-VM machinery to evaluate it.
@@ -586,8 +606,14 @@ impl Engine {
             after: Vec::new(),
         };
         let mut waiting: Few<(&Rule, SlotAddress, u32)> = Few::new();
+        let mut plans = PlansRead::default();
         for (_, resource) in matching::matching(&self.policy, &path) {
             for rule in &resource.rules {
+                if let Some(choice) = &rule.plan {
+                    if !choice.selects(plans.read(&choice.by, facts)) {
+                        continue;
+                    }
+                }
                 let address = match rule.identify(facts) {
                     Identity::Skip => continue,
                     Identity::Everyone => SlotAddress::single(),

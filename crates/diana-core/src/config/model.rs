@@ -4,6 +4,7 @@
 use crate::actor::{ActorSource, Identity, RequestFacts};
 use crate::algo::{Algorithm, Limit};
 use crate::hash::{IdentityHasher, IdentityKey, KeyOrigin};
+use crate::jwt::{self, ClaimPath};
 use crate::secret::Secret;
 use crate::signature::SignatureKey;
 use crate::store::Generation;
@@ -368,6 +369,85 @@ pub struct Rule {
     pub dry_run: bool,
     /// Where the rule's state lives in shared data.
     pub keys: RuleKeys,
+    /// One plan of a rule written with `rpu: {by, values, default}`: the document's rule
+    /// is one [`Rule`] per plan (and one for every other value), each with its own limit,
+    /// counters and metrics, and a request is charged by the one its plan selects.
+    pub plan: Option<PlanChoice>,
+}
+
+/// The most plans one rule may have: each is a counter table and a metric of its own.
+pub const MAX_PLANS: usize = 32;
+/// The longest plan name.
+pub const MAX_PLAN_NAME: usize = 64;
+
+/// Which requests one plan of a rule applies to (see [`Rule::plan`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlanChoice {
+    /// Where a request's plan is read.
+    pub by: PlanSource,
+    /// The plan this rule counts.
+    pub plan: PlanName,
+}
+
+/// Where a request's plan is read (`rpu.by`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PlanSource {
+    /// A request header's value.
+    Header(String),
+    /// A claim of the bearer token, unverified (as for a `jwt_claim` actor).
+    JwtClaim(ClaimPath),
+}
+
+impl PlanSource {
+    /// The request's plan as sent (surrounding spaces trimmed); `None` when absent.
+    pub fn read(&self, facts: &dyn RequestFacts) -> Option<Vec<u8>> {
+        let value = match self {
+            PlanSource::Header(name) => facts.header(name),
+            PlanSource::JwtClaim(path) => facts
+                .header("authorization")
+                .and_then(|header| jwt::claim(jwt::bearer(&header)?, path)),
+        }?;
+        Some(value.trim_ascii().to_vec())
+    }
+
+    /// As `diana check` shows it: `header x-plan`, `jwt_claim /plan`.
+    pub fn describe(&self) -> String {
+        match self {
+            PlanSource::Header(name) => format!("header {name}"),
+            PlanSource::JwtClaim(path) => format!("jwt_claim {}", path.pointer()),
+        }
+    }
+}
+
+/// One plan of a rule.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PlanName {
+    /// Requests whose plan is exactly this value.
+    Named(String),
+    /// Requests without a plan, or with a value that names none of these plans.
+    Default { named: Arc<[String]> },
+}
+
+impl PlanChoice {
+    /// True when a request whose plan reads `value` is counted by this plan.
+    pub fn selects(&self, value: Option<&[u8]>) -> bool {
+        match (&self.plan, value) {
+            (PlanName::Named(name), Some(value)) => name.as_bytes() == value,
+            (PlanName::Named(_), None) => false,
+            (PlanName::Default { named }, Some(value)) => {
+                !named.iter().any(|name| name.as_bytes() == value)
+            }
+            (PlanName::Default { .. }, None) => true,
+        }
+    }
+
+    /// The plan's name as in metric and rule names: the value, or `default`.
+    pub fn name(&self) -> &str {
+        match &self.plan {
+            PlanName::Named(name) => name,
+            PlanName::Default { .. } => "default",
+        }
+    }
 }
 
 /// `lease: auto` sizes a callout's lease to what the gateway spends in this long.
@@ -533,6 +613,7 @@ impl fmt::Debug for Rule {
             .field("response_cost", &self.response_cost)
             .field("max_wait", &self.max_wait)
             .field("dry_run", &self.dry_run)
+            .field("plan", &self.plan)
             .finish()
     }
 }

@@ -19,8 +19,8 @@ use super::locate::{locate, Site};
 use super::raw::{self, ContextGuard, RawBlock, RawFull, RawRule};
 use super::{
     ConfigError, ConfigErrorKind, Cost, GlobalSpec, Lease, MetricsSpec, OnInvalidConfig, Pinned,
-    Policy, Position, RemoteSpec, Resource, ResponseCost, ResponseSpec, Rule, RuleKeys, Scope,
-    AUTO_LEASE_SHARE,
+    PlanChoice, PlanName, PlanSource, Policy, Position, RemoteSpec, Resource, ResponseCost,
+    ResponseSpec, Rule, RuleKeys, Scope, AUTO_LEASE_SHARE,
 };
 use crate::actor::{ActorDef, ActorRegistry};
 use crate::algo;
@@ -34,6 +34,7 @@ use serde::de::{self, IgnoredAny, Visitor};
 use serde::Deserialize;
 use std::fmt;
 use std::num::NonZeroU32;
+use std::sync::Arc;
 
 /// Default `slices` (sliding window).
 const DEFAULT_SLICES: NonZeroU32 = nonzero(10);
@@ -665,16 +666,20 @@ fn build(collected: Collected) -> Result<Policy, Refusal> {
         let url = block.url.0;
         let mut seen = Seen::default();
         let mut rules = Vec::with_capacity(block.rules.len());
+        // Where each rule is written (a rule with plans is several rules).
+        let mut positions = Vec::with_capacity(block.rules.len());
         for (index, raw) in block.rules.into_iter().enumerate() {
             let at = site.key("rules").index(index);
-            rules.push(build_rule(
-                &url, index, raw, &actors, &global, &mut seen, &at,
-            )?);
+            let built = build_rules(&url, index, raw, &actors, &global, &mut seen, &at)?;
+            positions.extend(std::iter::repeat_n(index, built.len()));
+            rules.extend(built);
         }
-        written.push((Resource { url, rules }, site));
+        written.push((Resource { url, rules }, (site, positions)));
     }
     written.sort_by_key(|(resource, _)| path::segment_count(resource.url.as_bytes()));
-    let (mut resources, sites): (Vec<Resource>, Vec<Site>) = written.into_iter().unzip();
+    let (mut resources, placed): (Vec<Resource>, Vec<(Site, Vec<usize>)>) =
+        written.into_iter().unzip();
+    let (sites, positions): (Vec<Site>, Vec<Vec<usize>>) = placed.into_iter().unzip();
     for (index, rule) in resources
         .iter_mut()
         .flat_map(|resource| resource.rules.iter_mut())
@@ -684,8 +689,8 @@ fn build(collected: Collected) -> Result<Policy, Refusal> {
     }
 
     let mut names: Vec<(&str, &str)> = Vec::new();
-    for (resource, site) in resources.iter().zip(&sites) {
-        for (index, rule) in resource.rules.iter().enumerate() {
+    for ((resource, site), positions) in resources.iter().zip(&sites).zip(&positions) {
+        for (rule, &index) in resource.rules.iter().zip(positions) {
             if let Some((other, _)) = names
                 .iter()
                 .find(|(_, metric_name)| *metric_name == rule.metric_name)
@@ -755,13 +760,15 @@ fn token_from_environment() -> Result<Option<Secret>, Refusal> {
 /// callout may (the quota service would answer 400 to every such request): the global
 /// rules of a resource and of every resource whose `Url` is a prefix of it all apply.
 fn check_global_rules_per_request(resources: &[Resource], sites: &[Site]) -> Result<(), Refusal> {
-    let globals = |resource: &Resource| {
-        resource
-            .rules
-            .iter()
-            .filter(|rule| rule.scope == Scope::Global)
-            .count()
+    // Of a rule with plans, one plan applies to a request: its default stands for all.
+    let applies = |rule: &&Rule| {
+        rule.scope == Scope::Global
+            && rule
+                .plan
+                .as_ref()
+                .is_none_or(|choice| matches!(choice.plan, PlanName::Default { .. }))
     };
+    let globals = |resource: &Resource| resource.rules.iter().filter(applies).count();
     for (resource, site) in resources.iter().zip(sites) {
         let applying: usize = resources
             .iter()
@@ -772,7 +779,7 @@ fn check_global_rules_per_request(resources: &[Resource], sites: &[Site]) -> Res
             .iter()
             .filter(|outer| path::is_prefix(&outer.url, &resource.url))
             .flat_map(|outer| outer.rules.iter())
-            .filter(|rule| rule.scope == Scope::Global)
+            .filter(applies)
             .map(|rule| u64::from(rule.cost.max()))
             .sum();
         if costs > wire::MAX_TOTAL_WANT {
@@ -808,7 +815,9 @@ fn lease_of(raw: raw::LeaseField) -> Lease {
     }
 }
 
-fn build_rule(
+/// The rules of one written rule: itself, or with `rpu: {by, values, default}` one rule
+/// per plan and one for every other value ([`Rule::plan`]).
+fn build_rules(
     url: &str,
     index: usize,
     raw: RawRule,
@@ -816,12 +825,86 @@ fn build_rule(
     global: &GlobalSpec,
     seen: &mut Seen,
     site: &Site,
+) -> Result<Vec<Rule>, Refusal> {
+    let plans = match &raw.rpu {
+        raw::RpuField::Fixed(rpu) => {
+            let rule = build_rule(url, index, &raw, *rpu, None, actors, global, seen, site)?;
+            return Ok(vec![rule]);
+        }
+        raw::RpuField::Plans(plans) => plans,
+    };
+    let by = match &plans.by {
+        raw::PlanByField::Header(name) => PlanSource::Header(name.clone()),
+        raw::PlanByField::JwtClaim(path) => PlanSource::JwtClaim(path.clone()),
+    };
+    let named: Arc<[String]> = plans
+        .values
+        .0
+        .iter()
+        .map(|(name, _)| name.clone())
+        .collect();
+    let mut variants: Vec<(PlanName, NonZeroU32, Vec<&str>)> = plans
+        .values
+        .0
+        .iter()
+        .map(|(name, rpu)| {
+            (
+                PlanName::Named(name.clone()),
+                *rpu,
+                vec!["rpu", "values", name.as_str()],
+            )
+        })
+        .collect();
+    variants.push((
+        PlanName::Default { named },
+        plans.default,
+        vec!["rpu", "default"],
+    ));
+    let mut rules = Vec::with_capacity(variants.len());
+    for (plan, rpu, field) in variants {
+        let choice = PlanChoice {
+            by: by.clone(),
+            plan,
+        };
+        rules.push(build_rule(
+            url,
+            index,
+            &raw,
+            rpu,
+            Some((choice, field.as_slice())),
+            actors,
+            global,
+            seen,
+            site,
+        )?);
+    }
+    Ok(rules)
+}
+
+/// One rule with the limit `rpu`; `plan`: the plan it counts, and where its rpu is written.
+#[allow(clippy::too_many_arguments)]
+fn build_rule(
+    url: &str,
+    index: usize,
+    raw: &RawRule,
+    rpu: NonZeroU32,
+    plan: Option<(PlanChoice, &[&str])>,
+    actors: &ActorRegistry,
+    global: &GlobalSpec,
+    seen: &mut Seen,
+    site: &Site,
 ) -> Result<Rule, Refusal> {
+    let rpu_field: &[&str] = plan.as_ref().map_or(&["rpu"], |(_, field)| field);
     let refuse = |field: &[&str], kind: ConfigErrorKind| {
+        // An error about the limit is about the plan's rpu.
+        let field = if field == ["rpu"] { rpu_field } else { field };
         let site = field.iter().fold(site.clone(), |site, key| site.key(key));
         Refusal::at(site, kind)
     };
-    let actor_name = raw.actor.map_or_else(|| "all".to_string(), |actor| actor.0);
+    let actor_name = raw
+        .actor
+        .as_ref()
+        .map_or_else(|| "all".to_string(), |actor| actor.0.clone());
     let canonical = ActorRegistry::canonical_name(&actor_name);
     let def = actors.get(&actor_name).ok_or_else(|| {
         refuse(
@@ -831,22 +914,26 @@ fn build_rule(
             },
         )
     })?;
-    let algo = raw.algo.map_or_else(algo::default_algorithm, |algo| algo.0);
-    let rpu = raw.rpu;
-    let unit = raw.unit.map_or(Unit::Second, |unit| unit.0);
+    let algo = raw
+        .algo
+        .as_ref()
+        .map_or_else(algo::default_algorithm, |algo| algo.0);
+    let unit = raw.unit.as_ref().map_or(Unit::Second, |unit| unit.0);
     let burst = raw.burst.unwrap_or_else(|| algo.default_burst(rpu, unit));
     let slices = raw
         .slices
+        .as_ref()
         .and_then(|slices| NonZeroU32::new(slices.get_u32()))
         .unwrap_or(DEFAULT_SLICES);
     let slots = if def.source.is_single_counter() {
         NonZeroU32::MIN
     } else {
         raw.slots
+            .as_ref()
             .and_then(|slots| NonZeroU32::new(slots.get_u32()))
             .unwrap_or(DEFAULT_SLOTS)
     };
-    let scope = raw.scope.map_or(Scope::Local, |scope| scope.0);
+    let scope = raw.scope.as_ref().map_or(Scope::Local, |scope| scope.0);
     // Accepting it silently would let an operator believe a local rule is shared or batched.
     if scope == Scope::Local && raw.lease.is_some() {
         return Err(refuse(&["lease"], ConfigErrorKind::LeaseNotApplicable));
@@ -857,15 +944,16 @@ fn build_rule(
         Some(raw::CostField::Header(_)) => &["cost", "max"],
         _ => &["cost"],
     };
-    let cost = match raw.cost {
+    let cost = match &raw.cost {
         None => Cost::Fixed(NonZeroU32::MIN),
         Some(raw::CostField::Fixed(cost)) => {
-            Cost::Fixed(NonZeroU32::new(cost).unwrap_or(NonZeroU32::MIN))
+            Cost::Fixed(NonZeroU32::new(*cost).unwrap_or(NonZeroU32::MIN))
         }
         Some(raw::CostField::Header(header)) => {
             let max = NonZeroU32::new(header.max.get_u32()).unwrap_or(NonZeroU32::MIN);
             let default = header
                 .default
+                .as_ref()
                 .and_then(|default| NonZeroU32::new(default.get_u32()))
                 .unwrap_or(NonZeroU32::MIN);
             if default > max {
@@ -878,7 +966,7 @@ fn build_rule(
                 ));
             }
             Cost::Header {
-                name: header.header.0,
+                name: header.header.0.clone(),
                 default,
                 max,
             }
@@ -930,7 +1018,7 @@ fn build_rule(
             ));
         }
     }
-    let response_cost = match raw.response_cost {
+    let response_cost = match &raw.response_cost {
         None => None,
         Some(_) if !algo.allows_debt() => {
             return Err(refuse(
@@ -939,11 +1027,11 @@ fn build_rule(
             ))
         }
         Some(raw) => Some(ResponseCost {
-            header: raw.header.0,
+            header: raw.header.0.clone(),
             max: NonZeroU32::new(raw.max.get_u32()).unwrap_or(NonZeroU32::MIN),
         }),
     };
-    let max_wait_seconds = match raw.max_wait_seconds {
+    let max_wait_seconds = match &raw.max_wait_seconds {
         Some(_) if !algo.waits() => {
             return Err(refuse(
                 &["max_wait_seconds"],
@@ -954,40 +1042,66 @@ fn build_rule(
         None => DEFAULT_MAX_WAIT_SECONDS,
     };
 
-    let base = hash_parts(
-        RULE_SEED,
-        &[
-            url.as_bytes(),
-            canonical.as_bytes(),
-            def.spec.as_bytes(),
-            algo.code().as_bytes(),
-            &rpu.get().to_le_bytes(),
-            unit.name().as_bytes(),
-            &burst.get().to_le_bytes(),
-            &slices.get().to_le_bytes(),
-            &slots.get().to_le_bytes(),
-            scope.name().as_bytes(),
-        ],
-    );
+    // A plan's counters are its own: its source and name are part of both hashes (a rule
+    // without plans hashes as it always has).
+    let plan = plan.map(|(choice, _)| choice);
+    let plan_parts = plan.as_ref().map(|choice| {
+        let by = match &choice.by {
+            PlanSource::Header(name) => format!("header={name}"),
+            PlanSource::JwtClaim(path) => format!("jwt_claim={}", path.pointer()),
+        };
+        let name = match &choice.plan {
+            PlanName::Named(name) => format!("plan={name}"),
+            PlanName::Default { .. } => "plan-default".to_string(),
+        };
+        (by, name)
+    });
+    let with_plan = |parts: &[&[u8]]| -> u64 {
+        let mut parts = parts.to_vec();
+        if let Some((by, name)) = &plan_parts {
+            parts.extend([by.as_bytes(), name.as_bytes()]);
+        }
+        hash_parts(RULE_SEED, &parts)
+    };
+    let base = with_plan(&[
+        url.as_bytes(),
+        canonical.as_bytes(),
+        def.spec.as_bytes(),
+        algo.code().as_bytes(),
+        &rpu.get().to_le_bytes(),
+        unit.name().as_bytes(),
+        &burst.get().to_le_bytes(),
+        &slices.get().to_le_bytes(),
+        &slots.get().to_le_bytes(),
+        scope.name().as_bytes(),
+    ]);
     let id = seen.distinct(base);
     // Where the counters live: what an edit of the limit leaves alone, so that a config
     // center tuning `rpu` reuses the key names (Envoy never frees one) — the rule's name
     // when it has one, else its place among the block's rules of the same actor.
-    let table = seen.distinct(hash_parts(
-        TABLE_SEED,
-        &[
-            url.as_bytes(),
-            canonical.as_bytes(),
-            def.spec.as_bytes(),
-            &slots.get().to_le_bytes(),
-            scope.name().as_bytes(),
-            raw.name.as_ref().map_or(&b""[..], |name| name.0.as_bytes()),
-        ],
-    ));
+    let slots_bytes = slots.get().to_le_bytes();
+    let mut table_parts: Vec<&[u8]> = vec![
+        url.as_bytes(),
+        canonical.as_bytes(),
+        def.spec.as_bytes(),
+        &slots_bytes,
+        scope.name().as_bytes(),
+        raw.name.as_ref().map_or(&b""[..], |name| name.0.as_bytes()),
+    ];
+    if let Some((by, name)) = &plan_parts {
+        table_parts.extend([by.as_bytes(), name.as_bytes()]);
+    }
+    let table = seen.distinct(hash_parts(TABLE_SEED, &table_parts));
 
-    let name = raw
+    let written = raw
         .name
-        .map_or_else(|| format!("{url}#{index}"), |name| name.0);
+        .as_ref()
+        .map_or_else(|| format!("{url}#{index}"), |name| name.0.clone());
+    // Each plan is named, and counted in metrics, on its own: `api.pro`, `api.default`.
+    let name = match &plan {
+        Some(choice) => format!("{written}.{}", choice.name()),
+        None => written,
+    };
     Ok(Rule {
         index: 0,
         metric_name: stat_name(&name),
@@ -1008,6 +1122,7 @@ fn build_rule(
         max_wait: max_wait_seconds * NANOS_PER_SECOND,
         dry_run: raw.dry_run.unwrap_or(false),
         keys: RuleKeys::of(table, id),
+        plan,
     })
 }
 

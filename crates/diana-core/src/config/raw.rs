@@ -12,7 +12,7 @@ use crate::actor::{
     RESERVED_ACTORS, SOURCE_KINDS,
 };
 use crate::algo::{self, Algorithm};
-use crate::config::{HeaderMode, HeaderStyle, Pinned, Scope};
+use crate::config::{HeaderMode, HeaderStyle, Pinned, Scope, MAX_PLANS, MAX_PLAN_NAME};
 use crate::path;
 use crate::secret::Secret;
 use crate::signature::SignatureKey;
@@ -112,7 +112,7 @@ pub(super) struct RawBlock {
     expecting = "a rule (a mapping with at least `rpu`)"
 )]
 pub(super) struct RawRule {
-    pub rpu: NonZeroU32,
+    pub rpu: RpuField,
     #[serde(default, deserialize_with = "present")]
     pub unit: Option<UnitField>,
     #[serde(default, deserialize_with = "present")]
@@ -190,6 +190,169 @@ pub(super) struct RawHeaderCost {
     #[serde(default, deserialize_with = "present")]
     pub default: Option<Ranged<1, { wire::MAX_WANT as u64 }>>,
     pub max: Ranged<1, { wire::MAX_WANT as u64 }>,
+}
+
+/// `rpu`: one limit, or a limit per plan (`{by: x-plan, values: {free: 10, pro: 1000},
+/// default: 10}`).
+pub(super) enum RpuField {
+    Fixed(NonZeroU32),
+    Plans(RawPlans),
+}
+
+/// `rpu: {by, values, default}`: the limit chosen per request from the request's plan.
+#[derive(Deserialize)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "plans `{by: HEADER, values: {PLAN: N, …}, default: N}`"
+)]
+pub(super) struct RawPlans {
+    pub by: PlanByField,
+    pub values: PlanValues,
+    pub default: NonZeroU32,
+}
+
+/// `by`: where a request's plan is read — a request header (`by: x-plan`), or a claim of
+/// the bearer token (`by: {jwt_claim: plan}`).
+pub(super) enum PlanByField {
+    Header(String),
+    JwtClaim(crate::jwt::ClaimPath),
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, expecting = "`{jwt_claim: PATH}`")]
+struct RawPlanByClaim {
+    jwt_claim: NonEmpty,
+}
+
+impl<'de> Deserialize<'de> for PlanByField {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct ByVisitor;
+        impl<'de> Visitor<'de> for ByVisitor {
+            type Value = PlanByField;
+            fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+                formatter.write_str("a request header name, or `{jwt_claim: PATH}`")
+            }
+            fn visit_str<E: de::Error>(self, value: &str) -> Result<PlanByField, E> {
+                crate::actor::HeaderKind
+                    .parse_value(value)
+                    .map(PlanByField::Header)
+                    .map_err(E::custom)
+            }
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<PlanByField, A::Error> {
+                let raw = RawPlanByClaim::deserialize(de::value::MapAccessDeserializer::new(map))?;
+                crate::jwt::ClaimPath::parse(raw.jwt_claim.0.trim())
+                    .map(PlanByField::JwtClaim)
+                    .map_err(de::Error::custom)
+            }
+        }
+        deserializer.deserialize_any(ByVisitor)
+    }
+}
+
+/// `values: {PLAN: N, …}`: in the order written, names unique, at most [`MAX_PLANS`].
+pub(super) struct PlanValues(pub Vec<(String, NonZeroU32)>);
+
+impl<'de> Deserialize<'de> for PlanValues {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct ValuesVisitor;
+        impl<'de> Visitor<'de> for ValuesVisitor {
+            type Value = PlanValues;
+            fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(
+                    formatter,
+                    "a mapping of 1 to {MAX_PLANS} plan names to their rpu (`{{free: 10, pro: 1000}}`)"
+                )
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<PlanValues, A::Error> {
+                let mut values: Vec<(String, NonZeroU32)> = Vec::new();
+                while let Some(name) = map.next_key::<PlanName>()? {
+                    let name = name.0;
+                    if values.iter().any(|(seen, _)| *seen == name) {
+                        return Err(de::Error::custom(format!("duplicate plan `{name}`")));
+                    }
+                    if values.len() == MAX_PLANS {
+                        return Err(de::Error::custom(format!(
+                            "more than {MAX_PLANS} plans: each plan is a counter table of its own"
+                        )));
+                    }
+                    let rpu = map.next_value::<NonZeroU32>()?;
+                    values.push((name, rpu));
+                }
+                if values.is_empty() {
+                    return Err(de::Error::custom(
+                        "no plans: `values` names at least one plan and its rpu",
+                    ));
+                }
+                Ok(PlanValues(values))
+            }
+        }
+        deserializer.deserialize_map(ValuesVisitor)
+    }
+}
+
+/// A plan's name: the header value (or claim) that selects it, matched exactly.
+struct PlanName(String);
+
+impl<'de> Deserialize<'de> for PlanName {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserialize_str_with(deserializer, "a plan name", |raw| {
+            if raw.is_empty() || raw.len() > MAX_PLAN_NAME {
+                return Err(format!(
+                    "invalid plan name `{}`: 1 to {MAX_PLAN_NAME} characters",
+                    raw.escape_debug()
+                ));
+            }
+            if !raw.bytes().all(|byte| byte.is_ascii_graphic()) {
+                return Err(format!(
+                    "invalid plan name `{}`: only visible ASCII, no spaces (the value is matched \
+                     exactly, and names the plan's metrics)",
+                    raw.escape_debug()
+                ));
+            }
+            if raw == "default" {
+                return Err(
+                    "`default` names the plan of every other value: write its limit as \
+                     `rpu.default`"
+                        .to_string(),
+                );
+            }
+            Ok(PlanName(raw.to_string()))
+        })
+    }
+}
+
+impl<'de> Deserialize<'de> for RpuField {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct RpuVisitor;
+        impl<'de> Visitor<'de> for RpuVisitor {
+            type Value = RpuField;
+            fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+                formatter.write_str("a nonzero u32, or plans `{by, values, default}`")
+            }
+            fn visit_u64<E: de::Error>(self, value: u64) -> Result<RpuField, E> {
+                // The same words as a plain `NonZeroU32` field.
+                u32::try_from(value)
+                    .ok()
+                    .and_then(NonZeroU32::new)
+                    .map(RpuField::Fixed)
+                    .ok_or_else(|| E::invalid_value(Unexpected::Unsigned(value), &"a nonzero u32"))
+            }
+            fn visit_i64<E: de::Error>(self, value: i64) -> Result<RpuField, E> {
+                match u64::try_from(value) {
+                    Ok(value) => self.visit_u64(value),
+                    Err(_) => Err(E::invalid_value(
+                        Unexpected::Signed(value),
+                        &"a nonzero u32",
+                    )),
+                }
+            }
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<RpuField, A::Error> {
+                RawPlans::deserialize(de::value::MapAccessDeserializer::new(map))
+                    .map(RpuField::Plans)
+            }
+        }
+        deserializer.deserialize_any(RpuVisitor)
+    }
 }
 
 /// `lease`: tokens fetched per callout, or `auto`.

@@ -594,6 +594,21 @@ fn errors_name_field_and_position() {
         ),
         ("Url: /\nrules:\n  - rpu: -3\n", &["rules[0].rpu: ", "-3", "line 3 column 10"]),
         ("Url: /\nrules:\n  - rpu: ten\n", &["rules[0].rpu: ", "invalid type", "line 3"]),
+        // plans
+        ("Url: /\nrules:\n  - rpu: {by: x-plan, values: {free: 0}, default: 1}\n", &["rules[0].rpu.values.free: ", "expected a nonzero u32", "line 3"]),
+        ("Url: /\nrules:\n  - rpu: {by: x-plan, values: {default: 2}, default: 1}\n", &["rules[0].rpu.values", "`default` names the plan of every other value", "line 3"]),
+        ("Url: /\nrules:\n  - rpu: {by: x-plan, values: {a: 2, a: 3}, default: 1}\n", &["rules[0].rpu.values", "duplicate", "line 3"]),
+        ("Url: /\nrules:\n  - rpu: {by: x-plan, values: {}, default: 1}\n", &["rules[0].rpu.values: ", "no plans", "line 3"]),
+        ("Url: /\nrules:\n  - rpu: {by: x-plan, values: {free: 2}}\n", &["rules[0].rpu: ", "missing field `default`", "line 3"]),
+        ("Url: /\nrules:\n  - rpu: {by: 'x plan', values: {free: 2}, default: 1}\n", &["rules[0].rpu.by: ", "line 3"]),
+        (
+            "Url: /\nrules:\n  - rpu: {by: x-plan, values: {free: 2, pro: 50}, default: 1}\n    cost: 10\n",
+            &["rules[0].cost: ", "a cost of 10 could never pass: the rule grants at most 2", "line 4"],
+        ),
+        (
+            "Url: /\nrules:\n  - rpu: {by: x-plan, values: {pro: 2}, default: 1}\n    name: api\n  - {rpu: 1, name: api.pro}\n",
+            &["rules[1].name: ", "api.pro", "line 5"],
+        ),
         ("Url: /\nrules:\n  - rpu: 4294967296\n", &["rules[0].rpu: ", "line 3"]),
         ("Url: /\nrules:\n  - unit: second\n", &["rules[0]: ", "missing field `rpu`", "line 3"]),
         // unknown and misspelled keys
@@ -1410,4 +1425,63 @@ fn global_rules_the_quota_service_would_refuse_are_refused_at_load() {
     }
     let error = parse_policy(&doc).expect_err("refused").to_string();
     assert!(error.contains("1000000"), "{error}");
+}
+
+#[test]
+fn a_rule_with_plans_is_one_rule_per_plan_and_one_for_the_rest() {
+    let policy = parse(
+        "resources:\n  - Url: /api\n    rules:\n      - rpu: {by: X-Plan, values: {free: 10, pro: 1000}, default: 5}\n        \
+         unit: minute\n        actor: account\n      - rpu: 3\n",
+    );
+    let rules = rules(&policy);
+    let shown: Vec<(&str, u32, Option<&str>)> = rules
+        .iter()
+        .map(|rule| {
+            (
+                rule.name.as_str(),
+                rule.limit.rpu.get(),
+                rule.plan.as_ref().map(|p| p.name()),
+            )
+        })
+        .collect();
+    assert_eq!(
+        shown,
+        [
+            ("/api#0.free", 10, Some("free")),
+            ("/api#0.pro", 1000, Some("pro")),
+            ("/api#0.default", 5, Some("default")),
+            ("/api#1", 3, None),
+        ]
+    );
+    // The header name is lower-cased; each plan has counters of its own.
+    assert_eq!(
+        rules[0].plan.as_ref().map(|p| p.by.clone()),
+        Some(PlanSource::Header("x-plan".to_string()))
+    );
+    let tables: Vec<u64> = rules.iter().map(|rule| rule.keys.table).collect();
+    let mut distinct = tables.clone();
+    distinct.dedup();
+    assert_eq!(distinct.len(), 4, "{tables:x?}");
+    // Editing a plan's limit keeps its table (its counters' key names), not its generation.
+    let edited = parse(
+        "resources:\n  - Url: /api\n    rules:\n      - rpu: {by: X-Plan, values: {free: 20, pro: 1000}, default: 5}\n        \
+         unit: minute\n        actor: account\n      - rpu: 3\n",
+    );
+    let edited = rules_of(&edited);
+    assert_eq!(edited[0].keys.table, rules[0].keys.table);
+    assert_ne!(edited[0].id, rules[0].id);
+    assert_eq!(edited[1].id, rules[1].id);
+}
+
+#[test]
+fn plans_of_a_global_rule_count_once_per_callout() {
+    // 16 global rules with 3 plans each: one plan of each applies to a request.
+    let mut doc = "resources:\n  - Url: /\n    rules:\n".to_string();
+    for _ in 0..crate::wire::MAX_RULES {
+        doc.push_str(
+            "      - {scope: global, rpu: {by: x-plan, values: {a: 1, b: 2}, default: 1}}\n",
+        );
+    }
+    let policy = parse(&doc);
+    assert_eq!(rules(&policy).len(), 3 * crate::wire::MAX_RULES);
 }

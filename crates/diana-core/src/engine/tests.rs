@@ -1804,3 +1804,47 @@ fn a_remembered_denial_answers_only_requests_of_the_cost_it_was_about() {
     assert_eq!(waits(&three), waits(&counted));
     assert_eq!(waits(&three).0, Some(30), "three tokens back in 30 s");
 }
+
+#[test]
+fn each_plan_has_its_limit_and_counter_and_other_values_share_the_default() {
+    for scope in ["local", "global"] {
+        let doc = format!(
+            "resources:\n  - Url: /\n    rules:\n      - name: api\n        actor: account\n        \
+             scope: {scope}\n        unit: minute\n        \
+             rpu: {{by: x-plan, values: {{free: 2, pro: 5}}, default: 1}}\n"
+        );
+        let mut h = Harness::new(&doc);
+        let account = |plan: Option<&[u8]>| {
+            let facts = Facts::default().header("x-account-id", b"acme");
+            match plan {
+                Some(plan) => facts.header("x-plan", plan),
+                None => facts,
+            }
+        };
+        assert_eq!(h.admitted("/", &account(Some(b"free")), 10), 2, "{scope}");
+        assert_eq!(h.admitted("/", &account(Some(b"pro")), 10), 5, "{scope}");
+        // A value sent with spaces is the same plan; one that names no plan, and no
+        // header at all, count on the default's counter together.
+        let mut h = Harness::new(&doc);
+        assert_eq!(h.admitted("/", &account(Some(b" pro ")), 10), 5, "{scope}");
+        assert_eq!(h.admitted("/", &account(Some(b"gold")), 10), 1, "{scope}");
+        assert_eq!(h.admitted("/", &account(None), 10), 0, "{scope}");
+        assert_eq!(h.admitted("/", &account(Some(b"free")), 10), 2, "{scope}");
+        // Each plan reports its own metrics.
+        let names: Vec<&str> = h.engine.rules().map(|rule| rule.name.as_str()).collect();
+        assert_eq!(names, ["api.free", "api.pro", "api.default"], "{scope}");
+    }
+}
+
+#[test]
+fn a_plan_can_come_from_a_claim_of_the_bearer_token() {
+    let doc =
+        "resources:\n  - Url: /\n    rules:\n      - name: api\n        unit: minute\n        \
+               rpu: {by: {jwt_claim: /tier/name}, values: {pro: 3}, default: 1}\n";
+    let mut h = Harness::new(doc);
+    // {"tier":{"name":"pro"}}, unsigned: Diana reads claims, a filter before it verifies.
+    let bearer = b"Bearer eyJhbGciOiJub25lIn0.eyJ0aWVyIjp7Im5hbWUiOiJwcm8ifX0.";
+    let pro = Facts::default().header("authorization", bearer);
+    assert_eq!(h.admitted("/", &pro, 10), 3);
+    assert_eq!(h.admitted("/", &Facts::default(), 10), 1);
+}
