@@ -1,0 +1,24 @@
+//! Diana as an Envoy dynamic module: the same [`diana_core::worker::Worker`] as the
+//! proxy-wasm filter (`src/`), bound to the native HTTP-filter ABI of
+//! `envoy.extensions.filters.http.dynamic_modules` (Envoy 1.40, ABI "v0.2.0"). Host glue
+//! only: every decision is the worker's, and the worker is tested natively under each
+//! host's rules in diana-core.
+//!
+//! - `ffi`: the ABI, hand-written for what Diana uses; the only module with `unsafe` (its
+//!   docs list the invariants it relies on).
+//! - `filter`: one worker per Envoy worker thread and configuration; hooks to worker
+//!   events, worker commands to callbacks.
+//! - `host`: the worker's [`diana_core::worker::Host`] over the ABI, process memory for
+//!   shared data and Envoy stats for metrics.
+//! - `timer`: the worker's tick, delivered to a paused request of that worker thread.
+//! - `logger`: `log` records to Envoy's log.
+
+#![deny(unsafe_code)]
+
+mod ffi;
+mod filter;
+mod host;
+mod logger;
+mod timer;
+
+pub use ffi::ABI_VERSION;
