@@ -266,6 +266,27 @@ def wasm_filter(name: str, wasm: str, configuration: str = "", runtime: str = V8
     }
 
 
+# Diana as an Envoy dynamic module (crates/diana-envoy-native, scripts/build).
+NATIVE_MODULE = ROOT / "target/release/libdiana_envoy_native.so"
+
+
+def native_module_filter(configuration: str, module: Path = NATIVE_MODULE) -> dict:
+    """Diana as Envoy's dynamic module: the same document as the wasm filter's, metrics
+    under the same `wasmcustom.` names (envoy/native.yaml)."""
+    return {
+        "name": "envoy.filters.http.dynamic_modules",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter",
+            "dynamic_module_config": {
+                "module": {"local": {"filename": str(module)}},
+                "metrics_namespace": "wasmcustom",
+            },
+            "filter_name": "diana",
+            "filter_config": {"@type": STRING_VALUE, "value": configuration},
+        },
+    }
+
+
 def native_local_ratelimit() -> dict:
     """Envoy's own token bucket, large enough never to limit, enabled and enforced 100%."""
     full = {"default_value": {"numerator": 100, "denominator": "HUNDRED"}}

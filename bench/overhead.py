@@ -15,8 +15,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from common import (LIMITADOR_DOMAIN, NO_UPSTREAM, V8, Envoy, Proc, Procs, free_port, generic_key_rate_limits,
-                    grpc_cluster, local_reply_filter, median, native_local_ratelimit, ratelimit_filter, redis_cmd, say,
+from common import (LIMITADOR_DOMAIN, NATIVE_MODULE, NO_UPSTREAM, V8, Envoy, Proc, Procs, free_port, generic_key_rate_limits,
+                    grpc_cluster, local_reply_filter, median, native_local_ratelimit, native_module_filter, ratelimit_filter,
+                    redis_cmd, say,
                     start_limitador, start_quota, start_redis, tail, wait_http, wait_tcp, wasm_filter, wrk)
 
 HUGE = 1_000_000_000  # rpu that is never reached
@@ -124,12 +125,19 @@ def variants(diana_wasm: Path, empty_wasm: Path, with_global: bool, extra: bool,
     for algo in ("W", "SW", "LB", "TB"):
         vs.append({"key": f"local_{algo}", "label": f"Diana local {algo}", "group": "local",
                    "filters": diana(diana_doc([local_rule(algo)]))})
+    if NATIVE_MODULE.is_file():
+        # Diana as Envoy's dynamic module: no wasm VM between Envoy and the worker.
+        vs.append({"key": "native_TB", "label": "Diana native module local TB", "group": "local",
+                   "filters": [native_module_filter(diana_doc([local_rule("TB")]))]})
     if with_global:
         for lease in (1, 100):
             vs.append({"key": f"global_l{lease}", "label": f"Diana global W, lease {lease}", "group": "global",
                        "filters": diana(global_doc("W", lease)), "quota": True})
         vs.append({"key": "global_auto", "label": "Diana global W, lease auto", "group": "global",
                    "filters": diana(global_doc("W", "auto")), "quota": True})
+        if NATIVE_MODULE.is_file():
+            vs.append({"key": "native_global_l100", "label": "Diana native module global W, lease 100",
+                       "group": "global", "filters": [native_module_filter(global_doc("W", 100))], "quota": True})
     if limitador_port is not None or diana_rls_port is not None:
         vs.append({"key": "peer_route", "label": "peer baseline: routed, fault-filter reply 200",
                    "group": "global", "filters": [local_reply_filter()], "route_action": True})

@@ -232,7 +232,7 @@ ERROR_LINES = {
     "diana-quota": re.compile(r"\bERROR\b|panicked at"),
 }
 WARN_LINES = {
-    "envoy": re.compile(r"\]\[warning\]\[wasm\]"),
+    "envoy": re.compile(r"\]\[warning\]\[(wasm|dynamic_modules)\]"),
     "nginx": re.compile(r"\[warn\]"),
     "diana-quota": re.compile(r"\bWARN\b"),
 }
@@ -252,14 +252,14 @@ def main() -> int:
                         "(default 2.0 when at most 3 min are measured, else 0.5)")
     p.add_argument("--max-slope-nginx", type=float, default=None,
                    help="the same for nginx, master + workers (default 12 / 4: see RELIABILITY.md, Soak)")
-    p.add_argument("--hosts", default="envoy,nginx", help="gateways to run (default envoy,nginx)")
+    p.add_argument("--hosts", default="envoy,nginx", help="gateways to run: envoy, nginx, envoy-native (default envoy,nginx)")
     p.add_argument("--out", type=Path, default=REPO / ".tmp" / "soak")
     a = p.parse_args()
     measured_min = (a.seconds - a.warmup) / 60
     short = measured_min <= 3
     max_slope = a.max_slope if a.max_slope is not None else (2.0 if short else 0.5)
     max_slope_nginx = a.max_slope_nginx if a.max_slope_nginx is not None else (12.0 if short else 4.0)
-    limits = {"envoy": max_slope, "diana-quota": max_slope, "nginx": max_slope_nginx}
+    limits = {"envoy": max_slope, "envoy-native": max_slope, "diana-quota": max_slope, "nginx": max_slope_nginx}
     hosts = [h.strip() for h in a.hosts.split(",") if h.strip()]
     wrk = shutil.which("wrk")
     if not wrk:
@@ -284,6 +284,7 @@ def main() -> int:
         quota = start(Quota(out, redis.url))
         renders = {
             "/envoy.yaml": lambda v: document(v, None),
+            "/envoy-native.yaml": lambda v: document(v, None),
             "/nginx.yaml": lambda v: render_nginx.nginx_document(document(v, None), quota_port=quota.port),
         }
         documents = Documents(renders)
@@ -291,9 +292,11 @@ def main() -> int:
             gateways: dict[str, Gateway] = {}
             for host in hosts:
                 local = document(VARIANTS[0], f"/{host}.yaml")
-                if host == "envoy":
+                if host in ("envoy", "envoy-native"):
+                    # envoy-native: Diana as Envoy's dynamic module (crates/diana-envoy-native).
                     gw = Envoy(out, diana_config=local, upstream_port=None, concurrency=2, quota_port=quota.port,
-                               config_port=center.port, direct_response=(200, "ok\n"))  # fmt: skip
+                               config_port=center.port, direct_response=(200, "ok\n"),
+                               name=host, native=host == "envoy-native")  # fmt: skip
                 else:
                     gw = Nginx(out, diana_config=local, upstream_port=None, workers=2, quota_port=quota.port,
                                config_port=center.port, direct_response=(200, "ok\n"))  # fmt: skip

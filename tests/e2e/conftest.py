@@ -123,7 +123,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):  # type: igno
         pass
 
 
-HOSTS = ["envoy", "nginx"]
+# `envoy-native`: Envoy with Diana as a dynamic module (crates/diana-envoy-native) instead of
+# the wasm filter; the same tests, the same expectations as `envoy` unless a test says why.
+HOSTS = ["envoy", "nginx", "envoy-native"]
 
 
 @pytest.fixture(params=HOSTS)
@@ -144,9 +146,10 @@ def start_gateway(host: str, procs: Processes, upstream: Upstream):
         counter[0] += 1
         name = host if counter[0] == 1 else f"{host}{counter[0]}"
         kw.setdefault("upstream_port", upstream.port)
-        if host == "envoy":
+        if host in ("envoy", "envoy-native"):
             for nginx_only in ("raw_document", "shm_size", "eviction", "request_headers_in_access"):
                 kw.pop(nginx_only, None)
+            kw.setdefault("native", host == "envoy-native")
             gw = Envoy(procs.log_dir, diana_config=diana_config, concurrency=workers or 4, name=name, **kw)
         else:
             gw = Nginx(procs.log_dir, diana_config=diana_config, workers=workers or 2, name=name, **kw)

@@ -40,6 +40,9 @@ WASM = Path(os.environ.get("DIANA_WASM", REPO / "target/wasm32-wasip1/release/di
 # nginx loads the untrimmed module: ngx_wasm_module calls proxy_on_log/proxy_on_done
 # without checking that they exist.
 NGINX_WASM = Path(os.environ.get("DIANA_NGINX_WASM", REPO / "target/wasm32-wasip1/release/diana.wasm"))
+# Envoy's dynamic module (crates/diana-envoy-native): the `envoy-native` host runs the Envoy
+# tests on it, the wasm filter's entry swapped for envoy.filters.http.dynamic_modules.
+NATIVE_MODULE = Path(os.environ.get("DIANA_NATIVE_MODULE", REPO / "target/release/libdiana_envoy_native.so"))
 NGINX_CACHE = Path(
     os.environ.get(
         "DIANA_NGINX_CACHE",
@@ -246,6 +249,33 @@ def render_envoy_json(
     return out.stdout.decode()
 
 
+def native_bootstrap(bootstrap: str, module: Path) -> str:
+    """`bootstrap` (render_envoy_json's) with Diana's wasm filter replaced by the dynamic
+    module, same document, metrics under the same `wasmcustom.` names (envoy/native.yaml)."""
+    doc = json.loads(bootstrap)
+    for listener in doc.get("static_resources", {}).get("listeners", []):
+        for chain in listener.get("filter_chains", []):
+            for net in chain.get("filters", []):
+                filters = net.get("typed_config", {}).get("http_filters", [])
+                for i, f in enumerate(filters):
+                    if f.get("name") != "envoy.filters.http.wasm":
+                        continue
+                    value = f["typed_config"]["config"]["configuration"]["value"]
+                    filters[i] = {
+                        "name": "envoy.filters.http.dynamic_modules",
+                        "typed_config": {
+                            "@type": "type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter",
+                            "dynamic_module_config": {
+                                "module": {"local": {"filename": str(module)}},
+                                "metrics_namespace": "wasmcustom",
+                            },
+                            "filter_name": "diana",
+                            "filter_config": {"@type": "type.googleapis.com/google.protobuf.StringValue", "value": value},
+                        },
+                    }
+    return json.dumps(doc)
+
+
 class ManagedProcess:
     """A child process with its output in a log file, stopped by its own PID."""
 
@@ -396,14 +426,18 @@ class Envoy(ManagedProcess):
         log_level: str = "info",
         extra_args: Sequence[str] = (),
         quota_token: Optional[str] = QUOTA_TOKEN,
+        native: bool = False,
     ) -> None:
+        self.native = native
         self.port = free_port()
         self.admin_port = free_port()
         while self.admin_port == self.port:
             self.admin_port = free_port()
         self.concurrency = concurrency
         self.diana_config = diana_config
-        if diana_config is not None and not Path(wasm).is_file():
+        if native and diana_config is not None and not NATIVE_MODULE.is_file():
+            raise ProcessError(f"{NATIVE_MODULE} does not exist: run scripts/build first")
+        if not native and diana_config is not None and not Path(wasm).is_file():
             raise ProcessError(f"{wasm} does not exist: run scripts/build first")
         bootstrap = render_envoy_json(
             listen_port=self.port,
@@ -415,6 +449,8 @@ class Envoy(ManagedProcess):
             config_port=config_port,
             direct_response=direct_response,
         )
+        if native:
+            bootstrap = native_bootstrap(bootstrap, NATIVE_MODULE)
         log_dir.mkdir(parents=True, exist_ok=True)
         self.bootstrap_path = log_dir / f"{name}.json"
         self.bootstrap_path.write_text(bootstrap)

@@ -32,7 +32,8 @@ def _start_bad(procs, upstream, doc: str, name: str, host: str = "envoy"):
         r = request(nginx.port, "/", timeout=5)
         assert r.status == 503, f"a request passed the refused filter: {r}"
         return nginx, log
-    envoy = procs.add(Envoy(procs.log_dir, diana_config=doc, upstream_port=upstream.port, name=name))
+    envoy = procs.add(Envoy(procs.log_dir, diana_config=doc, upstream_port=upstream.port, name=name,
+                            native=host == "envoy-native"))
     code, ready = envoy.start_expecting_failure(timeout=60)
     log = envoy.log_text()
     assert not ready, "Envoy started with a bad Diana document"
@@ -45,7 +46,8 @@ def _filter_error_lines(log: str) -> list[str]:
     return [
         ln
         for ln in log.splitlines()
-        if ("wasm log" in ln or "[proxy-wasm]" in ln) and ("error" in ln or "critical" in ln or "warn" in ln)
+        if ("wasm log" in ln or "[proxy-wasm]" in ln or "[dynamic_modules] [:] diana:" in ln)
+        and ("error" in ln or "critical" in ln or "warn" in ln)
     ]
 
 

@@ -70,10 +70,8 @@ pub fn config_new(envoy: ConfigRef, document: &[u8]) -> Option<Arc<Config>> {
     config.metrics.freeze();
     match accepted {
         Ok(_) => Some(Arc::new(config)),
-        Err(refused) => {
-            log::error!("diana: configuration refused: {refused:?}");
-            None
-        }
+        // The worker has logged why (the field, its line and column).
+        Err(_) => None,
     }
 }
 
