@@ -175,11 +175,6 @@ pub fn request_headers(filter: &FilterBox, envoy: FilterRef) -> i32 {
     let local = &filter.local;
     let current = Some((filter.context, envoy));
     local.ensure_worker(envoy);
-    if let (Some(due), Some(now)) = (local.due.get(), host::now()) {
-        if now >= due {
-            local.run_tick(filter.context, envoy);
-        }
-    }
     let context = filter.context;
     let step = local.event(current, None, |worker, host| {
         worker.on_request_headers(host, context)
@@ -192,6 +187,16 @@ pub fn request_headers(filter: &FilterBox, envoy: FilterRef) -> i32 {
         local.pause(context);
     }
     local.carry_out(current, step.commands);
+    // A tick that came due while no paused request could carry it runs here, on a request
+    // going on upstream: its response comes back through this filter, which holds it for
+    // the tick's calls (a rejected request's stream ends at once, cancelling them).
+    if !step.pause {
+        if let (Some(due), Some(now)) = (local.due.get(), host::now()) {
+            if now >= due {
+                local.run_tick(context, envoy);
+            }
+        }
+    }
     local.rearm();
     if step.pause {
         STOP_ALL_AND_WATERMARK
