@@ -5,6 +5,11 @@
 - `GET /timeline[...]` -> 200, a small fake timeline (the Weitter "hot event" page)
 - `GET /llm?tokens=N` -> 200, a fake LLM answer whose `x-llm-tokens: N` response header
   says how many tokens it used (default 100): what Diana's `response_cost` charges
+  (`&delay_ms=M`: the answer comes after M ms, at most 10 s)
+- `GET /login?password=P` -> a fake login: 200 when P is `right`, else 401
+- `GET /slow?ms=M` -> 200 after M ms (at most 10 s); `GET /__inflight` -> how many
+  requests are inside this upstream now and the most there were at once
+  (`/__inflight?reset=1` starts counting afresh)
 - anything else -> 200 with a small JSON body: the path as received, and the echoed
   `x-device-id` / `x-account-id` / `x-tenant-id` headers (truncated to 64 characters).
 
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -24,8 +30,17 @@ ECHO_HEADERS = ("x-device-id", "x-account-id", "x-tenant-id")
 ECHO_MAX = 64
 
 
+def _millis(query: dict[str, list[str]], name: str) -> int:
+    value = query.get(name, ["0"])[0]
+    return min(int(value), 10_000) if value.isdigit() else 0
+
+
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # Requests inside the upstream now, and the most at once (GET /__inflight).
+    lock = threading.Lock()
+    inside = 0
+    most = 0
     # Headers and body leave in separate writes: without TCP_NODELAY, Nagle + the peer's
     # delayed ACK add ~40 ms to some responses, which would drown the latencies measured.
     disable_nagle_algorithm = True
@@ -51,6 +66,16 @@ class Handler(BaseHTTPRequestHandler):
                 remaining -= len(chunk)
 
     def _handle(self) -> None:
+        with Handler.lock:
+            Handler.inside += 1
+            Handler.most = max(Handler.most, Handler.inside)
+        try:
+            self._answer()
+        finally:
+            with Handler.lock:
+                Handler.inside -= 1
+
+    def _answer(self) -> None:
         self._drain_body()
         # http.server collapses a leading "//" in self.path; echo the path as received.
         parts = self.requestline.split()
@@ -58,8 +83,25 @@ class Handler(BaseHTTPRequestHandler):
         if path == "/healthz":
             self._send(200, b"ok\n", "text/plain")
             return
+        query = urllib.parse.parse_qs(urllib.parse.urlsplit(path).query)
+        if path.startswith("/__inflight"):
+            with Handler.lock:
+                # This request itself is inside too.
+                doc = {"inside": Handler.inside - 1, "most": Handler.most}
+                if query.get("reset") == ["1"]:
+                    Handler.most = Handler.inside
+            self._send(200, (json.dumps(doc) + "\n").encode(), "application/json")
+            return
+        if path == "/slow" or path.startswith("/slow?"):
+            time.sleep(_millis(query, "ms") / 1000)
+            self._send(200, b"slow\n", "text/plain")
+            return
+        if path == "/login" or path.startswith("/login?"):
+            ok = query.get("password") == ["right"]
+            self._send(200 if ok else 401, b"welcome\n" if ok else b"wrong password\n", "text/plain")
+            return
         if path == "/llm" or path.startswith("/llm?"):
-            query = urllib.parse.parse_qs(urllib.parse.urlsplit(path).query)
+            time.sleep(_millis(query, "delay_ms") / 1000)
             tokens = query.get("tokens", ["100"])[0]
             tokens = tokens if tokens.isdigit() else "100"
             body = json.dumps({"completion": "42", "tokens": int(tokens)}).encode()

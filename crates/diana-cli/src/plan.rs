@@ -260,7 +260,21 @@ fn rule_plan(policy: &Policy, rule: &Rule, machine: bool) -> Value {
                 map(vec![
                     ("header", string(&cost.header)),
                     ("max", number(u64::from(cost.max.get()))),
+                    // Taken up front instead of `cost`, and settled with the answer.
+                    (
+                        "reserve",
+                        cost.reserve.as_ref().map_or(Value::Null, cost_plan),
+                    ),
                 ])
+            }),
+        ),
+        (
+            "count",
+            rule.count.as_ref().map_or(Value::Null, |count| {
+                map(vec![(
+                    "status",
+                    Value::Sequence(count.describe().iter().map(|s| string(s)).collect()),
+                )])
             }),
         ),
         // Only a leaky bucket holds a request; for the others the setting does not exist.

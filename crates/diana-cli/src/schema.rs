@@ -288,9 +288,45 @@ fn rule() -> Value {
                 "description": "Tokens charged after the upstream answered, from a response header (not LB)",
                 "properties": {
                     "header": { "$ref": "#/definitions/header_name" },
-                    "max": { "type": "integer", "minimum": 1, "maximum": 1_000_000_000u64 }
+                    "max": { "type": "integer", "minimum": 1, "maximum": 1_000_000_000u64 },
+                    "reserve": {
+                        "description": "Tokens taken up front instead of `cost` (all or nothing) and settled with the answer's cost: \
+                                        a constant, or read from a request header; not with `cost`",
+                        "oneOf": [
+                            { "type": "integer", "minimum": WANT.0, "maximum": WANT.1 },
+                            {
+                                "type": "object",
+                                "properties": {
+                                    "header": { "$ref": "#/definitions/header_name" },
+                                    "default": { "type": "integer", "minimum": WANT.0, "maximum": WANT.1 },
+                                    "max": { "type": "integer", "minimum": WANT.0, "maximum": WANT.1 }
+                                },
+                                "required": ["header", "max"],
+                                "additionalProperties": false,
+                            }
+                        ],
+                    }
                 },
                 "required": ["header", "max"],
+                "additionalProperties": false,
+            },
+            "count": {
+                "type": "object",
+                "description": "Count only the requests whose answer has one of these statuses (not LB, not with response_cost)",
+                "properties": {
+                    "status": {
+                        "type": "array",
+                        "minItems": 1,
+                        "maxItems": 32,
+                        "items": {
+                            "oneOf": [
+                                { "type": "integer", "minimum": 100, "maximum": 599 },
+                                { "type": "string", "pattern": "^\\s*([1-5][xX][xX]|[1-5][0-9][0-9])\\s*$" }
+                            ]
+                        }
+                    }
+                },
+                "required": ["status"],
                 "additionalProperties": false,
             },
             "name": {

@@ -46,7 +46,7 @@ fn the_demo_plan_shows_costs_waits_actors_and_metrics() {
     assert_eq!(llm["cost"], 1, "one token up front");
     assert_eq!(
         llm["response_cost"],
-        serde_json::json!({"header": "x-llm-tokens", "max": 100000}),
+        serde_json::json!({"header": "x-llm-tokens", "max": 100000, "reserve": null}),
         "{llm:#}"
     );
     assert_eq!(llm["max_wait_seconds"], Value::Null, "TB holds no request");
@@ -125,6 +125,9 @@ resources:
       - {name: patient, rpu: 10, algo: LB, max_wait_seconds: 0}
       - {name: priced, rpu: 100, lease: 20, scope: global, cost: {header: X-Cost, max: 20}}
       - {name: fixed, rpu: 100, cost: 7, response_cost: {header: x-used, max: 50}}
+      - {name: reserving, rpu: 1000, response_cost: {header: x-used, max: 900, reserve: {header: x-max, default: 50, max: 500}}}
+      - {name: logins, rpu: 5, unit: hour, count: {status: [401, 5xx]}}
+      - {name: tiered, rpu: {by: x-plan, values: {pro: 50}, default: 5}}
 actors:
   tenant: {header: x-tenant-id, fallback: shared}
 metrics: {path: /diana/metrics/}
@@ -139,7 +142,21 @@ metrics: {path: /diana/metrics/}
     assert_eq!(rule(&plan, "fixed")["cost"], 7);
     assert_eq!(
         rule(&plan, "fixed")["response_cost"],
-        serde_json::json!({"header": "x-used", "max": 50})
+        serde_json::json!({"header": "x-used", "max": 50, "reserve": null})
+    );
+    assert_eq!(
+        rule(&plan, "reserving")["response_cost"]["reserve"],
+        serde_json::json!({"header": "x-max", "default": 50, "max": 500})
+    );
+    assert_eq!(
+        rule(&plan, "logins")["count"],
+        serde_json::json!({"status": ["401", "5xx"]})
+    );
+    assert_eq!(rule(&plan, "fixed")["count"], Value::Null);
+    assert_eq!(rule(&plan, "tiered.pro")["rpu"], 50);
+    assert_eq!(
+        rule(&plan, "tiered.default")["plan"],
+        serde_json::json!({"by": "header x-plan", "name": "default", "selects": "any other value, or none (not pro)"})
     );
     assert_eq!(plan["metrics"]["path"], "/diana/metrics");
     // Only the actors rules count are listed (`tenant` is defined but unused).

@@ -453,3 +453,45 @@ fn a_forced_format_reads_every_line_as_that_format() {
         assert_eq!(input["malformed"], malformed, "{format}");
     }
 }
+
+#[test]
+fn the_logged_answers_settle_counted_statuses_and_reservations() {
+    // 5 failed logins an hour per account: the log's statuses say which logins failed.
+    // 8 good logins, then 7 wrong: the good ones are given back, 5 wrong ones pass, 2 are
+    // rejected. LLM calls reserving 400 of 1000 and using 100 (worked out below).
+    let policy = "\
+resources:
+  - Url: /login
+    rules:
+      - {name: failed, actor: account, algo: W, unit: hour, rpu: 5, count: {status: [401]}}
+  - Url: /llm
+    rules:
+      - {name: llm, actor: account, algo: TB, unit: hour, rpu: 1000, response_cost: {header: x-llm-tokens, max: 5000, reserve: 400}}
+";
+    let mut log = String::new();
+    for i in 0..15 {
+        let status = if i < 8 { 200 } else { 401 };
+        log.push_str(&format!(
+            "{{\"ts\": {}, \"path\": \"/login\", \"headers\": {{\"x-account-id\": \"a\"}}, \"status\": {status}}}\n",
+            1_767_225_600 + i
+        ));
+    }
+    // Each call reserves 400 and its answer settles it to 100 (300 given back): after k
+    // calls 1000 - 100·k are left, and a call passes while 400 are: 7 pass, the 8th finds
+    // 300 (a second's refill of 1000/hour is a fraction of a token).
+    for i in 0..12 {
+        log.push_str(&format!(
+            "{{\"ts\": {}, \"path\": \"/llm\", \"headers\": {{\"x-account-id\": \"b\"}}, \"status\": 200, \
+             \"response_headers\": {{\"X-LLM-Tokens\": \"100\"}}}}\n",
+            1_767_225_620 + i
+        ));
+    }
+    let (out, _) = simulate(policy, log.as_bytes(), &["--json"]);
+    let report: Value = serde_json::from_str(&stdout_of(&out)).unwrap();
+    let totals = |index: usize| {
+        let totals = &report["rules"][index]["totals"];
+        (totals["admitted"].clone(), totals["rejected"].clone())
+    };
+    assert_eq!(totals(0), (Value::from(13), Value::from(2)), "{report:#}");
+    assert_eq!(totals(1), (Value::from(7), Value::from(5)), "{report:#}");
+}

@@ -3,6 +3,7 @@
 //! Complete data, so that the host glue only moves bytes: a rejection carries its status,
 //! body and headers; a call carries its upstream, headers, body and timeout.
 
+use crate::local::Taken;
 use crate::response::Rejection;
 use crate::store::SlotAddress;
 use crate::time::Instant;
@@ -57,19 +58,48 @@ pub enum Reply {
     Answered { status: u16, body: Option<Vec<u8>> },
 }
 
-/// What to charge once the upstream has answered (`response_cost`): for each rule, the
-/// response header that holds the cost and the identity to charge.
+/// What to settle once the upstream has answered (`response_cost`, `count`): for each
+/// rule, the response header to read, the identity, and what the request took up front
+/// ([`crate::settle`]).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct AfterResponse {
     pub(crate) charges: Vec<ResponseCharge>,
 }
 
-/// One rule's response cost to charge.
+/// One rule of an admitted request, to settle with its answer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct ResponseCharge {
     pub rule: usize,
     pub header: String,
     pub address: SlotAddress,
+    /// What the request was to take up front (its cost, or its reservation).
+    pub upfront: u32,
+    /// What it did take, and from where, for a rule that settles.
+    pub reserved: Reserved,
+}
+
+/// Tokens a rule holds for an admitted request until its answer settles them.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub(crate) enum Reserved {
+    /// None (the rule does not settle, or took nothing).
+    #[default]
+    Nothing,
+    /// From the local counter (or this worker's batch of it).
+    Local(Taken),
+    /// From the quota service (directly, or this gateway's lease stash); tokens given back
+    /// go to the stash, spendable by the identity's next requests here until `until`.
+    Global { tokens: u32, until: Instant },
+}
+
+impl Reserved {
+    /// How many tokens are held.
+    pub fn tokens(&self) -> u32 {
+        match self {
+            Reserved::Nothing => 0,
+            Reserved::Local(taken) => taken.tokens(),
+            Reserved::Global { tokens, .. } => *tokens,
+        }
+    }
 }
 
 impl AfterResponse {

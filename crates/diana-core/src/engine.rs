@@ -15,7 +15,7 @@
 
 use crate::actor::{Identity, RequestFacts};
 use crate::config::{PlanSource, Policy, Rule, Scope};
-use crate::decision::{AfterResponse, Callout, Decision, Reply, ResponseCharge};
+use crate::decision::{AfterResponse, Callout, Decision, Reply, Reserved, ResponseCharge};
 use crate::global::debts::Debt;
 use crate::global::flights::RiderId;
 use crate::global::stash::StashReceipt;
@@ -27,6 +27,7 @@ use crate::matching;
 use crate::metrics::{Event, MetricSink, NoMetrics, RuleEvent};
 use crate::path;
 use crate::response::{admitted_rule_headers, Rejection, RuleReport};
+use crate::settle::{settle, Settlement};
 use crate::store::{ChargeError, SharedData, SlotAddress, SlotTable};
 use crate::time::{ceil_seconds, ceil_seconds_at_least_one, Clock, Instant, Nanos};
 use smallvec::SmallVec;
@@ -294,7 +295,7 @@ impl Engine {
             }
         }
         if applicable.global.is_empty() {
-            return self.finish(progress, now, metrics);
+            return self.finish(progress, &held, now, metrics);
         }
         let turns = Few::new();
         self.decide_globally(host, applicable.global, held, progress, turns, now, metrics)
@@ -384,7 +385,7 @@ impl Engine {
         match plan {
             Plan::Done(outcomes) => {
                 progress.apply(outcomes);
-                self.finish(progress, now, metrics)
+                self.finish(progress, &held, now, metrics)
             }
             Plan::Rejected(denial, outcomes) => {
                 progress.apply(outcomes);
@@ -579,7 +580,7 @@ impl Engine {
         {
             Interpretation::Done(outcomes) => {
                 progress.apply(outcomes);
-                self.finish(progress, now, metrics)
+                self.finish(progress, &held, now, metrics)
             }
             Interpretation::Rejected(denial, outcomes) => {
                 progress.apply(outcomes);
@@ -619,12 +620,14 @@ impl Engine {
                     Identity::Everyone => SlotAddress::single(),
                     Identity::Key(hash) => SlotAddress::of(hash, rule.slots.get()),
                 };
-                let cost = rule.cost.of(facts);
-                if let Some(response_cost) = &rule.response_cost {
+                let cost = rule.upfront().of(facts);
+                if let Some(header) = rule.answer_header() {
                     applicable.after.push(ResponseCharge {
                         rule: rule.index,
-                        header: response_cost.header.clone(),
+                        header: header.to_string(),
                         address,
+                        upfront: cost,
+                        reserved: Reserved::Nothing,
                     });
                 }
                 match rule.scope {
@@ -766,7 +769,7 @@ impl Engine {
                 return self.reject(host, held, progress, rejection, now, metrics);
             }
         }
-        self.finish(progress, now, metrics)
+        self.finish(progress, &held, now, metrics)
     }
 
     /// The rejection for a global rule's denial.
@@ -826,15 +829,35 @@ impl Engine {
         }
     }
 
-    /// Every rule admitted: allow now or after the longest wait.
+    /// Every rule admitted: allow now or after the longest wait. What the rules that
+    /// settle took (`held` locally, else from the service) is kept for the answer.
     fn finish(
         &self,
-        progress: Progress,
+        mut progress: Progress,
+        held: &[Held],
         now: Instant,
         metrics: &mut dyn MetricSink,
     ) -> EngineDecision {
         for &(index, event) in &progress.tally {
             metrics.rule_event(index, event);
+        }
+        for charge in &mut progress.after {
+            let Some(rule) = self.policy.rule(charge.rule).filter(|rule| rule.settles()) else {
+                continue;
+            };
+            charge.reserved = if let Some(local) = held.iter().find(|held| held.rule == rule.index)
+            {
+                Reserved::Local(local.taken.clone())
+            } else if rule.scope == Scope::Global
+                && progress.tally.contains(&(rule.index, RuleEvent::Allowed))
+            {
+                Reserved::Global {
+                    tokens: charge.upfront,
+                    until: now.saturating_add(rule.limit.unit.nanos()),
+                }
+            } else {
+                Reserved::Nothing
+            };
         }
         let tightest = progress
             .tightest
@@ -856,11 +879,12 @@ impl Engine {
         }
     }
 
-    /// Charges the response costs of an admitted request once the upstream has answered:
+    /// Settles an admitted request once the upstream has answered ([`crate::settle`]):
     /// `values` are the response headers [`AfterResponse::headers`] names, in order (`None`
-    /// when absent). Local rules are charged at once, past their limit if need be; global
-    /// rules' costs are owed to the quota service and sent from the tick
-    /// ([`Engine::pay_debts`]).
+    /// when absent). What is owed is charged to local rules at once, past their limit if
+    /// need be, and to global rules from the tick ([`Engine::pay_debts`]); what is given
+    /// back goes where it was taken from (the local counter, or this gateway's lease
+    /// stash).
     pub(crate) fn after_response(
         &self,
         host: &dyn SharedData,
@@ -877,24 +901,44 @@ impl Engine {
             let Some(rule) = self.policy.rule(charge.rule) else {
                 continue;
             };
-            let Some(response_cost) = &rule.response_cost else {
-                continue;
-            };
-            let tokens = response_cost.of(value.as_deref());
-            if tokens == 0 {
-                continue;
-            }
-            let debt = Debt {
-                rule: charge.rule,
-                address: charge.address,
-                tokens: u64::from(tokens),
-            };
-            let local = match rule.scope {
-                Scope::Local => Some(debt),
-                Scope::Global => self.global.owe(debt),
-            };
-            if let Some(debt) = local {
-                self.charge_debt_locally(host, debt, now, metrics);
+            let reserved = charge.reserved.tokens();
+            match settle(rule, reserved, charge.upfront, value.as_deref()) {
+                Settlement::Keep => {}
+                Settlement::Owe(tokens) => {
+                    let debt = Debt {
+                        rule: charge.rule,
+                        address: charge.address,
+                        tokens: u64::from(tokens),
+                    };
+                    let local = match rule.scope {
+                        Scope::Local => Some(debt),
+                        Scope::Global => self.global.owe(debt),
+                    };
+                    if let Some(debt) = local {
+                        self.charge_debt_locally(host, debt, now, metrics);
+                    }
+                }
+                Settlement::GiveBack(tokens) => match &charge.reserved {
+                    Reserved::Nothing => {}
+                    Reserved::Local(taken) => {
+                        let part = taken.part(tokens);
+                        self.give_back_held(
+                            host,
+                            &[Held {
+                                rule: rule.index,
+                                address: charge.address,
+                                cost: part.tokens(),
+                                taken: part,
+                            }],
+                            now,
+                            metrics,
+                        );
+                    }
+                    Reserved::Global { until, .. } => {
+                        self.global
+                            .refund(host, rule, charge.address, tokens, *until, now);
+                    }
+                },
             }
         }
     }

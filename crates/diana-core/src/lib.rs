@@ -16,6 +16,7 @@
 //! - [`wire`]: the global protocol, the filter ↔ quota service wire format and its limits.
 //! - [`global`]: the callout/lease/breaker state machine of global rules.
 //! - [`lifecycle`]: releasing the shared-data records of rules a new document dropped.
+//! - [`settle`]: settling what a request took up front once its answer is known.
 //! - [`remote`]: polling the config center and sharing its document with every worker.
 //! - [`properties`]: host property values (Envoy vs nginx spellings).
 //! - [`logline`]: one `diana:` per log line, whatever the host prefixes.
@@ -43,6 +44,7 @@ pub mod quota;
 pub mod remote;
 pub mod response;
 pub mod secret;
+pub mod settle;
 pub mod signature;
 pub mod store;
 pub mod time;

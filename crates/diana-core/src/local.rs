@@ -94,6 +94,26 @@ pub enum Taken {
     Shared(Receipt),
 }
 
+impl Taken {
+    /// How many tokens were taken.
+    pub fn tokens(&self) -> u32 {
+        match self {
+            Taken::Batch { tokens, .. } => *tokens,
+            Taken::Shared(receipt) => receipt.tokens,
+        }
+    }
+
+    /// The same place, `tokens` of it at most (to give back part of a charge).
+    pub fn part(&self, tokens: u32) -> Taken {
+        let mut part = self.clone();
+        match &mut part {
+            Taken::Batch { tokens: held, .. } => *held = (*held).min(tokens),
+            Taken::Shared(receipt) => receipt.tokens = receipt.tokens.min(tokens),
+        }
+        part
+    }
+}
+
 /// How a local rule decided.
 #[derive(Debug)]
 pub enum LocalCharge {
@@ -183,10 +203,12 @@ impl Local {
                 }
             }
         }
-        let extra = if lends && left >= 2 * SHARE {
-            (left / SHARE).min(MAX_BATCH)
-        } else {
-            0
+        // A batch is worth taking only if it pays at least one more request of this size:
+        // else it strands tokens that no request of this worker can spend until the tick
+        // gives them back (a reservation of 200 would be denied while 64 wait here).
+        let extra = match (left / SHARE).min(MAX_BATCH) {
+            extra if lends && left >= 2 * SHARE && extra >= u64::from(cost) => extra,
+            _ => 0,
         };
         let want = u32::try_from(u64::from(cost) + extra).unwrap_or(cost);
         let charge = self

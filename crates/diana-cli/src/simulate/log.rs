@@ -4,7 +4,9 @@
 //!
 //! JSON lines: `{"ts": "2026-11-22T10:00:00.250Z" | 1763805600.25, "path": "/x",
 //! "method": "GET", "headers": {"x-device-id": "..."}, "client_ip": "10.0.0.1"}` — `ts`
-//! and `path` required; other fields are ignored (a log may carry the answer too).
+//! and `path` required; `status` (the answer's status) and `response_headers` (an object
+//! of strings) say what the upstream answered, for the rules settled by their answer
+//! (`response_cost`, `count`); other fields are ignored.
 //!
 //! Envoy's default format (`[%START_TIME%] "%REQ(:METHOD)% %REQ(X-ENVOY-ORIGINAL-PATH?:PATH)%
 //! %PROTOCOL%" %RESPONSE_CODE% %RESPONSE_FLAGS% %BYTES_RECEIVED% %BYTES_SENT% %DURATION%
@@ -76,6 +78,9 @@ pub struct Request {
     /// Lower-case names.
     pub headers: Vec<(String, Vec<u8>)>,
     pub client_ip: Option<Vec<u8>>,
+    /// What the upstream answered, as far as the log says: `:status` and response headers
+    /// (lower-case names).
+    pub response: Vec<(String, Vec<u8>)>,
 }
 
 impl RequestFacts for Request {
@@ -178,12 +183,36 @@ fn parse_json(bytes: &[u8], line: u64) -> Result<Request, String> {
         Some(serde_json::Value::String(ip)) => client_ip_from_address(ip.as_bytes()),
         Some(_) => return Err("\"client_ip\": a string expected".into()),
     };
+    let mut response = Vec::new();
+    match object.get("status") {
+        None | Some(serde_json::Value::Null) => {}
+        Some(serde_json::Value::Number(status)) => {
+            response.push((":status".to_string(), status.to_string().into_bytes()));
+        }
+        Some(serde_json::Value::String(status)) => {
+            response.push((":status".to_string(), status.as_bytes().to_vec()));
+        }
+        Some(_) => return Err("\"status\": a number expected".into()),
+    }
+    match object.get("response_headers") {
+        None | Some(serde_json::Value::Null) => {}
+        Some(serde_json::Value::Object(map)) => {
+            for (name, value) in map {
+                let value = value
+                    .as_str()
+                    .ok_or_else(|| format!("\"response_headers\".{name:?}: a string expected"))?;
+                response.push((name.to_ascii_lowercase(), value.as_bytes().to_vec()));
+            }
+        }
+        Some(_) => return Err("\"response_headers\": an object of strings expected".into()),
+    }
     Ok(Request {
         ts,
         line,
         path,
         headers,
         client_ip,
+        response,
     })
 }
 
@@ -299,6 +328,8 @@ fn parse_envoy(bytes: &[u8], line: u64, extra: &[EnvoyField]) -> Result<Option<R
         path: path.to_vec(),
         headers,
         client_ip,
+        // %RESPONSE_CODE% (0: no answer came).
+        response: vec![(":status".to_string(), code.to_vec())],
     }))
 }
 

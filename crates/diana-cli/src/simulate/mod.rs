@@ -341,6 +341,20 @@ impl Replay {
                 }
             },
         };
+        // An admitted request's answer, as the log tells it, settles its rules (response
+        // costs, counted statuses).
+        if fate != Fate::Rejected && !request.response.is_empty() {
+            let response: Vec<(&str, String)> = request
+                .response
+                .iter()
+                .map(|(name, value)| (name.as_str(), String::from_utf8_lossy(value).into_owned()))
+                .collect();
+            let response: Vec<(&str, &str)> = response
+                .iter()
+                .map(|(name, value)| (*name, value.as_str()))
+                .collect();
+            gateway.sim.respond(context, &response);
+        }
         // Its turn stays taken, as in the gateway; the request itself is not held.
         gateway.sim.forget(context);
         gateway.sim.flush_metrics();

@@ -69,6 +69,13 @@ pub enum ConfigErrorKind {
     ResponseCostNotApplicable { algo: &'static str },
     /// `max_wait_seconds` on an algorithm that does not hold requests.
     MaxWaitNotApplicable { algo: &'static str },
+    /// `cost` and `response_cost.reserve` both given: each says what a request takes up
+    /// front.
+    CostWithReserve,
+    /// `count` on an algorithm whose charge cannot be given back once passed.
+    CountNotApplicable { algo: &'static str },
+    /// `count` and `response_cost` on one rule.
+    CountWithResponseCost,
     /// `lease` on a rule that is not `scope: global`: a local rule never calls the quota
     /// service, so a lease there would mean nothing.
     LeaseNotApplicable,
@@ -171,6 +178,18 @@ impl fmt::Display for ConfigErrorKind {
             ConfigErrorKind::ResponseCostNotApplicable { algo } => write!(
                 f,
                 "response_cost does not apply to algo {algo}: a leaky bucket paces requests, it does not charge them afterwards"
+            ),
+            ConfigErrorKind::CostWithReserve => f.write_str(
+                "cost and response_cost.reserve both say what a request takes up front; \
+                 with a reservation, remove `cost` (the reservation is taken instead)",
+            ),
+            ConfigErrorKind::CountNotApplicable { algo } => write!(
+                f,
+                "count does not apply to algo {algo}: a leaky bucket's turn cannot be given back once it has passed"
+            ),
+            ConfigErrorKind::CountWithResponseCost => f.write_str(
+                "count and response_cost on one rule: a rule counts either answers of some statuses \
+                 or the cost an answer reports; write two rules",
             ),
             ConfigErrorKind::MaxWaitNotApplicable { algo } => write!(
                 f,
@@ -362,6 +381,8 @@ pub struct Rule {
     pub cost: Cost,
     /// Tokens charged after the upstream answered, from a response header.
     pub response_cost: Option<ResponseCost>,
+    /// Only answers of these statuses are counted (`count.status`).
+    pub count: Option<CountOnly>,
     /// Leaky bucket: the longest a request may be held; one whose turn is further away is
     /// rejected with `Retry-After` (`max_wait_seconds`, default 10 s).
     pub max_wait: Nanos,
@@ -507,15 +528,59 @@ pub struct ResponseCost {
     /// The response header holding the cost (e.g. the tokens an LLM answer used).
     pub header: String,
     pub max: NonZeroU32,
+    /// `reserve`: tokens taken up front instead of `cost`, all or nothing, and settled
+    /// against the answer's cost (the difference given back or owed). A request whose
+    /// answer never comes, or carries no cost, keeps its reservation charged.
+    pub reserve: Option<Cost>,
 }
 
 impl ResponseCost {
-    /// The tokens a response header value charges: a decimal integer, at most `max`;
-    /// anything else charges nothing.
-    pub fn of(&self, value: Option<&[u8]>) -> u32 {
-        value.and_then(decimal).map_or(0, |value| {
-            u32::try_from(value.min(u64::from(self.max.get()))).unwrap_or(0)
+    /// The tokens a response header value says the answer cost: a decimal integer, at
+    /// most `max`; `None` for anything else (absent, not a number).
+    pub fn of(&self, value: Option<&[u8]>) -> Option<u32> {
+        value.and_then(decimal).map(|value| {
+            u32::try_from(value.min(u64::from(self.max.get()))).unwrap_or(self.max.get())
         })
+    }
+}
+
+/// `count: {status: [401, 403, 5xx]}`: the rule counts only the requests whose answer has
+/// one of these statuses. Each request reserves its cost up front (so that concurrent
+/// requests cannot all pass on the last token) and gets it back when its answer's status
+/// is not counted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CountOnly {
+    /// Inclusive ranges, in the order written (`401` is `401..=401`, `4xx` `400..=499`).
+    pub statuses: Vec<(u16, u16)>,
+}
+
+impl CountOnly {
+    /// True when an answer whose `:status` reads `value` is counted; an unreadable status
+    /// is counted (a request keeps its reservation when nothing says otherwise).
+    pub fn counts(&self, value: Option<&[u8]>) -> bool {
+        let Some(status) = value
+            .and_then(decimal)
+            .and_then(|status| u16::try_from(status).ok())
+        else {
+            return true;
+        };
+        self.statuses
+            .iter()
+            .any(|&(first, last)| (first..=last).contains(&status))
+    }
+
+    /// As written: `401`, `4xx`.
+    pub fn describe(&self) -> Vec<String> {
+        self.statuses
+            .iter()
+            .map(|&(first, last)| {
+                if first == last {
+                    first.to_string()
+                } else {
+                    format!("{}xx", first / 100)
+                }
+            })
+            .collect()
     }
 }
 
@@ -564,6 +629,35 @@ impl RuleKeys {
 }
 
 impl Rule {
+    /// What a request takes up front: its `response_cost.reserve` when the rule reserves,
+    /// else its `cost`.
+    pub fn upfront(&self) -> &Cost {
+        self.response_cost
+            .as_ref()
+            .and_then(|response_cost| response_cost.reserve.as_ref())
+            .unwrap_or(&self.cost)
+    }
+
+    /// True when what a request takes up front is settled once its answer arrives
+    /// (`response_cost.reserve`, `count.status`): given back in part or whole, or more
+    /// owed.
+    pub fn settles(&self) -> bool {
+        self.count.is_some()
+            || self
+                .response_cost
+                .as_ref()
+                .is_some_and(|response_cost| response_cost.reserve.is_some())
+    }
+
+    /// The response header read once the upstream answered: the cost's, or `:status`.
+    pub fn answer_header(&self) -> Option<&str> {
+        match (&self.response_cost, &self.count) {
+            (Some(response_cost), _) => Some(&response_cost.header),
+            (None, Some(_)) => Some(":status"),
+            (None, None) => None,
+        }
+    }
+
     /// The identity a request is charged to under this rule, hashed with its key.
     pub fn identify(&self, facts: &dyn RequestFacts) -> Identity {
         self.actor.identify(facts, &self.identity)
@@ -611,6 +705,7 @@ impl fmt::Debug for Rule {
             .field("lease_auto", &self.lease_auto)
             .field("cost", &self.cost)
             .field("response_cost", &self.response_cost)
+            .field("count", &self.count)
             .field("max_wait", &self.max_wait)
             .field("dry_run", &self.dry_run)
             .field("plan", &self.plan)

@@ -18,8 +18,8 @@
 use super::locate::{locate, Site};
 use super::raw::{self, ContextGuard, RawBlock, RawFull, RawRule};
 use super::{
-    ConfigError, ConfigErrorKind, Cost, GlobalSpec, Lease, MetricsSpec, OnInvalidConfig, Pinned,
-    PlanChoice, PlanName, PlanSource, Policy, Position, RemoteSpec, Resource, ResponseCost,
+    ConfigError, ConfigErrorKind, Cost, CountOnly, GlobalSpec, Lease, MetricsSpec, OnInvalidConfig,
+    Pinned, PlanChoice, PlanName, PlanSource, Policy, Position, RemoteSpec, Resource, ResponseCost,
     ResponseSpec, Rule, RuleKeys, Scope, AUTO_LEASE_SHARE,
 };
 use crate::actor::{ActorDef, ActorRegistry};
@@ -780,7 +780,7 @@ fn check_global_rules_per_request(resources: &[Resource], sites: &[Site]) -> Res
             .filter(|outer| path::is_prefix(&outer.url, &resource.url))
             .flat_map(|outer| outer.rules.iter())
             .filter(applies)
-            .map(|rule| u64::from(rule.cost.max()))
+            .map(|rule| u64::from(rule.upfront().max()))
             .sum();
         if costs > wire::MAX_TOTAL_WANT {
             return Err(Refusal::at(
@@ -939,38 +939,30 @@ fn build_rule(
         return Err(refuse(&["lease"], ConfigErrorKind::LeaseNotApplicable));
     }
     let written = raw.lease.map_or(global.lease, lease_of);
-    // Where the cost's largest value is written.
-    let cost_field: &[&str] = match raw.cost {
-        Some(raw::CostField::Header(_)) => &["cost", "max"],
-        _ => &["cost"],
-    };
     let cost = match &raw.cost {
         None => Cost::Fixed(NonZeroU32::MIN),
-        Some(raw::CostField::Fixed(cost)) => {
-            Cost::Fixed(NonZeroU32::new(*cost).unwrap_or(NonZeroU32::MIN))
+        Some(field) => cost_of(field).map_err(|(at, kind)| refuse(&["cost", at], kind))?,
+    };
+    let reserve = match raw
+        .response_cost
+        .as_ref()
+        .and_then(|rc| rc.reserve.as_ref())
+    {
+        None => None,
+        // One number says what a request takes up front: two would leave a reader guessing.
+        Some(_) if raw.cost.is_some() => {
+            return Err(refuse(&["cost"], ConfigErrorKind::CostWithReserve))
         }
-        Some(raw::CostField::Header(header)) => {
-            let max = NonZeroU32::new(header.max.get_u32()).unwrap_or(NonZeroU32::MIN);
-            let default = header
-                .default
-                .as_ref()
-                .and_then(|default| NonZeroU32::new(default.get_u32()))
-                .unwrap_or(NonZeroU32::MIN);
-            if default > max {
-                return Err(refuse(
-                    &["cost", "default"],
-                    ConfigErrorKind::CostDefaultAboveMax {
-                        default: default.get(),
-                        max: max.get(),
-                    },
-                ));
-            }
-            Cost::Header {
-                name: header.header.0.clone(),
-                default,
-                max,
-            }
-        }
+        Some(field) => Some(
+            cost_of(field).map_err(|(at, kind)| refuse(&["response_cost", "reserve", at], kind))?,
+        ),
+    };
+    // What a request takes up front, and where its largest value is written.
+    let (upfront, upfront_field): (&Cost, &[&str]) = match (&reserve, &raw.cost) {
+        (Some(reserve @ Cost::Header { .. }), _) => (reserve, &["response_cost", "reserve", "max"]),
+        (Some(reserve), _) => (reserve, &["response_cost", "reserve"]),
+        (None, Some(raw::CostField::Header(_))) => (&cost, &["cost", "max"]),
+        (None, _) => (&cost, &["cost"]),
     };
     let limit = algo::Limit {
         rpu,
@@ -978,11 +970,11 @@ fn build_rule(
         burst,
         slices,
     };
-    if u64::from(cost.max()) > algo.capacity(&limit) {
+    if u64::from(upfront.max()) > algo.capacity(&limit) {
         return Err(refuse(
-            cost_field,
+            upfront_field,
             ConfigErrorKind::CostNeverPasses {
-                cost: cost.max(),
+                cost: upfront.max(),
                 capacity: algo.capacity(&limit),
             },
         ));
@@ -993,15 +985,15 @@ fn build_rule(
         Lease::Auto => {
             let cap =
                 (algo.capacity(&limit) / AUTO_LEASE_SHARE).clamp(1, u64::from(wire::MAX_WANT));
-            let cap = u32::try_from(cap).unwrap_or(1).max(cost.max());
+            let cap = u32::try_from(cap).unwrap_or(1).max(upfront.max());
             (NonZeroU32::new(cap).unwrap_or(NonZeroU32::MIN), true)
         }
     };
-    if scope == Scope::Global && !algo.waits() && cost.max() > lease.get() {
+    if scope == Scope::Global && !algo.waits() && upfront.max() > lease.get() {
         return Err(refuse(
-            cost_field,
+            upfront_field,
             ConfigErrorKind::CostAboveLease {
-                cost: cost.max(),
+                cost: upfront.max(),
                 lease: lease.get(),
             },
         ));
@@ -1029,6 +1021,23 @@ fn build_rule(
         Some(raw) => Some(ResponseCost {
             header: raw.header.0.clone(),
             max: NonZeroU32::new(raw.max.get_u32()).unwrap_or(NonZeroU32::MIN),
+            reserve,
+        }),
+    };
+    let count = match &raw.count {
+        None => None,
+        // A leaky bucket's turn, once passed, cannot be given back.
+        Some(_) if !algo.allows_debt() => {
+            return Err(refuse(
+                &["count"],
+                ConfigErrorKind::CountNotApplicable { algo: algo.code() },
+            ))
+        }
+        Some(_) if response_cost.is_some() => {
+            return Err(refuse(&["count"], ConfigErrorKind::CountWithResponseCost))
+        }
+        Some(raw) => Some(CountOnly {
+            statuses: raw.status.0.clone(),
         }),
     };
     let max_wait_seconds = match &raw.max_wait_seconds {
@@ -1119,11 +1128,44 @@ fn build_rule(
         lease_auto,
         cost,
         response_cost,
+        count,
         max_wait: max_wait_seconds * NANOS_PER_SECOND,
         dry_run: raw.dry_run.unwrap_or(false),
         keys: RuleKeys::of(table, id),
         plan,
     })
+}
+
+/// A cost as written (`cost`, `response_cost.reserve`); a refusal names the subfield
+/// (`""` for the value itself).
+fn cost_of(field: &raw::CostField) -> Result<Cost, (&'static str, ConfigErrorKind)> {
+    match field {
+        raw::CostField::Fixed(cost) => Ok(Cost::Fixed(
+            NonZeroU32::new(*cost).unwrap_or(NonZeroU32::MIN),
+        )),
+        raw::CostField::Header(header) => {
+            let max = NonZeroU32::new(header.max.get_u32()).unwrap_or(NonZeroU32::MIN);
+            let default = header
+                .default
+                .as_ref()
+                .and_then(|default| NonZeroU32::new(default.get_u32()))
+                .unwrap_or(NonZeroU32::MIN);
+            if default > max {
+                return Err((
+                    "default",
+                    ConfigErrorKind::CostDefaultAboveMax {
+                        default: default.get(),
+                        max: max.get(),
+                    },
+                ));
+            }
+            Ok(Cost::Header {
+                name: header.header.0.clone(),
+                default,
+                max,
+            })
+        }
+    }
 }
 
 /// The hashes already given to a block's rules: a repeated one is told apart by how many

@@ -136,6 +136,8 @@ pub(super) struct RawRule {
     #[serde(default, deserialize_with = "present")]
     pub response_cost: Option<RawResponseCost>,
     #[serde(default, deserialize_with = "present")]
+    pub count: Option<RawCount>,
+    #[serde(default, deserialize_with = "present")]
     pub name: Option<RuleName>,
     #[serde(default, deserialize_with = "present")]
     pub dry_run: Option<bool>,
@@ -168,15 +170,86 @@ pub(super) struct RawFull {
         Option<Section<super::model::OnInvalidConfig, SECTION_ON_INVALID_CONFIG>>,
 }
 
-/// `response_cost: {header: NAME, max: N}`.
+/// `response_cost: {header: NAME, max: N, reserve: N | {header, default, max}}`.
 #[derive(Deserialize)]
 #[serde(
     deny_unknown_fields,
-    expecting = "a response cost `{header: NAME, max: N}`"
+    expecting = "a response cost `{header: NAME, max: N}` (optionally `reserve: N`)"
 )]
 pub(super) struct RawResponseCost {
     pub header: HeaderNameField,
     pub max: Ranged<1, 1_000_000_000>,
+    #[serde(default, deserialize_with = "present")]
+    pub reserve: Option<CostField>,
+}
+
+/// `count: {status: [401, 403, 5xx]}`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, expecting = "`{status: [401, 403, 4xx, …]}`")]
+pub(super) struct RawCount {
+    pub status: StatusList,
+}
+
+/// The statuses a `count` rule counts: 1 to 32 of `100`–`599` or `1xx`–`5xx`.
+pub(super) struct StatusList(pub Vec<(u16, u16)>);
+
+impl<'de> Deserialize<'de> for StatusList {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let statuses = Vec::<StatusField>::deserialize(deserializer)?;
+        if statuses.is_empty() || statuses.len() > 32 {
+            return Err(de::Error::custom(
+                "expected 1 to 32 statuses (`[401, 403]`, `[4xx]`)",
+            ));
+        }
+        Ok(StatusList(
+            statuses.into_iter().map(|status| status.0).collect(),
+        ))
+    }
+}
+
+/// One status (`401`) or class (`4xx`), as an inclusive range.
+struct StatusField((u16, u16));
+
+impl<'de> Deserialize<'de> for StatusField {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct StatusVisitor;
+        impl<'de> Visitor<'de> for StatusVisitor {
+            type Value = StatusField;
+            fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+                formatter.write_str("an HTTP status 100 to 599, or a class `1xx` to `5xx`")
+            }
+            fn visit_u64<E: de::Error>(self, value: u64) -> Result<StatusField, E> {
+                match u16::try_from(value) {
+                    Ok(status) if (100..=599).contains(&status) => {
+                        Ok(StatusField((status, status)))
+                    }
+                    _ => Err(E::invalid_value(Unexpected::Unsigned(value), &self)),
+                }
+            }
+            fn visit_i64<E: de::Error>(self, value: i64) -> Result<StatusField, E> {
+                match u64::try_from(value) {
+                    Ok(value) => self.visit_u64(value),
+                    Err(_) => Err(E::invalid_value(Unexpected::Signed(value), &self)),
+                }
+            }
+            fn visit_str<E: de::Error>(self, value: &str) -> Result<StatusField, E> {
+                let text = value.trim();
+                if let Ok(status) = text.parse::<u64>() {
+                    return self.visit_u64(status);
+                }
+                match text.as_bytes() {
+                    [class @ b'1'..=b'5', x, y]
+                        if x.eq_ignore_ascii_case(&b'x') && y.eq_ignore_ascii_case(&b'x') =>
+                    {
+                        let first = u16::from(class - b'0') * 100;
+                        Ok(StatusField((first, first + 99)))
+                    }
+                    _ => Err(E::invalid_value(Unexpected::Str(value), &self)),
+                }
+            }
+        }
+        deserializer.deserialize_any(StatusVisitor)
+    }
 }
 
 /// `cost: {header: NAME, default: N, max: N}`.

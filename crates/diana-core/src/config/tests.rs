@@ -594,6 +594,16 @@ fn errors_name_field_and_position() {
         ),
         ("Url: /\nrules:\n  - rpu: -3\n", &["rules[0].rpu: ", "-3", "line 3 column 10"]),
         ("Url: /\nrules:\n  - rpu: ten\n", &["rules[0].rpu: ", "invalid type", "line 3"]),
+        // reservations and counted statuses
+        ("Url: /\nrules:\n  - rpu: 1000\n    cost: 2\n    response_cost: {header: x-t, max: 9, reserve: 5}\n", &["rules[0].cost: ", "remove `cost`", "line 4"]),
+        ("Url: /\nrules:\n  - rpu: 100\n    response_cost: {header: x-t, max: 9, reserve: 500}\n", &["rules[0].response_cost.reserve: ", "a cost of 500 could never pass", "line 4"]),
+        ("Url: /\nrules:\n  - rpu: 1000\n    response_cost: {header: x-t, max: 9, reserve: {header: x-m, max: 600, default: 700}}\n", &["rules[0].response_cost.reserve.default: ", "cost.default (700) is above cost.max (600)"]),
+        ("Url: /\nrules:\n  - rpu: 1000\n    scope: global\n    lease: 10\n    response_cost: {header: x-t, max: 9, reserve: 200}\n", &["rules[0].response_cost.reserve: ", "above the lease (10)", "line 6"]),
+        ("Url: /\nrules:\n  - rpu: 5\n    algo: LB\n    count: {status: [401]}\n", &["rules[0].count: ", "count does not apply to algo LB", "line 5"]),
+        ("Url: /\nrules:\n  - rpu: 5\n    count: {status: [401]}\n    response_cost: {header: x-t, max: 9}\n", &["rules[0].count: ", "write two rules", "line 4"]),
+        ("Url: /\nrules:\n  - rpu: 5\n    count: {status: [401, 6xx]}\n", &["rules[0].count.status", "6xx", "line 4"]),
+        ("Url: /\nrules:\n  - rpu: 5\n    count: {status: [99]}\n", &["rules[0].count.status", "line 4"]),
+        ("Url: /\nrules:\n  - rpu: 5\n    count: {status: []}\n", &["rules[0].count.status: ", "1 to 32 statuses", "line 4"]),
         // plans
         ("Url: /\nrules:\n  - rpu: {by: x-plan, values: {free: 0}, default: 1}\n", &["rules[0].rpu.values.free: ", "expected a nonzero u32", "line 3"]),
         ("Url: /\nrules:\n  - rpu: {by: x-plan, values: {default: 2}, default: 1}\n", &["rules[0].rpu.values", "`default` names the plan of every other value", "line 3"]),
@@ -1484,4 +1494,20 @@ fn plans_of_a_global_rule_count_once_per_callout() {
     }
     let policy = parse(&doc);
     assert_eq!(rules(&policy).len(), 3 * crate::wire::MAX_RULES);
+}
+
+#[test]
+fn counted_statuses_and_reservations_as_written() {
+    let policy = parse(
+        "Url: /\nrules:\n  - {rpu: 5, count: {status: [401, ' 403 ', 5Xx]}}\n  - {rpu: 1000, response_cost: {header: x-t, max: 9000, reserve: {header: x-max, max: 800}}}\n",
+    );
+    let rules = rules(&policy);
+    let count = rules[0].count.as_ref().unwrap();
+    assert_eq!(count.statuses, [(401, 401), (403, 403), (500, 599)]);
+    assert_eq!(count.describe(), ["401", "403", "5xx"]);
+    assert!(rules[0].settles() && rules[1].settles());
+    assert_eq!(rules[0].answer_header(), Some(":status"));
+    assert_eq!(rules[1].answer_header(), Some("x-t"));
+    assert_eq!(rules[1].upfront().max(), 800);
+    assert_eq!(rules[1].cost.max(), 1);
 }

@@ -1848,3 +1848,175 @@ fn a_plan_can_come_from_a_claim_of_the_bearer_token() {
     assert_eq!(h.admitted("/", &pro, 10), 3);
     assert_eq!(h.admitted("/", &Facts::default(), 10), 1);
 }
+
+/// Settles `charge` with the answer's header value.
+fn settle_with(h: &mut Harness, charge: AfterResponse, value: &str) {
+    h.engine.after_response(
+        &h.host,
+        charge,
+        &[Some(value.as_bytes().to_vec())],
+        Some(h.now),
+        &mut h.metrics,
+    );
+}
+
+#[test]
+fn a_reservation_keeps_concurrent_requests_within_the_budget_and_settles_to_the_actual_cost() {
+    // 1000 tokens an hour per account; each request reserves 200 up front. 20 requests in
+    // flight at once: 5 pass (before: all 20, each on the last token, ending 20 answers in
+    // debt). The answers used 120 each: 80 of each reservation comes back, so the budget
+    // was charged 600 and 400 are left: two more reservations of 200 pass.
+    for scope in ["local", "global"] {
+        let lease = if scope == "global" {
+            ", lease: 200"
+        } else {
+            ""
+        };
+        let doc = format!(
+            "Url: /\nrules:\n  - {{name: llm, actor: account, algo: TB, rpu: 1000, unit: hour, scope: {scope}{lease}, \
+             response_cost: {{header: x-llm-tokens, max: 100000, reserve: 200}}}}\n"
+        );
+        let mut h = Harness::new(&doc);
+        let alice = Facts::default().header("x-account-id", b"alice");
+        let mut charges = Vec::new();
+        for _ in 0..20 {
+            let decision = h.request("/", &alice);
+            if admits(&decision) {
+                charges.push(after(decision));
+            }
+        }
+        assert_eq!(charges.len(), 5, "{scope}");
+        for charge in charges {
+            settle_with(&mut h, charge, "120");
+        }
+        assert_eq!(h.admitted("/", &alice, 10), 2, "{scope}");
+        // Another account has its whole budget.
+        assert_eq!(
+            h.admitted("/", &Facts::default().header("x-account-id", b"bob"), 10),
+            5,
+            "{scope}"
+        );
+    }
+}
+
+#[test]
+fn a_reservation_is_settled_up_past_the_limit_and_kept_without_an_answer() {
+    let doc = "Url: /\nrules:\n  - {name: llm, actor: account, algo: TB, rpu: 1000, unit: hour, \
+               response_cost: {header: x-llm-tokens, max: 100000, reserve: {header: x-max-tokens, default: 100, max: 500}}}\n";
+    let mut h = Harness::new(doc);
+    let asks = |max: &str| {
+        Facts::default()
+            .header("x-account-id", b"carol")
+            .header("x-max-tokens", max.as_bytes())
+    };
+    // Reserves 500 (the request's own x-max-tokens), used 900: 400 more are owed.
+    let charge = after(h.request("/", &asks("500")));
+    settle_with(&mut h, charge, "900");
+    // 100 left: a reservation of 100 passes, one of 101 does not.
+    assert!(matches!(h.request("/", &asks("101")), Decision::Reject(_)));
+    let kept = after(h.request("/", &asks("100")));
+    // An answer without the header keeps its reservation: nothing is left.
+    h.engine
+        .after_response(&h.host, kept, &[None], Some(h.now), &mut h.metrics);
+    assert!(matches!(h.request("/", &asks("1")), Decision::Reject(_)));
+}
+
+#[test]
+fn only_answers_of_the_counted_statuses_are_counted() {
+    // Brute-force protection: 5 failed logins an hour per account. Successful logins are
+    // given back; five failures deny the account, whatever it sends next.
+    for scope in ["local", "global"] {
+        let doc = format!(
+            "Url: /login\nrules:\n  - {{name: failed_logins, actor: account, algo: W, rpu: 5, unit: hour, \
+             scope: {scope}, count: {{status: [401, 403]}}}}\n"
+        );
+        let mut h = Harness::new(&doc);
+        let dave = Facts::default().header("x-account-id", b"dave");
+        let answer = |h: &mut Harness, status: &str| {
+            let decision = h.request("/login", &dave);
+            if !admits(&decision) {
+                return false;
+            }
+            let charge = after(decision);
+            assert_eq!(charge.headers().collect::<Vec<_>>(), [":status"]);
+            settle_with(h, charge, status);
+            true
+        };
+        for _ in 0..20 {
+            assert!(answer(&mut h, "200"), "{scope}: a success is never counted");
+        }
+        for attempt in 0..5 {
+            assert!(answer(&mut h, "401"), "{scope}: failure {attempt} passes");
+        }
+        assert!(
+            !answer(&mut h, "200"),
+            "{scope}: the sixth attempt is denied"
+        );
+        // Five requests in flight at once can each hold the last attempt: only one does.
+        let mut h = Harness::new(&doc);
+        for _ in 0..4 {
+            assert!(answer(&mut h, "403"));
+        }
+        let in_flight: Vec<_> = (0..5)
+            .map(|_| h.request("/login", &dave))
+            .filter(admits)
+            .collect();
+        assert_eq!(in_flight.len(), 1, "{scope}");
+    }
+}
+
+#[test]
+fn reservations_settled_across_workers_give_back_exactly_what_was_unused() {
+    // Four workers of one gateway share the local counter: 20 requests in flight reserve
+    // 200 each of 1000, answers of 120 settle them; then exactly 400 are left.
+    let doc = "Url: /\nrules:\n  - {name: llm, actor: account, algo: TB, rpu: 1000, unit: hour, \
+               response_cost: {header: x-llm-tokens, max: 100000, reserve: 200}}\n";
+    let mut h = Harness::new(doc);
+    let mut workers: Vec<Worker> = (0..4).map(|_| Worker::new(doc)).collect();
+    let alice = Facts::default().header("x-account-id", b"alice");
+    let mut held = Vec::new();
+    for i in 0..20 {
+        let worker = &mut workers[i % 4];
+        let decision =
+            worker
+                .engine
+                .evaluate(&h.host, b"/", &alice, Some(h.now), &mut worker.metrics);
+        if admits(&decision) {
+            held.push((i % 4, after(decision)));
+        }
+    }
+    assert_eq!(held.len(), 5);
+    h.now += S / 2;
+    for (index, charge) in held {
+        let worker = &mut workers[index];
+        worker.engine.after_response(
+            &h.host,
+            charge,
+            &[Some(b"120".to_vec())],
+            Some(h.now),
+            &mut worker.metrics,
+        );
+    }
+    for worker in &workers {
+        worker.engine.tick(&h.host, Some(h.now));
+    }
+    let mut admitted = 0;
+    for i in 0..6 {
+        let worker = &mut workers[i % 4];
+        let decision =
+            worker
+                .engine
+                .evaluate(&h.host, b"/", &alice, Some(h.now), &mut worker.metrics);
+        if admits(&decision) {
+            admitted += 1;
+            worker.engine.after_response(
+                &h.host,
+                after(decision),
+                &[Some(b"200".to_vec())],
+                Some(h.now),
+                &mut worker.metrics,
+            );
+        }
+    }
+    assert_eq!(admitted, 2);
+}

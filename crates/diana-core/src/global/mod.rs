@@ -809,6 +809,24 @@ impl Global {
 
     /// Owes `debt` (a response cost) to the service; when this worker's table of debts is
     /// full, gives it back to be charged locally at once.
+    /// Gives back `tokens` a request of `address` had from the service and did not use
+    /// (its answer settled for less, [`crate::settle`]): to this gateway's lease stash,
+    /// where the identity's next requests here spend them until `until`; a denial
+    /// remembered for it is forgotten, so that it does not hide them.
+    pub fn refund(
+        &self,
+        host: &dyn SharedData,
+        rule: &Rule,
+        address: SlotAddress,
+        tokens: u32,
+        until: Instant,
+        now: Instant,
+    ) {
+        let receipt = StashReceipt::refund(rule, address, u64::from(tokens), until);
+        self.stash.give_back(host, rule, &receipt, now);
+        self.stash.forget_denial(host, rule, address);
+    }
+
     pub fn owe(&self, debt: Debt) -> Option<Debt> {
         self.owed.add(debt)
     }

@@ -83,6 +83,26 @@ pub struct StashReceipt {
     from_batch: bool,
 }
 
+impl StashReceipt {
+    /// Tokens of `address` given back to its stash although no request took them from it
+    /// (a settled answer's refund, [`super::Global::refund`]), spendable until `valid_until`.
+    pub fn refund(
+        rule: &Rule,
+        address: SlotAddress,
+        tokens: u64,
+        valid_until: Instant,
+    ) -> StashReceipt {
+        StashReceipt {
+            rule: rule.index,
+            key: Stash::key(rule, address).into(),
+            fingerprint: address.fingerprint,
+            tokens,
+            valid_until,
+            from_batch: false,
+        }
+    }
+}
+
 /// What one worker holds of a (rule, identity)'s stash.
 #[derive(Debug, Clone, Default)]
 struct Batch {
@@ -320,6 +340,27 @@ impl Stash {
     ) -> Take {
         let id = (rule.index, address.fingerprint);
         let cost = u64::from(cost);
+        // A batch too small for this request goes back to the shared record first, where
+        // with the record's own tokens it may pay (a cost of 200 is not denied while 50
+        // wait here and 150 there).
+        let mut too_small = None;
+        if let Ok(mut batches) = self.batches.try_borrow_mut() {
+            if let Some(batch) = batches.get_mut(&id) {
+                if batch.tokens > 0 && batch.tokens < cost && now < batch.valid_until {
+                    too_small = Some(StashReceipt {
+                        rule: rule.index,
+                        key: batch.key.clone(),
+                        fingerprint: address.fingerprint,
+                        tokens: std::mem::take(&mut batch.tokens),
+                        valid_until: batch.lease_until,
+                        from_batch: false,
+                    });
+                }
+            }
+        }
+        if let Some(receipt) = too_small {
+            self.give_back(host, rule, &receipt, now);
+        }
         if let Ok(mut batches) = self.batches.try_borrow_mut() {
             if let Some(batch) = batches.get_mut(&id) {
                 // Tokens are spent first (as from the shared record).
@@ -354,7 +395,9 @@ impl Stash {
                 };
                 if lease.tokens >= cost && ahead(lease.valid_until, now, rule) {
                     let spare = lease.tokens - cost;
-                    let batch = if spare >= 2 * SHARE {
+                    // A batch is worth carving only if it pays at least one request of
+                    // this size: else the tokens are split where neither half pays one.
+                    let batch = if spare >= 2 * SHARE && spare / STASH_SHARE >= cost {
                         (spare / STASH_SHARE).min(MAX_BATCH)
                     } else {
                         0
