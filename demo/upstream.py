@@ -6,7 +6,7 @@
 - `GET /llm?tokens=N` -> 200, a fake LLM answer whose `x-llm-tokens: N` response header
   says how many tokens it used (default 100): what Diana's `response_cost` charges
   (`&delay_ms=M`: the answer comes after M ms, at most 10 s)
-- `GET /login?password=P` -> a fake login: 200 when P is `right`, else 401
+- `GET /signin?password=P` -> a fake sign-in: 200 when P is `right`, else 401
 - `GET /slow?ms=M` -> 200 after M ms (at most 10 s); `GET /__inflight` -> how many
   requests are inside this upstream now and the most there were at once
   (`/__inflight?reset=1` starts counting afresh)
@@ -96,7 +96,7 @@ class Handler(BaseHTTPRequestHandler):
             time.sleep(_millis(query, "ms") / 1000)
             self._send(200, b"slow\n", "text/plain")
             return
-        if path == "/login" or path.startswith("/login?"):
+        if path == "/signin" or path.startswith("/signin?"):
             ok = query.get("password") == ["right"]
             self._send(200 if ok else 401, b"welcome\n" if ok else b"wrong password\n", "text/plain")
             return

@@ -6,7 +6,7 @@ and 3), on both hosts, local and global:
   calls on a budget of 1,000 with a reservation of 200: at most 5 pass, and the budget ends
   charged the sum of the answers' costs; without `reserve` all 20 pass on the last tokens.
 - `count: {status: [401]}`: only failed logins are counted: 5 an hour per account, on a
-  fake login upstream (the demo's `/login?password=P`)."""
+  fake login upstream (the demo's `/signin?password=P`)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ global: {{timeout_ms: 500}}
 
 LOGIN = """
 resources:
-  - Url: /login
+  - Url: /signin
     rules:
       - name: failed_logins
         actor: account
@@ -96,7 +96,7 @@ def test_only_failed_logins_are_counted(procs, start_gateway):
         erin = {"x-account-id": f"erin-{scope}"}
 
         def login(password: str, who: dict = erin) -> int:
-            return request(gw.port, f"/login?password={password}", who).status
+            return request(gw.port, f"/signin?password={password}", who).status
 
         successes = [login("right") for _ in range(10)]
         failures = [login("guess") for _ in range(6)]
@@ -114,8 +114,8 @@ def test_only_failed_logins_are_counted(procs, start_gateway):
 def test_concurrent_wrong_passwords_cannot_all_take_the_last_attempt(start_gateway):
     gw = start_gateway(LOGIN.format(scope="local"))
     grace = {"x-account-id": "grace"}
-    first = [request(gw.port, "/login?password=guess", grace).status for _ in range(4)]
-    burst = send_concurrent(gw.port, 10, "/login?password=guess", grace)
+    first = [request(gw.port, "/signin?password=guess", grace).status for _ in range(4)]
+    burst = send_concurrent(gw.port, 10, "/signin?password=guess", grace)
     assert not errors(burst), errors(burst)
     seen = statuses(burst)
     record(f"{gw.kind}: 4 failed logins, then 10 concurrent wrong passwords", f"{first}; {seen}")

@@ -6,6 +6,7 @@
 //! check`) or as JSON (`diana check --json`).
 
 use crate::yaml::{map, number, string};
+use diana_core::algo::inflight::RECLAIMED_AFTER;
 use diana_core::config::{Cost, Lease, PlanChoice, PlanName, Policy, Rule, Scope};
 use diana_core::time::NANOS_PER_SECOND;
 use serde_yaml::Value;
@@ -233,16 +234,32 @@ fn rule_plan(policy: &Policy, rule: &Rule, machine: bool) -> Value {
         ("table", string(&format!("{:016x}", rule.keys.table))),
         ("actor", string(&rule.actor_name)),
         ("algo", string(rule.algo.code())),
-        ("rpu", number(u64::from(limit.rpu.get()))),
-        ("unit", string(limit.unit.name())),
-        ("rate", string(&format_rate(per_second))),
     ];
-    if machine {
-        entries.push(("rate_per_second", Value::Number(per_second.into())));
+    if rule.algo.holds_until_done() {
+        // A concurrency limit has no rate: the places, and how long a lost one lasts.
+        entries.extend([
+            ("max_in_flight", number(u64::from(limit.rpu.get()))),
+            (
+                "lost_place_reclaimed_after_seconds",
+                number(RECLAIMED_AFTER / NANOS_PER_SECOND),
+            ),
+        ]);
+    } else {
+        entries.extend([
+            ("rpu", number(u64::from(limit.rpu.get()))),
+            ("unit", string(limit.unit.name())),
+            ("rate", string(&format_rate(per_second))),
+        ]);
+        if machine {
+            entries.push(("rate_per_second", Value::Number(per_second.into())));
+        }
+        entries.extend([
+            ("burst", number(u64::from(limit.burst.get()))),
+            ("slices", number(u64::from(limit.slices.get()))),
+            ("max_in_flight", Value::Null),
+        ]);
     }
     entries.extend([
-        ("burst", number(u64::from(limit.burst.get()))),
-        ("slices", number(u64::from(limit.slices.get()))),
         ("slots", number(u64::from(rule.slots.get()))),
         ("scope", string(rule.scope.name())),
         (

@@ -192,7 +192,7 @@ fn block() -> Value {
 fn rule() -> Value {
     json!({
         "type": "object",
-        "description": "One limit. Only `rpu` is required; see docs/design.md §3 and the README for the defaults.",
+        "description": "One limit: `rpu` (requests per unit) or `max_in_flight` (requests inside at once); see docs/design.md §3 and the README for the defaults.",
         "properties": {
             "rpu": {
                 "description": "Requests per unit (≥ 1), or a limit per plan: `{by: x-plan, values: {free: 10, pro: 1000}, default: 10}` \
@@ -230,6 +230,12 @@ fn rule() -> Value {
                         "additionalProperties": false,
                     }
                 ],
+            },
+            "max_in_flight": {
+                "type": "integer", "minimum": 1, "maximum": 1_000_000,
+                "description": "Instead of `rpu`: at most this many requests of an identity inside the gateway at once, \
+                                each holding its place from admission to its end (local scope; no unit, algo, burst, \
+                                slices, cost, response_cost or count)",
             },
             "unit": { "$ref": "#/definitions/unit" },
             "algo": { "$ref": "#/definitions/algo" },
@@ -337,7 +343,7 @@ fn rule() -> Value {
             },
             "dry_run": { "type": "boolean" }
         },
-        "required": ["rpu"],
+        "oneOf": [ { "required": ["rpu"] }, { "required": ["max_in_flight"] } ],
         "additionalProperties": false,
     })
 }

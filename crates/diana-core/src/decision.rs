@@ -64,6 +64,19 @@ pub enum Reply {
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct AfterResponse {
     pub(crate) charges: Vec<ResponseCharge>,
+    /// Concurrency places the request holds until it ends (`max_in_flight`).
+    pub(crate) places: Vec<Place>,
+}
+
+/// A concurrency place an admitted request holds until it ends
+/// ([`crate::algo::InFlight`]); its worker renews it while the request is inside.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Place {
+    pub rule: usize,
+    pub address: SlotAddress,
+    pub taken: Taken,
+    /// When it was taken or last renewed.
+    pub renewed: Instant,
 }
 
 /// One rule of an admitted request, to settle with its answer.
@@ -109,7 +122,12 @@ impl AfterResponse {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.charges.is_empty()
+        self.charges.is_empty() && self.places.is_empty()
+    }
+
+    /// True when the request holds concurrency places until it ends.
+    pub fn holds_places(&self) -> bool {
+        !self.places.is_empty()
     }
 }
 

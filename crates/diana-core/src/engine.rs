@@ -14,8 +14,9 @@
 //! `allowed` counts the rules of admitted requests only, `limited` the rule that rejected.
 
 use crate::actor::{Identity, RequestFacts};
+use crate::algo::inflight::RENEW_EVERY;
 use crate::config::{PlanSource, Policy, Rule, Scope};
-use crate::decision::{AfterResponse, Callout, Decision, Reply, Reserved, ResponseCharge};
+use crate::decision::{AfterResponse, Callout, Decision, Place, Reply, Reserved, ResponseCharge};
 use crate::global::debts::Debt;
 use crate::global::flights::RiderId;
 use crate::global::stash::StashReceipt;
@@ -864,9 +865,25 @@ impl Engine {
             .as_ref()
             .and_then(|(index, report)| Some((self.policy.rule(*index)?, report)));
         let headers = admitted_rule_headers(&self.policy.response, tightest);
-        let after = (!progress.after.is_empty()).then_some(AfterResponse {
+        let places: Vec<Place> = held
+            .iter()
+            .filter(|held| {
+                self.policy
+                    .rule(held.rule)
+                    .is_some_and(|rule| rule.algo.holds_until_done())
+            })
+            .map(|held| Place {
+                rule: held.rule,
+                address: held.address,
+                taken: held.taken.clone(),
+                renewed: now,
+            })
+            .collect();
+        let after = AfterResponse {
             charges: progress.after,
-        });
+            places,
+        };
+        let after = (!after.is_empty()).then_some(after);
         if progress.delay > 0 && self.can_pause {
             metrics.event(Event::Delayed);
             Decision::Delay {
@@ -939,6 +956,70 @@ impl Engine {
                             .refund(host, rule, charge.address, tokens, *until, now);
                     }
                 },
+            }
+        }
+    }
+
+    /// A request that held concurrency places ended (its response is done, its client
+    /// left, its stream was reset): they are given back.
+    pub(crate) fn leave(
+        &self,
+        host: &dyn SharedData,
+        places: &[Place],
+        now: Option<Instant>,
+        metrics: &mut dyn MetricSink,
+    ) {
+        let Some(now) = now else {
+            // Without a clock nothing is written: the places are reclaimed after
+            // `algo::inflight::RECLAIMED_AFTER`.
+            return;
+        };
+        let held: Few<Held> = places
+            .iter()
+            .map(|place| Held {
+                rule: place.rule,
+                address: place.address,
+                cost: place.taken.tokens(),
+                taken: place.taken.clone(),
+            })
+            .collect();
+        self.give_back_held(host, &held, now, metrics);
+    }
+
+    /// From the tick: the places of a request still inside that were taken or renewed
+    /// [`RENEW_EVERY`] ago or more are counted as of now, so that they are never reclaimed
+    /// as lost while the request lasts.
+    pub(crate) fn renew(
+        &self,
+        host: &dyn SharedData,
+        places: &mut [Place],
+        now: Instant,
+        metrics: &mut dyn MetricSink,
+    ) {
+        for place in places
+            .iter_mut()
+            .filter(|place| now.saturating_sub(place.renewed) >= RENEW_EVERY)
+        {
+            let (Some(rule), Taken::Shared(receipt)) = (self.policy.rule(place.rule), &place.taken)
+            else {
+                continue;
+            };
+            match self
+                .local
+                .store()
+                .renew(host, &self.table(rule), receipt, now)
+            {
+                Ok(Some(renewed)) => {
+                    place.taken = Taken::Shared(renewed);
+                    place.renewed = now;
+                }
+                // Its record went to another identity: the place is gone already.
+                Ok(None) => place.renewed = now,
+                Err(ChargeError::Contention) => metrics.event(Event::StoreContention),
+                Err(ChargeError::Host(error)) => {
+                    log::warn!("diana: rule {}: place not renewed: {error}", rule.name);
+                    metrics.event(Event::StoreError);
+                }
             }
         }
     }

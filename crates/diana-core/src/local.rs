@@ -158,7 +158,7 @@ impl Local {
         cost: u32,
         now: Instant,
     ) -> Result<LocalCharge, ChargeError> {
-        let lends = !rule.algo.waits();
+        let lends = rule.algo.lends();
         let id = (rule.index, address.fingerprint);
         let mut unspent = None;
         let mut left = 0;

@@ -81,15 +81,18 @@ impl RuleReport {
         } else {
             self.reset_seconds
         };
+        // A concurrency limit has no window: its quota unit says what it counts.
+        let policy = if rule.algo.holds_until_done() {
+            format!("{name};q={};qu=\"concurrency\"", rule.limit.rpu.get())
+        } else {
+            format!(
+                "{name};q={};w={}",
+                rule.limit.rpu.get(),
+                rule.limit.unit.seconds()
+            )
+        };
         [
-            (
-                RATELIMIT_POLICY,
-                format!(
-                    "{name};q={};w={}",
-                    rule.limit.rpu.get(),
-                    rule.limit.unit.seconds()
-                ),
-            ),
+            (RATELIMIT_POLICY, policy),
             (RATELIMIT, format!("{name};r={};t={t}", self.remaining)),
         ]
     }

@@ -493,3 +493,60 @@ fn on_nginx_an_invalid_setup_answers_on_invalid_config() {
     let mut envoy = Sim::unconfigured(HostProfile::ENVOY, 1, Service::Answers(0), T0);
     assert!(envoy.configure(typo).is_err());
 }
+
+/// `max_in_flight`: a request holds its place from admission to its end — past its
+/// response headers, for as long as it lasts (its worker renews the place from the tick)
+/// — and its end gives the place back, whichever worker admitted it.
+#[test]
+fn a_concurrency_place_is_held_until_the_request_ends() {
+    let document =
+        "resources:\n  - Url: /\n    rules: [{max_in_flight: 3, actor: account, name: inside}]\n";
+    for profile in HostProfile::ALL {
+        let mut sim = sim(profile, document, 2, Service::Answers(0));
+        let acme = [(":path", "/"), ("x-account-id", "acme")];
+        let sent: Vec<u32> = (0..5).map(|i| sim.send(i % 2, "10.0.0.1", &acme)).collect();
+        let admitted_now: Vec<u32> = sent
+            .iter()
+            .copied()
+            .filter(|c| matches!(sim.fate(*c), Some(Fate::Admitted(_))))
+            .collect();
+        assert_eq!(admitted_now.len(), 3, "{}", profile.name);
+        // Answered, but still inside (its body is on its way): no place frees.
+        sim.respond(admitted_now[0], &[(":status", "200")]);
+        let late = sim.send(0, "10.0.0.1", &acme);
+        assert_eq!(
+            sim.fate(late),
+            Some(&Fate::Replied(503)),
+            "{}",
+            profile.name
+        );
+        // Five minutes later the three are still inside: their places were renewed, not
+        // reclaimed as lost.
+        sim.advance(Duration::from_secs(300));
+        let later = sim.send(1, "10.0.0.1", &acme);
+        assert_eq!(
+            sim.fate(later),
+            Some(&Fate::Replied(503)),
+            "{}",
+            profile.name
+        );
+        // Another account has places of its own.
+        let other = sim.send(1, "10.0.0.1", &[(":path", "/"), ("x-account-id", "globex")]);
+        assert!(matches!(sim.fate(other), Some(Fate::Admitted(_))));
+        // One ends (on worker 0); a request on worker 1 takes its place.
+        sim.end(admitted_now[0]);
+        let next = sim.send(1, "10.0.0.1", &acme);
+        assert!(
+            matches!(sim.fate(next), Some(Fate::Admitted(_))),
+            "{}: {:?}",
+            profile.name,
+            sim.fate(next)
+        );
+        end_all(&mut sim, 2);
+        let fresh: Vec<u32> = (0..3).map(|i| sim.send(i % 2, "10.0.0.1", &acme)).collect();
+        assert!(fresh
+            .iter()
+            .all(|c| matches!(sim.fate(*c), Some(Fate::Admitted(_)))));
+        assert!(sim.violations.is_empty(), "{:?}", sim.violations);
+    }
+}

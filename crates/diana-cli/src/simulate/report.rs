@@ -26,6 +26,9 @@ fn delay_text(nanos: Nanos, delayed: u64) -> String {
 /// `10/second`, with the burst where the algorithm uses one.
 pub fn limit_text(rule: &Rule) -> String {
     let limit = &rule.limit;
+    if rule.algo.holds_until_done() {
+        return format!("{} inside at once", limit.rpu);
+    }
     let mut text = format!("{}/{}", limit.rpu, limit.unit.name());
     match rule.algo.code() {
         "TB" => text.push_str(&format!(", burst {}", limit.burst)),

@@ -9,11 +9,13 @@
 //! matches on algorithm names.
 
 mod common;
+pub mod inflight;
 mod leaky;
 mod sliding;
 mod token;
 mod window;
 
+pub use inflight::InFlight;
 pub use leaky::LeakyBucket;
 pub use sliding::SlidingWindow;
 pub use token::TokenBucket;
@@ -99,6 +101,18 @@ pub trait Algorithm: Send + Sync + fmt::Debug {
     fn lease_until(&self, limit: &Limit, mark: Mark, now: Instant) -> Instant {
         let _ = (limit, mark);
         now
+    }
+
+    /// True when a worker may take a batch of tokens ahead of its requests, and remember
+    /// a denial for a moment (see [`crate::local`]).
+    fn lends(&self) -> bool {
+        !self.waits()
+    }
+
+    /// True when what a request takes is held until the request ends, and then given back
+    /// (a concurrency limit's place, [`InFlight`]).
+    fn holds_until_done(&self) -> bool {
+        false
     }
 
     /// True when tokens may be charged past the limit ([`Algorithm::charge_debt`]), as a

@@ -72,6 +72,14 @@ pub enum ConfigErrorKind {
     /// `cost` and `response_cost.reserve` both given: each says what a request takes up
     /// front.
     CostWithReserve,
+    /// A rule with neither `rpu` nor `max_in_flight`.
+    NoLimit,
+    /// A rule with both `rpu` and `max_in_flight`.
+    RateAndConcurrency,
+    /// A field of rate limits on a concurrency limit (`max_in_flight`).
+    NotForConcurrency { field: &'static str },
+    /// `max_in_flight` with `scope: global`: the quota service does not hold places yet.
+    ConcurrencyNotGlobal,
     /// `count` on an algorithm whose charge cannot be given back once passed.
     CountNotApplicable { algo: &'static str },
     /// `count` and `response_cost` on one rule.
@@ -178,6 +186,23 @@ impl fmt::Display for ConfigErrorKind {
             ConfigErrorKind::ResponseCostNotApplicable { algo } => write!(
                 f,
                 "response_cost does not apply to algo {algo}: a leaky bucket paces requests, it does not charge them afterwards"
+            ),
+            ConfigErrorKind::NoLimit => f.write_str(
+                "missing field `rpu`: a rule limits requests per unit (`rpu`) or requests inside at once \
+                 (`max_in_flight`)",
+            ),
+            ConfigErrorKind::RateAndConcurrency => f.write_str(
+                "rpu and max_in_flight on one rule: a rule limits either requests per unit or requests \
+                 inside at once; write two rules for both",
+            ),
+            ConfigErrorKind::NotForConcurrency { field } => write!(
+                f,
+                "{field} does not apply to a concurrency limit (max_in_flight): a request holds one place \
+                 from admission to its end, whatever the time"
+            ),
+            ConfigErrorKind::ConcurrencyNotGlobal => f.write_str(
+                "max_in_flight is counted per gateway (scope: local) in this version: diana-quota does \
+                 not hold places yet; remove `scope: global` (each gateway then admits max_in_flight)",
             ),
             ConfigErrorKind::CostWithReserve => f.write_str(
                 "cost and response_cost.reserve both say what a request takes up front; \

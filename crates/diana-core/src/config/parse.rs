@@ -826,12 +826,24 @@ fn build_rules(
     seen: &mut Seen,
     site: &Site,
 ) -> Result<Vec<Rule>, Refusal> {
-    let plans = match &raw.rpu {
-        raw::RpuField::Fixed(rpu) => {
+    let plans = match (&raw.rpu, &raw.max_in_flight) {
+        (Some(_), Some(_)) => {
+            return Err(Refusal::at(
+                site.key("max_in_flight"),
+                ConfigErrorKind::RateAndConcurrency,
+            ))
+        }
+        (None, None) => return Err(Refusal::at(site.clone(), ConfigErrorKind::NoLimit)),
+        (None, Some(places)) => {
+            let places = NonZeroU32::new(places.get_u32()).unwrap_or(NonZeroU32::MIN);
+            let rule = build_rule(url, index, &raw, places, None, actors, global, seen, site)?;
+            return Ok(vec![rule]);
+        }
+        (Some(raw::RpuField::Fixed(rpu)), None) => {
             let rule = build_rule(url, index, &raw, *rpu, None, actors, global, seen, site)?;
             return Ok(vec![rule]);
         }
-        raw::RpuField::Plans(plans) => plans,
+        (Some(raw::RpuField::Plans(plans)), None) => plans,
     };
     let by = match &plans.by {
         raw::PlanByField::Header(name) => PlanSource::Header(name.clone()),
@@ -914,10 +926,34 @@ fn build_rule(
             },
         )
     })?;
-    let algo = raw
-        .algo
-        .as_ref()
-        .map_or_else(algo::default_algorithm, |algo| algo.0);
+    let in_flight = raw.max_in_flight.is_some();
+    if in_flight {
+        // What shapes a rate has no meaning for places held until a request ends.
+        let written = [
+            ("algo", raw.algo.is_some()),
+            ("unit", raw.unit.is_some()),
+            ("burst", raw.burst.is_some()),
+            ("slices", raw.slices.is_some()),
+            ("cost", raw.cost.is_some()),
+            ("response_cost", raw.response_cost.is_some()),
+            ("count", raw.count.is_some()),
+            ("max_wait_seconds", raw.max_wait_seconds.is_some()),
+            ("lease", raw.lease.is_some()),
+        ];
+        if let Some((field, _)) = written.into_iter().find(|(_, written)| *written) {
+            return Err(refuse(
+                &[field],
+                ConfigErrorKind::NotForConcurrency { field },
+            ));
+        }
+    }
+    let algo: &'static dyn algo::Algorithm = if in_flight {
+        &algo::InFlight
+    } else {
+        raw.algo
+            .as_ref()
+            .map_or_else(algo::default_algorithm, |algo| algo.0)
+    };
     let unit = raw.unit.as_ref().map_or(Unit::Second, |unit| unit.0);
     let burst = raw.burst.unwrap_or_else(|| algo.default_burst(rpu, unit));
     let slices = raw
@@ -934,6 +970,9 @@ fn build_rule(
             .unwrap_or(DEFAULT_SLOTS)
     };
     let scope = raw.scope.as_ref().map_or(Scope::Local, |scope| scope.0);
+    if in_flight && scope == Scope::Global {
+        return Err(refuse(&["scope"], ConfigErrorKind::ConcurrencyNotGlobal));
+    }
     // Accepting it silently would let an operator believe a local rule is shared or batched.
     if scope == Scope::Local && raw.lease.is_some() {
         return Err(refuse(&["lease"], ConfigErrorKind::LeaseNotApplicable));

@@ -109,10 +109,15 @@ pub(super) struct RawBlock {
 #[derive(Deserialize)]
 #[serde(
     deny_unknown_fields,
-    expecting = "a rule (a mapping with at least `rpu`)"
+    expecting = "a rule (a mapping with at least `rpu` or `max_in_flight`)"
 )]
 pub(super) struct RawRule {
-    pub rpu: RpuField,
+    /// Required unless `max_in_flight` is given (the parser says so, naming both).
+    #[serde(default, deserialize_with = "present")]
+    pub rpu: Option<RpuField>,
+    /// A concurrency limit instead of a rate: requests of an identity inside at once.
+    #[serde(default, deserialize_with = "present")]
+    pub max_in_flight: Option<Ranged<1, 1_000_000>>,
     #[serde(default, deserialize_with = "present")]
     pub unit: Option<UnitField>,
     #[serde(default, deserialize_with = "present")]

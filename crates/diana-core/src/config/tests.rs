@@ -594,6 +594,14 @@ fn errors_name_field_and_position() {
         ),
         ("Url: /\nrules:\n  - rpu: -3\n", &["rules[0].rpu: ", "-3", "line 3 column 10"]),
         ("Url: /\nrules:\n  - rpu: ten\n", &["rules[0].rpu: ", "invalid type", "line 3"]),
+        // concurrency
+        ("Url: /\nrules:\n  - unit: second\n", &["rules[0]: ", "missing field `rpu`", "max_in_flight", "line 3"]),
+        ("Url: /\nrules:\n  - {rpu: 5, max_in_flight: 5}\n", &["rules[0].max_in_flight: ", "write two rules", "line 3"]),
+        ("Url: /\nrules:\n  - {max_in_flight: 0}\n", &["rules[0].max_in_flight: ", "between 1 and 1000000", "line 3"]),
+        ("Url: /\nrules:\n  - {max_in_flight: 5, unit: minute}\n", &["rules[0].unit: ", "does not apply to a concurrency limit", "line 3"]),
+        ("Url: /\nrules:\n  - {max_in_flight: 5, algo: TB}\n", &["rules[0].algo: ", "does not apply to a concurrency limit"]),
+        ("Url: /\nrules:\n  - {max_in_flight: 5, count: {status: [500]}}\n", &["rules[0].count: ", "does not apply"]),
+        ("Url: /\nrules:\n  - {max_in_flight: 5, scope: global}\n", &["rules[0].scope: ", "remove `scope: global`", "line 3"]),
         // reservations and counted statuses
         ("Url: /\nrules:\n  - rpu: 1000\n    cost: 2\n    response_cost: {header: x-t, max: 9, reserve: 5}\n", &["rules[0].cost: ", "remove `cost`", "line 4"]),
         ("Url: /\nrules:\n  - rpu: 100\n    response_cost: {header: x-t, max: 9, reserve: 500}\n", &["rules[0].response_cost.reserve: ", "a cost of 500 could never pass", "line 4"]),
@@ -1510,4 +1518,14 @@ fn counted_statuses_and_reservations_as_written() {
     assert_eq!(rules[1].answer_header(), Some("x-t"));
     assert_eq!(rules[1].upfront().max(), 800);
     assert_eq!(rules[1].cost.max(), 1);
+}
+
+#[test]
+fn a_concurrency_limit_is_a_rule_of_its_own_algorithm() {
+    let policy = parse("Url: /\nrules:\n  - {max_in_flight: 5, actor: account, name: inside}\n");
+    let rule = rules(&policy)[0];
+    assert_eq!(rule.algo.code(), "IF");
+    assert!(rule.algo.holds_until_done() && !rule.algo.lends());
+    assert_eq!(rule.limit.rpu.get(), 5);
+    assert_eq!(rule.scope, Scope::Local);
 }

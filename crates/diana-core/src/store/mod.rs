@@ -649,6 +649,46 @@ impl Store {
         })
     }
 
+    /// Moves what `receipt` took to `now` in one compare-and-swap: given back where it was
+    /// counted and counted again as of now, whatever the limit (a concurrency place renewed
+    /// by the worker of a request still inside, [`crate::algo::InFlight`]). The new
+    /// receipt; `None` when the record went to another holder meanwhile (nothing to move).
+    pub fn renew(
+        &self,
+        host: &dyn SharedData,
+        table: &SlotTable<'_>,
+        receipt: &Receipt,
+        now: Instant,
+    ) -> Result<Option<Receipt>, ChargeError> {
+        let words = table.algo.state_words(table.limit);
+        self.update_for(host, &receipt.key, table.generation, |current| {
+            let Some(payload) = current else {
+                return (None, None);
+            };
+            let mut record = Record::decode(payload, words);
+            if record.fingerprint != receipt.holder {
+                return (None, None);
+            }
+            table.algo.release(
+                table.limit,
+                &mut record.words,
+                now,
+                receipt.tokens,
+                receipt.mark,
+            );
+            let verdict =
+                table
+                    .algo
+                    .charge_debt(table.limit, &mut record.words, now, receipt.tokens);
+            record.touch(now);
+            let renewed = Receipt {
+                mark: verdict.mark,
+                ..receipt.clone()
+            };
+            (Some(record.encode()), Some(renewed))
+        })
+    }
+
     /// Charges `tokens` to the identity at `address` whatever is left (a response cost):
     /// the counter may go past its limit.
     pub fn charge_debt(

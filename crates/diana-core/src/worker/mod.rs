@@ -140,6 +140,8 @@ struct Request {
 enum Stage {
     /// Going on; only its response is left.
     Admitted,
+    /// Answered; it holds concurrency places until it ends (`after.places`).
+    Answered,
     /// Paused for its call (in `calls` under this token).
     Calling(CallToken, Pending),
     /// Paused behind another request's call (in `parked`).
@@ -346,12 +348,18 @@ impl Worker {
             self.requests.insert(context, request);
             return step;
         }
-        if let Some(after) = request.after {
+        let Request {
+            configured,
+            headers,
+            after,
+            ..
+        } = request;
+        if let Some(mut after) = after {
+            let places = std::mem::take(&mut after.places);
             let values: Vec<Option<Vec<u8>>> = after
                 .headers()
                 .map(|name| host.response_header(name))
                 .collect();
-            let configured = &request.configured;
             configured.engine.after_response(
                 host,
                 after,
@@ -359,9 +367,23 @@ impl Worker {
                 host.now(),
                 &mut configured.counters.sink(),
             );
+            if !places.is_empty() {
+                // Its places are held until the request ends (its context goes).
+                let holding = AfterResponse {
+                    places,
+                    ..AfterResponse::default()
+                };
+                self.hold(
+                    context,
+                    configured,
+                    Stage::Answered,
+                    Vec::new(),
+                    Some(holding),
+                );
+            }
         }
-        if !request.headers.is_empty() {
-            step.commands.push(Command::AddHeaders(request.headers));
+        if !headers.is_empty() {
+            step.commands.push(Command::AddHeaders(headers));
         }
         step
     }
@@ -467,8 +489,16 @@ impl Worker {
             return Step::default();
         };
         let configured = &request.configured;
+        if let Some(after) = request.after.as_ref().filter(|after| after.holds_places()) {
+            configured.engine.leave(
+                host,
+                &after.places,
+                host.now(),
+                &mut configured.counters.sink(),
+            );
+        }
         match request.stage {
-            Stage::Admitted => {}
+            Stage::Admitted | Stage::Answered => {}
             Stage::Waiting(until) => {
                 if self.waiters.remove(&(until, context)) {
                     configured.counters.event(Event::DelayAbandoned);
@@ -520,6 +550,7 @@ impl Worker {
         self.check_remote(host, now);
         self.pay_debts(host);
         self.send_releases(host);
+        self.renew_places(host, now);
         // Collected: sending refills needs the worker mutably.
         let generations: Vec<Rc<Configured>> = self.generations().cloned().collect();
         for configured in generations {
@@ -638,6 +669,22 @@ impl Worker {
                     None,
                 );
                 step.pause = true;
+            }
+        }
+    }
+
+    /// The concurrency places of the requests still inside are renewed
+    /// ([`Engine::renew`]: each at most every `RENEW_EVERY`).
+    fn renew_places(&mut self, host: &dyn Host, now: Instant) {
+        for request in self.requests.values_mut() {
+            if let Some(after) = request.after.as_mut().filter(|after| after.holds_places()) {
+                let configured = &request.configured;
+                configured.engine.renew(
+                    host,
+                    &mut after.places,
+                    now,
+                    &mut configured.counters.sink(),
+                );
             }
         }
     }
