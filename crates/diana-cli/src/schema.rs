@@ -189,6 +189,27 @@ fn block() -> Value {
     })
 }
 
+/// A number of tokens as `cost` and `response_cost.reserve` take it: a constant, or
+/// `{header, default, max}`.
+fn cost(description: &str) -> Value {
+    json!({
+        "description": description,
+        "oneOf": [
+            { "type": "integer", "minimum": WANT.0, "maximum": WANT.1 },
+            {
+                "type": "object",
+                "properties": {
+                    "header": { "$ref": "#/definitions/header_name" },
+                    "default": { "type": "integer", "minimum": WANT.0, "maximum": WANT.1 },
+                    "max": { "type": "integer", "minimum": WANT.0, "maximum": WANT.1 }
+                },
+                "required": ["header", "max"],
+                "additionalProperties": false,
+            }
+        ],
+    })
+}
+
 fn rule() -> Value {
     json!({
         "type": "object",
@@ -273,45 +294,17 @@ fn rule() -> Value {
                 "type": "integer", "minimum": 0, "maximum": 86400,
                 "description": "LB: the longest a request may be held (default 10); further: rejected with Retry-After",
             },
-            "cost": {
-                "description": "Tokens a request takes: a constant (default 1), or read from a request header",
-                "oneOf": [
-                    { "type": "integer", "minimum": WANT.0, "maximum": WANT.1 },
-                    {
-                        "type": "object",
-                        "properties": {
-                            "header": { "$ref": "#/definitions/header_name" },
-                            "default": { "type": "integer", "minimum": WANT.0, "maximum": WANT.1 },
-                            "max": { "type": "integer", "minimum": WANT.0, "maximum": WANT.1 }
-                        },
-                        "required": ["header", "max"],
-                        "additionalProperties": false,
-                    }
-                ],
-            },
+            "cost": cost("Tokens a request takes: a constant (default 1), or read from a request header"),
             "response_cost": {
                 "type": "object",
                 "description": "Tokens charged after the upstream answered, from a response header (not LB)",
                 "properties": {
                     "header": { "$ref": "#/definitions/header_name" },
                     "max": { "type": "integer", "minimum": 1, "maximum": 1_000_000_000u64 },
-                    "reserve": {
-                        "description": "Tokens taken up front instead of `cost` (all or nothing) and settled with the answer's cost: \
-                                        a constant, or read from a request header; not with `cost`",
-                        "oneOf": [
-                            { "type": "integer", "minimum": WANT.0, "maximum": WANT.1 },
-                            {
-                                "type": "object",
-                                "properties": {
-                                    "header": { "$ref": "#/definitions/header_name" },
-                                    "default": { "type": "integer", "minimum": WANT.0, "maximum": WANT.1 },
-                                    "max": { "type": "integer", "minimum": WANT.0, "maximum": WANT.1 }
-                                },
-                                "required": ["header", "max"],
-                                "additionalProperties": false,
-                            }
-                        ],
-                    }
+                    "reserve": cost(
+                        "Tokens taken up front instead of `cost` (all or nothing) and settled with the answer's cost: \
+                         a constant, or read from a request header; not with `cost`"
+                    )
                 },
                 "required": ["header", "max"],
                 "additionalProperties": false,
