@@ -88,6 +88,10 @@ fn send(reply: &LocalReply) {
 pub struct DianaRoot {
     context_id: ContextId,
     worker: Shared,
+    /// `on_vm_start` came first: the host started this instance with its worker process.
+    /// ngx_wasm_module runs `on_configure` alone in the instance it makes after one
+    /// trapped (see `Worker::probe_shared_data_first`).
+    vm_started: bool,
 }
 
 impl DianaRoot {
@@ -96,6 +100,7 @@ impl DianaRoot {
             context_id,
             // The host is known from `on_configure` on (see `host::profile`).
             worker: Rc::new(RefCell::new(Worker::new(HostProfile::ENVOY))),
+            vm_started: false,
         }
     }
 }
@@ -110,6 +115,11 @@ impl Context for DianaRoot {
 }
 
 impl RootContext for DianaRoot {
+    fn on_vm_start(&mut self, _: usize) -> bool {
+        self.vm_started = true;
+        true
+    }
+
     fn on_configure(&mut self, size: usize) -> bool {
         let document = match host::configuration(size) {
             Ok(document) => document,
@@ -124,6 +134,8 @@ impl RootContext for DianaRoot {
                 if worker.engine().is_none() && worker.profile() != profile {
                     *worker = Worker::new(profile);
                 }
+                // nginx: no shared data here, where a trap would stop the worker.
+                worker.probe_shared_data_first(&ProxyWasm, self.vm_started);
                 worker.configure(&ProxyWasm, &document)
             }
             Err(_) => return false,

@@ -3,7 +3,8 @@
 //!
 //! - no `shm_kv` zone for Diana's keys (`diana/...`: a `shm_kv diana` zone, or the
 //!   default `shm_kv *` zone): `nginx -t` passes, then every worker traps at its first
-//!   shared-data call and exits;
+//!   shared-data call (in its first tick, or in a request before it, answered 500), and
+//!   Diana's locations answer `on_invalid_config` from then on;
 //! - a location that runs `proxy_wasm diana` with a global rule but without
 //!   `proxy_wasm_request_headers_in_access on;` (in it or in a parent block): the first
 //!   request paused for its quota-service call can crash its worker;
@@ -190,7 +191,7 @@ pub fn check(config: &Config, document: Option<&Document>) -> Outcome {
                         )
                     };
                     problems.push(format!(
-                        "{}: the wasm block has no shm_kv zone for Diana's keys (diana/...){others}: add `shm_kv diana {needed_m}m;` inside it (without it every worker exits at its first request: \"failed getting value from shm (could not resolve namespace)\")",
+                        "{}: the wasm block has no shm_kv zone for Diana's keys (diana/...){others}: add `shm_kv diana {needed_m}m;` inside it (without it Diana's locations answer `on_invalid_config`, 503 by default, and a worker's first request in its first second may fail with 500: \"failed getting value from shm (could not resolve namespace)\")",
                         config.at(wasm)
                     ));
                 }

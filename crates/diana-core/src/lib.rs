@@ -17,6 +17,7 @@
 //! - [`global`]: the callout/lease/breaker state machine of global rules.
 //! - [`lifecycle`]: releasing the shared-data records of rules a new document dropped.
 //! - [`settle`]: settling what a request took up front once its answer is known.
+//! - [`nginx`]: how large nginx's `shm_kv` zone must be for a document.
 //! - [`remote`]: polling the config center and sharing its document with every worker.
 //! - [`properties`]: host property values (Envoy vs nginx spellings).
 //! - [`logline`]: one `diana:` per log line, whatever the host prefixes.
@@ -38,6 +39,7 @@ pub mod local;
 pub mod logline;
 pub mod matching;
 pub mod metrics;
+pub mod nginx;
 pub mod path;
 pub mod properties;
 pub mod quota;

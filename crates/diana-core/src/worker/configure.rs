@@ -1,14 +1,29 @@
 //! Where a worker's configuration comes from: the local document (`on_configure`), and the
 //! config center's, polled by one worker per period and shared with the others through
 //! shared data (DESIGN §6: a remote document is judged against the local one).
+//!
+//! On nginx the local document is installed only once shared data is known to work
+//! ([`Zone`]): ngx_wasm_module has shared data only with a `shm_kv` zone, and without one
+//! it traps inside the first access (`failed getting value from shm (could not resolve
+//! namespace)`, `ngx_wa_shm_kv_resolve_key` declining, for every key and namespace), and
+//! no host call tells beforehand. A trap in `on_configure` makes the worker exit for good
+//! (`exited with fatal code 2 and cannot be respawned`, and every request hangs); a trap
+//! in a request or a tick costs that request (a 500) and the instance, which the module
+//! replaces at the next request or tick, running `on_configure` again in a new instance
+//! (without `on_vm_start`). So the first access waits for the first request or tick, and
+//! a gauge written just before it ([`PROBE_GAUGE`]: the host's metrics are shared memory
+//! that outlives the instance) tells the next instance that it trapped: that one answers
+//! `on_invalid_config` and logs the `shm_kv` directive to add, with the size `diana
+//! check` prints.
 
 use super::counters::Counters;
-use super::{call_status, Call, Command, Configured, Host, Step, Worker};
+use super::{call_status, Call, Command, Configured, Host, MetricId, MetricKind, Step, Worker};
 use crate::config::{parse_policy, MetricsSpec, OnInvalidConfig, Policy, RemoteSpec};
 use crate::decision::Callout;
 use crate::engine::Engine;
 use crate::lifecycle;
 use crate::metrics::Event;
+use crate::nginx;
 use crate::remote::{self, PollBody, PollOutcome};
 use crate::store::identity;
 use crate::time::{Instant, Nanos, NANOS_PER_SECOND};
@@ -38,7 +53,50 @@ pub(super) struct Source {
     polling: bool,
     /// On hosts where the tick may be set once: it was.
     tick_fixed: bool,
+    /// Whether shared data may be used (always, but on nginx before a probe).
+    zone: Zone,
 }
+
+/// Whether this instance may use shared data (see the module docs).
+#[derive(Default)]
+enum Zone {
+    /// It works (every host but nginx; on nginx once this instance's probe passed).
+    #[default]
+    Ready,
+    /// Not known yet: the first request or tick probes it, then installs `pending`.
+    Unprobed {
+        marker: Option<MetricId>,
+        pending: Option<Box<Policy>>,
+    },
+    /// An earlier instance trapped probing it: there is no zone. Requests get
+    /// `on_invalid_config`; shared data is never touched.
+    Missing,
+}
+
+/// What [`Worker::shared_data_ready`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum ZoneCheck {
+    /// Shared data may be used.
+    Usable,
+    /// The probe passed just now and the document was installed: shared data may be used,
+    /// and the tick leaves its own work to the next one, as when `configure` installs it
+    /// (the first config-center poll a period after the document is applied).
+    Installed,
+    /// No zone, or nothing installed: shared data must not be touched.
+    Unusable,
+}
+
+/// The gauge a probe writes before and after its access: one for every worker process
+/// (a gauge reads as the value written last, by any worker). The workers of one nginx
+/// configuration share one zone set-up, so their probes all pass or all trap; a new
+/// configuration's workers start fresh and do not read it (module docs).
+const PROBE_GAUGE: &str = "diana_host_shm_kv_probe";
+/// The gauge's values: a probe started (and, read by a later instance, trapped), passed.
+const PROBE_STARTED: u64 = 1;
+const PROBE_PASSED: u64 = 2;
+
+/// The key the probe reads: any `diana/...` key resolves to the same zone (or to none).
+const PROBE_KEY: &str = "diana/host/zone";
 
 /// A refused document's `on_invalid_config`, read leniently (a typo elsewhere in the
 /// document does not hide it); deny when it cannot be read.
@@ -118,6 +176,16 @@ impl Worker {
                 return Err(refused);
             }
         };
+        if matches!(self.source.zone, Zone::Missing) {
+            let on_invalid = policy.on_invalid_config;
+            log::error!(
+                "diana: no shared data: nginx's `wasm {{ }}` block has no `shm_kv` zone for Diana's keys (diana/...), and ngx_wasm_module traps on every access (\"could not resolve namespace\"): add `{}` to it (the size `diana check` prints for this document) and reload; requests Diana sees are {} until then",
+                nginx::directive(&policy),
+                meanwhile(on_invalid)
+            );
+            self.invalid = Some(on_invalid);
+            return Ok(Step::default());
+        }
         self.invalid = None;
         if !self.profile.resumes_from_other_contexts {
             log::info!(
@@ -129,8 +197,15 @@ impl Worker {
         self.source.local = Some(Rc::new(policy.clone()));
         self.source.metrics = policy.metrics.clone();
         self.source.applied_version = 0;
-        self.install(host, policy, "local");
-        self.base_tick = self.wanted_base_tick(host);
+        if let Zone::Unprobed { pending, .. } = &mut self.source.zone {
+            // Installed by the first request or tick; the tick an installed policy needs
+            // (`wanted_base_tick`) is known without shared data.
+            *pending = Some(Box::new(policy));
+            self.base_tick = super::BASE_TICK;
+        } else {
+            self.install(host, policy, "local");
+            self.base_tick = self.wanted_base_tick(host);
+        }
         let mut step = Step::default();
         if self.profile.tick_settable_anywhere {
             self.retick(&mut step);
@@ -141,6 +216,60 @@ impl Worker {
             step.commands.push(Command::SetTick(self.base_tick));
         }
         Ok(step)
+    }
+
+    /// On a host whose shared data needs a zone ([`HostProfile::shared_data_needs_zone`]),
+    /// before [`Worker::configure`]: the document then waits for the first request or tick,
+    /// which probes shared data first (module docs). `fresh`: the host started this
+    /// instance with its worker process (`on_vm_start` came first): whatever the gauge
+    /// holds comes from an earlier configuration (the host's metrics outlive a reload), and
+    /// this instance probes. Otherwise the host made this instance after one trapped (or
+    /// makes one per request): a probe left started means it trapped there, so there is no
+    /// zone; anything else, and it probes again (one host call).
+    ///
+    /// [`HostProfile::shared_data_needs_zone`]: super::HostProfile::shared_data_needs_zone
+    pub fn probe_shared_data_first(&mut self, host: &dyn Host, fresh: bool) {
+        if !self.profile.shared_data_needs_zone {
+            return;
+        }
+        let marker = host.define_metric(MetricKind::Gauge, PROBE_GAUGE);
+        let trapped =
+            !fresh && marker.is_some_and(|marker| host.metric_value(marker) == PROBE_STARTED);
+        self.source.zone = if trapped {
+            Zone::Missing
+        } else {
+            Zone::Unprobed {
+                marker,
+                pending: None,
+            }
+        };
+    }
+
+    /// Before a request or a tick uses shared data: whether it may. The first one on a
+    /// worker that has not probed it yet does (on nginx without a zone, the instance traps
+    /// right there), then installs the document `configure` kept for it.
+    pub(super) fn shared_data_ready(&mut self, host: &dyn Host) -> ZoneCheck {
+        let (marker, pending) = match &mut self.source.zone {
+            Zone::Ready => return ZoneCheck::Usable,
+            Zone::Missing | Zone::Unprobed { pending: None, .. } => return ZoneCheck::Unusable,
+            Zone::Unprobed { marker, pending } => (*marker, pending.take()),
+        };
+        if let Some(marker) = marker {
+            host.set_metric(marker, PROBE_STARTED);
+        }
+        // Without a zone ngx_wasm_module traps inside this call: this instance ends here,
+        // and the next one finds PROBE_STARTED.
+        if let Err(error) = host.get(PROBE_KEY) {
+            log::debug!("diana: {error}");
+        }
+        if let Some(marker) = marker {
+            host.set_metric(marker, PROBE_PASSED);
+        }
+        self.source.zone = Zone::Ready;
+        if let Some(policy) = pending {
+            self.install(host, *policy, "local");
+        }
+        ZoneCheck::Installed
     }
 
     /// Makes `policy` the one new requests are evaluated with.
@@ -349,5 +478,276 @@ impl Worker {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::actor::RequestFacts;
+    use crate::decision::DispatchError;
+    use crate::store::{HostError, SetOutcome, SharedData};
+    use crate::time::Clock;
+    use crate::worker::sim::SimHost;
+    use crate::worker::{CallToken, HostProfile, LocalReply};
+    use std::cell::{Cell, RefCell};
+    use std::panic::{catch_unwind, AssertUnwindSafe};
+
+    const DOCUMENT: &str = "resources:\n  - Url: /\n    rules:\n      - {rpu: 100}\n";
+    const T0: Instant = 1_000 * NANOS_PER_SECOND;
+
+    /// nginx's host as the probe meets it: shared data with or without a `shm_kv` zone
+    /// (without one every access traps, here a panic that ends the "instance"), and
+    /// metrics that outlive an instance and are defined once per name.
+    struct Nginx {
+        sim: SimHost,
+        zone: bool,
+        accesses: Cell<u32>,
+        probes: Cell<u32>,
+        gauges: RefCell<Vec<(String, u64)>>,
+    }
+
+    impl Nginx {
+        fn new(zone: bool) -> Nginx {
+            Nginx {
+                sim: SimHost::new(HostProfile::NGINX, T0),
+                zone,
+                accesses: Cell::new(0),
+                probes: Cell::new(0),
+                gauges: RefCell::new(Vec::new()),
+            }
+        }
+
+        fn gauge(&self) -> u64 {
+            let gauges = self.gauges.borrow();
+            gauges
+                .iter()
+                .find(|(name, _)| name == PROBE_GAUGE)
+                .map_or(0, |(_, value)| *value)
+        }
+
+        fn access(&self) {
+            self.accesses.set(self.accesses.get() + 1);
+            assert!(
+                self.zone,
+                "host trap (bad usage): failed getting value from shm (could not resolve namespace)"
+            );
+        }
+    }
+
+    impl SharedData for Nginx {
+        fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, HostError> {
+            if key == PROBE_KEY {
+                self.probes.set(self.probes.get() + 1);
+            }
+            self.access();
+            self.sim.get(key)
+        }
+        fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<SetOutcome, HostError> {
+            self.access();
+            self.sim.set(key, value, cas)
+        }
+    }
+
+    impl RequestFacts for Nginx {
+        fn header(&self, name: &str) -> Option<Vec<u8>> {
+            self.sim.header(name)
+        }
+        fn client_ip(&self) -> Option<Vec<u8>> {
+            Some(b"10.0.0.1".to_vec())
+        }
+    }
+
+    impl Clock for Nginx {
+        fn now(&self) -> Option<Instant> {
+            Clock::now(&self.sim)
+        }
+    }
+
+    /// Gauges by name, as the host keeps them (ids are offsets past the sim's own).
+    const GAUGE_IDS: MetricId = 1 << 20;
+
+    impl Host for Nginx {
+        fn response_header(&self, name: &str) -> Option<Vec<u8>> {
+            self.sim.response_header(name)
+        }
+        fn call_header(&self, name: &str) -> Option<Vec<u8>> {
+            self.sim.call_header(name)
+        }
+        fn call_body(&self, size: usize) -> Result<Vec<u8>, HostError> {
+            self.sim.call_body(size)
+        }
+        fn dispatch(&self, callout: &Callout) -> Result<CallToken, DispatchError> {
+            self.sim.dispatch(callout)
+        }
+        fn define_metric(&self, kind: MetricKind, name: &str) -> Option<MetricId> {
+            if kind != MetricKind::Gauge {
+                return self.sim.define_metric(kind, name);
+            }
+            let mut gauges = self.gauges.borrow_mut();
+            let index = match gauges.iter().position(|(defined, _)| defined == name) {
+                Some(index) => index,
+                None => {
+                    gauges.push((name.to_string(), 0));
+                    gauges.len() - 1
+                }
+            };
+            MetricId::try_from(index)
+                .ok()
+                .map(|index| GAUGE_IDS + index)
+        }
+        fn add_to_metric(&self, metric: MetricId, count: u64) {
+            self.sim.add_to_metric(metric, count)
+        }
+        fn set_metric(&self, metric: MetricId, value: u64) {
+            match metric.checked_sub(GAUGE_IDS) {
+                Some(index) => self.gauges.borrow_mut()[index as usize].1 = value,
+                None => self.sim.set_metric(metric, value),
+            }
+        }
+        fn metric_value(&self, metric: MetricId) -> u64 {
+            match metric.checked_sub(GAUGE_IDS) {
+                Some(index) => self.gauges.borrow()[index as usize].1,
+                None => self.sim.metric_value(metric),
+            }
+        }
+    }
+
+    /// A new instance's `on_configure`, as the binding runs it on nginx.
+    fn instance(host: &Nginx, fresh: bool, document: &str) -> (Worker, Step) {
+        let mut worker = Worker::new(HostProfile::NGINX);
+        worker.probe_shared_data_first(host, fresh);
+        let step = worker.configure(host, document.as_bytes());
+        (worker, step.unwrap())
+    }
+
+    fn reply_of(step: &Step) -> Option<&LocalReply> {
+        step.commands.iter().find_map(|command| match command {
+            Command::Reply(_, reply) => Some(reply),
+            _ => None,
+        })
+    }
+
+    #[test]
+    fn on_nginx_configure_touches_no_shared_data_and_the_first_request_installs() {
+        let host = Nginx::new(true);
+        let (mut worker, step) = instance(&host, true, DOCUMENT);
+        assert_eq!(
+            host.accesses.get(),
+            0,
+            "configure must not touch shared data"
+        );
+        assert!(worker.engine().is_none());
+        // The tick is set now, from the root context, as an installed policy needs it.
+        assert_eq!(step.commands, [Command::SetTick(super::super::BASE_TICK)]);
+        let step = worker.on_request_headers(&host, 1);
+        assert!(worker.engine().is_some());
+        assert_eq!(host.gauge(), PROBE_PASSED);
+        assert!(!step.pause && reply_of(&step).is_none(), "{step:?}");
+        // One probe per instance.
+        worker.on_request_headers(&host, 2);
+        worker.on_tick(&host);
+        assert_eq!(host.probes.get(), 1);
+    }
+
+    #[test]
+    fn the_first_tick_installs_as_well() {
+        let host = Nginx::new(true);
+        let (mut worker, _) = instance(&host, true, DOCUMENT);
+        worker.on_tick(&host);
+        assert!(worker.engine().is_some());
+        assert_eq!(host.gauge(), PROBE_PASSED);
+    }
+
+    #[test]
+    fn without_a_zone_the_probe_traps_and_the_next_instance_answers_on_invalid_config() {
+        for (document, expected) in [
+            (DOCUMENT.to_string(), Some(503)),
+            (format!("on_invalid_config: deny\n{DOCUMENT}"), Some(503)),
+            (format!("on_invalid_config: allow\n{DOCUMENT}"), None),
+        ] {
+            let host = Nginx::new(false);
+            let (mut worker, _) = instance(&host, true, &document);
+            assert_eq!(host.accesses.get(), 0);
+            // The first tick probes and traps: the instance ends there.
+            let trapped = catch_unwind(AssertUnwindSafe(|| worker.on_tick(&host)));
+            assert!(trapped.is_err());
+            assert_eq!(host.gauge(), PROBE_STARTED);
+            // The host's next instance: on_configure without on_vm_start.
+            let (mut worker, step) = instance(&host, false, &document);
+            assert!(step.commands.is_empty(), "no tick: {step:?}");
+            let step = worker.on_request_headers(&host, 1);
+            assert_eq!(
+                reply_of(&step).map(|reply| reply.status),
+                expected,
+                "{document}"
+            );
+            assert_eq!(step.pause, expected.is_some());
+            assert!(worker.on_tick(&host).commands.is_empty());
+            worker.on_response_headers(&host, 1);
+            worker.on_context_gone(&host, 1);
+            assert_eq!(host.accesses.get(), 1, "only the probe touched shared data");
+        }
+    }
+
+    #[test]
+    fn a_request_that_probes_first_traps_alone() {
+        let host = Nginx::new(false);
+        let (mut worker, _) = instance(&host, true, DOCUMENT);
+        let trapped = catch_unwind(AssertUnwindSafe(|| worker.on_request_headers(&host, 1)));
+        assert!(trapped.is_err());
+        let (mut worker, _) = instance(&host, false, DOCUMENT);
+        let step = worker.on_request_headers(&host, 2);
+        assert_eq!(reply_of(&step).map(|reply| reply.status), Some(503));
+    }
+
+    #[test]
+    fn a_fresh_instance_probes_whatever_an_earlier_configuration_left() {
+        // A reload after adding the zone: the gauge still says a probe trapped.
+        let host = Nginx::new(true);
+        let marker = host.define_metric(MetricKind::Gauge, PROBE_GAUGE).unwrap();
+        host.set_metric(marker, PROBE_STARTED);
+        let (mut worker, _) = instance(&host, true, DOCUMENT);
+        worker.on_request_headers(&host, 1);
+        assert!(worker.engine().is_some());
+        assert_eq!(host.gauge(), PROBE_PASSED);
+    }
+
+    #[test]
+    fn a_later_instance_after_a_passed_probe_probes_again_and_installs() {
+        let host = Nginx::new(true);
+        let (mut worker, _) = instance(&host, true, DOCUMENT);
+        worker.on_request_headers(&host, 1);
+        // Some other trap: the host makes a new instance.
+        let (mut worker, _) = instance(&host, false, DOCUMENT);
+        assert!(worker.engine().is_none());
+        worker.on_request_headers(&host, 2);
+        assert!(worker.engine().is_some());
+    }
+
+    #[test]
+    fn a_refused_document_is_reported_before_a_missing_zone() {
+        let host = Nginx::new(false);
+        let marker = host.define_metric(MetricKind::Gauge, PROBE_GAUGE).unwrap();
+        host.set_metric(marker, PROBE_STARTED);
+        let (mut worker, step) = instance(
+            &host,
+            false,
+            "resources:\n  - Url: /\n    rules:\n      - {rpu: 0}\n",
+        );
+        assert!(step.commands.is_empty());
+        let step = worker.on_request_headers(&host, 1);
+        assert_eq!(reply_of(&step).map(|reply| reply.status), Some(503));
+        assert_eq!(host.accesses.get(), 0);
+    }
+
+    #[test]
+    fn envoy_installs_in_configure() {
+        let host = Nginx::new(true);
+        let mut worker = Worker::new(HostProfile::ENVOY);
+        worker.probe_shared_data_first(&host, true);
+        worker.configure(&host, DOCUMENT.as_bytes()).unwrap();
+        assert!(worker.engine().is_some());
+        assert_eq!(host.gauge(), 0);
     }
 }

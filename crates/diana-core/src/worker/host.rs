@@ -87,6 +87,13 @@ pub struct HostProfile {
     /// not even read): the worker then keeps every worker from pausing for
     /// [`super::UNHELD_FOR`] (`worker/unheld.rs`).
     pub pausing_needs: Option<&'static str>,
+    /// Shared data exists only with a zone in the host's configuration (ngx_wasm_module: a
+    /// `shm_kv` zone for Diana's `diana/...` keys, or the default `shm_kv *`), and without
+    /// one the first access traps inside the host call; no host call tells beforehand.
+    /// There the binding calls [`super::Worker::probe_shared_data_first`], so that the first
+    /// access happens in a request or a tick, where a trap costs that request, not the
+    /// worker's start (`worker/configure.rs`).
+    pub shared_data_needs_zone: bool,
 }
 
 impl HostProfile {
@@ -101,6 +108,7 @@ impl HostProfile {
         strict_compare_and_swap: false,
         refusal_stops_the_worker: false,
         pausing_needs: None,
+        shared_data_needs_zone: false,
     };
 
     /// Envoy's dynamic modules (`crates/diana-envoy-native`): the same rules as proxy-wasm
@@ -124,6 +132,7 @@ impl HostProfile {
         strict_compare_and_swap: true,
         refusal_stops_the_worker: true,
         pausing_needs: Some("proxy_wasm_request_headers_in_access on;"),
+        shared_data_needs_zone: true,
     };
 
     /// Both, for tests that run every scenario under each host's rules.

@@ -292,6 +292,8 @@ impl Worker {
     /// A request's headers arrived: evaluate it.
     pub fn on_request_headers(&mut self, host: &dyn Host, context: ContextId) -> Step {
         let mut step = Step::default();
+        // nginx: the first request or tick probes shared data and installs the document.
+        self.shared_data_ready(host);
         let Some(configured) = self.configured.clone() else {
             if let Some(reply) = self.invalid.and_then(configure::invalid_reply) {
                 step.commands.push(Command::Reply(context, reply));
@@ -544,6 +546,11 @@ impl Worker {
     /// whose time has come.
     pub fn on_tick(&mut self, host: &dyn Host) -> Step {
         let mut step = Step::default();
+        // nginx: the first tick or request probes shared data and installs the document;
+        // the tick's own work starts with the next tick.
+        if self.shared_data_ready(host) != configure::ZoneCheck::Usable {
+            return step;
+        }
         let Some(now) = host.now() else {
             return step;
         };
