@@ -495,3 +495,34 @@ resources:
     assert_eq!(totals(0), (Value::from(13), Value::from(2)), "{report:#}");
     assert_eq!(totals(1), (Value::from(7), Value::from(5)), "{report:#}");
 }
+
+#[test]
+fn requests_hold_their_concurrency_places_as_long_as_the_log_says_they_lasted() {
+    // max_in_flight 2 per account. Each request lasts 1.5 s (duration_ms); one arrives
+    // every 0.5 s: at most 2 are inside at once, so every third is rejected while the
+    // two before it are still inside: requests at 0, 0.5 pass; 1.0 is rejected (both
+    // inside); 1.5 passes (the first ended at 1.5), 2.0 passes (the second ended), 2.5 is
+    // rejected, and so on: 2 of every 3.
+    let policy = "Url: /\nrules:\n  - {name: inside, actor: account, max_in_flight: 2}\n";
+    let mut log = String::new();
+    for i in 0..12u64 {
+        log.push_str(&format!(
+            "{{\"ts\": {}.{}, \"path\": \"/\", \"headers\": {{\"x-account-id\": \"a\"}}, \"duration_ms\": 1500}}\n",
+            1_767_225_600 + i / 2,
+            if i % 2 == 0 { "0" } else { "5" }
+        ));
+    }
+    let (out, _) = simulate(policy, log.as_bytes(), &["--json"]);
+    let report: Value = serde_json::from_str(&stdout_of(&out)).unwrap();
+    let totals = &report["rules"][0]["totals"];
+    assert_eq!(
+        (totals["admitted"].clone(), totals["rejected"].clone()),
+        (Value::from(8), Value::from(4)),
+        "{report:#}"
+    );
+    // Without durations, every request ends at once: none is rejected.
+    let instant = log.replace(", \"duration_ms\": 1500", "");
+    let (out, _) = simulate(policy, instant.as_bytes(), &["--json"]);
+    let report: Value = serde_json::from_str(&stdout_of(&out)).unwrap();
+    assert_eq!(report["rules"][0]["totals"]["rejected"], 0, "{report:#}");
+}

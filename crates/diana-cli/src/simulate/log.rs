@@ -6,7 +6,8 @@
 //! "method": "GET", "headers": {"x-device-id": "..."}, "client_ip": "10.0.0.1"}` — `ts`
 //! and `path` required; `status` (the answer's status) and `response_headers` (an object
 //! of strings) say what the upstream answered, for the rules settled by their answer
-//! (`response_cost`, `count`); other fields are ignored.
+//! (`response_cost`, `count`), and `duration_ms` how long it lasted (`max_in_flight`: Envoy's
+//! `%DURATION%` says it too); other fields are ignored.
 //!
 //! Envoy's default format (`[%START_TIME%] "%REQ(:METHOD)% %REQ(X-ENVOY-ORIGINAL-PATH?:PATH)%
 //! %PROTOCOL%" %RESPONSE_CODE% %RESPONSE_FLAGS% %BYTES_RECEIVED% %BYTES_SENT% %DURATION%
@@ -19,7 +20,7 @@
 
 use diana_core::actor::RequestFacts;
 use diana_core::properties::client_ip_from_address;
-use diana_core::time::Instant;
+use diana_core::time::{Instant, Nanos};
 use std::io::{self, BufRead};
 
 use super::clock::{parse_epoch_seconds, parse_rfc3339};
@@ -81,6 +82,9 @@ pub struct Request {
     /// What the upstream answered, as far as the log says: `:status` and response headers
     /// (lower-case names).
     pub response: Vec<(String, Vec<u8>)>,
+    /// How long the request lasted (0: not said), for what it holds until it ends
+    /// (`max_in_flight`).
+    pub duration: Nanos,
 }
 
 impl RequestFacts for Request {
@@ -206,6 +210,16 @@ fn parse_json(bytes: &[u8], line: u64) -> Result<Request, String> {
         }
         Some(_) => return Err("\"response_headers\": an object of strings expected".into()),
     }
+    let duration = match object.get("duration_ms") {
+        None | Some(serde_json::Value::Null) => 0,
+        Some(serde_json::Value::Number(ms)) => ms
+            .as_f64()
+            .filter(|ms| ms.is_finite() && *ms >= 0.0)
+            // Truncation intended: nanoseconds of at most a day.
+            .map(|ms| (ms.min(86_400_000.0) * 1_000_000.0) as Nanos)
+            .ok_or("\"duration_ms\": a number of milliseconds ≥ 0 expected")?,
+        Some(_) => return Err("\"duration_ms\": a number expected".into()),
+    };
     Ok(Request {
         ts,
         line,
@@ -213,6 +227,7 @@ fn parse_json(bytes: &[u8], line: u64) -> Result<Request, String> {
         headers,
         client_ip,
         response,
+        duration,
     })
 }
 
@@ -220,6 +235,7 @@ fn parse_json(bytes: &[u8], line: u64) -> Result<Request, String> {
 const ENVOY_FIELDS: usize = 12;
 const REQUEST_LINE: usize = 0;
 const RESPONSE_CODE: usize = 1;
+const DURATION: usize = 5;
 const FORWARDED_FOR: usize = 7;
 const USER_AGENT: usize = 8;
 const REQUEST_ID: usize = 9;
@@ -330,6 +346,10 @@ fn parse_envoy(bytes: &[u8], line: u64, extra: &[EnvoyField]) -> Result<Option<R
         client_ip,
         // %RESPONSE_CODE% (0: no answer came).
         response: vec![(":status".to_string(), code.to_vec())],
+        // %DURATION%, in milliseconds.
+        duration: set(field(DURATION))
+            .and_then(|ms| std::str::from_utf8(ms).ok()?.parse::<u64>().ok())
+            .map_or(0, |ms| ms.min(86_400_000) * 1_000_000),
     }))
 }
 

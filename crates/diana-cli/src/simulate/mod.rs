@@ -241,6 +241,9 @@ struct Replay {
     clock: Nanos,
     tally: Tally,
     unresolved: u64,
+    /// Admitted requests still inside (the log says how long they lasted), by when they
+    /// end: what they hold (a `max_in_flight` place) is held until then.
+    inside: BinaryHeap<Reverse<(Instant, usize, u32)>>,
 }
 
 impl Replay {
@@ -275,6 +278,7 @@ impl Replay {
             metrics,
             clock: 0,
             unresolved: 0,
+            inside: BinaryHeap::new(),
         }
     }
 
@@ -319,6 +323,16 @@ impl Replay {
         for gateway in &mut self.gateways {
             gateway.sim.advance_to(now);
         }
+        // The requests that ended by now leave first.
+        while let Some(&Reverse((end, gateway, context))) = self.inside.peek() {
+            if end > now {
+                break;
+            }
+            self.inside.pop();
+            if let Some(gateway) = self.gateways.get_mut(gateway) {
+                gateway.sim.forget(context);
+            }
+        }
         let index = self.next % self.gateways.len();
         self.next = index + 1;
         let Some(gateway) = self.gateways.get_mut(index) else {
@@ -355,8 +369,17 @@ impl Replay {
                 .collect();
             gateway.sim.respond(context, &response);
         }
-        // Its turn stays taken, as in the gateway; the request itself is not held.
-        gateway.sim.forget(context);
+        // Its turn stays taken, as in the gateway; the request itself is held only while
+        // the log says it lasted.
+        if fate != Fate::Rejected && request.duration > 0 {
+            self.inside.push(Reverse((
+                now.saturating_add(request.duration),
+                index,
+                context,
+            )));
+        } else {
+            gateway.sim.forget(context);
+        }
         gateway.sim.flush_metrics();
         let mut events = Vec::new();
         for ((rule, event, name), seen) in self.metrics.iter().zip(gateway.seen.iter_mut()) {
