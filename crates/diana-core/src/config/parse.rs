@@ -1092,42 +1092,31 @@ fn build_rule(
 
     // A plan's counters are its own: its source and name are part of both hashes (a rule
     // without plans hashes as it always has).
+    let (rpu_bytes, burst_bytes) = (rpu.get().to_le_bytes(), burst.get().to_le_bytes());
+    let (slices_bytes, slots_bytes) = (slices.get().to_le_bytes(), slots.get().to_le_bytes());
     let plan = plan.map(|(choice, _)| choice);
-    let plan_parts = plan.as_ref().map(|choice| {
-        let by = match &choice.by {
-            PlanSource::Header(name) => format!("header={name}"),
-            PlanSource::JwtClaim(path) => format!("jwt_claim={}", path.pointer()),
-        };
-        let name = match &choice.plan {
-            PlanName::Named(name) => format!("plan={name}"),
-            PlanName::Default { .. } => "plan-default".to_string(),
-        };
-        (by, name)
-    });
-    let with_plan = |parts: &[&[u8]]| -> u64 {
-        let mut parts = parts.to_vec();
-        if let Some((by, name)) = &plan_parts {
-            parts.extend([by.as_bytes(), name.as_bytes()]);
-        }
-        hash_parts(RULE_SEED, &parts)
-    };
-    let base = with_plan(&[
+    let plan_parts = plan
+        .as_ref()
+        .map(|choice| [choice.by.describe(), choice.name().to_string()]);
+    let plan_bytes: Vec<&[u8]> = plan_parts.iter().flatten().map(String::as_bytes).collect();
+    let mut parts: Vec<&[u8]> = vec![
         url.as_bytes(),
         canonical.as_bytes(),
         def.spec.as_bytes(),
         algo.code().as_bytes(),
-        &rpu.get().to_le_bytes(),
+        &rpu_bytes,
         unit.name().as_bytes(),
-        &burst.get().to_le_bytes(),
-        &slices.get().to_le_bytes(),
-        &slots.get().to_le_bytes(),
+        &burst_bytes,
+        &slices_bytes,
+        &slots_bytes,
         scope.name().as_bytes(),
-    ]);
+    ];
+    parts.extend(&plan_bytes);
+    let base = hash_parts(RULE_SEED, &parts);
     let id = seen.distinct(base);
     // Where the counters live: what an edit of the limit leaves alone, so that a config
     // center tuning `rpu` reuses the key names (Envoy never frees one) — the rule's name
     // when it has one, else its place among the block's rules of the same actor.
-    let slots_bytes = slots.get().to_le_bytes();
     let mut table_parts: Vec<&[u8]> = vec![
         url.as_bytes(),
         canonical.as_bytes(),
@@ -1136,9 +1125,7 @@ fn build_rule(
         scope.name().as_bytes(),
         raw.name.as_ref().map_or(&b""[..], |name| name.0.as_bytes()),
     ];
-    if let Some((by, name)) = &plan_parts {
-        table_parts.extend([by.as_bytes(), name.as_bytes()]);
-    }
+    table_parts.extend(&plan_bytes);
     let table = seen.distinct(hash_parts(TABLE_SEED, &table_parts));
 
     let written = raw

@@ -807,8 +807,6 @@ impl Global {
         self.flights.busy()
     }
 
-    /// Owes `debt` (a response cost) to the service; when this worker's table of debts is
-    /// full, gives it back to be charged locally at once.
     /// Gives back `tokens` a request of `address` had from the service and did not use
     /// (its answer settled for less, [`crate::settle`]): to this gateway's lease stash,
     /// where the identity's next requests here spend them until `until`; a denial
@@ -827,6 +825,8 @@ impl Global {
         self.stash.forget_denial(host, rule, address);
     }
 
+    /// Owes `debt` (a response cost) to the service; when this worker's table of debts is
+    /// full, gives it back to be charged locally at once.
     pub fn owe(&self, debt: Debt) -> Option<Debt> {
         self.owed.add(debt)
     }

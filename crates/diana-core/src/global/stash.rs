@@ -397,10 +397,9 @@ impl Stash {
                     let spare = lease.tokens - cost;
                     // A batch is worth carving only if it pays at least one request of
                     // this size: else the tokens are split where neither half pays one.
-                    let batch = if spare >= 2 * SHARE && spare / STASH_SHARE >= cost {
-                        (spare / STASH_SHARE).min(MAX_BATCH)
-                    } else {
-                        0
+                    let batch = match (spare / STASH_SHARE).min(MAX_BATCH) {
+                        batch if spare >= 2 * SHARE && batch >= cost => batch,
+                        _ => 0,
                     };
                     lease.tokens -= cost + batch;
                     lease.spent = lease.spent.saturating_add(cost + batch);
