@@ -2,7 +2,7 @@
 //! only (the SDK's trait helpers unwrap host results). Header values are read as bytes: a
 //! client's non-UTF-8 bytes must not reach a `String` getter.
 
-use diana_core::actor::RequestFacts;
+use diana_core::actor::{NoMetadata, RequestFacts};
 use diana_core::decision::Callout;
 use diana_core::properties::client_ip_from_address;
 use diana_core::store::{HostCall, HostError, SetOutcome, SharedData};
@@ -10,6 +10,7 @@ use diana_core::time::{Clock, Instant};
 use diana_core::worker::{CallToken, DispatchError, Host, HostProfile, MetricId, MetricKind};
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, UNIX_EPOCH};
 
 /// The host of this VM.
@@ -20,11 +21,17 @@ pub struct ProxyWasm;
 /// from a root context), Envoy's the configured `root_id`. An Envoy listener with
 /// `root_id: "0"` would be taken for nginx: leaky-bucket waits become `Retry-After`.
 pub fn profile() -> HostProfile {
-    match hostcalls::get_property(vec!["plugin_root_id"]) {
+    let profile = match hostcalls::get_property(vec!["plugin_root_id"]) {
         Ok(Some(root_id)) if root_id.as_slice() == b"0" => HostProfile::NGINX,
         _ => HostProfile::ENVOY,
-    }
+    };
+    ON_ENVOY.store(profile == HostProfile::ENVOY, Ordering::Relaxed);
+    profile
 }
+
+/// Whether this VM runs in Envoy (from [`profile`]): only Envoy has dynamic metadata, and
+/// nginx is never asked for it (its properties are not Envoy's).
+static ON_ENVOY: AtomicBool = AtomicBool::new(false);
 
 /// The plugin configuration (the Diana document).
 pub fn configuration(size: usize) -> Result<Vec<u8>, Status> {
@@ -69,6 +76,30 @@ impl RequestFacts for ProxyWasm {
             Err(status) => {
                 log::debug!("diana: source.address unavailable: {status:?}");
                 None
+            }
+        }
+    }
+
+    /// Envoy walks `metadata.filter_metadata[namespace]` and `path` (CEL values: a
+    /// `Struct` is a map, a list takes an index) and returns the leaf serialised
+    /// (`serializeValue` in Envoy's source/extensions/common/wasm/context.cc): a string's
+    /// bytes, a number's eight bytes, a boolean's one. Not found: `None`; a `null` leaf
+    /// (SerializationFailure) or a host failure: `None`, logged at debug.
+    fn filter_metadata(
+        &self,
+        namespace: &str,
+        path: &[&str],
+    ) -> Result<Option<Vec<u8>>, NoMetadata> {
+        if !ON_ENVOY.load(Ordering::Relaxed) {
+            return Err(NoMetadata);
+        }
+        let mut property = vec!["metadata", "filter_metadata", namespace];
+        property.extend_from_slice(path);
+        match hostcalls::get_property(property) {
+            Ok(value) => Ok(value),
+            Err(status) => {
+                log::debug!("diana: metadata {namespace} {path:?} unreadable: {status:?}");
+                Ok(None)
             }
         }
     }

@@ -90,6 +90,7 @@ pub fn check(config: &Config, document: Option<&Document>) -> Outcome {
         let verdict = match parse_policy(text) {
             Ok(policy) => {
                 check_upstreams(&policy, &at, &mut problems);
+                check_claim_origins(&policy, &at, &mut problems);
                 Verdict::Accepted(Box::new(policy))
             }
             Err(err) => {
@@ -306,6 +307,29 @@ fn check_upstreams(policy: &Policy, at: &str, problems: &mut Vec<String>) {
     }
 }
 
+/// An actor that reads a claim from `jwt_authn`'s metadata (`from: {jwt_authn: NAME}`)
+/// reads nothing on nginx, which has no such filter: every request would take its
+/// fallback.
+fn check_claim_origins(policy: &Policy, at: &str, problems: &mut Vec<String>) {
+    let mut seen: Vec<&str> = Vec::new();
+    for rule in policy.rules() {
+        if seen.contains(&rule.actor_name.as_str()) {
+            continue;
+        }
+        seen.push(&rule.actor_name);
+        if let Some((_, from)) = rule
+            .actor_source()
+            .into_iter()
+            .find(|(key, _)| *key == "from")
+        {
+            problems.push(format!(
+                "{at}: actor `{}` reads its claim from {from}, the metadata Envoy's jwt_authn filter leaves: nginx has no such filter, so every request would take the actor's fallback; read the bearer token instead (drop `from`, and verify the token in front of Diana)",
+                rule.actor_name
+            ));
+        }
+    }
+}
+
 /// The blocks named `name` among `directives`.
 fn blocks<'c>(directives: &'c [Directive], name: &'c str) -> impl Iterator<Item = &'c Directive> {
     directives
@@ -405,7 +429,39 @@ fn parse_size(text: &str) -> Option<u64> {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_size;
+    use super::{check_claim_origins, parse_size};
+    use diana_core::config::parse_policy;
+
+    #[test]
+    fn a_claim_from_jwt_authn_metadata_is_a_problem_on_nginx() {
+        let cases: [(&str, usize); 4] = [
+            ("user: {jwt_claim: sub, from: {jwt_authn: jwt_payload}}", 1),
+            ("user: {jwt_claim: sub}", 0),
+            ("user: {header: x-user}", 0),
+            (
+                "account: {jwt_claim: sub, from: {jwt_authn: p}}\n  user: {jwt_claim: sub}",
+                0,
+            ),
+        ];
+        for (actors, expected) in cases {
+            let document = format!(
+                "resources: [{{Url: /, rules: [{{rpu: 5, actor: user}}, {{rpu: 9, actor: user, unit: hour}}]}}]\nactors:\n  {actors}\n"
+            );
+            let policy = parse_policy(&document).expect("a valid document");
+            let mut problems = Vec::new();
+            check_claim_origins(&policy, "diana.yaml", &mut problems);
+            assert_eq!(problems.len(), expected, "{actors}: {problems:?}");
+            if let Some(problem) = problems.first() {
+                assert!(
+                    problem.starts_with(
+                        "diana.yaml: actor `user` reads its claim from jwt_authn:jwt_payload"
+                    ),
+                    "{problem}"
+                );
+                assert!(problem.contains("nginx has no such filter"), "{problem}");
+            }
+        }
+    }
 
     #[test]
     fn sizes_as_nginx_reads_them() {

@@ -8,9 +8,12 @@
 //! defined, that `Url`s and rule names are unique, that a block has `Url` *or* `url` but
 //! not both.
 
-use diana_core::actor::{Fallback, CONFIGURABLE_BUILTINS, RESERVED_ACTORS, SOURCE_KINDS};
+use diana_core::actor::{
+    Fallback, JwtClaimKind, SourceKind, CONFIGURABLE_BUILTINS, RESERVED_ACTORS, SOURCE_KINDS,
+};
 use diana_core::algo;
 use diana_core::config::{HeaderMode, HeaderStyle, MAX_PLANS, MAX_PLAN_NAME};
+use diana_core::jwt;
 use diana_core::secret::MIN_SECRET_BYTES;
 use diana_core::time::Unit;
 use diana_core::wire;
@@ -31,9 +34,33 @@ const MAX_RULE_NAME: u64 = 128;
 /// Longest header name in an actor definition.
 const MAX_HEADER_NAME: u64 = 256;
 
-/// `{"config_schema": …}`: the Kong filter metadata file (`diana.meta.json`).
+/// `{"config_schema": …}`: the Kong filter metadata file (`diana.meta.json`). Kong runs
+/// on nginx, which has no jwt_authn: actors there have no `from` (`diana check-nginx`
+/// says the same of a document that has one).
 pub fn kong_meta() -> Value {
-    json!({ "config_schema": schema() })
+    let mut schema = schema();
+    if let Some(actors) = schema.pointer_mut("/definitions/actors") {
+        without_from(actors);
+    }
+    json!({ "config_schema": schema })
+}
+
+/// Removes `from` (and what refers to it) from every actor definition under `value`.
+fn without_from(value: &mut Value) {
+    match value {
+        Value::Object(map) => {
+            if let Some(Value::Object(properties)) = map.get_mut("properties") {
+                if properties.remove("from").is_some() {
+                    map.remove("dependencies");
+                }
+            }
+            for child in map.values_mut() {
+                without_from(child);
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(without_from),
+        _ => {}
+    }
 }
 
 /// The schema of a Diana document.
@@ -388,16 +415,39 @@ fn actors() -> Value {
         "fallback".into(),
         json!({ "$ref": "#/definitions/fallback" }),
     );
+    source_props.insert(
+        "from".into(),
+        json!({
+            "type": "object",
+            "description": "Where a `jwt_claim` is read (default: the bearer token of the \
+                            `authorization` header, unverified). `{jwt_authn: NAME}`: the payload \
+                            Envoy's jwt_authn filter verified and left in the request's metadata \
+                            (its provider's `payload_in_metadata: NAME`); Envoy's wasm filter only",
+            "properties": {
+                "jwt_authn": {
+                    "type": "string",
+                    "pattern": "^[^;\\u0000-\\u001f\\u007f]*[^;\\s][^;\\u0000-\\u001f\\u007f]*$",
+                    "maxLength": jwt::MAX_METADATA_NAME_BYTES,
+                }
+            },
+            "required": ["jwt_authn"],
+            "additionalProperties": false,
+        }),
+    );
     let source_props = Value::Object(source_props);
+    // `from` only with `jwt_claim`.
+    let from_needs_a_claim = json!({ "from": [JwtClaimKind.key()] });
     let builtin_def = json!({
         "type": "object",
         "properties": source_props,
         "additionalProperties": false,
+        "dependencies": from_needs_a_claim,
     });
     let user_def = json!({
         "type": "object",
         "properties": source_props,
         "additionalProperties": false,
+        "dependencies": from_needs_a_claim,
         "anyOf": sources.iter().map(|key| json!({ "required": [key] })).collect::<Vec<_>>(),
     });
     let mut properties = Map::new();

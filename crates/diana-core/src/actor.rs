@@ -11,8 +11,9 @@
 //! registry; existing sources are not touched.
 
 use crate::hash::{IdentityHasher, IdentityKind};
-use crate::jwt::{self, ClaimPath};
+use crate::jwt::{self, ClaimOrigin, ClaimPath};
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 /// What the filter knows of a request, read lazily from the host.
@@ -21,7 +22,24 @@ pub trait RequestFacts {
     fn header(&self, name: &str) -> Option<Vec<u8>>;
     /// The client address without port (e.g. `10.0.0.1`, `::1`), as bytes.
     fn client_ip(&self) -> Option<Vec<u8>>;
+    /// A leaf of the request's dynamic metadata (Envoy): `filter_metadata[namespace]`,
+    /// then `path` through nested objects (a list by its index), as Envoy's proxy-wasm
+    /// `get_property` hands it over (a string's bytes, a number's eight bytes little
+    /// endian, a boolean's one byte: [`jwt::MetadataLeaf::to_bytes`]). `Ok(None)`: not
+    /// there. `Err(NoMetadata)`: this host has no dynamic metadata, or cannot reach this
+    /// path (nginx; Envoy's dynamic modules, whose ABI reads one level).
+    fn filter_metadata(
+        &self,
+        _namespace: &str,
+        _path: &[&str],
+    ) -> Result<Option<Vec<u8>>, NoMetadata> {
+        Err(NoMetadata)
+    }
 }
+
+/// The host cannot read the request's dynamic metadata ([`RequestFacts::filter_metadata`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NoMetadata;
 
 /// Whose counter a request is charged to, for one rule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -173,27 +191,79 @@ impl ActorSource for HeaderActor {
     }
 }
 
-/// An actor whose identity is a claim of the request's bearer token (`authorization:
-/// Bearer <jwt>`), read but not verified ([`crate::jwt`]): a filter that verifies the token
-/// must run first. No token, a malformed one, or no such claim: the fallback.
-#[derive(Debug, Clone)]
+/// An actor whose identity is a claim of a JWT: of the request's bearer token
+/// (`authorization: Bearer <jwt>`), read but not verified ([`crate::jwt`]), so a filter
+/// that verifies the token must run first; or of the payload an earlier `jwt_authn` filter
+/// verified and left in the request's metadata ([`ClaimOrigin::JwtAuthn`], Envoy). No
+/// token, a malformed one, or no such claim: the fallback.
+#[derive(Debug)]
 pub struct JwtClaimActor {
-    /// Its JSON Pointer is part of the hashed input ([`IdentityKind::Claim`]).
+    /// Its JSON Pointer is part of the hashed input ([`IdentityKind::Claim`], or
+    /// [`IdentityKind::VerifiedClaim`] with the payload's name).
     path: ClaimPath,
+    origin: ClaimOrigin,
+    /// From metadata: the payload's name, then the claim's segments.
+    metadata_path: Vec<String>,
     fallback: Fallback,
+    /// Set once this actor found that the host has no metadata (logged once).
+    told_no_metadata: AtomicBool,
+}
+
+impl JwtClaimActor {
+    pub fn new(path: ClaimPath, origin: ClaimOrigin, fallback: Fallback) -> JwtClaimActor {
+        let metadata_path = match &origin {
+            ClaimOrigin::Bearer => Vec::new(),
+            ClaimOrigin::JwtAuthn(name) => std::iter::once(name.clone())
+                .chain(path.segments())
+                .collect(),
+        };
+        JwtClaimActor {
+            path,
+            origin,
+            metadata_path,
+            fallback,
+            told_no_metadata: AtomicBool::new(false),
+        }
+    }
+
+    fn claim(&self, request: &dyn RequestFacts) -> Option<Vec<u8>> {
+        match &self.origin {
+            ClaimOrigin::Bearer => request
+                .header("authorization")
+                .and_then(|header| jwt::claim(jwt::bearer(&header)?, &self.path)),
+            ClaimOrigin::JwtAuthn(name) => {
+                let path: Vec<&str> = self.metadata_path.iter().map(String::as_str).collect();
+                match request.filter_metadata(jwt::JWT_AUTHN_NAMESPACE, &path) {
+                    Ok(value) => jwt::metadata_claim(value),
+                    Err(NoMetadata) => {
+                        if !self.told_no_metadata.swap(true, Ordering::Relaxed) {
+                            log::error!(
+                                "diana: an actor reads the claim {} from jwt_authn's metadata (payload_in_metadata: {name}), and this host has none (only Envoy's wasm filter reads it): every request takes the fallback `{}`",
+                                self.path.pointer(),
+                                self.fallback
+                            );
+                        }
+                        None
+                    }
+                }
+            }
+        }
+    }
 }
 
 impl ActorSource for JwtClaimActor {
     fn identify(&self, request: &dyn RequestFacts, hasher: &IdentityHasher) -> Identity {
-        let value = request
-            .header("authorization")
-            .and_then(|header| jwt::claim(jwt::bearer(&header)?, &self.path));
-        match value {
-            Some(value) => {
-                Identity::Key(hasher.identity(IdentityKind::Claim(self.path.pointer()), &value))
-            }
-            None => self.fallback.identify(request, hasher),
-        }
+        let Some(value) = self.claim(request) else {
+            return self.fallback.identify(request, hasher);
+        };
+        let kind = match &self.origin {
+            ClaimOrigin::Bearer => IdentityKind::Claim(self.path.pointer()),
+            ClaimOrigin::JwtAuthn(name) => IdentityKind::VerifiedClaim {
+                payload: name,
+                path: self.path.pointer(),
+            },
+        };
+        Identity::Key(hasher.identity(kind, &value))
     }
 }
 
@@ -282,16 +352,28 @@ impl SourceKind for JwtClaimKind {
     }
 
     fn build(&self, value: &str, fallback: Fallback) -> ActorDef {
-        // `value` is a canonical pointer (from `parse_value`): it parses again.
-        let path = ClaimPath::parse(value).unwrap_or_else(|_| ClaimPath::matching_nothing());
-        ActorDef {
-            spec: format!("jwt_claim={};fallback={fallback}", path.pointer()),
-            source: Arc::new(JwtClaimActor { path, fallback }),
-        }
+        JwtClaimKind::build_from(value, ClaimOrigin::Bearer, fallback)
     }
 
     fn value_shape(&self) -> (&'static str, usize) {
         ("\\S", jwt::MAX_PATH_SEGMENTS * (jwt::MAX_SEGMENT_BYTES + 1))
+    }
+}
+
+impl JwtClaimKind {
+    /// The actor of the claim at `value` (a canonical pointer, from `parse_value`), read
+    /// from `origin` (`from:` in the document). Its spec, part of the rule's id, names the
+    /// origin unless it is the bearer token: `jwt_claim=/sub;from=jwt_authn:NAME;...`.
+    pub fn build_from(value: &str, origin: ClaimOrigin, fallback: Fallback) -> ActorDef {
+        let path = ClaimPath::parse(value).unwrap_or_else(|_| ClaimPath::matching_nothing());
+        let from = origin
+            .describe()
+            .map(|from| format!(";from={from}"))
+            .unwrap_or_default();
+        ActorDef {
+            spec: format!("jwt_claim={}{from};fallback={fallback}", path.pointer()),
+            source: Arc::new(JwtClaimActor::new(path, origin, fallback)),
+        }
     }
 }
 
@@ -421,16 +503,37 @@ impl ActorRegistry {
 /// A request for tests: headers and a client address set by hand.
 #[cfg(test)]
 pub(crate) mod fake {
-    use super::RequestFacts;
+    use super::{NoMetadata, RequestFacts};
+    use std::cell::RefCell;
     use std::collections::HashMap;
 
     #[derive(Default)]
     pub(crate) struct Facts {
         headers: HashMap<String, Vec<u8>>,
         ip: Option<Vec<u8>>,
+        /// `None`: a host without dynamic metadata (nginx). Keys: namespace, then the path.
+        metadata: Option<HashMap<Vec<String>, Vec<u8>>>,
+        /// Every metadata path asked for, namespace first.
+        pub(crate) asked: RefCell<Vec<Vec<String>>>,
     }
 
     impl Facts {
+        /// A host with dynamic metadata, holding `value` at `namespace` / `path`.
+        pub(crate) fn metadata(mut self, namespace: &str, path: &[&str], value: &[u8]) -> Facts {
+            let key = std::iter::once(namespace)
+                .chain(path.iter().copied())
+                .map(str::to_string)
+                .collect();
+            self.metadata
+                .get_or_insert_with(HashMap::new)
+                .insert(key, value.to_vec());
+            self
+        }
+        /// A host with dynamic metadata, none of it for this request.
+        pub(crate) fn with_metadata(mut self) -> Facts {
+            self.metadata.get_or_insert_with(HashMap::new);
+            self
+        }
         pub(crate) fn header(mut self, name: &str, value: &[u8]) -> Facts {
             self.headers.insert(name.to_string(), value.to_vec());
             self
@@ -447,6 +550,19 @@ pub(crate) mod fake {
         }
         fn client_ip(&self) -> Option<Vec<u8>> {
             self.ip.clone()
+        }
+        fn filter_metadata(
+            &self,
+            namespace: &str,
+            path: &[&str],
+        ) -> Result<Option<Vec<u8>>, NoMetadata> {
+            let key: Vec<String> = std::iter::once(namespace)
+                .chain(path.iter().copied())
+                .map(str::to_string)
+                .collect();
+            self.asked.borrow_mut().push(key.clone());
+            let metadata = self.metadata.as_ref().ok_or(NoMetadata)?;
+            Ok(metadata.get(&key).cloned())
         }
     }
 }
@@ -552,6 +668,127 @@ mod tests {
             .identify(&Facts::default().header("x-tenant", b"x1"), &hasher()));
         let as_address = key(ip_identity(&Facts::default().ip(b"x1"), &hasher()));
         let all = [as_claim, as_other, as_header, as_address];
+        for (i, a) in all.iter().enumerate() {
+            assert!(all[i + 1..].iter().all(|b| a != b), "{all:?}");
+        }
+    }
+
+    /// `from: {jwt_authn: NAME}`: the claim is read from the payload jwt_authn verified,
+    /// at `filter_metadata["envoy.filters.http.jwt_authn"][NAME][segments...]`, as the
+    /// host hands it over; absent, empty, too long or no metadata at all: the fallback.
+    #[test]
+    fn a_claim_from_jwt_authn_metadata_counts_by_the_verified_payload() {
+        use crate::jwt::{MetadataLeaf, JWT_AUTHN_NAMESPACE, MAX_METADATA_VALUE_BYTES};
+        let def = |value: &str, name: &str, fallback| {
+            let canonical = JwtClaimKind.parse_value(value).expect("a claim path");
+            let origin = ClaimOrigin::jwt_authn(name).expect("a payload name");
+            JwtClaimKind::build_from(&canonical, origin, fallback)
+        };
+        let user = def("sub", "jwt_payload", Fallback::Skip);
+        assert_eq!(
+            user.spec,
+            "jwt_claim=/sub;from=jwt_authn:jwt_payload;fallback=skip"
+        );
+        let ns = JWT_AUTHN_NAMESPACE;
+        let who = |def: &ActorDef, facts: &Facts| def.source.identify(facts, &hasher());
+        let meta = |path: &[&str], value: &[u8]| {
+            Facts::default().metadata(ns, path, value).ip(b"10.0.0.1")
+        };
+
+        // Where it looks: the namespace, the payload's name, then the path unescaped.
+        let nested = def("/org/a~1b/0", "https://issuer.example", Fallback::Skip);
+        let facts = meta(&["https://issuer.example", "org", "a/b", "0"], b"acme");
+        assert!(matches!(who(&nested, &facts), Identity::Key(_)));
+        assert_eq!(
+            facts.asked.borrow().as_slice(),
+            [vec![ns, "https://issuer.example", "org", "a/b", "0"]
+                .into_iter()
+                .map(str::to_string)
+                .collect::<Vec<_>>()]
+        );
+
+        // Table: what the host holds at the path -> counted by it, or the fallback.
+        let long = vec![b'x'; MAX_METADATA_VALUE_BYTES + 1];
+        let cases: [(&str, Facts, bool); 8] = [
+            ("a string", meta(&["jwt_payload", "sub"], b"alice"), true),
+            (
+                "a number",
+                meta(
+                    &["jwt_payload", "sub"],
+                    &MetadataLeaf::Number(42.0).to_bytes(),
+                ),
+                true,
+            ),
+            (
+                "a boolean",
+                meta(
+                    &["jwt_payload", "sub"],
+                    &MetadataLeaf::Bool(false).to_bytes(),
+                ),
+                true,
+            ),
+            ("empty", meta(&["jwt_payload", "sub"], b""), false),
+            ("too long", meta(&["jwt_payload", "sub"], &long), false),
+            ("another payload", meta(&["other", "sub"], b"alice"), false),
+            (
+                "no metadata here",
+                Facts::default().with_metadata().ip(b"10.0.0.1"),
+                false,
+            ),
+            (
+                "a host without metadata",
+                Facts::default().ip(b"10.0.0.1"),
+                false,
+            ),
+        ];
+        for (what, facts, counted) in &cases {
+            let identity = who(&user, facts);
+            assert_eq!(matches!(identity, Identity::Key(_)), *counted, "{what}");
+            if !counted {
+                assert_eq!(identity, Identity::Skip, "{what}");
+                assert_eq!(
+                    who(&def("sub", "jwt_payload", Fallback::Ip), facts),
+                    ip_identity(facts, &hasher()),
+                    "{what}"
+                );
+            }
+        }
+
+        // One subject, one counter, whatever else the request carries; two subjects, two.
+        let alice = key(who(&user, &meta(&["jwt_payload", "sub"], b"alice")));
+        let alice_elsewhere = Facts::default()
+            .metadata(ns, &["jwt_payload", "sub"], b"alice")
+            .metadata(ns, &["jwt_payload", "iat"], b"1")
+            .ip(b"192.0.2.9");
+        assert_eq!(who(&user, &alice_elsewhere), Identity::Key(alice));
+        assert_ne!(
+            key(who(&user, &meta(&["jwt_payload", "sub"], b"bob"))),
+            alice
+        );
+        // The metadata is read, never the header: an unverified token changes nothing.
+        let forged = meta(&["jwt_payload", "sub"], b"alice")
+            .header("authorization", &bearer(r#"{"sub":"mallory"}"#));
+        assert_eq!(who(&user, &forged), Identity::Key(alice));
+
+        // The same text, verified, unverified, under another payload name, under another
+        // claim, as a header: five identities.
+        let unverified = key(who(
+            &JwtClaimKind.build("/sub", Fallback::Skip),
+            &Facts::default().header("authorization", &bearer(r#"{"sub":"alice"}"#)),
+        ));
+        let other_payload = key(who(
+            &def("sub", "other", Fallback::Skip),
+            &meta(&["other", "sub"], b"alice"),
+        ));
+        let other_claim = key(who(
+            &def("name", "jwt_payload", Fallback::Skip),
+            &meta(&["jwt_payload", "name"], b"alice"),
+        ));
+        let as_header = key(HeaderKind
+            .build("x-sub", Fallback::Skip)
+            .source
+            .identify(&Facts::default().header("x-sub", b"alice"), &hasher()));
+        let all = [alice, unverified, other_payload, other_claim, as_header];
         for (i, a) in all.iter().enumerate() {
             assert!(all[i + 1..].iter().all(|b| a != b), "{all:?}");
         }

@@ -49,6 +49,9 @@ const TAG_IP: u8 = 1;
 const TAG_HEADER: u8 = 2;
 /// Domain tag of bearer-token claim identities; the claim's path follows, length-prefixed.
 const TAG_CLAIM: u8 = 3;
+/// Domain tag of claims an earlier filter verified (Envoy's `jwt_authn` metadata); the
+/// payload's metadata name and the claim's path follow, each length-prefixed.
+const TAG_VERIFIED_CLAIM: u8 = 4;
 
 /// A 128-bit identity key. Never shown: not in `Debug`, not in logs.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -128,6 +131,10 @@ pub enum IdentityKind<'a> {
     Header(&'a str),
     /// A claim of the bearer token, by its path (a JSON Pointer, [`crate::jwt::ClaimPath`]).
     Claim(&'a str),
+    /// A claim of a token an earlier filter verified and left in the request's metadata
+    /// (Envoy's `jwt_authn`, `payload_in_metadata: payload`), by its path: never the same
+    /// identity as the same text read, unverified, from a bearer token.
+    VerifiedClaim { payload: &'a str, path: &'a str },
 }
 
 /// The keyed hash of identities: SipHash-1-3 under a 128-bit key, the identity's kind
@@ -193,6 +200,13 @@ impl IdentityHasher {
                 hasher.write(&(path.len() as u64).to_le_bytes());
                 hasher.write(path.as_bytes());
             }
+            IdentityKind::VerifiedClaim { payload, path } => {
+                hasher.write(&[TAG_VERIFIED_CLAIM]);
+                for part in [payload, path] {
+                    hasher.write(&(part.len() as u64).to_le_bytes());
+                    hasher.write(part.as_bytes());
+                }
+            }
         }
         hasher.write(value);
         hasher.finish()
@@ -232,6 +246,20 @@ mod tests {
             hasher.identity(IdentityKind::Header("x-ab"), b"c")
         );
         assert_eq!(ip, hasher.identity(IdentityKind::Ip, b"203.0.7.112"));
+        // A verified claim is not the same claim read from an unverified token, and the
+        // payload's name and the path are separate, length-prefixed parts.
+        let verified = |payload, path| IdentityKind::VerifiedClaim { payload, path };
+        let sub = hasher.identity(verified("jwt_payload", "/sub"), b"alice");
+        assert_ne!(sub, hasher.identity(IdentityKind::Claim("/sub"), b"alice"));
+        assert_ne!(sub, hasher.identity(verified("other", "/sub"), b"alice"));
+        assert_ne!(
+            hasher.identity(verified("a", "/bc"), b"v"),
+            hasher.identity(verified("a/", "bc"), b"v")
+        );
+        assert_eq!(
+            sub,
+            hasher.identity(verified("jwt_payload", "/sub"), b"alice")
+        );
     }
 
     /// Fixed outputs, so that the formula never changes by accident (every gateway of a

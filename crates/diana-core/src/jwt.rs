@@ -8,6 +8,15 @@
 //!
 //! A claim is named as it is (`sub`, `https://example.com/tenant`), or by a JSON Pointer
 //! (RFC 6901) into the payload when it is nested (`/org/id`, `/roles/0`).
+//!
+//! On Envoy a claim can also be read from the payload that `jwt_authn` verified and left
+//! in the request's dynamic metadata (`payload_in_metadata`): [`ClaimOrigin::JwtAuthn`].
+//! proxy-wasm walks the path there for Diana (`metadata.filter_metadata[<namespace>]
+//! [<name>][<segment>]...`) and hands over the leaf as Envoy serialises a CEL value: a
+//! string's bytes, a number (JSON numbers are doubles in a protobuf `Struct`) as its eight
+//! bytes little-endian, a boolean as one byte, an object or a list as proxy-wasm pairs,
+//! `null` not at all. Those bytes are the identity, whatever the type
+//! ([`metadata_claim`]).
 
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use base64::Engine as _;
@@ -20,6 +29,67 @@ pub const MAX_TOKEN_BYTES: usize = 8 * 1024;
 pub const MAX_PATH_SEGMENTS: usize = 8;
 /// Longest segment of a claim's path, in bytes.
 pub const MAX_SEGMENT_BYTES: usize = 256;
+
+/// The dynamic-metadata namespace Envoy's `jwt_authn` filter writes.
+pub const JWT_AUTHN_NAMESPACE: &str = "envoy.filters.http.jwt_authn";
+/// Longest `payload_in_metadata` name.
+pub const MAX_METADATA_NAME_BYTES: usize = 256;
+/// Longest claim value read from metadata, in bytes (larger: no claim).
+pub const MAX_METADATA_VALUE_BYTES: usize = MAX_TOKEN_BYTES;
+
+/// Where a claim is read.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum ClaimOrigin {
+    /// The request's `authorization: Bearer <JWT>`, read and not verified.
+    Bearer,
+    /// The payload an earlier `jwt_authn` filter verified and put in the request's dynamic
+    /// metadata under this name (its provider's `payload_in_metadata`): Envoy only.
+    JwtAuthn(String),
+}
+
+impl ClaimOrigin {
+    /// `{jwt_authn: NAME}`: NAME is a provider's `payload_in_metadata` (1 to
+    /// [`MAX_METADATA_NAME_BYTES`] bytes, no control character, no `;`).
+    pub fn jwt_authn(name: &str) -> Result<ClaimOrigin, String> {
+        let name = name.trim();
+        if name.is_empty() {
+            return Err("empty `payload_in_metadata` name".to_string());
+        }
+        if name.len() > MAX_METADATA_NAME_BYTES {
+            return Err(format!(
+                "a `payload_in_metadata` name has at most {MAX_METADATA_NAME_BYTES} bytes"
+            ));
+        }
+        if let Some(bad) = name.chars().find(|c| c.is_control() || *c == ';') {
+            return Err(format!(
+                "invalid `payload_in_metadata` name `{}`: character {bad:?} is not allowed",
+                name.escape_debug()
+            ));
+        }
+        Ok(ClaimOrigin::JwtAuthn(name.to_string()))
+    }
+
+    /// Whether `path` can be looked up from here: a metadata path is handed to the host
+    /// NUL-separated, so no segment may hold a NUL.
+    pub fn check(&self, path: &ClaimPath) -> Result<(), String> {
+        match self {
+            ClaimOrigin::Bearer => Ok(()),
+            ClaimOrigin::JwtAuthn(_) if path.segments().iter().any(|s| s.contains('\0')) => {
+                Err("a claim read from jwt_authn's metadata cannot contain a NUL".to_string())
+            }
+            ClaimOrigin::JwtAuthn(_) => Ok(()),
+        }
+    }
+
+    /// As `diana check` and a rule's id show it: `None` for the bearer token (so ids of
+    /// rules that read the header did not change), `jwt_authn:NAME` otherwise.
+    pub fn describe(&self) -> Option<String> {
+        match self {
+            ClaimOrigin::Bearer => None,
+            ClaimOrigin::JwtAuthn(name) => Some(format!("jwt_authn:{name}")),
+        }
+    }
+}
 
 /// Where a claim is in a token's payload, kept as a JSON Pointer.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -93,6 +163,16 @@ impl ClaimPath {
         &self.pointer
     }
 
+    /// The path's segments, unescaped (`/a~1b/c` is `a/b`, `c`): the keys to walk in
+    /// metadata. None for [`ClaimPath::matching_nothing`].
+    pub fn segments(&self) -> Vec<String> {
+        self.pointer
+            .split('/')
+            .skip(1)
+            .map(|segment| segment.replace("~1", "/").replace("~0", "~"))
+            .collect()
+    }
+
     /// The claim's value in `payload`, as the bytes an identity is made of: a string's
     /// text, a number's or a boolean's JSON text. `None` for anything else.
     fn find(&self, payload: &Value) -> Option<Vec<u8>> {
@@ -151,6 +231,33 @@ pub fn claim(token: &[u8], path: &ClaimPath) -> Option<Vec<u8>> {
     let json = URL_SAFE_NO_PAD.decode(payload).ok()?;
     let payload: Value = serde_json::from_slice(&json).ok()?;
     path.find(&payload)
+}
+
+/// A claim as the host handed it over from `jwt_authn`'s metadata (see the module doc):
+/// its bytes, or `None` when absent, empty or longer than [`MAX_METADATA_VALUE_BYTES`].
+pub fn metadata_claim(value: Option<Vec<u8>>) -> Option<Vec<u8>> {
+    value.filter(|value| !value.is_empty() && value.len() <= MAX_METADATA_VALUE_BYTES)
+}
+
+/// A claim's value as proxy-wasm hands over a leaf of a protobuf `Struct`, for a host that
+/// reads metadata by type (Envoy's dynamic modules): so that every Envoy binding counts
+/// a claim under the same identity.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum MetadataLeaf<'a> {
+    String(&'a [u8]),
+    Number(f64),
+    Bool(bool),
+}
+
+impl MetadataLeaf<'_> {
+    /// The bytes Envoy's proxy-wasm `get_property` returns for this leaf.
+    pub fn to_bytes(self) -> Vec<u8> {
+        match self {
+            MetadataLeaf::String(text) => text.to_vec(),
+            MetadataLeaf::Number(number) => number.to_le_bytes().to_vec(),
+            MetadataLeaf::Bool(flag) => vec![u8::from(flag)],
+        }
+    }
 }
 
 #[cfg(test)]
@@ -226,6 +333,87 @@ mod tests {
         assert_eq!(bearer(b"Bearer "), None);
         assert_eq!(bearer(b"Bearer"), None);
         assert_eq!(bearer(b""), None);
+    }
+
+    #[test]
+    fn jwt_authn_origins_are_checked() {
+        let cases: [(&str, Result<&str, &str>); 8] = [
+            ("jwt_payload", Ok("jwt_payload")),
+            (" jwt_payload ", Ok("jwt_payload")),
+            (
+                "https://issuer.example.com",
+                Ok("https://issuer.example.com"),
+            ),
+            ("", Err("empty")),
+            ("  ", Err("empty")),
+            ("a;b", Err("';' is not allowed")),
+            ("a\nb", Err("'\\n' is not allowed")),
+            ("a\u{85}b", Err("is not allowed")),
+        ];
+        for (raw, expected) in cases {
+            match (ClaimOrigin::jwt_authn(raw), expected) {
+                (Ok(origin), Ok(name)) => {
+                    assert_eq!(origin, ClaimOrigin::JwtAuthn(name.to_string()), "{raw:?}");
+                    assert_eq!(origin.describe(), Some(format!("jwt_authn:{name}")));
+                }
+                (Err(error), Err(piece)) => assert!(error.contains(piece), "{raw:?}: {error}"),
+                (got, _) => panic!("{raw:?}: {got:?}"),
+            }
+        }
+        let long = "n".repeat(MAX_METADATA_NAME_BYTES);
+        assert!(ClaimOrigin::jwt_authn(&long).is_ok());
+        assert!(ClaimOrigin::jwt_authn(&format!("{long}n")).is_err());
+        assert_eq!(ClaimOrigin::Bearer.describe(), None);
+        // A path is handed to the host NUL-separated: no NUL in a segment from metadata.
+        let origin = ClaimOrigin::JwtAuthn("p".to_string());
+        assert!(origin.check(&path("/a\0b")).is_err());
+        assert!(origin.check(&path("/a/b")).is_ok());
+        assert!(ClaimOrigin::Bearer.check(&path("/a\0b")).is_ok());
+    }
+
+    #[test]
+    fn segments_are_the_unescaped_keys() {
+        let cases: [(&str, &[&str]); 5] = [
+            ("sub", &["sub"]),
+            ("/org/id", &["org", "id"]),
+            ("a/b", &["a/b"]),
+            ("/a~1b/t~0/~01", &["a/b", "t~", "~1"]),
+            ("/roles/0", &["roles", "0"]),
+        ];
+        for (raw, expected) in cases {
+            assert_eq!(path(raw).segments(), expected, "{raw}");
+        }
+        assert!(ClaimPath::matching_nothing().segments().is_empty());
+    }
+
+    /// The bytes Envoy's proxy-wasm `get_property` returns for a leaf (`serializeValue`):
+    /// a typed reader (the dynamic module) must produce the same ones.
+    #[test]
+    fn metadata_leaves_are_serialised_as_proxy_wasm_does() {
+        let cases: [(MetadataLeaf<'_>, &[u8]); 6] = [
+            (MetadataLeaf::String(b"alice"), b"alice"),
+            (MetadataLeaf::Number(42.0), &[0, 0, 0, 0, 0, 0, 0x45, 0x40]),
+            (MetadataLeaf::Number(-1.5), &[0, 0, 0, 0, 0, 0, 0xf8, 0xbf]),
+            (MetadataLeaf::Bool(true), &[1]),
+            (MetadataLeaf::Bool(false), &[0]),
+            (MetadataLeaf::String(b""), b""),
+        ];
+        for (leaf, bytes) in cases {
+            assert_eq!(leaf.to_bytes(), bytes, "{leaf:?}");
+        }
+        // What counts: non-empty and bounded.
+        let cases: [(Option<Vec<u8>>, bool); 5] = [
+            (Some(b"alice".to_vec()), true),
+            (Some(vec![0]), true),
+            (Some(Vec::new()), false),
+            (None, false),
+            (Some(vec![b'x'; MAX_METADATA_VALUE_BYTES + 1]), false),
+        ];
+        for (value, counts) in cases {
+            let len = value.as_ref().map(Vec::len);
+            assert_eq!(metadata_claim(value).is_some(), counts, "{len:?}");
+        }
+        assert!(metadata_claim(Some(vec![b'x'; MAX_METADATA_VALUE_BYTES])).is_some());
     }
 
     #[test]

@@ -8,11 +8,12 @@
 //! before the typed pass and clears afterwards.
 
 use crate::actor::{
-    source_kind, ActorDef, Fallback, SourceKind, CONFIGURABLE_BUILTINS, DEFAULT_USER_FALLBACK,
-    RESERVED_ACTORS, SOURCE_KINDS,
+    source_kind, ActorDef, Fallback, JwtClaimKind, SourceKind, CONFIGURABLE_BUILTINS,
+    DEFAULT_USER_FALLBACK, RESERVED_ACTORS, SOURCE_KINDS,
 };
 use crate::algo::{self, Algorithm};
 use crate::config::{HeaderMode, HeaderStyle, Pinned, Scope, MAX_PLANS, MAX_PLAN_NAME};
+use crate::jwt::{ClaimOrigin, ClaimPath};
 use crate::path;
 use crate::secret::Secret;
 use crate::signature::SignatureKey;
@@ -1214,7 +1215,7 @@ impl<'de> Visitor<'de> for ActorsVisitor {
 
     fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
         formatter
-            .write_str("a mapping of actor names to `{header: NAME | jwt_claim: CLAIM, fallback: skip|ip|shared}`")
+            .write_str("a mapping of actor names to `{header: NAME | jwt_claim: CLAIM [, from: {jwt_authn: NAME}], fallback: skip|ip|shared}`")
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawActors, A::Error> {
@@ -1285,8 +1286,15 @@ impl<'de> Visitor<'de> for ActorSpecSeed<'_> {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<ActorDef, A::Error> {
         let mut source: Option<(&'static dyn SourceKind, String)> = None;
         let mut fallback: Option<Fallback> = None;
+        let mut from: Option<ClaimOrigin> = None;
         while let Some(key) = map.next_key::<SpecKey>()? {
             match key {
+                SpecKey::From => {
+                    if from.is_some() {
+                        return Err(de::Error::duplicate_field("from"));
+                    }
+                    from = Some(map.next_value::<ClaimOriginField>()?.0);
+                }
                 SpecKey::Fallback => {
                     if fallback.is_some() {
                         return Err(de::Error::duplicate_field("fallback"));
@@ -1324,7 +1332,51 @@ impl<'de> Visitor<'de> for ActorSpecSeed<'_> {
         let fallback = fallback
             .or(builtin.map(|builtin| builtin.fallback))
             .unwrap_or(DEFAULT_USER_FALLBACK);
-        Ok(kind.build(&value, fallback))
+        match from {
+            None => Ok(kind.build(&value, fallback)),
+            Some(origin) if kind.key() == JwtClaimKind.key() => {
+                // `value` is the canonical pointer `parse_value` returned.
+                let path = ClaimPath::parse(&value).map_err(de::Error::custom)?;
+                origin.check(&path).map_err(|error| {
+                    de::Error::custom(format_args!("actor `{}`: {error}", self.name))
+                })?;
+                Ok(JwtClaimKind::build_from(&value, origin, fallback))
+            }
+            Some(_) => Err(de::Error::custom(format_args!(
+                "actor `{}`: `from` says where a `jwt_claim` is read; this actor has `{}`",
+                self.name,
+                kind.key()
+            ))),
+        }
+    }
+}
+
+/// `from: {jwt_authn: NAME}`: a claim read from the payload Envoy's `jwt_authn` filter
+/// verified and left in the request's metadata (its provider's `payload_in_metadata`).
+struct ClaimOriginField(ClaimOrigin);
+
+#[derive(Deserialize)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "`{jwt_authn: NAME}`, NAME the `payload_in_metadata` of the jwt_authn provider that verified the token"
+)]
+struct RawClaimOrigin {
+    jwt_authn: MetadataName,
+}
+
+struct MetadataName(ClaimOrigin);
+
+impl<'de> Deserialize<'de> for MetadataName {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserialize_str_with(deserializer, "a `payload_in_metadata` name", |raw| {
+            ClaimOrigin::jwt_authn(raw).map(MetadataName)
+        })
+    }
+}
+
+impl<'de> Deserialize<'de> for ClaimOriginField {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        RawClaimOrigin::deserialize(deserializer).map(|raw| ClaimOriginField(raw.jwt_authn.0))
     }
 }
 
@@ -1336,9 +1388,10 @@ fn source_keys() -> String {
         .join(", ")
 }
 
-/// A key inside an actor definition: `fallback` or the key of a source kind.
+/// A key inside an actor definition: `fallback`, `from` or the key of a source kind.
 enum SpecKey {
     Fallback,
+    From,
     Source(&'static dyn SourceKind),
 }
 
@@ -1347,10 +1400,12 @@ impl<'de> Deserialize<'de> for SpecKey {
         deserialize_str_with(deserializer, "an actor field", |raw| {
             if raw == "fallback" {
                 Ok(SpecKey::Fallback)
+            } else if raw == "from" {
+                Ok(SpecKey::From)
             } else {
                 source_kind(raw).map(SpecKey::Source).ok_or_else(|| {
                     format!(
-                        "unknown field `{raw}`, expected {} or `fallback`",
+                        "unknown field `{raw}`, expected {}, `from` or `fallback`",
                         source_keys()
                     )
                 })

@@ -584,6 +584,40 @@ fn an_actor_may_count_by_a_claim_of_the_bearer_token() {
 }
 
 #[test]
+fn an_actor_may_read_its_claim_from_jwt_authn_metadata() {
+    let policy = parse(
+        "resources: [{Url: /, rules: [{rpu: 5, actor: user}, {rpu: 50, actor: org}, {rpu: 9, actor: account}]}]\n\
+         actors:\n  user: {jwt_claim: sub, from: {jwt_authn: jwt_payload}}\n  \
+         org: {from: {jwt_authn: 'https://issuer.example.com'}, jwt_claim: /org/id, fallback: ip}\n  \
+         account: {jwt_claim: sub, from: {jwt_authn: ' p '}}\n",
+    );
+    let specs: Vec<&str> = rules(&policy)
+        .iter()
+        .map(|rule| rule.actor_spec.as_str())
+        .collect();
+    assert_eq!(
+        specs,
+        [
+            "jwt_claim=/sub;from=jwt_authn:jwt_payload;fallback=skip",
+            "jwt_claim=/org/id;from=jwt_authn:https://issuer.example.com;fallback=ip",
+            // A built-in actor keeps its fallback (account: skip).
+            "jwt_claim=/sub;from=jwt_authn:p;fallback=skip",
+        ]
+    );
+    // `diana check` shows where the claim is read.
+    let settings = rules(&policy)[0].actor_source();
+    assert!(
+        settings.contains(&("from", "jwt_authn:jwt_payload")),
+        "{settings:?}"
+    );
+    // Reading the token or the metadata are two sources: two rule ids.
+    let header = parse(
+        "resources: [{Url: /, rules: [{rpu: 5, actor: user}]}]\nactors:\n  user: {jwt_claim: sub}\n",
+    );
+    assert_ne!(rules(&header)[0].id, rules(&policy)[0].id);
+}
+
+#[test]
 fn errors_name_field_and_position() {
     let table: &[(&str, &[&str])] = &[
         // rpu
@@ -720,6 +754,17 @@ fn errors_name_field_and_position() {
         ("resources: []\nactors:\n  t: {jwt_claim: '/org/a~2'}\n", &["actors.t.jwt_claim: ", "JSON Pointer", "line 3"]),
         ("resources: []\nactors:\n  t: {jwt_claim: ''}\n", &["actors.t.jwt_claim: ", "empty claim", "line 3"]),
         ("resources: []\nactors:\n  t: {jwt_claim: sub, header: x}\n", &["actors.t", "two sources", "line 3"]),
+        // `from`: where a claim is read
+        ("resources: []\nactors:\n  t: {header: x, from: {jwt_authn: p}}\n", &["actors.t: ", "`from` says where a `jwt_claim` is read", "`header`", "line 3"]),
+        ("resources: []\nactors:\n  t: {from: {jwt_authn: p}}\n", &["actors.t: ", "needs a source", "line 3"]),
+        ("resources: []\nactors:\n  t: {jwt_claim: sub, from: {jwt_authn: ''}}\n", &["actors.t.from.jwt_authn: ", "empty `payload_in_metadata` name", "line 3"]),
+        ("resources: []\nactors:\n  t: {jwt_claim: sub, from: {jwt_authn: 'a;b'}}\n", &["actors.t.from.jwt_authn: ", "character ';' is not allowed", "line 3"]),
+        ("resources: []\nactors:\n  t: {jwt_claim: sub, from: {jwt_authn: p, header: x}}\n", &["actors.t.from", "unknown field `header`", "line 3"]),
+        ("resources: []\nactors:\n  t: {jwt_claim: sub, from: jwt_authn}\n", &["actors.t.from: ", "invalid type", "`{jwt_authn: NAME}`", "line 3"]),
+        ("resources: []\nactors:\n  t: {jwt_claim: sub, from: {}}\n", &["actors.t.from: ", "missing field `jwt_authn`", "line 3"]),
+        ("resources: []\nactors:\n  t: {jwt_claim: sub, from: {jwt_authn: p}, from: {jwt_authn: q}}\n", &["actors.t", "duplicate field `from`", "line 3"]),
+        ("resources: []\nactors:\n  t: {jwt_claim: \"/a\\0b\", from: {jwt_authn: p}}\n", &["actors.t: ", "cannot contain a NUL", "line 3"]),
+        ("resources: []\nactors:\n  t: {jwt_claim: sub, from: {jwt_authn: p}, fallback: x}\n", &["actors.t.fallback: ", "unknown fallback", "line 3"]),
         ("resources: []\nactors:\n  'a b': {header: x}\n", &["actors", "invalid actor name", "line 3"]),
         ("resources: []\nactors:\n  t: x-tenant\n", &["actors.t: ", "invalid type", "line 3"]),
         ("resources: []\nactors: [t]\n", &["actors: ", "invalid type", "line 2"]),
