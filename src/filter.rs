@@ -185,7 +185,10 @@ impl Context for DianaHttp {
 impl Drop for DianaHttp {
     fn drop(&mut self) {
         let context = self.context_id;
-        handle(&self.worker, |w| w.on_context_gone(&ProxyWasm, context));
+        // A request that held places at the quota service sets a short tick, which gives
+        // them back (only the tick period: the context itself is going).
+        let step = handle(&self.worker, |w| w.on_context_gone(&ProxyWasm, context));
+        carry_out(context, step.commands);
     }
 }
 

@@ -1001,6 +1001,24 @@ class KeepAlive:
         self.close()
 
 
+def spread(gateways, n: int, path: str = "/", headers=None, *, timeout: float = 10.0) -> list[Resp]:
+    """`n` requests at once over `gateways` (as many on each), each on its own connection."""
+    out: list[Resp] = []
+    lock = threading.Lock()
+
+    def run(gw, k):
+        got = send_concurrent(gw.port, k, path, headers, timeout=timeout)
+        with lock:
+            out.extend(got)
+
+    threads = [threading.Thread(target=run, args=(gw, n // len(gateways))) for gw in gateways]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return out
+
+
 def send_concurrent(
     port: int,
     n: int,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import harness
-from harness import Quota, Redis, record, send_concurrent, statuses
+from harness import Quota, Redis, record, send_concurrent, spread, statuses
 
 # TB refills rpu per hour: over a test of a few seconds that is far below one token, so
 # the admitted count is exact. W/SW use a minute window with a fresh-minute guard.
@@ -39,24 +39,6 @@ def two_gateways(start_gateway, quota_port: int, doc: str):
 
 def kind(gateways) -> str:
     return gateways[0].kind
-
-
-def spread(gateways, n: int, path: str = "/", headers=None) -> list[harness.Resp]:
-    """`n` requests at once over both gateways, each on its own connection."""
-    out: list[harness.Resp] = []
-    lock = threading.Lock()
-
-    def run(g, k):
-        r = send_concurrent(g.port, k, path, headers)
-        with lock:
-            out.extend(r)
-
-    threads = [threading.Thread(target=run, args=(g, n // len(gateways))) for g in gateways]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    return out
 
 
 def admitted(resps) -> int:

@@ -282,8 +282,9 @@ fn rule() -> Value {
             "max_in_flight": {
                 "type": "integer", "minimum": 1, "maximum": 1_000_000,
                 "description": "Instead of `rpu`: at most this many requests of an identity inside the gateway at once, \
-                                each holding its place from admission to its end (local scope; no unit, algo, burst, \
-                                slices, cost, response_cost or count)",
+                                each holding its place from admission to its end (with `scope: global`, over every gateway: \
+                                diana-quota holds the places; no unit, algo, burst, slices, cost, \
+                                response_cost, count or lease)",
             },
             "unit": { "$ref": "#/definitions/unit" },
             "algo": { "$ref": "#/definitions/algo" },

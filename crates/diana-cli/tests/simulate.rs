@@ -520,6 +520,18 @@ fn requests_hold_their_concurrency_places_as_long_as_the_log_says_they_lasted() 
         (Value::from(8), Value::from(4)),
         "{report:#}"
     );
+    // The same limit over every gateway (the quota service holds the places): the same,
+    // once a place's leave had its tick (1 ms) to reach the service: requests of 1.4 s.
+    let global = "resources:\n  - Url: /\n    rules:\n      - {name: inside, actor: account, max_in_flight: 2, scope: global}\nglobal: {cluster: \"127.0.0.1:18081\"}\n";
+    let shorter = log.replace("\"duration_ms\": 1500", "\"duration_ms\": 1400");
+    let (out, _) = simulate(global, shorter.as_bytes(), &["--json"]);
+    let report: Value = serde_json::from_str(&stdout_of(&out)).unwrap();
+    let totals = &report["rules"][0]["totals"];
+    assert_eq!(
+        (totals["admitted"].clone(), totals["rejected"].clone()),
+        (Value::from(8), Value::from(4)),
+        "{global}: {report:#}"
+    );
     // Without durations, every request ends at once: none is rejected.
     let instant = log.replace(", \"duration_ms\": 1500", "");
     let (out, _) = simulate(policy, instant.as_bytes(), &["--json"]);

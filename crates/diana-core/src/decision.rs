@@ -3,6 +3,7 @@
 //! Complete data, so that the host glue only moves bytes: a rejection carries its status,
 //! body and headers; a call carries its upstream, headers, body and timeout.
 
+use crate::global::ServicePlace;
 use crate::local::Taken;
 use crate::response::Rejection;
 use crate::store::SlotAddress;
@@ -74,9 +75,69 @@ pub struct AfterResponse {
 pub(crate) struct Place {
     pub rule: usize,
     pub address: SlotAddress,
-    pub taken: Taken,
+    pub at: PlaceAt,
     /// When it was taken or last renewed.
     pub renewed: Instant,
+}
+
+/// Where a place is counted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum PlaceAt {
+    /// In this gateway's shared data (a local rule, or a global one while the quota
+    /// service is unavailable).
+    Local(Taken),
+    /// At the quota service, in `bucket`. While a renewal is in flight (`renewing`), the
+    /// renewal's answer says where it is: the request's end leaves it from there.
+    Service {
+        bucket: u64,
+        places: u32,
+        renewing: bool,
+    },
+}
+
+impl Place {
+    /// This place at the quota service, if it is counted there.
+    pub(crate) fn at_service(&self) -> Option<ServicePlace> {
+        match self.at {
+            PlaceAt::Local(_) => None,
+            PlaceAt::Service { bucket, places, .. } => Some(ServicePlace {
+                index: self.rule,
+                address: self.address,
+                bucket,
+                places,
+            }),
+        }
+    }
+
+    /// The answer to the renewal of `asked` came (`bucket`: where the service counts it
+    /// now; `None`: not renewed, it stays where it was). True when `asked` is this place.
+    pub(crate) fn renewal_answered(
+        &mut self,
+        asked: &ServicePlace,
+        bucket: Option<u64>,
+        now: Instant,
+    ) -> bool {
+        let PlaceAt::Service {
+            bucket: held,
+            places,
+            renewing: true,
+        } = self.at
+        else {
+            return false;
+        };
+        if self.rule != asked.index || self.address != asked.address || held != asked.bucket {
+            return false;
+        }
+        self.at = PlaceAt::Service {
+            bucket: bucket.unwrap_or(held),
+            places,
+            renewing: false,
+        };
+        if bucket.is_some() {
+            self.renewed = now;
+        }
+        true
+    }
 }
 
 /// One rule of an admitted request, to settle with its answer.

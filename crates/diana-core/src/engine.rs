@@ -16,12 +16,16 @@
 use crate::actor::{Identity, RequestFacts};
 use crate::algo::inflight::RENEW_EVERY;
 use crate::config::{PlanSource, Policy, Rule, Scope};
-use crate::decision::{AfterResponse, Callout, Decision, Place, Reply, Reserved, ResponseCharge};
+use crate::decision::{
+    AfterResponse, Callout, Decision, Place, PlaceAt, Reply, Reserved, ResponseCharge,
+};
 use crate::global::debts::Debt;
 use crate::global::flights::RiderId;
 use crate::global::stash::StashReceipt;
+use crate::global::wire::AcquireRequest;
 use crate::global::{
     Admission, Asked, Denial, Global, GlobalCharge, Interpretation, Payment, Plan, Release,
+    ServicePlace,
 };
 use crate::local::{Local, LocalCharge, Taken};
 use crate::matching;
@@ -131,6 +135,8 @@ struct Progress {
     /// Response costs to charge once the upstream has answered (a `Vec`: rarely any, and
     /// an empty one is a word to move).
     after: Vec<ResponseCharge>,
+    /// Concurrency places the quota service granted, held until the request ends.
+    service_places: Vec<ServicePlace>,
 }
 
 impl Progress {
@@ -158,7 +164,11 @@ impl Progress {
                     index,
                     report,
                     delay,
-                } => self.admit(index, report, delay),
+                    place,
+                } => {
+                    self.admit(index, report, delay);
+                    self.service_places.extend(place);
+                }
                 Admission::WouldDeny { index } => self.would_deny(index),
             }
         }
@@ -865,7 +875,7 @@ impl Engine {
             .as_ref()
             .and_then(|(index, report)| Some((self.policy.rule(*index)?, report)));
         let headers = admitted_rule_headers(&self.policy.response, tightest);
-        let places: Vec<Place> = held
+        let local_places = held
             .iter()
             .filter(|held| {
                 self.policy
@@ -875,10 +885,20 @@ impl Engine {
             .map(|held| Place {
                 rule: held.rule,
                 address: held.address,
-                taken: held.taken.clone(),
+                at: PlaceAt::Local(held.taken.clone()),
                 renewed: now,
-            })
-            .collect();
+            });
+        let service_places = progress.service_places.iter().map(|place| Place {
+            rule: place.index,
+            address: place.address,
+            at: PlaceAt::Service {
+                bucket: place.bucket,
+                places: place.places,
+                renewing: false,
+            },
+            renewed: now,
+        });
+        let places: Vec<Place> = local_places.chain(service_places).collect();
         let after = AfterResponse {
             charges: progress.after,
             places,
@@ -974,33 +994,86 @@ impl Engine {
             // `algo::inflight::RECLAIMED_AFTER`.
             return;
         };
-        let held: Few<Held> = places
-            .iter()
-            .map(|place| Held {
-                rule: place.rule,
-                address: place.address,
-                cost: place.taken.tokens(),
-                taken: place.taken.clone(),
-            })
-            .collect();
+        let mut held: Few<Held> = Few::new();
+        for place in places {
+            match &place.at {
+                PlaceAt::Local(taken) => held.push(Held {
+                    rule: place.rule,
+                    address: place.address,
+                    cost: taken.tokens(),
+                    taken: taken.clone(),
+                }),
+                // The renewal's answer says where it is now, and leaves it from there.
+                PlaceAt::Service { renewing: true, .. } => {}
+                PlaceAt::Service { .. } => {
+                    if let Some(at_service) = place.at_service() {
+                        self.global.queue_leave(at_service);
+                    }
+                }
+            }
+        }
         self.give_back_held(host, &held, now, metrics);
+    }
+
+    /// A place the quota service granted that no request holds any more (its request
+    /// ended while the place's renewal was in flight): given back from the tick.
+    pub(crate) fn queue_leave(&self, place: ServicePlace) {
+        self.global.queue_leave(place);
+    }
+
+    /// True when places wait to be given back to the quota service.
+    pub(crate) fn wants_leave(&self) -> bool {
+        self.global.wants_leave()
+    }
+
+    /// From the tick: the call that gives back places of requests that ended.
+    pub(crate) fn plan_leave(&self, host: &dyn SharedData, now: Instant) -> Option<Callout> {
+        self.global.plan_leave(&self.policy, host, now)
+    }
+
+    /// From the tick: the call that renews `places` at the quota service, and its body.
+    pub(crate) fn plan_renewal(
+        &self,
+        host: &dyn SharedData,
+        places: &[ServicePlace],
+        now: Instant,
+    ) -> Option<(Callout, AcquireRequest)> {
+        self.global.plan_renewal(&self.policy, host, places, now)
+    }
+
+    /// The buckets a renewal's answer gives its places, in order (`None`: not renewed).
+    pub(crate) fn renewed(&self, request: &AcquireRequest, reply: Reply) -> Option<Vec<u64>> {
+        self.global.renewed(request, reply)
     }
 
     /// From the tick: the places of a request still inside that were taken or renewed
     /// [`RENEW_EVERY`] ago or more are counted as of now, so that they are never reclaimed
-    /// as lost while the request lasts.
+    /// as lost while the request lasts. Local places are renewed here; the places at the
+    /// quota service that are due are returned, marked as renewing, for the worker to
+    /// renew in one call ([`Engine::plan_renewal`]).
     pub(crate) fn renew(
         &self,
         host: &dyn SharedData,
         places: &mut [Place],
         now: Instant,
         metrics: &mut dyn MetricSink,
-    ) {
+    ) -> Vec<ServicePlace> {
+        let mut at_service = Vec::new();
         for place in places
             .iter_mut()
             .filter(|place| now.saturating_sub(place.renewed) >= RENEW_EVERY)
         {
-            let (Some(rule), Taken::Shared(receipt)) = (self.policy.rule(place.rule), &place.taken)
+            if let Some(due) = place.at_service() {
+                if let PlaceAt::Service { renewing, .. } = &mut place.at {
+                    if !*renewing {
+                        *renewing = true;
+                        at_service.push(due);
+                    }
+                }
+                continue;
+            }
+            let (Some(rule), PlaceAt::Local(Taken::Shared(receipt))) =
+                (self.policy.rule(place.rule), &place.at)
             else {
                 continue;
             };
@@ -1010,7 +1083,7 @@ impl Engine {
                 .renew(host, &self.table(rule), receipt, now)
             {
                 Ok(Some(renewed)) => {
-                    place.taken = Taken::Shared(renewed);
+                    place.at = PlaceAt::Local(Taken::Shared(renewed));
                     place.renewed = now;
                 }
                 // Its record went to another identity: the place is gone already.
@@ -1022,6 +1095,7 @@ impl Engine {
                 }
             }
         }
+        at_service
     }
 
     /// From the worker's tick: tokens of local batches this worker no longer spends go

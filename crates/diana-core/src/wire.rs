@@ -7,6 +7,8 @@
 //! 200                {"results":[{"allowed":true,"granted":1,"remaining":9,"reset_ms":100,"retry_after_ms":0,"delay_ms":0}]}
 //! POST /v1/charge    {"rules":[{"key":"…","algo":"TB","rpu":10,"unit":"second","burst":10,"slices":10,"want":250}]}
 //! POST /v1/release   {"call":"9f2c…","rules":[…the rules of that acquire…]}
+//! POST /v1/leave     {"rules":[{"key":"…","algo":"IF","rpu":5,…,"want":1,"cost":1,"place":88425001}]}
+//! POST /v1/renew     (the same)  200 {"results":[{…,"granted":1,"place":88425002}]}
 //! 400 / 413 / 415 / 503   {"error":"rules[2].rpu: must be ≥ 1"}
 //! ```
 //!
@@ -32,6 +34,16 @@ pub const CHARGE_PATH: &str = "/v1/charge";
 /// Sent after the acquire, it may still arrive first: the grant is then given back as
 /// soon as it is made.
 pub const RELEASE_PATH: &str = "/v1/release";
+/// Gives back concurrency places (`max_in_flight`, algorithm `IF`): each rule names the
+/// counter, its `want` the places and its `place` the bucket its acquire or last renewal
+/// answered. Sent when the gateway request that held them ended. Answers
+/// [`ReleaseResponse`] (`released` true once given back).
+pub const LEAVE_PATH: &str = "/v1/leave";
+/// Renews concurrency places of requests still inside (same body as [`LEAVE_PATH`]): each
+/// rule's places move to the current bucket, so that the service never reclaims them as
+/// lost; the answer's `place` is the bucket to send next time. A place nobody renews is
+/// reclaimed 60–80 s after its last renewal (`algo::inflight::RECLAIMED_AFTER`).
+pub const RENEW_PATH: &str = "/v1/renew";
 /// Longest `call` id, in bytes (`[A-Za-z0-9_-]`).
 pub const MAX_CALL_ID_BYTES: usize = 64;
 /// Request header carrying the gateway's callout timeout in milliseconds: the service
@@ -107,6 +119,10 @@ pub struct RuleRequest {
     /// is admitted and it has `cost` available.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub dry_run: bool,
+    /// Concurrency (`IF`) only, on [`LEAVE_PATH`] and [`RENEW_PATH`]: the place bucket the
+    /// acquire (or the last renewal) answered, where the `want` places are counted now.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub place: Option<u64>,
 }
 
 fn one() -> u32 {
@@ -137,6 +153,11 @@ pub struct RuleResult {
     /// reserved). The `i`-th token of a lease (from 0) leaves at `delay_ms + i·unit/rpu`.
     #[serde(default)]
     pub delay_ms: u64,
+    /// Concurrency (`IF`) only, when places were granted (or renewed): the bucket they are
+    /// counted in. The gateway sends it back to give the places back ([`LEAVE_PATH`]) or to
+    /// renew them ([`RENEW_PATH`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub place: Option<u64>,
 }
 
 /// The answer to a release: whether a grant was given back (`false`: none was known yet —
@@ -175,9 +196,22 @@ pub fn ceil_millis(duration: Nanos) -> u64 {
 }
 
 impl RuleResult {
+    /// This result with the bucket its places are counted in, for a concurrency limit that
+    /// granted some (`mark` of the algorithm's verdict); unchanged for any other.
+    pub fn placed(self, algo: &dyn Algorithm, mark: algo::Mark) -> RuleResult {
+        if self.granted == 0 || !algo.holds_until_done() {
+            return self;
+        }
+        RuleResult {
+            place: u64::try_from(mark.0).ok(),
+            ..self
+        }
+    }
+
     /// The wire form of an algorithm's verdict (durations rounded up to milliseconds).
     pub fn from_verdict(verdict: &Verdict) -> RuleResult {
         RuleResult {
+            place: None,
             allowed: verdict.allowed(),
             granted: verdict.granted,
             remaining: verdict.remaining,
@@ -200,6 +234,7 @@ impl RuleRequest {
     /// The request for `want` tokens of a rule with this algorithm and limit, needing one.
     pub fn new(key: String, algo: &dyn Algorithm, limit: &Limit, want: u32) -> RuleRequest {
         RuleRequest {
+            place: None,
             key,
             algo: algo.code().to_string(),
             rpu: limit.rpu.get(),
@@ -217,7 +252,7 @@ impl RuleRequest {
     pub fn resolve(&self, index: usize) -> Result<ResolvedRule<'_>, String> {
         let field = |name: &str| format!("rules[{index}].{name}");
         check_key(&self.key).map_err(|reason| format!("{}: {reason}", field("key")))?;
-        let algo = algo::lookup(&self.algo).ok_or_else(|| {
+        let algo = algo::lookup_wire(&self.algo).ok_or_else(|| {
             format!(
                 "{}: unknown algorithm {:?} (known: {})",
                 field("algo"),
@@ -422,6 +457,31 @@ impl AcquireRequest {
     }
 }
 
+/// Checks the body of a [`LEAVE_PATH`] or [`RENEW_PATH`] request: a valid request whose
+/// every rule is a concurrency limit naming its `place`; resolved, with the places as
+/// their marks.
+pub fn resolve_places(
+    request: &AcquireRequest,
+) -> Result<(Vec<ResolvedRule<'_>>, Vec<algo::Mark>), String> {
+    let rules = request.resolve()?;
+    let mut places = Vec::with_capacity(rules.len());
+    for (index, (rule, asked)) in rules.iter().zip(&request.rules).enumerate() {
+        if !rule.algo.holds_until_done() {
+            return Err(format!(
+                "rules[{index}].algo: only concurrency places (IF) are left or renewed, got {}",
+                rule.algo.code()
+            ));
+        }
+        let Some(place) = asked.place else {
+            return Err(format!(
+                "rules[{index}].place: the bucket the places are counted in is required"
+            ));
+        };
+        places.push(algo::Mark(u128::from(place)));
+    }
+    Ok((rules, places))
+}
+
 /// Checks a request against every limit of the format; the error names the field
 /// (`rules[2].rpu: must be ≥ 1`). Shared by the filter (before sending) and the service.
 /// Each rule's limit is checked by [`check_rule_limits`]; the `want`s of all rules add up
@@ -531,6 +591,12 @@ pub fn validate_response(
                 ));
             }
         }
+        if result.granted > 0 && rule.algo.holds_until_done() && result.place.is_none() {
+            return Err(format!(
+                "{}: places granted without the bucket they are counted in",
+                field("place")
+            ));
+        }
         if result.delay_ms > 0 && (result.granted == 0 || !rule.algo.waits()) {
             return Err(format!(
                 "{}: {} for a request that does not wait",
@@ -562,6 +628,7 @@ mod tests {
 
     fn rule() -> RuleRequest {
         RuleRequest {
+            place: None,
             key: "00ff:abc".to_string(),
             algo: "TB".to_string(),
             rpu: 10,
@@ -826,6 +893,7 @@ mod tests {
         assert_eq!(
             result,
             RuleResult {
+                place: None,
                 allowed: true,
                 granted: 2,
                 remaining: 3,

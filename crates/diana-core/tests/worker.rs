@@ -550,3 +550,127 @@ fn a_concurrency_place_is_held_until_the_request_ends() {
         assert!(sim.violations.is_empty(), "{:?}", sim.violations);
     }
 }
+
+/// `max_in_flight` with `scope: global`: places are held at the quota service, exact over
+/// two gateways; a request holds its place past its response, renewed while it lasts; its
+/// end gives it back; a client that leaves mid-call has its place released; and the
+/// places of a gateway that stops (never ends its requests, never renews) are reclaimed
+/// after the service's bound.
+#[test]
+fn a_global_concurrency_place_is_held_at_the_quota_service() {
+    use diana_core::algo::inflight::RECLAIMED_AFTER;
+    use diana_core::quota::MemoryQuota;
+    use std::cell::RefCell;
+    use std::rc::Rc;
+
+    let document = "resources:\n  - Url: /\n    rules: [{max_in_flight: 3, actor: account, name: inside, scope: global}]\nglobal: {cluster: \"127.0.0.1:18081\"}\n";
+    let acme = [(":path", "/"), ("x-account-id", "acme")];
+    let step = Duration::from_millis(5);
+    for profile in HostProfile::ALL {
+        let quota = Rc::new(RefCell::new(MemoryQuota::new()));
+        let mut a = sim(profile, document, 2, Service::Answers(MS)).sharing_quota(quota.clone());
+        let mut b = sim(profile, document, 1, Service::Answers(MS)).sharing_quota(quota.clone());
+        // The service's clock is one: the gateways move in steps of at most 10 ms.
+        let both = |a: &mut Sim, b: &mut Sim, by: Duration| {
+            let mut left = by;
+            while !left.is_zero() {
+                let step = left.min(Duration::from_millis(10));
+                a.advance(step);
+                b.advance(step);
+                left -= step;
+            }
+        };
+        // A client that leaves while its call is in flight: the call is released from
+        // the next tick, and its place with it.
+        let gone = a.send(0, "10.0.0.1", &acme);
+        assert_eq!(a.fate(gone), Some(&Fate::Paused), "{}", profile.name);
+        a.end(gone);
+        both(&mut a, &mut b, Duration::from_millis(1100));
+        let on_a: Vec<u32> = (0..2).map(|i| a.send(i % 2, "10.0.0.1", &acme)).collect();
+        both(&mut a, &mut b, step);
+        let on_b: Vec<u32> = (0..2).map(|_| b.send(0, "10.0.0.1", &acme)).collect();
+        both(&mut a, &mut b, step);
+        assert!(
+            on_a.iter()
+                .all(|c| matches!(a.fate(*c), Some(Fate::Admitted(_)))),
+            "{}",
+            profile.name
+        );
+        assert_eq!(admitted(&b), 1, "{}: one place left for b", profile.name);
+        assert!(on_b.iter().any(|c| b.fate(*c) == Some(&Fate::Replied(503))));
+        // Answered but still inside: the place is held; five minutes later (renewed from
+        // the ticks) still held.
+        a.respond(on_a[0], &[(":status", "200")]);
+        both(&mut a, &mut b, Duration::from_secs(300));
+        let late = b.send(0, "10.0.0.1", &acme);
+        both(&mut a, &mut b, step);
+        assert_eq!(b.fate(late), Some(&Fate::Replied(503)), "{}", profile.name);
+        // One ends on a: after its leave (the next tick), b takes its place.
+        a.end(on_a[0]);
+        both(&mut a, &mut b, Duration::from_millis(1100));
+        let next = b.send(0, "10.0.0.1", &acme);
+        both(&mut a, &mut b, step);
+        assert!(
+            matches!(b.fate(next), Some(Fate::Admitted(_))),
+            "{}: {:?}",
+            profile.name,
+            b.fate(next)
+        );
+        // Gateway b stops: its two places are never given back nor renewed. a's one
+        // place is renewed; b's are reclaimed after the bound.
+        let bound = Duration::from_nanos(RECLAIMED_AFTER) + Duration::from_secs(21);
+        let mut waited = Duration::ZERO;
+        while waited < bound {
+            a.advance(Duration::from_secs(1));
+            waited += Duration::from_secs(1);
+        }
+        let fresh: Vec<u32> = (0..3).map(|i| a.send(i % 2, "10.0.0.1", &acme)).collect();
+        a.advance(step);
+        let taken = fresh
+            .iter()
+            .filter(|c| matches!(a.fate(**c), Some(Fate::Admitted(_))))
+            .count();
+        assert_eq!(
+            taken, 2,
+            "{}: a holds one, b's two were reclaimed",
+            profile.name
+        );
+        assert!(a.violations.is_empty(), "{:?}", a.violations);
+        assert!(b.violations.is_empty(), "{:?}", b.violations);
+    }
+}
+
+/// A global `max_in_flight` whose quota service is down holds per gateway, as every
+/// global rule does: the gateway counts places itself, and gives them back itself.
+#[test]
+fn a_global_concurrency_limit_holds_locally_while_the_service_is_down() {
+    let document = "resources:\n  - Url: /\n    rules: [{max_in_flight: 3, actor: account, scope: global}]\nglobal: {cluster: \"127.0.0.1:18081\"}\n";
+    let acme = [(":path", "/"), ("x-account-id", "acme")];
+    for profile in HostProfile::ALL {
+        let mut sim = sim(profile, document, 2, Service::Down(MS));
+        let sent: Vec<u32> = (0..5).map(|i| sim.send(i % 2, "10.0.0.1", &acme)).collect();
+        sim.advance(Duration::from_millis(20));
+        let inside: Vec<u32> = sent
+            .iter()
+            .copied()
+            .filter(|c| matches!(sim.fate(*c), Some(Fate::Admitted(_))))
+            .collect();
+        assert_eq!(
+            inside.len(),
+            3,
+            "{}: {:?}",
+            profile.name,
+            sim.fates().collect::<Vec<_>>()
+        );
+        sim.end(inside[0]);
+        let next = sim.send(1, "10.0.0.1", &acme);
+        sim.advance(Duration::from_millis(20));
+        assert!(
+            matches!(sim.fate(next), Some(Fate::Admitted(_))),
+            "{}: {:?}",
+            profile.name,
+            sim.fate(next)
+        );
+        assert!(sim.violations.is_empty(), "{:?}", sim.violations);
+    }
+}

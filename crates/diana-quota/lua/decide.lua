@@ -10,6 +10,9 @@
 -- release: gives back grants of earlier acquires (the Redis Cluster compensation, and a
 --   decision whose answer came too late), rules taken in reverse order so that leaky-
 --   bucket turns reserved by one request come back one after the other.
+-- renew: concurrency places still held (IF) move from the bucket they were counted in to
+--   the current one: released at their mark, then charged now; the reply's mark1 is the
+--   bucket to send next time.
 --
 -- KEYS[i]  the state of rule i: `diana:{<key>}:<ALGO>:<rpu>:<unit>:<burst>:<slices>` (the
 --          algorithm's file documents it). The service names the key after every
@@ -27,6 +30,8 @@
 --                     others)
 --            charge:  tokens (>= 1)
 --            release: tokens (>= 1), mark1, mark2 (what the acquire returned)
+--            renew:   places (>= 1), mark1, mark2 (what the acquire or last renewal
+--                     returned)
 --
 -- Returns 8 integers per rule, in order:
 --   allowed      1 if the rule had its need available (acquire), 1 for charge and release
@@ -70,6 +75,12 @@ for i = 1, #KEYS do
   elseif op == 'release' then
     if not a or a < 0 or not b then
       return redis.error_reply('ERR diana: rules[' .. (i - 1) .. ']: bad release')
+    end
+    r.tokens, r.m1, r.m2 = a, b, whole(ARGV[p + 2]) or 0
+    p = p + 3
+  elseif op == 'renew' then
+    if not a or a < 1 or not b or not A.debt then
+      return redis.error_reply('ERR diana: rules[' .. (i - 1) .. ']: bad renewal')
     end
     r.tokens, r.m1, r.m2 = a, b, whole(ARGV[p + 2]) or 0
     p = p + 3
@@ -145,6 +156,14 @@ elseif op == 'charge' then
     local V, S2 = r.A.debt(r.P, state_of(r), now, r.tokens)
     change(r, S2)
     put(1, r.tokens, V, V.retry, 0, V.m1, V.m2)
+  end
+  commit()
+elseif op == 'renew' then
+  for _, r in ipairs(rules) do
+    local S = state_of(r)
+    local V, S2 = r.A.debt(r.P, r.A.release(r.P, S, now, r.tokens, r.m1, r.m2) or S, now, r.tokens)
+    change(r, S2)
+    put(1, r.tokens, V, 0, 0, V.m1, V.m2)
   end
   commit()
 else

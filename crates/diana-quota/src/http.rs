@@ -3,12 +3,14 @@
 //! - `POST /v1/acquire`: decide every rule of one gateway request, all or nothing.
 //! - `POST /v1/wait`: the same, but the service waits out leaky-bucket delays itself.
 //! - `POST /v1/charge`: charge response costs past the limits (debts).
+//! - `POST /v1/release`: give back the grant of a call whose gateway request went away.
+//! - `POST /v1/leave`, `POST /v1/renew`: give back or renew concurrency places (`IF`).
 //! - `GET /healthz`: liveness, `200 ok` while the process serves.
 //! - `GET /readyz`: readiness, `200 ready`, or `503` when the store is unreachable or the
 //!   service is shutting down.
 //! - `GET /metrics`: Prometheus (OpenMetrics) text.
 //!
-//! Only gateways may call the first three: a layer in front of them answers `401` (with
+//! Only gateways may call the `/v1/` endpoints: a layer in front of them answers `401` (with
 //! `www-authenticate: Bearer`) to a request without `authorization: Bearer <secret>`
 //! before its body is read, its place in flight taken or its store touched
 //! ([`crate::auth`]). Health and metrics need no secret and reveal no counter or key.
@@ -160,6 +162,8 @@ pub fn app(state: AppState) -> Router {
         .route(wire::WAIT_PATH, post(wait))
         .route(wire::CHARGE_PATH, post(charge))
         .route(wire::RELEASE_PATH, post(release))
+        .route(wire::LEAVE_PATH, post(leave))
+        .route(wire::RENEW_PATH, post(renew))
         .route_layer(middleware::from_fn_with_state(state.clone(), authenticate));
     Router::new()
         .merge(gateway)
@@ -181,6 +185,8 @@ fn route_label(request: &Request) -> &'static str {
         Some(wire::WAIT_PATH) => wire::WAIT_PATH,
         Some(wire::CHARGE_PATH) => wire::CHARGE_PATH,
         Some(wire::RELEASE_PATH) => wire::RELEASE_PATH,
+        Some(wire::LEAVE_PATH) => wire::LEAVE_PATH,
+        Some(wire::RENEW_PATH) => wire::RENEW_PATH,
         Some("/healthz") => "/healthz",
         Some("/readyz") => "/readyz",
         Some("/metrics") => "/metrics",
@@ -544,6 +550,60 @@ async fn release(State(state): State<AppState>, headers: HeaderMap, body: Body) 
         Err(_) => {
             state.metrics().store_error("timeout");
             expired(&state, wire::RELEASE_PATH, admitted.budget)
+        }
+    }
+}
+
+/// Gives back concurrency places of a gateway request that ended: each rule names its
+/// counter, its `want` the places, its `place` the bucket they are counted in.
+async fn leave(State(state): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    let (admitted, request) = match start(&state, wire::LEAVE_PATH, &headers, body).await {
+        Ok(started) => started,
+        Err(answer) => return answer,
+    };
+    let (rules, places) = match wire::resolve_places(&request) {
+        Ok(resolved) => resolved,
+        Err(reason) => return error(StatusCode::BAD_REQUEST, reason),
+    };
+    let outcomes = Outcome::held(&rules, places);
+    let answer =
+        tokio::time::timeout_at(admitted.deadline, state.store().release(&rules, &outcomes)).await;
+    drop(admitted.permit);
+    state.metrics().set_in_flight(state.in_flight());
+    match answer {
+        Ok(Ok(())) => Json(ReleaseResponse { released: true }).into_response(),
+        Ok(Err(failure)) => store_failure(&state, &failure),
+        Err(_) => {
+            state.metrics().store_error("timeout");
+            expired(&state, wire::LEAVE_PATH, admitted.budget)
+        }
+    }
+}
+
+/// Renews concurrency places of gateway requests still inside: they move to the current
+/// bucket, which each result's `place` names.
+async fn renew(State(state): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    let (admitted, request) = match start(&state, wire::RENEW_PATH, &headers, body).await {
+        Ok(started) => started,
+        Err(answer) => return answer,
+    };
+    let (rules, places) = match wire::resolve_places(&request) {
+        Ok(resolved) => resolved,
+        Err(reason) => return error(StatusCode::BAD_REQUEST, reason),
+    };
+    let answer =
+        tokio::time::timeout_at(admitted.deadline, state.store().renew(&rules, &places)).await;
+    drop(admitted.permit);
+    state.metrics().set_in_flight(state.in_flight());
+    match answer {
+        Ok(Ok(outcomes)) => Json(AcquireResponse {
+            results: outcomes.into_iter().map(|outcome| outcome.result).collect(),
+        })
+        .into_response(),
+        Ok(Err(failure)) => store_failure(&state, &failure),
+        Err(_) => {
+            state.metrics().store_error("timeout");
+            expired(&state, wire::RENEW_PATH, admitted.budget)
         }
     }
 }

@@ -43,6 +43,7 @@ async fn the_documented_example() {
     let text = String::from_utf8(body).unwrap();
     let answer: AcquireResponse = serde_json::from_str(&text).unwrap();
     let expected = RuleResult {
+        place: None,
         allowed: true,
         granted: 1,
         remaining: 9,
@@ -349,6 +350,14 @@ impl Store for FakeStore {
         Ok(())
     }
 
+    async fn renew(
+        &self,
+        rules: &[ResolvedRule<'_>],
+        _: &[diana_core::algo::Mark],
+    ) -> Result<Vec<Outcome>, StoreError> {
+        self.check_and_update(rules).await
+    }
+
     async fn note_call(&self, _: &str, _: &[Grant]) -> Result<Noted, StoreError> {
         Ok(Noted::Kept)
     }
@@ -443,6 +452,7 @@ async fn store_failures_become_503_or_500() {
 #[tokio::test]
 async fn wait_sleeps_at_most_max_wait() {
     let long = RuleResult {
+        place: None,
         allowed: true,
         granted: 1,
         remaining: 0,

@@ -159,6 +159,7 @@ fn request(key: &str, case: Case, need: u32, extra: u32, dry_run: bool) -> RuleR
     let (rpu, unit, _) = case;
     let cost = need.min(rpu);
     RuleRequest {
+        place: None,
         key: key.to_string(),
         algo: "W".to_string(),
         rpu,

@@ -31,7 +31,7 @@ fn unit_us(unit: &str) -> u64 {
 /// (algo, rpu, unit, burst, slices)
 type Case = (&'static str, u32, &'static str, u32, u32);
 
-const CASES: [Case; 22] = [
+const CASES: [Case; 25] = [
     ("TB", 10, "second", 10, 1),
     ("TB", 3, "second", 2, 1),
     ("TB", 7, "minute", 7, 1),
@@ -54,6 +54,10 @@ const CASES: [Case; 22] = [
     ("SW", 5, "second", 1, 1),
     ("SW", 50, "hour", 1, 60),
     ("SW", 9, "day", 1, 13),
+    // Concurrency: the unit only sets the test's clock steps (its buckets are 20 s).
+    ("IF", 5, "second", 5, 1),
+    ("IF", 3, "minute", 3, 1),
+    ("IF", 2, "hour", 2, 1),
 ];
 
 fn capacity(case: Case) -> u32 {
@@ -94,6 +98,8 @@ enum Op {
     },
     /// Gives back (some of) the grant of an earlier admitted acquire.
     Release { step: Step, which: usize, part: u32 },
+    /// Renews the concurrency places of an earlier admitted acquire.
+    Renew { step: Step, which: usize },
 }
 
 fn step() -> impl Strategy<Value = Step> {
@@ -144,6 +150,7 @@ fn op() -> impl Strategy<Value = Op> {
             which,
             part
         }),
+        1 => (step(), 0..8usize).prop_map(|(step, which)| Op::Renew { step, which }),
     ]
 }
 
@@ -170,6 +177,7 @@ fn request(key: &str, case: Case, want: u32, cost: u32, max_delay_ms: Option<u64
     let (algo, rpu, unit, burst, slices) = case;
     let want = want.min(100_000);
     RuleRequest {
+        place: None,
         key: key.to_string(),
         algo: algo.to_string(),
         rpu,
@@ -250,6 +258,8 @@ impl Model {
 /// anything).
 static ADMITTED: AtomicUsize = AtomicUsize::new(0);
 static DENIED: AtomicUsize = AtomicUsize::new(0);
+/// Renewals of concurrency places compared.
+static RENEWED: AtomicUsize = AtomicUsize::new(0);
 
 /// Runs one scenario against Redis and the model; the first difference fails it.
 async fn check(
@@ -375,6 +385,55 @@ async fn check(
                     now_us
                 );
             }
+            Op::Renew { step, which } => {
+                if admitted.is_empty() {
+                    continue;
+                }
+                let at = which % admitted.len();
+                now_us = moved(now_us, *step, scenario.cases[0]);
+                let (requests, expected_grants, actual_grants) = &mut admitted[at];
+                // The places of the acquire's concurrency rules, `want` = what each took.
+                let held: Vec<usize> = (0..requests.len())
+                    .filter(|&i| requests[i].algo == "IF")
+                    .collect();
+                if held.is_empty() {
+                    continue;
+                }
+                let renewals: Vec<RuleRequest> = held
+                    .iter()
+                    .map(|&i| RuleRequest {
+                        want: expected_grants[i].result.granted,
+                        cost: 1,
+                        ..requests[i].clone()
+                    })
+                    .collect();
+                let rules: Vec<ResolvedRule<'_>> =
+                    renewals.iter().map(|r| r.resolve(0).unwrap()).collect();
+                let marks = |grants: &[Outcome]| -> Vec<_> {
+                    held.iter().map(|&i| grants[i].mark).collect()
+                };
+                let expected = model
+                    .memory
+                    .renew_at(&rules, &marks(expected_grants), now_us * 1_000)
+                    .unwrap();
+                let actual = redis
+                    .renew_at(&rules, &marks(actual_grants), Some(now_us))
+                    .await
+                    .unwrap();
+                prop_assert_eq!(
+                    &actual,
+                    &expected,
+                    "op {} (renew {:?}) at {} µs",
+                    index,
+                    renewals,
+                    now_us
+                );
+                RENEWED.fetch_add(1, Ordering::Relaxed);
+                for (&i, (e, a)) in held.iter().zip(expected.iter().zip(&actual)) {
+                    expected_grants[i].mark = e.mark;
+                    actual_grants[i].mark = a.mark;
+                }
+            }
         }
     }
     Ok(())
@@ -405,10 +464,13 @@ fn property(url: &str, cluster: bool, cases: u32) {
         ADMITTED.load(Ordering::Relaxed),
         DENIED.load(Ordering::Relaxed),
     );
-    eprintln!("{cases} scenarios: {admitted} acquires admitted, {denied} denied");
+    let renewed = RENEWED.load(Ordering::Relaxed);
+    eprintln!(
+        "{cases} scenarios: {admitted} acquires admitted, {denied} denied, {renewed} renewals"
+    );
     assert!(
-        admitted > 100 && denied > 100,
-        "{admitted} admitted, {denied} denied"
+        admitted > 100 && denied > 100 && renewed > 10,
+        "{admitted} admitted, {denied} denied, {renewed} renewed"
     );
 }
 
@@ -435,7 +497,7 @@ fn the_generator_reaches_every_algorithm_and_every_operation() {
         TestRng::deterministic_rng(RngAlgorithm::ChaCha),
     );
     let mut algos = std::collections::BTreeSet::new();
-    let (mut acquires, mut charges, mut releases, mut back) = (0, 0, 0, 0);
+    let (mut acquires, mut charges, mut releases, mut renewals, mut back) = (0, 0, 0, 0, 0);
     for _ in 0..200 {
         let scenario = scenario().new_tree(&mut runner).unwrap().current();
         for case in scenario.cases {
@@ -443,7 +505,10 @@ fn the_generator_reaches_every_algorithm_and_every_operation() {
         }
         for op in &scenario.ops {
             match op {
-                Op::Acquire { step, .. } | Op::Charge { step, .. } | Op::Release { step, .. } => {
+                Op::Acquire { step, .. }
+                | Op::Charge { step, .. }
+                | Op::Release { step, .. }
+                | Op::Renew { step, .. } => {
                     back += usize::from(matches!(step, Step::Back(_) | Step::BackUnits(_)));
                 }
             }
@@ -451,9 +516,10 @@ fn the_generator_reaches_every_algorithm_and_every_operation() {
                 Op::Acquire { .. } => acquires += 1,
                 Op::Charge { .. } => charges += 1,
                 Op::Release { .. } => releases += 1,
+                Op::Renew { .. } => renewals += 1,
             }
         }
     }
-    assert_eq!(algos.len(), 4, "{algos:?}");
-    assert!(acquires > 0 && charges > 0 && releases > 0 && back > 0);
+    assert_eq!(algos.len(), 5, "{algos:?}");
+    assert!(acquires > 0 && charges > 0 && releases > 0 && renewals > 0 && back > 0);
 }

@@ -526,6 +526,13 @@ impl Store for Broken {
     async fn release(&self, _: &[ResolvedRule<'_>], _: &[Outcome]) -> Result<(), StoreError> {
         Ok(())
     }
+    async fn renew(
+        &self,
+        _: &[ResolvedRule<'_>],
+        _: &[diana_core::algo::Mark],
+    ) -> Result<Vec<Outcome>, StoreError> {
+        Err(StoreError::Unavailable("connection refused".into()))
+    }
     async fn note_call(&self, _: &str, _: &[Grant]) -> Result<Noted, StoreError> {
         Err(StoreError::Unavailable("connection refused".into()))
     }

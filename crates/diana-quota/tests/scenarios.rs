@@ -872,6 +872,61 @@ async fn released_calls_give_their_grants_back(router: &Router) {
     assert_eq!(status, StatusCode::BAD_REQUEST);
 }
 
+/// Concurrency places (`IF`): at most `rpu` held at once; an acquire names the bucket of
+/// its place; `/v1/leave` gives it back (once: a second leave of the same bucket takes
+/// another holder's place only if one is there, so the gateway never sends two);
+/// `/v1/renew` answers the bucket to send next; bodies that are not places are refused.
+async fn concurrency_places(router: &Router) {
+    let places = rule(&unique_key("inflight"), "IF", 3, "second", 3, 10, 1);
+    let mut buckets = Vec::new();
+    for expected in [true, true, true, false] {
+        let result = acquire_one(router, places.clone()).await;
+        assert_eq!(result.allowed, expected, "{result:?}");
+        if expected {
+            let bucket = result.place.expect("an admitted place names its bucket");
+            buckets.push(bucket);
+        } else {
+            assert_eq!(result.place, None);
+            assert_eq!(result.retry_after_ms, 1000, "{result:?}");
+        }
+    }
+    let placed = |bucket: u64| {
+        let mut held = places.clone();
+        held.place = Some(bucket);
+        held
+    };
+    // Renewed: still held, in the bucket the answer names.
+    let (status, body) = post_call(router, "/v1/renew", None, vec![placed(buckets[0])]).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let renewed: AcquireResponse = serde_json::from_str(&body).unwrap();
+    let moved = renewed.results[0]
+        .place
+        .expect("a renewal names the bucket");
+    assert!(moved >= buckets[0], "{moved} < {}", buckets[0]);
+    assert!(
+        !acquire_one(router, places.clone()).await.allowed,
+        "still three inside"
+    );
+    // One leaves: one place frees.
+    let (status, body) = post_call(router, "/v1/leave", None, vec![placed(moved)]).await;
+    assert_eq!(
+        (status, body.as_str()),
+        (StatusCode::OK, "{\"released\":true}")
+    );
+    let next = acquire_one(router, places.clone()).await;
+    assert!(next.allowed, "{next:?}");
+    assert!(!acquire_one(router, places.clone()).await.allowed);
+    // Only places, each with its bucket.
+    let (status, body) = post_call(router, "/v1/leave", None, vec![places.clone()]).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert!(body.contains("rules[0].place"), "{body}");
+    let mut window = rule(&unique_key("not-places"), "W", 3, "hour", 3, 10, 1);
+    window.place = Some(buckets[1]);
+    let (status, body) = post_call(router, "/v1/renew", None, vec![window]).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert!(body.contains("only concurrency places"), "{body}");
+}
+
 // ---------------------------------------------------------------------------------------
 // Every scenario × every store.
 
@@ -914,6 +969,7 @@ macro_rules! suite {
 }
 
 suite!(
+    concurrency_places,
     window_exact,
     sliding_exact,
     token_exact,

@@ -71,6 +71,15 @@ impl Store for SlowStore {
         Ok(())
     }
 
+    async fn renew(
+        &self,
+        rules: &[ResolvedRule<'_>],
+        _: &[diana_core::algo::Mark],
+    ) -> Result<Vec<Outcome>, StoreError> {
+        tokio::time::sleep(self.delay).await;
+        Ok(vec![Outcome::default(); rules.len()])
+    }
+
     async fn note_call(&self, _: &str, _: &[Grant]) -> Result<Noted, StoreError> {
         Ok(Noted::Kept)
     }

@@ -318,20 +318,24 @@ impl Replay {
         if self.gateways.is_empty() && self.start(now).is_err() {
             return;
         }
-        // Every gateway lives through the time that passed: its ticks run at the
-        // gateway's period (batches returned, stashes refilled ahead, waiters resumed).
-        for gateway in &mut self.gateways {
-            gateway.sim.advance_to(now);
-        }
-        // The requests that ended by now leave first.
+        // The requests that ended by now leave first, each when it ended: what their end
+        // sends (places given back to the quota service) goes at the tick after.
         while let Some(&Reverse((end, gateway, context))) = self.inside.peek() {
             if end > now {
                 break;
             }
             self.inside.pop();
+            for gateway in &mut self.gateways {
+                gateway.sim.advance_to(end);
+            }
             if let Some(gateway) = self.gateways.get_mut(gateway) {
                 gateway.sim.forget(context);
             }
+        }
+        // Every gateway lives through the time that passed: its ticks run at the
+        // gateway's period (batches returned, stashes refilled ahead, waiters resumed).
+        for gateway in &mut self.gateways {
+            gateway.sim.advance_to(now);
         }
         let index = self.next % self.gateways.len();
         self.next = index + 1;

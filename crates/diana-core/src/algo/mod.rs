@@ -173,6 +173,18 @@ pub fn lookup(name: &str) -> Option<&'static dyn Algorithm> {
     })
 }
 
+/// Finds an algorithm by a code or spelling of the quota service's wire format: every
+/// algorithm of [`lookup`], and concurrency (`IF`), which the configuration writes as
+/// `max_in_flight` instead.
+pub fn lookup_wire(name: &str) -> Option<&'static dyn Algorithm> {
+    lookup(name).or_else(|| {
+        let concurrency: &'static dyn Algorithm = &InFlight;
+        name.trim()
+            .eq_ignore_ascii_case(concurrency.code())
+            .then_some(concurrency)
+    })
+}
+
 /// Every accepted spelling, for error messages.
 pub fn known_names() -> Vec<&'static str> {
     REGISTRY

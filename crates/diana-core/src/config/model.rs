@@ -78,8 +78,6 @@ pub enum ConfigErrorKind {
     RateAndConcurrency,
     /// A field of rate limits on a concurrency limit (`max_in_flight`).
     NotForConcurrency { field: &'static str },
-    /// `max_in_flight` with `scope: global`: the quota service does not hold places yet.
-    ConcurrencyNotGlobal,
     /// `count` on an algorithm whose charge cannot be given back once passed.
     CountNotApplicable { algo: &'static str },
     /// `count` and `response_cost` on one rule.
@@ -199,10 +197,6 @@ impl fmt::Display for ConfigErrorKind {
                 f,
                 "{field} does not apply to a concurrency limit (max_in_flight): a request holds one place \
                  from admission to its end, whatever the time"
-            ),
-            ConfigErrorKind::ConcurrencyNotGlobal => f.write_str(
-                "max_in_flight is counted per gateway (scope: local) in this version: diana-quota does \
-                 not hold places yet; remove `scope: global` (each gateway then admits max_in_flight)",
             ),
             ConfigErrorKind::CostWithReserve => f.write_str(
                 "cost and response_cost.reserve both say what a request takes up front; \

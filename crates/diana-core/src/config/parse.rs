@@ -970,14 +970,16 @@ fn build_rule(
             .unwrap_or(DEFAULT_SLOTS)
     };
     let scope = raw.scope.as_ref().map_or(Scope::Local, |scope| scope.0);
-    if in_flight && scope == Scope::Global {
-        return Err(refuse(&["scope"], ConfigErrorKind::ConcurrencyNotGlobal));
-    }
     // Accepting it silently would let an operator believe a local rule is shared or batched.
     if scope == Scope::Local && raw.lease.is_some() {
         return Err(refuse(&["lease"], ConfigErrorKind::LeaseNotApplicable));
     }
-    let written = raw.lease.map_or(global.lease, lease_of);
+    // A place is taken by one request and held until it ends: never leased ahead.
+    let written = if in_flight {
+        Lease::Fixed(NonZeroU32::MIN)
+    } else {
+        raw.lease.map_or(global.lease, lease_of)
+    };
     let cost = match &raw.cost {
         None => Cost::Fixed(NonZeroU32::MIN),
         Some(field) => cost_of(field).map_err(|(at, kind)| refuse(&["cost", at], kind))?,

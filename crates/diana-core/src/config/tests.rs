@@ -635,7 +635,6 @@ fn errors_name_field_and_position() {
         ("Url: /\nrules:\n  - {max_in_flight: 5, unit: minute}\n", &["rules[0].unit: ", "does not apply to a concurrency limit", "line 3"]),
         ("Url: /\nrules:\n  - {max_in_flight: 5, algo: TB}\n", &["rules[0].algo: ", "does not apply to a concurrency limit"]),
         ("Url: /\nrules:\n  - {max_in_flight: 5, count: {status: [500]}}\n", &["rules[0].count: ", "does not apply"]),
-        ("Url: /\nrules:\n  - {max_in_flight: 5, scope: global}\n", &["rules[0].scope: ", "remove `scope: global`", "line 3"]),
         // reservations and counted statuses
         ("Url: /\nrules:\n  - rpu: 1000\n    cost: 2\n    response_cost: {header: x-t, max: 9, reserve: 5}\n", &["rules[0].cost: ", "remove `cost`", "line 4"]),
         ("Url: /\nrules:\n  - rpu: 100\n    response_cost: {header: x-t, max: 9, reserve: 500}\n", &["rules[0].response_cost.reserve: ", "a cost of 500 could never pass", "line 4"]),

@@ -71,6 +71,14 @@ impl Breaker {
         now >= open_until || open_until - now > 2 * self.retry
     }
 
+    /// True while the breaker keeps global rules local (open, its retry period not over),
+    /// read without claiming the probe: for calls that are not decisions (places given
+    /// back or renewed), which must not stand in for the probe.
+    pub fn keeps_local(&self, store: &Store, host: &dyn SharedData, now: Instant) -> bool {
+        let open_until = self.open_until(store, host, now);
+        open_until != 0 && !self.due(open_until, now)
+    }
+
     /// Whether a request that needs the service may call it. A request that finds the
     /// retry period over claims the probe by pushing `open_until` forward, so that the
     /// other workers stay local until the probe answers.

@@ -90,6 +90,27 @@ impl CallIds {
     }
 }
 
+/// True when each request of `rule` asks the service for itself: a leaky bucket's turns
+/// and a concurrency limit's places are never leased ahead nor coalesced.
+fn asks_alone(rule: &Rule) -> bool {
+    rule.algo.waits() || rule.algo.holds_until_done()
+}
+
+/// Places waiting for the tick to be given back, at most (beyond, a place is reclaimed by
+/// the service after `algo::inflight::RECLAIMED_AFTER`).
+const MAX_LEAVING: usize = 1024;
+
+/// Concurrency places held at the quota service, to give back ([`wire::LEAVE_PATH`]) or
+/// renew ([`wire::RENEW_PATH`]): the rule, the identity, the bucket the service counts
+/// them in, and how many.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ServicePlace {
+    pub index: usize,
+    pub address: SlotAddress,
+    pub bucket: u64,
+    pub places: u32,
+}
+
 /// The quota service key of one (rule, identity): the same on every gateway.
 pub fn global_key(rule: &Rule, address: SlotAddress) -> String {
     format!("{:016x}:{:016x}", rule.id, address.fingerprint)
@@ -113,6 +134,9 @@ pub enum Admission {
         index: usize,
         report: Option<RuleReport>,
         delay: Nanos,
+        /// A concurrency limit's place at the service, which the request holds until it
+        /// ends (see [`Global::queue_leave`]).
+        place: Option<ServicePlace>,
     },
     /// The rule, in dry run, would have denied.
     WouldDeny { index: usize },
@@ -279,6 +303,8 @@ pub struct Global {
     invalid_logged: Cell<bool>,
     /// Ids for the calls of requests, so that one whose answer is lost can be released.
     calls: CallIds,
+    /// Concurrency places of requests that ended, given back from the tick.
+    leaving: RefCell<Vec<ServicePlace>>,
 }
 
 impl Global {
@@ -296,6 +322,7 @@ impl Global {
             refusal_logged: Cell::new(false),
             invalid_logged: Cell::new(false),
             calls: CallIds::default(),
+            leaving: RefCell::new(Vec::new()),
         }
     }
 
@@ -320,6 +347,13 @@ impl Global {
             let Some(rule) = policy.rule(charge.index) else {
                 continue;
             };
+            if rule.algo.holds_until_done() {
+                // A place is the service's to give, one per request: nothing stashed,
+                // no denial remembered (a place may free at any moment).
+                ask.push(*charge);
+                rates.push(0);
+                continue;
+            }
             match self
                 .stash
                 .take(host, rule, charge.address, charge.cost, now)
@@ -333,6 +367,7 @@ impl Global {
                         index: charge.index,
                         report: None,
                         delay: 0,
+                        place: None,
                     });
                 }
                 Take::Denied { retry_at, reset_at } => {
@@ -369,12 +404,13 @@ impl Global {
         if ask.is_empty() {
             return Plan::Done(outcomes);
         }
-        // Leaky-bucket turns are per request: never coalesced (see `flights`).
+        // Leaky-bucket turns and concurrency places are per request: never coalesced
+        // (see `flights`).
         let coalesced = |charge: &&GlobalCharge| {
             self.can_pause
                 && policy
                     .rule(charge.index)
-                    .is_some_and(|rule| !rule.algo.waits())
+                    .is_some_and(|rule| !asks_alone(rule))
         };
         let behind = ask.iter().filter(coalesced).find(|charge| {
             self.flights
@@ -541,14 +577,15 @@ impl Global {
     /// it, which sizes `lease: auto` (see [`stash::next_lease`]: what is spent in 100 ms, at most the
     /// rule's cap; one request's cost at first).
     fn rule_request(&self, rule: &Rule, charge: &GlobalCharge, spend_rate: u64) -> RuleRequest {
-        // A leaky bucket's turns cannot be prefetched: one request, its own turns.
-        let want = if rule.algo.waits() {
+        // A leaky bucket's turns and a concurrency limit's places cannot be prefetched:
+        // one request, its own.
+        let want = if asks_alone(rule) {
             charge.cost
         } else {
             stash::next_lease(rule, spend_rate).max(charge.cost)
         };
         // The woken requests still waiting to plan again are served by this flight.
-        let want = if rule.algo.waits() {
+        let want = if asks_alone(rule) {
             want
         } else {
             let behind = self
@@ -652,12 +689,28 @@ impl Global {
             } else {
                 0
             };
+            // A concurrency limit's places are never stashed, and no denial of theirs is
+            // remembered (a place may free at any moment): one granted to nobody (a
+            // request that is gone, or rejected by another rule) is given back at once.
+            let holds = rule.algo.holds_until_done();
+            let place = |places: u32| {
+                result.place.filter(|_| holds).map(|bucket| ServicePlace {
+                    index: charge.index,
+                    address: charge.address,
+                    bucket,
+                    places,
+                })
+            };
             // Every token granted beyond what the request took is kept for later
             // requests (a lease, or an older service's grant for a rejected request).
             let spare = result.granted.saturating_sub(took);
-            // An automatic lease learns this gateway's rate from every grant, even one
-            // with nothing to spare.
-            if spare > 0 || (rule.lease_auto && result.granted > 0) {
+            if holds {
+                if let Some(unheld) = place(spare).filter(|_| spare > 0) {
+                    self.queue_leave(unheld);
+                }
+            } else if spare > 0 || (rule.lease_auto && result.granted > 0) {
+                // An automatic lease learns this gateway's rate from every grant, even
+                // one with nothing to spare.
                 if spare > 0 && rule.lease.get() > 1 {
                     metrics.event(Event::LeaseRefill);
                 }
@@ -675,7 +728,7 @@ impl Global {
                     now,
                 );
             }
-            if !result.allowed {
+            if !result.allowed && !holds {
                 let at = |ms: u64| now.saturating_add(ms.saturating_mul(NANOS_PER_MILLI));
                 let (retry_at, reset_at) = (at(result.retry_after_ms), at(result.reset_ms));
                 self.stash
@@ -699,6 +752,7 @@ impl Global {
                     index: charge.index,
                     report: Some(report),
                     delay,
+                    place: place(took),
                 });
             } else if !result.allowed && self.dry_run(rule) {
                 outcomes.push(Admission::WouldDeny {
@@ -715,6 +769,14 @@ impl Global {
             None => Interpretation::Done(outcomes),
             Some(denial) => {
                 self.give_back(host, policy, &asked.served, now);
+                for outcome in &outcomes {
+                    if let Admission::Admitted {
+                        place: Some(place), ..
+                    } = *outcome
+                    {
+                        self.queue_leave(place);
+                    }
+                }
                 let dry: Vec<Admission> = outcomes
                     .into_iter()
                     .filter(|outcome| matches!(outcome, Admission::WouldDeny { .. }))
@@ -722,6 +784,114 @@ impl Global {
                 Interpretation::Rejected(denial, dry)
             }
         }
+    }
+
+    /// A request that held `place` at the service ended: it is given back from the tick.
+    /// Beyond [`MAX_LEAVING`] waiting, the service reclaims it after its bound.
+    pub fn queue_leave(&self, place: ServicePlace) {
+        if let Ok(mut leaving) = self.leaving.try_borrow_mut() {
+            if leaving.len() < MAX_LEAVING {
+                leaving.push(place);
+            }
+        }
+    }
+
+    /// True when places wait to be given back.
+    pub fn wants_leave(&self) -> bool {
+        self.leaving
+            .try_borrow()
+            .is_ok_and(|leaving| !leaving.is_empty())
+    }
+
+    /// From the tick: the call that gives back the places of requests that ended (at most
+    /// [`wire::MAX_RULES`]; the rest go with the next tick). None while the breaker keeps
+    /// global rules local: the places are then dropped, and the service reclaims them
+    /// after its bound (a gateway that cannot reach it cannot give anything back).
+    pub fn plan_leave(
+        &self,
+        policy: &Policy,
+        host: &dyn SharedData,
+        now: Instant,
+    ) -> Option<Callout> {
+        let taken: Vec<ServicePlace> = {
+            let mut leaving = self.leaving.try_borrow_mut().ok()?;
+            let count = leaving.len().min(wire::MAX_RULES);
+            leaving.drain(..count).collect()
+        };
+        if taken.is_empty() || self.breaker.keeps_local(&self.store, host, now) {
+            return None;
+        }
+        let request = self.places_request(policy, &taken)?;
+        let body = serde_json::to_vec(&request).ok()?;
+        Some(self.callout_to(
+            endpoint_beside(&self.spec.path, "leave"),
+            u64::from(self.spec.timeout_ms),
+            body,
+        ))
+    }
+
+    /// The call that renews `places` (at most [`wire::MAX_RULES`]), and what it asked, to
+    /// read the answer with ([`Global::renewed`]). None while the breaker keeps global
+    /// rules local (renewed when the service is back; it reclaims them after its bound).
+    pub fn plan_renewal(
+        &self,
+        policy: &Policy,
+        host: &dyn SharedData,
+        places: &[ServicePlace],
+        now: Instant,
+    ) -> Option<(Callout, AcquireRequest)> {
+        if places.is_empty() || self.breaker.keeps_local(&self.store, host, now) {
+            return None;
+        }
+        let request = self.places_request(policy, places)?;
+        let body = serde_json::to_vec(&request).ok()?;
+        let callout = self.callout_to(
+            endpoint_beside(&self.spec.path, "renew"),
+            u64::from(self.spec.timeout_ms),
+            body,
+        );
+        Some((callout, request))
+    }
+
+    /// The answer to a renewal: the bucket each place is counted in now, in order; None
+    /// when the service did not renew them (no answer, a refusal, an answer that does not
+    /// match what was asked).
+    pub fn renewed(&self, request: &AcquireRequest, reply: Reply) -> Option<Vec<u64>> {
+        let Reply::Answered {
+            status: 200,
+            body: Some(body),
+        } = reply
+        else {
+            return None;
+        };
+        let response = wire::decode_response(request, &body).ok()?;
+        response
+            .results
+            .iter()
+            .zip(&request.rules)
+            .map(|(result, asked)| result.place.filter(|_| result.granted == asked.want))
+            .collect()
+    }
+
+    /// The body naming `places`, each with its rule's counter and bucket.
+    fn places_request(&self, policy: &Policy, places: &[ServicePlace]) -> Option<AcquireRequest> {
+        let rules: Vec<RuleRequest> = places
+            .iter()
+            .filter_map(|place| {
+                let rule = policy.rule(place.index)?;
+                let mut request = RuleRequest::new(
+                    global_key(rule, place.address),
+                    rule.algo,
+                    &rule.limit,
+                    place.places.max(1),
+                );
+                request.cost = request.want;
+                request.place = Some(place.bucket);
+                Some(request)
+            })
+            .take(wire::MAX_RULES)
+            .collect();
+        (!rules.is_empty()).then(|| AcquireRequest::new(rules))
     }
 
     /// From the worker's tick: idle batches of leased tokens go back to the shared stash.

@@ -15,9 +15,12 @@
 //!   state as it was), the others are denied.
 //! - [`charge`]: every rule is charged `want` tokens past its limit (a debt).
 //! - [`release`]: gives back the grants of an earlier [`acquire`], rules in reverse order.
+//! - [`renew`]: concurrency places still held move from the bucket they were counted in
+//!   to the current one (`want` places each; a bucket already forgotten gives nothing
+//!   back, and the places are counted again).
 
 use super::Outcome;
-use crate::algo::Verdict;
+use crate::algo::{Mark, Verdict};
 use crate::time::Instant;
 use crate::wire::{ceil_millis, ResolvedRule, RuleResult};
 
@@ -31,6 +34,7 @@ fn probe(rule: &ResolvedRule<'_>, state: &[u64], now: Instant) -> Verdict {
 /// An allowed rule that was not charged: what it has, from a probe.
 fn spared(probe: &Verdict) -> RuleResult {
     RuleResult {
+        place: None,
         allowed: true,
         granted: 0,
         remaining: probe.remaining,
@@ -86,7 +90,7 @@ pub fn acquire(
         .map(|((rule, &slot), verdict)| {
             if all {
                 Outcome {
-                    result: RuleResult::from_verdict(verdict),
+                    result: RuleResult::from_verdict(verdict).placed(rule.algo, verdict.mark),
                     mark: verdict.mark,
                 }
             } else if verdict.granted > 0 {
@@ -125,6 +129,7 @@ pub fn charge(
                 .algo
                 .charge_debt(&rule.limit, state, now, rule.want.get());
             RuleResult {
+                place: None,
                 allowed: true,
                 granted: rule.want.get(),
                 remaining: verdict.remaining,
@@ -168,6 +173,40 @@ pub fn release(
         .collect()
 }
 
+/// Renews the concurrency places of `rules` (`want` each), counted at `places` (the
+/// buckets an acquire or the last renewal answered): each comes back with the bucket they
+/// are counted in now, to send next time.
+pub fn renew(
+    rules: &[ResolvedRule<'_>],
+    slots: &[usize],
+    states: &mut [Vec<u64>],
+    places: &[Mark],
+    now: Instant,
+) -> Vec<Outcome> {
+    rules
+        .iter()
+        .zip(slots)
+        .zip(places)
+        .map(|((rule, &slot), &place)| {
+            let mut empty = Vec::new();
+            let state = states.get_mut(slot).unwrap_or(&mut empty);
+            let places = rule.want.get();
+            rule.algo.release(&rule.limit, state, now, places, place);
+            let verdict = rule.algo.charge_debt(&rule.limit, state, now, places);
+            Outcome {
+                result: RuleResult {
+                    allowed: true,
+                    granted: places,
+                    retry_after_ms: 0,
+                    ..RuleResult::from_verdict(&verdict)
+                }
+                .placed(rule.algo, verdict.mark),
+                mark: verdict.mark,
+            }
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -175,6 +214,7 @@ mod tests {
 
     fn rule(key: &str, algo: &str, rpu: u32, want: u32, cost: u32) -> RuleRequest {
         RuleRequest {
+            place: None,
             key: key.to_string(),
             algo: algo.to_string(),
             rpu,

@@ -23,6 +23,25 @@ pub struct Outcome {
     pub mark: Mark,
 }
 
+impl Outcome {
+    /// The grants of concurrency places still held, as a leave names them: `want` places
+    /// of each rule, counted at its place (`wire::resolve_places`).
+    pub fn held(rules: &[ResolvedRule<'_>], places: Vec<Mark>) -> Vec<Outcome> {
+        rules
+            .iter()
+            .zip(places)
+            .map(|(rule, mark)| Outcome {
+                result: RuleResult {
+                    allowed: true,
+                    granted: rule.want.get(),
+                    ..RuleResult::default()
+                },
+                mark,
+            })
+            .collect()
+    }
+}
+
 /// Idle counters are swept when the table reaches this size, then when it doubles.
 const MIN_SWEEP: usize = 4096;
 
@@ -134,16 +153,25 @@ impl MemoryQuota {
     /// result per rule, or `400` with the reason when the request breaks the wire format.
     pub fn answer(&mut self, callout: &Callout, now: Instant) -> Reply {
         self.calls += 1;
-        let release = callout
+        let path = callout
             .headers
             .iter()
-            .any(|(name, path)| *name == ":path" && path.ends_with("/release"));
-        let answer = if release {
-            self.release_body(&callout.body, now)
-                .map(|response| serde_json::to_vec(&response))
-        } else {
-            self.acquire_body(&callout.body, now)
-                .map(|response| serde_json::to_vec(&response))
+            .find(|(name, _)| *name == ":path")
+            .map_or("", |(_, path)| path.as_str());
+        let endpoint = path.rsplit('/').next().unwrap_or("");
+        let answer = match endpoint {
+            "release" => self
+                .release_body(&callout.body, now)
+                .map(|response| serde_json::to_vec(&response)),
+            "leave" => self
+                .leave_body(&callout.body, now)
+                .map(|response| serde_json::to_vec(&response)),
+            "renew" => self
+                .renew_body(&callout.body, now)
+                .map(|response| serde_json::to_vec(&response)),
+            _ => self
+                .acquire_body(&callout.body, now)
+                .map(|response| serde_json::to_vec(&response)),
         };
         let (status, body) = match answer {
             Ok(body) => (200, body),
@@ -187,6 +215,38 @@ impl MemoryQuota {
         Ok(ReleaseResponse {
             released: grants.is_some(),
         })
+    }
+
+    /// Gives back concurrency places (a leave body: the wire format's JSON, each rule with
+    /// its `place`).
+    pub fn leave_body(&mut self, body: &[u8], now: Instant) -> Result<ReleaseResponse, String> {
+        let request = wire::decode_request(body)?;
+        let (rules, places) = wire::resolve_places(&request)?;
+        self.release(&rules, &Outcome::held(&rules, places), now);
+        Ok(ReleaseResponse { released: true })
+    }
+
+    /// Renews concurrency places (a renew body): each result names the bucket they are
+    /// counted in now.
+    pub fn renew_body(&mut self, body: &[u8], now: Instant) -> Result<AcquireResponse, String> {
+        let request = wire::decode_request(body)?;
+        let (rules, places) = wire::resolve_places(&request)?;
+        let mut results = Vec::with_capacity(rules.len());
+        for (rule, place) in rules.iter().zip(places) {
+            let id = CounterId::of(rule);
+            let words = rule.algo.state_words(&rule.limit);
+            let counter = self.counters.entry(id).or_insert_with(|| Counter {
+                limit: rule.limit,
+                algo: rule.algo,
+                state: vec![0; words],
+            });
+            let mut states = vec![std::mem::take(&mut counter.state)];
+            let outcome =
+                decide::renew(std::slice::from_ref(rule), &[0], &mut states, &[place], now);
+            counter.state = states.pop().unwrap_or_default();
+            results.extend(outcome.into_iter().map(|outcome| outcome.result));
+        }
+        Ok(AcquireResponse { results })
     }
 
     /// Gives back the grants of `outcomes`, an earlier decision of the same rules.
@@ -258,6 +318,7 @@ mod tests {
 
     fn rule(key: &str, rpu: u32, want: u32, dry_run: bool) -> RuleRequest {
         RuleRequest {
+            place: None,
             key: key.to_string(),
             algo: "W".to_string(),
             rpu,
@@ -371,6 +432,77 @@ mod tests {
         let rules = request.resolve().unwrap();
         assert_eq!(CounterId::of(&rules[0]), CounterId::of(&rules[1]));
         assert_eq!(CounterId::of(&rules[0]).params(), "W:2:minute:2:10");
+    }
+
+    fn call_to(path: &str, rules: Vec<RuleRequest>) -> Callout {
+        Callout {
+            upstream: "diana_quota".to_string(),
+            headers: vec![(":path", path.to_string())],
+            body: serde_json::to_vec(&AcquireRequest::new(rules)).unwrap(),
+            timeout_ms: 50,
+        }
+    }
+
+    fn body(reply: Reply) -> String {
+        match reply {
+            Reply::Answered {
+                status,
+                body: Some(body),
+            } => format!("{status} {}", String::from_utf8_lossy(&body)),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn concurrency_places_are_left_and_renewed_by_their_bucket() {
+        use crate::algo::inflight::{PLACE_SPAN, RECLAIMED_AFTER};
+        let mut quota = MemoryQuota::new();
+        let places = RuleRequest {
+            algo: "IF".to_string(),
+            unit: "second".to_string(),
+            ..rule("p", 2, 1, false)
+        };
+        let first = ask(&mut quota, vec![places.clone()], NOW)[0];
+        let second = ask(&mut quota, vec![places.clone()], NOW)[0];
+        assert!(!ask(&mut quota, vec![places.clone()], NOW)[0].allowed);
+        let bucket = first.place.unwrap();
+        assert_eq!(second.place, Some(bucket));
+        let placed = |bucket: u64| RuleRequest {
+            place: Some(bucket),
+            ..places.clone()
+        };
+        // Renewed a span later: counted in the next bucket, still two inside.
+        let later = NOW + PLACE_SPAN;
+        let renewed = body(quota.answer(&call_to("/v1/renew", vec![placed(bucket)]), later));
+        let response: AcquireResponse =
+            serde_json::from_str(renewed.trim_start_matches("200 ")).unwrap();
+        let moved = response.results[0].place.unwrap();
+        assert_eq!((response.results[0].granted, moved), (1, bucket + 1));
+        assert!(!ask(&mut quota, vec![places.clone()], later)[0].allowed);
+        // The renewed one leaves from its new bucket: one place frees.
+        let left = body(quota.answer(&call_to("/v1/leave", vec![placed(moved)]), later));
+        assert_eq!(left, "200 {\"released\":true}");
+        assert!(ask(&mut quota, vec![places.clone()], later)[0].allowed);
+        // The never-renewed second is reclaimed after the bound; the new one too.
+        let reclaimed = later + RECLAIMED_AFTER;
+        let both = ask(
+            &mut quota,
+            vec![RuleRequest {
+                want: 2,
+                ..places.clone()
+            }],
+            reclaimed,
+        )[0];
+        assert_eq!(both.granted, 2, "{both:?}");
+        // Anything but places with their bucket is refused.
+        let window = RuleRequest {
+            algo: "W".to_string(),
+            ..placed(bucket)
+        };
+        for wrong in [places.clone(), window] {
+            let refused = body(quota.answer(&call_to("/v1/leave", vec![wrong]), reclaimed));
+            assert!(refused.starts_with("400 "), "{refused}");
+        }
     }
 
     #[test]

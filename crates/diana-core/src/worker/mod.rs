@@ -19,12 +19,15 @@
 //!   on_http_call_response ─▶ on_call_answered ── calls[token] says what it resumes:
 //!                                 a request (complete → apply), an orphan (its client
 //!                                 left: the grant goes to the stash), a refill, a
-//!                                 payment, a release, a poll
-//!   on_tick ───────────────▶ on_tick ── remote check, debts, releases, engine ticks,
-//!                                 refills, metrics, sweeps; then parked and waiting
-//!                                 requests
+//!                                 payment, a release, a leave, a renewal (the
+//!                                 places' new buckets), a poll
+//!   on_tick ───────────────▶ on_tick ── remote check, debts, releases, place renewals
+//!                                 and leaves, engine ticks, refills, metrics, sweeps;
+//!                                 then parked and waiting requests
 //!   on_response_headers ───▶ on_response_headers ── response costs, AddHeaders
-//!   context deleted ───────▶ on_context_gone ── give back what a paused request held;
+//!   context deleted ───────▶ on_context_gone ── give back what a paused request held
+//!                                 and the places a request held (at the quota service:
+//!                                 queued for the next tick, made sooner);
 //!                                 its own call's answer is lost with it, so a release
 //!                                 of that call waits for the next tick (on nginx, one
 //!                                 gone before its own call answered: the host runs
@@ -62,7 +65,8 @@ use crate::decision::{AfterResponse, Callout, Decision, Reply};
 use crate::engine::{Engine, EngineDecision, Pending, Refill};
 use crate::global::debts::Debt;
 use crate::global::flights::RiderId;
-use crate::global::{Release, MAX_ANSWER_BYTES};
+use crate::global::wire::AcquireRequest;
+use crate::global::{Release, ServicePlace, MAX_ANSWER_BYTES};
 use crate::lifecycle;
 use crate::metrics::Event;
 use crate::response::Rejection;
@@ -164,9 +168,17 @@ enum Call {
     /// The release of a gone request's call: its answer clears the denials cached
     /// meanwhile for what it freed.
     Release(Rc<Configured>, Release),
+    /// Concurrency places of requests that ended, given back to the quota service.
+    Leave,
+    /// Concurrency places renewed at the quota service: of which request each is, and
+    /// what was asked.
+    Renewal(Rc<Configured>, Renewing, AcquireRequest),
     /// The config center's document.
     Poll,
 }
+
+/// Places at the quota service being renewed, each with the request holding it.
+type Renewing = Vec<(ContextId, ServicePlace)>;
 
 /// Where a decision is applied from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -472,6 +484,13 @@ impl Worker {
                 // are back at the service.
                 configured.engine.released(host, &release);
             }
+            // Not given back (no answer): the service reclaims the places after its bound.
+            Call::Leave => {}
+            Call::Renewal(configured, renewing, request) => {
+                let reply = call_reply(host, headers, body_size, MAX_ANSWER_BYTES);
+                let buckets = configured.engine.renewed(&request, reply);
+                self.renewal_answered(host, &configured, &renewing, buckets);
+            }
             Call::Poll => self.on_poll_answer(host, headers, body_size),
         }
         // The breaker's gauge is written when it changes, not at the next tick.
@@ -491,6 +510,7 @@ impl Worker {
             return Step::default();
         };
         let configured = &request.configured;
+        let mut step = Step::default();
         if let Some(after) = request.after.as_ref().filter(|after| after.holds_places()) {
             configured.engine.leave(
                 host,
@@ -498,6 +518,8 @@ impl Worker {
                 host.now(),
                 &mut configured.counters.sink(),
             );
+            // Places at the quota service go back from the next tick, made sooner.
+            self.retick(&mut step);
         }
         match request.stage {
             Stage::Admitted | Stage::Answered => {}
@@ -538,7 +560,7 @@ impl Worker {
                 let _ = configured.engine.abandon(host, pending, host.now());
             }
         }
-        Step::default()
+        step
     }
 
     /// The worker's tick: the config center, debts, engine ticks, refills, metrics and
@@ -558,6 +580,7 @@ impl Worker {
         self.pay_debts(host);
         self.send_releases(host);
         self.renew_places(host, now);
+        self.send_leaves(host, now);
         // Collected: sending refills needs the worker mutably.
         let generations: Vec<Rc<Configured>> = self.generations().cloned().collect();
         for configured in generations {
@@ -570,6 +593,7 @@ impl Worker {
             Rc::strong_count(configured) > 1
                 || configured.engine.owes()
                 || configured.engine.has_riders()
+                || configured.engine.wants_leave()
         });
         if let Some(events) = &self.events {
             events.flush(host);
@@ -681,17 +705,117 @@ impl Worker {
     }
 
     /// The concurrency places of the requests still inside are renewed
-    /// ([`Engine::renew`]: each at most every `RENEW_EVERY`).
+    /// ([`Engine::renew`]: each at most every `RENEW_EVERY`): local ones at once, those
+    /// at the quota service in one call per configuration (of at most `wire::MAX_RULES`
+    /// places; more wait for the next tick).
     fn renew_places(&mut self, host: &dyn Host, now: Instant) {
-        for request in self.requests.values_mut() {
-            if let Some(after) = request.after.as_mut().filter(|after| after.holds_places()) {
-                let configured = &request.configured;
-                configured.engine.renew(
-                    host,
-                    &mut after.places,
-                    now,
-                    &mut configured.counters.sink(),
-                );
+        let mut due: Vec<(Rc<Configured>, Renewing)> = Vec::new();
+        for (&context, request) in self.requests.iter_mut() {
+            let Some(after) = request.after.as_mut().filter(|after| after.holds_places()) else {
+                continue;
+            };
+            let configured = &request.configured;
+            let at_service = configured.engine.renew(
+                host,
+                &mut after.places,
+                now,
+                &mut configured.counters.sink(),
+            );
+            if at_service.is_empty() {
+                continue;
+            }
+            let at = match due
+                .iter()
+                .position(|(known, _)| Rc::ptr_eq(known, configured))
+            {
+                Some(at) => at,
+                None => {
+                    due.push((Rc::clone(configured), Vec::new()));
+                    due.len() - 1
+                }
+            };
+            if let Some((_, batch)) = due.get_mut(at) {
+                batch.extend(at_service.into_iter().map(|place| (context, place)));
+            }
+        }
+        for (configured, places) in due {
+            for renewing in places.chunks(crate::wire::MAX_RULES) {
+                let asked: Vec<ServicePlace> = renewing.iter().map(|(_, place)| *place).collect();
+                let planned = configured.engine.plan_renewal(host, &asked, now);
+                let sent = planned.and_then(|(callout, request)| {
+                    let token = self.dispatch(host, &callout).ok()?;
+                    Some((token, request))
+                });
+                match sent {
+                    Some((token, request)) => {
+                        let call =
+                            Call::Renewal(Rc::clone(&configured), renewing.to_vec(), request);
+                        self.calls.insert(token, call);
+                    }
+                    // Not renewed now: due again at the next tick.
+                    None => self.renewal_answered(host, &configured, renewing, None),
+                }
+            }
+        }
+    }
+
+    /// A renewal of places at the quota service was answered (`buckets`: where each is
+    /// counted now; `None`: not renewed). A place whose request ended meanwhile is given
+    /// back from where the answer says it is.
+    fn renewal_answered(
+        &mut self,
+        host: &dyn Host,
+        configured: &Rc<Configured>,
+        renewing: &[(ContextId, ServicePlace)],
+        buckets: Option<Vec<u64>>,
+    ) {
+        let now = host.now().unwrap_or(0);
+        for (at, (context, asked)) in renewing.iter().enumerate() {
+            let bucket = buckets
+                .as_ref()
+                .and_then(|buckets| buckets.get(at).copied());
+            let held = self
+                .requests
+                .get_mut(context)
+                .filter(|request| Rc::ptr_eq(&request.configured, configured))
+                .and_then(|request| request.after.as_mut())
+                .is_some_and(|after| {
+                    after
+                        .places
+                        .iter_mut()
+                        .any(|place| place.renewal_answered(asked, bucket, now))
+                });
+            if !held {
+                configured.engine.queue_leave(ServicePlace {
+                    bucket: bucket.unwrap_or(asked.bucket),
+                    ..*asked
+                });
+            }
+        }
+    }
+
+    /// Gives back the places of requests that ended to the quota service (a few calls of
+    /// at most `wire::MAX_RULES` places per tick).
+    fn send_leaves(&mut self, host: &dyn Host, now: Instant) {
+        const MAX_LEAVE_CALLS: usize = 8;
+        let generations: Vec<Rc<Configured>> = self
+            .generations()
+            .filter(|configured| configured.engine.wants_leave())
+            .cloned()
+            .collect();
+        for configured in generations {
+            for _ in 0..MAX_LEAVE_CALLS {
+                let Some(callout) = configured.engine.plan_leave(host, now) else {
+                    break;
+                };
+                match self.dispatch(host, &callout) {
+                    Ok(token) => {
+                        self.calls.insert(token, Call::Leave);
+                    }
+                    Err(error) => {
+                        log::debug!("diana: places not given back: {error}");
+                    }
+                }
             }
         }
     }
@@ -921,7 +1045,10 @@ impl Worker {
             .configured
             .as_ref()
             .is_some_and(|configured| configured.engine.wants_refill());
-        if !self.parked.is_empty() || refill {
+        let leave = self
+            .generations()
+            .any(|configured| configured.engine.wants_leave());
+        if !self.parked.is_empty() || refill || leave {
             RIDER_TICK
         } else if !self.waiters.is_empty() {
             WAIT_TICK

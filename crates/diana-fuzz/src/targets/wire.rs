@@ -69,6 +69,7 @@ fn rule(rng: &mut Rng) -> RuleRequest {
         1 + rng.below(u64::from(want.max(1))) as u32
     };
     RuleRequest {
+        place: None,
         key: key(rng),
         algo: rng.pick(ALGOS).map_or("W", |a| *a).to_string(),
         rpu: small_or_any(rng, 20),
@@ -145,6 +146,7 @@ fn honest(rng: &mut Rng, request: &AcquireRequest) -> Option<AcquireResponse> {
 
 fn random_result(rng: &mut Rng) -> RuleResult {
     RuleResult {
+        place: None,
         allowed: rng.one_in(2),
         granted: if rng.one_in(2) {
             rng.below(4) as u32

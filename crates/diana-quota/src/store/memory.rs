@@ -16,7 +16,7 @@
 
 use super::{decide, Grant, Noted, Outcome, Store, StoreError, Usage};
 use async_trait::async_trait;
-use diana_core::algo::{Algorithm, Limit};
+use diana_core::algo::{Algorithm, Limit, Mark};
 use diana_core::global::wire::{ResolvedRule, RuleResult};
 use diana_core::quota::ledger::CallLedger;
 use diana_core::quota::CounterId;
@@ -270,6 +270,22 @@ impl MemoryStore {
     }
 }
 
+impl MemoryStore {
+    /// Renews concurrency places counted at `places` at `now`.
+    pub fn renew_at(
+        &self,
+        rules: &[ResolvedRule<'_>],
+        places: &[Mark],
+        now: Instant,
+    ) -> Result<Vec<Outcome>, StoreError> {
+        let mut table = self.lock();
+        let mut loaded = Self::load(&table, rules);
+        let outcomes = decide::renew(rules, &loaded.slots, &mut loaded.states, places, now);
+        self.write(&mut table, loaded, now)?;
+        Ok(outcomes)
+    }
+}
+
 #[async_trait]
 impl Store for MemoryStore {
     async fn check_and_update(
@@ -290,6 +306,14 @@ impl Store for MemoryStore {
     ) -> Result<(), StoreError> {
         self.release_at(rules, outcomes, self.clock.now())
             .map(|_| ())
+    }
+
+    async fn renew(
+        &self,
+        rules: &[ResolvedRule<'_>],
+        places: &[Mark],
+    ) -> Result<Vec<Outcome>, StoreError> {
+        self.renew_at(rules, places, self.clock.now())
     }
 
     async fn note_call(&self, call: &str, grants: &[Grant]) -> Result<Noted, StoreError> {

@@ -18,6 +18,7 @@ pub use self::memory::{Clock, MemoryStore, SystemClock, DEFAULT_MAX_KEYS};
 pub use self::redis::{cluster_slot, redis_key, RedisOptions, RedisStore, RedisTarget};
 
 use async_trait::async_trait;
+use diana_core::algo::Mark;
 use diana_core::global::wire::{ResolvedRule, RuleResult};
 use std::fmt;
 
@@ -111,6 +112,15 @@ pub trait Store: Send + Sync {
         rules: &[ResolvedRule<'_>],
         outcomes: &[Outcome],
     ) -> Result<(), StoreError>;
+
+    /// Renews concurrency places (every rule an `IF` limit; `want` places each) counted at
+    /// `places`, the buckets their acquire or last renewal answered: they move to the
+    /// current bucket, whose mark each outcome carries.
+    async fn renew(
+        &self,
+        rules: &[ResolvedRule<'_>],
+        places: &[Mark],
+    ) -> Result<Vec<Outcome>, StoreError>;
 
     /// Notes what the acquire of `call` granted, so that a release can give it back
     /// (`diana_core::quota::ledger`); [`Noted::AlreadyReleased`] when the release came

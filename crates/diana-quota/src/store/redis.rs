@@ -163,6 +163,7 @@ const SCRIPT: &str = concat!(
     include_str!("../../lua/sliding.lua"),
     include_str!("../../lua/leaky.lua"),
     include_str!("../../lua/token.lua"),
+    include_str!("../../lua/inflight.lua"),
     include_str!("../../lua/decide.lua"),
 );
 
@@ -199,7 +200,7 @@ struct LuaAlgorithm {
     mark: MarkForm,
 }
 
-static LUA_ALGORITHMS: [LuaAlgorithm; 4] = [
+static LUA_ALGORITHMS: [LuaAlgorithm; 5] = [
     LuaAlgorithm {
         code: "W",
         params: window_params,
@@ -220,6 +221,11 @@ static LUA_ALGORITHMS: [LuaAlgorithm; 4] = [
         params: gcra_params,
         mark: MarkForm::Instant,
     },
+    LuaAlgorithm {
+        code: "IF",
+        params: inflight_params,
+        mark: MarkForm::Index,
+    },
 ];
 
 fn lua_algorithm(code: &str) -> Option<&'static LuaAlgorithm> {
@@ -238,6 +244,11 @@ fn unit_micros(limit: &Limit) -> u64 {
 /// window.lua: rpu, unit_us.
 fn window_params(limit: &Limit) -> Vec<u64> {
     vec![u64::from(limit.rpu.get()), unit_micros(limit)]
+}
+
+/// inflight.lua: rpu (the places).
+fn inflight_params(limit: &Limit) -> Vec<u64> {
+    vec![u64::from(limit.rpu.get())]
 }
 
 /// sliding.lua: rpu, unit_us, slices.
@@ -301,6 +312,8 @@ enum Op<'a> {
     Charge,
     /// Gives back the grants of these outcomes (indexed like the request's rules).
     Release(&'a [Outcome]),
+    /// Renews concurrency places counted at these marks (indexed like the rules).
+    Renew(&'a [Mark]),
 }
 
 impl Op<'_> {
@@ -309,6 +322,7 @@ impl Op<'_> {
             Op::Acquire => "acquire",
             Op::Charge => "charge",
             Op::Release(_) => "release",
+            Op::Renew(_) => "renew",
         }
     }
 }
@@ -357,6 +371,11 @@ fn invocation<'s>(
                 let outcome = outcomes.get(index).copied().unwrap_or_default();
                 let (m1, m2) = lua.mark.to_lua(&rule.limit, outcome.mark);
                 call.arg(outcome.result.granted).arg(m1).arg(m2);
+            }
+            Op::Renew(places) => {
+                let place = places.get(index).copied().unwrap_or_default();
+                let (m1, m2) = lua.mark.to_lua(&rule.limit, place);
+                call.arg(rule.want.get()).arg(m1).arg(m2);
             }
         }
     }
@@ -438,21 +457,25 @@ fn to_outcome(
         .min(rule.want.get());
     let mark = lua_algorithm(rule.algo.code())
         .map_or_else(Mark::default, |lua| lua.mark.to_mark(&rule.limit, m1, m2));
-    Ok(Outcome {
-        result: RuleResult {
-            allowed: allowed != 0 || granted > 0,
-            granted,
-            remaining: u64::try_from(remaining).unwrap_or(0),
-            reset_ms: millis(reset_us),
-            retry_after_ms: if allowed == 0 || matches!(op, Op::Charge) {
-                millis(retry_us)
-            } else {
-                0
-            },
-            delay_ms: if granted > 0 { millis(delay_us) } else { 0 },
+    let result = RuleResult {
+        place: None,
+        allowed: allowed != 0 || granted > 0,
+        granted,
+        remaining: u64::try_from(remaining).unwrap_or(0),
+        reset_ms: millis(reset_us),
+        retry_after_ms: if allowed == 0 || matches!(op, Op::Charge) {
+            millis(retry_us)
+        } else {
+            0
         },
-        mark,
-    })
+        delay_ms: if granted > 0 { millis(delay_us) } else { 0 },
+    };
+    // Places granted or renewed name their bucket (a charge or release answers none).
+    let result = match op {
+        Op::Acquire | Op::Renew(_) => result.placed(rule.algo, mark),
+        Op::Charge | Op::Release(_) => result,
+    };
+    Ok(Outcome { result, mark })
 }
 
 /// The rules grouped by key (a hash tag: one cluster slot), in order of first appearance.
@@ -1032,6 +1055,28 @@ impl RedisStore {
         self.each_group(Op::Release(outcomes), rules, now_us).await
     }
 
+    /// [`Store::renew`] on the script's clock `now_us` when given. One call on a single
+    /// server (atomic); one per key on a cluster.
+    pub async fn renew_at(
+        &self,
+        rules: &[ResolvedRule<'_>],
+        places: &[Mark],
+        now_us: Option<u64>,
+    ) -> Result<Vec<Outcome>, StoreError> {
+        let groups = if self.is_cluster() {
+            groups_by_key(rules)
+        } else {
+            vec![rules.iter().enumerate().collect()]
+        };
+        let (outcomes, status) = self
+            .call_groups(Op::Renew(places), &groups, rules.len(), now_us)
+            .await;
+        for status in status {
+            status?;
+        }
+        Ok(outcomes)
+    }
+
     /// One call for every rule (a single server), or one per key (a cluster).
     async fn each_group(
         &self,
@@ -1071,6 +1116,14 @@ impl Store for RedisStore {
         outcomes: &[Outcome],
     ) -> Result<(), StoreError> {
         self.release_at(rules, outcomes, None).await.map(|_| ())
+    }
+
+    async fn renew(
+        &self,
+        rules: &[ResolvedRule<'_>],
+        places: &[Mark],
+    ) -> Result<Vec<Outcome>, StoreError> {
+        self.renew_at(rules, places, None).await
     }
 
     async fn note_call(&self, call: &str, grants: &[Grant]) -> Result<Noted, StoreError> {
@@ -1235,6 +1288,7 @@ mod tests {
     #[test]
     fn replies() {
         let request = RuleRequest {
+            place: None,
             key: "k".to_string(),
             algo: "TB".to_string(),
             rpu: 10,
@@ -1253,6 +1307,7 @@ mod tests {
         assert_eq!(
             result,
             RuleResult {
+                place: None,
                 allowed: true,
                 granted: 2,
                 remaining: 8,
@@ -1298,6 +1353,7 @@ mod tests {
     #[test]
     fn keys_are_bound_to_the_parameters() {
         let request = |algo: &str, rpu: u32, unit: &str, burst: u32, slices: u32| RuleRequest {
+            place: None,
             key: "8f3a:5c1e".to_string(),
             algo: algo.to_string(),
             rpu,
@@ -1337,6 +1393,7 @@ mod tests {
     #[test]
     fn only_fixed_window_acquires_take_the_lean_script() {
         let request = |algo: &str| RuleRequest {
+            place: None,
             key: "k".to_string(),
             algo: algo.to_string(),
             rpu: 5,
@@ -1361,6 +1418,7 @@ mod tests {
     #[test]
     fn rules_are_grouped_by_key() {
         let rule = |key: &str| RuleRequest {
+            place: None,
             key: key.to_string(),
             algo: "W".to_string(),
             rpu: 1,

@@ -348,6 +348,7 @@ pub fn rule(
     want: u32,
 ) -> RuleRequest {
     RuleRequest {
+        place: None,
         key: key.to_string(),
         algo: algo.to_string(),
         rpu,
