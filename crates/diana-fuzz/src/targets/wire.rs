@@ -30,6 +30,8 @@ const ALGOS: &[&str] = &[
     "tb",
     "token bucket",
     "Sliding Window",
+    "IF",
+    "if",
     "x",
     "",
 ];
@@ -69,7 +71,7 @@ fn rule(rng: &mut Rng) -> RuleRequest {
         1 + rng.below(u64::from(want.max(1))) as u32
     };
     RuleRequest {
-        place: None,
+        place: rng.one_in(3).then(|| rng.interesting_u64()),
         key: key(rng),
         algo: rng.pick(ALGOS).map_or("W", |a| *a).to_string(),
         rpu: small_or_any(rng, 20),
@@ -132,9 +134,14 @@ fn honest(rng: &mut Rng, request: &AcquireRequest) -> Option<AcquireResponse> {
         .all(|(rule, verdict)| verdict.allowed() || rule.dry_run);
     let results = decided
         .iter()
-        .map(|verdict| {
+        .enumerate()
+        .map(|(at, verdict)| {
             let mut result = RuleResult::from_verdict(verdict);
+            if let Some(rule) = rules.get(at) {
+                result = result.placed(rule.algo, verdict.mark);
+            }
             if !admitted || !verdict.allowed() {
+                result.place = None;
                 result.granted = 0;
                 result.delay_ms = 0;
             }
@@ -146,7 +153,7 @@ fn honest(rng: &mut Rng, request: &AcquireRequest) -> Option<AcquireResponse> {
 
 fn random_result(rng: &mut Rng) -> RuleResult {
     RuleResult {
-        place: None,
+        place: rng.one_in(2).then(|| rng.interesting_u64()),
         allowed: rng.one_in(2),
         granted: if rng.one_in(2) {
             rng.below(4) as u32
@@ -292,6 +299,14 @@ impl Target for Answers {
                 let again = serde_json::to_vec(&request).map_err(|e| e.to_string())?;
                 if wire::decode_request(&again).as_ref() != Ok(&request) {
                     return Err("a decoded request does not survive a round trip".to_string());
+                }
+                // As a leave or renew body: places only, each with its bucket.
+                if let Ok((rules, places)) = wire::resolve_places(&request) {
+                    let held = rules.iter().all(|rule| rule.algo.holds_until_done());
+                    let named = request.rules.iter().all(|rule| rule.place.is_some());
+                    if !held || !named || places.len() != rules.len() {
+                        return Err("resolve_places accepted what is not places".to_string());
+                    }
                 }
                 match wire::decode_response(&request, body) {
                     Ok(response) => promises_kept(&request, &response),
