@@ -457,6 +457,17 @@ impl AcquireRequest {
     }
 }
 
+/// Checks the body of a [`RELEASE_PATH`] request: a valid request that names its `call`;
+/// resolved, with the call.
+pub fn resolve_release(request: &AcquireRequest) -> Result<(Vec<ResolvedRule<'_>>, &str), String> {
+    let rules = request.resolve()?;
+    let call = request
+        .call
+        .as_deref()
+        .ok_or_else(|| "call: a release names the call it releases".to_string())?;
+    Ok((rules, call))
+}
+
 /// Checks the body of a [`LEAVE_PATH`] or [`RENEW_PATH`] request: a valid request whose
 /// every rule is a concurrency limit naming its `place`; resolved, with the places as
 /// their marks.

@@ -511,32 +511,20 @@ async fn release(State(state): State<AppState>, headers: HeaderMap, body: Body) 
         Ok(started) => started,
         Err(answer) => return answer,
     };
-    let rules = match request.resolve() {
-        Ok(rules) => rules,
+    let (rules, call) = match wire::resolve_release(&request) {
+        Ok(resolved) => resolved,
         Err(reason) => return error(StatusCode::BAD_REQUEST, reason),
-    };
-    let Some(call) = &request.call else {
-        return error(
-            StatusCode::BAD_REQUEST,
-            "call: a release names the call it releases",
-        );
     };
     let work = async {
         let Some(grants) = state.store().take_call(call).await? else {
             return Ok(false);
         };
-        if grants.len() != rules.len() {
-            // Not the rules of that acquire: nothing is given back to other counters.
-            return Err(StoreError::Unsupported(format!(
-                "rules: {} rules, the call {call} had {}",
-                rules.len(),
-                grants.len()
-            )));
-        }
+        let outcomes =
+            Grant::released(call, rules.len(), &grants).map_err(StoreError::Unsupported)?;
         state.metrics().call_release();
         state
             .store()
-            .release(&rules, &Grant::outcomes(&grants))
+            .release(&rules, &outcomes)
             .await
             .map(|()| true)
     };

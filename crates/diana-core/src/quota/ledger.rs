@@ -61,6 +61,19 @@ impl Grant {
             })
     }
 
+    /// The outcomes a release of `call` takes for its grants, given back to `rules` (the
+    /// release's body): refused when they are not as many as that call's rules, so that
+    /// nothing is given back to other counters.
+    pub fn released(call: &str, rules: usize, grants: &[Grant]) -> Result<Vec<Outcome>, String> {
+        if grants.len() != rules {
+            return Err(format!(
+                "rules: {rules} rules, the call {call} had {}",
+                grants.len()
+            ));
+        }
+        Ok(Grant::outcomes(grants))
+    }
+
     /// The outcomes a store's release takes for these grants.
     pub fn outcomes(grants: &[Grant]) -> Vec<Outcome> {
         grants

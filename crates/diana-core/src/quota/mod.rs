@@ -204,17 +204,13 @@ impl MemoryQuota {
     /// format's JSON, with its `call`).
     pub fn release_body(&mut self, body: &[u8], now: Instant) -> Result<ReleaseResponse, String> {
         let request = wire::decode_request(body)?;
-        let rules = request.resolve()?;
-        let Some(call) = &request.call else {
-            return Err("call: a release names the call it releases".to_string());
+        let (rules, call) = wire::resolve_release(&request)?;
+        let Some(grants) = self.ledger.release(call, now) else {
+            return Ok(ReleaseResponse { released: false });
         };
-        let grants = self.ledger.release(call, now);
-        if let Some(grants) = &grants {
-            self.release(&rules, &Grant::outcomes(grants), now);
-        }
-        Ok(ReleaseResponse {
-            released: grants.is_some(),
-        })
+        let outcomes = Grant::released(call, rules.len(), &grants)?;
+        self.release(&rules, &outcomes, now);
+        Ok(ReleaseResponse { released: true })
     }
 
     /// Gives back concurrency places (a leave body: the wire format's JSON, each rule with
