@@ -1,6 +1,7 @@
 """Actors from a claim of a token that Envoy's `jwt_authn` verified (issue #18, item 4):
 `{jwt_claim: CLAIM, from: {jwt_authn: NAME}}` reads the payload jwt_authn left in the
-request's dynamic metadata (`payload_in_metadata: NAME`), not the `authorization` header.
+request's dynamic metadata (`payload_in_metadata: NAME`), not the `authorization` header;
+so does a plan's `by: {jwt_claim: CLAIM, from: {jwt_authn: NAME}}` (item 5).
 
 A real Envoy runs `jwt_authn` before Diana, with a local JWKS of an RSA key made here
 (the `cryptography` package: nothing is signed by hand) and `forward: false`, so the token
@@ -43,6 +44,13 @@ resources:
     rules: [{{name: per_uid, actor: uid, algo: TB, unit: hour, rpu: {RPU}}}]
   - Url: /bearer
     rules: [{{name: per_bearer, actor: bearer, algo: TB, unit: hour, rpu: {RPU}}}]
+  - Url: /tier
+    rules:
+      - name: per_tier
+        actor: user
+        algo: TB
+        unit: hour
+        rpu: {{by: {{jwt_claim: tier, from: {{jwt_authn: {PAYLOAD}}}}}, values: {{pro: 5}}, default: 1}}
 actors:
   user: {{jwt_claim: sub, from: {{jwt_authn: {PAYLOAD}}}, fallback: shared}}
   org: {{jwt_claim: /org/id, from: {{jwt_authn: {PAYLOAD}}}, fallback: shared}}
@@ -196,3 +204,16 @@ def test_claims_are_read_from_the_payload_jwt_authn_verified(host, gateway):
     assert by_bytes == [LIMITED, {503: N}]
     assert by_bearer == [LIMITED, {503: N}]
     assert NO_METADATA not in gw.log_text()
+
+
+def test_a_plan_is_read_from_the_payload_jwt_authn_verified(host, gateway):
+    gw, issuer = gateway
+    pro = issuer.bearer({"sub": "pat", "tier": "pro"})
+    untiered = issuer.bearer({"sub": "sam"})
+    tiers = [_burst(gw, "/tier", h) for h in (pro, untiered)]
+    record(f"{host}: plan from jwt_authn metadata (pro 5, default 1)", f"pro then none {tiers}")
+    if host == "envoy":
+        assert tiers == [{200: 5, 503: 1}, {200: 1, 503: 5}]
+    else:
+        # No metadata: the actor's fallback (shared) and the default plan for everyone.
+        assert tiers == [{200: 1, 503: 5}, {503: N}]

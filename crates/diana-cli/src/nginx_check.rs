@@ -307,12 +307,25 @@ fn check_upstreams(policy: &Policy, at: &str, problems: &mut Vec<String>) {
     }
 }
 
-/// An actor that reads a claim from `jwt_authn`'s metadata (`from: {jwt_authn: NAME}`)
-/// reads nothing on nginx, which has no such filter: every request would take its
-/// fallback.
+/// An actor or a plan that reads a claim from `jwt_authn`'s metadata (`from: {jwt_authn:
+/// NAME}`) reads nothing on nginx, which has no such filter: every request would take
+/// the actor's fallback, or the rule's default plan.
 fn check_claim_origins(policy: &Policy, at: &str, problems: &mut Vec<String>) {
     let mut seen: Vec<&str> = Vec::new();
+    let mut plans_seen: Vec<&str> = Vec::new();
     for rule in policy.rules() {
+        if let Some(choice) = &rule.plan {
+            let base = rule.name.split('.').next().unwrap_or(&rule.name);
+            if let Some(claim) = choice.by.metadata_claim() {
+                if !plans_seen.contains(&base) {
+                    plans_seen.push(base);
+                    problems.push(format!(
+                        "{at}: rule `{base}` reads its plan from the claim {}, the metadata Envoy's jwt_authn filter leaves: nginx has no such filter, so every request would count by the default plan; read the bearer token instead (drop `from`, and verify the token in front of Diana)",
+                        claim.describe()
+                    ));
+                }
+            }
+        }
         if seen.contains(&rule.actor_name.as_str()) {
             continue;
         }
@@ -431,6 +444,29 @@ fn parse_size(text: &str) -> Option<u64> {
 mod tests {
     use super::{check_claim_origins, parse_size};
     use diana_core::config::parse_policy;
+
+    #[test]
+    fn a_plan_from_jwt_authn_metadata_is_a_problem_on_nginx() {
+        for (plans, expected) in [
+            ("{by: {jwt_claim: /plan, from: {jwt_authn: jwt_payload}}, values: {pro: 5}, default: 1}", 1),
+            ("{by: {jwt_claim: /plan}, values: {pro: 5}, default: 1}", 0),
+            ("{by: x-plan, values: {pro: 5}, default: 1}", 0),
+        ] {
+            let document = format!(
+                "resources:\n  - Url: /\n    rules:\n      - {{name: api, rpu: {plans}}}\n"
+            );
+            let policy = parse_policy(&document).expect("a valid document");
+            let mut problems = Vec::new();
+            check_claim_origins(&policy, "diana.yaml", &mut problems);
+            assert_eq!(problems.len(), expected, "{plans}: {problems:?}");
+            if expected == 1 {
+                assert!(
+                    problems[0].contains("rule `api` reads its plan from the claim /plan from jwt_authn:jwt_payload"),
+                    "{problems:?}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn a_claim_from_jwt_authn_metadata_is_a_problem_on_nginx() {

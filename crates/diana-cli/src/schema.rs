@@ -35,17 +35,19 @@ const MAX_RULE_NAME: u64 = 128;
 const MAX_HEADER_NAME: u64 = 256;
 
 /// `{"config_schema": …}`: the Kong filter metadata file (`diana.meta.json`). Kong runs
-/// on nginx, which has no jwt_authn: actors there have no `from` (`diana check-nginx`
-/// says the same of a document that has one).
+/// on nginx, which has no jwt_authn: actors and plans there have no `from` (`diana
+/// check-nginx` says the same of a document that has one).
 pub fn kong_meta() -> Value {
     let mut schema = schema();
-    if let Some(actors) = schema.pointer_mut("/definitions/actors") {
-        without_from(actors);
+    for reading_claims in ["/definitions/actors", "/definitions/rule"] {
+        if let Some(definition) = schema.pointer_mut(reading_claims) {
+            without_from(definition);
+        }
     }
     json!({ "config_schema": schema })
 }
 
-/// Removes `from` (and what refers to it) from every actor definition under `value`.
+/// Removes `from` (and what refers to it) from every definition under `value`.
 fn without_from(value: &mut Value) {
     match value {
         Value::Object(map) => {
@@ -251,12 +253,15 @@ fn rule() -> Value {
                         "type": "object",
                         "properties": {
                             "by": {
-                                "description": "Where the plan is read: a request header, or a claim of the bearer token",
+                                "description": "Where the plan is read: a request header, or a claim of the bearer token (or, with `from`, of the payload jwt_authn verified)",
                                 "oneOf": [
                                     { "$ref": "#/definitions/header_name" },
                                     {
                                         "type": "object",
-                                        "properties": { "jwt_claim": { "type": "string", "minLength": 1 } },
+                                        "properties": {
+                                            "jwt_claim": { "type": "string", "minLength": 1 },
+                                            "from": claim_origin(),
+                                        },
                                         "required": ["jwt_claim"],
                                         "additionalProperties": false,
                                     }
@@ -402,6 +407,26 @@ fn full() -> Value {
     })
 }
 
+/// `from: {jwt_authn: NAME}`: where a `jwt_claim` is read (an actor's, a plan's `by`).
+fn claim_origin() -> Value {
+    json!({
+        "type": "object",
+        "description": "Where a `jwt_claim` is read (default: the bearer token of the \
+                        `authorization` header, unverified). `{jwt_authn: NAME}`: the payload \
+                        Envoy's jwt_authn filter verified and left in the request's metadata \
+                        (its provider's `payload_in_metadata: NAME`); Envoy's wasm filter only",
+        "properties": {
+            "jwt_authn": {
+                "type": "string",
+                "pattern": "^[^;\\u0000-\\u001f\\u007f]*[^;\\s][^;\\u0000-\\u001f\\u007f]*$",
+                "maxLength": jwt::MAX_METADATA_NAME_BYTES,
+            }
+        },
+        "required": ["jwt_authn"],
+        "additionalProperties": false,
+    })
+}
+
 fn actors() -> Value {
     let sources: Vec<&str> = SOURCE_KINDS.iter().map(|kind| kind.key()).collect();
     let mut source_props = Map::new();
@@ -416,25 +441,7 @@ fn actors() -> Value {
         "fallback".into(),
         json!({ "$ref": "#/definitions/fallback" }),
     );
-    source_props.insert(
-        "from".into(),
-        json!({
-            "type": "object",
-            "description": "Where a `jwt_claim` is read (default: the bearer token of the \
-                            `authorization` header, unverified). `{jwt_authn: NAME}`: the payload \
-                            Envoy's jwt_authn filter verified and left in the request's metadata \
-                            (its provider's `payload_in_metadata: NAME`); Envoy's wasm filter only",
-            "properties": {
-                "jwt_authn": {
-                    "type": "string",
-                    "pattern": "^[^;\\u0000-\\u001f\\u007f]*[^;\\s][^;\\u0000-\\u001f\\u007f]*$",
-                    "maxLength": jwt::MAX_METADATA_NAME_BYTES,
-                }
-            },
-            "required": ["jwt_authn"],
-            "additionalProperties": false,
-        }),
-    );
+    source_props.insert("from".into(), claim_origin());
     let source_props = Value::Object(source_props);
     // `from` only with `jwt_claim`.
     let from_needs_a_claim = json!({ "from": [JwtClaimKind.key()] });

@@ -11,7 +11,7 @@
 //! registry; existing sources are not touched.
 
 use crate::hash::{IdentityHasher, IdentityKind};
-use crate::jwt::{self, ClaimOrigin, ClaimPath};
+use crate::jwt::{self, Claim, ClaimOrigin, ClaimPath};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -200,10 +200,7 @@ impl ActorSource for HeaderActor {
 pub struct JwtClaimActor {
     /// Its JSON Pointer is part of the hashed input ([`IdentityKind::Claim`], or
     /// [`IdentityKind::VerifiedClaim`] with the payload's name).
-    path: ClaimPath,
-    origin: ClaimOrigin,
-    /// From metadata: the payload's name, then the claim's segments.
-    metadata_path: Vec<String>,
+    claim: Claim,
     fallback: Fallback,
     /// Set once this actor found that the host has no metadata (logged once).
     told_no_metadata: AtomicBool,
@@ -211,43 +208,26 @@ pub struct JwtClaimActor {
 
 impl JwtClaimActor {
     pub fn new(path: ClaimPath, origin: ClaimOrigin, fallback: Fallback) -> JwtClaimActor {
-        let metadata_path = match &origin {
-            ClaimOrigin::Bearer => Vec::new(),
-            ClaimOrigin::JwtAuthn(name) => std::iter::once(name.clone())
-                .chain(path.segments())
-                .collect(),
-        };
         JwtClaimActor {
-            path,
-            origin,
-            metadata_path,
+            claim: Claim::new(path, origin),
             fallback,
             told_no_metadata: AtomicBool::new(false),
         }
     }
 
     fn claim(&self, request: &dyn RequestFacts) -> Option<Vec<u8>> {
-        match &self.origin {
-            ClaimOrigin::Bearer => request
-                .header("authorization")
-                .and_then(|header| jwt::claim(jwt::bearer(&header)?, &self.path)),
-            ClaimOrigin::JwtAuthn(name) => {
-                let path: Vec<&str> = self.metadata_path.iter().map(String::as_str).collect();
-                match request.filter_metadata(jwt::JWT_AUTHN_NAMESPACE, &path) {
-                    Ok(value) => jwt::metadata_claim(value),
-                    Err(NoMetadata) => {
-                        if !self.told_no_metadata.swap(true, Ordering::Relaxed) {
-                            log::error!(
-                                "diana: an actor reads the claim {} from jwt_authn's metadata (payload_in_metadata: {name}), and this host has none (only Envoy's wasm filter reads it): every request takes the fallback `{}`",
-                                self.path.pointer(),
-                                self.fallback
-                            );
-                        }
-                        None
-                    }
+        self.claim.read(request).unwrap_or_else(|NoMetadata| {
+            if let ClaimOrigin::JwtAuthn(name) = self.claim.origin() {
+                if !self.told_no_metadata.swap(true, Ordering::Relaxed) {
+                    log::error!(
+                        "diana: an actor reads the claim {} from jwt_authn's metadata (payload_in_metadata: {name}), and this host has none (only Envoy's wasm filter reads it): every request takes the fallback `{}`",
+                        self.claim.path().pointer(),
+                        self.fallback
+                    );
                 }
             }
-        }
+            None
+        })
     }
 }
 
@@ -256,11 +236,12 @@ impl ActorSource for JwtClaimActor {
         let Some(value) = self.claim(request) else {
             return self.fallback.identify(request, hasher);
         };
-        let kind = match &self.origin {
-            ClaimOrigin::Bearer => IdentityKind::Claim(self.path.pointer()),
+        let path = self.claim.path().pointer();
+        let kind = match self.claim.origin() {
+            ClaimOrigin::Bearer => IdentityKind::Claim(path),
             ClaimOrigin::JwtAuthn(name) => IdentityKind::VerifiedClaim {
-                payload: name,
-                path: self.path.pointer(),
+                payload: name.as_str(),
+                path,
             },
         };
         Identity::Key(hasher.identity(kind, &value))

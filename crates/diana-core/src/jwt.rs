@@ -18,6 +18,7 @@
 //! `null` not at all. Those bytes are the identity, whatever the type
 //! ([`metadata_claim`]).
 
+use crate::actor::{NoMetadata, RequestFacts};
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use base64::Engine as _;
 use serde_json::Value;
@@ -87,6 +88,64 @@ impl ClaimOrigin {
         match self {
             ClaimOrigin::Bearer => None,
             ClaimOrigin::JwtAuthn(name) => Some(format!("jwt_authn:{name}")),
+        }
+    }
+}
+
+/// A claim and where it is read: the bearer token, or jwt_authn's metadata (an actor's
+/// `jwt_claim`, a plan's `by: {jwt_claim}`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Claim {
+    path: ClaimPath,
+    origin: ClaimOrigin,
+    /// From metadata: the payload's name, then the claim's segments.
+    metadata_path: Vec<String>,
+}
+
+impl Claim {
+    pub fn new(path: ClaimPath, origin: ClaimOrigin) -> Claim {
+        let metadata_path = match &origin {
+            ClaimOrigin::Bearer => Vec::new(),
+            ClaimOrigin::JwtAuthn(name) => std::iter::once(name.clone())
+                .chain(path.segments())
+                .collect(),
+        };
+        Claim {
+            path,
+            origin,
+            metadata_path,
+        }
+    }
+
+    pub fn path(&self) -> &ClaimPath {
+        &self.path
+    }
+
+    pub fn origin(&self) -> &ClaimOrigin {
+        &self.origin
+    }
+
+    /// The claim's value in `request` (`None`: no token, a malformed one, no such claim);
+    /// `Err(NoMetadata)` when it is read from metadata this host does not have.
+    pub fn read(&self, request: &dyn RequestFacts) -> Result<Option<Vec<u8>>, NoMetadata> {
+        match &self.origin {
+            ClaimOrigin::Bearer => Ok(request
+                .header("authorization")
+                .and_then(|header| claim(bearer(&header)?, &self.path))),
+            ClaimOrigin::JwtAuthn(_) => {
+                let path: Vec<&str> = self.metadata_path.iter().map(String::as_str).collect();
+                request
+                    .filter_metadata(JWT_AUTHN_NAMESPACE, &path)
+                    .map(metadata_claim)
+            }
+        }
+    }
+
+    /// As `diana check` shows it: `/sub`, or `/sub from jwt_authn:NAME`.
+    pub fn describe(&self) -> String {
+        match self.origin.describe() {
+            None => self.path.pointer().to_string(),
+            Some(origin) => format!("{} from {origin}", self.path.pointer()),
         }
     }
 }

@@ -4,7 +4,7 @@
 use crate::actor::{ActorSource, Identity, RequestFacts};
 use crate::algo::{Algorithm, Limit};
 use crate::hash::{IdentityHasher, IdentityKey, KeyOrigin};
-use crate::jwt::{self, ClaimPath};
+use crate::jwt::{Claim, ClaimOrigin};
 use crate::secret::Secret;
 use crate::signature::SignatureKey;
 use crate::store::Generation;
@@ -434,27 +434,38 @@ pub struct PlanChoice {
 pub enum PlanSource {
     /// A request header's value.
     Header(String),
-    /// A claim of the bearer token, unverified (as for a `jwt_claim` actor).
-    JwtClaim(ClaimPath),
+    /// A claim: of the bearer token, unverified, or of the payload jwt_authn verified (as
+    /// for a `jwt_claim` actor).
+    JwtClaim(Claim),
 }
 
 impl PlanSource {
-    /// The request's plan as sent (surrounding spaces trimmed); `None` when absent.
+    /// The request's plan as sent (surrounding spaces trimmed); `None` when absent (and
+    /// when it is read from metadata this host does not have: `diana check-nginx` says
+    /// so).
     pub fn read(&self, facts: &dyn RequestFacts) -> Option<Vec<u8>> {
         let value = match self {
             PlanSource::Header(name) => facts.header(name),
-            PlanSource::JwtClaim(path) => facts
-                .header("authorization")
-                .and_then(|header| jwt::claim(jwt::bearer(&header)?, path)),
+            PlanSource::JwtClaim(claim) => claim.read(facts).ok().flatten(),
         }?;
         Some(value.trim_ascii().to_vec())
     }
 
-    /// As `diana check` shows it: `header x-plan`, `jwt_claim /plan`.
+    /// As `diana check` shows it: `header x-plan`, `jwt_claim /plan`, `jwt_claim /plan
+    /// from jwt_authn:NAME`.
     pub fn describe(&self) -> String {
         match self {
             PlanSource::Header(name) => format!("header {name}"),
-            PlanSource::JwtClaim(path) => format!("jwt_claim {}", path.pointer()),
+            PlanSource::JwtClaim(claim) => format!("jwt_claim {}", claim.describe()),
+        }
+    }
+
+    /// The claim it reads from jwt_authn's metadata, if it does (hosts without metadata
+    /// cannot).
+    pub fn metadata_claim(&self) -> Option<&Claim> {
+        match self {
+            PlanSource::JwtClaim(claim) if claim.origin() != &ClaimOrigin::Bearer => Some(claim),
+            _ => None,
         }
     }
 }

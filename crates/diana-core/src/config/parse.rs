@@ -847,7 +847,7 @@ fn build_rules(
     };
     let by = match &plans.by {
         raw::PlanByField::Header(name) => PlanSource::Header(name.clone()),
-        raw::PlanByField::JwtClaim(path) => PlanSource::JwtClaim(path.clone()),
+        raw::PlanByField::JwtClaim(claim) => PlanSource::JwtClaim(claim.clone()),
     };
     let named: Arc<[String]> = plans
         .values

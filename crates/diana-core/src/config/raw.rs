@@ -291,16 +291,21 @@ pub(super) struct RawPlans {
 }
 
 /// `by`: where a request's plan is read — a request header (`by: x-plan`), or a claim of
-/// the bearer token (`by: {jwt_claim: plan}`).
+/// the bearer token (`by: {jwt_claim: plan}`) or of the payload jwt_authn verified (`by:
+/// {jwt_claim: plan, from: {jwt_authn: NAME}}`).
 pub(super) enum PlanByField {
     Header(String),
-    JwtClaim(crate::jwt::ClaimPath),
+    JwtClaim(crate::jwt::Claim),
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields, expecting = "`{jwt_claim: PATH}`")]
+#[serde(
+    deny_unknown_fields,
+    expecting = "`{jwt_claim: PATH}` or `{jwt_claim: PATH, from: {jwt_authn: NAME}}`"
+)]
 struct RawPlanByClaim {
     jwt_claim: NonEmpty,
+    from: Option<ClaimOriginField>,
 }
 
 impl<'de> Deserialize<'de> for PlanByField {
@@ -309,7 +314,9 @@ impl<'de> Deserialize<'de> for PlanByField {
         impl<'de> Visitor<'de> for ByVisitor {
             type Value = PlanByField;
             fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
-                formatter.write_str("a request header name, or `{jwt_claim: PATH}`")
+                formatter.write_str(
+                    "a request header name, or `{jwt_claim: PATH [, from: {jwt_authn: NAME}]}`",
+                )
             }
             fn visit_str<E: de::Error>(self, value: &str) -> Result<PlanByField, E> {
                 crate::actor::HeaderKind
@@ -319,9 +326,11 @@ impl<'de> Deserialize<'de> for PlanByField {
             }
             fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<PlanByField, A::Error> {
                 let raw = RawPlanByClaim::deserialize(de::value::MapAccessDeserializer::new(map))?;
-                crate::jwt::ClaimPath::parse(raw.jwt_claim.0.trim())
-                    .map(PlanByField::JwtClaim)
-                    .map_err(de::Error::custom)
+                let path = crate::jwt::ClaimPath::parse(raw.jwt_claim.0.trim())
+                    .map_err(de::Error::custom)?;
+                let origin = raw.from.map_or(ClaimOrigin::Bearer, |from| from.0);
+                origin.check(&path).map_err(de::Error::custom)?;
+                Ok(PlanByField::JwtClaim(crate::jwt::Claim::new(path, origin)))
             }
         }
         deserializer.deserialize_any(ByVisitor)

@@ -1536,6 +1536,55 @@ fn a_rule_with_plans_is_one_rule_per_plan_and_one_for_the_rest() {
 }
 
 #[test]
+fn a_plan_is_read_from_the_bearer_token_or_from_jwt_authn_metadata() {
+    use crate::actor::fake::Facts;
+    use crate::jwt::JWT_AUTHN_NAMESPACE;
+    let source = |by: &str| {
+        let policy = parse(&format!(
+            "resources:\n  - Url: /\n    rules:\n      - rpu: {{by: {by}, values: {{pro: 9}}, default: 1}}\n"
+        ));
+        let rules = rules_of(&policy);
+        let plan = rules[0].plan.clone().expect("a rule with plans");
+        (plan.by, rules[0].id)
+    };
+    let (verified, verified_id) = source("{jwt_claim: /tier, from: {jwt_authn: jwt_payload}}");
+    let (token, token_id) = source("{jwt_claim: /tier}");
+    assert_eq!(
+        verified.describe(),
+        "jwt_claim /tier from jwt_authn:jwt_payload"
+    );
+    assert_eq!(token.describe(), "jwt_claim /tier");
+    assert!(verified.metadata_claim().is_some() && token.metadata_claim().is_none());
+    assert_ne!(
+        verified_id, token_id,
+        "where the plan is read is part of the rule"
+    );
+    // From metadata: the payload's name, then the claim's segments; trimmed as a header is.
+    let facts = Facts::default().metadata(JWT_AUTHN_NAMESPACE, &["jwt_payload", "tier"], b" pro ");
+    assert_eq!(verified.read(&facts), Some(b"pro".to_vec()));
+    // Not from the bearer token, and nothing on a host without metadata.
+    assert_eq!(verified.read(&Facts::default()), None);
+    assert_eq!(token.read(&facts), None);
+    // A NUL cannot be sent as a metadata path segment; `from` names its payload.
+    for (by, expected) in [
+        (
+            "{jwt_claim: \"/a\\0b\", from: {jwt_authn: p}}",
+            "cannot contain a NUL",
+        ),
+        ("{jwt_claim: /tier, from: {jwt_authn: \"\"}}", "jwt_authn"),
+        ("{jwt_claim: /tier, from: {jwt: p}}", "unknown field `jwt`"),
+    ] {
+        let document = format!(
+            "resources:\n  - Url: /\n    rules:\n      - rpu: {{by: {by}, values: {{pro: 9}}, default: 1}}\n"
+        );
+        let error = crate::config::parse_policy(&document)
+            .expect_err(by)
+            .to_string();
+        assert!(error.contains(expected), "{by}: {error}");
+    }
+}
+
+#[test]
 fn plans_of_a_global_rule_count_once_per_callout() {
     // 16 global rules with 3 plans each: one plan of each applies to a request.
     let mut doc = "resources:\n  - Url: /\n    rules:\n".to_string();
