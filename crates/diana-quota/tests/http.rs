@@ -587,7 +587,15 @@ async fn gateway_endpoints_need_the_secret_and_a_refusal_touches_nothing() {
         (Some(TEST_TOKEN), "invalid"), // no scheme
         (Some("Basic dGVzdDp0ZXN0"), "invalid"),
     ];
-    for path in ["/v1/acquire", "/v1/wait", "/v1/charge"] {
+    let paths = [
+        "/v1/acquire",
+        "/v1/wait",
+        "/v1/charge",
+        "/v1/release",
+        "/v1/leave",
+        "/v1/renew",
+    ];
+    for path in paths {
         for (credential, _) in credentials {
             let polled = Arc::new(AtomicBool::new(false));
             let mut request = Request::post(path).header("content-type", "application/json");
@@ -625,8 +633,10 @@ async fn gateway_endpoints_need_the_secret_and_a_refusal_touches_nothing() {
     let (_, _, text) = send(&router, get("/metrics")).await;
     let text = String::from_utf8(text).unwrap();
     for line in [
-        "diana_quota_unauthorized_total{reason=\"missing\"} 6",
-        "diana_quota_unauthorized_total{reason=\"invalid\"} 12",
+        "diana_quota_unauthorized_total{reason=\"missing\"} 12",
+        "diana_quota_unauthorized_total{reason=\"invalid\"} 24",
+        "diana_quota_http_requests_total{path=\"/v1/leave\",status=\"401\"} 6",
+        "diana_quota_http_requests_total{path=\"/v1/renew\",status=\"401\"} 6",
         "diana_quota_http_requests_total{path=\"/v1/charge\",status=\"401\"} 6",
         "diana_quota_auth_required 1",
         "diana_quota_decisions_total{algo=\"W\",result=\"allowed\"} 1",
