@@ -128,25 +128,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):  # type: igno
 HOSTS = ["envoy", "nginx", "envoy-native"]
 
 
-# What the native module cannot do yet, so that its tests say so rather than pass or hide.
-IDLE_TICK = (
-    "envoy-native: Envoy's dynamic-module ABI gives an HTTP filter no timer on its worker "
-    "thread, so the worker's tick runs only on a request's stream (crates/diana-envoy-native/"
-    "README.md): what the tick does for a gateway without traffic (config-center polls, "
-    "response costs sent to diana-quota, lease refills ahead) waits for the next request"
-)
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """A test marked `needs_idle_tick` is expected to fail on envoy-native (it still runs,
-    and the summary counts it as xfailed, or xpassed if it passes)."""
-    for item in items:
-        callspec = getattr(item, "callspec", None)
-        on_native = callspec is not None and callspec.params.get("host") == "envoy-native"
-        if on_native and item.get_closest_marker("needs_idle_tick"):
-            item.add_marker(pytest.mark.xfail(reason=IDLE_TICK, strict=False))
-
-
 @pytest.fixture(params=HOSTS)
 def host(request: pytest.FixtureRequest) -> str:
     """The gateway a test runs on; every test that uses it runs once per host."""

@@ -76,7 +76,6 @@ def test_an_llm_token_budget_charged_from_the_answer(start_gateway):
     assert bob == [200], bob
 
 
-@pytest.mark.needs_idle_tick
 def test_an_llm_token_budget_shared_by_two_gateways(procs, start_gateway):
     quota = procs.add(Quota(procs.log_dir)).start()
     doc = BUDGET.format(scope="global")

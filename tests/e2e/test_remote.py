@@ -70,7 +70,6 @@ def wait_applied_everywhere(gw, at_least: int, what: str) -> None:
             last, since = now, time.monotonic()
 
 
-@pytest.mark.needs_idle_tick
 def test_remote_document_replaces_local_then_survives_failures_and_garbage(start_gateway):
     port = free_port()
     with ConfigCenter(port) as center:
@@ -120,7 +119,6 @@ def test_remote_document_replaces_local_then_survives_failures_and_garbage(start
         del polls_per_second
 
 
-@pytest.mark.needs_idle_tick
 def test_a_config_center_that_is_never_up_leaves_the_local_document(start_gateway):
     port = free_port()  # nothing listens there
     gw = start_gateway(local_doc(rpu=4), config_port=port)
@@ -131,7 +129,6 @@ def test_a_config_center_that_is_never_up_leaves_the_local_document(start_gatewa
     assert gw.log_text().count("config center failing") == 1, "logged once, not once per poll or worker"
 
 
-@pytest.mark.needs_idle_tick
 @pytest.mark.parametrize("first", ["garbage", "error"])
 def test_a_config_center_that_starts_broken_keeps_the_local_document(start_gateway, first):
     port = free_port()
@@ -154,7 +151,6 @@ response: {{status: 429}}
 """
 
 
-@pytest.mark.needs_idle_tick
 def test_alternating_documents_under_traffic_leave_memory_flat(start_gateway):
     """A config center that keeps switching between two documents with per-identity rules
     (DESIGN §4 Lifecycle): every switch drops the other document's rules (their records

@@ -61,7 +61,6 @@ def refused_once_more(gw, what: str, log_line: str) -> None:
     wait_for(lambda: gw.log_text().count(log_line) > logged, 20, f"{what}: refusal logged")
 
 
-@pytest.mark.needs_idle_tick
 def test_remote_documents_that_redirect_disarm_or_are_badly_signed_are_refused(start_gateway):
     port = free_port()
     with ConfigCenter(port) as center:

@@ -134,7 +134,6 @@ def test_parked_requests_are_counted_exactly(procs, start_gateway):
         assert proxy.peak <= 2, "one flight per worker"
 
 
-@pytest.mark.needs_idle_tick
 def test_a_lease_is_refilled_ahead_and_no_request_waits_for_a_callout(procs, start_gateway):
     """Lease 10 with callouts held 80 ms by the proxy: once a worker's stash is down to
     half a lease its tick asks for the next one while requests spend the rest. Requests

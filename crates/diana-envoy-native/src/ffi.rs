@@ -5,7 +5,7 @@
 //!
 //! - **Callbacks** (`envoy_dynamic_module_callback_*`, implemented by Envoy): declared in the
 //!   `extern "C"` block and reached only through the safe wrappers below ([`FilterRef`],
-//!   [`ConfigRef`], [`Scheduler`], [`log`]).
+//!   [`ConfigRef`], [`Scheduler`], [`ConfigScheduler`], [`concurrency`], [`log`]).
 //! - **Event hooks** (`envoy_dynamic_module_on_*`, exported here): turn Envoy's raw pointers
 //!   into safe values (slices, the module's boxed objects) and call `crate::filter`.
 //!
@@ -16,7 +16,11 @@
 //!    (`FilterRef` is neither `Send` nor `Sync`; `crate::filter` drops it at destroy). A
 //!    `filter_config_envoy_ptr` is valid until `on_http_filter_config_destroy` and outlives
 //!    every filter made from it (Envoy's filters hold the config); Envoy documents the
-//!    config-level metric callbacks as callable outside any request.
+//!    config-level metric callbacks as callable outside any request. Config-level callouts
+//!    ([`ConfigRef::callout`]) are made only on the main thread (from
+//!    `on_http_filter_config_scheduled` and `on_http_filter_config_http_callout_done`, which
+//!    Envoy runs there): Envoy keeps them in an unsynchronised table of the config and
+//!    looks the cluster up in the calling thread's cluster manager.
 //! 2. **Module pointers.** What `on_http_filter_config_new` / `on_http_filter_new` return
 //!    is a `Box` leaked here and taken back exactly once, in the matching destroy hook;
 //!    between the two Envoy hands the same pointer back unchanged.
@@ -24,17 +28,32 @@
 //!    for the duration of the hook or callback (`ptr` may be null when `len` is 0); what we
 //!    pass to Envoy is borrowed from Rust values alive for the whole call, and Envoy copies
 //!    it before returning.
-//! 4. **Schedulers.** A scheduler is created on the filter's thread and deleted exactly
-//!    once, on that thread, after it has been removed from the timer's table under the
-//!    timer's lock; `commit` is documented by Envoy as safe from any thread (a no-op once
-//!    the filter is gone), and the timer thread commits only under that same lock.
+//! 4. **Schedulers.** A stream's scheduler is created on the stream's thread, committed to
+//!    only under its worker's lock (`filter::Slot`), and deleted exactly once, on the
+//!    stream's thread, under that lock after it was removed from the worker's table. The
+//!    configuration's scheduler is created in `on_http_filter_config_new` (main thread),
+//!    committed to only by the timer thread under the timer's lock, and deleted exactly
+//!    once after it was removed from the timer's table under that lock. Envoy documents
+//!    `commit` of both as safe from any thread (a no-op once the filter or configuration is
+//!    gone: each holds a weak reference).
 //! 5. **No unwinding across the boundary.** Release builds abort on panic (workspace
 //!    profile) and the workspace lints deny `unwrap`/`expect`/`panic`/indexing; the glue
 //!    handles every `None` and every `RefCell` borrow with `try_borrow*`.
+//! 6. **A worker moves between threads whole.** [`diana_core::worker::Worker`] is not
+//!    `Send` only because it keeps `Rc`s (its configuration generations, lease keys) with
+//!    `Cell`s inside. Every clone of those `Rc`s is created and kept inside the worker: its
+//!    API takes `&mut self` and returns owned [`diana_core::worker::Step`]s, which are
+//!    `Send` (asserted below), and the glue keeps no reference into a worker beyond one
+//!    call. [`MovableWorker`] is only reachable through its slot's `Mutex`, so one thread
+//!    at a time touches the whole `Rc` graph, and the mutex orders those accesses, which
+//!    is all the non-atomic counts need. diana-core's one `thread_local` (the parse
+//!    context of `config/raw.rs`) is set and cleared within one call. Recheck this when
+//!    diana-core's worker changes: `grep -rn 'Rc<\|thread_local' crates/diana-core/src`.
 
 #![allow(unsafe_code)]
 
 use crate::filter::{self, Answer, Config, FilterBox};
+use diana_core::worker::Worker;
 use std::ffi::{c_char, c_void};
 use std::ptr;
 use std::sync::Arc;
@@ -191,14 +210,62 @@ extern "C" {
         timeout_milliseconds: u64,
     ) -> i32;
     fn envoy_dynamic_module_callback_http_filter_continue_decoding(filter: *mut c_void);
-    fn envoy_dynamic_module_callback_http_filter_continue_encoding(filter: *mut c_void);
     fn envoy_dynamic_module_callback_http_filter_scheduler_new(filter: *mut c_void) -> *mut c_void;
     fn envoy_dynamic_module_callback_http_filter_scheduler_commit(
         scheduler: *mut c_void,
         event_id: u64,
     );
     fn envoy_dynamic_module_callback_http_filter_scheduler_delete(scheduler: *mut c_void);
+
+    fn envoy_dynamic_module_callback_get_concurrency() -> u32;
+    fn envoy_dynamic_module_callback_http_filter_config_scheduler_new(
+        config: *mut c_void,
+    ) -> *mut c_void;
+    fn envoy_dynamic_module_callback_http_filter_config_scheduler_commit(
+        scheduler: *mut c_void,
+        event_id: u64,
+    );
+    fn envoy_dynamic_module_callback_http_filter_config_scheduler_delete(scheduler: *mut c_void);
+    fn envoy_dynamic_module_callback_http_filter_config_http_callout(
+        config: *mut c_void,
+        callout_id_out: *mut u64,
+        cluster_name: Buf,
+        headers: *mut Header,
+        headers_size: usize,
+        body: Buf,
+        timeout_milliseconds: u64,
+    ) -> i32;
 }
+
+/// Envoy's worker threads (`--concurrency`); only on the main thread (Envoy answers 0
+/// elsewhere, and before its server context exists).
+pub fn concurrency() -> u32 {
+    // SAFETY: no arguments; called from `on_http_filter_config_new`, on the main thread.
+    unsafe { envoy_dynamic_module_callback_get_concurrency() }
+}
+
+/// A worker that may move between threads whole (invariant 6).
+pub struct MovableWorker(Worker);
+
+// SAFETY: invariant 6 — every `Rc` of the worker lives inside it, and it is reached only
+// through its slot's mutex.
+unsafe impl Send for MovableWorker {}
+
+impl MovableWorker {
+    pub fn new(worker: Worker) -> MovableWorker {
+        MovableWorker(worker)
+    }
+
+    pub fn get(&mut self) -> &mut Worker {
+        &mut self.0
+    }
+}
+
+/// What invariant 6 relies on of the worker's API: what an event returns may cross threads.
+const _: () = {
+    const fn send<T: Send>() {}
+    send::<diana_core::worker::Step>();
+};
 
 /// `envoy_dynamic_module_type_log_level`: Trace 0 … Critical 5.
 pub fn log(level: log::Level, message: &str) {
@@ -281,6 +348,54 @@ impl ConfigRef {
             )
         };
         result == METRICS_SUCCESS
+    }
+
+    /// The configuration's scheduler: posts events to `on_http_filter_config_scheduled` on
+    /// the main thread, from any thread (invariant 4).
+    pub fn scheduler(self) -> Option<ConfigScheduler> {
+        // SAFETY: invariant 1 (called from on_http_filter_config_new).
+        let scheduler =
+            unsafe { envoy_dynamic_module_callback_http_filter_config_scheduler_new(self.ptr()) };
+        (!scheduler.is_null()).then_some(ConfigScheduler(scheduler as usize))
+    }
+
+    /// Starts a one-shot callout of the configuration, bound to no stream; its answer comes
+    /// to `on_http_filter_config_http_callout_done` on the main thread with the returned
+    /// id. Only on the main thread (invariant 1).
+    pub fn callout(
+        self,
+        cluster: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+        timeout_ms: u64,
+    ) -> Result<u64, i32> {
+        let mut headers: Vec<Header> = headers
+            .iter()
+            .map(|(name, value)| Header::of(name.as_bytes(), value.as_bytes()))
+            .collect();
+        let mut id = 0u64;
+        // SAFETY: invariants 1 (main thread, config alive) and 3 (Envoy copies headers and
+        // body into its message).
+        let result = unsafe {
+            envoy_dynamic_module_callback_http_filter_config_http_callout(
+                self.ptr(),
+                &mut id,
+                Buf::of(cluster.as_bytes()),
+                headers.as_mut_ptr(),
+                headers.len(),
+                if body.is_empty() {
+                    Buf::EMPTY
+                } else {
+                    Buf::of(body)
+                },
+                timeout_ms,
+            )
+        };
+        if result == CALLOUT_INIT_SUCCESS {
+            Ok(id)
+        } else {
+            Err(result)
+        }
     }
 }
 
@@ -400,11 +515,6 @@ impl FilterRef {
         unsafe { envoy_dynamic_module_callback_http_filter_continue_decoding(self.0) }
     }
 
-    pub fn continue_encoding(self) {
-        // SAFETY: invariant 1.
-        unsafe { envoy_dynamic_module_callback_http_filter_continue_encoding(self.0) }
-    }
-
     /// A scheduler that posts events to this filter on its worker thread (invariant 4).
     pub fn scheduler(self) -> Option<Scheduler> {
         // SAFETY: invariant 1.
@@ -413,25 +523,53 @@ impl FilterRef {
     }
 }
 
-/// An HTTP filter scheduler, kept as an address so the timer thread can commit to it
-/// (invariant 4).
+/// A stream's scheduler, kept as an address so the main thread can commit to it under the
+/// stream's worker lock (invariant 4).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Scheduler(usize);
 
 impl Scheduler {
     /// Posts `event` to the filter's worker thread (a no-op once the filter is gone).
     pub fn commit(self, event: u64) {
-        // SAFETY: invariant 4 — not yet deleted (callers hold the timer's lock or are on
-        // the filter's thread before its deletion); commit is thread-safe.
+        // SAFETY: invariant 4 — not yet deleted (callers hold the worker's lock, under
+        // which it is deleted); commit is thread-safe.
         unsafe {
             envoy_dynamic_module_callback_http_filter_scheduler_commit(self.0 as *mut c_void, event)
         }
     }
 
-    /// Deletes it; called once, on the filter's thread, after the timer forgot it.
+    /// Deletes it; called once, on the filter's thread, under the worker's lock after the
+    /// worker's table forgot it.
     pub fn delete(self) {
         // SAFETY: invariant 4.
         unsafe { envoy_dynamic_module_callback_http_filter_scheduler_delete(self.0 as *mut c_void) }
+    }
+}
+
+/// The configuration's scheduler, kept as an address so the timer thread can commit to it
+/// (invariant 4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConfigScheduler(usize);
+
+impl ConfigScheduler {
+    /// Posts `event` to the main thread (a no-op once the configuration is gone).
+    pub fn commit(self, event: u64) {
+        // SAFETY: invariant 4 — not yet deleted (the timer commits under its lock, and it
+        // is deleted only after it left the timer's table under that lock).
+        unsafe {
+            envoy_dynamic_module_callback_http_filter_config_scheduler_commit(
+                self.0 as *mut c_void,
+                event,
+            )
+        }
+    }
+
+    /// Deletes it; called once, after the timer's table forgot it.
+    pub fn delete(self) {
+        // SAFETY: invariant 4.
+        unsafe {
+            envoy_dynamic_module_callback_http_filter_config_scheduler_delete(self.0 as *mut c_void)
+        }
     }
 }
 
@@ -510,15 +648,51 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_config_destroy(
     filter::config_destroy(&config);
 }
 
+/// Runs on the main thread: the timer's tick of this configuration's workers.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_config_scheduled(
+    _config_envoy_ptr: *mut c_void,
+    config_module_ptr: *const c_void,
+    event_id: u64,
+) {
+    if let Some(config) = module::<Arc<Config>>(config_module_ptr) {
+        filter::config_scheduled(config, event_id);
+    }
+}
+
+/// Runs on the main thread: the answer to a call the main thread made for a worker.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_callout_done(
+    _config_envoy_ptr: *mut c_void,
+    config_module_ptr: *const c_void,
+    callout_id: u64,
+    result: i32,
+    headers: *const Header,
+    headers_size: usize,
+    body_chunks: *const Buf,
+    body_chunks_size: usize,
+) {
+    let Some(config) = module::<Arc<Config>>(config_module_ptr) else {
+        return;
+    };
+    let answer = Answer {
+        answered: result == CALLOUT_RESULT_SUCCESS && !headers.is_null() && headers_size > 0,
+        headers: headers_of(headers, headers_size),
+        body: chunks_of(body_chunks, body_chunks_size),
+    };
+    filter::config_callout_done(config, callout_id, &answer);
+}
+
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_http_filter_new(
     config_module_ptr: *const c_void,
-    filter_envoy_ptr: *mut c_void,
+    _filter_envoy_ptr: *mut c_void,
 ) -> *const c_void {
     let Some(config) = module::<Arc<Config>>(config_module_ptr) else {
         return ptr::null();
     };
-    match filter::filter_new(config, FilterRef(filter_envoy_ptr)) {
+    match filter::filter_new(config) {
         Some(filter) => Box::into_raw(Box::new(filter)).cast_const().cast(),
         None => ptr::null(),
     }
@@ -634,7 +808,8 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(
 }
 
 // Hooks Envoy resolves for every HTTP filter module, which Diana does not use (it starts
-// no streamed callouts and is not a terminal filter).
+// no streamed callouts and is not a terminal filter). The configuration's streamed-callout
+// hooks are optional in Envoy and not exported.
 
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_headers(

@@ -1,88 +1,89 @@
 //! Hooks to worker events, worker commands to callbacks.
 //!
-//! Envoy runs a stream's hooks on one worker thread. Each worker thread keeps, per filter
-//! configuration, one [`Worker`] (as each proxy-wasm VM keeps one): configured from the
-//! filter's string on the thread's first request, sharing counters with the other threads
-//! through process memory (`host::store`). A stream is a context id of that worker.
+//! Each filter configuration (the Diana document) keeps its [`Worker`]s in slots, made and
+//! configured on the main thread in `on_http_filter_config_new`, as each proxy-wasm VM
+//! keeps one: one per Envoy worker thread (`--concurrency`; a thread's first stream claims
+//! one for good) and the main thread's, which only ticks. They share counters through
+//! process memory (`host::store`). A stream is a context id of its thread's worker.
 //!
-//! The worker is borrowed only while it handles an event, never while a command is carried
-//! out: `continue_decoding` and `send_response` may run the rest of the stream, and so our
-//! own hooks, before they return.
+//! A worker is reached only under its slot's mutex, from two threads: its Envoy worker
+//! thread (the requests' events) and the main thread (its tick, and the answers to the
+//! tick's calls). So the tick runs on an idle gateway, and no request stream carries the
+//! tick's calls:
 //!
-//! - A paused request gets a scheduler: commands for it from another context (its turn
-//!   came in the tick, another request's call landed) are queued on it and carried out in
-//!   its own `on_http_filter_scheduled`.
-//! - Calls are Envoy callouts of the stream that is current when the worker makes them: a
-//!   request's own call from its own stream, the tick's calls (refills, releases, debts,
-//!   polls) from the stream that runs the tick. Envoy cancels a stream's callouts when it
-//!   ends, so a stream carrying calls holds its response headers until they are answered
-//!   (one quota-service round trip at most, within the call's timeout); one whose client
-//!   leaves reports them unanswered.
+//! - **Tick.** The timer thread (`timer.rs`) posts the configuration's tick event to the
+//!   main thread when the earliest worker tick is due; the main thread runs each due
+//!   worker's tick there and arms the next.
+//! - **Calls** of a worker-thread event (a request's own call) are callouts of that
+//!   request's stream; their answers come back on it. Calls of a main-thread event (lease
+//!   refills, releases, response costs, config-center polls, and the calls of requests
+//!   resumed from there) are callouts of the filter configuration, bound to no stream,
+//!   answered on the main thread.
+//! - **Other streams.** A paused request gets a scheduler, registered in its worker's table
+//!   under the lock of the event that paused it; commands for it from another event (its
+//!   turn came in the tick, another call landed) are queued there and carried out in its
+//!   own `on_http_filter_scheduled` on its thread.
+//!
+//! The lock is held only while the worker handles one event and its commands are sorted,
+//! never while a command is carried out: `continue_decoding` and `send_response` may run
+//! the rest of the stream, and so our own hooks, before they return. What the main thread
+//! does under it is in-memory work and starting callouts (a config-center document is
+//! parsed there too), so a worker thread waits for it at most that long.
 
-use crate::ffi::{ConfigRef, FilterRef, Scheduler, CONTINUE, STOP_ALL_AND_WATERMARK};
+use crate::ffi::{
+    self, ConfigRef, FilterRef, MovableWorker, Scheduler, CONTINUE, STOP_ALL_AND_WATERMARK,
+};
 pub use crate::host::Answer;
 use crate::host::{self, Metrics, NativeHost};
 use crate::timer;
 use diana_core::worker::{
     CallToken, Command, ContextId, Host, HostProfile, LocalReply, Step, Worker,
 };
-use hashbrown::{HashMap, HashSet};
+use hashbrown::HashMap;
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 /// The scheduled event that carries out the commands queued for a paused request.
 const DEFERRED_EVENT: u64 = 2;
 
-/// One filter configuration (the Diana document), shared by the worker threads.
+/// One filter configuration (the Diana document), shared by the threads.
 pub struct Config {
     id: u64,
     envoy: ConfigRef,
     document: Vec<u8>,
     metrics: Metrics,
     alive: AtomicBool,
+    /// The workers: one per Envoy worker thread, then the main thread's.
+    slots: Mutex<Vec<Arc<Slot>>>,
+    /// Calls the main thread made for a worker: Envoy's callout id, the worker, its token.
+    calls: Mutex<HashMap<u64, (Arc<Slot>, CallToken)>>,
 }
 
-/// Validates the document as every worker will (a refused one fails Envoy's configuration,
-/// as the wasm filter's does) and defines its metrics, on the main thread.
-pub fn config_new(envoy: ConfigRef, document: &[u8]) -> Option<Arc<Config>> {
-    static IDS: AtomicU64 = AtomicU64::new(1);
-    let config = Config {
-        id: IDS.fetch_add(1, Ordering::Relaxed),
-        envoy,
-        document: document.to_vec(),
-        metrics: Metrics::default(),
-        alive: AtomicBool::new(true),
-    };
-    let next_token = Cell::new(0);
-    let probe = NativeHost {
-        config: envoy,
-        metrics: &config.metrics,
-        filter: None,
-        answer: None,
-        dispatched: RefCell::new(Vec::new()),
-        next_token: &next_token,
-    };
-    let mut worker = Worker::new(HostProfile::ENVOY_NATIVE);
-    let accepted = worker.configure(&probe, document);
-    config.metrics.freeze();
-    match accepted {
-        Ok(_) => Some(Arc::new(config)),
-        // The worker has logged why (the field, its line and column).
-        Err(_) => None,
-    }
+/// One worker and what the threads that reach it share.
+pub struct Slot {
+    /// A worker thread took it (the main thread's is taken from the start).
+    claimed: AtomicBool,
+    core: Mutex<Core>,
 }
 
-pub fn config_destroy(config: &Config) {
-    config.alive.store(false, Ordering::Release);
+struct Core {
+    worker: MovableWorker,
+    /// Paused streams: their scheduler and the commands queued for them.
+    paused: HashMap<ContextId, Paused>,
+    next_context: ContextId,
+    next_token: CallToken,
+    /// The tick period the worker asked for (zero: none).
+    tick: Duration,
+    /// When its next tick is due (wall clock, ns).
+    due: Option<u64>,
 }
 
-/// A stream's module object: its context in this thread's worker.
-pub struct FilterBox {
-    context: ContextId,
-    local: Rc<Local>,
+struct Paused {
+    scheduler: Scheduler,
+    pending: Vec<Deferred>,
 }
 
 /// Commands for a paused request, carried out in its own scheduled event.
@@ -91,114 +92,435 @@ enum Deferred {
     Reply(LocalReply),
 }
 
-/// A stream this thread's worker knows.
-struct Entry {
-    filter: FilterRef,
-    scheduler: Option<Scheduler>,
-    pending: Vec<Deferred>,
-    /// Callouts in flight from this stream: Envoy's id and the worker's token.
-    callouts: Vec<(u64, CallToken)>,
-    /// Its response headers wait for its callouts.
-    held: bool,
+/// Where a worker event runs, and so where its calls go.
+#[derive(Clone, Copy)]
+enum Site {
+    /// The main thread: calls are the configuration's callouts.
+    Main,
+    /// A stream's worker thread, with the stream current (its calls are its callouts) or
+    /// none (it is being destroyed: no calls).
+    Stream(Option<(ContextId, FilterRef)>),
 }
 
-/// One configuration's worker on one Envoy worker thread.
-struct Local {
-    config: Arc<Config>,
-    thread: u64,
-    worker: RefCell<Option<Worker>>,
-    filters: RefCell<HashMap<ContextId, Entry>>,
-    /// Streams paused by the worker (tick targets; they have a scheduler).
-    paused: RefCell<HashSet<ContextId>>,
-    next_context: Cell<ContextId>,
-    next_token: Cell<CallToken>,
-    /// The tick period the worker asked for (zero: none).
-    tick: Cell<Duration>,
-    /// When the next tick is due.
-    due: Cell<Option<u64>>,
-    /// What the timer thread was last told.
-    armed: Cell<Option<(Scheduler, u64)>>,
+impl Site {
+    fn current(self) -> Option<(ContextId, FilterRef)> {
+        match self {
+            Site::Main => None,
+            Site::Stream(current) => current,
+        }
+    }
+}
+
+/// What one event left for the caller, once the lock is released.
+struct Outcome {
+    pause: bool,
+    /// Commands for the current stream, in order.
+    commands: Vec<Command>,
+    /// Calls made: Envoy's callout id and the worker's token.
+    dispatched: Vec<(u64, CallToken)>,
+    /// The worker's next tick moved to this (wall clock, ns).
+    rearm: Option<u64>,
 }
 
 thread_local! {
+    /// This thread's slot of each configuration, and its streams.
     static THREAD: RefCell<HashMap<u64, Rc<Local>>> = RefCell::new(HashMap::new());
-    static THREAD_KEY: u64 = {
-        static KEYS: AtomicU64 = AtomicU64::new(1);
-        KEYS.fetch_add(1, Ordering::Relaxed)
+    /// This thread holds a worker's lock: a hook re-entered from a callback made under it
+    /// skips its event rather than deadlock.
+    static HOLDING: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Validates the document as every worker will (a refused one fails Envoy's configuration,
+/// as the wasm filter's does), defines its metrics and makes its workers, on the main
+/// thread.
+pub fn config_new(envoy: ConfigRef, document: &[u8]) -> Option<Arc<Config>> {
+    static IDS: AtomicU64 = AtomicU64::new(1);
+    let config = Config {
+        id: IDS.fetch_add(1, Ordering::Relaxed),
+        envoy,
+        document: document.to_vec(),
+        metrics: Metrics::default(),
+        alive: AtomicBool::new(true),
+        slots: Mutex::new(Vec::new()),
+        calls: Mutex::new(HashMap::new()),
     };
+    // The main thread's worker first: it says whether the document is accepted.
+    let main = Slot::configured(&config, true)?;
+    let mut slots = Vec::new();
+    for _ in 0..ffi::concurrency() {
+        slots.extend(Slot::configured(&config, false));
+    }
+    slots.push(main);
+    config.metrics.freeze();
+    let earliest = slots.iter().filter_map(|slot| slot.due()).min();
+    *lock(&config.slots) = slots;
+    let config = Arc::new(config);
+    match envoy.scheduler() {
+        Some(scheduler) => {
+            if timer::register(config.id, scheduler) {
+                if let Some(due) = earliest {
+                    timer::arm(config.id, until(due));
+                }
+            } else {
+                scheduler.delete();
+            }
+        }
+        None => log::error!("diana: Envoy gave no configuration scheduler: no tick runs"),
+    }
+    Some(config)
+}
+
+/// Envoy destroys the configuration once no filter holds it: no stream is left, and the
+/// configuration's callouts still in flight are cancelled without an answer.
+pub fn config_destroy(config: &Config) {
+    config.alive.store(false, Ordering::Release);
+    if let Some(scheduler) = timer::remove(config.id) {
+        scheduler.delete();
+    }
+    lock(&config.calls).clear();
+}
+
+/// The timer's event, on the main thread: every worker tick that is due runs.
+pub fn config_scheduled(config: &Arc<Config>, event: u64) {
+    if event != timer::TICK_EVENT {
+        return;
+    }
+    let slots = lock(&config.slots).clone();
+    let mut earliest: Option<u64> = None;
+    for slot in slots {
+        let Some(now) = host::now() else {
+            return;
+        };
+        if slot.due().is_some_and(|due| due <= now) {
+            let outcome = slot.event(config, Site::Main, None, |worker, host| {
+                worker.on_tick(host)
+            });
+            config.file_calls(&slot, outcome.dispatched);
+        }
+        if let Some(due) = slot.due() {
+            earliest = Some(earliest.map_or(due, |earliest| earliest.min(due)));
+        }
+    }
+    if let Some(due) = earliest {
+        timer::arm(config.id, until(due));
+    }
+}
+
+/// The answer to a call the main thread made, on the main thread.
+pub fn config_callout_done(config: &Arc<Config>, callout_id: u64, answer: &Answer<'_>) {
+    let Some((slot, token)) = lock(&config.calls).remove(&callout_id) else {
+        return;
+    };
+    let headers = if answer.answered {
+        answer.headers.len()
+    } else {
+        0
+    };
+    let body = answer.body_size();
+    let outcome = slot.event(config, Site::Main, Some(answer), |worker, host| {
+        worker.on_call_answered(host, token, headers, body)
+    });
+    config.file_calls(&slot, outcome.dispatched);
+    if let Some(due) = outcome.rearm {
+        timer::arm(config.id, until(due));
+    }
+}
+
+impl Config {
+    /// Files the calls a main-thread event made under their callout ids.
+    fn file_calls(&self, slot: &Arc<Slot>, dispatched: Vec<(u64, CallToken)>) {
+        if dispatched.is_empty() {
+            return;
+        }
+        let mut calls = lock(&self.calls);
+        for (id, token) in dispatched {
+            calls.insert(id, (Arc::clone(slot), token));
+        }
+    }
+
+    /// A slot for a worker thread: one made for it, or a new one if Envoy runs more
+    /// threads than it said.
+    fn claim(&self) -> Option<Arc<Slot>> {
+        let mut slots = lock(&self.slots);
+        if let Some(slot) = slots
+            .iter()
+            .find(|slot| !slot.claimed.swap(true, Ordering::AcqRel))
+        {
+            return Some(Arc::clone(slot));
+        }
+        let slot = Slot::configured(self, false)?;
+        slot.claimed.store(true, Ordering::Release);
+        slots.push(Arc::clone(&slot));
+        drop(slots);
+        if let Some(due) = slot.due() {
+            timer::arm(self.id, until(due));
+        }
+        Some(slot)
+    }
+}
+
+impl Slot {
+    /// A worker configured with the document (`None`: refused; the worker logged why).
+    fn configured(config: &Config, claimed: bool) -> Option<Arc<Slot>> {
+        let next_token = Cell::new(0);
+        let host = NativeHost {
+            config: config.envoy,
+            metrics: &config.metrics,
+            filter: None,
+            main: false,
+            answer: None,
+            dispatched: RefCell::new(Vec::new()),
+            next_token: &next_token,
+        };
+        let mut worker = Worker::new(HostProfile::ENVOY_NATIVE);
+        let step = worker.configure(&host, &config.document).ok()?;
+        let mut core = Core {
+            worker: MovableWorker::new(worker),
+            paused: HashMap::new(),
+            next_context: 0,
+            next_token: next_token.get(),
+            tick: Duration::ZERO,
+            due: None,
+        };
+        let mut rearm = None;
+        core.settle(step.commands, None, &mut rearm);
+        Some(Arc::new(Slot {
+            claimed: AtomicBool::new(claimed),
+            core: Mutex::new(core),
+        }))
+    }
+
+    fn lock(&self) -> Option<Held<'_>> {
+        if HOLDING.with(Cell::get) {
+            log::error!("diana: worker busy (re-entered); event skipped");
+            return None;
+        }
+        HOLDING.with(|holding| holding.set(true));
+        Some(Held(lock(&self.core)))
+    }
+
+    fn due(&self) -> Option<u64> {
+        self.lock().and_then(|core| core.0.due)
+    }
+
+    /// Runs one worker event at `site`, under the lock: commands for other streams are
+    /// queued on their schedulers and the tick period is taken there; a current stream the
+    /// event pauses gets its scheduler before the lock is let go (so that no command for it
+    /// from the main thread can come first).
+    fn event(
+        &self,
+        config: &Config,
+        site: Site,
+        answer: Option<&Answer<'_>>,
+        event: impl FnOnce(&mut Worker, &dyn Host) -> Step,
+    ) -> Outcome {
+        let current = site.current();
+        let mut outcome = Outcome {
+            pause: false,
+            commands: Vec::new(),
+            dispatched: Vec::new(),
+            rearm: None,
+        };
+        let Some(mut held) = self.lock() else {
+            return outcome;
+        };
+        let core = &mut held.0;
+        let next_token = Cell::new(core.next_token);
+        let host = NativeHost {
+            config: config.envoy,
+            metrics: &config.metrics,
+            filter: current.map(|(_, envoy)| envoy),
+            main: matches!(site, Site::Main),
+            answer,
+            dispatched: RefCell::new(Vec::new()),
+            next_token: &next_token,
+        };
+        let ticking = matches!(site, Site::Main) && answer.is_none();
+        if ticking {
+            core.due = None;
+        }
+        let step = event(core.worker.get(), &host);
+        core.next_token = next_token.get();
+        outcome.dispatched = host.dispatched.into_inner();
+        let context = current.map(|(context, _)| context);
+        let replied = step
+            .commands
+            .iter()
+            .any(|command| matches!(command, Command::Reply(c, _) if Some(*c) == context));
+        if let (true, false, Some((context, envoy))) = (step.pause, replied, current) {
+            if !core.paused.contains_key(&context) {
+                match envoy.scheduler() {
+                    Some(scheduler) => {
+                        core.paused.insert(
+                            context,
+                            Paused {
+                                scheduler,
+                                pending: Vec::new(),
+                            },
+                        );
+                    }
+                    None => log::error!("diana: no scheduler for a paused request"),
+                }
+            }
+        }
+        outcome.pause = step.pause;
+        outcome.commands = core.settle(step.commands, context, &mut outcome.rearm);
+        if ticking && core.due.is_none() {
+            core.schedule_next();
+            outcome.rearm = core.due;
+        }
+        outcome
+    }
+}
+
+/// A slot's lock, held by this thread.
+struct Held<'a>(MutexGuard<'a, Core>);
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        HOLDING.with(|holding| holding.set(false));
+    }
+}
+
+impl Core {
+    /// Takes the commands that are not the current stream's: other streams' are queued on
+    /// their schedulers, the tick period is set (`rearm`: the new due time). Returns the
+    /// current stream's, in order.
+    fn settle(
+        &mut self,
+        commands: Vec<Command>,
+        current: Option<ContextId>,
+        rearm: &mut Option<u64>,
+    ) -> Vec<Command> {
+        let mut mine = Vec::new();
+        for command in commands {
+            match command {
+                Command::Resume(context) if Some(context) == current => {
+                    mine.push(Command::Resume(context));
+                }
+                Command::Reply(context, reply) if Some(context) == current => {
+                    mine.push(Command::Reply(context, reply));
+                }
+                Command::Resume(context) => self.defer(context, Deferred::Resume),
+                Command::Reply(context, reply) => self.defer(context, Deferred::Reply(reply)),
+                Command::AddHeaders(headers) => {
+                    if current.is_some() {
+                        mine.push(Command::AddHeaders(headers));
+                    }
+                }
+                Command::SetTick(period) => {
+                    self.tick = period;
+                    self.schedule_next();
+                    *rearm = self.due;
+                }
+            }
+        }
+        mine
+    }
+
+    fn defer(&mut self, context: ContextId, deferred: Deferred) {
+        match self.paused.get_mut(&context) {
+            Some(paused) => {
+                paused.pending.push(deferred);
+                paused.scheduler.commit(DEFERRED_EVENT);
+            }
+            None => log::debug!("diana: request {context} is gone"),
+        }
+    }
+
+    fn schedule_next(&mut self) {
+        self.due = if self.tick.is_zero() {
+            None
+        } else {
+            host::now().map(|now| {
+                now.saturating_add(u64::try_from(self.tick.as_nanos()).unwrap_or(u64::MAX))
+            })
+        };
+    }
+}
+
+/// From now until `due` (wall clock, ns).
+fn until(due: u64) -> Duration {
+    host::now()
+        .map(|now| Duration::from_nanos(due.saturating_sub(now)))
+        .unwrap_or(Duration::ZERO)
+}
+
+/// A mutex's guard; a poisoned one (a panic under it, which release builds turn into an
+/// abort) is used as it is.
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    match mutex.lock() {
+        Ok(guard) => guard,
+        Err(poisoned) => poisoned.into_inner(),
+    }
+}
+
+/// A stream's module object: its context in its thread's worker.
+pub struct FilterBox {
+    context: ContextId,
+    local: Rc<Local>,
+}
+
+/// A configuration's slot as one worker thread uses it, and its streams there.
+struct Local {
+    config: Arc<Config>,
+    slot: Arc<Slot>,
+    filters: RefCell<HashMap<ContextId, Entry>>,
+}
+
+/// A stream of this thread.
+struct Entry {
+    /// Its own calls in flight: Envoy's id and the worker's token.
+    callouts: Vec<(u64, CallToken)>,
 }
 
 fn local_for(config: &Arc<Config>) -> Option<Rc<Local>> {
-    let thread = THREAD_KEY.with(|key| *key);
     THREAD.with(|locals| {
         let mut locals = locals.try_borrow_mut().ok()?;
-        // Workers of configurations Envoy has replaced go once their streams are gone.
+        // Slots of configurations Envoy has replaced go once their streams are gone.
         locals.retain(|_, local| {
             local.config.alive.load(Ordering::Acquire) || Rc::strong_count(local) > 1
         });
-        let local = locals.entry(config.id).or_insert_with(|| {
-            Rc::new(Local {
-                config: Arc::clone(config),
-                thread,
-                worker: RefCell::new(None),
-                filters: RefCell::new(HashMap::new()),
-                paused: RefCell::new(HashSet::new()),
-                next_context: Cell::new(0),
-                next_token: Cell::new(0),
-                tick: Cell::new(Duration::ZERO),
-                due: Cell::new(None),
-                armed: Cell::new(None),
-            })
+        if let Some(local) = locals.get(&config.id) {
+            return Some(Rc::clone(local));
+        }
+        let local = Rc::new(Local {
+            config: Arc::clone(config),
+            slot: config.claim()?,
+            filters: RefCell::new(HashMap::new()),
         });
-        Some(Rc::clone(local))
+        locals.insert(config.id, Rc::clone(&local));
+        Some(local)
     })
 }
 
-pub fn filter_new(config: &Arc<Config>, filter: FilterRef) -> Option<FilterBox> {
+pub fn filter_new(config: &Arc<Config>) -> Option<FilterBox> {
     let local = local_for(config)?;
-    let context = local.next_context.get().wrapping_add(1).max(1);
-    local.next_context.set(context);
+    let context = {
+        let mut held = local.slot.lock()?;
+        let context = held.0.next_context.wrapping_add(1).max(1);
+        held.0.next_context = context;
+        context
+    };
     local.filters.try_borrow_mut().ok()?.insert(
         context,
         Entry {
-            filter,
-            scheduler: None,
-            pending: Vec::new(),
             callouts: Vec::new(),
-            held: false,
         },
     );
     Some(FilterBox { context, local })
 }
 
 pub fn request_headers(filter: &FilterBox, envoy: FilterRef) -> i32 {
-    let local = &filter.local;
-    let current = Some((filter.context, envoy));
-    local.ensure_worker(envoy);
     let context = filter.context;
-    let step = local.event(current, None, |worker, host| {
-        worker.on_request_headers(host, context)
-    });
-    let replied = step
-        .commands
-        .iter()
-        .any(|command| matches!(command, Command::Reply(c, _) if *c == context));
-    if step.pause && !replied {
-        local.pause(context);
-    }
-    local.carry_out(current, step.commands);
-    // A tick that came due while no paused request could carry it runs here, on a request
-    // going on upstream: its response comes back through this filter, which holds it for
-    // the tick's calls (a rejected request's stream ends at once, cancelling them).
-    if !step.pause {
-        if let (Some(due), Some(now)) = (local.due.get(), host::now()) {
-            if now >= due {
-                local.run_tick(context, envoy);
-            }
-        }
-    }
-    local.rearm();
-    if step.pause {
+    let outcome = filter
+        .local
+        .event(Some((context, envoy)), None, |worker, host| {
+            worker.on_request_headers(host, context)
+        });
+    let pause = outcome.pause;
+    filter.local.carry_out(envoy, outcome.commands);
+    if pause {
         STOP_ALL_AND_WATERMARK
     } else {
         CONTINUE
@@ -206,28 +528,14 @@ pub fn request_headers(filter: &FilterBox, envoy: FilterRef) -> i32 {
 }
 
 pub fn response_headers(filter: &FilterBox, envoy: FilterRef) -> i32 {
-    let local = &filter.local;
     let context = filter.context;
-    let current = Some((context, envoy));
-    let step = local.event(current, None, |worker, host| {
-        worker.on_response_headers(host, context)
-    });
-    local.carry_out(current, step.commands);
-    let hold = local
-        .filters
-        .try_borrow_mut()
-        .ok()
-        .and_then(|mut filters| {
-            let entry = filters.get_mut(&context)?;
-            entry.held = !entry.callouts.is_empty();
-            Some(entry.held)
-        })
-        .unwrap_or(false);
-    if hold {
-        STOP_ALL_AND_WATERMARK
-    } else {
-        CONTINUE
-    }
+    let outcome = filter
+        .local
+        .event(Some((context, envoy)), None, |worker, host| {
+            worker.on_response_headers(host, context)
+        });
+    filter.local.carry_out(envoy, outcome.commands);
+    CONTINUE
 }
 
 pub fn callout_done(filter: &FilterBox, envoy: FilterRef, callout_id: u64, answer: &Answer<'_>) {
@@ -250,108 +558,65 @@ pub fn callout_done(filter: &FilterBox, envoy: FilterRef, callout_id: u64, answe
         0
     };
     let body = answer.body_size();
-    let current = Some((context, envoy));
-    let step = local.event(current, Some(answer), |worker, host| {
+    let outcome = local.event(Some((context, envoy)), Some(answer), |worker, host| {
         worker.on_call_answered(host, token, headers, body)
     });
-    local.carry_out(current, step.commands);
-    // A response held for this stream's callouts goes on once none is left.
-    let release = local
-        .filters
-        .try_borrow_mut()
-        .ok()
-        .and_then(|mut filters| {
-            let entry = filters.get_mut(&context)?;
-            let release = entry.held && entry.callouts.is_empty();
-            if release {
-                entry.held = false;
-            }
-            Some(release)
-        })
-        .unwrap_or(false);
-    local.rearm();
-    if release {
-        envoy.continue_encoding();
-    }
+    local.carry_out(envoy, outcome.commands);
 }
 
 pub fn scheduled(filter: &FilterBox, envoy: FilterRef, event: u64) {
-    let local = &filter.local;
-    let context = filter.context;
-    match event {
-        timer::TICK_EVENT => {
-            local.armed.set(None);
-            local.run_tick(context, envoy);
-            local.rearm();
+    if event != DEFERRED_EVENT {
+        return;
+    }
+    let pending = filter
+        .local
+        .slot
+        .lock()
+        .and_then(|mut held| {
+            held.0
+                .paused
+                .get_mut(&filter.context)
+                .map(|paused| std::mem::take(&mut paused.pending))
+        })
+        .unwrap_or_default();
+    for deferred in pending {
+        match deferred {
+            Deferred::Resume => envoy.continue_decoding(),
+            Deferred::Reply(reply) => send(envoy, &reply),
         }
-        DEFERRED_EVENT => {
-            let pending = local
-                .filters
-                .try_borrow_mut()
-                .ok()
-                .and_then(|mut filters| {
-                    filters
-                        .get_mut(&context)
-                        .map(|entry| std::mem::take(&mut entry.pending))
-                })
-                .unwrap_or_default();
-            for deferred in pending {
-                local.unpause(context);
-                match deferred {
-                    Deferred::Resume => envoy.continue_decoding(),
-                    Deferred::Reply(reply) => send(envoy, &reply),
-                }
-            }
-            local.rearm();
-        }
-        _ => {}
     }
 }
 
 pub fn destroy(filter: FilterBox) {
     let local = &filter.local;
     let context = filter.context;
-    local.unpause(context);
     let entry = local
         .filters
         .try_borrow_mut()
         .ok()
         .and_then(|mut filters| filters.remove(&context));
-    if let Some(scheduler) = entry.as_ref().and_then(|entry| entry.scheduler) {
-        if local
-            .armed
-            .get()
-            .is_some_and(|(armed, _)| armed == scheduler)
-        {
-            timer::disarm(local.thread);
-            local.armed.set(None);
+    // Its calls are cancelled with it: unanswered.
+    let cancelled: Vec<CallToken> = entry
+        .map(|entry| entry.callouts.into_iter().map(|(_, token)| token).collect())
+        .unwrap_or_default();
+    let config = Arc::clone(&local.config);
+    let outcome = local
+        .slot
+        .event(&config, Site::Stream(None), None, |worker, host| {
+            let mut step = worker.on_context_gone(host, context);
+            for token in cancelled {
+                let answered = worker.on_call_answered(host, token, 0, 0);
+                step.commands.extend(answered.commands);
+            }
+            step
+        });
+    // Its scheduler goes under the lock the main thread commits under.
+    if let Some(mut held) = local.slot.lock() {
+        if let Some(paused) = held.0.paused.remove(&context) {
+            paused.scheduler.delete();
         }
-        scheduler.delete();
     }
-    let step = local.event(None, None, |worker, host| {
-        worker.on_context_gone(host, context)
-    });
-    local.carry_out(None, step.commands);
-    // Calls this stream carried for the worker are cancelled with it: unanswered.
-    for (_, token) in entry.map(|entry| entry.callouts).unwrap_or_default() {
-        let step = local.event(None, None, |worker, host| {
-            worker.on_call_answered(host, token, 0, 0)
-        });
-        local.carry_out(None, step.commands);
-    }
-    let idle = local
-        .filters
-        .try_borrow()
-        .map(|filters| filters.is_empty())
-        .unwrap_or(false);
-    if idle {
-        // Nothing may run on this thread for a while: its counts go to Envoy's stats now.
-        local.event(None, None, |worker, host| {
-            worker.flush_metrics(host);
-            Step::default()
-        });
-    }
-    local.rearm();
+    local.rearm(outcome.rearm);
 }
 
 fn send(envoy: FilterRef, reply: &LocalReply) {
@@ -364,66 +629,18 @@ fn send(envoy: FilterRef, reply: &LocalReply) {
 }
 
 impl Local {
-    /// Configures this thread's worker with the filter's document, once.
-    fn ensure_worker(&self, envoy: FilterRef) {
-        let Ok(mut worker) = self.worker.try_borrow_mut() else {
-            return;
-        };
-        if worker.is_some() {
-            return;
-        }
-        let mut fresh = Worker::new(HostProfile::ENVOY_NATIVE);
-        let host = self.host(Some(envoy), None);
-        match fresh.configure(&host, &self.config.document) {
-            Ok(step) => {
-                *worker = Some(fresh);
-                drop(worker);
-                for command in step.commands {
-                    if let Command::SetTick(period) = command {
-                        self.set_tick(period);
-                    }
-                }
-            }
-            // Validated on the main thread already: not expected.
-            Err(refused) => log::error!("diana: configuration refused on a worker: {refused:?}"),
-        }
-    }
-
-    fn host<'a>(
-        &'a self,
-        filter: Option<FilterRef>,
-        answer: Option<&'a Answer<'a>>,
-    ) -> NativeHost<'a> {
-        NativeHost {
-            config: self.config.envoy,
-            metrics: &self.config.metrics,
-            filter,
-            answer,
-            dispatched: RefCell::new(Vec::new()),
-            next_token: &self.next_token,
-        }
-    }
-
-    /// Runs one worker event with `current` as the current stream; the calls it dispatched
-    /// are filed under that stream.
+    /// One event of a stream of this thread (`current`); the calls it made are filed under
+    /// that stream.
     fn event(
         &self,
         current: Option<(ContextId, FilterRef)>,
         answer: Option<&Answer<'_>>,
         event: impl FnOnce(&mut Worker, &dyn Host) -> Step,
-    ) -> Step {
-        let host = self.host(current.map(|(_, envoy)| envoy), answer);
-        let step = match self.worker.try_borrow_mut() {
-            Ok(mut worker) => match worker.as_mut() {
-                Some(worker) => event(worker, &host),
-                None => Step::default(),
-            },
-            Err(_) => {
-                log::error!("diana: worker busy; event skipped");
-                Step::default()
-            }
-        };
-        let dispatched = host.dispatched.into_inner();
+    ) -> Outcome {
+        let mut outcome = self
+            .slot
+            .event(&self.config, Site::Stream(current), answer, event);
+        let dispatched = std::mem::take(&mut outcome.dispatched);
         if let (Some((context, _)), false) = (current, dispatched.is_empty()) {
             if let Ok(mut filters) = self.filters.try_borrow_mut() {
                 if let Some(entry) = filters.get_mut(&context) {
@@ -431,140 +648,32 @@ impl Local {
                 }
             }
         }
-        step
+        self.rearm(outcome.rearm.take());
+        outcome
     }
 
-    fn run_tick(&self, context: ContextId, envoy: FilterRef) {
-        self.due.set(None);
-        let current = Some((context, envoy));
-        let step = self.event(current, None, |worker, host| worker.on_tick(host));
-        if self.due.get().is_none() {
-            self.schedule_next();
-        }
-        self.carry_out(current, step.commands);
-    }
-
-    fn set_tick(&self, period: Duration) {
-        self.tick.set(period);
-        self.schedule_next();
-    }
-
-    fn schedule_next(&self) {
-        let period = self.tick.get();
-        let due = if period.is_zero() {
-            None
-        } else {
-            host::now()
-                .map(|now| now.saturating_add(u64::try_from(period.as_nanos()).unwrap_or(u64::MAX)))
-        };
-        self.due.set(due);
-    }
-
-    fn pause(&self, context: ContextId) {
-        if let Ok(mut filters) = self.filters.try_borrow_mut() {
-            if let Some(entry) = filters.get_mut(&context) {
-                if entry.scheduler.is_none() {
-                    entry.scheduler = entry.filter.scheduler();
-                }
-                if entry.scheduler.is_some() {
-                    if let Ok(mut paused) = self.paused.try_borrow_mut() {
-                        paused.insert(context);
-                    }
-                }
-            }
+    fn rearm(&self, due: Option<u64>) {
+        if let Some(due) = due {
+            timer::arm(self.config.id, until(due));
         }
     }
 
-    fn unpause(&self, context: ContextId) {
-        if let Ok(mut paused) = self.paused.try_borrow_mut() {
-            paused.remove(&context);
-        }
-    }
-
-    /// Tells the timer thread which paused stream carries this thread's next tick, and
-    /// when (none paused: the next request runs it when due).
-    fn rearm(&self) {
-        let target = self.due.get().and_then(|due| {
-            let paused = self.paused.try_borrow().ok()?;
-            if paused.is_empty() {
-                return None;
-            }
-            let filters = self.filters.try_borrow().ok()?;
-            let armed = self.armed.get().map(|(scheduler, _)| scheduler);
-            let schedulers = paused
-                .iter()
-                .filter_map(|context| filters.get(context)?.scheduler);
-            let mut chosen = None;
-            for scheduler in schedulers {
-                if Some(scheduler) == armed {
-                    chosen = Some(scheduler);
-                    break;
-                }
-                chosen = chosen.or(Some(scheduler));
-            }
-            chosen.map(|scheduler| (scheduler, due))
-        });
-        if target == self.armed.get() {
-            return;
-        }
-        match target {
-            Some((scheduler, due)) => {
-                let after = host::now()
-                    .map(|now| Duration::from_nanos(due.saturating_sub(now)))
-                    .unwrap_or(Duration::ZERO);
-                timer::arm(self.thread, scheduler, after);
-            }
-            None => timer::disarm(self.thread),
-        }
-        self.armed.set(target);
-    }
-
-    /// Carries out `commands`: those for the current stream now, those for another paused
-    /// stream in its own scheduled event.
-    fn carry_out(&self, current: Option<(ContextId, FilterRef)>, commands: Vec<Command>) {
-        let this = current.map(|(context, _)| context);
+    /// Carries out the current stream's commands, after the lock is let go.
+    fn carry_out(&self, envoy: FilterRef, commands: Vec<Command>) {
         for command in commands {
             match command {
-                Command::Resume(context) if Some(context) == this => {
-                    self.unpause(context);
-                    if let Some((_, envoy)) = current {
-                        envoy.continue_decoding();
-                    }
-                }
-                Command::Reply(context, reply) if Some(context) == this => {
-                    self.unpause(context);
-                    if let Some((_, envoy)) = current {
-                        send(envoy, &reply);
-                    }
-                }
-                Command::Resume(context) => self.defer(context, Deferred::Resume),
-                Command::Reply(context, reply) => self.defer(context, Deferred::Reply(reply)),
+                Command::Resume(_) => envoy.continue_decoding(),
+                Command::Reply(_, reply) => send(envoy, &reply),
                 Command::AddHeaders(headers) => {
-                    if let Some((_, envoy)) = current {
-                        for (name, value) in headers {
-                            if !envoy.add_response_header(name, &value) {
-                                log::debug!("diana: cannot add {name}");
-                            }
+                    for (name, value) in headers {
+                        if !envoy.add_response_header(name, &value) {
+                            log::debug!("diana: cannot add {name}");
                         }
                     }
                 }
-                Command::SetTick(period) => self.set_tick(period),
+                // Taken by `Core::settle`.
+                Command::SetTick(_) => {}
             }
-        }
-    }
-
-    fn defer(&self, context: ContextId, deferred: Deferred) {
-        let scheduler = self.filters.try_borrow_mut().ok().and_then(|mut filters| {
-            let entry = filters.get_mut(&context)?;
-            if entry.scheduler.is_none() {
-                entry.scheduler = entry.filter.scheduler();
-            }
-            entry.pending.push(deferred);
-            entry.scheduler
-        });
-        match scheduler {
-            Some(scheduler) => scheduler.commit(DEFERRED_EVENT),
-            None => log::debug!("diana: request {context} is gone"),
         }
     }
 }

@@ -4,8 +4,10 @@
 //!   (what proxy-wasm's shared data is for every VM of a `vm_id`), with Envoy's CAS rules
 //!   ([`MemoryHost`] with [`CasSemantics::Envoy`]: a key is never freed, so the slot tables
 //!   bound it as they bound Envoy's).
-//! - Request facts, response headers, calls: the current stream's filter, when the event
-//!   has one.
+//! - Request facts, response headers: the current stream's filter, when the event has one.
+//! - Calls: a worker-thread event's are callouts of its stream (a request's own call); a
+//!   main-thread event's (the tick, an answer to the tick's calls) are callouts of the
+//!   filter configuration, bound to no stream.
 //! - Metrics: Envoy stats defined once per configuration (Envoy freezes metric creation
 //!   after `on_http_filter_config_new`), by name, with the process-wide value kept beside
 //!   them for `metrics.path`.
@@ -105,8 +107,10 @@ impl Answer<'_> {
 pub struct NativeHost<'a> {
     pub config: ConfigRef,
     pub metrics: &'a Metrics,
-    /// The stream the event is for (none: a configuration or a filter being destroyed).
+    /// The stream the event is for (none: the main thread, or a filter being destroyed).
     pub filter: Option<FilterRef>,
+    /// The event runs on the main thread: its calls are the configuration's callouts.
+    pub main: bool,
     pub answer: Option<&'a Answer<'a>>,
     /// Calls dispatched during the event: Envoy's callout id and the worker's token.
     pub dispatched: RefCell<Vec<(u64, CallToken)>>,
@@ -171,20 +175,27 @@ impl Host for NativeHost<'_> {
             upstream: callout.upstream.clone(),
             status: status.to_string(),
         };
-        let filter = self.filter.ok_or_else(|| refused("NoStream"))?;
         let headers: Vec<(&str, &str)> = callout
             .headers
             .iter()
             .map(|(name, value)| (*name, value.as_str()))
             .collect();
-        let id = filter
-            .callout(
+        let sent = match (self.filter, self.main) {
+            (Some(filter), _) => filter.callout(
                 &callout.upstream,
                 &headers,
                 &callout.body,
                 callout.timeout_ms,
-            )
-            .map_err(|result| refused(ffi::callout_init_name(result)))?;
+            ),
+            (None, true) => self.config.callout(
+                &callout.upstream,
+                &headers,
+                &callout.body,
+                callout.timeout_ms,
+            ),
+            (None, false) => return Err(refused("NoStream")),
+        };
+        let id = sent.map_err(|result| refused(ffi::callout_init_name(result)))?;
         let token = self.next_token.get().wrapping_add(1).max(1);
         self.next_token.set(token);
         if let Ok(mut dispatched) = self.dispatched.try_borrow_mut() {

@@ -6,11 +6,13 @@
 //!
 //! - `ffi`: the ABI, hand-written for what Diana uses; the only module with `unsafe` (its
 //!   docs list the invariants it relies on).
-//! - `filter`: one worker per Envoy worker thread and configuration; hooks to worker
-//!   events, worker commands to callbacks.
+//! - `filter`: per configuration, one worker per Envoy worker thread and the main thread's,
+//!   each behind a mutex; hooks to worker events, worker commands to callbacks; the tick
+//!   and its calls on the main thread.
 //! - `host`: the worker's [`diana_core::worker::Host`] over the ABI, process memory for
 //!   shared data and Envoy stats for metrics.
-//! - `timer`: the worker's tick, delivered to a paused request of that worker thread.
+//! - `timer`: the workers' tick, posted to the main thread through the configuration's
+//!   scheduler.
 //! - `logger`: `log` records to Envoy's log.
 
 #![deny(unsafe_code)]

@@ -1,26 +1,30 @@
-//! The worker's tick. Envoy gives an HTTP filter no timer, only a scheduler per stream that
-//! posts an event to the stream's worker thread from any thread. One module thread keeps,
-//! for each Envoy worker thread that needs a tick, the scheduler of one of its paused
-//! requests and when to fire; at that time it commits a tick event to it, which runs the
-//! worker's tick on its own thread. A worker thread with no paused request needs no timer:
-//! its tick work (refills, releases, debts, polls, sweeps) runs, when due, at the start of
-//! its next request (`filter::request_headers`), and its counts are flushed to Envoy's
-//! stats when its last request ends.
+//! The workers' tick. Envoy gives an HTTP filter no timer, only schedulers that post an
+//! event from any thread: a stream's to the stream's worker thread, the filter
+//! configuration's to the main thread. One module thread (`diana-timer`) keeps, for each
+//! configuration, its scheduler and when the earliest of its workers' ticks is due, and at
+//! that time commits [`TICK_EVENT`] to it; the main thread then runs every worker tick that
+//! is due (`filter::config_scheduled`) and arms the next. A due time only moves earlier
+//! here ([`arm`]); firing clears it, and the main thread arms the next from the workers'.
 
-use crate::ffi::Scheduler;
+use crate::ffi::ConfigScheduler;
 use hashbrown::HashMap;
 use std::sync::{Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-/// The scheduled event that runs the tick.
+/// The scheduled event that runs the workers' ticks.
 pub const TICK_EVENT: u64 = 1;
 
 /// The longest the timer thread sleeps without looking again.
 const IDLE_WAIT: Duration = Duration::from_secs(1);
 
+struct Arm {
+    scheduler: ConfigScheduler,
+    due: Option<Instant>,
+}
+
 struct Timer {
-    /// Per worker thread: the scheduler to fire and when.
-    arms: Mutex<HashMap<u64, (Scheduler, Instant)>>,
+    /// Per configuration: its scheduler and when to fire.
+    arms: Mutex<HashMap<u64, Arm>>,
     wake: Condvar,
 }
 
@@ -38,36 +42,58 @@ fn timer() -> Option<&'static Timer> {
         {
             Ok(_) => Some(timer),
             Err(error) => {
-                log::error!(
-                    "diana: cannot start the timer thread ({error}): ticks run only at requests"
-                );
+                log::error!("diana: cannot start the timer thread ({error}): no tick runs");
                 None
             }
         }
     })
 }
 
-/// Fires `scheduler` with [`TICK_EVENT`] after `after` (replacing this thread's arm).
-pub fn arm(thread: u64, scheduler: Scheduler, after: Duration) {
+/// Takes `scheduler` for configuration `config` (it is deleted by whoever [`remove`]s it).
+/// `false`: no timer thread; the caller keeps (and deletes) the scheduler.
+pub fn register(config: u64, scheduler: ConfigScheduler) -> bool {
     let Some(timer) = timer() else {
+        return false;
+    };
+    match timer.arms.lock() {
+        Ok(mut arms) => {
+            arms.insert(
+                config,
+                Arm {
+                    scheduler,
+                    due: None,
+                },
+            );
+            true
+        }
+        Err(_) => false,
+    }
+}
+
+/// Fires configuration `config`'s tick event within `after`, or earlier if already armed so.
+pub fn arm(config: u64, after: Duration) {
+    let Some(Some(timer)) = TIMER.get() else {
         return;
     };
     let due = Instant::now() + after;
     if let Ok(mut arms) = timer.arms.lock() {
-        arms.insert(thread, (scheduler, due));
-        timer.wake.notify_one();
+        if let Some(arm) = arms.get_mut(&config) {
+            if arm.due.is_none_or(|armed| due < armed) {
+                arm.due = Some(due);
+                timer.wake.notify_one();
+            }
+        }
     }
 }
 
-/// Forgets this thread's arm. Called before its scheduler is deleted (under the lock the
-/// timer commits under, so a deleted scheduler is never committed to).
-pub fn disarm(thread: u64) {
+/// Forgets configuration `config` and hands its scheduler back for deletion: under the
+/// lock the timer commits under, so a deleted scheduler is never committed to.
+pub fn remove(config: u64) -> Option<ConfigScheduler> {
     let Some(Some(timer)) = TIMER.get() else {
-        return;
+        return None;
     };
-    if let Ok(mut arms) = timer.arms.lock() {
-        arms.remove(&thread);
-    }
+    let mut arms = timer.arms.lock().ok()?;
+    arms.remove(&config).map(|arm| arm.scheduler)
 }
 
 fn run(timer: &'static Timer) {
@@ -76,17 +102,16 @@ fn run(timer: &'static Timer) {
     };
     loop {
         let now = Instant::now();
-        arms.retain(|_, (scheduler, due)| {
-            if *due <= now {
-                scheduler.commit(TICK_EVENT);
-                false
-            } else {
-                true
+        for arm in arms.values_mut() {
+            if arm.due.is_some_and(|due| due <= now) {
+                arm.due = None;
+                arm.scheduler.commit(TICK_EVENT);
             }
-        });
+        }
         let wait = arms
             .values()
-            .map(|(_, due)| due.saturating_duration_since(now))
+            .filter_map(|arm| arm.due)
+            .map(|due| due.saturating_duration_since(now))
             .min()
             .unwrap_or(IDLE_WAIT)
             .min(IDLE_WAIT);
