@@ -98,7 +98,7 @@ fn asks_alone(rule: &Rule) -> bool {
 
 /// Places waiting for the tick to be given back, at most (beyond, a place is reclaimed by
 /// the service after `algo::inflight::RECLAIMED_AFTER`).
-const MAX_LEAVING: usize = 1024;
+pub const MAX_LEAVING: usize = 1024;
 
 /// Concurrency places held at the quota service, to give back ([`wire::LEAVE_PATH`]) or
 /// renew ([`wire::RENEW_PATH`]): the rule, the identity, the bucket the service counts
