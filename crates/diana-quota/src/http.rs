@@ -322,6 +322,27 @@ fn admit(state: &AppState, path: &'static str, headers: &HeaderMap) -> Result<Ad
 }
 
 /// The answer at the deadline.
+/// Runs one store call of an admitted request before its deadline, then frees its place in
+/// flight: the store's answer, or the answer to send instead (the store's failure, or 503
+/// when the deadline passed first).
+async fn within_deadline<T>(
+    state: &AppState,
+    admitted: Admitted,
+    work: impl std::future::Future<Output = Result<T, StoreError>>,
+) -> Result<T, Response> {
+    let answer = tokio::time::timeout_at(admitted.deadline, work).await;
+    drop(admitted.permit);
+    state.metrics().set_in_flight(state.in_flight());
+    match answer {
+        Ok(Ok(answer)) => Ok(answer),
+        Ok(Err(failure)) => Err(store_failure(state, &failure)),
+        Err(_) => {
+            state.metrics().store_error("timeout");
+            Err(expired(state, admitted.path, admitted.budget))
+        }
+    }
+}
+
 fn expired(state: &AppState, path: &'static str, budget: Duration) -> Response {
     state.metrics().expired(path);
     error(
@@ -515,30 +536,23 @@ async fn release(State(state): State<AppState>, headers: HeaderMap, body: Body) 
         Ok(resolved) => resolved,
         Err(reason) => return error(StatusCode::BAD_REQUEST, reason),
     };
+    // Ok(Err(reason)): not the rules of that call, nothing given back (400).
     let work = async {
         let Some(grants) = state.store().take_call(call).await? else {
-            return Ok(false);
+            return Ok(Ok(false));
         };
-        let outcomes =
-            Grant::released(call, rules.len(), &grants).map_err(StoreError::Unsupported)?;
+        let outcomes = match Grant::released(call, rules.len(), &grants) {
+            Ok(outcomes) => outcomes,
+            Err(reason) => return Ok(Err(reason)),
+        };
         state.metrics().call_release();
-        state
-            .store()
-            .release(&rules, &outcomes)
-            .await
-            .map(|()| true)
+        state.store().release(&rules, &outcomes).await?;
+        Ok(Ok(true))
     };
-    let answer = tokio::time::timeout_at(admitted.deadline, work).await;
-    drop(admitted.permit);
-    state.metrics().set_in_flight(state.in_flight());
-    match answer {
+    match within_deadline(&state, admitted, work).await {
         Ok(Ok(released)) => Json(ReleaseResponse { released }).into_response(),
-        Ok(Err(StoreError::Unsupported(reason))) => error(StatusCode::BAD_REQUEST, reason),
-        Ok(Err(failure)) => store_failure(&state, &failure),
-        Err(_) => {
-            state.metrics().store_error("timeout");
-            expired(&state, wire::RELEASE_PATH, admitted.budget)
-        }
+        Ok(Err(reason)) => error(StatusCode::BAD_REQUEST, reason),
+        Err(answer) => answer,
     }
 }
 
@@ -554,17 +568,9 @@ async fn leave(State(state): State<AppState>, headers: HeaderMap, body: Body) ->
         Err(reason) => return error(StatusCode::BAD_REQUEST, reason),
     };
     let outcomes = Outcome::held(&rules, places);
-    let answer =
-        tokio::time::timeout_at(admitted.deadline, state.store().release(&rules, &outcomes)).await;
-    drop(admitted.permit);
-    state.metrics().set_in_flight(state.in_flight());
-    match answer {
-        Ok(Ok(())) => Json(ReleaseResponse { released: true }).into_response(),
-        Ok(Err(failure)) => store_failure(&state, &failure),
-        Err(_) => {
-            state.metrics().store_error("timeout");
-            expired(&state, wire::LEAVE_PATH, admitted.budget)
-        }
+    match within_deadline(&state, admitted, state.store().release(&rules, &outcomes)).await {
+        Ok(()) => Json(ReleaseResponse { released: true }).into_response(),
+        Err(answer) => answer,
     }
 }
 
@@ -579,20 +585,12 @@ async fn renew(State(state): State<AppState>, headers: HeaderMap, body: Body) ->
         Ok(resolved) => resolved,
         Err(reason) => return error(StatusCode::BAD_REQUEST, reason),
     };
-    let answer =
-        tokio::time::timeout_at(admitted.deadline, state.store().renew(&rules, &places)).await;
-    drop(admitted.permit);
-    state.metrics().set_in_flight(state.in_flight());
-    match answer {
-        Ok(Ok(outcomes)) => Json(AcquireResponse {
+    match within_deadline(&state, admitted, state.store().renew(&rules, &places)).await {
+        Ok(outcomes) => Json(AcquireResponse {
             results: outcomes.into_iter().map(|outcome| outcome.result).collect(),
         })
         .into_response(),
-        Ok(Err(failure)) => store_failure(&state, &failure),
-        Err(_) => {
-            state.metrics().store_error("timeout");
-            expired(&state, wire::RENEW_PATH, admitted.budget)
-        }
+        Err(answer) => answer,
     }
 }
 
@@ -666,21 +664,14 @@ async fn charge(State(state): State<AppState>, headers: HeaderMap, body: Body) -
     if let Err(refused) = crate::store::refuse_debtless(&rules) {
         return error(StatusCode::BAD_REQUEST, refused.to_string());
     }
-    let answer = tokio::time::timeout_at(admitted.deadline, state.store().charge(&rules)).await;
-    drop(admitted.permit);
-    state.metrics().set_in_flight(state.in_flight());
-    match answer {
-        Ok(Ok(results)) => {
+    match within_deadline(&state, admitted, state.store().charge(&rules)).await {
+        Ok(results) => {
             for (rule, result) in rules.iter().zip(&results) {
                 state.metrics().charged(rule.algo.code(), result.granted);
             }
             Json(AcquireResponse { results }).into_response()
         }
-        Ok(Err(failure)) => store_failure(&state, &failure),
-        Err(_) => {
-            state.metrics().store_error("timeout");
-            expired(&state, wire::CHARGE_PATH, admitted.budget)
-        }
+        Err(answer) => answer,
     }
 }
 
