@@ -536,7 +536,8 @@ async fn release(State(state): State<AppState>, headers: HeaderMap, body: Body) 
         Ok(resolved) => resolved,
         Err(reason) => return error(StatusCode::BAD_REQUEST, reason),
     };
-    // Ok(Err(reason)): not the rules of that call, nothing given back (400).
+    // Ok(Err(reason)): not the rules of that call, or not something the store gives
+    // back (400, not a store failure).
     let work = async {
         let Some(grants) = state.store().take_call(call).await? else {
             return Ok(Ok(false));
@@ -546,8 +547,11 @@ async fn release(State(state): State<AppState>, headers: HeaderMap, body: Body) 
             Err(reason) => return Ok(Err(reason)),
         };
         state.metrics().call_release();
-        state.store().release(&rules, &outcomes).await?;
-        Ok(Ok(true))
+        match state.store().release(&rules, &outcomes).await {
+            Ok(()) => Ok(Ok(true)),
+            Err(StoreError::Unsupported(reason)) => Ok(Err(reason)),
+            Err(failure) => Err(failure),
+        }
     };
     match within_deadline(&state, admitted, work).await {
         Ok(Ok(released)) => Json(ReleaseResponse { released }).into_response(),
