@@ -109,6 +109,28 @@ impl Place {
         }
     }
 
+    /// This place at the quota service, to give back now that its request ended; `None`
+    /// when it is counted locally, or while its renewal is in flight (the renewal's answer
+    /// says where it is, and gives it back from there).
+    pub(crate) fn to_leave(&self) -> Option<ServicePlace> {
+        match self.at {
+            PlaceAt::Service {
+                renewing: false, ..
+            } => self.at_service(),
+            _ => None,
+        }
+    }
+
+    /// This place at the quota service, marked as renewing, unless a renewal of it is in
+    /// flight already.
+    pub(crate) fn start_renewal(&mut self) -> Option<ServicePlace> {
+        let due = self.to_leave()?;
+        if let PlaceAt::Service { renewing, .. } = &mut self.at {
+            *renewing = true;
+        }
+        Some(due)
+    }
+
     /// The answer to the renewal of `asked` came (`bucket`: where the service counts it
     /// now; `None`: not renewed, it stays where it was). True when `asked` is this place.
     pub(crate) fn renewal_answered(

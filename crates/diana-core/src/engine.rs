@@ -1003,11 +1003,9 @@ impl Engine {
                     cost: taken.tokens(),
                     taken: taken.clone(),
                 }),
-                // The renewal's answer says where it is now, and leaves it from there.
-                PlaceAt::Service { renewing: true, .. } => {}
                 PlaceAt::Service { .. } => {
-                    if let Some(at_service) = place.at_service() {
-                        self.global.queue_leave(at_service);
+                    if let Some(leaving) = place.to_leave() {
+                        self.global.queue_leave(leaving);
                     }
                 }
             }
@@ -1063,13 +1061,8 @@ impl Engine {
             .iter_mut()
             .filter(|place| now.saturating_sub(place.renewed) >= RENEW_EVERY)
         {
-            if let Some(due) = place.at_service() {
-                if let PlaceAt::Service { renewing, .. } = &mut place.at {
-                    if !*renewing {
-                        *renewing = true;
-                        at_service.push(due);
-                    }
-                }
+            if let PlaceAt::Service { .. } = place.at {
+                at_service.extend(place.start_renewal());
                 continue;
             }
             let (Some(rule), PlaceAt::Local(Taken::Shared(receipt))) =
