@@ -227,21 +227,10 @@ impl MemoryQuota {
     pub fn renew_body(&mut self, body: &[u8], now: Instant) -> Result<AcquireResponse, String> {
         let request = wire::decode_request(body)?;
         let (rules, places) = wire::resolve_places(&request)?;
-        let mut results = Vec::with_capacity(rules.len());
-        for (rule, place) in rules.iter().zip(places) {
-            let id = CounterId::of(rule);
-            let words = rule.algo.state_words(&rule.limit);
-            let counter = self.counters.entry(id).or_insert_with(|| Counter {
-                limit: rule.limit,
-                algo: rule.algo,
-                state: vec![0; words],
-            });
-            let mut states = vec![std::mem::take(&mut counter.state)];
-            let outcome =
-                decide::renew(std::slice::from_ref(rule), &[0], &mut states, &[place], now);
-            counter.state = states.pop().unwrap_or_default();
-            results.extend(outcome.into_iter().map(|outcome| outcome.result));
-        }
+        let mut loaded = self.load(&rules);
+        let outcomes = decide::renew(&rules, &loaded.slots, &mut loaded.states, &places, now);
+        self.write(loaded, now);
+        let results = outcomes.into_iter().map(|outcome| outcome.result).collect();
         Ok(AcquireResponse { results })
     }
 
@@ -265,14 +254,20 @@ impl MemoryQuota {
 
     /// Decides resolved rules at `now`, all or nothing, and keeps the charges if admitted.
     pub fn acquire(&mut self, rules: &[ResolvedRule<'_>], now: Instant) -> Vec<Outcome> {
-        // One state per distinct counter, so that two rules on one counter see each
-        // other's tentative charges (as in the service).
-        let mut ids: Vec<CounterId> = Vec::new();
-        let mut states: Vec<Vec<u64>> = Vec::new();
-        let mut params: Vec<(&'static dyn Algorithm, Limit)> = Vec::new();
-        let mut slots = Vec::with_capacity(rules.len());
+        let mut loaded = self.load(rules);
+        let (outcomes, committed) = decide::acquire(rules, &loaded.slots, &mut loaded.states, now);
+        if committed {
+            self.write(loaded, now);
+        }
+        outcomes
+    }
+
+    /// The counters of `rules`: one state per distinct counter, so that two rules on one
+    /// counter see each other's tentative charges (as in the service).
+    fn load(&self, rules: &[ResolvedRule<'_>]) -> Loaded {
+        let mut loaded = Loaded::default();
         for rule in rules {
-            let slot = match ids.iter().position(|known| known.is(rule)) {
+            let slot = match loaded.ids.iter().position(|known| known.is(rule)) {
                 Some(slot) => slot,
                 None => {
                     let id = CounterId::of(rule);
@@ -282,27 +277,40 @@ impl MemoryQuota {
                         .get(&id)
                         .filter(|c| c.state.len() == words)
                         .map_or_else(|| vec![0; words], |c| c.state.clone());
-                    ids.push(id);
-                    states.push(state);
-                    params.push((rule.algo, rule.limit));
-                    states.len() - 1
+                    loaded.ids.push(id);
+                    loaded.states.push(state);
+                    loaded.params.push((rule.algo, rule.limit));
+                    loaded.states.len() - 1
                 }
             };
-            slots.push(slot);
+            loaded.slots.push(slot);
         }
-        let (outcomes, committed) = decide::acquire(rules, &slots, &mut states, now);
-        if committed {
-            for ((id, state), (algo, limit)) in ids.into_iter().zip(states).zip(params) {
-                self.counters.insert(id, Counter { limit, algo, state });
-            }
-            if self.counters.len() >= self.sweep_at {
-                self.counters
-                    .retain(|_, c| !c.algo.is_idle(&c.limit, &c.state, now));
-                self.sweep_at = MIN_SWEEP.max(self.counters.len().saturating_mul(2));
-            }
-        }
-        outcomes
+        loaded
     }
+
+    /// Keeps the counters as decided; idle ones are swept when the table has doubled.
+    fn write(&mut self, loaded: Loaded, now: Instant) {
+        for ((id, state), (algo, limit)) in
+            loaded.ids.into_iter().zip(loaded.states).zip(loaded.params)
+        {
+            self.counters.insert(id, Counter { limit, algo, state });
+        }
+        if self.counters.len() >= self.sweep_at {
+            self.counters
+                .retain(|_, c| !c.algo.is_idle(&c.limit, &c.state, now));
+            self.sweep_at = MIN_SWEEP.max(self.counters.len().saturating_mul(2));
+        }
+    }
+}
+
+/// The counters of one request's rules, loaded for a decision ([`MemoryQuota::load`]).
+#[derive(Default)]
+struct Loaded {
+    ids: Vec<CounterId>,
+    states: Vec<Vec<u64>>,
+    params: Vec<(&'static dyn Algorithm, Limit)>,
+    /// Per rule: which of them it uses.
+    slots: Vec<usize>,
 }
 
 #[cfg(test)]
