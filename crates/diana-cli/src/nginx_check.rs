@@ -315,7 +315,12 @@ fn check_claim_origins(policy: &Policy, at: &str, problems: &mut Vec<String>) {
     let mut plans_seen: Vec<&str> = Vec::new();
     for rule in policy.rules() {
         if let Some(choice) = &rule.plan {
-            let base = rule.name.split('.').next().unwrap_or(&rule.name);
+            // The rule as written: its plans are named `<rule>.<plan>`.
+            let base = rule
+                .name
+                .strip_suffix(choice.name())
+                .and_then(|name| name.strip_suffix('.'))
+                .unwrap_or(&rule.name);
             if let Some(claim) = choice.by.metadata_claim() {
                 if !plans_seen.contains(&base) {
                     plans_seen.push(base);
@@ -453,7 +458,7 @@ mod tests {
             ("{by: x-plan, values: {pro: 5}, default: 1}", 0),
         ] {
             let document = format!(
-                "resources:\n  - Url: /\n    rules:\n      - {{name: api, rpu: {plans}}}\n"
+                "resources:\n  - Url: /\n    rules:\n      - {{name: api.v2, rpu: {plans}}}\n"
             );
             let policy = parse_policy(&document).expect("a valid document");
             let mut problems = Vec::new();
@@ -461,7 +466,7 @@ mod tests {
             assert_eq!(problems.len(), expected, "{plans}: {problems:?}");
             if expected == 1 {
                 assert!(
-                    problems[0].contains("rule `api` reads its plan from the claim /plan from jwt_authn:jwt_payload"),
+                    problems[0].contains("rule `api.v2` reads its plan from the claim /plan from jwt_authn:jwt_payload"),
                     "{problems:?}"
                 );
             }
