@@ -1063,18 +1063,8 @@ impl RedisStore {
         places: &[Mark],
         now_us: Option<u64>,
     ) -> Result<Vec<Outcome>, StoreError> {
-        let groups = if self.is_cluster() {
-            groups_by_key(rules)
-        } else {
-            vec![rules.iter().enumerate().collect()]
-        };
-        let (outcomes, status) = self
-            .call_groups(Op::Renew(places), &groups, rules.len(), now_us)
-            .await;
-        for status in status {
-            status?;
-        }
-        Ok(outcomes)
+        self.each_group_outcomes(Op::Renew(places), rules, now_us)
+            .await
     }
 
     /// One call for every rule (a single server), or one per key (a cluster).
@@ -1084,6 +1074,17 @@ impl RedisStore {
         rules: &[ResolvedRule<'_>],
         now_us: Option<u64>,
     ) -> Result<Vec<RuleResult>, StoreError> {
+        let outcomes = self.each_group_outcomes(op, rules, now_us).await?;
+        Ok(outcomes.into_iter().map(|outcome| outcome.result).collect())
+    }
+
+    /// [`RedisStore::each_group`], with where each grant was counted.
+    async fn each_group_outcomes(
+        &self,
+        op: Op<'_>,
+        rules: &[ResolvedRule<'_>],
+        now_us: Option<u64>,
+    ) -> Result<Vec<Outcome>, StoreError> {
         let groups = if self.is_cluster() {
             groups_by_key(rules)
         } else {
@@ -1093,7 +1094,7 @@ impl RedisStore {
         for status in status {
             status?;
         }
-        Ok(outcomes.into_iter().map(|outcome| outcome.result).collect())
+        Ok(outcomes)
     }
 }
 
