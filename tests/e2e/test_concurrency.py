@@ -14,28 +14,25 @@ from harness import HOST, Quota, Redis, errors, record, request, send_concurrent
 
 N = 5
 
-DOC = f"""
+
+def document(scope: str) -> str:
+    """`max_in_flight: N` per account on /slow, in `scope` (`global`: the quota service's
+    timeout raised for a loaded test machine)."""
+    quota = "global: {timeout_ms: 500}\n" if scope == "global" else ""
+    return f"""
 resources:
   - Url: /slow
     rules:
       - name: inside
         actor: account
         max_in_flight: {N}
+        scope: {scope}
 response: {{status: 429, headers: all, header_style: both}}
-"""
+{quota}"""
 
 
-GLOBAL_DOC = f"""
-resources:
-  - Url: /slow
-    rules:
-      - name: inside
-        actor: account
-        max_in_flight: {N}
-        scope: global
-response: {{status: 429, headers: all, header_style: both}}
-global: {{timeout_ms: 500}}
-"""
+DOC = document("local")
+GLOBAL_DOC = document("global")
 
 
 def inflight(upstream_port: int, reset: bool = False) -> dict:
