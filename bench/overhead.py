@@ -138,6 +138,8 @@ def variants(diana_wasm: Path, empty_wasm: Path, with_global: bool, extra: bool,
         if NATIVE_MODULE.is_file():
             vs.append({"key": "native_global_l100", "label": "Diana native module global W, lease 100",
                        "group": "global", "filters": [native_module_filter(global_doc("W", 100))], "quota": True})
+            vs.append({"key": "native_global_auto", "label": "Diana native module global W, lease auto",
+                       "group": "global", "filters": [native_module_filter(global_doc("W", "auto"))], "quota": True})
     if limitador_port is not None or diana_rls_port is not None:
         vs.append({"key": "peer_route", "label": "peer baseline: routed, fault-filter reply 200",
                    "group": "global", "filters": [local_reply_filter()], "route_action": True})

@@ -4,7 +4,12 @@ The full overhead section (bench/overhead.py) runs 17 variants for 10 s each per
 one round takes minutes and the machine drifts within it. This runs only the variants that
 decide the targets, for ROUNDS rounds of SECONDS each, and reports per variant the median
 Envoy CPU µs per request and the median of the per-round ratios to the empty stock-SDK
-filter. Same processes, pinning and stopping as the full section (bench/common.py).
+filter; also the median req/s (wrk), its median ratio to Envoy's `local_ratelimit` when that
+is measured (`lrl`, issue #23's bar for the native module), and for variants that call
+diana-quota the requests that waited behind a lease refill per 1,000 (`diana_global_coalesced`)
+the callouts per request and the share of them that were refills ahead (made by the tick,
+before the lease ran out). Same processes, pinning and stopping as the full section
+(bench/common.py).
 
     python3 bench/paired.py [ROUNDS=10] [SECONDS=4]      # after scripts/bench built everything
 
@@ -32,6 +37,10 @@ def main() -> None:
     vs = chosen(variants(RELEASE / "diana-envoy.wasm", RELEASE / "diana.wasm"), only or DEFAULT)
     procs = Procs(ROOT / ".tmp/bench/paired")
     cpu: dict[str, list[float]] = {k: [] for k in vs}
+    rps: dict[str, list[float]] = {k: [] for k in vs}
+    waited: dict[str, list[float]] = {k: [] for k in vs}
+    calls: dict[str, list[float]] = {k: [] for k in vs}
+    ahead: dict[str, list[float]] = {k: [] for k in vs}
     try:
         quota_port = None
         if any(v.calls_out for v in vs.values()):
@@ -41,7 +50,7 @@ def main() -> None:
             else:
                 say(f"paired: {QUOTA} missing, global variants left out")
                 vs = {k: v for k, v in vs.items() if not v.calls_out}
-                cpu = {k: cpu[k] for k in vs}
+                cpu, rps = {k: cpu[k] for k in vs}, {k: rps[k] for k in vs}
         envoys = {k: Envoy(procs, f"paired-{k}", v.filters, concurrency=1, cpus="0",
                            quota=quota_port if v.calls_out else None).start()
                   for k, v in vs.items()}
@@ -51,15 +60,31 @@ def main() -> None:
             say(f"paired: round {r + 1}/{rounds}")
             for k, e in envoys.items():
                 c0 = e.proc.cpu_seconds()
+                s0 = e.stats() if vs[k].calls_out else {}
                 res = wrk(e.url + "/", duration=seconds)
-                cpu[k].append((e.proc.cpu_seconds() - c0) * 1e6 / max(1, res["requests"]))
+                n = max(1, res["requests"])
+                cpu[k].append((e.proc.cpu_seconds() - c0) * 1e6 / n)
+                rps[k].append(res["rps"])
+                if vs[k].calls_out:
+                    s1 = e.stats()
+                    delta = lambda name: s1.get(name, 0) - s0.get(name, 0)  # noqa: E731
+                    waited[k].append(delta("wasmcustom.diana_global_coalesced") * 1000 / n)
+                    calls[k].append(delta("wasmcustom.diana_global_callouts") / n)
+                    ahead[k].append(delta("wasmcustom.diana_global_refills_ahead")
+                                    / max(1, delta("wasmcustom.diana_global_callouts")))
     finally:
         procs.stop_all()
-    print(f"| variant ({rounds} rounds × {seconds:g} s) | Envoy CPU µs/req (median) | × empty (CPU, median of rounds) |")
-    print("| --- | ---: | ---: |")
+    print(f"| variant ({rounds} rounds × {seconds:g} s) | Envoy CPU µs/req (median) | × empty (CPU, median of rounds)"
+          " | req/s (median) | × local_ratelimit (req/s, median of rounds) | waited behind a refill ‰ | callouts/req | of them ahead |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for k, v in vs.items():
         ratios = [e / x for e, x in zip(cpu["empty"], cpu[k]) if x]
-        print(f"| {v.label} | {median(cpu[k]):.1f} | {median(ratios):.2f} |")
+        vs_lrl = f"{median([r / b for r, b in zip(rps[k], rps['lrl']) if b]):.2f}" if "lrl" in rps else "—"
+        wait = f"{median(waited[k]):.1f}" if waited[k] else "—"
+        call = f"{median(calls[k]):.4f}" if calls[k] else "—"
+        ahd = f"{median(ahead[k]):.2f}" if ahead[k] else "—"
+        print(f"| {v.label} | {median(cpu[k]):.1f} | {median(ratios):.2f} | {median(rps[k]):,.0f} | {vs_lrl}"
+              f" | {wait} | {call} | {ahd} |")
 
 
 if __name__ == "__main__":

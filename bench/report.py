@@ -71,8 +71,8 @@ def targets(ov: dict) -> list[dict[str, Any]]:
     if not empty or not empty.get("runs"):
         return out
 
-    def throughput(what: str, v: dict, bound: float) -> dict[str, Any]:
-        return {"what": what, "ratio": round_ratio(v, empty, "rps"), "cpu": cpu_ratio(v, empty), "at_least": bound}
+    def throughput(what: str, v: dict, bound: float, base: dict = empty) -> dict[str, Any]:
+        return {"what": what, "ratio": round_ratio(v, base, "rps"), "cpu": cpu_ratio(v, base), "at_least": bound}
 
     # DESIGN §6 (docs/design.md §6): local rules cost no more than the empty stock-SDK
     # filter (≥ 1.0× its throughput); a global rule with a lease ≤ 1.05× its cost, i.e.
@@ -86,6 +86,16 @@ def targets(ov: dict) -> list[dict[str, Any]]:
         if v and v.get("runs"):
             out.append(throughput(f"Diana global W, {label}: cost ≤ 1.05× the empty filter (≥ 0.952×)", v,
                                   round(1 / 1.05, 3)))
+    # Issue #23: the native module against Envoy's own local_ratelimit, local and global
+    # with a lease (no filter's throughput less local_ratelimit's cost is local_ratelimit's).
+    lrl = vs.get("native")
+    if lrl and lrl.get("runs"):
+        for key, label in (("native_TB", "local TB"), ("native_global_l100", "global W, lease 100"),
+                           ("native_global_auto", "global W, lease auto")):
+            v = vs.get(key)
+            if v and v.get("runs"):
+                out.append(throughput(f"Diana native module {label}: ≥ 1.0× Envoy's local_ratelimit", v, 1.0,
+                                      base=lrl))
     return out
 
 
@@ -187,9 +197,10 @@ def render(res: dict[str, Any], chart_rel: Optional[str]) -> str:
                          (f2(cpu) + "×") if cpu else NA, verdict(target_met(t, cpu)) if cpu else NA])
         A(table(["target", "wrk ratio", "by wrk", "CPU-cost ratio", "by CPU cost"], rows, "lrlrl"))
         A("")
-        A("*wrk ratio*: median over rounds of (variant ÷ empty filter) within the same round, from")
-        A("wrk's req/s or p99. *CPU-cost ratio*: the throughput ratio implied by Envoy's own CPU time")
-        A("per request (empty filter's µs/req ÷ the variant's), i.e. the ratio on a core Envoy has to")
+        A("*wrk ratio*: median over rounds of (variant ÷ baseline) within the same round, from")
+        A("wrk's req/s or p99; the baseline is the empty filter, or Envoy's `local_ratelimit` for the")
+        A("native module. *CPU-cost ratio*: the throughput ratio implied by Envoy's own CPU time")
+        A("per request (baseline's µs/req ÷ the variant's), i.e. the ratio on a core Envoy has to")
         utils = [x["envoy_cpu_util"] for v in ov.get("variants", []) for x in (v.get("runs") or [])
                  if x.get("envoy_cpu_util") is not None]
         share = f"{min(utils) * 100:.0f}–{max(utils) * 100:.0f} %" if utils else "an unknown share"

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from common import ROOT, wasm_filter
+from common import NATIVE_MODULE, ROOT, native_local_ratelimit, native_module_filter, wasm_filter
 from overhead import diana_doc, global_doc, local_rule
 
 RELEASE = ROOT / "target/wasm32-wasip1/release"
@@ -42,6 +42,7 @@ def variants(diana_wasm: Path, untrimmed_wasm: Optional[Path] = None) -> dict[st
     diana = str(diana_wasm)
     out = {
         "nofilter": Variant("no filter", []),
+        "lrl": Variant("Envoy local_ratelimit", [native_local_ratelimit()]),
         "empty": Variant("empty wasm filter (stock SDK)", [wasm_filter("empty", str(EMPTY / "empty_filter.wasm"))]),
         "empty_trim": Variant("empty wasm filter, trimmed like Diana",
                               [wasm_filter("empty", str(EMPTY / "empty_filter_trimmed.wasm"))]),
@@ -69,6 +70,14 @@ def variants(diana_wasm: Path, untrimmed_wasm: Optional[Path] = None) -> dict[st
         out[f"global_{lease}_minute"] = Variant(f"Diana global W per minute, lease {lease}",
                                                 [wasm_filter("diana", diana, doc)],
                                                 cost_at_most=GLOBAL_BAR, calls_out=True)
+    if NATIVE_MODULE.is_file():
+        # Diana as Envoy's dynamic module (crates/diana-envoy-native): the same documents.
+        out["native_TB"] = Variant("Diana native module local TB",
+                                   [native_module_filter(diana_doc([local_rule("TB")]))], at_least=LOCAL_BAR)
+        for lease in (100, "auto"):
+            out[f"native_global_{lease}"] = Variant(f"Diana native module global W, lease {lease}",
+                                                    [native_module_filter(global_doc("W", lease))],
+                                                    cost_at_most=GLOBAL_BAR, calls_out=True)
     return out
 
 

@@ -67,7 +67,9 @@ fn carry_out(current: ContextId, commands: Vec<Command>) {
                     log::warn!("diana: cannot set tick period: {status:?}");
                 }
             }
-            Command::AddHeaders(_) | Command::SetTick(_) => {}
+            // Not asked of proxy-wasm hosts (`HostProfile::ticks_on_demand`): the tick runs
+            // on its period.
+            Command::AddHeaders(_) | Command::SetTick(_) | Command::TickNow => {}
         }
     }
     enter(current);

@@ -1,7 +1,7 @@
 //! The worker under each host's rules, on a simulated gateway (`diana_core::worker::sim`):
 //! several workers sharing one shared-data store, calls answered by an in-process quota
 //! service after chosen latencies (or never), clients that leave mid-call or mid-wait, a
-//! clock that steps. Every scenario runs under both profiles; the invariants hold over
+//! clock that steps. Every scenario runs under each host's profile; the invariants hold over
 //! randomised schedules.
 
 // The helpers below stop a test at once when a scenario cannot even be set up.
@@ -227,6 +227,68 @@ fn parked_requests_resume_within_one_tick_of_their_flight() {
     // The burst's flight, then one refill ahead once the stash ran low (8 of 10 spent).
     assert_eq!(sim.quota_calls(), 2);
     assert!(sim.violations.is_empty(), "{:?}", sim.violations);
+}
+
+/// A steady stream on one worker (a request every 0.2 ms) whose lease lasts 2 ms, a quota
+/// service 0.5 ms away. Where the host runs the tick on demand (Envoy's dynamic modules),
+/// a refill ahead leaves the moment the stash runs low: after the first request's own
+/// call, every call is a refill ahead and no request waits longer than one round trip.
+/// Where the tick runs only on its 1 ms period (proxy-wasm), the refill leaves a period
+/// later and lands after the stash ran out: requests call on their own, others park
+/// behind them and wait for the tick.
+#[test]
+fn a_refill_ahead_leaves_at_once_where_the_host_ticks_on_demand() {
+    let latency = MS / 2;
+    // Per profile: (calls, refills ahead, requests parked, longest wait after the first
+    // flight's).
+    let mut seen = Vec::new();
+    for profile in [HostProfile::ENVOY, HostProfile::ENVOY_NATIVE] {
+        let mut sim = sim(profile, &global(100_000, 10), 1, Service::Answers(latency));
+        let mut sent = Vec::new();
+        for _ in 0..40 {
+            sent.push((sim.send(0, "10.0.0.1", &[(":path", "/")]), sim.now()));
+            sim.advance(Duration::from_micros(200));
+        }
+        sim.advance(Duration::from_millis(10));
+        let mut longest = 0;
+        for (index, (context, at)) in sent.iter().enumerate() {
+            match sim.fate(*context) {
+                // The first request's own call, and the two parked behind it.
+                Some(Fate::Admitted(_)) if index < 3 => {}
+                Some(Fate::Admitted(admitted)) => longest = longest.max(admitted - at),
+                other => panic!("{}: request {context}: {other:?}", profile.name),
+            }
+        }
+        sim.flush_metrics();
+        seen.push((
+            sim.quota_calls(),
+            sim.host.metric("diana_global_refills_ahead"),
+            sim.host.metric("diana_global_coalesced"),
+            longest,
+        ));
+        assert!(
+            sim.violations.is_empty(),
+            "{}: {:?}",
+            profile.name,
+            sim.violations
+        );
+    }
+    let [(_, wasm_ahead, wasm_parked, wasm_longest), (calls, ahead, parked, longest)] = seen[..]
+    else {
+        panic!("two profiles ran: {seen:?}");
+    };
+    assert_eq!(
+        ahead,
+        calls - 1,
+        "on demand: every call after the first is ahead"
+    );
+    assert!(
+        longest <= latency,
+        "on demand: a request waited {longest} ns"
+    );
+    assert!(ahead > wasm_ahead, "{seen:?}");
+    assert!(parked < wasm_parked, "{seen:?}");
+    assert!(wasm_longest > latency, "on its period: {seen:?}");
 }
 
 /// nginx cannot resume a request from elsewhere: nothing parks, each request calls on its

@@ -384,7 +384,8 @@ impl Drop for Held<'_> {
 
 impl Core {
     /// Takes the commands that are not the current stream's: other streams' are queued on
-    /// their schedulers, the tick period is set (`rearm`: the new due time). Returns the
+    /// their schedulers, the tick period is set (`rearm`: the new due time; now when the
+    /// worker asked for the tick at once, whatever period it also set). Returns the
     /// current stream's, in order.
     fn settle(
         &mut self,
@@ -393,6 +394,7 @@ impl Core {
         rearm: &mut Option<u64>,
     ) -> Vec<Command> {
         let mut mine = Vec::new();
+        let mut tick_now = false;
         for command in commands {
             match command {
                 Command::Resume(context) if Some(context) == current => {
@@ -413,7 +415,12 @@ impl Core {
                     self.schedule_next();
                     *rearm = self.due;
                 }
+                Command::TickNow => tick_now = true,
             }
+        }
+        if tick_now {
+            self.due = host::now();
+            *rearm = self.due;
         }
         mine
     }
@@ -672,7 +679,7 @@ impl Local {
                     }
                 }
                 // Taken by `Core::settle`.
-                Command::SetTick(_) => {}
+                Command::SetTick(_) | Command::TickNow => {}
             }
         }
     }

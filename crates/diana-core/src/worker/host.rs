@@ -94,6 +94,11 @@ pub struct HostProfile {
     /// access happens in a request or a tick, where a trap costs that request, not the
     /// worker's start (`worker/configure.rs`).
     pub shared_data_needs_zone: bool,
+    /// The binding runs the tick soon after an event asks ([`super::Command::TickNow`]),
+    /// cheaper than a period's wait: Envoy's dynamic modules, whose tick runs on the main
+    /// thread and is posted there at once. Elsewhere the tick runs only on its period (the
+    /// finest is 1 ms on proxy-wasm).
+    pub ticks_on_demand: bool,
 }
 
 impl HostProfile {
@@ -109,6 +114,7 @@ impl HostProfile {
         refusal_stops_the_worker: false,
         pausing_needs: None,
         shared_data_needs_zone: false,
+        ticks_on_demand: false,
     };
 
     /// Envoy's dynamic modules (`crates/diana-envoy-native`): the same rules as proxy-wasm
@@ -116,6 +122,7 @@ impl HostProfile {
     /// (a scheduled event), a request's own call answers in its own filter, which resumes it.
     pub const ENVOY_NATIVE: HostProfile = HostProfile {
         name: "envoy-native",
+        ticks_on_demand: true,
         ..HostProfile::ENVOY
     };
 
@@ -133,10 +140,15 @@ impl HostProfile {
         refusal_stops_the_worker: true,
         pausing_needs: Some("proxy_wasm_request_headers_in_access on;"),
         shared_data_needs_zone: true,
+        ticks_on_demand: false,
     };
 
-    /// Both, for tests that run every scenario under each host's rules.
-    pub const ALL: [HostProfile; 2] = [HostProfile::ENVOY, HostProfile::NGINX];
+    /// Every host's rules, for tests that run every scenario under each.
+    pub const ALL: [HostProfile; 3] = [
+        HostProfile::ENVOY,
+        HostProfile::ENVOY_NATIVE,
+        HostProfile::NGINX,
+    ];
 }
 
 /// True when `upstream` is `host:port` with a decimal port.

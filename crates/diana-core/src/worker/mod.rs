@@ -101,6 +101,10 @@ pub enum Command {
     AddHeaders(Vec<(&'static str, String)>),
     /// Set the tick period (zero stops it).
     SetTick(Duration),
+    /// Run the tick as soon as the host can, without waiting for its period: calls wait
+    /// in it (a lease refill ahead, places to give back). Only for a host whose profile
+    /// [`HostProfile::ticks_on_demand`]; asked once until the tick runs.
+    TickNow,
 }
 
 /// A local reply, as the host sends it.
@@ -213,6 +217,8 @@ pub struct Worker {
     base_tick: Duration,
     /// The tick period set last.
     tick: Option<Duration>,
+    /// A tick is running, or was asked for with [`Command::TickNow`] and has not run yet.
+    tick_coming: bool,
     /// No usable configuration on a host where refusing it stops the worker: what
     /// requests get meanwhile.
     invalid: Option<OnInvalidConfig>,
@@ -247,6 +253,7 @@ impl Worker {
             paying: false,
             base_tick: Duration::ZERO,
             tick: None,
+            tick_coming: false,
             invalid: None,
             unheld_until: 0,
             unheld_logged: false,
@@ -576,6 +583,7 @@ impl Worker {
         let Some(now) = host.now() else {
             return step;
         };
+        self.tick_coming = true;
         self.check_remote(host, now);
         self.pay_debts(host);
         self.send_releases(host);
@@ -617,6 +625,7 @@ impl Worker {
         // The tick stops when nothing needs it any more (released records, no policy).
         self.base_tick = self.wanted_base_tick(host);
         self.retick(&mut step);
+        self.tick_coming = false;
         step
     }
 
@@ -1039,16 +1048,21 @@ impl Worker {
         }
     }
 
-    /// The tick period this worker needs now: fine while requests wait or are parked.
-    fn wanted_tick(&self) -> Duration {
+    /// Calls wait for the tick to be made: a stash to refill ahead, places to give back.
+    fn calls_wait_for_tick(&self) -> bool {
         let refill = self
             .configured
             .as_ref()
             .is_some_and(|configured| configured.engine.wants_refill());
-        let leave = self
-            .generations()
-            .any(|configured| configured.engine.wants_leave());
-        if !self.parked.is_empty() || refill || leave {
+        refill
+            || self
+                .generations()
+                .any(|configured| configured.engine.wants_leave())
+    }
+
+    /// The tick period this worker needs now: fine while requests wait or are parked.
+    fn wanted_tick(&self) -> Duration {
+        if !self.parked.is_empty() || self.calls_wait_for_tick() {
             RIDER_TICK
         } else if !self.waiters.is_empty() {
             WAIT_TICK
@@ -1057,8 +1071,14 @@ impl Worker {
         }
     }
 
-    /// Sets the tick period the worker needs, if it changed and the host lets it.
+    /// Asks for the tick at once where the host can run it on demand and calls wait for
+    /// it (so a refill ahead leaves before the lease runs out, not a period later); sets
+    /// the tick period the worker needs, if it changed and the host lets it.
     fn retick(&mut self, step: &mut Step) {
+        if self.profile.ticks_on_demand && !self.tick_coming && self.calls_wait_for_tick() {
+            self.tick_coming = true;
+            step.commands.push(Command::TickNow);
+        }
         if !self.profile.tick_settable_anywhere {
             return;
         }

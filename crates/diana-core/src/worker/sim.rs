@@ -231,6 +231,8 @@ pub enum Violation {
     FromOtherContext(ContextId),
     /// Set the tick from a request, or to zero, where the host cannot.
     Tick(Duration),
+    /// Asked for the tick at once where the host runs it only on its period.
+    TickNow,
     /// A command for a request the host never had.
     Unknown(ContextId),
 }
@@ -634,8 +636,11 @@ impl Sim {
                 continue;
             }
             if let Some(slot) = self.ticks.get_mut(index) {
-                let period_nanos = u64::try_from(period.as_nanos()).unwrap_or(u64::MAX).max(1);
-                *slot = Some((period, now.saturating_add(period_nanos)));
+                // A tick asked for with no period set runs once.
+                *slot = (!period.is_zero()).then(|| {
+                    let period_nanos = u64::try_from(period.as_nanos()).unwrap_or(u64::MAX);
+                    (period, now.saturating_add(period_nanos))
+                });
             }
             let Some(step) = self.workers.get_mut(index).map(|w| w.on_tick(&self.host)) else {
                 continue;
@@ -718,6 +723,17 @@ impl Sim {
                         .saturating_add(u64::try_from(period.as_nanos()).unwrap_or(u64::MAX));
                     if let Some(slot) = self.ticks.get_mut(worker) {
                         *slot = (!period.is_zero()).then_some((period, at));
+                    }
+                }
+                Command::TickNow => {
+                    if !self.profile.ticks_on_demand {
+                        self.violations.push(Violation::TickNow);
+                    }
+                    // The host runs it next, at this instant, and its period goes on.
+                    let now = self.now();
+                    if let Some(slot) = self.ticks.get_mut(worker) {
+                        let period = slot.map_or(Duration::ZERO, |(period, _)| period);
+                        *slot = Some((period, now));
                     }
                 }
             }
