@@ -411,6 +411,11 @@ class Envoy(ManagedProcess):
 
     kind = "envoy"
 
+    @property
+    def label(self) -> str:
+        """The host as test figures name it (`kind` is the host family)."""
+        return "envoy-native" if self.native else "envoy"
+
     def __init__(
         self,
         log_dir: Path,
@@ -558,6 +563,7 @@ class Nginx(ManagedProcess):
     for what the tests read: `port`, `diana_metrics()`, `rss()`, `log_text()`."""
 
     kind = "nginx"
+    label = "nginx"
     METRICS_PATH = "/__diana/metrics"
 
     def __init__(

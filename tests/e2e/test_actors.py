@@ -49,7 +49,7 @@ def test_actor_account_separate_counters_and_skip_without_header(start_gateway):
     b = _burst(gw, {"x-account-id": "bob", "x-device-id": "same-device"})
     anonymous = _burst(gw, None)
     anonymous2 = _burst(gw, {"x-device-id": "same-device"})
-    record(f"{gw.kind}: actor account", f"alice {a}, bob {b}, no header {anonymous} + {anonymous2}")
+    record(f"{gw.label}: actor account", f"alice {a}, bob {b}, no header {anonymous} + {anonymous2}")
     assert a == LIMITED
     assert b == LIMITED
     # default fallback for account is `skip`: the rule does not apply
@@ -63,7 +63,7 @@ def test_actor_device_separate_counters_and_ip_fallback(start_gateway):
     d2 = _burst(gw, {"x-device-id": "phone-2", "x-account-id": "alice"})
     no_header = _burst(gw, {"x-account-id": "carol"})
     no_header_again = _burst(gw, None)
-    record(f"{gw.kind}: actor device", f"phone-1 {d1}, phone-2 {d2}, no header (ip fallback) {no_header} then {no_header_again}")
+    record(f"{gw.label}: actor device", f"phone-1 {d1}, phone-2 {d2}, no header (ip fallback) {no_header} then {no_header_again}")
     assert d1 == LIMITED
     assert d2 == LIMITED
     # default fallback for device is the client address: one counter for 127.0.0.1
@@ -79,7 +79,7 @@ def test_actor_ip_uses_client_address(start_gateway):
     assert not errors(ip2 + ip3), errors(ip2 + ip3)
     s2, s3 = statuses(ip2), statuses(ip3)
     again2 = _burst(gw, {"x-device-id": "other"}, source="127.0.0.2")
-    record(f"{gw.kind}: actor ip", f"127.0.0.2 {s2}, 127.0.0.3 {s3}, 127.0.0.2 again {again2}")
+    record(f"{gw.label}: actor ip", f"127.0.0.2 {s2}, 127.0.0.3 {s3}, 127.0.0.2 again {again2}")
     assert s2 == LIMITED
     assert s3 == LIMITED
     assert again2 == {503: N}
@@ -96,7 +96,7 @@ def test_user_defined_actor_with_shared_fallback(start_gateway):
     t2 = _burst(gw, {"x-tenant-id": "globex", "x-device-id": "phone-1"})
     shared = _burst(gw, {"x-device-id": "phone-9"})
     shared_again = _burst(gw, {"x-account-id": "alice"})
-    record(f"{gw.kind}: actor tenant (user-defined)", f"acme {t1}, globex {t2}, no header (shared) {shared} then {shared_again}")
+    record(f"{gw.label}: actor tenant (user-defined)", f"acme {t1}, globex {t2}, no header (shared) {shared} then {shared_again}")
     assert t1 == LIMITED
     assert t2 == LIMITED
     assert shared == LIMITED
@@ -129,7 +129,7 @@ def test_actor_from_a_jwt_claim_counts_by_the_claim(start_gateway):
     no_claim = _burst(gw, {"x-device-id": "acme", **_bearer('{"sub":"dave"}')})
     no_claim_again = _burst(gw, {"authorization": "Bearer not.a-jwt"})
     record(
-        f"{gw.kind}: actor from a JWT claim (/org/id)",
+        f"{gw.label}: actor from a JWT claim (/org/id)",
         f"acme {acme} then {acme_again}, globex {globex}, no claim (shared) {no_claim} then {no_claim_again}",
     )
     assert acme == LIMITED

@@ -44,7 +44,7 @@ rules:
     assert not errors(first + second), errors(first + second)
 
     s1, s2 = statuses(first), statuses(second)
-    record(f"{gw.kind}: admitted[{algo}, rpu {RPU}/minute, {BURST} concurrent + {RPU}]", f"{s1} then {s2} in {elapsed:.2f}s")
+    record(f"{gw.label}: admitted[{algo}, rpu {RPU}/minute, {BURST} concurrent + {RPU}]", f"{s1} then {s2} in {elapsed:.2f}s")
     print(f"{algo}: first burst {s1}, second burst {s2}, {elapsed:.2f}s, connections per worker {per_worker}")
     assert set(s1) <= {200, 503} and set(s2) <= {200, 503}, (s1, s2)
     # TB refills continuously: one token per 60/RPU = 3 s.

@@ -39,7 +39,7 @@ def test_a_rejected_flood_on_login_leaves_the_site_budget(procs, start_gateway, 
     flood = send_concurrent(gw.port, 10, "/login")
     pages = [request(gw.port, "/home").status for _ in range(10)]
     record(
-        f"{gw.kind}: / {root} rpu 10 over /login {login} rpu 1",
+        f"{gw.label}: / {root} rpu 10 over /login {login} rpu 1",
         f"10 concurrent /login {statuses(flood)}, then 10 /home {pages}",
     )
     assert statuses(flood) == {200: 1, 429: 9}, statuses(flood)
@@ -112,7 +112,7 @@ def test_a_service_that_grants_more_than_asked_is_not_believed(start_gateway):
         st = statuses(resps)
         m = gw.diana_metrics()
         record(
-            f"{gw.kind}: a service answering granted 1000 to want 2",
+            f"{gw.label}: a service answering granted 1000 to want 2",
             f"30 requests {st}; callouts {fake.calls}; invalid answers {m.get('diana_global_invalid_answers')}",
         )
         # Decided locally with the rule's own limit (5 per hour), not 1000 tokens.
@@ -132,7 +132,7 @@ def test_a_refusal_is_decided_locally_counted_and_logged_once(start_gateway):
         while "the quota service refused" not in gw.log_text() and time.monotonic() < deadline:
             time.sleep(0.2)
         lines = [ln for ln in gw.log_text().splitlines() if "the quota service refused" in ln]
-        record(f"{gw.kind}: a refusing service (400)", f"8 requests {st}; refused {m.get('diana_global_refused')}; {lines[:1]}")
+        record(f"{gw.label}: a refusing service (400)", f"8 requests {st}; refused {m.get('diana_global_refused')}; {lines[:1]}")
         assert st == {200: 5, 429: 3}, st
         # Refused, not failed: the breaker stays closed, so every request asked again.
         assert m.get("diana_global_refused") == 8, m

@@ -68,7 +68,7 @@ def test_at_most_n_requests_of_an_identity_are_inside_at_once(start_gateway, ups
     other = request(gw.port, "/slow?ms=1", {"x-account-id": "globex"}).status
     rejection = next(r for r in burst if r.status == 429)
     record(
-        f"{gw.kind}: max_in_flight {N}, 50 concurrent requests held 1 s by the upstream",
+        f"{gw.label}: max_in_flight {N}, 50 concurrent requests held 1 s by the upstream",
         f"{seen}; most inside the upstream at once {most}; rejections under 0.5 s {rejected_fast}; "
         f"then 8 more -> {statuses(again)}; another account -> {other}; "
         f"RateLimit-Policy {rejection.headers.get('ratelimit-policy')!r}; took {time.monotonic() - started:.1f} s",
@@ -110,7 +110,7 @@ def test_clients_that_leave_mid_request_give_their_places_back(start_gateway):
     gw = start_gateway(DOC)
     full, back, after = leave_mid_request(gw.port, gw.port, "initech")
     record(
-        f"{gw.kind}: max_in_flight {N}, {N} clients leave mid-request",
+        f"{gw.label}: max_in_flight {N}, {N} clients leave mid-request",
         f"while inside: another request -> {full}; places back after {after:.1f} s: {back} of {N}",
     )
     assert full == 429
@@ -134,7 +134,7 @@ def test_a_global_limit_holds_n_places_over_two_gateways(procs, start_gateway, u
     again = spread(gateways, 10, "/slow?ms=300", {"x-account-id": "acme"})
     other = request(gateways[1].port, "/slow?ms=1", {"x-account-id": "globex"}).status
     record(
-        f"{gateways[0].kind}: global max_in_flight {N} over 2 gateways, 40 concurrent requests held 1 s",
+        f"{gateways[0].label}: global max_in_flight {N} over 2 gateways, 40 concurrent requests held 1 s",
         f"{seen}; most inside the upstream at once {most}; rejections under 0.5 s {rejected_fast}; "
         f"then 10 more -> {statuses(again)}; another account -> {other}",
     )
@@ -151,7 +151,7 @@ def test_global_places_of_clients_that_leave_come_back(procs, start_gateway):
     first, second = (start_gateway(GLOBAL_DOC, quota_port=quota.port) for _ in range(2))
     full, back, after = leave_mid_request(first.port, second.port, "umbrella")
     record(
-        f"{first.kind}: global max_in_flight {N}, {N} clients of gateway 1 leave mid-request",
+        f"{first.label}: global max_in_flight {N}, {N} clients of gateway 1 leave mid-request",
         f"while inside: a request on gateway 2 -> {full}; places back on gateway 2 after "
         f"{after:.1f} s: {back} of {N}",
     )

@@ -128,7 +128,7 @@ def test_log_lines_say_diana_once(start_gateway):
     assert request(gw.port, "/").status == 200
     text = gw.error_text() if gw.kind == "nginx" else gw.log_text()
     lines = [ln for ln in text.splitlines() if "local configuration applied" in ln]
-    record(f"{gw.kind}: configuration applied log line", lines[:1])
+    record(f"{gw.label}: configuration applied log line", lines[:1])
     assert lines, text[-3000:]
     for ln in lines:
         assert ln.count("diana:") == 1, f"`diana:` is not there exactly once: {ln}"
@@ -171,7 +171,7 @@ def test_seed_document_without_quota_service_degrades_to_local(start_gateway):
     resps = send_concurrent(gw.port, 15, "/", {"x-device-id": "seed-dev"})
     elapsed = time.monotonic() - t0
     st = statuses(resps)
-    record(f"{gw.kind}: seed document, quota service absent, 15 concurrent requests from one device", f"{st} in {elapsed:.2f}s")
+    record(f"{gw.label}: seed document, quota service absent, 15 concurrent requests from one device", f"{st} in {elapsed:.2f}s")
     assert not errors(resps), errors(resps)
     assert set(st) <= {200, 503}, st
     # TB rpu 10/s, burst 10, enforced locally: 10, plus what refills while the burst lasts

@@ -61,7 +61,7 @@ resources:
     )
     batches = [request(gw2.port, "/batch", {"x-cost": "8"}).status for _ in range(4)]
     after = [request(gw2.port, "/", {"x-cost": "2"}).status for _ in range(2)]
-    record(f"{gw.kind}: cost from x-cost (W rpu 10)", f"4,4,4,junk,1 -> {seen}; /batch x4 cost 8 -> {batches}; then / cost 2 -> {after}")
+    record(f"{gw.label}: cost from x-cost (W rpu 10)", f"4,4,4,junk,1 -> {seen}; /batch x4 cost 8 -> {batches}; then / cost 2 -> {after}")
     assert batches == [200, 503, 503, 503], batches
     assert after == [200, 503], after  # 10 - 8 = 2 left, not 10 - 4 x 8
 
@@ -70,7 +70,7 @@ def test_an_llm_token_budget_charged_from_the_answer(start_gateway):
     gw = start_gateway(BUDGET.format(scope="local"))
     alice = statuses_of(gw.port, ["/llm?tokens=600", "/llm?tokens=600", "/llm?tokens=10"], "alice")
     bob = statuses_of(gw.port, ["/llm?tokens=10"], "bob")
-    record(f"{gw.kind}: token budget 1000/hour (local)", f"alice 600, 600, 10 -> {alice}; bob 10 -> {bob}")
+    record(f"{gw.label}: token budget 1000/hour (local)", f"alice 600, 600, 10 -> {alice}; bob 10 -> {bob}")
     # 1000 - 601 = 399 left: the second passes (it needs 1), then owes 202: denied.
     assert alice == [200, 200, 429], alice
     assert bob == [200], bob
@@ -88,7 +88,7 @@ def test_an_llm_token_budget_shared_by_two_gateways(procs, start_gateway):
     third = request(one.port, "/llm?tokens=1", {"x-account-id": "carol"}).status
     other = request(two.port, "/llm?tokens=1", {"x-account-id": "dave"}).status
     record(
-        f"{one.kind}: token budget 1000/hour global over 2 gateways",
+        f"{one.label}: token budget 1000/hour global over 2 gateways",
         f"carol 900 on one -> {first}, 200 on two -> {second}, then 1 on one -> {third}; dave -> {other}",
     )
     # 1000 - 1 - 900 = 99 left when gateway two asks: admitted; then 99 - 1 - 200 < 0.

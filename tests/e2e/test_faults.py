@@ -216,8 +216,9 @@ class Stack:
     redis: Optional[Redis]
 
     @property
-    def kind(self) -> str:
-        return self.gateways[0].kind
+    def label(self) -> str:
+        """The host as test figures name it."""
+        return self.gateways[0].label
 
     def metrics(self, settle: float = harness.METRICS_LAG_S) -> list[dict[str, int]]:
         """Both gateways' metrics; `settle` (see harness.METRICS_LAG_S) is waited once."""
@@ -338,7 +339,7 @@ def assert_fresh_limit_exact(
             want = {200: FRESH_RPU - already, REJECT: len(resps) - (FRESH_RPU - already)}
             assert statuses(resps) == want, f"{label}: {statuses(resps)}, expected {want} ({already} admitted before)"
             record(
-                f"{stack.kind}: {label}: fresh limit after recovery",
+                f"{stack.label}: {label}: fresh limit after recovery",
                 f"{FRESH_RPU} of {3 * FRESH_RPU} admitted (attempt {attempt})",
             )
             return
@@ -374,7 +375,7 @@ def run_steps(stack: Stack, proxy: FaultProxy, steps: Sequence[Step], label: str
     """Healthy traffic, then each step's fault for FAULT_SECONDS, then the fault cleared:
     checks every phase, measures the time until both gateways are global again, the
     latency after recovery, and a fresh limit's exact count. Records the figures."""
-    k = f"{stack.kind}: {label}"
+    k = f"{stack.label}: {label}"
     with Load(stack.gateways) as load:
         healthy_phase(stack, load, k)
 
@@ -459,7 +460,7 @@ def run_half_open(stack: Stack, proxy: FaultProxy, label: str, bound: float = MA
     closed, new connections fine): the side that holds them must notice (a timeout) and
     use new ones, by itself — the fault is never cleared. Measures how long the gateways
     stay local, checks every answer, the recovery, and a fresh limit's exact count."""
-    k = f"{stack.kind}: {label}"
+    k = f"{stack.label}: {label}"
     with Load(stack.gateways) as load:
         healthy_phase(stack, load, k)
         deg0 = stack.degraded_requests()
@@ -561,7 +562,7 @@ def run_outage(
     """Healthy traffic; `fail()`; `heal()` (returns at once); `ready()` polled until the
     store is back: measures every answer from the failure until both gateways are global
     again and after. Returns the phase instants' durations."""
-    k = f"{stack.kind}: {label}"
+    k = f"{stack.label}: {label}"
     with Load(stack.gateways) as load:
         healthy_phase(stack, load, k)
         deg0 = stack.degraded_requests()
@@ -666,7 +667,7 @@ def test_redis_cluster_master_killed_replica_promoted(procs, start_gateway):
 
     times = run_outage(stack, "redis cluster: master killed", fail=kill, heal=lambda: None, ready=promoted)
     record(
-        f"{stack.kind}: redis cluster: master killed: keys on the victim",
+        f"{stack.label}: redis cluster: master killed: keys on the victim",
         f"{len(keys(replica.port))} keys on its promoted replica; "
         f"promoted after {times['seconds until the store is back']} s "
         f"(cluster-node-timeout {CLUSTER_NODE_TIMEOUT_MS} ms)",

@@ -38,7 +38,7 @@ def two_gateways(start_gateway, quota_port: int, doc: str):
 
 
 def kind(gateways) -> str:
-    return gateways[0].kind
+    return gateways[0].label
 
 
 def admitted(resps) -> int:
@@ -242,7 +242,7 @@ global: {timeout_ms: 500}
     # One at once, then three spaced by ~100 ms (the service reserves the slots).
     gaps = [b - a for a, b in zip(ok, ok[1:])]
     assert all(0.05 <= g <= 0.2 for g in gaps), gaps
-    record(f"{gw.kind}: global LB: admitted latencies s", [round(x, 3) for x in ok])
+    record(f"{gw.label}: global LB: admitted latencies s", [round(x, 3) for x in ok])
 
 
 def test_keep_alive_connections_hammer_requests_paused_for_callouts(procs, start_gateway):
@@ -270,7 +270,7 @@ def test_keep_alive_connections_hammer_requests_paused_for_callouts(procs, start
         t.join(timeout=120)
     elapsed = time.monotonic() - t0
     st = statuses(results)
-    record(f"{gw.kind}: 8 keep-alive clients x 50 requests, each paused for a callout", f"{st} in {elapsed:.1f}s")
+    record(f"{gw.label}: 8 keep-alive clients x 50 requests, each paused for a callout", f"{st} in {elapsed:.1f}s")
     assert not harness.errors(results), harness.errors(results)[:3]
     assert st == {200: 300, 429: 100}, st
     # What the design guarantees: the service charged exactly the 300 admitted requests.
@@ -282,4 +282,4 @@ def test_keep_alive_connections_hammer_requests_paused_for_callouts(procs, start
     granted = [line for line in body.decode().splitlines() if line.startswith("diana_quota_tokens_granted_total")]
     assert granted == ['diana_quota_tokens_granted_total{algo="TB"} 300'], granted
     coalesced = harness.metric_sum(gw.diana_metrics(), "diana_global_coalesced")
-    record(f"{gw.kind}: keep-alive hammer", f"callouts {callouts([gw])}, rides {coalesced}, granted 300")
+    record(f"{gw.label}: keep-alive hammer", f"callouts {callouts([gw])}, rides {coalesced}, granted 300")

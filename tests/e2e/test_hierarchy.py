@@ -26,7 +26,7 @@ def test_sample_stops_at_3_and_root_counts_only_what_was_admitted(start_gateway)
     sample = [request(gw.port, "/sample", {"x-device-id": f"d{i}"}) for i in range(4)]
     rest = [request(gw.port, "/other") for _ in range(3)]
     s_sample, s_rest = [r.status for r in sample], [r.status for r in rest]
-    record(f"{gw.kind}: hierarchy / rpu 5, /sample rpu 3", f"/sample x4 -> {s_sample}; then / x3 -> {s_rest}")
+    record(f"{gw.label}: hierarchy / rpu 5, /sample rpu 3", f"/sample x4 -> {s_sample}; then / x3 -> {s_rest}")
     # /sample admits 3; the 4th is denied by /sample, and / gives back what it had taken
     assert s_sample == [200, 200, 200, 503], sample
     assert sample[3].header("x-ratelimit-limit") in (None, "3"), sample[3].headers
@@ -63,7 +63,7 @@ resources:
     first = [request(gw.port, "/home", a).status for _ in range(5)]
     denied = [request(gw.port, "/sample", a) for _ in range(4)]  # denied by / : must not charge /sample
     b = [request(gw.port, "/sample", {"x-device-id": "device-b"}).status for _ in range(4)]
-    record(f"{gw.kind}: first denial ends evaluation", f"A /home {first}, A /sample {[r.status for r in denied]}, B /sample {b}")
+    record(f"{gw.label}: first denial ends evaluation", f"A /home {first}, A /sample {[r.status for r in denied]}, B /sample {b}")
     assert first == [200] * 5
     assert [r.status for r in denied] == [503] * 4
     assert denied[0].header("x-ratelimit-limit") in (None, "5"), denied[0].headers
@@ -92,7 +92,7 @@ def test_every_spelling_is_charged_to_sample(start_gateway):
             first = ka.send(spelling, dev)
             canonical = ka.send("/sample", dev)
         results[spelling] = (first.status, canonical.status)
-    record(f"{gw.kind}: path spellings (first, then canonical /sample)", results)
+    record(f"{gw.label}: path spellings (first, then canonical /sample)", results)
     for spelling, (first, canonical) in results.items():
         assert first == 200, (spelling, results)
         assert canonical == 503, f"{spelling!r} was not charged to /sample: {results}"

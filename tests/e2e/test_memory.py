@@ -59,7 +59,7 @@ def test_rss_bounded_under_distinct_device_flood(start_gateway, log_dir):
         f"{k}={v}" for k, v in m.items() if v and ("flood_device" in k or "slot" in k or "store" in k)
     )
     print(summary)
-    record(f"{gw.kind}: memory (300k distinct device ids, slots 65536)", summary)
+    record(f"{gw.label}: memory (300k distinct device ids, slots 65536)", summary)
 
     assert r1.requests >= FIRST and r2.requests >= SECOND, (r1.output, r2.output)
     assert r1.socket_errors == 0 and r2.socket_errors == 0, (r1.output, r2.output)

@@ -44,7 +44,7 @@ EXPECTED = {"free": 2, "pro": 5, "unknown plan": 1, "no plan": 0, "other account
 def test_each_plan_has_its_own_limit_and_counter(start_gateway):
     gw = start_gateway(PLANS.format(algo="W", scope="local"))
     seen = run(gw.port)
-    record(f"{gw.kind}: plans free 2, pro 5, default 1 per hour (local)", str(seen))
+    record(f"{gw.label}: plans free 2, pro 5, default 1 per hour (local)", str(seen))
     assert seen == EXPECTED, seen
     metrics = gw.diana_metrics()
     # Metrics per plan: api.free, api.pro and api.default.
@@ -57,5 +57,5 @@ def test_plans_of_a_global_rule_are_shared_by_gateways(procs, start_gateway):
     one, two = start_gateway(doc, quota_port=quota.port), start_gateway(doc, quota_port=quota.port)
     first = admitted(one.port, "initech", "pro", 3) + admitted(two.port, "initech", "pro", 5)
     free = admitted(two.port, "initech", "free", 2) + admitted(one.port, "initech", "free", 2)
-    record(f"{one.kind}: plans global over 2 gateways", f"pro 3 + 5 -> {first} admitted; free 2 + 2 -> {free}")
+    record(f"{one.label}: plans global over 2 gateways", f"pro 3 + 5 -> {first} admitted; free 2 + 2 -> {free}")
     assert (first, free) == (5, 2), (first, free)

@@ -57,7 +57,7 @@ def test_clients_that_leave_mid_call_cost_no_token(procs, start_gateway):
         if line.startswith("diana_quota_call_releases_total")
     )
     record(
-        f"{gateway.kind}: lease 1, {GONE} clients left mid-call",
+        f"{gateway.label}: lease 1, {GONE} clients left mid-call",
         f"patient {patient.count(200)} of {LIMIT + 3} admitted; admitted in all {admitted}; "
         f"releases sent {released}, given back by diana-quota {quota_released}",
     )

@@ -115,7 +115,7 @@ def test_remote_document_replaces_local_then_survives_failures_and_garbage(start
         time.sleep(3.2)
         per_second = (len(center.requests) - n0) / 3.2
         assert per_second <= 1.5, f"{per_second:.1f} polls/s with poll_seconds 1 and {vms} root contexts"
-        record(f"{gw.kind}: remote: polls per second ({vms} root contexts, poll_seconds 1)", round(per_second, 2))
+        record(f"{gw.label}: remote: polls per second ({vms} root contexts, poll_seconds 1)", round(per_second, 2))
         del polls_per_second
 
 
@@ -181,7 +181,7 @@ def test_alternating_documents_under_traffic_leave_memory_flat(start_gateway):
         growth = rss[-1] - rss[0]
         reloads = gw.diana_metrics().get("diana_config_reloads", 0)
         record(
-            f"{gw.kind}: {alternations} alternating documents under traffic",
+            f"{gw.label}: {alternations} alternating documents under traffic",
             f"RSS {rss[0] / mib:.1f} -> {rss[-1] / mib:.1f} MiB ({growth / mib:+.1f}) between switch "
             f"{alternations // 5} and {alternations}; reloads {reloads}; failed requests {len(failures)}",
         )

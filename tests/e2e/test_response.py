@@ -42,9 +42,9 @@ def test_default_rejection_is_503_with_headers(start_gateway):
     assert _int_header(no, "x-ratelimit-remaining") == 0
     reset = _int_header(no, "x-ratelimit-reset")
     assert 1 <= reset <= 3600 and 1 <= retry <= 3600, (retry, reset)
-    record(f"{gw.kind}: default rejection headers", {k: no.header(k) for k in ("retry-after",) + RATELIMIT_HEADERS})
+    record(f"{gw.label}: default rejection headers", {k: no.header(k) for k in ("retry-after",) + RATELIMIT_HEADERS})
     m = gw.diana_metrics()
-    record(f"{gw.kind}: metrics after 1 allowed + 1 limited", {k: v for k, v in m.items() if "one_per_hour" in k})
+    record(f"{gw.label}: metrics after 1 allowed + 1 limited", {k: v for k, v in m.items() if "one_per_hour" in k})
     assert m, "no diana_ metrics"
     assert rule_metric(m, "limited", "one_per_hour") == 1, m
     assert rule_metric(m, "allowed", "one_per_hour") == 1, m
@@ -92,7 +92,7 @@ def test_headers_all_on_admitted_responses(start_gateway):
     seen = [request(gw.port, "/") for _ in range(4)]
     assert [r.status for r in seen] == [200, 200, 200, 503]
     remaining = [_int_header(r, "x-ratelimit-remaining") for r in seen]
-    record(f"{gw.kind}: headers: all, remaining after each of 4 requests (rpu 3)", remaining)
+    record(f"{gw.label}: headers: all, remaining after each of 4 requests (rpu 3)", remaining)
     for r in seen:
         assert _int_header(r, "x-ratelimit-limit") == 3
         _int_header(r, "x-ratelimit-reset")
@@ -114,7 +114,7 @@ dry_run: true
     resps = send_concurrent(gw.port, 6, "/")
     assert statuses(resps) == {200: 6}
     m = gw.diana_metrics()
-    record(f"{gw.kind}: document dry run metrics (6 requests, rpu 2)", {k: v for k, v in m.items() if "dry_doc" in k})
+    record(f"{gw.label}: document dry run metrics (6 requests, rpu 2)", {k: v for k, v in m.items() if "dry_doc" in k})
     assert rule_metric(m, "dry_run_limited", "dry_doc") == 4, m
     assert rule_metric(m, "limited", "dry_doc") == 0, m
     assert rule_metric(m, "allowed", "dry_doc") == 2, m
@@ -133,7 +133,7 @@ resources:
     resps = send_concurrent(gw.port, 6, "/")
     assert statuses(resps) == {200: 6}
     m = gw.diana_metrics()
-    record(f"{gw.kind}: rule dry run metrics (6 requests, rpu 2)", {k: v for k, v in m.items() if k.startswith("diana_rule")})
+    record(f"{gw.label}: rule dry run metrics (6 requests, rpu 2)", {k: v for k, v in m.items() if k.startswith("diana_rule")})
     assert rule_metric(m, "dry_run_limited", "dry_rule") == 4, m
     assert rule_metric(m, "limited", "dry_rule") == 0, m
     # the dry-run rule's would-be rejections did not stop the next rule from being charged
@@ -203,7 +203,7 @@ response:
     assert limit["r"] == 0
     # On a rejection, t is the wait until a request would be admitted: Retry-After itself.
     assert limit["t"] == retry and 1 <= retry <= 3600, (limit, retry)
-    record(f"{gw.kind}: ietf rejection headers", {h: no.header(h) for h in ("retry-after",) + IETF_HEADERS})
+    record(f"{gw.label}: ietf rejection headers", {h: no.header(h) for h in ("retry-after",) + IETF_HEADERS})
 
 
 def test_both_styles_and_headers_all(start_gateway):
@@ -217,7 +217,7 @@ def test_both_styles_and_headers_all(start_gateway):
     name, limit = _one_item(no, "ratelimit")
     assert name == "three_per_hour" and limit["r"] == 0
     assert limit["t"] == _int_header(no, "retry-after")
-    record(f"{gw.kind}: header_style both, rejection", {h: no.header(h) for h in ("retry-after",) + RATELIMIT_HEADERS + IETF_HEADERS})
+    record(f"{gw.label}: header_style both, rejection", {h: no.header(h) for h in ("retry-after",) + RATELIMIT_HEADERS + IETF_HEADERS})
 
 
 def test_ietf_fields_on_admitted_answers(start_gateway):
@@ -234,7 +234,7 @@ def test_ietf_fields_on_admitted_answers(start_gateway):
         assert limit["r"] == remaining
         # Admitted: t is the time until the limit has recovered (within the hour).
         assert 1 <= limit["t"] <= 3600, limit
-    record(f"{gw.kind}: ietf fields on admitted answers", [{h: r.header(h) for h in IETF_HEADERS} for r in seen])
+    record(f"{gw.label}: ietf fields on admitted answers", [{h: r.header(h) for h in IETF_HEADERS} for r in seen])
 
 
 # --------------------------------------------------------------------------- Prometheus
@@ -312,7 +312,7 @@ def test_every_rejection_in_a_burst_says_the_real_wait(start_gateway):
     rejected = answers[5:]
     assert all(r.status == 503 for r in rejected), [r.status for r in rejected]
     pairs = [(_int_header(r, "retry-after"), _int_header(r, "x-ratelimit-reset")) for r in rejected]
-    record(f"{gw.kind}: Retry-After / X-RateLimit-Reset of 20 rejections in a burst", pairs)
+    record(f"{gw.label}: Retry-After / X-RateLimit-Reset of 20 rejections in a burst", pairs)
     for retry, reset in pairs:
         assert abs(retry - reset) <= 1 and retry >= 1, pairs
     # The burst started at least 10 s before the window's end.

@@ -121,7 +121,7 @@ def test_quota_service_answers_only_gateways(start_gateway, procs):
     # The gateway's budget is intact: exactly one more admitted.
     rest = [harness.request(gw.port, "/").status for _ in range(3)]
     assert rest == [200, 429, 429], rest
-    record(f"{gw.kind}: unauthenticated calls", f"{len(attempts) * 3} calls, all 401, Redis unchanged")
+    record(f"{gw.label}: unauthenticated calls", f"{len(attempts) * 3} calls, all 401, Redis unchanged")
 
 
 def test_a_gateway_with_a_wrong_token_is_refused_and_limits_locally(start_gateway, procs):
@@ -141,7 +141,7 @@ def test_a_gateway_with_a_wrong_token_is_refused_and_limits_locally(start_gatewa
     lines = [line for line in log.splitlines() if "refused this gateway's credential" in line]
     assert len(lines) >= 1, log[-3000:]
     assert "w" * 48 not in log, "the token was logged"
-    record(f"{gw.kind}: wrong token", f"{st}; refused {m.get('diana_global_refused')}; degraded 0")
+    record(f"{gw.label}: wrong token", f"{st}; refused {m.get('diana_global_refused')}; degraded 0")
 
 
 def test_a_request_with_other_parameters_neither_resets_nor_reads_a_counter(start_gateway, procs):
@@ -172,7 +172,7 @@ def test_a_request_with_other_parameters_neither_resets_nor_reads_a_counter(star
     after = {k: v for k, v in redis_state(redis.port).items() if k in before}
     assert after == before, "a request with other parameters touched the gateway's counter"
     assert harness.request(gw.port, "/").status == 429
-    record(f"{gw.kind}: parameter mismatch", "4 foreign-parameter requests; the counter unchanged, still 429")
+    record(f"{gw.label}: parameter mismatch", "4 foreign-parameter requests; the counter unchanged, still 429")
 
 
 FORGE_LOCAL_DOC = """
@@ -218,4 +218,4 @@ def test_a_forged_identity_does_not_lock_out_its_victim(start_gateway, procs, sc
     # The victim (no device header: identified by its address) is not locked out.
     victim = [harness.request(gw.port, "/", source_address=victim_ip).status for _ in range(4)]
     assert victim == [200, 200, 200, 429], victim
-    record(f"{gw.kind} {scope}: forged identity", f"attacker {attacker}; victim {victim}")
+    record(f"{gw.label} {scope}: forged identity", f"attacker {attacker}; victim {victim}")

@@ -67,7 +67,7 @@ def test_a_reservation_keeps_concurrent_llm_calls_within_the_budget(procs, start
         after = [request(gw.port, "/llm?tokens=200", account).status for _ in range(3)]
         global_events = {k: v for k, v in gw.diana_metrics(settle=0).items() if k.startswith("diana_global") and v}
         record(
-            f"{gw.kind}: budget 1000/hour, reserve 200, 20 concurrent calls of 120 tokens ({scope})",
+            f"{gw.label}: budget 1000/hour, reserve 200, 20 concurrent calls of 120 tokens ({scope})",
             f"{seen}; then 3 calls -> {after}; {global_events}",
         )
         assert seen == {200: 5, 429: 15}, seen
@@ -82,7 +82,7 @@ def test_without_a_reservation_concurrent_calls_overshoot_the_budget(start_gatew
     seen = statuses(burst)
     after = request(gw.port, "/llm?tokens=1", account).status
     record(
-        f"{gw.kind}: budget 1000/hour without reserve, 20 concurrent calls of 120 tokens",
+        f"{gw.label}: budget 1000/hour without reserve, 20 concurrent calls of 120 tokens",
         f"{seen} (charged 20 + 20 x 120 = 2,420 of 1,000); then -> {after}",
     )
     # Each took 1 token up front: all pass, and the answers leave the budget in debt.
@@ -103,7 +103,7 @@ def test_only_failed_logins_are_counted(procs, start_gateway):
         locked = login("right")
         other = login("right", {"x-account-id": f"frank-{scope}"})
         record(
-            f"{gw.kind}: 5 failed logins an hour per account ({scope})",
+            f"{gw.label}: 5 failed logins an hour per account ({scope})",
             f"10 good -> {set(successes)}; 6 wrong -> {failures}; then good -> {locked}; another account -> {other}",
         )
         assert successes == [200] * 10, successes
@@ -118,6 +118,6 @@ def test_concurrent_wrong_passwords_cannot_all_take_the_last_attempt(start_gatew
     burst = send_concurrent(gw.port, 10, "/signin?password=guess", grace)
     assert not errors(burst), errors(burst)
     seen = statuses(burst)
-    record(f"{gw.kind}: 4 failed logins, then 10 concurrent wrong passwords", f"{first}; {seen}")
+    record(f"{gw.label}: 4 failed logins, then 10 concurrent wrong passwords", f"{first}; {seen}")
     assert first == [401] * 4
     assert seen == {401: 1, 429: 9}, seen

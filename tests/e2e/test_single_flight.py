@@ -104,7 +104,7 @@ def test_one_callout_at_a_time_per_rule_per_worker(procs, start_gateway):
     callouts = harness.metric_sum(metrics, "diana_global_callouts")
     coalesced = harness.metric_sum(metrics, "diana_global_coalesced")
     record(
-        f"{gw.kind}: 40 concurrent requests, one worker, callouts held {DELAY * 1000:.0f} ms",
+        f"{gw.label}: 40 concurrent requests, one worker, callouts held {DELAY * 1000:.0f} ms",
         f"{statuses(resps)} in {elapsed:.2f}s; {callouts} callouts, at most {proxy.peak} at once, {coalesced} requests parked",
     )
     assert not harness.errors(resps), harness.errors(resps)[:3]
@@ -126,7 +126,7 @@ def test_parked_requests_are_counted_exactly(procs, start_gateway):
     with CountingProxy(quota.port) as proxy:
         gw = start_gateway(doc(25), quota_port=proxy.port, workers=2)
         resps = send_concurrent(gw.port, 60)
-    record(f"{gw.kind}: 60 concurrent requests against 25 per hour, callouts held {DELAY * 1000:.0f} ms",
+    record(f"{gw.label}: 60 concurrent requests against 25 per hour, callouts held {DELAY * 1000:.0f} ms",
            f"{statuses(resps)}; {proxy.total} callouts, at most {proxy.peak} at once")
     assert not harness.errors(resps), harness.errors(resps)[:3]
     assert statuses(resps) == {200: 25, 429: 35}, statuses(resps)
@@ -156,7 +156,7 @@ def test_a_lease_is_refilled_ahead_and_no_request_waits_for_a_callout(procs, sta
     ahead = harness.metric_sum(metrics, "diana_global_refills_ahead")
     coalesced = harness.metric_sum(metrics, "diana_global_coalesced")
     record(
-        f"{gw.kind}: 150 requests 20 ms apart, lease 10, callouts held {DELAY * 1000:.0f} ms",
+        f"{gw.label}: 150 requests 20 ms apart, lease 10, callouts held {DELAY * 1000:.0f} ms",
         f"{statuses(resps)}; {callouts} callouts ({ahead} refills ahead), {coalesced} parked; "
         f"requests that waited >= {DELAY * 1000:.0f} ms: {slow}",
     )
