@@ -369,33 +369,59 @@ impl ConfigRef {
         body: &[u8],
         timeout_ms: u64,
     ) -> Result<u64, i32> {
-        let mut headers: Vec<Header> = headers
-            .iter()
-            .map(|(name, value)| Header::of(name.as_bytes(), value.as_bytes()))
-            .collect();
-        let mut id = 0u64;
-        // SAFETY: invariants 1 (main thread, config alive) and 3 (Envoy copies headers and
-        // body into its message).
-        let result = unsafe {
-            envoy_dynamic_module_callback_http_filter_config_http_callout(
-                self.ptr(),
-                &mut id,
-                Buf::of(cluster.as_bytes()),
-                headers.as_mut_ptr(),
-                headers.len(),
-                if body.is_empty() {
-                    Buf::EMPTY
-                } else {
-                    Buf::of(body)
-                },
-                timeout_ms,
-            )
-        };
-        if result == CALLOUT_INIT_SUCCESS {
-            Ok(id)
-        } else {
-            Err(result)
-        }
+        start_callout(
+            cluster,
+            headers,
+            body,
+            |id, cluster, headers, count, body| {
+                // SAFETY: invariants 1 (main thread, config alive) and 3 (Envoy copies headers
+                // and body into its message).
+                unsafe {
+                    envoy_dynamic_module_callback_http_filter_config_http_callout(
+                        self.ptr(),
+                        id,
+                        cluster,
+                        headers,
+                        count,
+                        body,
+                        timeout_ms,
+                    )
+                }
+            },
+        )
+    }
+}
+
+/// What both callouts hand Envoy, built once: the cluster, the header array and the body,
+/// borrowed for the one `send` call that starts the callout (Envoy copies them into its
+/// message before it returns, invariant 3). Envoy's callout id, or its init result.
+fn start_callout(
+    cluster: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+    send: impl FnOnce(&mut u64, Buf, *mut Header, usize, Buf) -> i32,
+) -> Result<u64, i32> {
+    let mut headers: Vec<Header> = headers
+        .iter()
+        .map(|(name, value)| Header::of(name.as_bytes(), value.as_bytes()))
+        .collect();
+    let body = if body.is_empty() {
+        Buf::EMPTY
+    } else {
+        Buf::of(body)
+    };
+    let mut id = 0u64;
+    let result = send(
+        &mut id,
+        Buf::of(cluster.as_bytes()),
+        headers.as_mut_ptr(),
+        headers.len(),
+        body,
+    );
+    if result == CALLOUT_INIT_SUCCESS {
+        Ok(id)
+    } else {
+        Err(result)
     }
 }
 
@@ -482,32 +508,19 @@ impl FilterRef {
         body: &[u8],
         timeout_ms: u64,
     ) -> Result<u64, i32> {
-        let mut headers: Vec<Header> = headers
-            .iter()
-            .map(|(name, value)| Header::of(name.as_bytes(), value.as_bytes()))
-            .collect();
-        let mut id = 0u64;
-        // SAFETY: invariants 1 and 3 (Envoy copies headers and body into its message).
-        let result = unsafe {
-            envoy_dynamic_module_callback_http_filter_http_callout(
-                self.0,
-                &mut id,
-                Buf::of(cluster.as_bytes()),
-                headers.as_mut_ptr(),
-                headers.len(),
-                if body.is_empty() {
-                    Buf::EMPTY
-                } else {
-                    Buf::of(body)
-                },
-                timeout_ms,
-            )
-        };
-        if result == CALLOUT_INIT_SUCCESS {
-            Ok(id)
-        } else {
-            Err(result)
-        }
+        start_callout(
+            cluster,
+            headers,
+            body,
+            |id, cluster, headers, count, body| {
+                // SAFETY: invariants 1 and 3 (Envoy copies headers and body into its message).
+                unsafe {
+                    envoy_dynamic_module_callback_http_filter_http_callout(
+                        self.0, id, cluster, headers, count, body, timeout_ms,
+                    )
+                }
+            },
+        )
     }
 
     pub fn continue_decoding(self) {
