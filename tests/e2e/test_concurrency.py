@@ -128,7 +128,7 @@ def test_a_global_limit_holds_n_places_over_two_gateways(procs, start_gateway, u
     most = inflight(upstream.port)["most"]
     rejected_fast = sum(1 for r in burst if r.status == 429 and r.latency < 0.5)
     # Every place was given back when its request ended (a leave to the service, from the
-    # worker's next tick: at once on Envoy, within a second on nginx): the next requests
+    # worker's next tick: at once on Envoy, within 0.1 s on nginx): the next requests
     # find all of them, on either gateway.
     time.sleep(1.2)
     again = spread(gateways, 10, "/slow?ms=300", {"x-account-id": "acme"})

@@ -297,6 +297,13 @@ impl Policy {
             .flat_map(|resource| resource.rules.iter())
     }
 
+    /// A rule holds places at the quota service (`max_in_flight` with `scope: global`):
+    /// each is given back from a worker's tick after its request ends.
+    pub fn holds_global_places(&self) -> bool {
+        self.rules()
+            .any(|rule| rule.scope == Scope::Global && rule.algo.holds_until_done())
+    }
+
     /// The rule at `index`.
     pub fn rule(&self, index: usize) -> Option<&Rule> {
         self.rules().nth(index)

@@ -193,6 +193,7 @@ impl Worker {
                 self.profile.name
             );
         }
+        let holds_places = policy.holds_global_places();
         self.source.remote = policy.remote.clone();
         self.source.local = Some(Rc::new(policy.clone()));
         self.source.metrics = policy.metrics.clone();
@@ -210,10 +211,16 @@ impl Worker {
         if self.profile.tick_settable_anywhere {
             self.retick(&mut step);
         } else if !self.source.tick_fixed && !self.base_tick.is_zero() {
-            // Once, from the root context, and never zero.
+            // Once, from the root context, and never zero; finer where places go back from
+            // it (a policy from the config center later keeps this period).
+            let period = if holds_places {
+                super::PLACES_TICK
+            } else {
+                self.base_tick
+            };
             self.source.tick_fixed = true;
-            self.tick = Some(self.base_tick);
-            step.commands.push(Command::SetTick(self.base_tick));
+            self.tick = Some(period);
+            step.commands.push(Command::SetTick(period));
         }
         Ok(step)
     }
@@ -648,6 +655,22 @@ mod tests {
         worker.on_request_headers(&host, 2);
         worker.on_tick(&host);
         assert_eq!(host.probes.get(), 1);
+    }
+
+    /// On nginx a request cannot ask for the tick, and places at the quota service go back
+    /// from it: a policy holding them ticks every 100 ms, any other every second.
+    #[test]
+    fn on_nginx_global_places_tick_finer() {
+        let global = "resources:\n  - Url: /\n    rules:\n      - {max_in_flight: 5, scope: global}\nglobal: {cluster: \"127.0.0.1:18081\"}\n";
+        let local = "resources:\n  - Url: /\n    rules:\n      - {max_in_flight: 5}\n";
+        for (document, period) in [
+            (global, super::super::PLACES_TICK),
+            (local, super::super::BASE_TICK),
+        ] {
+            let host = Nginx::new(true);
+            let (_, step) = instance(&host, true, document);
+            assert_eq!(step.commands, [Command::SetTick(period)], "{document}");
+        }
     }
 
     #[test]

@@ -87,6 +87,10 @@ const WAIT_TICK: Duration = Duration::from_millis(2);
 const RIDER_TICK: Duration = Duration::from_millis(1);
 /// The tick when nobody waits: config-center checks, metric flushes, debts, sweeps.
 const BASE_TICK: Duration = Duration::from_secs(1);
+/// The tick where the host lets it be set only once (nginx) and the policy holds places at
+/// the quota service: a request's place is given back from the tick, so this long after
+/// its end at most (a request cannot ask for the tick there).
+const PLACES_TICK: Duration = Duration::from_millis(100);
 /// Releases waiting for the tick, at most (beyond, a gone request's grant stays charged).
 const MAX_RELEASES: usize = 1024;
 
