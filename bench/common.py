@@ -268,6 +268,8 @@ def wasm_filter(name: str, wasm: str, configuration: str = "", runtime: str = V8
 
 # Diana as an Envoy dynamic module (crates/diana-envoy-native, scripts/build).
 NATIVE_MODULE = ROOT / "target/release/libdiana_envoy_native.so"
+# Its floor: a dynamic module whose filter does nothing (bench/empty-module).
+EMPTY_MODULE = ROOT / "bench/empty-module/target/release/libempty_module.so"
 
 
 def native_module_filter(configuration: str, module: Path = NATIVE_MODULE) -> dict:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from common import (LIMITADOR_DOMAIN, NATIVE_MODULE, NO_UPSTREAM, V8, Envoy, Proc, Procs, free_port, generic_key_rate_limits,
+from common import (EMPTY_MODULE, LIMITADOR_DOMAIN, NATIVE_MODULE, NO_UPSTREAM, V8, Envoy, Proc, Procs, free_port, generic_key_rate_limits,
                     grpc_cluster, local_reply_filter, median, native_local_ratelimit, native_module_filter, ratelimit_filter,
                     redis_cmd, say,
                     start_limitador, start_quota, start_redis, tail, wait_http, wait_tcp, wasm_filter, wrk)
@@ -125,6 +125,10 @@ def variants(diana_wasm: Path, empty_wasm: Path, with_global: bool, extra: bool,
     for algo in ("W", "SW", "LB", "TB"):
         vs.append({"key": f"local_{algo}", "label": f"Diana local {algo}", "group": "local",
                    "filters": diana(diana_doc([local_rule(algo)]))})
+    if EMPTY_MODULE.is_file():
+        # What any dynamic module costs: Envoy's machinery around a filter that does nothing.
+        vs.append({"key": "native_empty", "label": "empty native module (does nothing)",
+                   "filters": [native_module_filter("", EMPTY_MODULE)]})
     if NATIVE_MODULE.is_file():
         # Diana as Envoy's dynamic module: no wasm VM between Envoy and the worker.
         vs.append({"key": "native_TB", "label": "Diana native module local TB", "group": "local",

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from common import NATIVE_MODULE, ROOT, native_local_ratelimit, native_module_filter, wasm_filter
+from common import EMPTY_MODULE, NATIVE_MODULE, ROOT, native_local_ratelimit, native_module_filter, wasm_filter
 from overhead import diana_doc, global_doc, local_rule
 
 RELEASE = ROOT / "target/wasm32-wasip1/release"
@@ -70,6 +70,8 @@ def variants(diana_wasm: Path, untrimmed_wasm: Optional[Path] = None) -> dict[st
         out[f"global_{lease}_minute"] = Variant(f"Diana global W per minute, lease {lease}",
                                                 [wasm_filter("diana", diana, doc)],
                                                 cost_at_most=GLOBAL_BAR, calls_out=True)
+    if EMPTY_MODULE.is_file():
+        out["native_empty"] = Variant("empty native module (does nothing)", [native_module_filter("", EMPTY_MODULE)])
     if NATIVE_MODULE.is_file():
         # Diana as Envoy's dynamic module (crates/diana-envoy-native): the same documents.
         out["native_TB"] = Variant("Diana native module local TB",
