@@ -214,46 +214,6 @@ mod tests {
         assert_eq!(total, Some(THREADS * EACH));
     }
 
-    /// diana-core's `Store::update`, as the worker's algorithms use it: threads racing to
-    /// create the key (with `CREATE_CAS`, refused once another thread created it) and then
-    /// to increment it, lose no increment.
-    #[test]
-    fn store_updates_racing_from_creation_are_never_lost() {
-        const THREADS: u64 = 8;
-        const EACH: u64 = 500;
-        for round in 0..20 {
-            let store = Arc::new(SharedStore::default());
-            let key = format!("diana/test/{round}");
-            let handles: Vec<_> = (0..THREADS)
-                .map(|_| {
-                    let store = Arc::clone(&store);
-                    let key = key.clone();
-                    std::thread::spawn(move || {
-                        let records = diana_core::store::Store::new();
-                        (0..EACH)
-                            .filter(|_| {
-                                records
-                                    .update(store.as_ref(), &key, |current| {
-                                        let count = current.map_or(0, decode);
-                                        (Some((count + 1).to_le_bytes().to_vec()), ())
-                                    })
-                                    .is_ok()
-                            })
-                            .count() as u64
-                    })
-                })
-                .collect();
-            let done: u64 = handles.into_iter().filter_map(|h| h.join().ok()).sum();
-            let records = diana_core::store::Store::new();
-            let total = records
-                .read(store.as_ref(), &key)
-                .ok()
-                .flatten()
-                .map(|v| decode(&v));
-            assert_eq!(total, Some(done), "round {round}");
-        }
-    }
-
     fn decode(value: &[u8]) -> u64 {
         value.try_into().map(u64::from_le_bytes).unwrap_or_default()
     }
