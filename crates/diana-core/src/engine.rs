@@ -481,6 +481,12 @@ impl Engine {
         self.global.has_riders()
     }
 
+    /// True when requests parked behind a callout that landed wait to be served
+    /// ([`Engine::woken`]).
+    pub(crate) fn has_woken_riders(&self) -> bool {
+        self.global.has_woken_riders()
+    }
+
     /// A paused request is gone (its client went away) and the answer to its call will
     /// never be read: what it had charged is given back, the requests parked behind its
     /// callout plan again, and the call that releases what the service granted it is

@@ -232,7 +232,8 @@ fn parked_requests_resume_within_one_tick_of_their_flight() {
 /// A steady stream on one worker (a request every 0.2 ms) whose lease lasts 2 ms, a quota
 /// service 0.5 ms away. Where the host runs the tick on demand (Envoy's dynamic modules),
 /// a refill ahead leaves the moment the stash runs low: after the first request's own
-/// call, every call is a refill ahead and no request waits longer than one round trip.
+/// call, every call is a refill ahead, and no request but the two parked behind that
+/// first call waits at all.
 /// Where the tick runs only on its 1 ms period (proxy-wasm), the refill leaves a period
 /// later and lands after the stash ran out: requests call on their own, others park
 /// behind them and wait for the tick.
@@ -282,13 +283,73 @@ fn a_refill_ahead_leaves_at_once_where_the_host_ticks_on_demand() {
         calls - 1,
         "on demand: every call after the first is ahead"
     );
-    assert!(
-        longest <= latency,
-        "on demand: a request waited {longest} ns"
-    );
+    assert_eq!(longest, 0, "on demand: a request waited {longest} ns");
+    assert_eq!(parked, 2, "on demand: only behind the first call: {seen:?}");
     assert!(ahead > wasm_ahead, "{seen:?}");
     assert!(parked < wasm_parked, "{seen:?}");
     assert!(wasm_longest > latency, "on its period: {seen:?}");
+}
+
+/// Requests parked behind another request's own call are served when its answer lands
+/// where the host ticks on demand (the answer comes to the calling request's context,
+/// which serves only itself, and asks for the tick at once); elsewhere they wait for the
+/// tick's period.
+#[test]
+fn riders_are_served_when_the_call_they_wait_for_lands_where_the_host_ticks_on_demand() {
+    let latency = MS / 2;
+    let mut waits = Vec::new();
+    for profile in [HostProfile::ENVOY, HostProfile::ENVOY_NATIVE] {
+        let mut sim = sim(profile, &global(100, 10), 1, Service::Answers(latency));
+        let first = sim.send(0, "10.0.0.1", &[(":path", "/")]);
+        let lands = sim.now() + latency;
+        let mut riders = Vec::new();
+        for _ in 0..2 {
+            sim.advance(Duration::from_micros(100));
+            riders.push(sim.send(0, "10.0.0.1", &[(":path", "/")]));
+        }
+        assert!(riders
+            .iter()
+            .all(|rider| sim.fate(*rider) == Some(&Fate::Paused)));
+        sim.advance(Duration::from_millis(5));
+        assert_eq!(
+            sim.fate(first),
+            Some(&Fate::Admitted(lands)),
+            "{}",
+            profile.name
+        );
+        sim.flush_metrics();
+        assert_eq!(
+            sim.host.metric("diana_global_coalesced"),
+            2,
+            "{}",
+            profile.name
+        );
+        assert_eq!(
+            sim.quota_calls(),
+            1,
+            "{}: riders spend the lease",
+            profile.name
+        );
+        let longest = riders
+            .iter()
+            .map(|rider| match sim.fate(*rider) {
+                Some(Fate::Admitted(at)) => at - lands,
+                other => panic!("{}: rider {rider}: {other:?}", profile.name),
+            })
+            .max();
+        waits.push(longest);
+        assert!(
+            sim.violations.is_empty(),
+            "{}: {:?}",
+            profile.name,
+            sim.violations
+        );
+    }
+    assert_eq!(waits[1], Some(0), "on demand: served as the answer lands");
+    assert!(
+        waits[0].is_some_and(|wait| wait > 0),
+        "on the tick's period: {waits:?}"
+    );
 }
 
 /// nginx cannot resume a request from elsewhere: nothing parks, each request calls on its

@@ -189,6 +189,13 @@ impl Flights {
             .unwrap_or_default()
     }
 
+    /// True when a landed flight woke parked requests that are not yet planned again.
+    pub fn has_woken(&self) -> bool {
+        self.inner
+            .try_borrow()
+            .is_ok_and(|inner| !inner.woken.is_empty())
+    }
+
     /// A parked request is gone (its client went away).
     pub fn leave(&self, rider: RiderId) {
         let Ok(mut inner) = self.inner.try_borrow_mut() else {

@@ -977,6 +977,12 @@ impl Global {
         self.flights.busy()
     }
 
+    /// True when parked requests were woken (their flight landed) and wait to be planned
+    /// again.
+    pub fn has_woken_riders(&self) -> bool {
+        self.flights.has_woken()
+    }
+
     /// Gives back `tokens` a request of `address` had from the service and did not use
     /// (its answer settled for less, [`crate::settle`]): to this gateway's lease stash,
     /// where the identity's next requests here spend them until `until`; a denial

@@ -105,8 +105,9 @@ pub enum Command {
     AddHeaders(Vec<(&'static str, String)>),
     /// Set the tick period (zero stops it).
     SetTick(Duration),
-    /// Run the tick as soon as the host can, without waiting for its period: calls wait
-    /// in it (a lease refill ahead, places to give back). Only for a host whose profile
+    /// Run the tick as soon as the host can, without waiting for its period: work waits
+    /// in it (a lease refill ahead, places to give back, requests parked behind a call
+    /// that was answered). Only for a host whose profile
     /// [`HostProfile::ticks_on_demand`]; asked once until the tick runs.
     TickNow,
 }
@@ -1052,21 +1053,25 @@ impl Worker {
         }
     }
 
-    /// Calls wait for the tick to be made: a stash to refill ahead, places to give back.
-    fn calls_wait_for_tick(&self) -> bool {
+    /// Work waits for the tick: a stash to refill ahead, places to give back, requests
+    /// parked behind a request's own call that was answered (its answer came to that
+    /// request's context, which serves only itself).
+    fn work_waits_for_tick(&self) -> bool {
         let refill = self
             .configured
             .as_ref()
             .is_some_and(|configured| configured.engine.wants_refill());
         refill
-            || self
-                .generations()
-                .any(|configured| configured.engine.wants_leave())
+            || self.generations().any(|configured| {
+                configured.engine.wants_leave()
+                    || (self.profile.resumes_from_other_contexts
+                        && configured.engine.has_woken_riders())
+            })
     }
 
     /// The tick period this worker needs now: fine while requests wait or are parked.
     fn wanted_tick(&self) -> Duration {
-        if !self.parked.is_empty() || self.calls_wait_for_tick() {
+        if !self.parked.is_empty() || self.work_waits_for_tick() {
             RIDER_TICK
         } else if !self.waiters.is_empty() {
             WAIT_TICK
@@ -1075,11 +1080,12 @@ impl Worker {
         }
     }
 
-    /// Asks for the tick at once where the host can run it on demand and calls wait for
-    /// it (so a refill ahead leaves before the lease runs out, not a period later); sets
-    /// the tick period the worker needs, if it changed and the host lets it.
+    /// Asks for the tick at once where the host can run it on demand and work waits for
+    /// it (so a refill ahead leaves before the lease runs out, and riders are served when
+    /// their flight lands, not a period later); sets the tick period the worker needs, if
+    /// it changed and the host lets it.
     fn retick(&mut self, step: &mut Step) {
-        if self.profile.ticks_on_demand && !self.tick_coming && self.calls_wait_for_tick() {
+        if self.profile.ticks_on_demand && !self.tick_coming && self.work_waits_for_tick() {
             self.tick_coming = true;
             step.commands.push(Command::TickNow);
         }

@@ -25,7 +25,7 @@ pub type Headers = Vec<(String, Vec<u8>)>;
 pub struct SimHost {
     shared: MemoryHost,
     /// `None`: the clock cannot be read.
-    clock: Cell<Option<Nanos>>,
+    clock: Cell<Option<Instant>>,
     next_token: Cell<CallToken>,
     /// Calls dispatched during the current event.
     dispatched: RefCell<Vec<(CallToken, Callout)>>,
@@ -267,7 +267,7 @@ pub struct Sim {
     profile: HostProfile,
     workers: Vec<Worker>,
     /// Per worker: its tick period and next tick.
-    ticks: Vec<Option<(Duration, Nanos)>>,
+    ticks: Vec<Option<(Duration, Instant)>>,
     service: Service,
     flights: Vec<Flight>,
     requests: HashMap<ContextId, (usize, Fate)>,
@@ -682,6 +682,7 @@ impl Sim {
         commands: Vec<Command>,
         from_root: bool,
     ) {
+        let mut tick_now = false;
         for command in commands {
             match command {
                 Command::Resume(context) | Command::Reply(context, _)
@@ -729,13 +730,17 @@ impl Sim {
                     if !self.profile.ticks_on_demand {
                         self.violations.push(Violation::TickNow);
                     }
-                    // The host runs it next, at this instant, and its period goes on.
-                    let now = self.now();
-                    if let Some(slot) = self.ticks.get_mut(worker) {
-                        let period = slot.map_or(Duration::ZERO, |(period, _)| period);
-                        *slot = Some((period, now));
-                    }
+                    tick_now = true;
                 }
+            }
+        }
+        // The host runs it next, at this instant, and its period goes on: a period set by
+        // the same event does not put it off (as in the native module's `Core::settle`).
+        if tick_now {
+            let now = self.now();
+            if let Some(slot) = self.ticks.get_mut(worker) {
+                let period = slot.map_or(Duration::ZERO, |(period, _)| period);
+                *slot = Some((period, now));
             }
         }
     }
