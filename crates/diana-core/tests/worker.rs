@@ -797,3 +797,83 @@ fn a_global_concurrency_limit_holds_locally_while_the_service_is_down() {
         assert!(sim.violations.is_empty(), "{:?}", sim.violations);
     }
 }
+
+/// `lease: 1` across workers (issue 23's e2e test admitted 27 of 30 now and then): a
+/// flight asks for the requests woken behind its key that have not planned again, so they
+/// wait for it. Before, worker 1's rider R, woken by A's answer and asked for by B's
+/// flight, planned again at its tick while that flight was out, and took a token worker
+/// 2's flight had asked for its own rider E; B's flight then brought R's token for nobody,
+/// E found the stash empty and called again, and the service refused it: 5 admitted of 6,
+/// one token left in the stash. The schedule (µs): A@0 on worker 1 calls; D@50 on worker
+/// 2 calls; R@100 parks behind A; E@150 parks behind D; A lands @500 (R woken); D lands
+/// @550 (E woken); G@560 on worker 2 leads a call for itself and E; B@700 on worker 1
+/// leads one for itself and R; G's lands @1060; worker 1 ticks @1100; worker 2 @1150; B's
+/// lands @1200.
+#[test]
+fn a_woken_request_waits_for_the_flight_that_asked_for_it_so_lease_1_stays_exact() {
+    for profile in HostProfile::ALL {
+        if !profile.resumes_from_other_contexts {
+            continue;
+        }
+        let mut sim = sim(profile, &global(6, 1), 2, Service::Answers(MS / 2));
+        for (micros, worker) in [(0, 0), (50, 1), (100, 0), (150, 1), (560, 1), (700, 0)] {
+            sim.advance_to(T0 + micros * 1000);
+            sim.send(worker, "10.0.0.1", &[(":path", "/")]);
+        }
+        sim.advance(Duration::from_secs(2));
+        assert_eq!(admitted(&sim), 6, "{}", profile.name);
+        if profile == HostProfile::ENVOY {
+            // A, D, G (for itself and E), B (for itself and R).
+            assert_eq!(sim.quota_calls(), 4, "no request is asked for twice");
+        }
+        assert!(
+            sim.violations.is_empty(),
+            "{}: {:?}",
+            profile.name,
+            sim.violations
+        );
+    }
+}
+
+/// One step of a schedule finer than a tick.
+#[derive(Debug, Clone)]
+enum FineOp {
+    /// A request reaches this worker.
+    Send(usize),
+    /// Time passes, in microseconds.
+    Wait(u64),
+}
+
+proptest! {
+    #![proptest_config(common::config(256))]
+
+    /// `lease: 1` on schedules finer than the tick, with the service nearer than one, on
+    /// every host: exactly min(requests, limit) admitted.
+    #[test]
+    fn lease_1_is_exact_on_every_fine_schedule(
+        ops in prop::collection::vec(prop_oneof![
+            6 => (0usize..3).prop_map(FineOp::Send),
+            3 => (0u64..600).prop_map(FineOp::Wait),
+        ], 1..80),
+        latency in 50u64..1500,
+        limit in 1u32..16,
+        profile in prop::sample::select(HostProfile::ALL.to_vec()),
+    ) {
+        let mut sim = sim(profile, &global(limit, 1), 3, Service::Answers(latency * 1000));
+        let mut sent = 0;
+        for op in &ops {
+            match op {
+                FineOp::Send(worker) => {
+                    sim.send(*worker, "10.0.0.1", &[(":path", "/")]);
+                    sent += 1;
+                }
+                FineOp::Wait(micros) => sim.advance(Duration::from_micros(*micros)),
+            }
+        }
+        sim.advance(Duration::from_secs(2));
+        prop_assert_eq!(paused(&sim), 0);
+        prop_assert_eq!(admitted(&sim), sent.min(limit as usize), "{}", profile.name);
+        prop_assert_eq!(&sim.violations, &Vec::new());
+        end_all(&mut sim, 3);
+    }
+}

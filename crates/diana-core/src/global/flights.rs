@@ -6,7 +6,15 @@
 //! *woken* to plan again: most are served from the stash; the first one that still needs
 //! tokens leads the next flight and asks for the demand of the woken requests that have
 //! not planned again yet ([`Flights::expected`]), so the requests behind it are served by
-//! its answer. Without this, a burst of N concurrent requests finding the stash empty
+//! its answer. Those requests are parked behind that flight again ([`Flights::take_off`]):
+//! a token another flight brought (another worker's, for its own riders) must not serve
+//! them while theirs is on its way, or theirs lands for nobody.
+//!
+//! ```text
+//!   park ──► riding a flight ──land──► woken ──plan again──► served / leads a flight / parks
+//!                 ▲                      │
+//!                 └── a flight of its key takes off, asking for it
+//! ``` Without this, a burst of N concurrent requests finding the stash empty
 //! makes N callouts, each asking for a lease, and N leases are taken for a burst that
 //! needed one. Only those still waiting count: a woken request served from the stash, or
 //! gone, needs nothing more, and a token asked for nobody stays in this gateway's stash
@@ -108,16 +116,26 @@ impl Flights {
         Some(rider)
     }
 
-    /// Marks `keys` as in flight until they land or `deadline` (plus a grace) passes.
+    /// Marks `keys` as in flight until they land or `deadline` (plus a grace) passes. The
+    /// flight asked for the woken requests of its keys that have not planned again
+    /// ([`Flights::expected`]): they are parked behind it again, so that no other token
+    /// serves them while theirs is on its way (it would land for nobody: with `lease: 1`
+    /// a token lost to the count).
     pub fn take_off(&self, keys: &[FlightKey], deadline: Instant) {
         let Ok(mut inner) = self.inner.try_borrow_mut() else {
             return;
         };
         for &key in keys {
-            inner.flying.entry(key).or_insert_with(|| Flight {
-                deadline: deadline.saturating_add(LOST_FLIGHT_GRACE),
-                riders: SmallVec::new(),
-            });
+            let adopted = inner.adopt_waking(key);
+            inner
+                .flying
+                .entry(key)
+                .or_insert_with(|| Flight {
+                    deadline: deadline.saturating_add(LOST_FLIGHT_GRACE),
+                    riders: SmallVec::new(),
+                })
+                .riders
+                .extend(adopted);
         }
     }
 
@@ -132,11 +150,10 @@ impl Flights {
     }
 
     /// A woken request plans again: from now on it asks for itself, it is no longer
-    /// expected behind someone else's flight.
+    /// expected behind someone else's flight (nor parked behind the one that adopted it
+    /// after it was handed to the host: it parks anew if it still needs that flight).
     pub fn replanning(&self, rider: RiderId) {
-        if let Ok(mut inner) = self.inner.try_borrow_mut() {
-            inner.forget(rider);
-        }
+        self.leave(rider);
     }
 
     /// The flights of `keys` have landed (answered, failed or abandoned): their riders are
@@ -239,6 +256,28 @@ impl Inner {
         }
     }
 
+    /// The woken requests of `key` that have not planned again, in the order they parked
+    /// (rider ids grow), taken out of the waiting demand: a flight of `key` that asked for
+    /// them takes off.
+    fn adopt_waking(&mut self, key: FlightKey) -> SmallVec<[(RiderId, u32); 4]> {
+        if !self.demand.contains_key(&key) {
+            return SmallVec::new();
+        }
+        let mut adopted: SmallVec<[(RiderId, u32); 4]> = self
+            .waking
+            .iter()
+            .filter(|(_, waking)| waking.key == key)
+            .map(|(rider, waking)| (*rider, waking.cost))
+            .collect();
+        adopted.sort_unstable_by_key(|(rider, _)| *rider);
+        let ids: hashbrown::HashSet<RiderId> = adopted.iter().map(|(rider, _)| *rider).collect();
+        self.woken.retain(|rider| !ids.contains(rider));
+        for rider in ids {
+            self.forget(rider);
+        }
+        adopted
+    }
+
     /// `rider` no longer waits to plan again: its cost leaves its key's demand.
     fn forget(&mut self, rider: RiderId) {
         let Some(waking) = self.waking.remove(&rider) else {
@@ -281,6 +320,36 @@ mod tests {
         flights.replanning(second);
         assert_eq!(flights.expected(KEY), 0);
         assert!(!flights.busy());
+    }
+
+    #[test]
+    fn a_flight_that_asks_for_the_woken_takes_them_along() {
+        let flights = Flights::default();
+        flights.take_off(&[KEY], 50);
+        let handed = flights.park(KEY, 1).unwrap();
+        let waiting = flights.park(KEY, 2).unwrap();
+        let other = (1, 7);
+        flights.take_off(&[other], 50);
+        let elsewhere = flights.park(other, 1).unwrap();
+        flights.land(&[KEY, other], 10);
+        // Handed to the host, none has planned again yet.
+        assert_eq!(flights.woken().len(), 3);
+        assert_eq!(flights.expected(KEY), 3);
+        flights.take_off(&[KEY], 60);
+        assert_eq!(flights.expected(KEY), 0, "asked for by the flight");
+        assert_eq!(flights.expected(other), 1, "another key's are not");
+        assert!(flights.woken().is_empty());
+        // One of them plans again now: it is no longer behind the flight (it parks anew if
+        // it still needs it).
+        flights.replanning(handed);
+        flights.replanning(elsewhere);
+        flights.land(&[KEY], 70);
+        assert_eq!(
+            flights.woken(),
+            vec![waiting],
+            "woken by the flight that asked"
+        );
+        assert_eq!(flights.expected(KEY), 2);
     }
 
     #[test]
