@@ -470,10 +470,27 @@ impl Engine {
         }
     }
 
-    /// The parked requests to [`Engine::resume`], in the order they parked. Called from
-    /// the host's tick while [`Engine::has_riders`].
+    /// Flights whose answer is overdue (their request vanished unannounced) are treated as
+    /// landed: their riders are woken. Called from the host's tick while
+    /// [`Engine::has_riders`], before [`Engine::next_woken`].
+    pub(crate) fn land_overdue(&self, now: Option<Instant>) {
+        if let Some(now) = now {
+            self.global.land_overdue(now);
+        }
+    }
+
+    /// The next parked request to [`Engine::resume`], in the order they parked: one at a
+    /// time, each resumed before the next is taken (see
+    /// [`crate::global::flights::Flights::next_woken`]).
+    pub(crate) fn next_woken(&self) -> Option<RiderId> {
+        self.global.next_woken()
+    }
+
+    /// Every parked request to resume, at once (tests).
+    #[cfg(test)]
     pub(crate) fn woken(&self, now: Option<Instant>) -> Vec<RiderId> {
-        now.map(|now| self.global.woken(now)).unwrap_or_default()
+        self.land_overdue(now);
+        std::iter::from_fn(|| self.next_woken()).collect()
     }
 
     /// True when requests are parked behind another request's callout.

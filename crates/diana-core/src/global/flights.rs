@@ -33,6 +33,7 @@ use crate::time::{Instant, Nanos, NANOS_PER_SECOND};
 use hashbrown::HashMap;
 use smallvec::SmallVec;
 use std::cell::RefCell;
+use std::collections::VecDeque;
 
 /// Identifies a parked request.
 pub type RiderId = u64;
@@ -74,7 +75,7 @@ struct Inner {
     flying: HashMap<FlightKey, Flight>,
     /// Parked requests whose flight has landed, in arrival order, not yet handed to the
     /// host.
-    woken: Vec<RiderId>,
+    woken: VecDeque<RiderId>,
     /// Woken requests that have not planned again (handed to the host or not).
     waking: HashMap<RiderId, Waking>,
     /// The sum of the costs in `waking`, per key: what the next flight of the key asks for
@@ -197,13 +198,20 @@ impl Flights {
         }
     }
 
-    /// The parked requests whose flight has landed, in the order they parked: each is to
-    /// plan again.
-    pub fn woken(&self) -> Vec<RiderId> {
+    /// The next parked request whose flight has landed, in the order they parked, to plan
+    /// again. One at a time: one that plans again may lead a flight that takes the others
+    /// along ([`Flights::take_off`]), and those must not plan again before it lands.
+    pub fn next_woken(&self) -> Option<RiderId> {
         self.inner
             .try_borrow_mut()
-            .map(|mut inner| std::mem::take(&mut inner.woken))
-            .unwrap_or_default()
+            .ok()
+            .and_then(|mut inner| inner.woken.pop_front())
+    }
+
+    /// Every parked request whose flight has landed, at once (tests).
+    #[cfg(test)]
+    pub fn woken(&self) -> Vec<RiderId> {
+        std::iter::from_fn(|| self.next_woken()).collect()
     }
 
     /// True when a landed flight woke parked requests that are not yet planned again.
@@ -242,7 +250,7 @@ impl Flights {
 impl Inner {
     fn wake(&mut self, key: FlightKey, flight: Flight, now: Instant) {
         for (rider, cost) in flight.riders {
-            self.woken.push(rider);
+            self.woken.push_back(rider);
             self.waking.insert(
                 rider,
                 Waking {

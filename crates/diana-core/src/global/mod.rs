@@ -965,11 +965,14 @@ impl Global {
         self.flights.replanning(rider);
     }
 
-    /// The parked requests to plan again (their flight landed), in the order they parked;
-    /// first, flights whose answer is overdue are treated as landed.
-    pub fn woken(&self, now: Instant) -> Vec<RiderId> {
+    /// Flights whose answer is overdue are treated as landed (their riders are woken).
+    pub fn land_overdue(&self, now: Instant) {
         self.flights.land_overdue(now);
-        self.flights.woken()
+    }
+
+    /// The next parked request to plan again (its flight landed), in the order they parked.
+    pub fn next_woken(&self) -> Option<RiderId> {
+        self.flights.next_woken()
     }
 
     /// True when requests are parked: the host must tick to wake them.

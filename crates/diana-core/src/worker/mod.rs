@@ -952,7 +952,9 @@ impl Worker {
             .cloned()
             .collect();
         for configured in generations {
-            for rider in configured.engine.woken(now) {
+            configured.engine.land_overdue(now);
+            // One at a time: a rider that leads a flight takes the riders after it along.
+            while let Some(rider) = configured.engine.next_woken() {
                 let Some(context) = self.parked.remove(&(configured.generation, rider)) else {
                     continue;
                 };
