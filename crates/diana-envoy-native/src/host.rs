@@ -1,9 +1,9 @@
 //! The worker's [`Host`] over the dynamic-module ABI.
 //!
 //! - Shared data: process memory, one store for every Envoy worker thread of the process
-//!   (what proxy-wasm's shared data is for every VM of a `vm_id`), with Envoy's CAS rules
-//!   ([`MemoryHost`] with [`CasSemantics::Envoy`]: a key is never freed, so the slot tables
-//!   bound it as they bound Envoy's).
+//!   (what proxy-wasm's shared data is for every VM of a `vm_id`), with Envoy's CAS rules,
+//!   read and written without a lock ([`SharedStore`]: a key is never freed, so the slot
+//!   tables bound it as they bound Envoy's).
 //! - Request facts, response headers: the current stream's filter, when the event has one.
 //! - Calls: a worker-thread event's are callouts of its stream (a request's own call); a
 //!   main-thread event's (the tick, an answer to the tick's calls) are callouts of the
@@ -13,10 +13,11 @@
 //!   them for `metrics.path`.
 
 use crate::ffi::{self, ConfigRef, FilterRef};
+use crate::shared::SharedStore;
 use diana_core::actor::RequestFacts;
 use diana_core::decision::Callout;
 use diana_core::properties::client_ip_from_address;
-use diana_core::store::{CasSemantics, HostError, MemoryHost, SetOutcome, SharedData};
+use diana_core::store::{HostError, SetOutcome, SharedData};
 use diana_core::time::{Clock, Instant};
 use diana_core::worker::{CallToken, DispatchError, Host, MetricId, MetricKind};
 use hashbrown::HashMap;
@@ -26,9 +27,9 @@ use std::sync::{Mutex, OnceLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 /// The process's shared data.
-pub fn store() -> &'static MemoryHost {
-    static STORE: OnceLock<MemoryHost> = OnceLock::new();
-    STORE.get_or_init(|| MemoryHost::new(CasSemantics::Envoy))
+pub fn store() -> &'static SharedStore {
+    static STORE: OnceLock<SharedStore> = OnceLock::new();
+    STORE.get_or_init(SharedStore::default)
 }
 
 /// The wall clock in nanoseconds since the epoch (`None` when it cannot tell).

@@ -11,6 +11,7 @@
 //!   and its calls on the main thread.
 //! - `host`: the worker's [`diana_core::worker::Host`] over the ABI, process memory for
 //!   shared data and Envoy stats for metrics.
+//! - `shared`: the process's shared data, Envoy's compare-and-swap rules without a lock.
 //! - `timer`: the workers' tick, posted to the main thread through the configuration's
 //!   scheduler.
 //! - `logger`: `log` records to Envoy's log.
@@ -21,6 +22,7 @@ mod ffi;
 mod filter;
 mod host;
 mod logger;
+mod shared;
 mod timer;
 
 pub use ffi::ABI_VERSION;
