@@ -105,7 +105,7 @@ impl Pending {
         }
     }
 
-    /// The id under which a parked request is woken ([`Engine::woken`]).
+    /// The id under which a parked request is woken ([`Engine::next_woken`]).
     pub(crate) fn rider(&self) -> Option<RiderId> {
         match &self.0.stage {
             Stage::Asked(_) => None,
@@ -430,7 +430,7 @@ impl Engine {
         }
     }
 
-    /// Plans a woken request again ([`Engine::woken`]): its flight has landed, so its
+    /// Plans a woken request again ([`Engine::next_woken`]): its flight has landed, so its
     /// global rules are likely served from the lease stash now.
     pub(crate) fn resume(
         &self,
@@ -499,7 +499,7 @@ impl Engine {
     }
 
     /// True when requests parked behind a callout that landed wait to be served
-    /// ([`Engine::woken`]).
+    /// ([`Engine::next_woken`]).
     pub(crate) fn has_woken_riders(&self) -> bool {
         self.global.has_woken_riders()
     }
@@ -1153,7 +1153,7 @@ impl Engine {
 
     /// The answer to a refill's call: the tokens granted go to the stash, a denial is
     /// cached, a failure opens the breaker; the requests parked behind it are woken
-    /// ([`Engine::woken`]).
+    /// ([`Engine::next_woken`]).
     pub(crate) fn refilled(
         &self,
         host: &dyn SharedData,

@@ -6,19 +6,24 @@
 //! *woken* to plan again: most are served from the stash; the first one that still needs
 //! tokens leads the next flight and asks for the demand of the woken requests that have
 //! not planned again yet ([`Flights::expected`]), so the requests behind it are served by
-//! its answer. Those requests are parked behind that flight again ([`Flights::take_off`]):
-//! a token another flight brought (another worker's, for its own riders) must not serve
-//! them while theirs is on its way, or theirs lands for nobody.
-//!
-//! ```text
-//!   park ──► riding a flight ──land──► woken ──plan again──► served / leads a flight / parks
-//!                 ▲                      │
-//!                 └── a flight of its key takes off, asking for it
-//! ``` Without this, a burst of N concurrent requests finding the stash empty
+//! its answer. Without this, a burst of N concurrent requests finding the stash empty
 //! makes N callouts, each asking for a lease, and N leases are taken for a burst that
 //! needed one. Only those still waiting count: a woken request served from the stash, or
 //! gone, needs nothing more, and a token asked for nobody stays in this gateway's stash
 //! while another gateway is refused it (with `lease: 1` the count would not be exact).
+//!
+//! For the same reason the woken requests a flight asks for are parked behind it again
+//! ([`Flights::take_off`]): a token another flight brought (another worker's, for its own
+//! riders) must not serve them while theirs is on its way, or theirs lands for nobody. And
+//! the host is handed woken requests one at a time ([`Flights::next_woken`]), so that one
+//! leading a flight takes the rest along before they plan.
+//!
+//! ```text
+//!   park ──► riding a flight ──lands──► woken ──plans again──► served
+//!                  ▲                      │                    leads a flight
+//!                  └──────────────────────┘                    parks behind one
+//!          a flight of its key takes off, asking for it
+//! ```
 //!
 //! Parking needs a host that can resume a request from elsewhere (Envoy, from the root
 //! context's tick); on nginx nothing is parked. Leaky-bucket rules never park: their turns
