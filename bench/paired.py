@@ -6,8 +6,8 @@ decide the targets, for ROUNDS rounds of SECONDS each, and reports per variant t
 Envoy CPU µs per request and the median of the per-round ratios to the empty stock-SDK
 filter; also the median req/s (wrk), its median ratio to Envoy's `local_ratelimit` when that
 is measured (`lrl`, issue #23's bar for the native module), and for variants that call
-diana-quota the requests that waited behind a lease refill per 1,000 (`diana_global_coalesced`)
-the callouts per request and the share of them that were refills ahead (made by the tick,
+diana-quota the requests parked behind a callout in flight (a refill ahead or another
+request's own call) per 1,000 (`diana_global_coalesced`), the callouts per request and the share of them that were refills ahead (made by the tick,
 before the lease ran out). Same processes, pinning and stopping as the full section
 (bench/common.py).
 
@@ -75,7 +75,7 @@ def main() -> None:
     finally:
         procs.stop_all()
     print(f"| variant ({rounds} rounds × {seconds:g} s) | Envoy CPU µs/req (median) | × empty (CPU, median of rounds)"
-          " | req/s (median) | × local_ratelimit (req/s, median of rounds) | waited behind a refill ‰ | callouts/req | of them ahead |")
+          " | req/s (median) | × local_ratelimit (req/s, median of rounds) | parked behind a callout ‰ | callouts/req | of them ahead |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for k, v in vs.items():
         ratios = [e / x for e, x in zip(cpu["empty"], cpu[k]) if x]
