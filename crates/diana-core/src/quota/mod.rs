@@ -104,8 +104,10 @@ struct Counter {
 /// A quota service in memory that decides like `diana-quota`: every rule of one request
 /// all or nothing ([`decide::acquire`]), rules in dry run outside the decision, leases
 /// granted as asked when the limit has them, a leaky-bucket turn beyond the rule's
-/// `max_delay_ms` denied. Time is the caller's (`now`), answers are immediate: there is no
-/// network, no timeout and no failure. `/v1/wait` is answered like `/v1/acquire` (the
+/// `max_delay_ms` denied. Time is the caller's (`now`), but never earlier than the latest
+/// it was given: like `diana-quota` on Redis `TIME`, the service has one clock, whichever
+/// gateway's simulated clock calls. Answers are immediate: there is no network, no timeout
+/// and no failure. `/v1/wait` is answered like `/v1/acquire` (the
 /// delay is reported, not slept). A call with an id is remembered ([`ledger`]) so that
 /// `/v1/release` gives its grant back.
 ///
@@ -117,6 +119,8 @@ pub struct MemoryQuota {
     sweep_at: usize,
     calls: u64,
     ledger: CallLedger,
+    /// The latest instant a call was answered at.
+    clock: Instant,
 }
 
 impl Default for MemoryQuota {
@@ -126,6 +130,7 @@ impl Default for MemoryQuota {
             sweep_at: MIN_SWEEP,
             calls: 0,
             ledger: CallLedger::default(),
+            clock: 0,
         }
     }
 }
@@ -153,6 +158,8 @@ impl MemoryQuota {
     /// result per rule, or `400` with the reason when the request breaks the wire format.
     pub fn answer(&mut self, callout: &Callout, now: Instant) -> Reply {
         self.calls += 1;
+        self.clock = self.clock.max(now);
+        let now = self.clock;
         let path = callout
             .headers
             .iter()
