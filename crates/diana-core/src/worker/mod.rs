@@ -106,8 +106,8 @@ pub enum Command {
     /// Set the tick period (zero stops it).
     SetTick(Duration),
     /// Run the tick as soon as the host can, without waiting for its period: work waits
-    /// in it (a lease refill ahead, places to give back, requests woken when the request
-    /// they rode behind went away). Only for a host whose profile
+    /// in it (a lease refill ahead, places to give back, requests parked behind a call
+    /// that was answered). Only for a host whose profile
     /// [`HostProfile::ticks_on_demand`]; asked once until the tick runs.
     TickNow,
 }
@@ -451,10 +451,9 @@ impl Worker {
                     Origin::Elsewhere
                 };
                 self.apply(host, context, configured, decision, origin, &mut step);
-                if self.profile.resumes_from_other_contexts {
+                if !own {
                     // The requests parked behind this flight are served now, not a tick
-                    // later, wherever its answer came (Envoy runs a resume asked from
-                    // another stream's callback after that callback returns).
+                    // later (only from the context that may resume others).
                     self.serve_riders(host, &mut step);
                 }
             }
@@ -1057,8 +1056,8 @@ impl Worker {
     }
 
     /// Work waits for the tick: a stash to refill ahead, places to give back, requests
-    /// woken otherwise than by a call's answer (the request they rode behind went away, or
-    /// its flight was overdue), which only the tick serves.
+    /// parked behind a request's own call that was answered (its answer came to that
+    /// request's context, which serves only itself).
     fn work_waits_for_tick(&self) -> bool {
         let refill = self
             .configured
