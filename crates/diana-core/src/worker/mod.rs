@@ -453,7 +453,13 @@ impl Worker {
                 self.apply(host, context, configured, decision, origin, &mut step);
                 if !own {
                     // The requests parked behind this flight are served now, not a tick
-                    // later (only from the context that may resume others).
+                    // later. Not from a request's own context: a rider that leads the next
+                    // call makes it from the context it is served in, and a call made from
+                    // a request's context dies with that request (the host drops its
+                    // answer when the stream ends, which may come first); the calls of the
+                    // root context (the tick, and here) outlive every request. Riders
+                    // behind a request's own call are served by the tick, asked for at
+                    // once where the host can (`work_waits_for_tick`).
                     self.serve_riders(host, &mut step);
                 }
             }
