@@ -156,9 +156,16 @@ impl Flights {
     }
 
     /// A woken request plans again: from now on it asks for itself, it is no longer
-    /// expected behind someone else's flight (nor parked behind the one that adopted it
-    /// after it was handed to the host: it parks anew if it still needs that flight).
+    /// expected behind someone else's flight. Handed over one at a time, it is still
+    /// waking (no flight took it along: O(1)); were it riding a flight, it is taken off
+    /// (and parks anew if it still needs that flight).
     pub fn replanning(&self, rider: RiderId) {
+        if let Ok(mut inner) = self.inner.try_borrow_mut() {
+            if inner.waking.contains_key(&rider) {
+                inner.forget(rider);
+                return;
+            }
+        }
         self.leave(rider);
     }
 
