@@ -290,10 +290,11 @@ impl Inner {
             .map(|(rider, waking)| (*rider, waking.cost))
             .collect();
         adopted.sort_unstable_by_key(|(rider, _)| *rider);
-        let ids: hashbrown::HashSet<RiderId> = adopted.iter().map(|(rider, _)| *rider).collect();
-        self.woken.retain(|rider| !ids.contains(rider));
-        for rider in ids {
-            self.forget(rider);
+        let waking = &self.waking;
+        self.woken
+            .retain(|rider| waking.get(rider).is_none_or(|waking| waking.key != key));
+        for (rider, _) in &adopted {
+            self.forget(*rider);
         }
         adopted
     }
