@@ -32,8 +32,12 @@
 //!    only under its worker's lock (`filter::Slot`), and deleted exactly once, on the
 //!    stream's thread, under that lock after it was removed from the worker's table. The
 //!    configuration's scheduler is created in `on_http_filter_config_new` (main thread),
-//!    committed to only by the timer thread under the timer's lock, and deleted exactly
-//!    once after it was removed from the timer's table under that lock. Envoy documents
+//!    committed to by the timer thread under the timer's lock and by the configuration's
+//!    own hooks (filter hooks and configuration hooks, which want the tick at once), and
+//!    deleted exactly once in `on_http_filter_config_destroy`, after it was removed from
+//!    the timer's table under that lock. Envoy runs no hook of a configuration after, or
+//!    during, its destroy: every filter holds the configuration, and a configuration event
+//!    runs only if its weak reference still locks. Envoy documents
 //!    `commit` of both as safe from any thread (a no-op once the filter or configuration is
 //!    gone: each holds a weak reference).
 //! 5. **No unwinding across the boundary.** Release builds abort on panic (workspace
@@ -568,7 +572,8 @@ impl ConfigScheduler {
     /// Posts `event` to the main thread (a no-op once the configuration is gone).
     pub fn commit(self, event: u64) {
         // SAFETY: invariant 4 — not yet deleted (the timer commits under its lock, and it
-        // is deleted only after it left the timer's table under that lock).
+        // is deleted only after it left the timer's table under that lock; the
+        // configuration's hooks commit only while it lives).
         unsafe {
             envoy_dynamic_module_callback_http_filter_config_scheduler_commit(
                 self.0 as *mut c_void,

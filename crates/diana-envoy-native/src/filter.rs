@@ -13,7 +13,8 @@
 //!
 //! - **Tick.** The timer thread (`timer.rs`) posts the configuration's tick event to the
 //!   main thread when the earliest worker tick is due; the main thread runs each due
-//!   worker's tick there and arms the next.
+//!   worker's tick there and arms the next. A tick wanted at once (a refill ahead) is
+//!   committed by the hook that wants it, on its own thread.
 //! - **Calls** of a worker-thread event (a request's own call) are callouts of that
 //!   request's stream; their answers come back on it. Calls of a main-thread event (lease
 //!   refills, releases, response costs, config-center polls, and the calls of requests
@@ -31,7 +32,8 @@
 //! parsed there too), so a worker thread waits for it at most that long.
 
 use crate::ffi::{
-    self, ConfigRef, FilterRef, MovableWorker, Scheduler, CONTINUE, STOP_ALL_AND_WATERMARK,
+    self, ConfigRef, ConfigScheduler, FilterRef, MovableWorker, Scheduler, CONTINUE,
+    STOP_ALL_AND_WATERMARK,
 };
 pub use crate::host::Answer;
 use crate::host::{self, Metrics, NativeHost};
@@ -56,6 +58,9 @@ pub struct Config {
     document: Vec<u8>,
     metrics: Metrics,
     alive: AtomicBool,
+    /// Its scheduler, which the timer thread also keeps: a hook that wants the tick at
+    /// once commits to it directly (invariant 4 in `ffi.rs`).
+    scheduler: Option<ConfigScheduler>,
     /// The workers: one per Envoy worker thread, then the main thread's.
     slots: Mutex<Vec<Arc<Slot>>>,
     /// Calls the main thread made for a worker: Envoy's callout id, the worker, its token.
@@ -135,12 +140,13 @@ thread_local! {
 /// thread.
 pub fn config_new(envoy: ConfigRef, document: &[u8]) -> Option<Arc<Config>> {
     static IDS: AtomicU64 = AtomicU64::new(1);
-    let config = Config {
+    let mut config = Config {
         id: IDS.fetch_add(1, Ordering::Relaxed),
         envoy,
         document: document.to_vec(),
         metrics: Metrics::default(),
         alive: AtomicBool::new(true),
+        scheduler: None,
         slots: Mutex::new(Vec::new()),
         calls: Mutex::new(HashMap::new()),
     };
@@ -154,25 +160,27 @@ pub fn config_new(envoy: ConfigRef, document: &[u8]) -> Option<Arc<Config>> {
     config.metrics.freeze();
     let earliest = slots.iter().filter_map(|slot| slot.due()).min();
     *lock(&config.slots) = slots;
-    let config = Arc::new(config);
     match envoy.scheduler() {
         Some(scheduler) => {
             if timer::register(config.id, scheduler) {
-                if let Some(due) = earliest {
-                    timer::arm(config.id, until(due));
-                }
+                config.scheduler = Some(scheduler);
             } else {
                 scheduler.delete();
             }
         }
         None => log::error!("diana: Envoy gave no configuration scheduler: no tick runs"),
     }
-    Some(config)
+    if let Some(due) = earliest {
+        config.arm_tick(due);
+    }
+    Some(Arc::new(config))
 }
 
 /// Envoy destroys the configuration once no filter holds it: no stream is left, and the
 /// configuration's callouts still in flight are cancelled without an answer.
 pub fn config_destroy(config: &Config) {
+    // No hook of this configuration runs any more (each holds it), so none commits to its
+    // scheduler; the timer thread lets go of it under its lock.
     config.alive.store(false, Ordering::Release);
     if let Some(scheduler) = timer::remove(config.id) {
         scheduler.delete();
@@ -202,7 +210,7 @@ pub fn config_scheduled(config: &Arc<Config>, event: u64) {
         }
     }
     if let Some(due) = earliest {
-        timer::arm(config.id, until(due));
+        config.arm_tick(due);
     }
 }
 
@@ -222,11 +230,30 @@ pub fn config_callout_done(config: &Arc<Config>, callout_id: u64, answer: &Answe
     });
     config.file_calls(&slot, outcome.dispatched);
     if let Some(due) = outcome.rearm {
-        timer::arm(config.id, until(due));
+        config.arm_tick(due);
     }
 }
 
 impl Config {
+    /// Runs the workers' tick at `due` (wall clock, ns). One already due is committed at
+    /// once, from this hook's thread and without the timer's lock: a worker asked for its
+    /// tick now (a refill ahead waits in it), a detour through the timer thread would cost
+    /// that thread's wake-up, and the main thread, woken by the commit, would block on the
+    /// timer's lock if it were held across the commit (the worker thread, preempted inside
+    /// it, holds it: measured, one extra main-thread wake-up per refill ahead).
+    fn arm_tick(&self, due: u64) {
+        let after = until(due);
+        if !after.is_zero() {
+            timer::arm(self.id, after);
+            return;
+        }
+        // Only a hook of this configuration gets here, and Envoy runs none after
+        // `config_destroy`; `alive` says so to the reader.
+        if let (Some(scheduler), true) = (self.scheduler, self.alive.load(Ordering::Acquire)) {
+            scheduler.commit(timer::TICK_EVENT);
+        }
+    }
+
     /// Files the calls a main-thread event made under their callout ids.
     fn file_calls(&self, slot: &Arc<Slot>, dispatched: Vec<(u64, CallToken)>) {
         if dispatched.is_empty() {
@@ -253,7 +280,7 @@ impl Config {
         slots.push(Arc::clone(&slot));
         drop(slots);
         if let Some(due) = slot.due() {
-            timer::arm(self.id, until(due));
+            self.arm_tick(due);
         }
         Some(slot)
     }
@@ -661,7 +688,7 @@ impl Local {
 
     fn rearm(&self, due: Option<u64>) {
         if let Some(due) = due {
-            timer::arm(self.config.id, until(due));
+            self.config.arm_tick(due);
         }
     }
 

@@ -5,6 +5,8 @@
 //! that time commits [`TICK_EVENT`] to it; the main thread then runs every worker tick that
 //! is due (`filter::config_scheduled`) and arms the next. A due time only moves earlier
 //! here ([`arm`]); firing clears it, and the main thread arms the next from the workers'.
+//! A tick wanted at once does not come through here: the hook that wants it commits it
+//! (`filter::Config::arm_tick`), outside this lock.
 
 use crate::ffi::ConfigScheduler;
 use hashbrown::HashMap;
@@ -71,9 +73,7 @@ pub fn register(config: u64, scheduler: ConfigScheduler) -> bool {
 }
 
 /// Fires configuration `config`'s tick event within `after`, or earlier if already armed so.
-/// With no time left it is committed at once, from the calling thread: a worker asked for
-/// its tick now (a refill ahead waits in it), and a detour through the timer thread would
-/// cost that thread's wake-up on a busy core.
+/// (A tick wanted at once is committed by the hook that wants it: `filter::Config`.)
 pub fn arm(config: u64, after: Duration) {
     let Some(Some(timer)) = TIMER.get() else {
         return;
@@ -81,11 +81,6 @@ pub fn arm(config: u64, after: Duration) {
     let due = Instant::now() + after;
     if let Ok(mut arms) = timer.arms.lock() {
         if let Some(arm) = arms.get_mut(&config) {
-            if after.is_zero() {
-                // The main thread arms the next from its workers once the event has run.
-                arm.scheduler.commit(TICK_EVENT);
-                return;
-            }
             if arm.due.is_none_or(|armed| due < armed) {
                 arm.due = Some(due);
                 timer.wake.notify_one();
