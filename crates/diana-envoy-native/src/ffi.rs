@@ -5,7 +5,7 @@
 //!
 //! - **Callbacks** (`envoy_dynamic_module_callback_*`, implemented by Envoy): declared in the
 //!   `extern "C"` block and reached only through the safe wrappers below ([`FilterRef`],
-//!   [`ConfigRef`], [`Scheduler`], [`ConfigScheduler`], [`concurrency`], [`log`]).
+//!   [`ConfigRef`], [`Scheduler`], [`ConfigScheduler`], [`concurrency`], [`log()`]).
 //! - **Event hooks** (`envoy_dynamic_module_on_*`, exported here): turn Envoy's raw pointers
 //!   into safe values (slices, the module's boxed objects) and call `crate::filter`.
 //!

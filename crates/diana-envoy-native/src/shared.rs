@@ -1,6 +1,6 @@
 //! The process's shared data: what proxy-wasm's shared data is for every VM of a `vm_id`,
 //! here one store in process memory for every Envoy worker thread, with Envoy's
-//! compare-and-swap rules (those of [`CasSemantics::Envoy`], which
+//! compare-and-swap rules (those of [`diana_core::store::CasSemantics::Envoy`], which
 //! [`diana_core::store::MemoryHost`] reproduces for the tests and which the tests below
 //! hold this store to).
 //!
