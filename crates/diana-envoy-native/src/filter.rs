@@ -78,7 +78,6 @@ struct Core {
     worker: MovableWorker,
     /// Paused streams: their scheduler and the commands queued for them.
     paused: HashMap<ContextId, Paused>,
-    next_context: ContextId,
     next_token: CallToken,
     /// The tick period the worker asked for (zero: none).
     tick: Duration,
@@ -304,7 +303,6 @@ impl Slot {
         let mut core = Core {
             worker: MovableWorker::new(worker),
             paused: HashMap::new(),
-            next_context: 0,
             next_token: next_token.get(),
             tick: Duration::ZERO,
             due: None,
@@ -499,6 +497,9 @@ pub struct FilterBox {
 struct Local {
     config: Arc<Config>,
     slot: Arc<Slot>,
+    /// The last context id given to a stream: the slot is this thread's for good, so its
+    /// worker's streams are all numbered here, without its lock.
+    last_context: Cell<ContextId>,
     filters: RefCell<HashMap<ContextId, Entry>>,
 }
 
@@ -506,6 +507,8 @@ struct Local {
 struct Entry {
     /// Its own calls in flight: Envoy's id and the worker's token.
     callouts: Vec<(u64, CallToken)>,
+    /// An event paused it, so its worker may keep a scheduler for it (deleted when it goes).
+    paused: bool,
 }
 
 fn local_for(config: &Arc<Config>) -> Option<Rc<Local>> {
@@ -521,6 +524,7 @@ fn local_for(config: &Arc<Config>) -> Option<Rc<Local>> {
         let local = Rc::new(Local {
             config: Arc::clone(config),
             slot: config.claim()?,
+            last_context: Cell::new(0),
             filters: RefCell::new(HashMap::new()),
         });
         locals.insert(config.id, Rc::clone(&local));
@@ -530,16 +534,13 @@ fn local_for(config: &Arc<Config>) -> Option<Rc<Local>> {
 
 pub fn filter_new(config: &Arc<Config>) -> Option<FilterBox> {
     let local = local_for(config)?;
-    let context = {
-        let mut held = local.slot.lock()?;
-        let context = held.0.next_context.wrapping_add(1).max(1);
-        held.0.next_context = context;
-        context
-    };
+    let context = local.last_context.get().wrapping_add(1).max(1);
+    local.last_context.set(context);
     local.filters.try_borrow_mut().ok()?.insert(
         context,
         Entry {
             callouts: Vec::new(),
+            paused: false,
         },
     );
     Some(FilterBox { context, local })
@@ -629,6 +630,8 @@ pub fn destroy(filter: FilterBox) {
         .try_borrow_mut()
         .ok()
         .and_then(|mut filters| filters.remove(&context));
+    // A stream no event paused has no scheduler to delete (most streams: no second lock).
+    let paused = entry.as_ref().is_none_or(|entry| entry.paused);
     // Its calls are cancelled with it: unanswered.
     let cancelled: Vec<CallToken> = entry
         .map(|entry| entry.callouts.into_iter().map(|(_, token)| token).collect())
@@ -645,9 +648,11 @@ pub fn destroy(filter: FilterBox) {
             step
         });
     // Its scheduler goes under the lock the main thread commits under.
-    if let Some(mut held) = local.slot.lock() {
-        if let Some(paused) = held.0.paused.remove(&context) {
-            paused.scheduler.delete();
+    if paused {
+        if let Some(mut held) = local.slot.lock() {
+            if let Some(paused) = held.0.paused.remove(&context) {
+                paused.scheduler.delete();
+            }
         }
     }
     local.rearm(outcome.rearm);
@@ -675,11 +680,17 @@ impl Local {
             .slot
             .event(&self.config, Site::Stream(current), answer, event);
         let dispatched = std::mem::take(&mut outcome.dispatched);
-        if let (Some((context, _)), false) = (current, dispatched.is_empty()) {
-            if let Ok(mut filters) = self.filters.try_borrow_mut() {
-                if let Some(entry) = filters.get_mut(&context) {
-                    entry.callouts.extend(dispatched);
+        let nothing_to_file = dispatched.is_empty() && !outcome.pause;
+        if let (Some((context, _)), false) = (current, nothing_to_file) {
+            match self.filters.try_borrow_mut() {
+                Ok(mut filters) => {
+                    if let Some(entry) = filters.get_mut(&context) {
+                        entry.callouts.extend(dispatched);
+                        entry.paused |= outcome.pause;
+                    }
                 }
+                // Unreachable (no borrow outlives a call); logged, not silent.
+                Err(_) => log::error!("diana: stream table busy; request {context} not filed"),
             }
         }
         self.rearm(outcome.rearm.take());
