@@ -620,6 +620,57 @@ fn on_nginx_an_invalid_setup_answers_on_invalid_config() {
     assert!(envoy.configure(typo).is_err());
 }
 
+/// The native module skips the response headers and the end of a request its worker no
+/// longer tracks (no lock for them). The worker tracks exactly the requests whose later
+/// events still do something: one admitted with nothing kept is done with at once; one
+/// with headers to add until its response; one holding a place until its end; one paused
+/// for a call until it is decided. (The simulation skips those events under the native
+/// profile as the module does, so every scenario of this file checks the skip too.)
+#[test]
+fn a_request_is_tracked_exactly_while_its_later_events_matter() {
+    let profile = HostProfile::ENVOY_NATIVE;
+    let path = [(":path", "/")];
+    let plain = "resources:\n  - Url: /\n    rules: [{rpu: 100, unit: minute}]\n";
+    let mut s = sim(profile, plain, 1, Service::Answers(0));
+    let done = s.send(0, "10.0.0.1", &path);
+    assert!(matches!(s.fate(done), Some(Fate::Admitted(_))));
+    assert!(!s.tracks(done));
+    assert!(s.respond(done, &[(":status", "200")]).is_empty());
+
+    let with_headers = format!("{plain}response: {{headers: all}}\n");
+    let mut s = sim(profile, &with_headers, 1, Service::Answers(0));
+    let answered = s.send(0, "10.0.0.1", &path);
+    assert!(s.tracks(answered));
+    let added = s.respond(answered, &[(":status", "200")]);
+    assert!(
+        added
+            .iter()
+            .any(|(name, _)| *name == "x-ratelimit-remaining"),
+        "{added:?}"
+    );
+    assert!(!s.tracks(answered));
+
+    let inside = "resources:\n  - Url: /\n    rules: [{max_in_flight: 1, name: inside}]\n";
+    let mut s = sim(profile, inside, 1, Service::Answers(0));
+    let first = s.send(0, "10.0.0.1", &path);
+    s.respond(first, &[(":status", "200")]);
+    assert!(s.tracks(first), "its place is held until it ends");
+    let refused = s.send(0, "10.0.0.1", &path);
+    assert_eq!(s.fate(refused), Some(&Fate::Replied(503)));
+    s.end(first);
+    let next = s.send(0, "10.0.0.1", &path);
+    assert!(matches!(s.fate(next), Some(Fate::Admitted(_))));
+
+    let mut s = sim(profile, &global(10, 1), 1, Service::Answers(5 * MS));
+    let calling = s.send(0, "10.0.0.1", &path);
+    assert_eq!(s.fate(calling), Some(&Fate::Paused));
+    assert!(s.tracks(calling));
+    s.advance(Duration::from_millis(10));
+    assert!(matches!(s.fate(calling), Some(Fate::Admitted(_))));
+    assert!(!s.tracks(calling), "decided, with nothing kept");
+    assert!(s.violations.is_empty(), "{:?}", s.violations);
+}
+
 /// `max_in_flight`: a request holds its place from admission to its end — past its
 /// response headers, for as long as it lasts (its worker renews the place from the tick)
 /// — and its end gives the place back, whichever worker admitted it.

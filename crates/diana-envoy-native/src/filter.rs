@@ -509,6 +509,9 @@ struct Entry {
     callouts: Vec<(u64, CallToken)>,
     /// An event paused it, so its worker may keep a scheduler for it (deleted when it goes).
     paused: bool,
+    /// Its worker tracks it (`Worker::tracks`, asked at its request headers): when not,
+    /// its response headers and its end are skipped, with no lock.
+    tracked: bool,
 }
 
 fn local_for(config: &Arc<Config>) -> Option<Rc<Local>> {
@@ -541,6 +544,7 @@ pub fn filter_new(config: &Arc<Config>) -> Option<FilterBox> {
         Entry {
             callouts: Vec::new(),
             paused: false,
+            tracked: true,
         },
     );
     Some(FilterBox { context, local })
@@ -548,11 +552,21 @@ pub fn filter_new(config: &Arc<Config>) -> Option<FilterBox> {
 
 pub fn request_headers(filter: &FilterBox, envoy: FilterRef) -> i32 {
     let context = filter.context;
+    let tracked = Cell::new(true);
     let outcome = filter
         .local
         .event(Some((context, envoy)), None, |worker, host| {
-            worker.on_request_headers(host, context)
+            let step = worker.on_request_headers(host, context);
+            tracked.set(worker.tracks(context));
+            step
         });
+    if !tracked.get() {
+        if let Ok(mut filters) = filter.local.filters.try_borrow_mut() {
+            if let Some(entry) = filters.get_mut(&context) {
+                entry.tracked = false;
+            }
+        }
+    }
     let pause = outcome.pause;
     filter.local.carry_out(envoy, outcome.commands);
     if pause {
@@ -564,6 +578,9 @@ pub fn request_headers(filter: &FilterBox, envoy: FilterRef) -> i32 {
 
 pub fn response_headers(filter: &FilterBox, envoy: FilterRef) -> i32 {
     let context = filter.context;
+    if !filter.local.tracks(context) {
+        return CONTINUE;
+    }
     let outcome = filter
         .local
         .event(Some((context, envoy)), None, |worker, host| {
@@ -632,6 +649,17 @@ pub fn destroy(filter: FilterBox) {
         .and_then(|mut filters| filters.remove(&context));
     // A stream no event paused has no scheduler to delete (most streams: no second lock).
     let paused = entry.as_ref().is_none_or(|entry| entry.paused);
+    // One its worker does not track has nothing to give back (most streams: no lock).
+    if let Some(Entry {
+        tracked: false,
+        paused: false,
+        callouts,
+    }) = &entry
+    {
+        if callouts.is_empty() {
+            return;
+        }
+    }
     // Its calls are cancelled with it: unanswered.
     let cancelled: Vec<CallToken> = entry
         .map(|entry| entry.callouts.into_iter().map(|(_, token)| token).collect())
@@ -668,6 +696,15 @@ fn send(envoy: FilterRef, reply: &LocalReply) {
 }
 
 impl Local {
+    /// Whether the worker may still track this stream of this thread.
+    fn tracks(&self, context: ContextId) -> bool {
+        self.filters
+            .try_borrow()
+            .ok()
+            .and_then(|filters| filters.get(&context).map(|entry| entry.tracked))
+            .unwrap_or(true)
+    }
+
     /// One event of a stream of this thread (`current`); the calls it made are filed under
     /// that stream.
     fn event(

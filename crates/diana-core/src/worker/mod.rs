@@ -519,6 +519,16 @@ impl Worker {
         step
     }
 
+    /// Whether the worker tracks this request (it waits, calls, is parked, or holds
+    /// headers, response costs or places for it). One it does not track is done with: its
+    /// later events ([`Worker::on_response_headers`], [`Worker::on_context_gone`]) do
+    /// nothing, and no other event reaches it, so a binding may skip them (the native
+    /// module does, to spare them its worker's lock). A request admitted with nothing kept
+    /// is the common case: local rules without headers on allowed responses.
+    pub fn tracks(&self, context: ContextId) -> bool {
+        self.requests.contains_key(&context)
+    }
+
     /// The host deleted a request's context (it ended, or its client went away): what a
     /// paused request held is given back, and the requests parked behind its call plan
     /// again. On a host that holds paused requests only with a directive, one deleted

@@ -13,7 +13,7 @@ use crate::decision::{Callout, Reply};
 use crate::quota::MemoryQuota;
 use crate::store::{identity, CasSemantics, HostError, MemoryHost, SetOutcome, SharedData, Store};
 use crate::time::{Clock, Instant, Nanos};
-use hashbrown::HashMap;
+use hashbrown::{HashMap, HashSet};
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::time::Duration;
@@ -279,6 +279,9 @@ pub struct Sim {
     /// Requests whose clients left while paused for a call, on a host that notices only
     /// once the call answered (with whether to forget them then).
     leaving: HashMap<ContextId, bool>,
+    /// Requests the worker stopped tracking at their request headers, whose later events
+    /// the host skips, as the native module does (`Worker::tracks`).
+    untracked: HashSet<ContextId>,
     pub violations: Vec<Violation>,
 }
 
@@ -316,6 +319,7 @@ impl Sim {
             replies: HashMap::new(),
             next_context: 2,
             leaving: HashMap::new(),
+            untracked: HashSet::new(),
             violations: Vec::new(),
         }
     }
@@ -394,13 +398,15 @@ impl Sim {
         let worker = worker % self.workers.len().max(1);
         self.requests.insert(context, (worker, Fate::Paused));
         self.host.set_request(client_ip, headers);
-        let Some(step) = self
-            .workers
-            .get_mut(worker)
-            .map(|w| w.on_request_headers(&self.host, context))
-        else {
+        let Some((step, tracked)) = self.workers.get_mut(worker).map(|w| {
+            let step = w.on_request_headers(&self.host, context);
+            (step, w.tracks(context))
+        }) else {
             return context;
         };
+        if !tracked && self.profile == HostProfile::ENVOY_NATIVE {
+            self.untracked.insert(context);
+        }
         self.collect_calls(worker, Some(context));
         if !step.pause {
             let now = self.now();
@@ -424,6 +430,9 @@ impl Sim {
             .iter()
             .map(|(name, value)| (name.to_string(), value.as_bytes().to_vec()))
             .collect();
+        if self.untracked.contains(&context) {
+            return self.added.remove(&context).unwrap_or_default();
+        }
         if let Some(step) = self
             .workers
             .get_mut(worker)
@@ -483,9 +492,11 @@ impl Sim {
             *fate = Fate::Gone;
         }
         let worker = *worker;
+        let tracked = !self.untracked.remove(&context);
         if let Some(step) = self
             .workers
             .get_mut(worker)
+            .filter(|_| tracked)
             .map(|w| w.on_context_gone(&self.host, context))
         {
             self.carry_out(worker, Some(context), step.commands, false);
@@ -512,6 +523,14 @@ impl Sim {
 
     pub fn fate(&self, context: ContextId) -> Option<&Fate> {
         self.requests.get(&context).map(|(_, fate)| fate)
+    }
+
+    /// Whether the worker that has this request tracks it (`Worker::tracks`).
+    pub fn tracks(&self, context: ContextId) -> bool {
+        self.requests
+            .get(&context)
+            .and_then(|(worker, _)| self.workers.get(*worker))
+            .is_some_and(|worker| worker.tracks(context))
     }
 
     /// Every request's fate.
