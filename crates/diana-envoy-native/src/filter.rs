@@ -647,19 +647,16 @@ pub fn destroy(filter: FilterBox) {
         .try_borrow_mut()
         .ok()
         .and_then(|mut filters| filters.remove(&context));
-    // A stream no event paused has no scheduler to delete (most streams: no second lock).
-    let paused = entry.as_ref().is_none_or(|entry| entry.paused);
-    // One its worker does not track has nothing to give back (most streams: no lock).
-    if let Some(Entry {
-        tracked: false,
-        paused: false,
-        callouts,
-    }) = &entry
+    // One its worker does not track, that no event paused and that has no call in flight
+    // has nothing to give back and no scheduler (most streams: no lock).
+    if entry
+        .as_ref()
+        .is_some_and(|entry| !entry.tracked && !entry.paused && entry.callouts.is_empty())
     {
-        if callouts.is_empty() {
-            return;
-        }
+        return;
     }
+    // A stream no event paused has no scheduler to delete (no second lock).
+    let paused = entry.as_ref().is_none_or(|entry| entry.paused);
     // Its calls are cancelled with it: unanswered.
     let cancelled: Vec<CallToken> = entry
         .map(|entry| entry.callouts.into_iter().map(|(_, token)| token).collect())
