@@ -157,7 +157,7 @@ impl Progress {
         self.tally.push((index, RuleEvent::DryRunLimited));
     }
 
-    fn apply(&mut self, outcomes: Vec<Admission>) {
+    fn apply(&mut self, outcomes: impl IntoIterator<Item = Admission>) {
         for outcome in outcomes {
             match outcome {
                 Admission::Admitted {
@@ -410,7 +410,7 @@ impl Engine {
             } => {
                 progress.apply(outcomes);
                 metrics.event(Event::GlobalDegradedRequest);
-                self.degrade(host, local, served, held, progress, now, metrics)
+                self.degrade(host, local, &served, held, progress, now, metrics)
             }
             Plan::Park(rider) => Decision::Wait(Pending::new(
                 held,
@@ -622,7 +622,7 @@ impl Engine {
                 self.reject(host, held, progress, rejection, now, metrics)
             }
             Interpretation::Degrade { local, served } => {
-                self.degrade(host, local, served, held, progress, now, metrics)
+                self.degrade(host, local, &served, held, progress, now, metrics)
             }
         }
     }
@@ -779,7 +779,7 @@ impl Engine {
         &self,
         host: &dyn SharedData,
         local: Vec<GlobalCharge>,
-        served: Vec<StashReceipt>,
+        served: &[StashReceipt],
         mut held: Few<Held>,
         mut progress: Progress,
         now: Instant,
@@ -799,7 +799,7 @@ impl Engine {
                 &mut held,
                 metrics,
             ) {
-                self.global.give_back(host, &self.policy, &served, now);
+                self.global.give_back(host, &self.policy, served, now);
                 return self.reject(host, held, progress, rejection, now, metrics);
             }
         }

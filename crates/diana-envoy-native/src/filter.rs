@@ -487,31 +487,34 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     }
 }
 
-/// A stream's module object: its context in its thread's worker.
+/// A stream's module object: its context in its thread's worker, and what this thread
+/// keeps for it. Envoy hands the object back with every event of the stream (and drops
+/// it once, at its end), so its state lives here rather than in a table keyed by context.
 pub struct FilterBox {
     context: ContextId,
     local: Rc<Local>,
+    stream: RefCell<Stream>,
 }
 
-/// A configuration's slot as one worker thread uses it, and its streams there.
+/// A configuration's slot as one worker thread uses it.
 struct Local {
     config: Arc<Config>,
     slot: Arc<Slot>,
     /// The last context id given to a stream: the slot is this thread's for good, so its
     /// worker's streams are all numbered here, without its lock.
     last_context: Cell<ContextId>,
-    filters: RefCell<HashMap<ContextId, Entry>>,
 }
 
-/// A stream of this thread.
-struct Entry {
+/// What a stream's thread keeps for it.
+#[derive(Default)]
+struct Stream {
     /// Its own calls in flight: Envoy's id and the worker's token.
     callouts: Vec<(u64, CallToken)>,
     /// An event paused it, so its worker may keep a scheduler for it (deleted when it goes).
     paused: bool,
-    /// Its worker tracks it (`Worker::tracks`, asked at its request headers): when not,
+    /// Its worker no longer tracks it (`Worker::tracks`, asked at its request headers):
     /// its response headers and its end are skipped, with no lock.
-    tracked: bool,
+    untracked: bool,
 }
 
 fn local_for(config: &Arc<Config>) -> Option<Rc<Local>> {
@@ -528,7 +531,6 @@ fn local_for(config: &Arc<Config>) -> Option<Rc<Local>> {
             config: Arc::clone(config),
             slot: config.claim()?,
             last_context: Cell::new(0),
-            filters: RefCell::new(HashMap::new()),
         });
         locals.insert(config.id, Rc::clone(&local));
         Some(local)
@@ -539,32 +541,24 @@ pub fn filter_new(config: &Arc<Config>) -> Option<FilterBox> {
     let local = local_for(config)?;
     let context = local.last_context.get().wrapping_add(1).max(1);
     local.last_context.set(context);
-    local.filters.try_borrow_mut().ok()?.insert(
+    Some(FilterBox {
         context,
-        Entry {
-            callouts: Vec::new(),
-            paused: false,
-            tracked: true,
-        },
-    );
-    Some(FilterBox { context, local })
+        local,
+        stream: RefCell::new(Stream::default()),
+    })
 }
 
 pub fn request_headers(filter: &FilterBox, envoy: FilterRef) -> i32 {
     let context = filter.context;
     let tracked = Cell::new(true);
-    let outcome = filter
-        .local
-        .event(Some((context, envoy)), None, |worker, host| {
-            let step = worker.on_request_headers(host, context);
-            tracked.set(worker.tracks(context));
-            step
-        });
+    let outcome = filter.event(envoy, None, |worker, host| {
+        let step = worker.on_request_headers(host, context);
+        tracked.set(worker.tracks(context));
+        step
+    });
     if !tracked.get() {
-        if let Ok(mut filters) = filter.local.filters.try_borrow_mut() {
-            if let Some(entry) = filters.get_mut(&context) {
-                entry.tracked = false;
-            }
+        if let Ok(mut stream) = filter.stream.try_borrow_mut() {
+            stream.untracked = true;
         }
     }
     let pause = outcome.pause;
@@ -578,28 +572,23 @@ pub fn request_headers(filter: &FilterBox, envoy: FilterRef) -> i32 {
 
 pub fn response_headers(filter: &FilterBox, envoy: FilterRef) -> i32 {
     let context = filter.context;
-    if !filter.local.tracks(context) {
+    if !filter.tracked() {
         return CONTINUE;
     }
-    let outcome = filter
-        .local
-        .event(Some((context, envoy)), None, |worker, host| {
-            worker.on_response_headers(host, context)
-        });
+    let outcome = filter.event(envoy, None, |worker, host| {
+        worker.on_response_headers(host, context)
+    });
     filter.local.carry_out(envoy, outcome.commands);
     CONTINUE
 }
 
 pub fn callout_done(filter: &FilterBox, envoy: FilterRef, callout_id: u64, answer: &Answer<'_>) {
-    let local = &filter.local;
-    let context = filter.context;
-    let token = local.filters.try_borrow_mut().ok().and_then(|mut filters| {
-        let entry = filters.get_mut(&context)?;
-        let at = entry
+    let token = filter.stream.try_borrow_mut().ok().and_then(|mut stream| {
+        let at = stream
             .callouts
             .iter()
             .position(|(id, _)| *id == callout_id)?;
-        Some(entry.callouts.swap_remove(at).1)
+        Some(stream.callouts.swap_remove(at).1)
     });
     let Some(token) = token else {
         return;
@@ -610,10 +599,10 @@ pub fn callout_done(filter: &FilterBox, envoy: FilterRef, callout_id: u64, answe
         0
     };
     let body = answer.body_size();
-    let outcome = local.event(Some((context, envoy)), Some(answer), |worker, host| {
+    let outcome = filter.event(envoy, Some(answer), |worker, host| {
         worker.on_call_answered(host, token, headers, body)
     });
-    local.carry_out(envoy, outcome.commands);
+    filter.local.carry_out(envoy, outcome.commands);
 }
 
 pub fn scheduled(filter: &FilterBox, envoy: FilterRef, event: u64) {
@@ -640,27 +629,25 @@ pub fn scheduled(filter: &FilterBox, envoy: FilterRef, event: u64) {
 }
 
 pub fn destroy(filter: FilterBox) {
-    let local = &filter.local;
-    let context = filter.context;
-    let entry = local
-        .filters
-        .try_borrow_mut()
-        .ok()
-        .and_then(|mut filters| filters.remove(&context));
+    let FilterBox {
+        context,
+        local,
+        stream,
+    } = filter;
+    let stream = stream.into_inner();
     // One its worker does not track, that no event paused and that has no call in flight
     // has nothing to give back and no scheduler (most streams: no lock).
-    if entry
-        .as_ref()
-        .is_some_and(|entry| !entry.tracked && !entry.paused && entry.callouts.is_empty())
-    {
+    if stream.untracked && !stream.paused && stream.callouts.is_empty() {
         return;
     }
     // A stream no event paused has no scheduler to delete (no second lock).
-    let paused = entry.as_ref().is_none_or(|entry| entry.paused);
+    let paused = stream.paused;
     // Its calls are cancelled with it: unanswered.
-    let cancelled: Vec<CallToken> = entry
-        .map(|entry| entry.callouts.into_iter().map(|(_, token)| token).collect())
-        .unwrap_or_default();
+    let cancelled: Vec<CallToken> = stream
+        .callouts
+        .into_iter()
+        .map(|(_, token)| token)
+        .collect();
     let config = Arc::clone(&local.config);
     let outcome = local
         .slot
@@ -692,45 +679,43 @@ fn send(envoy: FilterRef, reply: &LocalReply) {
     envoy.send_response(reply.status, &headers, reply.body.as_bytes());
 }
 
-impl Local {
-    /// Whether the worker may still track this stream of this thread.
-    fn tracks(&self, context: ContextId) -> bool {
-        self.filters
+impl FilterBox {
+    /// Whether the worker may still track this stream.
+    fn tracked(&self) -> bool {
+        self.stream
             .try_borrow()
-            .ok()
-            .and_then(|filters| filters.get(&context).map(|entry| entry.tracked))
-            .unwrap_or(true)
+            .map_or(true, |stream| !stream.untracked)
     }
 
-    /// One event of a stream of this thread (`current`); the calls it made are filed under
-    /// that stream.
+    /// One event of this stream; the calls it made are filed under it.
     fn event(
         &self,
-        current: Option<(ContextId, FilterRef)>,
+        envoy: FilterRef,
         answer: Option<&Answer<'_>>,
         event: impl FnOnce(&mut Worker, &dyn Host) -> Step,
     ) -> Outcome {
-        let mut outcome = self
+        let local = &self.local;
+        let current = Some((self.context, envoy));
+        let mut outcome = local
             .slot
-            .event(&self.config, Site::Stream(current), answer, event);
+            .event(&local.config, Site::Stream(current), answer, event);
         let dispatched = std::mem::take(&mut outcome.dispatched);
-        let nothing_to_file = dispatched.is_empty() && !outcome.pause;
-        if let (Some((context, _)), false) = (current, nothing_to_file) {
-            match self.filters.try_borrow_mut() {
-                Ok(mut filters) => {
-                    if let Some(entry) = filters.get_mut(&context) {
-                        entry.callouts.extend(dispatched);
-                        entry.paused |= outcome.pause;
-                    }
+        if !dispatched.is_empty() || outcome.pause {
+            match self.stream.try_borrow_mut() {
+                Ok(mut stream) => {
+                    stream.callouts.extend(dispatched);
+                    stream.paused |= outcome.pause;
                 }
                 // Unreachable (no borrow outlives a call); logged, not silent.
-                Err(_) => log::error!("diana: stream table busy; request {context} not filed"),
+                Err(_) => log::error!("diana: request {} busy; its calls not filed", self.context),
             }
         }
-        self.rearm(outcome.rearm.take());
+        local.rearm(outcome.rearm.take());
         outcome
     }
+}
 
+impl Local {
     fn rearm(&self, due: Option<u64>) {
         if let Some(due) = due {
             self.config.arm_tick(due);

@@ -35,6 +35,7 @@ use crate::time::{ceil_seconds, ceil_seconds_at_least_one, Instant, Nanos};
 use breaker::{Breaker, Gate};
 use debts::{Debt, Owed};
 use flights::{FlightKey, Flights, RiderId};
+use smallvec::SmallVec;
 use stash::{Grant, RefillOrder, Stash, StashReceipt, Take};
 use std::cell::{Cell, RefCell};
 use wire::{AcquireRequest, AcquireResponse, ErrorResponse, RuleRequest, RuleResult};
@@ -157,26 +158,30 @@ pub struct Release {
     pub charges: Vec<GlobalCharge>,
 }
 
+/// One entry per global rule of a request, inline: a request rarely has more than two,
+/// and the plan every request served from the stash makes allocates nothing.
+pub type PerRule<T> = SmallVec<[T; 2]>;
+
 /// What the global rules of a request need before the answer.
 #[derive(Debug)]
 pub enum Plan {
     /// Decided without a call.
-    Done(Vec<Admission>),
+    Done(PerRule<Admission>),
     /// A cached denial rejects the request.
-    Rejected(Denial, Vec<Admission>),
+    Rejected(Denial, PerRule<Admission>),
     /// The breaker keeps these rules local: enforce them with the same parameters. The
     /// leased tokens already taken must be given back if the request is rejected.
     Degrade {
-        outcomes: Vec<Admission>,
+        outcomes: PerRule<Admission>,
         local: Vec<GlobalCharge>,
-        served: Vec<StashReceipt>,
+        served: PerRule<StashReceipt>,
     },
     /// Another request of this worker has a callout in flight for one of these rules:
     /// wait for it (see [`flights`]), then plan again.
     Park(RiderId),
     /// Make this call; interpret its reply with the [`Asked`].
     Call {
-        outcomes: Vec<Admission>,
+        outcomes: PerRule<Admission>,
         callout: Callout,
         asked: Asked,
     },
@@ -339,8 +344,8 @@ impl Global {
         now: Instant,
         metrics: &mut dyn MetricSink,
     ) -> Plan {
-        let mut outcomes = Vec::new();
-        let mut served = Vec::new();
+        let mut outcomes = PerRule::new();
+        let mut served = PerRule::new();
         let mut ask = Vec::new();
         let mut rates = Vec::new();
         for charge in charges {
@@ -478,7 +483,7 @@ impl Global {
             callout,
             asked: Asked {
                 charges: ask,
-                served,
+                served: served.into_vec(),
                 request,
                 probe,
                 flying,

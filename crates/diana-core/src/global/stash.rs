@@ -344,27 +344,12 @@ impl Stash {
         // with the record's own tokens it may pay (a cost of 200 is not denied while 50
         // wait here and 150 there).
         let mut too_small = None;
+        let mut denied = None;
         if let Ok(mut batches) = self.batches.try_borrow_mut() {
             if let Some(batch) = batches.get_mut(&id) {
-                if batch.tokens > 0 && batch.tokens < cost && now < batch.valid_until {
-                    too_small = Some(StashReceipt {
-                        rule: rule.index,
-                        key: batch.key.clone(),
-                        fingerprint: address.fingerprint,
-                        tokens: std::mem::take(&mut batch.tokens),
-                        valid_until: batch.lease_until,
-                        from_batch: false,
-                    });
-                }
-            }
-        }
-        if let Some(receipt) = too_small {
-            self.give_back(host, rule, &receipt, now);
-        }
-        if let Ok(mut batches) = self.batches.try_borrow_mut() {
-            if let Some(batch) = batches.get_mut(&id) {
+                let live = now < batch.valid_until;
                 // Tokens are spent first (as from the shared record).
-                if batch.tokens >= cost && now < batch.valid_until {
+                if live && batch.tokens >= cost {
                     batch.tokens -= cost;
                     let receipt = StashReceipt {
                         rule: rule.index,
@@ -376,14 +361,30 @@ impl Stash {
                     };
                     return Take::Served(receipt, None);
                 }
+                if live && batch.tokens > 0 {
+                    too_small = Some(StashReceipt {
+                        rule: rule.index,
+                        key: batch.key.clone(),
+                        fingerprint: address.fingerprint,
+                        tokens: std::mem::take(&mut batch.tokens),
+                        valid_until: batch.lease_until,
+                        from_batch: false,
+                    });
+                }
                 if batch.denied_until > now && batch.denied_until - now <= DENIAL_CACHE {
                     // The service's instants: the memory's own life is shorter.
-                    return Take::Denied {
+                    denied = Some(Take::Denied {
                         retry_at: batch.retry_at,
                         reset_at: batch.reset_at,
-                    };
+                    });
                 }
             }
+        }
+        if let Some(receipt) = too_small {
+            self.give_back(host, rule, &receipt, now);
+        }
+        if let Some(denied) = denied {
+            return denied;
         }
         let key: Rc<str> = Stash::key(rule, address).into();
         let result = self
@@ -872,6 +873,23 @@ mod tests {
         assert_eq!(drain(&stash, &host, rule, a), 1);
         assert_eq!(drain(&other, &host, rule, b), 3);
         assert_eq!(drain(&other, &host, rule, c), 4);
+    }
+
+    /// The worker's batch (22 tokens) is too small for a request of 30: it goes back to
+    /// the shared record, which pays the request with it; no token is lost on the way.
+    #[test]
+    fn a_batch_too_small_for_a_request_pays_it_through_the_shared_record() {
+        let policy = policy();
+        let rule = policy.rule(0).unwrap();
+        let (host, stash) = (MemoryHost::new(CasSemantics::Envoy), Stash::default());
+        let a = identity(1);
+        stash.keep(&host, rule, a, grant(90), T0);
+        // 1 spent, a batch of (90 - 1) / 4 = 22 carved for this worker, 67 left shared.
+        let first = served(stash.take(&host, rule, a, 1, T0));
+        assert!(!first.from_batch);
+        let big = served(stash.take(&host, rule, a, 30, T0));
+        assert_eq!((big.tokens, big.from_batch), (30, false));
+        assert_eq!(drain(&stash, &host, rule, a), 90 - 1 - 30);
     }
 
     /// A denial read from the shared record and then remembered by the worker answers the

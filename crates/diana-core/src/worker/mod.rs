@@ -1088,8 +1088,9 @@ impl Worker {
     }
 
     /// The tick period this worker needs now: fine while requests wait or are parked.
-    fn wanted_tick(&self) -> Duration {
-        if !self.parked.is_empty() || self.work_waits_for_tick() {
+    /// (`work_waits`: [`Self::work_waits_for_tick`], asked once by the caller.)
+    fn wanted_tick(&self, work_waits: bool) -> Duration {
+        if !self.parked.is_empty() || work_waits {
             RIDER_TICK
         } else if !self.waiters.is_empty() {
             WAIT_TICK
@@ -1103,14 +1104,15 @@ impl Worker {
     /// their flight lands, not a period later); sets the tick period the worker needs, if
     /// it changed and the host lets it.
     fn retick(&mut self, step: &mut Step) {
-        if self.profile.ticks_on_demand && !self.tick_coming && self.work_waits_for_tick() {
+        let work_waits = self.work_waits_for_tick();
+        if self.profile.ticks_on_demand && !self.tick_coming && work_waits {
             self.tick_coming = true;
             step.commands.push(Command::TickNow);
         }
         if !self.profile.tick_settable_anywhere {
             return;
         }
-        let wanted = self.wanted_tick();
+        let wanted = self.wanted_tick(work_waits);
         if self.tick != Some(wanted) {
             self.tick = Some(wanted);
             step.commands.push(Command::SetTick(wanted));
