@@ -120,6 +120,32 @@ struct Batch {
     reset_at: Instant,
 }
 
+impl Batch {
+    /// `tokens` of this batch of `id`, spent by a request (`from_batch`) or going back to
+    /// the shared record.
+    fn receipt(
+        &self,
+        (rule, fingerprint): (usize, u64),
+        tokens: u64,
+        from_batch: bool,
+    ) -> StashReceipt {
+        StashReceipt {
+            rule,
+            key: self.key.clone(),
+            fingerprint,
+            tokens,
+            valid_until: self.lease_until,
+            from_batch,
+        }
+    }
+
+    /// Every token of this batch of `id`, taken out to go back to the shared record.
+    fn take_all(&mut self, id: (usize, u64)) -> StashReceipt {
+        let tokens = std::mem::take(&mut self.tokens);
+        self.receipt(id, tokens, false)
+    }
+}
+
 /// What the service granted one request beyond its own cost.
 #[derive(Debug, Clone, Copy)]
 pub struct Grant {
@@ -351,25 +377,10 @@ impl Stash {
                 // Tokens are spent first (as from the shared record).
                 if live && batch.tokens >= cost {
                     batch.tokens -= cost;
-                    let receipt = StashReceipt {
-                        rule: rule.index,
-                        key: batch.key.clone(),
-                        fingerprint: address.fingerprint,
-                        tokens: cost,
-                        valid_until: batch.lease_until,
-                        from_batch: true,
-                    };
-                    return Take::Served(receipt, None);
+                    return Take::Served(batch.receipt(id, cost, true), None);
                 }
                 if live && batch.tokens > 0 {
-                    too_small = Some(StashReceipt {
-                        rule: rule.index,
-                        key: batch.key.clone(),
-                        fingerprint: address.fingerprint,
-                        tokens: std::mem::take(&mut batch.tokens),
-                        valid_until: batch.lease_until,
-                        from_batch: false,
-                    });
+                    too_small = Some(batch.take_all(id));
                 }
                 if batch.denied_until > now && batch.denied_until - now <= DENIAL_CACHE {
                     // The service's instants: the memory's own life is shorter.
@@ -481,14 +492,7 @@ impl Stash {
                 let lapsed = batches
                     .iter_mut()
                     .filter(|(_, batch)| batch.tokens > 0 && batch.valid_until <= now)
-                    .map(|(&(index, fingerprint), batch)| StashReceipt {
-                        rule: index,
-                        key: batch.key.clone(),
-                        fingerprint,
-                        tokens: std::mem::take(&mut batch.tokens),
-                        valid_until: batch.lease_until,
-                        from_batch: false,
-                    })
+                    .map(|(&id, batch)| batch.take_all(id))
                     .collect();
                 batches.retain(|_, batch| batch.valid_until > now || batch.denied_until > now);
                 lapsed
