@@ -640,18 +640,15 @@ pub fn destroy(filter: FilterBox) {
     if stream.untracked && !stream.paused && stream.callouts.is_empty() {
         return;
     }
-    // A stream no event paused has no scheduler to delete (no second lock).
-    let paused = stream.paused;
     // Its calls are cancelled with it: unanswered.
     let cancelled: Vec<CallToken> = stream
         .callouts
         .into_iter()
         .map(|(_, token)| token)
         .collect();
-    let config = Arc::clone(&local.config);
     let outcome = local
         .slot
-        .event(&config, Site::Stream(None), None, |worker, host| {
+        .event(&local.config, Site::Stream(None), None, |worker, host| {
             let mut step = worker.on_context_gone(host, context);
             for token in cancelled {
                 let answered = worker.on_call_answered(host, token, 0, 0);
@@ -659,8 +656,9 @@ pub fn destroy(filter: FilterBox) {
             }
             step
         });
-    // Its scheduler goes under the lock the main thread commits under.
-    if paused {
+    // Its scheduler goes under the lock the main thread commits under; a stream no event
+    // paused has none to delete (no second lock).
+    if stream.paused {
         if let Some(mut held) = local.slot.lock() {
             if let Some(paused) = held.0.paused.remove(&context) {
                 paused.scheduler.delete();
