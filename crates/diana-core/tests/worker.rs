@@ -849,6 +849,48 @@ fn a_global_concurrency_limit_holds_locally_while_the_service_is_down() {
     }
 }
 
+/// The places of many requests that end together all go back from the next tick. On nginx
+/// a request cannot ask for the tick, so a worker's ends wait for its 100 ms tick; that
+/// tick sent at most 8 leaves of 64 places (512), and the rest of a larger burst waited a
+/// tick more while the service still counted them: 1,000 requests ending at once left 488
+/// places held 100 ms longer (and a steady 5,120 ends a second per worker filled the
+/// queue, whose overflow is only reclaimed after 60–80 s).
+#[test]
+fn a_burst_of_ends_gives_every_place_back_at_the_next_tick() {
+    const INSIDE: usize = 1000;
+    let document = format!(
+        "resources:\n  - Url: /\n    rules: [{{max_in_flight: {INSIDE}, scope: global}}]\nglobal: {{cluster: \"127.0.0.1:18081\"}}\n"
+    );
+    let path = [(":path", "/")];
+    for profile in HostProfile::ALL {
+        let mut sim = sim(profile, &document, 1, Service::Answers(MS));
+        let first: Vec<u32> = (0..INSIDE)
+            .map(|_| sim.send(0, "10.0.0.1", &path))
+            .collect();
+        sim.advance(Duration::from_millis(5));
+        assert_eq!(admitted(&sim), INSIDE, "{}", profile.name);
+        for context in &first {
+            sim.end(*context);
+        }
+        // One nginx tick (100 ms) and its calls' answers; Envoy ticks at once.
+        sim.advance(Duration::from_millis(150));
+        let second: Vec<u32> = (0..INSIDE)
+            .map(|_| sim.send(0, "10.0.0.1", &path))
+            .collect();
+        sim.advance(Duration::from_millis(5));
+        let taken = second
+            .iter()
+            .filter(|c| matches!(sim.fate(**c), Some(Fate::Admitted(_))))
+            .count();
+        assert_eq!(
+            taken, INSIDE,
+            "{}: every place of the first {INSIDE} was given back",
+            profile.name
+        );
+        assert!(sim.violations.is_empty(), "{:?}", sim.violations);
+    }
+}
+
 /// `lease: 1` across workers (issue 23's e2e test admitted 27 of 30 now and then): a
 /// flight asks for the requests woken behind its key that have not planned again, so they
 /// wait for it. Before, worker 1's rider R, woken by A's answer and asked for by B's
