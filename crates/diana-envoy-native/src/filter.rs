@@ -640,17 +640,13 @@ pub fn destroy(filter: FilterBox) {
     if stream.untracked && !stream.paused && stream.callouts.is_empty() {
         return;
     }
-    // Its calls are cancelled with it: unanswered.
-    let cancelled: Vec<CallToken> = stream
-        .callouts
-        .into_iter()
-        .map(|(_, token)| token)
-        .collect();
+    let paused = stream.paused;
     let outcome = local
         .slot
         .event(&local.config, Site::Stream(None), None, |worker, host| {
             let mut step = worker.on_context_gone(host, context);
-            for token in cancelled {
+            // Its calls are cancelled with it: unanswered.
+            for (_, token) in stream.callouts {
                 let answered = worker.on_call_answered(host, token, 0, 0);
                 step.commands.extend(answered.commands);
             }
@@ -658,7 +654,7 @@ pub fn destroy(filter: FilterBox) {
         });
     // Its scheduler goes under the lock the main thread commits under; a stream no event
     // paused has none to delete (no second lock).
-    if stream.paused {
+    if paused {
         if let Some(mut held) = local.slot.lock() {
             if let Some(paused) = held.0.paused.remove(&context) {
                 paused.scheduler.delete();

@@ -121,14 +121,10 @@ struct Batch {
 }
 
 impl Batch {
-    /// `tokens` of this batch of `id`, spent by a request (`from_batch`) or going back to
-    /// the shared record.
-    fn receipt(
-        &self,
-        (rule, fingerprint): (usize, u64),
-        tokens: u64,
-        from_batch: bool,
-    ) -> StashReceipt {
+    /// `tokens` of this batch of `id` (its rule and identity), spent by a request
+    /// (`from_batch`) or going back to the shared record.
+    fn receipt(&self, id: (usize, u64), tokens: u64, from_batch: bool) -> StashReceipt {
+        let (rule, fingerprint) = id;
         StashReceipt {
             rule,
             key: self.key.clone(),
