@@ -24,7 +24,7 @@ use crate::global::flights::RiderId;
 use crate::global::stash::StashReceipt;
 use crate::global::wire::AcquireRequest;
 use crate::global::{
-    Admission, Asked, Denial, Global, GlobalCharge, Interpretation, Payment, Plan, Release,
+    Admission, Asked, Denial, Global, GlobalCharge, Interpretation, Leave, Payment, Plan, Release,
     ServicePlace,
 };
 use crate::local::{Local, LocalCharge, Taken};
@@ -1012,11 +1012,6 @@ impl Engine {
         now: Option<Instant>,
         metrics: &mut dyn MetricSink,
     ) {
-        let Some(now) = now else {
-            // Without a clock nothing is written: the places are reclaimed after
-            // `algo::inflight::RECLAIMED_AFTER`.
-            return;
-        };
         let mut held: Few<Held> = Few::new();
         for place in places {
             match &place.at {
@@ -1026,20 +1021,26 @@ impl Engine {
                     cost: taken.tokens(),
                     taken: taken.clone(),
                 }),
+                // Queued whatever the clock: the tick gives them back.
                 PlaceAt::Service { .. } => {
                     if let Some(leaving) = place.to_leave() {
-                        self.global.queue_leave(leaving);
+                        self.global.queue_leave(leaving, metrics);
                     }
                 }
             }
         }
+        let Some(now) = now else {
+            // Without a clock nothing is written locally: those places are reclaimed
+            // after `algo::inflight::RECLAIMED_AFTER`.
+            return;
+        };
         self.give_back_held(host, &held, now, metrics);
     }
 
     /// A place the quota service granted that no request holds any more (its request
     /// ended while the place's renewal was in flight): given back from the tick.
-    pub(crate) fn queue_leave(&self, place: ServicePlace) {
-        self.global.queue_leave(place);
+    pub(crate) fn queue_leave(&self, place: ServicePlace, metrics: &mut dyn MetricSink) {
+        self.global.queue_leave(place, metrics);
     }
 
     /// True when places wait to be given back to the quota service.
@@ -1048,8 +1049,18 @@ impl Engine {
     }
 
     /// From the tick: the call that gives back places of requests that ended.
-    pub(crate) fn plan_leave(&self, host: &dyn SharedData, now: Instant) -> Option<Callout> {
-        self.global.plan_leave(&self.policy, host, now)
+    pub(crate) fn plan_leave(
+        &self,
+        host: &dyn SharedData,
+        now: Instant,
+        metrics: &mut dyn MetricSink,
+    ) -> Option<Leave> {
+        self.global.plan_leave(&self.policy, host, now, metrics)
+    }
+
+    /// The answer to a leave call (counts its places if they were not given back).
+    pub(crate) fn left(&self, leave: &Leave, reply: &Reply, metrics: &mut dyn MetricSink) {
+        self.global.left(leave, reply, metrics);
     }
 
     /// From the tick: the call that renews `places` at the quota service, and its body.

@@ -68,6 +68,15 @@ pub enum Event {
     /// A release was sent for the call of a request that went away before its answer
     /// (the host dropped the answer): what the service granted it goes back.
     GlobalReleased,
+    /// A release could not be sent (more than 1,024 waited for the tick, or the host
+    /// refused the call): what the service granted that call stays charged until its
+    /// window or bucket moves on.
+    ReleaseUnsent,
+    /// A request's concurrency places at the quota service (one rule's) could not be given
+    /// back: the queue of places waiting for the tick was full, the breaker kept global
+    /// rules local, or the leave call failed. The service reclaims them 60–80 s after
+    /// their last renewal; until then they count against the limit.
+    PlacesUnreturned,
     /// A new configuration was applied (local or remote).
     ConfigReload,
     /// A configuration document was refused.
@@ -80,7 +89,7 @@ pub enum Event {
 }
 
 impl Event {
-    pub const ALL: [Event; 20] = [
+    pub const ALL: [Event; 22] = [
         Event::StoreError,
         Event::StoreContention,
         Event::ClockError,
@@ -97,6 +106,8 @@ impl Event {
         Event::GlobalCoalesced,
         Event::RefillAhead,
         Event::GlobalReleased,
+        Event::ReleaseUnsent,
+        Event::PlacesUnreturned,
         Event::ConfigReload,
         Event::ConfigRejected,
         Event::ConfigFetchError,
@@ -121,6 +132,8 @@ impl Event {
             Event::GlobalCoalesced => "diana_global_coalesced",
             Event::RefillAhead => "diana_global_refills_ahead",
             Event::GlobalReleased => "diana_global_releases",
+            Event::ReleaseUnsent => "diana_global_releases_unsent",
+            Event::PlacesUnreturned => "diana_global_places_unreturned",
             Event::ConfigReload => "diana_config_reloads",
             Event::ConfigRejected => "diana_config_rejected",
             Event::ConfigFetchError => "diana_config_fetch_errors",
@@ -221,7 +234,11 @@ pub fn prometheus_text<'a>(values: impl IntoIterator<Item = (&'a str, u64, bool)
 pub trait MetricSink {
     /// `rule` is the rule's index in [`crate::engine::Engine::rules`].
     fn rule_event(&mut self, rule: usize, event: RuleEvent);
-    fn event(&mut self, event: Event);
+    fn event(&mut self, event: Event) {
+        self.events(event, 1);
+    }
+    /// `count` occurrences of `event` at once (places counted by the place).
+    fn events(&mut self, event: Event, count: u64);
     /// The circuit breaker opened (`true`) or closed (`false`): the [`DEGRADED_GAUGE`].
     fn degraded(&mut self, on: bool);
 }
@@ -232,7 +249,7 @@ pub struct NoMetrics;
 
 impl MetricSink for NoMetrics {
     fn rule_event(&mut self, _rule: usize, _event: RuleEvent) {}
-    fn event(&mut self, _event: Event) {}
+    fn events(&mut self, _event: Event, _count: u64) {}
     fn degraded(&mut self, _on: bool) {}
 }
 
@@ -260,8 +277,8 @@ impl MetricSink for CountingMetrics {
     fn rule_event(&mut self, rule: usize, event: RuleEvent) {
         *self.rules.entry((rule, event.suffix())).or_default() += 1;
     }
-    fn event(&mut self, event: Event) {
-        *self.events.entry(event.name()).or_default() += 1;
+    fn events(&mut self, event: Event, count: u64) {
+        *self.events.entry(event.name()).or_default() += count;
     }
     fn degraded(&mut self, on: bool) {
         self.degraded = on;

@@ -21,6 +21,7 @@
 pub mod breaker;
 pub mod debts;
 pub mod flights;
+pub mod leaving;
 pub mod stash;
 
 /// The wire format, also reachable here (it was `global::wire` first).
@@ -35,12 +36,14 @@ use crate::time::{ceil_seconds, ceil_seconds_at_least_one, Instant, Nanos};
 use breaker::{Breaker, Gate};
 use debts::{Debt, Owed};
 use flights::{FlightKey, Flights, RiderId};
+use leaving::Leaving;
 use smallvec::SmallVec;
 use stash::{Grant, RefillOrder, Stash, StashReceipt, Take};
 use std::cell::{Cell, RefCell};
 use wire::{AcquireRequest, AcquireResponse, ErrorResponse, RuleRequest, RuleResult};
 
 pub use breaker::{BREAKER_CACHE, BREAKER_KEY};
+pub use leaving::MAX_LEAVING;
 
 const NANOS_PER_MILLI: Nanos = 1_000_000;
 
@@ -97,10 +100,6 @@ fn asks_alone(rule: &Rule) -> bool {
     rule.algo.waits() || rule.algo.holds_until_done()
 }
 
-/// Places waiting for the tick to be given back, at most (beyond, a place is reclaimed by
-/// the service after `algo::inflight::RECLAIMED_AFTER`).
-pub const MAX_LEAVING: usize = 1024;
-
 /// Concurrency places held at the quota service, to give back ([`wire::LEAVE_PATH`]) or
 /// renew ([`wire::RENEW_PATH`]): the rule, the identity, the bucket the service counts
 /// them in, and how many.
@@ -156,6 +155,19 @@ pub struct Denial {
 pub struct Release {
     pub callout: Callout,
     pub charges: Vec<GlobalCharge>,
+}
+
+/// The call that gives back places of requests that ended ([`Global::plan_leave`]), and
+/// how many places it carries, to count them if it fails.
+#[derive(Debug, Clone)]
+pub struct Leave {
+    pub callout: Callout,
+    pub places: u64,
+}
+
+/// The places `entries` carry.
+fn places_in(entries: &[ServicePlace]) -> u64 {
+    entries.iter().map(|entry| u64::from(entry.places)).sum()
 }
 
 /// One entry per global rule of a request, inline: a request rarely has more than two,
@@ -309,7 +321,7 @@ pub struct Global {
     /// Ids for the calls of requests, so that one whose answer is lost can be released.
     calls: CallIds,
     /// Concurrency places of requests that ended, given back from the tick.
-    leaving: RefCell<Vec<ServicePlace>>,
+    leaving: Leaving,
 }
 
 impl Global {
@@ -327,7 +339,7 @@ impl Global {
             refusal_logged: Cell::new(false),
             invalid_logged: Cell::new(false),
             calls: CallIds::default(),
-            leaving: RefCell::new(Vec::new()),
+            leaving: Leaving::default(),
         }
     }
 
@@ -711,7 +723,7 @@ impl Global {
             let spare = result.granted.saturating_sub(took);
             if holds {
                 if let Some(unheld) = place(spare).filter(|_| spare > 0) {
-                    self.queue_leave(unheld);
+                    self.queue_leave(unheld, metrics);
                 }
             } else if spare > 0 || (rule.lease_auto && result.granted > 0) {
                 // An automatic lease learns this gateway's rate from every grant, even
@@ -779,7 +791,7 @@ impl Global {
                         place: Some(place), ..
                     } = *outcome
                     {
-                        self.queue_leave(place);
+                        self.queue_leave(place, metrics);
                     }
                 }
                 let dry: Vec<Admission> = outcomes
@@ -792,47 +804,68 @@ impl Global {
     }
 
     /// A request that held `place` at the service ended: it is given back from the tick.
-    /// Beyond [`MAX_LEAVING`] waiting, the service reclaims it after its bound.
-    pub fn queue_leave(&self, place: ServicePlace) {
-        if let Ok(mut leaving) = self.leaving.try_borrow_mut() {
-            if leaving.len() < MAX_LEAVING {
-                leaving.push(place);
-            }
+    /// Places that cannot wait ([`leaving`]: the queue is full) are counted in
+    /// [`Event::PlacesUnreturned`]; the service reclaims them after its bound.
+    pub fn queue_leave(&self, place: ServicePlace, metrics: &mut dyn MetricSink) {
+        if let Err(refused) = self.leaving.push(place) {
+            metrics.events(Event::PlacesUnreturned, u64::from(refused.places));
         }
     }
 
     /// True when places wait to be given back.
     pub fn wants_leave(&self) -> bool {
-        self.leaving
-            .try_borrow()
-            .is_ok_and(|leaving| !leaving.is_empty())
+        !self.leaving.is_empty()
     }
 
     /// From the tick: the call that gives back the places of requests that ended (at most
-    /// [`wire::MAX_RULES`]; the rest go with the next tick). None while the breaker keeps
-    /// global rules local: the places are then dropped, and the service reclaims them
-    /// after its bound (a gateway that cannot reach it cannot give anything back).
+    /// [`wire::MAX_RULES`] entries; the worker asks again until none wait). None when none
+    /// wait, or while the breaker keeps global rules local: the places are then dropped
+    /// and counted ([`Event::PlacesUnreturned`]), and the service reclaims them after its
+    /// bound (a gateway that cannot reach it cannot give anything back).
     pub fn plan_leave(
         &self,
         policy: &Policy,
         host: &dyn SharedData,
         now: Instant,
-    ) -> Option<Callout> {
-        let taken: Vec<ServicePlace> = {
-            let mut leaving = self.leaving.try_borrow_mut().ok()?;
-            let count = leaving.len().min(wire::MAX_RULES);
-            leaving.drain(..count).collect()
-        };
-        if taken.is_empty() || self.breaker.keeps_local(&self.store, host, now) {
+        metrics: &mut dyn MetricSink,
+    ) -> Option<Leave> {
+        let taken = self.leaving.take(wire::MAX_RULES);
+        if taken.is_empty() {
             return None;
         }
-        let request = self.places_request(policy, &taken)?;
-        let body = serde_json::to_vec(&request).ok()?;
-        Some(self.callout_to(
-            endpoint_beside(&self.spec.path, "leave"),
-            u64::from(self.spec.timeout_ms),
-            body,
-        ))
+        let request = self
+            .places_request(policy, &taken)
+            .filter(|_| !self.breaker.keeps_local(&self.store, host, now))
+            .and_then(|request| serde_json::to_vec(&request).ok());
+        let Some(body) = request else {
+            metrics.events(Event::PlacesUnreturned, places_in(&taken));
+            return None;
+        };
+        Some(Leave {
+            callout: self.callout_to(
+                endpoint_beside(&self.spec.path, "leave"),
+                u64::from(self.spec.timeout_ms),
+                body,
+            ),
+            places: places_in(&taken),
+        })
+    }
+
+    /// The answer to a leave call: its places were given back unless the service did not
+    /// answer 2xx, in which case they are counted in [`Event::PlacesUnreturned`] (not
+    /// sent again: a leave whose answer was lost may have been applied, and giving places
+    /// back twice would let more requests in than the limit).
+    pub fn left(&self, leave: &Leave, reply: &Reply, metrics: &mut dyn MetricSink) {
+        let given_back = matches!(
+            reply,
+            Reply::Answered {
+                status: 200..=299,
+                ..
+            }
+        );
+        if !given_back {
+            metrics.events(Event::PlacesUnreturned, leave.places);
+        }
     }
 
     /// The call that renews `places` (at most [`wire::MAX_RULES`]), and what it asked, to

@@ -109,16 +109,16 @@ impl Counters {
         }))
     }
 
-    fn count(&self, index: Option<usize>) {
+    fn count(&self, index: Option<usize>, count: u64) {
         if let Some(metric) = index.and_then(|index| self.defined.get(index)) {
             metric
                 .unflushed
-                .set(metric.unflushed.get().saturating_add(1));
+                .set(metric.unflushed.get().saturating_add(count));
         }
     }
 
     pub(crate) fn event(&self, event: Event) {
-        self.count(self.events.get(&event).copied());
+        self.count(self.events.get(&event).copied(), 1);
     }
 
     /// A [`MetricSink`] counting here.
@@ -138,11 +138,12 @@ impl MetricSink for Sink<'_> {
                 .rules
                 .get(rule)
                 .and_then(|indices| indices.get(slot).copied().flatten()),
+            1,
         );
     }
 
-    fn event(&mut self, event: Event) {
-        self.0.event(event);
+    fn events(&mut self, event: Event, count: u64) {
+        self.0.count(self.0.events.get(&event).copied(), count);
     }
 
     fn degraded(&mut self, on: bool) {

@@ -66,7 +66,7 @@ use crate::engine::{Engine, EngineDecision, Pending, Refill};
 use crate::global::debts::Debt;
 use crate::global::flights::RiderId;
 use crate::global::wire::AcquireRequest;
-use crate::global::{Release, ServicePlace, MAX_ANSWER_BYTES};
+use crate::global::{Leave, Release, ServicePlace, MAX_ANSWER_BYTES};
 use crate::lifecycle;
 use crate::metrics::Event;
 use crate::response::Rejection;
@@ -178,7 +178,7 @@ enum Call {
     /// meanwhile for what it freed.
     Release(Rc<Configured>, Release),
     /// Concurrency places of requests that ended, given back to the quota service.
-    Leave,
+    Leave(Rc<Configured>, Leave),
     /// Concurrency places renewed at the quota service: of which request each is, and
     /// what was asked.
     Renewal(Rc<Configured>, Renewing, AcquireRequest),
@@ -502,8 +502,14 @@ impl Worker {
                 // are back at the service.
                 configured.engine.released(host, &release);
             }
-            // Not given back (no answer): the service reclaims the places after its bound.
-            Call::Leave => {}
+            // Not given back (no answer, or not 2xx): counted; the service reclaims the
+            // places after its bound.
+            Call::Leave(configured, leave) => {
+                let reply = call_reply(host, headers, body_size, 0);
+                configured
+                    .engine
+                    .left(&leave, &reply, &mut configured.counters.sink());
+            }
             Call::Renewal(configured, renewing, request) => {
                 let reply = call_reply(host, headers, body_size, MAX_ANSWER_BYTES);
                 let buckets = configured.engine.renewed(&request, reply);
@@ -576,8 +582,9 @@ impl Worker {
                         let release = configured.engine.abandon(host, pending, host.now());
                         if let Some(release) = release {
                             if self.releases.len() < MAX_RELEASES {
-                                configured.counters.event(Event::GlobalReleased);
                                 self.releases.push((Rc::clone(configured), release));
+                            } else {
+                                configured.counters.event(Event::ReleaseUnsent);
                             }
                         }
                     }
@@ -816,10 +823,13 @@ impl Worker {
                         .any(|place| place.renewal_answered(asked, bucket, now))
                 });
             if !held {
-                configured.engine.queue_leave(ServicePlace {
-                    bucket: bucket.unwrap_or(asked.bucket),
-                    ..*asked
-                });
+                configured.engine.queue_leave(
+                    ServicePlace {
+                        bucket: bucket.unwrap_or(asked.bucket),
+                        ..*asked
+                    },
+                    &mut configured.counters.sink(),
+                );
             }
         }
     }
@@ -835,13 +845,17 @@ impl Worker {
             .cloned()
             .collect();
         for configured in generations {
-            while let Some(callout) = configured.engine.plan_leave(host, now) {
-                match self.dispatch(host, &callout) {
+            let mut metrics = configured.counters.sink();
+            while let Some(leave) = configured.engine.plan_leave(host, now, &mut metrics) {
+                match self.dispatch(host, &leave.callout) {
                     Ok(token) => {
-                        self.calls.insert(token, Call::Leave);
+                        self.calls
+                            .insert(token, Call::Leave(Rc::clone(&configured), leave));
                     }
                     Err(error) => {
                         log::debug!("diana: places not given back: {error}");
+                        let reply = Reply::NotSent(error);
+                        configured.engine.left(&leave, &reply, &mut metrics);
                     }
                 }
             }
@@ -947,9 +961,13 @@ impl Worker {
         for (configured, release) in std::mem::take(&mut self.releases) {
             match self.dispatch(host, &release.callout) {
                 Ok(token) => {
+                    configured.counters.event(Event::GlobalReleased);
                     self.calls.insert(token, Call::Release(configured, release));
                 }
-                Err(error) => log::debug!("diana: a release was not sent: {error}"),
+                Err(error) => {
+                    configured.counters.event(Event::ReleaseUnsent);
+                    log::debug!("diana: a release was not sent: {error}");
+                }
             }
         }
     }
