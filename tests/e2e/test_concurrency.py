@@ -133,16 +133,20 @@ def test_a_global_limit_holds_n_places_over_two_gateways(procs, start_gateway, u
     time.sleep(1.2)
     again = spread(gateways, 10, "/slow?ms=300", {"x-account-id": "acme"})
     other = request(gateways[1].port, "/slow?ms=1", {"x-account-id": "globex"}).status
+    # Every leave reached the service: none counted as not given back (README "Metrics").
+    unreturned = [gw.diana_metrics().get("diana_global_places_unreturned") for gw in gateways]
     record(
         f"{gateways[0].label}: global max_in_flight {N} over 2 gateways, 40 concurrent requests held 1 s",
         f"{seen}; most inside the upstream at once {most}; rejections under 0.5 s {rejected_fast}; "
-        f"then 10 more -> {statuses(again)}; another account -> {other}",
+        f"then 10 more -> {statuses(again)}; another account -> {other}; "
+        f"places not given back per gateway {unreturned}",
     )
     assert seen == {200: N, 429: 40 - N}, seen
     assert most <= N, most
     assert rejected_fast == 40 - N
     assert statuses(again) == {200: N, 429: 10 - N}, statuses(again)
     assert other == 200
+    assert unreturned == [0, 0], unreturned
 
 
 def test_global_places_of_clients_that_leave_come_back(procs, start_gateway):
