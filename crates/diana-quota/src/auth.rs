@@ -29,12 +29,57 @@ pub const TOKEN_ENV: &str = "DIANA_QUOTA_TOKEN";
 pub const SCHEME: &str = "Bearer";
 
 /// A secret: the filter's own type (its `Debug` and `Display` never show it).
-pub use diana_core::secret::{Secret, MIN_SECRET_BYTES};
+pub use diana_core::secret::{Secret, SecretError, MIN_SECRET_BYTES};
+
+/// The message when no secret was given.
+pub const NO_SECRET: &str = "no secret to authenticate the gateways: give --token-file PATH \
+(one secret per line, at least 32 bytes each) or the environment variable DIANA_QUOTA_TOKEN; \
+or, to serve without authentication (anyone who can reach the port can read, drain and reset \
+every counter), --insecure-no-auth";
+
+/// Why secrets, or the way the service authenticates, were refused. No variant holds a
+/// secret, nor shows one; `origin` names where the secrets came from (`--token-file
+/// /etc/diana/token: line 2`, `DIANA_QUOTA_TOKEN`).
+#[derive(Debug, thiserror::Error)]
+pub enum AuthError {
+    #[error("{origin}: {error}")]
+    BadSecret {
+        origin: String,
+        #[source]
+        error: SecretError,
+    },
+    #[error("{origin}: no secret in it (one per line)")]
+    NoSecretIn { origin: String },
+    #[error("{origin}: {error}")]
+    Unreadable {
+        origin: String,
+        #[source]
+        error: std::io::Error,
+    },
+    #[error("{TOKEN_ENV}: not valid UTF-8 (a secret is printable ASCII)")]
+    EnvironmentNotUtf8,
+    /// Neither a secret nor `--insecure-no-auth`: the service must not start.
+    #[error("{NO_SECRET}")]
+    NoSecret,
+    #[error(
+        "--insecure-no-auth, but a secret is given too (--token-file or {TOKEN_ENV}): choose one"
+    )]
+    InsecureWithSecret,
+    /// Secrets cannot replace "no authentication" (a reload under `--insecure-no-auth`).
+    #[error("authentication is off (--insecure-no-auth)")]
+    Off,
+    /// A reload without a token file (the environment is read at start only).
+    #[error("nothing to reload: no --token-file ({TOKEN_ENV} is read at start only)")]
+    NoTokenFile,
+}
 
 /// Checks one secret (already trimmed); `origin` names where it comes from, for the
 /// error (which never contains the secret).
-pub fn checked(text: &str, origin: &str) -> Result<Secret, String> {
-    Secret::new(text).map_err(|error| format!("{origin}: {error}"))
+pub fn checked(text: &str, origin: &str) -> Result<Secret, AuthError> {
+    Secret::new(text).map_err(|error| AuthError::BadSecret {
+        origin: origin.to_string(),
+        error,
+    })
 }
 
 fn digest_of(secret: &Secret) -> [u8; 32] {
@@ -48,7 +93,7 @@ fn digest(bytes: &[u8]) -> [u8; 32] {
 /// The secrets in `text`: one per line, surrounding whitespace (and the newline) trimmed,
 /// blank lines skipped. `origin` (`--token-file /etc/x`, `DIANA_QUOTA_TOKEN`) names the
 /// source in errors, with the line number when there are several lines.
-pub fn parse_secrets(text: &str, origin: &str) -> Result<Vec<Secret>, String> {
+pub fn parse_secrets(text: &str, origin: &str) -> Result<Vec<Secret>, AuthError> {
     let lines: Vec<&str> = text.lines().collect();
     let mut secrets = Vec::new();
     for (number, line) in lines.iter().enumerate() {
@@ -64,16 +109,20 @@ pub fn parse_secrets(text: &str, origin: &str) -> Result<Vec<Secret>, String> {
         secrets.push(checked(line, &at)?);
     }
     if secrets.is_empty() {
-        return Err(format!("{origin}: no secret in it (one per line)"));
+        return Err(AuthError::NoSecretIn {
+            origin: origin.to_string(),
+        });
     }
     Ok(secrets)
 }
 
 /// The secrets of a token file (see [`parse_secrets`]).
-pub fn read_token_file(path: &Path) -> Result<Vec<Secret>, String> {
+pub fn read_token_file(path: &Path) -> Result<Vec<Secret>, AuthError> {
     let origin = format!("--token-file {}", path.display());
-    let text = std::fs::read_to_string(path).map_err(|error| format!("{origin}: {error}"))?;
-    parse_secrets(&text, &origin)
+    match std::fs::read_to_string(path) {
+        Ok(text) => parse_secrets(&text, &origin),
+        Err(error) => Err(AuthError::Unreadable { origin, error }),
+    }
 }
 
 /// Warns when a token file can be read by others than its owner.
@@ -140,7 +189,7 @@ impl Auth {
     }
 
     /// Requires one of `secrets` (at least one).
-    pub fn with_secrets(secrets: &[Secret]) -> Result<Auth, String> {
+    pub fn with_secrets(secrets: &[Secret]) -> Result<Auth, AuthError> {
         let auth = Auth {
             required: true,
             digests: RwLock::new(Arc::new(Vec::new())),
@@ -161,12 +210,12 @@ impl Auth {
 
     /// Accepts `secrets` from now on instead of the current ones (a reload). Refused, and
     /// nothing changed, when there are none or authentication is off.
-    pub fn replace(&self, secrets: &[Secret]) -> Result<(), String> {
+    pub fn replace(&self, secrets: &[Secret]) -> Result<(), AuthError> {
         if !self.required {
-            return Err("authentication is off (--insecure-no-auth)".to_string());
+            return Err(AuthError::Off);
         }
         if secrets.is_empty() {
-            return Err("no secret".to_string());
+            return Err(AuthError::NoSecret);
         }
         let digests: Vec<[u8; 32]> = secrets.iter().map(digest_of).collect();
         *self
@@ -262,13 +311,21 @@ mod tests {
         assert!(checked(ONE, "x").is_ok());
         let short = &ONE[..31];
         let error = checked(short, "DIANA_QUOTA_TOKEN").unwrap_err();
+        assert!(matches!(
+            error,
+            AuthError::BadSecret {
+                error: SecretError::TooShort { bytes: 31 },
+                ..
+            }
+        ));
+        let error = error.to_string();
         assert_eq!(
             error,
             "DIANA_QUOTA_TOKEN: a secret must be at least 32 bytes (e.g. `openssl rand -hex 32`)"
         );
         assert!(!error.contains(short));
         let spaced = format!("{ONE} x");
-        let error = checked(&spaced, "x").unwrap_err();
+        let error = checked(&spaced, "x").unwrap_err().to_string();
         assert!(error.contains("printable ASCII"), "{error}");
         assert!(!error.contains(ONE));
         assert_eq!(
@@ -286,15 +343,22 @@ mod tests {
         let secrets = parse_secrets(&format!("  {ONE}  \r\n\n\t{TWO}\t\n\n"), "f").unwrap();
         assert_eq!(secrets.len(), 2);
         assert_eq!(
-            parse_secrets(&format!("{ONE}\nshort\n"), "--token-file /t").unwrap_err(),
+            parse_secrets(&format!("{ONE}\nshort\n"), "--token-file /t")
+                .unwrap_err()
+                .to_string(),
             "--token-file /t: line 2: a secret must be at least 32 bytes (e.g. `openssl rand -hex 32`)"
         );
+        let empty = parse_secrets("\n  \n", "--token-file /t").unwrap_err();
+        assert!(matches!(&empty, AuthError::NoSecretIn { origin } if origin == "--token-file /t"));
         assert_eq!(
-            parse_secrets("\n  \n", "--token-file /t").unwrap_err(),
+            empty.to_string(),
             "--token-file /t: no secret in it (one per line)"
         );
-        assert!(read_token_file(Path::new("/nonexistent/diana-token"))
-            .unwrap_err()
+        let missing = read_token_file(Path::new("/nonexistent/diana-token")).unwrap_err();
+        assert!(matches!(&missing, AuthError::Unreadable { error, .. }
+            if error.kind() == std::io::ErrorKind::NotFound));
+        assert!(missing
+            .to_string()
             .starts_with("--token-file /nonexistent/diana-token: "));
     }
 

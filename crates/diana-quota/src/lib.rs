@@ -23,12 +23,14 @@
 //! - [`Cli`], [`serve`] and [`run`]: what the binary does.
 
 pub mod auth;
+pub mod error;
 pub mod http;
 pub mod metrics;
 pub mod rls;
 pub mod store;
 
-pub use auth::Auth;
+pub use auth::{Auth, AuthError, NO_SECRET};
+pub use error::StartError;
 pub use http::{app, AppState, Settings};
 
 use auth::{Secret, TOKEN_ENV};
@@ -178,16 +180,10 @@ configuration files, on the same store. Calls need `authorization: Bearer <secre
 gRPC metadata (Envoy: grpc_service.initial_metadata) unless --rls-insecure-no-auth. See
 docs/rls.md.";
 
-/// The message when no secret was given.
-pub const NO_SECRET: &str = "no secret to authenticate the gateways: give --token-file PATH \
-(one secret per line, at least 32 bytes each) or the environment variable DIANA_QUOTA_TOKEN; \
-or, to serve without authentication (anyone who can reach the port can read, drain and reset \
-every counter), --insecure-no-auth";
-
 impl Cli {
     /// The secrets of `--token-file` and of `env_token` (the value of DIANA_QUOTA_TOKEN, if
     /// set), both checked; empty when neither is given.
-    pub fn secrets(&self, env_token: Option<&str>) -> Result<Vec<Secret>, String> {
+    pub fn secrets(&self, env_token: Option<&str>) -> Result<Vec<Secret>, AuthError> {
         let mut secrets = Vec::new();
         if let Some(path) = &self.token_file {
             secrets.extend(auth::read_token_file(path)?);
@@ -201,41 +197,34 @@ impl Cli {
     /// The authentication these flags and `env_token` (DIANA_QUOTA_TOKEN's value) describe:
     /// the secrets, or none with `--insecure-no-auth`; an error (the service must not start)
     /// without either, with both, or with a bad secret.
-    pub fn auth_with(&self, env_token: Option<&str>) -> Result<Auth, String> {
+    pub fn auth_with(&self, env_token: Option<&str>) -> Result<Auth, AuthError> {
         let secrets = self.secrets(env_token)?;
         match (self.insecure_no_auth, secrets.is_empty()) {
             (true, true) => Ok(Auth::insecure()),
-            (true, false) => Err(format!(
-                "--insecure-no-auth, but a secret is given too (--token-file or {TOKEN_ENV}): choose one"
-            )),
-            (false, true) => Err(NO_SECRET.to_string()),
+            (true, false) => Err(AuthError::InsecureWithSecret),
+            (false, true) => Err(AuthError::NoSecret),
             (false, false) => Auth::with_secrets(&secrets),
         }
     }
 
     /// [`Cli::auth_with`] the environment's DIANA_QUOTA_TOKEN.
-    pub fn auth(&self) -> Result<Auth, String> {
+    pub fn auth(&self) -> Result<Auth, AuthError> {
         self.auth_with(env_token()?.as_deref())
     }
 
     /// Checks the RLS flags go together; the configuration they name, loaded (`None`
     /// without --rls-listen).
-    pub fn rls_config(&self) -> Result<Option<rls::RlsConfig>, String> {
+    pub fn rls_config(&self) -> Result<Option<rls::RlsConfig>, StartError> {
         match (&self.rls_listen, self.rls_config.is_empty()) {
             (None, true) => Ok(None),
-            (None, false) => Err("--rls-config without --rls-listen: give the address to serve RLS on".to_string()),
-            (Some(_), true) => Err(
-                "--rls-listen without --rls-config: give envoyproxy/ratelimit configuration files (a file or a directory)"
-                    .to_string(),
-            ),
-            (Some(_), false) => rls::load(&self.rls_config)
-                .map(Some)
-                .map_err(|error| error.to_string()),
+            (None, false) => Err(StartError::RlsConfigWithoutListen),
+            (Some(_), true) => Err(StartError::RlsListenWithoutConfig),
+            (Some(_), false) => Ok(Some(rls::load(&self.rls_config)?)),
         }
     }
 
     /// The store and the HTTP settings these flags describe.
-    pub fn build(&self) -> Result<(Arc<dyn Store>, Settings), String> {
+    pub fn build(&self) -> Result<(Arc<dyn Store>, Settings), StartError> {
         let settings = Settings {
             deadline: Duration::from_millis(self.deadline_ms.max(1)),
             timeout_margin: Duration::from_millis(self.timeout_margin_ms),
@@ -276,7 +265,7 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     state: AppState,
     shutdown: impl Future<Output = ()> + Send + 'static,
-) -> Result<(), String> {
+) -> Result<(), StartError> {
     let router = app(state.clone());
     let (stopping, stopped) = tokio::sync::oneshot::channel::<()>();
     let signal_state = state.clone();
@@ -296,7 +285,7 @@ pub async fn serve(
         }
     };
     tokio::select! {
-        served = server => served.map_err(|error| format!("server error: {error}")),
+        served = server => served.map_err(|error| StartError::Serve { protocol: "HTTP", error }),
         () = deadline => {
             tracing::warn!(drain_ms = drain.as_millis(), "requests still in flight after the drain time: stopping anyway");
             Ok(())
@@ -305,35 +294,44 @@ pub async fn serve(
 }
 
 /// The value of DIANA_QUOTA_TOKEN, if set.
-fn env_token() -> Result<Option<String>, String> {
+fn env_token() -> Result<Option<String>, AuthError> {
     match std::env::var(TOKEN_ENV) {
         Ok(value) => Ok(Some(value)),
         Err(std::env::VarError::NotPresent) => Ok(None),
-        Err(std::env::VarError::NotUnicode(_)) => Err(format!(
-            "{TOKEN_ENV}: not valid UTF-8 (a secret is printable ASCII)"
-        )),
+        Err(std::env::VarError::NotUnicode(_)) => Err(AuthError::EnvironmentNotUtf8),
     }
 }
 
 /// Serves until SIGTERM or SIGINT, then finishes the requests in flight. SIGHUP re-reads
 /// the token file.
-pub async fn run(cli: Cli) -> Result<(), String> {
+pub async fn run(cli: Cli) -> Result<(), StartError> {
     let auth = Arc::new(cli.auth()?);
     let rls_config = cli.rls_config()?;
     let (store, settings) = cli.build()?;
     reload_on_sighup(cli.clone(), auth.clone());
     let listener = tokio::net::TcpListener::bind(&cli.listen)
         .await
-        .map_err(|error| format!("cannot listen on {}: {error}", cli.listen))?;
-    let rls_listener = match &cli.rls_listen {
-        Some(address) => Some(
-            tokio::net::TcpListener::bind(address)
-                .await
-                .map_err(|error| format!("cannot listen on {address} (--rls-listen): {error}"))?,
-        ),
-        None => None,
-    };
-    let address = listener.local_addr().map_err(|error| error.to_string())?;
+        .map_err(|error| StartError::Listen {
+            address: cli.listen.to_string(),
+            flag: "--listen",
+            error,
+        })?;
+    let rls_listener =
+        match &cli.rls_listen {
+            Some(address) => Some(tokio::net::TcpListener::bind(address).await.map_err(
+                |error| StartError::Listen {
+                    address: address.to_string(),
+                    flag: "--rls-listen",
+                    error,
+                },
+            )?),
+            None => None,
+        };
+    let address = listener.local_addr().map_err(|error| StartError::Listen {
+        address: cli.listen.to_string(),
+        flag: "--listen",
+        error,
+    })?;
     tracing::info!(
         %address,
         store = %store.describe(),
@@ -401,8 +399,12 @@ fn start_rls(
     auth: &Arc<Auth>,
     listener: &tokio::net::TcpListener,
     config: rls::RlsConfig,
-) -> Result<rls::Rls, String> {
-    let address = listener.local_addr().map_err(|error| error.to_string())?;
+) -> Result<rls::Rls, StartError> {
+    let address = listener.local_addr().map_err(|error| StartError::Listen {
+        address: cli.rls_listen.clone().unwrap_or_default(),
+        flag: "--rls-listen",
+        error,
+    })?;
     let grpc_auth = if cli.rls_insecure_no_auth {
         tracing::warn!(
             "--rls-insecure-no-auth: the gRPC rate limit services on {address} need NO secret. Anyone who \
@@ -494,14 +496,12 @@ pub fn reload_on_sighup(cli: Cli, auth: Arc<Auth>) {
 }
 
 /// Re-reads the secrets; how many are accepted now.
-fn reload(cli: &Cli, auth: &Auth) -> Result<usize, String> {
+fn reload(cli: &Cli, auth: &Auth) -> Result<usize, AuthError> {
     if !auth.is_required() {
-        return Err("nothing to reload: --insecure-no-auth".to_string());
+        return Err(AuthError::Off);
     }
     if cli.token_file.is_none() {
-        return Err(format!(
-            "nothing to reload: no --token-file ({TOKEN_ENV} is read at start only)"
-        ));
+        return Err(AuthError::NoTokenFile);
     }
     let secrets = cli.secrets(env_token()?.as_deref())?;
     auth.replace(&secrets)?;

@@ -14,9 +14,9 @@ use common::*;
 use diana_core::global::wire::{
     AcquireResponse, ErrorResponse, ResolvedRule, RuleResult, MAX_BODY_BYTES,
 };
-use diana_quota::auth::Auth;
-use diana_quota::store::{Grant, MemoryStore, Noted, Outcome, Store, StoreError};
-use diana_quota::{app, AppState, Cli, Settings};
+use diana_quota::auth::{Auth, AuthError};
+use diana_quota::store::{Grant, MemoryStore, Noted, Outcome, RedisUrlError, Store, StoreError};
+use diana_quota::{app, AppState, Cli, Settings, StartError};
 use http_body_util::BodyExt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -548,7 +548,10 @@ fn command_line() {
     );
 
     let cli = Cli::try_parse_from(["diana-quota", "--redis", "http://nope"]).unwrap();
-    assert!(cli.build().err().unwrap().contains("unsupported Redis URL"));
+    assert!(matches!(
+        cli.build(),
+        Err(StartError::Redis(RedisUrlError::Unsupported { .. }))
+    ));
     assert!(Cli::try_parse_from(["diana-quota", "--bogus"]).is_err());
 }
 
@@ -690,12 +693,16 @@ fn command_line_authentication() {
     let plain = Cli::try_parse_from(["diana-quota"]).unwrap();
     // No secret: refused, naming every way out.
     let refused = plain.auth_with(None).unwrap_err();
+    assert!(matches!(refused, AuthError::NoSecret));
+    let refused = refused.to_string();
     for name in ["--token-file", "DIANA_QUOTA_TOKEN", "--insecure-no-auth"] {
         assert!(refused.contains(name), "{refused}");
     }
     // A short secret: refused, the secret not repeated.
     let short = "0123456789abcdef0123456789abcde";
     let refused = plain.auth_with(Some(short)).unwrap_err();
+    assert!(matches!(refused, AuthError::BadSecret { .. }));
+    let refused = refused.to_string();
     assert!(refused.contains("at least 32 bytes"), "{refused}");
     assert!(!refused.contains(short));
     // The environment's secret.
@@ -714,23 +721,24 @@ fn command_line_authentication() {
     // A file with a short line, or none at all: refused.
     let bad = TempFile::new("bad", &format!("{TEST_TOKEN}\nshort\n"));
     let cli = Cli::try_parse_from(["diana-quota", "--token-file", bad.path()]).unwrap();
-    let refused = cli.auth_with(None).unwrap_err();
+    let refused = cli.auth_with(None).unwrap_err().to_string();
     assert!(
         refused.contains("line 2: a secret must be at least 32 bytes"),
         "{refused}"
     );
     let cli = Cli::try_parse_from(["diana-quota", "--token-file", "/nonexistent/token"]).unwrap();
-    assert!(cli
-        .auth_with(None)
-        .unwrap_err()
+    let refused = cli.auth_with(None).unwrap_err();
+    assert!(matches!(refused, AuthError::Unreadable { .. }));
+    assert!(refused
+        .to_string()
         .starts_with("--token-file /nonexistent/token: "));
     // --insecure-no-auth: no secret needed, and none allowed alongside.
     let insecure = Cli::try_parse_from(["diana-quota", "--insecure-no-auth"]).unwrap();
     assert!(!insecure.auth_with(None).unwrap().is_required());
-    assert!(insecure
-        .auth_with(Some(TEST_TOKEN))
-        .unwrap_err()
-        .contains("choose one"));
+    assert!(matches!(
+        insecure.auth_with(Some(TEST_TOKEN)),
+        Err(AuthError::InsecureWithSecret)
+    ));
     // There is no flag that takes the secret itself.
     for flag in ["--token", "--secret", "--auth-token", "--bearer"] {
         assert!(

@@ -10,7 +10,7 @@ use diana_core::global::wire::{ResolvedRule, RuleResult};
 use diana_quota::auth::{checked, Auth};
 use diana_quota::rls::{self, HeaderStyle, Rls};
 use diana_quota::store::{Grant, MemoryStore, Noted, Outcome, Store, StoreError, SystemClock};
-use diana_quota::{AppState, Settings};
+use diana_quota::{AppState, Settings, StartError};
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::{
     Entry, RateLimitOverride,
 };
@@ -72,7 +72,7 @@ struct Server {
     rls: Rls,
     file: PathBuf,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<Result<(), String>>,
+    task: tokio::task::JoinHandle<Result<(), StartError>>,
     _dir: TempDir,
 }
 
@@ -750,7 +750,7 @@ async fn sighup_reloads_the_files_and_a_bad_one_changes_nothing() {
         "domain: edge\ndescriptors: [{key: tenant, rate_limit: {unit: fortnight}}]\n",
     )
     .unwrap();
-    let error = server.rls.reload().unwrap_err();
+    let error = server.rls.reload().unwrap_err().to_string();
     assert!(
         error.contains("invalid rate limit unit `fortnight`"),
         "{error}"
@@ -776,20 +776,14 @@ fn the_rls_flags_go_together() {
             .unwrap()
     };
     assert!(parse(&[]).rls_config().unwrap().is_none());
-    let error = parse(&["--rls-listen", "127.0.0.1:0"])
-        .rls_config()
-        .unwrap_err();
-    assert!(
-        error.starts_with("--rls-listen without --rls-config"),
-        "{error}"
-    );
-    let error = parse(&["--rls-config", "/nonexistent.yaml"])
-        .rls_config()
-        .unwrap_err();
-    assert!(
-        error.starts_with("--rls-config without --rls-listen"),
-        "{error}"
-    );
+    assert!(matches!(
+        parse(&["--rls-listen", "127.0.0.1:0"]).rls_config(),
+        Err(StartError::RlsListenWithoutConfig)
+    ));
+    assert!(matches!(
+        parse(&["--rls-config", "/nonexistent.yaml"]).rls_config(),
+        Err(StartError::RlsConfigWithoutListen)
+    ));
     let dir = temp_dir("flags");
     let (a, b) = (dir.0.join("a.yaml"), dir.0.join("b.yaml"));
     std::fs::write(&a, "domain: a\n").unwrap();
@@ -814,5 +808,6 @@ fn the_rls_flags_go_together() {
     ])
     .rls_config()
     .unwrap_err();
-    assert!(error.starts_with("--rls-config "), "{error}");
+    assert!(matches!(error, StartError::RlsConfig(_)), "{error}");
+    assert!(error.to_string().starts_with("--rls-config "), "{error}");
 }

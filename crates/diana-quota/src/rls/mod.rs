@@ -21,7 +21,7 @@ pub mod config;
 pub mod quota;
 pub mod service;
 
-pub use config::{load, RlsConfig};
+pub use config::{load, ConfigError, RlsConfig};
 
 use crate::auth::Auth;
 use crate::http::AppState;
@@ -123,8 +123,8 @@ impl Rls {
     }
 
     /// Re-reads the configuration files; on error the current configuration stays.
-    pub fn reload(&self) -> Result<Arc<RlsConfig>, String> {
-        let config = Arc::new(load(&self.inner.files).map_err(|error| error.to_string())?);
+    pub fn reload(&self) -> Result<Arc<RlsConfig>, ConfigError> {
+        let config = Arc::new(load(&self.inner.files)?);
         *self
             .inner
             .config
@@ -334,7 +334,7 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     rls: Rls,
     shutdown: impl Future<Output = ()> + Send + 'static,
-) -> Result<(), String> {
+) -> Result<(), crate::StartError> {
     use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaServiceServer;
     use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
 
@@ -373,7 +373,10 @@ pub async fn serve(
         }
     };
     tokio::select! {
-        served = server => served.map_err(|error| format!("gRPC server error: {error}")),
+        served = server => served.map_err(|error| crate::StartError::Serve {
+            protocol: "gRPC",
+            error: std::io::Error::other(error),
+        }),
         () = deadline => {
             tracing::warn!("gRPC calls still in flight after the drain time: stopping anyway");
             Ok(())

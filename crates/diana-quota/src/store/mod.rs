@@ -15,7 +15,9 @@ pub use diana_core::quota::ledger::{Grant, Noted};
 pub use diana_core::quota::{decide, Outcome};
 
 pub use self::memory::{Clock, MemoryStore, SystemClock, DEFAULT_MAX_KEYS};
-pub use self::redis::{cluster_slot, redis_key, RedisOptions, RedisStore, RedisTarget};
+pub use self::redis::{
+    cluster_slot, redis_key, RedisOptions, RedisStore, RedisTarget, RedisUrlError,
+};
 
 use async_trait::async_trait;
 use diana_core::algo::Mark;

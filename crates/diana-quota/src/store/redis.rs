@@ -58,9 +58,35 @@ pub enum RedisTarget {
     Cluster(Vec<String>),
 }
 
+/// Why a Redis URL (`--redis`) cannot be used. `url` is always shown without its
+/// credentials.
+#[derive(Debug, thiserror::Error)]
+pub enum RedisUrlError {
+    #[error("{url}: unsupported Redis URL (expected redis://host:port[/db] or redis+cluster://h1:p1,h2:p2)")]
+    Unsupported { url: String },
+    #[error("{url}: no cluster node (expected redis+cluster://h1:p1,h2:p2)")]
+    NoClusterNode { url: String },
+    /// The `redis` crate refused it (a bad port, database, or option).
+    #[error("{url}: {error}")]
+    Invalid {
+        url: String,
+        #[source]
+        error: redis::RedisError,
+    },
+}
+
+impl RedisUrlError {
+    fn invalid(url: &str, error: redis::RedisError) -> RedisUrlError {
+        RedisUrlError::Invalid {
+            url: redact(url),
+            error,
+        }
+    }
+}
+
 impl RedisTarget {
     /// Parses `redis://host:port[/db]` or `redis+cluster://h1:p1,h2:p2`.
-    pub fn parse(url: &str) -> Result<RedisTarget, String> {
+    pub fn parse(url: &str) -> Result<RedisTarget, RedisUrlError> {
         let url = url.trim();
         if let Some(rest) = url.strip_prefix("redis+cluster://") {
             let (userinfo, hosts) = match rest.rsplit_once('@') {
@@ -75,25 +101,19 @@ impl RedisTarget {
                 .map(|host| format!("redis://{userinfo}{host}"))
                 .collect();
             if nodes.is_empty() {
-                return Err(format!(
-                    "{}: no cluster node (expected redis+cluster://h1:p1,h2:p2)",
-                    redact(url)
-                ));
+                return Err(RedisUrlError::NoClusterNode { url: redact(url) });
             }
             for node in &nodes {
                 redis::Client::open(node.as_str())
-                    .map_err(|error| format!("{}: {error}", redact(node)))?;
+                    .map_err(|error| RedisUrlError::invalid(node, error))?;
             }
             return Ok(RedisTarget::Cluster(nodes));
         }
         if url.starts_with("redis://") {
-            redis::Client::open(url).map_err(|error| format!("{}: {error}", redact(url)))?;
+            redis::Client::open(url).map_err(|error| RedisUrlError::invalid(url, error))?;
             return Ok(RedisTarget::Single(url.to_string()));
         }
-        Err(format!(
-            "{}: unsupported Redis URL (expected redis://host:port[/db] or redis+cluster://h1:p1,h2:p2)",
-            redact(url)
-        ))
+        Err(RedisUrlError::Unsupported { url: redact(url) })
     }
 
     /// The target without credentials, for logs.
@@ -750,12 +770,12 @@ pub fn cluster_slot(rule_key: &str) -> u16 {
 impl RedisStore {
     /// A store for this target. Nothing is connected until the first request, so the
     /// service starts (and answers 503) while Redis is down.
-    pub fn new(target: &RedisTarget, options: RedisOptions) -> Result<RedisStore, String> {
+    pub fn new(target: &RedisTarget, options: RedisOptions) -> Result<RedisStore, RedisUrlError> {
         let description = target.describe();
         let backend = match target {
             RedisTarget::Single(url) => Backend::Single {
                 client: redis::Client::open(url.as_str())
-                    .map_err(|error| format!("{description}: {error}"))?,
+                    .map_err(|error| RedisUrlError::invalid(url, error))?,
                 config: AsyncConnectionConfig::new()
                     .set_connection_timeout(Some(options.connect_timeout))
                     .set_response_timeout(Some(options.response_timeout)),
@@ -771,7 +791,10 @@ impl RedisStore {
                     .response_timeout(options.response_timeout)
                     .retries(1)
                     .build()
-                    .map_err(|error| format!("{description}: {error}"))?,
+                    .map_err(|error| RedisUrlError::Invalid {
+                        url: description.clone(),
+                        error,
+                    })?,
                 // Connecting to a cluster also reads its slot map: one more round trip.
                 connection: Lazy::new(
                     description.clone(),
@@ -1223,15 +1246,28 @@ mod tests {
             RedisTarget::parse("redis://:pw@h:1").unwrap().describe(),
             "redis://***@h:1"
         );
-        assert!(RedisTarget::parse("redis+cluster://")
-            .unwrap_err()
-            .contains("no cluster node"));
-        assert!(RedisTarget::parse("http://x:1")
-            .unwrap_err()
-            .contains("unsupported Redis URL"));
-        assert!(RedisTarget::parse("memcached://u:pw@x:1")
-            .unwrap_err()
-            .starts_with("memcached://***@x:1"));
+        assert!(matches!(
+            RedisTarget::parse("redis+cluster://"),
+            Err(RedisUrlError::NoClusterNode { .. })
+        ));
+        assert!(matches!(
+            RedisTarget::parse("http://x:1"),
+            Err(RedisUrlError::Unsupported { .. })
+        ));
+        assert!(matches!(
+            RedisTarget::parse("redis://h:notaport"),
+            Err(RedisUrlError::Invalid { .. })
+        ));
+        // The credentials are never shown.
+        let refused = RedisTarget::parse("memcached://u:pw@x:1").unwrap_err();
+        assert!(
+            refused
+                .to_string()
+                .starts_with("memcached://***@x:1: unsupported"),
+            "{refused}"
+        );
+        let refused = RedisTarget::parse("redis://u:pw@h:notaport").unwrap_err();
+        assert!(!refused.to_string().contains("pw"), "{refused}");
     }
 
     #[test]
