@@ -938,7 +938,8 @@ fn a_burst_of_one_identity_beyond_the_queue_bound_gives_every_place_back() {
 
 /// Places the gateway cannot give back are counted, by the place: a leave call the host
 /// refuses to make, one the service does not answer, and places dropped while the breaker
-/// keeps global rules local. None is sent twice.
+/// keeps global rules local (all at the first tick, not one call's worth a tick). None is
+/// sent twice.
 #[test]
 fn places_that_cannot_be_given_back_are_counted() {
     let path = [(":path", "/")];
@@ -970,11 +971,14 @@ fn places_that_cannot_be_given_back_are_counted() {
         sim.set_service(Service::Down(MS));
         sim.advance(Duration::from_millis(150));
         assert_eq!(unreturned(&sim), 5, "{}", profile.name);
-        // Two places held at the service; then a call fails and opens the breaker: at
-        // their end the tick drops them (a gateway that cannot reach the service cannot
-        // give anything back).
+        // 70 places of 70 identities held at the service (more than one leave call
+        // carries); then a call fails and opens the breaker: at their end the tick drops
+        // them all at once (a gateway that cannot reach the service cannot give anything
+        // back).
         sim.set_service(Service::Answers(MS));
-        let held: Vec<u32> = (0..2).map(|_| sim.send(0, "10.0.0.5", &path)).collect();
+        let held: Vec<u32> = (0..70)
+            .map(|i| sim.send(0, &format!("10.2.0.{i}"), &path))
+            .collect();
         sim.advance(Duration::from_millis(5));
         sim.set_service(Service::Down(MS));
         let degraded = sim.send(0, "10.0.0.6", &path);
@@ -988,13 +992,13 @@ fn places_that_cannot_be_given_back_are_counted() {
             sim.end(context);
         }
         sim.advance(Duration::from_millis(150));
-        assert_eq!(unreturned(&sim), 7, "{}", profile.name);
+        assert_eq!(unreturned(&sim), 75, "{}", profile.name);
         // Given back: nothing more is counted.
         sim.set_service(Service::Answers(MS));
         sim.advance(Duration::from_secs(30));
         ends(&mut sim, &["10.0.0.4"]);
         sim.advance(Duration::from_millis(150));
-        assert_eq!(unreturned(&sim), 7, "{}", profile.name);
+        assert_eq!(unreturned(&sim), 75, "{}", profile.name);
     }
 }
 

@@ -819,9 +819,9 @@ impl Global {
 
     /// From the tick: the call that gives back the places of requests that ended (at most
     /// [`wire::MAX_RULES`] entries; the worker asks again until none wait). None when none
-    /// wait, or while the breaker keeps global rules local: the places are then dropped
-    /// and counted ([`Event::PlacesUnreturned`]), and the service reclaims them after its
-    /// bound (a gateway that cannot reach it cannot give anything back).
+    /// wait, or while the breaker keeps global rules local: every place waiting is then
+    /// dropped and counted ([`Event::PlacesUnreturned`]), and the service reclaims them
+    /// after its bound (a gateway that cannot reach it cannot give anything back).
     pub fn plan_leave(
         &self,
         policy: &Policy,
@@ -829,13 +829,17 @@ impl Global {
         now: Instant,
         metrics: &mut dyn MetricSink,
     ) -> Option<Leave> {
-        let taken = self.leaving.take(wire::MAX_RULES);
-        if taken.is_empty() {
+        if self.leaving.is_empty() {
             return None;
         }
+        if self.breaker.keeps_local(&self.store, host, now) {
+            let dropped = self.leaving.take(usize::MAX);
+            metrics.events(Event::PlacesUnreturned, places_in(&dropped));
+            return None;
+        }
+        let taken = self.leaving.take(wire::MAX_RULES);
         let request = self
             .places_request(policy, &taken)
-            .filter(|_| !self.breaker.keeps_local(&self.store, host, now))
             .and_then(|request| serde_json::to_vec(&request).ok());
         let Some(body) = request else {
             metrics.events(Event::PlacesUnreturned, places_in(&taken));
