@@ -31,6 +31,7 @@ use super::config::{Lookup, RlsConfig, RuleKind};
 use super::{OwnedRule, Rls, RLQS_PATH};
 use diana_core::algo::{Algorithm, Limit};
 use diana_core::wire::{self, ResolvedRule, RuleResult};
+use crate::store::StoreError;
 use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy};
 use envoy_types::pb::envoy::r#type::v3::{RateLimitStrategy, TokenBucket};
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::{
@@ -422,7 +423,7 @@ async fn charge(
     limit: &Limit,
     tokens: u64,
     deadline: Instant,
-) -> Result<RuleResult, String> {
+) -> Result<RuleResult, StoreError> {
     let tokens = tokens.min(wire::MAX_TOTAL_WANT);
     let max = u64::from(wire::MAX_WANT);
     let mut rules = Vec::new();
@@ -450,15 +451,15 @@ async fn charge(
             results
                 .last()
                 .copied()
-                .ok_or_else(|| "no result".to_string())
+                .ok_or_else(|| StoreError::Internal("no result".to_string()))
         }
         Ok(Err(failure)) => {
             state.metrics().store_error(failure.kind());
-            Err(failure.to_string())
+            Err(failure)
         }
         Err(_) => {
             state.metrics().store_error("timeout");
-            Err("deadline exceeded".to_string())
+            Err(StoreError::Unavailable("deadline exceeded".to_string()))
         }
     }
 }

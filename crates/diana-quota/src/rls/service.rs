@@ -117,7 +117,7 @@ impl RateLimiter {
                 request.domain,
                 request.descriptors.len()
             ));
-            return Err(Status::invalid_argument(reason));
+            return Err(Status::invalid_argument(reason.to_string()));
         }
         let Some(permit) = state.try_admit(RLS_PATH) else {
             return Err(Status::resource_exhausted(crate::http::OVERLOADED));
@@ -514,50 +514,89 @@ fn headers(style: HeaderStyle, report: Report<'_>) -> Vec<HeaderValue> {
     out
 }
 
-/// Checks the shape of a call; the error names the field.
-pub fn check(request: &RateLimitRequest) -> Result<(), String> {
+/// Why a call's shape is refused (`INVALID_ARGUMENT`); each names the field.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum InvalidCall {
+    #[error("domain: must not be empty")]
+    NoDomain,
+    #[error("descriptors: must not be empty")]
+    NoDescriptors,
+    #[error("descriptors: at most {max} in one call, got {got}")]
+    TooManyDescriptors { max: usize, got: usize },
+    #[error("descriptors[{descriptor}].entries: must not be empty")]
+    NoEntries { descriptor: usize },
+    #[error("descriptors[{descriptor}].entries: at most {max}, got {got}")]
+    TooManyEntries {
+        descriptor: usize,
+        max: usize,
+        got: usize,
+    },
+    #[error("descriptors[{descriptor}].entries[{entry}].key: must not be empty")]
+    EmptyKey { descriptor: usize, entry: usize },
+    /// `key`: the entry's key, at most its first 64 bytes.
+    #[error("descriptors[{descriptor}].entries[{entry}].{field}: {bytes} bytes, at most {max} (key {key:?})")]
+    TooLong {
+        descriptor: usize,
+        entry: usize,
+        field: &'static str,
+        bytes: usize,
+        max: usize,
+        key: String,
+    },
+}
+
+/// Checks the shape of a call.
+pub fn check(request: &RateLimitRequest) -> Result<(), InvalidCall> {
     if request.domain.is_empty() {
-        return Err("domain: must not be empty".to_string());
+        return Err(InvalidCall::NoDomain);
     }
     if request.descriptors.is_empty() {
-        return Err("descriptors: must not be empty".to_string());
+        return Err(InvalidCall::NoDescriptors);
     }
     if request.descriptors.len() > wire::MAX_RULES {
-        return Err(format!(
-            "descriptors: at most {} in one call, got {}",
-            wire::MAX_RULES,
-            request.descriptors.len()
-        ));
+        return Err(InvalidCall::TooManyDescriptors {
+            max: wire::MAX_RULES,
+            got: request.descriptors.len(),
+        });
     }
     for (index, descriptor) in request.descriptors.iter().enumerate() {
-        check_descriptor(descriptor).map_err(|reason| format!("descriptors[{index}].{reason}"))?;
+        check_descriptor(index, descriptor)?;
     }
     Ok(())
 }
 
-fn check_descriptor(descriptor: &RateLimitDescriptor) -> Result<(), String> {
+fn check_descriptor(index: usize, descriptor: &RateLimitDescriptor) -> Result<(), InvalidCall> {
     if descriptor.entries.is_empty() {
-        return Err("entries: must not be empty".to_string());
+        return Err(InvalidCall::NoEntries { descriptor: index });
     }
     if descriptor.entries.len() > config::MAX_ENTRIES {
-        return Err(format!(
-            "entries: at most {}, got {}",
-            config::MAX_ENTRIES,
-            descriptor.entries.len()
-        ));
+        return Err(InvalidCall::TooManyEntries {
+            descriptor: index,
+            max: config::MAX_ENTRIES,
+            got: descriptor.entries.len(),
+        });
     }
-    for (index, entry) in descriptor.entries.iter().enumerate() {
-        if entry.key.is_empty() {
-            return Err(format!("entries[{index}].key: must not be empty"));
+    for (entry, pair) in descriptor.entries.iter().enumerate() {
+        if pair.key.is_empty() {
+            return Err(InvalidCall::EmptyKey {
+                descriptor: index,
+                entry,
+            });
         }
-        for (field, text) in [("key", &entry.key), ("value", &entry.value)] {
+        for (field, text) in [("key", &pair.key), ("value", &pair.value)] {
             if text.len() > config::MAX_TEXT_BYTES {
-                return Err(format!(
-                    "entries[{index}].{field}: {} bytes, at most {} (key {:?})",
-                    text.len(),
-                    config::MAX_TEXT_BYTES,
-                    entry.key.get(..entry.key.len().min(64)).unwrap_or("")
-                ));
+                return Err(InvalidCall::TooLong {
+                    descriptor: index,
+                    entry,
+                    field,
+                    bytes: text.len(),
+                    max: config::MAX_TEXT_BYTES,
+                    key: pair
+                        .key
+                        .get(..pair.key.len().min(64))
+                        .unwrap_or("")
+                        .to_string(),
+                });
             }
         }
     }
@@ -589,25 +628,28 @@ mod tests {
     #[test]
     fn calls_are_checked_naming_the_field() {
         assert_eq!(check(&call("d", &[("k", "v")])), Ok(()));
-        assert_eq!(
-            check(&call("", &[("k", "v")])).unwrap_err(),
-            "domain: must not be empty"
-        );
+        assert_eq!(check(&call("", &[("k", "v")])), Err(InvalidCall::NoDomain));
         let mut empty = call("d", &[]);
         assert_eq!(
-            check(&empty).unwrap_err(),
-            "descriptors[0].entries: must not be empty"
+            check(&empty).map_err(|error| error.to_string()),
+            Err("descriptors[0].entries: must not be empty".to_string())
         );
         empty.descriptors.clear();
-        assert_eq!(check(&empty).unwrap_err(), "descriptors: must not be empty");
+        assert_eq!(check(&empty), Err(InvalidCall::NoDescriptors));
         assert_eq!(
-            check(&call("d", &[("k", "v"), ("", "v")])).unwrap_err(),
-            "descriptors[0].entries[1].key: must not be empty"
+            check(&call("d", &[("k", "v"), ("", "v")])),
+            Err(InvalidCall::EmptyKey {
+                descriptor: 0,
+                entry: 1
+            })
         );
         let long = "x".repeat(config::MAX_TEXT_BYTES + 1);
         assert_eq!(
-            check(&call("d", &[("path", &long)])).unwrap_err(),
-            "descriptors[0].entries[0].value: 4097 bytes, at most 4096 (key \"path\")"
+            check(&call("d", &[("path", &long)])).map_err(|error| error.to_string()),
+            Err(
+                "descriptors[0].entries[0].value: 4097 bytes, at most 4096 (key \"path\")"
+                    .to_string()
+            )
         );
     }
 
