@@ -37,3 +37,16 @@ pub enum StartError {
         error: std::io::Error,
     },
 }
+
+impl StartError {
+    /// The error of a listener that could not be bound (or read back) on `address`, the
+    /// value of `flag`.
+    pub fn listen(flag: &'static str, address: &str) -> impl FnOnce(std::io::Error) -> StartError {
+        let address = address.to_string();
+        move |error| StartError::Listen {
+            address,
+            flag,
+            error,
+        }
+    }
+}

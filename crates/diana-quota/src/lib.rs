@@ -311,27 +311,18 @@ pub async fn run(cli: Cli) -> Result<(), StartError> {
     reload_on_sighup(cli.clone(), auth.clone());
     let listener = tokio::net::TcpListener::bind(&cli.listen)
         .await
-        .map_err(|error| StartError::Listen {
-            address: cli.listen.to_string(),
-            flag: "--listen",
-            error,
-        })?;
-    let rls_listener =
-        match &cli.rls_listen {
-            Some(address) => Some(tokio::net::TcpListener::bind(address).await.map_err(
-                |error| StartError::Listen {
-                    address: address.to_string(),
-                    flag: "--rls-listen",
-                    error,
-                },
-            )?),
-            None => None,
-        };
-    let address = listener.local_addr().map_err(|error| StartError::Listen {
-        address: cli.listen.to_string(),
-        flag: "--listen",
-        error,
-    })?;
+        .map_err(StartError::listen("--listen", &cli.listen))?;
+    let rls_listener = match &cli.rls_listen {
+        Some(address) => Some(
+            tokio::net::TcpListener::bind(address)
+                .await
+                .map_err(StartError::listen("--rls-listen", address))?,
+        ),
+        None => None,
+    };
+    let address = listener
+        .local_addr()
+        .map_err(StartError::listen("--listen", &cli.listen))?;
     tracing::info!(
         %address,
         store = %store.describe(),
@@ -400,11 +391,10 @@ fn start_rls(
     listener: &tokio::net::TcpListener,
     config: rls::RlsConfig,
 ) -> Result<rls::Rls, StartError> {
-    let address = listener.local_addr().map_err(|error| StartError::Listen {
-        address: cli.rls_listen.clone().unwrap_or_default(),
-        flag: "--rls-listen",
-        error,
-    })?;
+    let address = listener.local_addr().map_err(StartError::listen(
+        "--rls-listen",
+        cli.rls_listen.as_deref().unwrap_or_default(),
+    ))?;
     let grpc_auth = if cli.rls_insecure_no_auth {
         tracing::warn!(
             "--rls-insecure-no-auth: the gRPC rate limit services on {address} need NO secret. Anyone who \

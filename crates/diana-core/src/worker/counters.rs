@@ -118,7 +118,11 @@ impl Counters {
     }
 
     pub(crate) fn event(&self, event: Event) {
-        self.count(self.events.get(&event).copied(), 1);
+        self.events(event, 1);
+    }
+
+    fn events(&self, event: Event, count: u64) {
+        self.count(self.events.get(&event).copied(), count);
     }
 
     /// A [`MetricSink`] counting here.
@@ -143,7 +147,7 @@ impl MetricSink for Sink<'_> {
     }
 
     fn events(&mut self, event: Event, count: u64) {
-        self.0.count(self.0.events.get(&event).copied(), count);
+        self.0.events(event, count);
     }
 
     fn degraded(&mut self, on: bool) {
