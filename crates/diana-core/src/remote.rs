@@ -98,15 +98,19 @@ pub fn published_version(store: &Store, host: &dyn SharedData) -> u64 {
 /// deadline and poll every other period.
 const TICK_SLACK: Nanos = NANOS_PER_SECOND / 20;
 
-/// Claims this period's poll: true for exactly one worker per period. A claim further
-/// ahead than one period comes from a clock that stepped back: it is due, so a clock step
-/// never stops the polls for longer than one period.
+/// Claims this period's poll: true for exactly one worker per period.
+///
+/// A claim up to one period ahead is the normal case, and so is a little more: a worker
+/// reads the clock at the start of its tick, and another worker may claim in between with
+/// a later reading. Only a claim further ahead than two periods cannot come from this
+/// clock running forward (it stepped back): it is due, so a clock step never stops the
+/// polls for longer than two periods.
 pub fn claim_poll(store: &Store, host: &dyn SharedData, spec: &RemoteSpec, now: Instant) -> bool {
     let period = u64::from(spec.poll_seconds.max(1)) * NANOS_PER_SECOND - TICK_SLACK;
     store
         .update(host, POLL_KEY, |current| {
             let due = decode_u64(current);
-            if now < due && due - now <= period {
+            if now < due && due - now <= period.saturating_mul(2) {
                 (None, false)
             } else {
                 (
@@ -417,6 +421,17 @@ mod tests {
                 workers
                     .iter()
                     .filter(|w| claim_poll(w, &host, &spec(), later))
+                    .count(),
+                0
+            );
+            // A worker that read the clock just before another one claimed (its tick
+            // started first) finds the claim a little more than one period ahead: not
+            // due, it does not poll a second time this period.
+            let read_earlier = now - 5 * NANOS_PER_SECOND / 1000;
+            assert_eq!(
+                workers
+                    .iter()
+                    .filter(|w| claim_poll(w, &host, &spec(), read_earlier))
                     .count(),
                 0
             );
