@@ -41,7 +41,6 @@ use diana_core::time::Unit;
 use diana_core::wire::{self, RuleRequest};
 use serde::Deserialize;
 use std::collections::{BTreeMap, HashMap};
-use std::fmt;
 use std::num::NonZeroU32;
 use std::path::{Path, PathBuf};
 use xxhash_rust::xxh3::Xxh3;
@@ -484,29 +483,110 @@ pub fn proto_unit(unit: Unit) -> i32 {
     }
 }
 
-/// Why a configuration could not be loaded: the file and what is wrong in it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ConfigError(pub String);
-
-impl fmt::Display for ConfigError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
+/// Why a configuration could not be loaded: the path or file, and what is wrong there.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    /// A path `--rls-config` names cannot be read (the system's reason).
+    #[error("--rls-config {}: {reason}", path.display())]
+    Unreadable { path: PathBuf, reason: String },
+    /// A directory `--rls-config` names holds no configuration file.
+    #[error("--rls-config {}: no *.yaml or *.yml file in this directory", .0.display())]
+    EmptyDirectory(PathBuf),
+    /// `--rls-config` given no path.
+    #[error("--rls-config: no file given")]
+    NoFile,
+    /// A configuration file cannot be read (the system's reason).
+    #[error("{}: {reason}", file.display())]
+    FileUnreadable { file: PathBuf, reason: String },
+    /// Not YAML of envoyproxy/ratelimit's shape (the reader's message, with its position).
+    #[error("{}: {reason}", file.display())]
+    Syntax { file: PathBuf, reason: String },
+    /// A file without a domain.
+    #[error("{}: domain: a config file cannot have an empty domain", file.display())]
+    EmptyDomain { file: PathBuf },
+    /// A domain that an earlier file already holds.
+    #[error("{}: duplicate domain `{domain}` (also in {})", file.display(), first.display())]
+    DuplicateDomain {
+        file: PathBuf,
+        domain: String,
+        first: PathBuf,
+    },
+    /// A field refused, at its path (`descriptors[0].rate_limit.unit`).
+    #[error("{}: {field}: {problem}", file.display())]
+    Field {
+        file: PathBuf,
+        field: String,
+        problem: Problem,
+    },
 }
 
-impl std::error::Error for ConfigError {}
+/// What is wrong with one field of a descriptor.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Problem {
+    #[error("nested more than {MAX_DEPTH} levels")]
+    NestedTooDeep,
+    #[error("a descriptor has an empty key")]
+    EmptyKey,
+    #[error("not supported by diana-quota (every descriptor of a request is decided together)")]
+    QuotaMode,
+    #[error("only for a wildcard value (containing `*`), but `{composite}` has none")]
+    ShareThresholdWithoutWildcard { composite: String },
+    #[error("duplicate descriptor composite key `{path}`")]
+    DuplicateKey { path: String },
+    #[error("should not have an empty replaces entry")]
+    EmptyReplaces,
+    #[error("replaces should not contain the name of the same descriptor (`{name}`)")]
+    ReplacesItself { name: String },
+    #[error("should not specify a rate limit unit when unlimited")]
+    UnitWhenUnlimited,
+    #[error("means nothing on an unlimited rate limit")]
+    NothingWhenUnlimited,
+    #[error("means nothing with requests_per_unit 0 (every request is over the limit)")]
+    NothingWhenBlocked,
+    #[error("missing: second, minute, hour or day")]
+    NoUnit,
+    #[error("`{unit}` is not supported: a Diana counter spans at most a day (second, minute, hour, day)")]
+    UnitTooLong { unit: String },
+    #[error("invalid rate limit unit `{unit}` (second, minute, hour, day)")]
+    UnknownUnit { unit: String },
+    #[error("{requests} is more than 4294967295")]
+    RequestsTooMany { requests: u64 },
+    #[error("unknown algorithm `{algorithm}` (W, SW, TB)")]
+    UnknownAlgorithm { algorithm: String },
+    #[error(
+        "{code} (leaky bucket) answers with a wait, which neither Envoy's rate limit \
+         protocol nor its quota protocol can carry (the filter forwards or rejects): use TB for bursts \
+         or SW for a smooth window"
+    )]
+    AlgorithmWaits { code: &'static str },
+    #[error("must be between 1 and {max}, got {value}")]
+    OutOfRange { max: u32, value: u64 },
+    /// A limit the quota service's wire format refuses ([`wire::LimitError`]'s reason).
+    #[error("{reason}")]
+    Bounds { reason: String },
+    #[error(
+        "names one counter, but this descriptor counts each value apart \
+         (a descriptor without a value, or a wildcard without share_threshold, on the way to it): \
+         give it values, or share_threshold"
+    )]
+    KeyCountedApart,
+    /// A `diana_key` the wire format refuses (its reason).
+    #[error("{reason}")]
+    InvalidKey { reason: String },
+}
 
 /// The files `paths` name: a file as is, a directory's `*.yaml` and `*.yml` files (not
 /// recursively, sorted by name).
 pub fn config_files(paths: &[PathBuf]) -> Result<Vec<PathBuf>, ConfigError> {
     let mut files = Vec::new();
     for path in paths {
-        let metadata = std::fs::metadata(path)
-            .map_err(|error| ConfigError(format!("--rls-config {}: {error}", path.display())))?;
+        let unreadable = |error: std::io::Error| ConfigError::Unreadable {
+            path: path.clone(),
+            reason: error.to_string(),
+        };
+        let metadata = std::fs::metadata(path).map_err(unreadable)?;
         if metadata.is_dir() {
-            let entries = std::fs::read_dir(path).map_err(|error| {
-                ConfigError(format!("--rls-config {}: {error}", path.display()))
-            })?;
+            let entries = std::fs::read_dir(path).map_err(unreadable)?;
             let mut found: Vec<PathBuf> = entries
                 .filter_map(Result::ok)
                 .map(|entry| entry.path())
@@ -520,10 +600,7 @@ pub fn config_files(paths: &[PathBuf]) -> Result<Vec<PathBuf>, ConfigError> {
                 .collect();
             found.sort();
             if found.is_empty() {
-                return Err(ConfigError(format!(
-                    "--rls-config {}: no *.yaml or *.yml file in this directory",
-                    path.display()
-                )));
+                return Err(ConfigError::EmptyDirectory(path.clone()));
             }
             files.extend(found);
         } else {
@@ -531,7 +608,7 @@ pub fn config_files(paths: &[PathBuf]) -> Result<Vec<PathBuf>, ConfigError> {
         }
     }
     if files.is_empty() {
-        return Err(ConfigError("--rls-config: no file given".to_string()));
+        return Err(ConfigError::NoFile);
     }
     Ok(files)
 }
@@ -541,16 +618,17 @@ pub fn config_files(paths: &[PathBuf]) -> Result<Vec<PathBuf>, ConfigError> {
 pub fn load(paths: &[PathBuf]) -> Result<RlsConfig, ConfigError> {
     let mut config = RlsConfig::default();
     for file in config_files(paths)? {
-        let text = std::fs::read_to_string(&file)
-            .map_err(|error| ConfigError(format!("{}: {error}", file.display())))?;
+        let text = std::fs::read_to_string(&file).map_err(|error| ConfigError::FileUnreadable {
+            file: file.clone(),
+            reason: error.to_string(),
+        })?;
         let domain = parse_domain(&text, &file)?;
         if let Some(first) = config.domains.get(&domain.name) {
-            return Err(ConfigError(format!(
-                "{}: duplicate domain `{}` (also in {})",
-                file.display(),
-                domain.name,
-                first.file.display()
-            )));
+            return Err(ConfigError::DuplicateDomain {
+                file,
+                domain: domain.name,
+                first: first.file.clone(),
+            });
         }
         config.domains.insert(domain.name.clone(), domain);
     }
@@ -559,13 +637,15 @@ pub fn load(paths: &[PathBuf]) -> Result<RlsConfig, ConfigError> {
 
 /// Parses one file's text (`file` names it in errors).
 pub fn parse_domain(text: &str, file: &Path) -> Result<Domain, ConfigError> {
-    let at = |message: String| ConfigError(format!("{}: {message}", file.display()));
-    let raw: RawRoot = serde_yaml::from_str(text).map_err(|error| at(error.to_string()))?;
+    let raw: RawRoot = serde_yaml::from_str(text).map_err(|error| ConfigError::Syntax {
+        file: file.to_path_buf(),
+        reason: error.to_string(),
+    })?;
     let name = raw.domain.map(|domain| domain.text()).unwrap_or_default();
     if name.is_empty() {
-        return Err(at(
-            "domain: a config file cannot have an empty domain".to_string()
-        ));
+        return Err(ConfigError::EmptyDomain {
+            file: file.to_path_buf(),
+        });
     }
     let mut root = Node::default();
     let mut context = Context {
@@ -580,11 +660,29 @@ pub fn parse_domain(text: &str, file: &Path) -> Result<Domain, ConfigError> {
         &name,
         false,
     )
-    .map_err(at)?;
+    .map_err(|FieldError { field, problem }| ConfigError::Field {
+        file: file.to_path_buf(),
+        field,
+        problem,
+    })?;
     Ok(Domain {
         name,
         file: file.to_path_buf(),
         root,
+    })
+}
+
+/// A refused field, before the file is known.
+struct FieldError {
+    field: String,
+    problem: Problem,
+}
+
+/// Refuses `field` for `problem`.
+fn refuse<T>(field: impl Into<String>, problem: Problem) -> Result<T, FieldError> {
+    Err(FieldError {
+        field: field.into(),
+        problem,
     })
 }
 
@@ -604,18 +702,15 @@ fn load_level(
     context: &mut Context<'_>,
     parent: &str,
     counts_apart: bool,
-) -> Result<(), String> {
+) -> Result<(), FieldError> {
     if context.depth >= MAX_DEPTH {
-        return Err(format!(
-            "{}: nested more than {MAX_DEPTH} levels",
-            context.path
-        ));
+        return refuse(context.path.as_str(), Problem::NestedTooDeep);
     }
     for (index, raw) in descriptors.into_iter().enumerate() {
         let here = format!("{}[{index}]", context.path);
         let key = raw.key.as_ref().map(Scalar::text).unwrap_or_default();
         if key.is_empty() {
-            return Err(format!("{here}.key: a descriptor has an empty key"));
+            return refuse(format!("{here}.key"), Problem::EmptyKey);
         }
         let value_text = raw.value.as_ref().map(Scalar::text).unwrap_or_default();
         let composite = if value_text.is_empty() {
@@ -625,9 +720,7 @@ fn load_level(
         };
         let path = format!("{parent}.{composite}");
         if raw.quota_mode {
-            return Err(format!(
-                "{here}.quota_mode: not supported by diana-quota (every descriptor of a request is decided together)"
-            ));
+            return refuse(format!("{here}.quota_mode"), Problem::QuotaMode);
         }
         let value = if value_text.is_empty() {
             Value::Any
@@ -640,9 +733,10 @@ fn load_level(
             Value::Exact(value_text.clone())
         };
         if raw.share_threshold && !matches!(value, Value::Wildcard { .. }) {
-            return Err(format!(
-                "{here}.share_threshold: only for a wildcard value (containing `*`), but `{composite}` has none"
-            ));
+            return refuse(
+                format!("{here}.share_threshold"),
+                Problem::ShareThresholdWithoutWildcard { composite },
+            );
         }
         let duplicate = match &value {
             Value::Any => node.any.contains_key(&key),
@@ -658,9 +752,7 @@ fn load_level(
             }),
         };
         if duplicate {
-            return Err(format!(
-                "{here}: duplicate descriptor composite key `{path}`"
-            ));
+            return refuse(here, Problem::DuplicateKey { path });
         }
         let apart = counts_apart
             || matches!(value, Value::Any)
@@ -715,20 +807,22 @@ fn load_rule(
     here: &str,
     path: &str,
     counts_apart: bool,
-) -> Result<Rule, String> {
+) -> Result<Rule, FieldError> {
     let name = raw.name.filter(|name| !name.is_empty());
     let mut replaces = Vec::new();
     for (index, replaced) in raw.replaces.unwrap_or_default().into_iter().enumerate() {
         let replaced = replaced.name.unwrap_or_default();
         if replaced.is_empty() {
-            return Err(format!(
-                "{here}.replaces[{index}].name: should not have an empty replaces entry"
-            ));
+            return refuse(
+                format!("{here}.replaces[{index}].name"),
+                Problem::EmptyReplaces,
+            );
         }
         if name.as_deref() == Some(replaced.as_str()) {
-            return Err(format!(
-                "{here}.replaces[{index}].name: replaces should not contain the name of the same descriptor (`{replaced}`)"
-            ));
+            return refuse(
+                format!("{here}.replaces[{index}].name"),
+                Problem::ReplacesItself { name: replaced },
+            );
         }
         replaces.push(replaced);
     }
@@ -744,9 +838,7 @@ fn load_rule(
     };
     if raw.unlimited {
         if !unit_text.is_empty() {
-            return Err(format!(
-                "{here}.unit: should not specify a rate limit unit when unlimited"
-            ));
+            return refuse(format!("{here}.unit"), Problem::UnitWhenUnlimited);
         }
         let extra = [
             ("algorithm", raw.algorithm.is_some()),
@@ -755,28 +847,40 @@ fn load_rule(
             ("diana_key", raw.diana_key.is_some()),
         ];
         if let Some((field, _)) = extra.iter().find(|(_, set)| *set) {
-            return Err(format!(
-                "{here}.{field}: means nothing on an unlimited rate limit"
-            ));
+            return refuse(format!("{here}.{field}"), Problem::NothingWhenUnlimited);
         }
         return Ok(rule(RuleKind::Unlimited, 0, None));
     }
-    let unit = parse_unit(&unit_text).map_err(|reason| format!("{here}.unit: {reason}"))?;
+    let unit = match parse_unit(&unit_text) {
+        Ok(unit) => unit,
+        Err(problem) => return refuse(format!("{here}.unit"), problem),
+    };
     let requests = raw.requests_per_unit.unwrap_or(0);
-    let requests = u32::try_from(requests)
-        .map_err(|_| format!("{here}.requests_per_unit: {requests} is more than 4294967295"))?;
+    let Ok(requests) = u32::try_from(requests) else {
+        return refuse(
+            format!("{here}.requests_per_unit"),
+            Problem::RequestsTooMany { requests },
+        );
+    };
     let algo = match &raw.algorithm {
         None => &algo::FixedWindow as &'static dyn Algorithm,
-        Some(text) => algo::lookup(text)
-            .ok_or_else(|| format!("{here}.algorithm: unknown algorithm `{text}` (W, SW, TB)"))?,
+        Some(text) => match algo::lookup(text) {
+            Some(algo) => algo,
+            None => {
+                return refuse(
+                    format!("{here}.algorithm"),
+                    Problem::UnknownAlgorithm {
+                        algorithm: text.clone(),
+                    },
+                )
+            }
+        },
     };
     if algo.waits() {
-        return Err(format!(
-            "{here}.algorithm: {} (leaky bucket) answers with a wait, which neither Envoy's rate limit \
-             protocol nor its quota protocol can carry (the filter forwards or rejects): use TB for bursts \
-             or SW for a smooth window",
-            algo.code()
-        ));
+        return refuse(
+            format!("{here}.algorithm"),
+            Problem::AlgorithmWaits { code: algo.code() },
+        );
     }
     let Some(rpu) = NonZeroU32::new(requests) else {
         // Zero requests per unit: every request is over the limit (a block list).
@@ -786,33 +890,43 @@ fn load_rule(
             ("diana_key", raw.diana_key.is_some()),
         ];
         if let Some((field, _)) = extra.iter().find(|(_, set)| *set) {
-            return Err(format!(
-                "{here}.{field}: means nothing with requests_per_unit 0 (every request is over the limit)"
-            ));
+            return refuse(format!("{here}.{field}"), Problem::NothingWhenBlocked);
         }
         return Ok(rule(RuleKind::Blocked, 0, Some(unit)));
     };
     let burst = match raw.burst {
         None => algo.default_burst(rpu, unit),
-        Some(burst) => u32::try_from(burst)
-            .ok()
-            .and_then(NonZeroU32::new)
-            .ok_or_else(|| {
-                format!("{here}.burst: must be between 1 and 4294967295, got {burst}")
-            })?,
+        Some(burst) => match u32::try_from(burst).ok().and_then(NonZeroU32::new) {
+            Some(burst) => burst,
+            None => {
+                return refuse(
+                    format!("{here}.burst"),
+                    Problem::OutOfRange {
+                        max: u32::MAX,
+                        value: burst,
+                    },
+                )
+            }
+        },
     };
     let slices = match raw.slices {
         None => NonZeroU32::new(DEFAULT_SLICES).unwrap_or(NonZeroU32::MIN),
-        Some(slices) => u32::try_from(slices)
+        Some(slices) => match u32::try_from(slices)
             .ok()
             .and_then(NonZeroU32::new)
             .filter(|slices| slices.get() <= wire::MAX_SLICES)
-            .ok_or_else(|| {
-                format!(
-                    "{here}.slices: must be between 1 and {}, got {slices}",
-                    wire::MAX_SLICES
+        {
+            Some(slices) => slices,
+            None => {
+                return refuse(
+                    format!("{here}.slices"),
+                    Problem::OutOfRange {
+                        max: wire::MAX_SLICES,
+                        value: slices,
+                    },
                 )
-            })?,
+            }
+        },
     };
     let limit = Limit {
         rpu,
@@ -820,24 +934,26 @@ fn load_rule(
         burst,
         slices,
     };
-    wire::check_rule_limits(algo, &limit)
-        .map_err(|error| format!("{here}.{}: {}", error.field, error.reason))?;
+    if let Err(error) = wire::check_rule_limits(algo, &limit) {
+        return refuse(
+            format!("{here}.{}", error.field),
+            Problem::Bounds {
+                reason: error.reason,
+            },
+        );
+    }
     if let Some(key) = &raw.diana_key {
         if counts_apart {
-            return Err(format!(
-                "{here}.diana_key: names one counter, but this descriptor counts each value apart \
-                 (a descriptor without a value, or a wildcard without share_threshold, on the way to it): \
-                 give it values, or share_threshold"
-            ));
+            return refuse(format!("{here}.diana_key"), Problem::KeyCountedApart);
         }
-        RuleRequest::new(key.clone(), algo, &limit, 1)
-            .resolve(0)
-            .map_err(|reason| {
-                format!(
-                    "{here}.diana_key: {}",
-                    reason.trim_start_matches("rules[0].key: ")
-                )
-            })?;
+        if let Err(reason) = RuleRequest::new(key.clone(), algo, &limit, 1).resolve(0) {
+            return refuse(
+                format!("{here}.diana_key"),
+                Problem::InvalidKey {
+                    reason: reason.trim_start_matches("rules[0].key: ").to_string(),
+                },
+            );
+        }
     }
     Ok(rule(
         RuleKind::Limited {
@@ -852,20 +968,20 @@ fn load_rule(
 
 /// `second`, `minute`, `hour`, `day`, case-insensitive (envoyproxy/ratelimit's names);
 /// longer units are refused.
-fn parse_unit(text: &str) -> Result<Unit, String> {
+fn parse_unit(text: &str) -> Result<Unit, Problem> {
     let lower = text.trim().to_ascii_lowercase();
     match lower.as_str() {
         "second" => Ok(Unit::Second),
         "minute" => Ok(Unit::Minute),
         "hour" => Ok(Unit::Hour),
         "day" => Ok(Unit::Day),
-        "week" | "month" | "year" => Err(format!(
-            "`{text}` is not supported: a Diana counter spans at most a day (second, minute, hour, day)"
-        )),
-        "" => Err("missing: second, minute, hour or day".to_string()),
-        _ => Err(format!(
-            "invalid rate limit unit `{text}` (second, minute, hour, day)"
-        )),
+        "week" | "month" | "year" => Err(Problem::UnitTooLong {
+            unit: text.to_string(),
+        }),
+        "" => Err(Problem::NoUnit),
+        _ => Err(Problem::UnknownUnit {
+            unit: text.to_string(),
+        }),
     }
 }
 
@@ -874,7 +990,8 @@ mod tests {
     use super::*;
 
     fn parse(text: &str) -> Result<RlsConfig, String> {
-        let domain = parse_domain(text, Path::new("test.yaml")).map_err(|error| error.0)?;
+        let domain =
+            parse_domain(text, Path::new("test.yaml")).map_err(|error| error.to_string())?;
         let mut config = RlsConfig::default();
         config.domains.insert(domain.name.clone(), domain);
         Ok(config)
@@ -1196,6 +1313,37 @@ descriptors:
     }
 
     #[test]
+    fn a_refused_field_names_its_file_path_and_problem() {
+        let error = parse_domain(
+            "domain: d\ndescriptors: [{key: k, descriptors: [{key: j, rate_limit: {unit: week, requests_per_unit: 1}}]}]",
+            Path::new("tenants.yaml"),
+        )
+        .unwrap_err();
+        assert_eq!(
+            error,
+            ConfigError::Field {
+                file: PathBuf::from("tenants.yaml"),
+                field: "descriptors[0].descriptors[0].rate_limit.unit".to_string(),
+                problem: Problem::UnitTooLong {
+                    unit: "week".to_string()
+                },
+            }
+        );
+        assert_eq!(
+            error.to_string(),
+            "tenants.yaml: descriptors[0].descriptors[0].rate_limit.unit: `week` is not supported: \
+             a Diana counter spans at most a day (second, minute, hour, day)"
+        );
+        let error = parse_domain("descriptors: []", Path::new("x.yaml")).unwrap_err();
+        assert_eq!(
+            error,
+            ConfigError::EmptyDomain {
+                file: PathBuf::from("x.yaml")
+            }
+        );
+    }
+
+    #[test]
     fn files_and_directories_load_one_domain_each() {
         let dir = std::env::temp_dir().join(format!("diana-rls-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -1206,13 +1354,27 @@ descriptors:
         let config = load(std::slice::from_ref(&dir)).unwrap();
         assert_eq!(config.domains(), ["a", "b"]);
         std::fs::write(dir.join("c.yaml"), "domain: a\n").unwrap();
-        let error = load(std::slice::from_ref(&dir)).unwrap_err().0;
+        let error = load(std::slice::from_ref(&dir)).unwrap_err();
+        assert_eq!(
+            error,
+            ConfigError::DuplicateDomain {
+                file: dir.join("c.yaml"),
+                domain: "a".to_string(),
+                first: dir.join("a.yaml"),
+            }
+        );
         assert!(
-            error.contains("c.yaml: duplicate domain `a` (also in"),
+            error
+                .to_string()
+                .contains("c.yaml: duplicate domain `a` (also in"),
             "{error}"
         );
-        let error = load(&[dir.join("missing.yaml")]).unwrap_err().0;
-        assert!(error.starts_with("--rls-config "), "{error}");
+        let error = load(&[dir.join("missing.yaml")]).unwrap_err();
+        assert!(
+            matches!(&error, ConfigError::Unreadable { path, .. } if path == &dir.join("missing.yaml")),
+            "{error:?}"
+        );
+        assert!(error.to_string().starts_with("--rls-config "), "{error}");
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
