@@ -249,61 +249,49 @@ impl RuleRequest {
     }
 
     /// Checks this rule (the `index`-th of its request) and resolves it.
-    pub fn resolve(&self, index: usize) -> Result<ResolvedRule<'_>, String> {
-        let field = |name: &str| format!("rules[{index}].{name}");
-        check_key(&self.key).map_err(|reason| format!("{}: {reason}", field("key")))?;
+    pub fn resolve(&self, index: usize) -> Result<ResolvedRule<'_>, WireError> {
+        let field = |name: &'static str| {
+            move |problem| WireError::at(format!("rules[{index}].{name}"), problem)
+        };
+        check_key(&self.key).map_err(field("key"))?;
         let algo = algo::lookup_wire(&self.algo).ok_or_else(|| {
-            format!(
-                "{}: unknown algorithm {:?} (known: {})",
-                field("algo"),
-                self.algo,
-                algo::known_names().join(", ")
-            )
+            field("algo")(WireProblem::UnknownAlgorithm {
+                name: self.algo.clone(),
+            })
         })?;
         let unit = Unit::parse(&self.unit).ok_or_else(|| {
-            format!(
-                "{}: unknown unit {:?} (known: second, minute, hour, day)",
-                field("unit"),
-                self.unit
-            )
+            field("unit")(WireProblem::UnknownUnit {
+                name: self.unit.clone(),
+            })
         })?;
-        let rpu =
-            NonZeroU32::new(self.rpu).ok_or_else(|| format!("{}: must be ≥ 1", field("rpu")))?;
-        let burst = NonZeroU32::new(self.burst)
-            .ok_or_else(|| format!("{}: must be ≥ 1", field("burst")))?;
+        let rpu = NonZeroU32::new(self.rpu).ok_or_else(|| field("rpu")(WireProblem::Zero))?;
+        let burst = NonZeroU32::new(self.burst).ok_or_else(|| field("burst")(WireProblem::Zero))?;
         let slices = NonZeroU32::new(self.slices)
             .filter(|slices| slices.get() <= MAX_SLICES)
             .ok_or_else(|| {
-                format!(
-                    "{}: must be between 1 and {MAX_SLICES}, got {}",
-                    field("slices"),
-                    self.slices
-                )
+                field("slices")(WireProblem::OutOfRange {
+                    max: MAX_SLICES,
+                    got: self.slices,
+                })
             })?;
         let want = NonZeroU32::new(self.want)
             .filter(|want| want.get() <= MAX_WANT)
             .ok_or_else(|| {
-                format!(
-                    "{}: must be between 1 and {MAX_WANT}, got {}",
-                    field("want"),
-                    self.want
-                )
+                field("want")(WireProblem::OutOfRange {
+                    max: MAX_WANT,
+                    got: self.want,
+                })
             })?;
         let cost = NonZeroU32::new(self.cost)
             .filter(|cost| *cost <= want)
             .ok_or_else(|| {
-                format!(
-                    "{}: must be between 1 and want ({}), got {}",
-                    field("cost"),
-                    want,
-                    self.cost
-                )
+                field("cost")(WireProblem::CostAboveWant {
+                    want: want.get(),
+                    cost: self.cost,
+                })
             })?;
         if let Some(ms) = self.max_delay_ms.filter(|&ms| ms > MAX_DELAY_MS) {
-            return Err(format!(
-                "{}: at most {MAX_DELAY_MS} (a day; leave it out for no cap), got {ms}",
-                field("max_delay_ms")
-            ));
+            return Err(field("max_delay_ms")(WireProblem::DelayCapTooLong { ms }));
         }
         let limit = Limit {
             rpu,
@@ -311,15 +299,16 @@ impl RuleRequest {
             burst,
             slices,
         };
-        check_rule_limits(algo, &limit)
-            .map_err(|error| format!("{}: {}", field(error.field), error.reason))?;
+        check_rule_limits(algo, &limit).map_err(|error| {
+            field(error.field)(WireProblem::Limit {
+                reason: error.reason,
+            })
+        })?;
         if u64::from(cost.get()) > algo.capacity(&limit) {
-            return Err(format!(
-                "{}: {} is more than the limit can ever grant ({})",
-                field("cost"),
-                cost,
-                algo.capacity(&limit)
-            ));
+            return Err(field("cost")(WireProblem::CostNeverGranted {
+                cost: cost.get(),
+                capacity: algo.capacity(&limit),
+            }));
         }
         Ok(ResolvedRule {
             key: &self.key,
@@ -332,6 +321,220 @@ impl RuleRequest {
                 .map(|ms| ms.saturating_mul(NANOS_PER_MILLI)),
             dry_run: self.dry_run,
         })
+    }
+}
+
+/// Why a request or an answer breaks the wire format: the field to blame (`rules[2].rpu`,
+/// `results[0].granted`, `call`; empty when the body is not JSON at all) and what is wrong
+/// there. Displayed as `field: problem`, the message the service answers with a `400`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WireError {
+    pub field: String,
+    pub problem: WireProblem,
+}
+
+impl WireError {
+    pub fn at(field: impl Into<String>, problem: WireProblem) -> WireError {
+        WireError {
+            field: field.into(),
+            problem,
+        }
+    }
+}
+
+impl fmt::Display for WireError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.field.is_empty() {
+            write!(f, "{}", self.problem)
+        } else {
+            write!(f, "{}: {}", self.field, self.problem)
+        }
+    }
+}
+
+impl std::error::Error for WireError {}
+
+/// What is wrong with one field of a request or an answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WireProblem {
+    /// Not JSON of the format's shape (the reader's message, with its position).
+    Syntax {
+        reason: String,
+    },
+    /// An empty key.
+    Empty,
+    KeyTooLong {
+        bytes: usize,
+    },
+    KeyCharacter {
+        character: char,
+        at: usize,
+    },
+    UnknownAlgorithm {
+        name: String,
+    },
+    UnknownUnit {
+        name: String,
+    },
+    /// Zero where at least 1 is needed.
+    Zero,
+    OutOfRange {
+        max: u32,
+        got: u32,
+    },
+    CostAboveWant {
+        want: u32,
+        cost: u32,
+    },
+    DelayCapTooLong {
+        ms: u64,
+    },
+    /// A limit out of the bounds of [`check_rule_limits`] (its reason).
+    Limit {
+        reason: String,
+    },
+    CostNeverGranted {
+        cost: u32,
+        capacity: u64,
+    },
+    CallId,
+    NoRules,
+    TooManyRules {
+        count: usize,
+    },
+    TooMuchWanted {
+        total: u64,
+    },
+    /// A release without the call it releases.
+    NoCall,
+    /// A release naming a call whose grants do not match its rules.
+    RulesOfCall {
+        rules: usize,
+        call: String,
+        granted: usize,
+    },
+    /// A leave or renewal of a rule that holds no places.
+    NotPlaces {
+        algo: &'static str,
+    },
+    NoPlace,
+    ResultCount {
+        results: usize,
+        rules: usize,
+    },
+    GrantedAboveWant {
+        granted: u32,
+        want: u32,
+    },
+    GrantedBelowCost {
+        granted: u32,
+        cost: u32,
+    },
+    DeniedWithGrant {
+        granted: u32,
+    },
+    AllowedWithoutGrant,
+    RemainingAboveCapacity {
+        remaining: u64,
+        capacity: u64,
+    },
+    DurationTooLong {
+        value: u64,
+        longest: u64,
+    },
+    PlaceMissing,
+    DelayWithoutWait {
+        delay_ms: u64,
+    },
+}
+
+impl fmt::Display for WireProblem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            WireProblem::Syntax { reason } | WireProblem::Limit { reason } => f.write_str(reason),
+            WireProblem::Empty => f.write_str("must not be empty"),
+            WireProblem::KeyTooLong { bytes } => {
+                write!(f, "{bytes} bytes, at most {MAX_KEY_BYTES}")
+            }
+            WireProblem::KeyCharacter { character, at } => write!(
+                f,
+                "invalid character {character:?} at byte {at} (allowed: A-Z a-z 0-9 : _ . -)"
+            ),
+            WireProblem::UnknownAlgorithm { name } => write!(
+                f,
+                "unknown algorithm {name:?} (known: {})",
+                algo::known_names().join(", ")
+            ),
+            WireProblem::UnknownUnit { name } => write!(
+                f,
+                "unknown unit {name:?} (known: second, minute, hour, day)"
+            ),
+            WireProblem::Zero => f.write_str("must be ≥ 1"),
+            WireProblem::OutOfRange { max, got } => {
+                write!(f, "must be between 1 and {max}, got {got}")
+            }
+            WireProblem::CostAboveWant { want, cost } => {
+                write!(f, "must be between 1 and want ({want}), got {cost}")
+            }
+            WireProblem::DelayCapTooLong { ms } => write!(
+                f,
+                "at most {MAX_DELAY_MS} (a day; leave it out for no cap), got {ms}"
+            ),
+            WireProblem::CostNeverGranted { cost, capacity } => write!(
+                f,
+                "{cost} is more than the limit can ever grant ({capacity})"
+            ),
+            WireProblem::CallId => {
+                write!(f, "1 to {MAX_CALL_ID_BYTES} characters of [A-Za-z0-9_-]")
+            }
+            WireProblem::NoRules => f.write_str("must contain at least one rule"),
+            WireProblem::TooManyRules { count } => {
+                write!(f, "at most {MAX_RULES} rules, got {count}")
+            }
+            WireProblem::TooMuchWanted { total } => write!(
+                f,
+                "want adds up to {total} over the request's rules, at most {MAX_TOTAL_WANT}"
+            ),
+            WireProblem::NoCall => f.write_str("a release names the call it releases"),
+            WireProblem::RulesOfCall {
+                rules,
+                call,
+                granted,
+            } => write!(f, "{rules} rules, the call {call} had {granted}"),
+            WireProblem::NotPlaces { algo } => write!(
+                f,
+                "only concurrency places (IF) are left or renewed, got {algo}"
+            ),
+            WireProblem::NoPlace => f.write_str("the bucket the places are counted in is required"),
+            WireProblem::ResultCount { results, rules } => {
+                write!(f, "{results} results for {rules} rules")
+            }
+            WireProblem::GrantedAboveWant { granted, want } => {
+                write!(f, "{granted} granted, {want} asked")
+            }
+            WireProblem::GrantedBelowCost { granted, cost } => {
+                write!(f, "{granted} granted, below the cost {cost}")
+            }
+            WireProblem::DeniedWithGrant { granted } => {
+                write!(f, "false with {granted} granted")
+            }
+            WireProblem::AllowedWithoutGrant => {
+                f.write_str("true with nothing granted, and no rule denied")
+            }
+            WireProblem::RemainingAboveCapacity {
+                remaining,
+                capacity,
+            } => write!(f, "{remaining} is more than the limit holds ({capacity})"),
+            WireProblem::DurationTooLong { value, longest } => {
+                write!(f, "{value} is longer than the limit allows ({longest})")
+            }
+            WireProblem::PlaceMissing => {
+                f.write_str("places granted without the bucket they are counted in")
+            }
+            WireProblem::DelayWithoutWait { delay_ms } => {
+                write!(f, "{delay_ms} for a request that does not wait")
+            }
+        }
     }
 }
 
@@ -393,17 +596,15 @@ pub fn check_rule_limits(algo: &dyn Algorithm, limit: &Limit) -> Result<(), Limi
     Ok(())
 }
 
-fn check_key(key: &str) -> Result<(), String> {
+fn check_key(key: &str) -> Result<(), WireProblem> {
     if key.is_empty() {
-        return Err("must not be empty".to_string());
+        return Err(WireProblem::Empty);
     }
     if key.len() > MAX_KEY_BYTES {
-        return Err(format!("{} bytes, at most {MAX_KEY_BYTES}", key.len()));
+        return Err(WireProblem::KeyTooLong { bytes: key.len() });
     }
     match key.char_indices().find(|&(_, c)| !is_key_char(c)) {
-        Some((at, c)) => Err(format!(
-            "invalid character {c:?} at byte {at} (allowed: A-Z a-z 0-9 : _ . -)"
-        )),
+        Some((at, character)) => Err(WireProblem::KeyCharacter { character, at }),
         None => Ok(()),
     }
 }
@@ -419,7 +620,7 @@ impl AcquireRequest {
     }
 
     /// Checks every limit of the format and resolves each rule, in order.
-    pub fn resolve(&self) -> Result<Vec<ResolvedRule<'_>>, String> {
+    pub fn resolve(&self) -> Result<Vec<ResolvedRule<'_>>, WireError> {
         if let Some(call) = &self.call {
             let valid = !call.is_empty()
                 && call.len() <= MAX_CALL_ID_BYTES
@@ -427,18 +628,18 @@ impl AcquireRequest {
                     .bytes()
                     .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
             if !valid {
-                return Err(format!(
-                    "call: 1 to {MAX_CALL_ID_BYTES} characters of [A-Za-z0-9_-]"
-                ));
+                return Err(WireError::at("call", WireProblem::CallId));
             }
         }
         if self.rules.is_empty() {
-            return Err("rules: must contain at least one rule".to_string());
+            return Err(WireError::at("rules", WireProblem::NoRules));
         }
         if self.rules.len() > MAX_RULES {
-            return Err(format!(
-                "rules: at most {MAX_RULES} rules, got {}",
-                self.rules.len()
+            return Err(WireError::at(
+                "rules",
+                WireProblem::TooManyRules {
+                    count: self.rules.len(),
+                },
             ));
         }
         let rules = self
@@ -449,9 +650,7 @@ impl AcquireRequest {
             .collect::<Result<Vec<_>, _>>()?;
         let total: u64 = self.rules.iter().map(|rule| u64::from(rule.want)).sum();
         if total > MAX_TOTAL_WANT {
-            return Err(format!(
-                "rules: want adds up to {total} over the request's rules, at most {MAX_TOTAL_WANT}"
-            ));
+            return Err(WireError::at("rules", WireProblem::TooMuchWanted { total }));
         }
         Ok(rules)
     }
@@ -459,12 +658,14 @@ impl AcquireRequest {
 
 /// Checks the body of a [`RELEASE_PATH`] request: a valid request that names its `call`;
 /// resolved, with the call.
-pub fn resolve_release(request: &AcquireRequest) -> Result<(Vec<ResolvedRule<'_>>, &str), String> {
+pub fn resolve_release(
+    request: &AcquireRequest,
+) -> Result<(Vec<ResolvedRule<'_>>, &str), WireError> {
     let rules = request.resolve()?;
     let call = request
         .call
         .as_deref()
-        .ok_or_else(|| "call: a release names the call it releases".to_string())?;
+        .ok_or_else(|| WireError::at("call", WireProblem::NoCall))?;
     Ok((rules, call))
 }
 
@@ -473,19 +674,22 @@ pub fn resolve_release(request: &AcquireRequest) -> Result<(Vec<ResolvedRule<'_>
 /// their marks.
 pub fn resolve_places(
     request: &AcquireRequest,
-) -> Result<(Vec<ResolvedRule<'_>>, Vec<algo::Mark>), String> {
+) -> Result<(Vec<ResolvedRule<'_>>, Vec<algo::Mark>), WireError> {
     let rules = request.resolve()?;
     let mut places = Vec::with_capacity(rules.len());
     for (index, (rule, asked)) in rules.iter().zip(&request.rules).enumerate() {
         if !rule.algo.holds_until_done() {
-            return Err(format!(
-                "rules[{index}].algo: only concurrency places (IF) are left or renewed, got {}",
-                rule.algo.code()
+            return Err(WireError::at(
+                format!("rules[{index}].algo"),
+                WireProblem::NotPlaces {
+                    algo: rule.algo.code(),
+                },
             ));
         }
         let Some(place) = asked.place else {
-            return Err(format!(
-                "rules[{index}].place: the bucket the places are counted in is required"
+            return Err(WireError::at(
+                format!("rules[{index}].place"),
+                WireProblem::NoPlace,
             ));
         };
         places.push(algo::Mark(u128::from(place)));
@@ -497,13 +701,13 @@ pub fn resolve_places(
 /// (`rules[2].rpu: must be ≥ 1`). Shared by the filter (before sending) and the service.
 /// Each rule's limit is checked by [`check_rule_limits`]; the `want`s of all rules add up
 /// to at most [`MAX_TOTAL_WANT`].
-pub fn validate(request: &AcquireRequest) -> Result<(), String> {
+pub fn validate(request: &AcquireRequest) -> Result<(), WireError> {
     request.resolve().map(|_| ())
 }
 
 /// Parses a request body (without checking its size) and validates it. Syntax and type
 /// errors name the field and position: `rules[0].rpu: invalid type: string "10", expected u32 at line 1 column 42`.
-pub fn decode_request(body: &[u8]) -> Result<AcquireRequest, String> {
+pub fn decode_request(body: &[u8]) -> Result<AcquireRequest, WireError> {
     let request: AcquireRequest = decode_json(body)?;
     validate(&request)?;
     Ok(request)
@@ -511,7 +715,10 @@ pub fn decode_request(body: &[u8]) -> Result<AcquireRequest, String> {
 
 /// Parses an answer body and checks it against the request it answers (see
 /// [`validate_response`]).
-pub fn decode_response(request: &AcquireRequest, body: &[u8]) -> Result<AcquireResponse, String> {
+pub fn decode_response(
+    request: &AcquireRequest,
+    body: &[u8],
+) -> Result<AcquireResponse, WireError> {
     let response: AcquireResponse = decode_json(body)?;
     validate_response(request, &response)?;
     Ok(response)
@@ -537,12 +744,14 @@ pub fn max_duration_ms(limit: &Limit) -> u64 {
 pub fn validate_response(
     request: &AcquireRequest,
     response: &AcquireResponse,
-) -> Result<(), String> {
+) -> Result<(), WireError> {
     if response.results.len() != request.rules.len() {
-        return Err(format!(
-            "results: {} results for {} rules",
-            response.results.len(),
-            request.rules.len()
+        return Err(WireError::at(
+            "results",
+            WireProblem::ResultCount {
+                results: response.results.len(),
+                rules: request.rules.len(),
+            },
         ));
     }
     let rules = request.resolve()?;
@@ -551,43 +760,42 @@ pub fn validate_response(
         .zip(&response.results)
         .any(|(rule, result)| !result.allowed && !rule.dry_run);
     for (index, (rule, result)) in rules.iter().zip(&response.results).enumerate() {
-        let field = |name: &str| format!("results[{index}].{name}");
-        if result.granted > rule.want.get() {
-            return Err(format!(
-                "{}: {} granted, {} asked",
-                field("granted"),
-                result.granted,
-                rule.want
-            ));
+        let refuse =
+            |name: &str, problem| Err(WireError::at(format!("results[{index}].{name}"), problem));
+        let granted = result.granted;
+        if granted > rule.want.get() {
+            return refuse(
+                "granted",
+                WireProblem::GrantedAboveWant {
+                    granted,
+                    want: rule.want.get(),
+                },
+            );
         }
-        if result.granted > 0 && result.granted < rule.cost.get() {
-            return Err(format!(
-                "{}: {} granted, below the cost {}",
-                field("granted"),
-                result.granted,
-                rule.cost
-            ));
+        if granted > 0 && granted < rule.cost.get() {
+            return refuse(
+                "granted",
+                WireProblem::GrantedBelowCost {
+                    granted,
+                    cost: rule.cost.get(),
+                },
+            );
         }
-        if result.granted > 0 && !result.allowed {
-            return Err(format!(
-                "{}: false with {} granted",
-                field("allowed"),
-                result.granted
-            ));
+        if granted > 0 && !result.allowed {
+            return refuse("allowed", WireProblem::DeniedWithGrant { granted });
         }
-        if result.allowed && result.granted == 0 && !some_denied {
-            return Err(format!(
-                "{}: true with nothing granted, and no rule denied",
-                field("allowed")
-            ));
+        if result.allowed && granted == 0 && !some_denied {
+            return refuse("allowed", WireProblem::AllowedWithoutGrant);
         }
         let capacity = rule.algo.capacity(&rule.limit);
         if result.remaining > capacity {
-            return Err(format!(
-                "{}: {} is more than the limit holds ({capacity})",
-                field("remaining"),
-                result.remaining
-            ));
+            return refuse(
+                "remaining",
+                WireProblem::RemainingAboveCapacity {
+                    remaining: result.remaining,
+                    capacity,
+                },
+            );
         }
         let longest = max_duration_ms(&rule.limit);
         for (name, value) in [
@@ -596,40 +804,44 @@ pub fn validate_response(
             ("delay_ms", result.delay_ms),
         ] {
             if value > longest {
-                return Err(format!(
-                    "{}: {value} is longer than the limit allows ({longest})",
-                    field(name)
-                ));
+                return refuse(name, WireProblem::DurationTooLong { value, longest });
             }
         }
-        if result.granted > 0 && rule.algo.holds_until_done() && result.place.is_none() {
-            return Err(format!(
-                "{}: places granted without the bucket they are counted in",
-                field("place")
-            ));
+        if granted > 0 && rule.algo.holds_until_done() && result.place.is_none() {
+            return refuse("place", WireProblem::PlaceMissing);
         }
-        if result.delay_ms > 0 && (result.granted == 0 || !rule.algo.waits()) {
-            return Err(format!(
-                "{}: {} for a request that does not wait",
-                field("delay_ms"),
-                result.delay_ms
-            ));
+        if result.delay_ms > 0 && (granted == 0 || !rule.algo.waits()) {
+            return refuse(
+                "delay_ms",
+                WireProblem::DelayWithoutWait {
+                    delay_ms: result.delay_ms,
+                },
+            );
         }
     }
     Ok(())
 }
 
-fn decode_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, String> {
+fn decode_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, WireError> {
     let mut deserializer = serde_json::Deserializer::from_slice(body);
     let value: T = serde_path_to_error::deserialize(&mut deserializer).map_err(|error| {
         let path = error.path().to_string();
-        if path == "." {
-            error.into_inner().to_string()
-        } else {
-            format!("{path}: {}", error.into_inner())
-        }
+        let field = if path == "." { String::new() } else { path };
+        WireError::at(
+            field,
+            WireProblem::Syntax {
+                reason: error.into_inner().to_string(),
+            },
+        )
     })?;
-    deserializer.end().map_err(|error| error.to_string())?;
+    deserializer.end().map_err(|error| {
+        WireError::at(
+            "",
+            WireProblem::Syntax {
+                reason: error.to_string(),
+            },
+        )
+    })?;
     Ok(value)
 }
 
@@ -726,7 +938,9 @@ mod tests {
         for (mutate, expected) in cases {
             let mut bad = rule();
             mutate(&mut bad);
-            let error = validate(&request(vec![rule(), rule(), bad])).unwrap_err();
+            let error = validate(&request(vec![rule(), rule(), bad]))
+                .unwrap_err()
+                .to_string();
             assert!(
                 error.starts_with(expected),
                 "{error:?} does not start with {expected:?}"
@@ -734,12 +948,18 @@ mod tests {
         }
         assert!(validate(&request(vec![rule(); MAX_RULES])).is_ok());
         assert_eq!(
-            validate(&request(vec![rule(); MAX_RULES + 1])).unwrap_err(),
+            validate(&request(vec![rule(); MAX_RULES + 1]))
+                .unwrap_err()
+                .to_string(),
             "rules: at most 64 rules, got 65"
         );
         assert_eq!(
-            validate(&request(vec![])).unwrap_err(),
+            validate(&request(vec![])).unwrap_err().to_string(),
             "rules: must contain at least one rule"
+        );
+        assert_eq!(
+            validate(&request(vec![])),
+            Err(WireError::at("rules", WireProblem::NoRules))
         );
         let mut longest = rule();
         longest.key = "a".repeat(MAX_KEY_BYTES);
@@ -757,13 +977,14 @@ mod tests {
             // 1 per day, burst 1: exactly a day, the longest.
             assert_eq!(bucket(algo, 1, "day", 1), Ok(()), "{algo}");
             assert_eq!(
-                bucket(algo, 1, "day", 2).unwrap_err(),
+                bucket(algo, 1, "day", 2).unwrap_err().to_string(),
                 "rules[0].burst: 2 at 1 per day spans 172800 s (burst × unit / rpu), more than a day (86400 s): at most 1 at this rate"
             );
             // 10 per hour: 240 × 6 min = a day.
             assert_eq!(bucket(algo, 10, "hour", 240), Ok(()), "{algo}");
             assert!(bucket(algo, 10, "hour", 241)
                 .unwrap_err()
+                .to_string()
                 .starts_with("rules[0].burst: 241 at 10 per hour spans 86760 s"));
             // The largest values of the format where the rate allows them.
             assert_eq!(bucket(algo, u32::MAX, "second", u32::MAX), Ok(()));
@@ -791,7 +1012,9 @@ mod tests {
             error.to_string().starts_with("burst: 7201 at 5 per minute"),
             "{error}"
         );
-        let error = check_rule_limits(sw, &limit(5, Unit::Minute, 1, 61)).unwrap_err();
+        let error = check_rule_limits(sw, &limit(5, Unit::Minute, 1, 61))
+            .unwrap_err()
+            .to_string();
         assert_eq!(
             error.to_string(),
             "slices: must be between 1 and 60, got 61"
@@ -806,14 +1029,14 @@ mod tests {
         let mut eleven = ten;
         eleven.push(lease(1));
         assert_eq!(
-            validate(&request(eleven)).unwrap_err(),
+            validate(&request(eleven)).unwrap_err().to_string(),
             "rules: want adds up to 1000001 over the request's rules, at most 1000000"
         );
         // A rule's own error comes first.
         let mut bad = vec![lease(MAX_WANT); 11];
         bad[3].rpu = 0;
         assert_eq!(
-            validate(&request(bad)).unwrap_err(),
+            validate(&request(bad)).unwrap_err().to_string(),
             "rules[3].rpu: must be ≥ 1"
         );
     }
@@ -838,7 +1061,7 @@ mod tests {
             (br#"{"rules":[]} trailing"#, "trailing characters"),
         ];
         for (body, expected) in cases {
-            let error = decode_request(body).unwrap_err();
+            let error = decode_request(body).unwrap_err().to_string();
             assert!(
                 error.starts_with(expected),
                 "{error:?} does not start with {expected:?}"
@@ -862,7 +1085,9 @@ mod tests {
         )
         .is_ok());
         assert_eq!(
-            validate_response(&asked, &AcquireResponse { results: vec![ok] }).unwrap_err(),
+            validate_response(&asked, &AcquireResponse { results: vec![ok] })
+                .unwrap_err()
+                .to_string(),
             "results: 1 results for 2 rules"
         );
         let greedy = RuleResult { granted: 2, ..ok };
@@ -873,7 +1098,8 @@ mod tests {
                     results: vec![ok, greedy]
                 }
             )
-            .unwrap_err(),
+            .unwrap_err()
+            .to_string(),
             "results[1].granted: 2 granted, 1 asked"
         );
         let liar = RuleResult {
@@ -948,19 +1174,21 @@ mod tests {
         costly.want = 5;
         costly.cost = 6;
         assert_eq!(
-            validate(&request(vec![costly.clone()])).unwrap_err(),
+            validate(&request(vec![costly.clone()]))
+                .unwrap_err()
+                .to_string(),
             "rules[0].cost: must be between 1 and want (5), got 6"
         );
         costly.want = 20;
         costly.cost = 11;
         assert_eq!(
-            validate(&request(vec![costly])).unwrap_err(),
+            validate(&request(vec![costly])).unwrap_err().to_string(),
             "rules[0].cost: 11 is more than the limit can ever grant (10)"
         );
         let mut late = rule();
         late.max_delay_ms = Some(MAX_DELAY_MS + 1);
         assert_eq!(
-            validate(&request(vec![late.clone()])).unwrap_err(),
+            validate(&request(vec![late.clone()])).unwrap_err().to_string(),
             "rules[0].max_delay_ms: at most 86400000 (a day; leave it out for no cap), got 86400001"
         );
         late.max_delay_ms = Some(MAX_DELAY_MS);
@@ -1029,7 +1257,7 @@ mod tests {
         // An older service charged the first rule anyway: valid, the gateway keeps it.
         assert!(ok(vec![charged, denied]).is_ok());
         assert_eq!(
-            ok(vec![spared, charged]).unwrap_err(),
+            ok(vec![spared, charged]).unwrap_err().to_string(),
             "results[0].allowed: true with nothing granted, and no rule denied"
         );
         let far = RuleResult {
@@ -1038,13 +1266,14 @@ mod tests {
         };
         assert!(ok(vec![spared, far])
             .unwrap_err()
+            .to_string()
             .starts_with("results[1].retry_after_ms: 3600000 is longer than the limit allows"));
         let full = RuleResult {
             remaining: 11,
             ..charged
         };
         assert_eq!(
-            ok(vec![charged, full]).unwrap_err(),
+            ok(vec![charged, full]).unwrap_err().to_string(),
             "results[1].remaining: 11 is more than the limit holds (10)"
         );
         let delayed = RuleResult {
@@ -1052,7 +1281,7 @@ mod tests {
             ..charged
         };
         assert_eq!(
-            ok(vec![charged, delayed]).unwrap_err(),
+            ok(vec![charged, delayed]).unwrap_err().to_string(),
             "results[1].delay_ms: 5 for a request that does not wait"
         );
         let mut costly = rule();
@@ -1070,7 +1299,8 @@ mod tests {
                     results: vec![short]
                 }
             )
-            .unwrap_err(),
+            .unwrap_err()
+            .to_string(),
             "results[0].granted: 2 granted, below the cost 3"
         );
     }

@@ -35,6 +35,7 @@ use axum::{Json, Router};
 use diana_core::global::wire::{
     self, AcquireRequest, AcquireResponse, ErrorResponse, ReleaseResponse, ResolvedRule, RuleResult,
 };
+use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -227,11 +228,11 @@ async fn authenticate(State(state): State<AppState>, request: Request, next: Nex
 }
 
 /// A JSON error answer.
-fn error(status: StatusCode, message: impl Into<String>) -> Response {
+fn error(status: StatusCode, message: impl fmt::Display) -> Response {
     (
         status,
         Json(ErrorResponse {
-            error: message.into(),
+            error: message.to_string(),
         }),
     )
         .into_response()
@@ -544,7 +545,7 @@ async fn release(State(state): State<AppState>, headers: HeaderMap, body: Body) 
         };
         let outcomes = match Grant::released(call, rules.len(), &grants) {
             Ok(outcomes) => outcomes,
-            Err(reason) => return Ok(Err(reason)),
+            Err(refused) => return Ok(Err(refused.to_string())),
         };
         state.metrics().call_release();
         match state.store().release(&rules, &outcomes).await {

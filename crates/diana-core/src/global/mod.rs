@@ -287,8 +287,8 @@ enum InvalidAnswer {
     TooLarge,
     /// Not the wire format's JSON.
     Unreadable(serde_json::Error),
-    /// Valid JSON that does not answer what was asked (the wire check's reason).
-    Mismatch(String),
+    /// Valid JSON that does not answer what was asked (the wire check's finding).
+    Mismatch(wire::WireError),
 }
 
 impl std::fmt::Display for InvalidAnswer {
@@ -296,7 +296,7 @@ impl std::fmt::Display for InvalidAnswer {
         match self {
             InvalidAnswer::TooLarge => write!(f, "answer larger than {MAX_ANSWER_BYTES} bytes"),
             InvalidAnswer::Unreadable(error) => write!(f, "unreadable answer: {error}"),
-            InvalidAnswer::Mismatch(reason) => f.write_str(reason),
+            InvalidAnswer::Mismatch(error) => write!(f, "{error}"),
         }
     }
 }

@@ -23,7 +23,7 @@
 use super::Outcome;
 use crate::algo::Mark;
 use crate::time::{Instant, Nanos, NANOS_PER_SECOND};
-use crate::wire::RuleResult;
+use crate::wire::{RuleResult, WireError, WireProblem};
 use std::collections::HashMap;
 
 /// How long a call is remembered. A release leaves the gateway at most a tick (1 s) after
@@ -64,11 +64,15 @@ impl Grant {
     /// The outcomes a release of `call` takes for its grants, given back to `rules` (the
     /// release's body): refused when they are not as many as that call's rules, so that
     /// nothing is given back to other counters.
-    pub fn released(call: &str, rules: usize, grants: &[Grant]) -> Result<Vec<Outcome>, String> {
+    pub fn released(call: &str, rules: usize, grants: &[Grant]) -> Result<Vec<Outcome>, WireError> {
         if grants.len() != rules {
-            return Err(format!(
-                "rules: {rules} rules, the call {call} had {}",
-                grants.len()
+            return Err(WireError::at(
+                "rules",
+                WireProblem::RulesOfCall {
+                    rules,
+                    call: call.to_string(),
+                    granted: grants.len(),
+                },
             ));
         }
         Ok(Grant::outcomes(grants))

@@ -10,7 +10,7 @@ use crate::algo::{Algorithm, Limit, Mark};
 use crate::decision::{Callout, Reply};
 use crate::time::Instant;
 use crate::wire::{
-    self, AcquireResponse, ErrorResponse, ReleaseResponse, ResolvedRule, RuleResult,
+    self, AcquireResponse, ErrorResponse, ReleaseResponse, ResolvedRule, RuleResult, WireError,
 };
 use ledger::{CallLedger, Grant, Noted};
 use std::collections::HashMap;
@@ -182,7 +182,12 @@ impl MemoryQuota {
         };
         let (status, body) = match answer {
             Ok(body) => (200, body),
-            Err(error) => (400, serde_json::to_vec(&ErrorResponse { error })),
+            Err(error) => (
+                400,
+                serde_json::to_vec(&ErrorResponse {
+                    error: error.to_string(),
+                }),
+            ),
         };
         match body {
             Ok(body) => Reply::Answered {
@@ -194,7 +199,11 @@ impl MemoryQuota {
     }
 
     /// Decides an acquire request body (the wire format's JSON) at `now`.
-    pub fn acquire_body(&mut self, body: &[u8], now: Instant) -> Result<AcquireResponse, String> {
+    pub fn acquire_body(
+        &mut self,
+        body: &[u8],
+        now: Instant,
+    ) -> Result<AcquireResponse, WireError> {
         let request = wire::decode_request(body)?;
         let rules = request.resolve()?;
         let outcomes = self.acquire(&rules, now);
@@ -209,7 +218,11 @@ impl MemoryQuota {
 
     /// Gives back what the acquire of the same call granted (a release body: the wire
     /// format's JSON, with its `call`).
-    pub fn release_body(&mut self, body: &[u8], now: Instant) -> Result<ReleaseResponse, String> {
+    pub fn release_body(
+        &mut self,
+        body: &[u8],
+        now: Instant,
+    ) -> Result<ReleaseResponse, WireError> {
         let request = wire::decode_request(body)?;
         let (rules, call) = wire::resolve_release(&request)?;
         let Some(grants) = self.ledger.release(call, now) else {
@@ -222,7 +235,7 @@ impl MemoryQuota {
 
     /// Gives back concurrency places (a leave body: the wire format's JSON, each rule with
     /// its `place`).
-    pub fn leave_body(&mut self, body: &[u8], now: Instant) -> Result<ReleaseResponse, String> {
+    pub fn leave_body(&mut self, body: &[u8], now: Instant) -> Result<ReleaseResponse, WireError> {
         let request = wire::decode_request(body)?;
         let (rules, places) = wire::resolve_places(&request)?;
         self.release(&rules, &Outcome::held(&rules, places), now);
@@ -231,7 +244,7 @@ impl MemoryQuota {
 
     /// Renews concurrency places (a renew body): each result names the bucket they are
     /// counted in now.
-    pub fn renew_body(&mut self, body: &[u8], now: Instant) -> Result<AcquireResponse, String> {
+    pub fn renew_body(&mut self, body: &[u8], now: Instant) -> Result<AcquireResponse, WireError> {
         let request = wire::decode_request(body)?;
         let (rules, places) = wire::resolve_places(&request)?;
         let mut loaded = self.load(&rules);

@@ -946,13 +946,14 @@ fn load_rule(
         if counts_apart {
             return refuse(format!("{here}.diana_key"), Problem::KeyCountedApart);
         }
-        if let Err(reason) = RuleRequest::new(key.clone(), algo, &limit, 1).resolve(0) {
-            return refuse(
-                format!("{here}.diana_key"),
-                Problem::InvalidKey {
-                    reason: reason.trim_start_matches("rules[0].key: ").to_string(),
-                },
-            );
+        if let Err(refused) = RuleRequest::new(key.clone(), algo, &limit, 1).resolve(0) {
+            // The key is the only field of that request this file wrote on its own.
+            let reason = if refused.field.ends_with(".key") {
+                refused.problem.to_string()
+            } else {
+                refused.to_string()
+            };
+            return refuse(format!("{here}.diana_key"), Problem::InvalidKey { reason });
         }
     }
     Ok(rule(
