@@ -52,12 +52,17 @@ response: {{status: 429}}
 {extra}"""
 
 
-def refused_once_more(gw, what: str, log_line: str, logged=None) -> None:
-    """The document now served is refused (counted), and its reason logged once more
-    than `logged` (by default: than the log holds now)."""
+def refused_once_more(gw, what: str, log_line: str, serve=None) -> None:
+    """`serve()` puts a document up (None: it is up already, since before the gateway
+    started); it is refused (counted), and its reason logged once more than before
+    `serve()` (once at all, without it: the first poll may come before the gateway is
+    ready, and a refusal is logged once). The log is read before the document changes,
+    so a poll right after the change cannot log the line before it is counted."""
     before = metric(gw, "diana_config_remote_refused")
-    if logged is None:
+    logged = 0
+    if serve is not None:
         logged = gw.log_text().count(log_line)
+        serve()
     wait_for(lambda: metric(gw, "diana_config_remote_refused") > before, 15, f"{what} refused")
     # Envoy flushes its log file periodically: wait for the line.
     wait_for(lambda: gw.log_text().count(log_line) > logged, 20, f"{what}: refusal logged")
@@ -70,30 +75,34 @@ def test_remote_documents_that_redirect_disarm_or_are_badly_signed_are_refused(s
         center.document = remote_doc(1000, 'global: {cluster: "127.0.0.1:9"}\n')
         center.headers_for = lambda body: {SIGNATURE_HEADER: sign(body)}
         gw = start_gateway(local_doc(rpu=3), config_port=port)
-        # The first poll may come before the gateway is ready (a worker polls as soon as
-        # its document is installed, another may still be loading): the line may already
-        # be in the log, and is logged once.
-        refused_once_more(
-            gw, "a moved global.cluster", "remote document refused: global.cluster: ", logged=0
-        )
+        refused_once_more(gw, "a moved global.cluster", "remote document refused: global.cluster: ")
         # The local document's limit holds: 3 per hour, not the remote 1000.
         assert statuses(send_concurrent(gw.port, 9)) == {200: 3, 429: 6}
 
         # Well signed, but a blanket dry run: refused.
-        center.document = remote_doc(1000, "dry_run: true\n")
-        refused_once_more(gw, "a blanket dry run", "remote document refused: dry_run: ")
+        def dry_run():
+            center.document = remote_doc(1000, "dry_run: true\n")
+
+        refused_once_more(gw, "a blanket dry run", "remote document refused: dry_run: ", dry_run)
         assert statuses(send_concurrent(gw.port, 5)) == {429: 5}, "still limited (not in dry run)"
 
         # A harmless document, signed with another key, then not signed at all: refused.
-        center.document = remote_doc(1000)
-        center.headers_for = lambda body: {SIGNATURE_HEADER: sign(body, key="another-key-" + "x" * 32)}
-        refused_once_more(gw, "a badly signed document", "the signature does not verify")
-        center.headers_for = lambda body: {}
-        refused_once_more(gw, "an unsigned document", "unsigned: the answer has no x-diana-signature header")
-        # Modified after signing (the signature of the previous body).
-        center.headers_for = lambda body: {SIGNATURE_HEADER: sign(remote_doc(1000).encode())}
-        center.document = remote_doc(1001)
-        refused_once_more(gw, "a document modified after signing", "the signature does not verify")
+        # Each change is made in the order that never serves a well-signed harmless
+        # document in between (a poll may come between two assignments).
+        def signed_with_another_key():
+            center.headers_for = lambda body: {SIGNATURE_HEADER: sign(body, key="another-key-" + "x" * 32)}
+            center.document = remote_doc(1000)
+
+        def unsigned():
+            center.headers_for = lambda body: {}
+
+        def modified_after_signing():  # the signature of the previous body
+            center.document = remote_doc(1001)
+            center.headers_for = lambda body: {SIGNATURE_HEADER: sign(remote_doc(1000).encode())}
+
+        refused_once_more(gw, "a badly signed document", "the signature does not verify", signed_with_another_key)
+        refused_once_more(gw, "an unsigned document", "unsigned: the answer has no x-diana-signature header", unsigned)
+        refused_once_more(gw, "a document modified after signing", "the signature does not verify", modified_after_signing)
         assert statuses(send_concurrent(gw.port, 5)) == {429: 5}
         assert "remote (version" not in gw.log_text(), "nothing but the local document was applied"
         assert KEY not in gw.log_text(), "the signing key is never logged"
@@ -102,7 +111,7 @@ def test_remote_documents_that_redirect_disarm_or_are_badly_signed_are_refused(s
 
         # Correctly signed: adopted by every worker (a new limit, so a new counter: 5).
         reloads = metric(gw, "diana_config_reloads")
-        center.headers_for = lambda body: {SIGNATURE_HEADER: sign(body)}
         center.document = remote_doc(5)
+        center.headers_for = lambda body: {SIGNATURE_HEADER: sign(body)}
         wait_applied_everywhere(gw, reloads + gw.root_contexts, "the signed document applied by every worker")
         assert statuses(send_concurrent(gw.port, 20)) == {200: 5, 429: 15}
