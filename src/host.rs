@@ -114,7 +114,8 @@ impl Clock for ProxyWasm {
                 .duration_since(UNIX_EPOCH)
                 .ok()
                 .and_then(|since| u64::try_from(since.as_nanos()).ok())
-                .filter(|&nanos| nanos > 0),
+                .filter(|&nanos| nanos > 0)
+                .map(Instant::from_unix_nanos),
             Err(status) => {
                 log::debug!("diana: host clock unavailable: {status:?}");
                 None

@@ -11,6 +11,7 @@ use diana_core::engine::Engine;
 use diana_core::metrics::MetricSink;
 use diana_core::metrics::{Event, RuleEvent};
 use diana_core::store::{CasSemantics, MemoryHost};
+use diana_core::time::{Instant, Nanos};
 use std::process::ExitCode;
 
 struct Facts;
@@ -33,6 +34,9 @@ impl MetricSink for Count {
     }
     fn event(&mut self, _event: Event) {
         self.0 += 1;
+    }
+    fn events(&mut self, _event: Event, count: u64) {
+        self.0 += count;
     }
     fn degraded(&mut self, _on: bool) {}
 }
@@ -60,9 +64,15 @@ fn main() -> ExitCode {
     let host = MemoryHost::new(CasSemantics::Envoy);
     let mut metrics = Count::default();
     let (mut allow, mut other) = (0u64, 0u64);
-    let start: u64 = 1_700_000_000_000_000_000;
+    let start = Instant::from_unix_nanos(1_700_000_000_000_000_000);
     for i in 0..n {
-        match engine.evaluate(&host, path.as_bytes(), &Facts, Some(start + i * 1000), &mut metrics) {
+        match engine.evaluate(
+            &host,
+            path.as_bytes(),
+            &Facts,
+            Some(start + Nanos::new(i * 1000)),
+            &mut metrics,
+        ) {
             Decision::Allow { .. } => allow += 1,
             _ => other += 1,
         }

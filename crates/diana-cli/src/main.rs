@@ -32,6 +32,7 @@ mod yaml;
 
 use clap::{Args, Parser, Subcommand};
 use diana_core::config::{parse_policy, Policy};
+use diana_core::time::Nanos;
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -430,7 +431,7 @@ fn run_simulate(args: SimulateArgs) -> Result<(), Failure> {
         format: args.format,
         envoy_fields,
         gateways: args.gateways as usize,
-        reorder: (args.reorder_seconds * 1e9) as u64,
+        reorder: Nanos::new((args.reorder_seconds * 1e9) as u64),
     };
     let source = args.log.display().to_string();
     let input: Box<dyn BufRead> = if args.log.as_os_str() == "-" {

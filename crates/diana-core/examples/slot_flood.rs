@@ -12,7 +12,7 @@ use std::num::NonZeroU32;
 
 const SLOTS: u32 = 65_536;
 const S: Nanos = NANOS_PER_SECOND;
-const START: Instant = 1_767_225_600 * S;
+const START: Instant = Instant::from_unix_nanos(1_767_225_600_000_000_000);
 
 /// Identity hashes are keyed, so to anyone but the gateway they are uniform: a mixer of a
 /// counter stands for them.
@@ -45,7 +45,7 @@ impl Rule {
             generation: diana_core::store::ONLY_GENERATION,
             algo: self.algo,
             limit: &self.limit,
-            max_delay: 0,
+            max_delay: Nanos::ZERO,
         }
     }
 }
@@ -76,8 +76,8 @@ fn newcomers(
     let mut flood = 0u64;
     let step = 12 * S / strangers.max(1);
     // Newcomer requests: (time, which), sorted.
-    let mut plan: Vec<(Nanos, u64)> = (0..newcomers)
-        .flat_map(|n| (0..10).map(move |i| (START + 2 * S + i * S + n * 1_000_003, n)))
+    let mut plan: Vec<(Instant, u64)> = (0..newcomers)
+        .flat_map(|n| (0..10).map(move |i| (START + 2 * S + i * S + Nanos::new(n * 1_000_003), n)))
         .collect();
     plan.sort_unstable();
     let mut next = plan.into_iter().peekable();

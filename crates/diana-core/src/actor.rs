@@ -1069,6 +1069,7 @@ mod forged {
     use crate::engine::Engine;
     use crate::metrics::NoMetrics;
     use crate::store::{CasSemantics, MemoryHost, SlotAddress};
+    use crate::time::Instant;
     use xxhash_rust::xxh3::xxh3_64_with_seed;
 
     /// The old seeds (actor.rs before the keyed hash).
@@ -1172,7 +1173,7 @@ mod forged {
                         identity_key: a-deployment-secret-of-32-bytes-or-more\n";
         let engine = Engine::new(parse_policy(document).expect("document"));
         let rule = engine.rules().next().expect("one rule");
-        let admitted = |host: &MemoryHost, facts: &Facts, now: u64| {
+        let admitted = |host: &MemoryHost, facts: &Facts, now: Instant| {
             matches!(
                 engine.evaluate(host, b"/", facts, Some(now), &mut NoMetrics),
                 Decision::Allow { .. }
@@ -1200,11 +1201,11 @@ mod forged {
             // And they do not share a counter: the attacker spends its own three.
             let host = MemoryHost::new(CasSemantics::Envoy);
             let spent: Vec<bool> = (0..4)
-                .map(|i| admitted(&host, &attacker, now + i))
+                .map(|i| admitted(&host, &attacker, Instant::from_unix_nanos(now + i)))
                 .collect();
             assert_eq!(spent, [true, true, true, false], "{ip}");
             let victim: Vec<bool> = (0..4)
-                .map(|i| admitted(&host, &victim, now + 10 + i))
+                .map(|i| admitted(&host, &victim, Instant::from_unix_nanos(now + 10 + i)))
                 .collect();
             assert_eq!(victim, [true, true, true, false], "{ip}: not locked out");
         }

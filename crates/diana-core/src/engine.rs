@@ -346,7 +346,7 @@ impl Engine {
         {
             progress.tightest = None;
         }
-        progress.delay = 0;
+        progress.delay = Nanos::ZERO;
     }
 
     /// Takes the deferred leaky-bucket turns of a request that may leave now.
@@ -551,7 +551,9 @@ impl Engine {
             // clock-less gateway is answered); there is nothing to release.
             match stage {
                 Stage::Asked(asked) => {
-                    let _ = self.global.abandon_call(host, &self.policy, asked, 0);
+                    let _ = self
+                        .global
+                        .abandon_call(host, &self.policy, asked, Instant::EPOCH);
                 }
                 Stage::Parked { rider, .. } => self.global.leave(rider),
             }
@@ -593,7 +595,8 @@ impl Engine {
             // Admitted, as without a clock anywhere; the call is settled all the same (its
             // flight lands, the requests parked behind it plan again).
             metrics.event(Event::ClockError);
-            self.global.abandon_call(host, &self.policy, asked, 0);
+            self.global
+                .abandon_call(host, &self.policy, asked, Instant::EPOCH);
             return Decision::Allow {
                 headers: Vec::new(),
                 after: None,
@@ -685,7 +688,11 @@ impl Engine {
             generation: rule.keys.generation,
             algo: rule.algo,
             limit: &rule.limit,
-            max_delay: if self.can_pause { rule.max_wait } else { 0 },
+            max_delay: if self.can_pause {
+                rule.max_wait
+            } else {
+                Nanos::ZERO
+            },
         }
     }
 
@@ -927,7 +934,7 @@ impl Engine {
             places,
         };
         let after = (!after.is_empty()).then_some(after);
-        if progress.delay > 0 && self.can_pause {
+        if !progress.delay.is_zero() && self.can_pause {
             metrics.event(Event::Delayed);
             Decision::Delay {
                 until: now.saturating_add(progress.delay),
@@ -1093,7 +1100,7 @@ impl Engine {
         let mut at_service = Vec::new();
         for place in places
             .iter_mut()
-            .filter(|place| now.saturating_sub(place.renewed) >= RENEW_EVERY)
+            .filter(|place| now.saturating_since(place.renewed) >= RENEW_EVERY)
         {
             if let PlaceAt::Service { .. } = place.at {
                 at_service.extend(place.start_renewal());
@@ -1174,7 +1181,8 @@ impl Engine {
         metrics: &mut dyn MetricSink,
     ) {
         let Some(now) = now else {
-            self.global.abandon_call(host, &self.policy, refill.0, 0);
+            self.global
+                .abandon_call(host, &self.policy, refill.0, Instant::EPOCH);
             return;
         };
         let _ = self

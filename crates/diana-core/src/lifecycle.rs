@@ -210,6 +210,7 @@ mod tests {
     use crate::engine::Engine;
     use crate::metrics::NoMetrics;
     use crate::store::{CasSemantics, MemoryHost};
+    use crate::time::Instant;
 
     const S: u64 = 1_000_000_000;
 
@@ -222,7 +223,13 @@ mod tests {
         (first..first + identities)
             .filter(|i| {
                 let facts = Facts::default().header("x-device-id", format!("d{i}").as_bytes());
-                let decision = engine.evaluate(host, b"/", &facts, Some(1_000 * S), &mut NoMetrics);
+                let decision = engine.evaluate(
+                    host,
+                    b"/",
+                    &facts,
+                    Some(Instant::from_unix_nanos(1_000 * S)),
+                    &mut NoMetrics,
+                );
                 matches!(decision, crate::decision::Decision::Allow { .. })
             })
             .count()

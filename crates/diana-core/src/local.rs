@@ -38,7 +38,7 @@
 use crate::algo::Mark;
 use crate::config::Rule;
 use crate::store::{ChargeError, Receipt, SharedData, SlotAddress, SlotTable, Store};
-use crate::time::{Instant, Nanos, NANOS_PER_SECOND};
+use crate::time::{Instant, Nanos};
 use hashbrown::HashMap;
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -48,12 +48,12 @@ pub const SHARE: u64 = 16;
 /// The largest batch, in tokens beyond the request's own cost.
 pub const MAX_BATCH: u64 = 64;
 /// The longest a worker remembers a denial.
-pub const DENIAL_CACHE: Nanos = NANOS_PER_SECOND / 10;
+pub const DENIAL_CACHE: Nanos = Nanos::from_millis(100);
 /// Most identities with a batch or a remembered denial per worker.
 pub const MAX_BATCHES: usize = 1024;
 /// The longest a worker holds a batch, whatever the algorithm allows: the worker's tick
 /// ([`Local::return_unspent`]) gives an idle worker's tokens back to the shared counter.
-pub const BATCH_SPAN: Nanos = NANOS_PER_SECOND / 4;
+pub const BATCH_SPAN: Nanos = Nanos::from_millis(250);
 
 /// What a worker holds for one (rule, identity).
 #[derive(Debug, Clone)]
@@ -75,7 +75,7 @@ struct Batch {
     /// What the counter answered: when a request of `denied_cost` passes, and when the
     /// limit has recovered (instants, so that a later answer tells the wait left).
     retry_at: Instant,
-    reset: Nanos,
+    reset_at: Instant,
 }
 
 /// Tokens a request took, to give back if another rule rejects it.
@@ -140,7 +140,7 @@ pub struct Local {
     store: Store,
     leases: RefCell<HashMap<(usize, u64), Batch>>,
     /// When a full table may be swept of lapsed leases again.
-    next_sweep: std::cell::Cell<Nanos>,
+    next_sweep: std::cell::Cell<Instant>,
 }
 
 impl Local {
@@ -172,9 +172,9 @@ impl Local {
                         // The wait the counter gave, less the time since: not the
                         // memory's own (shorter) life.
                         return Ok(LocalCharge::Denied {
-                            retry_after: lease.retry_at.saturating_sub(now).max(1),
+                            retry_after: lease.retry_at.saturating_since(now).max(Nanos::new(1)),
                             remaining: lease.left,
-                            reset: lease.reset.saturating_sub(now),
+                            reset: lease.reset_at.saturating_since(now),
                             collided: false,
                         });
                     }
@@ -191,7 +191,7 @@ impl Local {
                             taken,
                             remaining: lease.left.saturating_add(u64::from(lease.tokens)),
                             reset: lease.valid_until - now,
-                            delay: 0,
+                            delay: Nanos::ZERO,
                             collided: false,
                         });
                     }
@@ -216,12 +216,12 @@ impl Local {
             .exchange(host, table, address, now, cost, want, unspent)?;
         let verdict = charge.verdict;
         let Some(receipt) = charge.receipt else {
-            if lends && verdict.retry_after > 0 {
+            if lends && !verdict.retry_after.is_zero() {
                 self.remember(id, now, |lease| {
                     lease.denied_cost = cost;
                     lease.denied_until = now.saturating_add(verdict.retry_after.min(DENIAL_CACHE));
                     lease.retry_at = now.saturating_add(verdict.retry_after);
-                    lease.reset = now.saturating_add(verdict.reset);
+                    lease.reset_at = now.saturating_add(verdict.reset);
                     lease.left = verdict.remaining;
                 });
             }
@@ -249,7 +249,7 @@ impl Local {
                 }
                 lease.holder = receipt.holder;
                 lease.left = verdict.remaining;
-                lease.denied_until = 0;
+                lease.denied_until = Instant::EPOCH;
                 key = Some(Rc::clone(&lease.key));
             });
             if let (true, Some(key)) = (batch > 0, key) {
@@ -298,7 +298,7 @@ impl Local {
         };
         if let Ok(mut leases) = self.leases.try_borrow_mut() {
             if let Some(lease) = leases.get_mut(&(rule.index, fingerprint)) {
-                lease.denied_until = 0;
+                lease.denied_until = Instant::EPOCH;
             }
         }
         match taken {
@@ -428,14 +428,14 @@ impl Local {
         let lease = leases.entry(id).or_insert_with(|| Batch {
             tokens: 0,
             mark: Mark::default(),
-            valid_until: 0,
+            valid_until: Instant::EPOCH,
             key: Rc::from(""),
             holder: 0,
             left: 0,
-            denied_until: 0,
+            denied_until: Instant::EPOCH,
             denied_cost: 0,
-            retry_at: 0,
-            reset: 0,
+            retry_at: Instant::EPOCH,
+            reset_at: Instant::EPOCH,
         });
         change(lease);
     }

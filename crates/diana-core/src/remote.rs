@@ -19,8 +19,8 @@
 
 use crate::config::{parse_remote, ConfigError, ConfigErrorKind, Policy, RemoteError, RemoteSpec};
 pub use crate::signature::SIGNATURE_HEADER;
-use crate::store::{decode_u64, SharedData, Store};
-use crate::time::{Instant, Nanos, NANOS_PER_SECOND};
+use crate::store::{decode_instant, decode_u64, encode_instant, SharedData, Store};
+use crate::time::{Instant, Nanos};
 
 /// Shared-data key holding the next time a poll is due (claimed by CAS).
 pub const POLL_KEY: &str = "diana/remote/next_poll";
@@ -96,7 +96,7 @@ pub fn published_version(store: &Store, host: &dyn SharedData) -> u64 {
 /// How early a tick may land and still claim the next poll. Ticks jitter by a few
 /// milliseconds; without this slack a lone worker would find its tick just short of the
 /// deadline and poll every other period.
-const TICK_SLACK: Nanos = NANOS_PER_SECOND / 20;
+const TICK_SLACK: Nanos = Nanos::from_millis(50);
 
 /// Claims this period's poll: true for exactly one worker per period.
 ///
@@ -106,17 +106,14 @@ const TICK_SLACK: Nanos = NANOS_PER_SECOND / 20;
 /// clock running forward (it stepped back): it is due, so a clock step never stops the
 /// polls for longer than two periods.
 pub fn claim_poll(store: &Store, host: &dyn SharedData, spec: &RemoteSpec, now: Instant) -> bool {
-    let period = u64::from(spec.poll_seconds.max(1)) * NANOS_PER_SECOND - TICK_SLACK;
+    let period = Nanos::from_secs(u64::from(spec.poll_seconds.max(1))) - TICK_SLACK;
     store
         .update(host, POLL_KEY, |current| {
-            let due = decode_u64(current);
+            let due = decode_instant(current);
             if now < due && due - now <= period.saturating_mul(2) {
                 (None, false)
             } else {
-                (
-                    Some(now.saturating_add(period).to_le_bytes().to_vec()),
-                    true,
-                )
+                (Some(encode_instant(now.saturating_add(period))), true)
             }
         })
         .unwrap_or(false)
@@ -407,10 +404,11 @@ mod tests {
 
     #[test]
     fn one_worker_polls_per_period() {
+        use crate::time::NANOS_PER_SECOND;
         for semantics in [CasSemantics::Envoy, CasSemantics::Nginx] {
             let host = MemoryHost::new(semantics);
             let workers: Vec<Store> = (0..4).map(|_| Store::new()).collect();
-            let now = 100 * NANOS_PER_SECOND;
+            let now = Instant::EPOCH + 100 * NANOS_PER_SECOND;
             let claims = workers
                 .iter()
                 .filter(|w| claim_poll(w, &host, &spec(), now))
@@ -427,7 +425,7 @@ mod tests {
             // A worker that read the clock just before another one claimed (its tick
             // started first) finds the claim a little more than one period ahead: not
             // due, it does not poll a second time this period.
-            let read_earlier = now - 5 * NANOS_PER_SECOND / 1000;
+            let read_earlier = now - Nanos::from_millis(5);
             assert_eq!(
                 workers
                     .iter()
@@ -444,7 +442,7 @@ mod tests {
                 1
             );
             // The next tick may land a little early and still claims the poll.
-            let next = now + 10 * NANOS_PER_SECOND - 3 * NANOS_PER_SECOND / 1000;
+            let next = now + 10 * NANOS_PER_SECOND - Nanos::from_millis(3);
             assert_eq!(
                 workers
                     .iter()

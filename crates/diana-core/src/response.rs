@@ -17,7 +17,7 @@
 
 use crate::algo::Verdict;
 use crate::config::{HeaderMode, ResponseSpec, Rule};
-use crate::time::{ceil_seconds, ceil_seconds_at_least_one};
+use crate::time::{ceil_seconds, ceil_seconds_at_least_one, Nanos};
 use crate::wire::RuleResult;
 
 /// Header names, lower case (HTTP/2 requires it; HTTP/1 hosts print them as given).
@@ -53,12 +53,13 @@ impl RuleReport {
 
     /// What the quota service's result for `rule` reports.
     pub fn from_result(rule: &Rule, result: &RuleResult) -> RuleReport {
-        let millis = |ms: u64| ms.saturating_mul(1_000_000);
         RuleReport {
             limit: rule.limit.rpu.get(),
             remaining: result.remaining,
-            reset_seconds: ceil_seconds(millis(result.reset_ms)),
-            retry_after_seconds: ceil_seconds_at_least_one(millis(result.retry_after_ms)),
+            reset_seconds: ceil_seconds(Nanos::saturating_from_millis(result.reset_ms)),
+            retry_after_seconds: ceil_seconds_at_least_one(Nanos::saturating_from_millis(
+                result.retry_after_ms,
+            )),
         }
     }
 

@@ -1,16 +1,241 @@
 //! Time as the core sees it: nanoseconds since the Unix epoch, passed in by the caller.
 //! Nothing in the core reads a clock, so tests drive time exactly.
+//!
+//! Two types, never mixed up: an [`Instant`] (a point on the host's clock) and [`Nanos`]
+//! (a span: a wait, a period, a lifetime). Both are `u64` nanoseconds underneath, which is
+//! what counters' states, shared data and the wire store; the conversion happens where a
+//! value crosses that boundary (`from_unix_nanos`/`unix_nanos`, `Nanos::new`/`get`).
 
 use std::fmt;
 
 /// An instant: nanoseconds since the Unix epoch (UTC), as the host's clock tells it.
-pub type Instant = u64;
+///
+/// A distinct type from [`Nanos`] (a span of time): an instant plus a span is an instant,
+/// an instant minus an instant is a span, and an instant is never a wait or a period. The
+/// arithmetic is `u64`'s, with its rules (the `saturating_`/`checked_` forms where a
+/// caller needs them), so moving a computation onto these types changes no result.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct Instant(u64);
 
-/// A span of time in nanoseconds (a wait, a period, a lifetime): never an instant. Kept
-/// apart from [`Instant`] by name, so that a signature says which one it means.
-pub type Nanos = u64;
+/// A span of time in nanoseconds (a wait, a period, a lifetime): never an instant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct Nanos(u64);
 
-pub const NANOS_PER_SECOND: Nanos = 1_000_000_000;
+impl Instant {
+    /// The Unix epoch; in a fresh state, "never".
+    pub const EPOCH: Instant = Instant(0);
+    /// The latest instant there is: "not before the end of time".
+    pub const MAX: Instant = Instant(u64::MAX);
+
+    pub const fn from_unix_nanos(nanos: u64) -> Instant {
+        Instant(nanos)
+    }
+
+    /// Nanoseconds since the Unix epoch: the form a counter's state and the wire carry.
+    pub const fn unix_nanos(self) -> u64 {
+        self.0
+    }
+
+    /// The time from `earlier` to `self`, or zero if `earlier` is not earlier.
+    pub const fn saturating_since(self, earlier: Instant) -> Nanos {
+        Nanos(self.0.saturating_sub(earlier.0))
+    }
+
+    /// The time from `earlier` to `self`, or `None` if `earlier` is later.
+    pub const fn checked_since(self, earlier: Instant) -> Option<Nanos> {
+        match self.0.checked_sub(earlier.0) {
+            Some(nanos) => Some(Nanos(nanos)),
+            None => None,
+        }
+    }
+
+    pub const fn saturating_add(self, span: Nanos) -> Instant {
+        Instant(self.0.saturating_add(span.0))
+    }
+
+    pub const fn saturating_sub(self, span: Nanos) -> Instant {
+        Instant(self.0.saturating_sub(span.0))
+    }
+
+    /// How many whole `span`s have passed since the epoch: the number of the period of
+    /// length `span` that `self` falls in.
+    pub const fn periods(self, span: Nanos) -> u64 {
+        self.0 / span.0
+    }
+
+    /// How far `self` is into its period of length `span`.
+    pub const fn into_period(self, span: Nanos) -> Nanos {
+        Nanos(self.0 % span.0)
+    }
+
+    pub const fn checked_add(self, span: Nanos) -> Option<Instant> {
+        match self.0.checked_add(span.0) {
+            Some(nanos) => Some(Instant(nanos)),
+            None => None,
+        }
+    }
+}
+
+impl Nanos {
+    pub const ZERO: Nanos = Nanos(0);
+    pub const MAX: Nanos = Nanos(u64::MAX);
+
+    pub const fn new(nanos: u64) -> Nanos {
+        Nanos(nanos)
+    }
+
+    pub const fn from_millis(millis: u64) -> Nanos {
+        Nanos(millis * 1_000_000)
+    }
+
+    /// `millis` milliseconds, or the longest span there is if that does not fit.
+    pub const fn saturating_from_millis(millis: u64) -> Nanos {
+        Nanos(millis.saturating_mul(1_000_000))
+    }
+
+    /// Whole milliseconds, rounded down: the unit of the wire's times.
+    pub const fn whole_millis(self) -> u64 {
+        self.0 / 1_000_000
+    }
+
+    pub const fn from_secs(seconds: u64) -> Nanos {
+        Nanos(seconds * NANOS_PER_SECOND.0)
+    }
+
+    /// A `std` duration, or the longest span there is if it does not fit.
+    pub fn saturating_from_std(duration: std::time::Duration) -> Nanos {
+        Nanos(u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX))
+    }
+
+    pub const fn get(self) -> u64 {
+        self.0
+    }
+
+    pub const fn is_zero(self) -> bool {
+        self.0 == 0
+    }
+
+    pub const fn saturating_add(self, other: Nanos) -> Nanos {
+        Nanos(self.0.saturating_add(other.0))
+    }
+
+    pub const fn saturating_sub(self, other: Nanos) -> Nanos {
+        Nanos(self.0.saturating_sub(other.0))
+    }
+
+    pub const fn checked_sub(self, other: Nanos) -> Option<Nanos> {
+        match self.0.checked_sub(other.0) {
+            Some(nanos) => Some(Nanos(nanos)),
+            None => None,
+        }
+    }
+
+    pub const fn saturating_mul(self, times: u64) -> Nanos {
+        Nanos(self.0.saturating_mul(times))
+    }
+
+    /// How many whole `span`s fit, rounded up.
+    pub const fn div_ceil(self, span: Nanos) -> u64 {
+        self.0.div_ceil(span.0)
+    }
+}
+
+impl std::ops::Add<Nanos> for Instant {
+    type Output = Instant;
+    fn add(self, span: Nanos) -> Instant {
+        Instant(self.0 + span.0)
+    }
+}
+
+impl std::ops::AddAssign<Nanos> for Instant {
+    fn add_assign(&mut self, span: Nanos) {
+        self.0 += span.0;
+    }
+}
+
+impl std::ops::Sub<Nanos> for Instant {
+    type Output = Instant;
+    fn sub(self, span: Nanos) -> Instant {
+        Instant(self.0 - span.0)
+    }
+}
+
+impl std::ops::Sub for Instant {
+    type Output = Nanos;
+    fn sub(self, earlier: Instant) -> Nanos {
+        Nanos(self.0 - earlier.0)
+    }
+}
+
+impl std::ops::Add for Nanos {
+    type Output = Nanos;
+    fn add(self, other: Nanos) -> Nanos {
+        Nanos(self.0 + other.0)
+    }
+}
+
+impl std::ops::AddAssign for Nanos {
+    fn add_assign(&mut self, other: Nanos) {
+        self.0 += other.0;
+    }
+}
+
+impl std::ops::Sub for Nanos {
+    type Output = Nanos;
+    fn sub(self, other: Nanos) -> Nanos {
+        Nanos(self.0 - other.0)
+    }
+}
+
+impl std::ops::SubAssign for Nanos {
+    fn sub_assign(&mut self, other: Nanos) {
+        self.0 -= other.0;
+    }
+}
+
+impl std::ops::Mul<u64> for Nanos {
+    type Output = Nanos;
+    fn mul(self, times: u64) -> Nanos {
+        Nanos(self.0 * times)
+    }
+}
+
+impl std::ops::Mul<Nanos> for u64 {
+    type Output = Nanos;
+    fn mul(self, span: Nanos) -> Nanos {
+        Nanos(self * span.0)
+    }
+}
+
+impl std::ops::Div<u64> for Nanos {
+    type Output = Nanos;
+    fn div(self, parts: u64) -> Nanos {
+        Nanos(self.0 / parts)
+    }
+}
+
+/// How many whole `span`s fit.
+impl std::ops::Div for Nanos {
+    type Output = u64;
+    fn div(self, span: Nanos) -> u64 {
+        self.0 / span.0
+    }
+}
+
+impl std::ops::Rem for Nanos {
+    type Output = Nanos;
+    fn rem(self, span: Nanos) -> Nanos {
+        Nanos(self.0 % span.0)
+    }
+}
+
+impl std::iter::Sum for Nanos {
+    fn sum<I: Iterator<Item = Nanos>>(spans: I) -> Nanos {
+        spans.fold(Nanos::ZERO, |total, span| total + span)
+    }
+}
+
+pub const NANOS_PER_SECOND: Nanos = Nanos(1_000_000_000);
 
 /// The period a rule's `rpu` (requests per unit) is counted over.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -34,7 +259,7 @@ impl Unit {
     }
 
     pub const fn nanos(self) -> Nanos {
-        self.seconds() * NANOS_PER_SECOND
+        Nanos::from_secs(self.seconds())
     }
 
     pub const fn name(self) -> &'static str {

@@ -188,11 +188,9 @@ pub struct ResolvedRule<'a> {
     pub dry_run: bool,
 }
 
-const NANOS_PER_MILLI: Nanos = 1_000_000;
-
 /// Nanoseconds to milliseconds, rounded up (a wait is never announced shorter than it is).
 pub fn ceil_millis(duration: Nanos) -> u64 {
-    duration.div_ceil(NANOS_PER_MILLI)
+    duration.div_ceil(Nanos::from_millis(1))
 }
 
 impl RuleResult {
@@ -316,9 +314,7 @@ impl RuleRequest {
             limit,
             want,
             cost,
-            max_delay: self
-                .max_delay_ms
-                .map(|ms| ms.saturating_mul(NANOS_PER_MILLI)),
+            max_delay: self.max_delay_ms.map(Nanos::saturating_from_millis),
             dry_run: self.dry_run,
         })
     }
@@ -848,6 +844,7 @@ fn decode_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, WireErr
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::time::Instant;
 
     fn rule() -> RuleRequest {
         RuleRequest {
@@ -1121,9 +1118,9 @@ mod tests {
         let verdict = Verdict {
             granted: 2,
             remaining: 3,
-            reset: 1_000_001,
-            retry_after: 0,
-            delay: 1,
+            reset: Nanos::new(1_000_001),
+            retry_after: Nanos::ZERO,
+            delay: Nanos::new(1),
             ..Verdict::default()
         };
         let result = RuleResult::from_verdict(&verdict);
@@ -1142,9 +1139,9 @@ mod tests {
         let denied = Verdict {
             granted: 0,
             remaining: 0,
-            reset: 5_000_000,
-            retry_after: 2_500_000,
-            delay: 0,
+            reset: Nanos::from_millis(5),
+            retry_after: Nanos::new(2_500_000),
+            delay: Nanos::ZERO,
             ..Verdict::default()
         };
         let result = RuleResult::from_verdict(&denied);
@@ -1197,7 +1194,7 @@ mod tests {
         let decoded = decode_request(body).unwrap();
         let resolved = decoded.resolve().unwrap();
         assert_eq!(resolved[0].cost.get(), 1);
-        assert_eq!(resolved[0].max_delay, Some(10_000_000_000));
+        assert_eq!(resolved[0].max_delay, Some(Nanos::from_secs(10)));
     }
 
     /// Found by `scripts/fuzz` (target `wire_answers`, seed 1, case 289): an honest answer
@@ -1218,7 +1215,7 @@ mod tests {
             let resolved = asked.resolve().unwrap();
             let (algo, limit) = (resolved[0].algo, resolved[0].limit);
             let hour = Unit::Hour.nanos();
-            let now = 490_000 * hour + hour / 10;
+            let now = Instant::EPOCH + 490_000 * hour + hour / 10;
             let mut state = vec![0; algo.state_words(&limit)];
             // Another instance, 0.99 h ahead, counted in the next window.
             algo.acquire(&limit, &mut state, now + hour * 99 / 100, 1);

@@ -35,7 +35,7 @@ use std::sync::{Arc, Barrier};
 
 const S: Nanos = NANOS_PER_SECOND;
 /// 2026-01-01T00:00:00Z plus a little, inside every window.
-const T0: Instant = 1_767_225_600 * S + 123_456_789;
+const T0: Instant = Instant::from_unix_nanos(1_767_225_600_123_456_789);
 
 const RESOURCES: [&str; 3] = ["/", "/a", "/a/b"];
 
@@ -233,11 +233,15 @@ fn requests(len: usize) -> impl Strategy<Value = Vec<Request>> {
     let step = prop_oneof![
         4 => Just(0u64),
         2 => 0u64..1_000,
-        3 => 0u64..S,
-        1 => 0u64..40 * S,
+        3 => 0u64..S.get(),
+        1 => 0u64..40 * S.get(),
     ];
-    let request = (0..PATHS.len(), 0..CLIENTS.len(), step)
-        .prop_map(|(path, client, step)| Request { path, client, step });
+    let request =
+        (0..PATHS.len(), 0..CLIENTS.len(), step).prop_map(|(path, client, step)| Request {
+            path,
+            client,
+            step: Nanos::new(step),
+        });
     prop::collection::vec(request, 1..len)
 }
 
@@ -262,7 +266,7 @@ proptest! {
         let semantics = if nginx { CasSemantics::Nginx } else { CasSemantics::Envoy };
         let host = MemoryHost::new(semantics);
         let engine = engine_for(policy.clone(), pausing);
-        let max_delay = |rule: &Rule| if pausing { rule.max_wait } else { 0 };
+        let max_delay = |rule: &Rule| if pausing { rule.max_wait } else { Nanos::ZERO };
         let mut states = ModelStates::new();
         let mut now = T0;
         for (i, request) in requests.iter().enumerate() {
@@ -274,7 +278,7 @@ proptest! {
             prop_assert!(!matches!(decision, Decision::Call(..)));
             let expected =
                 model_request(&policy, &mut states, path, request.client, now, max_delay);
-            prop_assert_eq!(admits(&decision), expected, "request {} {} at {}", i, raw, now);
+            prop_assert_eq!(admits(&decision), expected, "request {} {} at {:?}", i, raw, now);
         }
         // Every counter answers like the model's, now and later.
         let store = Store::new();
@@ -287,12 +291,12 @@ proptest! {
                 let real = store
                     .peek(&host, &table(rule, max_delay(rule)), address(rule, &client), now)
                     .unwrap();
-                for later in [0, S / 3, 7 * S / 5, 30 * S] {
+                for later in [Nanos::ZERO, S / 3, 7 * S / 5, 30 * S] {
                     let at = now + later;
                     let (m, r) = (probe(rule.algo, rule, model, at), probe(rule.algo, rule, &real, at));
                     prop_assert_eq!(
                         (m.remaining, m.reset), (r.remaining, r.reset),
-                        "rule {} client {} at +{}", rule.name, ip, later
+                        "rule {} client {} at +{:?}", rule.name, ip, later
                     );
                 }
             }
@@ -380,7 +384,7 @@ proptest! {
         let admitted = race(&policy, &host, pausing, &plans);
         let store = Store::new();
         for rule in policy.rules() {
-            let max_delay = if pausing { rule.max_wait } else { 0 };
+            let max_delay = if pausing { rule.max_wait } else { Nanos::ZERO };
             let state = store
                 .peek(host.as_ref(), &table(rule, max_delay), SlotAddress::single(), T0)
                 .unwrap();
@@ -433,8 +437,12 @@ fn the_model_sees_a_charge_the_engine_would_have_kept() {
     }]))
     .unwrap();
     let mut states = ModelStates::new();
-    assert!(model_request(&policy, &mut states, "/", 0, T0, |_| 0));
-    assert!(!model_request(&policy, &mut states, "/a", 0, T0, |_| 0));
+    assert!(model_request(&policy, &mut states, "/", 0, T0, |_| {
+        Nanos::ZERO
+    }));
+    assert!(!model_request(&policy, &mut states, "/a", 0, T0, |_| {
+        Nanos::ZERO
+    }));
     let rule = policy.rules().next().unwrap();
     assert_eq!(probe(rule.algo, rule, &states[&(0, 0)], T0).remaining, 0);
     assert_eq!(Unit::parse("minute"), Some(Unit::Minute));

@@ -136,12 +136,13 @@ fn ops(backwards: bool) -> impl Strategy<Value = Vec<Op>> {
 }
 
 /// A start time: anywhere from the epoch to the 2100s, or near the end of `u64`.
-fn starts() -> impl Strategy<Value = Nanos> {
+fn starts() -> impl Strategy<Value = Instant> {
     prop_oneof![
         6 => 0u64..4_000_000_000_000_000_000,
         1 => 0u64..1 << 20,
         1 => (0u64..1 << 40).prop_map(|back| u64::MAX / 2 - back),
     ]
+    .prop_map(Instant::from_unix_nanos)
 }
 
 /// The case's clock: `now` never more than one unit minus a nanosecond behind the latest
@@ -158,7 +159,7 @@ impl Clock {
     fn new(limit: &Limit, start: Instant) -> Clock {
         Clock {
             unit: limit.unit.nanos(),
-            interval: u128::from(limit.unit.nanos()),
+            interval: u128::from(limit.unit.nanos().get()),
             rpu: u128::from(limit.rpu.get()),
             now: start,
             latest: start,
@@ -166,20 +167,19 @@ impl Clock {
     }
 
     fn fraction(&self, k: u32) -> Nanos {
-        u64::try_from((u128::from(self.unit) * u128::from(k)) >> 20).unwrap()
+        Nanos::new(u64::try_from((u128::from(self.unit.get()) * u128::from(k)) >> 20).unwrap())
     }
 
-    fn step(&mut self, step: Step) -> Nanos {
+    fn step(&mut self, step: Step) -> Instant {
         let now = match step {
             Step::Same => self.now,
-            Step::Tiny(k) => self.now.saturating_add(u64::from(k)),
+            Step::Tiny(k) => self.now.saturating_add(Nanos::new(u64::from(k))),
             Step::Fraction(k) => self.now.saturating_add(self.fraction(k)),
             Step::Intervals(k, e) => {
                 let dt = (u128::from(k) * self.interval).div_ceil(self.rpu);
-                let dt = u64::try_from(dt).unwrap_or(u64::MAX);
-                self.now
-                    .saturating_add(dt)
-                    .saturating_add_signed(i64::from(e))
+                let dt = Nanos::new(u64::try_from(dt).unwrap_or(u64::MAX));
+                let end = self.now.saturating_add(dt).unix_nanos();
+                Instant::from_unix_nanos(end.saturating_add_signed(i64::from(e)))
             }
             Step::Units(k, f) => self
                 .now
@@ -188,7 +188,7 @@ impl Clock {
             Step::Back(k) => self.now.saturating_sub(self.fraction(k)),
         };
         // Never more than `unit - 1` behind the latest instant.
-        self.now = now.max(self.latest.saturating_sub(self.unit - 1));
+        self.now = now.max(self.latest.saturating_sub(self.unit - Nanos::new(1)));
         self.latest = self.latest.max(self.now);
         self.now
     }
@@ -280,7 +280,7 @@ struct WindowModel {
 
 impl WindowModel {
     fn effective(&self, now: Instant) -> u64 {
-        (now / self.unit).max(self.written)
+        now.periods(self.unit).max(self.written)
     }
 }
 
@@ -297,7 +297,7 @@ impl Model for WindowModel {
         u128::from(window)
     }
 
-    fn undone(&mut self, _: Nanos, held: &Held) {
+    fn undone(&mut self, _: Instant, held: &Held) {
         let window = u64::try_from(held.place).unwrap();
         *self.counts.entry(window).or_default() -= u64::from(held.tokens);
     }
@@ -338,7 +338,7 @@ struct SlidingModel {
 
 impl SlidingModel {
     fn slice(&self, now: Instant) -> u64 {
-        u64::try_from(u128::from(now) * u128::from(self.slices) / self.unit).unwrap()
+        u64::try_from(u128::from(now.unix_nanos()) * u128::from(self.slices) / self.unit).unwrap()
     }
 
     fn effective(&self, now: Instant) -> u64 {
@@ -410,7 +410,7 @@ struct BucketModel {
     burst: u128,
     next_place: u128,
     /// place → (instant, tokens).
-    admitted: BTreeMap<u128, (Nanos, u32)>,
+    admitted: BTreeMap<u128, (Instant, u32)>,
 }
 
 impl BucketModel {
@@ -428,14 +428,18 @@ impl BucketModel {
             let lhs = taken * self.unit;
             let budget = self.burst * self.unit;
             let ok = if b >= a {
-                lhs <= budget + u128::from(b - a) * self.rpu
+                lhs <= budget + u128::from((b - a).get()) * self.rpu
             } else {
-                lhs + u128::from(a - b) * self.rpu <= budget
+                lhs + u128::from((a - b).get()) * self.rpu <= budget
             };
             assert!(
                 ok,
-                "TB: {taken} admitted between {a} and {b} (burst {}, rpu {} per {} ns)",
-                self.burst, self.rpu, self.unit
+                "TB: {taken} admitted between {} and {} (burst {}, rpu {} per {} ns)",
+                a.unix_nanos(),
+                b.unix_nanos(),
+                self.burst,
+                self.rpu,
+                self.unit
             );
         }
     }
@@ -451,15 +455,15 @@ impl Model for BucketModel {
         self.next_place
     }
 
-    fn undone(&mut self, _: Nanos, held: &Held) {
+    fn undone(&mut self, _: Instant, held: &Held) {
         self.admitted.remove(&held.place);
     }
 
-    fn released(&mut self, _: Nanos, held: &Held, _: bool) {
+    fn released(&mut self, _: Instant, held: &Held, _: bool) {
         self.admitted.remove(&held.place);
     }
 
-    fn debt(&mut self, _: Nanos, _: u32, _: &Verdict) {}
+    fn debt(&mut self, _: Instant, _: u32, _: &Verdict) {}
 }
 
 /// `LB`: departure runs (first departure ×`rpu`, count), checked for spacing and queue
@@ -493,7 +497,7 @@ impl LeakyModel {
         let Some(now) = now else {
             return;
         };
-        let now = u128::from(now) * self.rpu;
+        let now = u128::from(now.unix_nanos()) * self.rpu;
         let queued: u128 = self
             .runs
             .iter()
@@ -514,15 +518,15 @@ impl LeakyModel {
 impl Model for LeakyModel {
     fn acquired(&mut self, now: Instant, _: u32, _: u32, v: &Verdict, state: &[u64]) -> u128 {
         if v.granted == 0 {
-            assert_eq!(v.delay, 0, "LB: a denial with a delay");
+            assert_eq!(v.delay, Nanos::ZERO, "LB: a denial with a delay");
             return u128::MAX;
         }
         let count = u128::from(v.granted);
         let first = load128(state) - count * self.interval;
-        let scaled_now = u128::from(now) * self.rpu;
+        let scaled_now = u128::from(now.unix_nanos()) * self.rpu;
         assert!(first >= scaled_now, "LB: a departure before the arrival");
         assert_eq!(
-            u128::from(v.delay),
+            u128::from(v.delay.get()),
             // Saturated past u64 (a queue of centuries).
             (first - scaled_now)
                 .div_ceil(self.rpu)
@@ -534,11 +538,11 @@ impl Model for LeakyModel {
         first
     }
 
-    fn undone(&mut self, _: Nanos, held: &Held) {
+    fn undone(&mut self, _: Instant, held: &Held) {
         self.runs.remove(&held.place);
     }
 
-    fn released(&mut self, _: Nanos, held: &Held, changed: bool) {
+    fn released(&mut self, _: Instant, held: &Held, changed: bool) {
         if changed {
             // Given back: those turns will not be used (checked by the next grants).
             self.runs.remove(&held.place);
@@ -546,7 +550,7 @@ impl Model for LeakyModel {
         self.check(None);
     }
 
-    fn debt(&mut self, _: Nanos, _: u32, _: &Verdict) {}
+    fn debt(&mut self, _: Instant, _: u32, _: &Verdict) {}
 }
 
 fn model_for(algo: &dyn Algorithm, limit: &Limit) -> Box<dyn Model> {
@@ -560,21 +564,21 @@ fn model_for(algo: &dyn Algorithm, limit: &Limit) -> Box<dyn Model> {
         }),
         "SW" => Box::new(SlidingModel {
             rpu: u64::from(rpu),
-            unit: u128::from(limit.unit.nanos()),
+            unit: u128::from(limit.unit.nanos().get()),
             slices: u64::from(limit.slices.get()),
             head: 0,
             counts: BTreeMap::new(),
         }),
         "TB" => Box::new(BucketModel {
             rpu: u128::from(rpu),
-            unit: u128::from(limit.unit.nanos()),
+            unit: u128::from(limit.unit.nanos().get()),
             burst: u128::from(limit.burst.get()),
             next_place: 0,
             admitted: BTreeMap::new(),
         }),
         "LB" => Box::new(LeakyModel {
             rpu: u128::from(rpu),
-            interval: u128::from(limit.unit.nanos()),
+            interval: u128::from(limit.unit.nanos().get()),
             burst: u128::from(limit.burst.get()),
             runs: BTreeMap::new(),
         }),
@@ -608,9 +612,12 @@ fn run(algo: &dyn Algorithm, limit: &Limit, start: Instant, ops: &[Op]) {
                 let place = model.acquired(now, need, want, &verdict, &state);
                 if verdict.granted == 0 {
                     assert_eq!(state, before, "a rejection changed the state");
-                    assert_eq!(verdict.delay, 0);
+                    assert_eq!(verdict.delay, Nanos::ZERO);
                     if want > 0 {
-                        assert!(verdict.retry_after > 0, "a denial without retry_after");
+                        assert!(
+                            !verdict.retry_after.is_zero(),
+                            "a denial without retry_after"
+                        );
                     }
                     continue;
                 }
@@ -623,7 +630,11 @@ fn run(algo: &dyn Algorithm, limit: &Limit, start: Instant, ops: &[Op]) {
                     u64::from(verdict.granted) <= capacity,
                     "granted past capacity"
                 );
-                assert_eq!(verdict.retry_after, 0, "an admission with retry_after");
+                assert_eq!(
+                    verdict.retry_after,
+                    Nanos::ZERO,
+                    "an admission with retry_after"
+                );
                 let grant = Held {
                     at: now,
                     tokens: verdict.granted,
@@ -697,7 +708,7 @@ fn run(algo: &dyn Algorithm, limit: &Limit, start: Instant, ops: &[Op]) {
     }
 }
 
-fn cases(backwards: bool) -> impl Strategy<Value = (usize, Limit, Nanos, Vec<Op>)> {
+fn cases(backwards: bool) -> impl Strategy<Value = (usize, Limit, Instant, Vec<Op>)> {
     (0..REGISTRY.len(), limits(), starts(), ops(backwards))
 }
 
@@ -734,6 +745,7 @@ proptest! {
         let words = algo.state_words(&limit);
         let mut state: Vec<u64> = garbage.iter().copied().cycle().take(words).collect();
         for (now, a, b, kind) in calls {
+            let now = Instant::from_unix_nanos(now);
             let before = state.clone();
             match kind {
                 0 | 1 => {
@@ -772,11 +784,12 @@ fn the_window_model_catches_a_window_that_admits_twice() {
         remaining: 0,
         ..Verdict::default()
     };
-    model.acquired(5, 1, 2, &granted, &[]);
+    let at = Instant::from_unix_nanos(5);
+    model.acquired(at, 1, 2, &granted, &[]);
     // A third admission in the same window must fail the model's check.
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         model.acquired(
-            5,
+            at,
             1,
             1,
             &Verdict {

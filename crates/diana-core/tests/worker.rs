@@ -19,9 +19,9 @@ use std::rc::Rc;
 use std::time::Duration;
 
 const S: Nanos = NANOS_PER_SECOND;
-const MS: Nanos = S / 1000;
+const MS: Nanos = Nanos::from_millis(1);
 /// 2026-01-01T00:00:01Z: a minute window starts a second before.
-const T0: Instant = 1_767_225_601 * S;
+const T0: Instant = Instant::from_unix_nanos(1_767_225_601 * S.get());
 
 /// A global rule of `limit` per minute with `lease` tokens per call (the quota service at
 /// a host:port, which both hosts accept).
@@ -181,13 +181,13 @@ proptest! {
     fn leaky_bucket_spacing_holds(gaps in prop::collection::vec(0u64..40, 1..30)) {
         let document = "resources:\n  - Url: /\n    rules: [{algo: LB, rpu: 10, unit: second}]\n";
         for profile in HostProfile::ALL {
-            let mut sim = sim(profile, document, 1, Service::Answers(0));
+            let mut sim = sim(profile, document, 1, Service::Answers(Nanos::ZERO));
             for gap in &gaps {
                 sim.send(0, "10.0.0.1", &[(":path", "/")]);
                 sim.advance(Duration::from_millis(*gap));
             }
             sim.advance(Duration::from_secs(15));
-            let mut times: Vec<Nanos> = sim
+            let mut times: Vec<Instant> = sim
                 .fates()
                 .filter_map(|(_, fate)| match fate {
                     Fate::Admitted(at) => Some(*at),
@@ -223,7 +223,9 @@ fn parked_requests_resume_within_one_tick_of_their_flight() {
     sim.advance(Duration::from_millis(100));
     for context in sent {
         match sim.fate(context) {
-            Some(Fate::Admitted(at)) => assert!(*at <= T0 + 41 * MS, "resumed at +{} ns", at - T0),
+            Some(Fate::Admitted(at)) => {
+                assert!(*at <= T0 + 41 * MS, "resumed at +{:?}", *at - T0)
+            }
             other => panic!("request {context}: {other:?}"),
         }
     }
@@ -254,12 +256,12 @@ fn a_refill_ahead_leaves_at_once_where_the_host_ticks_on_demand() {
             sim.advance(Duration::from_micros(200));
         }
         sim.advance(Duration::from_millis(10));
-        let mut longest = 0;
+        let mut longest = Nanos::ZERO;
         for (index, (context, at)) in sent.iter().enumerate() {
             match sim.fate(*context) {
                 // The first request's own call, and the two parked behind it.
                 Some(Fate::Admitted(_)) if index < 3 => {}
-                Some(Fate::Admitted(admitted)) => longest = longest.max(admitted - at),
+                Some(Fate::Admitted(admitted)) => longest = longest.max(*admitted - *at),
                 other => panic!("{}: request {context}: {other:?}", profile.name),
             }
         }
@@ -286,7 +288,11 @@ fn a_refill_ahead_leaves_at_once_where_the_host_ticks_on_demand() {
         calls - 1,
         "on demand: every call after the first is ahead"
     );
-    assert_eq!(longest, 0, "on demand: a request waited {longest} ns");
+    assert_eq!(
+        longest,
+        Nanos::ZERO,
+        "on demand: a request waited {longest:?}"
+    );
     assert_eq!(parked, 2, "on demand: only behind the first call: {seen:?}");
     assert!(ahead > wasm_ahead, "{seen:?}");
     assert!(parked < wasm_parked, "{seen:?}");
@@ -336,7 +342,7 @@ fn riders_are_served_when_the_call_they_wait_for_lands_where_the_host_ticks_on_d
         let longest = riders
             .iter()
             .map(|rider| match sim.fate(*rider) {
-                Some(Fate::Admitted(at)) => at - lands,
+                Some(Fate::Admitted(at)) => *at - lands,
                 other => panic!("{}: rider {rider}: {other:?}", profile.name),
             })
             .max();
@@ -348,9 +354,13 @@ fn riders_are_served_when_the_call_they_wait_for_lands_where_the_host_ticks_on_d
             sim.violations
         );
     }
-    assert_eq!(waits[1], Some(0), "on demand: served as the answer lands");
+    assert_eq!(
+        waits[1],
+        Some(Nanos::ZERO),
+        "on demand: served as the answer lands"
+    );
     assert!(
-        waits[0].is_some_and(|wait| wait > 0),
+        waits[0].is_some_and(|wait| !wait.is_zero()),
         "on the tick's period: {waits:?}"
     );
 }
@@ -410,7 +420,7 @@ fn on_nginx_a_request_run_on_while_paused_keeps_every_worker_from_pausing() {
     assert_eq!(admitted, 5, "{fates:?}");
     assert!(sim.violations.is_empty(), "{:?}", sim.violations);
     // A period later (and a fresh minute): requests pause for their calls again.
-    sim.advance(Duration::from_nanos(UNHELD_FOR) + Duration::from_secs(60));
+    sim.advance(Duration::from_nanos(UNHELD_FOR.get()) + Duration::from_secs(60));
     for worker in 0..2 {
         let context = sim.send(worker, "10.0.0.1", &[(":path", "/")]);
         assert_eq!(sim.fate(context), Some(&Fate::Paused), "worker {worker}");
@@ -482,7 +492,12 @@ fn a_silent_service_leaves_no_request_paused() {
 #[test]
 fn a_client_that_leaves_mid_wait_leaves_the_queue() {
     let document = "resources:\n  - Url: /\n    rules: [{algo: LB, rpu: 10, unit: second}]\n";
-    let mut sim = sim(HostProfile::ENVOY, document, 1, Service::Answers(0));
+    let mut sim = sim(
+        HostProfile::ENVOY,
+        document,
+        1,
+        Service::Answers(Nanos::ZERO),
+    );
     sim.send(0, "10.0.0.1", &[(":path", "/")]);
     let waiting = sim.send(0, "10.0.0.1", &[(":path", "/")]);
     assert_eq!(sim.fate(waiting), Some(&Fate::Paused));
@@ -499,7 +514,7 @@ fn a_client_that_leaves_mid_wait_leaves_the_queue() {
 fn rejections_are_local_replies_shaped_for_the_host() {
     let document = "response: {body: \"slow down\\n\"}\nresources:\n  - Url: /\n    rules: [{rpu: 1, unit: minute}]\n";
     for profile in HostProfile::ALL {
-        let mut sim = sim(profile, document, 1, Service::Answers(0));
+        let mut sim = sim(profile, document, 1, Service::Answers(Nanos::ZERO));
         let first = sim.send(0, "10.0.0.1", &[(":path", "/")]);
         let second = sim.send(0, "10.0.0.1", &[(":path", "/")]);
         assert!(matches!(sim.fate(first), Some(Fate::Admitted(_))));
@@ -515,7 +530,12 @@ fn rejections_are_local_replies_shaped_for_the_host() {
 #[test]
 fn the_metrics_path_answers_with_flushed_counts() {
     let document = "metrics: {path: /diana/metrics}\nresources:\n  - Url: /\n    rules: [{name: one, rpu: 1, unit: minute}]\n";
-    let mut sim = sim(HostProfile::ENVOY, document, 1, Service::Answers(0));
+    let mut sim = sim(
+        HostProfile::ENVOY,
+        document,
+        1,
+        Service::Answers(Nanos::ZERO),
+    );
     sim.send(0, "10.0.0.1", &[(":path", "/")]);
     sim.send(0, "10.0.0.1", &[(":path", "/")]);
     let page = sim.send(0, "10.0.0.1", &[(":path", "/diana/metrics")]);
@@ -547,7 +567,7 @@ fn leaky_bucket_spacing_holds_behind_a_slow_quota_service() {
         else {
             panic!("{:?} {:?}", sim.fate(first), sim.fate(second));
         };
-        let spacing = b.abs_diff(*a);
+        let spacing = Nanos::new(b.unix_nanos().abs_diff(a.unix_nanos()));
         assert!(
             spacing >= 100 * MS - 2 * MS,
             "latency {latency} ms: {} ms apart",
@@ -608,7 +628,7 @@ fn on_nginx_an_invalid_setup_answers_on_invalid_config() {
         (allow, Fate::Admitted(T0)),
         (good, Fate::Admitted(T0)),
     ] {
-        let mut sim = Sim::unconfigured(HostProfile::NGINX, 2, Service::Answers(0), T0);
+        let mut sim = Sim::unconfigured(HostProfile::NGINX, 2, Service::Answers(Nanos::ZERO), T0);
         assert!(sim.configure(document).is_ok(), "the worker stays up");
         for worker in 0..2 {
             let context = sim.send(worker, "10.0.0.1", &[(":path", "/")]);
@@ -616,7 +636,7 @@ fn on_nginx_an_invalid_setup_answers_on_invalid_config() {
         }
         assert!(sim.violations.is_empty(), "{:?}", sim.violations);
     }
-    let mut envoy = Sim::unconfigured(HostProfile::ENVOY, 1, Service::Answers(0), T0);
+    let mut envoy = Sim::unconfigured(HostProfile::ENVOY, 1, Service::Answers(Nanos::ZERO), T0);
     assert!(envoy.configure(typo).is_err());
 }
 
@@ -631,14 +651,14 @@ fn a_request_is_tracked_exactly_while_its_later_events_matter() {
     let profile = HostProfile::ENVOY_NATIVE;
     let path = [(":path", "/")];
     let plain = "resources:\n  - Url: /\n    rules: [{rpu: 100, unit: minute}]\n";
-    let mut s = sim(profile, plain, 1, Service::Answers(0));
+    let mut s = sim(profile, plain, 1, Service::Answers(Nanos::ZERO));
     let done = s.send(0, "10.0.0.1", &path);
     assert!(matches!(s.fate(done), Some(Fate::Admitted(_))));
     assert!(!s.tracks(done));
     assert!(s.respond(done, &[(":status", "200")]).is_empty());
 
     let with_headers = format!("{plain}response: {{headers: all}}\n");
-    let mut s = sim(profile, &with_headers, 1, Service::Answers(0));
+    let mut s = sim(profile, &with_headers, 1, Service::Answers(Nanos::ZERO));
     let answered = s.send(0, "10.0.0.1", &path);
     assert!(s.tracks(answered));
     let added = s.respond(answered, &[(":status", "200")]);
@@ -651,7 +671,7 @@ fn a_request_is_tracked_exactly_while_its_later_events_matter() {
     assert!(!s.tracks(answered));
 
     let inside = "resources:\n  - Url: /\n    rules: [{max_in_flight: 1, name: inside}]\n";
-    let mut s = sim(profile, inside, 1, Service::Answers(0));
+    let mut s = sim(profile, inside, 1, Service::Answers(Nanos::ZERO));
     let first = s.send(0, "10.0.0.1", &path);
     s.respond(first, &[(":status", "200")]);
     assert!(s.tracks(first), "its place is held until it ends");
@@ -679,7 +699,7 @@ fn a_concurrency_place_is_held_until_the_request_ends() {
     let document =
         "resources:\n  - Url: /\n    rules: [{max_in_flight: 3, actor: account, name: inside}]\n";
     for profile in HostProfile::ALL {
-        let mut sim = sim(profile, document, 2, Service::Answers(0));
+        let mut sim = sim(profile, document, 2, Service::Answers(Nanos::ZERO));
         let acme = [(":path", "/"), ("x-account-id", "acme")];
         let sent: Vec<u32> = (0..5).map(|i| sim.send(i % 2, "10.0.0.1", &acme)).collect();
         let admitted_now: Vec<u32> = sent
@@ -792,7 +812,7 @@ fn a_global_concurrency_place_is_held_at_the_quota_service() {
         );
         // Gateway b stops: its two places are never given back nor renewed. a's one
         // place is renewed; b's are reclaimed after the bound.
-        let bound = Duration::from_nanos(RECLAIMED_AFTER) + Duration::from_secs(21);
+        let bound = Duration::from_nanos(RECLAIMED_AFTER.get()) + Duration::from_secs(21);
         let mut waited = Duration::ZERO;
         while waited < bound {
             a.advance(Duration::from_secs(1));
@@ -1056,7 +1076,7 @@ fn a_woken_request_waits_for_the_flight_that_asked_for_it_so_lease_1_stays_exact
         }
         let mut sim = sim(profile, &global(6, 1), 2, Service::Answers(MS / 2));
         for (micros, worker) in [(0, 0), (50, 1), (100, 0), (150, 1), (560, 1), (700, 0)] {
-            sim.advance_to(T0 + micros * 1000);
+            sim.advance_to(T0 + Nanos::new(micros * 1000));
             sim.send(worker, "10.0.0.1", &[(":path", "/")]);
         }
         sim.advance(Duration::from_secs(2));
@@ -1119,7 +1139,7 @@ proptest! {
         let mut gateways: Vec<Sim> = [latencies.0, latencies.1]
             .into_iter()
             .map(|latency| {
-                sim(profile, &global(limit, 1), 4, Service::Answers(latency * 1000))
+                sim(profile, &global(limit, 1), 4, Service::Answers(Nanos::new(latency * 1000)))
                     .sharing_quota(Rc::clone(&quota))
             })
             .collect();

@@ -38,6 +38,7 @@ use crate::ffi::{
 pub use crate::host::Answer;
 use crate::host::{self, Metrics, NativeHost};
 use crate::timer;
+use diana_core::time::{Instant, Nanos};
 use diana_core::worker::{
     CallToken, Command, ContextId, Host, HostProfile, LocalReply, Step, Worker,
 };
@@ -82,7 +83,7 @@ struct Core {
     /// The tick period the worker asked for (zero: none).
     tick: Duration,
     /// When its next tick is due (wall clock, ns).
-    due: Option<u64>,
+    due: Option<Instant>,
 }
 
 struct Paused {
@@ -123,7 +124,7 @@ struct Outcome {
     /// Calls made: Envoy's callout id and the worker's token.
     dispatched: Vec<(u64, CallToken)>,
     /// The worker's next tick moved to this (wall clock, ns).
-    rearm: Option<u64>,
+    rearm: Option<Instant>,
 }
 
 thread_local! {
@@ -193,7 +194,7 @@ pub fn config_scheduled(config: &Arc<Config>, event: u64) {
         return;
     }
     let slots = lock(&config.slots).clone();
-    let mut earliest: Option<u64> = None;
+    let mut earliest: Option<Instant> = None;
     for slot in slots {
         let Some(now) = host::now() else {
             return;
@@ -240,7 +241,7 @@ impl Config {
     /// that thread's wake-up, and the main thread, woken by the commit, would block on the
     /// timer's lock if it were held across the commit (the worker thread, preempted inside
     /// it, holds it: measured, one extra main-thread wake-up per refill ahead).
-    fn arm_tick(&self, due: u64) {
+    fn arm_tick(&self, due: Instant) {
         let after = until(due);
         if !after.is_zero() {
             timer::arm(self.id, after);
@@ -324,7 +325,7 @@ impl Slot {
         Some(Held(lock(&self.core)))
     }
 
-    fn due(&self) -> Option<u64> {
+    fn due(&self) -> Option<Instant> {
         self.lock().and_then(|core| core.0.due)
     }
 
@@ -416,7 +417,7 @@ impl Core {
         &mut self,
         commands: Vec<Command>,
         current: Option<ContextId>,
-        rearm: &mut Option<u64>,
+        rearm: &mut Option<Instant>,
     ) -> Vec<Command> {
         let mut mine = Vec::new();
         let mut tick_now = false;
@@ -464,17 +465,15 @@ impl Core {
         self.due = if self.tick.is_zero() {
             None
         } else {
-            host::now().map(|now| {
-                now.saturating_add(u64::try_from(self.tick.as_nanos()).unwrap_or(u64::MAX))
-            })
+            host::now().map(|now| now.saturating_add(Nanos::saturating_from_std(self.tick)))
         };
     }
 }
 
 /// From now until `due` (wall clock, ns).
-fn until(due: u64) -> Duration {
+fn until(due: Instant) -> Duration {
     host::now()
-        .map(|now| Duration::from_nanos(due.saturating_sub(now)))
+        .map(|now| Duration::from_nanos(due.saturating_since(now).get()))
         .unwrap_or(Duration::ZERO)
 }
 
@@ -710,7 +709,7 @@ impl FilterBox {
 }
 
 impl Local {
-    fn rearm(&self, due: Option<u64>) {
+    fn rearm(&self, due: Option<Instant>) {
         if let Some(due) = due {
             self.config.arm_tick(due);
         }

@@ -39,6 +39,7 @@ pub fn now() -> Option<Instant> {
         .ok()
         .and_then(|since| u64::try_from(since.as_nanos()).ok())
         .filter(|&nanos| nanos > 0)
+        .map(Instant::from_unix_nanos)
 }
 
 /// One metric of a configuration: Envoy's id and the value summed over the workers.

@@ -35,6 +35,7 @@ use axum::{Json, Router};
 use diana_core::global::wire::{
     self, AcquireRequest, AcquireResponse, ErrorResponse, ReleaseResponse, ResolvedRule, RuleResult,
 };
+use diana_core::time::Nanos;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -491,9 +492,9 @@ async fn decide(
 
 /// Caps the `max_delay` of every rule whose algorithm waits (whole milliseconds).
 fn cap_delays(rules: &mut [ResolvedRule<'_>], cap: Duration) {
-    let cap_ns = u64::try_from(cap.as_millis().saturating_mul(1_000_000)).unwrap_or(u64::MAX);
+    let cap = Nanos::saturating_from_millis(u64::try_from(cap.as_millis()).unwrap_or(u64::MAX));
     for rule in rules.iter_mut().filter(|rule| rule.algo.waits()) {
-        rule.max_delay = Some(rule.max_delay.map_or(cap_ns, |own| own.min(cap_ns)));
+        rule.max_delay = Some(rule.max_delay.map_or(cap, |own| own.min(cap)));
     }
 }
 

@@ -13,6 +13,7 @@ mod common;
 
 use common::*;
 use diana_core::global::wire::{ResolvedRule, RuleRequest};
+use diana_core::time::Instant;
 use diana_quota::store::{MemoryStore, Outcome, RedisStore};
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
@@ -191,6 +192,11 @@ fn request(key: &str, case: Case, want: u32, cost: u32, max_delay_ms: Option<u64
     }
 }
 
+/// The instant `us` microseconds after the epoch (the Redis script's clock, in µs).
+fn at_us(us: u64) -> Instant {
+    Instant::from_unix_nanos(us * 1_000)
+}
+
 fn moved(now_us: u64, step: Step, case: Case) -> u64 {
     let unit = unit_us(case.2);
     let period = (unit / u64::from(case.1)).max(1);
@@ -212,9 +218,9 @@ struct Model {
 }
 
 impl Model {
-    fn acquire(&self, rules: &[ResolvedRule<'_>], now_ns: u64) -> Vec<Outcome> {
+    fn acquire(&self, rules: &[ResolvedRule<'_>], now: Instant) -> Vec<Outcome> {
         if !self.cluster {
-            return self.memory.acquire_at(rules, now_ns).unwrap();
+            return self.memory.acquire_at(rules, now).unwrap();
         }
         let mut groups: Vec<Vec<usize>> = Vec::new();
         for (index, rule) in rules.iter().enumerate() {
@@ -230,7 +236,7 @@ impl Model {
         let mut per_group = Vec::new();
         for group in &groups {
             let subset: Vec<ResolvedRule<'_>> = group.iter().map(|&i| rules[i]).collect();
-            let decided = self.memory.acquire_at(&subset, now_ns).unwrap();
+            let decided = self.memory.acquire_at(&subset, now).unwrap();
             for (&i, outcome) in group.iter().zip(&decided) {
                 outcomes[i] = *outcome;
             }
@@ -241,7 +247,7 @@ impl Model {
         }
         for (group, (subset, decided)) in groups.iter().zip(&per_group) {
             if decided.iter().any(|o| o.result.granted > 0) {
-                let after = self.memory.release_at(subset, decided, now_ns).unwrap();
+                let after = self.memory.release_at(subset, decided, now).unwrap();
                 for (&i, result) in group.iter().zip(after) {
                     outcomes[i] = Outcome {
                         result,
@@ -300,7 +306,7 @@ async fn check(
                     .collect();
                 let rules: Vec<ResolvedRule<'_>> =
                     requests.iter().map(|r| r.resolve(0).unwrap()).collect();
-                let expected = model.acquire(&rules, now_us * 1_000);
+                let expected = model.acquire(&rules, at_us(now_us));
                 let actual = redis.acquire_at(&rules, Some(now_us)).await.unwrap();
                 prop_assert_eq!(
                     &actual,
@@ -333,7 +339,7 @@ async fn check(
                 }
                 let rules: Vec<ResolvedRule<'_>> =
                     requests.iter().map(|r| r.resolve(0).unwrap()).collect();
-                let expected = model.memory.charge_at(&rules, now_us * 1_000).unwrap();
+                let expected = model.memory.charge_at(&rules, at_us(now_us)).unwrap();
                 let actual = redis.charge_at(&rules, Some(now_us)).await.unwrap();
                 prop_assert_eq!(
                     &actual,
@@ -370,7 +376,7 @@ async fn check(
                     requests.iter().map(|r| r.resolve(0).unwrap()).collect();
                 let expected = model
                     .memory
-                    .release_at(&rules, &portion(&expected_grants), now_us * 1_000)
+                    .release_at(&rules, &portion(&expected_grants), at_us(now_us))
                     .unwrap();
                 let actual = redis
                     .release_at(&rules, &portion(&actual_grants), Some(now_us))
@@ -414,7 +420,7 @@ async fn check(
                 };
                 let expected = model
                     .memory
-                    .renew_at(&rules, &marks(expected_grants), now_us * 1_000)
+                    .renew_at(&rules, &marks(expected_grants), at_us(now_us))
                     .unwrap();
                 let actual = redis
                     .renew_at(&rules, &marks(actual_grants), Some(now_us))

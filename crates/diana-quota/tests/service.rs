@@ -471,8 +471,8 @@ async fn bad_cost_and_max_delay_get_400_with_the_reason() {
 struct HandClock(AtomicU64);
 
 impl Clock for HandClock {
-    fn now(&self) -> u64 {
-        self.0.load(Ordering::SeqCst)
+    fn now(&self) -> diana_core::time::Instant {
+        diana_core::time::Instant::from_unix_nanos(self.0.load(Ordering::SeqCst))
     }
 }
 

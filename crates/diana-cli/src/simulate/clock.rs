@@ -1,9 +1,12 @@
 //! Timestamps of a request log: RFC 3339 text or decimal epoch seconds, to nanoseconds
 //! since the epoch (exactly, digit by digit: no float rounding), and back to text.
 
-use diana_core::time::{Nanos, NANOS_PER_SECOND};
+use diana_core::time::{Instant, NANOS_PER_SECOND};
 
 const SECONDS_PER_DAY: u64 = 86_400;
+
+/// Nanoseconds in a second, as the raw number the parsing works in.
+const SECOND: u64 = NANOS_PER_SECOND.get();
 
 /// Days from 1970-01-01 to the given civil date (proleptic Gregorian), or `None` before
 /// 1970. Howard Hinnant's `days_from_civil`.
@@ -69,14 +72,14 @@ fn fraction_nanos(fraction: &str) -> Option<u64> {
 }
 
 /// Parses an RFC 3339 date-time (`2026-11-22T10:00:00.123Z`, `...+01:00`; a space or a
-/// lower-case `t`/`z` is accepted as well) into nanoseconds since the epoch.
-pub fn parse_rfc3339(text: &str) -> Result<Nanos, String> {
+/// lower-case `t`/`z` is accepted as well) into an instant.
+pub fn parse_rfc3339(text: &str) -> Result<Instant, String> {
     parse_rfc3339_parts(text.trim()).ok_or_else(|| {
         format!("{text:?} is not an RFC 3339 time (like 2026-11-22T10:00:00.250Z) at or after 1970")
     })
 }
 
-fn parse_rfc3339_parts(text: &str) -> Option<Nanos> {
+fn parse_rfc3339_parts(text: &str) -> Option<Instant> {
     let (year, rest) = digits(text, 4)?;
     let rest = rest.strip_prefix('-')?;
     let (month, rest) = digits(rest, 2)?;
@@ -128,12 +131,14 @@ fn parse_rfc3339_parts(text: &str) -> Option<Nanos> {
     let local = days * SECONDS_PER_DAY + hour * 3_600 + minute * 60 + second;
     let utc = i64::try_from(local).ok()?.checked_sub(offset)?;
     let utc = u64::try_from(utc).ok()?;
-    utc.checked_mul(NANOS_PER_SECOND)?.checked_add(nanos)
+    utc.checked_mul(SECOND)?
+        .checked_add(nanos)
+        .map(Instant::from_unix_nanos)
 }
 
 /// Parses decimal epoch seconds (`1763805600`, `1763805600.25`) exactly; an exponent
 /// (`1.7638056e9`) is read through a float.
-pub fn parse_epoch_seconds(text: &str) -> Result<Nanos, String> {
+pub fn parse_epoch_seconds(text: &str) -> Result<Instant, String> {
     let text = text.trim();
     let bad = || format!("{text} is not a time in seconds since the epoch (1970) or later");
     if text.contains(['e', 'E']) {
@@ -142,7 +147,9 @@ pub fn parse_epoch_seconds(text: &str) -> Result<Nanos, String> {
             return Err(bad());
         }
         // In range: at most 1.8e19 ns, below u64::MAX.
-        return Ok((value * NANOS_PER_SECOND as f64).round() as u64);
+        return Ok(Instant::from_unix_nanos(
+            (value * SECOND as f64).round() as u64
+        ));
     }
     let (whole, fraction) = match text.split_once('.') {
         Some((whole, fraction)) => (whole, Some(fraction)),
@@ -157,8 +164,9 @@ pub fn parse_epoch_seconds(text: &str) -> Result<Nanos, String> {
         None => 0,
     };
     seconds
-        .checked_mul(NANOS_PER_SECOND)
+        .checked_mul(SECOND)
         .and_then(|n| n.checked_add(nanos))
+        .map(Instant::from_unix_nanos)
         .ok_or_else(bad)
 }
 
@@ -178,7 +186,11 @@ pub fn format_seconds(seconds: u64) -> String {
 mod tests {
     use super::*;
 
-    const S: u64 = NANOS_PER_SECOND;
+    const S: u64 = SECOND;
+
+    fn at(nanos: u64) -> Instant {
+        Instant::from_unix_nanos(nanos)
+    }
 
     #[test]
     fn rfc3339_times_in_every_accepted_spelling() {
@@ -194,7 +206,7 @@ mod tests {
                 1_709_208_000 * S + 123_456_789,
             ),
         ] {
-            assert_eq!(parse_rfc3339(text), Ok(expected), "{text}");
+            assert_eq!(parse_rfc3339(text), Ok(at(expected)), "{text}");
         }
         for text in [
             "",
@@ -213,13 +225,13 @@ mod tests {
 
     #[test]
     fn epoch_seconds_are_read_digit_by_digit() {
-        assert_eq!(parse_epoch_seconds("1767225601"), Ok(1_767_225_601 * S));
+        assert_eq!(parse_epoch_seconds("1767225601"), Ok(at(1_767_225_601 * S)));
         assert_eq!(
             parse_epoch_seconds("1767225601.123456789"),
-            Ok(1_767_225_601 * S + 123_456_789)
+            Ok(at(1_767_225_601 * S + 123_456_789))
         );
-        assert_eq!(parse_epoch_seconds("0.5"), Ok(S / 2));
-        assert_eq!(parse_epoch_seconds("1.5e9"), Ok(1_500_000_000 * S));
+        assert_eq!(parse_epoch_seconds("0.5"), Ok(at(S / 2)));
+        assert_eq!(parse_epoch_seconds("1.5e9"), Ok(at(1_500_000_000 * S)));
         for text in ["-1", "", ".5", "1.", "1e30", "12a", "99999999999999999999"] {
             assert!(parse_epoch_seconds(text).is_err(), "{text}");
         }
@@ -232,7 +244,7 @@ mod tests {
         assert_eq!(format_seconds(1_709_208_000), "2024-02-29T12:00:00Z");
         for seconds in [951_782_400, 4_102_444_799, 1_767_225_601] {
             let text = format_seconds(seconds);
-            assert_eq!(parse_rfc3339(&text), Ok(seconds * S), "{text}");
+            assert_eq!(parse_rfc3339(&text), Ok(at(seconds * S)), "{text}");
         }
     }
 }

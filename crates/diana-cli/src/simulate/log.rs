@@ -70,7 +70,7 @@ impl EnvoyField {
 /// One request of the log: what the filter would have seen of it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Request {
-    /// When it arrived, nanoseconds since the epoch.
+    /// When it arrived.
     pub ts: Instant,
     /// Line number in the log (from 1).
     pub line: u64,
@@ -211,12 +211,12 @@ fn parse_json(bytes: &[u8], line: u64) -> Result<Request, String> {
         Some(_) => return Err("\"response_headers\": an object of strings expected".into()),
     }
     let duration = match object.get("duration_ms") {
-        None | Some(serde_json::Value::Null) => 0,
+        None | Some(serde_json::Value::Null) => Nanos::ZERO,
         Some(serde_json::Value::Number(ms)) => ms
             .as_f64()
             .filter(|ms| ms.is_finite() && *ms >= 0.0)
             // Truncation intended: nanoseconds of at most a day.
-            .map(|ms| (ms.min(86_400_000.0) * 1_000_000.0) as Nanos)
+            .map(|ms| Nanos::new((ms.min(86_400_000.0) * 1_000_000.0) as u64))
             .ok_or("\"duration_ms\": a number of milliseconds ≥ 0 expected")?,
         Some(_) => return Err("\"duration_ms\": a number expected".into()),
     };
@@ -349,7 +349,7 @@ fn parse_envoy(bytes: &[u8], line: u64, extra: &[EnvoyField]) -> Result<Option<R
         // %DURATION%, in milliseconds.
         duration: set(field(DURATION))
             .and_then(|ms| std::str::from_utf8(ms).ok()?.parse::<u64>().ok())
-            .map_or(0, |ms| ms.min(86_400_000) * 1_000_000),
+            .map_or(Nanos::ZERO, |ms| Nanos::from_millis(ms.min(86_400_000))),
     }))
 }
 
@@ -425,7 +425,7 @@ impl<R: BufRead> LineReader<R> {
 mod tests {
     use super::*;
 
-    const S: diana_core::time::Nanos = diana_core::time::NANOS_PER_SECOND;
+    const S: Nanos = diana_core::time::NANOS_PER_SECOND;
 
     fn request(line: Result<Line, String>) -> Request {
         match line {
@@ -442,7 +442,7 @@ mod tests {
             Format::Auto,
             &[],
         ));
-        assert_eq!(r.ts, 1_767_225_601 * S + S / 4);
+        assert_eq!(r.ts, Instant::EPOCH + (1_767_225_601 * S + S / 4));
         assert_eq!((r.line, r.path.as_slice()), (3, &b"/x?q=1"[..]));
         assert_eq!(r.header("x-device-id"), Some(b"d1".to_vec()));
         assert_eq!(r.client_ip(), Some(b"10.0.0.1".to_vec()));
@@ -452,7 +452,7 @@ mod tests {
             Format::Jsonl,
             &[],
         ));
-        assert_eq!(r.ts, 1_767_225_601 * S + S / 2);
+        assert_eq!(r.ts, Instant::EPOCH + (1_767_225_601 * S + S / 2));
         assert!(r.headers.is_empty() && r.client_ip.is_none());
     }
 
@@ -493,7 +493,10 @@ mod tests {
     #[test]
     fn envoy_default_lines() {
         let r = request(parse_line(ENVOY, 9, Format::Auto, &[]));
-        assert_eq!(r.ts, 1_460_751_420 * S + 310_000_000);
+        assert_eq!(
+            r.ts,
+            Instant::EPOCH + (1_460_751_420 * S + Nanos::new(310_000_000))
+        );
         assert_eq!(r.path, b"/api/v1/locations");
         assert_eq!(r.client_ip(), Some(b"10.0.35.28".to_vec()));
         assert_eq!(r.header("user-agent"), Some(b"nsq2http".to_vec()));

@@ -156,7 +156,7 @@ pub fn simulate<R: BufRead>(
 struct Queued(Request);
 
 impl Queued {
-    fn key(&self) -> (Nanos, u64) {
+    fn key(&self) -> (Instant, u64) {
         (self.0.ts, self.0.line)
     }
 }
@@ -193,7 +193,7 @@ impl Reorder {
         Reorder {
             heap: BinaryHeap::new(),
             window,
-            newest: 0,
+            newest: Instant::EPOCH,
         }
     }
 
@@ -238,7 +238,7 @@ struct Replay {
     /// Per rule, per [`RuleEvent`]: its metric's name.
     metrics: Vec<(usize, RuleEvent, String)>,
     /// The simulated time: the latest request time replayed.
-    clock: Nanos,
+    clock: Instant,
     tally: Tally,
     unresolved: u64,
     /// Admitted requests still inside (the log says how long they lasted), by when they
@@ -250,7 +250,7 @@ impl Replay {
     fn new(policy: &Policy, document: &str, gateways: usize) -> Result<Replay, String> {
         let mut replay = Replay::unstarted(policy, document, gateways);
         // Refused here rather than at the first request.
-        replay.start(NANOS_PER_SECOND)?;
+        replay.start(Instant::EPOCH + NANOS_PER_SECOND)?;
         replay.gateways.clear();
         Ok(replay)
     }
@@ -276,7 +276,7 @@ impl Replay {
             quota: Rc::new(RefCell::new(MemoryQuota::new())),
             tally: Tally::new(policy.rules().count()),
             metrics,
-            clock: 0,
+            clock: Instant::EPOCH,
             unresolved: 0,
             inside: BinaryHeap::new(),
         }
@@ -289,7 +289,7 @@ impl Replay {
                 HostProfile::ENVOY,
                 &self.document,
                 1,
-                Service::Answers(0),
+                Service::Answers(Nanos::ZERO),
                 now,
             )
             .map_err(|refused| refused.to_string())?
@@ -375,7 +375,7 @@ impl Replay {
         }
         // Its turn stays taken, as in the gateway; the request itself is held only while
         // the log says it lasted.
-        if fate != Fate::Rejected && request.duration > 0 {
+        if fate != Fate::Rejected && !request.duration.is_zero() {
             self.inside.push(Reverse((
                 now.saturating_add(request.duration),
                 index,
@@ -394,6 +394,6 @@ impl Replay {
             *seen = value;
         }
         self.tally
-            .record(request.ts / NANOS_PER_SECOND, fate, &events);
+            .record(request.ts.periods(NANOS_PER_SECOND), fate, &events);
     }
 }

@@ -12,7 +12,7 @@ const ALL: &str = "(all)";
 
 fn milliseconds(nanos: Nanos) -> f64 {
     // Whole microseconds, so that the printed value does not depend on float noise.
-    (nanos / 1_000) as f64 / 1_000.0
+    (nanos.get() / 1_000) as f64 / 1_000.0
 }
 
 fn delay_text(nanos: Nanos, delayed: u64) -> String {
@@ -101,7 +101,10 @@ pub fn render_text(
         plural(simulation.gateways as u64, "gateway", "gateways"),
     );
     if let (Some(first), Some(last)) = (input.first, input.last) {
-        let (first, last) = (first / NANOS_PER_SECOND, last / NANOS_PER_SECOND);
+        let (first, last) = (
+            first.periods(NANOS_PER_SECOND),
+            last.periods(NANOS_PER_SECOND),
+        );
         out.push_str(&format!(
             "time: {} to {} ({} s)\n",
             format_seconds(first),
@@ -305,8 +308,8 @@ pub fn render_json(policy: &Policy, simulation: &Simulation, source: &str, inter
                 .map(|(line, reason)| json!({"line": line, "reason": reason}))
                 .collect::<Vec<_>>(),
             "late": input.late,
-            "first": input.first.map(|t| format_seconds(t / NANOS_PER_SECOND)),
-            "last": input.last.map(|t| format_seconds(t / NANOS_PER_SECOND)),
+            "first": input.first.map(|t| format_seconds(t.periods(NANOS_PER_SECOND))),
+            "last": input.last.map(|t| format_seconds(t.periods(NANOS_PER_SECOND))),
         },
         "gateways": simulation.gateways,
         "callouts": simulation.callouts,

@@ -43,7 +43,7 @@ impl Counts {
         match fate {
             Fate::Delayed(delay) => {
                 self.delayed += 1;
-                self.delay_sum += u128::from(delay);
+                self.delay_sum += u128::from(delay.get());
                 self.delay_max = self.delay_max.max(delay);
             }
             Fate::Admitted => self.admitted += 1,
@@ -64,9 +64,9 @@ impl Counts {
     /// Mean delay of the delayed requests, nanoseconds.
     pub fn delay_mean(&self) -> Nanos {
         if self.delayed == 0 {
-            0
+            Nanos::ZERO
         } else {
-            Nanos::try_from(self.delay_sum / u128::from(self.delayed)).unwrap_or(Nanos::MAX)
+            u64::try_from(self.delay_sum / u128::from(self.delayed)).map_or(Nanos::MAX, Nanos::new)
         }
     }
 }
@@ -176,7 +176,7 @@ mod tests {
         tally.record(10, Fate::Admitted, &[(0, RuleEvent::Allowed)]);
         tally.record(
             10,
-            Fate::Delayed(200),
+            Fate::Delayed(Nanos::new(200)),
             &[(0, RuleEvent::Allowed), (2, RuleEvent::Allowed)],
         );
         tally.record(
@@ -198,7 +198,7 @@ mod tests {
         assert_eq!((total.rules[0].admitted, total.rules[0].delayed), (1, 1));
         assert_eq!(total.rules[1].dry_run, 1);
         assert_eq!((total.rules[2].delayed, total.rules[2].rejected), (1, 1));
-        assert_eq!(total.rules[2].delay_mean(), 200);
+        assert_eq!(total.rules[2].delay_mean(), Nanos::new(200));
         assert_eq!(tally.unmatched, 1);
         let bins = tally.bins(2);
         assert_eq!(bins.iter().map(|(s, _)| *s).collect::<Vec<_>>(), [10, 12]);

@@ -41,9 +41,9 @@ impl Scaled {
         let rpu = u128::from(limit.rpu.get());
         Scaled {
             rpu,
-            interval: u128::from(limit.unit.nanos()),
+            interval: u128::from(limit.unit.nanos().get()),
             burst: u128::from(limit.burst.get()),
-            now: u128::from(now) * rpu,
+            now: u128::from(now.unix_nanos()) * rpu,
         }
     }
 
@@ -78,7 +78,7 @@ impl Scaled {
 
     /// Converts a duration kept multiplied by `rpu` back to nanoseconds, rounding up.
     pub fn to_nanos(self, scaled: u128) -> Nanos {
-        u64::try_from(scaled.div_ceil(self.rpu)).unwrap_or(u64::MAX)
+        Nanos::new(u64::try_from(scaled.div_ceil(self.rpu)).unwrap_or(u64::MAX))
     }
 }
 
@@ -86,8 +86,17 @@ impl Scaled {
 #[cfg(test)]
 pub(super) mod testing {
     use super::super::{Algorithm, Limit, Verdict};
-    use crate::time::{Instant, Nanos, Unit};
+    use crate::time::{Instant, Nanos, Unit, NANOS_PER_SECOND};
     use std::num::NonZeroU32;
+
+    /// One second in the tables' raw nanoseconds: instants and spans in a table are plain
+    /// numbers, made [`Instant`]s and [`Nanos`] where they meet the algorithm.
+    pub const S: u64 = NANOS_PER_SECOND.get();
+
+    /// The instant `nanos` after the epoch.
+    pub const fn at(nanos: u64) -> Instant {
+        Instant::from_unix_nanos(nanos)
+    }
 
     /// A limit; without `burst`, the algorithm's default.
     pub fn limit(
@@ -112,7 +121,7 @@ pub(super) mod testing {
 
     /// `(now, want, granted, remaining, reset, retry_after)`, for an algorithm that never
     /// delays.
-    pub type Step = (Nanos, u32, u32, u64, Nanos, Nanos);
+    pub type Step = (u64, u32, u32, u64, u64, u64);
 
     /// Runs the steps in order on one state, each expecting its verdict with no delay.
     pub fn run(algo: &dyn Algorithm, limit: &Limit, state: &mut [u64], steps: &[Step]) {
@@ -120,11 +129,11 @@ pub(super) mod testing {
             let expected = Verdict {
                 granted,
                 remaining,
-                reset,
-                retry_after,
+                reset: Nanos::new(reset),
+                retry_after: Nanos::new(retry_after),
                 ..Verdict::default()
             };
-            check(algo, limit, state, i, now, want, expected);
+            check(algo, limit, state, i, at(now), want, expected);
         }
     }
 
@@ -145,7 +154,7 @@ pub(super) mod testing {
             mark: expected.mark,
             ..verdict
         };
-        assert_eq!(compared, expected, "step {i} at {now}");
+        assert_eq!(compared, expected, "step {i} at {now:?}");
         if verdict.granted == 0 {
             assert_eq!(
                 state,

@@ -32,20 +32,20 @@ use std::num::NonZeroU32;
 pub struct InFlight;
 
 /// The span of one bucket of places.
-pub const PLACE_SPAN: Nanos = 20 * NANOS_PER_SECOND;
+pub const PLACE_SPAN: Nanos = Nanos::from_secs(20);
 /// Buckets kept: a place lives 3 to 4 spans after it was last renewed.
 pub const BUCKETS: u64 = 4;
 /// How often a worker renews the places of its requests still inside.
 pub const RENEW_EVERY: Nanos = PLACE_SPAN;
 /// The longest a place whose end is never reported stays counted after it was last
 /// renewed (60–80 s).
-pub const RECLAIMED_AFTER: Nanos = BUCKETS * PLACE_SPAN;
+pub const RECLAIMED_AFTER: Nanos = Nanos::new(BUCKETS * PLACE_SPAN.get());
 
 /// Words of state: the newest bucket, then the ring of counts.
 const WORDS: usize = 1 + BUCKETS as usize;
 
 fn bucket_of(now: Instant) -> u64 {
-    now / PLACE_SPAN + 1
+    now.periods(PLACE_SPAN) + 1
 }
 
 /// The state as of `now`: the newest bucket and the counts of the live buckets (oldest
@@ -120,9 +120,17 @@ impl InFlight {
             granted,
             remaining: max.saturating_sub(inside),
             // A place may free at any moment: a client is told to try again in a second.
-            reset: if inside > 0 { NANOS_PER_SECOND } else { 0 },
-            retry_after: if granted == 0 { NANOS_PER_SECOND } else { 0 },
-            delay: 0,
+            reset: if inside > 0 {
+                NANOS_PER_SECOND
+            } else {
+                Nanos::ZERO
+            },
+            retry_after: if granted == 0 {
+                NANOS_PER_SECOND
+            } else {
+                Nanos::ZERO
+            },
+            delay: Nanos::ZERO,
             mark: Mark(u128::from(places.top)),
         }
     }
@@ -210,9 +218,10 @@ impl Algorithm for InFlight {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::time::NANOS_PER_SECOND;
 
     const S: Nanos = NANOS_PER_SECOND;
-    const T0: Instant = 1_767_225_600 * S;
+    const T0: Instant = Instant::from_unix_nanos(1_767_225_600_000_000_000);
 
     fn five() -> Limit {
         let five = NonZeroU32::new(5).unwrap();

@@ -33,7 +33,7 @@
 
 use super::common::Scaled;
 use super::{Algorithm, Limit, Mark, Verdict};
-use crate::time::{Instant, Unit};
+use crate::time::{Instant, Nanos, Unit};
 use std::num::NonZeroU32;
 
 /// The leaky-bucket algorithm (`LB`). See the module documentation.
@@ -105,12 +105,16 @@ impl Algorithm for LeakyBucket {
             reset: s.to_nanos(next_free - s.now),
             // Short: `need` turns are free once the wait is down to (burst + 1 − need)·T.
             retry_after: if granted > 0 || want == 0 {
-                0
+                Nanos::ZERO
             } else {
                 s.to_nanos(wait.saturating_sub((s.burst + 1).saturating_sub(need) * s.interval))
-                    .max(1)
+                    .max(Nanos::new(1))
             },
-            delay: if granted > 0 { s.to_nanos(wait) } else { 0 },
+            delay: if granted > 0 {
+                s.to_nanos(wait)
+            } else {
+                Nanos::ZERO
+            },
             mark: Mark(next_free),
         }
     }
@@ -143,15 +147,15 @@ impl Algorithm for LeakyBucket {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::algo::common::{load, testing};
-    use crate::time::{Nanos, NANOS_PER_SECOND as S};
+    use crate::algo::common::load;
+    use crate::algo::common::testing::{self, at, S};
 
     fn limit(rpu: u32, unit: Unit, burst: Option<u32>) -> Limit {
         testing::limit(&LeakyBucket, rpu, unit, burst, 10)
     }
 
     /// `(now, want, granted, remaining, reset, retry_after, delay)`.
-    type Step = (Nanos, u32, u32, u64, Nanos, Nanos, Nanos);
+    type Step = (u64, u32, u32, u64, u64, u64, u64);
 
     fn run(limit: &Limit, state: &mut [u64], steps: &[Step]) {
         for (i, &(now, want, granted, remaining, reset, retry_after, delay)) in
@@ -160,12 +164,12 @@ mod tests {
             let expected = Verdict {
                 granted,
                 remaining,
-                reset,
-                retry_after,
-                delay,
+                reset: Nanos::new(reset),
+                retry_after: Nanos::new(retry_after),
+                delay: Nanos::new(delay),
                 ..Verdict::default()
             };
-            testing::check(&LeakyBucket, limit, state, i, now, want, expected);
+            testing::check(&LeakyBucket, limit, state, i, at(now), want, expected);
         }
     }
 
@@ -204,8 +208,8 @@ mod tests {
         steps.push((t0 + t, 1, 1, 0, 11 * t, 0, 10 * t));
         run(&l, &mut state, &steps);
         // Once the queue has drained, the bucket is idle and the next passes at once.
-        assert!(!LeakyBucket.is_idle(&l, &state, t0 + 12 * t - 1));
-        assert!(LeakyBucket.is_idle(&l, &state, t0 + 12 * t));
+        assert!(!LeakyBucket.is_idle(&l, &state, at(t0 + 12 * t - 1)));
+        assert!(LeakyBucket.is_idle(&l, &state, at(t0 + 12 * t)));
         run(&l, &mut state, &[(t0 + 12 * t, 1, 1, 10, t, 0, 0)]);
     }
 
@@ -244,16 +248,16 @@ mod tests {
         let mut now = t0;
         let mut j: u64 = 0;
         while now < t0 + 1_000_000 * S {
-            let verdict = LeakyBucket.acquire(&l, &mut state, now, 1);
+            let verdict = LeakyBucket.acquire(&l, &mut state, at(now), 1);
             if verdict.granted == 1 {
                 assert_eq!(
-                    now + verdict.delay,
+                    now + verdict.delay.get(),
                     t0 + (j * S).div_ceil(3),
                     "departure {j}"
                 );
                 j += 1;
             } else {
-                now += verdict.retry_after;
+                now += verdict.retry_after.get();
             }
         }
         // Departure j is admitted (at place 2) from t0 + ceil((j - 2)·T): the last arrival
@@ -299,11 +303,11 @@ mod tests {
         let mut state = [0u64; 2];
         let t0 = 1_700_000_000 * S;
         for _ in 0..6 {
-            assert_eq!(LeakyBucket.acquire(&l, &mut state, t0, 1).granted, 1);
+            assert_eq!(LeakyBucket.acquire(&l, &mut state, at(t0), 1).granted, 1);
         }
-        assert_eq!(LeakyBucket.acquire(&l, &mut state, t0, 1).granted, 0);
+        assert_eq!(LeakyBucket.acquire(&l, &mut state, at(t0), 1).granted, 0);
         let later = t0 + 10 * 86_400 * S;
-        assert!(LeakyBucket.is_idle(&l, &state, later));
+        assert!(LeakyBucket.is_idle(&l, &state, at(later)));
         run(&l, &mut state, &[(later, 1, 1, 5, 60 * S, 0, 0)]);
     }
 
@@ -376,8 +380,8 @@ mod tests {
         let l = limit(u32::MAX, Unit::Day, Some(u32::MAX));
         let mut state = [0u64; 2];
         for now in [0, S, u64::MAX] {
-            let verdict = LeakyBucket.acquire(&l, &mut state, now, u32::MAX);
-            assert!(verdict.granted > 0 || verdict.retry_after > 0);
+            let verdict = LeakyBucket.acquire(&l, &mut state, at(now), u32::MAX);
+            assert!(verdict.granted > 0 || !verdict.retry_after.is_zero());
         }
     }
 
@@ -387,23 +391,23 @@ mod tests {
         let now = 100 * S;
         for len in 0..2 {
             let mut state = vec![u64::MAX; len];
-            let verdict = LeakyBucket.acquire(&l, &mut state, now, 1);
+            let verdict = LeakyBucket.acquire(&l, &mut state, at(now), 1);
             assert_eq!(
                 (verdict.granted, verdict.delay, verdict.remaining),
-                (1, 0, 5)
+                (1, Nanos::ZERO, 5)
             );
             assert!(state.iter().all(|&w| w == u64::MAX));
-            assert!(LeakyBucket.is_idle(&l, &state, now));
+            assert!(LeakyBucket.is_idle(&l, &state, at(now)));
         }
         let mut state = [u64::MAX, u64::MAX];
-        assert!(LeakyBucket.is_idle(&l, &state, now));
-        let verdict = LeakyBucket.acquire(&l, &mut state, now, 1);
-        assert_eq!((verdict.granted, verdict.delay), (1, 0));
+        assert!(LeakyBucket.is_idle(&l, &state, at(now)));
+        let verdict = LeakyBucket.acquire(&l, &mut state, at(now), 1);
+        assert_eq!((verdict.granted, verdict.delay), (1, Nanos::ZERO));
         assert_eq!(load(&state), Some(u128::from(now) * 5 + u128::from(S)));
         for now in [0, 1, u64::MAX] {
             let mut state = [u64::MAX - 1, 3];
-            let _ = LeakyBucket.acquire(&l, &mut state, now, u32::MAX);
-            let _ = LeakyBucket.is_idle(&l, &state, now);
+            let _ = LeakyBucket.acquire(&l, &mut state, at(now), u32::MAX);
+            let _ = LeakyBucket.is_idle(&l, &state, at(now));
         }
     }
 }
@@ -411,8 +415,8 @@ mod tests {
 #[cfg(test)]
 mod release_tests {
     use super::*;
-    use crate::algo::common::{load, testing};
-    use crate::time::NANOS_PER_SECOND as S;
+    use crate::algo::common::load;
+    use crate::algo::common::testing::{self, at, S};
 
     #[test]
     fn only_the_last_turn_is_given_back() {
@@ -422,18 +426,21 @@ mod release_tests {
         let t0 = 100 * S;
         let now = u128::from(t0) * 10;
         let mut state = [0u64; 2];
-        let a = LeakyBucket.acquire(&l, &mut state, t0, 1);
-        let b = LeakyBucket.acquire(&l, &mut state, t0, 1);
+        let a = LeakyBucket.acquire(&l, &mut state, at(t0), 1);
+        let b = LeakyBucket.acquire(&l, &mut state, at(t0), 1);
         assert_eq!(load(&state), Some(now + 2 * t));
         // b is the last turn: given back exactly.
-        LeakyBucket.release(&l, &mut state, t0, 1, b.mark);
+        LeakyBucket.release(&l, &mut state, at(t0), 1, b.mark);
         assert_eq!(load(&state), Some(now + t));
-        let b = LeakyBucket.acquire(&l, &mut state, t0, 1);
-        let c = LeakyBucket.acquire(&l, &mut state, t0, 1);
-        assert_eq!((b.delay, c.delay), (S / 10, 2 * S / 10));
+        let b = LeakyBucket.acquire(&l, &mut state, at(t0), 1);
+        let c = LeakyBucket.acquire(&l, &mut state, at(t0), 1);
+        assert_eq!(
+            (b.delay, c.delay),
+            (Nanos::new(S / 10), Nanos::new(2 * S / 10))
+        );
         // b has c queued behind it: its turn passes unused, c keeps its own.
-        LeakyBucket.release(&l, &mut state, t0, 1, b.mark);
+        LeakyBucket.release(&l, &mut state, at(t0), 1, b.mark);
         assert_eq!(load(&state), Some(now + 3 * t));
-        assert_eq!(a.delay, 0);
+        assert_eq!(a.delay, Nanos::ZERO);
     }
 }

@@ -44,14 +44,14 @@ struct Slices {
 impl Slices {
     fn of(limit: &Limit) -> Self {
         Slices {
-            unit_ns: limit.unit.nanos(),
+            unit_ns: limit.unit.nanos().get(),
             n: u64::from(limit.slices.get()),
         }
     }
 
     /// The slice `now` falls in, counted from the epoch.
     fn index(self, now: Instant) -> u64 {
-        let index = u128::from(now) * u128::from(self.n) / u128::from(self.unit_ns);
+        let index = u128::from(now.unix_nanos()) * u128::from(self.n) / u128::from(self.unit_ns);
         u64::try_from(index).unwrap_or(u64::MAX)
     }
 
@@ -64,7 +64,9 @@ impl Slices {
     /// `g + slices` begins.
     fn until_expired(self, g: u64, now: Instant) -> Nanos {
         let end = self.start(u128::from(g) + u128::from(self.n));
-        u64::try_from(end.saturating_sub(u128::from(now))).unwrap_or(u64::MAX)
+        Nanos::new(
+            u64::try_from(end.saturating_sub(u128::from(now.unix_nanos()))).unwrap_or(u64::MAX),
+        )
     }
 
     /// Position of slice `g` in the ring.
@@ -196,11 +198,11 @@ impl Algorithm for SlidingWindow {
                 .map(|(g, _)| g)
                 .last()
         };
-        let reset = newest.map_or(0, |g| slices.until_expired(g, now));
+        let reset = newest.map_or(Nanos::ZERO, |g| slices.until_expired(g, now));
 
         // When not enough is available: expire the oldest slices until `need` fit.
         let retry_after = if granted > 0 || want == 0 {
-            0
+            Nanos::ZERO
         } else {
             let must_free = sum.saturating_add(need).saturating_sub(rpu);
             let mut freed = 0u64;
@@ -210,7 +212,7 @@ impl Algorithm for SlidingWindow {
                     freed >= must_free
                 })
                 .map_or(reset, |(g, _)| slices.until_expired(g, now))
-                .max(1)
+                .max(Nanos::new(1))
         };
 
         let mark = Mark(u128::from(view.effective));
@@ -224,7 +226,7 @@ impl Algorithm for SlidingWindow {
             remaining,
             reset,
             retry_after,
-            delay: 0,
+            delay: Nanos::ZERO,
             mark,
         }
     }
@@ -234,7 +236,7 @@ impl Algorithm for SlidingWindow {
     fn lease_until(&self, limit: &Limit, mark: Mark, now: Instant) -> Instant {
         let slices = Slices::of(limit);
         let end = slices.start(mark.0.saturating_add(1));
-        u64::try_from(end).unwrap_or(u64::MAX).max(now)
+        Instant::from_unix_nanos(u64::try_from(end).unwrap_or(u64::MAX)).max(now)
     }
 
     fn release(&self, limit: &Limit, state: &mut [u64], now: Instant, tokens: u32, mark: Mark) {
@@ -268,7 +270,7 @@ impl Algorithm for SlidingWindow {
         let must_free = sum.saturating_add(1).saturating_sub(rpu);
         let mut freed = 0u64;
         let retry_after = if sum < rpu {
-            0
+            Nanos::ZERO
         } else {
             after
                 .counted()
@@ -277,7 +279,7 @@ impl Algorithm for SlidingWindow {
                     freed >= must_free
                 })
                 .map_or(reset, |(g, _)| after.slices.until_expired(g, now))
-                .max(1)
+                .max(Nanos::new(1))
         };
         Verdict {
             remaining: rpu.saturating_sub(sum),
@@ -343,8 +345,7 @@ fn record(at: Position, state: &mut [u64], granted: u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::algo::common::testing::{self, Step};
-    use crate::time::NANOS_PER_SECOND as S;
+    use crate::algo::common::testing::{self, at, Step, S};
 
     fn limit(rpu: u32, unit: Unit, slices: u32) -> Limit {
         testing::limit(&SlidingWindow, rpu, unit, None, slices)
@@ -446,7 +447,7 @@ mod tests {
         );
         assert_eq!(
             SlidingWindow
-                .acquire(&l, &mut state, t0 + 666_666_667 + S, 1)
+                .acquire(&l, &mut state, at(t0 + 666_666_667 + S), 1)
                 .granted,
             1
         );
@@ -494,7 +495,7 @@ mod tests {
         );
         assert_eq!(
             SlidingWindow
-                .acquire(&l, &mut state, t + 24 * h - 17, 1)
+                .acquire(&l, &mut state, at(t + 24 * h - 17), 1)
                 .granted,
             1
         );
@@ -506,14 +507,14 @@ mod tests {
         let mut state = fresh(&l);
         let t0 = 1_700_000_000 * S;
         for _ in 0..5 {
-            assert_eq!(SlidingWindow.acquire(&l, &mut state, t0, 1).granted, 1);
+            assert_eq!(SlidingWindow.acquire(&l, &mut state, at(t0), 1).granted, 1);
         }
         // t0 is 2 s into a 6 s slice, which leaves the window 58 s after t0.
-        assert!(!SlidingWindow.is_idle(&l, &state, t0 + 58 * S - 1));
-        assert!(SlidingWindow.is_idle(&l, &state, t0 + 58 * S));
+        assert!(!SlidingWindow.is_idle(&l, &state, at(t0 + 58 * S - 1)));
+        assert!(SlidingWindow.is_idle(&l, &state, at(t0 + 58 * S)));
         let later = t0 + 3 * 86_400 * S;
-        assert!(SlidingWindow.is_idle(&l, &state, later));
-        let verdict = SlidingWindow.acquire(&l, &mut state, later, 1);
+        assert!(SlidingWindow.is_idle(&l, &state, at(later)));
+        let verdict = SlidingWindow.acquire(&l, &mut state, at(later), 1);
         assert_eq!((verdict.granted, verdict.remaining), (1, 4));
         let head = later / (6 * S);
         let mut expected = vec![0u64; 11];
@@ -522,8 +523,8 @@ mod tests {
         assert_eq!(state, expected);
         // Exactly one unit later the slice has expired; one ns earlier it has not.
         let slice_start = head * 6 * S;
-        assert!(!SlidingWindow.is_idle(&l, &state, slice_start + 60 * S - 1));
-        assert!(SlidingWindow.is_idle(&l, &state, slice_start + 60 * S));
+        assert!(!SlidingWindow.is_idle(&l, &state, at(slice_start + 60 * S - 1)));
+        assert!(SlidingWindow.is_idle(&l, &state, at(slice_start + 60 * S)));
     }
 
     #[test]
@@ -564,8 +565,8 @@ mod tests {
         );
         assert_eq!(state[0], 503);
         assert_eq!(state[4], 2);
-        assert!(!SlidingWindow.is_idle(&l, &state, t0 - 2 * d));
-        assert!(SlidingWindow.is_idle(&l, &state, t0 + 13 * d));
+        assert!(!SlidingWindow.is_idle(&l, &state, at(t0 - 2 * d)));
+        assert!(SlidingWindow.is_idle(&l, &state, at(t0 + 13 * d)));
     }
 
     #[test]
@@ -596,7 +597,7 @@ mod tests {
         // Far in the future: a slice index near u64::MAX must not overflow.
         let mut state = fresh(&l);
         for now in [u64::MAX - 1, u64::MAX] {
-            let verdict = SlidingWindow.acquire(&l, &mut state, now, 1);
+            let verdict = SlidingWindow.acquire(&l, &mut state, at(now), 1);
             assert_eq!(verdict.granted, 1);
         }
     }
@@ -607,30 +608,30 @@ mod tests {
         let now = 100 * S;
         for len in 0..5 {
             let mut state = vec![u64::MAX; len];
-            let verdict = SlidingWindow.acquire(&l, &mut state, now, 1);
+            let verdict = SlidingWindow.acquire(&l, &mut state, at(now), 1);
             assert_eq!((verdict.granted, verdict.remaining), (1, 2));
             assert!(state.iter().all(|&w| w == u64::MAX), "short state written");
-            assert!(SlidingWindow.is_idle(&l, &state, now));
+            assert!(SlidingWindow.is_idle(&l, &state, at(now)));
         }
         // Head far ahead: garbage, read as fresh and rewritten.
         let mut state = vec![u64::MAX; 5];
-        assert!(SlidingWindow.is_idle(&l, &state, now));
-        assert_eq!(SlidingWindow.acquire(&l, &mut state, now, 1).granted, 1);
+        assert!(SlidingWindow.is_idle(&l, &state, at(now)));
+        assert_eq!(SlidingWindow.acquire(&l, &mut state, at(now), 1).granted, 1);
         assert_eq!(state, vec![400, 1, 0, 0, 0]);
         // Huge counts saturate and read as full.
         let mut state = vec![400, u64::MAX, u64::MAX, u64::MAX, u64::MAX];
-        let verdict = SlidingWindow.acquire(&l, &mut state, now, 1);
+        let verdict = SlidingWindow.acquire(&l, &mut state, at(now), 1);
         assert_eq!(verdict.granted, 0);
-        assert!(verdict.retry_after >= 1);
+        assert!(!verdict.retry_after.is_zero());
         // A longer slice than needed is fine; extra words are left alone.
         let mut state = vec![0u64; 7];
         state[6] = 99;
-        assert_eq!(SlidingWindow.acquire(&l, &mut state, now, 1).granted, 1);
+        assert_eq!(SlidingWindow.acquire(&l, &mut state, at(now), 1).granted, 1);
         assert_eq!(state[6], 99);
         for now in [0, 1, u64::MAX] {
             let mut state = vec![u64::MAX - 1; 5];
-            let _ = SlidingWindow.acquire(&l, &mut state, now, u32::MAX);
-            let _ = SlidingWindow.is_idle(&l, &state, now);
+            let _ = SlidingWindow.acquire(&l, &mut state, at(now), u32::MAX);
+            let _ = SlidingWindow.is_idle(&l, &state, at(now));
         }
     }
 
@@ -670,7 +671,7 @@ mod tests {
                     _ => rng.next() % (S / 20),
                 };
                 let want = u32::try_from(rng.next() % 3).unwrap() + 1;
-                let g = geometry.index(now);
+                let g = geometry.index(at(now));
                 let n = u64::from(slices);
                 let sum: u64 = admitted
                     .iter()
@@ -679,23 +680,31 @@ mod tests {
                     .map(|(_, c)| c)
                     .sum();
                 let expected = u64::from(want).min(u64::from(rpu).saturating_sub(sum));
-                let verdict = SlidingWindow.acquire(&l, &mut state, now, want);
+                let verdict = SlidingWindow.acquire(&l, &mut state, at(now), want);
                 assert_eq!(u64::from(verdict.granted), expected, "at {now}");
                 assert_eq!(verdict.remaining, u64::from(rpu) - sum - expected);
                 if verdict.granted == 0 {
                     // Retrying exactly at retry_after succeeds, one ns before does not.
                     let mut probe = state.clone();
-                    let at = now + verdict.retry_after;
-                    assert_eq!(SlidingWindow.acquire(&l, &mut probe, at - 1, 1).granted, 0);
-                    assert_eq!(SlidingWindow.acquire(&l, &mut probe, at, 1).granted, 1);
+                    let then = now + verdict.retry_after.get();
+                    assert_eq!(
+                        SlidingWindow
+                            .acquire(&l, &mut probe, at(then - 1), 1)
+                            .granted,
+                        0
+                    );
+                    assert_eq!(
+                        SlidingWindow.acquire(&l, &mut probe, at(then), 1).granted,
+                        1
+                    );
                 } else {
                     admitted.push((g, expected));
                 }
                 // Reset: every counted slice has expired then, not one ns before.
-                let at = now + verdict.reset;
-                assert!(SlidingWindow.is_idle(&l, &state, at));
-                if verdict.reset > 0 {
-                    assert!(!SlidingWindow.is_idle(&l, &state, at - 1));
+                let then = now + verdict.reset.get();
+                assert!(SlidingWindow.is_idle(&l, &state, at(then)));
+                if !verdict.reset.is_zero() {
+                    assert!(!SlidingWindow.is_idle(&l, &state, at(then - 1)));
                 }
             }
             // The fullest window starts at an admitted slice.

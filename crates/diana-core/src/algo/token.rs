@@ -32,7 +32,7 @@ use crate::time::{Instant, Nanos, Unit};
 use std::num::NonZeroU32;
 
 /// How long a worker may hold tokens taken from a bucket in one batch.
-pub const TOKEN_LEASE: Nanos = 50_000_000;
+pub const TOKEN_LEASE: Nanos = Nanos::from_millis(50);
 
 /// The token-bucket algorithm (`TB`). See the module documentation.
 #[derive(Debug)]
@@ -93,12 +93,12 @@ impl Algorithm for TokenBucket {
             reset: s.to_nanos(tat - s.now),
             // Short: `need` tokens are back when the debt is down to capacity − need·interval.
             retry_after: if granted > 0 || want == 0 {
-                0
+                Nanos::ZERO
             } else {
                 s.to_nanos(debt.saturating_sub(capacity.saturating_sub(need * s.interval)))
-                    .max(1)
+                    .max(Nanos::new(1))
             },
-            delay: 0,
+            delay: Nanos::ZERO,
             // Where the grant's span of `tat` ends: a later release gives back only the
             // part of it still ahead of the clock (the rest has refilled meanwhile).
             mark: if granted > 0 {
@@ -146,9 +146,10 @@ impl Algorithm for TokenBucket {
             remaining: u64::try_from(available).unwrap_or(u64::MAX),
             reset: s.to_nanos(debt),
             retry_after: if available > 0 {
-                0
+                Nanos::ZERO
             } else {
-                s.to_nanos(debt - (capacity - s.interval)).max(1)
+                s.to_nanos(debt - (capacity - s.interval))
+                    .max(Nanos::new(1))
             },
             ..Verdict::default()
         }
@@ -164,8 +165,7 @@ impl Algorithm for TokenBucket {
 mod tests {
     use super::*;
     use crate::algo::common::load;
-    use crate::algo::common::testing::{self, Step};
-    use crate::time::NANOS_PER_SECOND as S;
+    use crate::algo::common::testing::{self, at, Step, S};
 
     fn limit(rpu: u32, unit: Unit, burst: Option<u32>) -> Limit {
         testing::limit(&TokenBucket, rpu, unit, burst, 10)
@@ -176,8 +176,8 @@ mod tests {
     }
 
     /// Drains the bucket at `now`; returns the tokens taken.
-    fn drain(limit: &Limit, state: &mut [u64], now: Instant) -> u32 {
-        TokenBucket.acquire(limit, state, now, u32::MAX).granted
+    fn drain(limit: &Limit, state: &mut [u64], now: u64) -> u32 {
+        TokenBucket.acquire(limit, state, at(now), u32::MAX).granted
     }
 
     #[test]
@@ -206,8 +206,8 @@ mod tests {
             (t0 + 6 * t, 9, 5, 0, S, 0),
         ]);
         run(&l, &mut state, &steps);
-        assert!(!TokenBucket.is_idle(&l, &state, t0 + 16 * t - 1));
-        assert!(TokenBucket.is_idle(&l, &state, t0 + 16 * t));
+        assert!(!TokenBucket.is_idle(&l, &state, at(t0 + 16 * t - 1)));
+        assert!(TokenBucket.is_idle(&l, &state, at(t0 + 16 * t)));
         // Full again, never more than capacity.
         run(
             &l,
@@ -225,27 +225,31 @@ mod tests {
         let l = limit(3, Unit::Second, Some(1));
         let t0 = 50 * S;
         let mut state = [0u64; 2];
-        let first = TokenBucket.acquire(&l, &mut state, t0, 1);
+        let first = TokenBucket.acquire(&l, &mut state, at(t0), 1);
         assert_eq!(first.granted, 1);
         // Refilled: a second grant, then the first is given back. Its token refilled
         // long ago, so nothing comes back and the bucket stays empty.
         let later = t0 + 400_000_000;
-        assert_eq!(TokenBucket.acquire(&l, &mut state, later, 1).granted, 1);
-        TokenBucket.release(&l, &mut state, later, 1, first.mark);
-        assert_eq!(TokenBucket.acquire(&l, &mut state, later, 1).granted, 0);
+        assert_eq!(TokenBucket.acquire(&l, &mut state, at(later), 1).granted, 1);
+        TokenBucket.release(&l, &mut state, at(later), 1, first.mark);
+        assert_eq!(TokenBucket.acquire(&l, &mut state, at(later), 1).granted, 0);
         // Given back a third of an interval after its grant: a third had refilled, two
         // thirds come back, the bucket is full again — and no fuller.
         let t1 = 60 * S;
         let mut state = [0u64; 2];
-        let grant = TokenBucket.acquire(&l, &mut state, t1, 1);
+        let grant = TokenBucket.acquire(&l, &mut state, at(t1), 1);
         let third = 111_111_111;
-        TokenBucket.release(&l, &mut state, t1 + third, 1, grant.mark);
+        TokenBucket.release(&l, &mut state, at(t1 + third), 1, grant.mark);
         assert_eq!(
-            TokenBucket.acquire(&l, &mut state, t1 + third, 1).granted,
+            TokenBucket
+                .acquire(&l, &mut state, at(t1 + third), 1)
+                .granted,
             1
         );
         assert_eq!(
-            TokenBucket.acquire(&l, &mut state, t1 + third, 1).granted,
+            TokenBucket
+                .acquire(&l, &mut state, at(t1 + third), 1)
+                .granted,
             0
         );
     }
@@ -275,12 +279,12 @@ mod tests {
         let mut now = t0;
         let mut taken = 0u64;
         while now <= t0 + 3 * S {
-            let verdict = TokenBucket.acquire(&l, &mut state, now, 1);
+            let verdict = TokenBucket.acquire(&l, &mut state, at(now), 1);
             if verdict.granted == 1 {
                 taken += 1;
                 assert_eq!(now, t0 + (taken * S).div_ceil(3), "token {taken}");
             } else {
-                now += verdict.retry_after;
+                now += verdict.retry_after.get();
             }
         }
         assert_eq!(taken, 9);
@@ -297,14 +301,14 @@ mod tests {
         let mut now = t0;
         let mut taken = 0u64;
         loop {
-            let verdict = TokenBucket.acquire(&l, &mut state, now, 1);
+            let verdict = TokenBucket.acquire(&l, &mut state, at(now), 1);
             if verdict.granted == 1 {
                 taken += 1;
                 assert_eq!(now, t0 + (taken * S).div_ceil(3), "token {taken}");
-            } else if now + verdict.retry_after > end {
+            } else if now + verdict.retry_after.get() > end {
                 break;
             } else {
-                now += verdict.retry_after;
+                now += verdict.retry_after.get();
             }
         }
         assert_eq!(taken, 3_000_000);
@@ -360,7 +364,7 @@ mod tests {
         let mut state = [0u64; 2];
         assert_eq!(drain(&l, &mut state, t0), 8);
         let later = t0 + 365 * 86_400 * S;
-        assert!(TokenBucket.is_idle(&l, &state, later));
+        assert!(TokenBucket.is_idle(&l, &state, at(later)));
         run(&l, &mut state, &[(later, 10, 8, 0, 96 * S, 0)]);
     }
 
@@ -437,8 +441,8 @@ mod tests {
         let l = limit(u32::MAX, Unit::Day, Some(u32::MAX));
         let mut state = [0u64; 2];
         for now in [0, S, u64::MAX] {
-            let verdict = TokenBucket.acquire(&l, &mut state, now, u32::MAX);
-            assert!(verdict.granted > 0 || verdict.retry_after > 0);
+            let verdict = TokenBucket.acquire(&l, &mut state, at(now), u32::MAX);
+            assert!(verdict.granted > 0 || !verdict.retry_after.is_zero());
         }
     }
 
@@ -451,18 +455,18 @@ mod tests {
         let l = limit(u32::MAX, Unit::Second, Some(1));
         let t1 = 282_216_072;
         let mut state = [0u64; 2];
-        assert_eq!(TokenBucket.acquire(&l, &mut state, t1, 2).granted, 1);
+        assert_eq!(TokenBucket.acquire(&l, &mut state, at(t1), 2).granted, 1);
         let before = load(&state).unwrap();
         let t2 = t1 - 125_547_027;
-        let verdict = TokenBucket.charge_debt(&l, &mut state, t2, 0);
+        let verdict = TokenBucket.charge_debt(&l, &mut state, at(t2), 0);
         assert_eq!(load(&state).unwrap(), before, "a debt of 0 changed tat");
         assert_eq!(verdict.remaining, 0);
         // Back at t1 the bucket is as empty as right after the grant.
-        assert_eq!(TokenBucket.acquire(&l, &mut state, t1, 1).granted, 0);
+        assert_eq!(TokenBucket.acquire(&l, &mut state, at(t1), 1).granted, 0);
         // A real debt at the lagging clock still adds (up to its cap), never subtracts.
         let mut state = [0u64; 2];
-        TokenBucket.acquire(&l, &mut state, t1, 1);
-        TokenBucket.charge_debt(&l, &mut state, t2, 5);
+        TokenBucket.acquire(&l, &mut state, at(t1), 1);
+        TokenBucket.charge_debt(&l, &mut state, at(t2), 5);
         assert!(load(&state).unwrap() >= before);
     }
 
@@ -472,19 +476,19 @@ mod tests {
         let now = 100 * S;
         for len in 0..2 {
             let mut state = vec![u64::MAX; len];
-            let verdict = TokenBucket.acquire(&l, &mut state, now, 1);
+            let verdict = TokenBucket.acquire(&l, &mut state, at(now), 1);
             assert_eq!((verdict.granted, verdict.remaining), (1, 4));
             assert!(state.iter().all(|&w| w == u64::MAX));
-            assert!(TokenBucket.is_idle(&l, &state, now));
+            assert!(TokenBucket.is_idle(&l, &state, at(now)));
         }
         let mut state = [u64::MAX, u64::MAX];
-        assert!(TokenBucket.is_idle(&l, &state, now));
+        assert!(TokenBucket.is_idle(&l, &state, at(now)));
         assert_eq!(drain(&l, &mut state, now), 5);
         assert_eq!(load(&state), Some(u128::from(now) * 5 + 5 * u128::from(S)));
         for now in [0, 1, u64::MAX] {
             let mut state = [u64::MAX - 1, 3];
-            let _ = TokenBucket.acquire(&l, &mut state, now, u32::MAX);
-            let _ = TokenBucket.is_idle(&l, &state, now);
+            let _ = TokenBucket.acquire(&l, &mut state, at(now), u32::MAX);
+            let _ = TokenBucket.is_idle(&l, &state, at(now));
         }
     }
 }

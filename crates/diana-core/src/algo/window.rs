@@ -62,9 +62,9 @@ fn store(state: &mut [u64], loaded: WindowState) {
 }
 
 /// Nanoseconds from `now` to the end of `window`, saturating.
-fn until_end(window: u64, unit_ns: u64, now: Instant) -> Nanos {
-    let end = (u128::from(window) + 1) * u128::from(unit_ns);
-    u64::try_from(end.saturating_sub(u128::from(now))).unwrap_or(u64::MAX)
+fn until_end(window: u64, unit: Nanos, now: Instant) -> Nanos {
+    let end = (u128::from(window) + 1) * u128::from(unit.get());
+    Nanos::new(u64::try_from(end.saturating_sub(u128::from(now.unix_nanos()))).unwrap_or(u64::MAX))
 }
 
 impl Algorithm for FixedWindow {
@@ -98,7 +98,7 @@ impl Algorithm for FixedWindow {
         want: u32,
     ) -> Verdict {
         let unit_ns = limit.unit.nanos();
-        let current = now / unit_ns;
+        let current = now.periods(unit_ns);
         let mut loaded = load(state, current);
         let rpu = u64::from(limit.rpu.get());
         let available = rpu.saturating_sub(loaded.count);
@@ -120,11 +120,11 @@ impl Algorithm for FixedWindow {
             reset,
             // Not enough left in this window: the next request passes when it ends.
             retry_after: if granted > 0 || want == 0 {
-                0
+                Nanos::ZERO
             } else {
-                reset.max(1)
+                reset.max(Nanos::new(1))
             },
-            delay: 0,
+            delay: Nanos::ZERO,
             mark: Mark(u128::from(loaded.window)),
         }
     }
@@ -136,7 +136,7 @@ impl Algorithm for FixedWindow {
     }
 
     fn release(&self, limit: &Limit, state: &mut [u64], now: Instant, tokens: u32, mark: Mark) {
-        let mut loaded = load(state, now / limit.unit.nanos());
+        let mut loaded = load(state, now.periods(limit.unit.nanos()));
         if u128::from(loaded.window) == mark.0 {
             loaded.count = loaded.count.saturating_sub(u64::from(tokens));
             store(state, loaded);
@@ -145,7 +145,7 @@ impl Algorithm for FixedWindow {
 
     fn charge_debt(&self, limit: &Limit, state: &mut [u64], now: Instant, tokens: u32) -> Verdict {
         let unit_ns = limit.unit.nanos();
-        let mut loaded = load(state, now / unit_ns);
+        let mut loaded = load(state, now.periods(unit_ns));
         loaded.count = loaded.count.saturating_add(u64::from(tokens));
         store(state, loaded);
         let remaining = u64::from(limit.rpu.get()).saturating_sub(loaded.count);
@@ -153,22 +153,25 @@ impl Algorithm for FixedWindow {
         Verdict {
             remaining,
             reset,
-            retry_after: if remaining > 0 { 0 } else { reset.max(1) },
+            retry_after: if remaining > 0 {
+                Nanos::ZERO
+            } else {
+                reset.max(Nanos::new(1))
+            },
             mark: Mark(u128::from(loaded.window)),
             ..Verdict::default()
         }
     }
 
     fn is_idle(&self, limit: &Limit, state: &[u64], now: Instant) -> bool {
-        load(state, now / limit.unit.nanos()).count == 0
+        load(state, now.periods(limit.unit.nanos())).count == 0
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::algo::common::testing::{self, Step};
-    use crate::time::NANOS_PER_SECOND as S;
+    use crate::algo::common::testing::{self, at, Step, S};
 
     fn limit(rpu: u32, unit: Unit) -> Limit {
         testing::limit(&FixedWindow, rpu, unit, None, 10)
@@ -252,11 +255,11 @@ mod tests {
         let l = limit(1, Unit::Minute);
         let t0 = 1_700_000_000 * S;
         let mut state = [0u64; 2];
-        assert_eq!(FixedWindow.acquire(&l, &mut state, t0, 1).granted, 1);
-        assert!(!FixedWindow.is_idle(&l, &state, t0));
+        assert_eq!(FixedWindow.acquire(&l, &mut state, at(t0), 1).granted, 1);
+        assert!(!FixedWindow.is_idle(&l, &state, at(t0)));
         let later = t0 + 30 * 86_400 * S;
-        assert!(FixedWindow.is_idle(&l, &state, later));
-        assert_eq!(FixedWindow.acquire(&l, &mut state, later, 1).granted, 1);
+        assert!(FixedWindow.is_idle(&l, &state, at(later)));
+        assert_eq!(FixedWindow.acquire(&l, &mut state, at(later), 1).granted, 1);
         assert_eq!(state, [later / (60 * S), 1]);
     }
 
@@ -333,28 +336,28 @@ mod tests {
         // Short: decided as fresh, nothing stored.
         for len in 0..2 {
             let mut state = vec![u64::MAX; len];
-            let verdict = FixedWindow.acquire(&l, &mut state, now, 1);
+            let verdict = FixedWindow.acquire(&l, &mut state, at(now), 1);
             assert_eq!((verdict.granted, verdict.remaining), (1, 2));
             assert!(state.iter().all(|&w| w == u64::MAX));
-            assert!(FixedWindow.is_idle(&l, &state, now));
+            assert!(FixedWindow.is_idle(&l, &state, at(now)));
         }
         // A window far in the future is garbage: fresh.
         let mut state = [u64::MAX, u64::MAX];
-        assert!(FixedWindow.is_idle(&l, &state, now));
-        assert_eq!(FixedWindow.acquire(&l, &mut state, now, 1).granted, 1);
+        assert!(FixedWindow.is_idle(&l, &state, at(now)));
+        assert_eq!(FixedWindow.acquire(&l, &mut state, at(now), 1).granted, 1);
         assert_eq!(state, [100, 1]);
         // A count above rpu reads as full.
         let mut state = [100, u64::MAX];
-        let verdict = FixedWindow.acquire(&l, &mut state, now, 1);
+        let verdict = FixedWindow.acquire(&l, &mut state, at(now), 1);
         assert_eq!(
             (verdict.granted, verdict.remaining, verdict.retry_after),
-            (0, 0, S)
+            (0, 0, Nanos::new(S))
         );
         // Extreme clock values.
         let mut state = [0u64; 2];
         for now in [0, 1, u64::MAX] {
-            let _ = FixedWindow.acquire(&l, &mut state, now, u32::MAX);
-            let _ = FixedWindow.is_idle(&l, &state, now);
+            let _ = FixedWindow.acquire(&l, &mut state, at(now), u32::MAX);
+            let _ = FixedWindow.is_idle(&l, &state, at(now));
         }
     }
 
@@ -362,34 +365,33 @@ mod tests {
     fn idle_when_count_zero_or_window_passed() {
         let l = limit(3, Unit::Second);
         let mut state = [0u64; 2];
-        assert!(FixedWindow.is_idle(&l, &state, 7 * S));
-        FixedWindow.acquire(&l, &mut state, 7 * S, 1);
-        assert!(!FixedWindow.is_idle(&l, &state, 7 * S));
-        assert!(!FixedWindow.is_idle(&l, &state, 8 * S - 1));
-        assert!(FixedWindow.is_idle(&l, &state, 8 * S));
+        assert!(FixedWindow.is_idle(&l, &state, at(7 * S)));
+        FixedWindow.acquire(&l, &mut state, at(7 * S), 1);
+        assert!(!FixedWindow.is_idle(&l, &state, at(7 * S)));
+        assert!(!FixedWindow.is_idle(&l, &state, at(8 * S - 1)));
+        assert!(FixedWindow.is_idle(&l, &state, at(8 * S)));
         // Clock behind: the stored window is still live.
-        assert!(!FixedWindow.is_idle(&l, &state, 7 * S - 1));
+        assert!(!FixedWindow.is_idle(&l, &state, at(7 * S - 1)));
     }
 }
 
 #[cfg(test)]
 mod release_tests {
     use super::*;
-    use crate::algo::common::testing;
-    use crate::time::NANOS_PER_SECOND as S;
+    use crate::algo::common::testing::{self, at, S};
 
     #[test]
     fn a_release_counts_only_in_its_own_window() {
         let l = testing::limit(&FixedWindow, 3, Unit::Second, None, 10);
         let mut state = [0u64; 2];
-        let first = FixedWindow.acquire(&l, &mut state, 10 * S, 2);
-        algorithm_release(&l, &mut state, 10 * S + 1, 1, first.mark);
+        let first = FixedWindow.acquire(&l, &mut state, at(10 * S), 2);
+        algorithm_release(&l, &mut state, at(10 * S + 1), 1, first.mark);
         assert_eq!(state, [10, 1]);
         // The window has passed: its tokens are gone, the new window is untouched.
-        let second = FixedWindow.acquire(&l, &mut state, 11 * S, 1);
-        algorithm_release(&l, &mut state, 11 * S, 1, first.mark);
+        let second = FixedWindow.acquire(&l, &mut state, at(11 * S), 1);
+        algorithm_release(&l, &mut state, at(11 * S), 1, first.mark);
         assert_eq!(state, [11, 1]);
-        algorithm_release(&l, &mut state, 11 * S, 1, second.mark);
+        algorithm_release(&l, &mut state, at(11 * S), 1, second.mark);
         assert_eq!(state, [11, 0]);
     }
 

@@ -509,7 +509,7 @@ impl PlanChoice {
 }
 
 /// `lease: auto` sizes a callout's lease to what the gateway spends in this long.
-pub const AUTO_LEASE_SPAN: Nanos = 100_000_000;
+pub const AUTO_LEASE_SPAN: Nanos = Nanos::from_millis(100);
 /// `lease: auto` keeps each gateway's lease within this share of the rule's capacity (the
 /// accuracy budget: with G gateways the global count may be off by G × this share).
 pub const AUTO_LEASE_SHARE: u64 = 100;

@@ -12,7 +12,7 @@ use std::sync::{Arc, Barrier};
 const S: Nanos = NANOS_PER_SECOND;
 
 /// A fixed instant well inside a minute window: 2026-01-01T00:00:00Z + 1s.
-const T0: Instant = 1_767_225_601 * S;
+const T0: Instant = Instant::EPOCH.saturating_add(Nanos::from_secs(1_767_225_601));
 
 struct Harness {
     engine: Engine,
@@ -303,13 +303,13 @@ fn leaky_bucket_delays_then_rejects_past_the_queue() {
             Decision::Delay { until, .. } => untils.push(until),
             Decision::Reject(r) => {
                 assert_eq!(header(&r, "retry-after"), Some("1"));
-                untils.push(0)
+                untils.push(Instant::EPOCH)
             }
             other => panic!("{other:?}"),
         }
     }
     let step = S / 10;
-    assert_eq!(untils, [T0, T0 + step, T0 + 2 * step, 0]);
+    assert_eq!(untils, [T0, T0 + step, T0 + 2 * step, Instant::EPOCH]);
     assert_eq!(h.metrics.event_count(Event::Delayed), 2);
 }
 
@@ -813,12 +813,12 @@ fn another_workers_breaker_reaches_this_worker_within_the_cache_time() {
     let (_, pending) = call(a.evaluate("/", &Facts::default()));
     a.complete(pending, Reply::NoAnswer);
     assert!(a.metrics.degraded);
-    let (_, second) = call(b.request(&a.host, now + 1));
+    let (_, second) = call(b.request(&a.host, now + Nanos::new(1)));
     assert!(admits(&b.complete(
         &a.host,
         second,
         answered(vec![granted(1)]),
-        now + 1
+        now + Nanos::new(1)
     )));
     let later = now + crate::global::BREAKER_CACHE;
     assert!(matches!(b.request(&a.host, later), Decision::Allow { .. }));
@@ -861,7 +861,7 @@ fn a_cached_denial_from_a_clock_that_stepped_back_is_ignored() {
     ));
     // The clock steps back a day: the cached denial is a day and a second away, which
     // no limit of one per second explains: the service is asked again.
-    h.now -= 86_400 * S;
+    h.now = h.now - 86_400 * S;
     assert!(matches!(
         h.evaluate("/", &Facts::default()),
         Decision::Call(..)
@@ -1100,7 +1100,7 @@ fn a_response_cost_is_paid_from_the_workers_batch_before_it_is_spent_again() {
     let alice = Facts::default().header("x-account-id", b"alice");
     for _ in 0..2 {
         let charge = after(h.request("/", &alice));
-        h.now += 1_000_000;
+        h.now += Nanos::from_millis(1);
         h.engine.after_response(
             &h.host,
             charge,
@@ -1108,7 +1108,7 @@ fn a_response_cost_is_paid_from_the_workers_batch_before_it_is_spent_again() {
             Some(h.now),
             &mut h.metrics,
         );
-        h.now += 1_000_000;
+        h.now += Nanos::from_millis(1);
     }
     assert!(matches!(h.request("/", &alice), Decision::Reject(_)));
 }
@@ -1647,7 +1647,7 @@ fn every_rejection_says_the_real_wait_computed_or_remembered_in_every_style() {
         ("both", true, true),
     ];
     // Offsets after T0 + 5 s: computed, then remembered (the worker's memory lasts 100 ms).
-    let offsets = [0, S / 20, 80 * S / 1000, 99 * S / 1000];
+    let offsets = [Nanos::ZERO, S / 20, 80 * S / 1000, 99 * S / 1000];
     for (label, rule) in rules {
         for (style, legacy, ietf) in styles {
             let doc = format!(
@@ -1662,7 +1662,7 @@ fn every_rejection_says_the_real_wait_computed_or_remembered_in_every_style() {
                 assert_eq!(
                     waits(&rejection),
                     expected,
-                    "{label}, {style}: request {} at +{offset} ns: {:?}",
+                    "{label}, {style}: request {} at +{offset:?}: {:?}",
                     n + 6,
                     rejection.headers
                 );
@@ -1691,7 +1691,7 @@ fn a_remembered_denial_answers_what_the_counter_says_at_that_instant() {
             let remembered = rejection(h.request("/", &Facts::default()));
             assert_eq!(h.host.calls(), before, "{algo}: answered from memory");
             let counted = rejection(fresh.request(&h.host, h.now));
-            assert_eq!(waits(&remembered), waits(&counted), "{algo} +{offset}");
+            assert_eq!(waits(&remembered), waits(&counted), "{algo} +{offset:?}");
             assert!(
                 waits(&remembered).0 > Some(1),
                 "{algo}: {:?}",

@@ -13,15 +13,21 @@
 //! running forward (it stepped back): it is treated as due, so a clock step keeps global
 //! rules local for at most one retry period more.
 
-use crate::store::{decode_u64, SharedData, Store};
-use crate::time::{Instant, Nanos, NANOS_PER_SECOND};
+use crate::store::{decode_instant, encode_instant, SharedData, Store};
+use crate::time::{Instant, Nanos};
 use std::cell::Cell;
 
 /// The shared-data key of the circuit breaker.
 pub const BREAKER_KEY: &str = "diana/breaker";
 
 /// How long a VM trusts its last reading of a closed breaker.
-pub const BREAKER_CACHE: Nanos = NANOS_PER_SECOND / 10;
+pub const BREAKER_CACHE: Nanos = Nanos::from_millis(100);
+
+/// `open_until` of a closed breaker.
+const CLOSED: Instant = Instant::EPOCH;
+
+/// The earliest `open_until` of an open breaker (a clock at the epoch still opens it).
+const OPEN_AT_LEAST_UNTIL: Instant = Instant::from_unix_nanos(1);
 
 /// What the breaker allows a request that needs the service.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -39,24 +45,24 @@ pub enum Gate {
 pub struct Breaker {
     retry: Nanos,
     /// (trusted until, `open_until` read).
-    cached: Cell<(Nanos, Nanos)>,
+    cached: Cell<(Instant, Instant)>,
 }
 
 impl Breaker {
     pub fn new(retry_seconds: u32) -> Breaker {
         Breaker {
-            retry: u64::from(retry_seconds) * NANOS_PER_SECOND,
-            cached: Cell::new((0, 0)),
+            retry: Nanos::from_secs(u64::from(retry_seconds)),
+            cached: Cell::new((Instant::EPOCH, CLOSED)),
         }
     }
 
     /// `open_until`, from the cache while it is fresh and said "closed", else from the host.
     fn open_until(&self, store: &Store, host: &dyn SharedData, now: Instant) -> Instant {
         let (trusted_until, open_until) = self.cached.get();
-        if open_until == 0 && now < trusted_until && trusted_until - now <= BREAKER_CACHE {
-            return 0;
+        if open_until == CLOSED && now < trusted_until && trusted_until - now <= BREAKER_CACHE {
+            return CLOSED;
         }
-        let open_until = decode_u64(store.read(host, BREAKER_KEY).ok().flatten().as_deref());
+        let open_until = decode_instant(store.read(host, BREAKER_KEY).ok().flatten().as_deref());
         self.remember(open_until, now);
         open_until
     }
@@ -76,7 +82,7 @@ impl Breaker {
     /// back or renewed), which must not stand in for the probe.
     pub fn keeps_local(&self, store: &Store, host: &dyn SharedData, now: Instant) -> bool {
         let open_until = self.open_until(store, host, now);
-        open_until != 0 && !self.due(open_until, now)
+        open_until != CLOSED && !self.due(open_until, now)
     }
 
     /// Whether a request that needs the service may call it. A request that finds the
@@ -84,19 +90,19 @@ impl Breaker {
     /// other workers stay local until the probe answers.
     pub fn gate(&self, store: &Store, host: &dyn SharedData, now: Instant) -> Gate {
         let open_until = self.open_until(store, host, now);
-        if open_until == 0 {
+        if open_until == CLOSED {
             return Gate::Call;
         }
         if !self.due(open_until, now) {
             return Gate::Local;
         }
         let claimed = store.update(host, BREAKER_KEY, |current| {
-            let current = decode_u64(current);
-            if current == 0 {
+            let current = decode_instant(current);
+            if current == CLOSED {
                 (None, Gate::Call)
             } else if self.due(current, now) {
-                let next = now.saturating_add(self.retry).max(1);
-                (Some(next.to_le_bytes().to_vec()), Gate::Probe)
+                let next = now.saturating_add(self.retry).max(OPEN_AT_LEAST_UNTIL);
+                (Some(encode_instant(next)), Gate::Probe)
             } else {
                 (None, Gate::Local)
             }
@@ -106,21 +112,26 @@ impl Breaker {
 
     /// Opens the breaker for one retry period; true when it was closed (a switch to log).
     pub fn open(&self, store: &Store, host: &dyn SharedData, now: Instant) -> bool {
-        self.set(store, host, now.saturating_add(self.retry).max(1), now)
+        self.set(
+            store,
+            host,
+            now.saturating_add(self.retry).max(OPEN_AT_LEAST_UNTIL),
+            now,
+        )
     }
 
     /// Closes the breaker; true when it was open.
     pub fn close(&self, store: &Store, host: &dyn SharedData, now: Instant) -> bool {
-        self.set(store, host, 0, now)
+        self.set(store, host, CLOSED, now)
     }
 
     fn set(&self, store: &Store, host: &dyn SharedData, open_until: Instant, now: Instant) -> bool {
         self.remember(open_until, now);
         store
             .update(host, BREAKER_KEY, |current| {
-                let before = decode_u64(current);
-                let changed = (before == 0) != (open_until == 0);
-                (Some(open_until.to_le_bytes().to_vec()), changed)
+                let before = decode_instant(current);
+                let changed = (before == CLOSED) != (open_until == CLOSED);
+                (Some(encode_instant(open_until)), changed)
             })
             .unwrap_or(false)
     }
@@ -130,6 +141,7 @@ impl Breaker {
 mod tests {
     use super::*;
     use crate::store::{CasSemantics, MemoryHost};
+    use crate::time::NANOS_PER_SECOND;
 
     const S: Nanos = NANOS_PER_SECOND;
 
@@ -138,7 +150,7 @@ mod tests {
         let host = MemoryHost::new(CasSemantics::Nginx);
         let store = Store::new();
         let (a, b) = (Breaker::new(5), Breaker::new(5));
-        let t0 = 1_000 * S;
+        let t0 = Instant::EPOCH + 1_000 * S;
         assert_eq!(a.gate(&store, &host, t0), Gate::Call);
         assert!(a.open(&store, &host, t0));
         assert!(!a.open(&store, &host, t0), "already open: no second switch");
@@ -160,7 +172,7 @@ mod tests {
         let host = MemoryHost::new(CasSemantics::Envoy);
         let store = Store::new();
         let breaker = Breaker::new(5);
-        let t0 = 1_000_000 * S;
+        let t0 = Instant::EPOCH + 1_000_000 * S;
         breaker.open(&store, &host, t0);
         // An hour back: the stored deadline is an hour and 5 s away, which no retry
         // period explains: it is due.

@@ -202,7 +202,7 @@ impl Flights {
         let stale: SmallVec<[RiderId; 4]> = inner
             .waking
             .iter()
-            .filter(|(_, waking)| now.saturating_sub(waking.woken_at) >= EXPECTED_TTL)
+            .filter(|(_, waking)| now.saturating_since(waking.woken_at) >= EXPECTED_TTL)
             .map(|(rider, _)| *rider)
             .collect();
         for rider in stale {
@@ -317,19 +317,23 @@ impl Inner {
 mod tests {
     use super::*;
 
+    fn at(nanos: u64) -> Instant {
+        Instant::from_unix_nanos(nanos)
+    }
+
     const KEY: FlightKey = (0, 7);
 
     #[test]
     fn riders_wait_for_the_flight_and_wake_in_order_with_their_demand() {
         let flights = Flights::default();
         assert_eq!(flights.park(KEY, 1), None, "nothing in flight");
-        flights.take_off(&[KEY], 50);
+        flights.take_off(&[KEY], at(50));
         assert!(flights.in_flight(KEY) && !flights.in_flight((1, 7)));
         assert!(!flights.busy(), "a flight without riders needs no tick");
         let first = flights.park(KEY, 2).unwrap();
         let second = flights.park(KEY, 3).unwrap();
         assert!(flights.woken().is_empty() && flights.busy());
-        flights.land(&[KEY], 10);
+        flights.land(&[KEY], at(10));
         assert!(flights.busy(), "woken, not yet planned again");
         assert!(!flights.in_flight(KEY));
         assert_eq!(flights.woken(), vec![first, second]);
@@ -346,17 +350,17 @@ mod tests {
     #[test]
     fn a_flight_that_asks_for_the_woken_takes_them_along() {
         let flights = Flights::default();
-        flights.take_off(&[KEY], 50);
+        flights.take_off(&[KEY], at(50));
         let handed = flights.park(KEY, 1).unwrap();
         let waiting = flights.park(KEY, 2).unwrap();
         let other = (1, 7);
-        flights.take_off(&[other], 50);
+        flights.take_off(&[other], at(50));
         let elsewhere = flights.park(other, 1).unwrap();
-        flights.land(&[KEY, other], 10);
+        flights.land(&[KEY, other], at(10));
         // Handed to the host, none has planned again yet.
         assert_eq!(flights.woken().len(), 3);
         assert_eq!(flights.expected(KEY), 3);
-        flights.take_off(&[KEY], 60);
+        flights.take_off(&[KEY], at(60));
         assert_eq!(flights.expected(KEY), 0, "asked for by the flight");
         assert_eq!(flights.expected(other), 1, "another key's are not");
         assert!(flights.woken().is_empty());
@@ -364,7 +368,7 @@ mod tests {
         // it still needs it).
         flights.replanning(handed);
         flights.replanning(elsewhere);
-        flights.land(&[KEY], 70);
+        flights.land(&[KEY], at(70));
         assert_eq!(
             flights.woken(),
             vec![waiting],
@@ -376,11 +380,11 @@ mod tests {
     #[test]
     fn a_rider_that_leaves_is_not_woken() {
         let flights = Flights::default();
-        flights.take_off(&[KEY], 50);
+        flights.take_off(&[KEY], at(50));
         let gone = flights.park(KEY, 1).unwrap();
         let stays = flights.park(KEY, 1).unwrap();
         flights.leave(gone);
-        flights.land(&[KEY], 10);
+        flights.land(&[KEY], at(10));
         assert_eq!(flights.woken(), vec![stays]);
         assert_eq!(flights.expected(KEY), 1);
     }
@@ -388,20 +392,20 @@ mod tests {
     #[test]
     fn a_lost_flight_lands_after_its_deadline_and_grace() {
         let flights = Flights::default();
-        flights.take_off(&[KEY], 50);
+        flights.take_off(&[KEY], at(50));
         let rider = flights.park(KEY, 1).unwrap();
-        flights.land_overdue(50 + LOST_FLIGHT_GRACE - 1);
+        flights.land_overdue(at(50) + LOST_FLIGHT_GRACE - Nanos::new(1));
         assert!(flights.woken().is_empty());
-        flights.land_overdue(50 + LOST_FLIGHT_GRACE);
+        flights.land_overdue(at(50) + LOST_FLIGHT_GRACE);
         assert_eq!(flights.woken(), vec![rider]);
-        flights.land_overdue(50 + LOST_FLIGHT_GRACE + EXPECTED_TTL);
+        flights.land_overdue(at(50) + LOST_FLIGHT_GRACE + EXPECTED_TTL);
         assert_eq!(flights.expected(KEY), 0, "stale demand forgotten");
     }
 
     #[test]
     fn parking_is_bounded() {
         let flights = Flights::default();
-        flights.take_off(&[KEY], 50);
+        flights.take_off(&[KEY], at(50));
         for _ in 0..MAX_RIDERS {
             assert!(flights.park(KEY, 1).is_some());
         }

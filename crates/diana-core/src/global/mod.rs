@@ -45,8 +45,6 @@ use wire::{AcquireRequest, AcquireResponse, ErrorResponse, RuleRequest, RuleResu
 pub use breaker::{BREAKER_CACHE, BREAKER_KEY};
 pub use leaving::MAX_LEAVING;
 
-const NANOS_PER_MILLI: Nanos = 1_000_000;
-
 /// Refills ahead waiting for the worker's tick, at most (more are asked again by the
 /// requests that find their stash low).
 const MAX_REFILL_ORDERS: usize = 64;
@@ -383,7 +381,7 @@ impl Global {
                     outcomes.push(Admission::Admitted {
                         index: charge.index,
                         report: None,
-                        delay: 0,
+                        delay: Nanos::ZERO,
                         place: None,
                     });
                 }
@@ -399,9 +397,9 @@ impl Global {
                     let report = RuleReport {
                         limit: rule.limit.rpu.get(),
                         remaining: 0,
-                        reset_seconds: ceil_seconds(reset_at.saturating_sub(now)),
+                        reset_seconds: ceil_seconds(reset_at.saturating_since(now)),
                         retry_after_seconds: ceil_seconds_at_least_one(
-                            retry_at.saturating_sub(now),
+                            retry_at.saturating_since(now),
                         ),
                     };
                     return Plan::Rejected(
@@ -480,8 +478,7 @@ impl Global {
             .filter(coalesced)
             .map(|charge| (charge.index, charge.address.fingerprint))
             .collect();
-        let deadline =
-            now.saturating_add(u64::from(self.spec.timeout_ms).saturating_mul(NANOS_PER_MILLI));
+        let deadline = now.saturating_add(Nanos::from_millis(u64::from(self.spec.timeout_ms)));
         self.flights.take_off(&flying, deadline);
         metrics.event(Event::GlobalCallout);
         let wait = !self.can_pause
@@ -569,8 +566,7 @@ impl Global {
             let Ok(body) = serde_json::to_vec(&request) else {
                 continue;
             };
-            let deadline =
-                now.saturating_add(u64::from(self.spec.timeout_ms).saturating_mul(NANOS_PER_MILLI));
+            let deadline = now.saturating_add(Nanos::from_millis(u64::from(self.spec.timeout_ms)));
             let flying = vec![key];
             self.flights.take_off(&flying, deadline);
             metrics.event(Event::GlobalCallout);
@@ -621,9 +617,11 @@ impl Global {
         request.dry_run = self.dry_run(rule);
         if rule.algo.waits() {
             request.max_delay_ms = Some(if self.can_pause {
-                rule.max_wait / NANOS_PER_MILLI
+                rule.max_wait.whole_millis()
             } else {
-                rule.max_wait.min(MAX_SERVICE_WAIT_MS * NANOS_PER_MILLI) / NANOS_PER_MILLI
+                rule.max_wait
+                    .min(Nanos::from_millis(MAX_SERVICE_WAIT_MS))
+                    .whole_millis()
             });
         }
         request
@@ -732,7 +730,7 @@ impl Global {
                     metrics.event(Event::LeaseRefill);
                 }
                 let lifetime =
-                    (result.reset_ms.saturating_mul(NANOS_PER_MILLI)).max(rule.limit.unit.nanos());
+                    Nanos::saturating_from_millis(result.reset_ms).max(rule.limit.unit.nanos());
                 self.stash.keep(
                     host,
                     rule,
@@ -746,14 +744,14 @@ impl Global {
                 );
             }
             if !result.allowed && !holds {
-                let at = |ms: u64| now.saturating_add(ms.saturating_mul(NANOS_PER_MILLI));
+                let at = |ms: u64| now.saturating_add(Nanos::saturating_from_millis(ms));
                 let (retry_at, reset_at) = (at(result.retry_after_ms), at(result.reset_ms));
                 self.stash
                     .deny(host, rule, charge.address, retry_at, reset_at, now);
             }
             if took > 0 {
-                let delay = result.delay_ms.saturating_mul(NANOS_PER_MILLI);
-                if delay > 0 && !self.can_pause && denial.is_none() && !self.dry_run(rule) {
+                let delay = Nanos::saturating_from_millis(result.delay_ms);
+                if !delay.is_zero() && !self.can_pause && denial.is_none() && !self.dry_run(rule) {
                     // The service could not wait it all out and this host cannot hold it.
                     let report = RuleReport {
                         retry_after_seconds: ceil_seconds_at_least_one(delay),

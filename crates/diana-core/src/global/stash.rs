@@ -49,8 +49,6 @@ use crate::time::{Instant, Nanos};
 use crate::wire::max_duration_ms;
 use std::rc::Rc;
 
-const NANOS_PER_MILLI: Nanos = 1_000_000;
-
 /// A worker's batch is at most this share of the spare tokens of a stash. Larger than a
 /// local counter's share ([`SHARE`]): the stash's tokens are this gateway's already (the
 /// quota service counted them when it granted the lease), so a worker that holds more of
@@ -188,7 +186,8 @@ pub fn next_lease(rule: &Rule, spend_rate: u64) -> u32 {
     if !rule.lease_auto {
         return lease;
     }
-    let span = u128::from(spend_rate) * u128::from(crate::config::AUTO_LEASE_SPAN) / 1_000_000_000;
+    let span =
+        u128::from(spend_rate) * u128::from(crate::config::AUTO_LEASE_SPAN.get()) / 1_000_000_000;
     u32::try_from(span).unwrap_or(u32::MAX).clamp(1, lease)
 }
 
@@ -235,10 +234,10 @@ impl Way {
             fingerprint,
             tokens: counts & u64::from(u32::MAX),
             spent: counts >> 32,
-            valid_until: next(),
-            denied_until: next(),
-            reset_at: next(),
-            refilled_at: next(),
+            valid_until: Instant::from_unix_nanos(next()),
+            denied_until: Instant::from_unix_nanos(next()),
+            reset_at: Instant::from_unix_nanos(next()),
+            refilled_at: Instant::from_unix_nanos(next()),
             spend_rate: next(),
         }
     }
@@ -249,10 +248,10 @@ impl Way {
         for word in [
             self.fingerprint,
             counts,
-            self.valid_until,
-            self.denied_until,
-            self.reset_at,
-            self.refilled_at,
+            self.valid_until.unix_nanos(),
+            self.denied_until.unix_nanos(),
+            self.reset_at.unix_nanos(),
+            self.refilled_at.unix_nanos(),
             self.spend_rate,
         ] {
             bytes.extend_from_slice(&word.to_le_bytes());
@@ -320,7 +319,7 @@ impl Record {
             *way = Way::of(fingerprint);
         } else if !ahead(way.valid_until, now, rule) {
             way.tokens = 0;
-            way.valid_until = 0;
+            way.valid_until = Instant::EPOCH;
         }
         Some(way)
     }
@@ -328,9 +327,7 @@ impl Record {
 
 /// The longest a lease or a denial can legitimately last for `rule`.
 fn horizon(rule: &Rule) -> Nanos {
-    max_duration_ms(&rule.limit)
-        .saturating_mul(NANOS_PER_MILLI)
-        .max(rule.limit.unit.nanos())
+    Nanos::saturating_from_millis(max_duration_ms(&rule.limit)).max(rule.limit.unit.nanos())
 }
 
 /// An instant stored for `rule` that is still ahead of `now`, and not further ahead than
@@ -399,7 +396,7 @@ impl Stash {
             .update_for(host, &key, rule.keys.generation, |current| {
                 let mut record = Record::decode(current);
                 let Some(lease) = record.own(address.fingerprint) else {
-                    return (None, (Take::Ask { spend_rate: 0 }, 0, 0));
+                    return (None, (Take::Ask { spend_rate: 0 }, 0, Instant::EPOCH));
                 };
                 if lease.tokens >= cost && ahead(lease.valid_until, now, rule) {
                     let spare = lease.tokens - cost;
@@ -435,10 +432,10 @@ impl Stash {
                         retry_at: lease.denied_until,
                         reset_at: lease.reset_at,
                     };
-                    return (None, (denied, 0, 0));
+                    return (None, (denied, 0, Instant::EPOCH));
                 }
                 let spend_rate = lease.spend_rate;
-                (None, (Take::Ask { spend_rate }, 0, 0))
+                (None, (Take::Ask { spend_rate }, 0, Instant::EPOCH))
             });
         let Ok((take, batch, until)) = result else {
             return Take::Ask { spend_rate: 0 };
@@ -459,7 +456,7 @@ impl Stash {
                     held.key = Rc::clone(&key);
                     held.tokens = held.tokens.saturating_add(batch);
                     held.valid_until = until.min(now.saturating_add(BATCH_SPAN));
-                    held.denied_until = 0;
+                    held.denied_until = Instant::EPOCH;
                 });
                 if !held {
                     // No room in this worker's table: the batch goes back at once.
@@ -558,7 +555,7 @@ impl Stash {
             held.valid_until = held.lease_until;
             held.key = Rc::clone(&tokens.key);
             held.tokens = held.tokens.saturating_add(tokens.tokens);
-            held.denied_until = 0;
+            held.denied_until = Instant::EPOCH;
         });
         if !held {
             log::debug!(
@@ -584,8 +581,8 @@ impl Stash {
             // The tokens spent since the last grant (this one's included), over the time
             // they lasted: this gateway's rate, averaged with what it was.
             let spent = lease.spent.saturating_add(grant.took);
-            if lease.refilled_at > 0 && now > lease.refilled_at {
-                let elapsed = u128::from(now - lease.refilled_at);
+            if lease.refilled_at > Instant::EPOCH && now > lease.refilled_at {
+                let elapsed = u128::from((now - lease.refilled_at).get());
                 let sample = u128::from(spent) * 1_000_000_000 / elapsed;
                 let sample = u64::try_from(sample).unwrap_or(u64::MAX);
                 lease.spend_rate = if lease.spend_rate == 0 {
@@ -614,7 +611,7 @@ impl Stash {
             // This worker's own tokens are not to be hidden by the denial it remembers.
             if let Ok(mut batches) = self.batches.try_borrow_mut() {
                 if let Some(held) = batches.get_mut(&id) {
-                    held.denied_until = 0;
+                    held.denied_until = Instant::EPOCH;
                 }
             }
         }
@@ -653,8 +650,8 @@ impl Stash {
             .update_for(host, &key, rule.keys.generation, |current| {
                 let mut record = Record::decode(current);
                 match record.own(address.fingerprint) {
-                    Some(way) if way.denied_until != 0 => {
-                        way.denied_until = 0;
+                    Some(way) if way.denied_until != Instant::EPOCH => {
+                        way.denied_until = Instant::EPOCH;
                         (Some(record.encode()), ())
                     }
                     _ => (None, ()),
@@ -665,7 +662,7 @@ impl Stash {
         }
         if let Ok(mut batches) = self.batches.try_borrow_mut() {
             if let Some(batch) = batches.get_mut(&(rule.index, address.fingerprint)) {
-                batch.denied_until = 0;
+                batch.denied_until = Instant::EPOCH;
             }
         }
     }
@@ -762,7 +759,7 @@ mod tests {
     use crate::time::NANOS_PER_SECOND;
 
     const S: Nanos = NANOS_PER_SECOND;
-    const T0: Instant = 1_767_225_601 * S;
+    const T0: Instant = Instant::EPOCH.saturating_add(Nanos::from_secs(1_767_225_601));
 
     fn policy() -> Policy {
         let doc = "resources:\n  - Url: /\n    rules: [{actor: ip, rpu: 100, unit: minute, scope: global, lease: 10, slots: 1}]\n";

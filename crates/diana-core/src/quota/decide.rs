@@ -230,7 +230,7 @@ mod tests {
 
     #[test]
     fn all_or_nothing_on_shared_counters() {
-        let now = 1_700_000_000_000_000_000;
+        let now = Instant::from_unix_nanos(1_700_000_000_000_000_000);
         let requests = [rule("a", "W", 5, 3, 3), rule("a", "W", 5, 3, 3)];
         let rules: Vec<_> = requests.iter().filter_map(|r| r.resolve(0).ok()).collect();
         let mut states = vec![vec![0; 2]];
@@ -255,7 +255,7 @@ mod tests {
 
     #[test]
     fn a_turn_beyond_max_delay_is_denied_and_not_reserved() {
-        let now = 1_700_000_000_000_000_000;
+        let now = Instant::from_unix_nanos(1_700_000_000_000_000_000);
         let mut lb = rule("q", "LB", 3_600, 1, 1);
         lb.unit = "second".to_string();
         lb.burst = 10;

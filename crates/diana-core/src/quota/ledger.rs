@@ -22,7 +22,7 @@
 
 use super::Outcome;
 use crate::algo::Mark;
-use crate::time::{Instant, Nanos, NANOS_PER_SECOND};
+use crate::time::{Instant, Nanos};
 use crate::wire::{RuleResult, WireError, WireProblem};
 use std::collections::HashMap;
 
@@ -31,7 +31,7 @@ use std::collections::HashMap;
 /// timeout (`global.timeout_ms`; on the wait endpoint up to 10 s more) of the acquire:
 /// 20 s covers timeouts of up to several seconds. It is also what a call costs: one entry
 /// (a Redis key of about 100 bytes) for 20 s, so 10,000 calls a second hold some 200,000.
-pub const CALL_MEMORY: Nanos = 20 * NANOS_PER_SECOND;
+pub const CALL_MEMORY: Nanos = Nanos::from_secs(20);
 /// Most calls the memory store remembers at once.
 pub const MAX_CALLS: usize = 100_000;
 /// The stored value of a release that came first.
@@ -191,14 +191,18 @@ impl CallLedger {
 }
 
 fn expired(at: Instant, now: Instant) -> bool {
-    now.saturating_sub(at) >= CALL_MEMORY
+    now.saturating_since(at) >= CALL_MEMORY
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::time::NANOS_PER_SECOND;
 
-    const S: Nanos = NANOS_PER_SECOND;
+    /// `n` seconds after the epoch.
+    fn second(n: u64) -> Instant {
+        Instant::EPOCH + n * NANOS_PER_SECOND
+    }
 
     fn grants(granted: u32) -> Vec<Grant> {
         vec![
@@ -217,22 +221,22 @@ mod tests {
     fn either_order_gives_the_grant_back_once() {
         let mut ledger = CallLedger::default();
         // Acquire first, then release: the release takes the grant, once.
-        assert_eq!(ledger.granted("a", grants(3), 10 * S), Noted::Kept);
-        assert_eq!(ledger.release("a", 11 * S), Some(grants(3)));
-        assert_eq!(ledger.release("a", 11 * S), None);
+        assert_eq!(ledger.granted("a", grants(3), second(10)), Noted::Kept);
+        assert_eq!(ledger.release("a", second(11)), Some(grants(3)));
+        assert_eq!(ledger.release("a", second(11)), None);
         // Release first: the acquire is told to give its grant back, once.
-        assert_eq!(ledger.release("b", 10 * S), None);
+        assert_eq!(ledger.release("b", second(10)), None);
         assert_eq!(
-            ledger.release("b", 10 * S),
+            ledger.release("b", second(10)),
             None,
             "a second release changes nothing"
         );
         assert_eq!(
-            ledger.granted("b", grants(2), 11 * S),
+            ledger.granted("b", grants(2), second(11)),
             Noted::AlreadyReleased
         );
-        assert_eq!(ledger.granted("b", grants(2), 12 * S), Noted::Kept);
-        assert_eq!(ledger.release("b", 12 * S), Some(grants(2)));
+        assert_eq!(ledger.granted("b", grants(2), second(12)), Noted::Kept);
+        assert_eq!(ledger.release("b", second(12)), Some(grants(2)));
         // What is left: a's second release, waiting for an acquire until it expires.
         assert_eq!(ledger.len(), 1);
     }
@@ -240,11 +244,11 @@ mod tests {
     #[test]
     fn a_call_is_forgotten_after_its_memory() {
         let mut ledger = CallLedger::default();
-        ledger.granted("a", grants(3), 10 * S);
-        assert_eq!(ledger.release("a", 10 * S + CALL_MEMORY), None);
-        ledger.release("b", 10 * S);
+        ledger.granted("a", grants(3), second(10));
+        assert_eq!(ledger.release("a", second(10) + CALL_MEMORY), None);
+        ledger.release("b", second(10));
         assert_eq!(
-            ledger.granted("b", grants(1), 10 * S + CALL_MEMORY),
+            ledger.granted("b", grants(1), second(10) + CALL_MEMORY),
             Noted::Kept
         );
     }
@@ -253,12 +257,15 @@ mod tests {
     fn the_ledger_is_bounded() {
         let mut ledger = CallLedger::default();
         for call in 0..MAX_CALLS + 10 {
-            ledger.granted(&call.to_string(), grants(1), S);
+            ledger.granted(&call.to_string(), grants(1), second(1));
         }
         assert_eq!(ledger.len(), MAX_CALLS);
         // Once the first ones expire, new calls are remembered again.
-        ledger.granted("late", grants(1), S + CALL_MEMORY);
-        assert_eq!(ledger.release("late", S + CALL_MEMORY), Some(grants(1)));
+        ledger.granted("late", grants(1), second(1) + CALL_MEMORY);
+        assert_eq!(
+            ledger.release("late", second(1) + CALL_MEMORY),
+            Some(grants(1))
+        );
     }
 
     #[test]

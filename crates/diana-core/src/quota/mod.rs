@@ -130,7 +130,7 @@ impl Default for MemoryQuota {
             sweep_at: MIN_SWEEP,
             calls: 0,
             ledger: CallLedger::default(),
-            clock: 0,
+            clock: Instant::EPOCH,
         }
     }
 }
@@ -336,9 +336,10 @@ struct Loaded {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::time::Nanos;
     use crate::wire::{AcquireRequest, RuleRequest};
 
-    const NOW: Instant = 1_767_225_601_000_000_000;
+    const NOW: Instant = Instant::from_unix_nanos(1_767_225_601_000_000_000);
 
     fn rule(key: &str, rpu: u32, want: u32, dry_run: bool) -> RuleRequest {
         RuleRequest {
@@ -538,7 +539,7 @@ mod tests {
         assert_eq!(quota.len(), MIN_SWEEP - 1);
         // A minute later every one of them is idle: the counter that fills the table
         // sweeps them.
-        let later = NOW + 61_000_000_000;
+        let later = NOW + Nanos::from_secs(61);
         ask(&mut quota, vec![rule("fresh", 5, 1, false)], later);
         assert_eq!(quota.len(), 1);
     }

@@ -59,7 +59,7 @@ pub const MAX_CAS_ATTEMPTS: usize = 32;
 /// also how often a refused client's own record notes that it asked again (so a client that
 /// keeps being refused writes at most 8 times a second, and each worker's denial cache,
 /// [`crate::local::DENIAL_CACHE`], spaces its attempts further).
-pub const VISIT_GAP: Nanos = crate::local::BATCH_SPAN / 2;
+pub const VISIT_GAP: Nanos = Nanos::new(crate::local::BATCH_SPAN.get() / 2);
 
 /// What a newcomer does when both its candidate slots are held by active identities.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -318,6 +318,17 @@ pub fn decode_u64(bytes: Option<&[u8]>) -> u64 {
         .unwrap_or(0)
 }
 
+/// Reads an instant kept as 8 little-endian bytes (nanoseconds since the epoch); anything
+/// else reads as the epoch.
+pub fn decode_instant(bytes: Option<&[u8]>) -> Instant {
+    Instant::from_unix_nanos(decode_u64(bytes))
+}
+
+/// An instant as [`decode_instant`] reads it.
+pub fn encode_instant(instant: Instant) -> Vec<u8> {
+    instant.unix_nanos().to_le_bytes().to_vec()
+}
+
 /// The shared-data key of one slot of a rule, from the rule's key prefix
 /// ([`crate::config::RuleKeys`]): `diana/<table>/<slot>`. Printable, fixed shape, bounded
 /// length; every key starts with `diana/` (ngx_wasm_module stores `ns/key` in the
@@ -367,7 +378,7 @@ impl Record {
     fn empty(words: usize) -> Record {
         Record {
             fingerprint: 0,
-            touched: 0,
+            touched: Instant::EPOCH,
             visits: 0,
             words: vec![0; words],
         }
@@ -375,7 +386,7 @@ impl Record {
 
     /// Notes a use at `now`.
     fn touch(&mut self, now: Instant) {
-        if self.touched != 0 && now.saturating_sub(self.touched) >= VISIT_GAP {
+        if self.touched != Instant::EPOCH && now.saturating_since(self.touched) >= VISIT_GAP {
             self.visits = self.visits.saturating_add(1);
         }
         self.touched = self.touched.max(now);
@@ -391,7 +402,7 @@ impl Record {
             .chunks_exact(8)
             .map(|chunk| u64::from_le_bytes(chunk.try_into().unwrap_or([0; 8])));
         let fingerprint = values.next().unwrap_or(0);
-        let touched = values.next().unwrap_or(0);
+        let touched = Instant::from_unix_nanos(values.next().unwrap_or(0));
         let visits = values.next().unwrap_or(0);
         Record {
             fingerprint,
@@ -404,7 +415,7 @@ impl Record {
     fn encode(&self) -> Vec<u8> {
         let mut bytes = Vec::with_capacity(8 * (self.words.len() + 3));
         bytes.extend_from_slice(&self.fingerprint.to_le_bytes());
-        bytes.extend_from_slice(&self.touched.to_le_bytes());
+        bytes.extend_from_slice(&self.touched.unix_nanos().to_le_bytes());
         bytes.extend_from_slice(&self.visits.to_le_bytes());
         for word in &self.words {
             bytes.extend_from_slice(&word.to_le_bytes());
@@ -564,7 +575,7 @@ impl Store {
                 verdict = Verdict {
                     granted: 0,
                     retry_after: verdict.delay - table.max_delay,
-                    delay: 0,
+                    delay: Nanos::ZERO,
                     ..verdict
                 };
             }
@@ -575,7 +586,8 @@ impl Store {
                 // flushed out of the table to a fresh counter while it insists. (A leaky
                 // bucket's words may hold the turn just refused: never written back, and
                 // its records are never taken over anyway.)
-                if mine && !table.algo.waits() && now.saturating_sub(record.touched) >= VISIT_GAP {
+                if mine && !table.algo.waits() && now.saturating_since(record.touched) >= VISIT_GAP
+                {
                     record.touch(now);
                     let _ = self.write(
                         host,

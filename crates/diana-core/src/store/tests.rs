@@ -1,8 +1,13 @@
 use super::*;
 use crate::algo::Mark;
-use crate::time::Unit;
+use crate::time::{Nanos, Unit};
 use std::num::NonZeroU32;
 use std::sync::{Arc, Barrier};
+
+/// The instant `nanos` after the epoch.
+fn at(nanos: u64) -> Instant {
+    Instant::from_unix_nanos(nanos)
+}
 
 /// A deliberately simple algorithm so these tests exercise the store, not the algorithms:
 /// at most `rpu` tokens, and the counter forgets everything 1,000 ns after its last use.
@@ -44,7 +49,7 @@ impl Algorithm for CountUpTo {
         };
         if granted > 0 {
             state[0] += u64::from(granted);
-            state[1] = now;
+            state[1] = now.unix_nanos();
         }
         Verdict {
             granted,
@@ -57,11 +62,11 @@ impl Algorithm for CountUpTo {
     }
     fn charge_debt(&self, _limit: &Limit, state: &mut [u64], now: Instant, tokens: u32) -> Verdict {
         state[0] += u64::from(tokens);
-        state[1] = now;
+        state[1] = now.unix_nanos();
         Verdict::default()
     }
     fn is_idle(&self, _limit: &Limit, state: &[u64], now: Instant) -> bool {
-        state[0] == 0 || now.saturating_sub(state[1]) >= 1_000
+        state[0] == 0 || now.unix_nanos().saturating_sub(state[1]) >= 1_000
     }
 }
 
@@ -95,7 +100,7 @@ fn admitted(
     (0..n)
         .filter(|_| {
             store
-                .charge(host, table, SlotAddress::of(id, 64), 100, 1, 1)
+                .charge(host, table, SlotAddress::of(id, 64), at(100), 1, 1)
                 .unwrap()
                 .verdict
                 .allowed()
@@ -114,7 +119,7 @@ fn sequential_requests_admit_exactly_the_limit_on_both_hosts() {
             generation: ONLY_GENERATION,
             algo: &CountUpTo,
             limit: &limit,
-            max_delay: u64::MAX,
+            max_delay: Nanos::MAX,
         };
         assert_eq!(
             admitted(&store, &host, &table, 42, 100),
@@ -144,7 +149,7 @@ fn concurrent_workers_share_one_counter_on_both_hosts() {
                             generation: ONLY_GENERATION,
                             algo: &CountUpTo,
                             limit: &limit,
-                            max_delay: u64::MAX,
+                            max_delay: Nanos::MAX,
                         };
                         start.wait();
                         admitted(&store, host.as_ref(), &table, 42, 50)
@@ -189,13 +194,13 @@ fn creating_a_key_never_overwrites_a_competitors_creation() {
             generation: ONLY_GENERATION,
             algo: &CountUpTo,
             limit: &limit,
-            max_delay: u64::MAX,
+            max_delay: Nanos::MAX,
         };
         let address = SlotAddress::single();
         // The competitor charged one request for the same identity.
         let competitor = Record {
             fingerprint: address.fingerprint,
-            touched: 100,
+            touched: at(100),
             visits: 0,
             words: vec![1, 100],
         };
@@ -205,7 +210,7 @@ fn creating_a_key_never_overwrites_a_competitors_creation() {
             raced: Cell::new(false),
         };
         let store = Store::new();
-        let charge = store.charge(&host, &table, address, 100, 1, 1).unwrap();
+        let charge = store.charge(&host, &table, address, at(100), 1, 1).unwrap();
         assert!(charge.verdict.allowed());
         let (bytes, _) = host.inner.get(&slot_key(1, 0)).unwrap().unwrap();
         let record = Record::decode(open(&slot_key(1, 0), &bytes).unwrap(), 2);
@@ -223,7 +228,7 @@ fn memory_is_bounded_by_the_slot_table_whatever_identities_arrive() {
         generation: ONLY_GENERATION,
         algo: &CountUpTo,
         limit: &limit,
-        max_delay: u64::MAX,
+        max_delay: Nanos::MAX,
     };
     for identity in 0..100_000u64 {
         let hash = crate::hash::hash64(0, &identity.to_le_bytes());
@@ -232,7 +237,7 @@ fn memory_is_bounded_by_the_slot_table_whatever_identities_arrive() {
                 &host,
                 &table,
                 SlotAddress::of(hash, 1024),
-                identity * 10,
+                at(identity * 10),
                 1,
                 1,
             )
@@ -258,7 +263,7 @@ fn a_busy_slot_is_shared_conservatively_and_an_idle_one_is_reused() {
         generation: ONLY_GENERATION,
         algo: &CountUpTo,
         limit: &limit,
-        max_delay: u64::MAX,
+        max_delay: Nanos::MAX,
     };
     let alice = SlotAddress {
         fingerprint: 11,
@@ -272,24 +277,24 @@ fn a_busy_slot_is_shared_conservatively_and_an_idle_one_is_reused() {
     };
     assert!(
         !store
-            .charge(&host, &table, alice, 100, 1, 2)
+            .charge(&host, &table, alice, at(100), 1, 2)
             .unwrap()
             .collided
     );
     // Bob collides with active Alice: he is charged on her counter, never beyond the limit.
-    let bob_charge = store.charge(&host, &table, bob, 200, 1, 5).unwrap();
+    let bob_charge = store.charge(&host, &table, bob, at(200), 1, 5).unwrap();
     assert!(bob_charge.collided);
     assert_eq!(bob_charge.verdict.granted, 1);
     assert_eq!(
         store
-            .charge(&host, &table, alice, 300, 1, 1)
+            .charge(&host, &table, alice, at(300), 1, 1)
             .unwrap()
             .verdict
             .granted,
         0
     );
     // Once Alice's counter is idle, Bob takes the slot with a fresh counter.
-    let later = store.charge(&host, &table, bob, 5_000, 1, 3).unwrap();
+    let later = store.charge(&host, &table, bob, at(5_000), 1, 3).unwrap();
     assert!(!later.collided);
     assert_eq!(later.verdict.granted, 3);
 }
@@ -304,7 +309,7 @@ fn an_identity_finds_its_record_in_the_second_slot_before_claiming_the_first() {
         generation: ONLY_GENERATION,
         algo: &CountUpTo,
         limit: &limit,
-        max_delay: u64::MAX,
+        max_delay: Nanos::MAX,
     };
     let carol = SlotAddress {
         fingerprint: 21,
@@ -316,11 +321,11 @@ fn an_identity_finds_its_record_in_the_second_slot_before_claiming_the_first() {
         first: 0,
         second: 1,
     };
-    store.charge(&host, &table, carol, 100, 1, 1).unwrap(); // slot 0
-    store.charge(&host, &table, dave, 1_000, 1, 2).unwrap(); // slot 1: Carol is still active
-                                                             // Carol's slot 0 went idle, and Dave used his budget: Dave must not reset himself by
-                                                             // claiming slot 0; he is found in slot 1 and stays limited.
-    let again = store.charge(&host, &table, dave, 1_200, 1, 1).unwrap();
+    store.charge(&host, &table, carol, at(100), 1, 1).unwrap(); // slot 0
+    store.charge(&host, &table, dave, at(1_000), 1, 2).unwrap(); // slot 1: Carol is still active
+                                                                 // Carol's slot 0 went idle, and Dave used his budget: Dave must not reset himself by
+                                                                 // claiming slot 0; he is found in slot 1 and stays limited.
+    let again = store.charge(&host, &table, dave, at(1_200), 1, 1).unwrap();
     assert_eq!(again.verdict.granted, 0);
 }
 
@@ -336,10 +341,10 @@ fn garbage_in_a_slot_is_reclaimed_not_trusted() {
             generation: ONLY_GENERATION,
             algo: &CountUpTo,
             limit: &limit,
-            max_delay: u64::MAX,
+            max_delay: Nanos::MAX,
         };
         let charge = store
-            .charge(&host, &table, SlotAddress::single(), 100, 1, 5)
+            .charge(&host, &table, SlotAddress::single(), at(100), 1, 5)
             .unwrap();
         assert_eq!(charge.verdict.granted, 2, "{semantics:?}");
     }
@@ -355,14 +360,14 @@ fn rejected_requests_write_nothing() {
         generation: ONLY_GENERATION,
         algo: &CountUpTo,
         limit: &limit,
-        max_delay: u64::MAX,
+        max_delay: Nanos::MAX,
     };
     store
-        .charge(&host, &table, SlotAddress::single(), 100, 1, 1)
+        .charge(&host, &table, SlotAddress::single(), at(100), 1, 1)
         .unwrap();
     let (_, cas_before) = host.get(&slot_key(8, 0)).unwrap().unwrap();
     assert!(!store
-        .charge(&host, &table, SlotAddress::single(), 101, 1, 1)
+        .charge(&host, &table, SlotAddress::single(), at(101), 1, 1)
         .unwrap()
         .verdict
         .allowed());
@@ -393,9 +398,9 @@ fn endless_contention_is_bounded() {
         generation: ONLY_GENERATION,
         algo: &CountUpTo,
         limit: &limit,
-        max_delay: u64::MAX,
+        max_delay: Nanos::MAX,
     };
-    let result = store.charge(&host, &table, SlotAddress::single(), 100, 1, 1);
+    let result = store.charge(&host, &table, SlotAddress::single(), at(100), 1, 1);
     assert_eq!(result, Err(ChargeError::Contention));
 }
 
@@ -420,20 +425,20 @@ fn a_release_gives_back_to_the_holder_only() {
             generation: ONLY_GENERATION,
             algo: &CountUpTo,
             limit: &limit,
-            max_delay: u64::MAX,
+            max_delay: Nanos::MAX,
         };
         let alice = SlotAddress {
             fingerprint: 11,
             first: 0,
             second: 0,
         };
-        let charge = store.charge(&host, &table, alice, 100, 2, 2).unwrap();
+        let charge = store.charge(&host, &table, alice, at(100), 2, 2).unwrap();
         let receipt = charge.receipt.unwrap();
         assert_eq!((receipt.tokens, receipt.holder), (2, 11));
-        store.release(&host, &table, &receipt, 100).unwrap();
+        store.release(&host, &table, &receipt, at(100)).unwrap();
         assert_eq!(
             store
-                .charge(&host, &table, alice, 100, 3, 3)
+                .charge(&host, &table, alice, at(100), 3, 3)
                 .unwrap()
                 .verdict
                 .granted,
@@ -445,12 +450,12 @@ fn a_release_gives_back_to_the_holder_only() {
             fingerprint: 13,
             ..alice
         };
-        let bob_charge = store.charge(&host, &table, bob, 5_000, 1, 1).unwrap();
+        let bob_charge = store.charge(&host, &table, bob, at(5_000), 1, 1).unwrap();
         assert!(!bob_charge.collided);
-        store.release(&host, &table, &receipt, 5_000).unwrap();
-        assert_eq!(store.peek(&host, &table, bob, 5_000).unwrap()[0], 1);
+        store.release(&host, &table, &receipt, at(5_000)).unwrap();
+        assert_eq!(store.peek(&host, &table, bob, at(5_000)).unwrap()[0], 1);
         // A denial takes nothing and leaves no receipt.
-        let denied = store.charge(&host, &table, bob, 5_000, 3, 3).unwrap();
+        let denied = store.charge(&host, &table, bob, at(5_000), 3, 3).unwrap();
         assert_eq!((denied.verdict.granted, denied.receipt), (0, None));
     }
 }
@@ -479,7 +484,7 @@ fn another_keys_record_in_the_same_entry_is_not_trusted() {
         generation: ONLY_GENERATION,
         algo: &CountUpTo,
         limit: &limit,
-        max_delay: u64::MAX,
+        max_delay: Nanos::MAX,
     };
     let address = SlotAddress {
         fingerprint: 5,
@@ -489,7 +494,7 @@ fn another_keys_record_in_the_same_entry_is_not_trusted() {
     // Rule 21 fills its counter in slot 0.
     assert_eq!(
         store
-            .charge(&host, &table(&one), address, 100, 1, 2)
+            .charge(&host, &table(&one), address, at(100), 1, 2)
             .unwrap()
             .verdict
             .granted,
@@ -498,14 +503,14 @@ fn another_keys_record_in_the_same_entry_is_not_trusted() {
     // Rule 22's identity finds rule 21's record in its slot 0: not its own, not counted
     // as its own (it would have been denied), and slot 1 is free: used instead.
     let charge = store
-        .charge(&host, &table(&two), address, 100, 1, 2)
+        .charge(&host, &table(&two), address, at(100), 1, 2)
         .unwrap();
     assert_eq!(charge.verdict.granted, 2);
     assert!(charge.receipt.unwrap().key.ends_with("/1"));
     // Rule 21's record is intact.
     assert_eq!(
         store
-            .charge(&host, &table(&one), address, 100, 1, 1)
+            .charge(&host, &table(&one), address, at(100), 1, 1)
             .unwrap()
             .verdict
             .granted,
@@ -515,10 +520,10 @@ fn another_keys_record_in_the_same_entry_is_not_trusted() {
     // never a panic, never a foreign record's count believed.
     let host = MemoryHost::nginx_zone(same_entry, 1024);
     store
-        .charge(&host, &table(&one), address, 100, 1, 2)
+        .charge(&host, &table(&one), address, at(100), 1, 2)
         .unwrap();
     let charge = store
-        .charge(&host, &table(&two), address, 100, 1, 2)
+        .charge(&host, &table(&two), address, at(100), 1, 2)
         .unwrap();
     assert_eq!(charge.verdict.granted, 2);
 }
@@ -533,7 +538,7 @@ fn an_evicted_record_is_created_again_race_free() {
         generation: ONLY_GENERATION,
         algo: &CountUpTo,
         limit: &limit,
-        max_delay: u64::MAX,
+        max_delay: Nanos::MAX,
     };
     // Eight identities in a zone of four entries: the oldest are evicted, nothing fails.
     for fingerprint in 1..=8u64 {
@@ -543,7 +548,7 @@ fn an_evicted_record_is_created_again_race_free() {
             second: fingerprint as u32,
         };
         assert!(store
-            .charge(&host, &table, address, 100, 1, 1)
+            .charge(&host, &table, address, at(100), 1, 1)
             .unwrap()
             .verdict
             .allowed());
@@ -556,9 +561,12 @@ fn an_evicted_record_is_created_again_race_free() {
         first: 1,
         second: 1,
     };
-    assert_eq!(store.peek(&host, &table, first, 100).unwrap(), vec![0, 0]);
+    assert_eq!(
+        store.peek(&host, &table, first, at(100)).unwrap(),
+        vec![0, 0]
+    );
     assert!(store
-        .charge(&host, &table, first, 100, 1, 1)
+        .charge(&host, &table, first, at(100), 1, 1)
         .unwrap()
         .verdict
         .allowed());
@@ -576,10 +584,10 @@ fn a_released_key_is_cleared_on_both_hosts() {
             generation: ONLY_GENERATION,
             algo: &CountUpTo,
             limit: &limit,
-            max_delay: u64::MAX,
+            max_delay: Nanos::MAX,
         };
         store
-            .charge(&host, &table, SlotAddress::single(), 100, 1, 2)
+            .charge(&host, &table, SlotAddress::single(), at(100), 1, 2)
             .unwrap();
         assert!(store.clear(&host, &slot_key(41, 0)).unwrap());
         assert!(
@@ -593,7 +601,7 @@ fn a_released_key_is_cleared_on_both_hosts() {
         // A cleared slot is free again.
         assert_eq!(
             store
-                .charge(&host, &table, SlotAddress::single(), 100, 1, 2)
+                .charge(&host, &table, SlotAddress::single(), at(100), 1, 2)
                 .unwrap()
                 .verdict
                 .granted,
@@ -618,11 +626,18 @@ fn one_counter_rules_whose_slots_collide_keep_their_own_counts() {
         generation: ONLY_GENERATION,
         algo: &CountUpTo,
         limit: &limit,
-        max_delay: u64::MAX,
+        max_delay: Nanos::MAX,
     };
     let charge = |key_prefix| {
         store
-            .charge(&host, &table(key_prefix), SlotAddress::single(), 100, 1, 1)
+            .charge(
+                &host,
+                &table(key_prefix),
+                SlotAddress::single(),
+                at(100),
+                1,
+                1,
+            )
             .unwrap()
     };
     // Alternating requests: each rule admits exactly its limit, then denies.
@@ -643,7 +658,7 @@ fn one_counter_rules_whose_slots_collide_keep_their_own_counts() {
 // Both candidates held: a newcomer takes one over (docs/security-slots.md).
 
 const SECOND: Nanos = crate::time::NANOS_PER_SECOND;
-const T0: Instant = 1_767_225_600 * SECOND;
+const T0: Instant = Instant::from_unix_nanos(1_767_225_600_000_000_000);
 
 /// The real token bucket, `rpu` per minute (records stay active for minutes).
 fn bucket(rpu: u32) -> (&'static dyn Algorithm, Limit) {
@@ -672,7 +687,7 @@ fn newcomers_under_a_flood(eviction: Eviction) -> Vec<usize> {
         generation: ONLY_GENERATION,
         algo,
         limit: &limit,
-        max_delay: 0,
+        max_delay: Nanos::ZERO,
     };
     let host = MemoryHost::new(CasSemantics::Envoy);
     let store = Store::new().with_eviction(eviction);
@@ -695,7 +710,7 @@ fn newcomers_under_a_flood(eviction: Eviction) -> Vec<usize> {
         // Newcomer k asks at 2 s + i s (+ k µs), i < 10.
         for (k, count) in admitted.iter_mut().enumerate() {
             let k = k as u64;
-            let due = (0..10).map(|i| T0 + (2 + i) * SECOND + k * 1_000);
+            let due = (0..10).map(|i| T0 + (2 + i) * SECOND + Nanos::new(k * 1_000));
             if due
                 .clone()
                 .any(|at| at > now.saturating_sub(step) && at <= now)
@@ -737,7 +752,7 @@ fn a_held_slot_is_taken_over_with_a_fresh_counter_but_a_leaky_buckets_never() {
         generation: ONLY_GENERATION,
         algo,
         limit: &limit,
-        max_delay: 0,
+        max_delay: Nanos::ZERO,
     };
     let host = MemoryHost::new(CasSemantics::Envoy);
     let store = Store::new();
@@ -756,14 +771,18 @@ fn a_held_slot_is_taken_over_with_a_fresh_counter_but_a_leaky_buckets_never() {
         .receipt
         .unwrap();
     // Bob takes the slot over with a fresh counter (Alice is forgiven what she spent).
-    let bob_charge = store.charge(&host, &table, bob, T0 + 1, 1, 5).unwrap();
+    let bob_charge = store
+        .charge(&host, &table, bob, T0 + Nanos::new(1), 1, 5)
+        .unwrap();
     assert!(bob_charge.collided);
     assert_eq!(bob_charge.verdict.granted, 5);
     assert_eq!(bob_charge.receipt.unwrap().holder, 13);
     // Alice's late give-back leaves Bob's counter alone (holder check).
-    store.release(&host, &table, &receipt, T0 + 2).unwrap();
+    store
+        .release(&host, &table, &receipt, T0 + Nanos::new(2))
+        .unwrap();
     assert!(!store
-        .charge(&host, &table, bob, T0 + 2, 1, 1)
+        .charge(&host, &table, bob, T0 + Nanos::new(2), 1, 1)
         .unwrap()
         .verdict
         .allowed());
@@ -771,7 +790,9 @@ fn a_held_slot_is_taken_over_with_a_fresh_counter_but_a_leaky_buckets_never() {
     let host = MemoryHost::new(CasSemantics::Envoy);
     let sharing = Store::new().with_eviction(Eviction::Share);
     sharing.charge(&host, &table, alice, T0, 5, 5).unwrap();
-    let shared = sharing.charge(&host, &table, bob, T0 + 1, 1, 1).unwrap();
+    let shared = sharing
+        .charge(&host, &table, bob, T0 + Nanos::new(1), 1, 1)
+        .unwrap();
     assert!(shared.collided && !shared.verdict.allowed());
 
     // A leaky bucket's record holds queued turns: shared, never taken over.
@@ -781,7 +802,7 @@ fn a_held_slot_is_taken_over_with_a_fresh_counter_but_a_leaky_buckets_never() {
         generation: ONLY_GENERATION,
         algo: leaky,
         limit: &limit,
-        max_delay: u64::MAX,
+        max_delay: Nanos::MAX,
     };
     store.charge(&host, &table, alice, T0, 1, 1).unwrap();
     let later = store.charge(&host, &table, bob, T0 + SECOND, 1, 1).unwrap();
@@ -820,7 +841,7 @@ fn a_takeover_never_replaces_a_record_under_its_holders_charge() {
         generation: ONLY_GENERATION,
         algo,
         limit: &limit,
-        max_delay: 0,
+        max_delay: Nanos::ZERO,
     };
     let alice = SlotAddress {
         fingerprint: 11,
@@ -835,7 +856,7 @@ fn a_takeover_never_replaces_a_record_under_its_holders_charge() {
         let alice_store = Store::new();
         let alice_charges = |host: &MemoryHost| {
             assert!(alice_store
-                .charge(host, &table, alice, T0 + 1, 1, 1)
+                .charge(host, &table, alice, T0 + Nanos::new(1), 1, 1)
                 .unwrap()
                 .verdict
                 .allowed());
@@ -850,7 +871,7 @@ fn a_takeover_never_replaces_a_record_under_its_holders_charge() {
         let (_, cas_read) = host.inner.get(&slot_key(65, 0)).unwrap().unwrap();
         host.holder.set(Some(&alice_charges));
         let bob_charge = Store::new()
-            .charge(&host, &table, bob, T0 + 2, 1, 1)
+            .charge(&host, &table, bob, T0 + Nanos::new(2), 1, 1)
             .unwrap();
         // Bob's first CAS (on the record as read) failed: Alice's charge was written
         // first and then Bob's takeover was decided again, on a later CAS.
@@ -870,7 +891,7 @@ fn a_refused_client_that_insists_keeps_its_record_a_quiet_one_is_flushed() {
         generation: ONLY_GENERATION,
         algo,
         limit: &limit,
-        max_delay: 0,
+        max_delay: Nanos::ZERO,
     };
     let victim = SlotAddress {
         fingerprint: 21,
@@ -926,7 +947,7 @@ fn concurrent_workers_count_a_newcomer_exactly_in_a_full_table() {
                     generation: ONLY_GENERATION,
                     algo,
                     limit: &limit,
-                    max_delay: 0,
+                    max_delay: Nanos::ZERO,
                 };
                 saturated(&Store::new(), host.as_ref(), &table, slots, T0);
             }
@@ -944,7 +965,7 @@ fn concurrent_workers_count_a_newcomer_exactly_in_a_full_table() {
                             generation: ONLY_GENERATION,
                             algo,
                             limit: &limit,
-                            max_delay: 0,
+                            max_delay: Nanos::ZERO,
                         };
                         start.wait();
                         (0..50)

@@ -26,13 +26,13 @@ use crate::metrics::Event;
 use crate::nginx;
 use crate::remote::{self, PollBody, PollOutcome};
 use crate::store::identity;
-use crate::time::{Instant, Nanos, NANOS_PER_SECOND};
+use crate::time::{Instant, Nanos};
 use std::rc::Rc;
 use std::time::Duration;
 
 /// The least time between two config-center checks (a little less than the base tick: a
 /// tick that lands early must still count, or a worker skips every other one).
-const REMOTE_CHECK_SPACING: Nanos = NANOS_PER_SECOND * 3 / 4;
+const REMOTE_CHECK_SPACING: Nanos = Nanos::from_millis(750);
 /// How long a config-center poll may take.
 const POLL_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -501,7 +501,7 @@ mod tests {
     use std::panic::{catch_unwind, AssertUnwindSafe};
 
     const DOCUMENT: &str = "resources:\n  - Url: /\n    rules:\n      - {rpu: 100}\n";
-    const T0: Instant = 1_000 * NANOS_PER_SECOND;
+    const T0: Instant = Instant::EPOCH.saturating_add(Nanos::from_secs(1_000));
 
     /// nginx's host as the probe meets it: shared data with or without a `shm_kv` zone
     /// (without one every access traps, here a panic that ends the "instance"), and

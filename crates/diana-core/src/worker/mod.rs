@@ -260,7 +260,7 @@ impl Worker {
             tick: None,
             tick_coming: false,
             invalid: None,
-            unheld_until: 0,
+            unheld_until: Instant::EPOCH,
             unheld_logged: false,
             releases: Vec::new(),
         }
@@ -806,7 +806,7 @@ impl Worker {
         renewing: &[(ContextId, ServicePlace)],
         buckets: Option<Vec<u64>>,
     ) {
-        let now = host.now().unwrap_or(0);
+        let now = host.now().unwrap_or(Instant::EPOCH);
         for (at, (context, asked)) in renewing.iter().enumerate() {
             let bucket = buckets
                 .as_ref()

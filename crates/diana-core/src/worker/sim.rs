@@ -71,7 +71,8 @@ impl SimHost {
 
     /// Moves the clock (never back).
     pub fn set_now(&self, now: Instant) {
-        self.clock.set(Some(now.max(self.clock.get().unwrap_or(0))));
+        self.clock
+            .set(Some(now.max(self.clock.get().unwrap_or(Instant::EPOCH))));
     }
 
     /// The host refuses (`true`) or makes (`false`) every later dispatch.
@@ -337,7 +338,7 @@ impl Sim {
     }
 
     pub fn now(&self) -> Instant {
-        self.host.now().unwrap_or(0)
+        self.host.now().unwrap_or(Instant::EPOCH)
     }
 
     /// Calls to the quota service answered `quota`, shared with other gateways.
@@ -548,9 +549,7 @@ impl Sim {
     /// Moves the clock to `now + by`, delivering every answer and tick due on the way, in
     /// time order.
     pub fn advance(&mut self, by: Duration) {
-        let target = self
-            .now()
-            .saturating_add(u64::try_from(by.as_nanos()).unwrap_or(u64::MAX));
+        let target = self.now().saturating_add(Nanos::saturating_from_std(by));
         self.advance_to(target);
     }
 
@@ -657,8 +656,10 @@ impl Sim {
             if let Some(slot) = self.ticks.get_mut(index) {
                 // A tick asked for with no period set runs once.
                 *slot = (!period.is_zero()).then(|| {
-                    let period_nanos = u64::try_from(period.as_nanos()).unwrap_or(u64::MAX);
-                    (period, now.saturating_add(period_nanos))
+                    (
+                        period,
+                        now.saturating_add(Nanos::saturating_from_std(period)),
+                    )
                 });
             }
             let Some(step) = self.workers.get_mut(index).map(|w| w.on_tick(&self.host)) else {
@@ -740,7 +741,7 @@ impl Sim {
                     }
                     let at = self
                         .now()
-                        .saturating_add(u64::try_from(period.as_nanos()).unwrap_or(u64::MAX));
+                        .saturating_add(Nanos::saturating_from_std(period));
                     if let Some(slot) = self.ticks.get_mut(worker) {
                         *slot = (!period.is_zero()).then_some((period, at));
                     }

@@ -12,8 +12,8 @@
 //!
 //! [`HostProfile::pausing_needs`]: super::HostProfile::pausing_needs
 
-use crate::store::{decode_u64, SharedData, Store};
-use crate::time::{Instant, Nanos, NANOS_PER_SECOND};
+use crate::store::{decode_instant, encode_instant, SharedData, Store};
+use crate::time::{Instant, Nanos};
 
 /// The shared-data key: when a worker last saw the host run a paused request on.
 pub const UNHELD_KEY: &str = "diana/host/unheld";
@@ -22,12 +22,15 @@ pub const UNHELD_KEY: &str = "diana/host/unheld";
 /// `shm_kv` zone, so this record outlives the fix: short enough that adding the directive
 /// brings exact global rules back soon, long enough that a gateway without it loses at
 /// most one worker per period.
-pub const UNHELD_FOR: Nanos = 10 * 60 * NANOS_PER_SECOND;
+pub const UNHELD_FOR: Nanos = Nanos::from_secs(10 * 60);
 
 /// Tells every worker that the host ran a paused request on at `now`.
 pub(super) fn record(store: &Store, host: &dyn SharedData, now: Instant) {
     let written = store.update(host, UNHELD_KEY, |_| {
-        (Some(now.max(1).to_le_bytes().to_vec()), ())
+        (
+            Some(encode_instant(now.max(Instant::from_unix_nanos(1)))),
+            (),
+        )
     });
     if let Err(error) = written {
         log::warn!("diana: cannot tell the other workers not to pause: {error}");
@@ -39,13 +42,13 @@ pub(super) fn record(store: &Store, host: &dyn SharedData, now: Instant) {
 /// counts from `now`, so a step keeps workers local for at most one period more.
 pub(super) fn unheld_until(store: &Store, host: &dyn SharedData, now: Instant) -> Option<Instant> {
     let seen = match store.read(host, UNHELD_KEY) {
-        Ok(record) => decode_u64(record.as_deref()),
+        Ok(record) => decode_instant(record.as_deref()),
         Err(error) => {
             log::debug!("diana: {UNHELD_KEY} unreadable: {error}");
-            0
+            Instant::EPOCH
         }
     };
-    if seen == 0 {
+    if seen == Instant::EPOCH {
         return None;
     }
     let until = seen.min(now).saturating_add(UNHELD_FOR);
@@ -56,17 +59,18 @@ pub(super) fn unheld_until(store: &Store, host: &dyn SharedData, now: Instant) -
 mod tests {
     use super::*;
     use crate::store::{CasSemantics, MemoryHost};
+    use crate::time::NANOS_PER_SECOND;
 
     #[test]
     fn a_record_keeps_workers_from_pausing_for_one_period() {
         let host = MemoryHost::new(CasSemantics::Nginx);
         let store = Store::strict();
-        let t0 = 1_000 * NANOS_PER_SECOND;
+        let t0 = Instant::EPOCH + 1_000 * NANOS_PER_SECOND;
         assert_eq!(unheld_until(&store, &host, t0), None);
         record(&store, &host, t0);
         assert_eq!(unheld_until(&store, &host, t0), Some(t0 + UNHELD_FOR));
         assert_eq!(
-            unheld_until(&store, &host, t0 + UNHELD_FOR - 1),
+            unheld_until(&store, &host, t0 + UNHELD_FOR - Nanos::new(1)),
             Some(t0 + UNHELD_FOR)
         );
         assert_eq!(unheld_until(&store, &host, t0 + UNHELD_FOR), None);
@@ -80,7 +84,7 @@ mod tests {
     fn a_clock_stepped_back_keeps_workers_local_one_period_at_most() {
         let host = MemoryHost::new(CasSemantics::Nginx);
         let store = Store::strict();
-        let t0 = 1_000_000 * NANOS_PER_SECOND;
+        let t0 = Instant::EPOCH + 1_000_000 * NANOS_PER_SECOND;
         record(&store, &host, t0);
         let earlier = t0 - 3600 * NANOS_PER_SECOND;
         assert_eq!(

@@ -17,6 +17,7 @@ use diana_core::engine::Engine;
 use diana_core::hash::IdentityHasher;
 use diana_core::metrics::NoMetrics;
 use diana_core::store::{CasSemantics, MemoryHost};
+use diana_core::time::Instant;
 
 /// One request's facts, from the input.
 struct Facts<'a> {
@@ -199,7 +200,8 @@ impl Target for Identities {
                 return Err("the identity document does not parse".to_string());
             };
             let host = MemoryHost::new(CasSemantics::Envoy);
-            for now in [1_767_225_600_000_000_000u64, 1_767_225_600_500_000_000] {
+            let times = [1_767_225_600_000_000_000, 1_767_225_600_500_000_000];
+            for now in times.map(Instant::from_unix_nanos) {
                 let _ = engine.evaluate(&host, path, &facts, Some(now), &mut NoMetrics);
             }
             Ok(())

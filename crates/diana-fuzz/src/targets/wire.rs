@@ -15,7 +15,7 @@ use crate::rng::Rng;
 use crate::Target;
 use diana_core::algo::Verdict;
 use diana_core::global::MAX_ANSWER_BYTES;
-use diana_core::time::Instant;
+use diana_core::time::{Instant, Nanos};
 use diana_core::wire::{
     self, AcquireRequest, AcquireResponse, RuleRequest, RuleResult, MAX_SLICES, MAX_WANT,
 };
@@ -37,7 +37,7 @@ const ALGOS: &[&str] = &[
 ];
 const UNITS: &[&str] = &["second", "minute", "hour", "day", "Seconds", "week", ""];
 /// 2026-01-01T00:00:00Z plus a little.
-const NOW: Instant = 1_767_225_600_123_456_789;
+const NOW: Instant = Instant::from_unix_nanos(1_767_225_600_123_456_789);
 
 fn key(rng: &mut Rng) -> String {
     if rng.one_in(20) {
@@ -103,7 +103,7 @@ fn honest(rng: &mut Rng, request: &AcquireRequest) -> Option<AcquireResponse> {
         let mut state = vec![0; rule.algo.state_words(&rule.limit)];
         let unit = rule.limit.unit.nanos();
         for _ in 0..rng.below(6) {
-            let at = NOW - unit + rng.below(2 * unit - 1);
+            let at = NOW - unit + Nanos::new(rng.below(2 * unit.get() - 1));
             let want = 1 + rng.below(u64::from(rule.want.get())) as u32;
             if rule.algo.allows_debt() && rng.one_in(4) {
                 rule.algo.charge_debt(&rule.limit, &mut state, at, want);
@@ -122,7 +122,7 @@ fn honest(rng: &mut Rng, request: &AcquireRequest) -> Option<AcquireResponse> {
             verdict = Verdict {
                 granted: 0,
                 retry_after: verdict.delay - max,
-                delay: 0,
+                delay: Nanos::ZERO,
                 ..verdict
             };
         }
@@ -420,7 +420,7 @@ impl Target for Callouts {
                     return Err("a request was left paused with no call and no turn".into());
                 }
                 worker.on_context_gone(&host, context);
-                host.set_now(host.now().unwrap_or(NOW) + rng.below(2_000_000_000));
+                host.set_now(host.now().unwrap_or(NOW) + Nanos::new(rng.below(2_000_000_000)));
                 continue;
             };
             let request = wire::decode_request(&callout.body)
@@ -475,7 +475,7 @@ impl Target for Callouts {
                 }
             }
             worker.on_context_gone(&host, context);
-            host.set_now(host.now().unwrap_or(NOW) + rng.below(2_000_000_000));
+            host.set_now(host.now().unwrap_or(NOW) + Nanos::new(rng.below(2_000_000_000)));
             let _ = worker.on_tick(&host);
             // Refills ahead and payments from the tick: no answer (their flights land).
             for (token, _) in host.take_dispatched() {

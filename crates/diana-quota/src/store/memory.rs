@@ -39,8 +39,10 @@ impl Clock for SystemClock {
     fn now(&self) -> Instant {
         SystemTime::now()
             .duration_since(UNIX_EPOCH)
-            .map(|elapsed| u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX))
-            .unwrap_or(0)
+            .map(|elapsed| {
+                Instant::from_unix_nanos(u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX))
+            })
+            .unwrap_or(Instant::EPOCH)
     }
 }
 
@@ -53,7 +55,7 @@ const MIN_SWEEP: usize = 4096;
 
 /// When full of live counters, the table is swept again at most this often (a sweep reads
 /// every counter, under the lock).
-const FULL_SWEEP_INTERVAL: Nanos = 100_000_000;
+const FULL_SWEEP_INTERVAL: Nanos = Nanos::from_millis(100);
 
 struct Entry {
     algo: &'static dyn Algorithm,
@@ -120,7 +122,7 @@ impl MemoryStore {
             table: Mutex::new(Table {
                 entries: HashMap::new(),
                 sweep_at: MIN_SWEEP,
-                next_full_sweep: 0,
+                next_full_sweep: Instant::EPOCH,
                 evicted: 0,
             }),
             calls: Mutex::new(CallLedger::default()),

@@ -379,7 +379,7 @@ fn invocation<'s>(
             Op::Acquire => {
                 call.arg(rule.cost.get()).arg(rule.want.get());
                 match rule.max_delay {
-                    Some(nanos) => call.arg(nanos / 1_000),
+                    Some(nanos) => call.arg(nanos.get() / 1_000),
                     None => call.arg(""),
                 };
                 call.arg(u8::from(rule.dry_run));
@@ -1158,7 +1158,7 @@ impl Store for RedisStore {
             .key(&key)
             .arg("note")
             .arg(ledger::encode(grants))
-            .arg(CALL_MEMORY / 1_000_000);
+            .arg(CALL_MEMORY.whole_millis());
         let released: i64 = self
             .query(Some(&tag), |mut conn| async move {
                 invocation.invoke_async(&mut conn).await
@@ -1179,7 +1179,7 @@ impl Store for RedisStore {
             .key(&key)
             .arg("take")
             .arg(RELEASED)
-            .arg(CALL_MEMORY / 1_000_000);
+            .arg(CALL_MEMORY.whole_millis());
         let held: Option<String> = self
             .query(Some(&tag), |mut conn| async move {
                 invocation.invoke_async(&mut conn).await
