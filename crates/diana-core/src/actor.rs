@@ -11,7 +11,7 @@
 //! registry; existing sources are not touched.
 
 use crate::hash::{IdentityHasher, IdentityKind};
-use crate::jwt::{self, Claim, ClaimOrigin, ClaimPath};
+use crate::jwt::{self, Claim, ClaimOrigin, ClaimPath, ClaimPathError};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -267,13 +267,70 @@ pub trait SourceKind: Sync + fmt::Debug {
     /// The key that selects this kind in an `actors:` entry.
     fn key(&self) -> &'static str;
     /// Validates the value written for the key and returns its canonical form.
-    fn parse_value(&self, raw: &str) -> Result<String, String>;
+    fn parse_value(&self, raw: &str) -> Result<String, SourceValueError>;
     /// Builds the actor from a value returned by [`SourceKind::parse_value`].
     fn build(&self, value: &str, fallback: Fallback) -> ActorDef;
     /// What the value may look like, for the JSON schema: a regular expression and the
     /// longest value, in bytes.
     fn value_shape(&self) -> (&'static str, usize);
 }
+
+/// Why the value written for an actor's source was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SourceValueError {
+    EmptyHeaderName,
+    /// Longer than [`MAX_HEADER_NAME`].
+    HeaderNameTooLong,
+    /// A character no header name holds (`raw` as written).
+    HeaderCharacter {
+        raw: String,
+        bad: char,
+    },
+    Claim(ClaimPathError),
+}
+
+impl From<ClaimPathError> for SourceValueError {
+    fn from(error: ClaimPathError) -> Self {
+        SourceValueError::Claim(error)
+    }
+}
+
+impl fmt::Display for SourceValueError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SourceValueError::EmptyHeaderName => f.write_str("empty header name"),
+            SourceValueError::HeaderNameTooLong => {
+                write!(f, "header name longer than {MAX_HEADER_NAME} bytes")
+            }
+            SourceValueError::HeaderCharacter { raw, bad } => write!(
+                f,
+                "invalid header name `{}`: character {bad:?} is not allowed in a header name",
+                raw.escape_debug()
+            ),
+            SourceValueError::Claim(error) => error.fmt(f),
+        }
+    }
+}
+
+impl std::error::Error for SourceValueError {}
+
+/// An `actors:` entry that would redefine a built-in actor.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReservedActor {
+    pub name: String,
+}
+
+impl fmt::Display for ReservedActor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "actor `{}` is built in and cannot be redefined",
+            self.name
+        )
+    }
+}
+
+impl std::error::Error for ReservedActor {}
 
 /// `{header: NAME}`: identity from a request header.
 #[derive(Debug, Clone, Copy, Default)]
@@ -284,21 +341,20 @@ impl SourceKind for HeaderKind {
         "header"
     }
 
-    fn parse_value(&self, raw: &str) -> Result<String, String> {
+    fn parse_value(&self, raw: &str) -> Result<String, SourceValueError> {
         let name = raw.trim().to_ascii_lowercase();
         let body = name.strip_prefix(':').unwrap_or(&name);
         if body.is_empty() {
-            return Err("empty header name".to_string());
+            return Err(SourceValueError::EmptyHeaderName);
         }
         if name.len() > MAX_HEADER_NAME {
-            return Err(format!("header name longer than {MAX_HEADER_NAME} bytes"));
+            return Err(SourceValueError::HeaderNameTooLong);
         }
         if let Some(bad) = body.bytes().find(|&byte| !is_token_byte(byte)) {
-            return Err(format!(
-                "invalid header name `{}`: character {:?} is not allowed in a header name",
-                raw.escape_debug(),
-                char::from(bad)
-            ));
+            return Err(SourceValueError::HeaderCharacter {
+                raw: raw.to_string(),
+                bad: char::from(bad),
+            });
         }
         Ok(name)
     }
@@ -326,10 +382,8 @@ impl SourceKind for JwtClaimKind {
         "jwt_claim"
     }
 
-    fn parse_value(&self, raw: &str) -> Result<String, String> {
-        ClaimPath::parse(raw)
-            .map(|path| path.pointer().to_string())
-            .map_err(|error| error.to_string())
+    fn parse_value(&self, raw: &str) -> Result<String, SourceValueError> {
+        Ok(ClaimPath::parse(raw)?.pointer().to_string())
     }
 
     fn build(&self, value: &str, fallback: Fallback) -> ActorDef {
@@ -453,11 +507,11 @@ impl ActorRegistry {
     }
 
     /// Defines or redefines (`account`, `device`) an actor. Reserved names are refused.
-    pub fn define(&mut self, name: &str, def: ActorDef) -> Result<(), String> {
+    pub fn define(&mut self, name: &str, def: ActorDef) -> Result<(), ReservedActor> {
         if RESERVED_ACTORS.contains(&name) {
-            return Err(format!(
-                "actor `{name}` is built in and cannot be redefined"
-            ));
+            return Err(ReservedActor {
+                name: name.to_string(),
+            });
         }
         match self.entries.iter_mut().find(|(known, _)| known == name) {
             Some((_, existing)) => *existing = def,
@@ -990,13 +1044,37 @@ mod tests {
             HeaderKind.parse_value(":authority"),
             Ok(":authority".to_string())
         );
-        assert!(HeaderKind.parse_value("").is_err());
-        assert!(HeaderKind.parse_value(":").is_err());
-        assert!(HeaderKind.parse_value("x tenant").is_err());
-        assert!(HeaderKind.parse_value("x:t").is_err());
-        assert!(HeaderKind
-            .parse_value(&"x".repeat(MAX_HEADER_NAME + 1))
-            .is_err());
+        assert_eq!(
+            HeaderKind.parse_value(""),
+            Err(SourceValueError::EmptyHeaderName)
+        );
+        assert_eq!(
+            HeaderKind.parse_value(":"),
+            Err(SourceValueError::EmptyHeaderName)
+        );
+        let refused = HeaderKind.parse_value("x tenant");
+        assert_eq!(
+            refused,
+            Err(SourceValueError::HeaderCharacter {
+                raw: "x tenant".to_string(),
+                bad: ' '
+            })
+        );
+        assert_eq!(
+            refused.map_err(|error| error.to_string()),
+            Err(
+                "invalid header name `x tenant`: character ' ' is not allowed in a header name"
+                    .to_string()
+            )
+        );
+        assert!(matches!(
+            HeaderKind.parse_value("x:t"),
+            Err(SourceValueError::HeaderCharacter { bad: ':', .. })
+        ));
+        assert_eq!(
+            HeaderKind.parse_value(&"x".repeat(MAX_HEADER_NAME + 1)),
+            Err(SourceValueError::HeaderNameTooLong)
+        );
         // Upper-case names given to the actor are looked up lower-case.
         let actor = HeaderActor::new("X-Tenant-Id", Fallback::Skip);
         assert_eq!(actor.header(), "x-tenant-id");

@@ -51,32 +51,30 @@ pub enum ClaimOrigin {
 impl ClaimOrigin {
     /// `{jwt_authn: NAME}`: NAME is a provider's `payload_in_metadata` (1 to
     /// [`MAX_METADATA_NAME_BYTES`] bytes, no control character, no `;`).
-    pub fn jwt_authn(name: &str) -> Result<ClaimOrigin, String> {
+    pub fn jwt_authn(name: &str) -> Result<ClaimOrigin, ClaimOriginError> {
         let name = name.trim();
         if name.is_empty() {
-            return Err("empty `payload_in_metadata` name".to_string());
+            return Err(ClaimOriginError::EmptyName);
         }
         if name.len() > MAX_METADATA_NAME_BYTES {
-            return Err(format!(
-                "a `payload_in_metadata` name has at most {MAX_METADATA_NAME_BYTES} bytes"
-            ));
+            return Err(ClaimOriginError::NameTooLong);
         }
         if let Some(bad) = name.chars().find(|c| c.is_control() || *c == ';') {
-            return Err(format!(
-                "invalid `payload_in_metadata` name `{}`: character {bad:?} is not allowed",
-                name.escape_debug()
-            ));
+            return Err(ClaimOriginError::ForbiddenCharacter {
+                name: name.to_string(),
+                bad,
+            });
         }
         Ok(ClaimOrigin::JwtAuthn(name.to_string()))
     }
 
     /// Whether `path` can be looked up from here: a metadata path is handed to the host
     /// NUL-separated, so no segment may hold a NUL.
-    pub fn check(&self, path: &ClaimPath) -> Result<(), String> {
+    pub fn check(&self, path: &ClaimPath) -> Result<(), ClaimOriginError> {
         match self {
             ClaimOrigin::Bearer => Ok(()),
             ClaimOrigin::JwtAuthn(_) if path.segments().iter().any(|s| s.contains('\0')) => {
-                Err("a claim read from jwt_authn's metadata cannot contain a NUL".to_string())
+                Err(ClaimOriginError::NulInMetadataPath)
             }
             ClaimOrigin::JwtAuthn(_) => Ok(()),
         }
@@ -91,6 +89,43 @@ impl ClaimOrigin {
         }
     }
 }
+
+/// Why a claim's origin (`from: {jwt_authn: NAME}`) was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClaimOriginError {
+    EmptyName,
+    /// Longer than [`MAX_METADATA_NAME_BYTES`].
+    NameTooLong,
+    /// A control character or `;` in the name.
+    ForbiddenCharacter {
+        name: String,
+        bad: char,
+    },
+    /// A claim path with a NUL, which the host's NUL-separated metadata path cannot carry.
+    NulInMetadataPath,
+}
+
+impl fmt::Display for ClaimOriginError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ClaimOriginError::EmptyName => f.write_str("empty `payload_in_metadata` name"),
+            ClaimOriginError::NameTooLong => write!(
+                f,
+                "a `payload_in_metadata` name has at most {MAX_METADATA_NAME_BYTES} bytes"
+            ),
+            ClaimOriginError::ForbiddenCharacter { name, bad } => write!(
+                f,
+                "invalid `payload_in_metadata` name `{}`: character {bad:?} is not allowed",
+                name.escape_debug()
+            ),
+            ClaimOriginError::NulInMetadataPath => {
+                f.write_str("a claim read from jwt_authn's metadata cannot contain a NUL")
+            }
+        }
+    }
+}
+
+impl std::error::Error for ClaimOriginError {}
 
 /// A claim and where it is read: the bearer token, or jwt_authn's metadata (an actor's
 /// `jwt_claim`, a plan's `by: {jwt_claim}`).
@@ -415,17 +450,25 @@ mod tests {
                     assert_eq!(origin, ClaimOrigin::JwtAuthn(name.to_string()), "{raw:?}");
                     assert_eq!(origin.describe(), Some(format!("jwt_authn:{name}")));
                 }
-                (Err(error), Err(piece)) => assert!(error.contains(piece), "{raw:?}: {error}"),
+                (Err(error), Err(piece)) => {
+                    assert!(error.to_string().contains(piece), "{raw:?}: {error}")
+                }
                 (got, _) => panic!("{raw:?}: {got:?}"),
             }
         }
         let long = "n".repeat(MAX_METADATA_NAME_BYTES);
         assert!(ClaimOrigin::jwt_authn(&long).is_ok());
-        assert!(ClaimOrigin::jwt_authn(&format!("{long}n")).is_err());
+        assert_eq!(
+            ClaimOrigin::jwt_authn(&format!("{long}n")),
+            Err(ClaimOriginError::NameTooLong)
+        );
         assert_eq!(ClaimOrigin::Bearer.describe(), None);
         // A path is handed to the host NUL-separated: no NUL in a segment from metadata.
         let origin = ClaimOrigin::JwtAuthn("p".to_string());
-        assert!(origin.check(&path("/a\0b")).is_err());
+        assert_eq!(
+            origin.check(&path("/a\0b")),
+            Err(ClaimOriginError::NulInMetadataPath)
+        );
         assert!(origin.check(&path("/a/b")).is_ok());
         assert!(ClaimOrigin::Bearer.check(&path("/a\0b")).is_ok());
     }

@@ -70,30 +70,51 @@ impl fmt::Display for SignatureError {
 
 impl std::error::Error for SignatureError {}
 
+/// Why `remote.signature.ed25519` is not a public key (a configuration error).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ed25519KeyError {
+    NotBase64,
+    /// Neither 32 bytes nor the 44-byte DER form: the length decoded.
+    Length(usize),
+    /// 32 bytes that are not a point of the curve.
+    NotAPoint,
+}
+
+impl fmt::Display for Ed25519KeyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Ed25519KeyError::NotBase64 => f.write_str("an Ed25519 public key must be base64"),
+            Ed25519KeyError::Length(n) => write!(
+                f,
+                "an Ed25519 public key is 32 bytes (or its 44-byte DER form), this one has {n}"
+            ),
+            Ed25519KeyError::NotAPoint => f.write_str("not a valid Ed25519 public key"),
+        }
+    }
+}
+
+impl std::error::Error for Ed25519KeyError {}
+
 impl SignatureKey {
     /// An Ed25519 public key in base64: its 32 bytes, or the DER form that `openssl pkey
     /// -pubout` prints between the PEM lines.
-    pub fn ed25519(base64_key: &str) -> Result<SignatureKey, String> {
+    pub fn ed25519(base64_key: &str) -> Result<SignatureKey, Ed25519KeyError> {
         let bytes = BASE64
             .decode(base64_key.trim())
-            .map_err(|_| "an Ed25519 public key must be base64".to_string())?;
+            .map_err(|_| Ed25519KeyError::NotBase64)?;
         let raw = match bytes.len() {
             32 => bytes.as_slice(),
             44 if bytes.starts_with(&ED25519_SPKI_PREFIX) => {
                 bytes.get(ED25519_SPKI_PREFIX.len()..).unwrap_or_default()
             }
-            n => {
-                return Err(format!(
-                    "an Ed25519 public key is 32 bytes (or its 44-byte DER form), this one has {n}"
-                ))
-            }
+            n => return Err(Ed25519KeyError::Length(n)),
         };
         let key: [u8; 32] = raw
             .try_into()
-            .map_err(|_| "an Ed25519 public key is 32 bytes".to_string())?;
+            .map_err(|_| Ed25519KeyError::Length(raw.len()))?;
         VerifyingKey::from_bytes(&key)
             .map(SignatureKey::Ed25519)
-            .map_err(|_| "not a valid Ed25519 public key".to_string())
+            .map_err(|_| Ed25519KeyError::NotAPoint)
     }
 
     /// The key's name in the document.
@@ -266,9 +287,20 @@ mod tests {
             raw_key.verify(BODY, Some(mac.as_bytes())),
             Err(SignatureError::Malformed)
         );
-        for bad in ["", "!!", "AAAA", &BASE64.encode([1u8; 31])] {
-            assert!(SignatureKey::ed25519(bad).is_err(), "{bad}");
-        }
+        let refused = |bad: &str| SignatureKey::ed25519(bad).err();
+        assert_eq!(refused(""), Some(Ed25519KeyError::Length(0)));
+        assert_eq!(refused("!!"), Some(Ed25519KeyError::NotBase64));
+        assert_eq!(refused("AAAA"), Some(Ed25519KeyError::Length(3)));
+        assert_eq!(
+            refused(&BASE64.encode([1u8; 31])),
+            Some(Ed25519KeyError::Length(31))
+        );
+        // About half of all 32-byte strings are no point of the curve.
+        let not_points = (0..=255u8)
+            .filter_map(|byte| refused(&BASE64.encode([byte; 32])))
+            .inspect(|error| assert_eq!(*error, Ed25519KeyError::NotAPoint))
+            .count();
+        assert!((1..255).contains(&not_points), "{not_points}");
     }
 
     /// The commands the README gives, run once with OpenSSL 3.0 over `Url: /\nrules: [{rpu:

@@ -1,7 +1,7 @@
 //! The validated, immutable plan that the engine evaluates. Every default is resolved
 //! here, so nothing downstream interprets the document again.
 
-use crate::actor::{ActorSource, Identity, RequestFacts};
+use crate::actor::{ActorSource, Identity, RequestFacts, ReservedActor};
 use crate::algo::{Algorithm, Limit};
 use crate::hash::{IdentityHasher, IdentityKey, KeyOrigin};
 use crate::jwt::{Claim, ClaimOrigin};
@@ -54,7 +54,7 @@ pub enum ConfigErrorKind {
     /// No resource block at all.
     NoResources,
     /// An actor definition the registry refuses.
-    Actor { reason: String },
+    Actor { reason: ReservedActor },
     /// A rule names an actor that is not defined.
     UnknownActor { actor: String },
     /// `cost.default` above `cost.max`.
@@ -158,8 +158,8 @@ impl fmt::Display for ConfigErrorKind {
         match self {
             ConfigErrorKind::Syntax { reason } => write!(f, "invalid YAML: {reason}"),
             ConfigErrorKind::Invalid { reason }
-            | ConfigErrorKind::Pinned { reason }
-            | ConfigErrorKind::Actor { reason } => f.write_str(reason),
+            | ConfigErrorKind::Pinned { reason } => f.write_str(reason),
+            ConfigErrorKind::Actor { reason } => reason.fmt(f),
             ConfigErrorKind::NoResources => f.write_str(
                 "no resources: the configuration is empty; expected a block (`Url:` and `rules:`), a sequence of \
                  blocks, or a document with `resources:`",

@@ -858,7 +858,8 @@ pub(super) fn present<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
 // ---------------------------------------------------------------------------------------
 // Validating scalar fields.
 
-/// A visitor for string values validated by `parse`, whose error becomes the message.
+/// A visitor for string values validated by `parse`, whose error (any type that displays)
+/// becomes the message.
 struct StrVisitor<X, F> {
     expecting: X,
     parse: F,
@@ -868,7 +869,12 @@ struct StrVisitor<X, F> {
 /// the same in JSON, so both forms agree). `null` (YAML `~`, `null`, an empty value) is
 /// refused rather than read as the text "null", and so is a float, whose text YAML and
 /// JSON would not keep as written (`1.50` → `1.5`).
-impl<T, X: fmt::Display, F: FnOnce(&str) -> Result<T, String>> Visitor<'_> for StrVisitor<X, F> {
+impl<T, X, F, P> Visitor<'_> for StrVisitor<X, F>
+where
+    X: fmt::Display,
+    F: FnOnce(&str) -> Result<T, P>,
+    P: fmt::Display,
+{
     type Value = T;
 
     fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -903,10 +909,10 @@ impl<T, X: fmt::Display, F: FnOnce(&str) -> Result<T, String>> Visitor<'_> for S
     }
 }
 
-pub(super) fn deserialize_str_with<'de, D: Deserializer<'de>, T>(
+pub(super) fn deserialize_str_with<'de, D: Deserializer<'de>, T, P: fmt::Display>(
     deserializer: D,
     expecting: impl fmt::Display,
-    parse: impl FnOnce(&str) -> Result<T, String>,
+    parse: impl FnOnce(&str) -> Result<T, P>,
 ) -> Result<T, D::Error> {
     deserializer.deserialize_any(StrVisitor { expecting, parse })
 }
@@ -1125,7 +1131,9 @@ pub(super) struct Text(pub String);
 
 impl<'de> Deserialize<'de> for Text {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        deserialize_str_with(deserializer, "a string", |raw| Ok(Text(raw.to_string())))
+        deserialize_str_with(deserializer, "a string", |raw| {
+            Ok::<_, std::convert::Infallible>(Text(raw.to_string()))
+        })
     }
 }
 

@@ -51,7 +51,7 @@ pub enum KeyError {
     /// Other workers kept winning the race (never seen: each write settles it).
     Contention,
     /// The random source failed.
-    Random(String),
+    Random(getrandom::Error),
 }
 
 impl fmt::Display for KeyError {
@@ -71,9 +71,9 @@ impl From<HostError> for KeyError {
 }
 
 /// 128 random bits from the operating system (WASI `random_get` in the filter).
-pub fn random_key() -> Result<[u8; KEY_BYTES], String> {
+pub fn random_key() -> Result<[u8; KEY_BYTES], getrandom::Error> {
     let mut bytes = [0u8; KEY_BYTES];
-    getrandom::fill(&mut bytes).map_err(|error| error.to_string())?;
+    getrandom::fill(&mut bytes)?;
     Ok(bytes)
 }
 
@@ -120,7 +120,7 @@ fn stored(host: &dyn SharedData) -> Result<Option<IdentityKey>, HostError> {
 pub fn process_key(
     store: &Store,
     host: &dyn SharedData,
-    random: impl FnOnce() -> Result<[u8; KEY_BYTES], String>,
+    random: impl FnOnce() -> Result<[u8; KEY_BYTES], getrandom::Error>,
 ) -> Result<IdentityKey, KeyError> {
     if let Some(found) = stored(host)? {
         return Ok(found);
@@ -209,7 +209,7 @@ mod tests {
         }
     }
 
-    fn key_bytes(seed: u8) -> Result<[u8; 16], String> {
+    fn key_bytes(seed: u8) -> Result<[u8; 16], getrandom::Error> {
         Ok([seed; 16])
     }
 

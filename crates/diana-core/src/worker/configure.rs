@@ -17,16 +17,21 @@
 //! check` prints.
 
 use super::counters::Counters;
-use super::{call_status, Call, Command, Configured, Host, MetricId, MetricKind, Step, Worker};
+use super::{
+    call_status, Call, Command, Configured, DispatchError, Host, MetricId, MetricKind, Step, Worker,
+};
+use crate::config::RemoteError;
 use crate::config::{parse_policy, MetricsSpec, OnInvalidConfig, Policy, RemoteSpec};
 use crate::decision::Callout;
 use crate::engine::Engine;
 use crate::lifecycle;
 use crate::metrics::Event;
 use crate::nginx;
-use crate::remote::{self, PollBody, PollOutcome};
+use crate::remote::{self, PollBody, PollFailure, PollOutcome};
 use crate::store::identity;
+use crate::store::HostError;
 use crate::time::{Instant, Nanos};
+use std::fmt;
 use std::rc::Rc;
 use std::time::Duration;
 
@@ -135,6 +140,28 @@ fn meanwhile(on_invalid: OnInvalidConfig) -> &'static str {
 pub enum Refused {
     NotUtf8,
     Invalid(crate::config::ConfigError),
+}
+
+/// Why a poll of the config center brought no document in: the center counts as failing
+/// (logged once when it turns so, with this reason).
+#[derive(Debug)]
+enum PollProblem {
+    NotSent(DispatchError),
+    UnreadableBody(HostError),
+    /// A document that was not valid, or that the local one does not let in.
+    Document(RemoteError),
+    Failed(PollFailure),
+}
+
+impl fmt::Display for PollProblem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PollProblem::NotSent(error) => write!(f, "poll not sent: {error}"),
+            PollProblem::UnreadableBody(error) => write!(f, "unreadable body: {error}"),
+            PollProblem::Document(reason) => reason.fmt(f),
+            PollProblem::Failed(failure) => failure.fmt(f),
+        }
+    }
 }
 
 impl std::fmt::Display for Refused {
@@ -387,11 +414,11 @@ impl Worker {
                 self.source.polling = true;
                 self.calls.insert(token, Call::Poll);
             }
-            Err(error) => self.record_poll(host, Err(format!("poll not sent: {error}"))),
+            Err(error) => self.record_poll(host, Err(PollProblem::NotSent(error))),
         }
     }
 
-    fn record_poll(&mut self, host: &dyn Host, result: Result<(), String>) {
+    fn record_poll(&mut self, host: &dyn Host, result: Result<(), PollProblem>) {
         let switched = remote::record_health(&self.store, host, result.is_ok());
         match result {
             Ok(()) if switched => log::warn!("diana: config center is back"),
@@ -426,7 +453,7 @@ impl Worker {
             match host.call_body(body_size) {
                 Ok(body) => PollBody::Read(body),
                 Err(error) => {
-                    self.record_poll(host, Err(format!("unreadable body: {error}")));
+                    self.record_poll(host, Err(PollProblem::UnreadableBody(error)));
                     return;
                 }
             }
@@ -446,27 +473,27 @@ impl Worker {
         match outcome {
             PollOutcome::Unchanged => self.record_poll(host, Ok(())),
             PollOutcome::Refused(reason) => {
-                let reason = reason.to_string();
                 self.count(Event::ConfigRejected);
                 self.count(Event::ConfigRemoteRefused);
                 // Once per document and reason: the same body unsigned, then badly signed,
                 // is logged twice.
-                let refusal = [text, reason.as_bytes()].concat();
+                let refusal = [text, reason.to_string().as_bytes()].concat();
                 if remote::first_rejection(&self.store, host, &refusal) {
                     log::error!("diana: {reason}; keeping the current configuration");
                 }
-                self.record_poll(host, Err(reason));
+                self.record_poll(host, Err(PollProblem::Document(reason)));
             }
             PollOutcome::Rejected(reason) => {
-                let reason = reason.to_string();
                 self.count(Event::ConfigRejected);
-                let rejection = [text, reason.as_bytes()].concat();
+                let rejection = [text, reason.to_string().as_bytes()].concat();
                 if remote::first_rejection(&self.store, host, &rejection) {
                     log::error!("diana: {reason}; keeping the current configuration");
                 }
-                self.record_poll(host, Err(reason));
+                self.record_poll(host, Err(PollProblem::Document(reason)));
             }
-            PollOutcome::Failed(failure) => self.record_poll(host, Err(failure.to_string())),
+            PollOutcome::Failed(failure) => {
+                self.record_poll(host, Err(PollProblem::Failed(failure)))
+            }
             PollOutcome::New {
                 policy,
                 text,
