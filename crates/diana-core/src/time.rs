@@ -24,8 +24,6 @@ pub struct Nanos(u64);
 impl Instant {
     /// The Unix epoch; in a fresh state, "never".
     pub const EPOCH: Instant = Instant(0);
-    /// The latest instant there is: "not before the end of time".
-    pub const MAX: Instant = Instant(u64::MAX);
 
     pub const fn from_unix_nanos(nanos: u64) -> Instant {
         Instant(nanos)
@@ -41,14 +39,6 @@ impl Instant {
         Nanos(self.0.saturating_sub(earlier.0))
     }
 
-    /// The time from `earlier` to `self`, or `None` if `earlier` is later.
-    pub const fn checked_since(self, earlier: Instant) -> Option<Nanos> {
-        match self.0.checked_sub(earlier.0) {
-            Some(nanos) => Some(Nanos(nanos)),
-            None => None,
-        }
-    }
-
     pub const fn saturating_add(self, span: Nanos) -> Instant {
         Instant(self.0.saturating_add(span.0))
     }
@@ -61,18 +51,6 @@ impl Instant {
     /// length `span` that `self` falls in.
     pub const fn periods(self, span: Nanos) -> u64 {
         self.0 / span.0
-    }
-
-    /// How far `self` is into its period of length `span`.
-    pub const fn into_period(self, span: Nanos) -> Nanos {
-        Nanos(self.0 % span.0)
-    }
-
-    pub const fn checked_add(self, span: Nanos) -> Option<Instant> {
-        match self.0.checked_add(span.0) {
-            Some(nanos) => Some(Instant(nanos)),
-            None => None,
-        }
     }
 }
 
@@ -113,21 +91,6 @@ impl Nanos {
 
     pub const fn is_zero(self) -> bool {
         self.0 == 0
-    }
-
-    pub const fn saturating_add(self, other: Nanos) -> Nanos {
-        Nanos(self.0.saturating_add(other.0))
-    }
-
-    pub const fn saturating_sub(self, other: Nanos) -> Nanos {
-        Nanos(self.0.saturating_sub(other.0))
-    }
-
-    pub const fn checked_sub(self, other: Nanos) -> Option<Nanos> {
-        match self.0.checked_sub(other.0) {
-            Some(nanos) => Some(Nanos(nanos)),
-            None => None,
-        }
     }
 
     pub const fn saturating_mul(self, times: u64) -> Nanos {
@@ -187,12 +150,6 @@ impl std::ops::Sub for Nanos {
     }
 }
 
-impl std::ops::SubAssign for Nanos {
-    fn sub_assign(&mut self, other: Nanos) {
-        self.0 -= other.0;
-    }
-}
-
 impl std::ops::Mul<u64> for Nanos {
     type Output = Nanos;
     fn mul(self, times: u64) -> Nanos {
@@ -219,19 +176,6 @@ impl std::ops::Div for Nanos {
     type Output = u64;
     fn div(self, span: Nanos) -> u64 {
         self.0 / span.0
-    }
-}
-
-impl std::ops::Rem for Nanos {
-    type Output = Nanos;
-    fn rem(self, span: Nanos) -> Nanos {
-        Nanos(self.0 % span.0)
-    }
-}
-
-impl std::iter::Sum for Nanos {
-    fn sum<I: Iterator<Item = Nanos>>(spans: I) -> Nanos {
-        spans.fold(Nanos::ZERO, |total, span| total + span)
     }
 }
 
