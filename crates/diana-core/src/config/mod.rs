@@ -13,4 +13,4 @@ mod tests;
 
 pub use model::*;
 pub use parse::{parse_policy, TOKEN_ENV};
-pub use pin::{parse_remote, RemoteError};
+pub use pin::{parse_remote, LocalOnly, PinRefusal, PinnedValue, RemoteError};

@@ -1,6 +1,7 @@
 //! The validated, immutable plan that the engine evaluates. Every default is resolved
 //! here, so nothing downstream interprets the document again.
 
+use super::pin::PinRefusal;
 use crate::actor::{ActorSource, Identity, RequestFacts, ReservedActor};
 use crate::algo::{Algorithm, Limit};
 use crate::hash::{IdentityHasher, IdentityKey, KeyOrigin};
@@ -50,7 +51,7 @@ pub enum ConfigErrorKind {
     /// section given by two documents.
     Invalid { reason: String },
     /// A remote document writes a value the local document pins (DESIGN §6).
-    Pinned { reason: String },
+    Pinned { refusal: PinRefusal },
     /// No resource block at all.
     NoResources,
     /// An actor definition the registry refuses.
@@ -157,8 +158,8 @@ impl fmt::Display for ConfigErrorKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             ConfigErrorKind::Syntax { reason } => write!(f, "invalid YAML: {reason}"),
-            ConfigErrorKind::Invalid { reason }
-            | ConfigErrorKind::Pinned { reason } => f.write_str(reason),
+            ConfigErrorKind::Invalid { reason } => f.write_str(reason),
+            ConfigErrorKind::Pinned { refusal } => refusal.fmt(f),
             ConfigErrorKind::Actor { reason } => reason.fmt(f),
             ConfigErrorKind::NoResources => f.write_str(
                 "no resources: the configuration is empty; expected a block (`Url:` and `rules:`), a sequence of \

@@ -490,7 +490,7 @@ pub(super) fn compose(
     message: &str,
     position: Option<(usize, usize)>,
     yaml_path_prefix: bool,
-    kind: fn(String) -> ConfigErrorKind,
+    kind: impl FnOnce(String) -> ConfigErrorKind,
 ) -> ConfigError {
     let mut message = message;
     if let Some((line, column)) = position {

@@ -61,6 +61,100 @@ impl fmt::Display for RemoteError {
 
 impl std::error::Error for RemoteError {}
 
+/// Why a value of a remote document was refused ([`ConfigErrorKind::Pinned`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PinRefusal {
+    /// A pinned value differs from the local document's, and the local `remote.allow`
+    /// does not name it.
+    Changed {
+        value: PinnedValue,
+        /// The local value as the message shows it; `None` for a secret (never shown) or
+        /// where the local document has none.
+        local: Option<String>,
+    },
+    /// `remote.allow` or `remote.signature` differs from the local document's: only the
+    /// local document sets them.
+    LocalOnly(LocalOnly),
+}
+
+/// A pinned value, as a refusal names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PinnedValue {
+    /// `global.cluster`, `global.authority` or `global.path`.
+    QuotaService,
+    /// `global.token`.
+    QuotaCredential,
+    /// `remote.cluster`, `remote.authority`, `remote.path` or `remote.poll_seconds`.
+    ConfigCenter,
+    /// The document-level `dry_run`.
+    DryRun,
+    /// `identity_key`.
+    IdentityKey,
+}
+
+impl PinnedValue {
+    /// The `remote.allow` entry that would let a remote document change it.
+    pub fn allowed_by(self) -> Pinned {
+        match self {
+            PinnedValue::QuotaService | PinnedValue::QuotaCredential => Pinned::Global,
+            PinnedValue::ConfigCenter => Pinned::Remote,
+            PinnedValue::DryRun => Pinned::DryRun,
+            PinnedValue::IdentityKey => Pinned::IdentityKey,
+        }
+    }
+
+    fn described(self) -> &'static str {
+        match self {
+            PinnedValue::QuotaService => "where the quota service is called",
+            PinnedValue::QuotaCredential => "the quota service's credential",
+            PinnedValue::ConfigCenter => "where or how often the config center is polled",
+            PinnedValue::DryRun => "the document-level dry run",
+            PinnedValue::IdentityKey => "the identity key",
+        }
+    }
+}
+
+/// A field of `remote` that only the local document sets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LocalOnly {
+    Allow,
+    Signature,
+}
+
+impl LocalOnly {
+    fn name(self) -> &'static str {
+        match self {
+            LocalOnly::Allow => "allow",
+            LocalOnly::Signature => "signature",
+        }
+    }
+}
+
+impl fmt::Display for PinRefusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PinRefusal::Changed { value, local } => {
+                write!(f, "a remote document may not change {}", value.described())?;
+                if let Some(local) = local {
+                    write!(f, " (the local document has {local})")?;
+                }
+                write!(
+                    f,
+                    "; the local document's `remote.allow: [{}]` would let it",
+                    value.allowed_by().name()
+                )
+            }
+            PinRefusal::LocalOnly(field) => write!(
+                f,
+                "only the local document sets remote.{}: a remote document may leave it out or repeat it unchanged",
+                field.name()
+            ),
+        }
+    }
+}
+
+impl std::error::Error for PinRefusal {}
+
 /// Parses a document from the config center against the local document `local`: valid
 /// (as [`parse_policy`] would have it), pinned fields unchanged unless allowed, and the
 /// pinned fields it leaves out taken from `local`. The signature is checked before this
@@ -72,9 +166,11 @@ pub fn parse_remote(text: &str, local: &Policy) -> Result<Policy, RemoteError> {
     Ok(policy)
 }
 
-/// Which pinned fields the remote document writes.
+/// Which pinned fields the remote document writes, and the refusal that stopped the pass
+/// (serde's errors carry text only, so the refusal itself waits here).
 #[derive(Default)]
 struct Written {
+    refusal: Cell<Option<PinRefusal>>,
     global_cluster: Cell<bool>,
     global_authority: Cell<bool>,
     global_path: Cell<bool>,
@@ -159,7 +255,7 @@ fn check_pins(text: &str, local: &Policy) -> Result<Written, ConfigError> {
                 &error.to_string(),
                 position,
                 false,
-                pinned,
+                |reason| written.refused(reason),
             ));
         }
         return Ok(written);
@@ -185,16 +281,22 @@ fn check_pins(text: &str, local: &Policy) -> Result<Written, ConfigError> {
                 &error.to_string(),
                 position,
                 true,
-                pinned,
+                |reason| written.refused(reason),
             ));
         }
     }
     Ok(written)
 }
 
-/// [`ConfigErrorKind::Pinned`].
-fn pinned(reason: String) -> ConfigErrorKind {
-    ConfigErrorKind::Pinned { reason }
+impl Written {
+    /// The kind of the error that stopped the pass: the refusal, or (the document was found
+    /// valid before, so not expected) what serde said.
+    fn refused(&self, reason: String) -> ConfigErrorKind {
+        match self.refusal.take() {
+            Some(refusal) => ConfigErrorKind::Pinned { refusal },
+            None => ConfigErrorKind::Invalid { reason },
+        }
+    }
 }
 
 /// Whether the local document lets a remote one change `pinned`.
@@ -205,14 +307,11 @@ fn allowed(local: &Policy, pinned: Pinned) -> bool {
         .is_some_and(|remote| remote.allows(pinned))
 }
 
-fn refusal(what: &str, local_value: Option<String>, pinned: Pinned) -> String {
-    let local_value = local_value
-        .map(|value| format!(" (the local document has {value})"))
-        .unwrap_or_default();
-    format!(
-        "a remote document may not change {what}{local_value}; the local document's `remote.allow: [{}]` would let it",
-        pinned.name()
-    )
+/// Keeps `refusal` in `kept` (for [`Written::refused`]) and gives serde its text.
+fn refuse<E: de::Error>(kept: &Cell<Option<PinRefusal>>, refusal: PinRefusal) -> E {
+    let error = E::custom(&refusal);
+    kept.set(Some(refusal));
+    error
 }
 
 /// One document of the stream: looks at `global`, `remote`, `dry_run` and `identity_key`
@@ -245,21 +344,22 @@ impl<'de> Visitor<'de> for Document<'_> {
                 Some("remote") => map.next_value_seed(Remote { local, written })?,
                 Some("dry_run") => map.next_value_seed(Check {
                     written: &written.dry_run,
+                    refusal: &written.refusal,
                     check: |dry_run: bool| {
                         if dry_run == local.dry_run || allowed(local, Pinned::DryRun) {
                             Ok(())
                         } else {
-                            Err(refusal(
-                                "the document-level dry run",
-                                Some(local.dry_run.to_string()),
-                                Pinned::DryRun,
-                            ))
+                            Err(PinRefusal::Changed {
+                                value: PinnedValue::DryRun,
+                                local: Some(local.dry_run.to_string()),
+                            })
                         }
                     },
                     value: PhantomData,
                 })?,
                 Some("identity_key") => map.next_value_seed(Check {
                     written: &written.identity_key,
+                    refusal: &written.refusal,
                     check: |key: IdentityKeyField| {
                         let key = IdentityKey::derive(key.0.expose().as_bytes());
                         if local.identity_key() == Some(key) || allowed(local, Pinned::IdentityKey)
@@ -267,7 +367,10 @@ impl<'de> Visitor<'de> for Document<'_> {
                             Ok(())
                         } else {
                             // Never the value of either secret.
-                            Err(refusal("the identity key", None, Pinned::IdentityKey))
+                            Err(PinRefusal::Changed {
+                                value: PinnedValue::IdentityKey,
+                                local: None,
+                            })
                         }
                     },
                     value: PhantomData,
@@ -318,11 +421,12 @@ impl<'de> Visitor<'de> for Document<'_> {
 /// value's own visitor, so that a refusal carries the position of the value.
 struct Check<'a, T, F> {
     written: &'a Cell<bool>,
+    refusal: &'a Cell<Option<PinRefusal>>,
     check: F,
     value: PhantomData<T>,
 }
 
-impl<'de, T: de::Deserialize<'de>, F: FnOnce(T) -> Result<(), String>> DeserializeSeed<'de>
+impl<'de, T: de::Deserialize<'de>, F: FnOnce(T) -> Result<(), PinRefusal>> DeserializeSeed<'de>
     for Check<'_, T, F>
 {
     type Value = ();
@@ -330,25 +434,27 @@ impl<'de, T: de::Deserialize<'de>, F: FnOnce(T) -> Result<(), String>> Deseriali
     fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<(), D::Error> {
         self.written.set(true);
         deserializer.deserialize_any(CheckVisitor {
+            refusal: self.refusal,
             check: self.check,
             value: PhantomData,
         })
     }
 }
 
-struct CheckVisitor<T, F> {
+struct CheckVisitor<'a, T, F> {
+    refusal: &'a Cell<Option<PinRefusal>>,
     check: F,
     value: PhantomData<T>,
 }
 
-impl<'de, T: de::Deserialize<'de>, F: FnOnce(T) -> Result<(), String>> CheckVisitor<T, F> {
+impl<'de, T: de::Deserialize<'de>, F: FnOnce(T) -> Result<(), PinRefusal>> CheckVisitor<'_, T, F> {
     fn judge<E: de::Error>(self, value: Result<T, E>) -> Result<(), E> {
-        (self.check)(value?).map_err(E::custom)
+        (self.check)(value?).map_err(|refusal| refuse(self.refusal, refusal))
     }
 }
 
-impl<'de, T: de::Deserialize<'de>, F: FnOnce(T) -> Result<(), String>> Visitor<'de>
-    for CheckVisitor<T, F>
+impl<'de, T: de::Deserialize<'de>, F: FnOnce(T) -> Result<(), PinRefusal>> Visitor<'de>
+    for CheckVisitor<'_, T, F>
 {
     type Value = ();
 
@@ -397,11 +503,11 @@ impl<'de, T: de::Deserialize<'de>, F: FnOnce(T) -> Result<(), String>> Visitor<'
 /// at the value itself.
 struct Text<'a> {
     written: &'a Cell<bool>,
+    refusal: &'a Cell<Option<PinRefusal>>,
     /// The local value; `None`: the local document has none.
     local: Option<&'a str>,
     allowed: bool,
-    what: &'static str,
-    pinned: Pinned,
+    value: PinnedValue,
 }
 
 impl<'de> DeserializeSeed<'de> for Text<'_> {
@@ -413,11 +519,12 @@ impl<'de> DeserializeSeed<'de> for Text<'_> {
             if self.allowed || self.local == Some(raw) {
                 Ok(())
             } else {
-                Err(refusal(
-                    self.what,
-                    self.local.map(|local| format!("{local:?}")),
-                    self.pinned,
-                ))
+                let refusal = PinRefusal::Changed {
+                    value: self.value,
+                    local: self.local.map(|local| format!("{local:?}")),
+                };
+                self.refusal.set(Some(refusal.clone()));
+                Err(refusal)
             }
         })
     }
@@ -447,7 +554,6 @@ impl<'de> Visitor<'de> for Global<'_> {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
         let (base, written) = (&self.local.global, self.written);
         let allowed = allowed(self.local, Pinned::Global);
-        let what = "where the quota service is called";
         while let Some(key) = map.next_key::<String>()? {
             let (field, local) = match key.as_str() {
                 "cluster" => (&written.global_cluster, &base.cluster),
@@ -456,16 +562,16 @@ impl<'de> Visitor<'de> for Global<'_> {
                 "token" => {
                     map.next_value_seed(Check {
                         written: &written.global_token,
+                        refusal: &written.refusal,
                         check: |token: SecretField| {
                             if allowed || base.token.as_ref() == Some(&token.0) {
                                 Ok(())
                             } else {
                                 // Never the value of either secret.
-                                Err(refusal(
-                                    "the quota service's credential",
-                                    None,
-                                    Pinned::Global,
-                                ))
+                                Err(PinRefusal::Changed {
+                                    value: PinnedValue::QuotaCredential,
+                                    local: None,
+                                })
                             }
                         },
                         value: PhantomData,
@@ -479,10 +585,10 @@ impl<'de> Visitor<'de> for Global<'_> {
             };
             map.next_value_seed(Text {
                 written: field,
+                refusal: &written.refusal,
                 local: Some(local),
                 allowed,
-                what,
-                pinned: Pinned::Global,
+                value: PinnedValue::QuotaService,
             })?;
         }
         Ok(())
@@ -514,12 +620,6 @@ impl<'de> Visitor<'de> for Remote<'_> {
         let base: Option<&RemoteSpec> = self.local.remote.as_ref();
         let written = self.written;
         let allowed = allowed(self.local, Pinned::Remote);
-        let what = "where or how often the config center is polled";
-        let only_local = |name: &str| {
-            format!(
-                "only the local document sets remote.{name}: a remote document may leave it out or repeat it unchanged"
-            )
-        };
         while let Some(key) = map.next_key::<String>()? {
             let (field, local) = match key.as_str() {
                 "cluster" => (&written.remote_cluster, base.map(|b| b.cluster.as_str())),
@@ -531,16 +631,16 @@ impl<'de> Visitor<'de> for Remote<'_> {
                 "poll_seconds" => {
                     map.next_value_seed(Check {
                         written: &written.remote_poll_seconds,
+                        refusal: &written.refusal,
                         check: |seconds: NonZeroU32| {
                             let local = base.map(|b| b.poll_seconds);
                             if allowed || local == Some(seconds.get()) {
                                 Ok(())
                             } else {
-                                Err(refusal(
-                                    what,
-                                    local.map(|seconds| seconds.to_string()),
-                                    Pinned::Remote,
-                                ))
+                                Err(PinRefusal::Changed {
+                                    value: PinnedValue::ConfigCenter,
+                                    local: local.map(|seconds| seconds.to_string()),
+                                })
                             }
                         },
                         value: PhantomData,
@@ -551,6 +651,7 @@ impl<'de> Visitor<'de> for Remote<'_> {
                     let unused = Cell::new(false);
                     map.next_value_seed(Check {
                         written: &unused,
+                        refusal: &written.refusal,
                         check: |allow: Vec<PinnedField>| {
                             let local = base.map(|b| b.allow.as_slice()).unwrap_or_default();
                             let same = allow.iter().all(|name| local.contains(&name.0))
@@ -558,7 +659,7 @@ impl<'de> Visitor<'de> for Remote<'_> {
                             if same {
                                 Ok(())
                             } else {
-                                Err(only_local("allow"))
+                                Err(PinRefusal::LocalOnly(LocalOnly::Allow))
                             }
                         },
                         value: PhantomData,
@@ -569,11 +670,12 @@ impl<'de> Visitor<'de> for Remote<'_> {
                     let unused = Cell::new(false);
                     map.next_value_seed(Check {
                         written: &unused,
+                        refusal: &written.refusal,
                         check: |signature: SignatureField| {
                             if base.and_then(|b| b.signature.as_ref()) == Some(&signature.0) {
                                 Ok(())
                             } else {
-                                Err(only_local("signature"))
+                                Err(PinRefusal::LocalOnly(LocalOnly::Signature))
                             }
                         },
                         value: PhantomData,
@@ -587,10 +689,10 @@ impl<'de> Visitor<'de> for Remote<'_> {
             };
             map.next_value_seed(Text {
                 written: field,
+                refusal: &written.refusal,
                 local,
                 allowed,
-                what,
-                pinned: Pinned::Remote,
+                value: PinnedValue::ConfigCenter,
             })?;
         }
         Ok(())
@@ -790,6 +892,62 @@ mod tests {
             let message = refused(&format!("{block}{section}\n"), &local);
             assert!(message.starts_with(want), "{message}");
             assert!(message.contains(" at line 2 column "), "{message}");
+        }
+    }
+
+    #[test]
+    fn a_refusal_carries_the_value_refused_and_the_local_one_unless_secret() {
+        let local = local();
+        let block = "resources: [{Url: /, rules: [{rpu: 5}]}]\n";
+        let other = "remote-secret-0123456789abcdef0123456789";
+        let changed = |value, local: Option<&str>| PinRefusal::Changed {
+            value,
+            local: local.map(str::to_string),
+        };
+        for (section, want, allow) in [
+            (
+                "global: {path: /v1/other}".to_string(),
+                changed(PinnedValue::QuotaService, Some("\"/v1/acquire\"")),
+                Some(Pinned::Global),
+            ),
+            (
+                format!("global: {{token: {other}}}"),
+                changed(PinnedValue::QuotaCredential, None),
+                Some(Pinned::Global),
+            ),
+            (
+                "remote: {cluster: diana_config, path: /diana.yaml, poll_seconds: 1}".to_string(),
+                changed(PinnedValue::ConfigCenter, Some("30")),
+                Some(Pinned::Remote),
+            ),
+            (
+                "dry_run: true".to_string(),
+                changed(PinnedValue::DryRun, Some("false")),
+                Some(Pinned::DryRun),
+            ),
+            (
+                format!("identity_key: {other}"),
+                changed(PinnedValue::IdentityKey, None),
+                Some(Pinned::IdentityKey),
+            ),
+            (
+                "remote: {cluster: diana_config, path: /diana.yaml, allow: [global]}".to_string(),
+                PinRefusal::LocalOnly(LocalOnly::Allow),
+                None,
+            ),
+        ] {
+            match parse_remote(&format!("{block}{section}\n"), &local) {
+                Err(RemoteError::Refused(ConfigError {
+                    kind: ConfigErrorKind::Pinned { refusal },
+                    ..
+                })) => {
+                    assert_eq!(refusal, want, "{section}");
+                    if let PinRefusal::Changed { value, .. } = refusal {
+                        assert_eq!(Some(value.allowed_by()), allow, "{section}");
+                    }
+                }
+                other => panic!("should be refused as pinned: {other:?}\n---\n{section}"),
+            }
         }
     }
 

@@ -13,7 +13,7 @@
 //! running forward (it stepped back): it is treated as due, so a clock step keeps global
 //! rules local for at most one retry period more.
 
-use crate::store::{decode_instant, encode_instant, SharedData, Store};
+use crate::store::{decode_instant, encode_instant, recordable, SharedData, Store};
 use crate::time::{Instant, Nanos};
 use std::cell::Cell;
 
@@ -25,9 +25,6 @@ pub const BREAKER_CACHE: Nanos = Nanos::from_millis(100);
 
 /// `open_until` of a closed breaker.
 const CLOSED: Instant = Instant::EPOCH;
-
-/// The earliest `open_until` of an open breaker (a clock at the epoch still opens it).
-const OPEN_AT_LEAST_UNTIL: Instant = Instant::from_unix_nanos(1);
 
 /// What the breaker allows a request that needs the service.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -101,7 +98,7 @@ impl Breaker {
             if current == CLOSED {
                 (None, Gate::Call)
             } else if self.due(current, now) {
-                let next = now.saturating_add(self.retry).max(OPEN_AT_LEAST_UNTIL);
+                let next = recordable(now.saturating_add(self.retry));
                 (Some(encode_instant(next)), Gate::Probe)
             } else {
                 (None, Gate::Local)
@@ -112,12 +109,7 @@ impl Breaker {
 
     /// Opens the breaker for one retry period; true when it was closed (a switch to log).
     pub fn open(&self, store: &Store, host: &dyn SharedData, now: Instant) -> bool {
-        self.set(
-            store,
-            host,
-            now.saturating_add(self.retry).max(OPEN_AT_LEAST_UNTIL),
-            now,
-        )
+        self.set(store, host, recordable(now.saturating_add(self.retry)), now)
     }
 
     /// Closes the breaker; true when it was open.

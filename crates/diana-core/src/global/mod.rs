@@ -478,8 +478,7 @@ impl Global {
             .filter(coalesced)
             .map(|charge| (charge.index, charge.address.fingerprint))
             .collect();
-        let deadline = now.saturating_add(Nanos::from_millis(u64::from(self.spec.timeout_ms)));
-        self.flights.take_off(&flying, deadline);
+        self.flights.take_off(&flying, self.flight_deadline(now));
         metrics.event(Event::GlobalCallout);
         let wait = !self.can_pause
             && ask
@@ -566,9 +565,8 @@ impl Global {
             let Ok(body) = serde_json::to_vec(&request) else {
                 continue;
             };
-            let deadline = now.saturating_add(Nanos::from_millis(u64::from(self.spec.timeout_ms)));
             let flying = vec![key];
-            self.flights.take_off(&flying, deadline);
+            self.flights.take_off(&flying, self.flight_deadline(now));
             metrics.event(Event::GlobalCallout);
             metrics.event(Event::RefillAhead);
             calls.push((
@@ -625,6 +623,12 @@ impl Global {
             });
         }
         request
+    }
+
+    /// When a flight taken off at `now` is overdue: its call's own timeout. Flights are
+    /// coalesced calls, which need a host that pauses, so never the longer wait calls.
+    fn flight_deadline(&self, now: Instant) -> Instant {
+        now.saturating_add(Nanos::from_millis(u64::from(self.spec.timeout_ms)))
     }
 
     fn callout(&self, body: Vec<u8>, wait: bool) -> Callout {

@@ -329,6 +329,14 @@ pub fn encode_instant(instant: Instant) -> Vec<u8> {
     instant.unix_nanos().to_le_bytes().to_vec()
 }
 
+/// `instant`, or the nanosecond after the epoch if it is the epoch. A record reads the
+/// epoch as "no instant" (all-zero state is fresh), so an instant that means something
+/// (a breaker open until, a host seen not holding a pause) is kept no earlier: a clock
+/// that reads the epoch still records.
+pub fn recordable(instant: Instant) -> Instant {
+    instant.max(Instant::from_unix_nanos(1))
+}
+
 /// The shared-data key of one slot of a rule, from the rule's key prefix
 /// ([`crate::config::RuleKeys`]): `diana/<table>/<slot>`. Printable, fixed shape, bounded
 /// length; every key starts with `diana/` (ngx_wasm_module stores `ns/key` in the

@@ -12,7 +12,7 @@
 //!
 //! [`HostProfile::pausing_needs`]: super::HostProfile::pausing_needs
 
-use crate::store::{decode_instant, encode_instant, SharedData, Store};
+use crate::store::{decode_instant, encode_instant, recordable, SharedData, Store};
 use crate::time::{Instant, Nanos};
 
 /// The shared-data key: when a worker last saw the host run a paused request on.
@@ -27,10 +27,7 @@ pub const UNHELD_FOR: Nanos = Nanos::from_secs(10 * 60);
 /// Tells every worker that the host ran a paused request on at `now`.
 pub(super) fn record(store: &Store, host: &dyn SharedData, now: Instant) {
     let written = store.update(host, UNHELD_KEY, |_| {
-        (
-            Some(encode_instant(now.max(Instant::from_unix_nanos(1)))),
-            (),
-        )
+        (Some(encode_instant(recordable(now))), ())
     });
     if let Err(error) = written {
         log::warn!("diana: cannot tell the other workers not to pause: {error}");
