@@ -78,17 +78,55 @@ impl Endpoint {
     }
 }
 
+/// A command-line value `render-envoy` refuses.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum OptionError {
+    /// An endpoint option (`--listen`, `--upstream`, ...): the option, its value (trimmed)
+    /// and what is wrong with it.
+    #[error("invalid {flag} `{text}`: {problem}")]
+    Endpoint {
+        flag: String,
+        text: String,
+        problem: EndpointProblem,
+    },
+    /// `--direct-response` that is not `STATUS` or `STATUS:BODY` with a status Envoy takes.
+    #[error(
+        "invalid --direct-response `{text}`: expected STATUS or STATUS:BODY, \
+         STATUS from 200 to 599"
+    )]
+    DirectResponse { text: String },
+}
+
+/// What is wrong with an endpoint option's value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum EndpointProblem {
+    #[error("the port must be a number from 1 to 65535")]
+    Port,
+    /// Not `HOST:PORT`, and the option takes a bare port too.
+    #[error("expected PORT or HOST:PORT")]
+    NotPortOrHostPort,
+    #[error("expected HOST:PORT")]
+    NotHostPort,
+    /// An IPv6 address without brackets (or something with colons that is not one).
+    #[error("write an IPv6 address as [ADDRESS]:PORT")]
+    UnbracketedIpv6,
+}
+
 /// Parses `HOST:PORT` (`[v6]:PORT` too), or a bare `PORT` when `default_host` is given.
 pub fn parse_endpoint(
     flag: &str,
     text: &str,
     default_host: Option<&str>,
-) -> Result<Endpoint, String> {
+) -> Result<Endpoint, OptionError> {
     let text = text.trim();
-    let bad = |why: &str| format!("diana: invalid {flag} `{text}`: {why}");
-    let port = |raw: &str| -> Result<u16, String> {
+    let bad = |problem: EndpointProblem| OptionError::Endpoint {
+        flag: flag.to_string(),
+        text: text.to_string(),
+        problem,
+    };
+    let port = |raw: &str| -> Result<u16, OptionError> {
         match raw.parse::<u16>() {
-            Ok(0) | Err(_) => Err(bad("the port must be a number from 1 to 65535")),
+            Ok(0) | Err(_) => Err(bad(EndpointProblem::Port)),
             Ok(port) => Ok(port),
         }
     };
@@ -99,9 +137,9 @@ pub fn parse_endpoint(
         });
     }
     let expected = if default_host.is_some() {
-        "expected PORT or HOST:PORT"
+        EndpointProblem::NotPortOrHostPort
     } else {
-        "expected HOST:PORT"
+        EndpointProblem::NotHostPort
     };
     let (host, raw_port) = text.rsplit_once(':').ok_or_else(|| bad(expected))?;
     let bracketed = host
@@ -112,7 +150,7 @@ pub fn parse_endpoint(
         return Err(bad(expected));
     }
     if host.contains(':') && (bracketed.is_none() || host.parse::<IpAddr>().is_err()) {
-        return Err(bad("write an IPv6 address as [ADDRESS]:PORT"));
+        return Err(bad(EndpointProblem::UnbracketedIpv6));
     }
     Ok(Endpoint {
         host: host.to_string(),
@@ -171,6 +209,18 @@ pub struct Options {
     pub access_logs: Vec<AccessLog>,
 }
 
+/// Why the bootstrap cannot be rendered or printed.
+#[derive(Debug, thiserror::Error)]
+pub enum RenderError {
+    /// Every name of [`UPSTREAM_NAMES`] is taken by another cluster.
+    #[error("no free name for the upstream cluster")]
+    NoUpstreamName,
+    #[error("cannot print the bootstrap: {0}")]
+    Yaml(#[from] serde_yaml::Error),
+    #[error("cannot print the bootstrap: {0}")]
+    Json(#[from] serde_json::Error),
+}
+
 /// The bootstrap, the comment lines that head its YAML form, and things worth telling the
 /// user on stderr.
 #[derive(Debug, Clone)]
@@ -182,9 +232,8 @@ pub struct Rendered {
 
 impl Rendered {
     /// YAML, headed by the comments.
-    pub fn yaml(&self) -> Result<String, String> {
-        let body = serde_yaml::to_string(&self.bootstrap)
-            .map_err(|err| format!("diana: cannot print the bootstrap: {err}"))?;
+    pub fn yaml(&self) -> Result<String, RenderError> {
+        let body = serde_yaml::to_string(&self.bootstrap)?;
         let mut yaml = String::new();
         for comment in &self.comments {
             yaml.push_str(&format!("# {comment}\n"));
@@ -194,23 +243,21 @@ impl Rendered {
     }
 
     /// JSON (Envoy reads a `.json` bootstrap as JSON), indented by two spaces.
-    pub fn json(&self) -> Result<String, String> {
-        let mut json = serde_json::to_string_pretty(&self.bootstrap)
-            .map_err(|err| format!("diana: cannot print the bootstrap: {err}"))?;
+    pub fn json(&self) -> Result<String, RenderError> {
+        let mut json = serde_json::to_string_pretty(&self.bootstrap)?;
         json.push('\n');
         Ok(json)
     }
 }
 
 /// Parses `STATUS` or `STATUS:BODY` (`--direct-response`); Envoy takes a status from 200 to 599.
-pub fn parse_direct_response(text: &str) -> Result<(u16, String), String> {
+pub fn parse_direct_response(text: &str) -> Result<(u16, String), OptionError> {
     let (status, body) = text.split_once(':').unwrap_or((text, ""));
     match status.trim().parse::<u16>() {
         Ok(status @ 200..=599) => Ok((status, body.to_string())),
-        _ => Err(format!(
-            "diana: invalid --direct-response `{text}`: expected STATUS or STATUS:BODY, \
-             STATUS from 200 to 599"
-        )),
+        _ => Err(OptionError::DirectResponse {
+            text: text.to_string(),
+        }),
     }
 }
 
@@ -428,7 +475,7 @@ fn listener(options: &Options, document: Option<&str>, upstream_cluster: Option<
 }
 
 /// Renders the bootstrap for `filter` (a validated document, an unread one, or none).
-pub fn render(filter: Filter, options: &Options) -> Result<Rendered, String> {
+pub fn render(filter: Filter, options: &Options) -> Result<Rendered, RenderError> {
     let mut warnings = Vec::new();
     let mut notes = Vec::new();
     let mut clusters: Vec<(String, Endpoint, &str)> = Vec::new();
@@ -495,7 +542,7 @@ pub fn render(filter: Filter, options: &Options) -> Result<Rendered, String> {
                 .iter()
                 .find(|candidate| clusters.iter().all(|(name, _, _)| name != *candidate))
                 .copied()
-                .ok_or_else(|| "diana: no free name for the upstream cluster".to_string())?,
+                .ok_or(RenderError::NoUpstreamName)?,
         ),
         None => None,
     };
@@ -602,16 +649,53 @@ mod tests {
             })
         );
         assert_eq!(ok("quota.svc:8081", None).map(|e| e.is_ip()), Ok(false));
-        for bad in [
-            "8080",
-            "host:",
-            "host:0",
-            "host:70000",
-            ":80",
-            "::1:80",
-            "a b:1",
+        for (bad, problem) in [
+            ("8080", EndpointProblem::NotHostPort),
+            ("host:", EndpointProblem::Port),
+            ("host:0", EndpointProblem::Port),
+            ("host:70000", EndpointProblem::Port),
+            (":80", EndpointProblem::NotHostPort),
+            ("::1:80", EndpointProblem::UnbracketedIpv6),
+            ("a b:1", EndpointProblem::NotHostPort),
         ] {
-            assert!(ok(bad, None).is_err(), "{bad}");
+            assert_eq!(
+                ok(bad, None),
+                Err(OptionError::Endpoint {
+                    flag: "--x".into(),
+                    text: bad.into(),
+                    problem
+                }),
+                "{bad}"
+            );
         }
+        assert_eq!(
+            ok(" x ", Some("0.0.0.0")).map_err(|err| err.to_string()),
+            Err("invalid --x `x`: expected PORT or HOST:PORT".to_string())
+        );
+    }
+
+    #[test]
+    fn direct_responses() {
+        assert_eq!(parse_direct_response("429"), Ok((429, String::new())));
+        assert_eq!(
+            parse_direct_response("200:a:b"),
+            Ok((200, "a:b".to_string()))
+        );
+        for bad in ["99", "600", "x:y", ""] {
+            let err = parse_direct_response(bad);
+            assert_eq!(
+                err,
+                Err(OptionError::DirectResponse { text: bad.into() }),
+                "{bad}"
+            );
+        }
+        assert_eq!(
+            parse_direct_response("x:y").map_err(|err| err.to_string()),
+            Err(
+                "invalid --direct-response `x:y`: expected STATUS or STATUS:BODY, \
+                 STATUS from 200 to 599"
+                    .to_string()
+            )
+        );
     }
 }

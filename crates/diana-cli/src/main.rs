@@ -257,6 +257,35 @@ impl Failure {
             code: EXIT_IO,
         }
     }
+
+    /// One of the commands' own errors: a usage or I/O error, printed after `diana: `.
+    fn tool(error: &dyn std::error::Error) -> Failure {
+        Failure::io(format!("diana: {error}"))
+    }
+}
+
+impl From<envoy::OptionError> for Failure {
+    fn from(error: envoy::OptionError) -> Failure {
+        Failure::tool(&error)
+    }
+}
+
+impl From<envoy::RenderError> for Failure {
+    fn from(error: envoy::RenderError) -> Failure {
+        Failure::tool(&error)
+    }
+}
+
+impl From<plan::PlanError> for Failure {
+    fn from(error: plan::PlanError) -> Failure {
+        Failure::tool(&error)
+    }
+}
+
+impl From<simulate::EnvoyFieldError> for Failure {
+    fn from(error: simulate::EnvoyFieldError) -> Failure {
+        Failure::tool(&error)
+    }
 }
 
 fn run(cli: Cli) -> Result<(), Failure> {
@@ -265,9 +294,9 @@ fn run(cli: Cli) -> Result<(), Failure> {
             let text = read_input(&file)?;
             let policy = validate(&text)?;
             let out = if json {
-                plan::render_json(&policy).map_err(Failure::io)?
+                plan::render_json(&policy)?
             } else {
-                plan::render_text(&policy).map_err(Failure::io)?
+                plan::render_text(&policy)?
             };
             write_stdout(&out)
         }
@@ -326,9 +355,7 @@ fn run_render_envoy(args: RenderArgs) -> Result<(), Failure> {
      -> Result<Option<envoy::Endpoint>, Failure> {
         match (text, port) {
             (_, Some(port)) => Ok(Some(envoy::Endpoint::new("127.0.0.1", port))),
-            (Some(text), None) => envoy::parse_endpoint(flag, text, default_host)
-                .map(Some)
-                .map_err(Failure::io),
+            (Some(text), None) => Ok(Some(envoy::parse_endpoint(flag, text, default_host)?)),
             (None, None) => Ok(None),
         }
     };
@@ -371,8 +398,7 @@ fn run_render_envoy(args: RenderArgs) -> Result<(), Failure> {
         route_timeout: args.route_timeout,
         direct_response: (args.direct_response.as_deref())
             .map(envoy::parse_direct_response)
-            .transpose()
-            .map_err(Failure::io)?,
+            .transpose()?,
         access_logs,
     };
 
@@ -389,18 +415,17 @@ fn run_render_envoy(args: RenderArgs) -> Result<(), Failure> {
         (Some(document), None) => envoy::Filter::Unvalidated { document },
         (None, _) => envoy::Filter::Absent,
     };
-    let rendered = envoy::render(filter, &options).map_err(Failure::io)?;
+    let rendered = envoy::render(filter, &options)?;
     for warning in &rendered.warnings {
         let _ = writeln!(io::stderr().lock(), "diana: warning: {warning}");
     }
     let json = args.json
         || (args.out.as_ref()).is_some_and(|out| out.extension().is_some_and(|ext| ext == "json"));
     let out = if json {
-        rendered.json()
+        rendered.json()?
     } else {
-        rendered.yaml()
-    }
-    .map_err(Failure::io)?;
+        rendered.yaml()?
+    };
     match &args.out {
         Some(path) => std::fs::write(path, out)
             .map_err(|err| Failure::io(format!("diana: cannot write {}: {err}", path.display()))),
@@ -420,8 +445,7 @@ fn run_simulate(args: SimulateArgs) -> Result<(), Failure> {
         .envoy_fields
         .iter()
         .map(|field| simulate::EnvoyField::parse(field))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|err| Failure::io(format!("diana: {err}")))?;
+        .collect::<Result<Vec<_>, _>>()?;
     if !(0.0..=3_600.0).contains(&args.reorder_seconds) {
         return Err(Failure::io(
             "diana: --reorder-seconds must be between 0 and 3600".into(),

@@ -11,22 +11,27 @@ use diana_core::config::{Cost, Lease, PlanChoice, PlanName, Policy, Rule, Scope}
 use diana_core::time::NANOS_PER_SECOND;
 use serde_yaml::Value;
 
+/// Why the plan cannot be printed: the serializer's reason.
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    #[error("cannot print the plan: {0}")]
+    Json(#[from] serde_json::Error),
+    #[error("cannot print the plan: {0}")]
+    Yaml(#[from] serde_yaml::Error),
+}
+
 /// Machine-readable plan (JSON): rates also as numbers (`rate_per_second`).
-pub fn render_json(policy: &Policy) -> Result<String, String> {
+pub fn render_json(policy: &Policy) -> Result<String, PlanError> {
     let plan = build(policy, true);
-    serde_json::to_string_pretty(&plan)
-        .map(|mut text| {
-            text.push('\n');
-            text
-        })
-        .map_err(|err| format!("diana: cannot print the plan: {err}"))
+    let mut text = serde_json::to_string_pretty(&plan)?;
+    text.push('\n');
+    Ok(text)
 }
 
 /// Human-readable plan (YAML with a header comment).
-pub fn render_text(policy: &Policy) -> Result<String, String> {
+pub fn render_text(policy: &Policy) -> Result<String, PlanError> {
     let plan = build(policy, false);
-    let body = serde_yaml::to_string(&plan)
-        .map_err(|err| format!("diana: cannot print the plan: {err}"))?;
+    let body = serde_yaml::to_string(&plan)?;
     let rules: usize = policy
         .resources
         .iter()

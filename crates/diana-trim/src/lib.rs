@@ -45,8 +45,23 @@ pub struct Trimmed {
     pub removed: Vec<String>,
 }
 
+/// Why a module cannot be trimmed (or its exports listed).
+#[derive(Debug, thiserror::Error)]
+pub enum TrimError {
+    /// Not WebAssembly walrus can read (walrus's reason).
+    #[error("not a readable wasm module: {0}")]
+    Unreadable(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// Callbacks Diana implements are not exported: not a Diana module, or the SDK changed
+    /// and [`KEPT_CALLBACKS`] needs a look.
+    #[error(
+        "not a Diana module built with the proxy-wasm SDK: missing export(s) {}",
+        .missing.join(", ")
+    )]
+    MissingCallbacks { missing: Vec<&'static str> },
+}
+
 /// The export names of a module, sorted.
-pub fn exports(wasm: &[u8]) -> Result<Vec<String>, String> {
+pub fn exports(wasm: &[u8]) -> Result<Vec<String>, TrimError> {
     let module = parse(wasm)?;
     let names: BTreeSet<String> = module.exports.iter().map(|e| e.name.clone()).collect();
     Ok(names.into_iter().collect())
@@ -55,19 +70,16 @@ pub fn exports(wasm: &[u8]) -> Result<Vec<String>, String> {
 /// Removes every `proxy_on_*` export that is not in [`KEPT_CALLBACKS`], then the code
 /// nothing reaches any more. Fails if a kept callback is missing: the SDK changed and
 /// the list needs a look.
-pub fn trim(wasm: &[u8]) -> Result<Trimmed, String> {
+pub fn trim(wasm: &[u8]) -> Result<Trimmed, TrimError> {
     let mut module = parse(wasm)?;
     let present: BTreeSet<&str> = module.exports.iter().map(|e| e.name.as_str()).collect();
-    let missing: Vec<&str> = KEPT_CALLBACKS
+    let missing: Vec<&'static str> = KEPT_CALLBACKS
         .iter()
         .copied()
         .filter(|name| !present.contains(name))
         .collect();
     if !missing.is_empty() {
-        return Err(format!(
-            "not a Diana module built with the proxy-wasm SDK: missing export(s) {}",
-            missing.join(", ")
-        ));
+        return Err(TrimError::MissingCallbacks { missing });
     }
     let doomed: Vec<(walrus::ExportId, String)> = module
         .exports
@@ -88,8 +100,8 @@ pub fn trim(wasm: &[u8]) -> Result<Trimmed, String> {
     })
 }
 
-fn parse(wasm: &[u8]) -> Result<walrus::Module, String> {
-    walrus::Module::from_buffer(wasm).map_err(|e| format!("not a readable wasm module: {e}"))
+fn parse(wasm: &[u8]) -> Result<walrus::Module, TrimError> {
+    walrus::Module::from_buffer(wasm).map_err(|e| TrimError::Unreadable(e.into()))
 }
 
 #[cfg(test)]
@@ -181,12 +193,25 @@ mod tests {
             .filter(|n| *n != "proxy_on_tick")
             .collect();
         let error = trim(&sdk_like(&without)).unwrap_err();
-        assert!(error.contains("proxy_on_tick"), "{error}");
+        assert!(
+            matches!(&error, TrimError::MissingCallbacks { missing } if missing == &["proxy_on_tick"]),
+            "{error:?}"
+        );
+        assert_eq!(
+            error.to_string(),
+            "not a Diana module built with the proxy-wasm SDK: missing export(s) proxy_on_tick"
+        );
     }
 
     #[test]
     fn garbage_is_refused_with_a_reason() {
         let error = trim(b"not wasm").unwrap_err();
-        assert!(error.starts_with("not a readable wasm module"), "{error}");
+        assert!(matches!(error, TrimError::Unreadable(_)), "{error:?}");
+        assert!(
+            error
+                .to_string()
+                .starts_with("not a readable wasm module: "),
+            "{error}"
+        );
     }
 }

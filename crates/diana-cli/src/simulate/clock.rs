@@ -71,11 +71,21 @@ fn fraction_nanos(fraction: &str) -> Option<u64> {
     Some(nanos)
 }
 
+/// A log time that cannot be read, as written.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TimeError {
+    #[error("{text:?} is not an RFC 3339 time (like 2026-11-22T10:00:00.250Z) at or after 1970")]
+    NotRfc3339 { text: String },
+    /// Not decimal epoch seconds, or out of range (before 1970, past what nanoseconds hold).
+    #[error("{text} is not a time in seconds since the epoch (1970) or later")]
+    NotEpochSeconds { text: String },
+}
+
 /// Parses an RFC 3339 date-time (`2026-11-22T10:00:00.123Z`, `...+01:00`; a space or a
 /// lower-case `t`/`z` is accepted as well) into an instant.
-pub fn parse_rfc3339(text: &str) -> Result<Instant, String> {
-    parse_rfc3339_parts(text.trim()).ok_or_else(|| {
-        format!("{text:?} is not an RFC 3339 time (like 2026-11-22T10:00:00.250Z) at or after 1970")
+pub fn parse_rfc3339(text: &str) -> Result<Instant, TimeError> {
+    parse_rfc3339_parts(text.trim()).ok_or_else(|| TimeError::NotRfc3339 {
+        text: text.to_string(),
     })
 }
 
@@ -138,9 +148,11 @@ fn parse_rfc3339_parts(text: &str) -> Option<Instant> {
 
 /// Parses decimal epoch seconds (`1763805600`, `1763805600.25`) exactly; an exponent
 /// (`1.7638056e9`) is read through a float.
-pub fn parse_epoch_seconds(text: &str) -> Result<Instant, String> {
+pub fn parse_epoch_seconds(text: &str) -> Result<Instant, TimeError> {
     let text = text.trim();
-    let bad = || format!("{text} is not a time in seconds since the epoch (1970) or later");
+    let bad = || TimeError::NotEpochSeconds {
+        text: text.to_string(),
+    };
     if text.contains(['e', 'E']) {
         let value: f64 = text.parse().map_err(|_| bad())?;
         if !(0.0..1.8e10).contains(&value) {
@@ -219,8 +231,16 @@ mod tests {
             "2026-01-01T00:00:00+1",
             "yesterday",
         ] {
-            assert!(parse_rfc3339(text).is_err(), "{text}");
+            assert_eq!(
+                parse_rfc3339(text),
+                Err(TimeError::NotRfc3339 { text: text.into() }),
+                "{text}"
+            );
         }
+        assert_eq!(
+            parse_rfc3339(" noon").map_err(|err| err.to_string()),
+            Err("\" noon\" is not an RFC 3339 time (like 2026-11-22T10:00:00.250Z) at or after 1970".into())
+        );
     }
 
     #[test]
@@ -233,8 +253,16 @@ mod tests {
         assert_eq!(parse_epoch_seconds("0.5"), Ok(at(S / 2)));
         assert_eq!(parse_epoch_seconds("1.5e9"), Ok(at(1_500_000_000 * S)));
         for text in ["-1", "", ".5", "1.", "1e30", "12a", "99999999999999999999"] {
-            assert!(parse_epoch_seconds(text).is_err(), "{text}");
+            assert_eq!(
+                parse_epoch_seconds(text),
+                Err(TimeError::NotEpochSeconds { text: text.into() }),
+                "{text}"
+            );
         }
+        assert_eq!(
+            parse_epoch_seconds(" -5 ").map_err(|err| err.to_string()),
+            Err("-5 is not a time in seconds since the epoch (1970) or later".into())
+        );
     }
 
     #[test]

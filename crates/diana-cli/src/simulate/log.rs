@@ -23,7 +23,7 @@ use diana_core::properties::client_ip_from_address;
 use diana_core::time::{Instant, Nanos};
 use std::io::{self, BufRead};
 
-use super::clock::{parse_epoch_seconds, parse_rfc3339};
+use super::clock::{parse_epoch_seconds, parse_rfc3339, TimeError};
 
 /// Longest line read; a longer one is malformed (and skipped without being held).
 pub const MAX_LINE_BYTES: usize = 1 << 20;
@@ -46,9 +46,17 @@ pub enum EnvoyField {
     ClientIp,
 }
 
+/// An `--envoy-field` value that is neither `client_ip` nor a header name (as given,
+/// trimmed).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("--envoy-field {field:?}: a header name or client_ip expected")]
+pub struct EnvoyFieldError {
+    pub field: String,
+}
+
 impl EnvoyField {
     /// `client_ip`, or a header name.
-    pub fn parse(text: &str) -> Result<EnvoyField, String> {
+    pub fn parse(text: &str) -> Result<EnvoyField, EnvoyFieldError> {
         let text = text.trim();
         if text.eq_ignore_ascii_case("client_ip") {
             return Ok(EnvoyField::ClientIp);
@@ -60,9 +68,9 @@ impl EnvoyField {
         if valid {
             Ok(EnvoyField::Header(text.to_ascii_lowercase()))
         } else {
-            Err(format!(
-                "--envoy-field {text:?}: a header name or client_ip expected"
-            ))
+            Err(EnvoyFieldError {
+                field: text.to_string(),
+            })
         }
     }
 }
@@ -111,13 +119,106 @@ pub enum Line {
     NoRequest,
 }
 
+/// Why a line is malformed: counted, and the first few named in the report (the message
+/// is the reason shown there).
+#[derive(Debug, thiserror::Error)]
+pub enum LineError {
+    /// Longer than [`MAX_LINE_BYTES`]: skipped without being read.
+    #[error("longer than {MAX_LINE_BYTES} bytes")]
+    TooLong,
+    /// Neither format, told by the first character (`--format auto`).
+    #[error("neither a JSON object nor an Envoy access-log line (\"[time] ...\")")]
+    Unrecognised,
+    #[error("not JSON: {0}")]
+    NotJson(#[from] serde_json::Error),
+    #[error("a JSON object expected, one request per line")]
+    NotAnObject,
+    /// A field of a JSON line (`ts`, `path`, ...) and what is wrong with it.
+    #[error("\"{field}\": {problem}")]
+    Field {
+        field: &'static str,
+        problem: FieldProblem,
+    },
+    /// A value in a JSON line's `headers` or `response_headers` (`field`) that is not a
+    /// string, under its header `name`.
+    #[error("\"{field}\".{name:?}: a string expected")]
+    HeaderNotString { field: &'static str, name: String },
+    /// Read as an Envoy line (`--format envoy`) without the `[` that opens it.
+    #[error("an Envoy line starts with [%START_TIME%]")]
+    NoStartTime,
+    #[error("no ] after the start time")]
+    UnclosedStartTime,
+    #[error("the start time is not text")]
+    StartTimeNotText(#[source] std::str::Utf8Error),
+    /// An Envoy line's start time is neither RFC 3339 nor epoch seconds (the RFC 3339
+    /// reason).
+    #[error("start time: {0}")]
+    StartTime(#[source] TimeError),
+    /// A quoted field of an Envoy line that does not end; numbered from 1, the start time
+    /// first.
+    #[error("field {field}: no closing quote")]
+    UnclosedQuote { field: usize },
+    /// An Envoy line without as many fields as the default format has, plus the
+    /// `appended` ones `--envoy-field` names.
+    #[error(
+        "{found} fields after the time, expected {} (Envoy's default format{})",
+        ENVOY_FIELDS + .appended,
+        appended_fields(*.appended)
+    )]
+    FieldCount { found: usize, appended: usize },
+    #[error("field 3 (%RESPONSE_CODE%): a number expected")]
+    ResponseCode,
+}
+
+/// ` and 2 --envoy-field`, or nothing.
+fn appended_fields(appended: usize) -> String {
+    if appended == 0 {
+        String::new()
+    } else {
+        format!(" and {appended} --envoy-field")
+    }
+}
+
+/// What is wrong with a field of a JSON line.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FieldProblem {
+    #[error("missing")]
+    Missing,
+    /// A `ts` string that is neither RFC 3339 nor epoch seconds (the RFC 3339 reason), or
+    /// a number out of range.
+    #[error("{0}")]
+    Time(#[from] TimeError),
+    #[error("epoch seconds or an RFC 3339 string expected")]
+    NotATime,
+    #[error("a non-empty string expected")]
+    NotANonEmptyString,
+    #[error("a string expected")]
+    NotAString,
+    #[error("an object of strings expected")]
+    NotAnObjectOfStrings,
+    #[error("a number expected")]
+    NotANumber,
+    #[error("a number of milliseconds ≥ 0 expected")]
+    NotMilliseconds,
+}
+
+impl FieldProblem {
+    /// This problem in `field` of a JSON line.
+    fn of(self, field: &'static str) -> LineError {
+        LineError::Field {
+            field,
+            problem: self,
+        }
+    }
+}
+
 /// Reads one line: a request, a line to pass over, or why it is malformed.
 pub fn parse_line(
     bytes: &[u8],
     line: u64,
     format: Format,
     extra: &[EnvoyField],
-) -> Result<Line, String> {
+) -> Result<Line, LineError> {
     let trimmed = bytes.trim_ascii();
     if trimmed.is_empty() {
         return Ok(Line::Blank);
@@ -126,11 +227,7 @@ pub fn parse_line(
         Format::Auto => match trimmed.first() {
             Some(b'{') => Format::Jsonl,
             Some(b'[') => Format::Envoy,
-            _ => {
-                return Err(
-                    "neither a JSON object nor an Envoy access-log line (\"[time] ...\")".into(),
-                )
-            }
+            _ => return Err(LineError::Unrecognised),
         },
         known => known,
     };
@@ -144,29 +241,28 @@ pub fn parse_line(
     })
 }
 
-fn parse_json(bytes: &[u8], line: u64) -> Result<Request, String> {
-    let value: serde_json::Value =
-        serde_json::from_slice(bytes).map_err(|err| format!("not JSON: {err}"))?;
-    let object = value
-        .as_object()
-        .ok_or("a JSON object expected, one request per line")?;
+fn parse_json(bytes: &[u8], line: u64) -> Result<Request, LineError> {
+    let value: serde_json::Value = serde_json::from_slice(bytes)?;
+    let object = value.as_object().ok_or(LineError::NotAnObject)?;
     let ts = match object.get("ts") {
-        Some(serde_json::Value::Number(number)) => parse_epoch_seconds(&number.to_string()),
-        Some(serde_json::Value::String(text)) => {
-            parse_rfc3339(text).or_else(|err| parse_epoch_seconds(text).map_err(|_| err))
+        Some(serde_json::Value::Number(number)) => {
+            parse_epoch_seconds(&number.to_string()).map_err(FieldProblem::from)
         }
-        Some(_) => Err("epoch seconds or an RFC 3339 string expected".to_string()),
-        None => Err("missing".to_string()),
+        Some(serde_json::Value::String(text)) => parse_rfc3339(text)
+            .or_else(|err| parse_epoch_seconds(text).map_err(|_| err))
+            .map_err(FieldProblem::from),
+        Some(_) => Err(FieldProblem::NotATime),
+        None => Err(FieldProblem::Missing),
     }
-    .map_err(|err| format!("\"ts\": {err}"))?;
+    .map_err(|problem| problem.of("ts"))?;
     let path = match object.get("path") {
         Some(serde_json::Value::String(path)) if !path.is_empty() => path.as_bytes().to_vec(),
-        Some(_) => return Err("\"path\": a non-empty string expected".into()),
-        None => return Err("\"path\": missing".into()),
+        Some(_) => return Err(FieldProblem::NotANonEmptyString.of("path")),
+        None => return Err(FieldProblem::Missing.of("path")),
     };
     if let Some(method) = object.get("method") {
         if !method.is_string() {
-            return Err("\"method\": a string expected".into());
+            return Err(FieldProblem::NotAString.of("method"));
         }
     }
     let mut headers = Vec::new();
@@ -174,18 +270,19 @@ fn parse_json(bytes: &[u8], line: u64) -> Result<Request, String> {
         None | Some(serde_json::Value::Null) => {}
         Some(serde_json::Value::Object(map)) => {
             for (name, value) in map {
-                let value = value
-                    .as_str()
-                    .ok_or_else(|| format!("\"headers\".{name:?}: a string expected"))?;
+                let value = value.as_str().ok_or_else(|| LineError::HeaderNotString {
+                    field: "headers",
+                    name: name.clone(),
+                })?;
                 headers.push((name.to_ascii_lowercase(), value.as_bytes().to_vec()));
             }
         }
-        Some(_) => return Err("\"headers\": an object of strings expected".into()),
+        Some(_) => return Err(FieldProblem::NotAnObjectOfStrings.of("headers")),
     }
     let client_ip = match object.get("client_ip") {
         None | Some(serde_json::Value::Null) => None,
         Some(serde_json::Value::String(ip)) => client_ip_from_address(ip.as_bytes()),
-        Some(_) => return Err("\"client_ip\": a string expected".into()),
+        Some(_) => return Err(FieldProblem::NotAString.of("client_ip")),
     };
     let mut response = Vec::new();
     match object.get("status") {
@@ -196,19 +293,20 @@ fn parse_json(bytes: &[u8], line: u64) -> Result<Request, String> {
         Some(serde_json::Value::String(status)) => {
             response.push((":status".to_string(), status.as_bytes().to_vec()));
         }
-        Some(_) => return Err("\"status\": a number expected".into()),
+        Some(_) => return Err(FieldProblem::NotANumber.of("status")),
     }
     match object.get("response_headers") {
         None | Some(serde_json::Value::Null) => {}
         Some(serde_json::Value::Object(map)) => {
             for (name, value) in map {
-                let value = value
-                    .as_str()
-                    .ok_or_else(|| format!("\"response_headers\".{name:?}: a string expected"))?;
+                let value = value.as_str().ok_or_else(|| LineError::HeaderNotString {
+                    field: "response_headers",
+                    name: name.clone(),
+                })?;
                 response.push((name.to_ascii_lowercase(), value.as_bytes().to_vec()));
             }
         }
-        Some(_) => return Err("\"response_headers\": an object of strings expected".into()),
+        Some(_) => return Err(FieldProblem::NotAnObjectOfStrings.of("response_headers")),
     }
     let duration = match object.get("duration_ms") {
         None | Some(serde_json::Value::Null) => Nanos::ZERO,
@@ -217,8 +315,8 @@ fn parse_json(bytes: &[u8], line: u64) -> Result<Request, String> {
             .filter(|ms| ms.is_finite() && *ms >= 0.0)
             // Truncation intended: nanoseconds of at most a day.
             .map(|ms| Nanos::new((ms.min(86_400_000.0) * 1_000_000.0) as u64))
-            .ok_or("\"duration_ms\": a number of milliseconds ≥ 0 expected")?,
-        Some(_) => return Err("\"duration_ms\": a number expected".into()),
+            .ok_or(FieldProblem::NotMilliseconds.of("duration_ms"))?,
+        Some(_) => return Err(FieldProblem::NotANumber.of("duration_ms")),
     };
     Ok(Request {
         ts,
@@ -243,7 +341,7 @@ const AUTHORITY: usize = 10;
 
 /// Splits an Envoy line after its time: quoted fields (up to a `"` followed by a space or
 /// the end) and bare words.
-fn envoy_fields(mut rest: &[u8]) -> Result<Vec<&[u8]>, String> {
+fn envoy_fields(mut rest: &[u8]) -> Result<Vec<&[u8]>, LineError> {
     let mut fields = Vec::new();
     loop {
         rest = rest.trim_ascii_start();
@@ -256,7 +354,9 @@ fn envoy_fields(mut rest: &[u8]) -> Result<Vec<&[u8]>, String> {
                 .find(|&i| {
                     body.get(i) == Some(&b'"') && matches!(body.get(i + 1), None | Some(b' '))
                 })
-                .ok_or_else(|| format!("field {}: no closing quote", fields.len() + 2))?;
+                .ok_or(LineError::UnclosedQuote {
+                    field: fields.len() + 2,
+                })?;
             fields.push(body.get(..end).unwrap_or_default());
             rest = body.get(end + 1..).unwrap_or_default();
         } else {
@@ -272,36 +372,32 @@ fn set(field: &[u8]) -> Option<&[u8]> {
     (field != b"-" && !field.is_empty()).then_some(field)
 }
 
-fn parse_envoy(bytes: &[u8], line: u64, extra: &[EnvoyField]) -> Result<Option<Request>, String> {
-    let rest = bytes
-        .strip_prefix(b"[")
-        .ok_or("an Envoy line starts with [%START_TIME%]")?;
+fn parse_envoy(
+    bytes: &[u8],
+    line: u64,
+    extra: &[EnvoyField],
+) -> Result<Option<Request>, LineError> {
+    let rest = bytes.strip_prefix(b"[").ok_or(LineError::NoStartTime)?;
     let close = rest
         .iter()
         .position(|&b| b == b']')
-        .ok_or("no ] after the start time")?;
+        .ok_or(LineError::UnclosedStartTime)?;
     let time = std::str::from_utf8(rest.get(..close).unwrap_or_default())
-        .map_err(|_| "the start time is not text")?;
+        .map_err(LineError::StartTimeNotText)?;
     let ts = parse_rfc3339(time)
         .or_else(|err| parse_epoch_seconds(time).map_err(|_| err))
-        .map_err(|err| format!("start time: {err}"))?;
+        .map_err(LineError::StartTime)?;
     let fields = envoy_fields(rest.get(close + 1..).unwrap_or_default())?;
-    let expected = ENVOY_FIELDS + extra.len();
-    if fields.len() != expected {
-        return Err(format!(
-            "{} fields after the time, expected {expected} (Envoy's default format{})",
-            fields.len(),
-            if extra.is_empty() {
-                String::new()
-            } else {
-                format!(" and {} --envoy-field", extra.len())
-            }
-        ));
+    if fields.len() != ENVOY_FIELDS + extra.len() {
+        return Err(LineError::FieldCount {
+            found: fields.len(),
+            appended: extra.len(),
+        });
     }
     let field = |index: usize| fields.get(index).copied().unwrap_or_default();
     let code = field(RESPONSE_CODE);
     if code.is_empty() || !code.iter().all(u8::is_ascii_digit) {
-        return Err("field 3 (%RESPONSE_CODE%): a number expected".into());
+        return Err(LineError::ResponseCode);
     }
     let mut words = field(REQUEST_LINE).split(|&b| b == b' ');
     let _method = words.next();
@@ -427,7 +523,7 @@ mod tests {
 
     const S: Nanos = diana_core::time::NANOS_PER_SECOND;
 
-    fn request(line: Result<Line, String>) -> Request {
+    fn request(line: Result<Line, LineError>) -> Request {
         match line {
             Ok(Line::Request(request, _)) => request,
             other => panic!("{other:?}"),
@@ -456,36 +552,119 @@ mod tests {
         assert!(r.headers.is_empty() && r.client_ip.is_none());
     }
 
+    /// Malformed lines: each one's error, told by `is`, and its message (`...` at the end:
+    /// its start).
+    type Malformed<'a> = (&'a [u8], fn(&LineError) -> bool, &'a str);
+
+    fn say_why(format: Format, cases: &[Malformed]) {
+        for (text, is, message) in cases {
+            let err = parse_line(text, 1, format, &[]).unwrap_err();
+            let shown = String::from_utf8_lossy(text);
+            assert!(is(&err), "{err:?} for {shown:?}");
+            match message.strip_suffix("...") {
+                Some(start) => assert!(err.to_string().starts_with(start), "{err}"),
+                None => assert_eq!(err.to_string(), *message, "for {shown:?}"),
+            }
+        }
+    }
+
     #[test]
     fn malformed_json_lines_say_why() {
-        for (text, reason) in [
-            (&b"{\"ts\": 1, \"path\": \"/\""[..], "not JSON"),
-            (b"[1, 2]", "start time"),
-            (b"{\"path\": \"/\"}", "\"ts\": missing"),
-            (b"{\"ts\": -5, \"path\": \"/\"}", "\"ts\": -5 is not a time"),
+        use FieldProblem::*;
+        let not_epoch = |text: &str| Time(TimeError::NotEpochSeconds { text: text.into() });
+        let not_rfc3339 = |text: &str| Time(TimeError::NotRfc3339 { text: text.into() });
+        for (text, field, problem, message) in [
+            (r#"{"path": "/"}"#, "ts", Missing, r#""ts": missing"#),
             (
-                b"{\"ts\": \"noon\", \"path\": \"/\"}",
-                "\"ts\": \"noon\" is not an RFC 3339",
-            ),
-            (b"{\"ts\": 1, \"path\": 7}", "\"path\": a non-empty string"),
-            (
-                b"{\"ts\": 1, \"path\": \"/\", \"headers\": {\"a\": 1}}",
-                "\"headers\".\"a\"",
+                r#"{"ts": -5, "path": "/"}"#,
+                "ts",
+                not_epoch("-5"),
+                r#""ts": -5 is not a time in seconds since the epoch (1970) or later"#,
             ),
             (
-                b"{\"ts\": 1, \"path\": \"/\", \"headers\": []}",
-                "\"headers\": an object",
+                r#"{"ts": "noon", "path": "/"}"#,
+                "ts",
+                not_rfc3339("noon"),
+                r#""ts": "noon" is not an RFC 3339 time (like 2026-11-22T10:00:00.250Z) at or after 1970"#,
             ),
-            (b"{\"ts\": 1, \"path\": \"/\", \"method\": 1}", "\"method\""),
-            (b"GET / HTTP/1.1", "neither a JSON object"),
+            (
+                r#"{"ts": true, "path": "/"}"#,
+                "ts",
+                NotATime,
+                r#""ts": epoch seconds or an RFC 3339 string expected"#,
+            ),
+            (r#"{"ts": 1}"#, "path", Missing, r#""path": missing"#),
+            (
+                r#"{"ts": 1, "path": 7}"#,
+                "path",
+                NotANonEmptyString,
+                r#""path": a non-empty string expected"#,
+            ),
+            (
+                r#"{"ts": 1, "path": "/", "headers": []}"#,
+                "headers",
+                NotAnObjectOfStrings,
+                r#""headers": an object of strings expected"#,
+            ),
+            (
+                r#"{"ts": 1, "path": "/", "method": 1}"#,
+                "method",
+                NotAString,
+                r#""method": a string expected"#,
+            ),
+            (
+                r#"{"ts": 1, "path": "/", "status": []}"#,
+                "status",
+                NotANumber,
+                r#""status": a number expected"#,
+            ),
+            (
+                r#"{"ts": 1, "path": "/", "duration_ms": -1}"#,
+                "duration_ms",
+                NotMilliseconds,
+                r#""duration_ms": a number of milliseconds ≥ 0 expected"#,
+            ),
         ] {
-            let err = parse_line(text, 1, Format::Auto, &[]).unwrap_err();
+            let err = parse_line(text.as_bytes(), 1, Format::Auto, &[]).unwrap_err();
             assert!(
-                err.contains(reason),
-                "{err} for {:?}",
-                String::from_utf8_lossy(text)
+                matches!(&err, LineError::Field { field: f, problem: p } if *f == field && *p == problem),
+                "{err:?} for {text}"
             );
+            assert_eq!(err.to_string(), message, "for {text}");
         }
+        say_why(
+            Format::Auto,
+            &[
+                (
+                    br#"{"ts": 1, "path": "/", "response_headers": {"a": 1}}"#,
+                    |e| matches!(e, LineError::HeaderNotString { field: "response_headers", name } if name == "a"),
+                    r#""response_headers"."a": a string expected"#,
+                ),
+                (
+                    br#"{"ts": 1, "path": "/""#,
+                    |e| matches!(e, LineError::NotJson(_)),
+                    "not JSON: ...",
+                ),
+                (
+                    b"[1, 2]",
+                    |e| matches!(e, LineError::StartTime(_)),
+                    "start time: ...",
+                ),
+                (
+                    b"GET / HTTP/1.1",
+                    |e| matches!(e, LineError::Unrecognised),
+                    r#"neither a JSON object nor an Envoy access-log line ("[time] ...")"#,
+                ),
+            ],
+        );
+        say_why(
+            Format::Jsonl,
+            &[(
+                b"[1, 2]",
+                |e| matches!(e, LineError::NotAnObject),
+                "a JSON object expected, one request per line",
+            )],
+        );
     }
 
     const ENVOY: &[u8] = br#"[2016-04-15T20:17:00.310Z] "POST /api/v1/locations HTTP/2" 204 - 154 0 226 100 "10.0.35.28" "nsq2http" "cc21d9b0-cf5c-432b-8c7e-98aeb7988cd2" "locations" "tcp://10.0.2.1:80""#;
@@ -512,7 +691,10 @@ mod tests {
         assert_eq!((r.client_ip(), r.header("x-request-id")), (None, None));
         // No request at all.
         let line = br#"[2026-01-01T00:00:01.000Z] "- - -" 400 DPE 0 11 0 - "-" "-" "-" "-" "-""#;
-        assert_eq!(parse_line(line, 1, Format::Auto, &[]), Ok(Line::NoRequest));
+        assert!(matches!(
+            parse_line(line, 1, Format::Auto, &[]),
+            Ok(Line::NoRequest)
+        ));
     }
 
     #[test]
@@ -529,42 +711,90 @@ mod tests {
         // The same line without them does not have the fields asked for.
         let err = parse_line(ENVOY, 1, Format::Auto, &extra).unwrap_err();
         assert!(
-            err.contains("12 fields after the time, expected 14"),
-            "{err}"
+            matches!(
+                err,
+                LineError::FieldCount {
+                    found: 12,
+                    appended: 2
+                }
+            ),
+            "{err:?}"
         );
-        assert!(EnvoyField::parse("bad header").is_err());
+        assert_eq!(
+            err.to_string(),
+            "12 fields after the time, expected 14 (Envoy's default format and 2 --envoy-field)"
+        );
+        let err = EnvoyField::parse(" bad header ");
+        assert_eq!(
+            err,
+            Err(EnvoyFieldError {
+                field: "bad header".into()
+            })
+        );
+        assert_eq!(
+            err.map_err(|err| err.to_string()),
+            Err("--envoy-field \"bad header\": a header name or client_ip expected".into())
+        );
     }
 
     #[test]
     fn malformed_envoy_lines_say_why() {
-        for (text, reason) in [
-            (
-                &br#"[yesterday] "GET / HTTP/1.1" 200 - 0 0 0 - "-" "-" "-" "-" "-""#[..],
-                "start time",
-            ),
-            (br#"[2026-01-01T00:00:01Z "GET / HTTP/1.1" 200"#, "no ]"),
-            (
-                br#"[2026-01-01T00:00:01Z] "GET / HTTP/1.1" 200 - 0 0"#,
-                "5 fields",
-            ),
-            (
-                br#"[2026-01-01T00:00:01Z] "GET / HTTP/1.1" OK - 0 0 0 - "-" "-" "-" "-" "-""#,
-                "RESPONSE_CODE",
-            ),
-            (
-                br#"[2026-01-01T00:00:01Z] "GET / HTTP/1.1 200 - 0 0 0 -"#,
-                "closing quote",
-            ),
-        ] {
-            let err = parse_line(text, 1, Format::Envoy, &[]).unwrap_err();
-            assert!(
-                err.contains(reason),
-                "{err} for {:?}",
-                String::from_utf8_lossy(text)
-            );
-        }
-        let err = parse_line(ENVOY, 1, Format::Jsonl, &[]).unwrap_err();
-        assert!(err.contains("not JSON"), "{err}");
+        say_why(
+            Format::Envoy,
+            &[
+                (
+                    br#"[yesterday] "GET / HTTP/1.1" 200 - 0 0 0 - "-" "-" "-" "-" "-""#,
+                    |e| matches!(e, LineError::StartTime(TimeError::NotRfc3339 { text }) if text == "yesterday"),
+                    r#"start time: "yesterday" is not an RFC 3339 time (like 2026-11-22T10:00:00.250Z) at or after 1970"#,
+                ),
+                (
+                    br#"[2026-01-01T00:00:01Z "GET / HTTP/1.1" 200"#,
+                    |e| matches!(e, LineError::UnclosedStartTime),
+                    "no ] after the start time",
+                ),
+                (
+                    b"[\xff] - 200",
+                    |e| matches!(e, LineError::StartTimeNotText(_)),
+                    "the start time is not text",
+                ),
+                (
+                    br#"[2026-01-01T00:00:01Z] "GET / HTTP/1.1" 200 - 0 0"#,
+                    |e| {
+                        matches!(
+                            e,
+                            LineError::FieldCount {
+                                found: 5,
+                                appended: 0
+                            }
+                        )
+                    },
+                    "5 fields after the time, expected 12 (Envoy's default format)",
+                ),
+                (
+                    br#"[2026-01-01T00:00:01Z] "GET / HTTP/1.1" OK - 0 0 0 - "-" "-" "-" "-" "-""#,
+                    |e| matches!(e, LineError::ResponseCode),
+                    "field 3 (%RESPONSE_CODE%): a number expected",
+                ),
+                (
+                    br#"[2026-01-01T00:00:01Z] "GET / HTTP/1.1 200 - 0 0 0 -"#,
+                    |e| matches!(e, LineError::UnclosedQuote { field: 2 }),
+                    "field 2: no closing quote",
+                ),
+                (
+                    br#"{"ts": 1, "path": "/"}"#,
+                    |e| matches!(e, LineError::NoStartTime),
+                    "an Envoy line starts with [%START_TIME%]",
+                ),
+            ],
+        );
+        say_why(
+            Format::Jsonl,
+            &[(
+                ENVOY,
+                |e| matches!(e, LineError::NotJson(_)),
+                "not JSON: ...",
+            )],
+        );
     }
 
     #[test]

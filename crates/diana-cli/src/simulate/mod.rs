@@ -26,18 +26,18 @@ mod report;
 mod svg;
 mod tally;
 
-pub use self::log::{EnvoyField, Format};
+pub use self::log::{EnvoyField, EnvoyFieldError, Format};
 pub use self::report::{render_json, render_text};
 pub use self::svg::render_svg;
 
-use self::log::{parse_line, Line, LineReader, RawLine, Request};
+use self::log::{parse_line, Line, LineError, LineReader, RawLine, Request};
 use self::tally::{Fate, Tally};
 use diana_core::config::Policy;
 use diana_core::metrics::{rule_metric_name, RuleEvent};
 use diana_core::quota::MemoryQuota;
 use diana_core::time::{Instant, Nanos, NANOS_PER_SECOND};
 use diana_core::worker::sim::{Fate as SimFate, Service, Sim};
-use diana_core::worker::HostProfile;
+use diana_core::worker::{HostProfile, Refused};
 use std::cell::RefCell;
 use std::cmp::{Ordering, Reverse};
 use std::collections::BinaryHeap;
@@ -68,7 +68,7 @@ pub struct Options {
 }
 
 /// What was read.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
+#[derive(Debug, Default)]
 pub struct InputStats {
     pub lines: u64,
     /// Requests replayed.
@@ -80,7 +80,7 @@ pub struct InputStats {
     pub no_request: u64,
     pub malformed: u64,
     /// The first [`MALFORMED_EXAMPLES`]: line number and reason.
-    pub malformed_examples: Vec<(u64, String)>,
+    pub malformed_examples: Vec<(u64, LineError)>,
     /// Lines later than the reordering window: replayed at the current simulated time.
     pub late: u64,
     pub first: Option<Instant>,
@@ -94,9 +94,25 @@ pub struct Simulation {
     pub tally: Tally,
     pub gateways: usize,
     pub callouts: u64,
-    /// Requests the engine still wanted a callout for after [`MAX_CALLOUTS`] (counted
-    /// as rejected; never expected).
+    /// Requests with no fate once their calls were answered at their own instant: neither
+    /// admitted, replied to nor waiting (counted as rejected; never expected).
     pub unresolved: u64,
+}
+
+/// Why a replay stopped. Malformed lines do not stop it: they are counted.
+#[derive(Debug, thiserror::Error)]
+pub enum SimulateError {
+    #[error("{0}")]
+    Read(#[from] io::Error),
+    /// The simulated gateways refused the document (checked before: not expected).
+    #[error("{0}")]
+    Refused(Refused),
+}
+
+impl From<Refused> for SimulateError {
+    fn from(refused: Refused) -> SimulateError {
+        SimulateError::Refused(refused)
+    }
 }
 
 /// Replays `input` through `policy`.
@@ -105,16 +121,15 @@ pub fn simulate<R: BufRead>(
     document: &str,
     input: R,
     options: &Options,
-) -> io::Result<Simulation> {
-    let mut replay = Replay::new(policy, document, options.gateways.max(1))
-        .map_err(|error| io::Error::new(io::ErrorKind::InvalidInput, error))?;
+) -> Result<Simulation, SimulateError> {
+    let mut replay = Replay::new(policy, document, options.gateways.max(1))?;
     let mut stats = InputStats::default();
     let mut buffer = Reorder::new(options.reorder);
     let mut reader = LineReader::new(input);
     while let Some((number, raw)) = reader.next_line()? {
         stats.lines = number;
         let parsed = match raw {
-            RawLine::TooLong => Err(format!("longer than {} bytes", log::MAX_LINE_BYTES)),
+            RawLine::TooLong => Err(LineError::TooLong),
             RawLine::Text(text) => parse_line(text, number, options.format, &options.envoy_fields),
         };
         match parsed {
@@ -247,7 +262,7 @@ struct Replay {
 }
 
 impl Replay {
-    fn new(policy: &Policy, document: &str, gateways: usize) -> Result<Replay, String> {
+    fn new(policy: &Policy, document: &str, gateways: usize) -> Result<Replay, Refused> {
         let mut replay = Replay::unstarted(policy, document, gateways);
         // Refused here rather than at the first request.
         replay.start(Instant::EPOCH + NANOS_PER_SECOND)?;
@@ -283,7 +298,7 @@ impl Replay {
     }
 
     /// Starts the gateways at `now` (the first request's time).
-    fn start(&mut self, now: Instant) -> Result<(), String> {
+    fn start(&mut self, now: Instant) -> Result<(), Refused> {
         for _ in 0..self.count {
             let sim = Sim::new(
                 HostProfile::ENVOY,
@@ -291,8 +306,7 @@ impl Replay {
                 1,
                 Service::Answers(Nanos::ZERO),
                 now,
-            )
-            .map_err(|refused| refused.to_string())?
+            )?
             .sharing_quota(Rc::clone(&self.quota));
             self.gateways.push(Gateway {
                 sim,

@@ -305,7 +305,7 @@ pub fn render_json(policy: &Policy, simulation: &Simulation, source: &str, inter
             "malformed_examples": input
                 .malformed_examples
                 .iter()
-                .map(|(line, reason)| json!({"line": line, "reason": reason}))
+                .map(|(line, reason)| json!({"line": line, "reason": reason.to_string()}))
                 .collect::<Vec<_>>(),
             "late": input.late,
             "first": input.first.map(|t| format_seconds(t.periods(NANOS_PER_SECOND))),
