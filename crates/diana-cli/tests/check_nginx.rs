@@ -210,8 +210,8 @@ fn what_the_end_to_end_harness_renders_passes() {
             .as_u64()
             .unwrap()
             >> 20;
-    let dir = std::env::temp_dir().join(format!("diana-check-nginx-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let temp = tempfile::tempdir().unwrap();
+    let dir = temp.path();
     let conf = dir.join("nginx.conf");
     let script = format!(
         "import sys; sys.path.insert(0, {scripts:?}); import render_nginx\n\
@@ -233,7 +233,6 @@ fn what_the_end_to_end_harness_renders_passes() {
         }
     }
     let out = check_nginx(conf.to_str().unwrap(), &[]);
-    let _ = std::fs::remove_dir_all(&dir);
     assert!(
         out.status.success(),
         "{}{}",

@@ -43,10 +43,9 @@ remote:
 dry_run: true
 ";
 
-fn temp_file(name: &str, content: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("diana-cli-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(name);
+/// Writes `content` to `name` in `dir` (a test's own [`tempfile::TempDir`]).
+fn file_in(dir: &tempfile::TempDir, name: &str, content: &str) -> PathBuf {
+    let path = dir.path().join(name);
     std::fs::write(&path, content).unwrap();
     path
 }
@@ -102,7 +101,8 @@ fn seed_plan_has_every_default() {
 
 #[test]
 fn seed_plan_as_text() {
-    let path = temp_file("seed.yaml", SEED);
+    let dir = tempfile::tempdir().unwrap();
+    let path = file_in(&dir, "seed.yaml", SEED);
     let out = diana(&["check", path.to_str().unwrap()], None);
     assert!(out.status.success(), "stderr: {}", text(&out.stderr));
     let stdout = text(&out.stdout);
@@ -189,7 +189,8 @@ fn full_form_plan_orders_resources_and_resolves_defaults() {
 #[test]
 fn bad_document_exits_1_with_the_filters_message() {
     let bad = "Url: /\nrules:\n  - rpu: 10\n  - rpu: 0\n    unit: minute\n";
-    let path = temp_file("bad.yaml", bad);
+    let dir = tempfile::tempdir().unwrap();
+    let path = file_in(&dir, "bad.yaml", bad);
     let out = diana(&["check", path.to_str().unwrap()], None);
     assert_eq!(out.status.code(), Some(1));
     assert!(out.stdout.is_empty());
@@ -407,7 +408,8 @@ fn socket(address: &Value) -> (String, u64) {
 /// `scripts/run`'s form: PORT options on 127.0.0.1, the document as `--diana-config`, JSON.
 #[test]
 fn render_envoy_json_with_port_options() {
-    let seed = temp_file("seed-for-ports.yaml", SEED);
+    let dir = tempfile::tempdir().unwrap();
+    let seed = file_in(&dir, "seed-for-ports.yaml", SEED);
     let bootstrap = render_json(
         &[
             "--listen-port",
@@ -489,7 +491,8 @@ fn render_envoy_json_with_port_options() {
 
     // --out: JSON for a `.json` file, YAML otherwise; nothing on stdout.
     for (name, json) in [("out.json", true), ("out.yaml", false)] {
-        let out = temp_file(name, "");
+        let dir = tempfile::tempdir().unwrap();
+        let out = file_in(&dir, name, "");
         let run = diana(
             &["render-envoy", "-", "--out", out.to_str().unwrap()],
             Some(SEED),
@@ -703,7 +706,8 @@ fn envoy_binary() -> String {
 }
 
 fn envoy_validate(bootstrap_yaml: &str, name: &str) {
-    let path = temp_file(name, bootstrap_yaml);
+    let dir = tempfile::tempdir().unwrap();
+    let path = file_in(&dir, name, bootstrap_yaml);
     let out = Command::new(envoy_binary())
         .args(["--mode", "validate", "--log-level", "info", "-c"])
         .arg(&path)

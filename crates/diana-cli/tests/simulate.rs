@@ -4,29 +4,17 @@
 #![cfg(test)]
 
 use serde_json::Value;
-use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use tempfile::TempDir;
 
-/// Where each case writes its policy and log.
-fn case_dir() -> PathBuf {
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
-    let dir = std::env::temp_dir().join(format!(
-        "diana-simulate-test-{}-{}",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-/// Runs `diana simulate POLICY LOG ARGS...` from files holding `policy` and `log`.
-fn simulate(policy: &str, log: &[u8], args: &[&str]) -> (Output, PathBuf) {
-    let dir = case_dir();
-    std::fs::write(dir.join("policy.yaml"), policy).unwrap();
-    std::fs::write(dir.join("requests.log"), log).unwrap();
+/// Runs `diana simulate POLICY LOG ARGS...` from files holding `policy` and `log`, in a
+/// directory of its own (removed when the returned [`TempDir`] is dropped).
+fn simulate(policy: &str, log: &[u8], args: &[&str]) -> (Output, TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("policy.yaml"), policy).unwrap();
+    std::fs::write(dir.path().join("requests.log"), log).unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_diana"))
-        .current_dir(&dir)
+        .current_dir(dir.path())
         .args(["simulate", "policy.yaml", "requests.log"])
         .args(args)
         .stdin(Stdio::null())
@@ -361,7 +349,7 @@ fn intervals_merge_seconds_and_totals_can_stand_alone() {
 fn the_chart_has_a_panel_per_rule_and_a_bar_per_count() {
     let (out, dir) = simulate(POLICY, mixed_log().as_bytes(), &["--svg", "chart.svg"]);
     stdout_of(&out);
-    let svg = std::fs::read_to_string(dir.join("chart.svg")).unwrap();
+    let svg = std::fs::read_to_string(dir.path().join("chart.svg")).unwrap();
     assert!(
         svg.starts_with("<svg xmlns=\"http://www.w3.org/2000/svg\""),
         "{svg}"
@@ -397,10 +385,10 @@ fn the_chart_has_a_panel_per_rule_and_a_bar_per_count() {
 
 #[test]
 fn a_log_on_standard_input_and_the_errors() {
-    let dir = case_dir();
-    std::fs::write(dir.join("policy.yaml"), POLICY).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("policy.yaml"), POLICY).unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_diana"))
-        .current_dir(&dir)
+        .current_dir(dir.path())
         .args(["simulate", "policy.yaml", "-", "--totals"])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -421,7 +409,7 @@ fn a_log_on_standard_input_and_the_errors() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("rpu"));
     // A log that cannot be read, a bad option value: exit 2.
     let out = Command::new(env!("CARGO_BIN_EXE_diana"))
-        .current_dir(&dir)
+        .current_dir(dir.path())
         .args(["simulate", "policy.yaml", "no-such.log"])
         .output()
         .unwrap();

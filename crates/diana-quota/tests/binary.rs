@@ -258,42 +258,6 @@ fn refused(args: &[&str], env: &[(&str, String)]) -> (std::process::ExitStatus, 
     }
 }
 
-/// A file in the temporary directory (mode 600), removed when dropped.
-struct TokenFile(std::path::PathBuf);
-
-impl TokenFile {
-    fn new(content: &str) -> TokenFile {
-        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-        let path = std::env::temp_dir().join(format!(
-            "diana-quota-token-{}-{}",
-            std::process::id(),
-            NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-        ));
-        let file = TokenFile(path);
-        file.write(content);
-        file
-    }
-
-    fn write(&self, content: &str) {
-        std::fs::write(&self.0, content).unwrap();
-        #[cfg(unix)]
-        {
-            use std::os::unix::fs::PermissionsExt;
-            std::fs::set_permissions(&self.0, std::fs::Permissions::from_mode(0o600)).unwrap();
-        }
-    }
-
-    fn path(&self) -> &str {
-        self.0.to_str().unwrap()
-    }
-}
-
-impl Drop for TokenFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
 const SECOND: &str = "second-secret-abcdefghijklmnopqrstuvwxyz0123";
 
 #[test]
@@ -319,13 +283,15 @@ fn refuses_a_secret_shorter_than_32_bytes() {
     assert!(!status.success());
     assert!(log.contains("at least 32 bytes"), "{log}");
     assert!(!log.contains(short), "the secret was printed:\n{log}");
-    let file = TokenFile::new(&format!("{TEST_TOKEN}\n{short}\n"));
-    let (status, log) = refused(&["--token-file", file.path()], &[]);
+    // Mode 600: `NamedTempFile` creates it so on unix.
+    let file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(&file, format!("{TEST_TOKEN}\n{short}\n")).unwrap();
+    let path = file.path().to_str().unwrap();
+    let (status, log) = refused(&["--token-file", path], &[]);
     assert!(!status.success());
     assert!(
         log.contains(&format!(
-            "--token-file {}: line 2: a secret must be at least 32 bytes",
-            file.path()
+            "--token-file {path}: line 2: a secret must be at least 32 bytes"
         )),
         "{log}"
     );
@@ -398,8 +364,10 @@ fn unauthorized_requests_get_401_and_change_no_counter() {
 #[test]
 fn a_token_file_of_two_lines_accepts_both_and_sighup_reloads_it() {
     let _serial = serial();
-    let file = TokenFile::new(&format!("{TEST_TOKEN}\n{SECOND}\n"));
-    let service = Service::start_with(&["--token-file", file.path()], &[]);
+    // Mode 600: `NamedTempFile` creates it so on unix; rewriting it in place keeps the mode.
+    let file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(&file, format!("{TEST_TOKEN}\n{SECOND}\n")).unwrap();
+    let service = Service::start_with(&["--token-file", file.path().to_str().unwrap()], &[]);
     let body = |key: &str| BODY.replace("ab:cd", key);
     let as_ = |token: &str, key: &str| {
         service
@@ -415,7 +383,7 @@ fn a_token_file_of_two_lines_accepts_both_and_sighup_reloads_it() {
     assert_eq!(as_(SECOND, "two"), 200);
     assert_eq!(as_("third-secret-abcdefghijklmnopqrstuvwxyz", "three"), 401);
     // Rotation, last step: the old secret leaves the file; SIGHUP.
-    file.write(&format!("{SECOND}\n"));
+    std::fs::write(&file, format!("{SECOND}\n")).unwrap();
     service.signal("HUP");
     let started = Instant::now();
     while as_(TEST_TOKEN, "four") != 401 {
@@ -427,7 +395,7 @@ fn a_token_file_of_two_lines_accepts_both_and_sighup_reloads_it() {
     }
     assert_eq!(as_(SECOND, "five"), 200);
     // A broken file changes nothing.
-    file.write("short\n");
+    std::fs::write(&file, "short\n").unwrap();
     service.signal("HUP");
     std::thread::sleep(Duration::from_millis(300));
     assert_eq!(as_(SECOND, "six"), 200);

@@ -666,28 +666,6 @@ async fn insecure_no_auth_serves_without_a_secret() {
         .contains("diana_quota_auth_required 0"));
 }
 
-/// A file in the temporary directory, removed when dropped.
-struct TempFile(std::path::PathBuf);
-
-impl TempFile {
-    fn new(tag: &str, content: &str) -> TempFile {
-        let path =
-            std::env::temp_dir().join(format!("diana-quota-http-{}-{tag}", std::process::id()));
-        std::fs::write(&path, content).unwrap();
-        TempFile(path)
-    }
-
-    fn path(&self) -> &str {
-        self.0.to_str().unwrap()
-    }
-}
-
-impl Drop for TempFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
 #[test]
 fn command_line_authentication() {
     let plain = Cli::try_parse_from(["diana-quota"]).unwrap();
@@ -710,8 +688,10 @@ fn command_line_authentication() {
     assert!(auth.is_required() && auth.accepts(TEST_TOKEN.as_bytes()));
     // A token file of two lines: both accepted; with the environment's, three.
     let second = "second-secret-abcdefghijklmnopqrstuvwxyz";
-    let file = TempFile::new("two", &format!("{TEST_TOKEN}\n{second}\n"));
-    let cli = Cli::try_parse_from(["diana-quota", "--token-file", file.path()]).unwrap();
+    let file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(&file, format!("{TEST_TOKEN}\n{second}\n")).unwrap();
+    let cli = Cli::try_parse_from(["diana-quota", "--token-file", file.path().to_str().unwrap()])
+        .unwrap();
     let auth = cli.auth_with(None).unwrap();
     assert_eq!(auth.secrets(), 2);
     assert!(auth.accepts(TEST_TOKEN.as_bytes()) && auth.accepts(second.as_bytes()));
@@ -719,8 +699,10 @@ fn command_line_authentication() {
     let third = "third-secret-abcdefghijklmnopqrstuvwxyz";
     assert_eq!(cli.auth_with(Some(third)).unwrap().secrets(), 3);
     // A file with a short line, or none at all: refused.
-    let bad = TempFile::new("bad", &format!("{TEST_TOKEN}\nshort\n"));
-    let cli = Cli::try_parse_from(["diana-quota", "--token-file", bad.path()]).unwrap();
+    let bad = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(&bad, format!("{TEST_TOKEN}\nshort\n")).unwrap();
+    let cli =
+        Cli::try_parse_from(["diana-quota", "--token-file", bad.path().to_str().unwrap()]).unwrap();
     let refused = cli.auth_with(None).unwrap_err().to_string();
     assert!(
         refused.contains("line 2: a secret must be at least 32 bytes"),

@@ -27,6 +27,7 @@ use envoy_types::pb::google::protobuf::UInt64Value;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tempfile::TempDir;
 use tonic::transport::Channel;
 
 const SECRET: &str = "0123456789abcdef0123456789abcdef-rls";
@@ -76,21 +77,6 @@ struct Server {
     _dir: TempDir,
 }
 
-struct TempDir(PathBuf);
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn temp_dir(name: &str) -> TempDir {
-    let dir = std::env::temp_dir().join(format!("diana-rls-test-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    TempDir(dir)
-}
-
 async fn start_with(
     name: &str,
     store: Arc<dyn Store>,
@@ -98,8 +84,11 @@ async fn start_with(
     headers: HeaderStyle,
     settings: Settings,
 ) -> Server {
-    let dir = temp_dir(name);
-    let file = dir.0.join("edge.yaml");
+    let dir = tempfile::Builder::new()
+        .prefix(&format!("diana-rls-test-{name}-"))
+        .tempdir()
+        .unwrap();
+    let file = dir.path().join("edge.yaml");
     std::fs::write(&file, CONFIG).unwrap();
     let config = rls::load(std::slice::from_ref(&file)).unwrap();
     let auth = Arc::new(auth);
@@ -784,8 +773,8 @@ fn the_rls_flags_go_together() {
         parse(&["--rls-config", "/nonexistent.yaml"]).rls_config(),
         Err(StartError::RlsConfigWithoutListen)
     ));
-    let dir = temp_dir("flags");
-    let (a, b) = (dir.0.join("a.yaml"), dir.0.join("b.yaml"));
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (dir.path().join("a.yaml"), dir.path().join("b.yaml"));
     std::fs::write(&a, "domain: a\n").unwrap();
     std::fs::write(&b, "domain: b\n").unwrap();
     let both = format!("{},{}", a.display(), b.display());
@@ -804,7 +793,7 @@ fn the_rls_flags_go_together() {
         "--rls-listen",
         "127.0.0.1:0",
         "--rls-config",
-        &format!("{}", dir.0.join("c.yaml").display()),
+        &format!("{}", dir.path().join("c.yaml").display()),
     ])
     .rls_config()
     .unwrap_err();

@@ -1346,9 +1346,8 @@ descriptors:
 
     #[test]
     fn files_and_directories_load_one_domain_each() {
-        let dir = std::env::temp_dir().join(format!("diana-rls-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+        let temp = tempfile::tempdir().unwrap();
+        let dir = temp.path().to_path_buf();
         std::fs::write(dir.join("a.yaml"), "domain: a\ndescriptors: [{key: k, rate_limit: {unit: second, requests_per_unit: 1}}]\n").unwrap();
         std::fs::write(dir.join("b.yml"), "domain: b\ndescriptors: []\n").unwrap();
         std::fs::write(dir.join("notes.txt"), "not read").unwrap();
@@ -1376,6 +1375,5 @@ descriptors:
             "{error:?}"
         );
         assert!(error.to_string().starts_with("--rls-config "), "{error}");
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

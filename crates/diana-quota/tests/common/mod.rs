@@ -70,21 +70,13 @@ pub fn free_port(with_bus: bool) -> u16 {
 
 static SEQUENCE: AtomicU64 = AtomicU64::new(0);
 
-fn scratch_dir(tag: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!(
-        "diana-quota-test-{}-{}-{tag}",
-        std::process::id(),
-        SEQUENCE.fetch_add(1, Ordering::Relaxed)
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
 /// One `redis-server` child process.
 pub struct RedisServer {
     pub port: u16,
     child: Option<Child>,
-    dir: PathBuf,
+    /// Its `--dir` (log, cluster config); removed when the server is dropped, after
+    /// [`Drop`] has stopped the process (fields drop after `drop` returns).
+    dir: tempfile::TempDir,
     cluster: bool,
 }
 
@@ -99,7 +91,7 @@ impl RedisServer {
         let mut server = RedisServer {
             port,
             child: None,
-            dir: scratch_dir(&port.to_string()),
+            dir: tempfile::tempdir().unwrap(),
             cluster,
         };
         server.spawn();
@@ -111,7 +103,7 @@ impl RedisServer {
     }
 
     pub fn log_path(&self) -> PathBuf {
-        self.dir.join("redis.log")
+        self.dir.path().join("redis.log")
     }
 
     fn spawn(&mut self) {
@@ -121,14 +113,14 @@ impl RedisServer {
             .arg(self.port.to_string())
             .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
             .arg("--dir")
-            .arg(&self.dir)
+            .arg(self.dir.path())
             .arg("--logfile")
             .arg(self.log_path());
         if self.cluster {
             command
                 .args(["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"])
                 .arg("--cluster-config-file")
-                .arg(self.dir.join("nodes.conf"));
+                .arg(self.dir.path().join("nodes.conf"));
         }
         command
             .stdin(Stdio::null())
@@ -203,7 +195,6 @@ impl Drop for RedisServer {
                 self.log()
             );
         }
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
