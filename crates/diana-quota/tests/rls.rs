@@ -19,7 +19,9 @@ use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strat
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::BucketAction as Action;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_client::RateLimitQuotaServiceClient;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_reports::BucketQuotaUsage;
-use envoy_types::pb::envoy::service::rate_limit_quota::v3::{BucketId, RateLimitQuotaUsageReports};
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
+    BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
+};
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
@@ -128,6 +130,25 @@ impl Server {
         RateLimitServiceClient::connect(format!("http://127.0.0.1:{}", self.port))
             .await
             .unwrap()
+    }
+
+    async fn quota_client(&self) -> RateLimitQuotaServiceClient<Channel> {
+        RateLimitQuotaServiceClient::connect(format!("http://127.0.0.1:{}", self.port))
+            .await
+            .unwrap()
+    }
+
+    /// An open RLQS stream: where its reports go, and its answers.
+    async fn quota_stream(&self) -> (Reports, tonic::Streaming<RateLimitQuotaResponse>) {
+        let (sender, receiver) = tokio::sync::mpsc::channel(8);
+        let answers = self
+            .quota_client()
+            .await
+            .stream_rate_limit_quotas(tokio_stream::wrappers::ReceiverStream::new(receiver))
+            .await
+            .unwrap()
+            .into_inner();
+        (sender, answers)
     }
 
     async fn stop(mut self) {
@@ -413,6 +434,38 @@ async fn bad_calls_are_refused_naming_the_field() {
     nameless.domain.clear();
     let status = client.should_rate_limit(nameless).await.unwrap_err();
     assert_eq!(status.message(), "domain: must not be empty");
+    let mut long = call(vec![descriptor(&[("tenant", "a")])]);
+    long.domain = "d".repeat(5000);
+    let status = client.should_rate_limit(long).await.unwrap_err();
+    assert_eq!(status.message(), "domain: 5000 bytes, at most 4096");
+    // RLQS streams: the same bounds on the domain and on a bucket id's entries.
+    let mut quota = server.quota_client().await;
+    let wide: Vec<(String, String)> = (0..65).map(|i| (format!("k{i}"), "v".into())).collect();
+    let wide: Vec<(&str, &str)> = wide.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let long_value = "v".repeat(5000);
+    for (reports, expected) in [
+        (
+            report(&"d".repeat(5000), &[("tenant", "a")], 1),
+            "domain: 5000 bytes, at most 4096",
+        ),
+        (
+            report("edge", &wide, 1),
+            "bucket_quota_usages[0].bucket_id.bucket: at most 64 entries, got 65",
+        ),
+        (
+            report("edge", &[("tenant", &long_value)], 1),
+            "bucket_quota_usages[0].bucket_id.bucket: value of 5000 bytes, at most 4096 (key \"tenant\")",
+        ),
+    ] {
+        let mut answers = quota
+            .stream_rate_limit_quotas(tokio_stream::iter(vec![reports]))
+            .await
+            .unwrap()
+            .into_inner();
+        let status = answers.message().await.unwrap_err();
+        assert_eq!(status.code(), tonic::Code::InvalidArgument);
+        assert_eq!(status.message(), expected);
+    }
     server.stop().await;
 }
 
@@ -449,10 +502,7 @@ async fn calls_need_the_secret_in_their_metadata() {
         OK
     );
     // RLQS too.
-    let mut quota =
-        RateLimitQuotaServiceClient::connect(format!("http://127.0.0.1:{}", server.port))
-            .await
-            .unwrap();
+    let mut quota = server.quota_client().await;
     let reports = tokio_stream::iter(vec![report("edge", &[("tenant", "a")], 1)]);
     let status = quota.stream_rate_limit_quotas(reports).await.unwrap_err();
     assert_eq!(status.code(), tonic::Code::Unauthenticated);
@@ -582,6 +632,9 @@ async fn a_failing_store_is_an_error_before_the_callers_deadline() {
     }
 }
 
+/// Where an RLQS stream's reports are sent.
+type Reports = tokio::sync::mpsc::Sender<RateLimitQuotaUsageReports>;
+
 fn report(domain: &str, bucket: &[(&str, &str)], allowed: u64) -> RateLimitQuotaUsageReports {
     RateLimitQuotaUsageReports {
         domain: domain.to_string(),
@@ -617,16 +670,7 @@ fn strategy_of(
 #[tokio::test]
 async fn rlqs_assigns_shares_and_charges_the_reported_usage() {
     let server = start("rlqs").await;
-    let mut quota =
-        RateLimitQuotaServiceClient::connect(format!("http://127.0.0.1:{}", server.port))
-            .await
-            .unwrap();
-    let (sender, receiver) = tokio::sync::mpsc::channel(8);
-    let mut answers = quota
-        .stream_rate_limit_quotas(tokio_stream::wrappers::ReceiverStream::new(receiver))
-        .await
-        .unwrap()
-        .into_inner();
+    let (sender, mut answers) = server.quota_stream().await;
     // A bucket of `tenant: a` (W 3/hour), its first request admitted: one gateway's share
     // is the whole limit, at most the 2 left.
     sender
@@ -687,12 +731,7 @@ async fn rlqs_assigns_shares_and_charges_the_reported_usage() {
         (alone.max_tokens, alone.tokens_per_fill.unwrap().value),
         (4, 100)
     );
-    let (other_sender, other_receiver) = tokio::sync::mpsc::channel(8);
-    let mut other = quota
-        .stream_rate_limit_quotas(tokio_stream::wrappers::ReceiverStream::new(other_receiver))
-        .await
-        .unwrap()
-        .into_inner();
+    let (other_sender, mut other) = server.quota_stream().await;
     other_sender
         .send(report("edge", &[("tenant", "bucket")], 0))
         .await
@@ -711,12 +750,35 @@ async fn rlqs_assigns_shares_and_charges_the_reported_usage() {
 }
 
 #[tokio::test]
+async fn an_rlqs_report_of_any_elapsed_time_is_answered() {
+    let server = start("rlqs-elapsed").await;
+    let (sender, mut answers) = server.quota_stream().await;
+    // `time_elapsed` as large as the message can say, then nothing (it tells no interval):
+    // each answered on the same stream, the assignment living at most a minute.
+    for (seconds, ttl) in [(i64::MAX, 60), (-1, 60), (1, 3)] {
+        let mut usage = report("edge", &[("tenant", "bucket")], 0);
+        usage.bucket_quota_usages[0].time_elapsed =
+            Some(envoy_types::pb::google::protobuf::Duration { seconds, nanos: 0 });
+        sender.send(usage).await.unwrap();
+        let answer = answers.message().await.unwrap().unwrap();
+        let Some(Action::QuotaAssignmentAction(assignment)) = answer.bucket_action[0].bucket_action
+        else {
+            panic!("{answer:?}")
+        };
+        assert_eq!(
+            assignment.assignment_time_to_live.unwrap().seconds,
+            ttl,
+            "{seconds}"
+        );
+    }
+    drop(sender);
+    server.stop().await;
+}
+
+#[tokio::test]
 async fn an_rlqs_stream_must_name_its_domain() {
     let server = start("rlqs-domain").await;
-    let mut quota =
-        RateLimitQuotaServiceClient::connect(format!("http://127.0.0.1:{}", server.port))
-            .await
-            .unwrap();
+    let mut quota = server.quota_client().await;
     let mut answers = quota
         .stream_rate_limit_quotas(tokio_stream::iter(vec![report("", &[("tenant", "a")], 1)]))
         .await

@@ -47,12 +47,25 @@ use xxhash_rust::xxh3::Xxh3;
 
 /// Default sliding-window slices (as a Diana rule's).
 pub const DEFAULT_SLICES: u32 = 10;
-/// Most bytes of one descriptor entry's key or value in a request.
+/// Most bytes of a request's domain, or of one descriptor entry's key or value.
 pub const MAX_TEXT_BYTES: usize = 4096;
+/// How much of a caller's text a log line or an error shows.
+pub const SHOWN_BYTES: usize = 64;
 /// Most entries in one request descriptor (or one RLQS bucket id).
 pub const MAX_ENTRIES: usize = 64;
 /// Most nesting in a configuration file.
 pub const MAX_DEPTH: usize = 64;
+
+/// At most the first [`SHOWN_BYTES`] of `text` (cut at a character's start): what a log
+/// line or an error shows of a caller's text, however long it is.
+pub fn shown(text: &str) -> &str {
+    let mut end = text.len().min(SHOWN_BYTES);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    text.get(..end).unwrap_or_default()
+}
+
 /// The prefix of the counter key of a descriptor.
 pub const KEY_PREFIX: &str = "rls:";
 

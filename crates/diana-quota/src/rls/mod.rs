@@ -13,9 +13,10 @@
 //!
 //! Calls need `authorization: Bearer <secret>` in their gRPC metadata (Envoy:
 //! `grpc_service.initial_metadata`) unless `--rls-insecure-no-auth` (or
-//! `--insecure-no-auth`); every answer comes before the call's deadline (its
-//! `grpc-timeout`, less `--timeout-margin-ms`, and at most `--deadline-ms`), an error
-//! at worst, so that Envoy applies its failure mode at once instead of timing out.
+//! `--insecure-no-auth`), checked before the message is read; every answer comes before
+//! the call's deadline (its `grpc-timeout`, less `--timeout-margin-ms`, and at most
+//! `--deadline-ms`), an error at worst, so that Envoy applies its failure mode at once
+//! instead of timing out.
 
 pub mod config;
 pub mod quota;
@@ -42,6 +43,17 @@ use tonic::Status;
 pub const RLS_PATH: &str = "rls";
 /// The metric and log label of RLQS streams.
 pub const RLQS_PATH: &str = "rlqs";
+
+/// The largest gRPC message read (tonic's default, said here): an RLS call within the
+/// descriptor bounds, an RLQS report of every bucket a stream may have.
+pub const MAX_MESSAGE_BYTES: usize = 4 << 20;
+/// Streams one HTTP/2 connection may have open at once (Envoy opens another connection
+/// beyond it); without a bound one connection could hold any number.
+pub const MAX_STREAMS_PER_CONNECTION: u32 = 1024;
+/// How often an idle connection is pinged, and how long the answer may take before the
+/// connection is closed: a gateway that went away does not hold its streams.
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Which rate-limit headers the RLS answer asks Envoy to add (`--rls-headers`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -328,6 +340,22 @@ pub async fn decide(
     })
 }
 
+/// Lets through the calls whose metadata carries the credential ([`Rls::authenticate`]),
+/// from their headers, before their message is read: a caller without it gets nothing
+/// buffered and nothing done. A refused call is counted under `path`, as answered ones are.
+fn authenticated(
+    rls: Rls,
+    path: &'static str,
+) -> impl Fn(tonic::Request<()>) -> Result<tonic::Request<()>, Status> + Clone {
+    move |request| match rls.authenticate(request.metadata()) {
+        Ok(()) => Ok(request),
+        Err(status) => {
+            rls.state().metrics().request(path, 401, Duration::ZERO);
+            Err(status)
+        }
+    }
+}
+
 /// Serves RLS and RLQS on `listener` until `shutdown` resolves; then RLQS streams are
 /// ended and calls in flight answered (for at most the deadline plus one second).
 pub async fn serve(
@@ -337,6 +365,7 @@ pub async fn serve(
 ) -> Result<(), crate::StartError> {
     use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaServiceServer;
     use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
+    use tonic::service::interceptor::InterceptedService;
 
     let (stop, stopping) = tokio::sync::watch::channel(false);
     let quota = quota::Rlqs::new(rls.clone(), stopping);
@@ -360,10 +389,18 @@ pub async fn serve(
         },
     );
     let server = tonic::transport::Server::builder()
-        .add_service(RateLimitServiceServer::new(service::RateLimiter::new(
-            rls.clone(),
-        )))
-        .add_service(RateLimitQuotaServiceServer::new(quota))
+        .max_concurrent_streams(Some(MAX_STREAMS_PER_CONNECTION))
+        .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
+        .add_service(InterceptedService::new(
+            RateLimitServiceServer::new(service::RateLimiter::new(rls.clone()))
+                .max_decoding_message_size(MAX_MESSAGE_BYTES),
+            authenticated(rls.clone(), RLS_PATH),
+        ))
+        .add_service(InterceptedService::new(
+            RateLimitQuotaServiceServer::new(quota).max_decoding_message_size(MAX_MESSAGE_BYTES),
+            authenticated(rls.clone(), RLQS_PATH),
+        ))
         .serve_with_incoming_shutdown(incoming, signal);
     let deadline = async move {
         if stopped_rx.await.is_ok() {

@@ -27,7 +27,7 @@
 //! `reporting_interval` says): if diana-quota goes away, Envoy applies the bucket's
 //! `expired_assignment_behavior`, then its `no_assignment_behavior`, that much later.
 
-use super::config::{Lookup, RlsConfig, RuleKind};
+use super::config::{self, Lookup, RlsConfig, RuleKind};
 use super::{OwnedRule, Rls, RLQS_PATH};
 use diana_core::algo::{Algorithm, Limit};
 use diana_core::wire::{self, ResolvedRule, RuleResult};
@@ -61,6 +61,83 @@ pub const MAX_BUCKETS: usize = 10_000;
 const FIRST_INTERVAL: Duration = Duration::from_secs(5);
 /// A gateway counts in the share of a counter while it reported within this many intervals.
 const ACTIVE_INTERVALS: u32 = 3;
+/// The longest reporting interval taken from a report; a longer `time_elapsed` counts as
+/// this (an hour: an assignment lives at most a minute anyway, and `i64::MAX` seconds
+/// would overflow the share's window).
+const MAX_INTERVAL: Duration = Duration::from_secs(3600);
+
+/// Why a stream's message of reports is refused (`INVALID_ARGUMENT`, the stream ends);
+/// each names the field. The bounds are RLS's: a bucket id is a descriptor.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum InvalidReport {
+    #[error("domain: the first usage report of a stream must name the domain")]
+    NoDomain,
+    #[error("domain: {bytes} bytes, at most {max}")]
+    DomainTooLong { bytes: usize, max: usize },
+    #[error("bucket_quota_usages[{usage}].bucket_id.bucket: at most {max} entries, got {got}")]
+    TooManyEntries {
+        usage: usize,
+        max: usize,
+        got: usize,
+    },
+    /// `key`: the entry's key, at most its first [`config::SHOWN_BYTES`].
+    #[error("bucket_quota_usages[{usage}].bucket_id.bucket: {field} of {bytes} bytes, at most {max} (key {key:?})")]
+    TooLong {
+        usage: usize,
+        field: &'static str,
+        bytes: usize,
+        max: usize,
+        key: String,
+    },
+}
+
+/// Checks the domain a stream names and the bucket ids of one message.
+fn check(domain: Option<&str>, reports: &RateLimitQuotaUsageReports) -> Result<(), InvalidReport> {
+    if let Some(domain) = domain {
+        if domain.is_empty() {
+            return Err(InvalidReport::NoDomain);
+        }
+        if domain.len() > config::MAX_TEXT_BYTES {
+            return Err(InvalidReport::DomainTooLong {
+                bytes: domain.len(),
+                max: config::MAX_TEXT_BYTES,
+            });
+        }
+    }
+    for (usage, report) in reports.bucket_quota_usages.iter().enumerate() {
+        let Some(id) = &report.bucket_id else {
+            continue;
+        };
+        if id.bucket.len() > config::MAX_ENTRIES {
+            return Err(InvalidReport::TooManyEntries {
+                usage,
+                max: config::MAX_ENTRIES,
+                got: id.bucket.len(),
+            });
+        }
+        for (key, value) in &id.bucket {
+            for (field, text) in [("key", key), ("value", value)] {
+                if text.len() > config::MAX_TEXT_BYTES {
+                    return Err(InvalidReport::TooLong {
+                        usage,
+                        field,
+                        bytes: text.len(),
+                        max: config::MAX_TEXT_BYTES,
+                        key: config::shown(key).to_string(),
+                    });
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The reporting interval a report's `time_elapsed.seconds` tells: `None` when it tells
+/// none (0 or negative), at most [`MAX_INTERVAL`] whatever a caller sends.
+fn reported_interval(seconds: i64) -> Option<Duration> {
+    let seconds = u64::try_from(seconds).ok().filter(|&seconds| seconds > 0)?;
+    Some(Duration::from_secs(seconds).min(MAX_INTERVAL))
+}
 
 /// The RLQS gRPC service.
 #[derive(Clone)]
@@ -123,7 +200,7 @@ impl RateLimitQuotaService for Rlqs {
         &self,
         request: Request<Streaming<RateLimitQuotaUsageReports>>,
     ) -> Result<Response<Self::StreamRateLimitQuotasStream>, Status> {
-        self.rls.authenticate(request.metadata())?;
+        // Authenticated before (`rls::serve`).
         let inbound = request.into_inner();
         let (sender, receiver) = mpsc::channel(16);
         let stream = self.shared.next_stream.fetch_add(1, Ordering::Relaxed);
@@ -214,12 +291,13 @@ impl Session {
         &mut self,
         reports: RateLimitQuotaUsageReports,
     ) -> Result<Option<RateLimitQuotaResponse>, Status> {
+        // The domain is the first message's; later ones may leave it out.
+        let naming = self.domain.is_none().then_some(reports.domain.as_str());
+        if let Err(reason) = check(naming, &reports) {
+            self.rls.warn(format_args!("RLQS stream refused: {reason}"));
+            return Err(Status::invalid_argument(reason.to_string()));
+        }
         if self.domain.is_none() {
-            if reports.domain.is_empty() {
-                let reason = "domain: the first usage report of a stream must name the domain";
-                self.rls.warn(format_args!("RLQS stream refused: {reason}"));
-                return Err(Status::invalid_argument(reason));
-            }
             self.domain = Some(reports.domain.clone());
         }
         let domain = self.domain.clone().unwrap_or_default();
@@ -233,9 +311,8 @@ impl Session {
                 continue;
             }
             if let Some(elapsed) = usage.time_elapsed {
-                if elapsed.seconds > 0 {
-                    self.interval =
-                        Duration::from_secs(u64::try_from(elapsed.seconds).unwrap_or(1));
+                if let Some(interval) = reported_interval(elapsed.seconds) {
+                    self.interval = interval;
                 }
             }
             let bucket: BTreeMap<String, String> = id.bucket.clone().into_iter().collect();
@@ -270,7 +347,9 @@ impl Session {
     /// An assignment lives for a reporting interval and 2 s (whole seconds: Envoy reads
     /// only the seconds), at most a minute: the next report renews it.
     fn ttl(&self) -> Duration {
-        (self.interval + Duration::from_secs(2)).min(Duration::from_secs(60))
+        self.interval
+            .saturating_add(Duration::from_secs(2))
+            .min(Duration::from_secs(60))
     }
 
     /// The strategy for one reported bucket; charges what the gateway allowed.
@@ -312,7 +391,7 @@ impl Session {
             &matched.key,
             self.stream,
             now,
-            self.interval * ACTIVE_INTERVALS,
+            self.interval.saturating_mul(ACTIVE_INTERVALS),
         );
         let mut bucket_state = self.buckets.get(bucket).copied().unwrap_or_default();
         let state = self.rls.state().clone();
@@ -534,6 +613,21 @@ mod tests {
         };
         assert_eq!(tb.max_tokens, 20);
         assert_eq!(tb.tokens_per_fill.unwrap().value, 5);
+    }
+
+    #[test]
+    fn a_reported_interval_is_positive_and_at_most_an_hour() {
+        for (seconds, interval) in [
+            (i64::MIN, None),
+            (-1, None),
+            (0, None),
+            (1, Some(Duration::from_secs(1))),
+            (3600, Some(MAX_INTERVAL)),
+            (3601, Some(MAX_INTERVAL)),
+            (i64::MAX, Some(MAX_INTERVAL)),
+        ] {
+            assert_eq!(reported_interval(seconds), interval, "{seconds}");
+        }
     }
 
     #[test]

@@ -66,7 +66,6 @@ impl RateLimitService for RateLimiter {
             Ok(_) => 200,
             Err(status) => match status.code() {
                 tonic::Code::InvalidArgument => 400,
-                tonic::Code::Unauthenticated => 401,
                 tonic::Code::ResourceExhausted | tonic::Code::Unavailable => 503,
                 _ => 500,
             },
@@ -106,7 +105,7 @@ impl RateLimiter {
         request: Request<RateLimitRequest>,
     ) -> Result<RateLimitResponse, Status> {
         let rls = &self.rls;
-        rls.authenticate(request.metadata())?;
+        // Authenticated before (`rls::serve`).
         let state = rls.state();
         let budget = budget(state, request.metadata());
         let arrived = Instant::now();
@@ -114,7 +113,7 @@ impl RateLimiter {
         if let Err(reason) = check(&request) {
             rls.warn(format_args!(
                 "RLS call refused: {reason} (domain {:?}, {} descriptors)",
-                request.domain,
+                config::shown(&request.domain),
                 request.descriptors.len()
             ));
             return Err(Status::invalid_argument(reason.to_string()));
@@ -519,6 +518,8 @@ fn headers(style: HeaderStyle, report: Report<'_>) -> Vec<HeaderValue> {
 pub enum InvalidCall {
     #[error("domain: must not be empty")]
     NoDomain,
+    #[error("domain: {bytes} bytes, at most {max}")]
+    DomainTooLong { bytes: usize, max: usize },
     #[error("descriptors: must not be empty")]
     NoDescriptors,
     #[error("descriptors: at most {max} in one call, got {got}")]
@@ -549,6 +550,12 @@ pub enum InvalidCall {
 pub fn check(request: &RateLimitRequest) -> Result<(), InvalidCall> {
     if request.domain.is_empty() {
         return Err(InvalidCall::NoDomain);
+    }
+    if request.domain.len() > config::MAX_TEXT_BYTES {
+        return Err(InvalidCall::DomainTooLong {
+            bytes: request.domain.len(),
+            max: config::MAX_TEXT_BYTES,
+        });
     }
     if request.descriptors.is_empty() {
         return Err(InvalidCall::NoDescriptors);
@@ -591,11 +598,7 @@ fn check_descriptor(index: usize, descriptor: &RateLimitDescriptor) -> Result<()
                     field,
                     bytes: text.len(),
                     max: config::MAX_TEXT_BYTES,
-                    key: pair
-                        .key
-                        .get(..pair.key.len().min(64))
-                        .unwrap_or("")
-                        .to_string(),
+                    key: config::shown(&pair.key).to_string(),
                 });
             }
         }
