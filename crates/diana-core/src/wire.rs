@@ -409,6 +409,10 @@ pub enum WireProblem {
         call: String,
         granted: usize,
     },
+    /// A release naming another counter than the call's, at the same place.
+    NotTheCallsCounter {
+        call: String,
+    },
     /// A leave or renewal of a rule that holds no places.
     NotPlaces {
         algo: &'static str,
@@ -497,6 +501,10 @@ impl fmt::Display for WireProblem {
                 call,
                 granted,
             } => write!(f, "{rules} rules, the call {call} had {granted}"),
+            WireProblem::NotTheCallsCounter { call } => write!(
+                f,
+                "not a counter the call {call} was granted by (a release gives back only to its own)"
+            ),
             WireProblem::NotPlaces { algo } => write!(
                 f,
                 "only concurrency places (IF) are left or renewed, got {algo}"

@@ -442,7 +442,9 @@ async fn decide(
             // A call with an id is noted after its answer left (no latency added): its
             // gateway may release it if the answer never reaches the request.
             let noted = match (&request.call, &outcome) {
-                (Some(call), Ok(outcomes)) => Grant::of(outcomes).map(|grants| (call, grants)),
+                (Some(call), Ok(outcomes)) => {
+                    Grant::of(&rules, outcomes).map(|grants| (call, grants))
+                }
                 _ => None,
             };
             match sender.send(outcome) {
@@ -544,7 +546,7 @@ async fn release(State(state): State<AppState>, headers: HeaderMap, body: Body) 
         let Some(grants) = state.store().take_call(call).await? else {
             return Ok(Ok(false));
         };
-        let outcomes = match Grant::released(call, rules.len(), &grants) {
+        let outcomes = match Grant::released(call, &rules, &grants) {
             Ok(outcomes) => outcomes,
             Err(refused) => return Ok(Err(refused.to_string())),
         };

@@ -870,6 +870,32 @@ async fn released_calls_give_their_grants_back(router: &Router) {
     assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
     let (status, _) = post_call(router, "/v1/release", Some("no spaces"), vec![spare]).await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
+
+    // Nor another counter in their place: a call granted on a throwaway counter does not
+    // refill a victim's, spent, by naming it in the release.
+    let victim = rule(&unique_key("release-victim"), "W", 5, "hour", 5, 10, 5);
+    let throwaway = rule(&unique_key("release-throwaway"), "W", 5, "hour", 5, 10, 5);
+    let (status, body) = post_call(router, "/v1/acquire", None, vec![victim.clone()]).await;
+    assert!(
+        status == StatusCode::OK && body.contains("\"granted\":5"),
+        "{body}"
+    );
+    let call_d = unique_key("call").replace([':', '.'], "-");
+    let (status, body) = post_call(router, "/v1/acquire", Some(&call_d), vec![throwaway]).await;
+    assert!(
+        status == StatusCode::OK && body.contains("\"granted\":5"),
+        "{body}"
+    );
+    settle().await;
+    let (status, body) =
+        post_call(router, "/v1/release", Some(&call_d), vec![victim.clone()]).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert!(body.contains("rules[0]"), "{body}");
+    assert_eq!(
+        left(router, &victim).await,
+        0,
+        "the victim's counter stays spent"
+    );
 }
 
 /// Concurrency places (`IF`): at most `rpu` held at once; an acquire names the bucket of

@@ -207,7 +207,7 @@ impl MemoryQuota {
         let request = wire::decode_request(body)?;
         let rules = request.resolve()?;
         let outcomes = self.acquire(&rules, now);
-        if let (Some(call), Some(grants)) = (&request.call, Grant::of(&outcomes)) {
+        if let (Some(call), Some(grants)) = (&request.call, Grant::of(&rules, &outcomes)) {
             if self.ledger.granted(call, grants, now) == Noted::AlreadyReleased {
                 self.release(&rules, &outcomes, now);
             }
@@ -228,7 +228,7 @@ impl MemoryQuota {
         let Some(grants) = self.ledger.release(call, now) else {
             return Ok(ReleaseResponse { released: false });
         };
-        let outcomes = Grant::released(call, rules.len(), &grants)?;
+        let outcomes = Grant::released(call, &rules, &grants)?;
         self.release(&rules, &outcomes, now);
         Ok(ReleaseResponse { released: true })
     }
