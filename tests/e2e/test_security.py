@@ -219,3 +219,30 @@ def test_a_forged_identity_does_not_lock_out_its_victim(start_gateway, procs, sc
     victim = [harness.request(gw.port, "/", source_address=victim_ip).status for _ in range(4)]
     assert victim == [200, 200, 200, 429], victim
     record(f"{gw.label} {scope}: forged identity", f"attacker {attacker}; victim {victim}")
+
+
+PER_ADDRESS_DOC = """
+resources:
+  - Url: /
+    rules:
+      - {name: per_address, actor: ip, rpu: 3, unit: hour, algo: TB}
+response: {status: 429}
+"""
+
+
+def test_a_forwarded_for_header_does_not_choose_the_client_address(start_gateway):
+    """A client that writes X-Forwarded-For neither spends another client's budget nor
+    escapes its own: the `ip` identity is the connection's peer (Envoy: the bootstrap's
+    `use_remote_address: true`; nginx: `$remote_addr`)."""
+    gw = start_gateway(PER_ADDRESS_DOC)
+    victim_ip = "127.0.0.9"
+    # The first names the victim, the others are new every time (an escape).
+    forwarded = [victim_ip, "10.1.0.1", "10.1.0.2", "10.1.0.3", "10.1.0.4"]
+    attacker = [
+        harness.request(gw.port, "/", {"x-forwarded-for": value}, source_address="127.0.0.1").status
+        for value in forwarded
+    ]
+    assert attacker == [200, 200, 200, 429, 429], attacker
+    victim = [harness.request(gw.port, "/", source_address=victim_ip).status for _ in range(4)]
+    assert victim == [200, 200, 200, 429], victim
+    record(f"{gw.label}: X-Forwarded-For", f"attacker {attacker}; victim {victim}")

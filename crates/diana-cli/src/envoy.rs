@@ -202,6 +202,9 @@ pub struct Options {
     pub concurrency: u32,
     /// Envoy's `normalize_path` and `merge_slashes` (the filter normalises on its own too).
     pub normalize_path: bool,
+    /// Proxies in front of Envoy whose `X-Forwarded-For` entries are trusted
+    /// (`xff_num_trusted_hops`); 0: the client is the peer of the connection.
+    pub xff_trusted_hops: u32,
     /// The route's timeout (an Envoy duration).
     pub route_timeout: String,
     /// Answer every request from Envoy itself, after the filter chain: (status, body).
@@ -445,6 +448,15 @@ fn listener(options: &Options, document: Option<&str>, upstream_cluster: Option<
         // its own too); the end-to-end tests turn it off to exercise the filter's own.
         ("normalize_path", Value::Bool(options.normalize_path)),
         ("merge_slashes", Value::Bool(options.normalize_path)),
+        // The client address (`source.address`, Diana's `ip` identity) is the connection's
+        // peer, or the entry `xff_num_trusted_hops` from the end of X-Forwarded-For. Without
+        // `use_remote_address` Envoy takes the last X-Forwarded-For entry, which any client
+        // writes: it could charge its requests to another client, or escape its own limit.
+        ("use_remote_address", Value::Bool(true)),
+        (
+            "xff_num_trusted_hops",
+            number(u64::from(options.xff_trusted_hops)),
+        ),
         ("route_config", route_config),
         ("http_filters", Value::Sequence(http_filters)),
     ];

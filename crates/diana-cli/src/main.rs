@@ -208,6 +208,10 @@ struct RenderArgs {
     /// Leave the path as the client spelled it (the filter normalises on its own).
     #[arg(long = "no-normalize-path", overrides_with = "normalize_path")]
     no_normalize_path: bool,
+    /// Proxies in front of Envoy (load balancers) whose X-Forwarded-For entries are trusted:
+    /// the client address is the entry this many from the end. 0: the connection's peer.
+    #[arg(long = "xff-trusted-hops", default_value_t = 0, value_name = "N")]
+    xff_trusted_hops: u32,
     /// The route's timeout, an Envoy duration.
     #[arg(long = "route-timeout", default_value = "15s", value_name = "DURATION")]
     route_timeout: String,
@@ -395,6 +399,7 @@ fn run_render_envoy(args: RenderArgs) -> Result<(), Failure> {
         )?,
         concurrency: args.concurrency,
         normalize_path: !args.no_normalize_path,
+        xff_trusted_hops: args.xff_trusted_hops,
         route_timeout: args.route_timeout,
         direct_response: (args.direct_response.as_deref())
             .map(envoy::parse_direct_response)

@@ -447,6 +447,9 @@ fn render_envoy_json_with_port_options() {
     let hcm = connection_manager(&bootstrap);
     assert_eq!(hcm["normalize_path"], true);
     assert_eq!(hcm["merge_slashes"], true);
+    // The client address is the connection's peer, not a header the client writes.
+    assert_eq!(hcm["use_remote_address"], true);
+    assert_eq!(hcm["xff_num_trusted_hops"], 0);
     assert!(hcm.get("access_log").is_none());
     let route = &hcm["route_config"]["virtual_hosts"][0]["routes"][0];
     assert_eq!(route["route"]["cluster"], "upstream");
@@ -544,6 +547,8 @@ fn render_envoy_options_of_the_end_to_end_tests() {
             "--config-port",
             "4004",
             "--no-normalize-path",
+            "--xff-trusted-hops",
+            "2",
             "--route-timeout",
             "3s",
             "--access-log",
@@ -571,6 +576,8 @@ fn render_envoy_options_of_the_end_to_end_tests() {
     );
     assert_eq!(hcm["normalize_path"], false);
     assert_eq!(hcm["merge_slashes"], false);
+    assert_eq!(hcm["use_remote_address"], true);
+    assert_eq!(hcm["xff_num_trusted_hops"], 2);
     assert_eq!(
         hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"]["timeout"],
         "3s"
