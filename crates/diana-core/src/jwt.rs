@@ -299,13 +299,26 @@ fn unescape(segment: &str) -> Result<String, ClaimPathError> {
     Ok(out)
 }
 
-/// The token of an `authorization` header's value, `Bearer <token>` (the scheme is
-/// case-insensitive).
+/// The token of an `authorization` header's value, found as Envoy's `jwt_authn` finds the
+/// token it verifies (its default location, `Bearer ` as the value prefix): after the first
+/// `Bearer ` (as written) anywhere in the value, the first run of base64url characters and
+/// dots. Reading it any other way would let a client add to a token that verifies
+/// (`Bearer <valid> .x`, `Bearer <forged>, Bearer <valid>`) and have Diana read a claim
+/// jwt_authn never saw, or none.
 pub fn bearer(value: &[u8]) -> Option<&[u8]> {
-    let value = value.trim_ascii();
-    let (scheme, token) = value.split_at_checked(7)?;
-    (scheme.eq_ignore_ascii_case(b"bearer ") && !token.trim_ascii().is_empty())
-        .then(|| token.trim_ascii())
+    const PREFIX: &[u8] = b"Bearer ";
+    let is_token = |byte: &u8| byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'_' | b'.');
+    let at = value
+        .windows(PREFIX.len())
+        .position(|window| window == PREFIX)?;
+    let after = value.get(at + PREFIX.len()..)?;
+    let token = after.get(after.iter().position(is_token)?..)?;
+    token.get(
+        ..token
+            .iter()
+            .position(|byte| !is_token(byte))
+            .unwrap_or(token.len()),
+    )
 }
 
 /// The claim at `path` in the payload of `token`, unverified (see the module doc).
@@ -419,14 +432,30 @@ mod tests {
     }
 
     #[test]
-    fn bearer_tokens_are_found_whatever_the_scheme_case() {
-        assert_eq!(bearer(b"Bearer abc"), Some(&b"abc"[..]));
-        assert_eq!(bearer(b"  bearer   abc  "), Some(&b"abc"[..]));
-        assert_eq!(bearer(b"BEARER abc"), Some(&b"abc"[..]));
-        assert_eq!(bearer(b"Basic abc"), None);
-        assert_eq!(bearer(b"Bearer "), None);
-        assert_eq!(bearer(b"Bearer"), None);
-        assert_eq!(bearer(b""), None);
+    fn the_bearer_token_is_the_one_jwt_authn_verifies() {
+        for (value, token) in [
+            (&b"Bearer h.p.s"[..], Some(&b"h.p.s"[..])),
+            (b"  Bearer   h.p.s  ", Some(b"h.p.s")),
+            (b"Bearer h-_.p.s9", Some(b"h-_.p.s9")),
+            // What follows the token is not part of it: jwt_authn verified `h.p.s` alone.
+            (b"Bearer h.p.s .x", Some(b"h.p.s")),
+            (b"Bearer h.p.s,x.y.z", Some(b"h.p.s")),
+            (b"Bearer h.p.s=", Some(b"h.p.s")),
+            // What precedes `Bearer ` is not either, nor a second `Bearer `.
+            (b"Basic abc, Bearer h.p.s", Some(b"h.p.s")),
+            (b"Bearer h.p.s, Bearer x.y.z", Some(b"h.p.s")),
+            (b"Bearer  ,h.p.s", Some(b"h.p.s")),
+            // jwt_authn's prefix is `Bearer ` as written.
+            (b"bearer h.p.s", None),
+            (b"BEARER h.p.s", None),
+            (b"Basic abc", None),
+            (b"Bearer ", None),
+            (b"Bearer ,;", None),
+            (b"Bearer", None),
+            (b"", None),
+        ] {
+            assert_eq!(bearer(value), token, "{:?}", String::from_utf8_lossy(value));
+        }
     }
 
     #[test]
