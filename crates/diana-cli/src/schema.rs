@@ -12,7 +12,9 @@ use diana_core::actor::{
     Fallback, JwtClaimKind, SourceKind, CONFIGURABLE_BUILTINS, RESERVED_ACTORS, SOURCE_KINDS,
 };
 use diana_core::algo;
-use diana_core::config::{HeaderMode, HeaderStyle, MAX_PLANS, MAX_PLAN_NAME};
+use diana_core::config::{
+    HeaderMode, HeaderStyle, MAX_PLANS, MAX_PLAN_NAME, MAX_RETRY_SECONDS, MAX_TIMEOUT_MS,
+};
 use diana_core::jwt;
 use diana_core::secret::MIN_SECRET_BYTES;
 use diana_core::time::Unit;
@@ -507,7 +509,8 @@ fn global() -> Value {
                          "description": "Envoy cluster name; host:port on nginx/Kong (default diana_quota)" },
             "authority": { "$ref": "#/definitions/text", "description": "Default diana-quota" },
             "path": { "$ref": "#/definitions/path", "description": "Default /v1/acquire" },
-            "timeout_ms": { "$ref": "#/definitions/positive", "description": "Default 50" },
+            "timeout_ms": { "type": "integer", "minimum": 1, "maximum": MAX_TIMEOUT_MS,
+                            "description": "Default 50" },
             "lease": {
                 "description": "Default 1; `auto`: sized from the observed rate",
                 "oneOf": [
@@ -515,7 +518,7 @@ fn global() -> Value {
                     { "type": "string", "enum": ["auto"] }
                 ],
             },
-            "retry_seconds": { "type": "integer", "minimum": 0, "maximum": U32_MAX,
+            "retry_seconds": { "type": "integer", "minimum": 0, "maximum": MAX_RETRY_SECONDS,
                                "description": "Circuit breaker: stay local this long (default 5)" },
             "token": { "$ref": "#/definitions/secret",
                        "description": "The quota service's credential (default: the environment variable DIANA_QUOTA_TOKEN)" }

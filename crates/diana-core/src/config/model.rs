@@ -425,6 +425,15 @@ pub struct Rule {
 
 /// The most plans one rule may have: each is a counter table and a metric of its own.
 pub const MAX_PLANS: usize = 32;
+
+/// The longest `global.timeout_ms`: a minute. A request waits for its callout that long at
+/// most; beyond it the bound is the gateway's own route timeout, not Diana's.
+pub const MAX_TIMEOUT_MS: u64 = 60_000;
+
+/// The longest `global.retry_seconds`: an hour. Without a bound a document (a remote one
+/// included, unless signed) could keep every global rule local, N gateways each admitting
+/// the whole limit, for a century after one failed call.
+pub const MAX_RETRY_SECONDS: u64 = 3_600;
 /// The longest plan name.
 pub const MAX_PLAN_NAME: usize = 64;
 
@@ -862,11 +871,12 @@ pub struct GlobalSpec {
     pub authority: String,
     /// Default `/v1/acquire`.
     pub path: String,
-    /// Default 50.
+    /// Default 50, at most [`MAX_TIMEOUT_MS`].
     pub timeout_ms: u32,
     /// Default 1.
     pub lease: Lease,
-    /// Circuit breaker: after a failure stay local this long, then probe. Default 5.
+    /// Circuit breaker: after a failure stay local this long, then probe. Default 5, at
+    /// most [`MAX_RETRY_SECONDS`].
     pub retry_seconds: u32,
     /// The quota service's credential, sent as `authorization: Bearer …` on every call.
     /// None: calls carry no credential (a service started with `--insecure-no-auth`).

@@ -620,9 +620,15 @@ fn build(collected: Collected) -> Result<Policy, Refusal> {
                     .authority
                     .map_or(default.authority, |authority| authority.0),
                 path: raw.path.map_or(default.path, |path| path.0),
-                timeout_ms: raw.timeout_ms.map_or(default.timeout_ms, NonZeroU32::get),
+                timeout_ms: raw
+                    .timeout_ms
+                    .and_then(|ms| u32::try_from(ms.0).ok())
+                    .unwrap_or(default.timeout_ms),
                 lease: raw.lease.map_or(default.lease, lease_of),
-                retry_seconds: raw.retry_seconds.unwrap_or(default.retry_seconds),
+                retry_seconds: raw
+                    .retry_seconds
+                    .and_then(|seconds| u32::try_from(seconds.0).ok())
+                    .unwrap_or(default.retry_seconds),
                 token: raw.token.map(|token| token.0).or(default.token),
             }
         }

@@ -12,7 +12,10 @@ use crate::actor::{
     DEFAULT_USER_FALLBACK, RESERVED_ACTORS, SOURCE_KINDS,
 };
 use crate::algo::{self, Algorithm};
-use crate::config::{HeaderMode, HeaderStyle, Pinned, Scope, MAX_PLANS, MAX_PLAN_NAME};
+use crate::config::{
+    HeaderMode, HeaderStyle, Pinned, Scope, MAX_PLANS, MAX_PLAN_NAME, MAX_RETRY_SECONDS,
+    MAX_TIMEOUT_MS,
+};
 use crate::jwt::{ClaimOrigin, ClaimPath};
 use crate::path;
 use crate::secret::Secret;
@@ -662,11 +665,11 @@ pub(super) struct RawGlobal {
     #[serde(default, deserialize_with = "present")]
     pub path: Option<PathField>,
     #[serde(default, deserialize_with = "present")]
-    pub timeout_ms: Option<NonZeroU32>,
+    pub timeout_ms: Option<Ranged<1, MAX_TIMEOUT_MS>>,
     #[serde(default, deserialize_with = "present")]
     pub lease: Option<LeaseField>,
     #[serde(default, deserialize_with = "present")]
-    pub retry_seconds: Option<u32>,
+    pub retry_seconds: Option<Ranged<0, MAX_RETRY_SECONDS>>,
     #[serde(default, deserialize_with = "present")]
     pub token: Option<SecretField>,
 }

@@ -732,7 +732,9 @@ fn errors_name_field_and_position() {
         ("resources: []\nresponse: {headerstyle: ietf}\n", &["response.headerstyle: ", "unknown field `headerstyle`", "header_style", "line 2"]),
         ("resources: []\nresponse: {body: [1]}\n", &["response.body: ", "invalid type", "line 2"]),
         // global
-        ("resources: []\nglobal: {timeout_ms: 0}\n", &["global.timeout_ms: ", "nonzero", "line 2"]),
+        ("resources: []\nglobal: {timeout_ms: 0}\n", &["global.timeout_ms: ", "between 1 and 60000", "line 2"]),
+        ("resources: []\nglobal: {timeout_ms: 60001}\n", &["global.timeout_ms: ", "between 1 and 60000", "line 2"]),
+        ("resources: []\nglobal: {retry_seconds: 3601}\n", &["global.retry_seconds: ", "between 0 and 3600", "line 2"]),
         ("resources: []\nglobal: {lease: 0}\n", &["global.lease: ", "between 1 and 100000", "line 2"]),
         ("resources: []\nglobal: {path: v1/acquire}\n", &["global.path: ", "must start with `/`", "line 2"]),
         ("resources: []\nglobal: {cluster: ''}\n", &["global.cluster: ", "empty", "line 2"]),

@@ -316,6 +316,9 @@ impl Worker {
         if dropped > 0 {
             log::info!("diana: {dropped} rules left the configuration; their records are released");
         }
+        if origin == "local" {
+            warn_if_unsigned(&policy);
+        }
         let engine = Engine::new(policy).with_pausing(self.profile.resumes_from_other_contexts);
         let counters = Counters::define(host, engine.rules());
         log::info!(
@@ -512,6 +515,25 @@ impl Worker {
                 }
             }
         }
+    }
+}
+
+/// One warning when the local document polls a config center whose documents are not
+/// signed: the pinned fields hold whatever it serves, but everything else (every limit, a
+/// rule's dry run) is whoever answers in its place's to set (SECURITY.md §5).
+fn warn_if_unsigned(policy: &Policy) {
+    if let Some(remote) = policy
+        .remote
+        .as_ref()
+        .filter(|remote| remote.signature.is_none())
+    {
+        log::warn!(
+            "diana: documents from the config center ({}{}) are adopted unsigned: whoever can \
+             answer in its place can change every limit but the pinned fields; set \
+             remote.signature",
+            remote.cluster,
+            remote.path
+        );
     }
 }
 
