@@ -303,14 +303,26 @@ fn unescape(segment: &str) -> Result<String, ClaimPathError> {
 /// token it verifies (its default location, `Bearer ` as the value prefix): after the first
 /// `Bearer ` (as written) anywhere in the value, the first run of base64url characters and
 /// dots. Reading it any other way would let a client add to a token that verifies
-/// (`Bearer <valid> .x`, `Bearer <forged>, Bearer <valid>`) and have Diana read a claim
-/// jwt_authn never saw, or none.
+/// (`Bearer <valid> .x`, `bearer <forged>, Bearer <valid>`) and have Diana read a claim
+/// jwt_authn never saw, or none. A value with no `Bearer ` may still start with the scheme
+/// in another case (RFC 7235: it is case-insensitive, and verifiers in front of nginx take
+/// it so); jwt_authn finds no token there, and refuses the request where it requires one.
 pub fn bearer(value: &[u8]) -> Option<&[u8]> {
     const PREFIX: &[u8] = b"Bearer ";
     let is_token = |byte: &u8| byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'_' | b'.');
-    let at = value
+    let as_written = value
         .windows(PREFIX.len())
-        .position(|window| window == PREFIX)?;
+        .position(|window| window == PREFIX);
+    let at = match as_written {
+        Some(at) => at,
+        None => {
+            let start = value.iter().position(|byte| !byte.is_ascii_whitespace())?;
+            value
+                .get(start..start + PREFIX.len())?
+                .eq_ignore_ascii_case(PREFIX)
+                .then_some(start)?
+        }
+    };
     let after = value.get(at + PREFIX.len()..)?;
     let token = after.get(after.iter().position(is_token)?..)?;
     token.get(
@@ -445,9 +457,11 @@ mod tests {
             (b"Basic abc, Bearer h.p.s", Some(b"h.p.s")),
             (b"Bearer h.p.s, Bearer x.y.z", Some(b"h.p.s")),
             (b"Bearer  ,h.p.s", Some(b"h.p.s")),
-            // jwt_authn's prefix is `Bearer ` as written.
-            (b"bearer h.p.s", None),
-            (b"BEARER h.p.s", None),
+            // Without `Bearer ` as written, the scheme in another case, at the start only.
+            (b"bearer h.p.s", Some(b"h.p.s")),
+            (b" BEARER h.p.s", Some(b"h.p.s")),
+            (b"bearer x.y.z, Bearer h.p.s", Some(b"h.p.s")),
+            (b"Basic abc, bearer h.p.s", None),
             (b"Basic abc", None),
             (b"Bearer ", None),
             (b"Bearer ,;", None),

@@ -92,7 +92,7 @@ impl Target for Claims {
         let authorization: Vec<u8> = match rng.below(4) {
             0 => (0..rng.index(100)).map(|_| rng.byte().max(1)).collect(),
             1 => format!("Bearer h.{}.s", String::from_utf8_lossy(&payload)).into_bytes(),
-            _ => format!("Bearer  h.{}.sig", URL_SAFE_NO_PAD.encode(&payload)).into_bytes(),
+            _ => format!("bearer  h.{}.sig", URL_SAFE_NO_PAD.encode(&payload)).into_bytes(),
         };
         let mut input = path;
         for part in [payload.as_slice(), authorization.as_slice()] {
