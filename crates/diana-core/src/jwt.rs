@@ -323,14 +323,11 @@ pub fn bearer(value: &[u8]) -> Option<&[u8]> {
                 .then_some(start)?
         }
     };
-    let after = value.get(at + PREFIX.len()..)?;
-    let token = after.get(after.iter().position(is_token)?..)?;
-    token.get(
-        ..token
-            .iter()
-            .position(|byte| !is_token(byte))
-            .unwrap_or(token.len()),
-    )
+    // The first run of token characters after the prefix.
+    value
+        .get(at + PREFIX.len()..)?
+        .split(|byte| !is_token(byte))
+        .find(|run| !run.is_empty())
 }
 
 /// The claim at `path` in the payload of `token`, unverified (see the module doc).

@@ -106,13 +106,7 @@ pub enum SimulateError {
     Read(#[from] io::Error),
     /// The simulated gateways refused the document (checked before: not expected).
     #[error("{0}")]
-    Refused(Refused),
-}
-
-impl From<Refused> for SimulateError {
-    fn from(refused: Refused) -> SimulateError {
-        SimulateError::Refused(refused)
-    }
+    Refused(#[from] Refused),
 }
 
 /// Replays `input` through `policy`.

@@ -164,6 +164,8 @@ impl fmt::Display for PollProblem {
     }
 }
 
+impl std::error::Error for Refused {}
+
 impl std::fmt::Display for Refused {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
@@ -214,6 +216,7 @@ impl Worker {
             return Ok(Step::default());
         }
         self.invalid = None;
+        warn_if_unsigned(&policy);
         if !self.profile.resumes_from_other_contexts {
             log::info!(
                 "diana: {}: leaky-bucket waits become Retry-After (local) or are done by the quota service (global)",
@@ -315,9 +318,6 @@ impl Worker {
         let dropped = lifecycle::adopt(&self.store, host, &policy);
         if dropped > 0 {
             log::info!("diana: {dropped} rules left the configuration; their records are released");
-        }
-        if origin == "local" {
-            warn_if_unsigned(&policy);
         }
         let engine = Engine::new(policy).with_pausing(self.profile.resumes_from_other_contexts);
         let counters = Counters::define(host, engine.rules());
