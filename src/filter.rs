@@ -110,7 +110,8 @@ impl DianaRoot {
 impl Context for DianaRoot {
     fn on_http_call_response(&mut self, token: u32, headers: usize, body: usize, _: usize) {
         let step = handle(&self.worker, |w| {
-            w.on_call_answered(&ProxyWasm, token, headers, body)
+            let answer = host::call_answer(w.answer_shape(token), headers, body);
+            w.on_call_answered(&ProxyWasm, token, answer)
         });
         carry_out(self.context_id, step.commands);
     }
@@ -176,7 +177,8 @@ struct DianaHttp {
 impl Context for DianaHttp {
     fn on_http_call_response(&mut self, token: u32, headers: usize, body: usize, _: usize) {
         let step = handle(&self.worker, |w| {
-            w.on_call_answered(&ProxyWasm, token, headers, body)
+            let answer = host::call_answer(w.answer_shape(token), headers, body);
+            w.on_call_answered(&ProxyWasm, token, answer)
         });
         carry_out(self.context_id, step.commands);
     }

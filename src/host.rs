@@ -3,7 +3,7 @@
 //! client's non-UTF-8 bytes must not reach a `String` getter.
 
 use diana_core::actor::{NoMetadata, RequestFacts};
-use diana_core::decision::Callout;
+use diana_core::call::{Answer, AnswerShape, Callout};
 use diana_core::properties::client_ip_from_address;
 use diana_core::store::{HostCall, HostError, SetOutcome, SharedData};
 use diana_core::time::{Clock, Instant};
@@ -36,6 +36,24 @@ static ON_ENVOY: AtomicBool = AtomicBool::new(false);
 /// The plugin configuration (the Diana document).
 pub fn configuration(size: usize) -> Result<Vec<u8>, Status> {
     hostcalls::get_buffer(BufferType::PluginConfiguration, 0, size).map(Option::unwrap_or_default)
+}
+
+/// The answer to a call, from `on_http_call_response`: none when it came without headers
+/// (timeout, reset, refused connection), else the headers and body `shape` names, read
+/// one by one (the SDK's whole-map reader panics on what a peer may send).
+pub fn call_answer(shape: AnswerShape, headers: usize, body_size: usize) -> Answer {
+    if headers == 0 {
+        return Answer::NoAnswer;
+    }
+    let headers = shape.headers.iter().filter_map(|name| {
+        header(MapType::HttpCallResponseHeaders, name).map(|value| (name.to_string(), value))
+    });
+    let body = Answer::read_body(shape, body_size, || {
+        hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
+            .map(Option::unwrap_or_default)
+            .map_err(|status| HostError::refused(HostCall::CallBody, "", status))
+    });
+    Answer::from_host(headers, body)
 }
 
 fn header(map: MapType, name: &str) -> Option<Vec<u8>> {
@@ -127,16 +145,6 @@ impl Clock for ProxyWasm {
 impl Host for ProxyWasm {
     fn response_header(&self, name: &str) -> Option<Vec<u8>> {
         header(MapType::HttpResponseHeaders, name)
-    }
-
-    fn call_header(&self, name: &str) -> Option<Vec<u8>> {
-        header(MapType::HttpCallResponseHeaders, name)
-    }
-
-    fn call_body(&self, size: usize) -> Result<Vec<u8>, HostError> {
-        hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, size)
-            .map(Option::unwrap_or_default)
-            .map_err(|status| HostError::refused(HostCall::CallBody, "", status))
     }
 
     fn dispatch(&self, callout: &Callout) -> Result<CallToken, DispatchError> {

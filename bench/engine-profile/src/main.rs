@@ -6,6 +6,7 @@
 
 use diana_core::actor::RequestFacts;
 use diana_core::config::parse_policy;
+use diana_core::cx::Cx;
 use diana_core::decision::Decision;
 use diana_core::engine::Engine;
 use diana_core::metrics::MetricSink;
@@ -66,13 +67,8 @@ fn main() -> ExitCode {
     let (mut allow, mut other) = (0u64, 0u64);
     let start = Instant::from_unix_nanos(1_700_000_000_000_000_000);
     for i in 0..n {
-        match engine.evaluate(
-            &host,
-            path.as_bytes(),
-            &Facts,
-            Some(start + Nanos::new(i * 1000)),
-            &mut metrics,
-        ) {
+        let mut cx = Cx::new(&host, start + Nanos::new(i * 1000), &mut metrics);
+        match engine.evaluate(&mut cx, path.as_bytes(), &Facts) {
             Decision::Allow { .. } => allow += 1,
             _ => other += 1,
         }

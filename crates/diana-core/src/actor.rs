@@ -1253,7 +1253,11 @@ mod forged {
         let rule = engine.rules().next().expect("one rule");
         let admitted = |host: &MemoryHost, facts: &Facts, now: Instant| {
             matches!(
-                engine.evaluate(host, b"/", facts, Some(now), &mut NoMetrics),
+                engine.evaluate(
+                    &mut crate::cx::Cx::new(host, now, &mut NoMetrics),
+                    b"/",
+                    facts
+                ),
                 Decision::Allow { .. }
             )
         };

@@ -12,41 +12,42 @@
 //! local counters, the lease stash for leased global tokens), and the quota service
 //! decides the global rules of one request all or nothing. Metrics follow the same rule:
 //! `allowed` counts the rules of admitted requests only, `limited` the rule that rejected.
+//!
+//! The engine's face is three verbs and their kin: [`Engine::evaluate`] (and
+//! [`Engine::resume`] for a parked request) may return a call; [`Engine::tick`] lists the
+//! calls due; [`Engine::answered`] takes any answer ([`calls`]). Every step is handed the
+//! event's [`Cx`]: shared data, the instant, the metrics.
+
+mod calls;
+
+pub use calls::{Call, Then};
 
 use crate::actor::{Identity, RequestFacts};
-use crate::algo::inflight::RENEW_EVERY;
+use crate::call::Answer;
 use crate::config::{PlanSource, Policy, Rule, Scope};
-use crate::decision::{
-    AfterResponse, Callout, Decision, Place, PlaceAt, Reply, Reserved, ResponseCharge,
-};
+use crate::cx::Cx;
+use crate::decision::{AfterResponse, Decision, Reserved, ResponseCharge};
 use crate::global::debts::Debt;
 use crate::global::flights::RiderId;
 use crate::global::stash::StashReceipt;
-use crate::global::wire::AcquireRequest;
-use crate::global::{
-    Admission, Asked, Denial, Global, GlobalCharge, Interpretation, Leave, Payment, Plan, Release,
-    ServicePlace,
-};
+use crate::global::{Admission, Asked, Denial, Global, GlobalCharge, Interpretation, Plan};
 use crate::local::{Local, LocalCharge, Taken};
 use crate::matching;
 use crate::metrics::{Event, MetricSink, NoMetrics, RuleEvent};
 use crate::path;
+use crate::places::{Holdings, Place, PlaceAt, ServicePlace};
 use crate::response::{admitted_rule_headers, Rejection, RuleReport};
-use crate::settle::{settle, Settlement};
 use crate::store::{ChargeError, SharedData, SlotAddress, SlotTable};
-use crate::time::{ceil_seconds, ceil_seconds_at_least_one, Clock, Instant, Nanos};
+use crate::time::{ceil_seconds, ceil_seconds_at_least_one, Instant, Nanos};
 use smallvec::SmallVec;
 
 /// The rules of one request are few: these lists stay on the stack (no allocation on the
 /// hot path).
 type Few<T> = SmallVec<[T; 4]>;
 
-/// What the engine answers: a [`Decision`] whose call carries the paused request's state.
-pub type EngineDecision = Decision<Pending>;
-
-/// A refill ahead in flight (see [`Engine::refill`]).
-#[derive(Debug)]
-pub(crate) struct Refill(Asked);
+/// What the engine answers: a [`Decision`] whose call carries what its answer resumes,
+/// and whose wait carries the parked request's state.
+pub type EngineDecision = Decision<Call, Pending>;
 
 /// A paused request: what was charged so far, and what it waits for. Boxed: a decision
 /// that admits at once (the hot path) is then a few words to move, not the paused
@@ -213,6 +214,8 @@ pub struct Engine {
     can_pause: bool,
     local: Local,
     global: Global,
+    /// The concurrency places of the requests inside.
+    places: Holdings,
 }
 
 impl Engine {
@@ -225,6 +228,7 @@ impl Engine {
             can_pause: true,
             local: Local::new(),
             global,
+            places: Holdings::default(),
         }
     }
 
@@ -261,16 +265,14 @@ impl Engine {
             .is_some_and(|spec| path::normalize(raw_path).as_ref() == spec.path.as_bytes())
     }
 
-    /// Evaluates one request. `raw_path` is the `:path` pseudo-header as sent; the clock is
-    /// read only when some rule applies, and when it cannot be read the request is admitted
-    /// and nothing is written (a broken clock must not rewrite counters near the epoch).
+    /// Evaluates one request. `raw_path` is the `:path` pseudo-header as sent. (Without a
+    /// clock the worker admits the request before it gets here: a broken clock must not
+    /// rewrite counters near the epoch.)
     pub fn evaluate(
         &self,
-        host: &dyn SharedData,
+        cx: &mut Cx<'_>,
         raw_path: &[u8],
         facts: &dyn RequestFacts,
-        clock: impl Clock,
-        metrics: &mut dyn MetricSink,
     ) -> EngineDecision {
         let applicable = self.applicable(raw_path, facts);
         if applicable.local.is_empty() && applicable.global.is_empty() {
@@ -279,37 +281,23 @@ impl Engine {
                 after: None,
             };
         }
-        let Some(now) = clock.now() else {
-            metrics.event(Event::ClockError);
-            return Decision::Allow {
-                headers: Vec::new(),
-                after: None,
-            };
-        };
         let mut progress = Progress {
             after: applicable.after,
             ..Progress::default()
         };
         let mut held = Few::new();
         for &(rule, address, cost) in &applicable.local {
-            if let Err(rejection) = self.charge_locally(
-                host,
-                rule,
-                address,
-                cost,
-                now,
-                &mut progress,
-                &mut held,
-                metrics,
-            ) {
-                return self.reject(host, held, progress, rejection, now, metrics);
+            if let Err(rejection) =
+                self.charge_locally(cx, rule, address, cost, &mut progress, &mut held)
+            {
+                return self.reject(cx, held, progress, rejection);
             }
         }
         if applicable.global.is_empty() {
-            return self.finish(progress, &held, now, metrics);
+            return self.finish(cx, progress, &held);
         }
         let turns = Few::new();
-        self.decide_globally(host, applicable.global, held, progress, turns, now, metrics)
+        self.decide_globally(cx, applicable.global, held, progress, turns)
     }
 
     /// The request waits for the quota service (its call, or another request's): the
@@ -319,11 +307,10 @@ impl Engine {
     /// the upstream 60 ms after this one.
     fn defer_turns(
         &self,
-        host: &dyn SharedData,
+        cx: &mut Cx<'_>,
         held: &mut Few<Held>,
         progress: &mut Progress,
         turns: &mut Few<Turn>,
-        now: Instant,
     ) {
         let waits = |index: usize| self.policy.rule(index).is_some_and(|r| r.algo.waits());
         if !held.iter().any(|held| waits(held.rule)) {
@@ -332,7 +319,7 @@ impl Engine {
         let (deferred, kept): (Few<Held>, Few<Held>) =
             held.drain(..).partition(|held| waits(held.rule));
         *held = kept;
-        self.give_back_held(host, &deferred, now, &mut NoMetrics);
+        self.give_back_held(cx.shared, &deferred, cx.now, &mut NoMetrics);
         turns.extend(deferred.iter().map(|held| Turn {
             rule: held.rule,
             address: held.address,
@@ -352,27 +339,16 @@ impl Engine {
     /// Takes the deferred leaky-bucket turns of a request that may leave now.
     fn take_turns(
         &self,
-        host: &dyn SharedData,
+        cx: &mut Cx<'_>,
         turns: &[Turn],
         held: &mut Few<Held>,
         progress: &mut Progress,
-        now: Instant,
-        metrics: &mut dyn MetricSink,
     ) -> Result<(), Rejection> {
         for turn in turns {
             let Some(rule) = self.policy.rule(turn.rule) else {
                 continue;
             };
-            self.charge_locally(
-                host,
-                rule,
-                turn.address,
-                turn.cost,
-                now,
-                progress,
-                held,
-                metrics,
-            )?;
+            self.charge_locally(cx, rule, turn.address, turn.cost, progress, held)?;
         }
         Ok(())
     }
@@ -381,27 +357,25 @@ impl Engine {
     #[allow(clippy::too_many_arguments)]
     fn decide_globally(
         &self,
-        host: &dyn SharedData,
+        cx: &mut Cx<'_>,
         charges: Few<GlobalCharge>,
         mut held: Few<Held>,
         mut progress: Progress,
         mut turns: Few<Turn>,
-        now: Instant,
-        metrics: &mut dyn MetricSink,
     ) -> EngineDecision {
-        let plan = self.global.plan(host, &self.policy, &charges, now, metrics);
+        let plan = self.global.plan(cx, &self.policy, &charges);
         if matches!(plan, Plan::Park(_) | Plan::Call { .. }) {
-            self.defer_turns(host, &mut held, &mut progress, &mut turns, now);
+            self.defer_turns(cx, &mut held, &mut progress, &mut turns);
         }
         match plan {
             Plan::Done(outcomes) => {
                 progress.apply(outcomes);
-                self.finish(progress, &held, now, metrics)
+                self.finish(cx, progress, &held)
             }
             Plan::Rejected(denial, outcomes) => {
                 progress.apply(outcomes);
                 let rejection = self.denial(denial, &mut progress);
-                self.reject(host, held, progress, rejection, now, metrics)
+                self.reject(cx, held, progress, rejection)
             }
             Plan::Degrade {
                 outcomes,
@@ -409,8 +383,8 @@ impl Engine {
                 served,
             } => {
                 progress.apply(outcomes);
-                metrics.event(Event::GlobalDegradedRequest);
-                self.degrade(host, local, &served, held, progress, now, metrics)
+                cx.metrics.event(Event::GlobalDegradedRequest);
+                self.degrade(cx, local, &served, held, progress)
             }
             Plan::Park(rider) => Decision::Wait(Pending::new(
                 held,
@@ -425,20 +399,17 @@ impl Engine {
             } => {
                 progress.apply(outcomes);
                 let pending = Pending::new(held, progress, Stage::Asked(asked), turns);
-                Decision::Call(callout, pending)
+                Decision::Call(Call {
+                    callout,
+                    then: Then::acquire(pending),
+                })
             }
         }
     }
 
     /// Plans a woken request again ([`Engine::next_woken`]): its flight has landed, so its
     /// global rules are likely served from the lease stash now.
-    pub(crate) fn resume(
-        &self,
-        host: &dyn SharedData,
-        pending: Pending,
-        now: Option<Instant>,
-        metrics: &mut dyn MetricSink,
-    ) -> EngineDecision {
+    pub(crate) fn resume(&self, cx: &mut Cx<'_>, pending: Pending) -> EngineDecision {
         let PendingState {
             mut held,
             mut progress,
@@ -448,24 +419,14 @@ impl Engine {
         match stage {
             Stage::Parked { charges, rider } => {
                 self.global.replanning(rider);
-                let Some(now) = now else {
-                    metrics.event(Event::ClockError);
-                    return Decision::Allow {
-                        headers: Vec::new(),
-                        after: None,
-                    };
-                };
-                if let Err(rejection) =
-                    self.take_turns(host, &turns, &mut held, &mut progress, now, metrics)
-                {
-                    return self.reject(host, held, progress, rejection, now, metrics);
+                if let Err(rejection) = self.take_turns(cx, &turns, &mut held, &mut progress) {
+                    return self.reject(cx, held, progress, rejection);
                 }
-                let turns = Few::new();
-                self.decide_globally(host, charges, held, progress, turns, now, metrics)
+                self.decide_globally(cx, charges, held, progress, Few::new())
             }
             stage @ Stage::Asked(_) => {
                 let pending = Pending::new(held, progress, stage, turns);
-                self.complete(host, pending, Reply::NoAnswer, now, metrics)
+                self.complete(cx, pending, Answer::NoAnswer)
             }
         }
     }
@@ -473,10 +434,8 @@ impl Engine {
     /// Flights whose answer is overdue (their request vanished unannounced) are treated as
     /// landed: their riders are woken. Called from the host's tick while
     /// [`Engine::has_riders`], before [`Engine::next_woken`].
-    pub(crate) fn land_overdue(&self, now: Option<Instant>) {
-        if let Some(now) = now {
-            self.global.land_overdue(now);
-        }
+    pub(crate) fn land_overdue(&self, now: Instant) {
+        self.global.land_overdue(now);
     }
 
     /// The next parked request to [`Engine::resume`], in the order they parked: one at a
@@ -488,7 +447,7 @@ impl Engine {
 
     /// Every parked request to resume, at once (tests).
     #[cfg(test)]
-    pub(crate) fn woken(&self, now: Option<Instant>) -> Vec<RiderId> {
+    pub(crate) fn woken(&self, now: Instant) -> Vec<RiderId> {
         self.land_overdue(now);
         std::iter::from_fn(|| self.next_woken()).collect()
     }
@@ -504,79 +463,12 @@ impl Engine {
         self.global.has_woken_riders()
     }
 
-    /// A paused request is gone (its client went away) and the answer to its call will
-    /// never be read: what it had charged is given back, the requests parked behind its
-    /// callout plan again, and the call that releases what the service granted it is
-    /// returned, to send (see [`crate::global::Global::abandon_call`]).
-    pub(crate) fn abandon(
-        &self,
-        host: &dyn SharedData,
-        pending: Pending,
-        now: Option<Instant>,
-    ) -> Option<Release> {
-        let now = now?;
-        let PendingState { held, stage, .. } = *pending.0;
-        let release = match stage {
-            Stage::Asked(asked) => self.global.abandon_call(host, &self.policy, asked, now),
-            Stage::Parked { rider, .. } => {
-                self.global.leave(rider);
-                None
-            }
-        };
-        self.give_back_held(host, &held, now, &mut NoMetrics);
-        release
-    }
-
-    /// A release sent by [`Engine::abandon`]'s caller was answered.
-    pub(crate) fn released(&self, host: &dyn SharedData, release: &Release) {
-        self.global.released(host, &self.policy, release);
-    }
-
-    /// The answer to the call of a request that is gone (see [`Engine::abandon`] for one
-    /// whose answer will never come): what the service granted serves later requests from
-    /// the lease stash, and what the request held goes back.
-    pub(crate) fn complete_for_nobody(
-        &self,
-        host: &dyn SharedData,
-        pending: Pending,
-        reply: Reply,
-        now: Option<Instant>,
-        metrics: &mut dyn MetricSink,
-    ) {
-        let PendingState { held, stage, .. } = *pending.0;
-        let Some(now) = now else {
-            // Without a clock nothing is written; the call is settled all the same.
-            metrics.event(Event::ClockError);
-            // The answer came: the service keeps what it granted (unspent, as when a
-            // clock-less gateway is answered); there is nothing to release.
-            match stage {
-                Stage::Asked(asked) => {
-                    let _ = self
-                        .global
-                        .abandon_call(host, &self.policy, asked, Instant::EPOCH);
-                }
-                Stage::Parked { rider, .. } => self.global.leave(rider),
-            }
-            return;
-        };
-        match stage {
-            Stage::Asked(asked) => {
-                self.global
-                    .interpret_for_nobody(host, &self.policy, asked, reply, now, metrics)
-            }
-            Stage::Parked { rider, .. } => self.global.leave(rider),
-        }
-        self.give_back_held(host, &held, now, &mut NoMetrics);
-    }
-
     /// Finishes a request paused for a callout, with the host's account of the call.
-    pub fn complete(
+    pub(crate) fn complete(
         &self,
-        host: &dyn SharedData,
+        cx: &mut Cx<'_>,
         pending: Pending,
-        reply: Reply,
-        now: Option<Instant>,
-        metrics: &mut dyn MetricSink,
+        answer: Answer,
     ) -> EngineDecision {
         let PendingState {
             mut held,
@@ -588,44 +480,28 @@ impl Engine {
             Stage::Asked(asked) => asked,
             stage @ Stage::Parked { .. } => {
                 let pending = Pending::new(held, progress, stage, turns);
-                return self.resume(host, pending, now, metrics);
+                return self.resume(cx, pending);
             }
         };
-        let Some(now) = now else {
-            // Admitted, as without a clock anywhere; the call is settled all the same (its
-            // flight lands, the requests parked behind it plan again).
-            metrics.event(Event::ClockError);
-            self.global
-                .abandon_call(host, &self.policy, asked, Instant::EPOCH);
-            return Decision::Allow {
-                headers: Vec::new(),
-                after: None,
-            };
-        };
-        if let Err(rejection) =
-            self.take_turns(host, &turns, &mut held, &mut progress, now, metrics)
-        {
+        if let Err(rejection) = self.take_turns(cx, &turns, &mut held, &mut progress) {
             // The request cannot leave within its wait: what the service granted serves
             // later requests.
             self.global
-                .interpret_for_nobody(host, &self.policy, asked, reply, now, metrics);
-            return self.reject(host, held, progress, rejection, now, metrics);
+                .interpret_for_nobody(cx, &self.policy, asked, answer);
+            return self.reject(cx, held, progress, rejection);
         }
-        match self
-            .global
-            .interpret(host, &self.policy, asked, reply, now, metrics)
-        {
+        match self.global.interpret(cx, &self.policy, asked, answer) {
             Interpretation::Done(outcomes) => {
                 progress.apply(outcomes);
-                self.finish(progress, &held, now, metrics)
+                self.finish(cx, progress, &held)
             }
             Interpretation::Rejected(denial, outcomes) => {
                 progress.apply(outcomes);
                 let rejection = self.denial(denial, &mut progress);
-                self.reject(host, held, progress, rejection, now, metrics)
+                self.reject(cx, held, progress, rejection)
             }
             Interpretation::Degrade { local, served } => {
-                self.degrade(host, local, &served, held, progress, now, metrics)
+                self.degrade(cx, local, &served, held, progress)
             }
         }
     }
@@ -700,25 +576,26 @@ impl Engine {
     #[allow(clippy::too_many_arguments)]
     fn charge_locally(
         &self,
-        host: &dyn SharedData,
+        cx: &mut Cx<'_>,
         rule: &Rule,
         address: SlotAddress,
         cost: u32,
-        now: Instant,
         progress: &mut Progress,
         held: &mut Few<Held>,
-        metrics: &mut dyn MetricSink,
     ) -> Result<(), Rejection> {
         let table = self.table(rule);
-        match self.local.charge(host, &table, rule, address, cost, now) {
+        match self
+            .local
+            .charge(cx.shared, &table, rule, address, cost, cx.now)
+        {
             Err(ChargeError::Host(error)) => {
-                // The host store itself failed: a defined behaviour, admit uncounted.
+                // The cx.shared store itself failed: a defined behaviour, admit uncounted.
                 log::warn!("diana: rule {}: {error}; request admitted", rule.name);
-                metrics.event(Event::StoreError);
+                cx.metrics.event(Event::StoreError);
                 Ok(())
             }
             Err(ChargeError::Contention) => {
-                metrics.event(Event::StoreContention);
+                cx.metrics.event(Event::StoreContention);
                 let report = RuleReport {
                     limit: rule.limit.rpu.get(),
                     remaining: 0,
@@ -736,7 +613,7 @@ impl Engine {
                 collided,
             }) => {
                 if collided {
-                    metrics.event(Event::SlotCollision);
+                    cx.metrics.event(Event::SlotCollision);
                 }
                 held.push(Held {
                     rule: rule.index,
@@ -760,7 +637,7 @@ impl Engine {
                 collided,
             }) => {
                 if collided {
-                    metrics.event(Event::SlotCollision);
+                    cx.metrics.event(Event::SlotCollision);
                 }
                 if rule.dry_run || self.policy.dry_run {
                     log::debug!("diana: dry run: rule {} would reject", rule.name);
@@ -784,33 +661,29 @@ impl Engine {
     #[allow(clippy::too_many_arguments)]
     fn degrade(
         &self,
-        host: &dyn SharedData,
+        cx: &mut Cx<'_>,
         local: Vec<GlobalCharge>,
         served: &[StashReceipt],
         mut held: Few<Held>,
         mut progress: Progress,
-        now: Instant,
-        metrics: &mut dyn MetricSink,
     ) -> EngineDecision {
         for charge in local {
             let Some(rule) = self.policy.rule(charge.index) else {
                 continue;
             };
             if let Err(rejection) = self.charge_locally(
-                host,
+                cx,
                 rule,
                 charge.address,
                 charge.cost,
-                now,
                 &mut progress,
                 &mut held,
-                metrics,
             ) {
-                self.global.give_back(host, &self.policy, served, now);
-                return self.reject(host, held, progress, rejection, now, metrics);
+                self.global.give_back(cx, &self.policy, served);
+                return self.reject(cx, held, progress, rejection);
             }
         }
-        self.finish(progress, &held, now, metrics)
+        self.finish(cx, progress, &held)
     }
 
     /// The rejection for a global rule's denial.
@@ -825,17 +698,15 @@ impl Engine {
     /// Rejects: every local charge of the request is given back first.
     fn reject(
         &self,
-        host: &dyn SharedData,
+        cx: &mut Cx<'_>,
         held: Few<Held>,
         progress: Progress,
         rejection: Rejection,
-        now: Instant,
-        metrics: &mut dyn MetricSink,
     ) -> EngineDecision {
-        self.give_back_held(host, &held, now, metrics);
+        self.give_back_held(cx.shared, &held, cx.now, cx.metrics);
         for (index, event) in progress.tally {
             if event != RuleEvent::Allowed {
-                metrics.rule_event(index, event);
+                cx.metrics.rule_event(index, event);
             }
         }
         Decision::Reject(rejection)
@@ -872,15 +743,9 @@ impl Engine {
 
     /// Every rule admitted: allow now or after the longest wait. What the rules that
     /// settle took (`held` locally, else from the service) is kept for the answer.
-    fn finish(
-        &self,
-        mut progress: Progress,
-        held: &[Held],
-        now: Instant,
-        metrics: &mut dyn MetricSink,
-    ) -> EngineDecision {
+    fn finish(&self, cx: &mut Cx<'_>, mut progress: Progress, held: &[Held]) -> EngineDecision {
         for &(index, event) in &progress.tally {
-            metrics.rule_event(index, event);
+            cx.metrics.rule_event(index, event);
         }
         for charge in &mut progress.after {
             let Some(rule) = self.policy.rule(charge.rule).filter(|rule| rule.settles()) else {
@@ -894,7 +759,7 @@ impl Engine {
             {
                 Reserved::Global {
                     tokens: charge.upfront,
-                    until: now.saturating_add(rule.limit.unit.nanos()),
+                    until: cx.now.saturating_add(rule.limit.unit.nanos()),
                 }
             } else {
                 Reserved::Nothing
@@ -916,7 +781,7 @@ impl Engine {
                 rule: held.rule,
                 address: held.address,
                 at: PlaceAt::Local(held.taken.clone()),
-                renewed: now,
+                renewed: cx.now,
             });
         let service_places = progress.service_places.iter().map(|place| Place {
             rule: place.index,
@@ -926,18 +791,18 @@ impl Engine {
                 places: place.places,
                 renewing: false,
             },
-            renewed: now,
+            renewed: cx.now,
         });
         let places: Vec<Place> = local_places.chain(service_places).collect();
         let after = AfterResponse {
             charges: progress.after,
-            places,
+            holding: self.places.hold(places),
         };
         let after = (!after.is_empty()).then_some(after);
         if !progress.delay.is_zero() && self.can_pause {
-            metrics.event(Event::Delayed);
+            cx.metrics.event(Event::Delayed);
             Decision::Delay {
-                until: now.saturating_add(progress.delay),
+                until: cx.now.saturating_add(progress.delay),
                 headers,
                 after,
             }
@@ -946,324 +811,32 @@ impl Engine {
         }
     }
 
-    /// Settles an admitted request once the upstream has answered ([`crate::settle`]):
-    /// `values` are the response headers [`AfterResponse::headers`] names, in order (`None`
-    /// when absent). What is owed is charged to local rules at once, past their limit if
-    /// need be, and to global rules from the tick ([`Engine::pay_debts`]); what is given
-    /// back goes where it was taken from (the local counter, or this gateway's lease
-    /// stash).
-    pub(crate) fn after_response(
-        &self,
-        host: &dyn SharedData,
-        after: AfterResponse,
-        values: &[Option<Vec<u8>>],
-        now: Option<Instant>,
-        metrics: &mut dyn MetricSink,
-    ) {
-        let Some(now) = now else {
-            metrics.event(Event::ClockError);
-            return;
-        };
-        for (charge, value) in after.charges.into_iter().zip(values) {
-            let Some(rule) = self.policy.rule(charge.rule) else {
-                continue;
-            };
-            let reserved = charge.reserved.tokens();
-            match settle(rule, reserved, charge.upfront, value.as_deref()) {
-                Settlement::Keep => {}
-                Settlement::Owe(tokens) => {
-                    let debt = Debt {
-                        rule: charge.rule,
-                        address: charge.address,
-                        tokens: u64::from(tokens),
-                    };
-                    let local = match rule.scope {
-                        Scope::Local => Some(debt),
-                        Scope::Global => self.global.owe(debt),
-                    };
-                    if let Some(debt) = local {
-                        self.charge_debt_locally(host, debt, now, metrics);
-                    }
-                }
-                Settlement::GiveBack(tokens) => match &charge.reserved {
-                    Reserved::Nothing => {}
-                    Reserved::Local(taken) => {
-                        let part = taken.part(tokens);
-                        self.give_back_held(
-                            host,
-                            &[Held {
-                                rule: rule.index,
-                                address: charge.address,
-                                cost: part.tokens(),
-                                taken: part,
-                            }],
-                            now,
-                            metrics,
-                        );
-                    }
-                    Reserved::Global { until, .. } => {
-                        self.global
-                            .refund(host, rule, charge.address, tokens, *until, now);
-                    }
-                },
-            }
-        }
-    }
-
-    /// A request that held concurrency places ended (its response is done, its client
-    /// left, its stream was reset): they are given back.
-    pub(crate) fn leave(
-        &self,
-        host: &dyn SharedData,
-        places: &[Place],
-        now: Option<Instant>,
-        metrics: &mut dyn MetricSink,
-    ) {
-        let mut held: Few<Held> = Few::new();
-        for place in places {
-            match &place.at {
-                PlaceAt::Local(taken) => held.push(Held {
-                    rule: place.rule,
-                    address: place.address,
-                    cost: taken.tokens(),
-                    taken: taken.clone(),
-                }),
-                // Queued whatever the clock: the tick gives them back.
-                PlaceAt::Service { .. } => {
-                    if let Some(leaving) = place.to_leave() {
-                        self.global.queue_leave(leaving, metrics);
-                    }
-                }
-            }
-        }
-        let Some(now) = now else {
-            // Without a clock nothing is written locally: those places are reclaimed
-            // after `algo::inflight::RECLAIMED_AFTER`.
-            return;
-        };
-        self.give_back_held(host, &held, now, metrics);
-    }
-
-    /// A place the quota service granted that no request holds any more (its request
-    /// ended while the place's renewal was in flight): given back from the tick.
-    pub(crate) fn queue_leave(&self, place: ServicePlace, metrics: &mut dyn MetricSink) {
-        self.global.queue_leave(place, metrics);
-    }
-
-    /// True when places wait to be given back to the quota service.
-    pub(crate) fn wants_leave(&self) -> bool {
-        self.global.wants_leave()
-    }
-
-    /// From the tick: the call that gives back places of requests that ended.
-    pub(crate) fn plan_leave(
-        &self,
-        host: &dyn SharedData,
-        now: Instant,
-        metrics: &mut dyn MetricSink,
-    ) -> Option<Leave> {
-        self.global.plan_leave(&self.policy, host, now, metrics)
-    }
-
-    /// The answer to a leave call (counts its places if they were not given back).
-    pub(crate) fn left(&self, leave: &Leave, reply: &Reply, metrics: &mut dyn MetricSink) {
-        self.global.left(leave, reply, metrics);
-    }
-
-    /// From the tick: the call that renews `places` at the quota service, and its body.
-    pub(crate) fn plan_renewal(
-        &self,
-        host: &dyn SharedData,
-        places: &[ServicePlace],
-        now: Instant,
-    ) -> Option<(Callout, AcquireRequest)> {
-        self.global.plan_renewal(&self.policy, host, places, now)
-    }
-
-    /// The buckets a renewal's answer gives its places, in order (`None`: not renewed).
-    pub(crate) fn renewed(&self, request: &AcquireRequest, reply: Reply) -> Option<Vec<u64>> {
-        self.global.renewed(request, reply)
-    }
-
-    /// From the tick: the places of a request still inside that were taken or renewed
-    /// [`RENEW_EVERY`] ago or more are counted as of now, so that they are never reclaimed
-    /// as lost while the request lasts. Local places are renewed here; the places at the
-    /// quota service that are due are returned, marked as renewing, for the worker to
-    /// renew in one call ([`Engine::plan_renewal`]).
-    pub(crate) fn renew(
-        &self,
-        host: &dyn SharedData,
-        places: &mut [Place],
-        now: Instant,
-        metrics: &mut dyn MetricSink,
-    ) -> Vec<ServicePlace> {
-        let mut at_service = Vec::new();
-        for place in places
-            .iter_mut()
-            .filter(|place| now.saturating_since(place.renewed) >= RENEW_EVERY)
-        {
-            if let PlaceAt::Service { .. } = place.at {
-                at_service.extend(place.start_renewal());
-                continue;
-            }
-            let (Some(rule), PlaceAt::Local(Taken::Shared(receipt))) =
-                (self.policy.rule(place.rule), &place.at)
-            else {
-                continue;
-            };
-            match self
-                .local
-                .store()
-                .renew(host, &self.table(rule), receipt, now)
-            {
-                Ok(Some(renewed)) => {
-                    place.at = PlaceAt::Local(Taken::Shared(renewed));
-                    place.renewed = now;
-                }
-                // Its record went to another identity: the place is gone already.
-                Ok(None) => place.renewed = now,
-                Err(ChargeError::Contention) => metrics.event(Event::StoreContention),
-                Err(ChargeError::Host(error)) => {
-                    log::warn!("diana: rule {}: place not renewed: {error}", rule.name);
-                    metrics.event(Event::StoreError);
-                }
-            }
-        }
-        at_service
-    }
-
-    /// From the worker's tick: tokens of local batches this worker no longer spends go
-    /// back to their counters (see [`crate::local`]). Returns how many.
-    pub(crate) fn tick(&self, host: &dyn SharedData, clock: impl Clock) -> usize {
-        let Some(now) = clock.now() else {
-            return 0;
-        };
-        self.global.tick(host, &self.policy, now);
-        self.local.return_unspent(host, now, |index| {
-            let rule = self.policy.rule(index)?;
-            Some((rule, self.table(rule)))
-        })
-    }
-
-    /// True when a stash of leased tokens runs low and waits to be refilled ahead (the
-    /// host then ticks soon: [`Engine::refill`]).
-    pub(crate) fn wants_refill(&self) -> bool {
-        self.global.wants_refill()
-    }
-
-    /// From the tick: the calls that refill running-low stashes ahead, each with what it
-    /// asked (for [`Engine::refilled`]). No request waits for them.
-    pub(crate) fn refill(
-        &self,
-        host: &dyn SharedData,
-        now: Option<Instant>,
-        metrics: &mut dyn MetricSink,
-    ) -> Vec<(Callout, Refill)> {
-        let Some(now) = now else {
-            return Vec::new();
-        };
-        self.global
-            .plan_refills(&self.policy, host, now, metrics)
-            .into_iter()
-            .map(|(callout, asked)| (callout, Refill(asked)))
-            .collect()
-    }
-
-    /// The answer to a refill's call: the tokens granted go to the stash, a denial is
-    /// cached, a failure opens the breaker; the requests parked behind it are woken
-    /// ([`Engine::next_woken`]).
-    pub(crate) fn refilled(
-        &self,
-        host: &dyn SharedData,
-        refill: Refill,
-        reply: Reply,
-        now: Option<Instant>,
-        metrics: &mut dyn MetricSink,
-    ) {
-        let Some(now) = now else {
-            self.global
-                .abandon_call(host, &self.policy, refill.0, Instant::EPOCH);
-            return;
-        };
-        let _ = self
-            .global
-            .interpret(host, &self.policy, refill.0, reply, now, metrics);
-    }
-
-    /// True when response costs wait to be sent to the quota service.
-    pub(crate) fn owes(&self) -> bool {
-        self.global.owes()
-    }
-
-    /// From the tick: the callout that sends this worker's response costs to the quota
-    /// service (`None`: nothing owed, or charged locally because the service is down).
-    pub(crate) fn pay_debts(
-        &self,
-        host: &dyn SharedData,
-        now: Option<Instant>,
-        metrics: &mut dyn MetricSink,
-    ) -> Option<(Callout, Vec<Debt>)> {
-        let now = now?;
-        match self.global.plan_payment(host, &self.policy, now, metrics) {
-            Payment::Nothing => None,
-            Payment::Call(callout, debts) => Some((callout, debts)),
-            Payment::Local(debts) => {
-                for debt in debts {
-                    self.charge_debt_locally(host, debt, now, metrics);
-                }
-                None
-            }
-        }
-    }
-
-    /// The answer to [`Engine::pay_debts`]'s callout: what the service did not take is
-    /// charged locally.
-    pub(crate) fn debts_paid(
-        &self,
-        host: &dyn SharedData,
-        debts: Vec<Debt>,
-        reply: Reply,
-        now: Option<Instant>,
-        metrics: &mut dyn MetricSink,
-    ) {
-        let Some(now) = now else {
-            return;
-        };
-        for debt in self.global.paid(host, debts, reply, now, metrics) {
-            self.charge_debt_locally(host, debt, now, metrics);
-        }
-    }
-
-    fn charge_debt_locally(
-        &self,
-        host: &dyn SharedData,
-        debt: Debt,
-        now: Instant,
-        metrics: &mut dyn MetricSink,
-    ) {
+    fn charge_debt_locally(&self, cx: &mut Cx<'_>, debt: Debt) {
         let Some(rule) = self.policy.rule(debt.rule) else {
             return;
         };
         let tokens = u32::try_from(debt.tokens).unwrap_or(u32::MAX);
-        let tokens = self
-            .local
-            .pay_from_batch(rule.index, debt.address.fingerprint, tokens, now);
+        let tokens =
+            self.local
+                .pay_from_batch(rule.index, debt.address.fingerprint, tokens, cx.now);
         if tokens == 0 {
             return;
         }
-        match self
-            .local
-            .store()
-            .charge_debt(host, &self.table(rule), debt.address, now, tokens)
-        {
+        match self.local.store().charge_debt(
+            cx.shared,
+            &self.table(rule),
+            debt.address,
+            cx.now,
+            tokens,
+        ) {
             Ok(_) => {}
-            Err(ChargeError::Contention) => metrics.event(Event::StoreContention),
+            Err(ChargeError::Contention) => cx.metrics.event(Event::StoreContention),
             Err(ChargeError::Host(error)) => {
                 log::warn!(
                     "diana: rule {}: response cost not charged: {error}",
                     rule.name
                 );
-                metrics.event(Event::StoreError);
+                cx.metrics.event(Event::StoreError);
             }
         }
     }

@@ -28,7 +28,9 @@
 
 pub mod actor;
 pub mod algo;
+pub mod call;
 pub mod config;
+pub mod cx;
 pub mod decision;
 pub mod engine;
 pub mod global;
@@ -41,6 +43,7 @@ pub mod matching;
 pub mod metrics;
 pub mod nginx;
 pub mod path;
+pub mod places;
 pub mod properties;
 pub mod quota;
 pub mod remote;

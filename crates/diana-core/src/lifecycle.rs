@@ -224,11 +224,13 @@ mod tests {
             .filter(|i| {
                 let facts = Facts::default().header("x-device-id", format!("d{i}").as_bytes());
                 let decision = engine.evaluate(
-                    host,
+                    &mut crate::cx::Cx::new(
+                        host,
+                        Instant::from_unix_nanos(1_000 * S),
+                        &mut NoMetrics,
+                    ),
                     b"/",
                     &facts,
-                    Some(Instant::from_unix_nanos(1_000 * S)),
-                    &mut NoMetrics,
                 );
                 matches!(decision, crate::decision::Decision::Allow { .. })
             })

@@ -41,7 +41,7 @@ use crate::store::{ChargeError, Receipt, SharedData, SlotAddress, SlotTable, Sto
 use crate::time::{Instant, Nanos};
 use hashbrown::HashMap;
 use std::cell::RefCell;
-use std::rc::Rc;
+use std::sync::Arc;
 
 /// A batch is at most this share of what the counter has left.
 pub const SHARE: u64 = 16;
@@ -64,7 +64,7 @@ struct Batch {
     mark: Mark,
     valid_until: Instant,
     /// The shared record they came from (to give tokens back to it).
-    key: Rc<str>,
+    key: Arc<str>,
     holder: u64,
     /// What the counter had left after the worker's last charge.
     left: u64,
@@ -87,7 +87,7 @@ pub enum Taken {
         fingerprint: u64,
         tokens: u32,
         mark: Mark,
-        key: Rc<str>,
+        key: Arc<str>,
         holder: u64,
     },
     /// From the shared counter.
@@ -184,7 +184,7 @@ impl Local {
                             fingerprint: address.fingerprint,
                             tokens: cost,
                             mark: lease.mark,
-                            key: Rc::clone(&lease.key),
+                            key: Arc::clone(&lease.key),
                             holder: lease.holder,
                         };
                         return Ok(LocalCharge::Admitted {
@@ -245,12 +245,12 @@ impl Local {
                 lease.mark = verdict.mark;
                 lease.valid_until = valid_until;
                 if *lease.key != *receipt.key {
-                    lease.key = Rc::from(receipt.key.as_str());
+                    lease.key = Arc::from(receipt.key.as_str());
                 }
                 lease.holder = receipt.holder;
                 lease.left = verdict.remaining;
                 lease.denied_until = Instant::EPOCH;
-                key = Some(Rc::clone(&lease.key));
+                key = Some(Arc::clone(&lease.key));
             });
             if let (true, Some(key)) = (batch > 0, key) {
                 return Ok(LocalCharge::Admitted {
@@ -429,7 +429,7 @@ impl Local {
             tokens: 0,
             mark: Mark::default(),
             valid_until: Instant::EPOCH,
-            key: Rc::from(""),
+            key: Arc::from(""),
             holder: 0,
             left: 0,
             denied_until: Instant::EPOCH,

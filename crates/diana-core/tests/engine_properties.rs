@@ -24,6 +24,7 @@ use common::config;
 use diana_core::actor::{Identity, RequestFacts};
 use diana_core::algo::{Algorithm, Verdict};
 use diana_core::config::{parse_policy, Policy, Rule};
+use diana_core::cx::Cx;
 use diana_core::decision::Decision;
 use diana_core::engine::Engine;
 use diana_core::metrics::NoMetrics;
@@ -170,7 +171,7 @@ fn table(rule: &Rule, max_delay: Nanos) -> SlotTable<'_> {
     }
 }
 
-fn admits<P>(decision: &Decision<P>) -> bool {
+fn admits<C, W>(decision: &Decision<C, W>) -> bool {
     matches!(decision, Decision::Allow { .. } | Decision::Delay { .. })
 }
 
@@ -274,7 +275,7 @@ proptest! {
             let (raw, path) = PATHS[request.path];
             let client = Client(CLIENTS[request.client]);
             let decision =
-                engine.evaluate(&host, raw.as_bytes(), &client, Some(now), &mut NoMetrics);
+                engine.evaluate(&mut Cx::new(&host, now, &mut NoMetrics), raw.as_bytes(), &client);
             prop_assert!(!matches!(decision, Decision::Call(..)));
             let expected =
                 model_request(&policy, &mut states, path, request.client, now, max_delay);
@@ -321,11 +322,9 @@ fn race(policy: &Policy, host: &Arc<MemoryHost>, pausing: bool, plans: &[Vec<usi
                 for path in plan {
                     let (raw, normal) = PATHS[path];
                     let decision = engine.evaluate(
-                        host.as_ref(),
+                        &mut Cx::new(host.as_ref(), T0, &mut NoMetrics),
                         raw.as_bytes(),
                         &Client(CLIENTS[0]),
-                        Some(T0),
-                        &mut NoMetrics,
                     );
                     if admits(&decision) {
                         for resource in policy.resources.iter().filter(|r| covers(&r.url, normal)) {

@@ -525,6 +525,47 @@ fn rejections_are_local_replies_shaped_for_the_host() {
     }
 }
 
+/// The "no clock" rule, applied once at the worker's door: a request whose event has no
+/// clock is admitted uncounted and nothing is written (a broken clock must not rewrite
+/// counters near the epoch), a local rule or a global one alike.
+#[test]
+fn a_failing_clock_admits_and_writes_nothing() {
+    let local = "resources:\n  - Url: /\n    rules: [{rpu: 1, unit: minute, algo: W}]\n";
+    for profile in HostProfile::ALL {
+        for document in [local.to_string(), global(1, 1)] {
+            let mut sim = sim(profile, &document, 1, Service::Answers(Nanos::ZERO));
+            // nginx installs the document at its first tick (or request).
+            sim.advance(Duration::from_secs(1));
+            let writes = sim.host.writes();
+            sim.host.set_clock_readable(false);
+            let gone: Vec<u32> = (0..3)
+                .map(|_| sim.send(0, "10.0.0.1", &[(":path", "/")]))
+                .collect();
+            for context in &gone {
+                assert!(
+                    matches!(sim.fate(*context), Some(Fate::Admitted(_))),
+                    "{profile:?}"
+                );
+            }
+            assert_eq!(sim.quota_calls(), 0, "{profile:?}: no call without a clock");
+            assert_eq!(sim.host.writes(), writes, "{profile:?}: nothing written");
+            sim.host.set_clock_readable(true);
+            sim.flush_metrics();
+            assert_eq!(sim.host.metric("diana_clock_errors"), 3, "{profile:?}");
+            // The clock is back: the rule counts from its first request.
+            let first = sim.send(0, "10.0.0.1", &[(":path", "/")]);
+            sim.advance(Duration::from_millis(10));
+            let second = sim.send(0, "10.0.0.1", &[(":path", "/")]);
+            sim.advance(Duration::from_millis(10));
+            assert!(
+                matches!(sim.fate(first), Some(Fate::Admitted(_))),
+                "{profile:?}"
+            );
+            assert_eq!(sim.fate(second), Some(&Fate::Replied(503)), "{profile:?}");
+        }
+    }
+}
+
 /// The metrics path is answered by the worker itself, with this worker's counts flushed
 /// first.
 #[test]

@@ -43,21 +43,13 @@
 //! 5. **No unwinding across the boundary.** Release builds abort on panic (workspace
 //!    profile) and the workspace lints deny `unwrap`/`expect`/`panic`/indexing; the glue
 //!    handles every `None` and every `RefCell` borrow with `try_borrow*`.
-//! 6. **A worker moves between threads whole.** [`diana_core::worker::Worker`] is not
-//!    `Send` only because it keeps `Rc`s (its configuration generations, lease keys) with
-//!    `Cell`s inside. Every clone of those `Rc`s is created and kept inside the worker: its
-//!    API takes `&mut self` and returns owned [`diana_core::worker::Step`]s, which are
-//!    `Send` (asserted below), and the glue keeps no reference into a worker beyond one
-//!    call. [`MovableWorker`] is only reachable through its slot's `Mutex`, so one thread
-//!    at a time touches the whole `Rc` graph, and the mutex orders those accesses, which
-//!    is all the non-atomic counts need. diana-core's one `thread_local` (the parse
-//!    context of `config/raw.rs`) is set and cleared within one call. Recheck this when
-//!    diana-core's worker changes: `grep -rn 'Rc<\|thread_local' crates/diana-core/src`.
+//!
+//! (A worker moves between threads whole: `diana_core::worker::Worker` is `Send` by the
+//! compiler's word, holding no shared pointer; nothing here vouches for it.)
 
 #![allow(unsafe_code)]
 
-use crate::filter::{self, Answer, Config, FilterBox};
-use diana_core::worker::Worker;
+use crate::filter::{self, Config, FilterBox, RawAnswer};
 use std::ffi::{c_char, c_void};
 use std::ptr;
 use std::sync::Arc;
@@ -247,29 +239,6 @@ pub fn concurrency() -> u32 {
     // SAFETY: no arguments; called from `on_http_filter_config_new`, on the main thread.
     unsafe { envoy_dynamic_module_callback_get_concurrency() }
 }
-
-/// A worker that may move between threads whole (invariant 6).
-pub struct MovableWorker(Worker);
-
-// SAFETY: invariant 6 — every `Rc` of the worker lives inside it, and it is reached only
-// through its slot's mutex.
-unsafe impl Send for MovableWorker {}
-
-impl MovableWorker {
-    pub fn new(worker: Worker) -> MovableWorker {
-        MovableWorker(worker)
-    }
-
-    pub fn get(&mut self) -> &mut Worker {
-        &mut self.0
-    }
-}
-
-/// What invariant 6 relies on of the worker's API: what an event returns may cross threads.
-const _: () = {
-    const fn send<T: Send>() {}
-    send::<diana_core::worker::Step>();
-};
 
 /// `envoy_dynamic_module_type_log_level`: Trace 0 … Critical 5.
 pub fn log(level: log::Level, message: &str) {
@@ -694,7 +663,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_callout_done(
     let Some(config) = module::<Arc<Config>>(config_module_ptr) else {
         return;
     };
-    let answer = Answer {
+    let answer = RawAnswer {
         answered: result == CALLOUT_RESULT_SUCCESS && !headers.is_null() && headers_size > 0,
         headers: headers_of(headers, headers_size),
         body: chunks_of(body_chunks, body_chunks_size),
@@ -806,7 +775,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_http_callout_done(
     let Some(filter) = module::<FilterBox>(filter_module_ptr) else {
         return;
     };
-    let answer = Answer {
+    let answer = RawAnswer {
         answered: result == CALLOUT_RESULT_SUCCESS && !headers.is_null() && headers_size > 0,
         headers: headers_of(headers, headers_size),
         body: chunks_of(body_chunks, body_chunks_size),

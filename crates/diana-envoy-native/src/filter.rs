@@ -32,15 +32,14 @@
 //! parsed there too), so a worker thread waits for it at most that long.
 
 use crate::ffi::{
-    self, ConfigRef, ConfigScheduler, FilterRef, MovableWorker, Scheduler, CONTINUE,
-    STOP_ALL_AND_WATERMARK,
+    self, ConfigRef, ConfigScheduler, FilterRef, Scheduler, CONTINUE, STOP_ALL_AND_WATERMARK,
 };
-pub use crate::host::Answer;
+pub use crate::host::RawAnswer;
 use crate::host::{self, Metrics, NativeHost};
 use crate::timer;
 use diana_core::time::{Instant, Nanos};
 use diana_core::worker::{
-    CallToken, Command, ContextId, Host, HostProfile, LocalReply, Step, Worker,
+    Answer, CallToken, Command, ContextId, Host, HostProfile, LocalReply, Step, Worker,
 };
 use hashbrown::HashMap;
 use std::cell::{Cell, RefCell};
@@ -76,7 +75,7 @@ pub struct Slot {
 }
 
 struct Core {
-    worker: MovableWorker,
+    worker: Worker,
     /// Paused streams: their scheduler and the commands queued for them.
     paused: HashMap<ContextId, Paused>,
     next_token: CallToken,
@@ -200,7 +199,7 @@ pub fn config_scheduled(config: &Arc<Config>, event: u64) {
             return;
         };
         if slot.due().is_some_and(|due| due <= now) {
-            let outcome = slot.event(config, Site::Main, None, |worker, host| {
+            let outcome = slot.event(config, Site::Main, false, |worker, host| {
                 worker.on_tick(host)
             });
             config.file_calls(&slot, outcome.dispatched);
@@ -215,18 +214,13 @@ pub fn config_scheduled(config: &Arc<Config>, event: u64) {
 }
 
 /// The answer to a call the main thread made, on the main thread.
-pub fn config_callout_done(config: &Arc<Config>, callout_id: u64, answer: &Answer<'_>) {
+pub fn config_callout_done(config: &Arc<Config>, callout_id: u64, answer: &RawAnswer<'_>) {
     let Some((slot, token)) = lock(&config.calls).remove(&callout_id) else {
         return;
     };
-    let headers = if answer.answered {
-        answer.headers.len()
-    } else {
-        0
-    };
-    let body = answer.body_size();
-    let outcome = slot.event(config, Site::Main, Some(answer), |worker, host| {
-        worker.on_call_answered(host, token, headers, body)
+    let outcome = slot.event(config, Site::Main, true, |worker, host| {
+        let answer = answer.read(worker.answer_shape(token));
+        worker.on_call_answered(host, token, answer)
     });
     config.file_calls(&slot, outcome.dispatched);
     if let Some(due) = outcome.rearm {
@@ -295,14 +289,13 @@ impl Slot {
             metrics: &config.metrics,
             filter: None,
             main: false,
-            answer: None,
             dispatched: RefCell::new(Vec::new()),
             next_token: &next_token,
         };
         let mut worker = Worker::new(HostProfile::ENVOY_NATIVE);
         let step = worker.configure(&host, &config.document).ok()?;
         let mut core = Core {
-            worker: MovableWorker::new(worker),
+            worker,
             paused: HashMap::new(),
             next_token: next_token.get(),
             tick: Duration::ZERO,
@@ -337,7 +330,7 @@ impl Slot {
         &self,
         config: &Config,
         site: Site,
-        answer: Option<&Answer<'_>>,
+        answering: bool,
         event: impl FnOnce(&mut Worker, &dyn Host) -> Step,
     ) -> Outcome {
         let current = site.current();
@@ -357,15 +350,14 @@ impl Slot {
             metrics: &config.metrics,
             filter: current.map(|(_, envoy)| envoy),
             main: matches!(site, Site::Main),
-            answer,
             dispatched: RefCell::new(Vec::new()),
             next_token: &next_token,
         };
-        let ticking = matches!(site, Site::Main) && answer.is_none();
+        let ticking = matches!(site, Site::Main) && !answering;
         if ticking {
             core.due = None;
         }
-        let step = event(core.worker.get(), &host);
+        let step = event(&mut core.worker, &host);
         core.next_token = next_token.get();
         outcome.dispatched = host.dispatched.into_inner();
         let context = current.map(|(context, _)| context);
@@ -550,7 +542,7 @@ pub fn filter_new(config: &Arc<Config>) -> Option<FilterBox> {
 pub fn request_headers(filter: &FilterBox, envoy: FilterRef) -> i32 {
     let context = filter.context;
     let tracked = Cell::new(true);
-    let outcome = filter.event(envoy, None, |worker, host| {
+    let outcome = filter.event(envoy, false, |worker, host| {
         let step = worker.on_request_headers(host, context);
         tracked.set(worker.tracks(context));
         step
@@ -574,14 +566,14 @@ pub fn response_headers(filter: &FilterBox, envoy: FilterRef) -> i32 {
     if !filter.tracked() {
         return CONTINUE;
     }
-    let outcome = filter.event(envoy, None, |worker, host| {
+    let outcome = filter.event(envoy, false, |worker, host| {
         worker.on_response_headers(host, context)
     });
     filter.local.carry_out(envoy, outcome.commands);
     CONTINUE
 }
 
-pub fn callout_done(filter: &FilterBox, envoy: FilterRef, callout_id: u64, answer: &Answer<'_>) {
+pub fn callout_done(filter: &FilterBox, envoy: FilterRef, callout_id: u64, answer: &RawAnswer<'_>) {
     let token = filter.stream.try_borrow_mut().ok().and_then(|mut stream| {
         let at = stream
             .callouts
@@ -592,14 +584,9 @@ pub fn callout_done(filter: &FilterBox, envoy: FilterRef, callout_id: u64, answe
     let Some(token) = token else {
         return;
     };
-    let headers = if answer.answered {
-        answer.headers.len()
-    } else {
-        0
-    };
-    let body = answer.body_size();
-    let outcome = filter.event(envoy, Some(answer), |worker, host| {
-        worker.on_call_answered(host, token, headers, body)
+    let outcome = filter.event(envoy, true, |worker, host| {
+        let answer = answer.read(worker.answer_shape(token));
+        worker.on_call_answered(host, token, answer)
     });
     filter.local.carry_out(envoy, outcome.commands);
 }
@@ -642,11 +629,11 @@ pub fn destroy(filter: FilterBox) {
     let paused = stream.paused;
     let outcome = local
         .slot
-        .event(&local.config, Site::Stream(None), None, |worker, host| {
+        .event(&local.config, Site::Stream(None), false, |worker, host| {
             let mut step = worker.on_context_gone(host, context);
             // Its calls are cancelled with it: unanswered.
             for (_, token) in stream.callouts {
-                let answered = worker.on_call_answered(host, token, 0, 0);
+                let answered = worker.on_call_answered(host, token, Answer::NoAnswer);
                 step.commands.extend(answered.commands);
             }
             step
@@ -684,14 +671,14 @@ impl FilterBox {
     fn event(
         &self,
         envoy: FilterRef,
-        answer: Option<&Answer<'_>>,
+        answering: bool,
         event: impl FnOnce(&mut Worker, &dyn Host) -> Step,
     ) -> Outcome {
         let local = &self.local;
         let current = Some((self.context, envoy));
         let mut outcome = local
             .slot
-            .event(&local.config, Site::Stream(current), answer, event);
+            .event(&local.config, Site::Stream(current), answering, event);
         let dispatched = std::mem::take(&mut outcome.dispatched);
         if !dispatched.is_empty() || outcome.pause {
             match self.stream.try_borrow_mut() {

@@ -15,7 +15,7 @@
 use crate::ffi::{self, ConfigRef, FilterRef};
 use crate::shared::SharedStore;
 use diana_core::actor::RequestFacts;
-use diana_core::decision::Callout;
+use diana_core::call::{Answer, AnswerShape, Callout};
 use diana_core::properties::client_ip_from_address;
 use diana_core::store::{HostError, SetOutcome, SharedData};
 use diana_core::time::{Clock, Instant};
@@ -91,17 +91,36 @@ impl Metrics {
     }
 }
 
-/// A call's answer as the callout hook hands it over.
-pub struct Answer<'a> {
+/// A call's answer as the callout hook hands it over (Envoy's buffers, valid for the hook).
+pub struct RawAnswer<'a> {
     /// Headers came (the callout succeeded).
     pub answered: bool,
     pub headers: Vec<(&'a [u8], &'a [u8])>,
     pub body: Vec<&'a [u8]>,
 }
 
-impl Answer<'_> {
-    pub fn body_size(&self) -> usize {
+impl RawAnswer<'_> {
+    fn body_size(&self) -> usize {
         self.body.iter().map(|chunk| chunk.len()).sum()
+    }
+
+    /// The worker's [`Answer`]: what `shape` names of it, copied out of Envoy's buffers.
+    pub fn read(&self, shape: AnswerShape) -> Answer {
+        if !self.answered {
+            return Answer::NoAnswer;
+        }
+        let headers = self
+            .headers
+            .iter()
+            .filter(|(name, _)| {
+                shape
+                    .headers
+                    .iter()
+                    .any(|wanted| name.eq_ignore_ascii_case(wanted.as_bytes()))
+            })
+            .map(|(name, value)| (String::from_utf8_lossy(name).into_owned(), value.to_vec()));
+        let body = Answer::read_body(shape, self.body_size(), || Ok(self.body.concat()));
+        Answer::from_host(headers, body)
     }
 }
 
@@ -113,7 +132,6 @@ pub struct NativeHost<'a> {
     pub filter: Option<FilterRef>,
     /// The event runs on the main thread: its calls are the configuration's callouts.
     pub main: bool,
-    pub answer: Option<&'a Answer<'a>>,
     /// Calls dispatched during the event: Envoy's callout id and the worker's token.
     pub dispatched: RefCell<Vec<(u64, CallToken)>>,
     pub next_token: &'a Cell<CallToken>,
@@ -150,26 +168,6 @@ impl Clock for NativeHost<'_> {
 impl Host for NativeHost<'_> {
     fn response_header(&self, name: &str) -> Option<Vec<u8>> {
         self.filter?.response_header(name)
-    }
-
-    fn call_header(&self, name: &str) -> Option<Vec<u8>> {
-        let answer = self.answer?;
-        answer
-            .headers
-            .iter()
-            .find(|(key, _)| key.eq_ignore_ascii_case(name.as_bytes()))
-            .map(|(_, value)| value.to_vec())
-    }
-
-    fn call_body(&self, size: usize) -> Result<Vec<u8>, HostError> {
-        let mut body = Vec::with_capacity(size);
-        if let Some(answer) = self.answer {
-            for chunk in &answer.body {
-                let room = size.saturating_sub(body.len());
-                body.extend(chunk.iter().take(room));
-            }
-        }
-        Ok(body)
     }
 
     fn dispatch(&self, callout: &Callout) -> Result<CallToken, DispatchError> {

@@ -32,10 +32,10 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use diana_core::global::wire::{
+use diana_core::time::Nanos;
+use diana_core::wire::{
     self, AcquireRequest, AcquireResponse, ErrorResponse, ReleaseResponse, ResolvedRule, RuleResult,
 };
-use diana_core::time::Nanos;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

@@ -7,7 +7,7 @@
 //! `TIME`), per key with compensation in Redis Cluster, or, without Redis, by the filter's
 //! own algorithms in memory (one replica only). `POST /v1/charge` charges response costs
 //! past the limits. The wire format is `docs/wire-format.md` and
-//! [`diana_core::global::wire`].
+//! [`diana_core::wire`].
 //!
 //! Only gateways may call it: every gateway endpoint needs `authorization: Bearer
 //! <secret>` ([`auth`]); the service refuses to start without a secret unless told
@@ -99,7 +99,7 @@ pub struct Cli {
     pub max_in_flight: u32,
 
     /// Longest delay /v1/wait sleeps before answering, in milliseconds.
-    #[arg(long, env = "DIANA_QUOTA_MAX_WAIT_MS", default_value_t = diana_core::global::wire::MAX_WAIT_MS)]
+    #[arg(long, env = "DIANA_QUOTA_MAX_WAIT_MS", default_value_t = diana_core::wire::MAX_WAIT_MS)]
     pub max_wait_ms: u64,
 
     /// Memory store (no --redis): most counters held; idle ones are evicted to make room,

@@ -11,9 +11,7 @@ use axum::http::{Request, StatusCode};
 use axum::Router;
 use clap::Parser;
 use common::*;
-use diana_core::global::wire::{
-    AcquireResponse, ErrorResponse, ResolvedRule, RuleResult, MAX_BODY_BYTES,
-};
+use diana_core::wire::{AcquireResponse, ErrorResponse, ResolvedRule, RuleResult, MAX_BODY_BYTES};
 use diana_quota::auth::{Auth, AuthError};
 use diana_quota::store::{Grant, MemoryStore, Noted, Outcome, RedisUrlError, Store, StoreError};
 use diana_quota::{app, AppState, Cli, Settings, StartError};
@@ -578,7 +576,7 @@ async fn gateway_endpoints_need_the_secret_and_a_refusal_touches_nothing() {
     let router = service(store.clone());
     let key = unique_key("auth");
     // What each refused request asks for: the one token of `key` (or a debt on it).
-    let body = serde_json::to_string(&diana_core::global::wire::AcquireRequest::new(vec![rule(
+    let body = serde_json::to_string(&diana_core::wire::AcquireRequest::new(vec![rule(
         &key, "W", 1, "hour", 1, 10, 1,
     )]))
     .unwrap();

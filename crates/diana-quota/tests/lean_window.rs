@@ -14,7 +14,7 @@
 mod common;
 
 use common::*;
-use diana_core::global::wire::{ResolvedRule, RuleRequest};
+use diana_core::wire::{ResolvedRule, RuleRequest};
 use diana_quota::store::{redis_key, Outcome, RedisStore, Store};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestRng, TestRunner};

@@ -12,8 +12,8 @@
 mod common;
 
 use common::*;
-use diana_core::global::wire::{ResolvedRule, RuleRequest};
 use diana_core::time::Instant;
+use diana_core::wire::{ResolvedRule, RuleRequest};
 use diana_quota::store::{MemoryStore, Outcome, RedisStore};
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;

@@ -9,7 +9,7 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use axum::Router;
 use common::*;
-use diana_core::global::wire::{AcquireResponse, RuleRequest, RuleResult};
+use diana_core::wire::{AcquireResponse, RuleRequest, RuleResult};
 use diana_quota::store::{cluster_slot, RedisOptions, RedisStore, RedisTarget};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

@@ -6,7 +6,7 @@
 #![cfg(test)]
 
 use async_trait::async_trait;
-use diana_core::global::wire::{ResolvedRule, RuleResult};
+use diana_core::wire::{ResolvedRule, RuleResult};
 use diana_quota::auth::{checked, Auth};
 use diana_quota::rls::{self, HeaderStyle, Rls};
 use diana_quota::store::{Grant, MemoryStore, Noted, Outcome, Store, StoreError, SystemClock};

@@ -11,7 +11,7 @@ mod common;
 use axum::http::StatusCode;
 use axum::Router;
 use common::*;
-use diana_core::global::wire::{AcquireResponse, RuleResult};
+use diana_core::wire::{AcquireResponse, RuleResult};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -24,7 +24,7 @@ fn granted(results: &[RuleResult]) -> Vec<u32> {
 /// Sends the same one-rule request `times` times, one after the other.
 async fn repeat(
     router: &Router,
-    rule_: &diana_core::global::wire::RuleRequest,
+    rule_: &diana_core::wire::RuleRequest,
     times: usize,
 ) -> Vec<RuleResult> {
     let mut results = Vec::new();
@@ -302,7 +302,7 @@ const TABLE: &[Row] = &[
 fn table_rule(
     key: &str,
     (algo, rpu, burst, want, cost, max_delay_ms, _): Spec,
-) -> diana_core::global::wire::RuleRequest {
+) -> diana_core::wire::RuleRequest {
     let mut r = rule(key, algo, rpu, "hour", burst, 6, want);
     r.cost = cost;
     r.max_delay_ms = max_delay_ms;
@@ -717,14 +717,14 @@ async fn parameters_bind_the_counter(router: &Router) {
         );
         assert!(!acquire_one(router, original.clone()).await.allowed);
     }
-    let other = |base: &diana_core::global::wire::RuleRequest,
-                 change: &dyn Fn(&mut diana_core::global::wire::RuleRequest)| {
+    let other = |base: &diana_core::wire::RuleRequest,
+                 change: &dyn Fn(&mut diana_core::wire::RuleRequest)| {
         let mut r = base.clone();
         change(&mut r);
         r
     };
     // The same key with other parameters: each a fresh counter describing itself.
-    let others: Vec<(diana_core::global::wire::RuleRequest, u64)> = vec![
+    let others: Vec<(diana_core::wire::RuleRequest, u64)> = vec![
         (other(&w, &|r| r.unit = "second".into()), 2),
         (other(&w, &|r| r.unit = "day".into()), 2),
         (other(&w, &|r| r.rpu = 1000), 999),
@@ -790,9 +790,9 @@ async fn post_call(
     router: &Router,
     path: &str,
     call: Option<&str>,
-    rules: Vec<diana_core::global::wire::RuleRequest>,
+    rules: Vec<diana_core::wire::RuleRequest>,
 ) -> (StatusCode, String) {
-    let mut request = diana_core::global::wire::AcquireRequest::new(rules);
+    let mut request = diana_core::wire::AcquireRequest::new(rules);
     request.call = call.map(str::to_string);
     let body = serde_json::to_vec(&request).unwrap();
     let (status, _, body) = send(router, post_json(path, body)).await;
@@ -800,7 +800,7 @@ async fn post_call(
 }
 
 /// What `rule` has left, read by spending it all (the rule must allow `want` that large).
-async fn left(router: &Router, rule_: &diana_core::global::wire::RuleRequest) -> u32 {
+async fn left(router: &Router, rule_: &diana_core::wire::RuleRequest) -> u32 {
     let mut all = rule_.clone();
     all.want = all.rpu;
     acquire_one(router, all).await.granted

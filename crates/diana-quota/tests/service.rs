@@ -13,7 +13,7 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use axum::Router;
 use common::*;
-use diana_core::global::wire::{AcquireResponse, ErrorResponse, ResolvedRule, RuleResult};
+use diana_core::wire::{AcquireResponse, ErrorResponse, ResolvedRule, RuleResult};
 use diana_quota::store::{Clock, Grant, MemoryStore, Noted, Outcome, Store, StoreError};
 use diana_quota::{app, serve, AppState, Settings};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -259,7 +259,7 @@ async fn wait_never_sleeps_past_the_gateway_timeout() {
     let lb = |max_delay_ms: Option<u64>| {
         let mut r = rule(&key, "LB", 10, "second", 10, 10, 1);
         r.max_delay_ms = max_delay_ms;
-        serde_json::to_string(&diana_core::global::wire::AcquireRequest::new(vec![r])).unwrap()
+        serde_json::to_string(&diana_core::wire::AcquireRequest::new(vec![r])).unwrap()
     };
     let wait = |body: String, timeout: &str| {
         Request::post("/v1/wait")

@@ -1,7 +1,9 @@
 use super::*;
 use crate::actor::fake::Facts;
+use crate::call::{Answer, Answered, BodyError, Callout};
 use crate::config::parse_policy;
-use crate::decision::{AfterResponse, Callout};
+use crate::cx::Cx;
+use crate::decision::AfterResponse;
 use crate::metrics::CountingMetrics;
 use crate::quota::MemoryQuota;
 use crate::store::{CasSemantics, HostError, MemoryHost, SetOutcome};
@@ -39,31 +41,60 @@ impl Harness {
     }
 
     fn evaluate(&mut self, path: &str, facts: &Facts) -> EngineDecision {
-        self.engine.evaluate(
-            &self.host,
-            path.as_bytes(),
-            facts,
-            Some(self.now),
-            &mut self.metrics,
-        )
+        let mut cx = Cx::new(&self.host, self.now, &mut self.metrics);
+        self.engine.evaluate(&mut cx, path.as_bytes(), facts)
     }
 
-    fn complete(&mut self, pending: Pending, reply: Reply) -> EngineDecision {
-        self.engine.complete(
-            &self.host,
-            pending,
-            reply,
-            Some(self.now),
-            &mut self.metrics,
-        )
+    /// The answer to a request's own call: that request's decision.
+    fn complete(&mut self, then: Then, answer: Answer) -> EngineDecision {
+        let mut cx = Cx::new(&self.host, self.now, &mut self.metrics);
+        self.engine
+            .answered(&mut cx, then, answer)
+            .expect("a request's call gives its decision")
+    }
+
+    /// Any call's answer (the tick's calls give no decision).
+    fn answer(&mut self, then: Then, answer: Answer) -> Option<EngineDecision> {
+        let mut cx = Cx::new(&self.host, self.now, &mut self.metrics);
+        self.engine.answered(&mut cx, then, answer)
+    }
+
+    /// A parked request planned again.
+    fn resume(&mut self, pending: Pending) -> EngineDecision {
+        let mut cx = Cx::new(&self.host, self.now, &mut self.metrics);
+        self.engine.resume(&mut cx, pending)
+    }
+
+    /// The request of a call went away before the answer, which will never come.
+    fn abandon_call(&mut self, then: Then) {
+        let mut cx = Cx::new(&self.host, self.now, &mut self.metrics);
+        self.engine.abandon_call(&mut cx, then);
+    }
+
+    /// A parked request went away.
+    fn abandon(&mut self, pending: Pending) {
+        let mut cx = Cx::new(&self.host, self.now, &mut self.metrics);
+        self.engine.abandon(&mut cx, pending);
+    }
+
+    /// The engine's tick at `now`: the calls it makes.
+    fn tick(&mut self) -> Vec<Call> {
+        let mut cx = Cx::new(&self.host, self.now, &mut self.metrics);
+        self.engine.tick(&mut cx)
+    }
+
+    /// Settles an admitted request with its response headers' values.
+    fn after_response(&mut self, after: &AfterResponse, values: &[Option<Vec<u8>>]) {
+        let mut cx = Cx::new(&self.host, self.now, &mut self.metrics);
+        self.engine.after_response(&mut cx, after, values);
     }
 
     /// A whole request: a callout is answered by the in-memory service.
     fn request(&mut self, path: &str, facts: &Facts) -> EngineDecision {
         match self.evaluate(path, facts) {
-            Decision::Call(callout, pending) => {
-                let reply = self.service.answer(&callout, self.now);
-                self.complete(pending, reply)
+            Decision::Call(Call { callout, then }) => {
+                let answer = self.service.answer(&callout, self.now);
+                self.complete(then, answer)
             }
             decided => decided,
         }
@@ -87,9 +118,9 @@ fn rejection(decision: EngineDecision) -> Rejection {
     }
 }
 
-fn call(decision: EngineDecision) -> (Callout, Pending) {
+fn call(decision: EngineDecision) -> (Callout, Then) {
     match decision {
-        Decision::Call(callout, pending) => (callout, pending),
+        Decision::Call(Call { callout, then }) => (callout, then),
         other => panic!("expected a callout, got {other:?}"),
     }
 }
@@ -102,11 +133,11 @@ fn header<'a>(rejection: &'a Rejection, name: &str) -> Option<&'a str> {
         .map(|(_, v)| v.as_str())
 }
 
-fn answered(results: Vec<RuleResult>) -> Reply {
-    Reply::Answered {
-        status: 200,
-        body: Some(serde_json::to_vec(&AcquireResponse { results }).unwrap()),
-    }
+fn answered(results: Vec<RuleResult>) -> Answer {
+    Answer::with(
+        200,
+        serde_json::to_vec(&AcquireResponse { results }).unwrap(),
+    )
 }
 
 fn granted(tokens: u32) -> RuleResult {
@@ -486,14 +517,12 @@ fn a_service_that_grants_more_than_asked_is_not_believed() {
             retry_after_ms: u64::MAX,
             ..denied(1)
         }]),
-        Reply::Answered {
+        Answer::with(200, b"\xff not json".to_vec()),
+        Answer::Answered(Answered {
             status: 200,
-            body: Some(b"\xff not json".to_vec()),
-        },
-        Reply::Answered {
-            status: 200,
-            body: None,
-        },
+            headers: Vec::new(),
+            body: Err(BodyError::TooLarge(usize::MAX)),
+        }),
     ] {
         let mut h = Harness::new(doc);
         let (_, pending) = call(h.evaluate("/", &Facts::default()));
@@ -525,10 +554,10 @@ fn a_refusal_is_decided_locally_counted_apart_and_leaves_the_breaker_closed() {
     let doc = "resources:\n  - Url: /\n    rules: [{rpu: 3, unit: minute, scope: global}]\n";
     let mut h = Harness::new(doc);
     let (_, pending) = call(h.evaluate("/", &Facts::default()));
-    let refused = Reply::Answered {
-        status: 400,
-        body: Some(br#"{"error":"rules[0].want: must be between 1 and 100000, got 0"}"#.to_vec()),
-    };
+    let refused = Answer::with(
+        400,
+        br#"{"error":"rules[0].want: must be between 1 and 100000, got 0"}"#.to_vec(),
+    );
     assert!(admits(&h.complete(pending, refused)));
     assert_eq!(h.metrics.event_count(Event::GlobalRefused), 1);
     assert_eq!(h.metrics.event_count(Event::GlobalError), 0);
@@ -570,29 +599,21 @@ fn a_refused_credential_or_any_4xx_never_opens_the_breaker_whatever_its_body() {
     let doc = "resources:\n  - Url: /\n    rules: [{rpu: 3, unit: minute, scope: global}]\n";
     let huge = vec![b'x'; 200 * 1024];
     for refusal in [
-        Reply::Answered {
-            status: 401,
-            body: Some(br#"{"error":"missing or wrong credential"}"#.to_vec()),
-        },
-        Reply::Answered {
-            status: 403,
-            body: Some(b"forbidden".to_vec()),
-        },
+        Answer::with(401, br#"{"error":"missing or wrong credential"}"#.to_vec()),
+        Answer::with(403, b"forbidden".to_vec()),
         // Larger than any answer the filter reads: still a refusal, not an invalid answer.
-        Reply::Answered {
-            status: 413,
-            body: Some(huge.clone()),
-        },
-        Reply::Answered {
+        Answer::with(413, huge.clone()),
+        Answer::Answered(Answered {
             status: 401,
-            body: None,
-        },
+            headers: Vec::new(),
+            body: Err(BodyError::TooLarge(usize::MAX)),
+        }),
     ] {
         let mut h = Harness::new(doc);
         let (_, pending) = call(h.evaluate("/", &Facts::default()));
         assert!(admits(&h.complete(pending, refusal.clone())));
         let status = match &refusal {
-            Reply::Answered { status, .. } => *status,
+            Answer::Answered(Answered { status, .. }) => *status,
             _ => 0,
         };
         assert_eq!(h.metrics.event_count(Event::GlobalRefused), 1, "{status}");
@@ -613,15 +634,12 @@ fn a_refused_credential_or_any_4xx_never_opens_the_breaker_whatever_its_body() {
 #[test]
 fn a_failing_service_degrades_to_local_and_the_breaker_probes_after_retry_seconds() {
     for failure in [
-        Reply::NoAnswer,
-        Reply::NotSent(crate::decision::DispatchError::Refused {
+        Answer::NoAnswer,
+        Answer::NotSent(crate::call::DispatchError::Refused {
             upstream: "diana_quota".into(),
             status: "BadArgument".into(),
         }),
-        Reply::Answered {
-            status: 503,
-            body: Some(b"{\"error\":\"overloaded\"}".to_vec()),
-        },
+        Answer::with(503, b"{\"error\":\"overloaded\"}".to_vec()),
     ] {
         let doc = "resources:\n  - Url: /\n    rules: [{rpu: 3, unit: minute, scope: global}]\nglobal: {retry_seconds: 5}\n";
         let mut h = Harness::new(doc);
@@ -639,11 +657,11 @@ fn a_failing_service_degrades_to_local_and_the_breaker_probes_after_retry_second
         let Decision::Wait(rider) = h.evaluate("/", &Facts::default()) else {
             panic!("the second request should wait for the probe");
         };
-        assert!(h.engine.woken(Some(h.now)).is_empty());
+        assert!(h.engine.woken(h.now).is_empty());
         assert!(admits(&h.complete(probe, answered(vec![granted(1)]))));
         assert!(!h.metrics.degraded);
-        assert_eq!(h.engine.woken(Some(h.now)), vec![rider.rider().unwrap()]);
-        let resumed = h.engine.resume(&h.host, rider, Some(h.now), &mut h.metrics);
+        assert_eq!(h.engine.woken(h.now), vec![rider.rider().unwrap()]);
+        let resumed = h.resume(rider);
         assert!(matches!(resumed, Decision::Call(..)), "{resumed:?}");
     }
 }
@@ -703,19 +721,21 @@ impl Worker {
 
     /// Decides a request for `/` at `now`.
     fn request(&mut self, host: &MemoryHost, now: Instant) -> EngineDecision {
-        self.engine
-            .evaluate(host, b"/", &Facts::default(), Some(now), &mut self.metrics)
+        let mut cx = Cx::new(host, now, &mut self.metrics);
+        self.engine.evaluate(&mut cx, b"/", &Facts::default())
     }
 
     fn complete(
         &mut self,
         host: &MemoryHost,
-        pending: Pending,
-        reply: Reply,
+        then: Then,
+        answer: Answer,
         now: Instant,
     ) -> EngineDecision {
+        let mut cx = Cx::new(host, now, &mut self.metrics);
         self.engine
-            .complete(host, pending, reply, Some(now), &mut self.metrics)
+            .answered(&mut cx, then, answer)
+            .expect("a request's decision")
     }
 
     /// Calls for a request to `/`, which the service denies for 30 s.
@@ -738,18 +758,11 @@ fn at_lease_1_a_remembered_denial_never_hides_a_token_another_worker_brings() {
     let (_, leader) = call(h.evaluate("/", &Facts::default()));
     let riders = park(&mut h, 2);
     assert!(admits(&h.complete(leader, answered(vec![granted(1)]))));
-    assert_eq!(h.engine.woken(Some(h.now)).len(), 2);
+    assert_eq!(h.engine.woken(h.now).len(), 2);
     let mut riders = riders.into_iter();
-    let (second_flight, first_rider) =
-        call(
-            h.engine
-                .resume(&h.host, riders.next().unwrap(), Some(h.now), &mut h.metrics),
-        );
+    let (second_flight, first_rider) = call(h.resume(riders.next().unwrap()));
     assert_eq!(want(&second_flight), 2, "itself and the rider behind it");
-    let Decision::Wait(second_rider) =
-        h.engine
-            .resume(&h.host, riders.next().unwrap(), Some(h.now), &mut h.metrics)
-    else {
+    let Decision::Wait(second_rider) = h.resume(riders.next().unwrap()) else {
         panic!("expected to wait behind the second flight");
     };
     // Worker B: its call is denied; its next request is rejected from the cached denial.
@@ -761,12 +774,8 @@ fn at_lease_1_a_remembered_denial_never_hides_a_token_another_worker_brings() {
     assert!(admits(&other.request(&h.host, h.now)));
     // The rider it was asked for finds the stash empty and the denial: 3 granted, 3
     // admitted.
-    assert_eq!(h.engine.woken(Some(h.now)).len(), 1);
-    assert!(matches!(
-        h.engine
-            .resume(&h.host, second_rider, Some(h.now), &mut h.metrics),
-        Decision::Reject(_)
-    ));
+    assert_eq!(h.engine.woken(h.now).len(), 1);
+    assert!(matches!(h.resume(second_rider), Decision::Reject(_)));
 }
 
 /// Two workers call at once and the second is denied: the first worker's leased tokens
@@ -811,7 +820,7 @@ fn another_workers_breaker_reaches_this_worker_within_the_cache_time() {
         now
     )));
     let (_, pending) = call(a.evaluate("/", &Facts::default()));
-    a.complete(pending, Reply::NoAnswer);
+    a.complete(pending, Answer::NoAnswer);
     assert!(a.metrics.degraded);
     let (_, second) = call(b.request(&a.host, now + Nanos::new(1)));
     assert!(admits(&b.complete(
@@ -820,7 +829,7 @@ fn another_workers_breaker_reaches_this_worker_within_the_cache_time() {
         answered(vec![granted(1)]),
         now + Nanos::new(1)
     )));
-    let later = now + crate::global::BREAKER_CACHE;
+    let later = now + crate::global::outage::OUTAGE_CACHE;
     assert!(matches!(b.request(&a.host, later), Decision::Allow { .. }));
     assert_eq!(b.metrics.event_count(Event::GlobalDegradedRequest), 1);
 }
@@ -868,20 +877,6 @@ fn a_cached_denial_from_a_clock_that_stepped_back_is_ignored() {
     ));
 }
 
-#[test]
-fn a_failing_clock_admits_and_writes_nothing() {
-    let mut h = Harness::new("Url: /\nrules:\n  - {rpu: 1, unit: minute, algo: W}\n");
-    for _ in 0..3 {
-        let decision = h
-            .engine
-            .evaluate(&h.host, b"/", &Facts::default(), None, &mut h.metrics);
-        assert!(matches!(decision, Decision::Allow { .. }));
-    }
-    assert_eq!(h.metrics.event_count(Event::ClockError), 3);
-    assert_eq!(h.host.key_count(), 0, "nothing written near the epoch");
-    assert_eq!(h.admitted("/", &Facts::default(), 3), 1);
-}
-
 /// A host where every write loses the race.
 struct AlwaysRaced(MemoryHost);
 
@@ -901,7 +896,11 @@ fn a_request_that_loses_every_race_is_rejected_not_admitted_uncounted() {
         Engine::new(parse_policy("Url: /\nrules:\n  - {rpu: 100, unit: minute}\n").unwrap());
     let host = AlwaysRaced(MemoryHost::new(CasSemantics::Envoy));
     let mut metrics = CountingMetrics::default();
-    let r = rejection(engine.evaluate(&host, b"/", &Facts::default(), Some(T0), &mut metrics));
+    let r = rejection(engine.evaluate(
+        &mut Cx::new(&host, T0, &mut metrics),
+        b"/",
+        &Facts::default(),
+    ));
     assert_eq!(header(&r, "retry-after"), Some("1"));
     assert_eq!(metrics.event_count(Event::StoreContention), 1);
     assert_eq!(metrics.rule(0, RuleEvent::Limited), 1);
@@ -931,16 +930,14 @@ fn racing_workers_charge_all_or_nothing_on_both_hosts() {
                         let admitted = (0..50)
                             .filter(|_| {
                                 admits(&engine.evaluate(
-                                    host.as_ref(),
+                                    &mut Cx::new(host.as_ref(), T0, &mut metrics),
                                     b"/login",
                                     &Facts::default(),
-                                    Some(T0),
-                                    &mut metrics,
                                 ))
                             })
                             .count();
                         // The worker's tick gives back the batch it no longer spends.
-                        engine.tick(host.as_ref(), Some(T0 + S));
+                        engine.tick(&mut Cx::new(host.as_ref(), T0 + S, &mut NoMetrics));
                         admitted
                     })
                 })
@@ -952,11 +949,9 @@ fn racing_workers_charge_all_or_nothing_on_both_hosts() {
             let pages = (0..100)
                 .filter(|_| {
                     admits(&engine.evaluate(
-                        host.as_ref(),
+                        &mut Cx::new(host.as_ref(), T0, &mut metrics),
                         b"/home",
                         &Facts::default(),
-                        Some(T0),
-                        &mut metrics,
                     ))
                 })
                 .count();
@@ -1058,13 +1053,7 @@ fn response_costs_are_charged_past_the_limit_and_deny_until_paid_back() {
     let charge = after(h.request("/", &alice));
     assert_eq!(charge.headers().collect::<Vec<_>>(), ["x-llm-tokens"]);
     // The answer used 2500 tokens: 1000 - 1 - 2500 is a debt, capped at one bucket.
-    h.engine.after_response(
-        &h.host,
-        charge,
-        &[Some(b"2500".to_vec())],
-        Some(h.now),
-        &mut h.metrics,
-    );
+    h.after_response(&charge, &[Some(b"2500".to_vec())]);
     assert!(matches!(h.request("/", &alice), Decision::Reject(_)));
     // A minute refills 1000 tokens: still owing.
     h.now += 60 * S;
@@ -1078,8 +1067,7 @@ fn response_costs_are_charged_past_the_limit_and_deny_until_paid_back() {
     ));
     // A missing or unreadable value charges nothing.
     let charge = after(h.request("/", &Facts::default().header("x-account-id", b"carol")));
-    h.engine
-        .after_response(&h.host, charge, &[None], Some(h.now), &mut h.metrics);
+    h.after_response(&charge, &[None]);
     assert_eq!(
         h.admitted(
             "/",
@@ -1101,13 +1089,7 @@ fn a_response_cost_is_paid_from_the_workers_batch_before_it_is_spent_again() {
     for _ in 0..2 {
         let charge = after(h.request("/", &alice));
         h.now += Nanos::from_millis(1);
-        h.engine.after_response(
-            &h.host,
-            charge,
-            &[Some(b"600".to_vec())],
-            Some(h.now),
-            &mut h.metrics,
-        );
+        h.after_response(&charge, &[Some(b"600".to_vec())]);
         h.now += Nanos::from_millis(1);
     }
     assert!(matches!(h.request("/", &alice), Decision::Reject(_)));
@@ -1118,25 +1100,15 @@ fn global_response_costs_are_paid_from_the_tick_or_charged_locally() {
     let doc = "resources:\n  - Url: /\n    rules: [{name: llm, algo: W, rpu: 100, unit: minute, scope: global, response_cost: {header: x-tokens, max: 500}}]\nglobal: {retry_seconds: 5}\n";
     let mut h = Harness::new(doc);
     let charge = after(h.request("/", &Facts::default()));
-    h.engine.after_response(
-        &h.host,
-        charge,
-        &[Some(b"60".to_vec())],
-        Some(h.now),
-        &mut h.metrics,
-    );
+    h.after_response(&charge, &[Some(b"60".to_vec())]);
     assert!(h.engine.owes());
-    let (callout, debts) = h
-        .engine
-        .pay_debts(&h.host, Some(h.now), &mut h.metrics)
-        .unwrap();
+    let [Call { callout, then }] = <[Call; 1]>::try_from(h.tick()).unwrap();
     assert!(callout
         .headers
         .contains(&(":path", "/v1/charge".to_string())));
     assert_eq!(want(&callout), 60);
     // The service is down: the 60 tokens are charged locally instead, and the breaker opens.
-    h.engine
-        .debts_paid(&h.host, debts, Reply::NoAnswer, Some(h.now), &mut h.metrics);
+    assert!(h.answer(then, Answer::NoAnswer).is_none());
     assert!(!h.engine.owes());
     assert!(h.metrics.degraded);
     // Degraded: the local counter holds the 60 owed (the first request was counted by the
@@ -1158,35 +1130,24 @@ fn global_debts_beyond_one_charge_are_all_sent_over_the_next_ticks() {
         let charge = after(h.complete(pending, answered(vec![granted(1)])));
         let tokens: u64 = if i == 7 { 250_000 } else { 100 + i };
         owed += tokens;
-        h.engine.after_response(
-            &h.host,
-            charge,
-            &[Some(tokens.to_string().into_bytes())],
-            Some(h.now),
-            &mut h.metrics,
-        );
+        h.after_response(&charge, &[Some(tokens.to_string().into_bytes())]);
     }
     let mut sent = 0u64;
     let mut charges = 0;
-    while let Some((callout, debts)) = h.engine.pay_debts(&h.host, Some(h.now), &mut h.metrics) {
+    while let Some(Call { callout, then }) = h.tick().pop() {
         let request: AcquireRequest = serde_json::from_slice(&callout.body).unwrap();
         assert!(request.rules.len() <= wire::MAX_RULES);
         let total: u64 = request.rules.iter().map(|rule| u64::from(rule.want)).sum();
         assert!(total <= wire::MAX_TOTAL_WANT);
         assert!(wire::validate(&request).is_ok());
-        assert_eq!(total, debts.iter().map(|debt| debt.tokens).sum::<u64>());
+        assert_eq!(
+            total,
+            then.debts().iter().map(|debt| debt.tokens).sum::<u64>()
+        );
         sent += total;
         charges += 1;
-        h.engine.debts_paid(
-            &h.host,
-            debts,
-            Reply::Answered {
-                status: 200,
-                body: Some(b"{\"results\":[]}".to_vec()),
-            },
-            Some(h.now),
-            &mut h.metrics,
-        );
+        let paid = h.answer(then, Answer::with(200, b"{\"results\":[]}".to_vec()));
+        assert!(paid.is_none());
         assert!(charges < 50, "charges never end");
     }
     assert!(!h.engine.owes());
@@ -1226,7 +1187,8 @@ fn a_busy_counter_is_charged_in_batches_without_host_calls_and_stays_exact() {
         assert!(writes <= 40, "{algo}: {writes} writes for 1000 requests");
         assert!(reads <= 80, "{algo}: {reads} reads for 1000 requests");
         // The worker's tick gives the unspent tokens back: the counter holds exactly 1000.
-        h.engine.tick(&h.host, Some(h.now + S));
+        h.engine
+            .tick(&mut Cx::new(&h.host, h.now + S, &mut NoMetrics));
         let rule = h.engine.policy().rule(0).unwrap();
         let mut state = h
             .engine
@@ -1261,11 +1223,9 @@ fn near_the_limit_four_racing_workers_admit_exactly_the_limit() {
                         (0..rpu + 40)
                             .filter(|_| {
                                 admits(&engine.evaluate(
-                                    host.as_ref(),
+                                    &mut Cx::new(host.as_ref(), T0, &mut metrics),
                                     b"/",
                                     &Facts::default(),
-                                    Some(T0),
-                                    &mut metrics,
                                 ))
                             })
                             .count()
@@ -1304,7 +1264,10 @@ fn lease_auto_grows_with_the_spending_rate_up_to_its_cap() {
     for _ in 0..10_000 {
         h.now += S / 10_000;
         match h.evaluate("/", &Facts::default()) {
-            Decision::Call(callout, pending) => {
+            Decision::Call(Call {
+                callout,
+                then: pending,
+            }) => {
                 let request: AcquireRequest = serde_json::from_slice(&callout.body).unwrap();
                 wants.push(request.rules[0].want);
                 let reply = h.service.answer(&callout, h.now);
@@ -1348,18 +1311,15 @@ fn drive_riders(h: &mut Harness, mut parked: Vec<Pending>) -> (Vec<EngineDecisio
     let mut decided = Vec::new();
     let mut calls = Vec::new();
     while !parked.is_empty() {
-        let woken = h.engine.woken(Some(h.now));
+        let woken = h.engine.woken(h.now);
         assert!(!woken.is_empty(), "parked requests but nobody woken");
         let mut flying = Vec::new();
         for id in woken {
             let at = parked.iter().position(|p| p.rider() == Some(id)).unwrap();
             let pending = parked.remove(at);
-            match h
-                .engine
-                .resume(&h.host, pending, Some(h.now), &mut h.metrics)
-            {
+            match h.resume(pending) {
                 Decision::Wait(again) => parked.push(again),
-                Decision::Call(callout, pending) => flying.push((callout, pending)),
+                Decision::Call(Call { callout, then }) => flying.push((callout, then)),
                 other => decided.push(other),
             }
         }
@@ -1415,7 +1375,7 @@ fn a_flight_asks_only_for_the_woken_requests_still_waiting() {
     let mut parked = parked;
     for _ in 0..2 {
         let gone = parked.pop().unwrap();
-        h.engine.abandon(&h.host, gone, Some(h.now));
+        h.abandon(gone);
     }
     let (decided, calls) = drive_riders(&mut h, parked);
     assert!(calls.is_empty(), "{calls:?}");
@@ -1475,7 +1435,7 @@ fn a_request_that_leaves_while_parked_or_calling_gives_its_charges_back() {
         Decision::Reject(_)
     ));
     // The parked request's client goes away: its local charge comes back.
-    h.engine.abandon(&h.host, rider, Some(h.now));
+    h.abandon(rider);
     assert!(!h.engine.has_riders());
     let again = h.evaluate("/", &Facts::default());
     let Decision::Wait(rider) = again else {
@@ -1483,9 +1443,9 @@ fn a_request_that_leaves_while_parked_or_calling_gives_its_charges_back() {
     };
     // The caller goes away too (the host cancels its call): the parked request is woken
     // and leads the next flight.
-    h.engine.abandon(&h.host, leader, Some(h.now));
-    assert_eq!(h.engine.woken(Some(h.now)), vec![rider.rider().unwrap()]);
-    let (next, pending) = call(h.engine.resume(&h.host, rider, Some(h.now), &mut h.metrics));
+    h.abandon_call(leader);
+    assert_eq!(h.engine.woken(h.now), vec![rider.rider().unwrap()]);
+    let (next, pending) = call(h.resume(rider));
     let reply = h.service.answer(&next, h.now);
     assert!(admits(&h.complete(pending, reply)));
     // One local token left for the abandoned caller's.
@@ -1524,29 +1484,26 @@ fn a_lost_flight_wakes_its_riders_after_its_deadline() {
         panic!("expected to wait");
     };
     h.now += S;
-    assert!(h.engine.woken(Some(h.now)).is_empty());
+    assert!(h.engine.woken(h.now).is_empty());
     h.now += 50 * S / 1000;
-    assert_eq!(h.engine.woken(Some(h.now)), vec![rider.rider().unwrap()]);
-    assert!(matches!(
-        h.engine.resume(&h.host, rider, Some(h.now), &mut h.metrics),
-        Decision::Call(..)
-    ));
+    assert_eq!(h.engine.woken(h.now), vec![rider.rider().unwrap()]);
+    assert!(matches!(h.resume(rider), Decision::Call(..)));
 }
 
 /// Sends the refills the engine wants ahead, answered by the in-memory service at once,
 /// as the host's tick does. Returns how many were sent.
 fn send_refills(h: &mut Harness) -> usize {
-    let refills = h.engine.refill(&h.host, Some(h.now), &mut h.metrics);
+    let refills = h.tick();
     let sent = refills.len();
-    for (callout, refill) in refills {
+    for Call { callout, then } in refills {
+        assert!(then.asked().is_some_and(|asked| asked.is_refill()));
         let request: AcquireRequest = serde_json::from_slice(&callout.body).unwrap();
         assert_eq!(
             request.rules[0].cost, 1,
             "a refill takes nothing for a request"
         );
-        let reply = h.service.answer(&callout, h.now);
-        h.engine
-            .refilled(&h.host, refill, reply, Some(h.now), &mut h.metrics);
+        let answer = h.service.answer(&callout, h.now);
+        assert!(h.answer(then, answer).is_none());
     }
     sent
 }
@@ -1569,7 +1526,7 @@ fn a_stash_running_low_is_refilled_ahead_and_no_request_waits_for_a_callout() {
     assert_eq!(refills, 20, "one refill per lease of 10");
     assert_eq!(h.metrics.event_count(Event::RefillAhead), 20);
     assert_eq!(h.metrics.event_count(Event::GlobalCallout), 21);
-    assert!(!h.engine.wants_refill());
+    assert!(!h.engine.wants_tick_soon());
 }
 
 #[test]
@@ -1590,10 +1547,10 @@ fn refills_ahead_stay_exact_at_the_limit_and_requests_park_behind_one_in_flight(
         // A refill in flight: the request that finds the stash empty parks behind it.
         let mut h = Harness::new(&doc);
         assert!(admits(&h.request("/", &Facts::default())));
-        while !h.engine.wants_refill() {
+        while !h.engine.wants_tick_soon() {
             assert!(admits(&h.evaluate("/", &Facts::default())), "{algo}");
         }
-        let mut in_flight = h.engine.refill(&h.host, Some(h.now), &mut h.metrics);
+        let mut in_flight = h.tick();
         assert_eq!(in_flight.len(), 1, "{algo}");
         let mut parked = Vec::new();
         loop {
@@ -1606,10 +1563,9 @@ fn refills_ahead_stay_exact_at_the_limit_and_requests_park_behind_one_in_flight(
                 other => panic!("{algo}: expected leased tokens, then to park: {other:?}"),
             }
         }
-        let (callout, refill) = in_flight.remove(0);
-        let reply = h.service.answer(&callout, h.now);
-        h.engine
-            .refilled(&h.host, refill, reply, Some(h.now), &mut h.metrics);
+        let Call { callout, then } = in_flight.remove(0);
+        let answer = h.service.answer(&callout, h.now);
+        assert!(h.answer(then, answer).is_none());
         let (decided, calls) = drive_riders(&mut h, parked);
         assert!(decided.iter().all(admits), "{algo}: {decided:?}");
         assert!(
@@ -1719,7 +1675,8 @@ fn a_token_from_a_batch_retired_during_the_callout_goes_back_when_the_request_is
     let (_, pending) = call(h.evaluate("/g", &Facts::default()));
     h.now += S;
     assert_eq!(
-        h.engine.tick(&h.host, Some(h.now)),
+        h.engine
+            .return_unspent(&mut Cx::new(&h.host, h.now, &mut NoMetrics)),
         62,
         "the idle batch is retired, its unspent tokens returned"
     );
@@ -1794,11 +1751,9 @@ fn a_remembered_denial_answers_only_requests_of_the_cost_it_was_about() {
     h.now += S / 20;
     let three = rejection(h.request("/", &cost(b"3")));
     let counted = rejection(fresh.engine.evaluate(
-        &h.host,
+        &mut Cx::new(&h.host, h.now, &mut fresh.metrics),
         b"/",
         &cost(b"3"),
-        Some(h.now),
-        &mut fresh.metrics,
     ));
     assert_eq!(waits(&one).0, Some(10), "one token back in 10 s");
     assert_eq!(waits(&three), waits(&counted));
@@ -1851,13 +1806,7 @@ fn a_plan_can_come_from_a_claim_of_the_bearer_token() {
 
 /// Settles `charge` with the answer's header value.
 fn settle_with(h: &mut Harness, charge: AfterResponse, value: &str) {
-    h.engine.after_response(
-        &h.host,
-        charge,
-        &[Some(value.as_bytes().to_vec())],
-        Some(h.now),
-        &mut h.metrics,
-    );
+    h.after_response(&charge, &[Some(value.as_bytes().to_vec())]);
 }
 
 #[test]
@@ -1916,8 +1865,7 @@ fn a_reservation_is_settled_up_past_the_limit_and_kept_without_an_answer() {
     assert!(matches!(h.request("/", &asks("101")), Decision::Reject(_)));
     let kept = after(h.request("/", &asks("100")));
     // An answer without the header keeps its reservation: nothing is left.
-    h.engine
-        .after_response(&h.host, kept, &[None], Some(h.now), &mut h.metrics);
+    h.after_response(&kept, &[None]);
     assert!(matches!(h.request("/", &asks("1")), Decision::Reject(_)));
 }
 
@@ -1977,10 +1925,11 @@ fn reservations_settled_across_workers_give_back_exactly_what_was_unused() {
     let mut held = Vec::new();
     for i in 0..20 {
         let worker = &mut workers[i % 4];
-        let decision =
-            worker
-                .engine
-                .evaluate(&h.host, b"/", &alice, Some(h.now), &mut worker.metrics);
+        let decision = worker.engine.evaluate(
+            &mut Cx::new(&h.host, h.now, &mut worker.metrics),
+            b"/",
+            &alice,
+        );
         if admits(&decision) {
             held.push((i % 4, after(decision)));
         }
@@ -1990,31 +1939,30 @@ fn reservations_settled_across_workers_give_back_exactly_what_was_unused() {
     for (index, charge) in held {
         let worker = &mut workers[index];
         worker.engine.after_response(
-            &h.host,
-            charge,
+            &mut Cx::new(&h.host, h.now, &mut worker.metrics),
+            &charge,
             &[Some(b"120".to_vec())],
-            Some(h.now),
-            &mut worker.metrics,
         );
     }
     for worker in &workers {
-        worker.engine.tick(&h.host, Some(h.now));
+        worker
+            .engine
+            .tick(&mut Cx::new(&h.host, h.now, &mut NoMetrics));
     }
     let mut admitted = 0;
     for i in 0..6 {
         let worker = &mut workers[i % 4];
-        let decision =
-            worker
-                .engine
-                .evaluate(&h.host, b"/", &alice, Some(h.now), &mut worker.metrics);
+        let decision = worker.engine.evaluate(
+            &mut Cx::new(&h.host, h.now, &mut worker.metrics),
+            b"/",
+            &alice,
+        );
         if admits(&decision) {
             admitted += 1;
             worker.engine.after_response(
-                &h.host,
-                after(decision),
+                &mut Cx::new(&h.host, h.now, &mut worker.metrics),
+                &after(decision),
                 &[Some(b"200".to_vec())],
-                Some(h.now),
-                &mut worker.metrics,
             );
         }
     }

@@ -1,16 +1,18 @@
 //! Global scope, filter side: plans the one callout of a request and interprets its
-//! answer, from state it owns — the lease stash ([`stash`]) and the circuit breaker
-//! ([`breaker`]), both in shared data so that every worker of a gateway shares them.
+//! answer, from state it owns — the lease stash ([`stash`]) and the outage switch
+//! ([`outage`]), both in shared data so that every worker of a gateway shares them — and
+//! the calls the tick makes for the requests' sake (refills ahead, response costs,
+//! releases, places left and renewed), each planned here and read back here.
 //!
 //! ```text
 //! plan ─┬─ every rule served by leases (or a dry-run denial) ─▶ Done
 //!       ├─ a cached denial ───────────────────────────────────▶ Rejected (leases taken given back)
-//!       ├─ breaker open ──────────────────────────────────────▶ Degrade (enforce those rules locally)
+//!       ├─ outage switch open ────────────────────────────────▶ Degrade (enforce those rules locally)
 //!       └─ otherwise ─────────────────────────────────────────▶ Call (the complete callout) + Asked
 //! interpret(Asked, reply) ─┬─ a valid answer, every rule admits ─▶ Done (spare tokens stashed)
 //!                          ├─ a valid answer, a rule denies ─────▶ Rejected (every grant stashed, leases taken given back, denial cached)
 //!                          ├─ 4xx (refused) ─────────────────────▶ Degrade, counted apart, logged once with the reason
-//!                          └─ failure or invalid answer ─────────▶ Degrade, breaker opened
+//!                          └─ failure or invalid answer ─────────▶ Degrade, outage switch opened
 //! ```
 //!
 //! Nothing the service answers is believed before [`wire::validate_response`] has checked
@@ -18,32 +20,27 @@
 //! and counts within what the limit allows. The engine sequences; this module never calls
 //! back into it.
 
-pub mod breaker;
 pub mod debts;
 pub mod flights;
-pub mod leaving;
+pub mod outage;
 pub mod stash;
 
-/// The wire format, also reachable here (it was `global::wire` first).
-pub use crate::wire;
-
+use crate::call::{Answer, Answered, Callout, DispatchError, MAX_SERVICE_ANSWER_BYTES};
 use crate::config::{GlobalSpec, Policy, Rule};
-use crate::decision::{Callout, DispatchError, Reply};
+use crate::cx::Cx;
 use crate::metrics::{Event, MetricSink};
+use crate::places::leaving::Leaving;
+use crate::places::{places_in, ServicePlace};
 use crate::response::RuleReport;
 use crate::store::{SharedData, SlotAddress, Store};
 use crate::time::{ceil_seconds, ceil_seconds_at_least_one, Instant, Nanos};
-use breaker::{Breaker, Gate};
+use crate::wire::{self, AcquireRequest, AcquireResponse, ErrorResponse, RuleRequest, RuleResult};
 use debts::{Debt, Owed};
 use flights::{FlightKey, Flights, RiderId};
-use leaving::Leaving;
+use outage::{Gate, Outage};
 use smallvec::SmallVec;
 use stash::{Grant, RefillOrder, Stash, StashReceipt, Take};
 use std::cell::{Cell, RefCell};
-use wire::{AcquireRequest, AcquireResponse, ErrorResponse, RuleRequest, RuleResult};
-
-pub use breaker::{BREAKER_CACHE, BREAKER_KEY};
-pub use leaving::MAX_LEAVING;
 
 /// Refills ahead waiting for the worker's tick, at most (more are asked again by the
 /// requests that find their stash low).
@@ -56,8 +53,8 @@ pub const MAX_REFILLS_PER_TICK: usize = 8;
 /// its waits at 10 s).
 pub const MAX_SERVICE_WAIT_MS: u64 = wire::MAX_WAIT_MS;
 
-/// The largest answer body read from the service.
-pub const MAX_ANSWER_BYTES: usize = 64 * 1024;
+/// Releases waiting for the tick, at most (beyond, a gone request's grant stays charged).
+const MAX_RELEASES: usize = 1024;
 
 /// The quota service's endpoint `name` (`wait`, `charge`, `release`) beside its acquire
 /// endpoint: `/v1/acquire` → `/v1/<name>`; any other path gets `/<name>` appended.
@@ -96,17 +93,6 @@ impl CallIds {
 /// and a concurrency limit's places are never leased ahead nor coalesced.
 fn asks_alone(rule: &Rule) -> bool {
     rule.algo.waits() || rule.algo.holds_until_done()
-}
-
-/// Concurrency places held at the quota service, to give back ([`wire::LEAVE_PATH`]) or
-/// renew ([`wire::RENEW_PATH`]): the rule, the identity, the bucket the service counts
-/// them in, and how many.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ServicePlace {
-    pub index: usize,
-    pub address: SlotAddress,
-    pub bucket: u64,
-    pub places: u32,
 }
 
 /// The quota service key of one (rule, identity): the same on every gateway.
@@ -153,19 +139,6 @@ pub struct Denial {
 pub struct Release {
     pub callout: Callout,
     pub charges: Vec<GlobalCharge>,
-}
-
-/// The call that gives back places of requests that ended ([`Global::plan_leave`]), and
-/// how many places it carries, to count them if it fails.
-#[derive(Debug, Clone)]
-pub struct Leave {
-    pub callout: Callout,
-    pub places: u64,
-}
-
-/// The places `entries` carry.
-fn places_in(entries: &[ServicePlace]) -> u64 {
-    entries.iter().map(|entry| u64::from(entry.places)).sum()
 }
 
 /// One entry per global rule of a request, inline: a request rarely has more than two,
@@ -217,6 +190,11 @@ impl Asked {
         self.probe
     }
 
+    /// True when this call refills a stash ahead (no request waits for it).
+    pub fn is_refill(&self) -> bool {
+        self.refill
+    }
+
     /// The body sent.
     pub fn request(&self) -> &AcquireRequest {
         &self.request
@@ -262,7 +240,7 @@ enum Failure {
 /// Why the quota service could not decide.
 #[derive(Debug)]
 enum Unavailable {
-    NotSent(crate::decision::DispatchError),
+    NotSent(DispatchError),
     /// Timeout, connection refused or reset.
     NoAnswer,
     /// An answer with a status other than 200 or 4xx.
@@ -292,7 +270,9 @@ enum InvalidAnswer {
 impl std::fmt::Display for InvalidAnswer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            InvalidAnswer::TooLarge => write!(f, "answer larger than {MAX_ANSWER_BYTES} bytes"),
+            InvalidAnswer::TooLarge => {
+                write!(f, "answer larger than {MAX_SERVICE_ANSWER_BYTES} bytes")
+            }
             InvalidAnswer::Unreadable(error) => write!(f, "unreadable answer: {error}"),
             InvalidAnswer::Mismatch(error) => write!(f, "{error}"),
         }
@@ -306,7 +286,7 @@ pub struct Global {
     document_dry_run: bool,
     can_pause: bool,
     store: Store,
-    breaker: Breaker,
+    outage: Outage,
     stash: Stash,
     flights: Flights,
     /// Response costs owed to the service, sent from the tick.
@@ -320,6 +300,11 @@ pub struct Global {
     calls: CallIds,
     /// Concurrency places of requests that ended, given back from the tick.
     leaving: Leaving,
+    /// Releases of the calls of requests that went away, sent from the next tick (the
+    /// root context, whose calls outlive any request).
+    releases: RefCell<Vec<Release>>,
+    /// A payment of response costs is in flight (one at a time).
+    paying: Cell<bool>,
 }
 
 impl Global {
@@ -329,7 +314,7 @@ impl Global {
             document_dry_run: policy.dry_run,
             can_pause,
             store: Store::new(),
-            breaker: Breaker::new(policy.global.retry_seconds),
+            outage: Outage::new(policy.global.retry_seconds),
             stash: Stash::default(),
             flights: Flights::default(),
             owed: Owed::default(),
@@ -338,6 +323,8 @@ impl Global {
             invalid_logged: Cell::new(false),
             calls: CallIds::default(),
             leaving: Leaving::default(),
+            releases: RefCell::new(Vec::new()),
+            paying: Cell::new(false),
         }
     }
 
@@ -346,14 +333,7 @@ impl Global {
     }
 
     /// Decides what leases and cached denials can, and plans one call for the rest.
-    pub fn plan(
-        &self,
-        host: &dyn SharedData,
-        policy: &Policy,
-        charges: &[GlobalCharge],
-        now: Instant,
-        metrics: &mut dyn MetricSink,
-    ) -> Plan {
+    pub fn plan(&self, cx: &mut Cx<'_>, policy: &Policy, charges: &[GlobalCharge]) -> Plan {
         let mut outcomes = PerRule::new();
         let mut served = PerRule::new();
         let mut ask = Vec::new();
@@ -371,7 +351,7 @@ impl Global {
             }
             match self
                 .stash
-                .take(host, rule, charge.address, charge.cost, now)
+                .take(cx.shared, rule, charge.address, charge.cost, cx.now)
             {
                 Take::Served(receipt, refill) => {
                     if let Some(refill) = refill {
@@ -386,20 +366,20 @@ impl Global {
                     });
                 }
                 Take::Denied { retry_at, reset_at } => {
-                    metrics.event(Event::CachedDenial);
+                    cx.metrics.event(Event::CachedDenial);
                     if self.dry_run(rule) {
                         outcomes.push(Admission::WouldDeny {
                             index: charge.index,
                         });
                         continue;
                     }
-                    self.give_back(host, policy, &served, now);
+                    self.give_back(cx, policy, &served);
                     let report = RuleReport {
                         limit: rule.limit.rpu.get(),
                         remaining: 0,
-                        reset_seconds: ceil_seconds(reset_at.saturating_since(now)),
+                        reset_seconds: ceil_seconds(reset_at.saturating_since(cx.now)),
                         retry_after_seconds: ceil_seconds_at_least_one(
-                            retry_at.saturating_since(now),
+                            retry_at.saturating_since(cx.now),
                         ),
                     };
                     return Plan::Rejected(
@@ -434,12 +414,12 @@ impl Global {
         if let Some(charge) = behind {
             let key = (charge.index, charge.address.fingerprint);
             if let Some(rider) = self.flights.park(key, charge.cost) {
-                self.give_back(host, policy, &served, now);
-                metrics.event(Event::GlobalCoalesced);
+                self.give_back(cx, policy, &served);
+                cx.metrics.event(Event::GlobalCoalesced);
                 return Plan::Park(rider);
             }
         }
-        let probe = match self.breaker.gate(&self.store, host, now) {
+        let probe = match self.outage.gate(&self.store, cx.shared, cx.now) {
             Gate::Call => false,
             Gate::Probe => true,
             Gate::Local => {
@@ -478,8 +458,8 @@ impl Global {
             .filter(coalesced)
             .map(|charge| (charge.index, charge.address.fingerprint))
             .collect();
-        self.flights.take_off(&flying, self.flight_deadline(now));
-        metrics.event(Event::GlobalCallout);
+        self.flights.take_off(&flying, self.flight_deadline(cx.now));
+        cx.metrics.event(Event::GlobalCallout);
         let wait = !self.can_pause
             && ask
                 .iter()
@@ -534,13 +514,7 @@ impl Global {
     /// From the worker's tick: one call per stash that ran low (at most
     /// [`MAX_REFILLS_PER_TICK`]), each asking for the rule's lease with a cost of one, each
     /// a flight. None while the breaker keeps global rules local.
-    pub fn plan_refills(
-        &self,
-        policy: &Policy,
-        host: &dyn SharedData,
-        now: Instant,
-        metrics: &mut dyn MetricSink,
-    ) -> Vec<(Callout, Asked)> {
+    pub fn plan_refills(&self, cx: &mut Cx<'_>, policy: &Policy) -> Vec<(Callout, Asked)> {
         let orders: Vec<(GlobalCharge, RefillOrder)> = match self.refills.try_borrow_mut() {
             Ok(mut orders) => orders.drain(..).collect(),
             Err(_) => return Vec::new(),
@@ -554,7 +528,7 @@ impl Global {
             if self.flights.in_flight(key) {
                 continue;
             }
-            let probe = match self.breaker.gate(&self.store, host, now) {
+            let probe = match self.outage.gate(&self.store, cx.shared, cx.now) {
                 Gate::Call => false,
                 Gate::Probe => true,
                 Gate::Local => return calls,
@@ -566,9 +540,9 @@ impl Global {
                 continue;
             };
             let flying = vec![key];
-            self.flights.take_off(&flying, self.flight_deadline(now));
-            metrics.event(Event::GlobalCallout);
-            metrics.event(Event::RefillAhead);
+            self.flights.take_off(&flying, self.flight_deadline(cx.now));
+            cx.metrics.event(Event::GlobalCallout);
+            cx.metrics.event(Event::RefillAhead);
             calls.push((
                 self.callout(body, false),
                 Asked {
@@ -662,23 +636,21 @@ impl Global {
         }
     }
 
-    /// Interprets the reply to a call planned by [`Global::plan`].
+    /// Interprets the answer to a call planned by [`Global::plan`].
     pub fn interpret(
         &self,
-        host: &dyn SharedData,
+        cx: &mut Cx<'_>,
         policy: &Policy,
         asked: Asked,
-        reply: Reply,
-        now: Instant,
-        metrics: &mut dyn MetricSink,
+        answer: Answer,
     ) -> Interpretation {
-        self.flights.land(&asked.flying, now);
-        let results = match self.check(&asked, reply) {
+        self.flights.land(&asked.flying, cx.now);
+        let results = match self.check(&asked, answer) {
             Ok(results) => results,
             Err(failure) => {
-                self.failed(host, failure, asked.probe, now, metrics);
+                self.failed(cx, failure, asked.probe);
                 if !asked.refill {
-                    metrics.event(Event::GlobalDegradedRequest);
+                    cx.metrics.event(Event::GlobalDegradedRequest);
                 }
                 return Interpretation::Degrade {
                     local: asked.charges,
@@ -686,9 +658,9 @@ impl Global {
                 };
             }
         };
-        if asked.probe && self.breaker.close(&self.store, host, now) {
+        if asked.probe && self.outage.close(&self.store, cx.shared, cx.now) {
             log::warn!("diana: quota service is back; global rules are global again");
-            metrics.degraded(false);
+            cx.metrics.degraded(false);
         }
         let admitted = asked.charges.iter().zip(&results).all(|(charge, result)| {
             result.granted >= charge.cost
@@ -725,33 +697,33 @@ impl Global {
             let spare = result.granted.saturating_sub(took);
             if holds {
                 if let Some(unheld) = place(spare).filter(|_| spare > 0) {
-                    self.queue_leave(unheld, metrics);
+                    self.queue_leave(unheld, cx.metrics);
                 }
             } else if spare > 0 || (rule.lease_auto && result.granted > 0) {
                 // An automatic lease learns this gateway's rate from every grant, even
                 // one with nothing to spare.
                 if spare > 0 && rule.lease.get() > 1 {
-                    metrics.event(Event::LeaseRefill);
+                    cx.metrics.event(Event::LeaseRefill);
                 }
                 let lifetime =
                     Nanos::saturating_from_millis(result.reset_ms).max(rule.limit.unit.nanos());
                 self.stash.keep(
-                    host,
+                    cx.shared,
                     rule,
                     charge.address,
                     Grant {
                         spare: u64::from(spare),
                         took: u64::from(took),
-                        valid_until: now.saturating_add(lifetime),
+                        valid_until: cx.now.saturating_add(lifetime),
                     },
-                    now,
+                    cx.now,
                 );
             }
             if !result.allowed && !holds {
-                let at = |ms: u64| now.saturating_add(Nanos::saturating_from_millis(ms));
+                let at = |ms: u64| cx.now.saturating_add(Nanos::saturating_from_millis(ms));
                 let (retry_at, reset_at) = (at(result.retry_after_ms), at(result.reset_ms));
                 self.stash
-                    .deny(host, rule, charge.address, retry_at, reset_at, now);
+                    .deny(cx.shared, rule, charge.address, retry_at, reset_at, cx.now);
             }
             if took > 0 {
                 let delay = Nanos::saturating_from_millis(result.delay_ms);
@@ -787,13 +759,13 @@ impl Global {
         match denial {
             None => Interpretation::Done(outcomes),
             Some(denial) => {
-                self.give_back(host, policy, &asked.served, now);
+                self.give_back(cx, policy, &asked.served);
                 for outcome in &outcomes {
                     if let Admission::Admitted {
                         place: Some(place), ..
                     } = *outcome
                     {
-                        self.queue_leave(place, metrics);
+                        self.queue_leave(place, cx.metrics);
                     }
                 }
                 let dry: Vec<Admission> = outcomes
@@ -806,7 +778,7 @@ impl Global {
     }
 
     /// A request that held `place` at the service ended: it is given back from the tick.
-    /// Places that cannot wait ([`leaving`]: the queue is full) are counted in
+    /// Places that cannot wait ([`crate::places::leaving`]: the queue is full) are counted in
     /// [`Event::PlacesUnreturned`]; the service reclaims them after its bound.
     pub fn queue_leave(&self, place: ServicePlace, metrics: &mut dyn MetricSink) {
         if let Err(refused) = self.leaving.push(place) {
@@ -820,23 +792,19 @@ impl Global {
     }
 
     /// From the tick: the call that gives back the places of requests that ended (at most
-    /// [`wire::MAX_RULES`] entries; the worker asks again until none wait). None when none
-    /// wait, or while the breaker keeps global rules local: every place waiting is then
-    /// dropped and counted ([`Event::PlacesUnreturned`]), and the service reclaims them
-    /// after its bound (a gateway that cannot reach it cannot give anything back).
-    pub fn plan_leave(
-        &self,
-        policy: &Policy,
-        host: &dyn SharedData,
-        now: Instant,
-        metrics: &mut dyn MetricSink,
-    ) -> Option<Leave> {
+    /// [`wire::MAX_RULES`] entries; the tick asks again until none wait), with how many
+    /// places it carries. None when none wait, or while the outage switch keeps global
+    /// rules local: every place waiting is then dropped and counted
+    /// ([`Event::PlacesUnreturned`]), and the service reclaims them after its bound (a
+    /// gateway that cannot reach it cannot give anything back).
+    pub fn plan_leave(&self, cx: &mut Cx<'_>, policy: &Policy) -> Option<(Callout, u64)> {
         if self.leaving.is_empty() {
             return None;
         }
-        if self.breaker.keeps_local(&self.store, host, now) {
+        if self.outage.keeps_local(&self.store, cx.shared, cx.now) {
             let dropped = self.leaving.take(usize::MAX);
-            metrics.events(Event::PlacesUnreturned, places_in(&dropped));
+            cx.metrics
+                .events(Event::PlacesUnreturned, places_in(&dropped));
             return None;
         }
         let taken = self.leaving.take(wire::MAX_RULES);
@@ -844,47 +812,38 @@ impl Global {
             .places_request(policy, &taken)
             .and_then(|request| serde_json::to_vec(&request).ok());
         let Some(body) = request else {
-            metrics.events(Event::PlacesUnreturned, places_in(&taken));
+            cx.metrics
+                .events(Event::PlacesUnreturned, places_in(&taken));
             return None;
         };
-        Some(Leave {
-            callout: self.callout_to(
-                endpoint_beside(&self.spec.path, "leave"),
-                u64::from(self.spec.timeout_ms),
-                body,
-            ),
-            places: places_in(&taken),
-        })
+        let callout = self.callout_to(
+            endpoint_beside(&self.spec.path, "leave"),
+            u64::from(self.spec.timeout_ms),
+            body,
+        );
+        Some((callout, places_in(&taken)))
     }
 
     /// The answer to a leave call: its places were given back unless the service did not
     /// answer 2xx, in which case they are counted in [`Event::PlacesUnreturned`] (not
     /// sent again: a leave whose answer was lost may have been applied, and giving places
     /// back twice would let more requests in than the limit).
-    pub fn left(&self, leave: &Leave, reply: &Reply, metrics: &mut dyn MetricSink) {
-        let given_back = matches!(
-            reply,
-            Reply::Answered {
-                status: 200..=299,
-                ..
-            }
-        );
-        if !given_back {
-            metrics.events(Event::PlacesUnreturned, leave.places);
+    pub fn left(&self, cx: &mut Cx<'_>, places: u64, answer: &Answer) {
+        if !matches!(answer.status(), Some(200..=299)) {
+            cx.metrics.events(Event::PlacesUnreturned, places);
         }
     }
 
     /// The call that renews `places` (at most [`wire::MAX_RULES`]), and what it asked, to
-    /// read the answer with ([`Global::renewed`]). None while the breaker keeps global
+    /// read the answer with ([`Global::renewed`]). None while the outage switch keeps global
     /// rules local (renewed when the service is back; it reclaims them after its bound).
     pub fn plan_renewal(
         &self,
+        cx: &mut Cx<'_>,
         policy: &Policy,
-        host: &dyn SharedData,
         places: &[ServicePlace],
-        now: Instant,
     ) -> Option<(Callout, AcquireRequest)> {
-        if places.is_empty() || self.breaker.keeps_local(&self.store, host, now) {
+        if places.is_empty() || self.outage.keeps_local(&self.store, cx.shared, cx.now) {
             return None;
         }
         let request = self.places_request(policy, places)?;
@@ -900,15 +859,15 @@ impl Global {
     /// The answer to a renewal: the bucket each place is counted in now, in order; None
     /// when the service did not renew them (no answer, a refusal, an answer that does not
     /// match what was asked).
-    pub fn renewed(&self, request: &AcquireRequest, reply: Reply) -> Option<Vec<u64>> {
-        let Reply::Answered {
-            status: 200,
-            body: Some(body),
-        } = reply
-        else {
+    pub fn renewed(&self, request: &AcquireRequest, answer: &Answer) -> Option<Vec<u64>> {
+        let Answer::Answered(answered) = answer else {
             return None;
         };
-        let response = wire::decode_response(request, &body).ok()?;
+        if answered.status != 200 {
+            return None;
+        }
+        let body = answered.body_within(MAX_SERVICE_ANSWER_BYTES)?;
+        let response = wire::decode_response(request, body).ok()?;
         response
             .results
             .iter()
@@ -939,44 +898,86 @@ impl Global {
     }
 
     /// From the worker's tick: idle batches of leased tokens go back to the shared stash.
-    pub fn tick(&self, host: &dyn SharedData, policy: &Policy, now: Instant) {
-        self.stash.return_unspent(host, policy, now);
+    pub fn tick(&self, cx: &mut Cx<'_>, policy: &Policy) {
+        self.stash.return_unspent(cx.shared, policy, cx.now);
     }
 
     /// A request paused for its call is gone before the answer: its flights land (the
     /// requests parked behind them plan again) and the leased tokens it took go back.
     ///
-    /// Returns the call that gives back what the service granted it, if it carried an id:
-    /// nobody will read the answer (the host dropped it with its request), and without the
-    /// release its tokens would stay charged — under `lease: 1`, tokens that the requests
-    /// parked behind it ask for again.
-    pub fn abandon_call(
-        &self,
-        host: &dyn SharedData,
-        policy: &Policy,
-        asked: Asked,
-        now: Instant,
-    ) -> Option<Release> {
-        self.flights.land(&asked.flying, now);
-        self.give_back(host, policy, &asked.served, now);
-        asked.request.call.as_ref()?;
-        let body = serde_json::to_vec(&asked.request).ok()?;
-        Some(Release {
+    /// If the call carried an id, the call that gives back what the service granted it is
+    /// queued for the next tick ([`Global::take_releases`]): nobody will read the answer
+    /// (the host dropped it with its request), and without the release its tokens would
+    /// stay charged — under `lease: 1`, tokens that the requests parked behind it ask for
+    /// again.
+    pub fn abandon_call(&self, cx: &mut Cx<'_>, policy: &Policy, asked: Asked) {
+        self.flights.land(&asked.flying, cx.now);
+        self.give_back(cx, policy, &asked.served);
+        if asked.request.call.is_none() {
+            return;
+        }
+        let Ok(body) = serde_json::to_vec(&asked.request) else {
+            return;
+        };
+        let release = Release {
             callout: self.callout_to(
                 endpoint_beside(&self.spec.path, "release"),
                 u64::from(self.spec.timeout_ms),
                 body,
             ),
             charges: asked.charges,
-        })
+        };
+        match self.releases.try_borrow_mut() {
+            Ok(mut releases) if releases.len() < MAX_RELEASES => releases.push(release),
+            _ => cx.metrics.event(Event::ReleaseUnsent),
+        }
     }
 
-    /// A release was answered: the tokens are back at the service, so a denial cached for
-    /// its (rule, identity) meanwhile no longer holds.
-    pub fn released(&self, host: &dyn SharedData, policy: &Policy, release: &Release) {
-        for charge in &release.charges {
+    /// The answer to `asked` came but cannot be read without a clock: its flights land and
+    /// the leased tokens it took go back; the service keeps what it granted (unspent, as
+    /// when a clock-less gateway is answered), and there is nothing to release.
+    pub fn forget_call(&self, shared: &dyn SharedData, policy: &Policy, asked: Asked) {
+        self.flights.land(&asked.flying, Instant::EPOCH);
+        for receipt in &asked.served {
+            if let Some(rule) = policy.rule(receipt.rule) {
+                self.stash.give_back(shared, rule, receipt, Instant::EPOCH);
+            }
+        }
+    }
+
+    /// A payment's answer came but cannot be read without a clock: another may be made.
+    pub fn payment_forgotten(&self) {
+        self.paying.set(false);
+    }
+
+    /// From the tick: the releases queued since the last one.
+    pub fn take_releases(&self) -> Vec<Release> {
+        self.releases
+            .try_borrow_mut()
+            .map(|mut releases| std::mem::take(&mut *releases))
+            .unwrap_or_default()
+    }
+
+    /// The answer to a release: sent, the tokens are back at the service (given back now,
+    /// or when its acquire is decided), so a denial cached for its (rule, identity)
+    /// meanwhile no longer holds; not sent, that grant stays charged, as before releases
+    /// existed.
+    pub fn released(
+        &self,
+        cx: &mut Cx<'_>,
+        policy: &Policy,
+        charges: &[GlobalCharge],
+        answer: &Answer,
+    ) {
+        if let Answer::NotSent(error) = answer {
+            cx.metrics.event(Event::ReleaseUnsent);
+            log::debug!("diana: a release was not sent: {error}");
+            return;
+        }
+        cx.metrics.event(Event::GlobalReleased);
+        for charge in charges {
             if let Some(rule) = policy.rule(charge.index) {
-                self.stash.forget_denial(host, rule, charge.address);
+                self.stash.forget_denial(cx.shared, rule, charge.address);
             }
         }
     }
@@ -986,17 +987,15 @@ impl Global {
     /// would be, and the tokens the request took from stashes go back.
     pub fn interpret_for_nobody(
         &self,
-        host: &dyn SharedData,
+        cx: &mut Cx<'_>,
         policy: &Policy,
         mut asked: Asked,
-        reply: Reply,
-        now: Instant,
-        metrics: &mut dyn MetricSink,
+        answer: Answer,
     ) {
-        self.give_back(host, policy, &asked.served, now);
+        self.give_back(cx, policy, &asked.served);
         asked.served.clear();
         asked.refill = true;
-        let _ = self.interpret(host, policy, asked, reply, now, metrics);
+        let _ = self.interpret(cx, policy, asked, answer);
     }
 
     /// A parked request is gone.
@@ -1036,16 +1035,15 @@ impl Global {
     /// remembered for it is forgotten, so that it does not hide them.
     pub fn refund(
         &self,
-        host: &dyn SharedData,
+        cx: &mut Cx<'_>,
         rule: &Rule,
         address: SlotAddress,
         tokens: u32,
         until: Instant,
-        now: Instant,
     ) {
         let receipt = StashReceipt::refund(rule, address, u64::from(tokens), until);
-        self.stash.give_back(host, rule, &receipt, now);
-        self.stash.forget_denial(host, rule, address);
+        self.stash.give_back(cx.shared, rule, &receipt, cx.now);
+        self.stash.forget_denial(cx.shared, rule, address);
     }
 
     /// Owes `debt` (a response cost) to the service; when this worker's table of debts is
@@ -1059,20 +1057,17 @@ impl Global {
         !self.owed.is_empty()
     }
 
-    /// Plans the callout that pays this worker's debts, or gives them back to be charged
-    /// locally when the breaker keeps global rules local.
-    pub fn plan_payment(
-        &self,
-        host: &dyn SharedData,
-        policy: &Policy,
-        now: Instant,
-        metrics: &mut dyn MetricSink,
-    ) -> Payment {
+    /// Plans the callout that pays this worker's debts (one in flight at a time), or gives
+    /// them back to be charged locally when the outage switch keeps global rules local.
+    pub fn plan_payment(&self, cx: &mut Cx<'_>, policy: &Policy) -> Payment {
+        if self.paying.get() {
+            return Payment::Nothing;
+        }
         let debts = self.owed.take();
         if debts.is_empty() {
             return Payment::Nothing;
         }
-        if self.breaker.gate(&self.store, host, now) == Gate::Local {
+        if self.outage.gate(&self.store, cx.shared, cx.now) == Gate::Local {
             return Payment::Local(debts);
         }
         // One charge carries at most MAX_RULES rules of at most MAX_WANT tokens each, and
@@ -1135,41 +1130,36 @@ impl Global {
             Ok(body) => body,
             Err(_) => return Payment::Local(sent),
         };
-        metrics.event(Event::GlobalCallout);
+        cx.metrics.event(Event::GlobalCallout);
         let callout = self.callout_to(
             endpoint_beside(&self.spec.path, "charge"),
             u64::from(self.spec.timeout_ms),
             body,
         );
+        self.paying.set(true);
         Payment::Call(callout, sent)
     }
 
     /// The answer to a payment: the debts the service did not take, to charge locally.
-    pub fn paid(
-        &self,
-        host: &dyn SharedData,
-        debts: Vec<Debt>,
-        reply: Reply,
-        now: Instant,
-        metrics: &mut dyn MetricSink,
-    ) -> Vec<Debt> {
-        match reply {
-            Reply::Answered { status: 200, .. } => Vec::new(),
-            Reply::Answered { status, body } if (400..500).contains(&status) => {
-                let reason = refusal_reason(body.as_deref());
-                self.failed(host, Failure::Refused(status, reason), false, now, metrics);
+    pub fn paid(&self, cx: &mut Cx<'_>, debts: Vec<Debt>, answer: Answer) -> Vec<Debt> {
+        self.paying.set(false);
+        match answer {
+            Answer::Answered(Answered { status: 200, .. }) => Vec::new(),
+            Answer::Answered(answered) if (400..500).contains(&answered.status) => {
+                let reason = refusal_reason(&answered);
+                self.failed(cx, Failure::Refused(answered.status, reason), false);
                 debts
             }
-            Reply::Answered { status, .. } => {
-                self.unavailable(host, &format!("status {status}"), now, metrics);
+            Answer::Answered(Answered { status, .. }) => {
+                self.unavailable(cx, &format!("status {status}"));
                 debts
             }
-            Reply::NoAnswer => {
-                self.unavailable(host, "no answer to a charge", now, metrics);
+            Answer::NoAnswer => {
+                self.unavailable(cx, "no answer to a charge");
                 debts
             }
-            Reply::NotSent(error) => {
-                self.unavailable(host, &error.to_string(), now, metrics);
+            Answer::NotSent(error) => {
+                self.unavailable(cx, &error.to_string());
                 debts
             }
         }
@@ -1177,60 +1167,50 @@ impl Global {
 
     /// Gives leased tokens taken for a request back to the stash (the request was
     /// rejected after all).
-    pub fn give_back(
-        &self,
-        host: &dyn SharedData,
-        policy: &Policy,
-        served: &[StashReceipt],
-        now: Instant,
-    ) {
+    pub fn give_back(&self, cx: &mut Cx<'_>, policy: &Policy, served: &[StashReceipt]) {
         for receipt in served {
             if let Some(rule) = policy.rule(receipt.rule) {
-                self.stash.give_back(host, rule, receipt, now);
+                self.stash.give_back(cx.shared, rule, receipt, cx.now);
             }
         }
     }
 
-    /// Checks a reply against what was asked.
-    fn check(&self, asked: &Asked, reply: Reply) -> Result<Vec<RuleResult>, Failure> {
-        let (status, body) = match reply {
-            Reply::NotSent(DispatchError::CannotPause { .. }) => return Err(Failure::NotHeld),
-            Reply::NotSent(error) => return Err(Failure::Unavailable(Unavailable::NotSent(error))),
-            Reply::NoAnswer => return Err(Failure::Unavailable(Unavailable::NoAnswer)),
-            Reply::Answered { status, body } => (status, body),
+    /// Checks an answer against what was asked.
+    fn check(&self, asked: &Asked, answer: Answer) -> Result<Vec<RuleResult>, Failure> {
+        let answered = match answer {
+            Answer::NotSent(DispatchError::CannotPause { .. }) => return Err(Failure::NotHeld),
+            Answer::NotSent(error) => {
+                return Err(Failure::Unavailable(Unavailable::NotSent(error)))
+            }
+            Answer::NoAnswer => return Err(Failure::Unavailable(Unavailable::NoAnswer)),
+            Answer::Answered(answered) => answered,
         };
+        let status = answered.status;
         // A 4xx is a refusal whatever its body (too large, unreadable or absent): the service
-        // is up, so it must never open the breaker.
+        // is up, so it must never open the outage switch.
         if (400..500).contains(&status) {
-            return Err(Failure::Refused(status, refusal_reason(body.as_deref())));
+            return Err(Failure::Refused(status, refusal_reason(&answered)));
         }
-        let Some(body) = body.filter(|body| body.len() <= MAX_ANSWER_BYTES) else {
+        let Some(body) = answered.body_within(MAX_SERVICE_ANSWER_BYTES) else {
             return Err(Failure::Invalid(InvalidAnswer::TooLarge));
         };
         if status != 200 {
             return Err(Failure::Unavailable(Unavailable::Status(status)));
         }
-        let answer: AcquireResponse = serde_json::from_slice(&body)
+        let answer: AcquireResponse = serde_json::from_slice(body)
             .map_err(|error| Failure::Invalid(InvalidAnswer::Unreadable(error)))?;
         wire::validate_response(&asked.request, &answer)
             .map_err(|reason| Failure::Invalid(InvalidAnswer::Mismatch(reason)))?;
         Ok(answer.results)
     }
 
-    fn failed(
-        &self,
-        host: &dyn SharedData,
-        failure: Failure,
-        probe: bool,
-        now: Instant,
-        metrics: &mut dyn MetricSink,
-    ) {
+    fn failed(&self, cx: &mut Cx<'_>, failure: Failure, probe: bool) {
         match failure {
             Failure::Refused(status, reason) => {
                 // The service is up; what was sent is at fault, not the service.
-                metrics.event(Event::GlobalRefused);
-                if probe && self.breaker.close(&self.store, host, now) {
-                    metrics.degraded(false);
+                cx.metrics.event(Event::GlobalRefused);
+                if probe && self.outage.close(&self.store, cx.shared, cx.now) {
+                    cx.metrics.degraded(false);
                 }
                 if !self.refusal_logged.replace(true) {
                     if status == 401 || status == 403 {
@@ -1246,35 +1226,27 @@ impl Global {
                 }
             }
             Failure::Invalid(reason) => {
-                metrics.event(Event::GlobalInvalidAnswer);
+                cx.metrics.event(Event::GlobalInvalidAnswer);
                 if !self.invalid_logged.replace(true) {
                     log::error!(
                         "diana: the quota service answered what was not asked ({reason}); not believed"
                     );
                 }
-                self.unavailable(host, &reason.to_string(), now, metrics);
+                self.unavailable(cx, &reason.to_string());
             }
-            Failure::Unavailable(reason) => {
-                self.unavailable(host, &reason.to_string(), now, metrics)
-            }
+            Failure::Unavailable(reason) => self.unavailable(cx, &reason.to_string()),
             Failure::NotHeld => {}
         }
     }
 
-    fn unavailable(
-        &self,
-        host: &dyn SharedData,
-        reason: &str,
-        now: Instant,
-        metrics: &mut dyn MetricSink,
-    ) {
-        metrics.event(Event::GlobalError);
-        if self.breaker.open(&self.store, host, now) {
+    fn unavailable(&self, cx: &mut Cx<'_>, reason: &str) {
+        cx.metrics.event(Event::GlobalError);
+        if self.outage.open(&self.store, cx.shared, cx.now) {
             log::warn!(
                 "diana: quota service unavailable ({reason}); global rules are enforced locally for {}s",
                 self.spec.retry_seconds
             );
-            metrics.degraded(true);
+            cx.metrics.degraded(true);
         }
     }
 }
@@ -1304,8 +1276,8 @@ fn fit_total_want(rules: &mut [RuleRequest]) {
 
 /// The service's reason for a 4xx: its JSON `error`, else the body's text, at most 300
 /// characters; empty when the body was too large to read.
-fn refusal_reason(body: Option<&[u8]>) -> String {
-    let Some(body) = body.filter(|body| body.len() <= MAX_ANSWER_BYTES) else {
+fn refusal_reason(answered: &Answered) -> String {
+    let Some(body) = answered.body_within(MAX_SERVICE_ANSWER_BYTES) else {
         return String::new();
     };
     serde_json::from_slice::<ErrorResponse>(body)

@@ -47,7 +47,7 @@ use crate::local::{BATCH_SPAN, DENIAL_CACHE, MAX_BATCH, MAX_BATCHES, SHARE};
 use crate::store::{slot_key_in, SharedData, SlotAddress, Store};
 use crate::time::{Instant, Nanos};
 use crate::wire::max_duration_ms;
-use std::rc::Rc;
+use std::sync::Arc;
 
 /// A worker's batch is at most this share of the spare tokens of a stash. Larger than a
 /// local counter's share ([`SHARE`]): the stash's tokens are this gateway's already (the
@@ -72,7 +72,7 @@ pub const RECORD_BYTES: usize = 8 + 8 * LEASE_WORDS;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StashReceipt {
     pub rule: usize,
-    key: Rc<str>,
+    key: Arc<str>,
     fingerprint: u64,
     tokens: u64,
     /// Until when they may be spent (the lease's end).
@@ -104,7 +104,7 @@ impl StashReceipt {
 /// What one worker holds of a (rule, identity)'s stash.
 #[derive(Debug, Clone, Default)]
 struct Batch {
-    key: Rc<str>,
+    key: Arc<str>,
     tokens: u64,
     /// Until when this worker spends them; then they go back to the shared record.
     valid_until: Instant,
@@ -390,7 +390,7 @@ impl Stash {
         if let Some(denied) = denied {
             return denied;
         }
-        let key: Rc<str> = Stash::key(rule, address).into();
+        let key: Arc<str> = Stash::key(rule, address).into();
         let result = self
             .store
             .update_for(host, &key, rule.keys.generation, |current| {
@@ -410,7 +410,7 @@ impl Stash {
                     lease.spent = lease.spent.saturating_add(cost + batch);
                     let receipt = StashReceipt {
                         rule: rule.index,
-                        key: Rc::clone(&key),
+                        key: Arc::clone(&key),
                         fingerprint: address.fingerprint,
                         tokens: cost,
                         valid_until: lease.valid_until,
@@ -453,7 +453,7 @@ impl Stash {
                     } else {
                         until
                     };
-                    held.key = Rc::clone(&key);
+                    held.key = Arc::clone(&key);
                     held.tokens = held.tokens.saturating_add(batch);
                     held.valid_until = until.min(now.saturating_add(BATCH_SPAN));
                     held.denied_until = Instant::EPOCH;
@@ -553,7 +553,7 @@ impl Stash {
             };
             // With no place to go back to, they are this worker's until the lease ends.
             held.valid_until = held.lease_until;
-            held.key = Rc::clone(&tokens.key);
+            held.key = Arc::clone(&tokens.key);
             held.tokens = held.tokens.saturating_add(tokens.tokens);
             held.denied_until = Instant::EPOCH;
         });

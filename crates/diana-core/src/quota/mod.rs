@@ -7,7 +7,7 @@ pub mod decide;
 pub mod ledger;
 
 use crate::algo::{Algorithm, Limit, Mark};
-use crate::decision::{Callout, Reply};
+use crate::call::{Answer, Callout};
 use crate::time::Instant;
 use crate::wire::{
     self, AcquireResponse, ErrorResponse, ReleaseResponse, ResolvedRule, RuleResult, WireError,
@@ -156,7 +156,7 @@ impl MemoryQuota {
 
     /// Answers one callout of the engine at `now`, as the service would: `200` with one
     /// result per rule, or `400` with the reason when the request breaks the wire format.
-    pub fn answer(&mut self, callout: &Callout, now: Instant) -> Reply {
+    pub fn answer(&mut self, callout: &Callout, now: Instant) -> Answer {
         self.calls += 1;
         self.clock = self.clock.max(now);
         let now = self.clock;
@@ -190,11 +190,8 @@ impl MemoryQuota {
             ),
         };
         match body {
-            Ok(body) => Reply::Answered {
-                status,
-                body: Some(body),
-            },
-            Err(_) => Reply::NoAnswer,
+            Ok(body) => Answer::with(status, body),
+            Err(_) => Answer::NoAnswer,
         }
     }
 
@@ -366,10 +363,11 @@ mod tests {
             timeout_ms: 50,
         };
         match quota.answer(&callout, now) {
-            Reply::Answered {
+            Answer::Answered(crate::call::Answered {
                 status: 200,
-                body: Some(body),
-            } => {
+                body: Ok(body),
+                ..
+            }) => {
                 serde_json::from_slice::<AcquireResponse>(&body)
                     .unwrap()
                     .results
@@ -420,7 +418,7 @@ mod tests {
         };
         assert!(matches!(
             quota.answer(&callout, NOW),
-            Reply::Answered { status: 400, .. }
+            Answer::Answered(crate::call::Answered { status: 400, .. })
         ));
     }
 
@@ -468,12 +466,13 @@ mod tests {
         }
     }
 
-    fn body(reply: Reply) -> String {
-        match reply {
-            Reply::Answered {
+    fn body(answer: Answer) -> String {
+        match answer {
+            Answer::Answered(crate::call::Answered {
                 status,
-                body: Some(body),
-            } => format!("{status} {}", String::from_utf8_lossy(&body)),
+                body: Ok(body),
+                ..
+            }) => format!("{status} {}", String::from_utf8_lossy(&body)),
             other => panic!("{other:?}"),
         }
     }

@@ -17,12 +17,10 @@
 //! check` prints.
 
 use super::counters::Counters;
-use super::{
-    call_status, Call, Command, Configured, DispatchError, Host, MetricId, MetricKind, Step, Worker,
-};
+use super::{Command, Configured, Flight, Host, MetricId, MetricKind, Step, Worker};
+use crate::call::{Answer, AnswerShape, BodyError, Callout, DispatchError};
 use crate::config::RemoteError;
 use crate::config::{parse_policy, MetricsSpec, OnInvalidConfig, Policy, RemoteSpec};
-use crate::decision::Callout;
 use crate::engine::Engine;
 use crate::lifecycle;
 use crate::metrics::Event;
@@ -32,12 +30,17 @@ use crate::store::identity;
 use crate::store::HostError;
 use crate::time::{Instant, Nanos};
 use std::fmt;
-use std::rc::Rc;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// The least time between two config-center checks (a little less than the base tick: a
 /// tick that lands early must still count, or a worker skips every other one).
 const REMOTE_CHECK_SPACING: Nanos = Nanos::from_millis(750);
+/// What of a config center's answer is read.
+pub(super) const POLL_ANSWER: AnswerShape = AnswerShape {
+    headers: &[":status", "etag", remote::SIGNATURE_HEADER],
+    max_body: remote::MAX_DOCUMENT_BYTES,
+};
 /// How long a config-center poll may take.
 const POLL_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -48,7 +51,7 @@ pub(super) struct Source {
     /// the local one's `remote.allow` names `remote`).
     pub(super) remote: Option<RemoteSpec>,
     /// The local document: what a remote one is judged against.
-    local: Option<Rc<Policy>>,
+    local: Option<Arc<Policy>>,
     /// The metrics path, from the local document too (a remote document cannot move it).
     metrics: Option<MetricsSpec>,
     /// Version of the published remote document this worker runs (0: the local one).
@@ -225,7 +228,7 @@ impl Worker {
         }
         let holds_places = policy.holds_global_places();
         self.source.remote = policy.remote.clone();
-        self.source.local = Some(Rc::new(policy.clone()));
+        self.source.local = Some(Arc::new(policy.clone()));
         self.source.metrics = policy.metrics.clone();
         self.source.applied_version = 0;
         if let Zone::Unprobed { pending, .. } = &mut self.source.zone {
@@ -331,12 +334,12 @@ impl Worker {
         }
         self.generations += 1;
         let serves_metrics = engine.policy().metrics.is_some();
-        let configured = Rc::new(Configured {
+        let configured = Configured {
             generation: self.generations,
             engine,
             counters,
             serves_metrics,
-        });
+        };
         if let Some(replaced) = self.configured.replace(configured) {
             self.retired.push(replaced);
         }
@@ -415,7 +418,7 @@ impl Worker {
         match self.dispatch(host, &callout) {
             Ok(token) => {
                 self.source.polling = true;
-                self.calls.insert(token, Call::Poll);
+                self.calls.insert(token, Flight::Poll);
             }
             Err(error) => self.record_poll(host, Err(PollProblem::NotSent(error))),
         }
@@ -435,33 +438,32 @@ impl Worker {
         }
     }
 
-    pub(super) fn on_poll_answer(&mut self, host: &dyn Host, headers: usize, body_size: usize) {
+    pub(super) fn on_poll_answer(&mut self, host: &dyn Host, answer: Answer) {
         self.source.polling = false;
-        let (status, etag, signature) = if headers == 0 {
-            (0, None, None)
-        } else {
-            let etag = host
-                .call_header("etag")
-                .and_then(|etag| String::from_utf8(etag).ok());
-            (
-                call_status(host),
-                etag,
-                host.call_header(remote::SIGNATURE_HEADER),
-            )
+        let (status, etag, signature, body) = match answer {
+            Answer::Answered(answered) => {
+                let etag = answered
+                    .header("etag")
+                    .and_then(|etag| String::from_utf8(etag.to_vec()).ok());
+                let signature = answered
+                    .header(remote::SIGNATURE_HEADER)
+                    .map(<[u8]>::to_vec);
+                (answered.status, etag, signature, Some(answered.body))
+            }
+            Answer::NoAnswer | Answer::NotSent(_) => (0, None, None, None),
         };
         let Some(local) = self.source.local.clone() else {
             return;
         };
-        let body = if status == 200 && body_size <= remote::MAX_DOCUMENT_BYTES {
-            match host.call_body(body_size) {
-                Ok(body) => PollBody::Read(body),
-                Err(error) => {
-                    self.record_poll(host, Err(PollProblem::UnreadableBody(error)));
-                    return;
-                }
+        let body = match body {
+            Some(Ok(body)) if status == 200 => PollBody::Read(body),
+            Some(Err(BodyError::Unreadable(error))) if status == 200 => {
+                self.record_poll(host, Err(PollProblem::UnreadableBody(error)));
+                return;
             }
-        } else {
-            PollBody::NotRead(body_size)
+            Some(Err(BodyError::TooLarge(size))) => PollBody::NotRead(size),
+            Some(Ok(body)) => PollBody::NotRead(body.len()),
+            Some(Err(BodyError::Unreadable(_))) | None => PollBody::NotRead(0),
         };
         let published = remote::read_published(&self.store, host);
         let outcome = remote::interpret(
@@ -541,7 +543,6 @@ fn warn_if_unsigned(policy: &Policy) {
 mod tests {
     use super::*;
     use crate::actor::RequestFacts;
-    use crate::decision::DispatchError;
     use crate::store::{HostError, SetOutcome, SharedData};
     use crate::time::Clock;
     use crate::worker::sim::SimHost;
@@ -626,12 +627,6 @@ mod tests {
     impl Host for Nginx {
         fn response_header(&self, name: &str) -> Option<Vec<u8>> {
             self.sim.response_header(name)
-        }
-        fn call_header(&self, name: &str) -> Option<Vec<u8>> {
-            self.sim.call_header(name)
-        }
-        fn call_body(&self, size: usize) -> Result<Vec<u8>, HostError> {
-            self.sim.call_body(size)
         }
         fn dispatch(&self, callout: &Callout) -> Result<CallToken, DispatchError> {
             self.sim.dispatch(callout)

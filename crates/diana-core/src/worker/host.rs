@@ -3,8 +3,8 @@
 //! each binding.
 
 use crate::actor::RequestFacts;
-use crate::decision::{Callout, DispatchError};
-use crate::store::{HostError, SharedData};
+use crate::call::{Callout, DispatchError};
+use crate::store::SharedData;
 use crate::time::Clock;
 
 /// The host's id of an HTTP context (one request).
@@ -25,17 +25,14 @@ pub enum MetricKind {
 
 /// Everything the host provides synchronously, each through a call that reports failure
 /// rather than trapping: shared data with compare-and-swap, the current request's facts,
-/// the clock, the current response's and the current call answer's headers, dispatching
-/// calls and metrics. What changes a request's stream (resume, local reply, headers) is
+/// the clock, the current response's headers, dispatching calls and metrics. (A call's
+/// answer is not read through here: the binding hands it over whole, as an
+/// [`crate::call::Answer`].) What changes a request's stream (resume, local reply, headers) is
 /// not here: the worker returns it as a [`super::Command`], carried out once the worker
 /// is no longer borrowed (a local reply re-enters the filter at once on Envoy).
 pub trait Host: SharedData + RequestFacts + Clock {
     /// A header of the current response, as bytes (`None`: absent or unreadable).
     fn response_header(&self, name: &str) -> Option<Vec<u8>>;
-    /// A header of the call answer being delivered (`:status` included).
-    fn call_header(&self, name: &str) -> Option<Vec<u8>>;
-    /// The first `size` bytes of the call answer's body.
-    fn call_body(&self, size: usize) -> Result<Vec<u8>, HostError>;
     /// Sends `callout`; its answer is delivered with the returned token.
     fn dispatch(&self, callout: &Callout) -> Result<CallToken, DispatchError>;
     /// Defines a metric (`None`: the host refused; its events are then not counted).

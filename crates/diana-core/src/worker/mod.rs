@@ -2,9 +2,10 @@
 //! a binding would otherwise keep — the configuration and its reloads, requests waiting
 //! for their turn or parked behind another request's call, the calls in flight and what
 //! each answer resumes, the tick and the order of work in it, the config-center poll,
-//! debts, refills, metric batching. A binding turns host callbacks into the events below
-//! and carries out the [`Command`]s returned; what the host provides synchronously (shared
-//! data, headers, the clock, dispatching a call, metrics) it provides through [`Host`].
+//! metric batching. A binding turns host callbacks into the events below and carries out
+//! the [`Command`]s returned; what the host provides synchronously (shared data, headers,
+//! the clock, dispatching a call, metrics) it provides through [`Host`]. The clock is read
+//! once per event, here at the door ([`Cx`]); an answer arrives as a value ([`Answer`]).
 //!
 //! ```text
 //!   binding (src/)                 Worker                          Engine
@@ -13,17 +14,15 @@
 //!                                 │ apply (the one interpreter of a Decision):
 //!                                 │   Allow  → Continue (or Resume), headers kept
 //!                                 │   Delay  → waiters            ┐
-//!                                 │   Call   → Host::dispatch, calls[token] ├ Pause
+//!                                 │   Call   → dispatch, calls[token] ├ Pause
 //!                                 │   Wait   → parked[rider]      ┘
 //!                                 │   Reject → Reply
-//!   on_http_call_response ─▶ on_call_answered ── calls[token] says what it resumes:
-//!                                 a request (complete → apply), an orphan (its client
-//!                                 left: the grant goes to the stash), a refill, a
-//!                                 payment, a release, a leave, a renewal (the
-//!                                 places' new buckets), a poll
-//!   on_tick ───────────────▶ on_tick ── remote check, debts, releases, place renewals
-//!                                 and leaves, engine ticks, refills, metrics, sweeps;
-//!                                 then parked and waiting requests
+//!   on_http_call_response ─▶ on_call_answered(token, Answer) ── calls[token]:
+//!                                 a poll, or an engine's call: Engine::answered(then),
+//!                                 which gives a request's Decision (→ apply) or settles
+//!   on_tick ───────────────▶ on_tick ── remote check; per configuration Engine::tick,
+//!                                 whose calls are dispatched; metrics, sweeps; then
+//!                                 parked and waiting requests
 //!   on_response_headers ───▶ on_response_headers ── response costs, AddHeaders
 //!   context deleted ───────▶ on_context_gone ── give back what a paused request held
 //!                                 and the places a request held (at the quota service:
@@ -37,8 +36,8 @@
 //! A request's life in the worker (`requests[context]`, absent when nothing is left):
 //!
 //! ```text
-//!   (absent) ──evaluate──▶ Admitted ──response headers──▶ (absent)
-//!       │                     ▲  ▲
+//!   (absent) ──evaluate──▶ Admitted ──response headers──▶ (absent) or Answered
+//!       │                     ▲  ▲                          (holds places until it ends)
 //!       ├──Delay──▶ Waiting ──┘  │ (its turn, from the tick)
 //!       ├──Call───▶ Calling ─────┤ (its answer; or Wait/Delay/Call again)
 //!       └──Wait───▶ Parked ──────┘ (its flight landed, from the tick or an answer)
@@ -49,6 +48,10 @@
 //! requests' streams are returned and carried out after, in order. That is the host rule
 //! the order follows: on Envoy a call made after entering another request's context would
 //! be filed under that request.
+//!
+//! The worker is `Send` by the compiler's word: it holds no shared pointer. Requests and
+//! calls name their configuration by its generation, and the configurations are owned
+//! here (the current one and those replaced but still in use).
 
 mod configure;
 mod counters;
@@ -56,28 +59,26 @@ pub mod host;
 pub mod sim;
 mod unheld;
 
-pub use crate::decision::DispatchError;
+pub use crate::call::{Answer, AnswerShape, DispatchError};
 pub use host::{is_host_port, CallToken, ContextId, Host, HostProfile, MetricId, MetricKind};
 pub use unheld::{UNHELD_FOR, UNHELD_KEY};
 
+use crate::call::Callout;
 use crate::config::OnInvalidConfig;
-use crate::decision::{AfterResponse, Callout, Decision, Reply};
-use crate::engine::{Engine, EngineDecision, Pending, Refill};
-use crate::global::debts::Debt;
+use crate::cx::Cx;
+use crate::decision::{AfterResponse, Decision};
+use crate::engine::{Call, Engine, EngineDecision, Pending, Then};
 use crate::global::flights::RiderId;
-use crate::global::wire::AcquireRequest;
-use crate::global::{Leave, Release, ServicePlace, MAX_ANSWER_BYTES};
 use crate::lifecycle;
 use crate::metrics::Event;
 use crate::response::Rejection;
 use crate::store::Store;
-use crate::time::{Clock, Instant};
+use crate::time::Instant;
 use configure::Source;
 pub use configure::{on_invalid_config_of, Refused};
 use counters::Counters;
 use hashbrown::HashMap;
 use std::collections::BTreeSet;
-use std::rc::Rc;
 use std::time::Duration;
 
 /// How often the tick looks for waiting requests whose turn has come.
@@ -91,8 +92,6 @@ const BASE_TICK: Duration = Duration::from_secs(1);
 /// the quota service: a request's place is given back from the tick, so this long after
 /// its end at most (a request cannot ask for the tick there).
 const PLACES_TICK: Duration = Duration::from_millis(100);
-/// Releases waiting for the tick, at most (beyond, a gone request's grant stays charged).
-const MAX_RELEASES: usize = 1024;
 
 /// What the binding does after an event, beyond the current request's [`Step::pause`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -112,7 +111,8 @@ pub enum Command {
     TickNow,
 }
 
-/// A local reply, as the host sends it.
+/// Diana's own answer to a request (a rejection, the metrics page, `on_invalid_config`),
+/// as the host sends it. Not the quota service's answer to a call: that is an [`Answer`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LocalReply {
     pub status: u16,
@@ -129,8 +129,8 @@ pub struct Step {
     pub commands: Vec<Command>,
 }
 
-/// An accepted policy: its engine and its metrics. Requests keep the one they started
-/// with, so a reload never changes the rules under a request in flight.
+/// An accepted policy: its engine and its metrics. Requests keep the generation they
+/// started with, so a reload never changes the rules under a request in flight.
 pub(crate) struct Configured {
     /// Tells configurations apart (rider ids are per engine).
     generation: u64,
@@ -142,52 +142,40 @@ pub(crate) struct Configured {
 
 /// A request the worker still has something for.
 struct Request {
-    configured: Rc<Configured>,
+    /// Its configuration.
+    generation: u64,
     stage: Stage,
     /// Rate-limit headers for the response.
     headers: Vec<(&'static str, String)>,
-    /// Response costs to charge once the upstream has answered.
+    /// Response costs to charge once the upstream has answered, and the places it holds.
     after: Option<AfterResponse>,
 }
 
 enum Stage {
     /// Going on; only its response is left.
     Admitted,
-    /// Answered; it holds concurrency places until it ends (`after.places`).
+    /// Answered; it holds concurrency places until it ends (`after.holding`).
     Answered,
     /// Paused for its call (in `calls` under this token).
-    Calling(CallToken, Pending),
+    Calling(CallToken),
     /// Paused behind another request's call (in `parked`).
     Parked(RiderId, Pending),
     /// Paused until its leaky-bucket turn (in `waiters`).
     Waiting(Instant),
 }
 
-/// What a call's answer resumes.
-enum Call {
-    /// A request; `own`: dispatched from its own context, so the answer arrives there.
-    Request { context: ContextId, own: bool },
-    /// A refill of lease stashes ahead.
-    Refill(Rc<Configured>, Refill),
-    /// A request's call made from another context, whose request is gone: its answer
-    /// still comes, and what it grants serves later requests.
-    Orphan(Rc<Configured>, Pending),
-    /// Response costs sent to the quota service.
-    Payment(Rc<Configured>, Vec<Debt>),
-    /// The release of a gone request's call: its answer clears the denials cached
-    /// meanwhile for what it freed.
-    Release(Rc<Configured>, Release),
-    /// Concurrency places of requests that ended, given back to the quota service.
-    Leave(Rc<Configured>, Leave),
-    /// Concurrency places renewed at the quota service: of which request each is, and
-    /// what was asked.
-    Renewal(Rc<Configured>, Renewing, AcquireRequest),
-    /// The config center's document.
+/// A call in flight, by its token: the config center's document, or one of an engine's
+/// calls with what its answer resumes.
+enum Flight {
     Poll,
+    Engine {
+        generation: u64,
+        /// The request waiting for it, if any; `own`: the call was made from that
+        /// request's context, so its answer arrives there.
+        waiting: Option<(ContextId, bool)>,
+        then: Then,
+    },
 }
-
-/// Places at the quota service being renewed, each with the request holding it.
-type Renewing = Vec<(ContextId, ServicePlace)>;
 
 /// Where a decision is applied from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -206,18 +194,16 @@ pub struct Worker {
     store: Store,
     /// Configuration events, counted before any policy exists.
     events: Option<Counters>,
-    configured: Option<Rc<Configured>>,
-    /// Replaced configurations still used by requests, or owing: flushed, ticked and
-    /// paid from the tick until nothing holds them.
-    retired: Vec<Rc<Configured>>,
+    configured: Option<Configured>,
+    /// Replaced configurations still used by requests or calls, or owing: ticked until
+    /// nothing holds them.
+    retired: Vec<Configured>,
     generations: u64,
     source: Source,
     requests: HashMap<ContextId, Request>,
     waiters: BTreeSet<(Instant, ContextId)>,
     parked: HashMap<(u64, RiderId), ContextId>,
-    calls: HashMap<CallToken, Call>,
-    /// A payment is in flight (one at a time).
-    paying: bool,
+    calls: HashMap<CallToken, Flight>,
     /// The tick period when nobody waits (zero: none needed).
     base_tick: Duration,
     /// The tick period set last.
@@ -232,10 +218,15 @@ pub struct Worker {
     unheld_until: Instant,
     /// The error line naming the missing directive was logged.
     unheld_logged: bool,
-    /// Releases of the calls of requests that went away, sent from the next tick (the
-    /// root context, whose calls outlive any request).
-    releases: Vec<(Rc<Configured>, Release)>,
 }
+
+// The compiler's word that a worker moves between threads whole (the native binding keeps
+// one per Envoy worker thread behind a mutex, reached from the main thread too).
+const _: fn() = || {
+    fn send<T: Send>() {}
+    send::<Worker>();
+    send::<Step>();
+};
 
 impl Worker {
     pub fn new(profile: HostProfile) -> Worker {
@@ -255,14 +246,12 @@ impl Worker {
             waiters: BTreeSet::new(),
             parked: HashMap::new(),
             calls: HashMap::new(),
-            paying: false,
             base_tick: Duration::ZERO,
             tick: None,
             tick_coming: false,
             invalid: None,
             unheld_until: Instant::EPOCH,
             unheld_logged: false,
-            releases: Vec::new(),
         }
     }
 
@@ -286,7 +275,7 @@ impl Worker {
     pub fn paused(&self) -> usize {
         self.requests
             .values()
-            .filter(|request| !matches!(request.stage, Stage::Admitted))
+            .filter(|request| !matches!(request.stage, Stage::Admitted | Stage::Answered))
             .count()
     }
 
@@ -318,7 +307,7 @@ impl Worker {
         let mut step = Step::default();
         // nginx: the first request or tick probes shared data and installs the document.
         self.shared_data_ready(host);
-        let Some(configured) = self.configured.clone() else {
+        let Some(configured) = self.configured.as_ref() else {
             if let Some(reply) = self.invalid.and_then(configure::invalid_reply) {
                 step.commands.push(Command::Reply(context, reply));
                 step.pause = true;
@@ -343,17 +332,20 @@ impl Worker {
             step.pause = true;
             return step;
         }
-        let decision = configured.engine.evaluate(
-            host,
-            raw_path,
-            host,
-            HostClock(host),
-            &mut configured.counters.sink(),
-        );
+        let Some(now) = host.now() else {
+            // Without a clock nothing is written: admitted uncounted.
+            configured.counters.event(Event::ClockError);
+            return step;
+        };
+        let generation = configured.generation;
+        let mut sink = configured.counters.sink();
+        let mut cx = Cx::new(host, now, &mut sink);
+        let decision = configured.engine.evaluate(&mut cx, raw_path, host);
         self.apply(
             host,
+            now,
             context,
-            configured,
+            generation,
             decision,
             Origin::Headers,
             &mut step,
@@ -365,7 +357,7 @@ impl Worker {
     /// A request's response headers arrived: charge its response costs, add its headers.
     pub fn on_response_headers(&mut self, host: &dyn Host, context: ContextId) -> Step {
         let mut step = Step::default();
-        let Some(request) = self.requests.remove(&context) else {
+        let Some(mut request) = self.requests.remove(&context) else {
             return step;
         };
         if !matches!(request.stage, Stage::Admitted) {
@@ -374,83 +366,110 @@ impl Worker {
             self.requests.insert(context, request);
             return step;
         }
-        let Request {
-            configured,
-            headers,
-            after,
-            ..
-        } = request;
-        if let Some(mut after) = after {
-            let places = std::mem::take(&mut after.places);
-            let values: Vec<Option<Vec<u8>>> = after
-                .headers()
-                .map(|name| host.response_header(name))
-                .collect();
-            configured.engine.after_response(
-                host,
-                after,
-                &values,
-                host.now(),
-                &mut configured.counters.sink(),
-            );
-            if !places.is_empty() {
+        if let Some(after) = request.after.take() {
+            self.settle(host, request.generation, &after);
+            if let Some(holding) = after.holding() {
                 // Its places are held until the request ends (its context goes).
                 let holding = AfterResponse {
-                    places,
+                    holding: Some(holding),
                     ..AfterResponse::default()
                 };
                 self.hold(
                     context,
-                    configured,
+                    request.generation,
                     Stage::Answered,
                     Vec::new(),
                     Some(holding),
                 );
             }
         }
-        if !headers.is_empty() {
-            step.commands.push(Command::AddHeaders(headers));
+        if !request.headers.is_empty() {
+            step.commands.push(Command::AddHeaders(request.headers));
         }
         step
     }
 
-    /// The answer to a call (`headers == 0`: none came — timeout, refused, reset). From
-    /// the context that made the call.
-    pub fn on_call_answered(
-        &mut self,
-        host: &dyn Host,
-        token: CallToken,
-        headers: usize,
-        body_size: usize,
-    ) -> Step {
+    /// Charges an answered request's response costs.
+    fn settle(&self, host: &dyn Host, generation: u64, after: &AfterResponse) {
+        let Some(configured) = self.generation(generation) else {
+            return;
+        };
+        if after.charges.is_empty() {
+            return;
+        }
+        let Some(now) = host.now() else {
+            configured.counters.event(Event::ClockError);
+            return;
+        };
+        let values: Vec<Option<Vec<u8>>> = after
+            .headers()
+            .map(|name| host.response_header(name))
+            .collect();
+        let mut sink = configured.counters.sink();
+        let mut cx = Cx::new(host, now, &mut sink);
+        configured.engine.after_response(&mut cx, after, &values);
+    }
+
+    /// What of the answer to the call `token` the worker reads (for a binding that reads
+    /// an answer through host calls): a poll's `ETag` and signature too, and its body up to
+    /// a document's size.
+    pub fn answer_shape(&self, token: CallToken) -> AnswerShape {
+        match self.calls.get(&token) {
+            Some(Flight::Engine { then, .. }) => then.answer_shape(),
+            Some(Flight::Poll) => configure::POLL_ANSWER,
+            None => AnswerShape::STATUS,
+        }
+    }
+
+    /// The answer to a call, whatever it was for, as the host hands it over. From the
+    /// context that made the call.
+    pub fn on_call_answered(&mut self, host: &dyn Host, token: CallToken, answer: Answer) -> Step {
         let mut step = Step::default();
-        let Some(call) = self.calls.remove(&token) else {
+        let Some(flight) = self.calls.remove(&token) else {
             return step;
         };
-        match call {
-            Call::Request { context, own } => {
-                let Some(request) = self.requests.remove(&context) else {
-                    return step;
-                };
-                let Stage::Calling(_, pending) = request.stage else {
-                    self.requests.insert(context, request);
-                    return step;
-                };
-                let configured = request.configured;
-                let reply = call_reply(host, headers, body_size, MAX_ANSWER_BYTES);
-                let decision = configured.engine.complete(
-                    host,
-                    pending,
-                    reply,
-                    host.now(),
-                    &mut configured.counters.sink(),
+        let (generation, waiting, then) = match flight {
+            Flight::Poll => {
+                self.on_poll_answer(host, answer);
+                self.retick(&mut step);
+                return step;
+            }
+            Flight::Engine {
+                generation,
+                waiting,
+                then,
+            } => (generation, waiting, then),
+        };
+        let now = host.now();
+        let decision = match self.generation(generation) {
+            Some(configured) => match now {
+                Some(now) => {
+                    let mut sink = configured.counters.sink();
+                    let mut cx = Cx::new(host, now, &mut sink);
+                    configured.engine.answered(&mut cx, then, answer)
+                }
+                None => {
+                    configured.counters.event(Event::ClockError);
+                    configured.engine.without_clock(host, then)
+                }
+            },
+            None => None,
+        };
+        match (decision, waiting) {
+            (Some(decision), Some((context, own))) => {
+                let calling = self.requests.get(&context).is_some_and(
+                    |request| matches!(request.stage, Stage::Calling(at) if at == token),
                 );
-                let origin = if own {
-                    Origin::OwnCall
-                } else {
-                    Origin::Elsewhere
-                };
-                self.apply(host, context, configured, decision, origin, &mut step);
+                if calling {
+                    self.requests.remove(&context);
+                    let origin = if own {
+                        Origin::OwnCall
+                    } else {
+                        Origin::Elsewhere
+                    };
+                    let now = now.unwrap_or(Instant::EPOCH);
+                    self.apply(host, now, context, generation, decision, origin, &mut step);
+                }
                 if !own {
                     // The requests parked behind this flight are served now, not a tick
                     // later. Not from a request's own context: a rider that leads the next
@@ -463,61 +482,11 @@ impl Worker {
                     self.serve_riders(host, &mut step);
                 }
             }
-            Call::Orphan(configured, pending) => {
-                let reply = call_reply(host, headers, body_size, MAX_ANSWER_BYTES);
-                configured.engine.complete_for_nobody(
-                    host,
-                    pending,
-                    reply,
-                    host.now(),
-                    &mut configured.counters.sink(),
-                );
-                self.serve_riders(host, &mut step);
-            }
-            Call::Refill(configured, refill) => {
-                let reply = call_reply(host, headers, body_size, MAX_ANSWER_BYTES);
-                configured.engine.refilled(
-                    host,
-                    refill,
-                    reply,
-                    host.now(),
-                    &mut configured.counters.sink(),
-                );
-                self.serve_riders(host, &mut step);
-            }
-            Call::Payment(configured, debts) => {
-                self.paying = false;
-                let reply = call_reply(host, headers, body_size, 0);
-                configured.engine.debts_paid(
-                    host,
-                    debts,
-                    reply,
-                    host.now(),
-                    &mut configured.counters.sink(),
-                );
-            }
-            Call::Release(configured, release) => {
-                // Whatever the answer (a grant given back now, or when its acquire is
-                // decided, or none known), a denial cached since may hide tokens that
-                // are back at the service.
-                configured.engine.released(host, &release);
-            }
-            // Not given back (no answer, or not 2xx): counted; the service reclaims the
-            // places after its bound.
-            Call::Leave(configured, leave) => {
-                let reply = call_reply(host, headers, body_size, 0);
-                configured
-                    .engine
-                    .left(&leave, &reply, &mut configured.counters.sink());
-            }
-            Call::Renewal(configured, renewing, request) => {
-                let reply = call_reply(host, headers, body_size, MAX_ANSWER_BYTES);
-                let buckets = configured.engine.renewed(&request, reply);
-                self.renewal_answered(host, &configured, &renewing, buckets);
-            }
-            Call::Poll => self.on_poll_answer(host, headers, body_size),
+            // An orphan's or a refill's answer: the riders behind its flight plan again.
+            (None, None) => self.serve_riders(host, &mut step),
+            _ => {}
         }
-        // The breaker's gauge is written when it changes, not at the next tick.
+        // The outage gauge is written when it changes, not at the next tick.
         for configured in self.generations() {
             configured.counters.flush_gauge(host);
         }
@@ -543,15 +512,28 @@ impl Worker {
         let Some(request) = self.requests.remove(&context) else {
             return Step::default();
         };
-        let configured = &request.configured;
         let mut step = Step::default();
-        if let Some(after) = request.after.as_ref().filter(|after| after.holds_places()) {
-            configured.engine.leave(
-                host,
-                &after.places,
-                host.now(),
-                &mut configured.counters.sink(),
-            );
+        let generation = request.generation;
+        let now = host.now();
+        let holding = request.after.as_ref().and_then(AfterResponse::holding);
+        let mut own_call_lost = false;
+        if let Some(configured) = self.generation(generation) {
+            let mut sink = configured.counters.sink();
+            match now {
+                Some(now) => {
+                    let mut cx = Cx::new(host, now, &mut sink);
+                    if let Some(holding) = holding {
+                        configured.engine.end(&mut cx, holding);
+                    }
+                }
+                None => {
+                    if let Some(holding) = holding {
+                        configured.engine.end_without_clock(holding, &mut sink);
+                    }
+                }
+            }
+        }
+        if holding.is_some() {
             // Places at the quota service go back from the next tick, made sooner.
             self.retick(&mut step);
         }
@@ -559,48 +541,69 @@ impl Worker {
             Stage::Admitted | Stage::Answered => {}
             Stage::Waiting(until) => {
                 if self.waiters.remove(&(until, context)) {
-                    configured.counters.event(Event::DelayAbandoned);
+                    if let Some(configured) = self.generation(generation) {
+                        configured.counters.event(Event::DelayAbandoned);
+                    }
                 }
             }
-            Stage::Calling(token, pending) => {
-                let call = self.calls.remove(&token);
-                if let (Some(Call::Request { own: true, .. }), Some(directive)) =
-                    (&call, self.profile.pausing_needs)
-                {
-                    self.seen_unheld(host, directive);
-                }
+            Stage::Calling(token) => {
                 // A call made from the request's own context is dropped with it by the
                 // host (the SDK files its answer under the context): what it held goes
                 // back now, and the call is released from the next tick (the service
                 // gives its grant back). One made from another context still answers.
-                match call {
-                    Some(Call::Request { own: false, .. }) => {
-                        let orphan = Call::Orphan(Rc::clone(configured), pending);
+                match self.calls.remove(&token) {
+                    Some(Flight::Engine {
+                        generation,
+                        waiting: Some((_, false)),
+                        then,
+                    }) => {
+                        let orphan = Flight::Engine {
+                            generation,
+                            waiting: None,
+                            then: then.for_nobody(),
+                        };
                         self.calls.insert(token, orphan);
                     }
-                    _ => {
-                        let release = configured.engine.abandon(host, pending, host.now());
-                        if let Some(release) = release {
-                            if self.releases.len() < MAX_RELEASES {
-                                self.releases.push((Rc::clone(configured), release));
-                            } else {
-                                configured.counters.event(Event::ReleaseUnsent);
-                            }
-                        }
+                    Some(Flight::Engine { then, .. }) => {
+                        own_call_lost = true;
+                        self.abandon_call(host, now, generation, then);
                     }
+                    Some(poll @ Flight::Poll) => {
+                        self.calls.insert(token, poll);
+                    }
+                    None => {}
                 }
             }
             Stage::Parked(rider, pending) => {
-                self.parked.remove(&(configured.generation, rider));
-                let _ = configured.engine.abandon(host, pending, host.now());
+                self.parked.remove(&(generation, rider));
+                if let (Some(configured), Some(now)) = (self.generation(generation), now) {
+                    let mut sink = configured.counters.sink();
+                    let mut cx = Cx::new(host, now, &mut sink);
+                    configured.engine.abandon(&mut cx, pending);
+                }
             }
+        }
+        if let (true, Some(directive)) = (own_call_lost, self.profile.pausing_needs) {
+            self.seen_unheld(host, directive);
         }
         step
     }
 
-    /// The worker's tick: the config center, debts, engine ticks, refills, metrics and
-    /// sweeps first (every call of the tick is made), then the parked and waiting requests
-    /// whose time has come.
+    /// The answer to a request's own call will never come: the engine gives back what the
+    /// request held and releases the call's grant from the next tick. Without a clock
+    /// nothing is written.
+    fn abandon_call(&self, host: &dyn Host, now: Option<Instant>, generation: u64, then: Then) {
+        let (Some(configured), Some(now)) = (self.generation(generation), now) else {
+            return;
+        };
+        let mut sink = configured.counters.sink();
+        let mut cx = Cx::new(host, now, &mut sink);
+        configured.engine.abandon_call(&mut cx, then);
+    }
+
+    /// The worker's tick: the config center, then every configuration's own tick (its
+    /// calls are made), metrics and sweeps; then the parked and waiting requests whose
+    /// time has come.
     pub fn on_tick(&mut self, host: &dyn Host) -> Step {
         let mut step = Step::default();
         // nginx: the first tick or request probes shared data and installs the document;
@@ -613,23 +616,32 @@ impl Worker {
         };
         self.tick_coming = true;
         self.check_remote(host, now);
-        self.pay_debts(host);
-        self.send_releases(host);
-        self.renew_places(host, now);
-        self.send_leaves(host, now);
-        // Collected: sending refills needs the worker mutably.
-        let generations: Vec<Rc<Configured>> = self.generations().cloned().collect();
-        for configured in generations {
-            configured.engine.tick(host, Some(now));
-            self.send_refills(host, &configured);
+        let mut due: Vec<(u64, Call)> = Vec::new();
+        for configured in self.generations() {
+            let mut sink = configured.counters.sink();
+            let mut cx = Cx::new(host, now, &mut sink);
+            let calls = configured.engine.tick(&mut cx);
+            due.extend(calls.into_iter().map(|call| (configured.generation, call)));
+        }
+        for (generation, call) in due {
+            self.send(host, now, generation, call);
+        }
+        for configured in self.generations() {
             configured.counters.flush(host);
         }
-        // A replaced configuration is let go once no request holds it and it owes nothing.
+        // A replaced configuration is let go once no request or call names it and it owes
+        // nothing.
+        let in_use: BTreeSet<u64> = self
+            .requests
+            .values()
+            .map(|request| request.generation)
+            .chain(self.calls.values().filter_map(|flight| match flight {
+                Flight::Engine { generation, .. } => Some(*generation),
+                Flight::Poll => None,
+            }))
+            .collect();
         self.retired.retain(|configured| {
-            Rc::strong_count(configured) > 1
-                || configured.engine.owes()
-                || configured.engine.has_riders()
-                || configured.engine.wants_leave()
+            in_use.contains(&configured.generation) || configured.engine.owes_work()
         });
         if let Some(events) = &self.events {
             events.flush(host);
@@ -657,18 +669,51 @@ impl Worker {
         step
     }
 
+    /// Sends one of an engine's own calls (no request waits for it); one the host does not
+    /// send is answered at once as not sent.
+    fn send(&mut self, host: &dyn Host, now: Instant, generation: u64, call: Call) {
+        match self.dispatch(host, &call.callout) {
+            Ok(token) => {
+                let flight = Flight::Engine {
+                    generation,
+                    waiting: None,
+                    then: call.then,
+                };
+                self.calls.insert(token, flight);
+            }
+            Err(error) => {
+                log::debug!("diana: a call was not sent: {error}");
+                if let Some(configured) = self.generation(generation) {
+                    let mut sink = configured.counters.sink();
+                    let mut cx = Cx::new(host, now, &mut sink);
+                    let _ = configured
+                        .engine
+                        .answered(&mut cx, call.then, Answer::NotSent(error));
+                }
+            }
+        }
+    }
+
     /// The current configuration and the replaced ones still in use.
-    fn generations(&self) -> impl Iterator<Item = &Rc<Configured>> {
+    fn generations(&self) -> impl Iterator<Item = &Configured> {
         self.configured.iter().chain(&self.retired)
+    }
+
+    /// The configuration of `generation`, if it is still kept.
+    fn generation(&self, generation: u64) -> Option<&Configured> {
+        self.generations()
+            .find(|configured| configured.generation == generation)
     }
 
     /// Takes `decision` for the request of `context`: the one place a [`Decision`] is
     /// interpreted.
+    #[allow(clippy::too_many_arguments)]
     fn apply(
         &mut self,
         host: &dyn Host,
+        now: Instant,
         context: ContextId,
-        configured: Rc<Configured>,
+        generation: u64,
         decision: EngineDecision,
         origin: Origin,
         step: &mut Step,
@@ -676,7 +721,7 @@ impl Worker {
         match decision {
             Decision::Allow { headers, after } => {
                 if !headers.is_empty() || after.is_some() {
-                    self.hold(context, configured, Stage::Admitted, headers, after);
+                    self.hold(context, generation, Stage::Admitted, headers, after);
                 }
                 let resume = match origin {
                     Origin::Headers => false,
@@ -693,7 +738,7 @@ impl Worker {
                 after,
             } => {
                 self.waiters.insert((until, context));
-                self.hold(context, configured, Stage::Waiting(until), headers, after);
+                self.hold(context, generation, Stage::Waiting(until), headers, after);
                 step.pause = true;
             }
             Decision::Reject(rejection) => {
@@ -701,26 +746,35 @@ impl Worker {
                 step.commands.push(Command::Reply(context, reply));
                 step.pause = true;
             }
-            Decision::Call(callout, pending) => match self
-                .may_pause(host)
+            Decision::Call(Call { callout, then }) => match self
+                .may_pause(host, now)
                 .and_then(|()| self.dispatch(host, &callout))
             {
                 Ok(token) => {
                     let own = origin != Origin::Elsewhere;
-                    self.calls.insert(token, Call::Request { context, own });
-                    let stage = Stage::Calling(token, pending);
-                    self.hold(context, configured, stage, Vec::new(), None);
+                    let flight = Flight::Engine {
+                        generation,
+                        waiting: Some((context, own)),
+                        then,
+                    };
+                    self.calls.insert(token, flight);
+                    self.hold(context, generation, Stage::Calling(token), Vec::new(), None);
                     step.pause = true;
                 }
                 Err(error) => {
-                    let decision = configured.engine.complete(
-                        host,
-                        pending,
-                        Reply::NotSent(error),
-                        host.now(),
-                        &mut configured.counters.sink(),
-                    );
-                    self.apply(host, context, configured, decision, origin, step);
+                    let Some(configured) = self.generation(generation) else {
+                        return;
+                    };
+                    let mut sink = configured.counters.sink();
+                    let mut cx = Cx::new(host, now, &mut sink);
+                    let Some(decision) =
+                        configured
+                            .engine
+                            .answered(&mut cx, then, Answer::NotSent(error))
+                    else {
+                        return;
+                    };
+                    self.apply(host, now, context, generation, decision, origin, step);
                 }
             },
             Decision::Wait(pending) => {
@@ -728,10 +782,10 @@ impl Worker {
                 let Some(rider) = pending.rider() else {
                     return;
                 };
-                self.parked.insert((configured.generation, rider), context);
+                self.parked.insert((generation, rider), context);
                 self.hold(
                     context,
-                    configured,
+                    generation,
                     Stage::Parked(rider, pending),
                     Vec::new(),
                     None,
@@ -741,131 +795,10 @@ impl Worker {
         }
     }
 
-    /// The concurrency places of the requests still inside are renewed
-    /// ([`Engine::renew`]: each at most every `RENEW_EVERY`): local ones at once, those
-    /// at the quota service in one call per configuration (of at most `wire::MAX_RULES`
-    /// places; more wait for the next tick).
-    fn renew_places(&mut self, host: &dyn Host, now: Instant) {
-        let mut due: Vec<(Rc<Configured>, Renewing)> = Vec::new();
-        for (&context, request) in self.requests.iter_mut() {
-            let Some(after) = request.after.as_mut().filter(|after| after.holds_places()) else {
-                continue;
-            };
-            let configured = &request.configured;
-            let at_service = configured.engine.renew(
-                host,
-                &mut after.places,
-                now,
-                &mut configured.counters.sink(),
-            );
-            if at_service.is_empty() {
-                continue;
-            }
-            let at = match due
-                .iter()
-                .position(|(known, _)| Rc::ptr_eq(known, configured))
-            {
-                Some(at) => at,
-                None => {
-                    due.push((Rc::clone(configured), Vec::new()));
-                    due.len() - 1
-                }
-            };
-            if let Some((_, batch)) = due.get_mut(at) {
-                batch.extend(at_service.into_iter().map(|place| (context, place)));
-            }
-        }
-        for (configured, places) in due {
-            for renewing in places.chunks(crate::wire::MAX_RULES) {
-                let asked: Vec<ServicePlace> = renewing.iter().map(|(_, place)| *place).collect();
-                let planned = configured.engine.plan_renewal(host, &asked, now);
-                let sent = planned.and_then(|(callout, request)| {
-                    let token = self.dispatch(host, &callout).ok()?;
-                    Some((token, request))
-                });
-                match sent {
-                    Some((token, request)) => {
-                        let call =
-                            Call::Renewal(Rc::clone(&configured), renewing.to_vec(), request);
-                        self.calls.insert(token, call);
-                    }
-                    // Not renewed now: due again at the next tick.
-                    None => self.renewal_answered(host, &configured, renewing, None),
-                }
-            }
-        }
-    }
-
-    /// A renewal of places at the quota service was answered (`buckets`: where each is
-    /// counted now; `None`: not renewed). A place whose request ended meanwhile is given
-    /// back from where the answer says it is.
-    fn renewal_answered(
-        &mut self,
-        host: &dyn Host,
-        configured: &Rc<Configured>,
-        renewing: &[(ContextId, ServicePlace)],
-        buckets: Option<Vec<u64>>,
-    ) {
-        let now = host.now().unwrap_or(Instant::EPOCH);
-        for (at, (context, asked)) in renewing.iter().enumerate() {
-            let bucket = buckets
-                .as_ref()
-                .and_then(|buckets| buckets.get(at).copied());
-            let held = self
-                .requests
-                .get_mut(context)
-                .filter(|request| Rc::ptr_eq(&request.configured, configured))
-                .and_then(|request| request.after.as_mut())
-                .is_some_and(|after| {
-                    after
-                        .places
-                        .iter_mut()
-                        .any(|place| place.renewal_answered(asked, bucket, now))
-                });
-            if !held {
-                configured.engine.queue_leave(
-                    ServicePlace {
-                        bucket: bucket.unwrap_or(asked.bucket),
-                        ..*asked
-                    },
-                    &mut configured.counters.sink(),
-                );
-            }
-        }
-    }
-
-    /// Gives back the places of requests that ended to the quota service: every place
-    /// waiting, in calls of at most `wire::MAX_RULES` places. The queue holds at most
-    /// `global::MAX_LEAVING`, so a tick makes at most 16 such calls; a burst of ends that
-    /// waited for the tick (nginx: 100 ms) is not held at the service a tick longer.
-    fn send_leaves(&mut self, host: &dyn Host, now: Instant) {
-        let generations: Vec<Rc<Configured>> = self
-            .generations()
-            .filter(|configured| configured.engine.wants_leave())
-            .cloned()
-            .collect();
-        for configured in generations {
-            let mut metrics = configured.counters.sink();
-            while let Some(leave) = configured.engine.plan_leave(host, now, &mut metrics) {
-                match self.dispatch(host, &leave.callout) {
-                    Ok(token) => {
-                        self.calls
-                            .insert(token, Call::Leave(Rc::clone(&configured), leave));
-                    }
-                    Err(error) => {
-                        log::debug!("diana: places not given back: {error}");
-                        let reply = Reply::NotSent(error);
-                        configured.engine.left(&leave, &reply, &mut metrics);
-                    }
-                }
-            }
-        }
-    }
-
     fn hold(
         &mut self,
         context: ContextId,
-        configured: Rc<Configured>,
+        generation: u64,
         stage: Stage,
         headers: Vec<(&'static str, String)>,
         after: Option<AfterResponse>,
@@ -873,7 +806,7 @@ impl Worker {
         self.requests.insert(
             context,
             Request {
-                configured,
+                generation,
                 stage,
                 headers,
                 after,
@@ -919,11 +852,8 @@ impl Worker {
     /// Whether a request may pause for its call now: not for [`UNHELD_FOR`] after a
     /// worker saw this host run a paused request on. The refusal takes the path of a call
     /// not sent: decided locally, without pausing (and without blaming the service).
-    fn may_pause(&mut self, host: &dyn Host) -> Result<(), DispatchError> {
+    fn may_pause(&mut self, host: &dyn Host, now: Instant) -> Result<(), DispatchError> {
         let Some(directive) = self.profile.pausing_needs else {
-            return Ok(());
-        };
-        let Some(now) = host.now() else {
             return Ok(());
         };
         if now >= self.unheld_until {
@@ -955,39 +885,29 @@ impl Worker {
         host.dispatch(callout)
     }
 
-    /// Sends the releases queued by requests that went away. Nothing waits for their
-    /// answers: one that fails leaves that grant charged, as before releases existed.
-    fn send_releases(&mut self, host: &dyn Host) {
-        for (configured, release) in std::mem::take(&mut self.releases) {
-            match self.dispatch(host, &release.callout) {
-                Ok(token) => {
-                    configured.counters.event(Event::GlobalReleased);
-                    self.calls.insert(token, Call::Release(configured, release));
-                }
-                Err(error) => {
-                    configured.counters.event(Event::ReleaseUnsent);
-                    log::debug!("diana: a release was not sent: {error}");
-                }
-            }
-        }
-    }
-
     /// Plans the parked requests whose flight has landed again.
     fn serve_riders(&mut self, host: &dyn Host, step: &mut Step) {
         if self.parked.is_empty() {
             return;
         }
-        let now = host.now();
-        let generations: Vec<Rc<Configured>> = self
+        let Some(now) = host.now() else {
+            return;
+        };
+        let generations: Vec<u64> = self
             .generations()
             .filter(|configured| configured.engine.has_riders())
-            .cloned()
+            .map(|configured| configured.generation)
             .collect();
-        for configured in generations {
-            configured.engine.land_overdue(now);
+        for generation in generations {
+            if let Some(configured) = self.generation(generation) {
+                configured.engine.land_overdue(now);
+            }
             // One at a time: a rider that leads a flight takes the riders after it along.
-            while let Some(rider) = configured.engine.next_woken() {
-                let Some(context) = self.parked.remove(&(configured.generation, rider)) else {
+            while let Some(rider) = self
+                .generation(generation)
+                .and_then(|configured| configured.engine.next_woken())
+            {
+                let Some(context) = self.parked.remove(&(generation, rider)) else {
                     continue;
                 };
                 let Some(request) = self.requests.remove(&context) else {
@@ -997,78 +917,21 @@ impl Worker {
                     self.requests.insert(context, request);
                     continue;
                 };
-                let decision =
-                    configured
-                        .engine
-                        .resume(host, pending, now, &mut configured.counters.sink());
+                let Some(configured) = self.generation(generation) else {
+                    break;
+                };
+                let mut sink = configured.counters.sink();
+                let mut cx = Cx::new(host, now, &mut sink);
+                let decision = configured.engine.resume(&mut cx, pending);
                 self.apply(
                     host,
+                    now,
                     context,
-                    Rc::clone(&configured),
+                    generation,
                     decision,
                     Origin::Elsewhere,
                     step,
                 );
-            }
-        }
-    }
-
-    /// Sends the response costs a configuration owes to the quota service (one payment in
-    /// flight at a time; a replaced configuration's debts are paid too).
-    fn pay_debts(&mut self, host: &dyn Host) {
-        if self.paying {
-            return;
-        }
-        let Some(configured) = self
-            .generations()
-            .find(|configured| configured.engine.owes())
-            .cloned()
-        else {
-            return;
-        };
-        let Some((callout, debts)) =
-            configured
-                .engine
-                .pay_debts(host, host.now(), &mut configured.counters.sink())
-        else {
-            return;
-        };
-        match self.dispatch(host, &callout) {
-            Ok(token) => {
-                self.paying = true;
-                self.calls.insert(token, Call::Payment(configured, debts));
-            }
-            Err(error) => configured.engine.debts_paid(
-                host,
-                debts,
-                Reply::NotSent(error),
-                host.now(),
-                &mut configured.counters.sink(),
-            ),
-        }
-    }
-
-    /// Sends the calls that refill running-low lease stashes ahead.
-    fn send_refills(&mut self, host: &dyn Host, configured: &Rc<Configured>) {
-        if !configured.engine.wants_refill() {
-            return;
-        }
-        let refills = configured
-            .engine
-            .refill(host, host.now(), &mut configured.counters.sink());
-        for (callout, refill) in refills {
-            match self.dispatch(host, &callout) {
-                Ok(token) => {
-                    self.calls
-                        .insert(token, Call::Refill(Rc::clone(configured), refill));
-                }
-                Err(error) => configured.engine.refilled(
-                    host,
-                    refill,
-                    Reply::NotSent(error),
-                    host.now(),
-                    &mut configured.counters.sink(),
-                ),
             }
         }
     }
@@ -1091,16 +954,11 @@ impl Worker {
     /// parked behind a request's own call that was answered (its answer came to that
     /// request's context, which serves only itself).
     fn work_waits_for_tick(&self) -> bool {
-        let refill = self
-            .configured
-            .as_ref()
-            .is_some_and(|configured| configured.engine.wants_refill());
-        refill
-            || self.generations().any(|configured| {
-                configured.engine.wants_leave()
-                    || (self.profile.resumes_from_other_contexts
-                        && configured.engine.has_woken_riders())
-            })
+        self.generations().any(|configured| {
+            configured.engine.wants_tick_soon()
+                || (self.profile.resumes_from_other_contexts
+                    && configured.engine.has_woken_riders())
+        })
     }
 
     /// The tick period this worker needs now: fine while requests wait or are parked.
@@ -1134,41 +992,4 @@ impl Worker {
             step.commands.push(Command::SetTick(wanted));
         }
     }
-}
-
-/// The host's clock as the engine reads it (only when a rule applies).
-struct HostClock<'a>(&'a dyn Host);
-
-impl Clock for HostClock<'_> {
-    fn now(&self) -> Option<Instant> {
-        self.0.now()
-    }
-}
-
-/// The `:status` of the call answer being delivered (0 when missing or unreadable).
-fn call_status(host: &dyn Host) -> u16 {
-    host.call_header(":status")
-        .and_then(|s| std::str::from_utf8(&s).ok()?.trim().parse::<u16>().ok())
-        .unwrap_or(0)
-}
-
-/// The host's account of a call: no headers means no answer; a body larger than
-/// `max_body` (0: not wanted) is not read.
-fn call_reply(host: &dyn Host, headers: usize, body_size: usize, max_body: usize) -> Reply {
-    if headers == 0 {
-        return Reply::NoAnswer;
-    }
-    let status = call_status(host);
-    let body = if body_size > max_body {
-        None
-    } else {
-        match host.call_body(body_size) {
-            Ok(body) => Some(body),
-            Err(error) => {
-                log::debug!("diana: call answer's body unreadable: {error}");
-                None
-            }
-        }
-    };
-    Reply::Answered { status, body }
 }

@@ -9,7 +9,7 @@
 use super::{CallToken, Command, ContextId, DispatchError, Host, HostProfile, MetricId};
 use super::{LocalReply, MetricKind, Refused, Worker};
 use crate::actor::RequestFacts;
-use crate::decision::{Callout, Reply};
+use crate::call::{Answer, Callout};
 use crate::quota::MemoryQuota;
 use crate::store::{identity, CasSemantics, HostError, MemoryHost, SetOutcome, SharedData, Store};
 use crate::time::{Clock, Instant, Nanos};
@@ -26,6 +26,8 @@ pub struct SimHost {
     shared: MemoryHost,
     /// `None`: the clock cannot be read.
     clock: Cell<Option<Instant>>,
+    /// The clock cannot be read now (time stands still for the host meanwhile).
+    clock_broken: Cell<bool>,
     next_token: Cell<CallToken>,
     /// Calls dispatched during the current event.
     dispatched: RefCell<Vec<(CallToken, Callout)>>,
@@ -36,8 +38,6 @@ pub struct SimHost {
     request: RefCell<Headers>,
     client_ip: RefCell<Option<Vec<u8>>>,
     response: RefCell<Headers>,
-    /// The call answer being delivered: headers (`:status` first) and body.
-    answer: RefCell<(Headers, Vec<u8>)>,
 }
 
 impl SimHost {
@@ -50,6 +50,7 @@ impl SimHost {
         let host = SimHost {
             shared: MemoryHost::new(semantics),
             clock: Cell::new(Some(start)),
+            clock_broken: Cell::new(false),
             next_token: Cell::new(1),
             dispatched: RefCell::new(Vec::new()),
             refuse_dispatch: Cell::new(false),
@@ -57,7 +58,6 @@ impl SimHost {
             request: RefCell::new(Vec::new()),
             client_ip: RefCell::new(None),
             response: RefCell::new(Vec::new()),
-            answer: RefCell::new((Vec::new(), Vec::new())),
         };
         // One identity key for every run, where a gateway draws one at random: the same
         // inputs replay to the same numbers.
@@ -66,7 +66,20 @@ impl SimHost {
     }
 
     pub fn now(&self) -> Option<Instant> {
+        if self.clock_broken.get() {
+            return None;
+        }
         self.clock.get()
+    }
+
+    /// Shared-data writes so far.
+    pub fn writes(&self) -> u64 {
+        self.shared.calls().1
+    }
+
+    /// The clock cannot be read (`false`) until it can again (`true`).
+    pub fn set_clock_readable(&self, readable: bool) {
+        self.clock_broken.set(!readable);
     }
 
     /// Moves the clock (never back).
@@ -85,18 +98,6 @@ impl SimHost {
     pub fn set_request(&self, client_ip: Option<Vec<u8>>, headers: Headers) {
         *self.request.borrow_mut() = headers;
         *self.client_ip.borrow_mut() = client_ip;
-    }
-
-    /// The call answer the next `on_call_answered` reads: `None` for no answer (the host
-    /// then reports no headers), else its status and body.
-    pub fn set_answer(&self, answer: Option<(u16, Vec<u8>)>) {
-        *self.answer.borrow_mut() = match answer {
-            Some((status, body)) => (
-                vec![(":status".to_string(), status.to_string().into_bytes())],
-                body,
-            ),
-            None => (Vec::new(), Vec::new()),
-        };
     }
 
     /// The calls dispatched since the last time, with their tokens.
@@ -138,22 +139,13 @@ impl RequestFacts for SimHost {
 
 impl Clock for SimHost {
     fn now(&self) -> Option<Instant> {
-        self.clock.get()
+        SimHost::now(self)
     }
 }
 
 impl Host for SimHost {
     fn response_header(&self, name: &str) -> Option<Vec<u8>> {
         find(&self.response.borrow(), name)
-    }
-
-    fn call_header(&self, name: &str) -> Option<Vec<u8>> {
-        find(&self.answer.borrow().0, name)
-    }
-
-    fn call_body(&self, size: usize) -> Result<Vec<u8>, HostError> {
-        let answer = self.answer.borrow();
-        Ok(answer.1.iter().take(size).copied().collect())
     }
 
     fn dispatch(&self, callout: &Callout) -> Result<CallToken, DispatchError> {
@@ -338,7 +330,7 @@ impl Sim {
     }
 
     pub fn now(&self) -> Instant {
-        self.host.now().unwrap_or(Instant::EPOCH)
+        self.host.clock.get().unwrap_or(Instant::EPOCH)
     }
 
     /// Calls to the quota service answered `quota`, shared with other gateways.
@@ -585,35 +577,20 @@ impl Sim {
             return;
         };
         let flight = self.flights.swap_remove(position);
-        let reply = match self.service {
+        let answer = match self.service {
             Service::Answers(_) if is_quota_call(&flight.callout) => {
                 self.quota.borrow_mut().answer(&flight.callout, now)
             }
-            Service::Answers(_) => Reply::Answered {
-                status: 404,
-                body: Some(Vec::new()),
-            },
-            Service::Down(_) => Reply::NoAnswer,
+            Service::Answers(_) => Answer::with(404, Vec::new()),
+            Service::Down(_) => Answer::NoAnswer,
         };
         if flight.dropped {
             return;
         }
-        let (headers, body_size) = match reply {
-            Reply::Answered { status, body } => {
-                let body = body.unwrap_or_default();
-                let size = body.len();
-                self.host.set_answer(Some((status, body)));
-                (1, size)
-            }
-            Reply::NoAnswer | Reply::NotSent(_) => {
-                self.host.set_answer(None);
-                (0, 0)
-            }
-        };
         let Some(step) = self
             .workers
             .get_mut(flight.worker)
-            .map(|w| w.on_call_answered(&self.host, flight.token, headers, body_size))
+            .map(|w| w.on_call_answered(&self.host, flight.token, answer))
         else {
             return;
         };

@@ -13,6 +13,7 @@ use diana_core::actor::{
     ip_identity, ActorSource, Fallback, HeaderActor, HeaderKind, Identity, RequestFacts, SourceKind,
 };
 use diana_core::config::parse_policy;
+use diana_core::cx::Cx;
 use diana_core::engine::Engine;
 use diana_core::hash::IdentityHasher;
 use diana_core::metrics::NoMetrics;
@@ -202,7 +203,9 @@ impl Target for Identities {
             let host = MemoryHost::new(CasSemantics::Envoy);
             let times = [1_767_225_600_000_000_000, 1_767_225_600_500_000_000];
             for now in times.map(Instant::from_unix_nanos) {
-                let _ = engine.evaluate(&host, path, &facts, Some(now), &mut NoMetrics);
+                let mut metrics = NoMetrics;
+                let mut cx = Cx::new(&host, now, &mut metrics);
+                let _ = engine.evaluate(&mut cx, path, &facts);
             }
             Ok(())
         })

@@ -14,7 +14,7 @@ use crate::mutate::{mutate, random_bytes};
 use crate::rng::Rng;
 use crate::Target;
 use diana_core::algo::Verdict;
-use diana_core::global::MAX_ANSWER_BYTES;
+use diana_core::call::{Answer, MAX_SERVICE_ANSWER_BYTES};
 use diana_core::time::{Instant, Nanos};
 use diana_core::wire::{
     self, AcquireRequest, AcquireResponse, RuleRequest, RuleResult, MAX_SLICES, MAX_WANT,
@@ -432,14 +432,21 @@ impl Target for Callouts {
                 .any(|(name, value)| *name == ":path" && value.ends_with(wire::WAIT_PATH));
             let (kind, body) = answer(&mut rng, &request, waited);
             let honest = kind == Kind::Honest && status == 200 && *reply >= 3;
-            let (headers, body_size) = match reply {
-                0 => (0, 0),
+            // As a binding hands it over: read within the worker's shape of the answer.
+            let shape = worker.answer_shape(token);
+            let delivered = match reply {
+                0 => Answer::NoAnswer,
                 // Larger than the worker reads.
-                2 => (1, MAX_ANSWER_BYTES + 1),
-                _ => (1, body.len()),
+                2 => Answer::from_host(
+                    [(":status".to_string(), status.to_string().into_bytes())],
+                    Answer::read_body(shape, MAX_SERVICE_ANSWER_BYTES + 1, || Ok(body.clone())),
+                ),
+                _ => Answer::from_host(
+                    [(":status".to_string(), status.to_string().into_bytes())],
+                    Answer::read_body(shape, body.len(), || Ok(body.clone())),
+                ),
             };
-            host.set_answer(Some((status, body.clone())));
-            let step = worker.on_call_answered(&host, token, headers, body_size);
+            let step = worker.on_call_answered(&host, token, delivered);
             if !host.take_dispatched().is_empty() {
                 return Err("a completed request asks for another callout".to_string());
             }
@@ -479,7 +486,7 @@ impl Target for Callouts {
             let _ = worker.on_tick(&host);
             // Refills ahead and payments from the tick: no answer (their flights land).
             for (token, _) in host.take_dispatched() {
-                let _ = worker.on_call_answered(&host, token, 0, 0);
+                let _ = worker.on_call_answered(&host, token, Answer::NoAnswer);
             }
         }
         if worker.requests_held() != 0 {

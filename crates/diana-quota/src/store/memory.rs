@@ -17,10 +17,10 @@
 use super::{decide, Grant, Noted, Outcome, Store, StoreError, Usage};
 use async_trait::async_trait;
 use diana_core::algo::{Algorithm, Limit, Mark};
-use diana_core::global::wire::{ResolvedRule, RuleResult};
 use diana_core::quota::ledger::CallLedger;
 use diana_core::quota::CounterId;
 use diana_core::time::{Instant, Nanos};
+use diana_core::wire::{ResolvedRule, RuleResult};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{SystemTime, UNIX_EPOCH};

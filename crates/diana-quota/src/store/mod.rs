@@ -21,7 +21,7 @@ pub use self::redis::{
 
 use async_trait::async_trait;
 use diana_core::algo::Mark;
-use diana_core::global::wire::{ResolvedRule, RuleResult};
+use diana_core::wire::{ResolvedRule, RuleResult};
 use std::fmt;
 
 /// Why a store could not decide.

@@ -35,9 +35,9 @@
 use super::{Grant, Noted, Outcome, Store, StoreError};
 use async_trait::async_trait;
 use diana_core::algo::{Limit, Mark};
-use diana_core::global::wire::{ResolvedRule, RuleResult};
 use diana_core::quota::counter_params;
 use diana_core::quota::ledger::{self, CALL_MEMORY, RELEASED};
+use diana_core::wire::{ResolvedRule, RuleResult};
 use redis::aio::{ConnectionLike, MultiplexedConnection};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
@@ -1204,8 +1204,8 @@ impl Store for RedisStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use diana_core::global::wire::RuleRequest;
     use diana_core::time::Unit;
+    use diana_core::wire::RuleRequest;
     use std::num::NonZeroU32;
 
     fn limit(rpu: u32, unit: Unit, burst: u32, slices: u32) -> Limit {

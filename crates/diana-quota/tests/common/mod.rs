@@ -13,7 +13,7 @@
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use axum::Router;
-use diana_core::global::wire::{AcquireRequest, AcquireResponse, RuleRequest, RuleResult};
+use diana_core::wire::{AcquireRequest, AcquireResponse, RuleRequest, RuleResult};
 use diana_quota::auth::{parse_secrets, Auth};
 use diana_quota::store::{MemoryStore, RedisOptions, RedisStore, RedisTarget, Store};
 use diana_quota::{app, AppState, Settings};

@@ -1,0 +1,449 @@
+//! Calls are values: every call the engine wants made to the quota service is a [`Call`],
+//! the callout to send and what its answer resumes ([`Then`]) — in the style of Kuadrant's
+//! wasm-shim, whose tasks keep their continuation with their token. The worker keeps the
+//! pair in one table of calls in flight and hands the answer back through one door,
+//! [`Engine::answered`]; it never needs to know what kind of call it carries.
+//!
+//! ```text
+//!   evaluate / resume ──▶ Decision::Call(Call)        a request's own call
+//!   tick ───────────────▶ Vec<Call>                   refills ahead, response costs,
+//!                                                     releases, places left and renewed
+//!   answered(Then, Answer) ─┬─ Acquire  ─▶ the request's Decision
+//!                           ├─ Orphan   ─▶ its grant serves later requests
+//!                           ├─ Refill   ─▶ the stash
+//!                           ├─ Payment  ─▶ what the service did not take is charged here
+//!                           ├─ Release  ─▶ cached denials forgotten
+//!                           ├─ Leave    ─▶ places not given back are counted
+//!                           └─ Renewal  ─▶ the places' new buckets
+//! ```
+//!
+//! A call whose request went away: one made from another context still answers, and the
+//! worker turns its continuation into an orphan's ([`Then::for_nobody`]); one made from
+//! the request's own context dies with it ([`Engine::abandon_call`]: its grant is released
+//! from the next tick).
+
+use super::{Engine, EngineDecision, Held, Pending, PendingState, Stage};
+use crate::algo::inflight::RENEW_EVERY;
+use crate::call::{Answer, AnswerShape, Callout};
+use crate::config::Scope;
+use crate::cx::Cx;
+use crate::decision::{AfterResponse, Decision, Reserved};
+use crate::global::debts::Debt;
+use crate::global::{Asked, GlobalCharge, Payment};
+use crate::local::Taken;
+use crate::metrics::{Event, MetricSink, NoMetrics};
+use crate::places::{HoldingId, PlaceAt, ServicePlace};
+use crate::settle::{settle, Settlement};
+use crate::store::{ChargeError, SharedData};
+use crate::wire::{self, AcquireRequest};
+
+/// A call to make: the callout, and what its answer resumes.
+#[derive(Debug)]
+pub struct Call {
+    pub callout: Callout,
+    pub then: Then,
+}
+
+/// What a call's answer resumes (opaque outside the engine).
+#[derive(Debug)]
+pub struct Then(Kind);
+
+#[derive(Debug)]
+enum Kind {
+    /// A request paused for its own call.
+    Acquire(Pending),
+    /// A request's call whose request is gone: what it grants serves later requests.
+    Orphan(Pending),
+    /// A refill of a lease stash ahead; no request waits for it.
+    Refill(Asked),
+    /// Response costs sent to the quota service.
+    Payment(Vec<Debt>),
+    /// The release of a gone request's grant: the (rule, identity) pairs it frees.
+    Release(Vec<GlobalCharge>),
+    /// Concurrency places of requests that ended, given back: how many.
+    Leave(u64),
+    /// Concurrency places renewed: of which holding each is, and what was asked.
+    Renewal(Vec<(HoldingId, ServicePlace)>, AcquireRequest),
+}
+
+impl Then {
+    /// The request this call resumes went away, and the call still answers (it was made
+    /// from another context): its answer serves later requests instead.
+    pub fn for_nobody(self) -> Then {
+        match self.0 {
+            Kind::Acquire(pending) => Then(Kind::Orphan(pending)),
+            kind => Then(kind),
+        }
+    }
+
+    /// What of the answer is read: a payment's, a release's and a leave's status alone.
+    pub fn answer_shape(&self) -> AnswerShape {
+        match self.0 {
+            Kind::Payment(_) | Kind::Release(_) | Kind::Leave(_) => AnswerShape::STATUS,
+            Kind::Acquire(_) | Kind::Orphan(_) | Kind::Refill(_) | Kind::Renewal(..) => {
+                AnswerShape::SERVICE
+            }
+        }
+    }
+
+    /// True when a request waits for this call's answer.
+    pub fn resumes_a_request(&self) -> bool {
+        matches!(self.0, Kind::Acquire(_))
+    }
+
+    pub(crate) fn acquire(pending: Pending) -> Then {
+        Then(Kind::Acquire(pending))
+    }
+
+    /// The response costs a payment carries (tests).
+    #[cfg(test)]
+    pub(crate) fn debts(&self) -> &[Debt] {
+        match &self.0 {
+            Kind::Payment(debts) => debts,
+            _ => &[],
+        }
+    }
+
+    /// What a request's call asked (tests).
+    #[cfg(test)]
+    pub(crate) fn asked(&self) -> Option<&Asked> {
+        match &self.0 {
+            Kind::Acquire(pending) | Kind::Orphan(pending) => pending.asked(),
+            Kind::Refill(asked) => Some(asked),
+            _ => None,
+        }
+    }
+}
+
+impl Engine {
+    /// The one door for answers: `answer` to the call `then` came with. A request's own
+    /// call gives that request's [`Decision`]; every other kind settles here.
+    pub fn answered(&self, cx: &mut Cx<'_>, then: Then, answer: Answer) -> Option<EngineDecision> {
+        match then.0 {
+            Kind::Acquire(pending) => return Some(self.complete(cx, pending, answer)),
+            Kind::Orphan(pending) => self.complete_for_nobody(cx, pending, answer),
+            Kind::Refill(asked) => {
+                let _ = self.global.interpret(cx, &self.policy, asked, answer);
+            }
+            Kind::Payment(debts) => {
+                for debt in self.global.paid(cx, debts, answer) {
+                    self.charge_debt_locally(cx, debt);
+                }
+            }
+            Kind::Release(charges) => self.global.released(cx, &self.policy, &charges, &answer),
+            Kind::Leave(places) => self.global.left(cx, places, &answer),
+            Kind::Renewal(renewing, request) => {
+                let buckets = self.global.renewed(&request, &answer);
+                for (at, (holding, asked)) in renewing.into_iter().enumerate() {
+                    let bucket = buckets
+                        .as_ref()
+                        .and_then(|buckets| buckets.get(at).copied());
+                    if !self
+                        .places
+                        .renewal_answered(holding, &asked, bucket, cx.now)
+                    {
+                        // Its request ended meanwhile: given back from where it is now.
+                        let place = ServicePlace {
+                            bucket: bucket.unwrap_or(asked.bucket),
+                            ..asked
+                        };
+                        self.global.queue_leave(place, cx.metrics);
+                    }
+                }
+            }
+        }
+        None
+    }
+
+    /// An answer came and the clock cannot be read: nothing is written; a request's call
+    /// is settled all the same (its flights land, the requests parked behind it plan
+    /// again) and the request admitted, as without a clock anywhere.
+    pub fn without_clock(&self, shared: &dyn SharedData, then: Then) -> Option<EngineDecision> {
+        match then.0 {
+            Kind::Acquire(pending) => {
+                self.forget(shared, pending);
+                Some(Decision::Allow {
+                    headers: Vec::new(),
+                    after: None,
+                })
+            }
+            Kind::Orphan(pending) => {
+                self.forget(shared, pending);
+                None
+            }
+            Kind::Refill(asked) => {
+                self.global.forget_call(shared, &self.policy, asked);
+                None
+            }
+            // Debts and places are counted where they were; a payment may be made again.
+            Kind::Payment(_) => {
+                self.global.payment_forgotten();
+                None
+            }
+            Kind::Release(_) | Kind::Leave(_) | Kind::Renewal(..) => None,
+        }
+    }
+
+    /// The call of a request that went away will never answer (it was made from the
+    /// request's own context, and the host drops it with the request): what the request
+    /// had charged is given back, the requests parked behind its call plan again, and
+    /// what the service granted it is released from the next tick
+    /// ([`crate::global::Global::abandon_call`]).
+    pub fn abandon_call(&self, cx: &mut Cx<'_>, then: Then) {
+        match then.0 {
+            Kind::Acquire(pending) | Kind::Orphan(pending) => self.abandon(cx, pending),
+            // A call of the tick's own is never dropped with a request.
+            _ => {}
+        }
+    }
+
+    /// A paused request went away: what it had charged is given back; parked, it leaves
+    /// its flight; calling, its call is released (see [`Engine::abandon_call`]).
+    pub fn abandon(&self, cx: &mut Cx<'_>, pending: Pending) {
+        let PendingState { held, stage, .. } = *pending.0;
+        match stage {
+            Stage::Asked(asked) => self.global.abandon_call(cx, &self.policy, asked),
+            Stage::Parked { rider, .. } => self.global.leave(rider),
+        }
+        self.give_back_held(cx.shared, &held, cx.now, &mut NoMetrics);
+    }
+
+    /// A paused request whose answer is lost, without a clock: its call settled, nothing
+    /// written but the flights' and stash's own bookkeeping.
+    fn forget(&self, shared: &dyn SharedData, pending: Pending) {
+        let PendingState { stage, .. } = *pending.0;
+        match stage {
+            Stage::Asked(asked) => self.global.forget_call(shared, &self.policy, asked),
+            Stage::Parked { rider, .. } => self.global.leave(rider),
+        }
+    }
+
+    /// The answer to the call of a request that is gone (see [`Engine::abandon_call`] for
+    /// one whose answer will never come): what the service granted serves later requests
+    /// from the lease stash, and what the request held goes back.
+    fn complete_for_nobody(&self, cx: &mut Cx<'_>, pending: Pending, answer: Answer) {
+        let PendingState { held, stage, .. } = *pending.0;
+        match stage {
+            Stage::Asked(asked) => {
+                self.global
+                    .interpret_for_nobody(cx, &self.policy, asked, answer)
+            }
+            Stage::Parked { rider, .. } => self.global.leave(rider),
+        }
+        self.give_back_held(cx.shared, &held, cx.now, &mut NoMetrics);
+    }
+
+    /// The tick: idle batches go back to their counters, the places of requests inside are
+    /// renewed, and the calls due are listed — the response costs owed (one payment in
+    /// flight at a time), the releases of gone requests' grants, the places of ended
+    /// requests, the renewals of places at the service, the refills ahead.
+    pub fn tick(&self, cx: &mut Cx<'_>) -> Vec<Call> {
+        self.global.tick(cx, &self.policy);
+        self.return_unspent(cx);
+        let mut calls = Vec::new();
+        match self.global.plan_payment(cx, &self.policy) {
+            Payment::Nothing => {}
+            Payment::Call(callout, debts) => calls.push(Call {
+                callout,
+                then: Then(Kind::Payment(debts)),
+            }),
+            Payment::Local(debts) => {
+                for debt in debts {
+                    self.charge_debt_locally(cx, debt);
+                }
+            }
+        }
+        calls.extend(self.global.take_releases().into_iter().map(|release| Call {
+            callout: release.callout,
+            then: Then(Kind::Release(release.charges)),
+        }));
+        self.renew(cx, &mut calls);
+        while let Some((callout, places)) = self.global.plan_leave(cx, &self.policy) {
+            calls.push(Call {
+                callout,
+                then: Then(Kind::Leave(places)),
+            });
+        }
+        calls.extend(self.global.plan_refills(cx, &self.policy).into_iter().map(
+            |(callout, asked)| Call {
+                callout,
+                then: Then(Kind::Refill(asked)),
+            },
+        ));
+        calls
+    }
+
+    /// Tokens of local batches this worker no longer spends go back to their counters
+    /// (see [`crate::local`]). Returns how many.
+    pub(crate) fn return_unspent(&self, cx: &mut Cx<'_>) -> usize {
+        self.local.return_unspent(cx.shared, cx.now, |index| {
+            let rule = self.policy.rule(index)?;
+            Some((rule, self.table(rule)))
+        })
+    }
+
+    /// The places of the requests inside taken or renewed [`RENEW_EVERY`] ago or more are
+    /// counted as of now, so that they are never reclaimed as lost while the request
+    /// lasts: local ones at once, those at the quota service in calls of at most
+    /// [`wire::MAX_RULES`] places.
+    fn renew(&self, cx: &mut Cx<'_>, calls: &mut Vec<Call>) {
+        if !self.places.any() {
+            return;
+        }
+        let mut at_service: Vec<(HoldingId, ServicePlace)> = Vec::new();
+        let now = cx.now;
+        self.places.visit(|holding, place| {
+            if now.saturating_since(place.renewed) < RENEW_EVERY {
+                return;
+            }
+            if let PlaceAt::Service { .. } = place.at {
+                at_service.extend(place.start_renewal().map(|due| (holding, due)));
+                return;
+            }
+            let (Some(rule), PlaceAt::Local(Taken::Shared(receipt))) =
+                (self.policy.rule(place.rule), &place.at)
+            else {
+                return;
+            };
+            match self
+                .local
+                .store()
+                .renew(cx.shared, &self.table(rule), receipt, now)
+            {
+                Ok(Some(renewed)) => {
+                    place.at = PlaceAt::Local(Taken::Shared(renewed));
+                    place.renewed = now;
+                }
+                // Its record went to another identity: the place is gone already.
+                Ok(None) => place.renewed = now,
+                Err(ChargeError::Contention) => cx.metrics.event(Event::StoreContention),
+                Err(ChargeError::Host(error)) => {
+                    log::warn!("diana: rule {}: place not renewed: {error}", rule.name);
+                    cx.metrics.event(Event::StoreError);
+                }
+            }
+        });
+        for renewing in at_service.chunks(wire::MAX_RULES) {
+            let asked: Vec<ServicePlace> = renewing.iter().map(|(_, place)| *place).collect();
+            match self.global.plan_renewal(cx, &self.policy, &asked) {
+                Some((callout, request)) => calls.push(Call {
+                    callout,
+                    then: Then(Kind::Renewal(renewing.to_vec(), request)),
+                }),
+                // Not renewed now (the service is out of reach): due again next tick.
+                None => {
+                    for (holding, asked) in renewing {
+                        self.places.renewal_answered(*holding, asked, None, now);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Settles an admitted request once the upstream has answered ([`crate::settle`]):
+    /// `values` are the response headers [`AfterResponse::headers`] names, in order (`None`
+    /// when absent). What is owed is charged to local rules at once, past their limit if
+    /// need be, and to global rules from the tick (a payment); what is given back goes
+    /// where it was taken from (the local counter, or this gateway's lease stash). The
+    /// request's concurrency places stay held until it ends ([`Engine::end`]).
+    pub fn after_response(
+        &self,
+        cx: &mut Cx<'_>,
+        after: &AfterResponse,
+        values: &[Option<Vec<u8>>],
+    ) {
+        for (charge, value) in after.charges.iter().zip(values) {
+            let Some(rule) = self.policy.rule(charge.rule) else {
+                continue;
+            };
+            let reserved = charge.reserved.tokens();
+            match settle(rule, reserved, charge.upfront, value.as_deref()) {
+                Settlement::Keep => {}
+                Settlement::Owe(tokens) => {
+                    let debt = Debt {
+                        rule: charge.rule,
+                        address: charge.address,
+                        tokens: u64::from(tokens),
+                    };
+                    let local = match rule.scope {
+                        Scope::Local => Some(debt),
+                        Scope::Global => self.global.owe(debt),
+                    };
+                    if let Some(debt) = local {
+                        self.charge_debt_locally(cx, debt);
+                    }
+                }
+                Settlement::GiveBack(tokens) => match &charge.reserved {
+                    Reserved::Nothing => {}
+                    Reserved::Local(taken) => {
+                        let part = taken.part(tokens);
+                        let held = [Held {
+                            rule: rule.index,
+                            address: charge.address,
+                            cost: part.tokens(),
+                            taken: part,
+                        }];
+                        self.give_back_held(cx.shared, &held, cx.now, cx.metrics);
+                    }
+                    Reserved::Global { until, .. } => {
+                        self.global.refund(cx, rule, charge.address, tokens, *until);
+                    }
+                },
+            }
+        }
+    }
+
+    /// A request that held concurrency places ended (its response is done, its client
+    /// left, its stream was reset): they are given back, local ones at once, those at the
+    /// quota service from the tick.
+    pub fn end(&self, cx: &mut Cx<'_>, holding: HoldingId) {
+        let mut held: Vec<Held> = Vec::new();
+        for place in self.places.end(holding) {
+            match &place.at {
+                PlaceAt::Local(taken) => held.push(Held {
+                    rule: place.rule,
+                    address: place.address,
+                    cost: taken.tokens(),
+                    taken: taken.clone(),
+                }),
+                PlaceAt::Service { .. } => {
+                    if let Some(leaving) = place.to_leave() {
+                        self.global.queue_leave(leaving, cx.metrics);
+                    }
+                }
+            }
+        }
+        self.give_back_held(cx.shared, &held, cx.now, cx.metrics);
+    }
+
+    /// A request that held concurrency places ended and the clock cannot be read: those at
+    /// the quota service are queued to go back all the same; local ones are reclaimed
+    /// after `algo::inflight::RECLAIMED_AFTER`.
+    pub fn end_without_clock(&self, holding: HoldingId, metrics: &mut dyn MetricSink) {
+        for place in self.places.end(holding) {
+            if let Some(leaving) = place.to_leave() {
+                self.global.queue_leave(leaving, metrics);
+            }
+        }
+    }
+
+    /// True when work waits for the tick that it would rather not wait a period for: a
+    /// stash to refill ahead, places to give back, parked requests woken (their flight
+    /// landed).
+    pub fn wants_tick_soon(&self) -> bool {
+        self.global.wants_refill() || self.global.wants_leave()
+    }
+
+    /// True while something of this engine is still in the world beyond its requests:
+    /// response costs owed, parked requests, places on their way back, calls to release.
+    /// A replaced configuration is let go once this is false and nothing refers to it.
+    pub fn owes_work(&self) -> bool {
+        self.global.owes() || self.global.has_riders() || self.global.wants_leave()
+    }
+
+    /// True when response costs wait to be sent (tests).
+    #[cfg(test)]
+    pub(crate) fn owes(&self) -> bool {
+        self.global.owes()
+    }
+}
