@@ -2,8 +2,8 @@
 //! only (the SDK's trait helpers unwrap host results). Header values are read as bytes: a
 //! client's non-UTF-8 bytes must not reach a `String` getter.
 
-use diana_core::actor::{NoMetadata, RequestFacts};
 use diana_core::call::{Answer, AnswerShape, Callout};
+use diana_core::facts::{NoMetadata, RequestFacts};
 use diana_core::properties::client_ip_from_address;
 use diana_core::store::{HostCall, HostError, SetOutcome, SharedData};
 use diana_core::time::{Clock, Instant};

@@ -4,7 +4,7 @@
 //! decisions seen. Run under callgrind with ITERATIONS = 0 and = N: the difference ÷ N is
 //! the instruction count of one evaluation.
 
-use diana_core::actor::RequestFacts;
+use diana_core::facts::RequestFacts;
 use diana_core::config::parse_policy;
 use diana_core::cx::Cx;
 use diana_core::decision::Decision;

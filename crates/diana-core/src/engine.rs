@@ -22,11 +22,12 @@ mod calls;
 
 pub use calls::{Call, Then};
 
-use crate::actor::{Identity, RequestFacts};
+use crate::actor::Identity;
 use crate::call::Answer;
 use crate::config::{PlanSource, Policy, Rule, Scope};
 use crate::cx::Cx;
 use crate::decision::{AfterResponse, Decision, Reserved, ResponseCharge};
+use crate::facts::RequestFacts;
 use crate::global::debts::Debt;
 use crate::global::flights::RiderId;
 use crate::global::stash::StashReceipt;
@@ -59,7 +60,7 @@ pub struct Pending(Box<PendingState>);
 struct PendingState {
     held: Few<Held>,
     progress: Progress,
-    stage: Stage,
+    awaiting: Awaiting,
     /// Leaky-bucket rules whose turn is taken when the request may leave (see
     /// [`Engine::defer_turns`]).
     turns: Few<Turn>,
@@ -74,11 +75,11 @@ struct Turn {
 }
 
 impl Pending {
-    fn new(held: Few<Held>, progress: Progress, stage: Stage, turns: Few<Turn>) -> Pending {
+    fn new(held: Few<Held>, progress: Progress, awaiting: Awaiting, turns: Few<Turn>) -> Pending {
         Pending(Box::new(PendingState {
             held,
             progress,
-            stage,
+            awaiting,
             turns,
         }))
     }
@@ -86,11 +87,11 @@ impl Pending {
 
 /// What a paused request waits for.
 #[derive(Debug)]
-enum Stage {
-    /// The answer to its callout.
-    Asked(Asked),
-    /// Another request's callout for one of its global rules; then it plans again.
-    Parked {
+enum Awaiting {
+    /// The answer to its own call.
+    Answer(Asked),
+    /// Another request's call (a flight) for one of its global rules; then it plans again.
+    Flight {
         charges: Few<GlobalCharge>,
         rider: RiderId,
     },
@@ -100,17 +101,17 @@ impl Pending {
     /// What the callout asked (for tests); `None` for a parked request.
     #[cfg(test)]
     pub(crate) fn asked(&self) -> Option<&Asked> {
-        match &self.0.stage {
-            Stage::Asked(asked) => Some(asked),
-            Stage::Parked { .. } => None,
+        match &self.0.awaiting {
+            Awaiting::Answer(asked) => Some(asked),
+            Awaiting::Flight { .. } => None,
         }
     }
 
     /// The id under which a parked request is woken ([`Engine::next_woken`]).
     pub(crate) fn rider(&self) -> Option<RiderId> {
-        match &self.0.stage {
-            Stage::Asked(_) => None,
-            Stage::Parked { rider, .. } => Some(*rider),
+        match &self.0.awaiting {
+            Awaiting::Answer(_) => None,
+            Awaiting::Flight { rider, .. } => Some(*rider),
         }
     }
 }
@@ -211,7 +212,7 @@ pub struct Engine {
     /// False when the only resource is `/`: every request matches, the path is not needed.
     needs_path: bool,
     /// The host can pause a request and resume it later (Envoy: yes; nginx: no).
-    can_pause: bool,
+    resumes_elsewhere: bool,
     local: Local,
     global: Global,
     /// The concurrency places of the requests inside.
@@ -225,7 +226,7 @@ impl Engine {
         Engine {
             policy,
             needs_path,
-            can_pause: true,
+            resumes_elsewhere: true,
             local: Local::new(),
             global,
             places: Holdings::default(),
@@ -235,9 +236,9 @@ impl Engine {
     /// Declares whether the host can pause and later resume a request. Without it, a
     /// local leaky-bucket wait becomes a rejection with `Retry-After` (nothing reserved),
     /// and global leaky-bucket rules use the quota service's wait endpoint.
-    pub fn with_pausing(mut self, can_pause: bool) -> Engine {
-        self.can_pause = can_pause;
-        self.global = Global::new(&self.policy, can_pause);
+    pub fn resuming_elsewhere(mut self, resumes_elsewhere: bool) -> Engine {
+        self.resumes_elsewhere = resumes_elsewhere;
+        self.global = Global::new(&self.policy, resumes_elsewhere);
         self
     }
 
@@ -389,7 +390,7 @@ impl Engine {
             Plan::Park(rider) => Decision::Wait(Pending::new(
                 held,
                 progress,
-                Stage::Parked { charges, rider },
+                Awaiting::Flight { charges, rider },
                 turns,
             )),
             Plan::Call {
@@ -398,7 +399,7 @@ impl Engine {
                 asked,
             } => {
                 progress.apply(outcomes);
-                let pending = Pending::new(held, progress, Stage::Asked(asked), turns);
+                let pending = Pending::new(held, progress, Awaiting::Answer(asked), turns);
                 Decision::Call(Call {
                     callout,
                     then: Then::acquire(pending),
@@ -413,19 +414,19 @@ impl Engine {
         let PendingState {
             mut held,
             mut progress,
-            stage,
+            awaiting,
             turns,
         } = *pending.0;
-        match stage {
-            Stage::Parked { charges, rider } => {
+        match awaiting {
+            Awaiting::Flight { charges, rider } => {
                 self.global.replanning(rider);
                 if let Err(rejection) = self.take_turns(cx, &turns, &mut held, &mut progress) {
                     return self.reject(cx, held, progress, rejection);
                 }
                 self.decide_globally(cx, charges, held, progress, Few::new())
             }
-            stage @ Stage::Asked(_) => {
-                let pending = Pending::new(held, progress, stage, turns);
+            awaiting @ Awaiting::Answer(_) => {
+                let pending = Pending::new(held, progress, awaiting, turns);
                 self.complete(cx, pending, Answer::NoAnswer)
             }
         }
@@ -473,13 +474,13 @@ impl Engine {
         let PendingState {
             mut held,
             mut progress,
-            stage,
+            awaiting,
             turns,
         } = *pending.0;
-        let asked = match stage {
-            Stage::Asked(asked) => asked,
-            stage @ Stage::Parked { .. } => {
-                let pending = Pending::new(held, progress, stage, turns);
+        let asked = match awaiting {
+            Awaiting::Answer(asked) => asked,
+            awaiting @ Awaiting::Flight { .. } => {
+                let pending = Pending::new(held, progress, awaiting, turns);
                 return self.resume(cx, pending);
             }
         };
@@ -564,7 +565,7 @@ impl Engine {
             generation: rule.keys.generation,
             algo: rule.algo,
             limit: &rule.limit,
-            max_delay: if self.can_pause {
+            max_delay: if self.resumes_elsewhere {
                 rule.max_wait
             } else {
                 Nanos::ZERO
@@ -799,7 +800,7 @@ impl Engine {
             holding: self.places.hold(places),
         };
         let after = (!after.is_empty()).then_some(after);
-        if !progress.delay.is_zero() && self.can_pause {
+        if !progress.delay.is_zero() && self.resumes_elsewhere {
             cx.metrics.event(Event::Delayed);
             Decision::Delay {
                 until: cx.now.saturating_add(progress.delay),

@@ -18,7 +18,7 @@
 //! `null` not at all. Those bytes are the identity, whatever the type
 //! ([`metadata_claim`]).
 
-use crate::actor::{NoMetadata, RequestFacts};
+use crate::facts::{NoMetadata, RequestFacts};
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use base64::Engine as _;
 use serde_json::Value;

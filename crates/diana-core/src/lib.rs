@@ -33,6 +33,7 @@ pub mod config;
 pub mod cx;
 pub mod decision;
 pub mod engine;
+pub mod facts;
 pub mod global;
 pub mod hash;
 pub mod jwt;

@@ -55,6 +55,10 @@ pub const MAX_BATCHES: usize = 1024;
 /// ([`Local::return_unspent`]) gives an idle worker's tokens back to the shared counter.
 pub const BATCH_SPAN: Nanos = Nanos::from_millis(250);
 
+// A record's visits are counted at half the batch span (the store keeps its own constant,
+// so that it needs nothing of this module).
+const _: () = assert!(crate::store::VISIT_GAP.get() * 2 == BATCH_SPAN.get());
+
 /// What a worker holds for one (rule, identity).
 #[derive(Debug, Clone)]
 struct Batch {

@@ -21,12 +21,13 @@
 mod common;
 
 use common::config;
-use diana_core::actor::{Identity, RequestFacts};
+use diana_core::actor::Identity;
 use diana_core::algo::{Algorithm, Verdict};
 use diana_core::config::{parse_policy, Policy, Rule};
 use diana_core::cx::Cx;
 use diana_core::decision::Decision;
 use diana_core::engine::Engine;
+use diana_core::facts::RequestFacts;
 use diana_core::metrics::NoMetrics;
 use diana_core::store::{CasSemantics, MemoryHost, SlotAddress, SlotTable, Store};
 use diana_core::time::{Instant, Nanos, Unit, NANOS_PER_SECOND};
@@ -247,7 +248,7 @@ fn requests(len: usize) -> impl Strategy<Value = Vec<Request>> {
 }
 
 fn engine_for(policy: Policy, pausing: bool) -> Engine {
-    Engine::new(policy).with_pausing(pausing)
+    Engine::new(policy).resuming_elsewhere(pausing)
 }
 
 proptest! {

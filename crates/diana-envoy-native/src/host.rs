@@ -14,8 +14,8 @@
 
 use crate::ffi::{self, ConfigRef, FilterRef};
 use crate::shared::SharedStore;
-use diana_core::actor::RequestFacts;
 use diana_core::call::{Answer, AnswerShape, Callout};
+use diana_core::facts::RequestFacts;
 use diana_core::properties::client_ip_from_address;
 use diana_core::store::{HostError, SetOutcome, SharedData};
 use diana_core::time::{Clock, Instant};

@@ -18,7 +18,7 @@
 //! (`user-agent`, `x-request-id`, `x-forwarded-for`, `:authority`/`host`); its client
 //! address is the last `X-Forwarded-For` entry unless a `client_ip` field gives it.
 
-use diana_core::actor::RequestFacts;
+use diana_core::facts::RequestFacts;
 use diana_core::properties::client_ip_from_address;
 use diana_core::time::{Instant, Nanos};
 use std::io::{self, BufRead};

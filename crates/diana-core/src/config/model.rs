@@ -2,8 +2,9 @@
 //! here, so nothing downstream interprets the document again.
 
 use super::pin::PinRefusal;
-use crate::actor::{ActorSource, Identity, RequestFacts, ReservedActor};
+use crate::actor::{ActorSource, Identity, ReservedActor};
 use crate::algo::{Algorithm, Limit};
+use crate::facts::RequestFacts;
 use crate::hash::{IdentityHasher, IdentityKey, KeyOrigin};
 use crate::jwt::{Claim, ClaimOrigin};
 use crate::secret::Secret;

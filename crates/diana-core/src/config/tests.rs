@@ -2,8 +2,9 @@
 //! class with its field path and position.
 
 use super::*;
-use crate::actor::{Identity, RequestFacts};
+use crate::actor::Identity;
 use crate::algo;
+use crate::facts::RequestFacts;
 use crate::time::Unit;
 use std::num::NonZeroU32;
 

@@ -22,7 +22,7 @@
 //! the request's own context dies with it ([`Engine::abandon_call`]: its grant is released
 //! from the next tick).
 
-use super::{Engine, EngineDecision, Held, Pending, PendingState, Stage};
+use super::{Awaiting, Engine, EngineDecision, Held, Pending, PendingState};
 use crate::algo::inflight::RENEW_EVERY;
 use crate::call::{Answer, AnswerShape, Callout};
 use crate::config::Scope;
@@ -200,10 +200,10 @@ impl Engine {
     /// A paused request went away: what it had charged is given back; parked, it leaves
     /// its flight; calling, its call is released (see [`Engine::abandon_call`]).
     pub fn abandon(&self, cx: &mut Cx<'_>, pending: Pending) {
-        let PendingState { held, stage, .. } = *pending.0;
-        match stage {
-            Stage::Asked(asked) => self.global.abandon_call(cx, &self.policy, asked),
-            Stage::Parked { rider, .. } => self.global.leave(rider),
+        let PendingState { held, awaiting, .. } = *pending.0;
+        match awaiting {
+            Awaiting::Answer(asked) => self.global.abandon_call(cx, &self.policy, asked),
+            Awaiting::Flight { rider, .. } => self.global.unpark(rider),
         }
         self.give_back_held(cx.shared, &held, cx.now, &mut NoMetrics);
     }
@@ -211,10 +211,10 @@ impl Engine {
     /// A paused request whose answer is lost, without a clock: its call settled, nothing
     /// written but the flights' and stash's own bookkeeping.
     fn forget(&self, shared: &dyn SharedData, pending: Pending) {
-        let PendingState { stage, .. } = *pending.0;
-        match stage {
-            Stage::Asked(asked) => self.global.forget_call(shared, &self.policy, asked),
-            Stage::Parked { rider, .. } => self.global.leave(rider),
+        let PendingState { awaiting, .. } = *pending.0;
+        match awaiting {
+            Awaiting::Answer(asked) => self.global.forget_call(shared, &self.policy, asked),
+            Awaiting::Flight { rider, .. } => self.global.unpark(rider),
         }
     }
 
@@ -222,13 +222,13 @@ impl Engine {
     /// one whose answer will never come): what the service granted serves later requests
     /// from the lease stash, and what the request held goes back.
     fn complete_for_nobody(&self, cx: &mut Cx<'_>, pending: Pending, answer: Answer) {
-        let PendingState { held, stage, .. } = *pending.0;
-        match stage {
-            Stage::Asked(asked) => {
+        let PendingState { held, awaiting, .. } = *pending.0;
+        match awaiting {
+            Awaiting::Answer(asked) => {
                 self.global
                     .interpret_for_nobody(cx, &self.policy, asked, answer)
             }
-            Stage::Parked { rider, .. } => self.global.leave(rider),
+            Awaiting::Flight { rider, .. } => self.global.unpark(rider),
         }
         self.give_back_held(cx.shared, &held, cx.now, &mut NoMetrics);
     }

@@ -670,7 +670,7 @@ fn a_failing_service_degrades_to_local_and_the_breaker_probes_after_retry_second
 fn a_host_that_cannot_pause_turns_a_wait_into_retry_after_and_reserves_nothing() {
     let doc = "Url: /\nrules:\n  - {algo: LB, rpu: 10, unit: second, burst: 2}\n";
     let mut h = Harness::new(doc);
-    h.engine = Engine::new(parse_policy(doc).unwrap()).with_pausing(false);
+    h.engine = Engine::new(parse_policy(doc).unwrap()).resuming_elsewhere(false);
     assert!(matches!(
         h.request("/", &Facts::default()),
         Decision::Allow { .. }
@@ -694,7 +694,7 @@ fn global_leaky_bucket_rules_use_the_wait_endpoint_where_the_host_cannot_pause()
         .contains(&(":path", "/v1/acquire".to_string())));
     let request: AcquireRequest = serde_json::from_slice(&callout.body).unwrap();
     assert_eq!(request.rules[0].max_delay_ms, Some(10_000));
-    h.engine = Engine::new(parse_policy(doc).unwrap()).with_pausing(false);
+    h.engine = Engine::new(parse_policy(doc).unwrap()).resuming_elsewhere(false);
     let (callout, _) = call(h.evaluate("/", &Facts::default()));
     assert!(callout.headers.contains(&(":path", "/v1/wait".to_string())));
     assert_eq!(callout.timeout_ms, 50 + 10_000);
@@ -1469,7 +1469,7 @@ fn leaky_buckets_and_hosts_that_cannot_resume_never_park() {
     let _second = call(h.evaluate("/", &Facts::default()));
     let tb = "resources:\n  - Url: /\n    rules: [{rpu: 100, unit: second, scope: global}]\n";
     let mut h = Harness::new(tb);
-    h.engine = Engine::new(parse_policy(tb).unwrap()).with_pausing(false);
+    h.engine = Engine::new(parse_policy(tb).unwrap()).resuming_elsewhere(false);
     let _first = call(h.evaluate("/", &Facts::default()));
     let _second = call(h.evaluate("/", &Facts::default()));
     assert_eq!(h.metrics.event_count(Event::GlobalCoalesced), 0);

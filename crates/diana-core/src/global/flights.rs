@@ -166,7 +166,7 @@ impl Flights {
                 return;
             }
         }
-        self.leave(rider);
+        self.unpark(rider);
     }
 
     /// The flights of `keys` have landed (answered, failed or abandoned): their riders are
@@ -234,7 +234,7 @@ impl Flights {
     }
 
     /// A parked request is gone (its client went away).
-    pub fn leave(&self, rider: RiderId) {
+    pub fn unpark(&self, rider: RiderId) {
         let Ok(mut inner) = self.inner.try_borrow_mut() else {
             return;
         };
@@ -383,7 +383,7 @@ mod tests {
         flights.take_off(&[KEY], at(50));
         let gone = flights.park(KEY, 1).unwrap();
         let stays = flights.park(KEY, 1).unwrap();
-        flights.leave(gone);
+        flights.unpark(gone);
         flights.land(&[KEY], at(10));
         assert_eq!(flights.woken(), vec![stays]);
         assert_eq!(flights.expected(KEY), 1);

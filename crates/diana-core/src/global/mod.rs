@@ -284,7 +284,7 @@ impl std::fmt::Display for InvalidAnswer {
 pub struct Global {
     spec: GlobalSpec,
     document_dry_run: bool,
-    can_pause: bool,
+    resumes_elsewhere: bool,
     store: Store,
     outage: Outage,
     stash: Stash,
@@ -308,11 +308,11 @@ pub struct Global {
 }
 
 impl Global {
-    pub fn new(policy: &Policy, can_pause: bool) -> Global {
+    pub fn new(policy: &Policy, resumes_elsewhere: bool) -> Global {
         Global {
             spec: policy.global.clone(),
             document_dry_run: policy.dry_run,
-            can_pause,
+            resumes_elsewhere,
             store: Store::new(),
             outage: Outage::new(policy.global.retry_seconds),
             stash: Stash::default(),
@@ -402,7 +402,7 @@ impl Global {
         // Leaky-bucket turns and concurrency places are per request: never coalesced
         // (see `flights`).
         let coalesced = |charge: &&GlobalCharge| {
-            self.can_pause
+            self.resumes_elsewhere
                 && policy
                     .rule(charge.index)
                     .is_some_and(|rule| !asks_alone(rule))
@@ -460,7 +460,7 @@ impl Global {
             .collect();
         self.flights.take_off(&flying, self.flight_deadline(cx.now));
         cx.metrics.event(Event::GlobalCallout);
-        let wait = !self.can_pause
+        let wait = !self.resumes_elsewhere
             && ask
                 .iter()
                 .filter_map(|charge| policy.rule(charge.index))
@@ -486,7 +486,7 @@ impl Global {
     /// can wait on a flight (Envoy): the call is a flight, and the requests that empty the
     /// stash before its answer park behind it instead of calling too.
     fn order_refill(&self, charge: &GlobalCharge, refill: RefillOrder) {
-        if !self.can_pause
+        if !self.resumes_elsewhere
             || self
                 .flights
                 .in_flight((charge.index, charge.address.fingerprint))
@@ -588,7 +588,7 @@ impl Global {
         request.cost = charge.cost;
         request.dry_run = self.dry_run(rule);
         if rule.algo.waits() {
-            request.max_delay_ms = Some(if self.can_pause {
+            request.max_delay_ms = Some(if self.resumes_elsewhere {
                 rule.max_wait.whole_millis()
             } else {
                 rule.max_wait
@@ -727,7 +727,11 @@ impl Global {
             }
             if took > 0 {
                 let delay = Nanos::saturating_from_millis(result.delay_ms);
-                if !delay.is_zero() && !self.can_pause && denial.is_none() && !self.dry_run(rule) {
+                if !delay.is_zero()
+                    && !self.resumes_elsewhere
+                    && denial.is_none()
+                    && !self.dry_run(rule)
+                {
                     // The service could not wait it all out and this host cannot hold it.
                     let report = RuleReport {
                         retry_after_seconds: ceil_seconds_at_least_one(delay),
@@ -999,8 +1003,8 @@ impl Global {
     }
 
     /// A parked request is gone.
-    pub fn leave(&self, rider: RiderId) {
-        self.flights.leave(rider);
+    pub fn unpark(&self, rider: RiderId) {
+        self.flights.unpark(rider);
     }
 
     /// A woken request plans again: it asks for itself from now on.

@@ -193,8 +193,9 @@ pub fn prepare(policy: &mut Policy, store: &Store, host: &dyn SharedData) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::actor::{Identity, RequestFacts};
+    use crate::actor::Identity;
     use crate::config::parse_policy;
+    use crate::facts::RequestFacts;
     use crate::store::{seal, CasSemantics, MemoryHost};
     use std::sync::{Arc, Barrier};
 

@@ -55,11 +55,12 @@ pub const CREATE_CAS: u32 = u32::MAX;
 /// How many times one update is retried when other workers keep winning the race.
 pub const MAX_CAS_ATTEMPTS: usize = 32;
 
-/// Two uses of a record at least this far apart are two visits ([`Eviction::FewestVisits`]);
+/// Two uses of a record at least this far apart are two visits ([`Eviction::FewestVisits`]):
+/// half a worker's batch span (`local::BATCH_SPAN`, which checks it);
 /// also how often a refused client's own record notes that it asked again (so a client that
 /// keeps being refused writes at most 8 times a second, and each worker's denial cache,
 /// [`crate::local::DENIAL_CACHE`], spaces its attempts further).
-pub const VISIT_GAP: Nanos = Nanos::new(crate::local::BATCH_SPAN.get() / 2);
+pub const VISIT_GAP: Nanos = Nanos::from_millis(125);
 
 /// What a newcomer does when both its candidate slots are held by active identities.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -322,7 +322,8 @@ impl Worker {
         if dropped > 0 {
             log::info!("diana: {dropped} rules left the configuration; their records are released");
         }
-        let engine = Engine::new(policy).with_pausing(self.profile.resumes_from_other_contexts);
+        let engine =
+            Engine::new(policy).resuming_elsewhere(self.profile.resumes_from_other_contexts);
         let counters = Counters::define(host, engine.rules());
         log::info!(
             "diana: {origin} configuration applied: {} resources, {} rules",
@@ -542,7 +543,7 @@ fn warn_if_unsigned(policy: &Policy) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::actor::RequestFacts;
+    use crate::facts::RequestFacts;
     use crate::store::{HostError, SetOutcome, SharedData};
     use crate::time::Clock;
     use crate::worker::sim::SimHost;

@@ -2,8 +2,8 @@
 //! ([`Host`]), and how hosts differ, as a value ([`HostProfile`]) rather than branches in
 //! each binding.
 
-use crate::actor::RequestFacts;
 use crate::call::{Callout, DispatchError};
+use crate::facts::RequestFacts;
 use crate::store::SharedData;
 use crate::time::Clock;
 

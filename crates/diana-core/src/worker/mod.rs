@@ -747,7 +747,7 @@ impl Worker {
                 step.pause = true;
             }
             Decision::Call(Call { callout, then }) => match self
-                .may_pause(host, now)
+                .may_hold_for_call(host, now)
                 .and_then(|()| self.dispatch(host, &callout))
             {
                 Ok(token) => {
@@ -852,7 +852,7 @@ impl Worker {
     /// Whether a request may pause for its call now: not for [`UNHELD_FOR`] after a
     /// worker saw this host run a paused request on. The refusal takes the path of a call
     /// not sent: decided locally, without pausing (and without blaming the service).
-    fn may_pause(&mut self, host: &dyn Host, now: Instant) -> Result<(), DispatchError> {
+    fn may_hold_for_call(&mut self, host: &dyn Host, now: Instant) -> Result<(), DispatchError> {
         let Some(directive) = self.profile.pausing_needs else {
             return Ok(());
         };

@@ -8,8 +8,8 @@
 
 use super::{CallToken, Command, ContextId, DispatchError, Host, HostProfile, MetricId};
 use super::{LocalReply, MetricKind, Refused, Worker};
-use crate::actor::RequestFacts;
 use crate::call::{Answer, Callout};
+use crate::facts::RequestFacts;
 use crate::quota::MemoryQuota;
 use crate::store::{identity, CasSemantics, HostError, MemoryHost, SetOutcome, SharedData, Store};
 use crate::time::{Clock, Instant, Nanos};

@@ -10,11 +10,12 @@
 use crate::rng::Rng;
 use crate::Target;
 use diana_core::actor::{
-    ip_identity, ActorSource, Fallback, HeaderActor, HeaderKind, Identity, RequestFacts, SourceKind,
+    ip_identity, ActorSource, Fallback, HeaderActor, HeaderKind, Identity, SourceKind,
 };
 use diana_core::config::parse_policy;
 use diana_core::cx::Cx;
 use diana_core::engine::Engine;
+use diana_core::facts::RequestFacts;
 use diana_core::hash::IdentityHasher;
 use diana_core::metrics::NoMetrics;
 use diana_core::store::{CasSemantics, MemoryHost};
