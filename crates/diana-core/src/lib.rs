@@ -25,6 +25,7 @@
 //! - [`signature`]: signed remote documents (HMAC-SHA256, Ed25519).
 //! - [`worker`]: one worker, sans IO: events in (with a host behind one trait), commands out.
 //! - [`quota`]: the quota service's decisions, pure, and an in-process quota service.
+//! - [`usage`]: token usage read from an LLM answer's body or stream, bounded; a request's reservation.
 
 pub mod actor;
 pub mod algo;
@@ -50,5 +51,6 @@ pub mod settle;
 pub mod signature;
 pub mod store;
 pub mod time;
+pub mod usage;
 pub mod wire;
 pub mod worker;
