@@ -15,6 +15,7 @@
 //! - [`metrics`]: metric names and the counters the engine reports.
 //! - [`wire`]: the global protocol, the filter ↔ quota service wire format and its limits.
 //! - [`global`]: the callout/lease/breaker state machine of global rules.
+//! - [`breaker`]: the circuit breaker of a resource's upstream: the state machine, its shared record.
 //! - [`lifecycle`]: releasing the shared-data records of rules a new document dropped.
 //! - [`settle`]: settling what a request took up front once its answer is known.
 //! - [`nginx`]: how large nginx's `shm_kv` zone must be for a document.
@@ -29,6 +30,7 @@
 
 pub mod actor;
 pub mod algo;
+pub mod breaker;
 pub mod config;
 pub mod decision;
 pub mod engine;
