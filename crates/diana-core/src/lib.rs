@@ -27,10 +27,12 @@
 //! - [`worker`]: one worker, sans IO: events in (with a host behind one trait), commands out.
 //! - [`quota`]: the quota service's decisions, pure, and an in-process quota service.
 //! - [`usage`]: token usage read from an LLM answer's body or stream, bounded; a request's reservation.
+//! - [`calendar`]: calendar periods (ISO weeks, months) in an IANA time zone, for calendar budgets.
 
 pub mod actor;
 pub mod algo;
 pub mod breaker;
+pub mod calendar;
 pub mod config;
 pub mod decision;
 pub mod engine;
