@@ -28,6 +28,7 @@
 //! - [`quota`]: the quota service's decisions, pure, and an in-process quota service.
 //! - [`usage`]: token usage read from an LLM answer's body or stream, bounded; a request's reservation.
 //! - [`calendar`]: calendar periods (ISO weeks, months) in an IANA time zone, for calendar budgets.
+//! - [`hot`]: who is hot: heavy hitters (Space-Saving) in fixed memory, mergeable, by the minute.
 
 pub mod actor;
 pub mod algo;
@@ -38,6 +39,7 @@ pub mod decision;
 pub mod engine;
 pub mod global;
 pub mod hash;
+pub mod hot;
 pub mod jwt;
 pub mod lifecycle;
 pub mod local;
