@@ -645,8 +645,13 @@ impl Table {
 }
 
 /// The indexes of the set bits of `mask`.
-fn bits(mask: u16) -> impl Iterator<Item = usize> {
-    (0..MAX_TARGETS).filter(move |&bit| mask & (1 << bit) != 0)
+fn bits(mut mask: u16) -> impl Iterator<Item = usize> {
+    std::iter::from_fn(move || {
+        let bit = mask.trailing_zeros();
+        // Clear the lowest set bit.
+        mask &= mask.wrapping_sub(1);
+        (bit < u16::BITS).then_some(bit as usize)
+    })
 }
 
 // ---------------------------------------------------------------------------------------
@@ -906,18 +911,17 @@ impl Json {
         let mut at = 0;
         loop {
             if let Lex::Str {
-                key: false,
+                key,
                 escape: Escape::None,
             } = self.lex
             {
-                // A value's string: skip to what ends or escapes it.
-                let rest = bytes.get(at..).unwrap_or_default();
-                match rest
-                    .iter()
-                    .position(|&b| b == b'"' || b == b'\\' || b < 0x20)
-                {
-                    Some(run) => at += run,
-                    None => return Ok(()),
+                if key && self.key_mask != 0 {
+                    // A key that may be on a path: byte by byte.
+                } else if let Some(run) = string_stop(bytes.get(at..).unwrap_or_default()) {
+                    // A value's string, or a key on no path: skip to what ends or escapes it.
+                    at += run;
+                } else {
+                    return Ok(());
                 }
             }
             let Some(&byte) = bytes.get(at) else {
@@ -1506,17 +1510,11 @@ impl Reader {
                 Line::Comment | Line::Value { data: false } => {
                     // Skip to the end of the line.
                     let rest = chunk.get(at..).unwrap_or_default();
-                    at += rest
-                        .iter()
-                        .position(|&b| b == b'\r' || b == b'\n')
-                        .unwrap_or(rest.len());
+                    at += line_end(rest).unwrap_or(rest.len());
                 }
                 Line::Value { data: true } => {
                     let rest = chunk.get(at..).unwrap_or_default();
-                    let run = rest
-                        .iter()
-                        .position(|&b| b == b'\r' || b == b'\n')
-                        .unwrap_or(rest.len());
+                    let run = line_end(rest).unwrap_or(rest.len());
                     let data = rest.get(..run).unwrap_or_default();
                     self.event_data(sse, base + at as u64, data);
                     at += run;
@@ -1643,6 +1641,71 @@ impl Reader {
             Ok(None) => Err(first_broken.map_or(NoValue::Absent, NoValue::Malformed)),
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// Scanning runs of bytes eight at a time (the bytes of strings and of lines are most of a
+// body): a word is looked at byte by byte only if it holds a byte that stops the run.
+
+const ONES: u64 = u64::from_le_bytes([0x01; 8]);
+const HIGHS: u64 = u64::from_le_bytes([0x80; 8]);
+
+/// Whether a byte of `word` is zero.
+const fn has_zero(word: u64) -> bool {
+    word.wrapping_sub(ONES) & !word & HIGHS != 0
+}
+
+/// Whether a byte of `word` equals `byte`.
+const fn has_byte(word: u64, byte: u8) -> bool {
+    has_zero(word ^ (ONES * byte as u64))
+}
+
+/// Whether a byte of `word` is below `bound` (at most 128).
+const fn has_below(word: u64, bound: u8) -> bool {
+    word.wrapping_sub(ONES * bound as u64) & !word & HIGHS != 0
+}
+
+/// The offset of the first byte of `bytes` for which `stops`, looking at eight at a time
+/// with `word_stops` (true if any of a word's bytes stops).
+fn scan(
+    bytes: &[u8],
+    stops: impl Fn(u8) -> bool,
+    word_stops: impl Fn(u64) -> bool,
+) -> Option<usize> {
+    let mut words = bytes.chunks_exact(8);
+    let mut at = 0;
+    for word in &mut words {
+        let stop = <[u8; 8]>::try_from(word).map_or(true, |w| word_stops(u64::from_le_bytes(w)));
+        if stop {
+            if let Some(found) = word.iter().position(|&b| stops(b)) {
+                return Some(at + found);
+            }
+        }
+        at += 8;
+    }
+    words
+        .remainder()
+        .iter()
+        .position(|&b| stops(b))
+        .map(|found| at + found)
+}
+
+/// Where a string's plain run ends: a quote, a backslash or a control character.
+fn string_stop(bytes: &[u8]) -> Option<usize> {
+    scan(
+        bytes,
+        |b| b == b'"' || b == b'\\' || b < 0x20,
+        |w| has_byte(w, b'"') || has_byte(w, b'\\') || has_below(w, 0x20),
+    )
+}
+
+/// Where a line ends: CR or LF.
+fn line_end(bytes: &[u8]) -> Option<usize> {
+    scan(
+        bytes,
+        |b| b == b'\r' || b == b'\n',
+        |w| has_byte(w, b'\r') || has_byte(w, b'\n'),
+    )
 }
 
 /// The next state of matching a field name against `data`.

@@ -923,3 +923,15 @@ fn the_reader_is_small() {
     assert!(std::mem::size_of::<UsageReader>() <= READER_BYTES_MAX);
     assert!(std::mem::size_of::<RequestReader>() <= READER_BYTES_MAX);
 }
+
+proptest! {
+    #[test]
+    fn scanning_eight_bytes_at_a_time_finds_what_a_byte_at_a_time_finds(
+        bytes in proptest::collection::vec(prop_oneof![any::<u8>(), 0x20u8..0x7f, Just(b'a')], 0..64),
+    ) {
+        let naive_string = bytes.iter().position(|&b| b == b'"' || b == b'\\' || b < 0x20);
+        prop_assert_eq!(string_stop(&bytes), naive_string);
+        let naive_line = bytes.iter().position(|&b| b == b'\r' || b == b'\n');
+        prop_assert_eq!(line_end(&bytes), naive_line);
+    }
+}
