@@ -14,7 +14,12 @@
 //! - [`response`]: the rejection response and rate-limit headers.
 //! - [`metrics`]: metric names and the counters the engine reports.
 //! - [`wire`]: the global protocol, the filter ↔ quota service wire format and its limits.
-//! - [`global`]: the callout/lease/breaker state machine of global rules.
+//! - [`global`]: plans the calls of global rules and reads their answers (lease stash, outage switch).
+//! - [`call`]: a call to the quota service or config center, and its answer, as values.
+//! - [`places`]: concurrency places, from admission to their return.
+//! - [`cx`]: what every step of one event works with (shared data, the instant, metrics).
+//! - [`facts`]: what the filter knows of a request (headers, client address, metadata).
+//! - [`breaker`]: the circuit breaker of a resource's upstream: the state machine, its shared record.
 //! - [`lifecycle`]: releasing the shared-data records of rules a new document dropped.
 //! - [`settle`]: settling what a request took up front once its answer is known.
 //! - [`nginx`]: how large nginx's `shm_kv` zone must be for a document.
@@ -25,9 +30,14 @@
 //! - [`signature`]: signed remote documents (HMAC-SHA256, Ed25519).
 //! - [`worker`]: one worker, sans IO: events in (with a host behind one trait), commands out.
 //! - [`quota`]: the quota service's decisions, pure, and an in-process quota service.
+//! - [`usage`]: token usage read from an LLM answer's body or stream, bounded; a request's reservation.
+//! - [`calendar`]: calendar periods (ISO weeks, months) in an IANA time zone, for calendar budgets.
+//! - [`hot`]: who is hot: heavy hitters (Space-Saving) in fixed memory, mergeable, by the minute.
 
 pub mod actor;
 pub mod algo;
+pub mod breaker;
+pub mod calendar;
 pub mod call;
 pub mod config;
 pub mod cx;
@@ -36,6 +46,7 @@ pub mod engine;
 pub mod facts;
 pub mod global;
 pub mod hash;
+pub mod hot;
 pub mod jwt;
 pub mod lifecycle;
 pub mod local;
@@ -54,5 +65,6 @@ pub mod settle;
 pub mod signature;
 pub mod store;
 pub mod time;
+pub mod usage;
 pub mod wire;
 pub mod worker;
