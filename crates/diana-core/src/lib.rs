@@ -24,6 +24,7 @@
 //! - [`settle`]: settling what a request took up front once its answer is known.
 //! - [`nginx`]: how large nginx's `shm_kv` zone must be for a document.
 //! - [`remote`]: polling the config center and sharing its document with every worker.
+//! - [`report`]: the tick's report to the quota service (the fleet's breakers, the fleet view).
 //! - [`properties`]: host property values (Envoy vs nginx spellings).
 //! - [`logline`]: one `diana:` per log line, whatever the host prefixes.
 //! - [`secret`]: secrets the document carries, never shown (`Debug`, logs, plans).
@@ -59,6 +60,7 @@ pub mod places;
 pub mod properties;
 pub mod quota;
 pub mod remote;
+pub mod report;
 pub mod response;
 pub mod secret;
 pub mod settle;
