@@ -52,7 +52,18 @@ fn carry_out(current: ContextId, commands: Vec<Command>) {
                 }
             }
             Command::Reply(context, reply) if enter(context) => send(&reply),
-            Command::Resume(_) | Command::Reply(..) => {}
+            Command::EditRequest(context, edits) if enter(context) => {
+                for edit in edits {
+                    if let Err(status) = hostcalls::set_map_value(
+                        MapType::HttpRequestHeaders,
+                        &edit.name,
+                        edit.value.as_deref(),
+                    ) {
+                        log::debug!("diana: cannot set request header {}: {status:?}", edit.name);
+                    }
+                }
+            }
+            Command::Resume(_) | Command::Reply(..) | Command::EditRequest(..) => {}
             Command::AddHeaders(headers) if enter(current) => {
                 for (name, value) in headers {
                     if let Err(status) =

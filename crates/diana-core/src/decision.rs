@@ -4,6 +4,7 @@
 //! Complete data, so that the host glue only moves bytes: a rejection carries its status,
 //! body and headers; a call carries its upstream, headers, body and timeout.
 
+use crate::breaker::Probe;
 use crate::local::Taken;
 use crate::places::HoldingId;
 use crate::response::Rejection;
@@ -14,17 +15,20 @@ use crate::time::Instant;
 /// `W` what a request parked behind another request's call needs to be planned again.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Decision<C, W> {
-    /// Let it through now, adding these headers to the response; once the upstream has
-    /// answered, hand `after` back with the response headers it names.
+    /// Let it through now, with `upstream`'s changes to its own headers, adding `headers`
+    /// to the response; once the upstream has answered, hand `after` back with the
+    /// response headers it names.
     Allow {
         headers: Vec<(&'static str, String)>,
         after: Option<AfterResponse>,
+        upstream: Vec<HeaderEdit>,
     },
     /// Let it through at `until` (leaky bucket): pause it and resume it then.
     Delay {
         until: Instant,
         headers: Vec<(&'static str, String)>,
         after: Option<AfterResponse>,
+        upstream: Vec<HeaderEdit>,
     },
     /// Answer with this local reply.
     Reject(Rejection),
@@ -45,6 +49,27 @@ pub struct AfterResponse {
     /// Concurrency places the request holds until it ends (`max_in_flight`): the
     /// engine keeps them ([`crate::places::Holdings`]), the request this id.
     pub(crate) holding: Option<HoldingId>,
+    /// The breakers whose upstream this request is a call to (DESIGN §4b), judged when its
+    /// response headers come (or it ends without them).
+    pub(crate) breakers: Vec<BreakerCall>,
+    /// When the request left Diana (the start of its breakers' calls).
+    pub(crate) left_at: Instant,
+}
+
+/// One breaker's call: the request goes to the breaker's upstream, as a probe when the
+/// breaker is half-open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct BreakerCall {
+    pub breaker: usize,
+    pub probe: Option<Probe>,
+}
+
+/// A change Diana makes to a request's own headers before it goes on: set `name` to
+/// `value`, or remove it (`None`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeaderEdit {
+    pub name: String,
+    pub value: Option<String>,
 }
 
 /// One rule of an admitted request, to settle with its answer.
@@ -90,7 +115,12 @@ impl AfterResponse {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.charges.is_empty() && self.holding.is_none()
+        self.charges.is_empty() && self.holding.is_none() && self.breakers.is_empty()
+    }
+
+    /// True when the response's status is read (a breaker judges the call).
+    pub fn reads_status(&self) -> bool {
+        !self.breakers.is_empty()
     }
 
     /// The concurrency places the request holds until it ends.

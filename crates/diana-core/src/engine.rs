@@ -18,15 +18,17 @@
 //! calls due; [`Engine::answered`] takes any answer ([`calls`]). Every step is handed the
 //! event's [`Cx`]: shared data, the instant, the metrics.
 
+mod breakers;
 mod calls;
 
 pub use calls::{Call, Then};
 
 use crate::actor::Identity;
 use crate::call::Answer;
+use crate::config::Resource;
 use crate::config::{PlanSource, Policy, Rule, Scope};
 use crate::cx::Cx;
-use crate::decision::{AfterResponse, Decision, Reserved, ResponseCharge};
+use crate::decision::{AfterResponse, BreakerCall, Decision, HeaderEdit, Reserved, ResponseCharge};
 use crate::facts::RequestFacts;
 use crate::global::debts::Debt;
 use crate::global::flights::RiderId;
@@ -40,6 +42,7 @@ use crate::places::{Holdings, Place, PlaceAt, ServicePlace};
 use crate::response::{admitted_rule_headers, Rejection, RuleReport};
 use crate::store::{ChargeError, SharedData, SlotAddress, SlotTable};
 use crate::time::{ceil_seconds, ceil_seconds_at_least_one, Instant, Nanos};
+use breakers::Breakers;
 use smallvec::SmallVec;
 
 /// The rules of one request are few: these lists stay on the stack (no allocation on the
@@ -139,6 +142,11 @@ struct Progress {
     after: Vec<ResponseCharge>,
     /// Concurrency places the quota service granted, held until the request ends.
     service_places: Vec<ServicePlace>,
+    /// The breakers the request is a call of (probes among them): given back if a rule
+    /// rejects it, judged once it has been answered.
+    breakers: Vec<BreakerCall>,
+    /// Changes to the request's own headers (a breaker's fallback header).
+    upstream: Vec<HeaderEdit>,
 }
 
 impl Progress {
@@ -217,12 +225,15 @@ pub struct Engine {
     global: Global,
     /// The concurrency places of the requests inside.
     places: Holdings,
+    /// The resources' breakers, as this worker follows them.
+    breakers: Breakers,
 }
 
 impl Engine {
     pub fn new(policy: Policy) -> Engine {
         let needs_path = !matches!(policy.resources.as_slice(), [only] if only.url == "/");
         let global = Global::new(&policy, true);
+        let breakers = Breakers::new(&policy);
         Engine {
             policy,
             needs_path,
@@ -230,6 +241,7 @@ impl Engine {
             local: Local::new(),
             global,
             places: Holdings::default(),
+            breakers,
         }
     }
 
@@ -275,15 +287,38 @@ impl Engine {
         raw_path: &[u8],
         facts: &dyn RequestFacts,
     ) -> EngineDecision {
-        let applicable = self.applicable(raw_path, facts);
-        if applicable.local.is_empty() && applicable.global.is_empty() {
+        let path = if self.needs_path {
+            path::normalize(raw_path)
+        } else {
+            std::borrow::Cow::Borrowed(&b"/"[..])
+        };
+        let resources: Few<&Resource> = matching::matching(&self.policy, &path)
+            .map(|(_, resource)| resource)
+            .collect();
+        let passed = if self.breakers.is_empty() {
+            breakers::Passed::default()
+        } else {
+            match self.breakers.check(cx, self.local.store(), &resources) {
+                Ok(passed) => passed,
+                Err(fast_fail) => return self.fail_fast(fast_fail),
+            }
+        };
+        let applicable = self.applicable(&resources, facts);
+        if applicable.local.is_empty()
+            && applicable.global.is_empty()
+            && passed.calls.is_empty()
+            && passed.upstream.is_empty()
+        {
             return Decision::Allow {
                 headers: Vec::new(),
                 after: None,
+                upstream: Vec::new(),
             };
         }
         let mut progress = Progress {
             after: applicable.after,
+            breakers: passed.calls,
+            upstream: passed.upstream,
             ..Progress::default()
         };
         let mut held = Few::new();
@@ -509,12 +544,11 @@ impl Engine {
 
     /// The rules that apply to a request, each with its identity and cost, in charging
     /// order (see the module docs).
-    fn applicable(&self, raw_path: &[u8], facts: &dyn RequestFacts) -> Applicable<'_> {
-        let path = if self.needs_path {
-            path::normalize(raw_path)
-        } else {
-            std::borrow::Cow::Borrowed(&b"/"[..])
-        };
+    fn applicable<'p>(
+        &'p self,
+        resources: &[&'p Resource],
+        facts: &dyn RequestFacts,
+    ) -> Applicable<'p> {
         let mut applicable = Applicable {
             local: Few::new(),
             global: Few::new(),
@@ -522,7 +556,7 @@ impl Engine {
         };
         let mut waiting: Few<(&Rule, SlotAddress, u32)> = Few::new();
         let mut plans = PlansRead::default();
-        for (_, resource) in matching::matching(&self.policy, &path) {
+        for resource in resources {
             for rule in &resource.rules {
                 if let Some(choice) = &rule.plan {
                     if !choice.selects(plans.read(&choice.by, facts)) {
@@ -590,7 +624,7 @@ impl Engine {
             .charge(cx.shared, &table, rule, address, cost, cx.now)
         {
             Err(ChargeError::Host(error)) => {
-                // The cx.shared store itself failed: a defined behaviour, admit uncounted.
+                // The host store itself failed: a defined behaviour, admit uncounted.
                 log::warn!("diana: rule {}: {error}; request admitted", rule.name);
                 cx.metrics.event(Event::StoreError);
                 Ok(())
@@ -705,12 +739,28 @@ impl Engine {
         rejection: Rejection,
     ) -> EngineDecision {
         self.give_back_held(cx.shared, &held, cx.now, cx.metrics);
+        // Not a call of its breakers: the probes' places go back.
+        self.breakers
+            .give_back(cx, self.local.store(), &progress.breakers);
         for (index, event) in progress.tally {
             if event != RuleEvent::Allowed {
                 cx.metrics.rule_event(index, event);
             }
         }
         Decision::Reject(rejection)
+    }
+
+    /// A breaker answers the request itself: the document's response, naming it.
+    fn fail_fast(&self, fast_fail: breakers::FastFail) -> EngineDecision {
+        let name = self
+            .breakers
+            .spec(fast_fail.breaker)
+            .map_or("", |spec| spec.settings.name.as_str());
+        Decision::Reject(Rejection::breaker(
+            &self.policy.response,
+            name,
+            fast_fail.retry_after,
+        ))
     }
 
     /// Gives back every local charge of a request that will not pass.
@@ -795,20 +845,31 @@ impl Engine {
             renewed: cx.now,
         });
         let places: Vec<Place> = local_places.chain(service_places).collect();
+        let delayed = !progress.delay.is_zero() && self.resumes_elsewhere;
+        let until = cx.now.saturating_add(progress.delay);
         let after = AfterResponse {
             charges: progress.after,
             holding: self.places.hold(places),
+            breakers: progress.breakers,
+            // A request held for its leaky-bucket turn leaves Diana then.
+            left_at: if delayed { until } else { cx.now },
         };
         let after = (!after.is_empty()).then_some(after);
-        if !progress.delay.is_zero() && self.resumes_elsewhere {
+        let upstream = progress.upstream;
+        if delayed {
             cx.metrics.event(Event::Delayed);
             Decision::Delay {
-                until: cx.now.saturating_add(progress.delay),
+                until,
                 headers,
                 after,
+                upstream,
             }
         } else {
-            Decision::Allow { headers, after }
+            Decision::Allow {
+                headers,
+                after,
+                upstream,
+            }
         }
     }
 

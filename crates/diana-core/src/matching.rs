@@ -99,6 +99,7 @@ mod tests {
                 .map(|url| Resource {
                     url: url.to_string(),
                     rules: Vec::new(),
+                    breaker: None,
                 })
                 .collect(),
             response: ResponseSpec::default(),

@@ -29,6 +29,75 @@ impl RuleEvent {
     }
 }
 
+/// Per-breaker counters (DESIGN §4b), beside the state gauge ([`breaker_metric_name`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BreakerEvent {
+    /// A request went to the breaker's upstream and its outcome was judged.
+    Calls,
+    /// ... and it was slow.
+    Slow,
+    /// ... and it failed (a failure status, a reset, a timeout).
+    Failed,
+    /// A request failed fast (answered, or sent to the fallback) while open or half-open.
+    FastFailed,
+    /// The breaker changed state (each transition once per gateway, by the worker that
+    /// made it).
+    Transitions,
+}
+
+impl BreakerEvent {
+    pub const ALL: [BreakerEvent; 5] = [
+        BreakerEvent::Calls,
+        BreakerEvent::Slow,
+        BreakerEvent::Failed,
+        BreakerEvent::FastFailed,
+        BreakerEvent::Transitions,
+    ];
+
+    fn suffix(self) -> &'static str {
+        match self {
+            BreakerEvent::Calls => "calls",
+            BreakerEvent::Slow => "slow",
+            BreakerEvent::Failed => "failed",
+            BreakerEvent::FastFailed => "fast_failed",
+            BreakerEvent::Transitions => "transitions",
+        }
+    }
+}
+
+/// The state gauge of a breaker: 0 closed, 1 open, 2 half-open.
+pub const BREAKER_STATE: &str = "state";
+
+/// `diana_breaker_<event>.<breaker>` (or `diana_breaker_state.<breaker>` for the gauge):
+/// shown with a `breaker` label in Prometheus text, as the rules' with `rule`.
+pub fn breaker_metric_name(breaker_stat_name: &str, family: &str) -> String {
+    format!("diana_breaker_{family}.{breaker_stat_name}")
+}
+
+/// The label that carries the breaker of a breaker metric in Prometheus text.
+pub const BREAKER_LABEL: &str = "breaker";
+
+/// The `regex` of the Envoy `stats_config.stats_tags` entry (with `tag_name: breaker`)
+/// for the breakers' metrics (see [`envoy_rule_tag_regex`]).
+pub fn envoy_breaker_tag_regex() -> String {
+    let mut families: Vec<&str> = BreakerEvent::ALL
+        .iter()
+        .map(|event| event.suffix())
+        .collect();
+    families.push(BREAKER_STATE);
+    format!(
+        r"^wasmcustom\.diana_breaker_(?:{})(\.([A-Za-z0-9_]+))$",
+        families.join("|")
+    )
+}
+
+impl BreakerEvent {
+    /// Its metric family (`calls`, `slow`, …).
+    pub fn family(self) -> &'static str {
+        self.suffix()
+    }
+}
+
 /// Process-wide counters and gauges.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Event {
@@ -83,13 +152,16 @@ pub enum Event {
     ConfigRejected,
     /// The config center could not be reached or answered an error.
     ConfigFetchError,
+    /// A report to the quota service (the fleet's breakers) went unanswered, or its answer
+    /// was refused: its calls go into the next one.
+    ReportFailed,
     /// A remote document was refused because the local document does not let it in
     /// (a pinned field changed, or a missing or bad signature: DESIGN §6).
     ConfigRemoteRefused,
 }
 
 impl Event {
-    pub const ALL: [Event; 22] = [
+    pub const ALL: [Event; 23] = [
         Event::StoreError,
         Event::StoreContention,
         Event::ClockError,
@@ -112,6 +184,7 @@ impl Event {
         Event::ConfigRejected,
         Event::ConfigFetchError,
         Event::ConfigRemoteRefused,
+        Event::ReportFailed,
     ];
 
     pub fn name(self) -> &'static str {
@@ -138,6 +211,7 @@ impl Event {
             Event::ConfigRejected => "diana_config_rejected",
             Event::ConfigFetchError => "diana_config_fetch_errors",
             Event::ConfigRemoteRefused => "diana_config_remote_refused",
+            Event::ReportFailed => "diana_report_failures",
         }
     }
 }
@@ -219,10 +293,13 @@ pub fn prometheus_text<'a>(values: impl IntoIterator<Item = (&'a str, u64, bool)
         let kind = if gauge { "gauge" } else { "counter" };
         text.push_str(&format!("# TYPE {family} {kind}\n"));
         for (rule, value) in samples {
+            let label = if family.starts_with("diana_breaker_") {
+                BREAKER_LABEL
+            } else {
+                RULE_LABEL
+            };
             match rule {
-                Some(rule) => {
-                    text.push_str(&format!("{family}{{{RULE_LABEL}=\"{rule}\"}} {value}\n"))
-                }
+                Some(rule) => text.push_str(&format!("{family}{{{label}=\"{rule}\"}} {value}\n")),
                 None => text.push_str(&format!("{family} {value}\n")),
             }
         }
@@ -239,8 +316,14 @@ pub trait MetricSink {
     }
     /// `count` occurrences of `event` at once (places counted by the place).
     fn events(&mut self, event: Event, count: u64);
-    /// The circuit breaker opened (`true`) or closed (`false`): the [`DEGRADED_GAUGE`].
+    /// The quota service's outage switch opened (`true`) or closed (`false`): the
+    /// [`DEGRADED_GAUGE`].
     fn degraded(&mut self, on: bool);
+    /// `count` occurrences of a breaker's `event` (`breaker`: its index among the policy's
+    /// breakers).
+    fn breaker_event(&mut self, _breaker: usize, _event: BreakerEvent, _count: u64) {}
+    /// A breaker's state as this worker last saw it: 0 closed, 1 open, 2 half-open.
+    fn breaker_state(&mut self, _breaker: usize, _state: u8) {}
 }
 
 /// A sink that drops everything.
@@ -259,6 +342,8 @@ pub struct CountingMetrics {
     pub rules: std::collections::BTreeMap<(usize, &'static str), u64>,
     pub events: std::collections::BTreeMap<&'static str, u64>,
     pub degraded: bool,
+    pub breakers: std::collections::BTreeMap<(usize, &'static str), u64>,
+    pub breaker_states: std::collections::BTreeMap<usize, u8>,
 }
 
 impl CountingMetrics {
@@ -271,6 +356,12 @@ impl CountingMetrics {
     pub fn event_count(&self, event: Event) -> u64 {
         self.events.get(event.name()).copied().unwrap_or(0)
     }
+    pub fn breaker(&self, breaker: usize, event: BreakerEvent) -> u64 {
+        self.breakers
+            .get(&(breaker, event.suffix()))
+            .copied()
+            .unwrap_or(0)
+    }
 }
 
 impl MetricSink for CountingMetrics {
@@ -282,6 +373,12 @@ impl MetricSink for CountingMetrics {
     }
     fn degraded(&mut self, on: bool) {
         self.degraded = on;
+    }
+    fn breaker_event(&mut self, breaker: usize, event: BreakerEvent, count: u64) {
+        *self.breakers.entry((breaker, event.suffix())).or_default() += count;
+    }
+    fn breaker_state(&mut self, breaker: usize, state: u8) {
+        self.breaker_states.insert(breaker, state);
     }
 }
 

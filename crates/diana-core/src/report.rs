@@ -102,6 +102,44 @@ pub struct FleetParams {
     pub probe_timeout_ms: u64,
 }
 
+impl FleetParams {
+    /// The fleet parameters of a breaker's settings.
+    pub fn of(settings: &crate::breaker::Settings) -> FleetParams {
+        let params = settings.params();
+        FleetParams {
+            slow_ratio_ppm: params.slow_ratio.map_or(0, |ratio| ratio.ppm()),
+            failure_ratio_ppm: params.failure_ratio.map_or(0, |ratio| ratio.ppm()),
+            min_calls: params.min_calls.get(),
+            window_seconds: params.window.seconds(),
+            open_ms: params.open_for.whole_millis(),
+            half_open_calls: params.half_open_calls.get(),
+            probe_timeout_ms: params.probe_timeout.whole_millis(),
+        }
+    }
+
+    /// The fleet's key of breaker `name` with these parameters: 16 hex digits of a hash
+    /// of both, so that gateways whose parameters differ follow states of their own.
+    pub fn key(&self, name: &str) -> String {
+        let text = format!(
+            "{name}\0{}:{}:{}:{}:{}:{}:{}",
+            self.slow_ratio_ppm,
+            self.failure_ratio_ppm,
+            self.min_calls,
+            self.window_seconds,
+            self.open_ms,
+            self.half_open_calls,
+            self.probe_timeout_ms
+        );
+        format!(
+            "{:016x}",
+            crate::hash::hash64(FLEET_KEY_SEED, text.as_bytes())
+        )
+    }
+}
+
+/// Seed of the hash behind a breaker's fleet key.
+const FLEET_KEY_SEED: u64 = 0x6469_616e_615f_666b; // "diana_fk"
+
 /// One rule's counts and hottest identities since the previous report.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -356,7 +394,8 @@ mod tests {
 
     #[test]
     fn bounds_are_enforced_naming_the_field() {
-        let cases: Vec<(Box<dyn Fn(&mut ReportRequest)>, &str)> = vec![
+        type Change = Box<dyn Fn(&mut ReportRequest)>;
+        let cases: Vec<(Change, &str)> = vec![
             (Box::new(|r| r.gateway = String::new()), "gateway"),
             (Box::new(|r| r.gateway = "a b".into()), "gateway"),
             (Box::new(|r| r.interval_ms = 0), "interval_ms"),

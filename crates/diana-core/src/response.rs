@@ -160,6 +160,36 @@ impl Rejection {
         Rejection::build(spec, None, report)
     }
 
+    /// The fast-fail answer of an open (or full half-open) breaker named `name`: the
+    /// document's response, `Retry-After` the seconds until it probes again, and the
+    /// rate-limit fields as for a limit that has nothing left (`limit` 0), naming the
+    /// breaker in the IETF fields (`RateLimit-Policy: "<name>";q=0`).
+    pub fn breaker(spec: &ResponseSpec, name: &str, retry_after_seconds: u64) -> Rejection {
+        let report = RuleReport {
+            limit: 0,
+            remaining: 0,
+            reset_seconds: retry_after_seconds,
+            retry_after_seconds,
+        };
+        let mut headers = vec![(RETRY_AFTER, retry_after_seconds.to_string())];
+        if spec.headers != HeaderMode::None {
+            if spec.header_style.x_ratelimit() {
+                headers.extend(report.headers());
+            }
+            if spec.header_style.ietf() {
+                let name = sf_string(name);
+                headers.push((RATELIMIT_POLICY, format!("{name};q=0")));
+                headers.push((RATELIMIT, format!("{name};r=0;t={retry_after_seconds}")));
+            }
+        }
+        Rejection {
+            status: spec.status,
+            body: spec.body.clone(),
+            headers,
+            rule: name.to_string(),
+        }
+    }
+
     fn build(spec: &ResponseSpec, rule: Option<&Rule>, report: &RuleReport) -> Rejection {
         let mut headers = vec![(RETRY_AFTER, report.retry_after_seconds.to_string())];
         if spec.headers != HeaderMode::None {

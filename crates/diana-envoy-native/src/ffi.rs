@@ -183,6 +183,12 @@ extern "C" {
         key: Buf,
         value: Buf,
     ) -> bool;
+    fn envoy_dynamic_module_callback_http_set_header(
+        filter: *mut c_void,
+        header_type: i32,
+        key: Buf,
+        value: Buf,
+    ) -> bool;
     fn envoy_dynamic_module_callback_http_send_response(
         filter: *mut c_void,
         status_code: u32,
@@ -436,6 +442,21 @@ impl FilterRef {
                 HEADER_RESPONSE,
                 Buf::of(name.as_bytes()),
                 Buf::of(value.as_bytes()),
+            )
+        }
+    }
+
+    /// Sets a request header to `value`, replacing every value it had; `None` removes it
+    /// (Envoy takes a null value pointer for a removal: `Buf::EMPTY`'s).
+    pub fn set_request_header(self, name: &str, value: Option<&str>) -> bool {
+        let value = value.map_or(Buf::EMPTY, |value| Buf::of(value.as_bytes()));
+        // SAFETY: invariants 1 and 3.
+        unsafe {
+            envoy_dynamic_module_callback_http_set_header(
+                self.0,
+                HEADER_REQUEST,
+                Buf::of(name.as_bytes()),
+                value,
             )
         }
     }

@@ -37,6 +37,7 @@ use crate::ffi::{
 pub use crate::host::RawAnswer;
 use crate::host::{self, Metrics, NativeHost};
 use crate::timer;
+use diana_core::decision::HeaderEdit;
 use diana_core::time::{Instant, Nanos};
 use diana_core::worker::{
     Answer, CallToken, Command, ContextId, Host, HostProfile, LocalReply, Step, Worker,
@@ -94,6 +95,7 @@ struct Paused {
 enum Deferred {
     Resume,
     Reply(LocalReply),
+    Edit(Vec<HeaderEdit>),
 }
 
 /// Where a worker event runs, and so where its calls go.
@@ -421,6 +423,10 @@ impl Core {
                 Command::Reply(context, reply) if Some(context) == current => {
                     mine.push(Command::Reply(context, reply));
                 }
+                Command::EditRequest(context, edits) if Some(context) == current => {
+                    mine.push(Command::EditRequest(context, edits));
+                }
+                Command::EditRequest(context, edits) => self.defer(context, Deferred::Edit(edits)),
                 Command::Resume(context) => self.defer(context, Deferred::Resume),
                 Command::Reply(context, reply) => self.defer(context, Deferred::Reply(reply)),
                 Command::AddHeaders(headers) => {
@@ -610,6 +616,7 @@ pub fn scheduled(filter: &FilterBox, envoy: FilterRef, event: u64) {
         match deferred {
             Deferred::Resume => envoy.continue_decoding(),
             Deferred::Reply(reply) => send(envoy, &reply),
+            Deferred::Edit(edits) => edit(envoy, &edits),
         }
     }
 }
@@ -648,6 +655,14 @@ pub fn destroy(filter: FilterBox) {
         }
     }
     local.rearm(outcome.rearm);
+}
+
+fn edit(envoy: FilterRef, edits: &[HeaderEdit]) {
+    for edit in edits {
+        if !envoy.set_request_header(&edit.name, edit.value.as_deref()) {
+            log::debug!("diana: cannot set request header {}", edit.name);
+        }
+    }
 }
 
 fn send(envoy: FilterRef, reply: &LocalReply) {
@@ -708,6 +723,7 @@ impl Local {
             match command {
                 Command::Resume(_) => envoy.continue_decoding(),
                 Command::Reply(_, reply) => send(envoy, &reply),
+                Command::EditRequest(_, edits) => edit(envoy, &edits),
                 Command::AddHeaders(headers) => {
                     for (name, value) in headers {
                         if !envoy.add_response_header(name, &value) {

@@ -56,6 +56,7 @@
 pub mod machine;
 pub mod record;
 pub mod settings;
+pub mod spec;
 
 pub use machine::{Admission, Phase, Place, State, Ticket};
 pub use record::{
@@ -65,6 +66,7 @@ pub use settings::{
     Edition, Force, Params, Ratio, RatioError, Settings, SettingsError, SlowCalls, StatusClasses,
     StatusError, Window,
 };
+pub use spec::Spec;
 
 use serde::{Deserialize, Serialize};
 use std::fmt;

@@ -292,6 +292,13 @@ impl OnInvalidConfig {
 }
 
 impl Policy {
+    /// Every breaker, in [`crate::breaker::Spec::index`] order.
+    pub fn breakers(&self) -> impl Iterator<Item = &crate::breaker::Spec> {
+        self.resources
+            .iter()
+            .filter_map(|resource| resource.breaker.as_ref())
+    }
+
     /// Every rule, in [`Rule::index`] order.
     pub fn rules(&self) -> impl Iterator<Item = &Rule> {
         self.resources
@@ -367,6 +374,8 @@ pub struct Resource {
     /// Normalised path prefix, always starting with `/`, no trailing `/` except for the root.
     pub url: String,
     pub rules: Vec<Rule>,
+    /// The circuit breaker of the upstream behind it (DESIGN §4b).
+    pub breaker: Option<crate::breaker::Spec>,
 }
 
 /// One rule with every default resolved, and what evaluating it needs precomputed.

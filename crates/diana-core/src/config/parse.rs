@@ -680,7 +680,14 @@ fn build(collected: Collected) -> Result<Policy, Refusal> {
             positions.extend(std::iter::repeat_n(index, built.len()));
             rules.extend(built);
         }
-        written.push((Resource { url, rules }, (site, positions)));
+        written.push((
+            Resource {
+                url,
+                rules,
+                breaker: None,
+            },
+            (site, positions),
+        ));
     }
     written.sort_by_key(|(resource, _)| path::segment_count(resource.url.as_bytes()));
     let (mut resources, placed): (Vec<Resource>, Vec<(Site, Vec<usize>)>) =

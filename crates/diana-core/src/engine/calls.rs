@@ -24,6 +24,7 @@
 
 use super::{Awaiting, Engine, EngineDecision, Held, Pending, PendingState};
 use crate::algo::inflight::RENEW_EVERY;
+use crate::breaker::Report;
 use crate::call::{Answer, AnswerShape, Callout};
 use crate::config::Scope;
 use crate::cx::Cx;
@@ -33,8 +34,10 @@ use crate::global::{Asked, GlobalCharge, Payment};
 use crate::local::Taken;
 use crate::metrics::{Event, MetricSink, NoMetrics};
 use crate::places::{HoldingId, PlaceAt, ServicePlace};
+use crate::report::{self, BreakerReport, FleetParams, ReportRequest, ReportResponse};
 use crate::settle::{settle, Settlement};
 use crate::store::{ChargeError, SharedData};
+use crate::time::Instant;
 use crate::wire::{self, AcquireRequest};
 
 /// A call to make: the callout, and what its answer resumes.
@@ -64,6 +67,9 @@ enum Kind {
     Leave(u64),
     /// Concurrency places renewed: of which holding each is, and what was asked.
     Renewal(Vec<(HoldingId, ServicePlace)>, AcquireRequest),
+    /// The tick's report: what it carried of each breaker (to restore if it is lost), and
+    /// the report itself (to check the answer against).
+    Report(Vec<(usize, Report)>, ReportRequest),
 }
 
 impl Then {
@@ -80,9 +86,11 @@ impl Then {
     pub fn answer_shape(&self) -> AnswerShape {
         match self.0 {
             Kind::Payment(_) | Kind::Release(_) | Kind::Leave(_) => AnswerShape::STATUS,
-            Kind::Acquire(_) | Kind::Orphan(_) | Kind::Refill(_) | Kind::Renewal(..) => {
-                AnswerShape::SERVICE
-            }
+            Kind::Acquire(_)
+            | Kind::Orphan(_)
+            | Kind::Refill(_)
+            | Kind::Renewal(..)
+            | Kind::Report(..) => AnswerShape::SERVICE,
         }
     }
 
@@ -131,6 +139,7 @@ impl Engine {
                 }
             }
             Kind::Release(charges) => self.global.released(cx, &self.policy, &charges, &answer),
+            Kind::Report(carried, report) => self.reported(cx, carried, &report, &answer),
             Kind::Leave(places) => self.global.left(cx, places, &answer),
             Kind::Renewal(renewing, request) => {
                 let buckets = self.global.renewed(&request, &answer);
@@ -165,6 +174,7 @@ impl Engine {
                 Some(Decision::Allow {
                     headers: Vec::new(),
                     after: None,
+                    upstream: Vec::new(),
                 })
             }
             Kind::Orphan(pending) => {
@@ -181,6 +191,13 @@ impl Engine {
                 None
             }
             Kind::Release(_) | Kind::Leave(_) | Kind::Renewal(..) => None,
+            // Its calls go into the next report.
+            Kind::Report(carried, _) => {
+                for (breaker, report) in carried {
+                    self.breakers.restore(Instant::EPOCH, breaker, report);
+                }
+                None
+            }
         }
     }
 
@@ -200,7 +217,14 @@ impl Engine {
     /// A paused request went away: what it had charged is given back; parked, it leaves
     /// its flight; calling, its call is released (see [`Engine::abandon_call`]).
     pub fn abandon(&self, cx: &mut Cx<'_>, pending: Pending) {
-        let PendingState { held, awaiting, .. } = *pending.0;
+        let PendingState {
+            held,
+            awaiting,
+            progress,
+            ..
+        } = *pending.0;
+        self.breakers
+            .give_back(cx, self.local.store(), &progress.breakers);
         match awaiting {
             Awaiting::Answer(asked) => self.global.abandon_call(cx, &self.policy, asked),
             Awaiting::Flight { rider, .. } => self.global.unpark(rider),
@@ -222,7 +246,14 @@ impl Engine {
     /// one whose answer will never come): what the service granted serves later requests
     /// from the lease stash, and what the request held goes back.
     fn complete_for_nobody(&self, cx: &mut Cx<'_>, pending: Pending, answer: Answer) {
-        let PendingState { held, awaiting, .. } = *pending.0;
+        let PendingState {
+            held,
+            awaiting,
+            progress,
+            ..
+        } = *pending.0;
+        self.breakers
+            .give_back(cx, self.local.store(), &progress.breakers);
         match awaiting {
             Awaiting::Answer(asked) => {
                 self.global
@@ -264,6 +295,10 @@ impl Engine {
                 then: Then(Kind::Leave(places)),
             });
         }
+        if !self.breakers.is_empty() {
+            self.breakers.flush(cx, self.local.store());
+        }
+        calls.extend(self.plan_report(cx));
         calls.extend(self.global.plan_refills(cx, &self.policy).into_iter().map(
             |(callout, asked)| Call {
                 callout,
@@ -271,6 +306,78 @@ impl Engine {
             },
         ));
         calls
+    }
+
+    /// The tick's report to the quota service, when there is something to say: the calls
+    /// of the breakers of `scope: global` (the fleet's state follows them).
+    fn plan_report(&self, cx: &mut Cx<'_>) -> Option<Call> {
+        let reports = self.breakers.reports(cx, self.local.store());
+        if reports.is_empty() {
+            return None;
+        }
+        let gateway = self.global.gateway_id(cx.shared)?;
+        let mut carried = Vec::new();
+        let mut breakers = Vec::new();
+        for (breaker, report) in reports {
+            let Some(spec) = self.breakers.spec(breaker) else {
+                continue;
+            };
+            let params = FleetParams::of(&spec.settings);
+            let report = report.unwrap_or_default();
+            breakers.push(BreakerReport {
+                key: params.key(&spec.settings.name),
+                name: spec.settings.name.clone(),
+                fleet: true,
+                params,
+                status: self.breakers.status(breaker),
+                calls: report.calls,
+                probes: report.probes,
+                places: report.places,
+            });
+            carried.push((breaker, report));
+        }
+        let request = ReportRequest {
+            gateway,
+            interval_ms: 1_000,
+            degraded: self.global.keeps_local(cx),
+            breakers,
+            ..ReportRequest::default()
+        };
+        let body = serde_json::to_vec(&request).ok()?;
+        Some(Call {
+            callout: self.global.report_callout(body),
+            then: Then(Kind::Report(carried, request)),
+        })
+    }
+
+    /// The answer to a report: each breaker follows the fleet's state; a report lost or
+    /// refused has its calls go into the next one (and the breakers fall back to their
+    /// own state once the fleet's is no longer trusted).
+    fn reported(
+        &self,
+        cx: &mut Cx<'_>,
+        carried: Vec<(usize, Report)>,
+        report: &ReportRequest,
+        answer: &Answer,
+    ) {
+        let response = match answer {
+            Answer::Answered(answered) if answered.status == 200 => answered
+                .body_within(crate::call::MAX_SERVICE_ANSWER_BYTES)
+                .and_then(|body| serde_json::from_slice::<ReportResponse>(body).ok())
+                .filter(|response| report::check_response(report, response).is_ok()),
+            _ => None,
+        };
+        let Some(response) = response else {
+            cx.metrics.event(Event::ReportFailed);
+            for (breaker, report) in carried {
+                self.breakers.restore(cx.now, breaker, report);
+            }
+            return;
+        };
+        for ((breaker, _), answer) in carried.into_iter().zip(response.breakers) {
+            self.breakers
+                .follow(cx, self.local.store(), breaker, answer);
+        }
     }
 
     /// Tokens of local batches this worker no longer spends go back to their counters
@@ -351,7 +458,19 @@ impl Engine {
         cx: &mut Cx<'_>,
         after: &AfterResponse,
         values: &[Option<Vec<u8>>],
+        status: Option<u16>,
     ) {
+        if !after.breakers.is_empty() {
+            // A status that cannot be read is no verdict on the upstream: judged as 200
+            // would be (its time still counts).
+            self.breakers.judge(
+                cx,
+                self.local.store(),
+                &after.breakers,
+                after.left_at,
+                Some(status.unwrap_or(200)),
+            );
+        }
         for (charge, value) in after.charges.iter().zip(values) {
             let Some(rule) = self.policy.rule(charge.rule) else {
                 continue;
@@ -391,6 +510,21 @@ impl Engine {
                 },
             }
         }
+    }
+
+    /// An admitted request ended without response headers (a reset, an upstream timeout,
+    /// its client gone): a failed call of each of its breakers. Its response costs are not
+    /// settled (what it took up front stands).
+    pub fn unanswered(&self, cx: &mut Cx<'_>, after: &AfterResponse) {
+        self.breakers
+            .judge(cx, self.local.store(), &after.breakers, after.left_at, None);
+    }
+
+    /// A request admitted to wait for its turn went away before it left Diana: not a call
+    /// of its breakers (their probes' places go back).
+    pub fn never_left(&self, cx: &mut Cx<'_>, after: &AfterResponse) {
+        self.breakers
+            .give_back(cx, self.local.store(), &after.breakers);
     }
 
     /// A request that held concurrency places ended (its response is done, its client

@@ -86,7 +86,8 @@ impl Harness {
     /// Settles an admitted request with its response headers' values.
     fn after_response(&mut self, after: &AfterResponse, values: &[Option<Vec<u8>>]) {
         let mut cx = Cx::new(&self.host, self.now, &mut self.metrics);
-        self.engine.after_response(&mut cx, after, values);
+        self.engine
+            .after_response(&mut cx, after, values, Some(200));
     }
 
     /// A whole request: a callout is answered by the in-memory service.
@@ -1942,6 +1943,7 @@ fn reservations_settled_across_workers_give_back_exactly_what_was_unused() {
             &mut Cx::new(&h.host, h.now, &mut worker.metrics),
             &charge,
             &[Some(b"120".to_vec())],
+            Some(200),
         );
     }
     for worker in &workers {
@@ -1963,6 +1965,7 @@ fn reservations_settled_across_workers_give_back_exactly_what_was_unused() {
                 &mut Cx::new(&h.host, h.now, &mut worker.metrics),
                 &after(decision),
                 &[Some(b"200".to_vec())],
+                Some(200),
             );
         }
     }

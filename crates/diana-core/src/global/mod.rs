@@ -305,6 +305,8 @@ pub struct Global {
     releases: RefCell<Vec<Release>>,
     /// A payment of response costs is in flight (one at a time).
     paying: Cell<bool>,
+    /// This gateway's id in its reports, once known.
+    gateway: std::cell::OnceCell<String>,
 }
 
 impl Global {
@@ -325,6 +327,7 @@ impl Global {
             leaving: Leaving::default(),
             releases: RefCell::new(Vec::new()),
             paying: Cell::new(false),
+            gateway: std::cell::OnceCell::new(),
         }
     }
 
@@ -615,6 +618,35 @@ impl Global {
             (self.spec.path.clone(), u64::from(self.spec.timeout_ms))
         };
         self.callout_to(path, timeout_ms, body)
+    }
+
+    /// The call that carries the tick's report (`/v1/report` beside the acquire path).
+    pub fn report_callout(&self, body: Vec<u8>) -> Callout {
+        self.callout_to(
+            endpoint_beside(&self.spec.path, "report"),
+            u64::from(self.spec.timeout_ms),
+            body,
+        )
+    }
+
+    /// True while the outage switch keeps global rules local.
+    pub fn keeps_local(&self, cx: &mut Cx<'_>) -> bool {
+        self.outage.keeps_local(&self.store, cx.shared, cx.now)
+    }
+
+    /// This gateway process's id in its reports: the public name of its random process
+    /// key, which every worker shares (`None` while shared data cannot give one).
+    pub fn gateway_id(&self, shared: &dyn SharedData) -> Option<String> {
+        if let Some(id) = self.gateway.get() {
+            return Some(id.clone());
+        }
+        let key = crate::store::identity::process_key(
+            &self.store,
+            shared,
+            crate::store::identity::random_key,
+        )
+        .ok()?;
+        Some(self.gateway.get_or_init(|| key.public_id()).clone())
     }
 
     fn callout_to(&self, path: String, timeout_ms: u64, body: Vec<u8>) -> Callout {

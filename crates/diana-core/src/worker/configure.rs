@@ -184,7 +184,7 @@ impl Worker {
     pub fn configure(&mut self, host: &dyn Host, document: &[u8]) -> Result<Step, Refused> {
         let events = self
             .events
-            .get_or_insert_with(|| Counters::define(host, std::iter::empty()));
+            .get_or_insert_with(|| Counters::define(host, std::iter::empty(), std::iter::empty()));
         let parsed = std::str::from_utf8(document)
             .map_err(|_| Refused::NotUtf8)
             .and_then(|text| parse_policy(text).map_err(Refused::Invalid));
@@ -324,7 +324,7 @@ impl Worker {
         }
         let engine =
             Engine::new(policy).resuming_elsewhere(self.profile.resumes_from_other_contexts);
-        let counters = Counters::define(host, engine.rules());
+        let counters = Counters::define(host, engine.rules(), engine.policy().breakers());
         log::info!(
             "diana: {origin} configuration applied: {} resources, {} rules",
             engine.policy().resources.len(),

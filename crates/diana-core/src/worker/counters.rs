@@ -6,9 +6,13 @@
 //! was replaced is flushed until its last request is gone.
 
 use super::host::{Host, MetricId, MetricKind};
+use crate::breaker::Spec;
 use crate::config::Rule;
 use crate::metrics::DEGRADED_GAUGE;
-use crate::metrics::{prometheus_text, rule_metric_name, Event, MetricSink, RuleEvent};
+use crate::metrics::{
+    breaker_metric_name, prometheus_text, rule_metric_name, BreakerEvent, Event, MetricSink,
+    RuleEvent, BREAKER_STATE,
+};
 use hashbrown::HashMap;
 use std::cell::Cell;
 
@@ -19,10 +23,14 @@ use std::cell::Cell;
 pub(crate) struct Counters {
     /// Per rule, per [`RuleEvent`]: the index in `defined`.
     rules: Vec<[Option<usize>; 3]>,
+    /// Per breaker, per [`BreakerEvent`]: the index in `defined`; and its state gauge.
+    breakers: Vec<([Option<usize>; 5], Option<MetricId>)>,
     events: HashMap<Event, usize>,
     degraded: Option<MetricId>,
-    /// The breaker's state not yet handed to the host.
+    /// The outage switch's state not yet handed to the host.
     degraded_unset: Cell<Option<bool>>,
+    /// Breakers' states not yet handed to the host.
+    states_unset: std::cell::RefCell<Vec<(MetricId, u8)>>,
     /// Every metric defined, for the metrics path and the flush.
     defined: Vec<Defined>,
 }
@@ -38,7 +46,11 @@ struct Defined {
 impl Counters {
     /// Defines the rules' counters, the process-wide event counters and the degraded
     /// gauge.
-    pub(crate) fn define<'a>(host: &dyn Host, rules: impl Iterator<Item = &'a Rule>) -> Counters {
+    pub(crate) fn define<'a>(
+        host: &dyn Host,
+        rules: impl Iterator<Item = &'a Rule>,
+        breakers: impl Iterator<Item = &'a Spec>,
+    ) -> Counters {
         let mut defined = Vec::new();
         let mut define = |kind: MetricKind, name: String| {
             let id = host.define_metric(kind, &name)?;
@@ -68,12 +80,31 @@ impl Counters {
                     .map(|(index, _)| (event, index))
             })
             .collect();
+        let breakers = breakers
+            .map(|spec| {
+                let counters = BreakerEvent::ALL.map(|event| {
+                    define(
+                        MetricKind::Counter,
+                        breaker_metric_name(&spec.metric_name, event.family()),
+                    )
+                    .map(|(index, _)| index)
+                });
+                let state = define(
+                    MetricKind::Gauge,
+                    breaker_metric_name(&spec.metric_name, BREAKER_STATE),
+                )
+                .map(|(_, id)| id);
+                (counters, state)
+            })
+            .collect();
         let degraded = define(MetricKind::Gauge, DEGRADED_GAUGE.to_string()).map(|(_, id)| id);
         Counters {
             rules,
+            breakers,
             events,
             degraded,
             degraded_unset: Cell::new(None),
+            states_unset: std::cell::RefCell::new(Vec::new()),
             defined,
         }
     }
@@ -89,10 +120,15 @@ impl Counters {
         self.flush_gauge(host);
     }
 
-    /// Hands the breaker's state to the host, if it changed.
+    /// Hands the outage switch's and the breakers' states to the host, if they changed.
     pub(crate) fn flush_gauge(&self, host: &dyn Host) {
         if let (Some(id), Some(on)) = (self.degraded, self.degraded_unset.take()) {
             host.set_metric(id, u64::from(on));
+        }
+        if let Ok(mut states) = self.states_unset.try_borrow_mut() {
+            for (id, state) in states.drain(..) {
+                host.set_metric(id, u64::from(state));
+            }
         }
     }
 
@@ -152,5 +188,29 @@ impl MetricSink for Sink<'_> {
 
     fn degraded(&mut self, on: bool) {
         self.0.degraded_unset.set(Some(on));
+    }
+
+    fn breaker_event(&mut self, breaker: usize, event: BreakerEvent, count: u64) {
+        let slot = BreakerEvent::ALL
+            .iter()
+            .position(|&e| e == event)
+            .unwrap_or(0);
+        self.0.count(
+            self.0
+                .breakers
+                .get(breaker)
+                .and_then(|(indices, _)| indices.get(slot).copied().flatten()),
+            count,
+        );
+    }
+
+    fn breaker_state(&mut self, breaker: usize, state: u8) {
+        if let (Some((_, Some(id))), Ok(mut states)) = (
+            self.0.breakers.get(breaker),
+            self.0.states_unset.try_borrow_mut(),
+        ) {
+            states.retain(|(held, _)| held != id);
+            states.push((*id, state));
+        }
     }
 }

@@ -66,7 +66,7 @@ pub use unheld::{UNHELD_FOR, UNHELD_KEY};
 use crate::call::Callout;
 use crate::config::OnInvalidConfig;
 use crate::cx::Cx;
-use crate::decision::{AfterResponse, Decision};
+use crate::decision::{AfterResponse, Decision, HeaderEdit};
 use crate::engine::{Call, Engine, EngineDecision, Pending, Then};
 use crate::global::flights::RiderId;
 use crate::lifecycle;
@@ -102,6 +102,9 @@ pub enum Command {
     Reply(ContextId, LocalReply),
     /// Add these headers to the current response.
     AddHeaders(Vec<(&'static str, String)>),
+    /// Change this paused or current request's own headers before it goes on (set, or
+    /// remove when the value is `None`; from another context: enter it first).
+    EditRequest(ContextId, Vec<HeaderEdit>),
     /// Set the tick period (zero stops it).
     SetTick(Duration),
     /// Run the tick as soon as the host can, without waiting for its period: work waits
@@ -389,12 +392,12 @@ impl Worker {
         step
     }
 
-    /// Charges an answered request's response costs.
+    /// Charges an answered request's response costs and judges its breakers' calls.
     fn settle(&self, host: &dyn Host, generation: u64, after: &AfterResponse) {
         let Some(configured) = self.generation(generation) else {
             return;
         };
-        if after.charges.is_empty() {
+        if after.charges.is_empty() && !after.reads_status() {
             return;
         }
         let Some(now) = host.now() else {
@@ -405,9 +408,16 @@ impl Worker {
             .headers()
             .map(|name| host.response_header(name))
             .collect();
+        let status = after
+            .reads_status()
+            .then(|| host.response_header(":status"))
+            .flatten()
+            .and_then(|status| std::str::from_utf8(&status).ok()?.trim().parse().ok());
         let mut sink = configured.counters.sink();
         let mut cx = Cx::new(host, now, &mut sink);
-        configured.engine.after_response(&mut cx, after, &values);
+        configured
+            .engine
+            .after_response(&mut cx, after, &values, status);
     }
 
     /// What of the answer to the call `token` the worker reads (for a binding that reads
@@ -524,6 +534,15 @@ impl Worker {
                     let mut cx = Cx::new(host, now, &mut sink);
                     if let Some(holding) = holding {
                         configured.engine.end(&mut cx, holding);
+                    }
+                    if let Some(after) = request.after.as_ref().filter(|a| a.reads_status()) {
+                        match request.stage {
+                            // Admitted, its response never came.
+                            Stage::Admitted => configured.engine.unanswered(&mut cx, after),
+                            // Its turn never came.
+                            Stage::Waiting(_) => configured.engine.never_left(&mut cx, after),
+                            _ => {}
+                        }
                     }
                 }
                 None => {
@@ -719,7 +738,14 @@ impl Worker {
         step: &mut Step,
     ) {
         match decision {
-            Decision::Allow { headers, after } => {
+            Decision::Allow {
+                headers,
+                after,
+                upstream,
+            } => {
+                if !upstream.is_empty() {
+                    step.commands.push(Command::EditRequest(context, upstream));
+                }
                 if !headers.is_empty() || after.is_some() {
                     self.hold(context, generation, Stage::Admitted, headers, after);
                 }
@@ -736,7 +762,11 @@ impl Worker {
                 until,
                 headers,
                 after,
+                upstream,
             } => {
+                if !upstream.is_empty() {
+                    step.commands.push(Command::EditRequest(context, upstream));
+                }
                 self.waiters.insert((until, context));
                 self.hold(context, generation, Stage::Waiting(until), headers, after);
                 step.pause = true;

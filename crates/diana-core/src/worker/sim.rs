@@ -228,6 +228,8 @@ pub enum Violation {
     TickNow,
     /// A command for a request the host never had.
     Unknown(ContextId),
+    /// Changed the headers of a request that had gone on already.
+    EditedGoneOn(ContextId),
 }
 
 /// A call in flight, answered at `due`.
@@ -266,6 +268,9 @@ pub struct Sim {
     requests: HashMap<ContextId, (usize, Fate)>,
     /// Headers the worker added to each response.
     added: HashMap<ContextId, Vec<(&'static str, String)>>,
+    /// Each request's own headers as the worker changed them before it went on (the
+    /// upstream sees these).
+    edited: HashMap<ContextId, Vec<(String, String)>>,
     /// Local replies, as the client receives them (the host's line feed added).
     replies: HashMap<ContextId, LocalReply>,
     next_context: ContextId,
@@ -309,6 +314,7 @@ impl Sim {
             flights: Vec::new(),
             requests: HashMap::new(),
             added: HashMap::new(),
+            edited: HashMap::new(),
             replies: HashMap::new(),
             next_context: 2,
             leaving: HashMap::new(),
@@ -510,6 +516,16 @@ impl Sim {
     }
 
     /// The local reply a request's client received.
+    /// The value the upstream sees of a request header the worker set (`None`: unset or
+    /// removed; the simulation's requests carry no such header of their own).
+    pub fn upstream_header(&self, context: ContextId, name: &str) -> Option<&str> {
+        self.edited
+            .get(&context)?
+            .iter()
+            .find(|(held, _)| held == name)
+            .map(|(_, value)| value.as_str())
+    }
+
     pub fn reply(&self, context: ContextId) -> Option<&LocalReply> {
         self.replies.get(&context)
     }
@@ -710,6 +726,28 @@ impl Sim {
                 Command::AddHeaders(headers) => {
                     if let Some(context) = current {
                         self.added.entry(context).or_default().extend(headers);
+                    }
+                }
+                Command::EditRequest(context, edits) => {
+                    // Before the request goes on: at its headers (it is current), or while
+                    // it is paused (entered from elsewhere where the host can).
+                    let before = match self.fate(context) {
+                        Some(Fate::Paused) => {
+                            Some(context) == current || self.profile.resumes_from_other_contexts
+                        }
+                        Some(Fate::Admitted(_)) => Some(context) == current,
+                        _ => false,
+                    };
+                    if !before {
+                        self.violations.push(Violation::EditedGoneOn(context));
+                        continue;
+                    }
+                    let headers = self.edited.entry(context).or_default();
+                    for edit in edits {
+                        headers.retain(|(name, _)| *name != edit.name);
+                        if let Some(value) = edit.value {
+                            headers.push((edit.name, value));
+                        }
                     }
                 }
                 Command::SetTick(period) => {

@@ -1,0 +1,301 @@
+//! The breakers of an engine's policy (DESIGN §4b), one [`Handle`] each in this worker:
+//! checked before the rules, judged when the response headers come (or the request ends
+//! without them), flushed from the tick, and — `scope: global` — reported to the quota
+//! service, whose answer every worker of the gateway then follows.
+//!
+//! ```text
+//!   evaluate ── check (least specific resource first) ─┬─ Call ──────▶ the request's call
+//!                                                      ├─ Probe ─────▶ the request probes
+//!                                                      └─ FastFail ─┬─ fallback_header: goes on, marked
+//!                                                                   └─ rejected (the rules are not charged)
+//!   a rule rejects / the request never leaves ─▶ give_back (a probe's place; not an outcome)
+//!   response headers ─▶ judge(status, time since it left Diana) ─▶ record / probe_outcome
+//!   ended without them ─▶ judge(no status): failed
+//!   tick ─▶ flush; scope global: report ─▶ answered ─▶ follow
+//! ```
+//!
+//! A handle is made at first use with that event's instant (the document's edition is
+//! when this worker first used it: a newer document's settings win over an older one's,
+//! whichever worker writes first).
+
+use crate::breaker::{Admission, FleetAnswer, Handle, Report, Spec, Status, Transition};
+use crate::config::{Policy, Resource};
+use crate::cx::Cx;
+use crate::decision::{BreakerCall, HeaderEdit};
+use crate::metrics::BreakerEvent;
+use crate::store::{ChargeError, Store};
+use crate::time::Instant;
+use std::cell::RefCell;
+
+/// A request the breakers let through: its calls, and what to change in its headers.
+#[derive(Debug, Default)]
+pub(crate) struct Passed {
+    pub calls: Vec<BreakerCall>,
+    pub upstream: Vec<HeaderEdit>,
+}
+
+/// A breaker answers the request itself: which, and in how many seconds it probes again.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct FastFail {
+    pub breaker: usize,
+    pub retry_after: u64,
+}
+
+/// The breakers of one policy, in one worker.
+#[derive(Debug, Default)]
+pub(crate) struct Breakers {
+    specs: Vec<Spec>,
+    handles: RefCell<Vec<Option<Handle>>>,
+}
+
+impl Breakers {
+    pub(crate) fn new(policy: &Policy) -> Breakers {
+        let specs: Vec<Spec> = policy
+            .resources
+            .iter()
+            .filter_map(|resource| resource.breaker.clone())
+            .collect();
+        let handles = RefCell::new(vec![None; specs.len()]);
+        Breakers { specs, handles }
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.specs.is_empty()
+    }
+
+    pub(crate) fn spec(&self, breaker: usize) -> Option<&Spec> {
+        self.specs.get(breaker)
+    }
+
+    /// Runs `f` on the handle of `breaker`, made now if this worker never used it.
+    fn with<T>(
+        &self,
+        breaker: usize,
+        now: Instant,
+        f: impl FnOnce(&mut Handle, &Spec) -> T,
+    ) -> Option<T> {
+        let spec = self.specs.get(breaker)?;
+        let mut handles = self.handles.try_borrow_mut().ok()?;
+        let slot = handles.get_mut(breaker)?;
+        let handle = slot.get_or_insert_with(|| Handle::new(&spec.settings, now));
+        Some(f(handle, spec))
+    }
+
+    /// The breakers of `resources` (least specific first), before any rule: a request
+    /// answered by an open breaker charges no rule; one a breaker lets through is a call
+    /// of each (a probe where half-open). A client's own value of a fallback header is
+    /// removed.
+    pub(crate) fn check(
+        &self,
+        cx: &mut Cx<'_>,
+        store: &Store,
+        resources: &[&Resource],
+    ) -> Result<Passed, FastFail> {
+        let mut passed = Passed::default();
+        for spec in resources
+            .iter()
+            .filter_map(|resource| resource.breaker.as_ref())
+        {
+            if let Some(header) = &spec.fallback_header {
+                passed.upstream.push(HeaderEdit {
+                    name: header.clone(),
+                    value: None,
+                });
+            }
+            let Some(checked) = self.with(spec.index, cx.now, |handle, _| {
+                handle.check(store, cx.shared, cx.now)
+            }) else {
+                continue;
+            };
+            self.transitions(cx, spec, &checked.transitions);
+            if let Some(trouble) = &checked.trouble {
+                self.trouble(cx, spec, trouble);
+            }
+            match checked.admission {
+                Admission::Call => passed.calls.push(BreakerCall {
+                    breaker: spec.index,
+                    probe: None,
+                }),
+                Admission::Probe(probe) => passed.calls.push(BreakerCall {
+                    breaker: spec.index,
+                    probe: Some(probe),
+                }),
+                Admission::FastFail { retry_after } => {
+                    cx.metrics
+                        .breaker_event(spec.index, BreakerEvent::FastFailed, 1);
+                    if let Some(header) = &spec.fallback_header {
+                        // Sent to the backup: not a call of this breaker's upstream.
+                        passed.upstream.retain(|edit| edit.name != *header);
+                        passed.upstream.push(HeaderEdit {
+                            name: header.clone(),
+                            value: Some(spec.settings.name.clone()),
+                        });
+                        continue;
+                    }
+                    self.give_back(cx, store, &passed.calls);
+                    return Err(FastFail {
+                        breaker: spec.index,
+                        retry_after,
+                    });
+                }
+            }
+        }
+        Ok(passed)
+    }
+
+    /// The request of `calls` never became a call (a rule rejected it, Diana answered it,
+    /// its client left before it went on): the probes' places go back. Not an outcome.
+    pub(crate) fn give_back(&self, cx: &mut Cx<'_>, store: &Store, calls: &[BreakerCall]) {
+        for call in calls {
+            let Some(probe) = call.probe else {
+                continue;
+            };
+            let given = self.with(call.breaker, cx.now, |handle, _| {
+                handle.give_back(store, cx.shared, probe, cx.now)
+            });
+            self.settled(cx, call.breaker, given);
+        }
+    }
+
+    /// The request of `calls`, which left Diana at `left_at`, was answered with `status`
+    /// (`None`: it ended without response headers — a reset, an upstream timeout).
+    pub(crate) fn judge(
+        &self,
+        cx: &mut Cx<'_>,
+        store: &Store,
+        calls: &[BreakerCall],
+        left_at: Instant,
+        status: Option<u16>,
+    ) {
+        let took = cx.now.saturating_since(left_at);
+        for call in calls {
+            let Some(outcome) = self
+                .specs
+                .get(call.breaker)
+                .map(|spec| spec.settings.judge(took, status))
+            else {
+                continue;
+            };
+            cx.metrics
+                .breaker_event(call.breaker, BreakerEvent::Calls, 1);
+            if outcome.slow {
+                cx.metrics
+                    .breaker_event(call.breaker, BreakerEvent::Slow, 1);
+            }
+            if outcome.failed {
+                cx.metrics
+                    .breaker_event(call.breaker, BreakerEvent::Failed, 1);
+            }
+            let done = self.with(call.breaker, cx.now, |handle, _| match call.probe {
+                Some(probe) => handle.probe_outcome(store, cx.shared, probe, outcome, cx.now),
+                None => handle.record(store, cx.shared, outcome, cx.now),
+            });
+            self.settled(cx, call.breaker, done);
+        }
+    }
+
+    /// From the tick: every handle's pending calls go into the record, and the
+    /// transitions that only need time are made.
+    pub(crate) fn flush(&self, cx: &mut Cx<'_>, store: &Store) {
+        for breaker in 0..self.specs.len() {
+            let flushed = self.with(breaker, cx.now, |handle, _| {
+                handle.flush(store, cx.shared, cx.now)
+            });
+            self.settled(cx, breaker, flushed);
+        }
+    }
+
+    /// From the tick: what each breaker of `scope: global` reports to the quota service
+    /// (`None` for one with nothing to say), in breaker order.
+    pub(crate) fn reports(&self, cx: &mut Cx<'_>, store: &Store) -> Vec<(usize, Option<Report>)> {
+        let mut reports = Vec::new();
+        for (breaker, spec) in self.specs.iter().enumerate() {
+            if spec.settings.scope != crate::config::Scope::Global {
+                continue;
+            }
+            let taken = self
+                .with(breaker, cx.now, |handle, _| {
+                    handle.take_report(store, cx.shared, cx.now)
+                })
+                .unwrap_or(Ok(None));
+            match taken {
+                Ok(report) => reports.push((breaker, report)),
+                Err(trouble) => {
+                    if let Some(spec) = self.specs.get(breaker) {
+                        self.trouble(cx, spec, &trouble);
+                    }
+                    reports.push((breaker, None));
+                }
+            }
+        }
+        reports
+    }
+
+    /// A report that was not answered: its calls and probe outcomes go back.
+    pub(crate) fn restore(&self, now: Instant, breaker: usize, report: Report) {
+        let _ = self.with(breaker, now, |handle, _| handle.restore_report(report));
+    }
+
+    /// The fleet's state, as the quota service answered it for `breaker`.
+    pub(crate) fn follow(
+        &self,
+        cx: &mut Cx<'_>,
+        store: &Store,
+        breaker: usize,
+        answer: FleetAnswer,
+    ) {
+        let followed = self.with(breaker, cx.now, |handle, _| {
+            handle.follow(store, cx.shared, answer, cx.now)
+        });
+        self.settled(cx, breaker, followed);
+    }
+
+    /// The status this worker last saw of `breaker`.
+    pub(crate) fn status(&self, breaker: usize) -> Status {
+        self.handles
+            .try_borrow()
+            .ok()
+            .and_then(|handles| {
+                handles
+                    .get(breaker)
+                    .and_then(|h| h.as_ref().map(Handle::status))
+            })
+            .unwrap_or(Status::Closed)
+    }
+
+    fn settled(
+        &self,
+        cx: &mut Cx<'_>,
+        breaker: usize,
+        result: Option<Result<Vec<Transition>, ChargeError>>,
+    ) {
+        let Some(spec) = self.specs.get(breaker) else {
+            return;
+        };
+        match result {
+            Some(Ok(transitions)) => self.transitions(cx, spec, &transitions),
+            Some(Err(trouble)) => self.trouble(cx, spec, &trouble),
+            None => {}
+        }
+    }
+
+    /// One log line and one count per transition, and the state gauge.
+    fn transitions(&self, cx: &mut Cx<'_>, spec: &Spec, transitions: &[Transition]) {
+        for transition in transitions {
+            log::warn!("diana: breaker {}: {transition}", spec.settings.name);
+            cx.metrics
+                .breaker_event(spec.index, BreakerEvent::Transitions, 1);
+            cx.metrics.breaker_state(spec.index, transition.to.gauge());
+        }
+    }
+
+    fn trouble(&self, cx: &mut Cx<'_>, spec: &Spec, trouble: &ChargeError) {
+        match trouble {
+            ChargeError::Contention => cx.metrics.event(crate::metrics::Event::StoreContention),
+            ChargeError::Host(error) => {
+                log::warn!("diana: breaker {}: {error}", spec.settings.name);
+                cx.metrics.event(crate::metrics::Event::StoreError);
+            }
+        }
+    }
+}
