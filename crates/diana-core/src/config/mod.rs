@@ -3,14 +3,19 @@
 //! [`ConfigError`]: what is wrong ([`ConfigErrorKind`]), the field path and, for what the
 //! text holds, its line and column — checks across fields included.
 
+mod error;
 mod locate;
 mod model;
 mod parse;
 mod pin;
 mod raw;
+mod shape;
 #[cfg(test)]
 mod tests;
 
+pub use error::*;
 pub use model::*;
 pub use parse::{parse_policy, TOKEN_ENV};
-pub use pin::{parse_remote, LocalOnly, PinRefusal, PinnedValue, RemoteError};
+pub use pin::parse_remote;
+pub use raw::document;
+pub use shape::{Constraint, Entries, Field, Kind, Object, Pin, Shape, Way};

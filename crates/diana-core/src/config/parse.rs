@@ -15,13 +15,15 @@
 //! e.g. `resources[0].rules[1].rpu: invalid value: integer `0`, expected a nonzero u32 at
 //! line 5 column 10`.
 
-use super::locate::{locate, Site};
-use super::raw::{self, ContextGuard, RawBlock, RawFull, RawRule};
-use super::{
-    ConfigError, ConfigErrorKind, Cost, CountOnly, GlobalSpec, Lease, MetricsSpec, OnInvalidConfig,
-    Pinned, PlanChoice, PlanName, PlanSource, Policy, Position, RemoteSpec, Resource, ResponseCost,
-    ResponseSpec, Rule, RuleKeys, Scope, AUTO_LEASE_SHARE,
+use super::error::{ConfigError, ConfigErrorKind, Position};
+use super::locate::{locate, Site, Stop};
+use super::model::{
+    Cost, CountOnly, GlobalSpec, Lease, MetricsSpec, OnInvalidConfig, Pinned, PlanChoice, PlanName,
+    PlanSource, Policy, RemoteSpec, Resource, ResponseCost, ResponseSpec, Rule, RuleKeys, Scope,
+    AUTO_LEASE_SHARE,
 };
+use super::raw::{self, ContextGuard, RawBlock, RawFull, RawRule};
+use super::shape::{Describe, Shape};
 use crate::actor::{ActorDef, ActorRegistry};
 use crate::algo;
 use crate::hash::{hash_parts, IdentityHasher, IdentityKey};
@@ -76,7 +78,7 @@ pub fn parse_policy(text: &str) -> Result<Policy, ConfigError> {
 
 /// What one document is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Shape {
+enum Form {
     Empty,
     Block,
     Blocks,
@@ -87,7 +89,7 @@ enum Shape {
 /// the document without building it, so duplicate keys and bad values are left for the
 /// typed pass, which reports them with their exact position.
 struct Sketch {
-    shape: Shape,
+    form: Form,
     actor_names: Vec<String>,
 }
 
@@ -103,7 +105,7 @@ impl SketchVisitor {
     /// A scalar document: the typed pass reports "expected a resource block".
     fn scalar<E>(self) -> Result<Sketch, E> {
         Ok(Sketch {
-            shape: Shape::Block,
+            form: Form::Block,
             actor_names: Vec::new(),
         })
     }
@@ -118,7 +120,7 @@ impl<'de> Visitor<'de> for SketchVisitor {
 
     fn visit_unit<E: de::Error>(self) -> Result<Sketch, E> {
         Ok(Sketch {
-            shape: Shape::Empty,
+            form: Form::Empty,
             actor_names: Vec::new(),
         })
     }
@@ -150,7 +152,7 @@ impl<'de> Visitor<'de> for SketchVisitor {
     fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<Sketch, A::Error> {
         while seq.next_element::<IgnoredAny>()?.is_some() {}
         Ok(Sketch {
-            shape: Shape::Blocks,
+            form: Form::Blocks,
             actor_names: Vec::new(),
         })
     }
@@ -158,9 +160,11 @@ impl<'de> Visitor<'de> for SketchVisitor {
     fn visit_map<A: de::MapAccess<'de>>(self, mut map: A) -> Result<Sketch, A::Error> {
         let mut is_block = false;
         let mut actor_names = Vec::new();
+        // A key of a block (under any spelling) makes the document a block.
+        let block: Shape = RawBlock::shape();
         while let Some(key) = map.next_key::<serde_yaml::Value>()? {
             match key.as_str() {
-                Some("Url" | "url" | "rules") => {
+                Some(key) if block.field(key).is_some() => {
                     is_block = true;
                     map.next_value::<IgnoredAny>()?;
                 }
@@ -170,8 +174,8 @@ impl<'de> Visitor<'de> for SketchVisitor {
                 }
             }
         }
-        let shape = if is_block { Shape::Block } else { Shape::Full };
-        Ok(Sketch { shape, actor_names })
+        let form = if is_block { Form::Block } else { Form::Full };
+        Ok(Sketch { form, actor_names })
     }
 }
 
@@ -354,17 +358,17 @@ fn parse_json(text: &str) -> Result<Collected, ConfigError> {
 
     let mut collected = Collected::default();
     let mut deserializer = serde_json::Deserializer::from_str(text);
-    match sketch.shape {
-        Shape::Empty => {}
-        Shape::Block => collected.add_block(
+    match sketch.form {
+        Form::Empty => {}
+        Form::Block => collected.add_block(
             serde_path_to_error::deserialize(&mut deserializer).map_err(error)?,
             Site::new(0),
         ),
-        Shape::Blocks => collected.add_blocks(
+        Form::Blocks => collected.add_blocks(
             serde_path_to_error::deserialize(&mut deserializer).map_err(error)?,
             0,
         ),
-        Shape::Full => collected.add_full(
+        Form::Full => collected.add_full(
             serde_path_to_error::deserialize(&mut deserializer).map_err(error)?,
             0,
         ),
@@ -393,11 +397,11 @@ fn parse_yaml(text: &str) -> Result<Collected, ConfigError> {
     }
     let multiple = sketches.len() > 1;
     let mut names = raw::builtin_actor_names();
-    let shapes: Vec<Shape> = sketches
+    let forms: Vec<Form> = sketches
         .into_iter()
         .map(|sketch| {
             add_names(&mut names, sketch.actor_names);
-            sketch.shape
+            sketch.form
         })
         .collect();
     let _guard = ContextGuard::new(names);
@@ -421,17 +425,17 @@ fn parse_yaml(text: &str) -> Result<Collected, ConfigError> {
             );
             at_the_value(composed, &inner.to_string(), text, false, index, err.path())
         };
-        match shapes.get(index).copied().unwrap_or(Shape::Empty) {
-            Shape::Empty => {}
-            Shape::Block => collected.add_block(
+        match forms.get(index).copied().unwrap_or(Form::Empty) {
+            Form::Empty => {}
+            Form::Block => collected.add_block(
                 serde_path_to_error::deserialize(document).map_err(error)?,
                 Site::new(index),
             ),
-            Shape::Blocks => collected.add_blocks(
+            Form::Blocks => collected.add_blocks(
                 serde_path_to_error::deserialize(document).map_err(error)?,
                 index,
             ),
-            Shape::Full => collected.add_full(
+            Form::Full => collected.add_full(
                 serde_path_to_error::deserialize(document).map_err(error)?,
                 index,
             ),
@@ -464,7 +468,7 @@ fn at_the_value(
             serde_path_to_error::Segment::Unknown => return error,
         };
     }
-    let (_, _, position) = locate(text, json, &site);
+    let (_, _, position) = locate(text, json, &site, Stop::AtValue);
     if position.is_some() {
         error.position = position;
     }
@@ -564,7 +568,7 @@ impl Refusal {
                 ..ConfigError::of(self.kind)
             };
         };
-        let (document, path, position) = locate(text, json, &site);
+        let (document, path, position) = locate(text, json, &site, Stop::AtValue);
         ConfigError {
             document,
             path,

@@ -7,153 +7,27 @@
 //! (`global`, `remote`, `dry_run`, `identity_key`). `remote.allow` and `remote.signature`
 //! are the local document's alone: a remote document may only repeat them unchanged.
 //!
-//! The check is a pass of its own over the text (after the document was found valid), so
-//! that each refusal carries the field path and the line and column of the value, like
-//! every other configuration error.
+//! Which fields are pinned is the description's to say (each field's [`Pin`], declared
+//! with the field in `raw`); this module says what "unchanged" means for each of them
+//! ([`SLOTS`]) and what a remote document that leaves one out keeps ([`inherit`]).
+//!
+//! ```text
+//!  text ──parse_policy──▶ Policy (valid, as a local document would be)
+//!   └──locate::written(pinned ways)──▶ (site, field, value) in text order
+//!        └──judge──▶ same as the local value, or allowed ─▶ next
+//!                    changed ──locate(site)──▶ Refused(path, line, column)
+//!  Policy ──inherit(pinned fields left out)──▶ adopted
+//! ```
 
-use super::parse::{compose, is_json, parse_policy};
-use super::raw::{
-    deserialize_str_with, IdentityKeyField, PinnedField, SecretField, SignatureField,
-};
-use super::{ConfigError, ConfigErrorKind, Pinned, Policy, RemoteSpec};
+use super::error::{ConfigError, ConfigErrorKind, PinRefusal, RemoteError};
+use super::locate::{locate, written, Stop};
+use super::model::{Pinned, Policy, RemoteSpec};
+use super::parse::{is_json, parse_policy};
+use super::raw::{document, AnyText, IdentityKeyField, PinnedField, SecretField, SignatureField};
+use super::shape::{Pin, Way};
 use crate::hash::IdentityKey;
-use serde::de::{
-    self, DeserializeSeed, Deserializer, IgnoredAny, IntoDeserializer, MapAccess, SeqAccess,
-    Visitor,
-};
-use std::cell::Cell;
-use std::fmt;
-use std::marker::PhantomData;
+use serde::Deserialize;
 use std::num::NonZeroU32;
-
-/// Why a remote document was not adopted.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum RemoteError {
-    /// Not a valid document (the same messages as a local one).
-    Invalid(ConfigError),
-    /// Valid, but it changes what the local document pins, or its signature is missing or
-    /// wrong (DESIGN §6).
-    Refused(ConfigError),
-}
-
-impl RemoteError {
-    /// The refusal of the document itself (without what kind of refusal it is).
-    pub fn error(&self) -> &ConfigError {
-        match self {
-            RemoteError::Invalid(error) | RemoteError::Refused(error) => error,
-        }
-    }
-
-    /// That refusal's message.
-    pub fn message(&self) -> String {
-        self.error().to_string()
-    }
-}
-
-impl fmt::Display for RemoteError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            RemoteError::Invalid(error) => write!(f, "invalid remote document: {error}"),
-            RemoteError::Refused(error) => write!(f, "remote document refused: {error}"),
-        }
-    }
-}
-
-impl std::error::Error for RemoteError {}
-
-/// Why a value of a remote document was refused ([`ConfigErrorKind::Pinned`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum PinRefusal {
-    /// A pinned value differs from the local document's, and the local `remote.allow`
-    /// does not name it.
-    Changed {
-        value: PinnedValue,
-        /// The local value as the message shows it; `None` for a secret (never shown) or
-        /// where the local document has none.
-        local: Option<String>,
-    },
-    /// `remote.allow` or `remote.signature` differs from the local document's: only the
-    /// local document sets them.
-    LocalOnly(LocalOnly),
-}
-
-/// A pinned value, as a refusal names it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PinnedValue {
-    /// `global.cluster`, `global.authority` or `global.path`.
-    QuotaService,
-    /// `global.token`.
-    QuotaCredential,
-    /// `remote.cluster`, `remote.authority`, `remote.path` or `remote.poll_seconds`.
-    ConfigCenter,
-    /// The document-level `dry_run`.
-    DryRun,
-    /// `identity_key`.
-    IdentityKey,
-}
-
-impl PinnedValue {
-    /// The `remote.allow` entry that would let a remote document change it.
-    pub fn allowed_by(self) -> Pinned {
-        match self {
-            PinnedValue::QuotaService | PinnedValue::QuotaCredential => Pinned::Global,
-            PinnedValue::ConfigCenter => Pinned::Remote,
-            PinnedValue::DryRun => Pinned::DryRun,
-            PinnedValue::IdentityKey => Pinned::IdentityKey,
-        }
-    }
-
-    fn described(self) -> &'static str {
-        match self {
-            PinnedValue::QuotaService => "where the quota service is called",
-            PinnedValue::QuotaCredential => "the quota service's credential",
-            PinnedValue::ConfigCenter => "where or how often the config center is polled",
-            PinnedValue::DryRun => "the document-level dry run",
-            PinnedValue::IdentityKey => "the identity key",
-        }
-    }
-}
-
-/// A field of `remote` that only the local document sets.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LocalOnly {
-    Allow,
-    Signature,
-}
-
-impl LocalOnly {
-    fn name(self) -> &'static str {
-        match self {
-            LocalOnly::Allow => "allow",
-            LocalOnly::Signature => "signature",
-        }
-    }
-}
-
-impl fmt::Display for PinRefusal {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            PinRefusal::Changed { value, local } => {
-                write!(f, "a remote document may not change {}", value.described())?;
-                if let Some(local) = local {
-                    write!(f, " (the local document has {local})")?;
-                }
-                write!(
-                    f,
-                    "; the local document's `remote.allow: [{}]` would let it",
-                    value.allowed_by().name()
-                )
-            }
-            PinRefusal::LocalOnly(field) => write!(
-                f,
-                "only the local document sets remote.{}: a remote document may leave it out or repeat it unchanged",
-                field.name()
-            ),
-        }
-    }
-}
-
-impl std::error::Error for PinRefusal {}
 
 /// Parses a document from the config center against the local document `local`: valid
 /// (as [`parse_policy`] would have it), pinned fields unchanged unless allowed, and the
@@ -166,61 +40,253 @@ pub fn parse_remote(text: &str, local: &Policy) -> Result<Policy, RemoteError> {
     Ok(policy)
 }
 
-/// Which pinned fields the remote document writes, and the refusal that stopped the pass
-/// (serde's errors carry text only, so the refusal itself waits here).
-#[derive(Default)]
-struct Written {
-    refusal: Cell<Option<PinRefusal>>,
-    global_cluster: Cell<bool>,
-    global_authority: Cell<bool>,
-    global_path: Cell<bool>,
-    global_token: Cell<bool>,
-    remote_cluster: Cell<bool>,
-    remote_authority: Cell<bool>,
-    remote_path: Cell<bool>,
-    remote_poll_seconds: Cell<bool>,
-    dry_run: Cell<bool>,
-    identity_key: Cell<bool>,
+/// The pinned fields a remote document writes, by path (`global.cluster`).
+struct Written(Vec<String>);
+
+impl Written {
+    fn has(&self, path: &str) -> bool {
+        self.0.iter().any(|written| written == path)
+    }
+}
+
+/// The refusal pass: every pinned field the text writes is compared with the local value,
+/// in the order the text writes them; the first changed one is refused at its position.
+fn check_pins(text: &str, local: &Policy) -> Result<Written, ConfigError> {
+    let description = document();
+    let pinned = description.pinned();
+    let ways: Vec<Vec<Way>> = pinned.iter().map(|(way, _)| way.clone()).collect();
+    let json = is_json(text);
+    // The text was found valid just before: the reader cannot fail here.
+    let found = written(text, json, &ways)
+        .map_err(|reason| ConfigError::of(ConfigErrorKind::Invalid { reason }))?;
+    let mut paths = Vec::new();
+    for (site, index, value) in found {
+        let Some((way, field)) = pinned.get(index) else {
+            continue;
+        };
+        let path = dotted(way);
+        if let Err(kind) = judge(&path, field.pin, &value, local) {
+            let (document, path, position) = locate(text, json, &site, Stop::AfterValue);
+            return Err(ConfigError {
+                document,
+                path,
+                position,
+                kind,
+            });
+        }
+        paths.push(path);
+    }
+    Ok(Written(paths))
+}
+
+/// `global.cluster`; `[]` for every element of a list, `*` for every entry.
+fn dotted(way: &[Way]) -> String {
+    let mut path = String::new();
+    for step in way {
+        match step {
+            Way::Key { key, .. } => {
+                if !path.is_empty() {
+                    path.push('.');
+                }
+                path.push_str(key);
+            }
+            Way::Element => path.push_str("[]"),
+            Way::Entry => path.push_str(".*"),
+        }
+    }
+    path
+}
+
+/// Whether a remote document may write `value` for the field at `path`: the same as the
+/// local document's, or allowed by its `remote.allow`.
+fn judge(
+    path: &str,
+    pin: Pin,
+    value: &serde_json::Value,
+    local: &Policy,
+) -> Result<(), ConfigErrorKind> {
+    let slot = SLOTS.iter().find(|slot| slot.path == path);
+    // A field pinned without a slot is refused whatever it says (a test lists them all).
+    let same = match slot {
+        Some(slot) => {
+            (slot.same)(value, local).map_err(|reason| ConfigErrorKind::Invalid { reason })?
+        }
+        None => false,
+    };
+    let refusal = match pin {
+        Pin::Free => return Ok(()),
+        Pin::Pinned(pinned) if allowed(local, pinned.allowed_by()) => return Ok(()),
+        _ if same => return Ok(()),
+        Pin::Pinned(value) => PinRefusal::Changed {
+            value,
+            local: slot.and_then(|slot| (slot.shown)(local)),
+        },
+        Pin::LocalOnly(field) => PinRefusal::LocalOnly(field),
+    };
+    Err(ConfigErrorKind::Pinned { refusal })
+}
+
+/// Whether the local document lets a remote one change `pinned`.
+fn allowed(local: &Policy, pinned: Pinned) -> bool {
+    local
+        .remote
+        .as_ref()
+        .is_some_and(|remote| remote.allows(pinned))
+}
+
+/// What "unchanged" means for one pinned field.
+struct Slot {
+    /// Its path, as [`dotted`] writes it.
+    path: &'static str,
+    /// Whether the value written (read as the field's reader reads it) is the local
+    /// document's; `Err`: the reader's message.
+    same: fn(&serde_json::Value, &Policy) -> Result<bool, String>,
+    /// The local value as a refusal shows it; `None` for a secret (never shown), where
+    /// the local document has none, or for a field only the local document sets.
+    shown: fn(&Policy) -> Option<String>,
+}
+
+/// Every pinned field of the description (`raw`), and nothing else.
+const SLOTS: [Slot; 12] = [
+    Slot {
+        path: "global.cluster",
+        same: |value, local| Ok(text(value)? == local.global.cluster),
+        shown: |local| Some(quoted(&local.global.cluster)),
+    },
+    Slot {
+        path: "global.authority",
+        same: |value, local| Ok(text(value)? == local.global.authority),
+        shown: |local| Some(quoted(&local.global.authority)),
+    },
+    Slot {
+        path: "global.path",
+        same: |value, local| Ok(text(value)? == local.global.path),
+        shown: |local| Some(quoted(&local.global.path)),
+    },
+    Slot {
+        path: "global.token",
+        same: |value, local| Ok(local.global.token.as_ref() == Some(&read::<SecretField>(value)?.0)),
+        // Never the value of either secret.
+        shown: |_| None,
+    },
+    Slot {
+        path: "remote.cluster",
+        same: |value, local| Ok(remote(local).map(|r| &r.cluster) == Some(&text(value)?)),
+        shown: |local| remote(local).map(|r| quoted(&r.cluster)),
+    },
+    Slot {
+        path: "remote.authority",
+        same: |value, local| Ok(remote(local).map(|r| &r.authority) == Some(&text(value)?)),
+        shown: |local| remote(local).map(|r| quoted(&r.authority)),
+    },
+    Slot {
+        path: "remote.path",
+        same: |value, local| Ok(remote(local).map(|r| &r.path) == Some(&text(value)?)),
+        shown: |local| remote(local).map(|r| quoted(&r.path)),
+    },
+    Slot {
+        path: "remote.poll_seconds",
+        same: |value, local| {
+            Ok(remote(local).map(|r| r.poll_seconds) == Some(read::<NonZeroU32>(value)?.get()))
+        },
+        shown: |local| remote(local).map(|r| r.poll_seconds.to_string()),
+    },
+    Slot {
+        path: "remote.allow",
+        // The same names, in any order, repeats ignored.
+        same: |value, local| {
+            let written = read::<Vec<PinnedField>>(value)?;
+            let local = remote(local)
+                .map(|r| r.allow.as_slice())
+                .unwrap_or_default();
+            Ok(written.iter().all(|name| local.contains(&name.0))
+                && local
+                    .iter()
+                    .all(|name| written.iter().any(|w| w.0 == *name)))
+        },
+        shown: |_| None,
+    },
+    Slot {
+        path: "remote.signature",
+        same: |value, local| {
+            let written = read::<SignatureField>(value)?.0;
+            Ok(remote(local).and_then(|r| r.signature.as_ref()) == Some(&written))
+        },
+        shown: |_| None,
+    },
+    Slot {
+        path: "dry_run",
+        same: |value, local| Ok(read::<bool>(value)? == local.dry_run),
+        shown: |local| Some(local.dry_run.to_string()),
+    },
+    Slot {
+        path: "identity_key",
+        same: |value, local| {
+            let key = read::<IdentityKeyField>(value)?.0;
+            Ok(local.identity_key() == Some(IdentityKey::derive(key.expose().as_bytes())))
+        },
+        // Never the value of either secret.
+        shown: |_| None,
+    },
+];
+
+/// A written value as the field's reader reads it.
+fn read<'v, T: Deserialize<'v>>(value: &'v serde_json::Value) -> Result<T, String> {
+    T::deserialize(value).map_err(|error| error.to_string())
+}
+
+/// A written text value (cluster, authority, path), as written.
+fn text(value: &serde_json::Value) -> Result<String, String> {
+    read::<AnyText>(value).map(|text| text.0)
+}
+
+/// A text value as a refusal shows it.
+fn quoted(text: &str) -> String {
+    format!("{text:?}")
+}
+
+fn remote(local: &Policy) -> Option<&RemoteSpec> {
+    local.remote.as_ref()
 }
 
 /// Takes every pinned field the remote document leaves out from the local document, and
 /// `remote.allow` and `remote.signature` always.
 fn inherit(policy: &mut Policy, local: &Policy, written: &Written) {
     let (global, base) = (&mut policy.global, &local.global);
-    if !written.global_cluster.get() {
+    if !written.has("global.cluster") {
         global.cluster.clone_from(&base.cluster);
     }
-    if !written.global_authority.get() {
+    if !written.has("global.authority") {
         global.authority.clone_from(&base.authority);
     }
-    if !written.global_path.get() {
+    if !written.has("global.path") {
         global.path.clone_from(&base.path);
     }
-    if !written.global_token.get() {
+    if !written.has("global.token") {
         global.token.clone_from(&base.token);
     }
-    if !written.dry_run.get() {
+    if !written.has("dry_run") {
         policy.dry_run = local.dry_run;
     }
-    if !written.identity_key.get() {
+    if !written.has("identity_key") {
         policy.set_identity_key(local.identity_key());
     }
     match (&mut policy.remote, &local.remote) {
         (None, base) => policy.remote.clone_from(base),
         (Some(spec), Some(base)) => {
-            let moved = written.remote_cluster.get() && spec.cluster != base.cluster;
-            if !written.remote_cluster.get() {
+            let moved = written.has("remote.cluster") && spec.cluster != base.cluster;
+            if !written.has("remote.cluster") {
                 spec.cluster.clone_from(&base.cluster);
             }
             // Left out, `authority` is the cluster's name: the local one's unless the
             // cluster itself was (allowed to be) changed.
-            if !written.remote_authority.get() && !moved {
+            if !written.has("remote.authority") && !moved {
                 spec.authority.clone_from(&base.authority);
             }
-            if !written.remote_path.get() {
+            if !written.has("remote.path") {
                 spec.path.clone_from(&base.path);
             }
-            if !written.remote_poll_seconds.get() {
+            if !written.has("remote.poll_seconds") {
                 spec.poll_seconds = base.poll_seconds;
             }
             spec.allow.clone_from(&base.allow);
@@ -233,475 +299,10 @@ fn inherit(policy: &mut Policy, local: &Policy, written: &Written) {
     }
 }
 
-/// The refusal pass: every pinned field the text writes is compared with the local value.
-fn check_pins(text: &str, local: &Policy) -> Result<Written, ConfigError> {
-    let written = Written::default();
-    if is_json(text) {
-        let mut deserializer = serde_json::Deserializer::from_str(text);
-        let mut track = serde_path_to_error::Track::new();
-        let probe = Document {
-            local,
-            written: &written,
-        };
-        if let Err(error) = probe.deserialize(serde_path_to_error::Deserializer::new(
-            &mut deserializer,
-            &mut track,
-        )) {
-            let position = (error.line() > 0).then(|| (error.line(), error.column()));
-            let path = track.path().to_string();
-            return Err(compose(
-                None,
-                &path,
-                &error.to_string(),
-                position,
-                false,
-                |reason| written.refused(reason),
-            ));
-        }
-        return Ok(written);
-    }
-    let multiple = serde_yaml::Deserializer::from_str(text).nth(1).is_some();
-    for (index, document) in serde_yaml::Deserializer::from_str(text).enumerate() {
-        let mut track = serde_path_to_error::Track::new();
-        let probe = Document {
-            local,
-            written: &written,
-        };
-        if let Err(error) =
-            probe.deserialize(serde_path_to_error::Deserializer::new(document, &mut track))
-        {
-            let position = error
-                .location()
-                .map(|location| (location.line(), location.column()));
-            let path = track.path().to_string();
-            let label = multiple.then_some(index + 1);
-            return Err(compose(
-                label,
-                &path,
-                &error.to_string(),
-                position,
-                true,
-                |reason| written.refused(reason),
-            ));
-        }
-    }
-    Ok(written)
-}
-
-impl Written {
-    /// The kind of the error that stopped the pass: the refusal, or (the document was found
-    /// valid before, so not expected) what serde said.
-    fn refused(&self, reason: String) -> ConfigErrorKind {
-        match self.refusal.take() {
-            Some(refusal) => ConfigErrorKind::Pinned { refusal },
-            None => ConfigErrorKind::Invalid { reason },
-        }
-    }
-}
-
-/// Whether the local document lets a remote one change `pinned`.
-fn allowed(local: &Policy, pinned: Pinned) -> bool {
-    local
-        .remote
-        .as_ref()
-        .is_some_and(|remote| remote.allows(pinned))
-}
-
-/// Keeps `refusal` in `kept` (for [`Written::refused`]) and gives serde its text.
-fn refuse<E: de::Error>(kept: &Cell<Option<PinRefusal>>, refusal: PinRefusal) -> E {
-    let error = E::custom(&refusal);
-    kept.set(Some(refusal));
-    error
-}
-
-/// One document of the stream: looks at `global`, `remote`, `dry_run` and `identity_key`
-/// only.
-struct Document<'a> {
-    local: &'a Policy,
-    written: &'a Written,
-}
-
-impl<'de> DeserializeSeed<'de> for Document<'_> {
-    type Value = ();
-
-    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<(), D::Error> {
-        deserializer.deserialize_any(self)
-    }
-}
-
-impl<'de> Visitor<'de> for Document<'_> {
-    type Value = ();
-
-    fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
-        formatter.write_str("a Diana document")
-    }
-
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
-        let (local, written) = (self.local, self.written);
-        while let Some(key) = map.next_key::<serde_yaml::Value>()? {
-            match key.as_str() {
-                Some("global") => map.next_value_seed(Global { local, written })?,
-                Some("remote") => map.next_value_seed(Remote { local, written })?,
-                Some("dry_run") => map.next_value_seed(Check {
-                    written: &written.dry_run,
-                    refusal: &written.refusal,
-                    check: |dry_run: bool| {
-                        if dry_run == local.dry_run || allowed(local, Pinned::DryRun) {
-                            Ok(())
-                        } else {
-                            Err(PinRefusal::Changed {
-                                value: PinnedValue::DryRun,
-                                local: Some(local.dry_run.to_string()),
-                            })
-                        }
-                    },
-                    value: PhantomData,
-                })?,
-                Some("identity_key") => map.next_value_seed(Check {
-                    written: &written.identity_key,
-                    refusal: &written.refusal,
-                    check: |key: IdentityKeyField| {
-                        let key = IdentityKey::derive(key.0.expose().as_bytes());
-                        if local.identity_key() == Some(key) || allowed(local, Pinned::IdentityKey)
-                        {
-                            Ok(())
-                        } else {
-                            // Never the value of either secret.
-                            Err(PinRefusal::Changed {
-                                value: PinnedValue::IdentityKey,
-                                local: None,
-                            })
-                        }
-                    },
-                    value: PhantomData,
-                })?,
-                _ => {
-                    map.next_value::<IgnoredAny>()?;
-                }
-            }
-        }
-        Ok(())
-    }
-
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
-        while seq.next_element::<IgnoredAny>()?.is_some() {}
-        Ok(())
-    }
-
-    fn visit_unit<E: de::Error>(self) -> Result<(), E> {
-        Ok(())
-    }
-
-    fn visit_none<E: de::Error>(self) -> Result<(), E> {
-        Ok(())
-    }
-
-    fn visit_bool<E: de::Error>(self, _: bool) -> Result<(), E> {
-        Ok(())
-    }
-
-    fn visit_i64<E: de::Error>(self, _: i64) -> Result<(), E> {
-        Ok(())
-    }
-
-    fn visit_u64<E: de::Error>(self, _: u64) -> Result<(), E> {
-        Ok(())
-    }
-
-    fn visit_f64<E: de::Error>(self, _: f64) -> Result<(), E> {
-        Ok(())
-    }
-
-    fn visit_str<E: de::Error>(self, _: &str) -> Result<(), E> {
-        Ok(())
-    }
-}
-
-/// A value read as `T` and judged by `check` (`Err`: the refusal). Both happen inside the
-/// value's own visitor, so that a refusal carries the position of the value.
-struct Check<'a, T, F> {
-    written: &'a Cell<bool>,
-    refusal: &'a Cell<Option<PinRefusal>>,
-    check: F,
-    value: PhantomData<T>,
-}
-
-impl<'de, T: de::Deserialize<'de>, F: FnOnce(T) -> Result<(), PinRefusal>> DeserializeSeed<'de>
-    for Check<'_, T, F>
-{
-    type Value = ();
-
-    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<(), D::Error> {
-        self.written.set(true);
-        deserializer.deserialize_any(CheckVisitor {
-            refusal: self.refusal,
-            check: self.check,
-            value: PhantomData,
-        })
-    }
-}
-
-struct CheckVisitor<'a, T, F> {
-    refusal: &'a Cell<Option<PinRefusal>>,
-    check: F,
-    value: PhantomData<T>,
-}
-
-impl<'de, T: de::Deserialize<'de>, F: FnOnce(T) -> Result<(), PinRefusal>> CheckVisitor<'_, T, F> {
-    fn judge<E: de::Error>(self, value: Result<T, E>) -> Result<(), E> {
-        (self.check)(value?).map_err(|refusal| refuse(self.refusal, refusal))
-    }
-}
-
-impl<'de, T: de::Deserialize<'de>, F: FnOnce(T) -> Result<(), PinRefusal>> Visitor<'de>
-    for CheckVisitor<'_, T, F>
-{
-    type Value = ();
-
-    fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
-        formatter.write_str("a value")
-    }
-
-    fn visit_bool<E: de::Error>(self, value: bool) -> Result<(), E> {
-        self.judge(T::deserialize(value.into_deserializer()))
-    }
-
-    fn visit_i64<E: de::Error>(self, value: i64) -> Result<(), E> {
-        self.judge(T::deserialize(value.into_deserializer()))
-    }
-
-    fn visit_u64<E: de::Error>(self, value: u64) -> Result<(), E> {
-        self.judge(T::deserialize(value.into_deserializer()))
-    }
-
-    fn visit_f64<E: de::Error>(self, value: f64) -> Result<(), E> {
-        self.judge(T::deserialize(value.into_deserializer()))
-    }
-
-    fn visit_str<E: de::Error>(self, value: &str) -> Result<(), E> {
-        self.judge(T::deserialize(value.into_deserializer()))
-    }
-
-    fn visit_unit<E: de::Error>(self) -> Result<(), E> {
-        self.judge(T::deserialize(().into_deserializer()))
-    }
-
-    fn visit_none<E: de::Error>(self) -> Result<(), E> {
-        self.visit_unit()
-    }
-
-    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<(), A::Error> {
-        self.judge(T::deserialize(de::value::SeqAccessDeserializer::new(seq)))
-    }
-
-    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<(), A::Error> {
-        self.judge(T::deserialize(de::value::MapAccessDeserializer::new(map)))
-    }
-}
-
-/// A text value (cluster, authority, path) compared as written, so that the refusal points
-/// at the value itself.
-struct Text<'a> {
-    written: &'a Cell<bool>,
-    refusal: &'a Cell<Option<PinRefusal>>,
-    /// The local value; `None`: the local document has none.
-    local: Option<&'a str>,
-    allowed: bool,
-    value: PinnedValue,
-}
-
-impl<'de> DeserializeSeed<'de> for Text<'_> {
-    type Value = ();
-
-    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<(), D::Error> {
-        self.written.set(true);
-        deserialize_str_with(deserializer, "a string", |raw| {
-            if self.allowed || self.local == Some(raw) {
-                Ok(())
-            } else {
-                let refusal = PinRefusal::Changed {
-                    value: self.value,
-                    local: self.local.map(|local| format!("{local:?}")),
-                };
-                self.refusal.set(Some(refusal.clone()));
-                Err(refusal)
-            }
-        })
-    }
-}
-
-/// `global`: its connection fields are pinned.
-struct Global<'a> {
-    local: &'a Policy,
-    written: &'a Written,
-}
-
-impl<'de> DeserializeSeed<'de> for Global<'_> {
-    type Value = ();
-
-    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<(), D::Error> {
-        deserializer.deserialize_map(self)
-    }
-}
-
-impl<'de> Visitor<'de> for Global<'_> {
-    type Value = ();
-
-    fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
-        formatter.write_str("the `global` section")
-    }
-
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
-        let (base, written) = (&self.local.global, self.written);
-        let allowed = allowed(self.local, Pinned::Global);
-        while let Some(key) = map.next_key::<String>()? {
-            let (field, local) = match key.as_str() {
-                "cluster" => (&written.global_cluster, &base.cluster),
-                "authority" => (&written.global_authority, &base.authority),
-                "path" => (&written.global_path, &base.path),
-                "token" => {
-                    map.next_value_seed(Check {
-                        written: &written.global_token,
-                        refusal: &written.refusal,
-                        check: |token: SecretField| {
-                            if allowed || base.token.as_ref() == Some(&token.0) {
-                                Ok(())
-                            } else {
-                                // Never the value of either secret.
-                                Err(PinRefusal::Changed {
-                                    value: PinnedValue::QuotaCredential,
-                                    local: None,
-                                })
-                            }
-                        },
-                        value: PhantomData,
-                    })?;
-                    continue;
-                }
-                _ => {
-                    map.next_value::<IgnoredAny>()?;
-                    continue;
-                }
-            };
-            map.next_value_seed(Text {
-                written: field,
-                refusal: &written.refusal,
-                local: Some(local),
-                allowed,
-                value: PinnedValue::QuotaService,
-            })?;
-        }
-        Ok(())
-    }
-}
-
-/// `remote`: pinned whole; `allow` and `signature` even when `remote` is allowed.
-struct Remote<'a> {
-    local: &'a Policy,
-    written: &'a Written,
-}
-
-impl<'de> DeserializeSeed<'de> for Remote<'_> {
-    type Value = ();
-
-    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<(), D::Error> {
-        deserializer.deserialize_map(self)
-    }
-}
-
-impl<'de> Visitor<'de> for Remote<'_> {
-    type Value = ();
-
-    fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
-        formatter.write_str("the `remote` section")
-    }
-
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
-        let base: Option<&RemoteSpec> = self.local.remote.as_ref();
-        let written = self.written;
-        let allowed = allowed(self.local, Pinned::Remote);
-        while let Some(key) = map.next_key::<String>()? {
-            let (field, local) = match key.as_str() {
-                "cluster" => (&written.remote_cluster, base.map(|b| b.cluster.as_str())),
-                "authority" => (
-                    &written.remote_authority,
-                    base.map(|b| b.authority.as_str()),
-                ),
-                "path" => (&written.remote_path, base.map(|b| b.path.as_str())),
-                "poll_seconds" => {
-                    map.next_value_seed(Check {
-                        written: &written.remote_poll_seconds,
-                        refusal: &written.refusal,
-                        check: |seconds: NonZeroU32| {
-                            let local = base.map(|b| b.poll_seconds);
-                            if allowed || local == Some(seconds.get()) {
-                                Ok(())
-                            } else {
-                                Err(PinRefusal::Changed {
-                                    value: PinnedValue::ConfigCenter,
-                                    local: local.map(|seconds| seconds.to_string()),
-                                })
-                            }
-                        },
-                        value: PhantomData,
-                    })?;
-                    continue;
-                }
-                "allow" => {
-                    let unused = Cell::new(false);
-                    map.next_value_seed(Check {
-                        written: &unused,
-                        refusal: &written.refusal,
-                        check: |allow: Vec<PinnedField>| {
-                            let local = base.map(|b| b.allow.as_slice()).unwrap_or_default();
-                            let same = allow.iter().all(|name| local.contains(&name.0))
-                                && local.iter().all(|name| allow.iter().any(|a| a.0 == *name));
-                            if same {
-                                Ok(())
-                            } else {
-                                Err(PinRefusal::LocalOnly(LocalOnly::Allow))
-                            }
-                        },
-                        value: PhantomData,
-                    })?;
-                    continue;
-                }
-                "signature" => {
-                    let unused = Cell::new(false);
-                    map.next_value_seed(Check {
-                        written: &unused,
-                        refusal: &written.refusal,
-                        check: |signature: SignatureField| {
-                            if base.and_then(|b| b.signature.as_ref()) == Some(&signature.0) {
-                                Ok(())
-                            } else {
-                                Err(PinRefusal::LocalOnly(LocalOnly::Signature))
-                            }
-                        },
-                        value: PhantomData,
-                    })?;
-                    continue;
-                }
-                _ => {
-                    map.next_value::<IgnoredAny>()?;
-                    continue;
-                }
-            };
-            map.next_value_seed(Text {
-                written: field,
-                refusal: &written.refusal,
-                local,
-                allowed,
-                value: PinnedValue::ConfigCenter,
-            })?;
-        }
-        Ok(())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::{LocalOnly, PinnedValue};
     use crate::secret::Secret;
 
     const TOKEN: &str = "local-token-0123456789abcdef0123456789";
@@ -731,6 +332,39 @@ mod tests {
             Err(RemoteError::Refused(error)) => error.to_string(),
             other => panic!("should be refused: {other:?}\n---\n{text}"),
         }
+    }
+
+    /// The pin pass knows what "unchanged" means for every field the description pins, and
+    /// for no other; and the pinned fields are those DESIGN §6 names.
+    #[test]
+    fn every_pinned_field_has_a_slot_and_every_slot_a_pinned_field() {
+        let description = document();
+        let mut pinned: Vec<String> = description
+            .pinned()
+            .iter()
+            .map(|(way, _)| dotted(way))
+            .collect();
+        pinned.sort();
+        let mut slots: Vec<&str> = SLOTS.iter().map(|slot| slot.path).collect();
+        slots.sort();
+        assert_eq!(pinned, slots);
+        assert_eq!(
+            slots,
+            [
+                "dry_run",
+                "global.authority",
+                "global.cluster",
+                "global.path",
+                "global.token",
+                "identity_key",
+                "remote.allow",
+                "remote.authority",
+                "remote.cluster",
+                "remote.path",
+                "remote.poll_seconds",
+                "remote.signature",
+            ]
+        );
     }
 
     #[test]

@@ -8,6 +8,8 @@ use crate::facts::RequestFacts;
 use crate::time::Unit;
 use std::num::NonZeroU32;
 
+mod description;
+
 /// The seed design's document, verbatim (one copy for every test that needs it).
 const SEED: &str = include_str!("../../../../tests/fixtures/seed.yaml");
 
@@ -1341,6 +1343,51 @@ fn null_is_never_read_as_text() {
         rules(&policy)[0].identify(&facts),
         Identity::Key(_)
     ));
+}
+
+/// A mapping of the document is read from a mapping, in JSON as in YAML: serde's own
+/// reader of a struct also takes a JSON array of its values in field order, so that
+/// `"global": ["evil", "evil.example", "/steal"]` was a quota service at `evil` in JSON and
+/// refused in YAML. And `null` is refused for every optional key, `from` of a plan's
+/// claim included (it was read as absent).
+#[test]
+fn a_mapping_is_a_mapping_in_json_as_in_yaml() {
+    let block = "{\"Url\": \"/\", \"rules\": [{\"rpu\": 1}]}";
+    for (json, yaml, want) in [
+        (
+            format!("{{\"resources\": [{block}], \"global\": [\"evil\", \"evil.example\", \"/steal\"]}}"),
+            format!("resources: [{block}]\nglobal: [evil, evil.example, /steal]\n"),
+            "global: invalid type: sequence, expected the `global` section at line ",
+        ),
+        (
+            format!("{{\"resources\": [{block}], \"response\": []}}"),
+            format!("resources: [{block}]\nresponse: []\n"),
+            "response: invalid type: sequence, expected the `response` section at line ",
+        ),
+        (
+            "[[\"/\", [{\"rpu\": 1}]]]".to_string(),
+            "- [/, [{rpu: 1}]]\n".to_string(),
+            "[0]: invalid type: sequence, expected a resource block with `Url` and `rules` at line ",
+        ),
+        (
+            "{\"Url\": \"/\", \"rules\": [[5]]}".to_string(),
+            "Url: /\nrules: [[5]]\n".to_string(),
+            "rules[0]: invalid type: sequence, expected a rule (a mapping with at least `rpu` or \
+             `max_in_flight`) at line ",
+        ),
+    ] {
+        for text in [&json, &yaml] {
+            let message = error(text);
+            assert!(message.starts_with(want), "{message}\n---\n{text}");
+        }
+    }
+    let by_claim =
+        "Url: /\nrules: [{rpu: {by: {jwt_claim: plan, from: null}, values: {a: 1}, default: 1}}]\n";
+    assert!(
+        error(by_claim).starts_with("rules[0].rpu.by.from: null where a value is expected"),
+        "{}",
+        error(by_claim)
+    );
 }
 
 #[test]
