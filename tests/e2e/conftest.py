@@ -9,10 +9,20 @@
   panic in error.log, fails the test.
 - `procs`: start any other process (Redis, diana-quota, ...) tied to the test.
 On a failing test, the logs of the test's processes are appended to the report.
+
+Parallel runs (pytest-xdist, `-n N`; scripts/e2e): every test has its own log directory,
+processes and ports (harness.free_port draws from a slice of ports of its own per worker);
+the session upstream is one per worker. The modules in SERIAL_MODULES are marked `serial`:
+they measure time or memory under load, which other tests running beside them would
+change, so scripts/e2e runs them after the parallel part, one at a time.
+`--binding envoy,nginx,envoy-native` (or DIANA_BINDINGS) keeps the runs of the
+host-parametrized tests on those bindings only.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shutil
 import sys
@@ -83,7 +93,8 @@ def procs(request: pytest.FixtureRequest, log_dir: Path):
 
 @pytest.fixture(scope="session")
 def upstream():
-    d = harness.LOG_ROOT / "session"
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    d = harness.LOG_ROOT / (f"session-{worker}" if worker else "session")
     d.mkdir(parents=True, exist_ok=True)
     up = Upstream(d)
     try:
@@ -110,8 +121,22 @@ def start_envoy(procs: Processes, upstream: Upstream) -> Callable[..., Envoy]:
     return start
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    # An xdist worker hands its figures to the controller, which prints and writes them all.
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["diana_figures"] = harness.dumps(harness.FIGURES)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:  # type: ignore[no-untyped-def]
+    figures = getattr(node, "workeroutput", {}).get("diana_figures")
+    if figures:
+        harness.FIGURES.update(json.loads(figures))
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):  # type: ignore[no-untyped-def]
-    if not harness.FIGURES:
+    if not harness.FIGURES or hasattr(config, "workeroutput"):
         return
     terminalreporter.section("Diana e2e figures")
     for k, v in harness.FIGURES.items():
@@ -126,6 +151,39 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):  # type: igno
 # `envoy-native`: Envoy with Diana as a dynamic module (crates/diana-envoy-native) instead of
 # the wasm filter; the same tests, the same expectations as `envoy` unless a test says why.
 HOSTS = ["envoy", "nginx", "envoy-native"]
+
+
+# Modules whose tests assert times or memory under load (recovery within N seconds, a flood's
+# RSS, a wrk run): run by scripts/e2e after the parallel part, alone (marker `serial`).
+SERIAL_MODULES = {"test_faults.py", "test_memory.py"}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--binding",
+        default=os.environ.get("DIANA_BINDINGS", ""),
+        help=f"comma-separated bindings ({', '.join(HOSTS)}) the host-parametrized tests run on (default: all)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in SERIAL_MODULES:
+            item.add_marker(pytest.mark.serial)
+    wanted = {b.strip() for b in str(config.getoption("--binding")).split(",") if b.strip()}
+    if not wanted:
+        return
+    unknown = wanted - set(HOSTS)
+    if unknown:
+        raise pytest.UsageError(f"--binding: unknown {sorted(unknown)}; the bindings are {HOSTS}")
+    keep, drop = [], []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        host = callspec.params.get("host") if callspec is not None else None
+        (drop if host is not None and host not in wanted else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 @pytest.fixture(params=HOSTS)
