@@ -12,9 +12,9 @@ On a failing test, the logs of the test's processes are appended to the report.
 
 Parallel runs (pytest-xdist, `-n N`; scripts/e2e): every test has its own log directory,
 processes and ports (harness.free_port draws from a slice of ports of its own per worker);
-the session upstream is one per worker. The modules in SERIAL_MODULES are marked `serial`:
-they measure time or memory under load, which other tests running beside them would
-change, so scripts/e2e runs them after the parallel part, one at a time.
+the session upstream is one per worker. The tests in SERIAL are marked `serial`: they
+measure time or memory under load, which other tests running beside them would change, so
+scripts/e2e runs them after the parallel part, one at a time.
 `--binding envoy,nginx,envoy-native` (or DIANA_BINDINGS) keeps the runs of the
 host-parametrized tests on those bindings only.
 """
@@ -153,9 +153,18 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):  # type: igno
 HOSTS = ["envoy", "nginx", "envoy-native"]
 
 
-# Modules whose tests assert times or memory under load (recovery within N seconds, a flood's
-# RSS, a wrk run): run by scripts/e2e after the parallel part, alone (marker `serial`).
-SERIAL_MODULES = {"test_faults.py", "test_memory.py"}
+# Tests that assert times or memory under load (recovery within N seconds, a flood's RSS,
+# a p99 of 50 ms, a leaky bucket's 100 ms pace): run by scripts/e2e after the parallel part,
+# one at a time (marker `serial`), since the tests beside them would take the CPU they
+# measure. A module (every test of it) or module::test (every parametrization).
+SERIAL = {
+    "test_faults.py",
+    "test_memory.py",
+    "test_algorithms.py::test_leaky_bucket_paces_and_rejects_overflow",
+    "test_global.py::test_backend_killed_mid_run_degrades_to_local_then_recovers",
+    # requests sent in time slices of a second, which a starved client or Envoy misses
+    "test_simulate.py::test_replay_agrees_exactly_with_envoy_on_one_worker",
+}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -168,7 +177,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if item.path.name in SERIAL_MODULES:
+        name = getattr(item, "originalname", item.name)
+        if item.path.name in SERIAL or f"{item.path.name}::{name}" in SERIAL:
             item.add_marker(pytest.mark.serial)
     wanted = {b.strip() for b in str(config.getoption("--binding")).split(",") if b.strip()}
     if not wanted:

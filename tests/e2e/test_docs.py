@@ -60,6 +60,8 @@ CHECKED = {
 NOT_RUN: dict[tuple[str, str], str] = {
     ("README.md", "scripts/run    #"): "the commands of the suite itself: scripts/run is run by "
     "test_run_script.py (and behind the quickstart block below); scripts/test runs this file",
+    ("README.md", "scripts/check                                  #"): "the test commands themselves "
+    "(scripts/check, scripts/e2e), which scripts/test runs",
     ("README.md", "scripts/build                                   #"): "envoy/envoy.yaml on its "
     "fixed ports; test_envoy_yaml_answers_as_the_readme_says runs that bootstrap with the demo "
     "upstream and diana-quota, on ports of its own, and the quickstart block against it",
