@@ -7,6 +7,8 @@
   threads) and a real nginx + ngx_wasm_module (2 worker processes); the test is run once
   per host (`[envoy]`, `[nginx]`). On nginx, a worker that exits on a signal, or a trap or
   panic in error.log, fails the test.
+- `shared_gateway(diana_config, ...)`: the same, but one gateway per module, host and
+  document, shared by the tests that ask for it (each needs counters of its own).
 - `procs`: start any other process (Redis, diana-quota, ...) tied to the test.
 On a failing test, the logs of the test's processes are appended to the report.
 
@@ -189,7 +191,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     keep, drop = [], []
     for item in items:
         callspec = getattr(item, "callspec", None)
-        host = callspec.params.get("host") if callspec is not None else None
+        params = callspec.params if callspec is not None else {}
+        host = params.get("host", params.get("module_host"))
         (drop if host is not None and host not in wanted else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
@@ -207,26 +210,76 @@ def start_gateway(host: str, procs: Processes, upstream: Upstream):
     """start_gateway(diana_config, workers=None, **kwargs) -> a ready Envoy or nginx.
     Envoy: `workers` worker threads (default 4); nginx: worker processes (default 2).
     `quota_port` / `config_port` make the global and remote upstreams 127.0.0.1:PORT."""
-    counter = [0]
     started: list = []
 
     def start(diana_config: Optional[str], *, workers: Optional[int] = None, **kw):
-        counter[0] += 1
-        name = host if counter[0] == 1 else f"{host}{counter[0]}"
-        kw.setdefault("upstream_port", upstream.port)
-        if host in ("envoy", "envoy-native"):
-            for nginx_only in ("raw_document", "shm_size", "eviction", "request_headers_in_access"):
-                kw.pop(nginx_only, None)
-            kw.setdefault("native", host == "envoy-native")
-            gw = Envoy(procs.log_dir, diana_config=diana_config, concurrency=workers or 4, name=name, **kw)
-        else:
-            gw = Nginx(procs.log_dir, diana_config=diana_config, workers=workers or 2, name=name, **kw)
-        procs.add(gw)
+        gw = _gateway(host, procs, upstream, len(started) + 1, diana_config, workers, kw)
         started.append(gw)
-        gw.start()
         return gw
 
     yield start
-    crashed = [(gw.name, line) for gw in started for line in gw.crash_lines()]
+    _fail_on_crash(host, started)
+
+
+def _gateway(host: str, procs: Processes, upstream: Upstream, number: int, diana_config, workers, kw):
+    """The `number`th gateway of a test (or a module) on `host`, started and ready."""
+    name = host if number == 1 else f"{host}{number}"
+    kw.setdefault("upstream_port", upstream.port)
+    if host in ("envoy", "envoy-native"):
+        for nginx_only in ("raw_document", "shm_size", "eviction", "request_headers_in_access"):
+            kw.pop(nginx_only, None)
+        kw.setdefault("native", host == "envoy-native")
+        gw = Envoy(procs.log_dir, diana_config=diana_config, concurrency=workers or 4, name=name, **kw)
+    else:
+        gw = Nginx(procs.log_dir, diana_config=diana_config, workers=workers or 2, name=name, **kw)
+    procs.add(gw)
+    gw.start()
+    return gw
+
+
+def _fail_on_crash(host: str, gateways) -> None:
+    crashed = [(gw.name, line) for gw in gateways for line in gw.crash_lines()]
     if crashed:
         pytest.fail(f"{host}: a worker crashed or a filter trapped: {crashed[:10]}")
+
+
+@pytest.fixture(scope="module", params=HOSTS)
+def module_host(request: pytest.FixtureRequest) -> str:
+    """The gateway of the module's shared gateways (`shared_gateway`), one run per host."""
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def _module_gateways(module_host: str, request: pytest.FixtureRequest, upstream: Upstream):
+    # one directory per pytest worker: each worker that runs tests of the module has its own
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    d = harness.LOG_ROOT / _sanitize(f"{request.node.nodeid}-{module_host}-shared-{worker}")
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True, exist_ok=True)
+    procs = Processes(d)
+    shared: dict = {}
+    try:
+        yield procs, shared
+    finally:
+        procs.stop_all()
+
+
+@pytest.fixture
+def shared_gateway(module_host: str, _module_gateways, upstream: Upstream, request: pytest.FixtureRequest):
+    """shared_gateway(diana_config, workers=None, **kwargs): like start_gateway, but the
+    gateway is shared by every test of the module (on the same host, in the same pytest
+    worker) that asks for the same document and options, and stopped after the last of
+    them: for tests that only send requests whose counters no other test of the module
+    touches, and read nothing the others change. Its log is attached to a failing test's
+    report; a crash or trap in it fails the test during which it is found."""
+    procs, shared = _module_gateways
+    setattr(request.node, _PROCS_ATTR, procs)
+
+    def start(diana_config: Optional[str], *, workers: Optional[int] = None, **kw):
+        key = (diana_config, workers, repr(sorted(kw.items())))
+        if key not in shared:
+            shared[key] = _gateway(module_host, procs, upstream, len(shared) + 1, diana_config, workers, kw)
+        return shared[key]
+
+    yield start
+    _fail_on_crash(module_host, list(shared.values()))
