@@ -294,21 +294,41 @@ fn every_image_is_a_variable_defaulting_to_an_official_image() {
             "docker/Dockerfile has no stage {stage}"
         );
     }
+    // The host stage copies what `scripts/build --profile $PROFILE` wrote: PROFILE is
+    // `release` by default, `quick` in the test command (Cargo.toml's two profiles).
+    assert!(args.contains(&("PROFILE".to_string(), "release".to_string())));
     let dockerignore = read(".dockerignore");
     let build = read("scripts/build");
-    for file in [
-        "target/release/diana-quota",
-        "target/wasm32-wasip1/release/diana-envoy.wasm",
+    assert!(
+        build.contains("out=target/$profile\n"),
+        "scripts/build: {build}"
+    );
+    assert!(
+        build.contains("wout=target/wasm32-wasip1/$profile\n"),
+        "scripts/build: {build}"
+    );
+    for (file, written) in [
+        ("target/${PROFILE}/diana-quota", "$out/diana-quota"),
+        (
+            "target/wasm32-wasip1/${PROFILE}/diana-envoy.wasm",
+            "$wout/diana-envoy.wasm",
+        ),
     ] {
         assert!(
             dockerfile.contains(file),
             "the host stage does not copy {file}"
         );
         assert!(
-            dockerignore.contains(&format!("!{file}")),
-            ".dockerignore leaves out {file}"
+            build.contains(written),
+            "scripts/build does not write {written}"
         );
-        assert!(build.contains(file), "scripts/build does not write {file}");
+        for profile in ["release", "quick"] {
+            let file = file.replace("${PROFILE}", profile);
+            assert!(
+                dockerignore.contains(&format!("!{file}")),
+                ".dockerignore leaves out {file}"
+            );
+        }
     }
 }
 

@@ -7,12 +7,24 @@
   threads) and a real nginx + ngx_wasm_module (2 worker processes); the test is run once
   per host (`[envoy]`, `[nginx]`). On nginx, a worker that exits on a signal, or a trap or
   panic in error.log, fails the test.
+- `shared_gateway(diana_config, ...)`: the same, but one gateway per module, host and
+  document, shared by the tests that ask for it (each needs counters of its own).
 - `procs`: start any other process (Redis, diana-quota, ...) tied to the test.
 On a failing test, the logs of the test's processes are appended to the report.
+
+Parallel runs (pytest-xdist, `-n N`; scripts/e2e): every test has its own log directory,
+processes and ports (harness.free_port draws from a slice of ports of its own per worker);
+the session upstream is one per worker. The tests in SERIAL are marked `serial`: they
+measure time or memory under load, which other tests running beside them would change, so
+scripts/e2e runs them after the parallel part, one at a time.
+`--binding envoy,nginx,envoy-native` (or DIANA_BINDINGS) keeps the runs of the
+host-parametrized tests on those bindings only.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shutil
 import sys
@@ -83,7 +95,8 @@ def procs(request: pytest.FixtureRequest, log_dir: Path):
 
 @pytest.fixture(scope="session")
 def upstream():
-    d = harness.LOG_ROOT / "session"
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    d = harness.LOG_ROOT / (f"session-{worker}" if worker else "session")
     d.mkdir(parents=True, exist_ok=True)
     up = Upstream(d)
     try:
@@ -110,8 +123,22 @@ def start_envoy(procs: Processes, upstream: Upstream) -> Callable[..., Envoy]:
     return start
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    # An xdist worker hands its figures to the controller, which prints and writes them all.
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["diana_figures"] = harness.dumps(harness.FIGURES)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:  # type: ignore[no-untyped-def]
+    figures = getattr(node, "workeroutput", {}).get("diana_figures")
+    if figures:
+        harness.FIGURES.update(json.loads(figures))
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):  # type: ignore[no-untyped-def]
-    if not harness.FIGURES:
+    if not harness.FIGURES or hasattr(config, "workeroutput"):
         return
     terminalreporter.section("Diana e2e figures")
     for k, v in harness.FIGURES.items():
@@ -128,6 +155,50 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):  # type: igno
 HOSTS = ["envoy", "nginx", "envoy-native"]
 
 
+# Tests that assert times or memory under load (recovery within N seconds, a flood's RSS,
+# a p99 of 50 ms, a leaky bucket's 100 ms pace): run by scripts/e2e after the parallel part,
+# one at a time (marker `serial`), since the tests beside them would take the CPU they
+# measure. A module (every test of it) or module::test (every parametrization).
+SERIAL = {
+    "test_faults.py",
+    "test_memory.py",
+    "test_algorithms.py::test_leaky_bucket_paces_and_rejects_overflow",
+    "test_global.py::test_backend_killed_mid_run_degrades_to_local_then_recovers",
+    # requests sent in time slices of a second, which a starved client or Envoy misses
+    "test_simulate.py::test_replay_agrees_exactly_with_envoy_on_one_worker",
+}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--binding",
+        default=os.environ.get("DIANA_BINDINGS", ""),
+        help=f"comma-separated bindings ({', '.join(HOSTS)}) the host-parametrized tests run on (default: all)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        name = getattr(item, "originalname", item.name)
+        if item.path.name in SERIAL or f"{item.path.name}::{name}" in SERIAL:
+            item.add_marker(pytest.mark.serial)
+    wanted = {b.strip() for b in str(config.getoption("--binding")).split(",") if b.strip()}
+    if not wanted:
+        return
+    unknown = wanted - set(HOSTS)
+    if unknown:
+        raise pytest.UsageError(f"--binding: unknown {sorted(unknown)}; the bindings are {HOSTS}")
+    keep, drop = [], []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        params = callspec.params if callspec is not None else {}
+        host = params.get("host", params.get("module_host"))
+        (drop if host is not None and host not in wanted else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
 @pytest.fixture(params=HOSTS)
 def host(request: pytest.FixtureRequest) -> str:
     """The gateway a test runs on; every test that uses it runs once per host."""
@@ -139,26 +210,76 @@ def start_gateway(host: str, procs: Processes, upstream: Upstream):
     """start_gateway(diana_config, workers=None, **kwargs) -> a ready Envoy or nginx.
     Envoy: `workers` worker threads (default 4); nginx: worker processes (default 2).
     `quota_port` / `config_port` make the global and remote upstreams 127.0.0.1:PORT."""
-    counter = [0]
     started: list = []
 
     def start(diana_config: Optional[str], *, workers: Optional[int] = None, **kw):
-        counter[0] += 1
-        name = host if counter[0] == 1 else f"{host}{counter[0]}"
-        kw.setdefault("upstream_port", upstream.port)
-        if host in ("envoy", "envoy-native"):
-            for nginx_only in ("raw_document", "shm_size", "eviction", "request_headers_in_access"):
-                kw.pop(nginx_only, None)
-            kw.setdefault("native", host == "envoy-native")
-            gw = Envoy(procs.log_dir, diana_config=diana_config, concurrency=workers or 4, name=name, **kw)
-        else:
-            gw = Nginx(procs.log_dir, diana_config=diana_config, workers=workers or 2, name=name, **kw)
-        procs.add(gw)
+        gw = _gateway(host, procs, upstream, len(started) + 1, diana_config, workers, kw)
         started.append(gw)
-        gw.start()
         return gw
 
     yield start
-    crashed = [(gw.name, line) for gw in started for line in gw.crash_lines()]
+    _fail_on_crash(host, started)
+
+
+def _gateway(host: str, procs: Processes, upstream: Upstream, number: int, diana_config, workers, kw):
+    """The `number`th gateway of a test (or a module) on `host`, started and ready."""
+    name = host if number == 1 else f"{host}{number}"
+    kw.setdefault("upstream_port", upstream.port)
+    if host in ("envoy", "envoy-native"):
+        for nginx_only in ("raw_document", "shm_size", "eviction", "request_headers_in_access"):
+            kw.pop(nginx_only, None)
+        kw.setdefault("native", host == "envoy-native")
+        gw = Envoy(procs.log_dir, diana_config=diana_config, concurrency=workers or 4, name=name, **kw)
+    else:
+        gw = Nginx(procs.log_dir, diana_config=diana_config, workers=workers or 2, name=name, **kw)
+    procs.add(gw)
+    gw.start()
+    return gw
+
+
+def _fail_on_crash(host: str, gateways) -> None:
+    crashed = [(gw.name, line) for gw in gateways for line in gw.crash_lines()]
     if crashed:
         pytest.fail(f"{host}: a worker crashed or a filter trapped: {crashed[:10]}")
+
+
+@pytest.fixture(scope="module", params=HOSTS)
+def module_host(request: pytest.FixtureRequest) -> str:
+    """The gateway of the module's shared gateways (`shared_gateway`), one run per host."""
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def _module_gateways(module_host: str, request: pytest.FixtureRequest, upstream: Upstream):
+    # one directory per pytest worker: each worker that runs tests of the module has its own
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    d = harness.LOG_ROOT / _sanitize(f"{request.node.nodeid}-{module_host}-shared-{worker}")
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True, exist_ok=True)
+    procs = Processes(d)
+    shared: dict = {}
+    try:
+        yield procs, shared
+    finally:
+        procs.stop_all()
+
+
+@pytest.fixture
+def shared_gateway(module_host: str, _module_gateways, upstream: Upstream, request: pytest.FixtureRequest):
+    """shared_gateway(diana_config, workers=None, **kwargs): like start_gateway, but the
+    gateway is shared by every test of the module (on the same host, in the same pytest
+    worker) that asks for the same document and options, and stopped after the last of
+    them: for tests that only send requests whose counters no other test of the module
+    touches, and read nothing the others change. Its log is attached to a failing test's
+    report; a crash or trap in it fails the test during which it is found."""
+    procs, shared = _module_gateways
+    setattr(request.node, _PROCS_ATTR, procs)
+
+    def start(diana_config: Optional[str], *, workers: Optional[int] = None, **kw):
+        key = (diana_config, workers, repr(sorted(kw.items())))
+        if key not in shared:
+            shared[key] = _gateway(module_host, procs, upstream, len(shared) + 1, diana_config, workers, kw)
+        return shared[key]
+
+    yield start
+    _fail_on_crash(module_host, list(shared.values()))

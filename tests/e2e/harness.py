@@ -15,6 +15,7 @@ import http.client
 import http.server
 import json
 import os
+import random
 import re
 import secrets
 import shutil
@@ -36,23 +37,31 @@ sys.path.insert(0, str(REPO / "scripts"))
 import render_nginx  # noqa: E402  (scripts/render_nginx.py)
 
 HOST = "127.0.0.1"
-WASM = Path(os.environ.get("DIANA_WASM", REPO / "target/wasm32-wasip1/release/diana-envoy.wasm"))
+# The cargo profile whose binaries the tests run: what `scripts/build --profile <name>` made
+# (`release` by default, as `scripts/build` alone builds; the test command builds and runs
+# `quick`, Cargo.toml). The variables below point at single binaries instead.
+PROFILE = os.environ.get("DIANA_PROFILE") or "release"
+TARGET = REPO / "target" / PROFILE
+WASM_TARGET = REPO / "target" / "wasm32-wasip1" / PROFILE
+WASM = Path(os.environ.get("DIANA_WASM", WASM_TARGET / "diana-envoy.wasm"))
 # nginx loads the untrimmed module: ngx_wasm_module calls proxy_on_log/proxy_on_done
 # without checking that they exist.
-NGINX_WASM = Path(os.environ.get("DIANA_NGINX_WASM", REPO / "target/wasm32-wasip1/release/diana.wasm"))
+NGINX_WASM = Path(os.environ.get("DIANA_NGINX_WASM", WASM_TARGET / "diana.wasm"))
+# diana-trim (crates/diana-trim), which made WASM from NGINX_WASM.
+TRIM_BIN = TARGET / "diana-trim"
 # Envoy's dynamic module (crates/diana-envoy-native): the `envoy-native` host runs the Envoy
 # tests on it, the wasm filter's entry swapped for envoy.filters.http.dynamic_modules.
-NATIVE_MODULE = Path(os.environ.get("DIANA_NATIVE_MODULE", REPO / "target/release/libdiana_envoy_native.so"))
+NATIVE_MODULE = Path(os.environ.get("DIANA_NATIVE_MODULE", TARGET / "libdiana_envoy_native.so"))
 NGINX_CACHE = Path(
     os.environ.get(
         "DIANA_NGINX_CACHE",
         Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "diana" / "nginx",
     )
 )
-QUOTA_BIN = Path(os.environ.get("DIANA_QUOTA_BIN", REPO / "target/release/diana-quota"))
+QUOTA_BIN = Path(os.environ.get("DIANA_QUOTA_BIN", TARGET / "diana-quota"))
 # `diana` (crates/diana-cli): its `render-envoy` renders every Envoy bootstrap, here and in
 # scripts/run (one renderer for both).
-DIANA_BIN = Path(os.environ.get("DIANA_BIN", REPO / "target/release/diana"))
+DIANA_BIN = Path(os.environ.get("DIANA_BIN", TARGET / "diana"))
 UPSTREAM_PY = REPO / "demo/upstream.py"
 # Diana counts in each worker and hands the counts to the host from its tick, at least
 # once a second (src/host.rs, HostMetrics): a reading waits this long for the counts of
@@ -105,11 +114,62 @@ def nginx_binary() -> str:
     raise RuntimeError(f"no nginx with ngx_wasm_module at {cached}: run scripts/build-nginx (or set DIANA_NGINX)")
 
 
-def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago (bind to port 0)."""
+# Ports for the tests' servers. Not from bind(0): that hands out ports of the ephemeral
+# range, which every outgoing connection of every test (and of everyone else on the machine)
+# also takes from, so a port found free could be some client's by the time the server binds
+# it, and two pytest workers could be handed the same one. Instead each pytest process
+# (each xdist worker: PYTEST_XDIST_WORKER gwN of PYTEST_XDIST_WORKER_COUNT) draws from its
+# own slice of the ports below the ephemeral range, never hands out a port twice, and hands
+# out one only after binding it (without SO_REUSEADDR: a port in TIME_WAIT is refused too).
+_PORTS_LOW, _PORTS_HIGH = 20_000, 32_000
+_handed_out: set[int] = set()
+_port_lock = threading.Lock()
+
+
+def _port_slice() -> range:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32_768
+    high = min(_PORTS_HIGH, ephemeral_low)
+    if high - _PORTS_LOW < 1_000:
+        return range(0)  # an unusual machine: bind(0) it is
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0
+    size = (high - _PORTS_LOW) // max(count, 1)
+    start = _PORTS_LOW + (index % max(count, 1)) * size
+    return range(start, start + size)
+
+
+_PORT_SLICE = _port_slice()
+
+
+def _bindable(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+        try:
+            s.bind((HOST, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago and that this process has not
+    handed out before (see _PORT_SLICE)."""
+    with _port_lock:
+        for _ in range(200):
+            if _PORT_SLICE:
+                port = random.choice(_PORT_SLICE)
+            else:
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                    s.bind((HOST, 0))
+                    port = s.getsockname()[1]
+            if port not in _handed_out and _bindable(port):
+                _handed_out.add(port)
+                return port
+    raise ProcessError("no free port on 127.0.0.1 after 200 tries")
 
 
 def cluster_port() -> int:
@@ -377,6 +437,20 @@ class ManagedProcess:
 
     def log_tail(self, lines: int = 150) -> str:
         return "\n".join(self.log_text().splitlines()[-lines:])
+
+
+def documented_tree(into: Path) -> Path:
+    """A directory in which the paths the docs and examples give (envoy/, demo/,
+    target/release/..., target/wasm32-wasip1/release/...) are this repository's, with the
+    build under test (PROFILE, e.g. quick) answering for `release`: the same code, so that an
+    example is checked as written without a second build in the release profile."""
+    into.mkdir(parents=True, exist_ok=True)
+    for name in ("envoy", "demo"):
+        (into / name).symlink_to(REPO / name)
+    (into / "target" / "wasm32-wasip1").mkdir(parents=True)
+    (into / "target" / "release").symlink_to(TARGET)
+    (into / "target" / "wasm32-wasip1" / "release").symlink_to(WASM_TARGET)
+    return into
 
 
 def rss_bytes(pid: int) -> int:
@@ -1123,7 +1197,7 @@ def scripts_run(log_dir: Path, env: Mapping[str, str]) -> Iterator[ScriptsRun]:
     process = subprocess.Popen(
         ["bash", "scripts/run", "--no-build"],
         cwd=REPO,
-        env=dict(os.environ, DIANA_WASM=str(WASM), **env),
+        env=dict(os.environ, DIANA_WASM=str(WASM), DIANA_PROFILE=PROFILE, **env),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -1156,6 +1230,32 @@ def scripts_run(log_dir: Path, env: Mapping[str, str]) -> Iterator[ScriptsRun]:
                 process.wait(timeout=10)
         t.join(timeout=5)
         (log_dir / "run.out").write_text(run.output)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str, period: float = 0.05) -> float:
+    """Poll `predicate` until it is true (instead of sleeping for a guessed time); the seconds
+    it took. AssertionError after `timeout` seconds."""
+    t0 = time.monotonic()
+    while True:
+        if predicate():
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(period)
+
+
+def quota_counter(port: int, family: str) -> int:
+    """The sum of every sample of a diana-quota counter (`family`, e.g.
+    diana_quota_tokens_charged_total) from its /metrics."""
+    status, body, _ = http_get(port, "/metrics", timeout=5.0)
+    if status != 200:
+        raise ProcessError(f"diana-quota /metrics -> {status}")
+    total = 0
+    for line in body.decode("utf-8", "replace").splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name == family:
+            total += int(float(line.rsplit(" ", 1)[1]))
+    return total
 
 
 def wait_for_fresh_minute(min_remaining: float = 10.0) -> None:

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-import time
-
-from harness import Quota, record, request
+from harness import Quota, quota_counter, record, request, wait_until
 
 BUDGET = """
 resources:
@@ -80,11 +78,13 @@ def test_an_llm_token_budget_shared_by_two_gateways(procs, start_gateway):
     quota = procs.add(Quota(procs.log_dir)).start()
     doc = BUDGET.format(scope="global")
     one, two = start_gateway(doc, quota_port=quota.port), start_gateway(doc, quota_port=quota.port)
+    charged = lambda: quota_counter(quota.port, "diana_quota_tokens_charged_total")  # noqa: E731
     first = request(one.port, "/llm?tokens=900", {"x-account-id": "carol"}).status
-    # The cost is sent from gateway one's tick (within about a second).
-    time.sleep(2.5)
+    # The cost is sent from gateway one's tick (within about a second): wait until
+    # diana-quota has charged it.
+    wait_until(lambda: charged() >= 899, 15, "the 899 tokens owed after the first answer charged")
     second = request(two.port, "/llm?tokens=200", {"x-account-id": "carol"}).status
-    time.sleep(2.5)
+    wait_until(lambda: charged() >= 899 + 199, 15, "the 199 tokens owed after the second answer charged")
     third = request(one.port, "/llm?tokens=1", {"x-account-id": "carol"}).status
     other = request(two.port, "/llm?tokens=1", {"x-account-id": "dave"}).status
     record(

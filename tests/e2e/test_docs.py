@@ -60,6 +60,8 @@ CHECKED = {
 NOT_RUN: dict[tuple[str, str], str] = {
     ("README.md", "scripts/run    #"): "the commands of the suite itself: scripts/run is run by "
     "test_run_script.py (and behind the quickstart block below); scripts/test runs this file",
+    ("README.md", "scripts/check                                  #"): "the test commands themselves "
+    "(scripts/check, scripts/e2e), which scripts/test runs",
     ("README.md", "scripts/build                                   #"): "envoy/envoy.yaml on its "
     "fixed ports; test_envoy_yaml_answers_as_the_readme_says runs that bootstrap with the demo "
     "upstream and diana-quota, on ports of its own, and the quickstart block against it",
@@ -258,13 +260,12 @@ def tool_dir(into: Path) -> Path:
 
 def run_block(block: Block, ports: dict[str, int], log_dir: Path, timeout: float = 180.0) -> None:
     """Runs the block (ports substituted) with bash -e in a scratch directory that sees the
-    repository's `envoy/`, `demo/` and `target/`, then compares each shown output. The
+    repository's `envoy/`, `demo/` and the build under test as `target/release`
+    (harness.documented_tree), then compares each shown output. The
     block's background jobs are in bash's process group, stopped by its id at the end."""
     steps = steps_of(substitute_ports(block.text, ports))
     assert any(step.expected for step in steps), f"{block.file}:{block.line}: a checked block shows no output"
-    work = Path(tempfile.mkdtemp(prefix=f"doc-{block.name}-", dir=log_dir))
-    for name in ("envoy", "demo", "target"):
-        (work / name).symlink_to(REPO / name)
+    work = harness.documented_tree(Path(tempfile.mkdtemp(prefix=f"doc-{block.name}-", dir=log_dir)))
     bin_dir = tool_dir(work)
     script = work / "block.sh"
     script.write_text(script_of(steps))
@@ -354,7 +355,9 @@ def test_envoy_yaml_answers_as_the_readme_says(procs, log_dir):
             [envoy_binary(), "-c", bootstrap, "--concurrency", "2", "--disable-hot-restart"],
             log_dir / "envoy.log",
             env=gateway_env(QUOTA_TOKEN),
-            cwd=REPO,  # the wasm path in envoy.yaml is relative to the repository root
+            # the wasm path in envoy.yaml is relative to the repository root: a tree where
+            # it is the module under test
+            cwd=harness.documented_tree(log_dir / "tree"),
         ).start()
     )
     envoy.wait_ready(lambda: http_get(ports["admin"], "/ready", timeout=1.0)[0] == 200, 90, "ready")

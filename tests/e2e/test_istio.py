@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+import harness
 from harness import REPO, WASM, record, request, rule_metric, send_concurrent, statuses
 
 PACKAGE_OCI = REPO / "scripts/package-oci"
@@ -296,24 +297,11 @@ def kong_validator():
     return jsonschema.Draft4Validator(schema)
 
 
-_DIANA_CLI: list[Path] = []
-
-
 def diana_cli() -> Path:
-    """The `diana` CLI, built once per session (a no-op when it is up to date), in the
-    target directory cargo uses here ($CARGO_TARGET_DIR or target/)."""
-    if not _DIANA_CLI:
-        import os
-
-        res = subprocess.run(
-            ["cargo", "build", "-q", "-p", "diana-cli"], capture_output=True, text=True, timeout=900, cwd=REPO
-        )
-        assert res.returncode == 0, f"cargo build -p diana-cli failed:\n{res.stderr}"
-        target = Path(os.environ.get("CARGO_TARGET_DIR") or REPO / "target")
-        if not target.is_absolute():
-            target = REPO / target
-        _DIANA_CLI.append(target / "debug" / "diana")
-    return _DIANA_CLI[0]
+    """The `diana` CLI that scripts/build made (harness.DIANA_BIN), the same build as the
+    filter's: the same parser as diana.wasm."""
+    assert harness.DIANA_BIN.is_file(), f"{harness.DIANA_BIN} missing: run scripts/build"
+    return harness.DIANA_BIN
 
 
 def diana_check(document: object) -> subprocess.CompletedProcess:

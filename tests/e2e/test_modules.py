@@ -9,10 +9,10 @@ import subprocess
 
 import pytest
 
-from harness import REPO, WASM, request
+from harness import NGINX_WASM, TRIM_BIN, WASM, request
 
-UNTRIMMED = REPO / "target/wasm32-wasip1/release/diana.wasm"
-TRIM = REPO / "target/release/diana-trim"
+UNTRIMMED = NGINX_WASM  # cargo's output, which scripts/build trims into WASM
+TRIM = TRIM_BIN
 
 # What crates/diana-trim keeps (KEPT_CALLBACKS) and what the SDK exports besides callbacks.
 KEPT = {

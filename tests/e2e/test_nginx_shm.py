@@ -15,9 +15,9 @@ import subprocess
 import zlib
 
 import forge
-from harness import REPO, Nginx, errors, record, request, send_concurrent, statuses
+from harness import DIANA_BIN, Nginx, errors, record, request, send_concurrent, statuses
 
-DIANA = REPO / "target/release/diana"
+DIANA = DIANA_BIN
 # The deployment's identity key: with it, the test (like any holder of the key, and nobody
 # else) can compute where an identity lands.
 IDENTITY_KEY = "shm-test-identity-key-0123456789abcdef"

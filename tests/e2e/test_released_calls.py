@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 
 import harness
-from harness import FaultProxy, Quota, record, request
+from harness import FaultProxy, Quota, quota_counter, record, request, wait_until
 
 LIMIT = 10
 GONE = 5
@@ -42,9 +42,23 @@ def test_clients_that_leave_mid_call_cost_no_token(procs, start_gateway):
 
     gone = [request(gateway.port, "/", timeout=0.1) for _ in range(GONE)]
     assert all(r.status is None for r in gone), [(r.status, r.error) for r in gone]
-    # Each release goes out from the worker's next tick (at most a second), then through
-    # the slow link.
-    time.sleep(2.5)
+    if gateway.kind == "envoy":
+        # Each release goes out from the worker's next tick (at most a second), then
+        # through the slow link: wait until diana-quota has given every grant back.
+        wait_until(
+            lambda: quota_counter(quota.port, "diana_quota_call_releases_total") >= GONE,
+            20,
+            f"diana-quota to take back the {GONE} grants of the clients that left",
+        )
+    else:
+        # nginx admits the gone requests when their calls answer: wait until diana-quota
+        # has decided every one of them, then for their answers to cross the slow link.
+        wait_until(
+            lambda: quota_counter(quota.port, "diana_quota_decisions_total") >= GONE,
+            20,
+            f"diana-quota to decide the {GONE} calls of the clients that left",
+        )
+        time.sleep(0.3)
 
     patient = [request(gateway.port, "/", timeout=5.0).status for _ in range(LIMIT + 3)]
     metrics = gateway.diana_metrics()

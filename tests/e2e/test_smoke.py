@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 
+import harness
 from harness import (
     DIANA_BIN,
     REPO,
@@ -56,12 +57,14 @@ def test_wrk_flood_and_rss(start_envoy, log_dir):
     assert stats["http.ingress.downstream_rq_total"] >= 4000
 
 
-def test_example_bootstrap_is_valid():
-    """envoy/envoy.yaml (the documented deployable example) passes `envoy --mode validate`."""
+def test_example_bootstrap_is_valid(log_dir):
+    """envoy/envoy.yaml (the documented deployable example) passes `envoy --mode validate`,
+    as written, from a directory where its target/wasm32-wasip1/release/diana-envoy.wasm is
+    the module under test (harness.documented_tree)."""
     assert WASM.is_file(), f"{WASM} missing: run scripts/build"
     p = subprocess.run(
         [envoy_binary(), "--mode", "validate", "-c", "envoy/envoy.yaml", "--disable-hot-restart"],
-        cwd=REPO,
+        cwd=harness.documented_tree(log_dir / "tree"),
         capture_output=True,
         text=True,
         timeout=120,
