@@ -63,8 +63,8 @@ pub use record::{
     record_key, Checked, FleetAnswer, Handle, PlaceClaim, Probe, Record, Report, Source,
 };
 pub use settings::{
-    Edition, Force, Params, Ratio, RatioError, Settings, SettingsError, SlowCalls, StatusClasses,
-    StatusError, Window,
+    Edition, Force, Params, Ratio, RatioError, Reach, Settings, SettingsError, SlowCalls,
+    StatusClasses, StatusError, Window,
 };
 pub use spec::Spec;
 

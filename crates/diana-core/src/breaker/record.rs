@@ -80,9 +80,8 @@
 //! A change of who decides (local ↔ fleet) is a transition even when the status stays.
 
 use super::machine::{Admission, CallWindow, Phase, Place, State, Ticket};
-use super::settings::{Edition, Force, Params, Ratio, Settings, Window, SLICES};
+use super::settings::{Edition, Force, Params, Ratio, Reach, Settings, Window, SLICES};
 use super::{Cause, Outcome, ProbeTally, Status, Tally, Transition, Transitions};
-use crate::config::Scope;
 use crate::hash::hash64;
 use crate::store::{recordable, ChargeError, SharedData, Store};
 use crate::time::{ceil_seconds_at_least_one, Instant, Nanos};
@@ -714,7 +713,7 @@ pub struct Checked {
 pub struct Handle {
     key: String,
     edition: Edition,
-    scope: Scope,
+    reach: Reach,
     cached: Option<(Cached, Instant)>,
     /// Calls recorded since the last flush.
     pending: Tally,
@@ -734,7 +733,7 @@ impl Handle {
         Handle {
             key: record_key(&settings.name),
             edition: settings.edition(installed),
-            scope: settings.scope,
+            reach: settings.reach,
             cached: None,
             pending: Tally::ZERO,
             seen: Tally::ZERO,
@@ -750,7 +749,7 @@ impl Handle {
     pub fn reconfigure(&mut self, settings: &Settings, installed: Instant) {
         self.key = record_key(&settings.name);
         self.edition = settings.edition(installed);
-        self.scope = settings.scope;
+        self.reach = settings.reach;
         self.cached = None;
     }
 
@@ -833,7 +832,7 @@ impl Handle {
         now: Instant,
     ) -> Result<Transitions, ChargeError> {
         self.pending.add(outcome);
-        if self.scope == Scope::Global {
+        if self.reach == Reach::Fleet {
             self.report.calls.add(outcome);
         }
         if outcome.is_good() || !self.judges {

@@ -9,7 +9,6 @@
 //! Redis compute the same thresholds exactly.
 
 use super::{Outcome, Tally};
-use crate::config::Scope;
 use crate::time::{Instant, Nanos};
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -149,6 +148,15 @@ impl fmt::Display for Ratio {
 pub struct SlowCalls {
     pub threshold: Nanos,
     pub ratio: Ratio,
+}
+
+/// Whose calls a breaker's state follows (`scope`): this gateway process's (`local`), or
+/// every gateway's, kept by the quota service (`global`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Reach {
+    #[default]
+    Gateway,
+    Fleet,
 }
 
 /// `force`: the manual switch.
@@ -398,7 +406,8 @@ pub struct Settings {
     pub open_for: Nanos,
     /// At most 255: each place is a few bytes of the shared record.
     pub half_open_calls: NonZeroU8,
-    pub scope: Scope,
+    /// `scope`: this gateway alone (`local`), or one state for every gateway (`global`).
+    pub reach: Reach,
     pub force: Force,
 }
 
@@ -423,7 +432,7 @@ impl Settings {
             window: DEFAULT_WINDOW,
             open_for: DEFAULT_OPEN_FOR,
             half_open_calls: DEFAULT_HALF_OPEN_CALLS,
-            scope: Scope::Local,
+            reach: Reach::Gateway,
             force: Force::Auto,
         })
     }
@@ -639,7 +648,7 @@ mod tests {
         assert_eq!(settings.open_for, Nanos::from_secs(30));
         assert_eq!(settings.half_open_calls.get(), 3);
         assert_eq!(settings.force, Force::Auto);
-        assert_eq!(settings.scope, Scope::Local);
+        assert_eq!(settings.reach, Reach::Gateway);
         assert_eq!(settings.probe_timeout(), PROBE_TIMEOUT_WITHOUT_SLOW);
     }
 

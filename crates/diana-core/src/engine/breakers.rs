@@ -210,7 +210,7 @@ impl Breakers {
     pub(crate) fn reports(&self, cx: &mut Cx<'_>, store: &Store) -> Vec<(usize, Option<Report>)> {
         let mut reports = Vec::new();
         for (breaker, spec) in self.specs.iter().enumerate() {
-            if spec.settings.scope != crate::config::Scope::Global {
+            if spec.settings.reach != crate::breaker::Reach::Fleet {
                 continue;
             }
             let taken = self

@@ -34,7 +34,7 @@ fn settings() -> Settings {
 
 fn global() -> Settings {
     let mut settings = settings();
-    settings.scope = Scope::Global;
+    settings.reach = Reach::Fleet;
     settings
 }
 
