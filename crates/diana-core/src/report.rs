@@ -406,7 +406,8 @@ mod tests {
 
     #[test]
     fn bounds_are_enforced_naming_the_field() {
-        let cases: Vec<(Box<dyn Fn(&mut ReportRequest)>, &str)> = vec![
+        type Change = Box<dyn Fn(&mut ReportRequest)>;
+        let cases: Vec<(Change, &str)> = vec![
             (Box::new(|r| r.gateway = String::new()), "gateway"),
             (Box::new(|r| r.gateway = "a b".into()), "gateway"),
             (Box::new(|r| r.interval_ms = 0), "interval_ms"),
