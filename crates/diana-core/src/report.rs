@@ -14,10 +14,14 @@
 //! can make the service hold no more than the bounds say. The counts are this worker's
 //! since its previous report: the service adds the workers' reports up.
 
-use crate::breaker::{FleetAnswer, PlaceClaim, ProbeTally, Status, Tally};
+use crate::breaker::{
+    Edition, FleetAnswer, Force, Params, PlaceClaim, ProbeTally, Ratio, Status, Tally, Window,
+};
 use crate::hot::Summary;
+use crate::time::{Instant, Nanos};
 use serde::{Deserialize, Serialize};
 use std::fmt;
+use std::num::{NonZeroU32, NonZeroU8};
 
 /// The endpoint beside `/v1/acquire`.
 pub const REPORT_PATH: &str = "/v1/report";
@@ -35,6 +39,10 @@ pub const MAX_NAME_BYTES: usize = 128;
 pub const MAX_REPORT_BYTES: usize = 1024 * 1024;
 /// The longest interval a report may cover.
 pub const MAX_INTERVAL_MS: u64 = 3_600_000;
+/// The longest `window_seconds` of a fleet's breaker.
+pub const MAX_WINDOW_SECONDS: u32 = 3_600;
+/// The longest `open_ms` and `probe_timeout_ms` of a fleet's breaker (a day).
+pub const MAX_SPAN_MS: u64 = 86_400_000;
 
 /// One worker's report.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -103,12 +111,12 @@ pub struct FleetParams {
 }
 
 impl FleetParams {
-    /// The fleet parameters of a breaker's settings.
-    pub fn of(settings: &crate::breaker::Settings) -> FleetParams {
-        let params = settings.params();
+    /// What a breaker's reports carry of its parameters (`force` stays with each gateway:
+    /// the switch applies before the fleet's state).
+    pub fn of(params: &Params) -> FleetParams {
         FleetParams {
-            slow_ratio_ppm: params.slow_ratio.map_or(0, |ratio| ratio.ppm()),
-            failure_ratio_ppm: params.failure_ratio.map_or(0, |ratio| ratio.ppm()),
+            slow_ratio_ppm: params.slow_ratio.map_or(0, Ratio::ppm),
+            failure_ratio_ppm: params.failure_ratio.map_or(0, Ratio::ppm),
             min_calls: params.min_calls.get(),
             window_seconds: params.window.seconds(),
             open_ms: params.open_for.whole_millis(),
@@ -134,6 +142,45 @@ impl FleetParams {
             "{:016x}",
             crate::hash::hash64(FLEET_KEY_SEED, text.as_bytes())
         )
+    }
+
+    /// The machine's parameters the fleet's state runs with (`force: auto`), or `None`
+    /// when a figure is out of the range [`validate`] allows.
+    pub fn params(&self) -> Option<Params> {
+        let ratio = |ppm: u32| match ppm {
+            0 => Ok(None),
+            ppm => Ratio::from_ppm(ppm).map(Some),
+        };
+        let (slow_ratio, failure_ratio) = (
+            ratio(self.slow_ratio_ppm).ok()?,
+            ratio(self.failure_ratio_ppm).ok()?,
+        );
+        let in_range = (slow_ratio.is_some() || failure_ratio.is_some())
+            && self.window_seconds <= MAX_WINDOW_SECONDS
+            && (1..=MAX_SPAN_MS).contains(&self.open_ms)
+            && (1..=MAX_SPAN_MS).contains(&self.probe_timeout_ms);
+        if !in_range {
+            return None;
+        }
+        Some(Params {
+            slow_ratio,
+            failure_ratio,
+            min_calls: NonZeroU32::new(self.min_calls)?,
+            window: Window::from_secs(NonZeroU32::new(self.window_seconds)?),
+            open_for: Nanos::from_millis(self.open_ms),
+            half_open_calls: NonZeroU8::new(self.half_open_calls)?,
+            probe_timeout: Nanos::from_millis(self.probe_timeout_ms),
+            force: Force::Auto,
+        })
+    }
+
+    /// The edition the fleet's state of these parameters runs under: one per parameters
+    /// (the state is keyed by them), so it never changes and `installed` is the epoch.
+    pub fn edition(&self) -> Option<Edition> {
+        Some(Edition {
+            params: self.params()?,
+            installed: Instant::EPOCH,
+        })
     }
 }
 
@@ -188,20 +235,7 @@ pub fn validate(report: &ReportRequest) -> Result<(), ReportError> {
         let field = |name: &str| format!("breakers[{at}].{name}");
         check_name(&field("key"), &breaker.key)?;
         check_text(&field("name"), &breaker.name)?;
-        let params = &breaker.params;
-        let ratio_ok = |ppm: u32| ppm <= 1_000_000;
-        if !ratio_ok(params.slow_ratio_ppm)
-            || !ratio_ok(params.failure_ratio_ppm)
-            || (params.slow_ratio_ppm == 0 && params.failure_ratio_ppm == 0)
-            || params.min_calls == 0
-            || params.window_seconds == 0
-            || params.window_seconds > 3_600
-            || params.open_ms == 0
-            || params.open_ms > 86_400_000
-            || params.half_open_calls == 0
-            || params.probe_timeout_ms == 0
-            || params.probe_timeout_ms > 86_400_000
-        {
+        if breaker.params.params().is_none() {
             return Err(ReportError::at(&field("params"), ReportProblem::OutOfRange));
         }
     }
@@ -445,6 +479,59 @@ mod tests {
                 .problem,
             ReportProblem::Syntax(_)
         ));
+    }
+
+    #[test]
+    fn fleet_params_travel_both_ways_without_the_switch() {
+        let slow = crate::breaker::SlowCalls {
+            threshold: Nanos::from_millis(700),
+            ratio: Ratio::from_ppm(250_000).unwrap(),
+        };
+        let mut settings = crate::breaker::Settings::new("x", Some(slow), None).unwrap();
+        settings.force = Force::Open;
+        let fleet = FleetParams::of(&settings.params());
+        assert_eq!(
+            fleet,
+            FleetParams {
+                slow_ratio_ppm: 250_000,
+                failure_ratio_ppm: 0,
+                min_calls: 20,
+                window_seconds: 10,
+                open_ms: 30_000,
+                half_open_calls: 3,
+                probe_timeout_ms: 1_400,
+            }
+        );
+        let back = fleet.params().unwrap();
+        assert_eq!(
+            back,
+            Params {
+                force: Force::Auto,
+                ..settings.params()
+            }
+        );
+        assert_eq!(fleet.edition().unwrap().installed, Instant::EPOCH);
+        let out_of_range = [
+            FleetParams {
+                window_seconds: MAX_WINDOW_SECONDS + 1,
+                ..fleet
+            },
+            FleetParams {
+                open_ms: MAX_SPAN_MS + 1,
+                ..fleet
+            },
+            FleetParams {
+                probe_timeout_ms: 0,
+                ..fleet
+            },
+            FleetParams {
+                half_open_calls: 0,
+                ..fleet
+            },
+        ];
+        for params in out_of_range {
+            assert_eq!(params.params(), None, "{params:?}");
+        }
     }
 
     #[test]

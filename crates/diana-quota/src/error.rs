@@ -21,6 +21,8 @@ pub enum StartError {
         "--rls-listen without --rls-config: give envoyproxy/ratelimit configuration files (a file or a directory)"
     )]
     RlsListenWithoutConfig,
+    #[error("--insecure-open-view with --view-token-file: choose one")]
+    OpenViewWithToken,
     /// `flag` names the listener (`--listen`, `--rls-listen`).
     #[error("cannot listen on {address} ({flag}): {error}")]
     Listen {

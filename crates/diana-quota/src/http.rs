@@ -9,6 +9,8 @@
 //! - `GET /readyz`: readiness, `200 ready`, or `503` when the store is unreachable or the
 //!   service is shutting down.
 //! - `GET /metrics`: Prometheus (OpenMetrics) text.
+//! - `POST /v1/report`, `GET /v1/view`: the gateways' tick report and the fleet view
+//!   ([`crate::report`]).
 //!
 //! Only gateways may call the `/v1/` endpoints: a layer in front of them answers `401` (with
 //! `www-authenticate: Bearer`) to a request without `authorization: Bearer <secret>`
@@ -23,8 +25,12 @@
 //! later is given back (`Store::release`) instead of being lost to nobody.
 
 use crate::auth::{Auth, SCHEME};
+use crate::fleet::metrics::FleetCollector;
+use crate::fleet::view::Limits;
+use crate::fleet::{Fleet, ViewAccess};
 use crate::metrics::{self, Metrics};
-use crate::store::{Grant, Noted, Outcome, Store, StoreError};
+use crate::report::{self, VIEW_PATH};
+use crate::store::{Grant, Noted, Outcome, Store, StoreError, SystemClock};
 use axum::body::Body;
 use axum::extract::{MatchedPath, Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
@@ -32,6 +38,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use diana_core::report::REPORT_PATH;
 use diana_core::time::Nanos;
 use diana_core::wire::{
     self, AcquireRequest, AcquireResponse, ErrorResponse, ReleaseResponse, ResolvedRule, RuleResult,
@@ -88,14 +95,30 @@ struct Inner {
     settings: Settings,
     permits: Arc<Semaphore>,
     shutting_down: AtomicBool,
+    /// What the gateways' reports say (`/v1/report`, `/v1/view`).
+    fleet: Arc<Fleet>,
+    view_access: ViewAccess,
 }
 
 impl AppState {
     /// The state of a service over `store`, accepting the gateways `auth` accepts
     /// ([`Auth::insecure`]: everyone).
+    /// The fleet view is readable with the gateways' credential ([`ViewAccess::Service`]).
     pub fn new(store: Arc<dyn Store>, settings: Settings, auth: impl Into<Arc<Auth>>) -> AppState {
+        AppState::with_view(store, settings, auth, ViewAccess::Service)
+    }
+
+    /// [`AppState::new`], with the fleet view readable by whoever `view_access` admits.
+    pub fn with_view(
+        store: Arc<dyn Store>,
+        settings: Settings,
+        auth: impl Into<Arc<Auth>>,
+        view_access: ViewAccess,
+    ) -> AppState {
         let auth = auth.into();
-        let metrics = Metrics::new();
+        let fleet = Arc::new(Fleet::new(Limits::default(), Arc::new(SystemClock)));
+        let mut metrics = Metrics::new();
+        metrics.register_collector(FleetCollector(fleet.clone()));
         metrics.set_auth_required(auth.is_required());
         AppState {
             inner: Arc::new(Inner {
@@ -105,6 +128,8 @@ impl AppState {
                 permits: Arc::new(Semaphore::new(settings.max_in_flight.max(1))),
                 settings,
                 shutting_down: AtomicBool::new(false),
+                fleet,
+                view_access,
             }),
         }
     }
@@ -120,6 +145,16 @@ impl AppState {
 
     pub fn metrics(&self) -> &Metrics {
         &self.inner.metrics
+    }
+
+    /// The fleet view of this replica.
+    pub fn fleet(&self) -> &Arc<Fleet> {
+        &self.inner.fleet
+    }
+
+    /// Who may read the fleet view.
+    pub fn view_access(&self) -> &ViewAccess {
+        &self.inner.view_access
     }
 
     pub fn settings(&self) -> &Settings {
@@ -166,9 +201,11 @@ pub fn app(state: AppState) -> Router {
         .route(wire::RELEASE_PATH, post(release))
         .route(wire::LEAVE_PATH, post(leave))
         .route(wire::RENEW_PATH, post(renew))
+        .route(REPORT_PATH, post(report::report))
         .route_layer(middleware::from_fn_with_state(state.clone(), authenticate));
     Router::new()
         .merge(gateway)
+        .route(VIEW_PATH, get(report::view))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics_text))
@@ -189,6 +226,8 @@ fn route_label(request: &Request) -> &'static str {
         Some(wire::RELEASE_PATH) => wire::RELEASE_PATH,
         Some(wire::LEAVE_PATH) => wire::LEAVE_PATH,
         Some(wire::RENEW_PATH) => wire::RENEW_PATH,
+        Some(REPORT_PATH) => REPORT_PATH,
+        Some(VIEW_PATH) => VIEW_PATH,
         Some("/healthz") => "/healthz",
         Some("/readyz") => "/readyz",
         Some("/metrics") => "/metrics",
@@ -218,18 +257,23 @@ async fn authenticate(State(state): State<AppState>, request: Request, next: Nex
         Ok(()) => next.run(request).await,
         Err(rejection) => {
             state.metrics().unauthorized(rejection.label());
-            let mut answer = error(StatusCode::UNAUTHORIZED, UNAUTHORIZED);
-            answer.headers_mut().insert(
-                header::WWW_AUTHENTICATE,
-                axum::http::HeaderValue::from_static(SCHEME),
-            );
-            answer
+            unauthorized()
         }
     }
 }
 
+/// The 401 answer, with `www-authenticate: Bearer`.
+pub(crate) fn unauthorized() -> Response {
+    let mut answer = error(StatusCode::UNAUTHORIZED, UNAUTHORIZED);
+    answer.headers_mut().insert(
+        header::WWW_AUTHENTICATE,
+        axum::http::HeaderValue::from_static(SCHEME),
+    );
+    answer
+}
+
 /// A JSON error answer.
-fn error(status: StatusCode, message: impl fmt::Display) -> Response {
+pub(crate) fn error(status: StatusCode, message: impl fmt::Display) -> Response {
     (
         status,
         Json(ErrorResponse {
@@ -239,7 +283,7 @@ fn error(status: StatusCode, message: impl fmt::Display) -> Response {
         .into_response()
 }
 
-fn store_failure(state: &AppState, failure: &StoreError) -> Response {
+pub(crate) fn store_failure(state: &AppState, failure: &StoreError) -> Response {
     state.metrics().store_error(failure.kind());
     match failure {
         StoreError::Unavailable(_) | StoreError::Full(_) => {
@@ -258,19 +302,19 @@ fn store_failure(state: &AppState, failure: &StoreError) -> Response {
 // Admission: the concurrency limit and the deadline.
 
 /// A decision admitted: its place among those in flight, and when it must be answered.
-struct Admitted {
-    permit: OwnedSemaphorePermit,
+pub(crate) struct Admitted {
+    pub(crate) permit: OwnedSemaphorePermit,
     path: &'static str,
     /// When the answer must be sent.
-    deadline: Instant,
+    pub(crate) deadline: Instant,
     /// `deadline` − arrival, for messages.
-    budget: Duration,
+    pub(crate) budget: Duration,
     /// With the timeout header: when the gateway stops waiting, minus the margin.
     gateway_deadline: Option<Instant>,
 }
 
 /// Why a decision was not admitted.
-enum Refusal {
+pub(crate) enum Refusal {
     /// Too many decisions in flight.
     Overloaded,
     /// The timeout header is not a number.
@@ -278,7 +322,7 @@ enum Refusal {
 }
 
 impl Refusal {
-    fn answer(self) -> Response {
+    pub(crate) fn answer(self) -> Response {
         match self {
             Refusal::Overloaded => error(StatusCode::SERVICE_UNAVAILABLE, OVERLOADED),
             Refusal::BadTimeout => error(
@@ -294,7 +338,11 @@ impl Refusal {
 
 /// Takes a place among the decisions in flight (or sheds the request at once) and works
 /// out its deadline from the settings and the gateway's timeout header.
-fn admit(state: &AppState, path: &'static str, headers: &HeaderMap) -> Result<Admitted, Refusal> {
+pub(crate) fn admit(
+    state: &AppState,
+    path: &'static str,
+    headers: &HeaderMap,
+) -> Result<Admitted, Refusal> {
     let arrived = Instant::now();
     let Ok(permit) = state.inner.permits.clone().try_acquire_owned() else {
         state.metrics().shed(path);
@@ -345,7 +393,7 @@ async fn within_deadline<T>(
     }
 }
 
-fn expired(state: &AppState, path: &'static str, budget: Duration) -> Response {
+pub(crate) fn expired(state: &AppState, path: &'static str, budget: Duration) -> Response {
     state.metrics().expired(path);
     error(
         StatusCode::SERVICE_UNAVAILABLE,
@@ -358,6 +406,17 @@ fn expired(state: &AppState, path: &'static str, budget: Duration) -> Response {
 
 /// Reads and checks the body; the error is the answer to send.
 async fn read_request(headers: &HeaderMap, body: Body) -> Result<AcquireRequest, Response> {
+    let bytes = read_body(headers, body, wire::MAX_BODY_BYTES).await?;
+    wire::decode_request(&bytes).map_err(|reason| error(StatusCode::BAD_REQUEST, reason))
+}
+
+/// Reads a JSON body of at most `max` bytes (a larger declared length is refused before
+/// anything is read); the error is the answer to send.
+pub(crate) async fn read_body(
+    headers: &HeaderMap,
+    body: Body,
+    max: usize,
+) -> Result<axum::body::Bytes, Response> {
     if let Some(content_type) = headers.get(header::CONTENT_TYPE) {
         let essence = content_type
             .to_str()
@@ -377,20 +436,19 @@ async fn read_request(headers: &HeaderMap, body: Body) -> Result<AcquireRequest,
     let too_large = || {
         error(
             StatusCode::PAYLOAD_TOO_LARGE,
-            format!("request body larger than {} bytes", wire::MAX_BODY_BYTES),
+            format!("request body larger than {max} bytes"),
         )
     };
     let declared = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|value| value.to_str().ok())
         .and_then(|value| value.trim().parse::<u64>().ok());
-    if declared.is_some_and(|length| length > wire::MAX_BODY_BYTES as u64) {
+    if declared.is_some_and(|length| length > max as u64) {
         return Err(too_large());
     }
-    let bytes = axum::body::to_bytes(body, wire::MAX_BODY_BYTES)
+    axum::body::to_bytes(body, max)
         .await
-        .map_err(|_| too_large())?;
-    wire::decode_request(&bytes).map_err(|reason| error(StatusCode::BAD_REQUEST, reason))
+        .map_err(|_| too_large())
 }
 
 /// Admits a decision and reads its request before its deadline.

@@ -17,6 +17,9 @@
 //! - [`http`]: the router ([`app`]), handlers, load shedding and deadlines.
 //! - [`store`]: the storage seam ([`store::Store`]) with [`store::MemoryStore`] and [`store::RedisStore`].
 //! - [`metrics`]: Prometheus metrics.
+//! - [`report`] and [`fleet`]: the gateways' tick report (`POST /v1/report`: the fleet's
+//!   breakers, kept by the store, [`store::breakers`]) and the fleet view (`GET /v1/view`,
+//!   `/metrics`), in memory per replica.
 //! - [`rls`]: Envoy's rate limit protocols over gRPC (`--rls-listen`): RLS
 //!   (`ShouldRateLimit`, a drop-in for envoyproxy/ratelimit reading its configuration files)
 //!   and RLQS (`StreamRateLimitQuotas`), on the same store.
@@ -24,8 +27,10 @@
 
 pub mod auth;
 pub mod error;
+pub mod fleet;
 pub mod http;
 pub mod metrics;
+pub mod report;
 pub mod rls;
 pub mod store;
 
@@ -160,6 +165,19 @@ pub struct Cli {
     /// pod-local address, or fence it with a network policy). A warning is logged.
     #[arg(long)]
     pub rls_insecure_no_auth: bool,
+
+    /// File holding the read-only secret(s) of the fleet view (`GET /v1/view`), as
+    /// --token-file holds the gateways' (one per line, each at least 32 bytes; SIGHUP
+    /// re-reads it). The gateways' secret opens the view too. Without it, only the
+    /// gateways' secret does, and nobody under --insecure-no-auth.
+    #[arg(long, env = "DIANA_QUOTA_VIEW_TOKEN_FILE", value_name = "PATH")]
+    pub view_token_file: Option<PathBuf>,
+
+    /// Serve the fleet view (`GET /v1/view`: gateway ids, rule and breaker names, the
+    /// hottest identities and paths) WITHOUT a credential: loopback demos only (a warning
+    /// is logged).
+    #[arg(long)]
+    pub insecure_open_view: bool,
 }
 
 /// The end of `--help`.
@@ -170,6 +188,9 @@ Authentication: every call to /v1/acquire, /v1/wait and /v1/charge must carry
 `openssl rand -hex 32`); there is no flag that takes the secret itself. Without a secret
 the service refuses to start, unless --insecure-no-auth. /healthz, /readyz and /metrics
 need no secret.
+
+The fleet view (GET /v1/view) needs the gateways' secret or a read-only one from
+--view-token-file; under --insecure-no-auth it is closed unless --insecure-open-view.
 
 Rotation: add the new secret as a second line of the token file and send SIGHUP (or
 restart); move the gateways to the new secret; remove the old line and SIGHUP again.
@@ -220,6 +241,22 @@ impl Cli {
             (None, false) => Err(StartError::RlsConfigWithoutListen),
             (Some(_), true) => Err(StartError::RlsListenWithoutConfig),
             (Some(_), false) => Ok(Some(rls::load(&self.rls_config)?)),
+        }
+    }
+
+    /// Who may read the fleet view: the secrets of `--view-token-file`, open with
+    /// `--insecure-open-view` (not both), else the gateways' secret.
+    pub fn view_access(&self) -> Result<fleet::ViewAccess, StartError> {
+        match (&self.view_token_file, self.insecure_open_view) {
+            (Some(_), true) => Err(StartError::OpenViewWithToken),
+            (None, true) => Ok(fleet::ViewAccess::Open),
+            (None, false) => Ok(fleet::ViewAccess::Service),
+            (Some(path), false) => {
+                let secrets = read_view_token_file(path)?;
+                Ok(fleet::ViewAccess::Tokens(Arc::new(Auth::with_secrets(
+                    &secrets,
+                )?)))
+            }
         }
     }
 
@@ -293,6 +330,15 @@ pub async fn serve(
     }
 }
 
+/// The secrets of `--view-token-file`.
+fn read_view_token_file(path: &std::path::Path) -> Result<Vec<Secret>, AuthError> {
+    let origin = format!("--view-token-file {}", path.display());
+    match std::fs::read_to_string(path) {
+        Ok(text) => auth::parse_secrets(&text, &origin),
+        Err(error) => Err(AuthError::Unreadable { origin, error }),
+    }
+}
+
 /// The value of DIANA_QUOTA_TOKEN, if set.
 fn env_token() -> Result<Option<String>, AuthError> {
     match std::env::var(TOKEN_ENV) {
@@ -306,9 +352,14 @@ fn env_token() -> Result<Option<String>, AuthError> {
 /// the token file.
 pub async fn run(cli: Cli) -> Result<(), StartError> {
     let auth = Arc::new(cli.auth()?);
+    let view_access = cli.view_access()?;
     let rls_config = cli.rls_config()?;
     let (store, settings) = cli.build()?;
     reload_on_sighup(cli.clone(), auth.clone());
+    if let (fleet::ViewAccess::Tokens(view), Some(path)) = (&view_access, &cli.view_token_file) {
+        auth::warn_if_readable_by_others(path);
+        reload_view_on_sighup(path.clone(), view.clone());
+    }
     let listener = tokio::net::TcpListener::bind(&cli.listen)
         .await
         .map_err(StartError::listen("--listen", &cli.listen))?;
@@ -353,7 +404,18 @@ pub async fn run(cli: Cli) -> Result<(), StartError> {
              loopback demo or benchmark."
         );
     }
-    let state = AppState::new(store, settings, auth.clone());
+    match &view_access {
+        fleet::ViewAccess::Open => tracing::warn!(
+            "--insecure-open-view: anyone who can reach {address} can read the fleet view \
+             (gateway ids, rule and breaker names, the hottest identities and paths)"
+        ),
+        fleet::ViewAccess::Service if !auth.is_required() => tracing::warn!(
+            "the fleet view (GET /v1/view) is closed: --insecure-no-auth gives it no secret; \
+             give --view-token-file (or --insecure-open-view on a loopback demo)"
+        ),
+        fleet::ViewAccess::Service | fleet::ViewAccess::Tokens(_) => {}
+    }
+    let state = AppState::with_view(store, settings, auth.clone(), view_access);
     let (stop, stopping) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
         shutdown_signal().await;
@@ -483,6 +545,36 @@ pub fn reload_on_sighup(cli: Cli, auth: Arc<Auth>) {
     }
     #[cfg(not(unix))]
     let _ = (cli, auth);
+}
+
+/// From now on, every SIGHUP re-reads `--view-token-file` (a file that cannot be read or
+/// holds a bad secret changes nothing, logged as an error).
+fn reload_view_on_sighup(path: PathBuf, view: Arc<Auth>) {
+    #[cfg(unix)]
+    {
+        let mut hangup = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+        {
+            Ok(signal) => signal,
+            Err(error) => {
+                tracing::error!(%error, "cannot listen for SIGHUP: the view token file is read at start only");
+                return;
+            }
+        };
+        tokio::spawn(async move {
+            while hangup.recv().await.is_some() {
+                match read_view_token_file(&path).and_then(|secrets| view.replace(&secrets)) {
+                    Ok(()) => {
+                        tracing::info!(secrets = view.secrets(), "SIGHUP: view token file reloaded")
+                    }
+                    Err(error) => tracing::error!(
+                        "SIGHUP: {error}; the view secrets accepted so far stay in force"
+                    ),
+                }
+            }
+        });
+    }
+    #[cfg(not(unix))]
+    let _ = (path, view);
 }
 
 /// Re-reads the secrets; how many are accepted now.

@@ -22,8 +22,12 @@
 //!
 //! No label carries a key, an identity or a counter's value: every label set is one of a
 //! few fixed names (routes, algorithms, statuses, kinds), so `/metrics` can stay open.
+//! The fleet view's metrics (`diana_quota_fleet_*`, `crate::fleet::metrics`) add labels
+//! from the gateways' reports (gateway ids, rule and breaker names: bounded in count,
+//! escaped), never an identity.
 
 use crate::store::Usage;
+use prometheus_client::collector::Collector;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -343,6 +347,11 @@ impl Metrics {
     /// `/v1/wait` slept this long.
     pub fn waited(&self, slept: Duration) {
         self.waits.observe(slept.as_secs_f64());
+    }
+
+    /// Adds metrics read at each scrape (the fleet view's: `crate::fleet::metrics`).
+    pub fn register_collector(&mut self, collector: impl Collector) {
+        self.registry.register_collector(Box::new(collector));
     }
 
     /// The OpenMetrics text exposition.

@@ -23,6 +23,7 @@ fn command() -> Command {
     command
         .env_remove("DIANA_QUOTA_TOKEN")
         .env_remove("DIANA_QUOTA_TOKEN_FILE")
+        .env_remove("DIANA_QUOTA_VIEW_TOKEN_FILE")
         .env_remove("DIANA_QUOTA_REDIS")
         .env_remove("DIANA_QUOTA_LISTEN");
     command
@@ -421,4 +422,79 @@ fn insecure_no_auth_serves_anyone_and_says_so() {
     let (clean, log) = service.terminate();
     assert!(clean, "{log}");
     assert!(log.contains("AUTHENTICATION IS OFF"), "{log}");
+}
+
+const VIEW_SECRET: &str = "read-only-view-secret-0123456789abcdef";
+
+#[test]
+fn the_view_has_its_own_read_only_secret_and_sighup_reloads_it() {
+    let _serial = serial();
+    let file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(&file, format!("{VIEW_SECRET}\n")).unwrap();
+    let service = Service::start_with(
+        &["--view-token-file", file.path().to_str().unwrap()],
+        &[with_token()],
+    );
+    let view = |token: &str| {
+        service
+            .exchange("GET", "/v1/view", "", Some(&format!("Bearer {token}")))
+            .0
+    };
+    assert_eq!(view(VIEW_SECRET), 200);
+    assert_eq!(view(TEST_TOKEN), 200, "the gateways' secret reads it too");
+    assert_eq!(view(SECOND), 401);
+    // Read-only: the view's secret decides nothing.
+    let (code, _, _) = service.exchange(
+        "POST",
+        "/v1/acquire",
+        BODY,
+        Some(&format!("Bearer {VIEW_SECRET}")),
+    );
+    assert_eq!(code, 401);
+    std::fs::write(&file, format!("{SECOND}\n")).unwrap();
+    service.signal("HUP");
+    let started = Instant::now();
+    while view(VIEW_SECRET) != 401 {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the old view secret is still accepted after SIGHUP"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(view(SECOND), 200);
+    let (clean, log) = service.terminate();
+    assert!(clean, "{log}");
+    assert!(log.contains("SIGHUP: view token file reloaded"), "{log}");
+    assert!(
+        !log.contains(VIEW_SECRET) && !log.contains(SECOND) && !log.contains(TEST_TOKEN),
+        "a secret was logged:\n{log}"
+    );
+}
+
+#[test]
+fn without_authentication_the_view_stays_closed_unless_opened_by_name() {
+    let _serial = serial();
+    let service = Service::start_with(&["--insecure-no-auth"], &[]);
+    let auth = bearer();
+    assert_eq!(service.exchange("GET", "/v1/view", "", None).0, 401);
+    assert_eq!(service.exchange("GET", "/v1/view", "", Some(&auth)).0, 401);
+    let (clean, log) = service.terminate();
+    assert!(clean, "{log}");
+    assert!(
+        log.contains("the fleet view (GET /v1/view) is closed"),
+        "{log}"
+    );
+    let service = Service::start_with(&["--insecure-no-auth", "--insecure-open-view"], &[]);
+    let (code, _, body) = service.exchange("GET", "/v1/view", "", None);
+    assert_eq!(code, 200, "{body}");
+    assert!(body.contains("\"gateways\":[]"), "{body}");
+    let (clean, log) = service.terminate();
+    assert!(clean, "{log}");
+    assert!(log.contains("--insecure-open-view"), "{log}");
+    let (status, log) = refused(
+        &["--insecure-open-view", "--view-token-file", "/nonexistent"],
+        &[with_token()],
+    );
+    assert!(!status.success());
+    assert!(log.contains("choose one"), "{log}");
 }

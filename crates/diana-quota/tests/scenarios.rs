@@ -12,7 +12,6 @@ use axum::http::StatusCode;
 use axum::Router;
 use common::*;
 use diana_core::wire::{AcquireResponse, RuleResult};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const HOUR_MS: u64 = 3_600_000;
@@ -955,44 +954,6 @@ async fn concurrency_places(router: &Router) {
 
 // ---------------------------------------------------------------------------------------
 // Every scenario × every store.
-
-macro_rules! suite {
-    ($($scenario:ident),* $(,)?) => {
-        mod memory {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $scenario() {
-                    let router = super::service(std::sync::Arc::new(super::memory_store()));
-                    super::$scenario(&router).await;
-                }
-            )*
-        }
-
-        mod redis {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $scenario() {
-                    let server = super::RedisServer::start();
-                    let router = super::service(std::sync::Arc::new(super::redis_store(&server.url())));
-                    super::$scenario(&router).await;
-                    drop(server);
-                }
-            )*
-        }
-
-        /// One cluster (three processes) for the whole suite.
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        async fn cluster_runs_the_suite() {
-            let cluster = RedisCluster::start();
-            let router = service(Arc::new(redis_store(&cluster.url())));
-            $(
-                eprintln!("cluster: {}", stringify!($scenario));
-                $scenario(&router).await;
-            )*
-            drop(cluster);
-        }
-    };
-}
 
 suite!(
     concurrency_places,

@@ -322,7 +322,7 @@ impl Engine {
             let Some(spec) = self.breakers.spec(breaker) else {
                 continue;
             };
-            let params = FleetParams::of(&spec.settings);
+            let params = FleetParams::of(&spec.settings.params());
             let report = report.unwrap_or_default();
             breakers.push(BreakerReport {
                 key: params.key(&spec.settings.name),

@@ -14,6 +14,7 @@
 //! burst and slices): a request with the same key and other parameters has a counter of
 //! its own, and cannot read or reset another's.
 
+use super::breakers::{FleetBreakers, MemoryBreakers, DEFAULT_MAX_STATES};
 use super::{decide, Grant, Noted, Outcome, Store, StoreError, Usage};
 use async_trait::async_trait;
 use diana_core::algo::{Algorithm, Limit, Mark};
@@ -101,6 +102,8 @@ pub struct MemoryStore {
     table: Mutex<Table>,
     /// Calls with an id, for their releases (bounded: `ledger::MAX_CALLS`).
     calls: Mutex<CallLedger>,
+    /// The fleet's breakers (bounded: [`DEFAULT_MAX_STATES`]).
+    breakers: MemoryBreakers,
 }
 
 impl Default for MemoryStore {
@@ -117,6 +120,7 @@ impl MemoryStore {
     /// A store that holds at most `max_keys` counters (at least 1).
     pub fn with_capacity(clock: Arc<dyn Clock>, max_keys: usize) -> MemoryStore {
         MemoryStore {
+            breakers: MemoryBreakers::new(clock.clone(), DEFAULT_MAX_STATES),
             clock,
             max_keys: max_keys.max(1),
             table: Mutex::new(Table {
@@ -348,5 +352,9 @@ impl Store for MemoryStore {
             capacity: self.max_keys as u64,
             evicted: table.evicted,
         })
+    }
+
+    fn breakers(&self) -> Option<&dyn FleetBreakers> {
+        Some(&self.breakers)
     }
 }

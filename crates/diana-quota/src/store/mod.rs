@@ -7,16 +7,21 @@
 //! - [`RedisStore`]: Redis (one Lua script over every key of the request, atomic; a lean
 //!   one when every rule is a fixed window) or Redis Cluster (one script per key, then
 //!   compensation: grants of a denied request are given back).
+//!
+//! Both also keep the fleet's breakers ([`breakers`], `POST /v1/report`).
 
+pub mod breakers;
 mod memory;
 mod redis;
 
 pub use diana_core::quota::ledger::{Grant, Noted};
 pub use diana_core::quota::{decide, Outcome};
 
+pub use self::breakers::{BreakerCall, Decided, FleetBreakers, MemoryBreakers};
 pub use self::memory::{Clock, MemoryStore, SystemClock, DEFAULT_MAX_KEYS};
 pub use self::redis::{
-    cluster_slot, redis_key, RedisOptions, RedisStore, RedisTarget, RedisUrlError,
+    breaker_key, cluster_slot, redis_key, RedisOptions, RedisStore, RedisTarget, RedisUrlError,
+    BREAKER_SWAP_ATTEMPTS,
 };
 
 use async_trait::async_trait;
@@ -141,6 +146,12 @@ pub trait Store: Send + Sync {
 
     /// How full the store is, for stores with a bounded table.
     fn usage(&self) -> Option<Usage> {
+        None
+    }
+
+    /// The fleet's breakers this store keeps (`POST /v1/report`); `None`: it keeps none,
+    /// and a report with a fleet breaker is answered 503.
+    fn breakers(&self) -> Option<&dyn FleetBreakers> {
         None
     }
 }

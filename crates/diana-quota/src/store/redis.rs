@@ -32,6 +32,11 @@
 //! cluster slot) for [`RedisOptions::dead_after`]: a peer that went silent without
 //! closing (half-open: a host gone, a NAT or firewall that lost the flow) is replaced.
 
+mod breakers;
+
+pub use self::breakers::{breaker_key, MAX_ATTEMPTS as BREAKER_SWAP_ATTEMPTS};
+
+use super::breakers::FleetBreakers;
 use super::{Grant, Noted, Outcome, Store, StoreError};
 use async_trait::async_trait;
 use diana_core::algo::{Limit, Mark};
@@ -736,6 +741,8 @@ pub struct RedisStore {
     /// while the others answer).
     answered: Box<[AtomicU64]>,
     epoch: Instant,
+    /// Serialise this replica's reports on one fleet breaker state (`breakers.rs`).
+    breaker_locks: breakers::Stripes,
 }
 
 /// Redis Cluster hash slots.
@@ -818,6 +825,7 @@ impl RedisStore {
             description,
             answered: (0..routes).map(|_| AtomicU64::new(0)).collect(),
             epoch: Instant::now(),
+            breaker_locks: breakers::Stripes::new(),
         })
     }
 
@@ -1198,6 +1206,10 @@ impl Store for RedisStore {
 
     fn describe(&self) -> String {
         self.description.clone()
+    }
+
+    fn breakers(&self) -> Option<&dyn FleetBreakers> {
+        Some(self)
     }
 }
 

@@ -425,3 +425,47 @@ pub async fn away_from_boundary(unit_ms: u64, margin: Duration) {
         tokio::time::sleep(Duration::from_millis(left + 5)).await;
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// Every scenario × every store.
+
+/// Runs each scenario (`async fn(&Router)`, in scope where the macro is used) against the
+/// memory store, a fresh Redis each, and one Redis Cluster (three processes) for all.
+#[macro_export]
+macro_rules! suite {
+    ($($scenario:ident),* $(,)?) => {
+        mod memory {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $scenario() {
+                    let router = $crate::common::service(std::sync::Arc::new($crate::common::memory_store()));
+                    super::$scenario(&router).await;
+                }
+            )*
+        }
+
+        mod redis {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $scenario() {
+                    let server = $crate::common::RedisServer::start();
+                    let router = $crate::common::service(std::sync::Arc::new($crate::common::redis_store(&server.url())));
+                    super::$scenario(&router).await;
+                    drop(server);
+                }
+            )*
+        }
+
+        /// One cluster (three processes) for the whole suite.
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn cluster_runs_the_suite() {
+            let cluster = $crate::common::RedisCluster::start();
+            let router = $crate::common::service(std::sync::Arc::new($crate::common::redis_store(&cluster.url())));
+            $(
+                eprintln!("cluster: {}", stringify!($scenario));
+                $scenario(&router).await;
+            )*
+            drop(cluster);
+        }
+    };
+}
