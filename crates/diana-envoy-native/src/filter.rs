@@ -764,3 +764,46 @@ impl Local {
         }
     }
 }
+
+/// What a configuration's workers still hold, summed (tests: nothing is left behind).
+#[cfg(test)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Census {
+    /// Requests the workers keep something for.
+    pub requests: usize,
+    /// Calls the workers wait on.
+    pub calls: usize,
+    /// Paused streams' entries (each with its scheduler).
+    pub schedulers: usize,
+    /// Commands queued for paused streams, not yet carried out.
+    pub pending: usize,
+    /// Calls the main thread made, by callout id.
+    pub main_calls: usize,
+}
+
+#[cfg(test)]
+impl Config {
+    pub fn census(&self) -> Census {
+        let mut census = Census {
+            main_calls: lock(&self.calls).len(),
+            ..Census::default()
+        };
+        for slot in lock(&self.slots).iter() {
+            let core = lock(&slot.core);
+            census.requests += core.worker.requests_held();
+            census.calls += core.worker.calls_in_flight();
+            census.schedulers += core.paused.len();
+            census.pending += core
+                .paused
+                .values()
+                .map(|paused| paused.pending.len())
+                .sum::<usize>();
+        }
+        census
+    }
+
+    /// Whether its scheduler is still held (by it or the timer).
+    pub fn holds_scheduler(&self) -> bool {
+        lock(&self.scheduler).is_some()
+    }
+}

@@ -20,6 +20,8 @@
 //! - `ffi`: the ABI, hand-written for what Diana uses: the handles over Envoy's callbacks
 //!   and the exported hooks; the only module with `unsafe` (its docs list the invariants
 //!   it relies on).
+//! - `fake` (tests): an Envoy of threads that keeps 1.40's threading rules, driving
+//!   `filter` as `ffi` does; `tests`: the binding's scenarios on it.
 
 #![deny(unsafe_code)]
 
@@ -30,5 +32,10 @@ mod host;
 mod logger;
 mod shared;
 mod timer;
+
+#[cfg(test)]
+mod fake;
+#[cfg(test)]
+mod tests;
 
 pub use ffi::{Buf, ABI_VERSION};
