@@ -4,42 +4,49 @@
 //! Two directions:
 //!
 //! - **Callbacks** (`envoy_dynamic_module_callback_*`, implemented by Envoy): declared in the
-//!   `extern "C"` block and reached only through the safe wrappers below ([`FilterRef`],
-//!   [`ConfigRef`], [`Scheduler`], [`ConfigScheduler`], [`concurrency`], [`log()`]).
+//!   `extern "C"` block and reached only through the handles below, which implement
+//!   `crate::envoy`'s traits ([`FilterRef`]: `EnvoyFilter`, [`ConfigRef`]: `EnvoyConfig`,
+//!   the two schedulers), and [`log()`].
 //! - **Event hooks** (`envoy_dynamic_module_on_*`, exported here): turn Envoy's raw pointers
-//!   into safe values (slices, the module's boxed objects) and call `crate::filter`.
+//!   into safe values (slices borrowed for the hook, the module's objects, the handles) and
+//!   call `crate::filter`.
 //!
 //! Audit invariants (each `unsafe` block names the one it relies on):
 //!
-//! 1. **Envoy pointers.** A `filter_envoy_ptr` is valid from `on_http_filter_new` until
-//!    `on_http_filter_destroy` and is only used on the worker thread that owns the stream
-//!    (`FilterRef` is neither `Send` nor `Sync`; `crate::filter` drops it at destroy). A
-//!    `filter_config_envoy_ptr` is valid until `on_http_filter_config_destroy` and outlives
-//!    every filter made from it (Envoy's filters hold the config); Envoy documents the
-//!    config-level metric callbacks as callable outside any request. Config-level callouts
-//!    ([`ConfigRef::callout`]) are made only on the main thread (from
+//! 1. **Envoy pointers.** A `filter_envoy_ptr` is valid during the hook it comes with and
+//!    used only there, on the stream's worker thread: its [`FilterRef`] lives in the hook's
+//!    frame and is lent to `crate::filter` as `&dyn EnvoyFilter`, which cannot keep it (the
+//!    raw pointer also keeps it `!Send`). A `filter_config_envoy_ptr` is valid until
+//!    `on_http_filter_config_destroy`, after which no hook of the configuration runs
+//!    (every filter holds the configuration, and a configuration event runs only while its
+//!    weak reference still locks), so nothing reaches its [`ConfigRef`] any more. Envoy
+//!    documents the config-level metric callbacks as callable from any thread; its
+//!    callouts and scheduler are created only on the main thread (`EnvoyConfig`'s
+//!    contract: `crate::filter` calls them from `on_http_filter_config_new`,
 //!    `on_http_filter_config_scheduled` and `on_http_filter_config_http_callout_done`, which
-//!    Envoy runs there): Envoy keeps them in an unsynchronised table of the config and
-//!    looks the cluster up in the calling thread's cluster manager.
-//! 2. **Module pointers.** What `on_http_filter_config_new` / `on_http_filter_new` return
-//!    is a `Box` leaked here and taken back exactly once, in the matching destroy hook;
-//!    between the two Envoy hands the same pointer back unchanged.
-//! 3. **Buffers.** A buffer Envoy passes in (or writes into a `Buf` we hand it) is valid
-//!    for the duration of the hook or callback (`ptr` may be null when `len` is 0); what we
-//!    pass to Envoy is borrowed from Rust values alive for the whole call, and Envoy copies
-//!    it before returning.
-//! 4. **Schedulers.** A stream's scheduler is created on the stream's thread, committed to
-//!    only under its worker's lock (`filter::Slot`), and deleted exactly once, on the
-//!    stream's thread, under that lock after it was removed from the worker's table. The
-//!    configuration's scheduler is created in `on_http_filter_config_new` (main thread),
-//!    committed to by the timer thread under the timer's lock and by the configuration's
-//!    own hooks (filter hooks and configuration hooks, which want the tick at once), and
-//!    deleted exactly once in `on_http_filter_config_destroy`, after it was removed from
-//!    the timer's table under that lock. Envoy runs no hook of a configuration after, or
-//!    during, its destroy: every filter holds the configuration, and a configuration event
-//!    runs only if its weak reference still locks. Envoy documents
-//!    `commit` of both as safe from any thread (a no-op once the filter or configuration is
-//!    gone: each holds a weak reference).
+//!    Envoy runs there), since Envoy keeps the callouts in an unsynchronised table of the
+//!    configuration and looks the cluster up in the calling thread's cluster manager. So
+//!    [`ConfigRef`] is `Send` and `Sync`.
+//! 2. **Module pointers.** What `on_http_filter_config_new` returns is a `Box<Arc<Config>>`
+//!    leaked here and taken back once, in `on_http_filter_config_destroy`; its hooks borrow
+//!    it for their call only ([`with_config`]). What `on_http_filter_new` returns is an
+//!    `Rc<FilterBox>` leaked here: Envoy's reference, taken back once in
+//!    `on_http_filter_destroy`. Every other hook of the stream holds its own reference for
+//!    its call ([`filter_of`]), so a destroy that Envoy runs inside one of that hook's
+//!    callbacks (a local reply that ends the stream) frees nothing under it. All on the
+//!    stream's worker thread, where Envoy runs every hook of a stream.
+//! 3. **Buffers.** A buffer Envoy passes to a hook is valid for the hook (`ptr` may be
+//!    null when `len` is 0): the hooks' parameters carry the hook's lifetime ([`Buf`],
+//!    [`Header`]), so what is read from them borrows the hook and cannot be kept beyond it
+//!    (see [`Buf`]'s second example). A buffer Envoy writes into ours (a header's value) is
+//!    copied before the callback's caller returns. What we pass to Envoy is borrowed from
+//!    Rust values alive for the whole call, and Envoy copies it before returning.
+//! 4. **Schedulers.** Each is owned by one handle ([`StreamSchedulerRef`],
+//!    [`ConfigSchedulerRef`]) made from a non-null `*_scheduler_new` and deleted exactly
+//!    once, when the handle is dropped, so never committed to after. Envoy's commit only
+//!    posts to a dispatcher (a stream's worker thread, or the main thread) with a weak
+//!    reference to the filter or configuration, and delete destroys that weak reference:
+//!    both are safe from any thread, so the handles are `Send` and `Sync`.
 //! 5. **No unwinding across the boundary.** Release builds abort on panic (workspace
 //!    profile) and the workspace lints deny `unwrap`/`expect`/`panic`/indexing; the glue
 //!    handles every `None` and every `RefCell` borrow with `try_borrow*`.
@@ -49,65 +56,129 @@
 
 #![allow(unsafe_code)]
 
-use crate::filter::{self, Config, FilterBox, RawAnswer};
+use crate::envoy::{
+    CalloutId, CalloutRefused, ConfigScheduler, EnvoyConfig, EnvoyFilter, HeadersStatus, RawAnswer,
+    StreamScheduler,
+};
+use crate::filter::{self, Config, FilterBox};
+use diana_core::call::Callout;
+use diana_core::worker::MetricKind;
 use std::ffi::{c_char, c_void};
-use std::ptr;
+use std::marker::PhantomData;
+use std::ptr::{self, NonNull};
+use std::rc::Rc;
 use std::sync::Arc;
 
 /// The ABI version this module is written against, as Envoy 1.40 reports its own (Envoy
 /// logs "Dynamic module ABI version v0.2.0 matched." when they are equal).
 pub const ABI_VERSION: &[u8] = b"v0.2.0\0";
 
-/// `envoy_dynamic_module_type_{envoy,module}_buffer`: both are `{const char* ptr; size_t length;}`.
+/// `envoy_dynamic_module_type_{envoy,module}_buffer`: both are `{const char* ptr; size_t
+/// length;}`. `'hook`: how long the bytes stay valid (invariant 3) — for one Envoy hands a
+/// hook, that hook's call.
+///
+/// Reading a buffer within its hook:
+///
+/// ```
+/// use diana_envoy_native::Buf;
+///
+/// extern "C" fn on_config(config: Buf<'_>) -> usize {
+///     config.bytes().len()
+/// }
+/// # let _ = on_config;
+/// ```
+///
+/// Keeping what was read beyond the hook does not compile (the bytes borrow the hook):
+///
+/// ```compile_fail,E0521
+/// use diana_envoy_native::Buf;
+/// use std::sync::Mutex;
+///
+/// static KEPT: Mutex<Vec<&'static [u8]>> = Mutex::new(Vec::new());
+///
+/// extern "C" fn on_config(config: Buf<'_>) {
+///     if let Ok(mut kept) = KEPT.lock() {
+///         kept.push(config.bytes());
+///     }
+/// }
+/// # let _ = on_config;
+/// ```
 #[repr(C)]
 #[derive(Clone, Copy)]
-pub struct Buf {
+pub struct Buf<'hook> {
     ptr: *const c_char,
     len: usize,
+    bytes: PhantomData<&'hook [u8]>,
 }
 
-impl Buf {
-    fn of(bytes: &[u8]) -> Buf {
+impl<'hook> Buf<'hook> {
+    fn of(bytes: &'hook [u8]) -> Buf<'hook> {
         Buf {
             ptr: bytes.as_ptr().cast(),
             len: bytes.len(),
+            bytes: PhantomData,
         }
     }
 
-    const EMPTY: Buf = Buf {
-        ptr: ptr::null(),
-        len: 0,
-    };
+    /// No bytes, for Envoy to write a buffer into.
+    fn empty() -> Buf<'hook> {
+        Buf {
+            ptr: ptr::null(),
+            len: 0,
+            bytes: PhantomData,
+        }
+    }
 
-    /// The bytes Envoy handed over (invariant 3).
-    fn bytes<'a>(self) -> &'a [u8] {
+    /// The bytes, borrowed for as long as the buffer is valid (invariant 3).
+    pub fn bytes(self) -> &'hook [u8] {
         if self.ptr.is_null() || self.len == 0 {
             return &[];
         }
-        // SAFETY: invariant 3 — Envoy's buffer, valid and `len` bytes long for this hook.
+        // SAFETY: invariant 3 — Envoy's buffer, valid and `len` bytes long for `'hook`, or
+        // ours, borrowed for it.
         unsafe { std::slice::from_raw_parts(self.ptr.cast::<u8>(), self.len) }
     }
 }
 
 /// `envoy_dynamic_module_type_{envoy,module}_http_header`: `{key_ptr, key_length, value_ptr,
-/// value_length}` in both directions.
+/// value_length}` in both directions, valid for `'hook` as a [`Buf`] is.
 #[repr(C)]
 #[derive(Clone, Copy)]
-pub struct Header {
+pub struct Header<'hook> {
     key_ptr: *const c_char,
     key_len: usize,
     value_ptr: *const c_char,
     value_len: usize,
+    bytes: PhantomData<&'hook [u8]>,
 }
 
-impl Header {
-    fn of(key: &[u8], value: &[u8]) -> Header {
+impl<'hook> Header<'hook> {
+    fn of(key: &'hook [u8], value: &'hook [u8]) -> Header<'hook> {
         Header {
             key_ptr: key.as_ptr().cast(),
             key_len: key.len(),
             value_ptr: value.as_ptr().cast(),
             value_len: value.len(),
+            bytes: PhantomData,
         }
+    }
+
+    fn name(self) -> &'hook [u8] {
+        Buf {
+            ptr: self.key_ptr,
+            len: self.key_len,
+            bytes: PhantomData,
+        }
+        .bytes()
+    }
+
+    fn value(self) -> &'hook [u8] {
+        Buf {
+            ptr: self.value_ptr,
+            len: self.value_len,
+            bytes: PhantomData,
+        }
+        .bytes()
     }
 }
 
@@ -120,51 +191,57 @@ const CALLOUT_RESULT_SUCCESS: i32 = 0; // envoy_dynamic_module_type_http_callout
 const METRICS_SUCCESS: i32 = 0; // envoy_dynamic_module_type_metrics_result_Success
 /// `..._on_http_filter_{request,response}_headers_status_Continue`, and the body and
 /// trailers statuses' `Continue`.
-pub const CONTINUE: i32 = 0;
-/// `..._headers_status_StopAllIterationAndWatermark`: what proxy-wasm's `Pause` is in Envoy
-/// (the body is held, within the connection's buffer limits, until resumed).
-pub const STOP_ALL_AND_WATERMARK: i32 = 4;
+const CONTINUE: i32 = 0;
+/// `..._headers_status_StopAllIterationAndWatermark`.
+const STOP_ALL_AND_WATERMARK: i32 = 4;
 
 /// Why a callout was not started (`envoy_dynamic_module_type_http_callout_init_result`).
-pub fn callout_init_name(result: i32) -> &'static str {
+fn callout_refused(result: i32) -> CalloutRefused {
     match result {
-        1 => "MissingRequiredHeaders",
-        2 => "ClusterNotFound",
-        3 => "DuplicateCalloutId",
-        4 => "CannotCreateRequest",
-        _ => "Unknown",
+        1 => CalloutRefused::MissingRequiredHeaders,
+        2 => CalloutRefused::ClusterNotFound,
+        3 => CalloutRefused::DuplicateCalloutId,
+        4 => CalloutRefused::CannotCreateRequest,
+        _ => CalloutRefused::Unknown,
+    }
+}
+
+fn headers_status(status: HeadersStatus) -> i32 {
+    match status {
+        HeadersStatus::Continue => CONTINUE,
+        HeadersStatus::StopAllAndWatermark => STOP_ALL_AND_WATERMARK,
     }
 }
 
 extern "C" {
-    fn envoy_dynamic_module_callback_log(level: i32, message: Buf);
+    fn envoy_dynamic_module_callback_log(level: i32, message: Buf<'_>);
     fn envoy_dynamic_module_callback_log_enabled(level: i32) -> bool;
 
     fn envoy_dynamic_module_callback_http_filter_config_define_counter(
         config: *mut c_void,
-        name: Buf,
-        label_names: *mut Buf,
+        name: Buf<'_>,
+        label_names: *mut Buf<'_>,
         label_names_length: usize,
         id: *mut usize,
     ) -> i32;
     fn envoy_dynamic_module_callback_http_filter_config_define_gauge(
         config: *mut c_void,
-        name: Buf,
-        label_names: *mut Buf,
+        name: Buf<'_>,
+        label_names: *mut Buf<'_>,
         label_names_length: usize,
         id: *mut usize,
     ) -> i32;
     fn envoy_dynamic_module_callback_http_filter_config_increment_counter(
         config: *mut c_void,
         id: usize,
-        label_values: *mut Buf,
+        label_values: *mut Buf<'_>,
         label_values_length: usize,
         value: u64,
     ) -> i32;
     fn envoy_dynamic_module_callback_http_filter_config_set_gauge(
         config: *mut c_void,
         id: usize,
-        label_values: *mut Buf,
+        label_values: *mut Buf<'_>,
         label_values_length: usize,
         value: u64,
     ) -> i32;
@@ -172,43 +249,43 @@ extern "C" {
     fn envoy_dynamic_module_callback_http_get_header(
         filter: *mut c_void,
         header_type: i32,
-        key: Buf,
-        result: *mut Buf,
+        key: Buf<'_>,
+        result: *mut Buf<'_>,
         index: usize,
         optional_size: *mut usize,
     ) -> bool;
     fn envoy_dynamic_module_callback_http_add_header(
         filter: *mut c_void,
         header_type: i32,
-        key: Buf,
-        value: Buf,
+        key: Buf<'_>,
+        value: Buf<'_>,
     ) -> bool;
     fn envoy_dynamic_module_callback_http_set_header(
         filter: *mut c_void,
         header_type: i32,
-        key: Buf,
-        value: Buf,
+        key: Buf<'_>,
+        value: Buf<'_>,
     ) -> bool;
     fn envoy_dynamic_module_callback_http_send_response(
         filter: *mut c_void,
         status_code: u32,
-        headers: *mut Header,
+        headers: *mut Header<'_>,
         headers_size: usize,
-        body: Buf,
-        details: Buf,
+        body: Buf<'_>,
+        details: Buf<'_>,
     );
     fn envoy_dynamic_module_callback_http_filter_get_attribute_string(
         filter: *mut c_void,
         attribute_id: i32,
-        result: *mut Buf,
+        result: *mut Buf<'_>,
     ) -> bool;
     fn envoy_dynamic_module_callback_http_filter_http_callout(
         filter: *mut c_void,
         callout_id_out: *mut u64,
-        cluster_name: Buf,
-        headers: *mut Header,
+        cluster_name: Buf<'_>,
+        headers: *mut Header<'_>,
         headers_size: usize,
-        body: Buf,
+        body: Buf<'_>,
         timeout_milliseconds: u64,
     ) -> i32;
     fn envoy_dynamic_module_callback_http_filter_continue_decoding(filter: *mut c_void);
@@ -231,22 +308,15 @@ extern "C" {
     fn envoy_dynamic_module_callback_http_filter_config_http_callout(
         config: *mut c_void,
         callout_id_out: *mut u64,
-        cluster_name: Buf,
-        headers: *mut Header,
+        cluster_name: Buf<'_>,
+        headers: *mut Header<'_>,
         headers_size: usize,
-        body: Buf,
+        body: Buf<'_>,
         timeout_milliseconds: u64,
     ) -> i32;
 }
 
-/// Envoy's worker threads (`--concurrency`); only on the main thread (Envoy answers 0
-/// elsewhere, and before its server context exists).
-pub fn concurrency() -> u32 {
-    // SAFETY: no arguments; called from `on_http_filter_config_new`, on the main thread.
-    unsafe { envoy_dynamic_module_callback_get_concurrency() }
-}
-
-/// `envoy_dynamic_module_type_log_level`: Trace 0 … Critical 5.
+/// `envoy_dynamic_module_type_log_level`: Trace 0 … Critical 5. The logger's writer.
 pub fn log(level: log::Level, message: &str) {
     let level = match level {
         log::Level::Trace => 0,
@@ -263,50 +333,58 @@ pub fn log(level: log::Level, message: &str) {
     }
 }
 
-/// Envoy's filter configuration (`filter_config_envoy_ptr`), kept as an address so the
-/// process-wide [`Config`] can be shared by the worker threads (invariant 1: valid while
-/// the config lives, and the config-level metric callbacks may be called from any thread).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ConfigRef(usize);
+/// Envoy's filter configuration (`filter_config_envoy_ptr`), shared by the threads
+/// (invariant 1).
+pub struct ConfigRef(NonNull<c_void>);
 
-impl ConfigRef {
-    fn ptr(self) -> *mut c_void {
-        self.0 as *mut c_void
+// SAFETY: invariant 1 — valid until the configuration's destroy, after which nothing
+// reaches it; its metric callbacks are thread-safe, and its callouts and scheduler are made
+// on the main thread only.
+unsafe impl Send for ConfigRef {}
+// SAFETY: as for `Send`.
+unsafe impl Sync for ConfigRef {}
+
+impl EnvoyConfig for ConfigRef {
+    fn concurrency(&self) -> u32 {
+        // SAFETY: no arguments; called from `on_http_filter_config_new`, on the main thread
+        // (Envoy answers 0 elsewhere).
+        unsafe { envoy_dynamic_module_callback_get_concurrency() }
     }
 
-    /// Defines a counter (`gauge`: a gauge) — only during `on_http_filter_config_new`,
-    /// after which Envoy freezes metric creation.
-    pub fn define(self, gauge: bool, name: &str) -> Option<usize> {
+    fn define_metric(&self, kind: MetricKind, name: &str) -> Option<usize> {
         let mut id = 0usize;
-        // SAFETY: invariant 1 (called from on_http_filter_config_new) and 3.
+        let name = Buf::of(name.as_bytes());
+        let config = self.0.as_ptr();
+        // SAFETY: invariants 1 (called from on_http_filter_config_new) and 3.
         let result = unsafe {
-            if gauge {
-                envoy_dynamic_module_callback_http_filter_config_define_gauge(
-                    self.ptr(),
-                    Buf::of(name.as_bytes()),
+            match kind {
+                MetricKind::Gauge => envoy_dynamic_module_callback_http_filter_config_define_gauge(
+                    config,
+                    name,
                     ptr::null_mut(),
                     0,
                     &mut id,
-                )
-            } else {
-                envoy_dynamic_module_callback_http_filter_config_define_counter(
-                    self.ptr(),
-                    Buf::of(name.as_bytes()),
-                    ptr::null_mut(),
-                    0,
-                    &mut id,
-                )
+                ),
+                MetricKind::Counter => {
+                    envoy_dynamic_module_callback_http_filter_config_define_counter(
+                        config,
+                        name,
+                        ptr::null_mut(),
+                        0,
+                        &mut id,
+                    )
+                }
             }
         };
         (result == METRICS_SUCCESS).then_some(id)
     }
 
-    pub fn add_to_counter(self, id: usize, count: u64) -> bool {
+    fn add_to_counter(&self, metric: usize, count: u64) -> bool {
         // SAFETY: invariant 1.
         let result = unsafe {
             envoy_dynamic_module_callback_http_filter_config_increment_counter(
-                self.ptr(),
-                id,
+                self.0.as_ptr(),
+                metric,
                 ptr::null_mut(),
                 0,
                 count,
@@ -315,12 +393,12 @@ impl ConfigRef {
         result == METRICS_SUCCESS
     }
 
-    pub fn set_gauge(self, id: usize, value: u64) -> bool {
+    fn set_gauge(&self, metric: usize, value: u64) -> bool {
         // SAFETY: invariant 1.
         let result = unsafe {
             envoy_dynamic_module_callback_http_filter_config_set_gauge(
-                self.ptr(),
-                id,
+                self.0.as_ptr(),
+                metric,
                 ptr::null_mut(),
                 0,
                 value,
@@ -329,90 +407,91 @@ impl ConfigRef {
         result == METRICS_SUCCESS
     }
 
-    /// The configuration's scheduler: posts events to `on_http_filter_config_scheduled` on
-    /// the main thread, from any thread (invariant 4).
-    pub fn scheduler(self) -> Option<ConfigScheduler> {
-        // SAFETY: invariant 1 (called from on_http_filter_config_new).
-        let scheduler =
-            unsafe { envoy_dynamic_module_callback_http_filter_config_scheduler_new(self.ptr()) };
-        (!scheduler.is_null()).then_some(ConfigScheduler(scheduler as usize))
+    fn callout(&self, callout: &Callout) -> Result<CalloutId, CalloutRefused> {
+        // SAFETY: invariant 1 — the configuration lives, and `crate::filter` calls this on
+        // the main thread only.
+        unsafe {
+            start_callout(
+                envoy_dynamic_module_callback_http_filter_config_http_callout,
+                self.0.as_ptr(),
+                callout,
+            )
+        }
     }
 
-    /// Starts a one-shot callout of the configuration, bound to no stream; its answer comes
-    /// to `on_http_filter_config_http_callout_done` on the main thread with the returned
-    /// id. Only on the main thread (invariant 1).
-    pub fn callout(
-        self,
-        cluster: &str,
-        headers: &[(&str, &str)],
-        body: &[u8],
-        timeout_ms: u64,
-    ) -> Result<u64, i32> {
-        start_callout(
-            cluster,
-            headers,
-            body,
-            |id, cluster, headers, count, body| {
-                // SAFETY: invariants 1 (main thread, config alive) and 3 (Envoy copies headers
-                // and body into its message).
-                unsafe {
-                    envoy_dynamic_module_callback_http_filter_config_http_callout(
-                        self.ptr(),
-                        id,
-                        cluster,
-                        headers,
-                        count,
-                        body,
-                        timeout_ms,
-                    )
-                }
-            },
-        )
+    fn new_scheduler(&self) -> Option<Box<dyn ConfigScheduler>> {
+        // SAFETY: invariant 1 (called from on_http_filter_config_new, on the main thread).
+        let scheduler = unsafe {
+            envoy_dynamic_module_callback_http_filter_config_scheduler_new(self.0.as_ptr())
+        };
+        NonNull::new(scheduler)
+            .map(|scheduler| Box::new(ConfigSchedulerRef(scheduler)) as Box<dyn ConfigScheduler>)
     }
 }
 
-/// What both callouts hand Envoy, built once: the cluster, the header array and the body,
-/// borrowed for the one `send` call that starts the callout (Envoy copies them into its
-/// message before it returns, invariant 3). Envoy's callout id, or its init result.
-fn start_callout(
-    cluster: &str,
-    headers: &[(&str, &str)],
-    body: &[u8],
-    send: impl FnOnce(&mut u64, Buf, *mut Header, usize, Buf) -> i32,
-) -> Result<u64, i32> {
-    let mut headers: Vec<Header> = headers
+/// `envoy_dynamic_module_callback_http_filter_http_callout` and its configuration's twin,
+/// which take the same arguments after their owner (a stream's filter, or the
+/// configuration).
+type SendCallout = unsafe extern "C" fn(
+    *mut c_void,
+    *mut u64,
+    Buf<'_>,
+    *mut Header<'_>,
+    usize,
+    Buf<'_>,
+    u64,
+) -> i32;
+
+/// Starts a callout of `owner` with `send`: the cluster, the header array and the body are
+/// borrowed for the call (Envoy copies them into its message before it returns). Envoy's
+/// callout id, or why it refused.
+///
+/// # Safety
+///
+/// `owner` is valid for `send` and this runs where `send` may be called for it (invariant 1).
+unsafe fn start_callout(
+    send: SendCallout,
+    owner: *mut c_void,
+    callout: &Callout,
+) -> Result<CalloutId, CalloutRefused> {
+    let mut headers: Vec<Header<'_>> = callout
+        .headers
         .iter()
         .map(|(name, value)| Header::of(name.as_bytes(), value.as_bytes()))
         .collect();
-    let body = if body.is_empty() {
-        Buf::EMPTY
+    let body = if callout.body.is_empty() {
+        Buf::empty()
     } else {
-        Buf::of(body)
+        Buf::of(&callout.body)
     };
     let mut id = 0u64;
-    let result = send(
-        &mut id,
-        Buf::of(cluster.as_bytes()),
-        headers.as_mut_ptr(),
-        headers.len(),
-        body,
-    );
+    // SAFETY: the caller's word for `owner` (invariant 1); invariant 3 for what we pass.
+    let result = unsafe {
+        send(
+            owner,
+            &mut id,
+            Buf::of(callout.upstream.as_bytes()),
+            headers.as_mut_ptr(),
+            headers.len(),
+            body,
+            callout.timeout_ms,
+        )
+    };
     if result == CALLOUT_INIT_SUCCESS {
         Ok(id)
     } else {
-        Err(result)
+        Err(callout_refused(result))
     }
 }
 
-/// One stream's filter in Envoy (`filter_envoy_ptr`): used only on its worker thread while
-/// it lives (invariant 1; the raw pointer keeps this type `!Send`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// One stream's filter in Envoy (`filter_envoy_ptr`), for the hook it came with
+/// (invariant 1; the raw pointer keeps this type `!Send`).
 pub struct FilterRef(*mut c_void);
 
 impl FilterRef {
-    fn header(self, kind: i32, name: &str) -> Option<Vec<u8>> {
-        let mut value = Buf::EMPTY;
-        // SAFETY: invariants 1 and 3 (the value is copied before the hook returns).
+    fn header(&self, kind: i32, name: &str) -> Option<Vec<u8>> {
+        let mut value = Buf::empty();
+        // SAFETY: invariants 1 and 3 (the value is copied at once).
         let found = unsafe {
             envoy_dynamic_module_callback_http_get_header(
                 self.0,
@@ -425,16 +504,18 @@ impl FilterRef {
         };
         (found && !value.ptr.is_null()).then(|| value.bytes().to_vec())
     }
+}
 
-    pub fn request_header(self, name: &str) -> Option<Vec<u8>> {
+impl EnvoyFilter for FilterRef {
+    fn request_header(&self, name: &str) -> Option<Vec<u8>> {
         self.header(HEADER_REQUEST, name)
     }
 
-    pub fn response_header(self, name: &str) -> Option<Vec<u8>> {
+    fn response_header(&self, name: &str) -> Option<Vec<u8>> {
         self.header(HEADER_RESPONSE, name)
     }
 
-    pub fn add_response_header(self, name: &str, value: &str) -> bool {
+    fn add_response_header(&self, name: &str, value: &str) -> bool {
         // SAFETY: invariants 1 and 3.
         unsafe {
             envoy_dynamic_module_callback_http_add_header(
@@ -446,10 +527,9 @@ impl FilterRef {
         }
     }
 
-    /// Sets a request header to `value`, replacing every value it had; `None` removes it
-    /// (Envoy takes a null value pointer for a removal: `Buf::EMPTY`'s).
-    pub fn set_request_header(self, name: &str, value: Option<&str>) -> bool {
-        let value = value.map_or(Buf::EMPTY, |value| Buf::of(value.as_bytes()));
+    fn set_request_header(&self, name: &str, value: Option<&str>) -> bool {
+        // Envoy takes a null value pointer (`Buf::empty`'s) for a removal.
+        let value = value.map_or(Buf::empty(), |value| Buf::of(value.as_bytes()));
         // SAFETY: invariants 1 and 3.
         unsafe {
             envoy_dynamic_module_callback_http_set_header(
@@ -461,10 +541,9 @@ impl FilterRef {
         }
     }
 
-    /// `source.address` (`ip:port` for an IP peer).
-    pub fn source_address(self) -> Option<Vec<u8>> {
-        let mut value = Buf::EMPTY;
-        // SAFETY: invariants 1 and 3.
+    fn source_address(&self) -> Option<Vec<u8>> {
+        let mut value = Buf::empty();
+        // SAFETY: invariants 1 and 3 (the value is copied at once).
         let found = unsafe {
             envoy_dynamic_module_callback_http_filter_get_attribute_string(
                 self.0,
@@ -475,8 +554,8 @@ impl FilterRef {
         found.then(|| value.bytes().to_vec())
     }
 
-    pub fn send_response(self, status: u16, headers: &[(&str, &str)], body: &[u8]) {
-        let mut headers: Vec<Header> = headers
+    fn send_response(&self, status: u16, headers: &[(&str, &str)], body: &[u8]) {
+        let mut headers: Vec<Header<'_>> = headers
             .iter()
             .map(|(name, value)| Header::of(name.as_bytes(), value.as_bytes()))
             .collect();
@@ -493,90 +572,79 @@ impl FilterRef {
         }
     }
 
-    /// Starts a one-shot callout; its answer comes to `on_http_filter_http_callout_done` of
-    /// this filter with the returned id (Envoy cancels it if the filter goes first).
-    pub fn callout(
-        self,
-        cluster: &str,
-        headers: &[(&str, &str)],
-        body: &[u8],
-        timeout_ms: u64,
-    ) -> Result<u64, i32> {
-        start_callout(
-            cluster,
-            headers,
-            body,
-            |id, cluster, headers, count, body| {
-                // SAFETY: invariants 1 and 3 (Envoy copies headers and body into its message).
-                unsafe {
-                    envoy_dynamic_module_callback_http_filter_http_callout(
-                        self.0, id, cluster, headers, count, body, timeout_ms,
-                    )
-                }
-            },
-        )
-    }
-
-    pub fn continue_decoding(self) {
-        // SAFETY: invariant 1.
-        unsafe { envoy_dynamic_module_callback_http_filter_continue_decoding(self.0) }
-    }
-
-    /// A scheduler that posts events to this filter on its worker thread (invariant 4).
-    pub fn scheduler(self) -> Option<Scheduler> {
-        // SAFETY: invariant 1.
-        let scheduler = unsafe { envoy_dynamic_module_callback_http_filter_scheduler_new(self.0) };
-        (!scheduler.is_null()).then_some(Scheduler(scheduler as usize))
-    }
-}
-
-/// A stream's scheduler, kept as an address so the main thread can commit to it under the
-/// stream's worker lock (invariant 4).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Scheduler(usize);
-
-impl Scheduler {
-    /// Posts `event` to the filter's worker thread (a no-op once the filter is gone).
-    pub fn commit(self, event: u64) {
-        // SAFETY: invariant 4 — not yet deleted (callers hold the worker's lock, under
-        // which it is deleted); commit is thread-safe.
+    fn callout(&self, callout: &Callout) -> Result<CalloutId, CalloutRefused> {
+        // SAFETY: invariant 1 — during a hook of the stream, on its thread.
         unsafe {
-            envoy_dynamic_module_callback_http_filter_scheduler_commit(self.0 as *mut c_void, event)
-        }
-    }
-
-    /// Deletes it; called once, on the filter's thread, under the worker's lock after the
-    /// worker's table forgot it.
-    pub fn delete(self) {
-        // SAFETY: invariant 4.
-        unsafe { envoy_dynamic_module_callback_http_filter_scheduler_delete(self.0 as *mut c_void) }
-    }
-}
-
-/// The configuration's scheduler, kept as an address so the timer thread can commit to it
-/// (invariant 4).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ConfigScheduler(usize);
-
-impl ConfigScheduler {
-    /// Posts `event` to the main thread (a no-op once the configuration is gone).
-    pub fn commit(self, event: u64) {
-        // SAFETY: invariant 4 — not yet deleted (the timer commits under its lock, and it
-        // is deleted only after it left the timer's table under that lock; the
-        // configuration's hooks commit only while it lives).
-        unsafe {
-            envoy_dynamic_module_callback_http_filter_config_scheduler_commit(
-                self.0 as *mut c_void,
-                event,
+            start_callout(
+                envoy_dynamic_module_callback_http_filter_http_callout,
+                self.0,
+                callout,
             )
         }
     }
 
-    /// Deletes it; called once, after the timer's table forgot it.
-    pub fn delete(self) {
-        // SAFETY: invariant 4.
+    fn continue_decoding(&self) {
+        // SAFETY: invariant 1.
+        unsafe { envoy_dynamic_module_callback_http_filter_continue_decoding(self.0) }
+    }
+
+    fn new_scheduler(&self) -> Option<Box<dyn StreamScheduler>> {
+        // SAFETY: invariant 1.
+        let scheduler = unsafe { envoy_dynamic_module_callback_http_filter_scheduler_new(self.0) };
+        NonNull::new(scheduler)
+            .map(|scheduler| Box::new(StreamSchedulerRef(scheduler)) as Box<dyn StreamScheduler>)
+    }
+}
+
+/// A stream's scheduler, owned (invariant 4).
+pub struct StreamSchedulerRef(NonNull<c_void>);
+
+// SAFETY: invariant 4 — commit and delete are thread-safe in Envoy.
+unsafe impl Send for StreamSchedulerRef {}
+// SAFETY: invariant 4.
+unsafe impl Sync for StreamSchedulerRef {}
+
+impl StreamScheduler for StreamSchedulerRef {
+    fn commit(&self, event: u64) {
+        // SAFETY: invariant 4 — not yet deleted (that is its drop).
         unsafe {
-            envoy_dynamic_module_callback_http_filter_config_scheduler_delete(self.0 as *mut c_void)
+            envoy_dynamic_module_callback_http_filter_scheduler_commit(self.0.as_ptr(), event)
+        }
+    }
+}
+
+impl Drop for StreamSchedulerRef {
+    fn drop(&mut self) {
+        // SAFETY: invariant 4 — deleted once, here.
+        unsafe { envoy_dynamic_module_callback_http_filter_scheduler_delete(self.0.as_ptr()) }
+    }
+}
+
+/// The configuration's scheduler, owned (invariant 4).
+pub struct ConfigSchedulerRef(NonNull<c_void>);
+
+// SAFETY: invariant 4 — commit and delete are thread-safe in Envoy.
+unsafe impl Send for ConfigSchedulerRef {}
+// SAFETY: invariant 4.
+unsafe impl Sync for ConfigSchedulerRef {}
+
+impl ConfigScheduler for ConfigSchedulerRef {
+    fn commit(&self, event: u64) {
+        // SAFETY: invariant 4 — not yet deleted (that is its drop).
+        unsafe {
+            envoy_dynamic_module_callback_http_filter_config_scheduler_commit(
+                self.0.as_ptr(),
+                event,
+            )
+        }
+    }
+}
+
+impl Drop for ConfigSchedulerRef {
+    fn drop(&mut self) {
+        // SAFETY: invariant 4 — deleted once, here.
+        unsafe {
+            envoy_dynamic_module_callback_http_filter_config_scheduler_delete(self.0.as_ptr())
         }
     }
 }
@@ -585,60 +653,80 @@ impl ConfigScheduler {
 // Event hooks.
 // ------------------------------------------------------------------------------------
 
-/// The boxed module object behind a module pointer (invariant 2).
-fn module<'a, T>(ptr: *const c_void) -> Option<&'a T> {
-    // SAFETY: invariant 2 — a pointer we leaked from a `Box<T>` of this very type, not yet
-    // taken back.
-    unsafe { ptr.cast::<T>().as_ref() }
+/// The configuration behind a module pointer, lent to `f` for the hook's call (invariant 2).
+fn with_config<R>(ptr: *const c_void, f: impl FnOnce(&Arc<Config>) -> R) -> Option<R> {
+    // SAFETY: invariant 2 — a pointer we leaked from a `Box<Arc<Config>>`, not yet taken
+    // back (Envoy runs no hook of the configuration during or after its destroy).
+    let config = unsafe { ptr.cast::<Arc<Config>>().as_ref() }?;
+    Some(f(config))
 }
 
-fn headers_of<'a>(headers: *const Header, size: usize) -> Vec<(&'a [u8], &'a [u8])> {
-    if headers.is_null() || size == 0 {
-        return Vec::new();
+/// The stream's module object behind a module pointer: a reference of the hook's own
+/// (invariant 2).
+fn filter_of(ptr: *const c_void) -> Option<Rc<FilterBox>> {
+    let ptr = ptr.cast::<FilterBox>();
+    if ptr.is_null() {
+        return None;
     }
-    // SAFETY: invariant 3 — Envoy's array of `size` headers, valid during the hook.
-    let headers = unsafe { std::slice::from_raw_parts(headers, size) };
-    headers
-        .iter()
-        .map(|header| {
-            (
-                Buf {
-                    ptr: header.key_ptr,
-                    len: header.key_len,
-                }
-                .bytes(),
-                Buf {
-                    ptr: header.value_ptr,
-                    len: header.value_len,
-                }
-                .bytes(),
-            )
-        })
-        .collect()
+    // SAFETY: invariant 2 — from `Rc::into_raw` in on_http_filter_new, on this thread, and
+    // Envoy's reference is not yet taken back (only its destroy hook does that), so the
+    // count is at least 1 while we add ours.
+    unsafe {
+        Rc::increment_strong_count(ptr);
+        Some(Rc::from_raw(ptr))
+    }
 }
 
-fn chunks_of<'a>(chunks: *const Buf, size: usize) -> Vec<&'a [u8]> {
-    if chunks.is_null() || size == 0 {
-        return Vec::new();
+/// A callout's answer as Envoy hands it to a hook (invariant 3: borrowed for the hook).
+fn answer_of<'hook>(
+    result: i32,
+    headers: *const Header<'hook>,
+    headers_size: usize,
+    body_chunks: *const Buf<'hook>,
+    body_chunks_size: usize,
+) -> RawAnswer<'hook> {
+    let headers: &[Header<'hook>] = if headers.is_null() || headers_size == 0 {
+        &[]
+    } else {
+        // SAFETY: invariant 3 — Envoy's array of `headers_size` headers, valid during the hook.
+        unsafe { std::slice::from_raw_parts(headers, headers_size) }
+    };
+    let chunks: &[Buf<'hook>] = if body_chunks.is_null() || body_chunks_size == 0 {
+        &[]
+    } else {
+        // SAFETY: invariant 3.
+        unsafe { std::slice::from_raw_parts(body_chunks, body_chunks_size) }
+    };
+    RawAnswer {
+        answered: result == CALLOUT_RESULT_SUCCESS && !headers.is_empty(),
+        headers: headers
+            .iter()
+            .map(|header| (header.name(), header.value()))
+            .collect(),
+        body: chunks.iter().map(|chunk| chunk.bytes()).collect(),
     }
-    // SAFETY: invariant 3.
-    let chunks = unsafe { std::slice::from_raw_parts(chunks, size) };
-    chunks.iter().map(|chunk| chunk.bytes()).collect()
 }
 
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_program_init() -> *const c_char {
-    crate::logger::init();
+    crate::logger::init(log);
     ABI_VERSION.as_ptr().cast()
 }
 
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
     config_envoy_ptr: *mut c_void,
-    _name: Buf,
-    config: Buf,
+    _name: Buf<'_>,
+    config: Buf<'_>,
 ) -> *const c_void {
-    match filter::config_new(ConfigRef(config_envoy_ptr as usize), config.bytes()) {
+    let Some(envoy) = NonNull::new(config_envoy_ptr) else {
+        return ptr::null();
+    };
+    match filter::config_new(
+        Box::new(ConfigRef(envoy)),
+        crate::host::store(),
+        config.bytes(),
+    ) {
         Some(config) => Box::into_raw(Box::new(config)).cast_const().cast(),
         None => ptr::null(),
     }
@@ -663,9 +751,9 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_config_scheduled(
     config_module_ptr: *const c_void,
     event_id: u64,
 ) {
-    if let Some(config) = module::<Arc<Config>>(config_module_ptr) {
-        filter::config_scheduled(config, event_id);
-    }
+    with_config(config_module_ptr, |config| {
+        filter::config_scheduled(config, event_id)
+    });
 }
 
 /// Runs on the main thread: the answer to a call the main thread made for a worker.
@@ -676,20 +764,15 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_callout_done(
     config_module_ptr: *const c_void,
     callout_id: u64,
     result: i32,
-    headers: *const Header,
+    headers: *const Header<'_>,
     headers_size: usize,
-    body_chunks: *const Buf,
+    body_chunks: *const Buf<'_>,
     body_chunks_size: usize,
 ) {
-    let Some(config) = module::<Arc<Config>>(config_module_ptr) else {
-        return;
-    };
-    let answer = RawAnswer {
-        answered: result == CALLOUT_RESULT_SUCCESS && !headers.is_null() && headers_size > 0,
-        headers: headers_of(headers, headers_size),
-        body: chunks_of(body_chunks, body_chunks_size),
-    };
-    filter::config_callout_done(config, callout_id, &answer);
+    let answer = answer_of(result, headers, headers_size, body_chunks, body_chunks_size);
+    with_config(config_module_ptr, |config| {
+        filter::config_callout_done(config, callout_id, &answer)
+    });
 }
 
 #[no_mangle]
@@ -697,11 +780,8 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_new(
     config_module_ptr: *const c_void,
     _filter_envoy_ptr: *mut c_void,
 ) -> *const c_void {
-    let Some(config) = module::<Arc<Config>>(config_module_ptr) else {
-        return ptr::null();
-    };
-    match filter::filter_new(config) {
-        Some(filter) => Box::into_raw(Box::new(filter)).cast_const().cast(),
+    match with_config(config_module_ptr, filter::filter_new).flatten() {
+        Some(filter) => Rc::into_raw(Rc::new(filter)).cast(),
         None => ptr::null(),
     }
 }
@@ -712,8 +792,11 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
     filter_module_ptr: *const c_void,
     _end_of_stream: bool,
 ) -> i32 {
-    match module::<FilterBox>(filter_module_ptr) {
-        Some(filter) => filter::request_headers(filter, FilterRef(filter_envoy_ptr)),
+    match filter_of(filter_module_ptr) {
+        Some(filter) => headers_status(filter::request_headers(
+            &filter,
+            &FilterRef(filter_envoy_ptr),
+        )),
         None => CONTINUE,
     }
 }
@@ -741,10 +824,10 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
     filter_module_ptr: *const c_void,
     _end_of_stream: bool,
 ) -> i32 {
-    match module::<FilterBox>(filter_module_ptr) {
-        Some(filter) => filter::response_headers(filter, FilterRef(filter_envoy_ptr)),
-        None => CONTINUE,
+    if let Some(filter) = filter_of(filter_module_ptr) {
+        filter::response_headers(&filter, &FilterRef(filter_envoy_ptr));
     }
+    CONTINUE
 }
 
 #[no_mangle]
@@ -776,9 +859,9 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_destroy(filter_module_ptr:
     if filter_module_ptr.is_null() {
         return;
     }
-    // SAFETY: invariant 2 — taken back once, here.
-    let filter = unsafe { Box::from_raw(filter_module_ptr.cast::<FilterBox>().cast_mut()) };
-    filter::destroy(*filter);
+    // SAFETY: invariant 2 — Envoy's reference, taken back once, here.
+    let filter = unsafe { Rc::from_raw(filter_module_ptr.cast::<FilterBox>()) };
+    filter::destroy(&filter);
 }
 
 #[no_mangle]
@@ -788,20 +871,16 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_http_callout_done(
     filter_module_ptr: *const c_void,
     callout_id: u64,
     result: i32,
-    headers: *const Header,
+    headers: *const Header<'_>,
     headers_size: usize,
-    body_chunks: *const Buf,
+    body_chunks: *const Buf<'_>,
     body_chunks_size: usize,
 ) {
-    let Some(filter) = module::<FilterBox>(filter_module_ptr) else {
+    let Some(filter) = filter_of(filter_module_ptr) else {
         return;
     };
-    let answer = RawAnswer {
-        answered: result == CALLOUT_RESULT_SUCCESS && !headers.is_null() && headers_size > 0,
-        headers: headers_of(headers, headers_size),
-        body: chunks_of(body_chunks, body_chunks_size),
-    };
-    filter::callout_done(filter, FilterRef(filter_envoy_ptr), callout_id, &answer);
+    let answer = answer_of(result, headers, headers_size, body_chunks, body_chunks_size);
+    filter::callout_done(&filter, &FilterRef(filter_envoy_ptr), callout_id, &answer);
 }
 
 #[no_mangle]
@@ -810,8 +889,8 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(
     filter_module_ptr: *const c_void,
     event_id: u64,
 ) {
-    if let Some(filter) = module::<FilterBox>(filter_module_ptr) {
-        filter::scheduled(filter, FilterRef(filter_envoy_ptr), event_id);
+    if let Some(filter) = filter_of(filter_module_ptr) {
+        filter::scheduled(&filter, &FilterRef(filter_envoy_ptr), event_id);
     }
 }
 
@@ -824,7 +903,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_headers(
     _filter_envoy_ptr: *mut c_void,
     _filter_module_ptr: *const c_void,
     _stream_id: u64,
-    _headers: *const Header,
+    _headers: *const Header<'_>,
     _headers_size: usize,
     _end_stream: bool,
 ) {
@@ -835,7 +914,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_data(
     _filter_envoy_ptr: *mut c_void,
     _filter_module_ptr: *const c_void,
     _stream_id: u64,
-    _data: *const Buf,
+    _data: *const Buf<'_>,
     _data_count: usize,
     _end_stream: bool,
 ) {
@@ -846,7 +925,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_trailers(
     _filter_envoy_ptr: *mut c_void,
     _filter_module_ptr: *const c_void,
     _stream_id: u64,
-    _trailers: *const Header,
+    _trailers: *const Header<'_>,
     _trailers_size: usize,
 ) {
 }
@@ -880,4 +959,20 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_downstream_below_write_buf
     _filter_envoy_ptr: *mut c_void,
     _filter_module_ptr: *const c_void,
 ) {
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{callout_refused, ABI_VERSION};
+
+    #[test]
+    fn abi_version_is_a_c_string() {
+        assert_eq!(ABI_VERSION, b"v0.2.0\0");
+    }
+
+    #[test]
+    fn callout_failures_are_named() {
+        assert_eq!(callout_refused(2).to_string(), "ClusterNotFound");
+        assert_eq!(callout_refused(9).to_string(), "Unknown");
+    }
 }

@@ -1,10 +1,12 @@
-//! Hooks to worker events, worker commands to callbacks.
+//! Hooks to worker events, worker commands to Envoy's handles (`crate::envoy`: the ABI's in
+//! `ffi`, the fake Envoy's in the tests).
 //!
 //! Each filter configuration (the Diana document) keeps its [`Worker`]s in slots, made and
 //! configured on the main thread in `on_http_filter_config_new`, as each proxy-wasm VM
 //! keeps one: one per Envoy worker thread (`--concurrency`; a thread's first stream claims
 //! one for good) and the main thread's, which only ticks. They share counters through
-//! process memory (`host::store`). A stream is a context id of its thread's worker.
+//! the process's shared data, handed to [`config_new`]. A stream is a context id of its
+//! thread's worker.
 //!
 //! A worker is reached only under its slot's mutex, from two threads: its Envoy worker
 //! thread (the requests' events) and the main thread (its tick, and the answers to the
@@ -29,13 +31,16 @@
 //! never while a command is carried out: `continue_decoding` and `send_response` may run
 //! the rest of the stream, and so our own hooks, before they return. What the main thread
 //! does under it is in-memory work and starting callouts (a config-center document is
-//! parsed there too), so a worker thread waits for it at most that long.
+//! parsed there too), so a worker thread waits for it at most that long. A local reply may
+//! end its stream at once, running the stream's [`destroy`] inside the hook that sent it:
+//! the hook still holds the stream's module object (`ffi` lends each hook its own
+//! reference), and carries out nothing more once the stream is gone.
 
-use crate::ffi::{
-    self, ConfigRef, ConfigScheduler, FilterRef, Scheduler, CONTINUE, STOP_ALL_AND_WATERMARK,
+use crate::envoy::{
+    CalloutId, ConfigScheduler, EnvoyConfig, EnvoyFilter, HeadersStatus, RawAnswer, StreamScheduler,
 };
-pub use crate::host::RawAnswer;
 use crate::host::{self, Metrics, NativeHost};
+use crate::shared::SharedStore;
 use crate::timer;
 use diana_core::decision::HeaderEdit;
 use diana_core::time::{Instant, Nanos};
@@ -50,22 +55,25 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 /// The scheduled event that carries out the commands queued for a paused request.
-const DEFERRED_EVENT: u64 = 2;
+pub const DEFERRED_EVENT: u64 = 2;
 
 /// One filter configuration (the Diana document), shared by the threads.
 pub struct Config {
     id: u64,
-    envoy: ConfigRef,
+    envoy: Box<dyn EnvoyConfig>,
+    /// The process's shared data.
+    store: &'static SharedStore,
     document: Vec<u8>,
     metrics: Metrics,
     alive: AtomicBool,
     /// Its scheduler, which the timer thread also keeps: a hook that wants the tick at
-    /// once commits to it directly (invariant 4 in `ffi.rs`).
-    scheduler: Option<ConfigScheduler>,
+    /// once commits to it directly. Let go of in `config_destroy` (with the timer's, that
+    /// deletes it), as no hook of the configuration runs any more.
+    scheduler: Mutex<Option<Arc<dyn ConfigScheduler>>>,
     /// The workers: one per Envoy worker thread, then the main thread's.
     slots: Mutex<Vec<Arc<Slot>>>,
     /// Calls the main thread made for a worker: Envoy's callout id, the worker, its token.
-    calls: Mutex<HashMap<u64, (Arc<Slot>, CallToken)>>,
+    calls: Mutex<HashMap<CalloutId, (Arc<Slot>, CallToken)>>,
 }
 
 /// One worker and what the threads that reach it share.
@@ -87,7 +95,8 @@ struct Core {
 }
 
 struct Paused {
-    scheduler: Scheduler,
+    /// Dropped (so deleted) with the entry, under the lock it is committed under.
+    scheduler: Box<dyn StreamScheduler>,
     pending: Vec<Deferred>,
 }
 
@@ -100,16 +109,16 @@ enum Deferred {
 
 /// Where a worker event runs, and so where its calls go.
 #[derive(Clone, Copy)]
-enum Site {
+enum Site<'a> {
     /// The main thread: calls are the configuration's callouts.
     Main,
     /// A stream's worker thread, with the stream current (its calls are its callouts) or
     /// none (it is being destroyed: no calls).
-    Stream(Option<(ContextId, FilterRef)>),
+    Stream(Option<(ContextId, &'a dyn EnvoyFilter)>),
 }
 
-impl Site {
-    fn current(self) -> Option<(ContextId, FilterRef)> {
+impl<'a> Site<'a> {
+    fn current(self) -> Option<(ContextId, &'a dyn EnvoyFilter)> {
         match self {
             Site::Main => None,
             Site::Stream(current) => current,
@@ -123,7 +132,7 @@ struct Outcome {
     /// Commands for the current stream, in order.
     commands: Vec<Command>,
     /// Calls made: Envoy's callout id and the worker's token.
-    dispatched: Vec<(u64, CallToken)>,
+    dispatched: Vec<(CalloutId, CallToken)>,
     /// The worker's next tick moved to this (wall clock, ns).
     rearm: Option<Instant>,
 }
@@ -138,35 +147,39 @@ thread_local! {
 
 /// Validates the document as every worker will (a refused one fails Envoy's configuration,
 /// as the wasm filter's does), defines its metrics and makes its workers, on the main
-/// thread.
-pub fn config_new(envoy: ConfigRef, document: &[u8]) -> Option<Arc<Config>> {
+/// thread. `store`: the process's shared data.
+pub fn config_new(
+    envoy: Box<dyn EnvoyConfig>,
+    store: &'static SharedStore,
+    document: &[u8],
+) -> Option<Arc<Config>> {
     static IDS: AtomicU64 = AtomicU64::new(1);
-    let mut config = Config {
+    let config = Config {
         id: IDS.fetch_add(1, Ordering::Relaxed),
         envoy,
+        store,
         document: document.to_vec(),
         metrics: Metrics::default(),
         alive: AtomicBool::new(true),
-        scheduler: None,
+        scheduler: Mutex::new(None),
         slots: Mutex::new(Vec::new()),
         calls: Mutex::new(HashMap::new()),
     };
     // The main thread's worker first: it says whether the document is accepted.
     let main = Slot::configured(&config, true)?;
     let mut slots = Vec::new();
-    for _ in 0..ffi::concurrency() {
+    for _ in 0..config.envoy.concurrency() {
         slots.extend(Slot::configured(&config, false));
     }
     slots.push(main);
     config.metrics.freeze();
     let earliest = slots.iter().filter_map(|slot| slot.due()).min();
     *lock(&config.slots) = slots;
-    match envoy.scheduler() {
+    match config.envoy.new_scheduler() {
         Some(scheduler) => {
-            if timer::register(config.id, scheduler) {
-                config.scheduler = Some(scheduler);
-            } else {
-                scheduler.delete();
+            let scheduler: Arc<dyn ConfigScheduler> = Arc::from(scheduler);
+            if timer::register(config.id, Arc::clone(&scheduler)) {
+                *lock(&config.scheduler) = Some(scheduler);
             }
         }
         None => log::error!("diana: Envoy gave no configuration scheduler: no tick runs"),
@@ -181,11 +194,10 @@ pub fn config_new(envoy: ConfigRef, document: &[u8]) -> Option<Arc<Config>> {
 /// configuration's callouts still in flight are cancelled without an answer.
 pub fn config_destroy(config: &Config) {
     // No hook of this configuration runs any more (each holds it), so none commits to its
-    // scheduler; the timer thread lets go of it under its lock.
+    // scheduler; the timer thread lets go of it under its lock, and with ours it is deleted.
     config.alive.store(false, Ordering::Release);
-    if let Some(scheduler) = timer::remove(config.id) {
-        scheduler.delete();
-    }
+    drop(timer::remove(config.id));
+    drop(lock(&config.scheduler).take());
     lock(&config.calls).clear();
 }
 
@@ -244,14 +256,14 @@ impl Config {
             return;
         }
         // Only a hook of this configuration gets here, and Envoy runs none after
-        // `config_destroy`; `alive` says so to the reader.
-        if let (Some(scheduler), true) = (self.scheduler, self.alive.load(Ordering::Acquire)) {
+        // `config_destroy` (which lets the scheduler go).
+        if let Some(scheduler) = lock(&self.scheduler).as_ref() {
             scheduler.commit(timer::TICK_EVENT);
         }
     }
 
     /// Files the calls a main-thread event made under their callout ids.
-    fn file_calls(&self, slot: &Arc<Slot>, dispatched: Vec<(u64, CallToken)>) {
+    fn file_calls(&self, slot: &Arc<Slot>, dispatched: Vec<(CalloutId, CallToken)>) {
         if dispatched.is_empty() {
             return;
         }
@@ -287,7 +299,8 @@ impl Slot {
     fn configured(config: &Config, claimed: bool) -> Option<Arc<Slot>> {
         let next_token = Cell::new(0);
         let host = NativeHost {
-            config: config.envoy,
+            config: &*config.envoy,
+            store: config.store,
             metrics: &config.metrics,
             filter: None,
             main: false,
@@ -331,7 +344,7 @@ impl Slot {
     fn event(
         &self,
         config: &Config,
-        site: Site,
+        site: Site<'_>,
         answering: bool,
         event: impl FnOnce(&mut Worker, &dyn Host) -> Step,
     ) -> Outcome {
@@ -348,7 +361,8 @@ impl Slot {
         let core = &mut held.0;
         let next_token = Cell::new(core.next_token);
         let host = NativeHost {
-            config: config.envoy,
+            config: &*config.envoy,
+            store: config.store,
             metrics: &config.metrics,
             filter: current.map(|(_, envoy)| envoy),
             main: matches!(site, Site::Main),
@@ -369,7 +383,7 @@ impl Slot {
             .any(|command| matches!(command, Command::Reply(c, _) if Some(*c) == context));
         if let (true, false, Some((context, envoy))) = (step.pause, replied, current) {
             if !core.paused.contains_key(&context) {
-                match envoy.scheduler() {
+                match envoy.new_scheduler() {
                     Some(scheduler) => {
                         core.paused.insert(
                             context,
@@ -487,10 +501,20 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 /// A stream's module object: its context in its thread's worker, and what this thread
 /// keeps for it. Envoy hands the object back with every event of the stream (and drops
 /// it once, at its end), so its state lives here rather than in a table keyed by context.
+///
+/// ```text
+///   filter_new ──▶ live ──request headers──▶ (paused: a scheduler in the worker's table)
+///                   │      callout answers, scheduled events, response headers
+///                   └──destroy──▶ gone: state given back; a hook still running on the
+///                                 stack (a local reply that ended the stream) stops
+/// ```
 pub struct FilterBox {
     context: ContextId,
     local: Rc<Local>,
     stream: RefCell<Stream>,
+    /// Its destroy ran (possibly inside one of its own hooks, from a command it carried
+    /// out): nothing more is asked of its Envoy filter.
+    gone: Cell<bool>,
 }
 
 /// A configuration's slot as one worker thread uses it.
@@ -506,7 +530,7 @@ struct Local {
 #[derive(Default)]
 struct Stream {
     /// Its own calls in flight: Envoy's id and the worker's token.
-    callouts: Vec<(u64, CallToken)>,
+    callouts: Vec<(CalloutId, CallToken)>,
     /// An event paused it, so its worker may keep a scheduler for it (deleted when it goes).
     paused: bool,
     /// Its worker no longer tracks it (`Worker::tracks`, asked at its request headers):
@@ -542,10 +566,11 @@ pub fn filter_new(config: &Arc<Config>) -> Option<FilterBox> {
         context,
         local,
         stream: RefCell::new(Stream::default()),
+        gone: Cell::new(false),
     })
 }
 
-pub fn request_headers(filter: &FilterBox, envoy: FilterRef) -> i32 {
+pub fn request_headers(filter: &FilterBox, envoy: &dyn EnvoyFilter) -> HeadersStatus {
     let context = filter.context;
     let tracked = Cell::new(true);
     let outcome = filter.event(envoy, false, |worker, host| {
@@ -559,27 +584,31 @@ pub fn request_headers(filter: &FilterBox, envoy: FilterRef) -> i32 {
         }
     }
     let pause = outcome.pause;
-    filter.local.carry_out(envoy, outcome.commands);
+    filter.carry_out(envoy, outcome.commands);
     if pause {
-        STOP_ALL_AND_WATERMARK
+        HeadersStatus::StopAllAndWatermark
     } else {
-        CONTINUE
+        HeadersStatus::Continue
     }
 }
 
-pub fn response_headers(filter: &FilterBox, envoy: FilterRef) -> i32 {
+pub fn response_headers(filter: &FilterBox, envoy: &dyn EnvoyFilter) {
     let context = filter.context;
     if !filter.tracked() {
-        return CONTINUE;
+        return;
     }
     let outcome = filter.event(envoy, false, |worker, host| {
         worker.on_response_headers(host, context)
     });
-    filter.local.carry_out(envoy, outcome.commands);
-    CONTINUE
+    filter.carry_out(envoy, outcome.commands);
 }
 
-pub fn callout_done(filter: &FilterBox, envoy: FilterRef, callout_id: u64, answer: &RawAnswer<'_>) {
+pub fn callout_done(
+    filter: &FilterBox,
+    envoy: &dyn EnvoyFilter,
+    callout_id: CalloutId,
+    answer: &RawAnswer<'_>,
+) {
     let token = filter.stream.try_borrow_mut().ok().and_then(|mut stream| {
         let at = stream
             .callouts
@@ -594,10 +623,10 @@ pub fn callout_done(filter: &FilterBox, envoy: FilterRef, callout_id: u64, answe
         let answer = answer.read(worker.answer_shape(token));
         worker.on_call_answered(host, token, answer)
     });
-    filter.local.carry_out(envoy, outcome.commands);
+    filter.carry_out(envoy, outcome.commands);
 }
 
-pub fn scheduled(filter: &FilterBox, envoy: FilterRef, event: u64) {
+pub fn scheduled(filter: &FilterBox, envoy: &dyn EnvoyFilter, event: u64) {
     if event != DEFERRED_EVENT {
         return;
     }
@@ -613,6 +642,9 @@ pub fn scheduled(filter: &FilterBox, envoy: FilterRef, event: u64) {
         })
         .unwrap_or_default();
     for deferred in pending {
+        if filter.gone.get() {
+            return;
+        }
         match deferred {
             Deferred::Resume => envoy.continue_decoding(),
             Deferred::Reply(reply) => send(envoy, &reply),
@@ -621,13 +653,22 @@ pub fn scheduled(filter: &FilterBox, envoy: FilterRef, event: u64) {
     }
 }
 
-pub fn destroy(filter: FilterBox) {
-    let FilterBox {
-        context,
-        local,
-        stream,
-    } = filter;
-    let stream = stream.into_inner();
+/// The stream is gone (Envoy's destroy hook; possibly inside one of its own hooks, from a
+/// local reply that ended it): its worker gives back what it held, and its calls in flight,
+/// which Envoy cancels with it, count as unanswered.
+pub fn destroy(filter: &FilterBox) {
+    if filter.gone.replace(true) {
+        return;
+    }
+    let stream = match filter.stream.try_borrow_mut() {
+        Ok(mut stream) => std::mem::take(&mut *stream),
+        // Unreachable (no borrow outlives a call); logged, not silent.
+        Err(_) => {
+            log::error!("diana: request {} busy at its end", filter.context);
+            return;
+        }
+    };
+    let (context, local) = (filter.context, &filter.local);
     // One its worker does not track, that no event paused and that has no call in flight
     // has nothing to give back and no scheduler (most streams: no lock).
     if stream.untracked && !stream.paused && stream.callouts.is_empty() {
@@ -645,19 +686,17 @@ pub fn destroy(filter: FilterBox) {
             }
             step
         });
-    // Its scheduler goes under the lock the main thread commits under; a stream no event
-    // paused has none to delete (no second lock).
+    // Its scheduler goes (dropped: deleted) under the lock the main thread commits under;
+    // a stream no event paused has none (no second lock).
     if paused {
         if let Some(mut held) = local.slot.lock() {
-            if let Some(paused) = held.0.paused.remove(&context) {
-                paused.scheduler.delete();
-            }
+            drop(held.0.paused.remove(&context));
         }
     }
     local.rearm(outcome.rearm);
 }
 
-fn edit(envoy: FilterRef, edits: &[HeaderEdit]) {
+fn edit(envoy: &dyn EnvoyFilter, edits: &[HeaderEdit]) {
     for edit in edits {
         if !envoy.set_request_header(&edit.name, edit.value.as_deref()) {
             log::debug!("diana: cannot set request header {}", edit.name);
@@ -665,7 +704,7 @@ fn edit(envoy: FilterRef, edits: &[HeaderEdit]) {
     }
 }
 
-fn send(envoy: FilterRef, reply: &LocalReply) {
+fn send(envoy: &dyn EnvoyFilter, reply: &LocalReply) {
     let headers: Vec<(&str, &str)> = reply
         .headers
         .iter()
@@ -685,7 +724,7 @@ impl FilterBox {
     /// One event of this stream; the calls it made are filed under it.
     fn event(
         &self,
-        envoy: FilterRef,
+        envoy: &dyn EnvoyFilter,
         answering: bool,
         event: impl FnOnce(&mut Worker, &dyn Host) -> Step,
     ) -> Outcome {
@@ -708,18 +747,14 @@ impl FilterBox {
         local.rearm(outcome.rearm.take());
         outcome
     }
-}
 
-impl Local {
-    fn rearm(&self, due: Option<Instant>) {
-        if let Some(due) = due {
-            self.config.arm_tick(due);
-        }
-    }
-
-    /// Carries out the current stream's commands, after the lock is let go.
-    fn carry_out(&self, envoy: FilterRef, commands: Vec<Command>) {
+    /// Carries out this stream's commands, after the lock is let go; none after the
+    /// stream is gone (a local reply may end it at once).
+    fn carry_out(&self, envoy: &dyn EnvoyFilter, commands: Vec<Command>) {
         for command in commands {
+            if self.gone.get() {
+                return;
+            }
             match command {
                 Command::Resume(_) => envoy.continue_decoding(),
                 Command::Reply(_, reply) => send(envoy, &reply),
@@ -738,16 +773,53 @@ impl Local {
     }
 }
 
+impl Local {
+    fn rearm(&self, due: Option<Instant>) {
+        if let Some(due) = due {
+            self.config.arm_tick(due);
+        }
+    }
+}
+
+/// What a configuration's workers still hold, summed (tests: nothing is left behind).
 #[cfg(test)]
-mod tests {
-    #[test]
-    fn abi_version_is_a_c_string() {
-        assert_eq!(crate::ffi::ABI_VERSION, b"v0.2.0\0");
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Census {
+    /// Requests the workers keep something for.
+    pub requests: usize,
+    /// Calls the workers wait on.
+    pub calls: usize,
+    /// Paused streams' entries (each with its scheduler).
+    pub schedulers: usize,
+    /// Commands queued for paused streams, not yet carried out.
+    pub pending: usize,
+    /// Calls the main thread made, by callout id.
+    pub main_calls: usize,
+}
+
+#[cfg(test)]
+impl Config {
+    pub fn census(&self) -> Census {
+        let mut census = Census {
+            main_calls: lock(&self.calls).len(),
+            ..Census::default()
+        };
+        for slot in lock(&self.slots).iter() {
+            let core = lock(&slot.core);
+            census.requests += core.worker.requests_held();
+            census.calls += core.worker.calls_in_flight();
+            census.schedulers += core.paused.len();
+            census.pending += core
+                .paused
+                .values()
+                .map(|paused| paused.pending.len())
+                .sum::<usize>();
+        }
+        census
     }
 
-    #[test]
-    fn callout_failures_are_named() {
-        assert_eq!(crate::ffi::callout_init_name(2), "ClusterNotFound");
-        assert_eq!(crate::ffi::callout_init_name(9), "Unknown");
+    /// Whether its scheduler is still held (by it or the timer).
+    pub fn holds_scheduler(&self) -> bool {
+        lock(&self.scheduler).is_some()
     }
 }

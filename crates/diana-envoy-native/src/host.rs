@@ -1,4 +1,4 @@
-//! The worker's [`Host`] over the dynamic-module ABI.
+//! The worker's [`Host`] over Envoy's handles (`crate::envoy`): one event's view.
 //!
 //! - Shared data: process memory, one store for every Envoy worker thread of the process
 //!   (what proxy-wasm's shared data is for every VM of a `vm_id`), with Envoy's CAS rules,
@@ -12,9 +12,9 @@
 //!   after `on_http_filter_config_new`), by name, with the process-wide value kept beside
 //!   them for `metrics.path`.
 
-use crate::ffi::{self, ConfigRef, FilterRef};
+use crate::envoy::{EnvoyConfig, EnvoyFilter};
 use crate::shared::SharedStore;
-use diana_core::call::{Answer, AnswerShape, Callout};
+use diana_core::call::Callout;
 use diana_core::facts::RequestFacts;
 use diana_core::properties::client_ip_from_address;
 use diana_core::store::{HostError, SetOutcome, SharedData};
@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-/// The process's shared data.
+/// The process's shared data (each configuration is handed it when it is made).
 pub fn store() -> &'static SharedStore {
     static STORE: OnceLock<SharedStore> = OnceLock::new();
     STORE.get_or_init(SharedStore::default)
@@ -59,7 +59,7 @@ pub struct Metrics {
 
 impl Metrics {
     /// Defines `name` in Envoy (only before [`Metrics::freeze`]), or finds it.
-    fn define(&self, config: ConfigRef, kind: MetricKind, name: &str) -> Option<MetricId> {
+    fn define(&self, config: &dyn EnvoyConfig, kind: MetricKind, name: &str) -> Option<MetricId> {
         let mut by_name = self.by_name.lock().ok()?;
         if let Some(&id) = by_name.get(name) {
             return Some(id);
@@ -68,7 +68,7 @@ impl Metrics {
             log::debug!("diana: metric {name} was not defined at configuration time; not counted");
             return None;
         }
-        let envoy = config.define(kind == MetricKind::Gauge, name)?;
+        let envoy = config.define_metric(kind, name)?;
         let mut metrics = self.metrics.lock().ok()?;
         let id = MetricId::try_from(metrics.len()).ok()?;
         metrics.push(Metric {
@@ -91,45 +91,13 @@ impl Metrics {
     }
 }
 
-/// A call's answer as the callout hook hands it over (Envoy's buffers, valid for the hook).
-pub struct RawAnswer<'a> {
-    /// Headers came (the callout succeeded).
-    pub answered: bool,
-    pub headers: Vec<(&'a [u8], &'a [u8])>,
-    pub body: Vec<&'a [u8]>,
-}
-
-impl RawAnswer<'_> {
-    fn body_size(&self) -> usize {
-        self.body.iter().map(|chunk| chunk.len()).sum()
-    }
-
-    /// The worker's [`Answer`]: what `shape` names of it, copied out of Envoy's buffers.
-    pub fn read(&self, shape: AnswerShape) -> Answer {
-        if !self.answered {
-            return Answer::NoAnswer;
-        }
-        let headers = self
-            .headers
-            .iter()
-            .filter(|(name, _)| {
-                shape
-                    .headers
-                    .iter()
-                    .any(|wanted| name.eq_ignore_ascii_case(wanted.as_bytes()))
-            })
-            .map(|(name, value)| (String::from_utf8_lossy(name).into_owned(), value.to_vec()));
-        let body = Answer::read_body(shape, self.body_size(), || Ok(self.body.concat()));
-        Answer::from_host(headers, body)
-    }
-}
-
 /// The host as one event sees it.
 pub struct NativeHost<'a> {
-    pub config: ConfigRef,
+    pub config: &'a dyn EnvoyConfig,
+    pub store: &'a SharedStore,
     pub metrics: &'a Metrics,
     /// The stream the event is for (none: the main thread, or a filter being destroyed).
-    pub filter: Option<FilterRef>,
+    pub filter: Option<&'a dyn EnvoyFilter>,
     /// The event runs on the main thread: its calls are the configuration's callouts.
     pub main: bool,
     /// Calls dispatched during the event: Envoy's callout id and the worker's token.
@@ -139,11 +107,11 @@ pub struct NativeHost<'a> {
 
 impl SharedData for NativeHost<'_> {
     fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, HostError> {
-        store().get(key)
+        self.store.get(key)
     }
 
     fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<SetOutcome, HostError> {
-        store().set(key, value, cas)
+        self.store.set(key, value, cas)
     }
 }
 
@@ -171,31 +139,20 @@ impl Host for NativeHost<'_> {
     }
 
     fn dispatch(&self, callout: &Callout) -> Result<CallToken, DispatchError> {
-        let refused = |status: &str| DispatchError::Refused {
-            upstream: callout.upstream.clone(),
-            status: status.to_string(),
-        };
-        let headers: Vec<(&str, &str)> = callout
-            .headers
-            .iter()
-            .map(|(name, value)| (*name, value.as_str()))
-            .collect();
         let sent = match (self.filter, self.main) {
-            (Some(filter), _) => filter.callout(
-                &callout.upstream,
-                &headers,
-                &callout.body,
-                callout.timeout_ms,
-            ),
-            (None, true) => self.config.callout(
-                &callout.upstream,
-                &headers,
-                &callout.body,
-                callout.timeout_ms,
-            ),
-            (None, false) => return Err(refused("NoStream")),
+            (Some(filter), _) => filter.callout(callout),
+            (None, true) => self.config.callout(callout),
+            (None, false) => {
+                return Err(DispatchError::Refused {
+                    upstream: callout.upstream.clone(),
+                    status: "NoStream".to_string(),
+                })
+            }
         };
-        let id = sent.map_err(|result| refused(ffi::callout_init_name(result)))?;
+        let id = sent.map_err(|refused| DispatchError::Refused {
+            upstream: callout.upstream.clone(),
+            status: refused.to_string(),
+        })?;
         let token = self.next_token.get().wrapping_add(1).max(1);
         self.next_token.set(token);
         if let Ok(mut dispatched) = self.dispatched.try_borrow_mut() {

@@ -1,16 +1,21 @@
 //! `log` records to Envoy's log (`[dynamic_modules]` id), with one `diana:` per line
-//! (`diana_core::logline`; Envoy's prefix here never names Diana).
+//! (`diana_core::logline`; Envoy's prefix here never names Diana). The writer is handed in
+//! (`ffi`'s, over the ABI), so this module knows nothing of the ABI.
 
-use crate::ffi;
 use diana_core::logline;
+use std::sync::OnceLock;
 
-struct Logger;
+/// Writes one line at a level (Envoy decides whether its level lets it through).
+pub type Write = fn(log::Level, &str);
 
-static LOGGER: Logger = Logger;
+struct Logger {
+    write: Write,
+}
 
 /// Installs the logger (once per process; Envoy's level decides what is written).
-pub fn init() {
-    if log::set_logger(&LOGGER).is_ok() {
+pub fn init(write: Write) {
+    static LOGGER: OnceLock<Logger> = OnceLock::new();
+    if log::set_logger(LOGGER.get_or_init(|| Logger { write })).is_ok() {
         log::set_max_level(log::LevelFilter::Debug);
     }
 }
@@ -22,7 +27,7 @@ impl log::Log for Logger {
 
     fn log(&self, record: &log::Record) {
         if self.enabled(record.metadata()) {
-            ffi::log(
+            (self.write)(
                 record.level(),
                 &logline::line(&record.args().to_string(), false),
             );

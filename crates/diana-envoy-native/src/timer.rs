@@ -7,10 +7,17 @@
 //! here ([`arm`]); firing clears it, and the main thread arms the next from the workers'.
 //! A tick wanted at once does not come through here: the hook that wants it commits it
 //! (`filter::Config::arm_tick`), outside this lock.
+//!
+//! ```text
+//!   register ──▶ (armed: none) ──arm(after)──▶ (armed: due) ──due──▶ commit TICK_EVENT
+//!                     ▲                │ arm(earlier): moves it          │
+//!                     └────────────────┴─────────────────────────────────┘
+//!   remove: forgotten, its scheduler handed back (from any state, under the lock)
+//! ```
 
-use crate::ffi::ConfigScheduler;
+use crate::envoy::ConfigScheduler;
 use hashbrown::HashMap;
-use std::sync::{Condvar, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 /// The scheduled event that runs the workers' ticks.
@@ -20,7 +27,7 @@ pub const TICK_EVENT: u64 = 1;
 const IDLE_WAIT: Duration = Duration::from_secs(1);
 
 struct Arm {
-    scheduler: ConfigScheduler,
+    scheduler: Arc<dyn ConfigScheduler>,
     due: Option<Instant>,
 }
 
@@ -51,9 +58,8 @@ fn timer() -> Option<&'static Timer> {
     })
 }
 
-/// Takes `scheduler` for configuration `config` (it is deleted by whoever [`remove`]s it).
-/// `false`: no timer thread; the caller keeps (and deletes) the scheduler.
-pub fn register(config: u64, scheduler: ConfigScheduler) -> bool {
+/// Keeps `scheduler` for configuration `config` until [`remove`]. `false`: no timer thread.
+pub fn register(config: u64, scheduler: Arc<dyn ConfigScheduler>) -> bool {
     let Some(timer) = timer() else {
         return false;
     };
@@ -89,9 +95,9 @@ pub fn arm(config: u64, after: Duration) {
     }
 }
 
-/// Forgets configuration `config` and hands its scheduler back for deletion: under the
-/// lock the timer commits under, so a deleted scheduler is never committed to.
-pub fn remove(config: u64) -> Option<ConfigScheduler> {
+/// Forgets configuration `config` and hands its scheduler back, under the lock the timer
+/// commits under: once this returns, the timer thread no longer commits to it.
+pub fn remove(config: u64) -> Option<Arc<dyn ConfigScheduler>> {
     let Some(Some(timer)) = TIMER.get() else {
         return None;
     };
