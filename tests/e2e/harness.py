@@ -328,6 +328,7 @@ def native_bootstrap(bootstrap: str, module: Path) -> str:
                             "dynamic_module_config": {
                                 "module": {"local": {"filename": str(module)}},
                                 "metrics_namespace": "wasmcustom",
+                                "do_not_close": True,
                             },
                             "filter_name": "diana",
                             "filter_config": {"@type": "type.googleapis.com/google.protobuf.StringValue", "value": value},
