@@ -358,6 +358,18 @@ impl Store for FakeStore {
         self.check_and_update(rules).await
     }
 
+    async fn spend(
+        &self,
+        rules: &[ResolvedRule<'_>],
+        _: &[diana_quota::store::Spending],
+    ) -> Result<diana_quota::store::Spent, StoreError> {
+        let outcomes = self.check_and_update(rules).await?;
+        Ok(diana_quota::store::Spent {
+            admitted: outcomes.iter().all(|outcome| outcome.result.allowed),
+            outcomes,
+        })
+    }
+
     async fn note_call(&self, _: &str, _: &[Grant]) -> Result<Noted, StoreError> {
         Ok(Noted::Kept)
     }

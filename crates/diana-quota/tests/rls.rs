@@ -572,6 +572,13 @@ impl Store for Broken {
     ) -> Result<Vec<Outcome>, StoreError> {
         Err(StoreError::Unavailable("connection refused".into()))
     }
+    async fn spend(
+        &self,
+        _: &[ResolvedRule<'_>],
+        _: &[diana_quota::store::Spending],
+    ) -> Result<diana_quota::store::Spent, StoreError> {
+        Err(StoreError::Unavailable("connection refused".into()))
+    }
     async fn note_call(&self, _: &str, _: &[Grant]) -> Result<Noted, StoreError> {
         Err(StoreError::Unavailable("connection refused".into()))
     }
