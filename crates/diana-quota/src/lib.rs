@@ -154,6 +154,19 @@ pub struct Cli {
     )]
     pub rls_headers: rls::HeaderStyle,
 
+    /// Answers carry envoyproxy/ratelimit's dynamic metadata (its RESPONSE_DYNAMIC_METADATA):
+    /// the domain, the descriptors, and the `metadata` of the rules whose descriptors
+    /// passed, for the filters after Envoy's `ratelimit` filter.
+    #[arg(long, env = "DIANA_QUOTA_RLS_RESPONSE_METADATA")]
+    pub rls_response_metadata: bool,
+
+    /// File holding the key of the RLS counters (at least 32 bytes; the same on every
+    /// replica): descriptor values are hashed under it, so nobody can compute where a value
+    /// lands. Also from the environment variable DIANA_QUOTA_RLS_KEY. Without either, the
+    /// public key is used (a warning): replicas agree, and so can anyone.
+    #[arg(long, env = "DIANA_QUOTA_RLS_KEY_FILE", value_name = "PATH")]
+    pub rls_key_file: Option<PathBuf>,
+
     /// Serve --rls-listen WITHOUT authentication (the HTTP API keeps its secret): for
     /// platforms whose Envoy cannot send `authorization` metadata to the rate limit
     /// service, where the port is reachable by the gateways only (bind it to loopback or a
@@ -219,8 +232,25 @@ impl Cli {
             (None, true) => Ok(None),
             (None, false) => Err(StartError::RlsConfigWithoutListen),
             (Some(_), true) => Err(StartError::RlsListenWithoutConfig),
-            (Some(_), false) => Ok(Some(rls::load(&self.rls_config)?)),
+            (Some(_), false) => {
+                let keys = self.rls_keys()?;
+                Ok(Some(rls::load(&self.rls_config, &keys)?))
+            }
         }
+    }
+
+    /// The key of the RLS counters: `--rls-key-file`, DIANA_QUOTA_RLS_KEY, or the public
+    /// key.
+    pub fn rls_keys(&self) -> Result<rls::CounterKeys, StartError> {
+        let env = match std::env::var(rls::keys::KEY_ENV) {
+            Ok(value) => Some(value),
+            Err(std::env::VarError::NotPresent) => None,
+            Err(std::env::VarError::NotUnicode(_)) => return Err(rls::KeyError::NotUtf8.into()),
+        };
+        Ok(rls::CounterKeys::from_sources(
+            self.rls_key_file.as_deref(),
+            env.as_deref(),
+        )?)
     }
 
     /// The store and the HTTP settings these flags describe.
@@ -404,11 +434,20 @@ fn start_rls(
     } else {
         auth.clone()
     };
+    if config.keys().origin() == rls::keys::KeyOrigin::Public {
+        tracing::warn!(
+            "no --rls-key-file (or {}): RLS counter keys are hashed under the public key, so \
+             anyone can compute which counter a descriptor value lands on; give every replica \
+             the same key of 32 bytes or more",
+            rls::keys::KEY_ENV
+        );
+    }
     tracing::info!(
         %address,
         domains = %config.domains().join(","),
         rules = config.rules(),
         headers = ?cli.rls_headers,
+        response_metadata = cli.rls_response_metadata,
         auth = grpc_auth.is_required(),
         "diana-quota serving Envoy's RLS and RLQS"
     );
@@ -418,7 +457,8 @@ fn start_rls(
         cli.rls_config.clone(),
         cli.rls_headers,
         grpc_auth,
-    );
+    )
+    .with_response_metadata(cli.rls_response_metadata);
     reload_rls_on_sighup(rls.clone());
     Ok(rls)
 }

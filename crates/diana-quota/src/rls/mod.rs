@@ -19,20 +19,23 @@
 //! instead of timing out.
 
 pub mod config;
+pub mod keys;
+pub mod metadata;
 pub mod quota;
 pub mod service;
 
 pub use config::{load, ConfigError, RlsConfig};
+pub use keys::{CounterKeys, KeyError};
 
 use crate::auth::Auth;
 use crate::http::AppState;
-use crate::store::{Outcome, StoreError};
+use crate::store::{Outcome, Spend, Spending, Spent, StoreError};
 use diana_core::algo::{Algorithm, Limit};
 use diana_core::wire::ResolvedRule;
 use std::future::Future;
 use std::num::NonZeroU32;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 use tokio::time::Instant;
@@ -68,6 +71,10 @@ pub enum HeaderStyle {
     Ietf,
     /// Both sets.
     Both,
+    /// `RateLimit-Limit`, `RateLimit-Remaining`, `RateLimit-Reset`: what envoyproxy/ratelimit
+    /// sends with `LIMIT_RESPONSE_HEADERS_ENABLED` (its default header names), on every
+    /// answer, and nothing else.
+    Ratelimit,
 }
 
 impl HeaderStyle {
@@ -92,12 +99,15 @@ struct Inner {
     config: RwLock<Arc<RlsConfig>>,
     files: Vec<PathBuf>,
     headers: HeaderStyle,
+    /// Set once, before serving ([`Rls::with_response_metadata`]).
+    response_metadata: AtomicBool,
     auth: Arc<Auth>,
     warnings: LogGate,
 }
 
 impl Rls {
-    /// `auth`: who may call (`Auth::insecure()` with `--rls-insecure-no-auth`).
+    /// `auth`: who may call (`Auth::insecure()` with `--rls-insecure-no-auth`); the
+    /// counters are keyed as `config`'s ([`RlsConfig::keys`]), on reloads too.
     pub fn new(
         state: AppState,
         config: RlsConfig,
@@ -111,10 +121,24 @@ impl Rls {
                 config: RwLock::new(Arc::new(config)),
                 files,
                 headers,
+                response_metadata: AtomicBool::new(false),
                 auth,
                 warnings: LogGate::new(20),
             }),
         }
+    }
+
+    /// Whether answers carry envoyproxy/ratelimit's dynamic metadata
+    /// (`--rls-response-metadata`, its `RESPONSE_DYNAMIC_METADATA`).
+    pub fn with_response_metadata(self, enabled: bool) -> Rls {
+        self.inner
+            .response_metadata
+            .store(enabled, Ordering::Relaxed);
+        self
+    }
+
+    pub fn response_metadata(&self) -> bool {
+        self.inner.response_metadata.load(Ordering::Relaxed)
     }
 
     pub fn state(&self) -> &AppState {
@@ -136,7 +160,8 @@ impl Rls {
 
     /// Re-reads the configuration files; on error the current configuration stays.
     pub fn reload(&self) -> Result<Arc<RlsConfig>, ConfigError> {
-        let config = Arc::new(load(&self.inner.files)?);
+        let keys = self.config().keys().clone();
+        let config = Arc::new(load(&self.inner.files, &keys)?);
         *self
             .inner
             .config
@@ -292,39 +317,77 @@ impl Failure {
     }
 }
 
-/// Decides `rules` all or nothing (the store's `check_and_update`), answering by
-/// `deadline`. The store call is awaited here; if the deadline comes first it goes on in a
-/// task of its own, which keeps `permit` (the call's place in flight) until the store has
-/// answered and gives that late answer's grants back, as the HTTP API does.
+/// What the store is asked for a call's rules.
+#[derive(Debug, Clone)]
+pub enum Ask {
+    /// All or nothing ([`crate::store::Store::check_and_update`]).
+    Acquire,
+    /// Each rule as these say ([`crate::store::Store::spend`]).
+    Spend(Vec<Spending>),
+}
+
+/// Decides `rules` as `ask` says, answering by `deadline`. The store call is awaited here;
+/// if the deadline comes first it goes on in a task of its own, which keeps `permit` (the
+/// call's place in flight) until the store has answered and gives that late answer's
+/// takes back, as the HTTP API does (a count stays: it is a charge, whatever the answer).
 pub async fn decide(
     state: &AppState,
     path: &'static str,
     rules: Vec<OwnedRule>,
+    ask: Ask,
     deadline: Instant,
     budget: Duration,
     permit: Option<tokio::sync::OwnedSemaphorePermit>,
-) -> Result<Vec<Outcome>, Failure> {
+) -> Result<Spent, Failure> {
     let task_state = state.clone();
     let mut call = Box::pin(async move {
         let resolved: Vec<ResolvedRule<'_>> = rules.iter().map(OwnedRule::resolved).collect();
-        let outcome = task_state.store().check_and_update(&resolved).await;
-        (rules, outcome)
+        let outcome = match &ask {
+            Ask::Acquire => task_state
+                .store()
+                .check_and_update(&resolved)
+                .await
+                .map(|outcomes| Spent {
+                    admitted: outcomes
+                        .iter()
+                        .zip(&rules)
+                        .all(|(outcome, rule)| outcome.result.granted > 0 || rule.dry_run),
+                    outcomes,
+                }),
+            Ask::Spend(how) => task_state.store().spend(&resolved, how).await,
+        };
+        (rules, ask, outcome)
     });
     let outcome = tokio::select! {
         biased;
-        (_, outcome) = &mut call => outcome,
+        (_, _, outcome) = &mut call => outcome,
         () = tokio::time::sleep_until(deadline) => {
             let late_state = state.clone();
             tokio::spawn(async move {
                 let _permit = permit;
-                let (rules, outcome) = call.await;
-                let Ok(outcomes) = outcome else {
+                let (rules, ask, outcome) = call.await;
+                let Ok(spent) = outcome else {
                     return;
                 };
-                if outcomes.iter().any(|outcome| outcome.result.granted > 0) {
+                let takes: Vec<Outcome> = match &ask {
+                    Ask::Acquire => spent.outcomes,
+                    Ask::Spend(how) => spent
+                        .outcomes
+                        .into_iter()
+                        .zip(how)
+                        .map(|(outcome, spending)| {
+                            if spending.spend == Spend::Take {
+                                outcome
+                            } else {
+                                Outcome::default()
+                            }
+                        })
+                        .collect(),
+                };
+                if takes.iter().any(|outcome| outcome.result.granted > 0) {
                     late_state.metrics().late_release();
                     let resolved: Vec<ResolvedRule<'_>> = rules.iter().map(OwnedRule::resolved).collect();
-                    if let Err(error) = late_state.store().release(&resolved, &outcomes).await {
+                    if let Err(error) = late_state.store().release(&resolved, &takes).await {
                         tracing::warn!(%error, "a late decision could not be given back: its tokens stay charged");
                     }
                 }
