@@ -407,6 +407,7 @@ const FAST: Settings = Settings {
     timeout_margin: Duration::from_millis(10),
     max_in_flight: 256,
     max_wait: Duration::from_millis(100),
+    connections: diana_quota::conn::ConnectionLimits::DEFAULT,
 };
 
 #[tokio::test]

@@ -53,10 +53,11 @@ pub const MAX_MESSAGE_BYTES: usize = 4 << 20;
 /// Streams one HTTP/2 connection may have open at once (Envoy opens another connection
 /// beyond it); without a bound one connection could hold any number.
 pub const MAX_STREAMS_PER_CONNECTION: u32 = 1024;
-/// How often an idle connection is pinged, and how long the answer may take before the
-/// connection is closed: a gateway that went away does not hold its streams.
-const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
-const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+/// A gRPC connection older than this is asked to go (a graceful GOAWAY: its calls finish;
+/// Envoy opens another), and closed `MAX_CONNECTION_AGE_GRACE` later whatever it still
+/// carries (an RLQS stream then reconnects): nobody holds a connection for ever.
+pub const MAX_CONNECTION_AGE: Duration = Duration::from_secs(3600);
+pub const MAX_CONNECTION_AGE_GRACE: Duration = Duration::from_secs(30);
 
 /// Which rate-limit headers the RLS answer asks Envoy to add (`--rls-headers`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -410,11 +411,17 @@ fn authenticated(
     rls: Rls,
     path: &'static str,
 ) -> impl Fn(tonic::Request<()>) -> Result<tonic::Request<()>, Status> + Clone {
-    move |request| match rls.authenticate(request.metadata()) {
-        Ok(()) => Ok(request),
-        Err(status) => {
-            rls.state().metrics().request(path, 401, Duration::ZERO);
-            Err(status)
+    move |request| {
+        // A request's head read: the connection's first-request deadline is met.
+        if let Some(served) = request.extensions().get::<crate::conn::Served>() {
+            served.mark();
+        }
+        match rls.authenticate(request.metadata()) {
+            Ok(()) => Ok(request),
+            Err(status) => {
+                rls.state().metrics().request(path, 401, Duration::ZERO);
+                Err(status)
+            }
         }
     }
 }
@@ -431,6 +438,7 @@ pub async fn serve(
     use tonic::service::interceptor::InterceptedService;
 
     let (stop, stopping) = tokio::sync::watch::channel(false);
+    let stopped_accepting = stopping.clone();
     let quota = quota::Rlqs::new(rls.clone(), stopping);
     let drain = rls.state().settings().deadline + Duration::from_secs(1);
     let (stopped_tx, stopped_rx) = tokio::sync::oneshot::channel::<()>();
@@ -439,22 +447,42 @@ pub async fn serve(
         let _ = stop.send(true);
         let _ = stopped_tx.send(());
     };
-    // Small answers, sent at once: no Nagle delay on the gRPC connections.
-    let incoming = tokio_stream::StreamExt::map(
-        tokio_stream::wrappers::TcpListenerStream::new(listener),
-        |stream| {
-            if let Ok(stream) = &stream {
-                if let Err(error) = stream.set_nodelay(true) {
-                    tracing::debug!(%error, "cannot set TCP_NODELAY on a gRPC connection");
-                }
-            }
-            stream
+    // Every connection through the port's gate (its caps, its idle timeout), with no
+    // Nagle delay: small answers, sent at once.
+    let gate = crate::conn::Gate::new(
+        "grpc",
+        rls.state().settings().connections,
+        Some(rls.state().clone()),
+    );
+    // Each connection waiting here holds a place of the gate: the channel never holds more
+    // than the port's cap, so none is dropped for want of room.
+    let limits = rls.state().settings().connections;
+    let (accepted, incoming) =
+        tokio::sync::mpsc::channel::<crate::conn::Guarded>(limits.max_connections.max(1));
+    let mut accepting = stopped_accepting.clone();
+    tokio::spawn(crate::conn::accept_loop(
+        listener,
+        gate,
+        async move {
+            let _ = accepting.wait_for(|stop| *stop).await;
         },
+        move |connection| {
+            if let Err(error) = accepted.try_send(connection) {
+                tracing::debug!(%error, "gRPC connection dropped: the server is not taking connections");
+            }
+        },
+    ));
+    let incoming = tokio_stream::StreamExt::map(
+        tokio_stream::wrappers::ReceiverStream::new(incoming),
+        Ok::<_, std::io::Error>,
     );
     let server = tonic::transport::Server::builder()
         .max_concurrent_streams(Some(MAX_STREAMS_PER_CONNECTION))
-        .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
-        .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
+        .http2_keepalive_interval(Some(crate::conn::KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(crate::conn::KEEPALIVE_TIMEOUT))
+        .http2_max_header_list_size(crate::conn::MAX_HEADER_LIST_BYTES)
+        .max_connection_age(MAX_CONNECTION_AGE)
+        .max_connection_age_grace(MAX_CONNECTION_AGE_GRACE)
         .add_service(InterceptedService::new(
             RateLimitServiceServer::new(service::RateLimiter::new(rls.clone()))
                 .max_decoding_message_size(MAX_MESSAGE_BYTES),
