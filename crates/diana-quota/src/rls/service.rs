@@ -1,4 +1,4 @@
-//! `ShouldRateLimit`: every descriptor of one call decided together, all or nothing.
+//! `ShouldRateLimit`: every descriptor of one call decided together.
 //!
 //! 1. The call is checked (a domain, 1 to 64 descriptors, each with 1 to 64 entries whose
 //!    keys are not empty and whose keys and values have at most 4,096 bytes); a bad call is
@@ -8,16 +8,27 @@
 //!    matches no rule (or whose domain is unknown: a warning) is `OK` with no limit; an
 //!    `unlimited` rule is `OK`; a rule `replaces`d by another matched rule of the same
 //!    call is left out.
-//! 3. The cost of a descriptor is its `hits_addend`, else the call's, else 1; 0 asks
-//!    without taking (`OK`, nothing charged).
-//! 4. The other descriptors go to the store in one decision: either every one has its cost
-//!    available and each is charged, or none is (the call is `OVER_LIMIT`; the descriptors
-//!    that were short say `OVER_LIMIT`, the others `OK`). `shadow_mode` rules are counted
-//!    but never refuse (Diana's dry run). `requests_per_unit: 0` refuses everything.
+//! 3. Its cost, its `hits_addend`, else the call's, else 1, says how it spends its counter
+//!    (envoyproxy/ratelimit's reading of `hits_addend`, where Envoy's filters rely on it):
+//!
+//!    ```text
+//!    hits_addend 0                       check: charges nothing, OVER_LIMIT once nothing is left
+//!    a cost Envoy states (≥ 1, the       count: charged whatever is left, even when the call is
+//!      descriptor's or the call's)         refused (apply_on_stream_done, response costs);
+//!                                          OVER_LIMIT when it did not fit
+//!    none (a request counted one)        take: all or nothing with the call's other takes
+//!    ```
+//! 4. The call is `OVER_LIMIT` when an enforced descriptor is, or every `quota_mode` one is
+//!    (`shadow_mode` ones never refuse); `requests_per_unit: 0`, or a take the limit can
+//!    never grant, refuses without asking the store (which then only counts the counts,
+//!    if any). One store decision for the rest ([`crate::store::Store::spend`]; a call of
+//!    takes only, without quota rules, is the store's all-or-nothing acquire, Redis's lean
+//!    script for fixed windows).
 //! 5. Each status carries the rule's limit, what remains and when the limit resets, so
 //!    that Envoy's `enable_x_ratelimit_headers` works; with `--rls-headers`, the answer
-//!    also asks Envoy to add `X-RateLimit-*` and/or the IETF fields of the tightest
-//!    descriptor, and `Retry-After` when refused.
+//!    also asks Envoy to add headers about the tightest descriptor (`X-RateLimit-*`, the
+//!    IETF fields and `Retry-After`, or envoyproxy/ratelimit's `RateLimit-*`); with
+//!    `--rls-response-metadata`, envoyproxy/ratelimit's dynamic metadata ([`super::metadata`]).
 //! 6. A store that fails, or answers after the deadline, gives `UNAVAILABLE` before
 //!    Envoy's timeout: Envoy applies `failure_mode_deny`.
 
@@ -376,11 +387,18 @@ impl RateLimiter {
             return Err(Status::invalid_argument(reason));
         }
         if refused_early {
-            for spending in &mut how {
-                if spending.spend == Spend::Take {
-                    spending.spend = Spend::Check;
+            if how.iter().any(|spending| spending.spend == Spend::Count) {
+                for spending in &mut how {
+                    if spending.spend == Spend::Take {
+                        spending.spend = Spend::Check;
+                    }
+                    spending.enforcement = Enforcement::Shadow;
                 }
-                spending.enforcement = Enforcement::Shadow;
+            } else {
+                // Nothing to count: the store is not asked (a blocked caller hammering
+                // costs no round trip), and the other descriptors say nothing is known.
+                rules.clear();
+                how.clear();
             }
         }
         let legacy = how.iter().all(|spending| {
