@@ -265,6 +265,21 @@ fn slow_connections(
 /// The opening of an HTTP/1.1 request whose head never ends (a header value that grows by
 /// one byte at a time).
 const SLOW_HEAD: &[u8] = b"POST /v1/acquire HTTP/1.1\r\nhost: diana-quota\r\nx-slow: ";
+/// How a stranger's unfinished head far larger than the API's ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Big {
+    /// Answered 431 (Request Header Fields Too Large).
+    Refused431,
+    /// Closed by the service without an answer read back.
+    Closed,
+    /// Still open 8 s later.
+    Held,
+}
+
+/// The size of a big head: under hyper's old default buffer (~400 KiB), so that before the
+/// bounds it was read whole and held.
+const BIG_HEAD_BYTES: usize = 280 * 1024;
+
 /// The first bytes of the HTTP/2 connection preface, and nothing more (a byte more of
 /// anything else would break it: the server would close the connection at once).
 const SLOW_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n";
@@ -303,21 +318,26 @@ async fn a_thousand_slow_connections_on_each_port_neither_grow_the_service_nor_d
         started,
         Duration::from_secs(30),
     ));
-    // Strangers sending heads far larger than the API's: refused at once, nothing kept.
-    let big: Vec<_> = (0..100)
+    // Strangers sending heads far larger than the API's, never finished: refused at once,
+    // nothing kept.
+    let big: Vec<_> = (0..1000)
         .map(|index| {
             let port = service.http;
             tokio::spawn(async move {
-                let source = Ipv4Addr::new(127, 0, 0, 30 + (index % 10) as u8);
+                tokio::time::sleep(Duration::from_millis(50 * (index / 100) as u64)).await;
+                let source = Ipv4Addr::new(127, 0, 0, 30 + (index / 100) as u8);
                 let mut stream = connect_from(source, port).await.unwrap();
                 let mut head = b"POST /v1/acquire HTTP/1.1\r\nhost: x\r\nx-big: ".to_vec();
-                head.extend(std::iter::repeat_n(b'a', 400 * 1024));
+                head.extend(std::iter::repeat_n(b'a', BIG_HEAD_BYTES));
                 let _ = stream.write_all(&head).await;
                 let mut answer = Vec::new();
-                let _ =
-                    tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut answer))
-                        .await;
-                String::from_utf8_lossy(&answer).into_owned()
+                match tokio::time::timeout(Duration::from_secs(8), stream.read_to_end(&mut answer))
+                    .await
+                {
+                    Err(_) => Big::Held,
+                    Ok(_) if answer.starts_with(b"HTTP/1.1 431") => Big::Refused431,
+                    Ok(_) => Big::Closed,
+                }
             })
         })
         .collect();
@@ -390,15 +410,13 @@ async fn a_thousand_slow_connections_on_each_port_neither_grow_the_service_nor_d
     }
     rls_latencies.sort();
 
-    let big: Vec<String> = futures_util::future::join_all(big)
+    let big: Vec<Big> = futures_util::future::join_all(big)
         .await
         .into_iter()
         .map(Result::unwrap)
         .collect();
-    let refused_big = big
-        .iter()
-        .filter(|answer| answer.starts_with("HTTP/1.1 431"))
-        .count();
+    let refused_big = big.iter().filter(|end| **end == Big::Refused431).count();
+    let held_big = big.iter().filter(|end| **end == Big::Held).count();
 
     // Every slow connection is closed by the service at the header timeout (6 s).
     let closed: Vec<Option<Duration>> = futures_util::future::join_all(slow)
@@ -419,9 +437,9 @@ async fn a_thousand_slow_connections_on_each_port_neither_grow_the_service_nor_d
     );
     let p = |sorted: &[Duration], q: f64| sorted[((sorted.len() - 1) as f64 * q) as usize];
     eprintln!(
-        "2,000 slow connections (1,000 a port) + 100 heads of 400 KiB: RSS {} → {} MiB while held, {} MiB after; \
+        "2,000 slow connections (1,000 a port) + 1,000 unfinished heads of 280 KiB: RSS {} → {} MiB while held, {} MiB after; \
          open during: http {open_http}, grpc {open_grpc}; gateway acquires: p50 {:?}, max {:?}; \
-         RLS calls: p50 {:?}, max {:?}; 431: {refused_big} of 100; still open after 30 s: {still_open}; \
+         RLS calls: p50 {:?}, max {:?}; big heads: {refused_big} answered 431, {held_big} held 8 s; still open after 30 s: {still_open}; \
          the last closed at {latest:?}; closed at the header timeout: http {header_closed_http}, grpc {header_closed_grpc}",
         before / 1024,
         during / 1024,
@@ -451,14 +469,10 @@ async fn a_thousand_slow_connections_on_each_port_neither_grow_the_service_nor_d
         p(&rls_latencies, 0.95) < Duration::from_millis(50),
         "{rls_latencies:?}"
     );
-    assert_eq!(
-        refused_big,
-        100,
-        "{:?}",
-        big.iter()
-            .map(|a| a.lines().next().unwrap_or("").to_string())
-            .collect::<Vec<_>>()
-    );
+    // Every big head refused at once (431, or the connection closed before the answer
+    // could be read back); none held.
+    assert_eq!(held_big, 0, "{big:?}");
+    assert!(refused_big > 0, "{big:?}");
     assert_eq!(still_open, 0);
     assert!(latest < Duration::from_secs(10), "{latest:?}");
     assert!(header_closed_http >= 1000.0 && header_closed_grpc >= 1000.0);
