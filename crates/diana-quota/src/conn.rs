@@ -85,21 +85,21 @@ impl Default for ConnectionLimits {
     }
 }
 
-/// Why a connection was closed as soon as it was accepted.
+/// Which cap closed a connection as soon as it was accepted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Refused {
+pub enum CapReached {
     /// The port has `max_connections` open.
     Port,
     /// The peer address has `max_per_peer` open.
     Peer,
 }
 
-impl Refused {
+impl CapReached {
     /// The metric label.
     pub fn label(self) -> &'static str {
         match self {
-            Refused::Port => "port",
-            Refused::Peer => "peer",
+            CapReached::Port => "port",
+            CapReached::Peer => "peer",
         }
     }
 }
@@ -147,14 +147,14 @@ impl Gate {
     }
 
     /// A place for a connection from `peer`, or why there is none.
-    pub fn admit(self: &Arc<Self>, peer: IpAddr) -> Result<Place, Refused> {
+    pub fn admit(self: &Arc<Self>, peer: IpAddr) -> Result<Place, CapReached> {
         let refused = {
             let mut open = self.lock();
             let from_peer = open.per_peer.get(&peer).copied().unwrap_or(0);
             if open.total >= self.limits.max_connections {
-                Some(Refused::Port)
+                Some(CapReached::Port)
             } else if from_peer >= self.limits.max_per_peer {
-                Some(Refused::Peer)
+                Some(CapReached::Peer)
             } else {
                 open.total += 1;
                 open.per_peer.insert(peer, from_peer + 1);
@@ -423,13 +423,13 @@ mod tests {
         );
         let a1 = gate.admit(ip(1)).unwrap();
         let _a2 = gate.admit(ip(1)).unwrap();
-        assert_eq!(gate.admit(ip(1)).unwrap_err(), Refused::Peer);
+        assert_eq!(gate.admit(ip(1)).unwrap_err(), CapReached::Peer);
         let _b1 = gate.admit(ip(2)).unwrap();
-        assert_eq!(gate.admit(ip(3)).unwrap_err(), Refused::Port);
+        assert_eq!(gate.admit(ip(3)).unwrap_err(), CapReached::Port);
         assert_eq!(gate.open(), 3);
         drop(a1);
         assert_eq!(gate.open(), 2);
         let _c1 = gate.admit(ip(3)).unwrap();
-        assert_eq!(gate.admit(ip(1)).unwrap_err(), Refused::Port);
+        assert_eq!(gate.admit(ip(1)).unwrap_err(), CapReached::Port);
     }
 }

@@ -183,7 +183,7 @@ pub fn hold(results: &mut [RuleResult], most: Nanos) -> Nanos {
 
 /// Why an endpoint of [`MemoryQuota`] answers with an error, as the service would.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Refused {
+pub enum EndpointError {
     /// The request breaks the wire format, or asks what the table cannot do (a debt on a
     /// leaky bucket): 400.
     BadRequest(String),
@@ -191,42 +191,44 @@ pub enum Refused {
     Full(table::Full),
 }
 
-impl Refused {
+impl EndpointError {
     /// The HTTP status the service answers.
     pub fn status(&self) -> u16 {
         match self {
-            Refused::BadRequest(_) => 400,
-            Refused::Full(_) => 503,
+            EndpointError::BadRequest(_) => 400,
+            EndpointError::Full(_) => 503,
         }
     }
 }
 
-impl fmt::Display for Refused {
+impl fmt::Display for EndpointError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Refused::BadRequest(reason) => f.write_str(reason),
-            Refused::Full(full) => write!(f, "store full: {full}"),
+            EndpointError::BadRequest(reason) => f.write_str(reason),
+            EndpointError::Full(full) => write!(f, "store full: {full}"),
         }
     }
 }
 
-impl From<WireError> for Refused {
+impl From<WireError> for EndpointError {
     fn from(error: WireError) -> Self {
-        Refused::BadRequest(error.to_string())
+        EndpointError::BadRequest(error.to_string())
     }
 }
 
-impl From<table::Full> for Refused {
+impl From<table::Full> for EndpointError {
     fn from(full: table::Full) -> Self {
-        Refused::Full(full)
+        EndpointError::Full(full)
     }
 }
 
-impl From<table::ChargeRefused> for Refused {
+impl From<table::ChargeRefused> for EndpointError {
     fn from(refused: table::ChargeRefused) -> Self {
         match refused {
-            table::ChargeRefused::Debtless(debtless) => Refused::BadRequest(debtless.to_string()),
-            table::ChargeRefused::Full(full) => Refused::Full(full),
+            table::ChargeRefused::Debtless(debtless) => {
+                EndpointError::BadRequest(debtless.to_string())
+            }
+            table::ChargeRefused::Full(full) => EndpointError::Full(full),
         }
     }
 }
@@ -328,7 +330,7 @@ impl MemoryQuota {
                 .parse::<u64>()
                 .map(|millis| Some(Nanos::saturating_from_millis(millis)))
                 .map_err(|_| {
-                    Refused::BadRequest(format!(
+                    EndpointError::BadRequest(format!(
                         "{}: must be a whole number of milliseconds",
                         wire::TIMEOUT_HEADER
                     ))
@@ -370,7 +372,11 @@ impl MemoryQuota {
     }
 
     /// Decides an acquire request body (the wire format's JSON) at `now`.
-    pub fn acquire_body(&mut self, body: &[u8], now: Instant) -> Result<AcquireResponse, Refused> {
+    pub fn acquire_body(
+        &mut self,
+        body: &[u8],
+        now: Instant,
+    ) -> Result<AcquireResponse, EndpointError> {
         let request = wire::decode_request(body)?;
         let rules = request.resolve()?;
         self.decide(&request, &rules, now)
@@ -384,7 +390,7 @@ impl MemoryQuota {
         body: &[u8],
         timeout: Option<Nanos>,
         now: Instant,
-    ) -> Result<(AcquireResponse, Nanos), Refused> {
+    ) -> Result<(AcquireResponse, Nanos), EndpointError> {
         let request = wire::decode_request(body)?;
         let mut rules = request.resolve()?;
         cap_delays(&mut rules, self.times.wait_cap(timeout));
@@ -401,7 +407,11 @@ impl MemoryQuota {
     }
 
     /// Charges a `/v1/charge` body: every rule `want` tokens past its limit.
-    pub fn charge_body(&mut self, body: &[u8], now: Instant) -> Result<AcquireResponse, Refused> {
+    pub fn charge_body(
+        &mut self,
+        body: &[u8],
+        now: Instant,
+    ) -> Result<AcquireResponse, EndpointError> {
         let request = wire::decode_request(body)?;
         let rules = request.resolve()?;
         let results = self.table.charge(&rules, now)?;
@@ -414,7 +424,7 @@ impl MemoryQuota {
         request: &AcquireRequest,
         rules: &[ResolvedRule<'_>],
         now: Instant,
-    ) -> Result<AcquireResponse, Refused> {
+    ) -> Result<AcquireResponse, EndpointError> {
         let outcomes = self.table.acquire(rules, now)?;
         if let (Some(call), Some(grants)) = (&request.call, Grant::of(rules, &outcomes)) {
             if self.ledger.granted(call, grants, now) == Noted::AlreadyReleased {
@@ -427,7 +437,11 @@ impl MemoryQuota {
 
     /// Gives back what the acquire of the same call granted (a release body: the wire
     /// format's JSON, with its `call`).
-    pub fn release_body(&mut self, body: &[u8], now: Instant) -> Result<ReleaseResponse, Refused> {
+    pub fn release_body(
+        &mut self,
+        body: &[u8],
+        now: Instant,
+    ) -> Result<ReleaseResponse, EndpointError> {
         let request = wire::decode_request(body)?;
         let (rules, call) = wire::resolve_release(&request)?;
         let Some(grants) = self.ledger.release(call, now) else {
@@ -440,7 +454,11 @@ impl MemoryQuota {
 
     /// Gives back concurrency places (a leave body: the wire format's JSON, each rule with
     /// its `place`).
-    pub fn leave_body(&mut self, body: &[u8], now: Instant) -> Result<ReleaseResponse, Refused> {
+    pub fn leave_body(
+        &mut self,
+        body: &[u8],
+        now: Instant,
+    ) -> Result<ReleaseResponse, EndpointError> {
         let request = wire::decode_request(body)?;
         let (rules, places) = wire::resolve_places(&request)?;
         self.table
@@ -450,7 +468,11 @@ impl MemoryQuota {
 
     /// Renews concurrency places (a renew body): each result names the bucket they are
     /// counted in now.
-    pub fn renew_body(&mut self, body: &[u8], now: Instant) -> Result<AcquireResponse, Refused> {
+    pub fn renew_body(
+        &mut self,
+        body: &[u8],
+        now: Instant,
+    ) -> Result<AcquireResponse, EndpointError> {
         let request = wire::decode_request(body)?;
         let (rules, places) = wire::resolve_places(&request)?;
         let outcomes = self.table.renew(&rules, &places, now)?;
@@ -473,8 +495,8 @@ impl MemoryQuota {
 }
 
 /// The JSON of an answer.
-fn json<T: serde::Serialize>(answer: &T) -> Result<Vec<u8>, Refused> {
-    serde_json::to_vec(answer).map_err(|error| Refused::BadRequest(error.to_string()))
+fn json<T: serde::Serialize>(answer: &T) -> Result<Vec<u8>, EndpointError> {
+    serde_json::to_vec(answer).map_err(|error| EndpointError::BadRequest(error.to_string()))
 }
 
 #[cfg(test)]
