@@ -25,6 +25,7 @@
 //! later is given back (`Store::release`) instead of being lost to nobody.
 
 use crate::auth::{Auth, SCHEME};
+use crate::conn::ConnectionLimits;
 use crate::fleet::metrics::FleetCollector;
 use crate::fleet::view::Limits;
 use crate::fleet::{Fleet, ViewAccess};
@@ -66,6 +67,8 @@ pub struct Settings {
     pub max_in_flight: usize,
     /// Longest `/v1/wait` sleeps.
     pub max_wait: Duration,
+    /// Bounds of each port's connections (`crate::conn`).
+    pub connections: ConnectionLimits,
 }
 
 /// The gateway's default callout timeout (`global.timeout_ms`).
@@ -78,6 +81,7 @@ impl Default for Settings {
             timeout_margin: Duration::from_millis(10),
             max_in_flight: 256,
             max_wait: Duration::from_millis(wire::MAX_WAIT_MS),
+            connections: ConnectionLimits::default(),
         }
     }
 }
