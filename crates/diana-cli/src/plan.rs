@@ -7,6 +7,8 @@
 
 use crate::yaml::{map, number, string};
 use diana_core::algo::inflight::RECLAIMED_AFTER;
+use diana_core::breaker::record::{record_bytes, record_key};
+use diana_core::breaker::{Ratio, Spec};
 use diana_core::config::{Cost, Lease, PlanChoice, PlanName, Policy, Rule, Scope};
 use diana_core::time::NANOS_PER_SECOND;
 use serde_yaml::Value;
@@ -38,8 +40,12 @@ pub fn render_text(policy: &Policy) -> Result<String, PlanError> {
         .map(|resource| resource.rules.len())
         .sum();
     let global = count_global(policy);
+    let breakers = match policy.breakers().count() {
+        0 => String::new(),
+        count => format!(", {count} {}", plural(count, "breaker", "breakers")),
+    };
     let mut out = format!(
-        "# The configuration is valid: {} {}, {} {} ({} global).\n",
+        "# The configuration is valid: {} {}, {} {} ({} global){breakers}.\n",
         policy.resources.len(),
         plural(policy.resources.len(), "resource", "resources"),
         rules,
@@ -94,6 +100,10 @@ fn build(policy: &Policy, machine: bool) -> Value {
             map(vec![
                 ("url", string(&resource.url)),
                 ("rules", Value::Sequence(rules)),
+                (
+                    "breaker",
+                    resource.breaker.as_ref().map_or(Value::Null, breaker_plan),
+                ),
             ])
         })
         .collect();
@@ -314,6 +324,66 @@ fn rule_plan(policy: &Policy, rule: &Rule, machine: bool) -> Value {
         ("plan", rule.plan.as_ref().map_or(Value::Null, plan_choice)),
     ]);
     map(entries)
+}
+
+/// A resource's breaker with every default resolved, and what the document does not say
+/// but the breaker does: how long a probe may take before it counts as failed, where its
+/// state lives in shared data and how many bytes that takes.
+fn breaker_plan(spec: &Spec) -> Value {
+    let settings = &spec.settings;
+    let slow = settings.slow();
+    let ratio = |ratio: Option<Ratio>| {
+        ratio.map_or(Value::Null, |ratio| {
+            // As written: `0.5`; a number, not text, in both forms.
+            serde_yaml::from_str(&ratio.to_string()).unwrap_or(Value::Null)
+        })
+    };
+    let failure_status = settings.failure_status.to_string();
+    let failure_status = failure_status
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .split(", ")
+        .filter(|item| !item.is_empty())
+        .map(string)
+        .collect();
+    map(vec![
+        ("name", string(&settings.name)),
+        ("index", number(spec.index as u64)),
+        ("metric_name", string(&spec.metric_name)),
+        (
+            "slow_ms",
+            slow.map_or(Value::Null, |slow| number(slow.threshold.whole_millis())),
+        ),
+        ("slow_ratio", ratio(slow.map(|slow| slow.ratio))),
+        ("failure_status", Value::Sequence(failure_status)),
+        ("failure_ratio", ratio(settings.failure_ratio())),
+        ("min_calls", number(u64::from(settings.min_calls.get()))),
+        (
+            "window_seconds",
+            number(u64::from(settings.window.seconds())),
+        ),
+        ("open_seconds", number(settings.open_for / NANOS_PER_SECOND)),
+        (
+            "half_open_calls",
+            number(u64::from(settings.half_open_calls.get())),
+        ),
+        ("scope", string(settings.scope.name())),
+        ("force", string(settings.force.name())),
+        (
+            "fallback_header",
+            spec.fallback_header.as_deref().map_or(Value::Null, string),
+        ),
+        // A probe's place held this long without an outcome counts as a failed probe.
+        (
+            "probe_timeout_ms",
+            number(settings.probe_timeout().whole_millis()),
+        ),
+        ("record_key", string(&record_key(&settings.name))),
+        (
+            "record_bytes",
+            number(record_bytes(settings.half_open_calls.get()) as u64),
+        ),
+    ])
 }
 
 /// One plan of a rule written with `rpu: {by, values, default}`: where the plan is read,

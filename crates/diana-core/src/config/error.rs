@@ -91,6 +91,23 @@ pub enum ConfigErrorKind {
         rules: usize,
         most: usize,
     },
+    /// A resource block with neither `rules` nor a `breaker`: it would do nothing.
+    NoRulesNorBreaker,
+    /// A `breaker` with neither threshold (`failure_ratio`, `slow_ms` with `slow_ratio`): it
+    /// could never open.
+    BreakerNoThreshold,
+    /// One of `slow_ms` and `slow_ratio` without the other.
+    BreakerSlowPair {
+        written: &'static str,
+        missing: &'static str,
+    },
+    /// Two breakers with the same name (given or derived from their `Url`s).
+    DuplicateBreakerName { name: String },
+    /// Two breaker names that make the same metric name ([`crate::metrics::stat_name`]).
+    BreakerMetricNameClash { first: String, second: String },
+    /// A breaker's `fallback_header` is a request header the document reads (an actor's, a
+    /// plan's, a cost's): the client's own value of it is removed before the request goes on.
+    FallbackHeaderInUse { header: String, read_by: String },
     /// A value from the environment (`global.token` from [`super::TOKEN_ENV`]) refused.
     Environment {
         variable: &'static str,
@@ -229,6 +246,35 @@ impl fmt::Display for ConfigErrorKind {
                 f,
                 "a request to {url} would carry {rules} global rules (its own and those of the resources above it); \
                  one callout carries at most {most}"
+            ),
+            ConfigErrorKind::NoRulesNorBreaker => f.write_str(
+                "missing field `rules`: a resource block has `rules`, a `breaker`, or both",
+            ),
+            ConfigErrorKind::BreakerNoThreshold => f.write_str(
+                "a breaker needs a threshold to open on: `failure_ratio`, or `slow_ms` with \
+                 `slow_ratio`, or both",
+            ),
+            ConfigErrorKind::BreakerSlowPair { written, missing } => write!(
+                f,
+                "{written} without {missing}: slow calls open a breaker only with both (slow_ms says \
+                 which call is slow, slow_ratio what share of them opens it)"
+            ),
+            ConfigErrorKind::DuplicateBreakerName { name } => write!(
+                f,
+                "duplicate breaker name `{name}`: two breakers would share their state and metrics \
+                 (a breaker's name defaults to its Url; give one a `name`)"
+            ),
+            ConfigErrorKind::BreakerMetricNameClash { first, second } => write!(
+                f,
+                "breaker names `{first}` and `{second}` are both `{}` in metric names: two breakers \
+                 would share their metrics (give one a `name`)",
+                crate::metrics::stat_name(second)
+            ),
+            ConfigErrorKind::FallbackHeaderInUse { header, read_by } => write!(
+                f,
+                "fallback_header `{header}` is read by {read_by}: a client's own value of a fallback \
+                 header is removed before the request goes on; choose a header of its own \
+                 (such as x-diana-fallback)"
             ),
             ConfigErrorKind::Environment { variable, reason } => {
                 write!(f, "from the environment variable {variable}: {reason}")

@@ -26,16 +26,17 @@ use super::raw::{self, ContextGuard, RawBlock, RawFull, RawRule};
 use super::shape::{Describe, Shape};
 use crate::actor::{ActorDef, ActorRegistry};
 use crate::algo;
+use crate::breaker::{Settings, SlowCalls, Spec, StatusClasses, Window};
 use crate::hash::{hash_parts, IdentityHasher, IdentityKey};
 use crate::metrics::stat_name;
 use crate::path;
 use crate::secret::Secret;
-use crate::time::{Unit, NANOS_PER_SECOND};
+use crate::time::{Nanos, Unit, NANOS_PER_SECOND};
 use crate::wire;
 use serde::de::{self, IgnoredAny, Visitor};
 use serde::Deserialize;
 use std::fmt;
-use std::num::NonZeroU32;
+use std::num::{NonZeroU32, NonZeroU8};
 use std::sync::Arc;
 
 /// Default `slices` (sliding window).
@@ -674,11 +675,18 @@ fn build(collected: Collected) -> Result<Policy, Refusal> {
     let mut written = Vec::with_capacity(collected.blocks.len());
     for (block, site) in collected.blocks.into_iter().zip(collected.sites) {
         let url = block.url.0;
+        let (raw_rules, breaker) = match (block.rules, block.breaker) {
+            (None, None) => return Err(Refusal::at(site, ConfigErrorKind::NoRulesNorBreaker)),
+            (rules, breaker) => (rules.unwrap_or_default(), breaker),
+        };
+        let breaker = breaker
+            .map(|raw| build_breaker(&url, &raw, &site.key("breaker")))
+            .transpose()?;
         let mut seen = Seen::default();
-        let mut rules = Vec::with_capacity(block.rules.len());
+        let mut rules = Vec::with_capacity(raw_rules.len());
         // Where each rule is written (a rule with plans is several rules).
-        let mut positions = Vec::with_capacity(block.rules.len());
-        for (index, raw) in block.rules.into_iter().enumerate() {
+        let mut positions = Vec::with_capacity(raw_rules.len());
+        for (index, raw) in raw_rules.into_iter().enumerate() {
             let at = site.key("rules").index(index);
             let built = build_rules(&url, index, raw, &actors, &global, &mut seen, &at)?;
             positions.extend(std::iter::repeat_n(index, built.len()));
@@ -688,7 +696,7 @@ fn build(collected: Collected) -> Result<Policy, Refusal> {
             Resource {
                 url,
                 rules,
-                breaker: None,
+                breaker,
             },
             (site, positions),
         ));
@@ -731,6 +739,7 @@ fn build(collected: Collected) -> Result<Policy, Refusal> {
         }
     }
     check_global_rules_per_request(&resources, &sites)?;
+    check_breakers(&mut resources, &sites)?;
 
     let mut policy = Policy {
         resources,
@@ -750,6 +759,177 @@ fn build(collected: Collected) -> Result<Policy, Refusal> {
             .map(|secret| IdentityKey::derive(secret.expose().as_bytes())),
     );
     Ok(policy)
+}
+
+/// A resource's `breaker`, resolved (its [`Spec::index`] is set once the resources are in
+/// evaluation order, by [`check_breakers`]).
+fn build_breaker(url: &str, raw: &raw::RawBreaker, site: &Site) -> Result<Spec, Refusal> {
+    let slow = match (&raw.slow_ms, &raw.slow_ratio) {
+        (Some(ms), Some(ratio)) => Some(SlowCalls {
+            threshold: Nanos::from_millis(ms.0),
+            ratio: ratio.1,
+        }),
+        (None, None) => None,
+        (Some(_), None) => {
+            return Err(Refusal::at(
+                site.key("slow_ms"),
+                ConfigErrorKind::BreakerSlowPair {
+                    written: "slow_ms",
+                    missing: "slow_ratio",
+                },
+            ))
+        }
+        (None, Some(_)) => {
+            return Err(Refusal::at(
+                site.key("slow_ratio"),
+                ConfigErrorKind::BreakerSlowPair {
+                    written: "slow_ratio",
+                    missing: "slow_ms",
+                },
+            ))
+        }
+    };
+    let name = raw.name.as_ref().map_or_else(
+        || match url.trim_start_matches('/') {
+            "" => "root".to_string(),
+            path => path.to_string(),
+        },
+        |name| name.0.clone(),
+    );
+    let failure_ratio = raw.failure_ratio.as_ref().map(|ratio| ratio.1);
+    let mut settings = Settings::new(name, slow, failure_ratio)
+        .map_err(|_| Refusal::at(site.clone(), ConfigErrorKind::BreakerNoThreshold))?;
+    if let Some(statuses) = &raw.failure_status {
+        let mut classes = StatusClasses::none();
+        for &(first, last) in &statuses.0 {
+            for status in first..=last {
+                // 100 to 599, as the reader checked.
+                classes.add_status(u32::from(status)).map_err(|error| {
+                    Refusal::at(
+                        site.key("failure_status"),
+                        ConfigErrorKind::Invalid {
+                            reason: error.to_string(),
+                        },
+                    )
+                })?;
+            }
+        }
+        settings.failure_status = classes;
+    }
+    if let Some(calls) = raw
+        .min_calls
+        .as_ref()
+        .and_then(|calls| NonZeroU32::new(calls.get_u32()))
+    {
+        settings.min_calls = calls;
+    }
+    if let Some(seconds) = raw
+        .window_seconds
+        .as_ref()
+        .and_then(|seconds| NonZeroU32::new(seconds.get_u32()))
+    {
+        settings.window = Window::from_secs(seconds);
+    }
+    if let Some(seconds) = &raw.open_seconds {
+        settings.open_for = Nanos::from_secs(seconds.0);
+    }
+    if let Some(calls) = raw
+        .half_open_calls
+        .as_ref()
+        .and_then(|calls| u8::try_from(calls.0).ok())
+        .and_then(NonZeroU8::new)
+    {
+        settings.half_open_calls = calls;
+    }
+    if let Some(scope) = &raw.scope {
+        settings.scope = scope.0;
+    }
+    if let Some(force) = &raw.force {
+        settings.force = force.0;
+    }
+    Ok(Spec {
+        index: 0,
+        metric_name: stat_name(&settings.name),
+        settings,
+        fallback_header: raw.fallback_header.as_ref().map(|header| header.0.clone()),
+    })
+}
+
+/// Numbers the breakers in evaluation order ([`Spec::index`]) and refuses two that would
+/// share a name (their state: the record is named after it) or a metric name, and a
+/// fallback header that a rule reads.
+fn check_breakers(resources: &mut [Resource], sites: &[Site]) -> Result<(), Refusal> {
+    let read = request_headers_read(resources);
+    let mut names: Vec<(String, String)> = Vec::new();
+    let mut index = 0;
+    for (resource, site) in resources.iter_mut().zip(sites) {
+        let Some(spec) = &mut resource.breaker else {
+            continue;
+        };
+        let site = site.key("breaker");
+        spec.index = index;
+        index += 1;
+        let name = &spec.settings.name;
+        if let Some((first, _)) = names
+            .iter()
+            .find(|(_, metric_name)| *metric_name == spec.metric_name)
+        {
+            let kind = if first == name {
+                ConfigErrorKind::DuplicateBreakerName { name: name.clone() }
+            } else {
+                ConfigErrorKind::BreakerMetricNameClash {
+                    first: first.clone(),
+                    second: name.clone(),
+                }
+            };
+            return Err(Refusal::at(site.key("name"), kind));
+        }
+        names.push((name.clone(), spec.metric_name.clone()));
+        if let Some(header) = &spec.fallback_header {
+            if let Some((_, read_by)) = read.iter().find(|(name, _)| name == header) {
+                return Err(Refusal::at(
+                    site.key("fallback_header"),
+                    ConfigErrorKind::FallbackHeaderInUse {
+                        header: header.clone(),
+                        read_by: read_by.clone(),
+                    },
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Every request header the rules of `resources` read, each with what reads it (the first
+/// rule that does): actors' headers, plans', costs' and reservations'.
+fn request_headers_read(resources: &[Resource]) -> Vec<(String, String)> {
+    let mut read: Vec<(String, String)> = Vec::new();
+    let mut add = |header: &str, what: String| {
+        if !read.iter().any(|(name, _)| name == header) {
+            read.push((header.to_string(), what));
+        }
+    };
+    for rule in resources.iter().flat_map(|resource| resource.rules.iter()) {
+        for (key, value) in rule.actor_source() {
+            if key == "header" {
+                add(
+                    value,
+                    format!("actor `{}` (rule `{}`)", rule.actor_name, rule.name),
+                );
+            }
+        }
+        if let Some(PlanChoice {
+            by: PlanSource::Header(name),
+            ..
+        }) = &rule.plan
+        {
+            add(name, format!("the plans of rule `{}`", rule.name));
+        }
+        if let Cost::Header { name, .. } = rule.upfront() {
+            add(name, format!("the cost of rule `{}`", rule.name));
+        }
+    }
+    read
 }
 
 /// `global.token` when the document does not write one: the gateway process's environment

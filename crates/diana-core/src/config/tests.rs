@@ -8,6 +8,7 @@ use crate::facts::RequestFacts;
 use crate::time::Unit;
 use std::num::NonZeroU32;
 
+mod breaker;
 mod description;
 
 /// The seed design's document, verbatim (one copy for every test that needs it).
