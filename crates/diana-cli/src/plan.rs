@@ -9,7 +9,10 @@ use crate::yaml::{map, number, string};
 use diana_core::algo::inflight::RECLAIMED_AFTER;
 use diana_core::breaker::record::{record_bytes, record_key};
 use diana_core::breaker::{Ratio, Spec};
-use diana_core::config::{Cost, Lease, PlanChoice, PlanName, Policy, Rule, Scope};
+use diana_core::calendar::CalendarUnit;
+use diana_core::config::{
+    Cost, CostSource, Lease, PlanChoice, PlanName, Policy, Reserve, ResponseCost, Rule, Scope,
+};
 use diana_core::time::NANOS_PER_SECOND;
 use serde_yaml::Value;
 
@@ -240,6 +243,52 @@ fn cost_plan(cost: &Cost) -> Value {
     }
 }
 
+/// `response_cost`: where the answer's cost is read (the keys of its form), its cap, and
+/// what a request reserves.
+fn response_cost_plan(cost: &ResponseCost) -> Value {
+    let mut entries = match &cost.source {
+        CostSource::Header(name) => vec![("header", string(name))],
+        CostSource::Usage { provider, weights } => vec![
+            ("usage", string(provider.name())),
+            (
+                "weights",
+                weights.map_or(Value::Null, |weights| {
+                    map(vec![
+                        ("input", number(weights.input)),
+                        ("output", number(weights.output)),
+                    ])
+                }),
+            ),
+        ],
+        CostSource::Json(path) => vec![("json", string(path.as_str()))],
+    };
+    entries.extend([
+        ("max", number(u64::from(cost.max.get()))),
+        // Taken up front instead of `cost`, and settled with the answer.
+        (
+            "reserve",
+            cost.reserve.as_ref().map_or(Value::Null, reserve_plan),
+        ),
+    ]);
+    map(entries)
+}
+
+/// `reserve`: a number, or where a request's reservation is read and its bounds.
+fn reserve_plan(reserve: &Reserve) -> Value {
+    let (key, from, bounds) = match reserve {
+        Reserve::Fixed(tokens) => return number(u64::from(tokens.get())),
+        Reserve::Header { name, bounds } => ("header", name.as_str(), bounds),
+        Reserve::Json { path, bounds } => ("json", path.as_str(), bounds),
+    };
+    map(vec![
+        (key, string(from)),
+        ("default", number(u64::from(bounds.default().get()))),
+        ("max", number(u64::from(bounds.max().get()))),
+        // The least a request reserves, whatever it says.
+        ("min", number(u64::from(bounds.min().get()))),
+    ])
+}
+
 fn rule_plan(policy: &Policy, rule: &Rule, machine: bool) -> Value {
     let limit = &rule.limit;
     let per_second = rate_per_second(limit.rpu.get(), limit.unit.seconds());
@@ -259,10 +308,26 @@ fn rule_plan(policy: &Policy, rule: &Rule, machine: bool) -> Value {
                 number(RECLAIMED_AFTER / NANOS_PER_SECOND),
             ),
         ]);
+    } else if let Some(calendar) = &rule.calendar {
+        // Periods of the calendar: their length varies, so the rate is per period.
+        let unit = match calendar.unit() {
+            CalendarUnit::Week => "week",
+            CalendarUnit::Month => "month",
+        };
+        entries.extend([
+            ("rpu", number(u64::from(limit.rpu.get()))),
+            ("unit", string(unit)),
+            ("timezone", string(calendar.zone().name())),
+            ("rate", string(&format!("{}/{unit}", limit.rpu))),
+        ]);
+        if machine {
+            entries.push(("rate_per_second", Value::Null));
+        }
     } else {
         entries.extend([
             ("rpu", number(u64::from(limit.rpu.get()))),
             ("unit", string(limit.unit.name())),
+            ("timezone", Value::Null),
             ("rate", string(&format_rate(per_second))),
         ]);
         if machine {
@@ -288,17 +353,9 @@ fn rule_plan(policy: &Policy, rule: &Rule, machine: bool) -> Value {
         ("cost", cost_plan(&rule.cost)),
         (
             "response_cost",
-            rule.response_cost.as_ref().map_or(Value::Null, |cost| {
-                map(vec![
-                    ("header", string(&cost.header)),
-                    ("max", number(u64::from(cost.max.get()))),
-                    // Taken up front instead of `cost`, and settled with the answer.
-                    (
-                        "reserve",
-                        cost.reserve.as_ref().map_or(Value::Null, cost_plan),
-                    ),
-                ])
-            }),
+            rule.response_cost
+                .as_ref()
+                .map_or(Value::Null, response_cost_plan),
         ),
         (
             "count",

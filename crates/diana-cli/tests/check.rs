@@ -146,7 +146,8 @@ metrics: {path: /diana/metrics/}
     );
     assert_eq!(
         rule(&plan, "reserving")["response_cost"]["reserve"],
-        serde_json::json!({"header": "x-max", "default": 50, "max": 500})
+        // `min`: the least a request reserves, whatever its header says (issue 41, 5d).
+        serde_json::json!({"header": "x-max", "default": 50, "max": 500, "min": 50})
     );
     assert_eq!(
         rule(&plan, "logins")["count"],
@@ -221,6 +222,56 @@ fn every_setting_the_document_can_write_is_in_the_plan() {
             );
         }
     }
+}
+
+/// LLM budgets as the filter uses them: the answer's cost from a provider's usage (with
+/// its weights) or a JSON path, a reservation from the request body with its floor, and
+/// calendar periods in a time zone.
+#[test]
+fn llm_budgets_and_calendar_periods_as_the_filter_uses_them() {
+    let document = "\
+resources:
+  - Url: /v1/chat
+    rules:
+      - name: monthly
+        actor: account
+        unit: month
+        timezone: Europe/Berlin
+        rpu: 1000000
+        response_cost:
+          usage: openai
+          weights: {output: 4}
+          reserve: {json: max_tokens, default: 1000, max: 100000, min: 200}
+      - {name: weekly, unit: weeks, algo: W, rpu: 5000, response_cost: {json: usage.total_tokens, max: 9000}}
+      - {name: daily, unit: day, rpu: 100, response_cost: {header: x-used, max: 50, reserve: 7}}
+";
+    let plan = check_json(document);
+    let monthly = rule(&plan, "monthly");
+    assert_eq!(monthly["unit"], "month");
+    assert_eq!(monthly["timezone"], "Europe/Berlin");
+    assert_eq!(monthly["rate"], "1000000/month");
+    assert_eq!(monthly["rate_per_second"], Value::Null);
+    assert_eq!(
+        monthly["response_cost"],
+        serde_json::json!({
+            "usage": "openai",
+            "weights": {"input": 1, "output": 4},
+            "max": 1_000_000_000,
+            "reserve": {"json": "max_tokens", "default": 1000, "max": 100000, "min": 200},
+        })
+    );
+    let weekly = rule(&plan, "weekly");
+    assert_eq!(
+        (&weekly["unit"], &weekly["timezone"]),
+        (&Value::from("week"), &Value::from("UTC"))
+    );
+    assert_eq!(
+        weekly["response_cost"],
+        serde_json::json!({"json": "usage.total_tokens", "max": 9000, "reserve": null})
+    );
+    let daily = rule(&plan, "daily");
+    assert_eq!(daily["timezone"], Value::Null);
+    assert_eq!(daily["response_cost"]["reserve"], 7);
 }
 
 /// Every breaker's effective settings: all defaults resolved, the probe timeout and the

@@ -18,20 +18,23 @@
 use super::error::{ConfigError, ConfigErrorKind, Position};
 use super::locate::{locate, Site, Stop};
 use super::model::{
-    Cost, CountOnly, GlobalSpec, Lease, MetricsSpec, OnInvalidConfig, Pinned, PlanChoice, PlanName,
-    PlanSource, Policy, RemoteSpec, Resource, ResponseCost, ResponseSpec, Rule, RuleKeys, Scope,
-    AUTO_LEASE_SHARE,
+    BoundsError, Cost, CostSource, CountOnly, GlobalSpec, Lease, MetricsSpec, OnInvalidConfig,
+    Pinned, PlanChoice, PlanName, PlanSource, Policy, RemoteSpec, Reserve, ReserveBounds, Resource,
+    ResponseCost, ResponseSpec, Rule, RuleKeys, RuleUnit, Scope, Upfront, AUTO_LEASE_SHARE,
+    MAX_RESPONSE_COST,
 };
 use super::raw::{self, ContextGuard, RawBlock, RawFull, RawRule};
 use super::shape::{Describe, Shape};
 use crate::actor::{ActorDef, ActorRegistry};
 use crate::algo;
 use crate::breaker::{Settings, SlowCalls, Spec, StatusClasses, Window};
+use crate::calendar::{Calendar, Zone};
 use crate::hash::{hash_parts, IdentityHasher, IdentityKey};
 use crate::metrics::stat_name;
 use crate::path;
 use crate::secret::Secret;
 use crate::time::{Nanos, Unit, NANOS_PER_SECOND};
+use crate::usage::Weights;
 use crate::wire;
 use serde::de::{self, IgnoredAny, Visitor};
 use serde::Deserialize;
@@ -48,6 +51,10 @@ const DEFAULT_POLL_SECONDS: u32 = 10;
 /// The environment variable that holds the quota service's credential when the document
 /// has no `global.token` (the same name diana-quota reads).
 pub const TOKEN_ENV: &str = "DIANA_QUOTA_TOKEN";
+/// The algorithms a calendar period (`unit: week | month`) applies to: a fixed window (the
+/// period is the window) and a token bucket (refilled over the period). A sliding window's
+/// slices and a leaky bucket's pace have no calendar meaning.
+const CALENDAR_ALGORITHMS: [&str; 2] = ["W", "TB"];
 /// Default `max_wait_seconds` (leaky bucket).
 const DEFAULT_MAX_WAIT_SECONDS: u64 = 10;
 
@@ -925,7 +932,7 @@ fn request_headers_read(resources: &[Resource]) -> Vec<(String, String)> {
         {
             add(name, format!("the plans of rule `{}`", rule.name));
         }
-        if let Cost::Header { name, .. } = rule.upfront() {
+        if let Some(name) = rule.upfront().header() {
             add(name, format!("the cost of rule `{}`", rule.name));
         }
     }
@@ -1136,6 +1143,7 @@ fn build_rule(
             ("count", raw.count.is_some()),
             ("max_wait_seconds", raw.max_wait_seconds.is_some()),
             ("lease", raw.lease.is_some()),
+            ("timezone", raw.timezone.is_some()),
         ];
         if let Some((field, _)) = written.into_iter().find(|(_, written)| *written) {
             return Err(refuse(
@@ -1151,7 +1159,39 @@ fn build_rule(
             .as_ref()
             .map_or_else(algo::default_algorithm, |algo| algo.0)
     };
-    let unit = raw.unit.as_ref().map_or(Unit::Second, |unit| unit.0);
+    let written_unit = raw
+        .unit
+        .as_ref()
+        .map_or(RuleUnit::Fixed(Unit::Second), |unit| unit.0);
+    // A calendar period is the rule's own (`calendar`); its `limit.unit` is the longest
+    // fixed unit, which nothing reads as its period.
+    let (unit, calendar) = match written_unit {
+        RuleUnit::Fixed(unit) => {
+            if raw.timezone.is_some() {
+                return Err(refuse(
+                    &["timezone"],
+                    ConfigErrorKind::TimezoneWithoutCalendar { unit: unit.name() },
+                ));
+            }
+            (unit, None)
+        }
+        RuleUnit::Calendar(_) if !CALENDAR_ALGORITHMS.contains(&algo.code()) => {
+            return Err(refuse(
+                &["unit"],
+                ConfigErrorKind::CalendarUnitNotApplicable {
+                    unit: written_unit.name(),
+                    algo: algo.code(),
+                },
+            ))
+        }
+        RuleUnit::Calendar(period) => {
+            let zone = raw
+                .timezone
+                .as_ref()
+                .map_or_else(Zone::utc, |zone| zone.0.clone());
+            (Unit::Day, Some(Calendar::new(period, zone)))
+        }
+    };
     let burst = raw.burst.unwrap_or_else(|| algo.default_burst(rpu, unit));
     let slices = raw
         .slices
@@ -1192,15 +1232,21 @@ fn build_rule(
             return Err(refuse(&["cost"], ConfigErrorKind::CostWithReserve))
         }
         Some(field) => Some(
-            cost_of(field).map_err(|(at, kind)| refuse(&["response_cost", "reserve", at], kind))?,
+            reserve_of(field)
+                .map_err(|(at, kind)| refuse(&["response_cost", "reserve", at], kind))?,
         ),
     };
     // What a request takes up front, and where its largest value is written.
-    let (upfront, upfront_field): (&Cost, &[&str]) = match (&reserve, &raw.cost) {
-        (Some(reserve @ Cost::Header { .. }), _) => (reserve, &["response_cost", "reserve", "max"]),
-        (Some(reserve), _) => (reserve, &["response_cost", "reserve"]),
-        (None, Some(raw::CostField::Header(_))) => (&cost, &["cost", "max"]),
-        (None, _) => (&cost, &["cost"]),
+    let (upfront, upfront_field): (Upfront<'_>, &[&str]) = match (&reserve, &raw.cost) {
+        (Some(reserve @ Reserve::Fixed(_)), _) => {
+            (Upfront::Reserve(reserve), &["response_cost", "reserve"])
+        }
+        (Some(reserve), _) => (
+            Upfront::Reserve(reserve),
+            &["response_cost", "reserve", "max"],
+        ),
+        (None, Some(raw::CostField::Header(_))) => (Upfront::Cost(&cost), &["cost", "max"]),
+        (None, _) => (Upfront::Cost(&cost), &["cost"]),
     };
     let limit = algo::Limit {
         rpu,
@@ -1237,8 +1283,9 @@ fn build_rule(
         ));
     }
     // What diana-quota would refuse is refused here, naming the field: a global counter
-    // lives at most about a day (docs/wire-format.md, "Bounds").
-    if scope == Scope::Global {
+    // lives at most about a day (docs/wire-format.md, "Bounds"); a calendar budget's
+    // lives its period, which the service bounds by the month.
+    if scope == Scope::Global && calendar.is_none() {
         if let Err(error) = wire::check_rule_limits(algo, &limit) {
             return Err(refuse(
                 &[error.field],
@@ -1256,11 +1303,10 @@ fn build_rule(
                 ConfigErrorKind::ResponseCostNotApplicable { algo: algo.code() },
             ))
         }
-        Some(raw) => Some(ResponseCost {
-            header: raw.header.0.clone(),
-            max: NonZeroU32::new(raw.max.get_u32()).unwrap_or(NonZeroU32::MIN),
-            reserve,
-        }),
+        Some(raw) => Some(
+            response_cost_of(raw, reserve)
+                .map_err(|(at, kind)| refuse(&["response_cost", at], kind))?,
+        ),
     };
     let count = match &raw.count {
         None => None,
@@ -1304,13 +1350,18 @@ fn build_rule(
         def.spec.as_bytes(),
         algo.code().as_bytes(),
         &rpu_bytes,
-        unit.name().as_bytes(),
+        written_unit.name().as_bytes(),
         &burst_bytes,
         &slices_bytes,
         &slots_bytes,
         scope.name().as_bytes(),
     ];
     parts.extend(&plan_bytes);
+    // A calendar's periods depend on its zone: another zone, other counters. (A rule of a
+    // fixed unit hashes as it always has.)
+    if let Some(calendar) = &calendar {
+        parts.push(calendar.zone().name().as_bytes());
+    }
     let base = hash_parts(RULE_SEED, &parts);
     let id = seen.distinct(base);
     // Where the counters live: what an edit of the limit leaves alone, so that a config
@@ -1353,6 +1404,7 @@ fn build_rule(
         lease_auto,
         cost,
         response_cost,
+        calendar,
         count,
         max_wait: max_wait_seconds * NANOS_PER_SECOND,
         dry_run: raw.dry_run.unwrap_or(false),
@@ -1389,6 +1441,137 @@ fn cost_of(field: &raw::CostField) -> Result<Cost, (&'static str, ConfigErrorKin
                 default,
                 max,
             })
+        }
+    }
+}
+
+/// `response_cost` as written: one source, its cap, `weights` with `usage` only; a
+/// refusal names the subfield.
+fn response_cost_of(
+    raw: &raw::RawResponseCost,
+    reserve: Option<Reserve>,
+) -> Result<ResponseCost, (&'static str, ConfigErrorKind)> {
+    let written: Vec<&'static str> = [
+        ("usage", raw.usage.is_some()),
+        ("json", raw.json.is_some()),
+        ("header", raw.header.is_some()),
+    ]
+    .into_iter()
+    .filter_map(|(key, written)| written.then_some(key))
+    .collect();
+    let source = match (&raw.usage, &raw.json, &raw.header) {
+        (Some(provider), None, None) => CostSource::Usage {
+            provider: provider.0,
+            weights: raw.weights.as_ref().map(weights_of).transpose()?,
+        },
+        (None, Some(path), None) => CostSource::Json(path.0.clone()),
+        (None, None, Some(header)) => CostSource::Header(header.0.clone()),
+        _ => {
+            let at = written.get(1).copied().unwrap_or("");
+            return Err((
+                at,
+                ConfigErrorKind::OneSource {
+                    field: "response_cost",
+                    choices: "usage, json or header",
+                    written,
+                },
+            ));
+        }
+    };
+    if raw.weights.is_some() && !matches!(source, CostSource::Usage { .. }) {
+        return Err((
+            "weights",
+            ConfigErrorKind::WeightsWithoutUsage {
+                source: source.key(),
+            },
+        ));
+    }
+    let max = match (&raw.max, &source) {
+        (Some(max), _) => max.get_u32(),
+        // A header's value is the upstream's word: its cap is the operator's to write.
+        (None, CostSource::Header(_)) => return Err(("", ConfigErrorKind::HeaderCostWithoutMax)),
+        (None, _) => MAX_RESPONSE_COST,
+    };
+    Ok(ResponseCost {
+        source,
+        max: NonZeroU32::new(max).unwrap_or(NonZeroU32::MIN),
+        reserve,
+    })
+}
+
+/// `weights` as written (each 1 unless written); both 0 would charge nothing ever.
+fn weights_of(raw: &raw::RawWeights) -> Result<Weights, (&'static str, ConfigErrorKind)> {
+    let weights = Weights {
+        input: raw.input.as_ref().map_or(1, |weight| weight.0),
+        output: raw.output.as_ref().map_or(1, |weight| weight.0),
+    };
+    if weights.input == 0 && weights.output == 0 {
+        return Err(("weights", ConfigErrorKind::WeightsAllZero));
+    }
+    Ok(weights)
+}
+
+/// `response_cost.reserve` as written; a refusal names the subfield (`""` for the value
+/// itself).
+fn reserve_of(field: &raw::ReserveField) -> Result<Reserve, (&'static str, ConfigErrorKind)> {
+    let raw = match field {
+        raw::ReserveField::Fixed(tokens) => {
+            return Ok(Reserve::Fixed(
+                NonZeroU32::new(*tokens).unwrap_or(NonZeroU32::MIN),
+            ))
+        }
+        raw::ReserveField::Read(raw) => raw,
+    };
+    let bound = |value: &raw::Ranged<1, { wire::MAX_WANT as u64 }>| {
+        NonZeroU32::new(value.get_u32()).unwrap_or(NonZeroU32::MIN)
+    };
+    let max = bound(&raw.max);
+    let default = match (&raw.default, &raw.json) {
+        (Some(default), _) => bound(default),
+        // What a request that says nothing reserves is the operator's to say.
+        (None, Some(_)) => return Err(("", ConfigErrorKind::ReserveJsonWithoutDefault)),
+        (None, None) => NonZeroU32::MIN,
+    };
+    let min = raw.min.as_ref().map(bound);
+    let bounds = ReserveBounds::new(default, min, max).map_err(|error| match error {
+        BoundsError::DefaultAboveMax => (
+            "default",
+            ConfigErrorKind::CostDefaultAboveMax {
+                default: default.get(),
+                max: max.get(),
+            },
+        ),
+        BoundsError::MinAboveDefault => (
+            "min",
+            ConfigErrorKind::ReserveMinAboveDefault {
+                min: min.map_or(0, NonZeroU32::get),
+                default: default.get(),
+            },
+        ),
+    })?;
+    match (&raw.header, &raw.json) {
+        (Some(header), None) => Ok(Reserve::Header {
+            name: header.0.clone(),
+            bounds,
+        }),
+        (None, Some(path)) => Ok(Reserve::Json {
+            path: path.0.clone(),
+            bounds,
+        }),
+        (header, json) => {
+            let written: Vec<&'static str> =
+                [("header", header.is_some()), ("json", json.is_some())]
+                    .into_iter()
+                    .filter_map(|(key, written)| written.then_some(key))
+                    .collect();
+            Err((
+                if written.len() > 1 { "json" } else { "" },
+                ConfigErrorKind::OneSource {
+                    field: "response_cost.reserve",
+                    choices: "header or json",
+                    written,
+                },
+            ))
         }
     }
 }

@@ -15,8 +15,8 @@
 
 use super::error::{LocalOnly, PinnedValue};
 use super::model::{
-    HeaderMode, HeaderStyle, OnInvalidConfig, Pinned, Scope, MAX_PLANS, MAX_PLAN_NAME,
-    MAX_RETRY_SECONDS, MAX_TIMEOUT_MS,
+    HeaderMode, HeaderStyle, OnInvalidConfig, Pinned, Provider, RuleUnit, Scope, MAX_PLANS,
+    MAX_PLAN_NAME, MAX_RESPONSE_COST, MAX_RETRY_SECONDS, MAX_TIMEOUT_MS,
 };
 use super::shape::{case_insensitive, document_struct, Constraint, Describe, Field, Pin, Shape};
 use crate::actor::{
@@ -25,11 +25,12 @@ use crate::actor::{
 };
 use crate::algo::{self, Algorithm};
 use crate::breaker::Force;
+use crate::calendar::{Zone, ZONE_NAME_MAX};
 use crate::jwt::{self, ClaimOrigin, ClaimPath};
 use crate::path;
 use crate::secret::{Secret, MIN_SECRET_BYTES};
 use crate::signature::SignatureKey;
-use crate::time::Unit;
+use crate::usage::{JsonPath, JSON_PATH_MAX, MAX_FOLLOWED};
 use crate::wire;
 use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, Unexpected, Visitor};
 use serde::Deserialize;
@@ -347,12 +348,35 @@ document_struct! {
         cost: Option<CostField> =>
             "Tokens a request takes: a constant (default 1), or read from a request header";
         response_cost: Option<RawResponseCost> =>
-            "Tokens charged after the upstream answered, from a response header (not LB)";
+            "Tokens charged after the upstream answered, from a response header or the answer's \
+             body (an LLM provider's usage, a number at a JSON path); not LB";
         count: Option<RawCount> =>
             "Count only the requests whose answer has one of these statuses (not LB, not with response_cost)";
+        timezone: Option<ZoneField> =>
+            "With unit week or month: the IANA time zone whose calendar the periods follow \
+             (default UTC)";
         name: Option<RuleName> =>
             "Printable ASCII; used in metrics and headers (default <Url>#<index>)";
         dry_run: Option<bool>;
+    }
+}
+
+/// `timezone`: an IANA time zone name ([`Zone::parse`]).
+pub(super) struct ZoneField(pub Zone);
+
+impl Describe for ZoneField {
+    fn shape() -> Shape {
+        Shape::string("Europe/Berlin")
+            .pattern("^[A-Za-z0-9_+/-]+$")
+            .length(Some(1), Some(ZONE_NAME_MAX))
+    }
+}
+
+impl<'de> Deserialize<'de> for ZoneField {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserialize_str_with(deserializer, "an IANA time zone name", |raw| {
+            Zone::parse(raw).map(ZoneField)
+        })
     }
 }
 
@@ -386,14 +410,162 @@ document_struct! {
 }
 
 document_struct! {
-    /// `response_cost: {header: NAME, max: N, reserve: N | {header, default, max}}`.
-    #[expecting = "a response cost `{header: NAME, max: N}` (optionally `reserve: N`)"]
+    /// `response_cost`: where the answer's cost is read (exactly one of `header`, `usage`,
+    /// `json`), its cap, and what a request reserves up front.
+    #[expecting = "a response cost `{header: NAME, max: N}`, `{usage: PROVIDER}` or `{json: PATH}` (optionally `reserve`)"]
+    #[shape = |shape: Shape| shape
+        // `parse::response_cost_of` refuses none or two (ResponseCostSources), `header`
+        // without `max` (HeaderCostWithoutMax), `weights` without `usage` (WeightsWithoutUsage).
+        .constraint(Constraint::ExactlyOne(vec!["usage", "json", "header"]))
+        .constraint(Constraint::Needs { key: "header", needs: "max" })
+        .constraint(Constraint::Needs { key: "weights", needs: "usage" })]
     pub(super) struct RawResponseCost {
-        header: HeaderNameField;
-        max: Ranged<1, 1_000_000_000>;
-        reserve: Option<CostField> =>
+        header: Option<HeaderNameField> =>
+            "A response header holding the answer's cost, a decimal integer (with `max`)";
+        usage: Option<ProviderField> =>
+            "The provider's usage object, from a JSON answer or its server-sent events";
+        json: Option<JsonPathField> =>
+            "The number at this dotted path of a JSON answer (or of the last event of a stream \
+             that has it)";
+        weights: Option<RawWeights> =>
+            "With `usage`: the price of input and output tokens, cost = input × input weight + \
+             output × output weight (default: the provider's total)";
+        max: Option<Ranged<1, { MAX_RESPONSE_COST as u64 }>> =>
+            "The most one answer is charged (required with `header`; default 1000000000)";
+        reserve: Option<ReserveField> =>
             "Tokens taken up front instead of `cost` (all or nothing) and settled with the answer's cost: \
-             a constant, or read from a request header; not with `cost`";
+             a constant, or read from a request header or the request's JSON body; not with `cost`";
+    }
+}
+
+/// `usage`: openai | anthropic | gemini.
+pub(super) struct ProviderField(pub Provider);
+
+impl Describe for ProviderField {
+    fn shape() -> Shape {
+        Shape::words(Provider::ALL.iter().map(|p| p.name()).collect(), false)
+    }
+}
+
+impl<'de> Deserialize<'de> for ProviderField {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserialize_str_with(deserializer, "openai, anthropic or gemini", |raw| {
+            named(raw, &Provider::ALL, Provider::name, "provider").map(ProviderField)
+        })
+    }
+}
+
+/// A dotted path of a JSON body (`usage.total_tokens`, `max_tokens`): at most
+/// [`JSON_PATH_MAX`] bytes of printable ASCII, at most [`MAX_FOLLOWED`] keys (the reader
+/// follows no deeper), none empty.
+pub(super) struct JsonPathField(pub JsonPath);
+
+impl Describe for JsonPathField {
+    fn shape() -> Shape {
+        Shape::string("usage.total_tokens")
+            .pattern(format!(
+                "^[!-\\-/-~]+(?:\\.[!-\\-/-~]+){{0,{}}}$",
+                MAX_FOLLOWED - 1
+            ))
+            .length(None, Some(JSON_PATH_MAX))
+    }
+}
+
+impl<'de> Deserialize<'de> for JsonPathField {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserialize_str_with(deserializer, "a dotted JSON path", |raw| {
+            let path = JsonPath::parse(raw).map_err(|error| error.to_string())?;
+            let keys = raw.split('.').count();
+            if keys > MAX_FOLLOWED {
+                return Err(format!(
+                    "a JSON path has at most {MAX_FOLLOWED} keys (the body is not read deeper), \
+                     this one has {keys}"
+                ));
+            }
+            Ok(JsonPathField(path))
+        })
+    }
+}
+
+document_struct! {
+    /// `weights: {input: N, output: N}`.
+    #[expecting = "`{input: N, output: N}`"]
+    pub(super) struct RawWeights {
+        input: Option<Ranged<0, { MAX_WEIGHT }>> => "The price of an input token (default 1)";
+        output: Option<Ranged<0, { MAX_WEIGHT }>> => "The price of an output token (default 1)";
+    }
+}
+
+/// The largest weight.
+pub(super) const MAX_WEIGHT: u64 = 1_000_000;
+
+/// `reserve`: a constant, or read from a request header or the request's JSON body.
+pub(super) enum ReserveField {
+    Fixed(u32),
+    Read(RawReserveFrom),
+}
+
+impl<'de> Deserialize<'de> for ReserveField {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct ReserveVisitor;
+        impl<'de> Visitor<'de> for ReserveVisitor {
+            type Value = ReserveField;
+            fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(
+                    formatter,
+                    "an integer between 1 and {} or `{{header | json, default, max, min}}`",
+                    wire::MAX_WANT
+                )
+            }
+            fn visit_u64<E: de::Error>(self, value: u64) -> Result<ReserveField, E> {
+                match u32::try_from(value) {
+                    Ok(tokens) if (1..=wire::MAX_WANT).contains(&tokens) => {
+                        Ok(ReserveField::Fixed(tokens))
+                    }
+                    _ => Err(E::invalid_value(Unexpected::Unsigned(value), &self)),
+                }
+            }
+            fn visit_i64<E: de::Error>(self, value: i64) -> Result<ReserveField, E> {
+                match u64::try_from(value) {
+                    Ok(value) => self.visit_u64(value),
+                    Err(_) => Err(E::invalid_value(Unexpected::Signed(value), &self)),
+                }
+            }
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<ReserveField, A::Error> {
+                RawReserveFrom::deserialize(de::value::MapAccessDeserializer::new(map))
+                    .map(ReserveField::Read)
+            }
+        }
+        deserializer.deserialize_any(ReserveVisitor)
+    }
+}
+
+impl Describe for ReserveField {
+    fn shape() -> Shape {
+        Shape::one_of(vec![
+            Shape::integer(1, u64::from(wire::MAX_WANT)),
+            RawReserveFrom::shape(),
+        ])
+    }
+}
+
+document_struct! {
+    /// `reserve: {header: NAME | json: PATH, default: N, max: N, min: N}`.
+    #[expecting = "a reservation `{header: NAME, default: N, max: N, min: N}` or `{json: PATH, default: N, max: N, min: N}`"]
+    #[shape = |shape: Shape| shape
+        // `parse::reserve_of` refuses none or both (ReserveSources) and `json` without
+        // `default` (ReserveJsonWithoutDefault).
+        .constraint(Constraint::ExactlyOne(vec!["header", "json"]))
+        .constraint(Constraint::Needs { key: "json", needs: "default" })]
+    pub(super) struct RawReserveFrom {
+        header: Option<HeaderNameField> => "A request header holding the reservation";
+        json: Option<JsonPathField> =>
+            "The number at this dotted path of the request's JSON body (`max_tokens`)";
+        default: Option<Ranged<1, { wire::MAX_WANT as u64 }>> =>
+            "Reserved when the request has no readable value (default 1; required with `json`)";
+        max: Ranged<1, { wire::MAX_WANT as u64 }> => "The most a request reserves";
+        min: Option<Ranged<1, { wire::MAX_WANT as u64 }>> =>
+            "The least a request reserves, whatever it says (default: `default`)";
     }
 }
 
@@ -1355,24 +1527,27 @@ impl<'de> Deserialize<'de> for UrlField {
     }
 }
 
-/// `unit`: second | minute | hour | day.
-pub(super) struct UnitField(pub Unit);
+/// `unit`: second | minute | hour | day | week | month.
+pub(super) struct UnitField(pub RuleUnit);
 
 impl Describe for UnitField {
     fn shape() -> Shape {
-        Shape::words(Unit::ALL.iter().map(|unit| unit.name()).collect(), true)
+        Shape::words(RuleUnit::ALL.iter().map(|unit| unit.name()).collect(), true)
             .named("unit")
-            .described("Unit of `rpu`, case-insensitive, a trailing `s` accepted (default second)")
+            .described(
+                "Unit of `rpu`, case-insensitive, a trailing `s` accepted (default second); week \
+                 and month are calendar periods in the rule's `timezone` (W and TB)",
+            )
     }
 }
 
 impl<'de> Deserialize<'de> for UnitField {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         deserialize_str_with(deserializer, "a unit", |raw| {
-            Unit::parse(raw).map(UnitField).ok_or_else(|| {
+            RuleUnit::parse(raw).map(UnitField).ok_or_else(|| {
                 format!(
                     "unknown unit `{raw}`, expected one of {}",
-                    one_of(Unit::ALL.iter().map(|unit| unit.name()))
+                    one_of(RuleUnit::ALL.iter().map(|unit| unit.name()))
                 )
             })
         })
