@@ -379,6 +379,16 @@ fn rule_plan(policy: &Policy, rule: &Rule, machine: bool) -> Value {
         ("dry_run", Value::Bool(rule.dry_run || policy.dry_run)),
         ("metric_name", string(&rule.metric_name)),
         ("plan", rule.plan.as_ref().map_or(Value::Null, plan_choice)),
+        // Where the gateway keeps this rule's hottest identities for the fleet view.
+        (
+            "hot",
+            rule.hot.map_or(Value::Null, |hot| {
+                map(vec![
+                    ("show", string(hot.show.name())),
+                    ("top", number(u64::from(hot.top.get()))),
+                ])
+            }),
+        ),
     ]);
     map(entries)
 }

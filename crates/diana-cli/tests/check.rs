@@ -243,7 +243,7 @@ resources:
           weights: {output: 4}
           reserve: {json: max_tokens, default: 1000, max: 100000, min: 200}
       - {name: weekly, unit: weeks, algo: W, rpu: 5000, response_cost: {json: usage.total_tokens, max: 9000}}
-      - {name: daily, unit: day, rpu: 100, response_cost: {header: x-used, max: 50, reserve: 7}}
+      - {name: daily, unit: day, rpu: 100, response_cost: {header: x-used, max: 50, reserve: 7}, hot: {show: digest}}
 ";
     let plan = check_json(document);
     let monthly = rule(&plan, "monthly");
@@ -272,6 +272,12 @@ resources:
     let daily = rule(&plan, "daily");
     assert_eq!(daily["timezone"], Value::Null);
     assert_eq!(daily["response_cost"]["reserve"], 7);
+    // `hot`: the list the gateway keeps for the fleet view, defaults resolved.
+    assert_eq!(
+        daily["hot"],
+        serde_json::json!({"show": "digest", "top": 10})
+    );
+    assert_eq!(weekly["hot"], Value::Null);
 }
 
 /// Every breaker's effective settings: all defaults resolved, the probe timeout and the

@@ -13,7 +13,7 @@ use crate::store::Generation;
 use crate::time::{Nanos, Unit};
 use crate::usage::{JsonPath, Usage, UsageSource, Weights};
 use std::fmt;
-use std::num::NonZeroU32;
+use std::num::{NonZeroU32, NonZeroU8};
 use std::sync::Arc;
 
 /// The whole validated configuration.
@@ -204,6 +204,8 @@ pub struct Rule {
     /// (W and TB). Then [`Limit::unit`] is [`Unit::Day`], the longest fixed unit, and
     /// must not be read as the rule's period: the calendar is.
     pub calendar: Option<Calendar>,
+    /// `hot`: where the gateway keeps this rule's hottest identities for the fleet view.
+    pub hot: Option<HotSpec>,
     /// Only answers of these statuses are counted (`count.status`).
     pub count: Option<CountOnly>,
     /// Leaky bucket: the longest a request may be held; one whose turn is further away is
@@ -661,6 +663,44 @@ impl RuleUnit {
     }
 }
 
+/// `hot: {show, top}`: the rule's hottest identities, kept by the gateway for the fleet
+/// view (issue 43).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HotSpec {
+    /// How an identity is shown.
+    pub show: HotShow,
+    /// How many identities are listed (1 to [`MAX_HOT_TOP`], default [`DEFAULT_HOT_TOP`]).
+    pub top: NonZeroU8,
+}
+
+/// The most identities `hot.top` lists.
+pub const MAX_HOT_TOP: u8 = 100;
+/// `hot.top` when the document does not say.
+pub const DEFAULT_HOT_TOP: NonZeroU8 = match NonZeroU8::new(10) {
+    Some(top) => top,
+    None => NonZeroU8::MIN,
+};
+
+/// `hot.show`: an identity as its value (truncated to 64 bytes) or as a keyed digest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum HotShow {
+    #[default]
+    Value,
+    /// A keyed digest instead of the value (privacy).
+    Digest,
+}
+
+impl HotShow {
+    pub const ALL: [HotShow; 2] = [HotShow::Value, HotShow::Digest];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            HotShow::Value => "value",
+            HotShow::Digest => "digest",
+        }
+    }
+}
+
 /// `count: {status: [401, 403, 5xx]}`: the rule counts only the requests whose answer has
 /// one of these statuses. Each request reserves its cost up front (so that concurrent
 /// requests cannot all pass on the last token) and gets it back when its answer's status
@@ -845,6 +885,7 @@ impl fmt::Debug for Rule {
             .field("cost", &self.cost)
             .field("response_cost", &self.response_cost)
             .field("calendar", &self.calendar)
+            .field("hot", &self.hot)
             .field("count", &self.count)
             .field("max_wait", &self.max_wait)
             .field("dry_run", &self.dry_run)

@@ -18,10 +18,10 @@
 use super::error::{ConfigError, ConfigErrorKind, Position};
 use super::locate::{locate, Site, Stop};
 use super::model::{
-    BoundsError, Cost, CostSource, CountOnly, GlobalSpec, Lease, MetricsSpec, OnInvalidConfig,
-    Pinned, PlanChoice, PlanName, PlanSource, Policy, RemoteSpec, Reserve, ReserveBounds, Resource,
-    ResponseCost, ResponseSpec, Rule, RuleKeys, RuleUnit, Scope, Upfront, AUTO_LEASE_SHARE,
-    MAX_RESPONSE_COST,
+    BoundsError, Cost, CostSource, CountOnly, GlobalSpec, HotShow, HotSpec, Lease, MetricsSpec,
+    OnInvalidConfig, Pinned, PlanChoice, PlanName, PlanSource, Policy, RemoteSpec, Reserve,
+    ReserveBounds, Resource, ResponseCost, ResponseSpec, Rule, RuleKeys, RuleUnit, Scope, Upfront,
+    AUTO_LEASE_SHARE, DEFAULT_HOT_TOP, MAX_RESPONSE_COST,
 };
 use super::raw::{self, ContextGuard, RawBlock, RawFull, RawRule};
 use super::shape::{Describe, Shape};
@@ -1324,6 +1324,15 @@ fn build_rule(
             statuses: raw.status.0.clone(),
         }),
     };
+    let hot = raw.hot.as_ref().map(|hot| HotSpec {
+        show: hot.show.as_ref().map_or(HotShow::default(), |show| show.0),
+        top: hot
+            .top
+            .as_ref()
+            .and_then(|top| u8::try_from(top.0).ok())
+            .and_then(NonZeroU8::new)
+            .unwrap_or(DEFAULT_HOT_TOP),
+    });
     let max_wait_seconds = match &raw.max_wait_seconds {
         Some(_) if !algo.waits() => {
             return Err(refuse(
@@ -1405,6 +1414,7 @@ fn build_rule(
         cost,
         response_cost,
         calendar,
+        hot,
         count,
         max_wait: max_wait_seconds * NANOS_PER_SECOND,
         dry_run: raw.dry_run.unwrap_or(false),

@@ -15,8 +15,8 @@
 
 use super::error::{LocalOnly, PinnedValue};
 use super::model::{
-    HeaderMode, HeaderStyle, OnInvalidConfig, Pinned, Provider, RuleUnit, Scope, MAX_PLANS,
-    MAX_PLAN_NAME, MAX_RESPONSE_COST, MAX_RETRY_SECONDS, MAX_TIMEOUT_MS,
+    HeaderMode, HeaderStyle, HotShow, OnInvalidConfig, Pinned, Provider, RuleUnit, Scope,
+    MAX_HOT_TOP, MAX_PLANS, MAX_PLAN_NAME, MAX_RESPONSE_COST, MAX_RETRY_SECONDS, MAX_TIMEOUT_MS,
 };
 use super::shape::{case_insensitive, document_struct, Constraint, Describe, Field, Pin, Shape};
 use crate::actor::{
@@ -355,9 +355,41 @@ document_struct! {
         timezone: Option<ZoneField> =>
             "With unit week or month: the IANA time zone whose calendar the periods follow \
              (default UTC)";
+        hot: Option<RawHot> =>
+            "Keep this rule's hottest identities for the fleet view (diana-quota's /ui)";
         name: Option<RuleName> =>
             "Printable ASCII; used in metrics and headers (default <Url>#<index>)";
         dry_run: Option<bool>;
+    }
+}
+
+document_struct! {
+    /// `hot: {show: value | digest, top: N}`.
+    #[expecting = "`{show: value | digest, top: N}`"]
+    pub(super) struct RawHot {
+        show: Option<HotShowField>;
+        top: Option<Ranged<1, { MAX_HOT_TOP as u64 }>> =>
+            "How many identities are listed (default 10)";
+    }
+}
+
+/// `hot.show`: value | digest.
+pub(super) struct HotShowField(pub HotShow);
+
+impl Describe for HotShowField {
+    fn shape() -> Shape {
+        Shape::words(HotShow::ALL.iter().map(|show| show.name()).collect(), false).described(
+            "How an identity is shown: value (its first 64 bytes, the default) or digest (a \
+             keyed digest, for privacy)",
+        )
+    }
+}
+
+impl<'de> Deserialize<'de> for HotShowField {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserialize_str_with(deserializer, "value or digest", |raw| {
+            named(raw, &HotShow::ALL, HotShow::name, "hot.show").map(HotShowField)
+        })
     }
 }
 

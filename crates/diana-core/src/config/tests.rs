@@ -10,6 +10,7 @@ use std::num::NonZeroU32;
 
 mod breaker;
 mod description;
+mod hot;
 mod llm;
 
 /// The seed design's document, verbatim (one copy for every test that needs it).
