@@ -107,6 +107,20 @@ fn build(policy: &Policy, machine: bool) -> Value {
                     "breaker",
                     resource.breaker.as_ref().map_or(Value::Null, breaker_plan),
                 ),
+                // How a request path is compared with the url.
+                (
+                    "path",
+                    map(vec![
+                        (
+                            "strip_parameters",
+                            Value::Bool(resource.path.strip_parameters),
+                        ),
+                        (
+                            "case_insensitive",
+                            Value::Bool(resource.path.case_insensitive),
+                        ),
+                    ]),
+                ),
             ])
         })
         .collect();

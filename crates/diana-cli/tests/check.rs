@@ -206,6 +206,15 @@ fn every_setting_the_document_can_write_is_in_the_plan() {
             "the plan's breaker has no `{key}`: {resource:#}"
         );
     }
+    assert_eq!(
+        resource["path"],
+        serde_json::json!({"strip_parameters": false, "case_insensitive": false})
+    );
+    let loose = check_json("Url: /admin\nrules: []\npath: {strip_parameters: true}\n");
+    assert_eq!(
+        loose["resources"][0]["path"],
+        serde_json::json!({"strip_parameters": true, "case_insensitive": false})
+    );
     for section in keys("full") {
         assert!(plan.get(&section).is_some(), "the plan has no `{section}`");
     }

@@ -157,6 +157,20 @@ pub struct Resource {
     pub rules: Vec<Rule>,
     /// The circuit breaker of the upstream behind it (DESIGN §4b).
     pub breaker: Option<crate::breaker::Spec>,
+    /// How a request path is compared with `url` (`path:`; issue 41, item 6).
+    pub path: PathOptions,
+}
+
+/// `path: {strip_parameters, case_insensitive}`: how a block's `Url` is compared with a
+/// request path, for a backend that reads paths more loosely than their spelling
+/// ([`crate::matching`]). Both off by default: the path as normalised, exactly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PathOptions {
+    /// Segments' parameters ignored: `/admin;jsessionid=1/x` is under `/admin`, and
+    /// `/public/..;/admin` is `/admin` (as a servlet container reads them).
+    pub strip_parameters: bool,
+    /// ASCII letters compared without regard to case: `/ADMIN/x` is under `/admin`.
+    pub case_insensitive: bool,
 }
 
 /// One rule with every default resolved, and what evaluating it needs precomputed.

@@ -19,9 +19,9 @@ use super::error::{ConfigError, ConfigErrorKind, Position};
 use super::locate::{locate, Site, Stop};
 use super::model::{
     BoundsError, Cost, CostSource, CountOnly, GlobalSpec, HotShow, HotSpec, Lease, MetricsSpec,
-    OnInvalidConfig, Pinned, PlanChoice, PlanName, PlanSource, Policy, RemoteSpec, Reserve,
-    ReserveBounds, Resource, ResponseCost, ResponseSpec, Rule, RuleKeys, RuleUnit, Scope, Upfront,
-    AUTO_LEASE_SHARE, DEFAULT_HOT_TOP, MAX_RESPONSE_COST,
+    OnInvalidConfig, PathOptions, Pinned, PlanChoice, PlanName, PlanSource, Policy, RemoteSpec,
+    Reserve, ReserveBounds, Resource, ResponseCost, ResponseSpec, Rule, RuleKeys, RuleUnit, Scope,
+    Upfront, AUTO_LEASE_SHARE, DEFAULT_HOT_TOP, MAX_RESPONSE_COST,
 };
 use super::raw::{self, ContextGuard, RawBlock, RawFull, RawRule};
 use super::shape::{Describe, Shape};
@@ -30,6 +30,7 @@ use crate::algo;
 use crate::breaker::{Settings, SlowCalls, Spec, StatusClasses, Window};
 use crate::calendar::{Calendar, Zone};
 use crate::hash::{hash_parts, IdentityHasher, IdentityKey};
+use crate::matching;
 use crate::metrics::stat_name;
 use crate::path;
 use crate::secret::Secret;
@@ -699,11 +700,18 @@ fn build(collected: Collected) -> Result<Policy, Refusal> {
             positions.extend(std::iter::repeat_n(index, built.len()));
             rules.extend(built);
         }
+        let path = block
+            .path
+            .map_or_else(PathOptions::default, |path| PathOptions {
+                strip_parameters: path.strip_parameters.unwrap_or(false),
+                case_insensitive: path.case_insensitive.unwrap_or(false),
+            });
         written.push((
             Resource {
                 url,
                 rules,
                 breaker,
+                path,
             },
             (site, positions),
         ));
@@ -974,14 +982,13 @@ fn check_global_rules_per_request(resources: &[Resource], sites: &[Site]) -> Res
     };
     let globals = |resource: &Resource| resource.rules.iter().filter(applies).count();
     for (resource, site) in resources.iter().zip(sites) {
-        let applying: usize = resources
-            .iter()
-            .filter(|outer| path::is_prefix(&outer.url, &resource.url))
-            .map(globals)
-            .sum();
+        // Every block a request under this one's Url also matches (the outer blocks, by
+        // their own way of comparing paths).
+        let outer = |outer: &&Resource| matching::covers(outer, resource.url.as_bytes());
+        let applying: usize = resources.iter().filter(outer).map(globals).sum();
         let costs: u64 = resources
             .iter()
-            .filter(|outer| path::is_prefix(&outer.url, &resource.url))
+            .filter(outer)
             .flat_map(|outer| outer.rules.iter())
             .filter(applies)
             .map(|rule| u64::from(rule.upfront().max()))

@@ -132,6 +132,22 @@ document_struct! {
         breaker: Option<RawBreaker> =>
             "The circuit breaker of the upstream behind this resource (DESIGN §4b): fail fast while \
              its answers are slow or failing, probe, close again";
+        path: Option<RawPathOptions> =>
+            "How a request path is compared with this Url, for a backend that reads paths more \
+             loosely than their spelling (default: exactly, after normalisation)";
+    }
+}
+
+document_struct! {
+    /// `path: {strip_parameters: BOOL, case_insensitive: BOOL}`.
+    #[expecting = "`{strip_parameters: BOOL, case_insensitive: BOOL}`"]
+    pub(super) struct RawPathOptions {
+        strip_parameters: Option<bool> =>
+            "Ignore each segment's `;parameters` (`/admin;jsessionid=1` is `/admin`, `/x/..;/admin` \
+             is `/admin`), as servlet containers read paths (default false)";
+        case_insensitive: Option<bool> =>
+            "Compare letters without regard to case (`/ADMIN` is `/admin`), for a backend that \
+             does (default false)";
     }
 }
 

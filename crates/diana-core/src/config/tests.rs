@@ -12,6 +12,7 @@ mod breaker;
 mod description;
 mod hot;
 mod llm;
+mod path;
 
 /// The seed design's document, verbatim (one copy for every test that needs it).
 const SEED: &str = include_str!("../../../../tests/fixtures/seed.yaml");
