@@ -448,7 +448,7 @@ fn breaker_plan(spec: &Spec) -> Value {
             "half_open_calls",
             number(u64::from(settings.half_open_calls.get())),
         ),
-        ("scope", string(settings.scope.name())),
+        ("scope", string(settings.reach.name())),
         ("force", string(settings.force.name())),
         (
             "fallback_header",

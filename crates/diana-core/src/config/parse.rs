@@ -27,7 +27,7 @@ use super::raw::{self, ContextGuard, RawBlock, RawFull, RawRule};
 use super::shape::{Describe, Shape};
 use crate::actor::{ActorDef, ActorRegistry};
 use crate::algo;
-use crate::breaker::{Settings, SlowCalls, Spec, StatusClasses, Window};
+use crate::breaker::{Reach, Settings, SlowCalls, Spec, StatusClasses, Window};
 use crate::calendar::{Calendar, Zone};
 use crate::hash::{hash_parts, IdentityHasher, IdentityKey};
 use crate::matching;
@@ -857,7 +857,10 @@ fn build_breaker(url: &str, raw: &raw::RawBreaker, site: &Site) -> Result<Spec, 
         settings.half_open_calls = calls;
     }
     if let Some(scope) = &raw.scope {
-        settings.scope = scope.0;
+        settings.reach = match scope.0 {
+            Scope::Local => Reach::Gateway,
+            Scope::Global => Reach::Fleet,
+        };
     }
     if let Some(force) = &raw.force {
         settings.force = force.0;

@@ -2,8 +2,8 @@
 //! the names and indices, and every refusal with its field and position.
 
 use super::{error, parse};
-use crate::breaker::{Force, Ratio, Spec, StatusClasses};
-use crate::config::{parse_remote, Policy, Scope};
+use crate::breaker::{Force, Ratio, Reach, Spec, StatusClasses};
+use crate::config::{parse_remote, Policy};
 use crate::time::Nanos;
 
 fn breakers(policy: &Policy) -> Vec<&Spec> {
@@ -38,7 +38,7 @@ fn a_breaker_with_every_field_as_written() {
     assert_eq!(settings.window.seconds(), 60);
     assert_eq!(settings.open_for, Nanos::from_secs(90));
     assert_eq!(settings.half_open_calls.get(), 255);
-    assert_eq!(settings.scope, Scope::Global);
+    assert_eq!(settings.reach, Reach::Fleet);
     assert_eq!(settings.force, Force::Open);
     assert_eq!(spec.fallback_header.as_deref(), Some("x-backup"));
     assert_eq!(settings.probe_timeout(), Nanos::from_secs(3));
@@ -60,7 +60,7 @@ fn a_breaker_left_to_its_defaults_is_the_breakers_own() {
     assert_eq!(settings.window.seconds(), 10);
     assert_eq!(settings.open_for, Nanos::from_secs(30));
     assert_eq!(settings.half_open_calls.get(), 3);
-    assert_eq!(settings.scope, Scope::Local);
+    assert_eq!(settings.reach, Reach::Gateway);
     assert_eq!(settings.force, Force::Auto);
     assert_eq!(spec.fallback_header, None);
     // Exactly what the breaker's own constructor gives.
@@ -392,7 +392,7 @@ fn a_remote_document_may_flip_the_switch_and_tune_the_breaker() {
     let spec = remote.breakers().next().expect("a breaker");
     assert_eq!(spec.settings.force, Force::Open);
     assert_eq!(spec.settings.failure_ratio(), Some(ppm(200_000)));
-    assert_eq!(spec.settings.scope, Scope::Global);
+    assert_eq!(spec.settings.reach, Reach::Fleet);
     assert_eq!(spec.fallback_header.as_deref(), Some("x-backup"));
     // And may drop it.
     let remote = parse_remote("Url: /pay\nrules: [{rpu: 5}]\n", &local).expect("adopted");
