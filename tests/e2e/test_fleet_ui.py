@@ -218,11 +218,18 @@ def run_the_page(page, quota: Quota, view_token: str, log_dir: Path) -> None:
     for secret in (FLOODER, "per-device", "gw-eu-1", "payments"):
         assert secret not in shown["bodyText"], shown["bodyText"]
 
+    # A token that is not printable ASCII is not even sent.
+    page.evaluate("document.getElementById('token').focus()")
+    page.type_text("jeton-à-coller")
+    page.press_enter()
+    page.wait_for("document.getElementById('signin-error').textContent.includes('printable ASCII')", 15, "refusing a non-ASCII token")
+    assert not [r for r in page.requests if r["headers"].get("authorization")], page.requests
+
     # A wrong token is refused, and says so.
     page.evaluate("document.getElementById('token').focus()")
     page.type_text("not-the-token-" + secrets.token_hex(16))
     page.press_enter()
-    page.wait_for("!document.getElementById('signin-error').hidden", 15, "telling the token was refused")
+    page.wait_for("document.getElementById('signin-error').textContent.includes('refused')", 15, "telling the token was refused")
     refused = page.evaluate(READ_PAGE)
     assert "refused" in refused["bodyText"] and FLOODER not in refused["bodyText"], refused["bodyText"]
 

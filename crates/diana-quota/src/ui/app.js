@@ -363,6 +363,7 @@
   let renders = 0;
 
   function render(view) {
+    view.series = view.series || {};
     const now = num(view.now_ms) || Date.now();
     renderSummary(view, now);
     renderRules(view, now);
@@ -477,6 +478,12 @@
       // The field never keeps the secret once it is taken.
       input.value = "";
       if (!value) return;
+      // The service's secrets are printable ASCII; anything else could not even be sent
+      // as a header.
+      if (!/^[\x21-\x7e]+$/.test(value)) {
+        signIn("A token is printable ASCII without spaces: check what was pasted.");
+        return;
+      }
       keepToken(value);
       byId("signin-error").hidden = true;
       setStatus("signing in…");
