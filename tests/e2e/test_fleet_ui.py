@@ -360,6 +360,22 @@ def test_without_authentication_the_page_stays_empty_unless_the_view_is_opened(p
     opened = procs.add(Quota(log_dir, tokens=None, flags=(*QUOTA_TEST_FLAGS, "--insecure-open-view"))).start()
     status, _, body = get(opened.port, "/v1/view")
     assert status == 200 and json.loads(body)["reports"] == 0
+    # In the browser: the closed one asks for a token; the opened one shows the view at
+    # once, and says that anyone can read it.
+    chromium = procs.add(Chromium(log_dir)).start()
+    page = chromium.page()
+    try:
+        page.navigate(f"http://{HOST}:{closed.port}/ui")
+        page.wait_for("document.documentElement.dataset.showing === 'signin'", 15, "asking for a token")
+        page.navigate(f"http://{HOST}:{opened.port}/ui")
+        page.wait_for("document.documentElement.dataset.showing === 'view'", 15, "showing the open view")
+        shown = page.evaluate(READ_PAGE)
+        assert "open to anyone" in shown["status"], shown["status"]
+        assert shown["tiles"]["gateways reporting"] == "0", shown["tiles"]
+        assert page.evaluate("document.getElementById('forget').hidden") is True
+        assert page.exceptions == [], page.exceptions
+    finally:
+        page.close()
 
 
 if __name__ == "__main__":  # pragma: no cover
