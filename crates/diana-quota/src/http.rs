@@ -11,6 +11,7 @@
 //! - `GET /metrics`: Prometheus (OpenMetrics) text.
 //! - `POST /v1/report`, `GET /v1/view`: the gateways' tick report and the fleet view
 //!   ([`crate::report`]).
+//! - `GET /ui`: the fleet view's page, static; its data is `/v1/view` ([`crate::ui`]).
 //!
 //! Only gateways may call the `/v1/` endpoints: a layer in front of them answers `401` (with
 //! `www-authenticate: Bearer`) to a request without `authorization: Bearer <secret>`
@@ -32,6 +33,7 @@ use crate::fleet::{Fleet, ViewAccess};
 use crate::metrics::{self, Metrics};
 use crate::report::{self, VIEW_PATH};
 use crate::store::{Grant, Noted, Outcome, Store, StoreError, SystemClock};
+use crate::ui;
 use axum::body::Body;
 use axum::extract::{MatchedPath, Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
@@ -210,6 +212,7 @@ pub fn app(state: AppState) -> Router {
     Router::new()
         .merge(gateway)
         .route(VIEW_PATH, get(report::view))
+        .merge(ui::routes())
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics_text))
@@ -235,6 +238,7 @@ fn route_label(request: &Request) -> &'static str {
         Some("/healthz") => "/healthz",
         Some("/readyz") => "/readyz",
         Some("/metrics") => "/metrics",
+        Some(path) if path.starts_with(ui::UI_PATH) => ui::UI_PATH,
         _ => "other",
     }
 }

@@ -19,7 +19,7 @@
 //! - [`metrics`]: Prometheus metrics.
 //! - [`report`] and [`fleet`]: the gateways' tick report (`POST /v1/report`: the fleet's
 //!   breakers, kept by the store, [`store::breakers`]) and the fleet view (`GET /v1/view`,
-//!   `/metrics`), in memory per replica.
+//!   `/metrics`), in memory per replica; [`ui`]: the view's page (`GET /ui`).
 //! - [`rls`]: Envoy's rate limit protocols over gRPC (`--rls-listen`): RLS
 //!   (`ShouldRateLimit`, a drop-in for envoyproxy/ratelimit reading its configuration files)
 //!   and RLQS (`StreamRateLimitQuotas`), on the same store.
@@ -34,6 +34,7 @@ pub mod metrics;
 pub mod report;
 pub mod rls;
 pub mod store;
+pub mod ui;
 
 pub use auth::{Auth, AuthError, NO_SECRET};
 pub use error::StartError;
