@@ -62,7 +62,11 @@ pub async fn report(State(state): State<AppState>, headers: HeaderMap, body: Bod
         .filter(|(_, breaker)| breaker.fleet)
         .map(|(at, _)| at)
         .collect();
-    let mut answers: Vec<FleetAnswer> = report.breakers.iter().map(echo).collect();
+    let mut answers: Vec<FleetAnswer> = report
+        .breakers
+        .iter()
+        .map(diana_core::quota::fleet::echo)
+        .collect();
     if fleet.is_empty() {
         return Json(ReportResponse { breakers: answers }).into_response();
     }
@@ -132,16 +136,6 @@ pub async fn report(State(state): State<AppState>, headers: HeaderMap, body: Bod
     }
     state.fleet().record_fleet(answered);
     Json(ReportResponse { breakers: answers }).into_response()
-}
-
-/// A breaker's entry before (or without) the fleet's answer: its own status echoed.
-fn echo(breaker: &wire::BreakerReport) -> FleetAnswer {
-    FleetAnswer {
-        status: breaker.status,
-        half_open_in_ms: 0,
-        round: 0,
-        places: 0,
-    }
 }
 
 /// Answers that came after the deadline: their gateway got a 503 and will not use the

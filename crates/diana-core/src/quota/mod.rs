@@ -6,6 +6,7 @@
 //! the simulated service cannot decide otherwise than the real one.
 
 pub mod decide;
+pub mod fleet;
 pub mod ledger;
 pub mod table;
 
@@ -189,6 +190,8 @@ pub enum EndpointError {
     BadRequest(String),
     /// The table is full of live counters: 503.
     Full(table::Full),
+    /// The fleet's breaker table is full of live states: 503.
+    FleetFull(String),
 }
 
 impl EndpointError {
@@ -196,7 +199,7 @@ impl EndpointError {
     pub fn status(&self) -> u16 {
         match self {
             EndpointError::BadRequest(_) => 400,
-            EndpointError::Full(_) => 503,
+            EndpointError::Full(_) | EndpointError::FleetFull(_) => 503,
         }
     }
 }
@@ -206,6 +209,7 @@ impl fmt::Display for EndpointError {
         match self {
             EndpointError::BadRequest(reason) => f.write_str(reason),
             EndpointError::Full(full) => write!(f, "store full: {full}"),
+            EndpointError::FleetFull(reason) => write!(f, "store full: {reason}"),
         }
     }
 }
@@ -245,6 +249,8 @@ impl From<table::ChargeRefused> for EndpointError {
 #[derive(Debug)]
 pub struct MemoryQuota {
     table: Table,
+    /// The fleet's breakers (`/v1/report`).
+    fleet: fleet::FleetTable,
     calls: u64,
     ledger: CallLedger,
     times: ServiceTimes,
@@ -276,6 +282,7 @@ impl MemoryQuota {
     pub fn with_table(table: Table) -> MemoryQuota {
         MemoryQuota {
             table,
+            fleet: fleet::FleetTable::new(fleet::DEFAULT_MAX_STATES),
             calls: 0,
             ledger: CallLedger::default(),
             times: ServiceTimes::default(),
@@ -344,6 +351,7 @@ impl MemoryQuota {
                 "leave" => json(&self.leave_body(body, now)?),
                 "renew" => json(&self.renew_body(body, now)?),
                 "charge" => json(&self.charge_body(body, now)?),
+                "report" => json(&self.report_body(body, now)?),
                 "wait" => {
                     let (response, hold) = self.wait_body(body, timeout, now)?;
                     held = hold;
@@ -366,6 +374,21 @@ impl MemoryQuota {
             reply: Answer::with(status, body),
             held,
         }
+    }
+
+    /// Answers a tick report (`/v1/report`) at `now`: the fleet's breakers as the service
+    /// decides them (`fleet::answer_report`); the view's part is not kept here.
+    pub fn report_body(
+        &mut self,
+        body: &[u8],
+        now: Instant,
+    ) -> Result<crate::report::ReportResponse, EndpointError> {
+        let report = crate::report::decode(body)
+            .map_err(|error| EndpointError::BadRequest(error.to_string()))?;
+        fleet::answer_report(&mut self.fleet, &report, now).map_err(|refused| match refused {
+            fleet::Refused::Full { .. } => EndpointError::FleetFull(refused.to_string()),
+            fleet::Refused::OutOfRange { .. } => EndpointError::BadRequest(refused.to_string()),
+        })
     }
 
     /// Decides an acquire request body (the wire format's JSON) at `now`.

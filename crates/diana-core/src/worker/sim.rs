@@ -161,8 +161,13 @@ impl Host for SimHost {
         Ok(token)
     }
 
+    /// One metric per name for every worker, as the hosts keep them (Envoy's stats, nginx's
+    /// shared metrics): counters add up, a gauge is the value set last.
     fn define_metric(&self, _kind: MetricKind, name: &str) -> Option<MetricId> {
         let mut metrics = self.metrics.borrow_mut();
+        if let Some(at) = metrics.iter().position(|(defined, _)| defined == name) {
+            return MetricId::try_from(at).ok();
+        }
         metrics.push((name.to_string(), 0));
         MetricId::try_from(metrics.len() - 1).ok()
     }

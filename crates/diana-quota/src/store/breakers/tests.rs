@@ -1,7 +1,8 @@
 #![allow(clippy::unwrap_used, clippy::indexing_slicing, clippy::panic)]
 
 use super::*;
-use diana_core::breaker::Cause;
+use diana_core::breaker::{Cause, PlaceClaim, ProbeTally, State, Status, Tally};
+use diana_core::report::FleetParams;
 
 const T0: u64 = 1_700_000_000_000_000_000;
 
