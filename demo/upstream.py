@@ -7,11 +7,14 @@
   says how many tokens it used (default 100): what Diana's `response_cost` charges
   (`&delay_ms=M`: the answer comes after M ms, at most 10 s)
 - `GET /signin?password=P` -> a fake sign-in: 200 when P is `right`, else 401
+- `GET /dep?status=S&ms=M` -> a dependency whose health each request chooses: status S
+  (default 200) after M ms (at most 10 s), with the echo body below (`/dep/...` too)
 - `GET /slow?ms=M` -> 200 after M ms (at most 10 s); `GET /__inflight` -> how many
   requests are inside this upstream now and the most there were at once
   (`/__inflight?reset=1` starts counting afresh)
 - anything else -> 200 with a small JSON body: the path as received, and the echoed
-  `x-device-id` / `x-account-id` / `x-tenant-id` headers (truncated to 64 characters).
+  `x-device-id` / `x-account-id` / `x-tenant-id` / `x-diana-fallback` headers (truncated
+  to 64 characters).
 
 Usage: upstream.py [--host 127.0.0.1] [--port 18080] [--verbose]
 """
@@ -26,7 +29,7 @@ import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-ECHO_HEADERS = ("x-device-id", "x-account-id", "x-tenant-id")
+ECHO_HEADERS = ("x-device-id", "x-account-id", "x-tenant-id", "x-diana-fallback")
 ECHO_MAX = 64
 
 
@@ -91,6 +94,17 @@ class Handler(BaseHTTPRequestHandler):
                 if query.get("reset") == ["1"]:
                     Handler.most = Handler.inside
             self._send(200, (json.dumps(doc) + "\n").encode(), "application/json")
+            return
+        if path == "/dep" or path.startswith(("/dep?", "/dep/")):
+            time.sleep(_millis(query, "ms") / 1000)
+            status = query.get("status", ["200"])[0]
+            status = int(status) if status.isdigit() and 200 <= int(status) <= 599 else 200
+            doc = {"path": path}
+            for name in ECHO_HEADERS:
+                value = self.headers.get(name)
+                if value is not None:
+                    doc[name] = value[:ECHO_MAX]
+            self._send(status, (json.dumps(doc) + "\n").encode(), "application/json")
             return
         if path == "/slow" or path.startswith("/slow?"):
             time.sleep(_millis(query, "ms") / 1000)
