@@ -19,7 +19,9 @@ use crate::plan::count_global;
 use crate::yaml::{map, number, string};
 use diana_core::config::Policy;
 use diana_core::config::TOKEN_ENV;
-use diana_core::metrics::{envoy_rule_tag_regex, RULE_LABEL};
+use diana_core::metrics::{
+    envoy_breaker_tag_regex, envoy_rule_tag_regex, BREAKER_LABEL, RULE_LABEL,
+};
 use serde_yaml::Value;
 use std::net::IpAddr;
 use std::path::Path;
@@ -401,16 +403,23 @@ fn wasm_filter(document: &str, wasm: &str) -> Value {
     ])
 }
 
-/// `stats_config` with the tag that gives Diana's rule counters a `rule` label in Envoy's
+/// `stats_config` with the tags that give Diana's rule counters a `rule` label (and its
+/// breakers' metrics a `breaker` label) in Envoy's
 /// `/stats/prometheus` (`diana_rule_allowed{rule="login_burst"}`, the names and label the
 /// filter's own metrics path uses); `/stats` keeps the full names.
 pub fn stats_config() -> Value {
     map(vec![(
         "stats_tags",
-        Value::Sequence(vec![map(vec![
-            ("tag_name", string(RULE_LABEL)),
-            ("regex", string(&envoy_rule_tag_regex())),
-        ])]),
+        Value::Sequence(vec![
+            map(vec![
+                ("tag_name", string(RULE_LABEL)),
+                ("regex", string(&envoy_rule_tag_regex())),
+            ]),
+            map(vec![
+                ("tag_name", string(BREAKER_LABEL)),
+                ("regex", string(&envoy_breaker_tag_regex())),
+            ]),
+        ]),
     )])
 }
 

@@ -345,32 +345,42 @@ fn render_envoy_embeds_the_document_and_the_clusters_it_needs() {
     );
 }
 
-/// The rendered bootstrap labels Diana's rule counters by rule in Envoy's Prometheus
-/// output (`stats_config.stats_tags`), and every other Envoy bootstrap of the repository
-/// (the example, the compose file) carries the same entry. (`scripts/run` and the
-/// end-to-end tests render theirs with `diana render-envoy` too.)
+/// The rendered bootstrap labels Diana's rule counters by rule and its breakers' metrics
+/// by breaker in Envoy's Prometheus output (`stats_config.stats_tags`), and every other
+/// Envoy bootstrap of the repository (the examples, the compose file) carries the same
+/// entries. (`scripts/run` and the end-to-end tests render theirs with `diana
+/// render-envoy` too.)
 #[test]
 fn envoy_bootstraps_tag_rule_counters_with_a_rule_label() {
     let (_, bootstrap) = render(SEED, &[]);
     let tags = &bootstrap["stats_config"]["stats_tags"];
-    assert_eq!(tags.as_sequence().map(Vec::len), Some(1), "{tags:?}");
+    assert_eq!(tags.as_sequence().map(Vec::len), Some(2), "{tags:?}");
     assert_eq!(tags[0]["tag_name"], "rule");
-    let regex = tags[0]["regex"].as_str().unwrap().to_string();
+    assert_eq!(tags[1]["tag_name"], "breaker");
     assert_eq!(
-        regex,
-        r"^wasmcustom\.diana_rule_(?:allowed|limited|dry_run_limited)(\.([A-Za-z0-9_]+))$"
+        tags[0]["regex"].as_str(),
+        Some(r"^wasmcustom\.diana_rule_(?:allowed|limited|dry_run_limited)(\.([A-Za-z0-9_]+))$")
     );
-    for file in ["envoy/envoy.yaml", "docker/envoy.yaml"] {
+    assert_eq!(
+        tags[1]["regex"].as_str(),
+        Some(
+            r"^wasmcustom\.diana_breaker_(?:calls|slow|failed|fast_failed|transitions|state)(\.([A-Za-z0-9_]+))$"
+        )
+    );
+    for file in ["envoy/envoy.yaml", "envoy/native.yaml", "docker/envoy.yaml"] {
         let other: serde_yaml::Value =
             serde_yaml::from_str(&std::fs::read_to_string(repo_root().join(file)).unwrap())
                 .unwrap();
         assert_eq!(other["stats_config"], bootstrap["stats_config"], "{file}");
     }
     let readme = std::fs::read_to_string(repo_root().join("README.md")).unwrap();
-    assert!(
-        readme.contains(&format!("regex: '{regex}'")),
-        "the README shows another stats_tags regex"
-    );
+    for tag in [&tags[0], &tags[1]] {
+        let regex = tag["regex"].as_str().unwrap_or_default();
+        assert!(
+            readme.contains(&format!("regex: '{regex}'")),
+            "the README shows another stats_tags regex than {regex}"
+        );
+    }
 }
 
 /// `diana render-envoy ARGS` with `stdin`, printed as JSON (`--json`), parsed.
@@ -470,6 +480,9 @@ fn render_envoy_json_with_port_options() {
         serde_json::json!([{
             "tag_name": "rule",
             "regex": r"^wasmcustom\.diana_rule_(?:allowed|limited|dry_run_limited)(\.([A-Za-z0-9_]+))$"
+        }, {
+            "tag_name": "breaker",
+            "regex": r"^wasmcustom\.diana_breaker_(?:calls|slow|failed|fast_failed|transitions|state)(\.([A-Za-z0-9_]+))$"
         }])
     );
 

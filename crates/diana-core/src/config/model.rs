@@ -856,6 +856,16 @@ impl Rule {
         self.actor.identify(facts, &self.identity)
     }
 
+    /// [`Rule::identify`], keeping the value the identity was read from in `shown` (the
+    /// fleet view's hot lists).
+    pub fn identify_shown(
+        &self,
+        facts: &dyn RequestFacts,
+        shown: &mut Option<Vec<u8>>,
+    ) -> Identity {
+        self.actor.identify_shown(facts, &self.identity, shown)
+    }
+
     /// Where this rule's identities come from, as `(key, value)` pairs in the order the
     /// source defines them: `[("source", "all")]`, `[("source", "ip")]`, `[("source",
     /// "header"), ("header", "x-device-id"), ("fallback", "ip")]`.
@@ -1031,6 +1041,9 @@ pub struct GlobalSpec {
     /// The quota service's credential, sent as `authorization: Bearer …` on every call.
     /// None: calls carry no credential (a service started with `--insecure-no-auth`).
     pub token: Option<Secret>,
+    /// The document writes a `global` section: it names a quota service, and its gateways
+    /// report their figures to it for the fleet view (also when every rule is local).
+    pub written: bool,
 }
 
 impl Default for GlobalSpec {
@@ -1043,6 +1056,7 @@ impl Default for GlobalSpec {
             lease: Lease::Fixed(NonZeroU32::MIN),
             retry_seconds: 5,
             token: None,
+            written: false,
         }
     }
 }

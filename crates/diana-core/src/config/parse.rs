@@ -643,6 +643,7 @@ fn build(collected: Collected) -> Result<Policy, Refusal> {
                     .and_then(|seconds| u32::try_from(seconds.0).ok())
                     .unwrap_or(default.retry_seconds),
                 token: raw.token.map(|token| token.0).or(default.token),
+                written: true,
             }
         }
     };

@@ -251,6 +251,7 @@ dry_run: true
             lease: Lease::Fixed(nz(2)),
             retry_seconds: 0,
             token: None,
+            written: true,
         }
     );
     assert_eq!(
