@@ -952,11 +952,41 @@ async fn concurrency_places(router: &Router) {
     assert!(body.contains("only concurrency places"), "{body}");
 }
 
+/// A concurrency limit's counter is its key alone (issue 41, item 5c): 3 places held under
+/// N = 3 are the same 3 under N = 4 (one more fits, not four), and a place taken under
+/// either is given back to the same count.
+async fn concurrency_places_outlive_an_edit_of_n(router: &Router) {
+    let key = unique_key("inflight-edit");
+    let places = |n: u32| rule(&key, "IF", n, "second", n, 10, 1);
+    let mut held = Vec::new();
+    for expected in [true, true, true, false] {
+        let result = acquire_one(router, places(3)).await;
+        assert_eq!(result.allowed, expected, "{result:?}");
+        held.extend(result.place);
+    }
+    let edited: Vec<bool> = {
+        let mut admitted = Vec::new();
+        for _ in 0..4 {
+            admitted.push(acquire_one(router, places(4)).await.allowed);
+        }
+        admitted
+    };
+    assert_eq!(edited, [true, false, false, false], "3 inside of 4");
+    // One of the first three leaves (its leave names N = 3): one more fits under N = 4.
+    let mut leaving = places(3);
+    leaving.place = held.first().copied();
+    let (status, body) = post_call(router, "/v1/leave", None, vec![leaving]).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert!(acquire_one(router, places(4)).await.allowed);
+    assert!(!acquire_one(router, places(4)).await.allowed);
+}
+
 // ---------------------------------------------------------------------------------------
 // Every scenario × every store.
 
 suite!(
     concurrency_places,
+    concurrency_places_outlive_an_edit_of_n,
     window_exact,
     sliding_exact,
     token_exact,

@@ -50,11 +50,20 @@ const MIN_SWEEP: usize = 4096;
 /// slice count addresses another counter: it can neither read nor reset (nor deny through)
 /// the first one. Every store keys its counters by this (the memory store as is, Redis as
 /// [`CounterId::params`] after the hash tag), so they all behave alike.
+///
+/// Except a concurrency limit (`IF`, [`Algorithm::state_follows_limit`]): its counter is
+/// its key and algorithm alone (`limit` is `None`), and each acquire checks the places
+/// held against the N it carries. The places of the requests inside are the same places
+/// whatever N a gateway's document says, so an edit of `max_in_flight` (or two gateways
+/// mid-rollout, one at 3 and one at 4) keeps counting them: each admits while fewer than
+/// its own N are held. A request naming another N reads and takes the same places; it
+/// cannot reach anyone else's key (keys are keyed hashes of the identity).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct CounterId {
     pub key: String,
     pub algo: &'static str,
-    pub limit: Limit,
+    /// `None`: not bound to its limit (a concurrency limit).
+    pub limit: Option<Limit>,
 }
 
 impl CounterId {
@@ -64,26 +73,40 @@ impl CounterId {
         CounterId {
             key: rule.key.to_string(),
             algo: rule.algo.code(),
-            limit: rule.limit,
+            limit: bound_limit(rule.algo, &rule.limit),
         }
     }
 
     /// Whether `rule` addresses this counter.
     pub fn is(&self, rule: &ResolvedRule<'_>) -> bool {
-        self.key == rule.key && self.algo == rule.algo.code() && self.limit == rule.limit
+        self.key == rule.key
+            && self.algo == rule.algo.code()
+            && self.limit == bound_limit(rule.algo, &rule.limit)
     }
 
     /// The parameters, as they follow the key in a store's name for the counter:
-    /// `<ALGO>:<rpu>:<unit>:<burst>:<slices>` (`TB:10:second:10:10`).
+    /// `<ALGO>:<rpu>:<unit>:<burst>:<slices>` (`TB:10:second:10:10`), `IF` alone.
     pub fn params(&self) -> String {
-        counter_params(self.algo, &self.limit)
+        match &self.limit {
+            Some(limit) => counter_params(self.algo, limit),
+            None => self.algo.to_string(),
+        }
     }
+}
+
+/// The limit a counter of `algo` is bound to (`None`: its state does not follow it).
+fn bound_limit(algo: &dyn Algorithm, limit: &Limit) -> Option<Limit> {
+    algo.state_follows_limit().then_some(*limit)
 }
 
 /// `<ALGO>:<rpu>:<unit>:<burst>:<slices>`, every parameter of a counter in one canonical
 /// form (`W:100:minute:100:10`): distinct parameters give distinct names, and a key cannot
-/// hold `{` or `}`, so `diana:{<key>}:<params>` names one counter only.
+/// hold `{` or `}`, so `diana:{<key>}:<params>` names one counter only. A concurrency
+/// limit's counter is not bound to its limit ([`CounterId`]): `IF` alone.
 pub fn counter_params(algo: &str, limit: &Limit) -> String {
+    if crate::algo::lookup_wire(algo).is_some_and(|algo| !algo.state_follows_limit()) {
+        return algo.to_string();
+    }
     format!(
         "{algo}:{}:{}:{}:{}",
         limit.rpu,
@@ -455,6 +478,44 @@ mod tests {
         let rules = request.resolve().unwrap();
         assert_eq!(CounterId::of(&rules[0]), CounterId::of(&rules[1]));
         assert_eq!(CounterId::of(&rules[0]).params(), "W:2:minute:2:10");
+    }
+
+    /// A concurrency limit's counter is its key alone (issue 41, item 5c): the places held
+    /// are the same places under another N, and each acquire checks its own N.
+    #[test]
+    fn a_concurrency_counter_is_not_bound_to_its_limit() {
+        let mut quota = MemoryQuota::new();
+        let places = |n: u32| RuleRequest {
+            algo: "IF".to_string(),
+            unit: "second".to_string(),
+            ..rule("p", n, 1, false)
+        };
+        // 3 of 3 held; under N = 4 one more, under N = 2 none.
+        for expected in [true, true, true, false] {
+            assert_eq!(ask(&mut quota, vec![places(3)], NOW)[0].allowed, expected);
+        }
+        let more = ask(&mut quota, vec![places(4)], NOW)[0];
+        assert!(more.allowed && more.remaining == 0, "{more:?}");
+        assert!(!ask(&mut quota, vec![places(4)], NOW)[0].allowed);
+        let fewer = ask(&mut quota, vec![places(2)], NOW)[0];
+        assert!(!fewer.allowed && fewer.remaining == 0, "{fewer:?}");
+        assert_eq!(quota.len(), 1);
+        let request = AcquireRequest::new(vec![places(3), places(9)]);
+        let rules = request.resolve().unwrap();
+        assert_eq!(CounterId::of(&rules[0]), CounterId::of(&rules[1]));
+        assert!(CounterId::of(&rules[0]).is(&rules[1]));
+        assert_eq!(CounterId::of(&rules[0]).params(), "IF");
+        assert_eq!(counter_params("IF", &rules[1].limit), "IF");
+        // Another key is another counter.
+        let other = ask(
+            &mut quota,
+            vec![RuleRequest {
+                key: "q".to_string(),
+                ..places(3)
+            }],
+            NOW,
+        );
+        assert_eq!(other[0].remaining, 2);
     }
 
     fn call_to(path: &str, rules: Vec<RuleRequest>) -> Callout {
