@@ -13,6 +13,7 @@
 //!                          ├─ a valid answer, a rule denies ─────▶ Rejected (every grant stashed, leases taken given back, denial cached)
 //!                          ├─ 4xx (refused) ─────────────────────▶ Degrade, counted apart, logged once with the reason
 //!                          └─ failure or invalid answer ─────────▶ Degrade, outage switch opened
+//!                                 (no answer, or one not believed: the call released from the next tick)
 //! ```
 //!
 //! Nothing the service answers is believed before [`wire::validate_response`] has checked
@@ -235,6 +236,20 @@ enum Failure {
     /// Not asked: the host would not hold the request for the answer (the worker logged
     /// why). The service is not at fault.
     NotHeld,
+}
+
+impl Failure {
+    /// True when the service may have granted what was asked though the gateway cannot
+    /// use it: no answer came (the call may have been decided before the timeout or the
+    /// reset), or one came that is not believed. Not after a refusal (4xx: nothing was
+    /// granted), a call never sent, or another status (the service answers 5xx when it
+    /// did not decide, or gave a late decision back itself).
+    fn may_have_granted(&self) -> bool {
+        matches!(
+            self,
+            Failure::Unavailable(Unavailable::NoAnswer) | Failure::Invalid(_)
+        )
+    }
 }
 
 /// Why the quota service could not decide.
@@ -680,6 +695,14 @@ impl Global {
         let results = match self.check(&asked, answer) {
             Ok(results) => results,
             Err(failure) => {
+                if failure.may_have_granted() {
+                    // The service may have decided the call and its answer is lost (a
+                    // timeout after it took a place, a reset, an answer not believed):
+                    // the request is decided here instead, so what the service granted
+                    // goes back as for a client that left. A place would otherwise be
+                    // held for nobody until the service reclaims it, 60 to 80 s later.
+                    self.queue_release(cx, &asked.request, asked.charges.clone());
+                }
                 self.failed(cx, failure, asked.probe);
                 if !asked.refill {
                     cx.metrics.event(Event::GlobalDegradedRequest);
@@ -949,10 +972,16 @@ impl Global {
     pub fn abandon_call(&self, cx: &mut Cx<'_>, policy: &Policy, asked: Asked) {
         self.flights.land(&asked.flying, cx.now);
         self.give_back(cx, policy, &asked.served);
-        if asked.request.call.is_none() {
+        self.queue_release(cx, &asked.request, asked.charges);
+    }
+
+    /// Queues the release of the call `request` was (nothing without a call id): its
+    /// grant goes back to the service from the next tick.
+    fn queue_release(&self, cx: &mut Cx<'_>, request: &AcquireRequest, charges: Vec<GlobalCharge>) {
+        if request.call.is_none() {
             return;
         }
-        let Ok(body) = serde_json::to_vec(&asked.request) else {
+        let Ok(body) = serde_json::to_vec(request) else {
             return;
         };
         let release = Release {
@@ -961,7 +990,7 @@ impl Global {
                 u64::from(self.spec.timeout_ms),
                 body,
             ),
-            charges: asked.charges,
+            charges,
         };
         match self.releases.try_borrow_mut() {
             Ok(mut releases) if releases.len() < MAX_RELEASES => releases.push(release),
