@@ -1298,3 +1298,139 @@ fn a_concurrency_call_whose_answer_is_lost_gives_its_place_back() {
         assert!(a.violations.is_empty() && b.violations.is_empty());
     }
 }
+
+/// `count: {status}` on a global rule behind a load balancer (issue 41, item 5a): four
+/// gateways share one quota service, an account logs in on each. A successful login gives
+/// its token back to the service (a release of that rule's part of its own call), so the
+/// account's next login, on any gateway, finds it; failed logins are counted and lock it
+/// out. Before, each success went back to its own gateway's lease stash: two concurrent
+/// logins on gateways 0 and 1 left 4 of 5 tokens spent at the service, and of the two on
+/// gateways 2 and 3 one was refused, with no failed login at all.
+#[test]
+fn successful_logins_behind_a_load_balancer_never_lock_an_account_out() {
+    let document = "resources:\n  - Url: /login\n    rules: [{name: failed_logins, actor: account, algo: W, unit: hour, rpu: 5, scope: global, count: {status: [401, 403]}}]\nglobal: {cluster: \"127.0.0.1:18081\"}\n";
+    let login = [(":path", "/login"), ("x-account-id", "alice")];
+    let step = |gateways: &mut [Sim], by: Duration| {
+        advance_both(gateways, u64::try_from(by.as_micros()).unwrap_or(0), 10_000);
+    };
+    for profile in HostProfile::ALL {
+        let quota = Rc::new(RefCell::new(MemoryQuota::new()));
+        let mut gateways: Vec<Sim> = (0..4)
+            .map(|_| sim(profile, document, 1, Service::Answers(MS)).sharing_quota(quota.clone()))
+            .collect();
+        // Rounds of successful logins, two at once on two gateways (4 in flight of 5).
+        let mut refused = 0;
+        for round in 0..6 {
+            let pair = [(round * 2) % 4, (round * 2 + 1) % 4];
+            let mut sent = Vec::new();
+            for gateway in pair {
+                for _ in 0..2 {
+                    sent.push((gateway, gateways[gateway].send(0, "10.0.0.1", &login)));
+                }
+            }
+            step(&mut gateways, Duration::from_millis(10));
+            for (gateway, context) in sent {
+                let sim = &mut gateways[gateway];
+                match sim.fate(context) {
+                    Some(Fate::Admitted(_)) => {
+                        sim.respond(context, &[(":status", "200")]);
+                    }
+                    _ => refused += 1,
+                }
+                sim.end(context);
+            }
+            step(&mut gateways, Duration::from_millis(1100));
+        }
+        assert_eq!(
+            refused, 0,
+            "{}: 24 successful logins, none refused",
+            profile.name
+        );
+        // Failed logins count, whichever gateway: 5, then the account is locked out (503, the
+        // document's status; the right password too).
+        let mut answers = Vec::new();
+        for attempt in 0..7 {
+            let sim = &mut gateways[attempt % 4];
+            let context = sim.send(0, "10.0.0.1", &login);
+            sim.advance(Duration::from_millis(5));
+            answers.push(match sim.fate(context) {
+                Some(Fate::Admitted(_)) => {
+                    let status = if attempt < 6 { "401" } else { "200" };
+                    sim.respond(context, &[(":status", status)]);
+                    status.parse().unwrap_or(0)
+                }
+                Some(Fate::Replied(status)) => *status,
+                other => panic!("{}: {other:?}", profile.name),
+            });
+            sim.end(context);
+            step(&mut gateways, Duration::from_millis(1100));
+        }
+        assert_eq!(
+            answers,
+            [401, 401, 401, 401, 401, 503, 503],
+            "{}",
+            profile.name
+        );
+        for sim in &gateways {
+            sim.flush_metrics();
+            assert_eq!(
+                sim.host.metric("diana_global_refunds_stashed"),
+                0,
+                "{}: every success went back to the service",
+                profile.name
+            );
+            assert!(sim.violations.is_empty(), "{:?}", sim.violations);
+        }
+        let released: u64 = gateways
+            .iter()
+            .map(|sim| sim.host.metric("diana_global_releases"))
+            .sum();
+        assert_eq!(released, 24, "{}", profile.name);
+    }
+}
+
+/// Where a settled answer's tokens go when the service cannot take them back: the lease
+/// stash, as before (`diana_global_refunds_stashed`). A login answered 200 after the
+/// service forgot its call (20 s), and one (of another account) answered while the
+/// service is unreachable: each gives its token to this gateway's stash, which the
+/// account's next login here spends without a call.
+#[test]
+fn a_settled_token_the_service_cannot_take_back_goes_to_the_stash() {
+    let document = "resources:\n  - Url: /login\n    rules: [{name: failed_logins, actor: account, algo: W, unit: hour, rpu: 5, scope: global, count: {status: [401, 403]}}]\nglobal: {cluster: \"127.0.0.1:18081\"}\n";
+    let alice = [(":path", "/login"), ("x-account-id", "alice")];
+    let bob = [(":path", "/login"), ("x-account-id", "bob")];
+    for profile in HostProfile::ALL {
+        let mut sim = sim(profile, document, 1, Service::Answers(MS));
+        let stashed = |sim: &Sim| {
+            sim.flush_metrics();
+            sim.host.metric("diana_global_refunds_stashed")
+        };
+        let served_here = |sim: &mut Sim, login: &[(&str, &str)]| {
+            let calls = sim.quota_calls();
+            let context = sim.send(0, "10.0.0.1", login);
+            sim.advance(Duration::from_millis(5));
+            matches!(sim.fate(context), Some(Fate::Admitted(_))) && sim.quota_calls() == calls
+        };
+        // Answered after the ledger's memory: the release finds nothing.
+        let slow = sim.send(0, "10.0.0.1", &alice);
+        sim.advance(Duration::from_secs(25));
+        assert!(matches!(sim.fate(slow), Some(Fate::Admitted(_))));
+        sim.respond(slow, &[(":status", "200")]);
+        sim.end(slow);
+        sim.advance(Duration::from_millis(1100));
+        assert_eq!(stashed(&sim), 1, "{}", profile.name);
+        assert!(served_here(&mut sim, &alice), "{}", profile.name);
+        // Answered while the service is down: the release has no answer.
+        let down = sim.send(0, "10.0.0.1", &bob);
+        sim.advance(Duration::from_millis(5));
+        assert!(matches!(sim.fate(down), Some(Fate::Admitted(_))));
+        sim.set_service(Service::Down(MS));
+        sim.respond(down, &[(":status", "200")]);
+        sim.end(down);
+        sim.advance(Duration::from_millis(1100));
+        assert_eq!(stashed(&sim), 2, "{}", profile.name);
+        sim.set_service(Service::Answers(MS));
+        assert!(served_here(&mut sim, &bob), "{}", profile.name);
+        assert!(sim.violations.is_empty(), "{:?}", sim.violations);
+    }
+}

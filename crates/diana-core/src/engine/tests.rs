@@ -1805,9 +1805,18 @@ fn a_plan_can_come_from_a_claim_of_the_bearer_token() {
     assert_eq!(h.admitted("/", &Facts::default(), 10), 1);
 }
 
-/// Settles `charge` with the answer's header value.
+/// Settles `charge` with the answer's header value, then runs the tick as a worker would:
+/// what it sends (a global rule's tokens given back to the service) is answered by the
+/// in-memory service.
 fn settle_with(h: &mut Harness, charge: AfterResponse, value: &str) {
     h.after_response(&charge, &[Some(value.as_bytes().to_vec())]);
+    for Call { callout, then } in h.tick() {
+        let answer = h.service.answer(&callout, h.now);
+        assert!(
+            h.answer(then, answer).is_none(),
+            "the tick's calls decide no request"
+        );
+    }
 }
 
 #[test]

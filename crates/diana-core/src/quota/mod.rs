@@ -10,9 +10,10 @@ use crate::algo::{Algorithm, Limit, Mark};
 use crate::call::{Answer, Callout};
 use crate::time::Instant;
 use crate::wire::{
-    self, AcquireResponse, ErrorResponse, ReleaseResponse, ResolvedRule, RuleResult, WireError,
+    self, AcquireResponse, ErrorResponse, ReleaseResponse, Released, ResolvedRule, RuleResult,
+    WireError,
 };
-use ledger::{CallLedger, Grant, Noted};
+use ledger::{CallLedger, CounterDigest, Grant, Noted};
 use std::collections::HashMap;
 
 /// One rule's decision, with where its grant was counted (for a later release).
@@ -244,9 +245,27 @@ impl MemoryQuota {
         now: Instant,
     ) -> Result<ReleaseResponse, WireError> {
         let request = wire::decode_request(body)?;
-        let (rules, call) = wire::resolve_release(&request)?;
-        let Some(grants) = self.ledger.release(call, now) else {
-            return Ok(ReleaseResponse { released: false });
+        let (rules, call, released) = wire::resolve_release(&request)?;
+        let grants = match released {
+            Released::Whole => {
+                let Some(grants) = self.ledger.release(call, now) else {
+                    return Ok(ReleaseResponse { released: false });
+                };
+                grants
+            }
+            Released::Part { rule } => {
+                let Some(asked) = rules.first() else {
+                    return Ok(ReleaseResponse { released: false });
+                };
+                let counter = CounterDigest::of(asked);
+                let part = self
+                    .ledger
+                    .take_part(call, rule, asked.want.get(), counter, now);
+                match part.outcome(call, rule)? {
+                    Some(grant) => vec![grant],
+                    None => return Ok(ReleaseResponse { released: false }),
+                }
+            }
         };
         let outcomes = Grant::released(call, &rules, &grants)?;
         self.release(&rules, &outcomes, now);
@@ -478,6 +497,87 @@ mod tests {
         let rules = request.resolve().unwrap();
         assert_eq!(CounterId::of(&rules[0]), CounterId::of(&rules[1]));
         assert_eq!(CounterId::of(&rules[0]).params(), "W:2:minute:2:10");
+    }
+
+    /// A release may give back part of one rule's grant of a call (`rule`: its place in
+    /// the call, the body's one rule with `want` the tokens), at most what that rule was
+    /// granted and once; only to that rule's counter; a whole release afterwards gives
+    /// back what is left.
+    #[test]
+    fn a_release_gives_back_part_of_one_rules_grant() {
+        let mut quota = MemoryQuota::new();
+        let call = |path: &str, rules: Vec<RuleRequest>, rule: Option<u32>| Callout {
+            upstream: "diana_quota".to_string(),
+            headers: vec![(":path", path.to_string())],
+            body: serde_json::to_vec(&AcquireRequest {
+                rules,
+                call: Some("c-1".to_string()),
+                rule,
+            })
+            .unwrap(),
+            timeout_ms: 50,
+        };
+        let (a, b) = (rule("a", 5, 1, false), rule("b", 5, 2, false));
+        let granted =
+            body(quota.answer(&call("/v1/acquire", vec![a.clone(), b.clone()], None), NOW));
+        assert!(granted.contains(r#""granted":2"#), "{granted}");
+        // What was left before this one more request took a token.
+        let left = |quota: &mut MemoryQuota, key: &str| {
+            ask(
+                quota,
+                vec![RuleRequest {
+                    want: 1,
+                    ..rule(key, 5, 1, false)
+                }],
+                NOW,
+            )[0]
+            .remaining
+                + 1
+        };
+        let part = |tokens: u32| RuleRequest {
+            want: tokens,
+            ..b.clone()
+        };
+        let release = |quota: &mut MemoryQuota, rules: Vec<RuleRequest>, at: u32| {
+            body(quota.answer(&call("/v1/release", rules, Some(at)), NOW))
+        };
+        assert_eq!(
+            release(&mut quota, vec![part(1)], 1),
+            r#"200 {"released":true}"#
+        );
+        // b: 2 granted, 1 given back: 4 left.
+        assert_eq!(left(&mut quota, "b"), 4);
+        // More than is left: what is left (1); then nothing.
+        assert_eq!(
+            release(&mut quota, vec![part(5)], 1),
+            r#"200 {"released":true}"#
+        );
+        assert_eq!(
+            release(&mut quota, vec![part(1)], 1),
+            r#"200 {"released":false}"#
+        );
+        // b: the call's 2 both given back, 1 taken by `left`: 4 left again.
+        assert_eq!(left(&mut quota, "b"), 4);
+        // Refused: two rules, a place the call did not have, another counter.
+        for (rules, at, field) in [
+            (vec![part(1), a.clone()], 1, "rules"),
+            (vec![part(1)], 2, "rule"),
+            (vec![part(1)], 64, "rule"),
+            (vec![RuleRequest { rpu: 6, ..part(1) }], 1, "rules[0]"),
+        ] {
+            let answer = release(&mut quota, rules, at);
+            assert!(
+                answer.starts_with(&format!("400 {{\"error\":\"{field}")),
+                "{answer}"
+            );
+        }
+        // The whole call afterwards: a's token back, nothing more of b's.
+        assert_eq!(
+            body(quota.answer(&call("/v1/release", vec![a, b], None), NOW)),
+            r#"200 {"released":true}"#
+        );
+        assert_eq!(left(&mut quota, "a"), 5);
+        assert_eq!(left(&mut quota, "b"), 3, "the two taken by `left`");
     }
 
     /// A concurrency limit's counter is its key alone (issue 41, item 5c): the places held

@@ -15,7 +15,7 @@
 //! its own, and cannot read or reset another's.
 
 use super::breakers::{FleetBreakers, MemoryBreakers, DEFAULT_MAX_STATES};
-use super::{decide, Grant, Noted, Outcome, Store, StoreError, Usage};
+use super::{decide, CounterDigest, Grant, Noted, Outcome, Part, Store, StoreError, Usage};
 use async_trait::async_trait;
 use diana_core::algo::{Algorithm, Limit, Mark};
 use diana_core::quota::ledger::CallLedger;
@@ -332,6 +332,18 @@ impl Store for MemoryStore {
         let now = self.clock.now();
         let mut calls = self.calls.lock().unwrap_or_else(PoisonError::into_inner);
         Ok(calls.release(call, now))
+    }
+
+    async fn take_part(
+        &self,
+        call: &str,
+        rule: usize,
+        tokens: u32,
+        counter: CounterDigest,
+    ) -> Result<Part, StoreError> {
+        let now = self.clock.now();
+        let mut calls = self.calls.lock().unwrap_or_else(PoisonError::into_inner);
+        Ok(calls.take_part(call, rule, tokens, counter, now))
     }
 
     async fn health(&self) -> Result<(), StoreError> {
