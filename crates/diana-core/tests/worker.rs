@@ -1434,3 +1434,38 @@ fn a_settled_token_the_service_cannot_take_back_goes_to_the_stash() {
         assert!(sim.violations.is_empty(), "{:?}", sim.violations);
     }
 }
+
+/// A claim of the `authorization` header is read as the host's verifier reads the token
+/// (issue 41, item 3b). On Envoy, jwt_authn finds a token only after `Bearer ` as written,
+/// and with an optional token lets `bearer <forged>` through unchecked: Diana reads no
+/// claim there either (the actor's fallback), so two forged requests do not spend the
+/// victim's budget of 2. In front of nginx the scheme in any case is the token (its
+/// verifier takes it so, and checked it): they count as the claim says.
+#[test]
+fn a_lower_case_bearer_token_counts_only_where_the_verifier_reads_it() {
+    use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+    use base64::Engine as _;
+    let document = "resources:\n  - Url: /\n    rules: [{actor: user, rpu: 2, unit: hour}]\nactors:\n  user: {jwt_claim: sub, fallback: shared}\n";
+    let token = format!(
+        "{}.{}.sig",
+        URL_SAFE_NO_PAD.encode(br#"{"alg":"none"}"#),
+        URL_SAFE_NO_PAD.encode(br#"{"sub":"victim"}"#)
+    );
+    let forged = format!("bearer {token}");
+    let proper = format!("Bearer {token}");
+    for profile in HostProfile::ALL {
+        let mut sim = sim(profile, document, 1, Service::Answers(MS));
+        for _ in 0..2 {
+            sim.send(0, "10.0.0.1", &[(":path", "/"), ("authorization", &forged)]);
+        }
+        let victim: Vec<u32> = (0..2)
+            .map(|_| sim.send(0, "10.0.0.2", &[(":path", "/"), ("authorization", &proper)]))
+            .collect();
+        let admitted = victim
+            .iter()
+            .filter(|c| matches!(sim.fate(**c), Some(Fate::Admitted(_))))
+            .count();
+        let expected = if profile == HostProfile::NGINX { 0 } else { 2 };
+        assert_eq!(admitted, expected, "{}", profile.name);
+    }
+}
