@@ -73,9 +73,12 @@ def native_bootstrap(
     rls_port: int,
     filters: Sequence[dict],
     rate_limits: Sequence[Sequence[dict]] = (),
+    route_filter_config: Optional[dict] = None,
 ) -> dict:
     """An Envoy bootstrap: listener -> `filters` -> router -> the upstream; the virtual
-    host's rate_limits (one list of actions per descriptor); a `diana_rls` HTTP/2 cluster."""
+    host's rate_limits (one list of actions per descriptor, or a whole `RateLimit` entry as
+    a dict); the route's `typed_per_filter_config` (`route_filter_config`); a `diana_rls`
+    HTTP/2 cluster."""
 
     def static(name: str, cluster_port: int, http2: bool = False) -> dict:
         cluster: dict = {
@@ -101,8 +104,12 @@ def native_bootstrap(
         "domains": ["*"],
         "routes": [{"match": {"prefix": "/"}, "route": {"cluster": "upstream", "timeout": "15s"}}],
     }
+    if route_filter_config:
+        virtual_host["routes"][0]["typed_per_filter_config"] = dict(route_filter_config)
     if rate_limits:
-        virtual_host["rate_limits"] = [{"actions": list(actions)} for actions in rate_limits]
+        virtual_host["rate_limits"] = [
+            dict(actions) if isinstance(actions, dict) else {"actions": list(actions)} for actions in rate_limits
+        ]
     manager = {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "ingress",
@@ -138,6 +145,7 @@ class NativeEnvoy(ManagedProcess):
         rls_port: int,
         filters: Sequence[dict],
         rate_limits: Sequence[Sequence[dict]] = (),
+        route_filter_config: Optional[dict] = None,
         name: str = "native",
         concurrency: int = 2,
         log_level: str = "info",
@@ -149,6 +157,7 @@ class NativeEnvoy(ManagedProcess):
         bootstrap = native_bootstrap(
             port=self.port, admin_port=self.admin_port, upstream_port=upstream_port,
             rls_port=rls_port, filters=filters, rate_limits=rate_limits,
+            route_filter_config=route_filter_config,
         )  # fmt: skip
         log_dir.mkdir(parents=True, exist_ok=True)
         self.bootstrap_path = log_dir / f"{name}.json"
@@ -190,11 +199,13 @@ def rls_quota(
 
 
 def native(
-    procs, upstream, quota, *, filters: Sequence[dict], rate_limits=(), name: str = "native", log_level: str = "info"
+    procs, upstream, quota, *, filters: Sequence[dict], rate_limits=(), name: str = "native", log_level: str = "info",
+    route_filter_config: Optional[dict] = None,
 ) -> NativeEnvoy:
     return procs.add(
         NativeEnvoy(procs.log_dir, upstream_port=upstream.port, rls_port=quota.rls_port,
-                    filters=filters, rate_limits=rate_limits, name=name, log_level=log_level)
+                    filters=filters, rate_limits=rate_limits, name=name, log_level=log_level,
+                    route_filter_config=route_filter_config)
     ).start()  # fmt: skip
 
 

@@ -378,6 +378,40 @@ fn socket_address(endpoint: &Endpoint) -> Value {
     )])
 }
 
+/// How long Envoy keeps an idle pooled connection to diana-quota: shorter than the
+/// service's `--header-timeout-ms` (10 s by default; an idle HTTP/1 connection is closed by
+/// the service then), so that Envoy always closes an idle connection first. Otherwise a
+/// callout sent on a connection at the instant the service closes it fails, and the filter
+/// falls back to its local limits for that request.
+pub const QUOTA_IDLE_TIMEOUT: &str = "5s";
+
+const HTTP_PROTOCOL_OPTIONS_TYPE: &str =
+    "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions";
+
+/// The quota service's cluster: HTTP/1.1 (as before) with [`QUOTA_IDLE_TIMEOUT`].
+fn with_quota_idle_timeout(mut cluster: Value) -> Value {
+    if let Value::Mapping(fields) = &mut cluster {
+        fields.insert(
+            string("typed_extension_protocol_options"),
+            map(vec![(
+                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                map(vec![
+                    ("@type", string(HTTP_PROTOCOL_OPTIONS_TYPE)),
+                    (
+                        "common_http_protocol_options",
+                        map(vec![("idle_timeout", string(QUOTA_IDLE_TIMEOUT))]),
+                    ),
+                    (
+                        "explicit_http_config",
+                        map(vec![("http_protocol_options", map(vec![]))]),
+                    ),
+                ]),
+            )]),
+        );
+    }
+    cluster
+}
+
 /// A cluster with one endpoint: STATIC for an IP, STRICT_DNS for a name. Circuit-breaker
 /// thresholds are raised so that a flood meets Diana, not Envoy's defaults (1,024).
 fn cluster(name: &str, endpoint: &Endpoint, connect_timeout: &str) -> Value {
@@ -746,7 +780,12 @@ pub fn render(filter: Filter, options: &Options) -> Result<Rendered, RenderError
         ));
     }
     for (name, endpoint, what) in &clusters {
-        cluster_values.push(cluster(name, endpoint, "0.25s"));
+        let value = cluster(name, endpoint, "0.25s");
+        cluster_values.push(if name == quota_name {
+            with_quota_idle_timeout(value)
+        } else {
+            value
+        });
         notes.push(format!("cluster {name}: {what} at {}", endpoint.display()));
     }
 
@@ -859,6 +898,48 @@ mod tests {
             ok(" x ", Some("0.0.0.0")).map_err(|err| err.to_string()),
             Err("invalid --x `x`: expected PORT or HOST:PORT".to_string())
         );
+    }
+
+    /// The quota service's cluster, rendered and in every bootstrap of the repository,
+    /// closes idle connections before diana-quota would (its `--header-timeout-ms`, 10 s).
+    #[test]
+    fn the_quota_cluster_closes_idle_connections_before_the_service() {
+        let options = |cluster: &Value| {
+            cluster["typed_extension_protocol_options"]
+                ["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+                .clone()
+        };
+        let rendered = with_quota_idle_timeout(cluster(
+            QUOTA_CLUSTER,
+            &Endpoint::new("127.0.0.1", 8081),
+            "0.25s",
+        ));
+        let expected = options(&rendered);
+        assert_eq!(
+            expected["common_http_protocol_options"]["idle_timeout"],
+            string("5s")
+        );
+        let seconds: f64 = QUOTA_IDLE_TIMEOUT.trim_end_matches('s').parse().unwrap();
+        assert!(
+            seconds < 10.0,
+            "shorter than diana-quota's --header-timeout-ms"
+        );
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        for file in ["envoy/envoy.yaml", "envoy/native.yaml", "docker/envoy.yaml"] {
+            let text = std::fs::read_to_string(root.join(file)).unwrap();
+            let bootstrap: Value = serde_yaml::from_str(&text).unwrap();
+            let Some(clusters) = bootstrap["static_resources"]["clusters"].as_sequence() else {
+                panic!("{file}: no clusters")
+            };
+            let quota: Vec<&Value> = clusters
+                .iter()
+                .filter(|cluster| cluster["name"] == string(QUOTA_CLUSTER))
+                .collect();
+            assert!(!quota.is_empty(), "{file}: no {QUOTA_CLUSTER} cluster");
+            for cluster in quota {
+                assert_eq!(options(cluster), expected, "{file}");
+            }
+        }
     }
 
     #[test]

@@ -7,7 +7,12 @@
 
 use crate::yaml::{map, number, string};
 use diana_core::algo::inflight::RECLAIMED_AFTER;
-use diana_core::config::{Cost, Lease, PlanChoice, PlanName, Policy, Rule, Scope};
+use diana_core::breaker::record::{record_bytes, record_key};
+use diana_core::breaker::{Ratio, Spec};
+use diana_core::calendar::CalendarUnit;
+use diana_core::config::{
+    Cost, CostSource, Lease, PlanChoice, PlanName, Policy, Reserve, ResponseCost, Rule, Scope,
+};
 use diana_core::time::NANOS_PER_SECOND;
 use serde_yaml::Value;
 
@@ -38,8 +43,12 @@ pub fn render_text(policy: &Policy) -> Result<String, PlanError> {
         .map(|resource| resource.rules.len())
         .sum();
     let global = count_global(policy);
+    let breakers = match policy.breakers().count() {
+        0 => String::new(),
+        count => format!(", {count} {}", plural(count, "breaker", "breakers")),
+    };
     let mut out = format!(
-        "# The configuration is valid: {} {}, {} {} ({} global).\n",
+        "# The configuration is valid: {} {}, {} {} ({} global){breakers}.\n",
         policy.resources.len(),
         plural(policy.resources.len(), "resource", "resources"),
         rules,
@@ -94,6 +103,24 @@ fn build(policy: &Policy, machine: bool) -> Value {
             map(vec![
                 ("url", string(&resource.url)),
                 ("rules", Value::Sequence(rules)),
+                (
+                    "breaker",
+                    resource.breaker.as_ref().map_or(Value::Null, breaker_plan),
+                ),
+                // How a request path is compared with the url.
+                (
+                    "path",
+                    map(vec![
+                        (
+                            "strip_parameters",
+                            Value::Bool(resource.path.strip_parameters),
+                        ),
+                        (
+                            "case_insensitive",
+                            Value::Bool(resource.path.case_insensitive),
+                        ),
+                    ]),
+                ),
             ])
         })
         .collect();
@@ -230,6 +257,52 @@ fn cost_plan(cost: &Cost) -> Value {
     }
 }
 
+/// `response_cost`: where the answer's cost is read (the keys of its form), its cap, and
+/// what a request reserves.
+fn response_cost_plan(cost: &ResponseCost) -> Value {
+    let mut entries = match &cost.source {
+        CostSource::Header(name) => vec![("header", string(name))],
+        CostSource::Usage { provider, weights } => vec![
+            ("usage", string(provider.name())),
+            (
+                "weights",
+                weights.map_or(Value::Null, |weights| {
+                    map(vec![
+                        ("input", number(weights.input)),
+                        ("output", number(weights.output)),
+                    ])
+                }),
+            ),
+        ],
+        CostSource::Json(path) => vec![("json", string(path.as_str()))],
+    };
+    entries.extend([
+        ("max", number(u64::from(cost.max.get()))),
+        // Taken up front instead of `cost`, and settled with the answer.
+        (
+            "reserve",
+            cost.reserve.as_ref().map_or(Value::Null, reserve_plan),
+        ),
+    ]);
+    map(entries)
+}
+
+/// `reserve`: a number, or where a request's reservation is read and its bounds.
+fn reserve_plan(reserve: &Reserve) -> Value {
+    let (key, from, bounds) = match reserve {
+        Reserve::Fixed(tokens) => return number(u64::from(tokens.get())),
+        Reserve::Header { name, bounds } => ("header", name.as_str(), bounds),
+        Reserve::Json { path, bounds } => ("json", path.as_str(), bounds),
+    };
+    map(vec![
+        (key, string(from)),
+        ("default", number(u64::from(bounds.default().get()))),
+        ("max", number(u64::from(bounds.max().get()))),
+        // The least a request reserves, whatever it says.
+        ("min", number(u64::from(bounds.min().get()))),
+    ])
+}
+
 fn rule_plan(policy: &Policy, rule: &Rule, machine: bool) -> Value {
     let limit = &rule.limit;
     let per_second = rate_per_second(limit.rpu.get(), limit.unit.seconds());
@@ -249,10 +322,26 @@ fn rule_plan(policy: &Policy, rule: &Rule, machine: bool) -> Value {
                 number(RECLAIMED_AFTER / NANOS_PER_SECOND),
             ),
         ]);
+    } else if let Some(calendar) = &rule.calendar {
+        // Periods of the calendar: their length varies, so the rate is per period.
+        let unit = match calendar.unit() {
+            CalendarUnit::Week => "week",
+            CalendarUnit::Month => "month",
+        };
+        entries.extend([
+            ("rpu", number(u64::from(limit.rpu.get()))),
+            ("unit", string(unit)),
+            ("timezone", string(calendar.zone().name())),
+            ("rate", string(&format!("{}/{unit}", limit.rpu))),
+        ]);
+        if machine {
+            entries.push(("rate_per_second", Value::Null));
+        }
     } else {
         entries.extend([
             ("rpu", number(u64::from(limit.rpu.get()))),
             ("unit", string(limit.unit.name())),
+            ("timezone", Value::Null),
             ("rate", string(&format_rate(per_second))),
         ]);
         if machine {
@@ -278,17 +367,9 @@ fn rule_plan(policy: &Policy, rule: &Rule, machine: bool) -> Value {
         ("cost", cost_plan(&rule.cost)),
         (
             "response_cost",
-            rule.response_cost.as_ref().map_or(Value::Null, |cost| {
-                map(vec![
-                    ("header", string(&cost.header)),
-                    ("max", number(u64::from(cost.max.get()))),
-                    // Taken up front instead of `cost`, and settled with the answer.
-                    (
-                        "reserve",
-                        cost.reserve.as_ref().map_or(Value::Null, cost_plan),
-                    ),
-                ])
-            }),
+            rule.response_cost
+                .as_ref()
+                .map_or(Value::Null, response_cost_plan),
         ),
         (
             "count",
@@ -312,8 +393,78 @@ fn rule_plan(policy: &Policy, rule: &Rule, machine: bool) -> Value {
         ("dry_run", Value::Bool(rule.dry_run || policy.dry_run)),
         ("metric_name", string(&rule.metric_name)),
         ("plan", rule.plan.as_ref().map_or(Value::Null, plan_choice)),
+        // Where the gateway keeps this rule's hottest identities for the fleet view.
+        (
+            "hot",
+            rule.hot.map_or(Value::Null, |hot| {
+                map(vec![
+                    ("show", string(hot.show.name())),
+                    ("top", number(u64::from(hot.top.get()))),
+                ])
+            }),
+        ),
     ]);
     map(entries)
+}
+
+/// A resource's breaker with every default resolved, and what the document does not say
+/// but the breaker does: how long a probe may take before it counts as failed, where its
+/// state lives in shared data and how many bytes that takes.
+fn breaker_plan(spec: &Spec) -> Value {
+    let settings = &spec.settings;
+    let slow = settings.slow();
+    let ratio = |ratio: Option<Ratio>| {
+        ratio.map_or(Value::Null, |ratio| {
+            // As written: `0.5`; a number, not text, in both forms.
+            serde_yaml::from_str(&ratio.to_string()).unwrap_or(Value::Null)
+        })
+    };
+    let failure_status = settings.failure_status.to_string();
+    let failure_status = failure_status
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .split(", ")
+        .filter(|item| !item.is_empty())
+        .map(string)
+        .collect();
+    map(vec![
+        ("name", string(&settings.name)),
+        ("index", number(spec.index as u64)),
+        ("metric_name", string(&spec.metric_name)),
+        (
+            "slow_ms",
+            slow.map_or(Value::Null, |slow| number(slow.threshold.whole_millis())),
+        ),
+        ("slow_ratio", ratio(slow.map(|slow| slow.ratio))),
+        ("failure_status", Value::Sequence(failure_status)),
+        ("failure_ratio", ratio(settings.failure_ratio())),
+        ("min_calls", number(u64::from(settings.min_calls.get()))),
+        (
+            "window_seconds",
+            number(u64::from(settings.window.seconds())),
+        ),
+        ("open_seconds", number(settings.open_for / NANOS_PER_SECOND)),
+        (
+            "half_open_calls",
+            number(u64::from(settings.half_open_calls.get())),
+        ),
+        ("scope", string(settings.reach.name())),
+        ("force", string(settings.force.name())),
+        (
+            "fallback_header",
+            spec.fallback_header.as_deref().map_or(Value::Null, string),
+        ),
+        // A probe's place held this long without an outcome counts as a failed probe.
+        (
+            "probe_timeout_ms",
+            number(settings.probe_timeout().whole_millis()),
+        ),
+        ("record_key", string(&record_key(&settings.name))),
+        (
+            "record_bytes",
+            number(record_bytes(settings.half_open_calls.get()) as u64),
+        ),
+    ])
 }
 
 /// One plan of a rule written with `rpu: {by, values, default}`: where the plan is read,

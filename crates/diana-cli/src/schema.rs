@@ -9,7 +9,7 @@
 //! defined, that `Url`s and rule names are unique, that a block has `Url` *or* `url` but
 //! not both.
 
-use diana_core::config::{document, Constraint, Field, Kind, Object, Shape};
+use diana_core::config::{case_insensitive, document, Constraint, Field, Kind, Object, Shape};
 use serde_json::{json, Map, Value};
 
 const DRAFT_4: &str = "http://json-schema.org/draft-04/schema#";
@@ -185,6 +185,9 @@ fn object_of(object: &Object, definitions: &mut Map<String, Value>) -> Value {
             Constraint::ExactlyOne(keys) => {
                 add(&mut node, "oneOf", one_key_each(keys.iter().copied()))
             }
+            Constraint::AtLeastOne(keys) => {
+                add(&mut node, "anyOf", one_key_each(keys.iter().copied()))
+            }
             Constraint::AtMostOne(keys) => {
                 let mut pairs = Vec::new();
                 for (index, first) in keys.iter().enumerate() {
@@ -267,25 +270,6 @@ fn words_of(names: &[&str], plural: bool) -> Value {
             }
         ],
     })
-}
-
-/// `tb` → `[Tt][Bb]`; other characters escaped.
-fn case_insensitive(word: &str) -> String {
-    let mut out = String::new();
-    for c in word.chars() {
-        if c.is_ascii_alphabetic() {
-            out.push('[');
-            out.push(c.to_ascii_uppercase());
-            out.push(c.to_ascii_lowercase());
-            out.push(']');
-        } else if c.is_ascii_alphanumeric() || c == ' ' || c == '_' || c == '-' {
-            out.push(c);
-        } else {
-            out.push('\\');
-            out.push(c);
-        }
-    }
-    out
 }
 
 #[cfg(test)]
@@ -380,6 +364,31 @@ mod tests {
                 "required": ["share"],
                 "not": { "anyOf": [{ "required": ["mode", "statuses"] }] }
             })
+        );
+    }
+
+    /// "At least one of these keys" (a block's `rules` or `breaker`; a breaker's thresholds)
+    /// renders as an `anyOf` of `required`, beside the block's own `anyOf` of spellings.
+    #[test]
+    fn at_least_one_key_renders_as_an_any_of_required() {
+        let schema = schema();
+        let block = &schema["definitions"]["block"];
+        assert_eq!(
+            block["allOf"],
+            json!([{ "anyOf": [{ "required": ["rules"] }, { "required": ["breaker"] }] }])
+        );
+        assert_eq!(
+            block["anyOf"],
+            json!([{ "required": ["Url"] }, { "required": ["url"] }])
+        );
+        let breaker = &schema["definitions"]["breaker"];
+        assert_eq!(
+            breaker["anyOf"],
+            json!([{ "required": ["failure_ratio"] }, { "required": ["slow_ratio"] }])
+        );
+        assert_eq!(
+            breaker["dependencies"],
+            json!({ "slow_ratio": ["slow_ms"], "slow_ms": ["slow_ratio"] })
         );
     }
 

@@ -146,7 +146,8 @@ metrics: {path: /diana/metrics/}
     );
     assert_eq!(
         rule(&plan, "reserving")["response_cost"]["reserve"],
-        serde_json::json!({"header": "x-max", "default": 50, "max": 500})
+        // `min`: the least a request reserves, whatever its header says (issue 41, 5d).
+        serde_json::json!({"header": "x-max", "default": 50, "max": 500, "min": 50})
     );
     assert_eq!(
         rule(&plan, "logins")["count"],
@@ -182,7 +183,8 @@ fn every_setting_the_document_can_write_is_in_the_plan() {
             .collect()
     };
     let plan = check_json(
-        "resources: [{Url: /, rules: [{rpu: 1}]}]\nremote: {cluster: c, path: /p}\nmetrics: {path: /m}\n",
+        "resources: [{Url: /, rules: [{rpu: 1}], breaker: {failure_ratio: 1}}]\n\
+         remote: {cluster: c, path: /p}\nmetrics: {path: /m}\n",
     );
     let written = &plan["resources"][0]["rules"][0];
     for key in keys("rule") {
@@ -191,6 +193,28 @@ fn every_setting_the_document_can_write_is_in_the_plan() {
             "the plan's rule has no `{key}`: {written:#}"
         );
     }
+    let resource = &plan["resources"][0];
+    for key in keys("block") {
+        assert!(
+            resource.get(key.to_lowercase()).is_some(),
+            "the plan's resource has no `{key}`: {resource:#}"
+        );
+    }
+    for key in keys("breaker") {
+        assert!(
+            resource["breaker"].get(&key).is_some(),
+            "the plan's breaker has no `{key}`: {resource:#}"
+        );
+    }
+    assert_eq!(
+        resource["path"],
+        serde_json::json!({"strip_parameters": false, "case_insensitive": false})
+    );
+    let loose = check_json("Url: /admin\nrules: []\npath: {strip_parameters: true}\n");
+    assert_eq!(
+        loose["resources"][0]["path"],
+        serde_json::json!({"strip_parameters": true, "case_insensitive": false})
+    );
     for section in keys("full") {
         assert!(plan.get(&section).is_some(), "the plan has no `{section}`");
     }
@@ -206,6 +230,121 @@ fn every_setting_the_document_can_write_is_in_the_plan() {
                 plan[section]
             );
         }
+    }
+}
+
+/// LLM budgets as the filter uses them: the answer's cost from a provider's usage (with
+/// its weights) or a JSON path, a reservation from the request body with its floor, and
+/// calendar periods in a time zone.
+#[test]
+fn llm_budgets_and_calendar_periods_as_the_filter_uses_them() {
+    let document = "\
+resources:
+  - Url: /v1/chat
+    rules:
+      - name: monthly
+        actor: account
+        unit: month
+        timezone: Europe/Berlin
+        rpu: 1000000
+        response_cost:
+          usage: openai
+          weights: {output: 4}
+          reserve: {json: max_tokens, default: 1000, max: 100000, min: 200}
+      - {name: weekly, unit: weeks, algo: W, rpu: 5000, response_cost: {json: usage.total_tokens, max: 9000}}
+      - {name: daily, unit: day, rpu: 100, response_cost: {header: x-used, max: 50, reserve: 7}, hot: {show: digest}}
+";
+    let plan = check_json(document);
+    let monthly = rule(&plan, "monthly");
+    assert_eq!(monthly["unit"], "month");
+    assert_eq!(monthly["timezone"], "Europe/Berlin");
+    assert_eq!(monthly["rate"], "1000000/month");
+    assert_eq!(monthly["rate_per_second"], Value::Null);
+    assert_eq!(
+        monthly["response_cost"],
+        serde_json::json!({
+            "usage": "openai",
+            "weights": {"input": 1, "output": 4},
+            "max": 1_000_000_000,
+            "reserve": {"json": "max_tokens", "default": 1000, "max": 100000, "min": 200},
+        })
+    );
+    let weekly = rule(&plan, "weekly");
+    assert_eq!(
+        (&weekly["unit"], &weekly["timezone"]),
+        (&Value::from("week"), &Value::from("UTC"))
+    );
+    assert_eq!(
+        weekly["response_cost"],
+        serde_json::json!({"json": "usage.total_tokens", "max": 9000, "reserve": null})
+    );
+    let daily = rule(&plan, "daily");
+    assert_eq!(daily["timezone"], Value::Null);
+    assert_eq!(daily["response_cost"]["reserve"], 7);
+    // `hot`: the list the gateway keeps for the fleet view, defaults resolved.
+    assert_eq!(
+        daily["hot"],
+        serde_json::json!({"show": "digest", "top": 10})
+    );
+    assert_eq!(weekly["hot"], Value::Null);
+}
+
+/// Every breaker's effective settings: all defaults resolved, the probe timeout and the
+/// record it keeps in shared data (and nginx's zone counts it).
+#[test]
+fn the_plan_shows_every_breakers_effective_settings() {
+    let document = "\
+resources:
+  - Url: /payments
+    breaker: {slow_ms: 800, slow_ratio: 0.5, failure_status: [5xx, 429], fallback_header: X-Backup}
+  - Url: /
+    rules: [{rpu: 10}]
+    breaker: {failure_ratio: 0.25, force: open, scope: global, half_open_calls: 10}
+";
+    let plan = check_json(document);
+    assert_eq!(
+        plan["resources"][0]["breaker"],
+        serde_json::json!({
+            "name": "root", "index": 0, "metric_name": "root",
+            "slow_ms": null, "slow_ratio": null, "failure_status": ["5xx"], "failure_ratio": 0.25,
+            "min_calls": 20, "window_seconds": 10, "open_seconds": 30, "half_open_calls": 10,
+            "scope": "global", "force": "open", "fallback_header": null,
+            "probe_timeout_ms": 60000,
+            "record_key": diana_core::breaker::record::record_key("root"),
+            "record_bytes": diana_core::breaker::record::record_bytes(10),
+        })
+    );
+    let payments = &plan["resources"][1]["breaker"];
+    assert_eq!(payments["name"], "payments");
+    assert_eq!(payments["index"], 1);
+    assert_eq!(payments["slow_ms"], 800);
+    assert_eq!(payments["slow_ratio"], 0.5);
+    assert_eq!(
+        payments["failure_status"],
+        serde_json::json!(["5xx", "429"])
+    );
+    assert_eq!(payments["failure_ratio"], Value::Null);
+    assert_eq!(payments["probe_timeout_ms"], 1600, "twice slow_ms");
+    assert_eq!(payments["fallback_header"], "x-backup");
+    assert_eq!(payments["scope"], "local");
+    assert_eq!(plan["resources"][1]["rules"], serde_json::json!([]));
+    let text = check_text(document);
+    assert!(
+        text.starts_with(
+            "# The configuration is valid: 2 resources, 1 rule (0 global), 2 breakers."
+        ),
+        "{text}"
+    );
+    for line in [
+        "  breaker:",
+        "    name: payments",
+        "    force: open",
+        "    slow_ratio: 0.5",
+    ] {
+        assert!(
+            text.lines().any(|l| l == line),
+            "missing {line:?} in:\n{text}"
+        );
     }
 }
 
@@ -228,6 +367,11 @@ fn refusals_across_fields_name_the_field_and_its_position() {
             "resources:\n  - Url: /\n    rules:\n      - rpu: 1\n        max_wait_seconds: 5\n",
             "resources[0].rules[0].max_wait_seconds: max_wait_seconds applies to algo LB (leaky \
              bucket) only, not to TB at line 5 column 27",
+        ),
+        (
+            "Url: /pay\nbreaker:\n  slow_ms: 500\n  failure_ratio: 0.5\n",
+            "breaker.slow_ms: slow_ms without slow_ratio: slow calls open a breaker only with both \
+             (slow_ms says which call is slow, slow_ratio what share of them opens it) at line 3 column 12",
         ),
     ] {
         let out = diana(&["check", "-"], Some(document));

@@ -6,9 +6,12 @@
 //! `96 + key + value` bytes (its `ngx_wa_shm_kv_node_t` is 96 bytes on 64-bit), rounded up
 //! to a power of two (whole pages above half a page), plus the slab's own bookkeeping.
 //! Diana's keys: one per slot of each rule's slot table (`slots` per identity rule, 1 for
-//! `actor: all`), one per slot of a global rule's lease stash, and a few singletons (the
-//! breaker, the lifecycle records, the remote document).
+//! `actor: all`), one per slot of a global rule's lease stash, one per resource breaker
+//! ([`breaker_bytes`]), and a few singletons (the quota service's outage switch, the
+//! lifecycle records, the remote document).
 
+use crate::breaker::record::{record_bytes, record_key};
+use crate::breaker::Spec;
 use crate::config::{Policy, Rule, Scope};
 use crate::global::stash;
 use crate::remote::MAX_DOCUMENT_BYTES;
@@ -18,7 +21,7 @@ use std::collections::HashSet;
 /// ngx_wa_shm_kv_node_t on 64-bit.
 const NODE_BYTES: u64 = 96;
 const PAGE: u64 = 4096;
-/// The singleton records (breaker, lifecycle, config-center health and poll claim) and
+/// The singleton records (outage switch, lifecycle, config-center health and poll claim) and
 /// the slab allocator's bookkeeping of a small zone.
 const FIXED_BYTES: u64 = 64 * 1024;
 
@@ -51,6 +54,16 @@ pub fn rule_bytes(rule: &Rule) -> u64 {
     bytes
 }
 
+/// Bytes the record of one resource breaker takes (its key, and its sealed state with one
+/// entry per half-open place: [`record_bytes`]).
+pub fn breaker_bytes(spec: &Spec) -> u64 {
+    let settings = &spec.settings;
+    allocation(
+        record_key(&settings.name).len(),
+        record_bytes(settings.half_open_calls.get()),
+    )
+}
+
 /// The zone size for `policy`: every record at once, with 1/8 of slack for the slab
 /// allocator's partly used pages, rounded up to whole MiB.
 pub fn zone_bytes(policy: &Policy) -> u64 {
@@ -62,6 +75,7 @@ pub fn zone_bytes(policy: &Policy) -> u64 {
 /// (the same rule in both) counts once.
 pub fn zone_bytes_of(policies: &[&Policy]) -> u64 {
     let mut seen: HashSet<&str> = HashSet::new();
+    let mut breakers: HashSet<String> = HashSet::new();
     let mut bytes = FIXED_BYTES;
     for policy in policies {
         let tables: Vec<&str> = policy
@@ -73,6 +87,13 @@ pub fn zone_bytes_of(policies: &[&Policy]) -> u64 {
             .map(rule_bytes)
             .sum::<u64>();
         seen.extend(tables);
+        // A breaker's record is named after the breaker: the same name in two documents
+        // is one record.
+        for spec in policy.breakers() {
+            if breakers.insert(record_key(&spec.settings.name)) {
+                bytes += breaker_bytes(spec);
+            }
+        }
     }
     if policies.iter().any(|policy| policy.remote.is_some()) {
         // The published document, in whole pages (and room to replace it).
@@ -116,5 +137,57 @@ mod tests {
         )
         .unwrap();
         assert_eq!(global.rules().map(rule_bytes).sum::<u64>(), 1000 * 256 * 2);
+    }
+
+    #[test]
+    fn each_breaker_counts_its_record_once() {
+        let one = parse_policy(
+            "Url: /pay
+breaker: {failure_ratio: 0.5}
+",
+        )
+        .unwrap();
+        let spec = one.breakers().next().unwrap();
+        // Key "diana/breaker/<16 hex>" (30 bytes), 253 bytes of record with 3 places:
+        // 96 + 30 + 253 = 379, a 512-byte slab.
+        assert_eq!(record_bytes(3), 253);
+        assert_eq!(breaker_bytes(spec), 512);
+        let wide = parse_policy(
+            "Url: /pay
+breaker: {failure_ratio: 0.5, half_open_calls: 255}
+",
+        )
+        .unwrap();
+        // 96 + 30 + 253 + 252 × 9 = 2647: whole pages above half a page.
+        assert_eq!(breaker_bytes(wide.breakers().next().unwrap()), 4096);
+        let none = parse_policy(
+            "Url: /pay
+rules: [{rpu: 1}]
+",
+        )
+        .unwrap();
+        let both = parse_policy(
+            "Url: /pay
+rules: [{rpu: 1}]
+breaker: {failure_ratio: 0.5, half_open_calls: 255}
+",
+        )
+        .unwrap();
+        let bare = zone_bytes_of(&[&none]);
+        assert!(zone_bytes_of(&[&both]) >= bare);
+        // The same breakers in two documents sharing the zone are one record each.
+        let many: String = (0..600)
+            .map(|n| {
+                format!("- Url: /b{n}\n  breaker: {{failure_ratio: 0.5, half_open_calls: 255}}\n")
+            })
+            .collect();
+        let many = parse_policy(&many).unwrap();
+        let alone = zone_bytes_of(&[&many]);
+        assert_eq!(zone_bytes_of(&[&many, &many]), alone);
+        // 600 records of a page each.
+        assert!(
+            alone >= FIXED_BYTES + 600 * 4096 && alone > bare,
+            "{alone} vs {bare}"
+        );
     }
 }

@@ -100,6 +100,42 @@ pub fn prefix_matches(prefix: &[u8], path: &[u8]) -> bool {
     }
 }
 
+/// [`prefix_matches`] with ASCII letters compared without regard to case (a resource's
+/// `path: {case_insensitive: true}`, for a backend that serves `/Admin` as `/admin`).
+/// Escapes are upper-case hex on both normalised sides, so they compare alike anyway.
+pub fn prefix_matches_ignoring_case(prefix: &[u8], path: &[u8]) -> bool {
+    if prefix == b"/" {
+        return true;
+    }
+    match (path.get(..prefix.len()), path.get(prefix.len()..)) {
+        (Some(head), Some(rest)) => {
+            head.eq_ignore_ascii_case(prefix) && (rest.is_empty() || rest.first() == Some(&b'/'))
+        }
+        _ => false,
+    }
+}
+
+/// The normalised `path` without the parameters of its segments (`;jsessionid=…`, as a
+/// servlet container reads a path: a segment ends at its first `;`), normalised again, so
+/// that a `..;` segment climbs as `..` does (`/public/..;/admin` is `/admin`) and a segment
+/// that was only a parameter goes (`/;x/admin` is `/admin`). An escaped `%3B` is part of its
+/// segment, not a parameter. Borrows a path without `;` (no allocation).
+pub fn strip_parameters(path: &[u8]) -> Cow<'_, [u8]> {
+    if !path.contains(&b';') {
+        return Cow::Borrowed(path);
+    }
+    let mut out = Vec::with_capacity(path.len().saturating_add(1));
+    out.push(b'/');
+    for segment in path.split(|&byte| byte == b'/') {
+        let name = segment
+            .split(|&byte| byte == b';')
+            .next()
+            .unwrap_or_default();
+        push_segment(&mut out, name);
+    }
+    Cow::Owned(out)
+}
+
 /// [`prefix_matches`] for two normalised urls.
 pub fn is_prefix(prefix: &str, path: &str) -> bool {
     prefix_matches(prefix.as_bytes(), path.as_bytes())
@@ -358,6 +394,60 @@ mod tests {
                 normalize(&out).as_ref(),
                 out.as_slice(),
                 "idempotent for {raw:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn parameters_are_stripped_from_every_segment_and_the_path_normalised_again() {
+        let table: &[(&[u8], &str)] = &[
+            (b"/admin", "/admin"),
+            (b"/admin;jsessionid=1A2B", "/admin"),
+            (b"/admin;jsessionid=1/users;v=2", "/admin/users"),
+            (b"/public/..;/admin", "/admin"),
+            (b"/public/..;x=1/admin", "/admin"),
+            (b"/;x/admin", "/admin"),
+            (b"/.;/admin", "/admin"),
+            (b"/admin;", "/admin"),
+            (b"/;", "/"),
+            (b"/a%3Bb/c", "/a%3Bb/c"),
+            (b"/a;b%3Bc/d", "/a/d"),
+            (b"/x:y@z!$&'()*+,;=", "/x:y@z!$&'()*+,"),
+        ];
+        for (normalised, want) in table {
+            let normalised = normalize(normalised).into_owned();
+            let stripped = strip_parameters(&normalised);
+            assert_eq!(
+                String::from_utf8_lossy(&stripped),
+                *want,
+                "strip_parameters({:?})",
+                String::from_utf8_lossy(&normalised)
+            );
+            assert!(is_normal(&stripped), "{want}");
+        }
+        // Without a `;`, nothing is allocated.
+        assert!(matches!(strip_parameters(b"/admin/x"), Cow::Borrowed(_)));
+    }
+
+    #[test]
+    fn a_prefix_may_match_in_any_case() {
+        let table: &[(&str, &str, bool)] = &[
+            ("/admin", "/ADMIN", true),
+            ("/admin", "/Admin/x", true),
+            ("/admin", "/admin", true),
+            ("/admin", "/ADMINS", false),
+            ("/admin", "/ADMI", false),
+            ("/Admin", "/aDMIN/Users", true),
+            ("/", "/ANY", true),
+            ("/a%2Fb", "/A%2Fb/c", true),
+            ("/caf%C3%A9", "/CAF%C3%A9", true),
+            ("/admin", "", false),
+        ];
+        for (prefix, path, want) in table {
+            assert_eq!(
+                prefix_matches_ignoring_case(prefix.as_bytes(), path.as_bytes()),
+                *want,
+                "{prefix} vs {path}"
             );
         }
     }

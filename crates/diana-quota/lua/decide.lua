@@ -13,6 +13,13 @@
 -- renew: concurrency places still held (IF) move from the bucket they were counted in to
 --   the current one: released at their mark, then charged now; the reply's mark1 is the
 --   bucket to send next time.
+-- spend: one call of Envoy's rate limit protocol (RLS), each rule a take (all or nothing,
+--   as acquire), a check (charges nothing; refused once nothing is left) or a count
+--   (charged `tokens` whatever is left, even when the call is refused; refused when they
+--   did not fit), in order, each on the state the rules before it left. The call is
+--   admitted when every enforced rule passed and, if it has quota rules, one of them
+--   did. Refused: the takes are undone (the stored states, the counts alone applied
+--   again in order). diana_core::quota::decide::spend, step for step.
 --
 -- KEYS[i]  the state of rule i: `diana:{<key>}:<ALGO>:<rpu>:<unit>:<burst>:<slices>` (the
 --          algorithm's file documents it). The service names the key after every
@@ -32,11 +39,16 @@
 --            release: tokens (>= 1), mark1, mark2 (what the acquire returned)
 --            renew:   places (>= 1), mark1, mark2 (what the acquire or last renewal
 --                     returned)
+--            spend:   how (take, check or count), tokens (>= 1; a check's are not
+--                     charged), enforcement (0 enforced, 1 shadow: never refuses,
+--                     2 quota: refuses only with every quota rule of the call)
 --
 -- Returns 8 integers per rule, in order:
---   allowed      1 if the rule had its need available (acquire), 1 for charge and release
+--   allowed      1 if the rule had its need available (acquire), 1 for charge and release;
+--                spend, 1 if the rule passed (its own verdict)
 --   granted      tokens charged: acquire, min(want, available) for every rule or 0 for
---                all; charge, the tokens; release, 0
+--                all; charge, the tokens; release, 0; spend, a count's tokens, an
+--                admitted take's tokens, else 0
 --   remaining    what would still be granted right now, after this call
 --   reset_us     microseconds until the limit has fully recovered
 --   retry_us     acquire, for a rule without its need: microseconds until it has it;
@@ -83,6 +95,14 @@ for i = 1, #KEYS do
       return redis.error_reply('ERR diana: rules[' .. (i - 1) .. ']: bad renewal')
     end
     r.tokens, r.m1, r.m2 = a, b, whole(ARGV[p + 2]) or 0
+    p = p + 3
+  elseif op == 'spend' then
+    local how, tokens, mode = ARGV[p], whole(ARGV[p + 1]), whole(ARGV[p + 2])
+    if (how ~= 'take' and how ~= 'check' and how ~= 'count') or not tokens or tokens < 1
+      or not mode or mode < 0 or mode > 2 or (how == 'count' and not A.debt) then
+      return redis.error_reply('ERR diana: rules[' .. (i - 1) .. ']: bad spend')
+    end
+    r.how, r.tokens, r.mode = how, tokens, mode
     p = p + 3
   else
     return redis.error_reply('ERR diana: unknown operation')
@@ -158,6 +178,62 @@ elseif op == 'charge' then
     put(1, r.tokens, V, V.retry, 0, V.m1, V.m2)
   end
   commit()
+elseif op == 'spend' then
+  local passed, taken, took = {}, {}, false
+  for i, r in ipairs(rules) do
+    local S = state_of(r)
+    if r.how == 'check' then
+      passed[i] = probe(r, S).remaining >= 1
+    elseif r.how == 'count' then
+      passed[i] = probe(r, S).remaining >= r.tokens
+      local _, S2 = r.A.debt(r.P, S, now, r.tokens)
+      change(r, S2)
+    else
+      local V, S2 = r.A.check(r.P, S, now, r.tokens, r.tokens)
+      passed[i], taken[i] = V.granted > 0, V
+      if V.granted > 0 then
+        took = true
+        change(r, S2)
+      end
+    end
+  end
+  local enforced, quotas, quota_passed = true, 0, false
+  for i, r in ipairs(rules) do
+    if r.mode == 0 and not passed[i] then enforced = false end
+    if r.mode == 2 then
+      quotas = quotas + 1
+      if passed[i] then quota_passed = true end
+    end
+  end
+  local admitted = enforced and (quotas == 0 or quota_passed)
+  if not admitted and took then
+    -- the takes are undone: the stored states, the counts alone charged again in order
+    touched, order = {}, {}
+    for key, S in pairs(stored) do scratch[key] = S end
+    for _, r in ipairs(rules) do
+      if r.how == 'count' then
+        local _, S2 = r.A.debt(r.P, scratch[r.key], now, r.tokens)
+        change(r, S2)
+      end
+    end
+  end
+  commit()
+  for i, r in ipairs(rules) do
+    local S = scratch[r.key]
+    local now_V = probe(r, S)
+    local granted, m1, m2 = 0, 0, 0
+    if r.how == 'count' then
+      granted = r.tokens
+    elseif r.how == 'take' and admitted then
+      granted, m1, m2 = taken[i].granted, taken[i].m1, taken[i].m2
+    end
+    local retry = 0
+    if not passed[i] then
+      -- when the rule's cost is there again (a take's of `tokens`, on a copy)
+      retry = math.max(r.A.check(r.P, S, now, r.tokens, r.tokens).retry, 1)
+    end
+    put(passed[i] and 1 or 0, granted, now_V, retry, 0, m1, m2)
+  end
 elseif op == 'renew' then
   for _, r in ipairs(rules) do
     local S = state_of(r)

@@ -2,7 +2,7 @@
 //! tests match on what happened and the binary prints one line that says what to fix.
 
 use crate::auth::AuthError;
-use crate::rls::ConfigError;
+use crate::rls::{ConfigError, KeyError};
 use crate::store::RedisUrlError;
 
 /// The service cannot start (or its server failed).
@@ -15,6 +15,9 @@ pub enum StartError {
     /// An `--rls-config` file cannot be read or is invalid.
     #[error(transparent)]
     RlsConfig(#[from] ConfigError),
+    /// The RLS key (`--rls-key-file`, `DIANA_QUOTA_RLS_KEY`) cannot be used.
+    #[error(transparent)]
+    RlsKey(#[from] KeyError),
     #[error("--rls-config without --rls-listen: give the address to serve RLS on")]
     RlsConfigWithoutListen,
     #[error(

@@ -11,6 +11,7 @@
 //! - `GET /metrics`: Prometheus (OpenMetrics) text.
 //! - `POST /v1/report`, `GET /v1/view`: the gateways' tick report and the fleet view
 //!   ([`crate::report`]).
+//! - `GET /ui`: the fleet view's page, static; its data is `/v1/view` ([`crate::ui`]).
 //!
 //! Only gateways may call the `/v1/` endpoints: a layer in front of them answers `401` (with
 //! `www-authenticate: Bearer`) to a request without `authorization: Bearer <secret>`
@@ -25,12 +26,14 @@
 //! later is given back (`Store::release`) instead of being lost to nobody.
 
 use crate::auth::{Auth, SCHEME};
+use crate::conn::ConnectionLimits;
 use crate::fleet::metrics::FleetCollector;
 use crate::fleet::view::Limits;
 use crate::fleet::{Fleet, ViewAccess};
 use crate::metrics::{self, Metrics};
 use crate::report::{self, VIEW_PATH};
 use crate::store::{CounterDigest, Grant, Noted, Outcome, Store, StoreError, SystemClock};
+use crate::ui;
 use axum::body::Body;
 use axum::extract::{MatchedPath, Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
@@ -67,6 +70,8 @@ pub struct Settings {
     pub max_in_flight: usize,
     /// Longest `/v1/wait` sleeps.
     pub max_wait: Duration,
+    /// Bounds of each port's connections (`crate::conn`).
+    pub connections: ConnectionLimits,
 }
 
 /// The gateway's default callout timeout (`global.timeout_ms`).
@@ -79,6 +84,7 @@ impl Default for Settings {
             timeout_margin: Duration::from_millis(10),
             max_in_flight: 256,
             max_wait: Duration::from_millis(wire::MAX_WAIT_MS),
+            connections: ConnectionLimits::default(),
         }
     }
 }
@@ -207,6 +213,7 @@ pub fn app(state: AppState) -> Router {
     Router::new()
         .merge(gateway)
         .route(VIEW_PATH, get(report::view))
+        .merge(ui::routes())
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics_text))
@@ -232,6 +239,7 @@ fn route_label(request: &Request) -> &'static str {
         Some("/healthz") => "/healthz",
         Some("/readyz") => "/readyz",
         Some("/metrics") => "/metrics",
+        Some(path) if path.starts_with(ui::UI_PATH) => ui::UI_PATH,
         _ => "other",
     }
 }

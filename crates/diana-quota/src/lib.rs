@@ -19,13 +19,14 @@
 //! - [`metrics`]: Prometheus metrics.
 //! - [`report`] and [`fleet`]: the gateways' tick report (`POST /v1/report`: the fleet's
 //!   breakers, kept by the store, [`store::breakers`]) and the fleet view (`GET /v1/view`,
-//!   `/metrics`), in memory per replica.
+//!   `/metrics`), in memory per replica; [`ui`]: the view's page (`GET /ui`).
 //! - [`rls`]: Envoy's rate limit protocols over gRPC (`--rls-listen`): RLS
 //!   (`ShouldRateLimit`, a drop-in for envoyproxy/ratelimit reading its configuration files)
 //!   and RLQS (`StreamRateLimitQuotas`), on the same store.
 //! - [`Cli`], [`serve`] and [`run`]: what the binary does.
 
 pub mod auth;
+pub mod conn;
 pub mod error;
 pub mod fleet;
 pub mod http;
@@ -33,6 +34,7 @@ pub mod metrics;
 pub mod report;
 pub mod rls;
 pub mod store;
+pub mod ui;
 
 pub use auth::{Auth, AuthError, NO_SECRET};
 pub use error::StartError;
@@ -107,6 +109,32 @@ pub struct Cli {
     #[arg(long, env = "DIANA_QUOTA_MAX_WAIT_MS", default_value_t = diana_core::wire::MAX_WAIT_MS)]
     pub max_wait_ms: u64,
 
+    /// Connections open at once on each port (--listen, --rls-listen); one more is closed
+    /// as soon as it is accepted.
+    #[arg(long, env = "DIANA_QUOTA_MAX_CONNECTIONS", default_value_t = conn::ConnectionLimits::DEFAULT.max_connections as u64,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_connections: u64,
+
+    /// Connections open at once on each port from one peer address (a gateway, or every
+    /// gateway behind one NAT address: raise it then); one more is closed at once.
+    #[arg(long, env = "DIANA_QUOTA_MAX_CONNECTIONS_PER_PEER", default_value_t = conn::ConnectionLimits::DEFAULT.max_per_peer as u64,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_connections_per_peer: u64,
+
+    /// HTTP/1: a request head must be complete this many milliseconds after the connection
+    /// opened or its previous answer left; an idle keep-alive connection is closed then.
+    /// The gateways' idle timeout to this service must be shorter (Envoy: the cluster's
+    /// common_http_protocol_options.idle_timeout; the bootstraps set 5 s).
+    #[arg(long, env = "DIANA_QUOTA_HEADER_TIMEOUT_MS", default_value_t = conn::ConnectionLimits::DEFAULT.header_timeout.as_millis() as u64,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub header_timeout_ms: u64,
+
+    /// A connection (either port) from which nothing was read for this many milliseconds is
+    /// closed (HTTP/2 peers answer the service's pings every 30 s: a live one never idles).
+    #[arg(long, env = "DIANA_QUOTA_IDLE_TIMEOUT_MS", default_value_t = conn::ConnectionLimits::DEFAULT.idle_timeout.as_millis() as u64,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub idle_timeout_ms: u64,
+
     /// Memory store (no --redis): most counters held; idle ones are evicted to make room,
     /// and when all are live, requests needing a new one are refused with 503.
     #[arg(long, env = "DIANA_QUOTA_MEMORY_MAX_KEYS", default_value_t = store::DEFAULT_MAX_KEYS as u64,
@@ -158,6 +186,19 @@ pub struct Cli {
         default_value = "none"
     )]
     pub rls_headers: rls::HeaderStyle,
+
+    /// Answers carry envoyproxy/ratelimit's dynamic metadata (its RESPONSE_DYNAMIC_METADATA):
+    /// the domain, the descriptors, and the `metadata` of the rules whose descriptors
+    /// passed, for the filters after Envoy's `ratelimit` filter.
+    #[arg(long, env = "DIANA_QUOTA_RLS_RESPONSE_METADATA")]
+    pub rls_response_metadata: bool,
+
+    /// File holding the key of the RLS counters (at least 32 bytes; the same on every
+    /// replica): descriptor values are hashed under it, so nobody can compute where a value
+    /// lands. Also from the environment variable DIANA_QUOTA_RLS_KEY. Without either, the
+    /// public key is used (a warning): replicas agree, and so can anyone.
+    #[arg(long, env = "DIANA_QUOTA_RLS_KEY_FILE", value_name = "PATH")]
+    pub rls_key_file: Option<PathBuf>,
 
     /// Serve --rls-listen WITHOUT authentication (the HTTP API keeps its secret): for
     /// platforms whose Envoy cannot send `authorization` metadata to the rate limit
@@ -240,7 +281,10 @@ impl Cli {
             (None, true) => Ok(None),
             (None, false) => Err(StartError::RlsConfigWithoutListen),
             (Some(_), true) => Err(StartError::RlsListenWithoutConfig),
-            (Some(_), false) => Ok(Some(rls::load(&self.rls_config)?)),
+            (Some(_), false) => {
+                let keys = self.rls_keys()?;
+                Ok(Some(rls::load(&self.rls_config, &keys)?))
+            }
         }
     }
 
@@ -260,6 +304,20 @@ impl Cli {
         }
     }
 
+    /// The key of the RLS counters: `--rls-key-file`, DIANA_QUOTA_RLS_KEY, or the public
+    /// key.
+    pub fn rls_keys(&self) -> Result<rls::CounterKeys, StartError> {
+        let env = match std::env::var(rls::keys::KEY_ENV) {
+            Ok(value) => Some(value),
+            Err(std::env::VarError::NotPresent) => None,
+            Err(std::env::VarError::NotUnicode(_)) => return Err(rls::KeyError::NotUtf8.into()),
+        };
+        Ok(rls::CounterKeys::from_sources(
+            self.rls_key_file.as_deref(),
+            env.as_deref(),
+        )?)
+    }
+
     /// The store and the HTTP settings these flags describe.
     pub fn build(&self) -> Result<(Arc<dyn Store>, Settings), StartError> {
         let settings = Settings {
@@ -267,6 +325,12 @@ impl Cli {
             timeout_margin: Duration::from_millis(self.timeout_margin_ms),
             max_in_flight: usize::try_from(self.max_in_flight.max(1)).unwrap_or(usize::MAX),
             max_wait: Duration::from_millis(self.max_wait_ms),
+            connections: conn::ConnectionLimits {
+                max_connections: usize::try_from(self.max_connections).unwrap_or(usize::MAX),
+                max_per_peer: usize::try_from(self.max_connections_per_peer).unwrap_or(usize::MAX),
+                header_timeout: Duration::from_millis(self.header_timeout_ms),
+                idle_timeout: Duration::from_millis(self.idle_timeout_ms),
+            },
         };
         let store: Arc<dyn Store> = match &self.redis {
             Some(url) => {
@@ -298,32 +362,74 @@ impl Cli {
 /// turns 503, the listener is closed (new connections are refused), idle connections are
 /// closed, and the requests in flight are answered (for at most `max_wait` plus the
 /// deadline plus one second, after which the server stops anyway).
+///
+/// Each connection is bounded as [`conn`] describes: the port's and the peer's connection
+/// caps, the request head's timeout and size, the idle timeout (HTTP/1 and HTTP/2).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: AppState,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), StartError> {
+    use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+    use hyper_util::server::conn::auto;
+
     let router = app(state.clone());
-    let (stopping, stopped) = tokio::sync::oneshot::channel::<()>();
+    let settings = *state.settings();
+    let limits = settings.connections;
+    let gate = conn::Gate::new("http", limits, Some(state.clone()));
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_timeout)
+        .max_buf_size(conn::MAX_HEAD_BYTES)
+        .max_headers(conn::MAX_HEAD_FIELDS);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_header_list_size(conn::MAX_HEADER_LIST_BYTES)
+        .max_concurrent_streams(conn::MAX_HTTP2_STREAMS)
+        .keep_alive_interval(conn::KEEPALIVE_INTERVAL)
+        .keep_alive_timeout(conn::KEEPALIVE_TIMEOUT);
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let signal_state = state.clone();
-    let signal = async move {
+    let stop = async move {
         shutdown.await;
         signal_state.begin_shutdown();
-        let _ = stopping.send(());
     };
-    let settings = *state.settings();
+    conn::accept_loop(listener, gate.clone(), stop, |connection| {
+        // A request's head read: the connection's first-request deadline is met.
+        let served = connection.served();
+        let service =
+            hyper_util::service::TowerToHyperService::new(tower::ServiceExt::map_request(
+                router.clone(),
+                move |request: axum::extract::Request<hyper::body::Incoming>| {
+                    served.mark();
+                    request
+                },
+            ));
+        let served = builder
+            .serve_connection(TokioIo::new(connection), service)
+            .into_owned();
+        let served = graceful.watch(served);
+        let gate = gate.clone();
+        tokio::spawn(async move {
+            if let Err(error) = served.await {
+                let header_timeout = error
+                    .downcast_ref::<hyper::Error>()
+                    .is_some_and(hyper::Error::is_timeout);
+                if header_timeout {
+                    gate.closed("header");
+                }
+                tracing::debug!(%error, "HTTP connection ended");
+            }
+        });
+    })
+    .await;
     let drain = settings.max_wait + settings.deadline + Duration::from_secs(1);
-    let server = axum::serve(listener, router).with_graceful_shutdown(signal);
-    let deadline = async move {
-        if stopped.await.is_ok() {
-            tokio::time::sleep(drain).await;
-        } else {
-            std::future::pending::<()>().await;
-        }
-    };
     tokio::select! {
-        served = server => served.map_err(|error| StartError::Serve { protocol: "HTTP", error }),
-        () = deadline => {
+        () = graceful.shutdown() => Ok(()),
+        () = tokio::time::sleep(drain) => {
             tracing::warn!(drain_ms = drain.as_millis(), "requests still in flight after the drain time: stopping anyway");
             Ok(())
         }
@@ -466,11 +572,20 @@ fn start_rls(
     } else {
         auth.clone()
     };
+    if config.keys().origin() == rls::keys::KeyOrigin::Public {
+        tracing::warn!(
+            "no --rls-key-file (or {}): RLS counter keys are hashed under the public key, so \
+             anyone can compute which counter a descriptor value lands on; give every replica \
+             the same key of 32 bytes or more",
+            rls::keys::KEY_ENV
+        );
+    }
     tracing::info!(
         %address,
         domains = %config.domains().join(","),
         rules = config.rules(),
         headers = ?cli.rls_headers,
+        response_metadata = cli.rls_response_metadata,
         auth = grpc_auth.is_required(),
         "diana-quota serving Envoy's RLS and RLQS"
     );
@@ -480,7 +595,8 @@ fn start_rls(
         cli.rls_config.clone(),
         cli.rls_headers,
         grpc_auth,
-    );
+    )
+    .with_response_metadata(cli.rls_response_metadata);
     reload_rls_on_sighup(rls.clone());
     Ok(rls)
 }

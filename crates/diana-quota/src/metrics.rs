@@ -19,6 +19,9 @@
 //! | `diana_quota_wait_seconds` | histogram | — (time `/v1/wait` slept) |
 //! | `diana_quota_unauthorized_total` | counter | `reason` = `missing`/`invalid` (gateway requests refused 401) |
 //! | `diana_quota_auth_required` | gauge | — (1: a secret is required; 0: `--insecure-no-auth`) |
+//! | `diana_quota_connections` | gauge | `port` = `http`/`grpc` (connections open) |
+//! | `diana_quota_connections_refused_total` | counter | `port`, `reason` = `port`/`peer` (closed at once: `--max-connections`, `--max-connections-per-peer`) |
+//! | `diana_quota_connections_closed_total` | counter | `port`, `reason` = `header`/`idle` (closed by the service: no request head within `--header-timeout-ms`, nothing read for `--idle-timeout-ms`) |
 //!
 //! No label carries a key, an identity or a counter's value: every label set is one of a
 //! few fixed names (routes, algorithms, statuses, kinds), so `/metrics` can stay open.
@@ -72,6 +75,17 @@ struct ReasonLabels {
     reason: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PortLabels {
+    port: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PortReasonLabels {
+    port: &'static str,
+    reason: &'static str,
+}
+
 const LATENCY_BUCKETS: [f64; 14] = [
     0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
 ];
@@ -100,6 +114,9 @@ pub struct Metrics {
     waits: Histogram,
     unauthorized: Family<ReasonLabels, Counter>,
     auth_required: Gauge,
+    connections: Family<PortLabels, Gauge>,
+    connections_refused: Family<PortReasonLabels, Counter>,
+    connections_closed: Family<PortReasonLabels, Counter>,
 }
 
 /// The routes that decide (shed and deadline counters exist for each from the start).
@@ -228,6 +245,33 @@ impl Metrics {
             "1 when the gateway endpoints require a secret, 0 when started with --insecure-no-auth",
             auth_required.clone(),
         );
+        let connections = Family::<PortLabels, Gauge>::default();
+        registry.register(
+            "diana_quota_connections",
+            "Connections open, by port (http, grpc)",
+            connections.clone(),
+        );
+        let connections_refused = Family::<PortReasonLabels, Counter>::default();
+        registry.register(
+            "diana_quota_connections_refused",
+            "Connections closed as soon as accepted, by port and reason (port: --max-connections open; peer: --max-connections-per-peer open from its address)",
+            connections_refused.clone(),
+        );
+        let connections_closed = Family::<PortReasonLabels, Counter>::default();
+        registry.register(
+            "diana_quota_connections_closed",
+            "Connections the service closed, by port and reason (header: no request head within --header-timeout-ms; idle: nothing read for --idle-timeout-ms)",
+            connections_closed.clone(),
+        );
+        for port in ["http", "grpc"] {
+            let _ = connections.get_or_create(&PortLabels { port });
+            for reason in ["port", "peer"] {
+                let _ = connections_refused.get_or_create(&PortReasonLabels { port, reason });
+            }
+            for reason in ["header", "idle"] {
+                let _ = connections_closed.get_or_create(&PortReasonLabels { port, reason });
+            }
+        }
         Metrics {
             registry,
             decisions,
@@ -247,7 +291,31 @@ impl Metrics {
             waits,
             unauthorized,
             auth_required,
+            connections,
+            connections_refused,
+            connections_closed,
         }
+    }
+
+    /// Connections open on `port` now.
+    pub fn set_connections(&self, port: &'static str, open: usize) {
+        self.connections
+            .get_or_create(&PortLabels { port })
+            .set(i64::try_from(open).unwrap_or(i64::MAX));
+    }
+
+    /// One connection closed as soon as accepted.
+    pub fn connection_refused(&self, port: &'static str, reason: &'static str) {
+        self.connections_refused
+            .get_or_create(&PortReasonLabels { port, reason })
+            .inc();
+    }
+
+    /// One connection closed by the service's timeouts.
+    pub fn connection_closed(&self, port: &'static str, reason: &'static str) {
+        self.connections_closed
+            .get_or_create(&PortReasonLabels { port, reason })
+            .inc();
     }
 
     /// One gateway request refused 401 (`missing` or `invalid` credential).

@@ -694,6 +694,14 @@ impl Store for SlowBreakers {
         self.inner.charge(rules).await
     }
 
+    async fn spend(
+        &self,
+        rules: &[ResolvedRule<'_>],
+        how: &[diana_quota::store::Spending],
+    ) -> Result<diana_quota::store::Spent, StoreError> {
+        self.inner.spend(rules, how).await
+    }
+
     async fn release(
         &self,
         rules: &[ResolvedRule<'_>],

@@ -356,6 +356,18 @@ impl Store for FakeStore {
         self.check_and_update(rules).await
     }
 
+    async fn spend(
+        &self,
+        rules: &[ResolvedRule<'_>],
+        _: &[diana_quota::store::Spending],
+    ) -> Result<diana_quota::store::Spent, StoreError> {
+        let outcomes = self.check_and_update(rules).await?;
+        Ok(diana_quota::store::Spent {
+            admitted: outcomes.iter().all(|outcome| outcome.result.allowed),
+            outcomes,
+        })
+    }
+
     async fn note_call(&self, _: &str, _: &[Grant]) -> Result<Noted, StoreError> {
         Ok(Noted::Kept)
     }
@@ -393,6 +405,7 @@ const FAST: Settings = Settings {
     timeout_margin: Duration::from_millis(10),
     max_in_flight: 256,
     max_wait: Duration::from_millis(100),
+    connections: diana_quota::conn::ConnectionLimits::DEFAULT,
 };
 
 #[tokio::test]

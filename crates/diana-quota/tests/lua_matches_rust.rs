@@ -1,7 +1,8 @@
 //! The Lua scripts implement the same math as the Rust algorithms (`diana_core::algo`,
 //! through `store::decide`): property-based random sequences of acquire (random need,
 //! want, cost, max delay; one or two counters per request, the same counter twice too),
-//! charge and release, on a fake clock that also steps back, give identical answers from
+//! charge, release, renew and RLS spends (takes, checks and counts, enforced, shadow or
+//! quota), on a fake clock that also steps back, give identical answers from
 //! Redis and from the memory store; on Redis Cluster, identical to the Rust model of the
 //! cluster's per-key decisions with compensation.
 
@@ -14,7 +15,7 @@ mod common;
 use common::*;
 use diana_core::time::Instant;
 use diana_core::wire::{ResolvedRule, RuleRequest};
-use diana_quota::store::{MemoryStore, Outcome, RedisStore};
+use diana_quota::store::{Enforcement, MemoryStore, Outcome, RedisStore, Spend, Spending};
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
 use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestRng, TestRunner};
@@ -101,6 +102,13 @@ enum Op {
     Release { step: Step, which: usize, part: u32 },
     /// Renews the concurrency places of an earlier admitted acquire.
     Renew { step: Step, which: usize },
+    /// An RLS call: per counter how it spends, its cost and its enforcement.
+    Spend {
+        step: Step,
+        counters: Vec<usize>,
+        how: Vec<(u8, u8)>,
+        costs: Vec<u32>,
+    },
 }
 
 fn step() -> impl Strategy<Value = Step> {
@@ -152,6 +160,18 @@ fn op() -> impl Strategy<Value = Op> {
             part
         }),
         1 => (step(), 0..8usize).prop_map(|(step, which)| Op::Renew { step, which }),
+        3 => (
+            step(),
+            counters(),
+            prop::collection::vec((0..3u8, 0..3u8), 2),
+            prop::collection::vec(prop_oneof![3 => 1..4u32, 1 => 1..60u32], 2)
+        )
+            .prop_map(|(step, counters, how, costs)| Op::Spend {
+                step,
+                counters,
+                how,
+                costs
+            }),
     ]
 }
 
@@ -266,6 +286,9 @@ static ADMITTED: AtomicUsize = AtomicUsize::new(0);
 static DENIED: AtomicUsize = AtomicUsize::new(0);
 /// Renewals of concurrency places compared.
 static RENEWED: AtomicUsize = AtomicUsize::new(0);
+/// RLS spends compared, and those admitted.
+static SPENT: AtomicUsize = AtomicUsize::new(0);
+static SPENT_ADMITTED: AtomicUsize = AtomicUsize::new(0);
 
 /// Runs one scenario against Redis and the model; the first difference fails it.
 async fn check(
@@ -391,6 +414,66 @@ async fn check(
                     now_us
                 );
             }
+            Op::Spend {
+                step,
+                counters,
+                how,
+                costs,
+            } => {
+                // The cluster's per-key spend with compensation is checked against exact
+                // answers by tests/scenarios.rs; here a single script against the table.
+                if cluster {
+                    continue;
+                }
+                now_us = moved(now_us, *step, scenario.cases[counters[0]]);
+                let requests: Vec<RuleRequest> = counters
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &c)| request(&keys[c], scenario.cases[c], costs[i], costs[i], None))
+                    .collect();
+                let spendings: Vec<Spending> = counters
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &c)| {
+                        let (spend, enforcement) = how[i];
+                        let spend = match spend {
+                            // A leaky bucket takes no debts: its count is a take.
+                            2 if scenario.cases[c].0 != "LB" => Spend::Count,
+                            1 => Spend::Check,
+                            _ => Spend::Take,
+                        };
+                        let enforcement = match enforcement {
+                            1 => Enforcement::Shadow,
+                            2 => Enforcement::Quota,
+                            _ => Enforcement::Enforced,
+                        };
+                        Spending { spend, enforcement }
+                    })
+                    .collect();
+                let rules: Vec<ResolvedRule<'_>> =
+                    requests.iter().map(|r| r.resolve(0).unwrap()).collect();
+                let expected = model
+                    .memory
+                    .spend_at(&rules, &spendings, at_us(now_us))
+                    .unwrap();
+                let actual = redis
+                    .spend_at(&rules, &spendings, Some(now_us))
+                    .await
+                    .unwrap();
+                prop_assert_eq!(
+                    &actual,
+                    &expected,
+                    "op {} (spend {:?} as {:?}) at {} µs",
+                    index,
+                    requests,
+                    spendings,
+                    now_us
+                );
+                SPENT.fetch_add(1, Ordering::Relaxed);
+                if actual.admitted {
+                    SPENT_ADMITTED.fetch_add(1, Ordering::Relaxed);
+                }
+            }
             Op::Renew { step, which } => {
                 if admitted.is_empty() {
                     continue;
@@ -471,13 +554,24 @@ fn property(url: &str, cluster: bool, cases: u32) {
         DENIED.load(Ordering::Relaxed),
     );
     let renewed = RENEWED.load(Ordering::Relaxed);
+    let (spent, spent_admitted) = (
+        SPENT.load(Ordering::Relaxed),
+        SPENT_ADMITTED.load(Ordering::Relaxed),
+    );
     eprintln!(
-        "{cases} scenarios: {admitted} acquires admitted, {denied} denied, {renewed} renewals"
+        "{cases} scenarios: {admitted} acquires admitted, {denied} denied, {renewed} renewals, \
+         {spent} spends ({spent_admitted} admitted)"
     );
     assert!(
         admitted > 100 && denied > 100 && renewed > 10,
         "{admitted} admitted, {denied} denied, {renewed} renewed"
     );
+    if !cluster {
+        assert!(
+            spent_admitted > 50 && spent - spent_admitted > 50,
+            "{spent} spends, {spent_admitted} admitted"
+        );
+    }
 }
 
 #[test]
@@ -504,6 +598,7 @@ fn the_generator_reaches_every_algorithm_and_every_operation() {
     );
     let mut algos = std::collections::BTreeSet::new();
     let (mut acquires, mut charges, mut releases, mut renewals, mut back) = (0, 0, 0, 0, 0);
+    let mut spends = 0;
     for _ in 0..200 {
         let scenario = scenario().new_tree(&mut runner).unwrap().current();
         for case in scenario.cases {
@@ -514,7 +609,8 @@ fn the_generator_reaches_every_algorithm_and_every_operation() {
                 Op::Acquire { step, .. }
                 | Op::Charge { step, .. }
                 | Op::Release { step, .. }
-                | Op::Renew { step, .. } => {
+                | Op::Renew { step, .. }
+                | Op::Spend { step, .. } => {
                     back += usize::from(matches!(step, Step::Back(_) | Step::BackUnits(_)));
                 }
             }
@@ -523,9 +619,11 @@ fn the_generator_reaches_every_algorithm_and_every_operation() {
                 Op::Charge { .. } => charges += 1,
                 Op::Release { .. } => releases += 1,
                 Op::Renew { .. } => renewals += 1,
+                Op::Spend { .. } => spends += 1,
             }
         }
     }
     assert_eq!(algos.len(), 5, "{algos:?}");
     assert!(acquires > 0 && charges > 0 && releases > 0 && renewals > 0 && back > 0);
+    assert!(spends > 0);
 }

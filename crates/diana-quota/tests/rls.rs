@@ -67,6 +67,20 @@ descriptors:
     rate_limit: {unit: hour, requests_per_unit: 4, diana_key: "8f3a2c1d00e1b7a4:0000000000000001"}
   - key: remote_address
     rate_limit: {unit: hour, requests_per_unit: 2}
+  - key: budget
+    rate_limit: {unit: hour, requests_per_unit: 5}
+  - key: tokens
+    rate_limit: {unit: hour, requests_per_unit: 1000000}
+  - key: service
+    value: service_1
+    quota_mode: true
+    rate_limit: {unit: hour, requests_per_unit: 1}
+    metadata: {service_with_quota: {name: service_1}}
+  - key: service
+    value: service_2
+    quota_mode: true
+    rate_limit: {unit: hour, requests_per_unit: 2}
+    metadata: {service_with_quota: {name: service_2}, tier: [gold, 2]}
 "#;
 
 struct Server {
@@ -92,7 +106,7 @@ async fn start_with(
         .unwrap();
     let file = dir.path().join("edge.yaml");
     std::fs::write(&file, CONFIG).unwrap();
-    let config = rls::load(std::slice::from_ref(&file)).unwrap();
+    let config = rls::load(std::slice::from_ref(&file), &rls::CounterKeys::public()).unwrap();
     let auth = Arc::new(auth);
     let state = AppState::new(store, settings, auth.clone());
     let rls = Rls::new(state.clone(), config, vec![file.clone()], headers, auth);
@@ -269,8 +283,9 @@ async fn hits_addend_unlimited_replaces_shadow_blocks_and_overrides() {
         ask(&mut client, request.clone()).await.statuses[0].limit_remaining,
         0
     );
+    // 0 checks without taking: refused once nothing is left (issue 41: it was OK).
     request.descriptors[0].hits_addend = Some(UInt64Value { value: 0 });
-    assert_eq!(ask(&mut client, request.clone()).await.overall_code, OK);
+    assert_eq!(ask(&mut client, request.clone()).await.overall_code, OVER);
     request.descriptors[0].hits_addend = Some(UInt64Value { value: 1 });
     assert_eq!(ask(&mut client, request.clone()).await.overall_code, OVER);
     // A cost the limit can never grant is over the limit, not an error.
@@ -572,6 +587,13 @@ impl Store for Broken {
     ) -> Result<Vec<Outcome>, StoreError> {
         Err(StoreError::Unavailable("connection refused".into()))
     }
+    async fn spend(
+        &self,
+        _: &[ResolvedRule<'_>],
+        _: &[diana_quota::store::Spending],
+    ) -> Result<diana_quota::store::Spent, StoreError> {
+        Err(StoreError::Unavailable("connection refused".into()))
+    }
     async fn note_call(&self, _: &str, _: &[Grant]) -> Result<Noted, StoreError> {
         Err(StoreError::Unavailable("connection refused".into()))
     }
@@ -817,6 +839,412 @@ async fn sighup_reloads_the_files_and_a_bad_one_changes_nothing() {
     assert_eq!(config.domains(), ["edge"]);
     assert_eq!(ask(&mut client, a()).await.statuses[0].limit_remaining, 6);
     server.stop().await;
+}
+
+/// A descriptor with its own `hits_addend`.
+fn costing(entries: &[(&str, &str)], hits: u64) -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        hits_addend: Some(UInt64Value { value: hits }),
+        ..descriptor(entries)
+    }
+}
+
+/// Issue 41, item 1: a budget spent by costs known after the response, as Envoy Gateway's
+/// response costs and Envoy's `apply_on_stream_done` spend it: the request is checked
+/// (`hits_addend: 0`), its cost charged when the stream ends. On a budget of 5 an hour,
+/// six requests costing 4 each: before, every check was OK and a charge that did not fit
+/// counted nothing (6 passed, 24 served); now, as envoyproxy/ratelimit, a charge always
+/// counts and a check is refused once the budget is spent (2 passed, 8 counted).
+#[tokio::test]
+async fn post_hoc_costs_are_checked_then_counted_as_envoyproxy_ratelimit_does() {
+    let server = start("post-hoc").await;
+    let mut client = server.client().await;
+    let (mut passed, mut served) = (0, 0);
+    let mut charges = Vec::new();
+    for _ in 0..6 {
+        let check = ask(&mut client, call(vec![costing(&[("budget", "t1")], 0)])).await;
+        if check.overall_code == OK {
+            passed += 1;
+            served += 4;
+            // The stream ended: its cost is charged (Envoy ignores this answer).
+            let charge = ask(&mut client, call(vec![costing(&[("budget", "t1")], 4)])).await;
+            charges.push(charge.overall_code);
+        }
+    }
+    eprintln!("budget 5/hour, 6 requests of cost 4: {passed} passed, {served} served");
+    assert_eq!((passed, served), (2, 8));
+    // The second charge went past the limit: counted anyway, and said so.
+    assert_eq!(charges, [OK, OVER]);
+    let after = ask(&mut client, call(vec![costing(&[("budget", "t1")], 0)])).await;
+    assert_eq!(
+        (after.overall_code, after.statuses[0].limit_remaining),
+        (OVER, 0)
+    );
+    assert!(after.statuses[0].duration_until_reset.is_some());
+
+    // Requests in flight together: both checked while 1 was left, both charged: 5 + 4
+    // counted, the budget spent.
+    for _ in 0..2 {
+        let check = ask(&mut client, call(vec![costing(&[("budget", "t2")], 0)])).await;
+        assert_eq!(check.overall_code, OK);
+    }
+    let first = ask(&mut client, call(vec![costing(&[("budget", "t2")], 4)])).await;
+    let second = ask(&mut client, call(vec![costing(&[("budget", "t2")], 4)])).await;
+    assert_eq!((first.overall_code, second.overall_code), (OK, OVER));
+    assert_eq!(
+        ask(&mut client, call(vec![costing(&[("budget", "t2")], 0)]))
+            .await
+            .overall_code,
+        OVER
+    );
+
+    // A charge refused by another descriptor still counts (envoyproxy/ratelimit counts
+    // every descriptor of a call); a request counted one each stays all or nothing (Diana's
+    // promise: a refused request charges none of its descriptors).
+    let mixed = ask(
+        &mut client,
+        call(vec![
+            costing(&[("budget", "t3")], 3),
+            descriptor(&[("tenant", "blocked")]),
+        ]),
+    )
+    .await;
+    assert_eq!(codes(&mixed), (OVER, vec![OK, OVER]));
+    let left = ask(&mut client, call(vec![costing(&[("budget", "t3")], 0)])).await;
+    assert_eq!(left.statuses[0].limit_remaining, 2, "the 3 were counted");
+    let plain = ask(
+        &mut client,
+        call(vec![
+            descriptor(&[("budget", "t4")]),
+            descriptor(&[("tenant", "blocked")]),
+        ]),
+    )
+    .await;
+    assert_eq!(plain.overall_code, OVER);
+    let untouched = ask(&mut client, call(vec![costing(&[("budget", "t4")], 0)])).await;
+    assert_eq!(untouched.statuses[0].limit_remaining, 5, "nothing charged");
+
+    // A cost above the wire's largest want (100,000) is counted whole, in pieces.
+    let big = ask(
+        &mut client,
+        call(vec![costing(&[("tokens", "u")], 250_000)]),
+    )
+    .await;
+    assert_eq!(
+        (big.overall_code, big.statuses[0].limit_remaining),
+        (OK, 750_000)
+    );
+    server.stop().await;
+}
+
+/// Issue 41, item 2: `quota_mode` (soft limits: the call is refused only when every quota
+/// descriptor is over; each over one says so in its status) and the answer's dynamic
+/// metadata (`--rls-response-metadata`), as envoyproxy/ratelimit's example
+/// `service_1`/`service_2` quota routing uses them.
+#[tokio::test]
+async fn quota_mode_is_soft_and_the_metadata_names_what_passed() {
+    let server = start("quota").await;
+    server.rls.clone().with_response_metadata(true);
+    let mut client = server.client().await;
+    let both = || {
+        call(vec![
+            descriptor(&[("service", "service_1")]),
+            descriptor(&[("service", "service_2")]),
+        ])
+    };
+    let names = |response: &RateLimitResponse| -> Vec<String> {
+        use envoy_types::pb::google::protobuf::value::Kind;
+        let Some(metadata) = &response.dynamic_metadata else {
+            return Vec::new();
+        };
+        let Some(Kind::StructValue(merged)) = metadata
+            .fields
+            .get("metadata")
+            .and_then(|value| value.kind.clone())
+        else {
+            return Vec::new();
+        };
+        let Some(Kind::StructValue(service)) = merged
+            .fields
+            .get("service_with_quota")
+            .and_then(|value| value.kind.clone())
+        else {
+            return Vec::new();
+        };
+        match service
+            .fields
+            .get("name")
+            .and_then(|value| value.kind.clone())
+        {
+            Some(Kind::StringValue(name)) => vec![name],
+            _ => Vec::new(),
+        }
+    };
+    // Both within their limits: OK, the first one's metadata first.
+    let first = ask(&mut client, both()).await;
+    assert_eq!(codes(&first), (OK, vec![OK, OK]));
+    assert_eq!(names(&first), ["service_1"]);
+    let metadata = first.dynamic_metadata.clone().unwrap();
+    assert!(metadata.fields.contains_key("domain") && metadata.fields.contains_key("descriptors"));
+    // Merged: service_2's other keys join service_1's.
+    assert!(
+        format!("{:?}", metadata.fields["metadata"]).contains("\"tier\""),
+        "{metadata:?}"
+    );
+    // service_1 over: its status says so, the call is OK, the metadata is service_2's.
+    let second = ask(&mut client, both()).await;
+    assert_eq!(codes(&second), (OK, vec![OVER, OK]));
+    assert_eq!(names(&second), ["service_2"]);
+    // Both over: refused.
+    let third = ask(&mut client, both()).await;
+    assert_eq!(codes(&third), (OVER, vec![OVER, OVER]));
+    assert!(names(&third).is_empty());
+    // A quota descriptor does not soften an ordinary one.
+    let mixed = ask(
+        &mut client,
+        call(vec![
+            descriptor(&[("service", "service_1")]),
+            descriptor(&[("tenant", "blocked")]),
+        ]),
+    )
+    .await;
+    assert_eq!(mixed.overall_code, OVER);
+    server.stop().await;
+}
+
+/// `--rls-headers ratelimit`: envoyproxy/ratelimit's `RateLimit-Limit`, `-Remaining` and
+/// `-Reset` (`LIMIT_RESPONSE_HEADERS_ENABLED`), on admitted and refused answers alike.
+#[tokio::test]
+async fn envoyproxy_ratelimit_headers_are_one_more_choice() {
+    let store = Arc::new(MemoryStore::with_capacity(Arc::new(SystemClock), 100));
+    let server = start_with(
+        "ratelimit-headers",
+        store,
+        Auth::insecure(),
+        HeaderStyle::Ratelimit,
+        Settings::default(),
+    )
+    .await;
+    let mut client = server.client().await;
+    let headers = |response: &RateLimitResponse| -> Vec<(String, String)> {
+        response
+            .response_headers_to_add
+            .iter()
+            .map(|header| (header.key.clone(), header.value.clone()))
+            .collect()
+    };
+    let first = ask(&mut client, call(vec![descriptor(&[("tenant", "a")])])).await;
+    let found = headers(&first);
+    assert_eq!(
+        found.iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>(),
+        ["ratelimit-limit", "ratelimit-remaining", "ratelimit-reset"]
+    );
+    assert_eq!((found[0].1.as_str(), found[1].1.as_str()), ("3", "2"));
+    let reset: u64 = found[2].1.parse().unwrap();
+    assert!((1..=3600).contains(&reset));
+    for _ in 0..2 {
+        ask(&mut client, call(vec![descriptor(&[("tenant", "a")])])).await;
+    }
+    let refused = ask(&mut client, call(vec![descriptor(&[("tenant", "a")])])).await;
+    assert_eq!(refused.overall_code, OVER);
+    let found = headers(&refused);
+    assert_eq!(
+        found.len(),
+        3,
+        "no Retry-After: envoyproxy/ratelimit sends none"
+    );
+    assert_eq!(
+        found[1],
+        ("ratelimit-remaining".to_string(), "0".to_string())
+    );
+    server.stop().await;
+}
+
+/// Issue 41, item 2: envoyproxy/ratelimit's own example and test configurations
+/// (`tests/fixtures/envoyproxy-ratelimit`, copied as they are) load, and match as they do
+/// there; the ones its tests refuse are refused.
+#[test]
+fn envoyproxy_ratelimit_configuration_files_load_as_they_are() {
+    use diana_quota::rls::config::{Lookup, RuleKind};
+    let fixtures =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/envoyproxy-ratelimit");
+    let keys = rls::CounterKeys::public();
+    let mut loaded = 0;
+    for entry in std::fs::read_dir(fixtures.join("good")).unwrap() {
+        let file = entry.unwrap().path();
+        if file.extension().is_some_and(|ext| ext == "yaml") {
+            let config = rls::load(std::slice::from_ref(&file), &keys)
+                .unwrap_or_else(|error| panic!("{}: {error}", file.display()));
+            assert_eq!(config.domains().len(), 1);
+            loaded += 1;
+        }
+    }
+    assert_eq!(loaded, 13);
+    let good = |name: &str| fixtures.join("good").join(name);
+    let matched = |config: &rls::RlsConfig, domain: &str, entries: &[(&str, &str)]| match config
+        .lookup(domain, entries)
+    {
+        Lookup::Matched(found) => Some((found.rule.clone(), found.key)),
+        _ => None,
+    };
+
+    // The example: quota_mode, metadata, replaces, shadow_mode, detailed_metric, unlimited.
+    let example = rls::load(&[good("examples__ratelimit__config__example.yaml")], &keys).unwrap();
+    let (service, _) = matched(&example, "rl", &[("service", "service_2")]).unwrap();
+    assert!(service.quota && service.metadata.is_some());
+    assert_eq!(service.requests_per_unit, 2);
+    let (shady, _) = matched(&example, "rl", &[("foo", "x"), ("baz", "shady")]).unwrap();
+    assert!(shady.shadow);
+    let (banned, _) = matched(&example, "rl", &[("foo", "x"), ("bar", "banned")]).unwrap();
+    assert!(matches!(banned.kind, RuleKind::Blocked));
+    assert_eq!(banned.name.as_deref(), Some("banned_limit"));
+    let (over, _) = matched(
+        &example,
+        "rl",
+        &[
+            ("source_cluster", "proxy"),
+            ("destination_cluster", "override"),
+        ],
+    )
+    .unwrap();
+    assert_eq!(over.replaces, ["banned_limit"]);
+    let (unspec, _) = matched(&example, "rl", &[("unspec", "x")]).unwrap();
+    assert!(unspec.detailed_metric);
+    let (bay, _) = matched(&example, "rl", &[("foo", "x"), ("bay", "y")]).unwrap();
+    assert!(matches!(bay.kind, RuleKind::Unlimited));
+
+    // Wildcards: trailing, middle, several; a value without a star matches only itself.
+    let wildcard = rls::load(&[good("test__config__wildcard.yaml")], &keys).unwrap();
+    for (entries, expected) in [
+        (vec![("wild", "foo1")], Some(20)),
+        (vec![("wild", "bar")], None),
+        (vec![("noWild", "foo1")], None),
+        (vec![("midWild", "barab")], Some(20)),
+        (vec![("midWild", "bar123b")], Some(20)),
+        (vec![("midWild", "barabc")], None),
+        (vec![("multiWild", "foo1bar2baz")], Some(10)),
+        (vec![("multiWild", "foobarba")], None),
+        (vec![("nestedWild", "val1"), ("wild", "goo2")], Some(20)),
+    ] {
+        assert_eq!(
+            matched(&wildcard, "test-domain", &entries).map(|(rule, _)| rule.requests_per_unit),
+            expected,
+            "{entries:?}"
+        );
+    }
+    // Each wildcard match counts apart, unless share_threshold.
+    let (_, one) = matched(&wildcard, "test-domain", &[("wild", "foo1")]).unwrap();
+    let (_, two) = matched(&wildcard, "test-domain", &[("wild", "foo2")]).unwrap();
+    assert_ne!(one, two);
+    let shared = rls::load(&[good("test__config__share_threshold.yaml")], &keys).unwrap();
+    let key = |entries: &[(&str, &str)]| {
+        matched(&shared, "test-domain", entries).map(|(rule, key)| (rule.requests_per_unit, key))
+    };
+    let (a, b) = (
+        key(&[("files", "files/a.pdf")]).unwrap(),
+        key(&[("files", "files/b.csv")]).unwrap(),
+    );
+    assert_eq!((a.0, &a.1), (100, &b.1));
+    let (x, y) = (
+        key(&[
+            ("user", "user/1"),
+            ("resource", "res/a"),
+            ("action", "read"),
+        ])
+        .unwrap(),
+        key(&[
+            ("user", "user/2"),
+            ("resource", "res/b"),
+            ("action", "read"),
+        ])
+        .unwrap(),
+    );
+    assert_eq!((x.0, &x.1), (150, &y.1));
+    // An explicit value comes before a wildcard.
+    assert_eq!(key(&[("file", "test1")]).unwrap().0, 50);
+    assert_eq!(key(&[("file", "test2")]).unwrap().0, 100);
+
+    // The metadata file: nested maps become the answer's metadata.
+    let metadata = rls::load(&[good("test__config__metadata.yaml")], &keys).unwrap();
+    let (service, _) = matched(&metadata, "test-domain", &[("key2", "x")]).unwrap();
+    assert!(service
+        .metadata
+        .unwrap()
+        .fields
+        .contains_key("service_with_quota"));
+
+    // What envoyproxy/ratelimit refuses, refused.
+    for entry in std::fs::read_dir(fixtures.join("refused")).unwrap() {
+        let file = entry.unwrap().path();
+        let files = if file.ends_with("test__config__duplicate_domain.yaml") {
+            vec![good("test__config__basic_config.yaml"), file.clone()]
+        } else {
+            vec![file.clone()]
+        };
+        let error = rls::load(&files, &keys).expect_err(&file.display().to_string());
+        assert!(
+            error
+                .to_string()
+                .contains(file.file_name().unwrap().to_str().unwrap()),
+            "{error}"
+        );
+    }
+    let merged = rls::load(
+        &[
+            good("test__config__merge_domain_key1.yaml"),
+            good("test__config__merge_domain_key2.yaml"),
+        ],
+        &keys,
+    );
+    assert!(matches!(
+        merged,
+        Err(rls::ConfigError::DuplicateDomain { .. })
+    ));
+}
+
+/// Issue 41, item 2: the counters of descriptors are keyed with the deployment's RLS key:
+/// another key, other counters; no key, the public one (and not the unkeyed XXH3 of
+/// before).
+#[test]
+fn rls_counter_keys_are_keyed_with_the_deployment_key() {
+    use diana_quota::rls::config::Lookup;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("edge.yaml");
+    std::fs::write(&file, CONFIG).unwrap();
+    let key_of = |keys: &rls::CounterKeys| {
+        let config = rls::load(std::slice::from_ref(&file), keys).unwrap();
+        match config.lookup("edge", &[("remote_address", "203.0.113.7")]) {
+            Lookup::Matched(found) => found.key,
+            other => panic!("{other:?}"),
+        }
+    };
+    let ours =
+        rls::CounterKeys::with_secret("a-deployment-rls-key-of-32-bytes-or-more", "t").unwrap();
+    let theirs =
+        rls::CounterKeys::with_secret("another-deployment-key-32-bytes-or-more", "t").unwrap();
+    let public = rls::CounterKeys::public();
+    assert_eq!(key_of(&ours), key_of(&ours));
+    assert_ne!(key_of(&ours), key_of(&theirs));
+    assert_ne!(key_of(&ours), key_of(&public));
+    let mut bytes = Vec::new();
+    for text in ["edge", "remote_address", "203.0.113.7"] {
+        bytes.extend_from_slice(&u32::try_from(text.len()).unwrap().to_le_bytes());
+        bytes.extend_from_slice(text.as_bytes());
+    }
+    let unkeyed = format!("rls:{:032x}", xxhash_rust::xxh3::xxh3_128(&bytes));
+    assert_ne!(key_of(&public), unkeyed);
+    // From a file; too short a key is refused.
+    let key_file = dir.path().join("rls.key");
+    std::fs::write(&key_file, "short\n").unwrap();
+    assert!(matches!(
+        rls::CounterKeys::from_sources(Some(&key_file), None),
+        Err(rls::KeyError::TooShort { .. })
+    ));
+    std::fs::write(&key_file, "a-deployment-rls-key-of-32-bytes-or-more\n").unwrap();
+    assert_eq!(
+        key_of(&rls::CounterKeys::from_sources(Some(&key_file), None).unwrap()),
+        key_of(&ours)
+    );
 }
 
 #[test]

@@ -1,5 +1,7 @@
-//! One scenario suite, run against every store: the embedded memory store, a real Redis,
-//! and a 3-master Redis Cluster. Every scenario goes through the HTTP layer in-process.
+//! One scenario suite, run against every store: the embedded memory store, diana-core's
+//! in-process `MemoryQuota` (what `diana simulate` and the worker's tests answer with, over
+//! the same decision table), a real Redis, and a 3-master Redis Cluster. Every scenario
+//! goes through the HTTP layer in-process (`MemoryQuota` behind the same routes).
 //!
 //! Exact counts use units of an hour (nothing refills during a test); timing scenarios
 //! (refill, delays, window ends) use seconds and compare with the time measured.
@@ -12,6 +14,8 @@ use axum::http::StatusCode;
 use axum::Router;
 use common::*;
 use diana_core::wire::{AcquireResponse, RuleResult};
+use diana_quota::store::{Enforcement, Spend, Spending, Store, StoreError};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const HOUR_MS: u64 = 3_600_000;
@@ -1060,7 +1064,59 @@ async fn concurrency_places_outlive_an_edit_of_n(router: &Router) {
 // ---------------------------------------------------------------------------------------
 // Every scenario × every store.
 
-suite!(
+/// The suite of this file: every store, and diana-core's `MemoryQuota` beside them
+/// (the same decision table).
+macro_rules! scenario_suite {
+    ($($scenario:ident),* $(,)?) => {
+        mod memory {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $scenario() {
+                    let router = super::service(std::sync::Arc::new(super::memory_store()));
+                    super::$scenario(&router).await;
+                }
+            )*
+        }
+
+        /// diana-core's `MemoryQuota` (`diana simulate`, the worker's `Sim`): the same
+        /// decision table, so the same answers.
+        mod simulated {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $scenario() {
+                    let router = super::simulated_service();
+                    super::$scenario(&router).await;
+                }
+            )*
+        }
+
+        mod redis {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $scenario() {
+                    let server = super::RedisServer::start();
+                    let router = super::service(std::sync::Arc::new(super::redis_store(&server.url())));
+                    super::$scenario(&router).await;
+                    drop(server);
+                }
+            )*
+        }
+
+        /// One cluster (three processes) for the whole suite.
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn cluster_runs_the_suite() {
+            let cluster = RedisCluster::start();
+            let router = service(Arc::new(redis_store(&cluster.url())));
+            $(
+                eprintln!("cluster: {}", stringify!($scenario));
+                $scenario(&router).await;
+            )*
+            drop(cluster);
+        }
+    };
+}
+
+scenario_suite!(
     concurrency_places,
     concurrency_places_outlive_an_edit_of_n,
     window_exact,
@@ -1085,3 +1141,187 @@ suite!(
     released_calls_give_their_grants_back,
     released_parts_of_a_rules_grant,
 );
+
+// ---------------------------------------------------------------------------------------
+// Envoy's rate limit protocol (RLS) decides through `Store::spend`: one table of calls, run
+// against every store (the memory store is diana-core's decision table).
+
+/// One rule of a spend step: its counter, how it spends, its cost, its enforcement.
+type Step<'a> = (&'a str, Spend, u32, Enforcement);
+
+/// One call of the table: its rules, what each comes to (allowed, granted), and whether
+/// the call is admitted.
+type Call<'a> = (Vec<Step<'a>>, Vec<(bool, u32)>, bool);
+
+/// A resolved rule on one of the table's counters.
+fn spend_rule<'a>(key: &'a str, counter: &str, cost: u32) -> diana_core::wire::ResolvedRule<'a> {
+    let (algo, rpu, burst) = match counter {
+        "A" => ("W", 5, 5),
+        "B" => ("W", 3, 3),
+        "C" => ("TB", 10, 4),
+        _ => ("W", 2, 2),
+    };
+    diana_core::wire::ResolvedRule {
+        key,
+        algo: diana_core::algo::lookup(algo).unwrap(),
+        limit: diana_core::algo::Limit {
+            rpu: rpu.try_into().unwrap(),
+            unit: diana_core::time::Unit::Hour,
+            burst: burst.try_into().unwrap(),
+            slices: 10.try_into().unwrap(),
+        },
+        want: cost.try_into().unwrap(),
+        cost: cost.try_into().unwrap(),
+        max_delay: None,
+        dry_run: false,
+    }
+}
+
+/// The calls, and what each comes to: per rule (allowed, granted), and whether admitted.
+async fn rls_spend_table(store: &dyn Store) {
+    use Enforcement::{Enforced as E, Quota as Q, Shadow as S};
+    use Spend::{Check, Count, Take};
+    away_from_boundary(HOUR_MS, Duration::from_secs(5)).await;
+    let keys: std::collections::HashMap<&str, String> = ["A", "B", "C", "D"]
+        .into_iter()
+        .map(|name| (name, unique_key(&format!("spend-{name}"))))
+        .collect();
+    let table: Vec<Call<'_>> = vec![
+        // A check on a fresh budget, then a charge that fits, a check with one left.
+        (vec![("A", Check, 1, E)], vec![(true, 0)], true),
+        (vec![("A", Count, 4, E)], vec![(true, 4)], true),
+        (vec![("A", Check, 1, E)], vec![(true, 0)], true),
+        // A charge that does not fit: counted anyway, refused.
+        (vec![("A", Count, 4, E)], vec![(false, 4)], false),
+        (vec![("A", Check, 1, E)], vec![(false, 0)], false),
+        // A take with a count that does not fit: the take is undone, the count stays.
+        (
+            vec![("B", Take, 1, E), ("A", Count, 1, E)],
+            vec![(true, 0), (false, 1)],
+            false,
+        ),
+        (vec![("B", Take, 3, E)], vec![(true, 3)], true),
+        // A shadow rule's refusal stops nobody.
+        (
+            vec![("B", Take, 1, S), ("C", Take, 2, E)],
+            vec![(false, 0), (true, 2)],
+            true,
+        ),
+        // Quota rules: refused only when every one of them is.
+        (
+            vec![("C", Take, 3, Q), ("B", Take, 1, Q)],
+            vec![(false, 0), (false, 0)],
+            false,
+        ),
+        (
+            vec![("C", Take, 2, Q), ("B", Take, 1, Q)],
+            vec![(true, 2), (false, 0)],
+            true,
+        ),
+        (vec![("C", Check, 1, S)], vec![(false, 0)], true),
+        // Three takes on one counter of 2: the third is short, none is kept.
+        (
+            vec![("D", Take, 1, E), ("D", Take, 1, E), ("D", Take, 1, E)],
+            vec![(true, 0), (true, 0), (false, 0)],
+            false,
+        ),
+        (vec![("D", Take, 2, E)], vec![(true, 2)], true),
+        (vec![("D", Check, 1, E)], vec![(false, 0)], false),
+    ];
+    for (index, (steps, expected, admitted)) in table.iter().enumerate() {
+        let rules: Vec<_> = steps
+            .iter()
+            .map(|(counter, _, cost, _)| spend_rule(&keys[counter], counter, *cost))
+            .collect();
+        let how: Vec<Spending> = steps
+            .iter()
+            .map(|(_, spend, _, enforcement)| Spending {
+                spend: *spend,
+                enforcement: *enforcement,
+            })
+            .collect();
+        let spent = store.spend(&rules, &how).await.unwrap();
+        let got: Vec<(bool, u32)> = spent
+            .outcomes
+            .iter()
+            .map(|outcome| (outcome.result.allowed, outcome.result.granted))
+            .collect();
+        assert_eq!(
+            (&got, spent.admitted),
+            (expected, *admitted),
+            "step {index}: {steps:?}"
+        );
+        for outcome in &spent.outcomes {
+            assert_eq!(
+                outcome.result.allowed,
+                outcome.result.retry_after_ms == 0,
+                "step {index}: {outcome:?}"
+            );
+        }
+    }
+    // What is left: A 5 − 9 (nothing), B 3 − 3, C 4 − 4, D 2 − 2.
+    for counter in ["A", "B", "C", "D"] {
+        let spent = store
+            .spend(
+                &[spend_rule(&keys[counter], counter, 1)],
+                &[Spending {
+                    spend: Check,
+                    enforcement: S,
+                }],
+            )
+            .await
+            .unwrap();
+        assert_eq!(spent.outcomes[0].result.remaining, 0, "{counter}");
+    }
+    // A count on a leaky bucket is refused, nothing charged.
+    let mut leaky = spend_rule(&keys["A"], "A", 1);
+    leaky.algo = diana_core::algo::lookup("LB").unwrap();
+    let refused = store
+        .spend(
+            &[leaky],
+            &[Spending {
+                spend: Count,
+                enforcement: E,
+            }],
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(refused, StoreError::Unsupported(_)), "{refused:?}");
+}
+
+macro_rules! store_suite {
+    ($($scenario:ident),* $(,)?) => {
+        mod store_memory {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $scenario() {
+                    super::$scenario(&super::memory_store()).await;
+                }
+            )*
+        }
+
+        mod store_redis {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $scenario() {
+                    let server = super::RedisServer::start();
+                    super::$scenario(&super::redis_store(&server.url())).await;
+                    drop(server);
+                }
+            )*
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn cluster_runs_the_store_suite() {
+            let cluster = RedisCluster::start();
+            let store = redis_store(&cluster.url());
+            $(
+                eprintln!("cluster: {}", stringify!($scenario));
+                $scenario(&store).await;
+            )*
+            drop(cluster);
+        }
+    };
+}
+
+store_suite!(rls_spend_table);

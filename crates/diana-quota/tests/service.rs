@@ -80,6 +80,18 @@ impl Store for SlowStore {
         Ok(vec![Outcome::default(); rules.len()])
     }
 
+    async fn spend(
+        &self,
+        rules: &[ResolvedRule<'_>],
+        _: &[diana_quota::store::Spending],
+    ) -> Result<diana_quota::store::Spent, StoreError> {
+        tokio::time::sleep(self.delay).await;
+        Ok(diana_quota::store::Spent {
+            outcomes: vec![Outcome::default(); rules.len()],
+            admitted: false,
+        })
+    }
+
     async fn note_call(&self, _: &str, _: &[Grant]) -> Result<Noted, StoreError> {
         Ok(Noted::Kept)
     }

@@ -159,6 +159,16 @@ pub enum Reach {
     Fleet,
 }
 
+impl Reach {
+    /// As the document writes it (`scope`).
+    pub const fn name(self) -> &'static str {
+        match self {
+            Reach::Gateway => "local",
+            Reach::Fleet => "global",
+        }
+    }
+}
+
 /// `force`: the manual switch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

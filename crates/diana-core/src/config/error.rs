@@ -91,6 +91,47 @@ pub enum ConfigErrorKind {
         rules: usize,
         most: usize,
     },
+    /// A resource block with neither `rules` nor a `breaker`: it would do nothing.
+    NoRulesNorBreaker,
+    /// A `breaker` with neither threshold (`failure_ratio`, `slow_ms` with `slow_ratio`): it
+    /// could never open.
+    BreakerNoThreshold,
+    /// One of `slow_ms` and `slow_ratio` without the other.
+    BreakerSlowPair {
+        written: &'static str,
+        missing: &'static str,
+    },
+    /// Two breakers with the same name (given or derived from their `Url`s).
+    DuplicateBreakerName { name: String },
+    /// Two breaker names that make the same metric name ([`crate::metrics::stat_name`]).
+    BreakerMetricNameClash { first: String, second: String },
+    /// A breaker's `fallback_header` is a request header the document reads (an actor's, a
+    /// plan's, a cost's): the client's own value of it is removed before the request goes on.
+    FallbackHeaderInUse { header: String, read_by: String },
+    /// A value read from one of several sources with none or more than one written
+    /// (`response_cost`: `usage`, `json`, `header`; `reserve`: `header`, `json`).
+    OneSource {
+        field: &'static str,
+        choices: &'static str,
+        written: Vec<&'static str>,
+    },
+    /// `response_cost.header` without `max`.
+    HeaderCostWithoutMax,
+    /// `weights` on a `response_cost` that is not read from a provider's usage.
+    WeightsWithoutUsage { source: &'static str },
+    /// `weights: {input: 0, output: 0}`: nothing would ever be charged.
+    WeightsAllZero,
+    /// `reserve.json` without `default`.
+    ReserveJsonWithoutDefault,
+    /// `reserve.min` above `reserve.default`.
+    ReserveMinAboveDefault { min: u32, default: u32 },
+    /// `unit: week | month` on an algorithm without calendar periods.
+    CalendarUnitNotApplicable {
+        unit: &'static str,
+        algo: &'static str,
+    },
+    /// `timezone` on a rule of a fixed unit.
+    TimezoneWithoutCalendar { unit: &'static str },
     /// A value from the environment (`global.token` from [`super::TOKEN_ENV`]) refused.
     Environment {
         variable: &'static str,
@@ -229,6 +270,79 @@ impl fmt::Display for ConfigErrorKind {
                 f,
                 "a request to {url} would carry {rules} global rules (its own and those of the resources above it); \
                  one callout carries at most {most}"
+            ),
+            ConfigErrorKind::NoRulesNorBreaker => f.write_str(
+                "missing field `rules`: a resource block has `rules`, a `breaker`, or both",
+            ),
+            ConfigErrorKind::BreakerNoThreshold => f.write_str(
+                "a breaker needs a threshold to open on: `failure_ratio`, or `slow_ms` with \
+                 `slow_ratio`, or both",
+            ),
+            ConfigErrorKind::BreakerSlowPair { written, missing } => write!(
+                f,
+                "{written} without {missing}: slow calls open a breaker only with both (slow_ms says \
+                 which call is slow, slow_ratio what share of them opens it)"
+            ),
+            ConfigErrorKind::DuplicateBreakerName { name } => write!(
+                f,
+                "duplicate breaker name `{name}`: two breakers would share their state and metrics \
+                 (a breaker's name defaults to its Url; give one a `name`)"
+            ),
+            ConfigErrorKind::BreakerMetricNameClash { first, second } => write!(
+                f,
+                "breaker names `{first}` and `{second}` are both `{}` in metric names: two breakers \
+                 would share their metrics (give one a `name`)",
+                crate::metrics::stat_name(second)
+            ),
+            ConfigErrorKind::FallbackHeaderInUse { header, read_by } => write!(
+                f,
+                "fallback_header `{header}` is read by {read_by}: a client's own value of a fallback \
+                 header is removed before the request goes on; choose a header of its own \
+                 (such as x-diana-fallback)"
+            ),
+            ConfigErrorKind::OneSource {
+                field,
+                choices,
+                written,
+            } => match written.as_slice() {
+                [] => write!(f, "{field} is read from one of {choices}; none is given"),
+                written => write!(
+                    f,
+                    "{field} is read from one of {choices}, not from {}: keep one",
+                    written.join(" and ")
+                ),
+            },
+            ConfigErrorKind::HeaderCostWithoutMax => f.write_str(
+                "missing field `max`: a cost read from a response header needs `max`, the most one \
+                 answer is charged",
+            ),
+            ConfigErrorKind::WeightsWithoutUsage { source } => write!(
+                f,
+                "weights price a provider's input and output tokens: they apply with `usage` only, \
+                 not with `{source}` (one number, no input or output)"
+            ),
+            ConfigErrorKind::WeightsAllZero => f.write_str(
+                "weights of 0 for both input and output would never charge anything: give one a \
+                 weight of at least 1",
+            ),
+            ConfigErrorKind::ReserveJsonWithoutDefault => f.write_str(
+                "missing field `default`: a reservation read from the request body needs `default`, \
+                 what a request without that number reserves",
+            ),
+            ConfigErrorKind::ReserveMinAboveDefault { min, default } => write!(
+                f,
+                "reserve.min ({min}) is above reserve.default ({default}): a request that says \
+                 nothing would reserve less than one that says the least"
+            ),
+            ConfigErrorKind::CalendarUnitNotApplicable { unit, algo } => write!(
+                f,
+                "unit {unit} is a calendar period: it applies to algo W (the period is the window) \
+                 and TB (refilled over the period), not to {algo}"
+            ),
+            ConfigErrorKind::TimezoneWithoutCalendar { unit } => write!(
+                f,
+                "timezone applies to calendar units (week, month), not to {unit}: a {unit} is \
+                 the same length in every zone"
             ),
             ConfigErrorKind::Environment { variable, reason } => {
                 write!(f, "from the environment variable {variable}: {reason}")

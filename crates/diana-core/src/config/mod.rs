@@ -18,4 +18,4 @@ pub use model::*;
 pub use parse::{parse_policy, TOKEN_ENV};
 pub use pin::parse_remote;
 pub use raw::document;
-pub use shape::{Constraint, Entries, Field, Kind, Object, Pin, Shape, Way};
+pub use shape::{case_insensitive, Constraint, Entries, Field, Kind, Object, Pin, Shape, Way};

@@ -3,15 +3,17 @@
 
 use crate::actor::{ActorSource, Identity};
 use crate::algo::{Algorithm, Limit};
+use crate::calendar::{Calendar, CalendarUnit};
 use crate::facts::RequestFacts;
 use crate::hash::{IdentityHasher, IdentityKey, KeyOrigin};
 use crate::jwt::{Claim, ClaimOrigin};
 use crate::secret::Secret;
 use crate::signature::SignatureKey;
 use crate::store::Generation;
-use crate::time::Nanos;
+use crate::time::{Nanos, Unit};
+use crate::usage::{JsonPath, Usage, UsageSource, Weights};
 use std::fmt;
-use std::num::NonZeroU32;
+use std::num::{NonZeroU32, NonZeroU8};
 use std::sync::Arc;
 
 /// The whole validated configuration.
@@ -107,6 +109,19 @@ impl Policy {
         found
     }
 
+    /// A rule reads the request's body (`response_cost.reserve.json`): only then does a
+    /// host need to see it.
+    pub fn reads_request_bodies(&self) -> bool {
+        self.rules().any(|rule| rule.request_body_path().is_some())
+    }
+
+    /// A rule reads the answer's body (`response_cost.usage` or `.json`): only then does a
+    /// host need to see it.
+    pub fn reads_response_bodies(&self) -> bool {
+        self.rules()
+            .any(|rule| rule.response_body_source().is_some())
+    }
+
     /// The rule at `index`.
     pub fn rule(&self, index: usize) -> Option<&Rule> {
         self.rules().nth(index)
@@ -170,6 +185,20 @@ pub struct Resource {
     pub rules: Vec<Rule>,
     /// The circuit breaker of the upstream behind it (DESIGN §4b).
     pub breaker: Option<crate::breaker::Spec>,
+    /// How a request path is compared with `url` (`path:`; issue 41, item 6).
+    pub path: PathOptions,
+}
+
+/// `path: {strip_parameters, case_insensitive}`: how a block's `Url` is compared with a
+/// request path, for a backend that reads paths more loosely than their spelling
+/// ([`crate::matching`]). Both off by default: the path as normalised, exactly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PathOptions {
+    /// Segments' parameters ignored: `/admin;jsessionid=1/x` is under `/admin`, and
+    /// `/public/..;/admin` is `/admin` (as a servlet container reads them).
+    pub strip_parameters: bool,
+    /// ASCII letters compared without regard to case: `/ADMIN/x` is under `/admin`.
+    pub case_insensitive: bool,
 }
 
 /// One rule with every default resolved, and what evaluating it needs precomputed.
@@ -210,8 +239,15 @@ pub struct Rule {
     pub lease_auto: bool,
     /// Tokens a request takes.
     pub cost: Cost,
-    /// Tokens charged after the upstream answered, from a response header.
+    /// Tokens charged after the upstream answered: from a response header, or from the
+    /// answer's body (an LLM provider's usage, a number at a JSON path).
     pub response_cost: Option<ResponseCost>,
+    /// `unit: week | month`: the rule counts over calendar periods in its `timezone`
+    /// (W and TB). Then [`Limit::unit`] is [`Unit::Day`], the longest fixed unit, and
+    /// must not be read as the rule's period: the calendar is.
+    pub calendar: Option<Calendar>,
+    /// `hot`: where the gateway keeps this rule's hottest identities for the fleet view.
+    pub hot: Option<HotSpec>,
     /// Only answers of these statuses are counted (`count.status`).
     pub count: Option<CountOnly>,
     /// Leaky bucket: the longest a request may be held; one whose turn is further away is
@@ -384,22 +420,334 @@ impl Cost {
 /// `response_cost`: tokens charged after the upstream answered, even past the limit.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ResponseCost {
-    /// The response header holding the cost (e.g. the tokens an LLM answer used).
-    pub header: String,
+    /// Where the answer's cost is read.
+    pub source: CostSource,
+    /// The most one answer is charged (`max`; for a body source [`MAX_RESPONSE_COST`]
+    /// unless written).
     pub max: NonZeroU32,
     /// `reserve`: tokens taken up front instead of `cost`, all or nothing, and settled
     /// against the answer's cost (the difference given back or owed). A request whose
     /// answer never comes, or carries no cost, keeps its reservation charged.
-    pub reserve: Option<Cost>,
+    pub reserve: Option<Reserve>,
+}
+
+/// The most a body source charges one answer when `max` is not written (and the most
+/// `max` may be).
+pub const MAX_RESPONSE_COST: u32 = 1_000_000_000;
+
+/// Where an answer's cost is read (`response_cost.header | usage | json`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CostSource {
+    /// A response header holding a decimal integer (`header: x-llm-tokens`).
+    Header(String),
+    /// An LLM provider's usage object, from a JSON answer or its server-sent events
+    /// ([`crate::usage`]); priced by `weights` when written, else the provider's total
+    /// (or input + output).
+    Usage {
+        provider: Provider,
+        weights: Option<Weights>,
+    },
+    /// The number at a dotted path of a JSON answer (of the last event of a stream that
+    /// has it).
+    Json(JsonPath),
+}
+
+impl CostSource {
+    /// The key that names it in the document.
+    pub fn key(&self) -> &'static str {
+        match self {
+            CostSource::Header(_) => "header",
+            CostSource::Usage { .. } => "usage",
+            CostSource::Json(_) => "json",
+        }
+    }
+}
+
+/// `response_cost.usage`: whose usage object an answer carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Provider {
+    OpenAi,
+    Anthropic,
+    Gemini,
+}
+
+impl Provider {
+    pub const ALL: [Provider; 3] = [Provider::OpenAi, Provider::Anthropic, Provider::Gemini];
+
+    /// The spelling in the document.
+    pub fn name(self) -> &'static str {
+        match self {
+            Provider::OpenAi => "openai",
+            Provider::Anthropic => "anthropic",
+            Provider::Gemini => "gemini",
+        }
+    }
+
+    /// What [`crate::usage::UsageReader`] reads for it.
+    pub fn usage_source(self) -> UsageSource {
+        match self {
+            Provider::OpenAi => UsageSource::OpenAi,
+            Provider::Anthropic => UsageSource::Anthropic,
+            Provider::Gemini => UsageSource::Gemini,
+        }
+    }
 }
 
 impl ResponseCost {
-    /// The tokens a response header value says the answer cost: a decimal integer, at
-    /// most `max`; `None` for anything else (absent, not a number).
+    /// The tokens a response header value says the answer cost (a [`CostSource::Header`]):
+    /// a decimal integer, at most `max`; `None` for anything else (absent, not a number).
     pub fn of(&self, value: Option<&[u8]>) -> Option<u32> {
-        value.and_then(decimal).map(|value| {
-            u32::try_from(value.min(u64::from(self.max.get()))).unwrap_or(self.max.get())
-        })
+        value.and_then(decimal).map(|value| self.capped(value))
+    }
+
+    /// The response header the cost is read from, for a [`CostSource::Header`].
+    pub fn header(&self) -> Option<&str> {
+        match &self.source {
+            CostSource::Header(name) => Some(name),
+            CostSource::Usage { .. } | CostSource::Json(_) => None,
+        }
+    }
+
+    /// What reads the answer's body, for a body source (`usage`, `json`): a rule without
+    /// one never needs the body.
+    pub fn body_source(&self) -> Option<UsageSource> {
+        match &self.source {
+            CostSource::Header(_) => None,
+            CostSource::Usage { provider, .. } => Some(provider.usage_source()),
+            CostSource::Json(path) => Some(UsageSource::JsonPath(path.clone())),
+        }
+    }
+
+    /// The tokens an answer whose body reported `usage` cost: `input × w_in + output ×
+    /// w_out` with `weights`, else the reported total (input + output without one), at
+    /// most `max`.
+    pub fn charge(&self, usage: &Usage) -> u32 {
+        let cost = match &self.source {
+            CostSource::Usage {
+                weights: Some(weights),
+                ..
+            } => weights.cost(usage),
+            _ => usage.tokens(),
+        };
+        self.capped(cost)
+    }
+
+    fn capped(&self, cost: u64) -> u32 {
+        u32::try_from(cost.min(u64::from(self.max.get()))).unwrap_or(self.max.get())
+    }
+}
+
+/// `response_cost.reserve`: what a request takes up front and holds until its answer's
+/// cost settles it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reserve {
+    /// The same for every request.
+    Fixed(NonZeroU32),
+    /// From a request header: a decimal integer within `bounds`, `default` when it is
+    /// missing or not one.
+    Header { name: String, bounds: ReserveBounds },
+    /// From the request body (JSON) at `path` (`max_tokens`): within `bounds`, `default`
+    /// when the body has no number there. Read by the engine from the body
+    /// ([`crate::usage::RequestReader`]); [`Reserve::of`], which sees the headers only,
+    /// gives `default`.
+    Json {
+        path: JsonPath,
+        bounds: ReserveBounds,
+    },
+}
+
+impl Reserve {
+    /// The reservation of a request, from its headers.
+    pub fn of(&self, facts: &dyn RequestFacts) -> u32 {
+        match self {
+            Reserve::Fixed(tokens) => tokens.get(),
+            Reserve::Header { name, bounds } => {
+                bounds.of(facts.header(name).and_then(|value| decimal(&value)))
+            }
+            Reserve::Json { bounds, .. } => bounds.default().get(),
+        }
+    }
+
+    /// The most a request may reserve.
+    pub fn max(&self) -> u32 {
+        match self {
+            Reserve::Fixed(tokens) => tokens.get(),
+            Reserve::Header { bounds, .. } | Reserve::Json { bounds, .. } => bounds.max().get(),
+        }
+    }
+
+    /// The request body's path it is read from, for [`Reserve::Json`].
+    pub fn body_path(&self) -> Option<&JsonPath> {
+        match self {
+            Reserve::Json { path, .. } => Some(path),
+            Reserve::Fixed(_) | Reserve::Header { .. } => None,
+        }
+    }
+}
+
+/// What a reservation read from a request may be: `min ≤ default ≤ max` (issue 41, 5d:
+/// the value is the client's choice, so it cannot go below `min`, by default `default`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReserveBounds {
+    default: NonZeroU32,
+    min: NonZeroU32,
+    max: NonZeroU32,
+}
+
+/// Why reservation bounds are refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BoundsError {
+    DefaultAboveMax,
+    MinAboveDefault,
+}
+
+impl ReserveBounds {
+    /// `min` defaults to `default`.
+    pub fn new(
+        default: NonZeroU32,
+        min: Option<NonZeroU32>,
+        max: NonZeroU32,
+    ) -> Result<ReserveBounds, BoundsError> {
+        let min = min.unwrap_or(default);
+        if default > max {
+            return Err(BoundsError::DefaultAboveMax);
+        }
+        if min > default {
+            return Err(BoundsError::MinAboveDefault);
+        }
+        Ok(ReserveBounds { default, min, max })
+    }
+
+    pub fn default(&self) -> NonZeroU32 {
+        self.default
+    }
+
+    pub fn min(&self) -> NonZeroU32 {
+        self.min
+    }
+
+    pub fn max(&self) -> NonZeroU32 {
+        self.max
+    }
+
+    /// The reservation for a value read from the request: `default` without one, else
+    /// the value within `min..=max`.
+    pub fn of(&self, value: Option<u64>) -> u32 {
+        match value {
+            None => self.default.get(),
+            Some(value) => {
+                let value = value.clamp(u64::from(self.min.get()), u64::from(self.max.get()));
+                u32::try_from(value).unwrap_or(self.max.get())
+            }
+        }
+    }
+}
+
+/// What a request takes up front from a rule: its `cost`, or its reservation.
+#[derive(Debug, Clone, Copy)]
+pub enum Upfront<'r> {
+    Cost(&'r Cost),
+    Reserve(&'r Reserve),
+}
+
+impl Upfront<'_> {
+    /// What a request takes, from its headers (a reservation read from the body: its
+    /// `default`, see [`Reserve::Json`]).
+    pub fn of(&self, facts: &dyn RequestFacts) -> u32 {
+        match self {
+            Upfront::Cost(cost) => cost.of(facts),
+            Upfront::Reserve(reserve) => reserve.of(facts),
+        }
+    }
+
+    /// The most a request can take.
+    pub fn max(&self) -> u32 {
+        match self {
+            Upfront::Cost(cost) => cost.max(),
+            Upfront::Reserve(reserve) => reserve.max(),
+        }
+    }
+
+    /// The request header it is read from, if it is.
+    pub fn header(&self) -> Option<&str> {
+        match self {
+            Upfront::Cost(Cost::Header { name, .. })
+            | Upfront::Reserve(Reserve::Header { name, .. }) => Some(name),
+            _ => None,
+        }
+    }
+}
+
+/// `unit` as written: a fixed unit, or a calendar period (`week`, `month`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RuleUnit {
+    Fixed(Unit),
+    Calendar(CalendarUnit),
+}
+
+impl RuleUnit {
+    /// Every unit, fixed ones first, as the document names them.
+    pub const ALL: [RuleUnit; 6] = [
+        RuleUnit::Fixed(Unit::Second),
+        RuleUnit::Fixed(Unit::Minute),
+        RuleUnit::Fixed(Unit::Hour),
+        RuleUnit::Fixed(Unit::Day),
+        RuleUnit::Calendar(CalendarUnit::Week),
+        RuleUnit::Calendar(CalendarUnit::Month),
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            RuleUnit::Fixed(unit) => unit.name(),
+            RuleUnit::Calendar(CalendarUnit::Week) => "week",
+            RuleUnit::Calendar(CalendarUnit::Month) => "month",
+        }
+    }
+
+    /// `second`, `minute`, `hour`, `day`, `week`, `month` (case-insensitive; a trailing
+    /// `s` is accepted).
+    pub fn parse(text: &str) -> Option<RuleUnit> {
+        let lower = text.trim().to_ascii_lowercase();
+        let word = lower.strip_suffix('s').unwrap_or(&lower);
+        RuleUnit::ALL.into_iter().find(|unit| unit.name() == word)
+    }
+}
+
+/// `hot: {show, top}`: the rule's hottest identities, kept by the gateway for the fleet
+/// view (issue 43).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HotSpec {
+    /// How an identity is shown.
+    pub show: HotShow,
+    /// How many identities are listed (1 to [`MAX_HOT_TOP`], default [`DEFAULT_HOT_TOP`]).
+    pub top: NonZeroU8,
+}
+
+/// The most identities `hot.top` lists.
+pub const MAX_HOT_TOP: u8 = 100;
+/// `hot.top` when the document does not say.
+pub const DEFAULT_HOT_TOP: NonZeroU8 = match NonZeroU8::new(10) {
+    Some(top) => top,
+    None => NonZeroU8::MIN,
+};
+
+/// `hot.show`: an identity as its value (truncated to 64 bytes) or as a keyed digest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum HotShow {
+    #[default]
+    Value,
+    /// A keyed digest instead of the value (privacy).
+    Digest,
+}
+
+impl HotShow {
+    pub const ALL: [HotShow; 2] = [HotShow::Value, HotShow::Digest];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            HotShow::Value => "value",
+            HotShow::Digest => "digest",
+        }
     }
 }
 
@@ -490,11 +838,32 @@ impl RuleKeys {
 impl Rule {
     /// What a request takes up front: its `response_cost.reserve` when the rule reserves,
     /// else its `cost`.
-    pub fn upfront(&self) -> &Cost {
+    pub fn upfront(&self) -> Upfront<'_> {
+        match self
+            .response_cost
+            .as_ref()
+            .and_then(|response_cost| response_cost.reserve.as_ref())
+        {
+            Some(reserve) => Upfront::Reserve(reserve),
+            None => Upfront::Cost(&self.cost),
+        }
+    }
+
+    /// The path of the request body its reservation is read from (`reserve.json`): a rule
+    /// without one never needs the request's body.
+    pub fn request_body_path(&self) -> Option<&JsonPath> {
         self.response_cost
             .as_ref()
             .and_then(|response_cost| response_cost.reserve.as_ref())
-            .unwrap_or(&self.cost)
+            .and_then(Reserve::body_path)
+    }
+
+    /// What reads the answer's body (`response_cost.usage` or `.json`): a rule without
+    /// one never needs the answer's body.
+    pub fn response_body_source(&self) -> Option<UsageSource> {
+        self.response_cost
+            .as_ref()
+            .and_then(ResponseCost::body_source)
     }
 
     /// True when what a request takes up front is settled once its answer arrives
@@ -509,9 +878,10 @@ impl Rule {
     }
 
     /// The response header read once the upstream answered: the cost's, or `:status`.
+    /// `None` for a cost read from the answer's body ([`Rule::response_body_source`]).
     pub fn answer_header(&self) -> Option<&str> {
         match (&self.response_cost, &self.count) {
-            (Some(response_cost), _) => Some(&response_cost.header),
+            (Some(response_cost), _) => response_cost.header(),
             (None, Some(_)) => Some(":status"),
             (None, None) => None,
         }
@@ -564,6 +934,8 @@ impl fmt::Debug for Rule {
             .field("lease_auto", &self.lease_auto)
             .field("cost", &self.cost)
             .field("response_cost", &self.response_cost)
+            .field("calendar", &self.calendar)
+            .field("hot", &self.hot)
             .field("count", &self.count)
             .field("max_wait", &self.max_wait)
             .field("dry_run", &self.dry_run)

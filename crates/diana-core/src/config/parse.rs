@@ -18,24 +18,29 @@
 use super::error::{ConfigError, ConfigErrorKind, Position};
 use super::locate::{locate, Site, Stop};
 use super::model::{
-    Cost, CountOnly, GlobalSpec, Lease, MetricsSpec, OnInvalidConfig, Pinned, PlanChoice, PlanName,
-    PlanSource, Policy, RemoteSpec, Resource, ResponseCost, ResponseSpec, Rule, RuleKeys, Scope,
-    AUTO_LEASE_SHARE,
+    BoundsError, Cost, CostSource, CountOnly, GlobalSpec, HotShow, HotSpec, Lease, MetricsSpec,
+    OnInvalidConfig, PathOptions, Pinned, PlanChoice, PlanName, PlanSource, Policy, RemoteSpec,
+    Reserve, ReserveBounds, Resource, ResponseCost, ResponseSpec, Rule, RuleKeys, RuleUnit, Scope,
+    Upfront, AUTO_LEASE_SHARE, DEFAULT_HOT_TOP, MAX_RESPONSE_COST,
 };
 use super::raw::{self, ContextGuard, RawBlock, RawFull, RawRule};
 use super::shape::{Describe, Shape};
 use crate::actor::{ActorDef, ActorRegistry};
 use crate::algo;
+use crate::breaker::{Reach, Settings, SlowCalls, Spec, StatusClasses, Window};
+use crate::calendar::{Calendar, Zone};
 use crate::hash::{hash_parts, IdentityHasher, IdentityKey};
+use crate::matching;
 use crate::metrics::stat_name;
 use crate::path;
 use crate::secret::Secret;
-use crate::time::{Unit, NANOS_PER_SECOND};
+use crate::time::{Nanos, Unit, NANOS_PER_SECOND};
+use crate::usage::Weights;
 use crate::wire;
 use serde::de::{self, IgnoredAny, Visitor};
 use serde::Deserialize;
 use std::fmt;
-use std::num::NonZeroU32;
+use std::num::{NonZeroU32, NonZeroU8};
 use std::sync::Arc;
 
 /// Default `slices` (sliding window).
@@ -47,6 +52,10 @@ const DEFAULT_POLL_SECONDS: u32 = 10;
 /// The environment variable that holds the quota service's credential when the document
 /// has no `global.token` (the same name diana-quota reads).
 pub const TOKEN_ENV: &str = "DIANA_QUOTA_TOKEN";
+/// The algorithms a calendar period (`unit: week | month`) applies to: a fixed window (the
+/// period is the window) and a token bucket (refilled over the period). A sliding window's
+/// slices and a leaky bucket's pace have no calendar meaning.
+const CALENDAR_ALGORITHMS: [&str; 2] = ["W", "TB"];
 /// Default `max_wait_seconds` (leaky bucket).
 const DEFAULT_MAX_WAIT_SECONDS: u64 = 10;
 
@@ -674,21 +683,35 @@ fn build(collected: Collected) -> Result<Policy, Refusal> {
     let mut written = Vec::with_capacity(collected.blocks.len());
     for (block, site) in collected.blocks.into_iter().zip(collected.sites) {
         let url = block.url.0;
+        let (raw_rules, breaker) = match (block.rules, block.breaker) {
+            (None, None) => return Err(Refusal::at(site, ConfigErrorKind::NoRulesNorBreaker)),
+            (rules, breaker) => (rules.unwrap_or_default(), breaker),
+        };
+        let breaker = breaker
+            .map(|raw| build_breaker(&url, &raw, &site.key("breaker")))
+            .transpose()?;
         let mut seen = Seen::default();
-        let mut rules = Vec::with_capacity(block.rules.len());
+        let mut rules = Vec::with_capacity(raw_rules.len());
         // Where each rule is written (a rule with plans is several rules).
-        let mut positions = Vec::with_capacity(block.rules.len());
-        for (index, raw) in block.rules.into_iter().enumerate() {
+        let mut positions = Vec::with_capacity(raw_rules.len());
+        for (index, raw) in raw_rules.into_iter().enumerate() {
             let at = site.key("rules").index(index);
             let built = build_rules(&url, index, raw, &actors, &global, &mut seen, &at)?;
             positions.extend(std::iter::repeat_n(index, built.len()));
             rules.extend(built);
         }
+        let path = block
+            .path
+            .map_or_else(PathOptions::default, |path| PathOptions {
+                strip_parameters: path.strip_parameters.unwrap_or(false),
+                case_insensitive: path.case_insensitive.unwrap_or(false),
+            });
         written.push((
             Resource {
                 url,
                 rules,
-                breaker: None,
+                breaker,
+                path,
             },
             (site, positions),
         ));
@@ -731,6 +754,7 @@ fn build(collected: Collected) -> Result<Policy, Refusal> {
         }
     }
     check_global_rules_per_request(&resources, &sites)?;
+    check_breakers(&mut resources, &sites)?;
 
     let mut policy = Policy {
         resources,
@@ -750,6 +774,180 @@ fn build(collected: Collected) -> Result<Policy, Refusal> {
             .map(|secret| IdentityKey::derive(secret.expose().as_bytes())),
     );
     Ok(policy)
+}
+
+/// A resource's `breaker`, resolved (its [`Spec::index`] is set once the resources are in
+/// evaluation order, by [`check_breakers`]).
+fn build_breaker(url: &str, raw: &raw::RawBreaker, site: &Site) -> Result<Spec, Refusal> {
+    let slow = match (&raw.slow_ms, &raw.slow_ratio) {
+        (Some(ms), Some(ratio)) => Some(SlowCalls {
+            threshold: Nanos::from_millis(ms.0),
+            ratio: ratio.1,
+        }),
+        (None, None) => None,
+        (Some(_), None) => {
+            return Err(Refusal::at(
+                site.key("slow_ms"),
+                ConfigErrorKind::BreakerSlowPair {
+                    written: "slow_ms",
+                    missing: "slow_ratio",
+                },
+            ))
+        }
+        (None, Some(_)) => {
+            return Err(Refusal::at(
+                site.key("slow_ratio"),
+                ConfigErrorKind::BreakerSlowPair {
+                    written: "slow_ratio",
+                    missing: "slow_ms",
+                },
+            ))
+        }
+    };
+    let name = raw.name.as_ref().map_or_else(
+        || match url.trim_start_matches('/') {
+            "" => "root".to_string(),
+            path => path.to_string(),
+        },
+        |name| name.0.clone(),
+    );
+    let failure_ratio = raw.failure_ratio.as_ref().map(|ratio| ratio.1);
+    let mut settings = Settings::new(name, slow, failure_ratio)
+        .map_err(|_| Refusal::at(site.clone(), ConfigErrorKind::BreakerNoThreshold))?;
+    if let Some(statuses) = &raw.failure_status {
+        let mut classes = StatusClasses::none();
+        for &(first, last) in &statuses.0 {
+            for status in first..=last {
+                // 100 to 599, as the reader checked.
+                classes.add_status(u32::from(status)).map_err(|error| {
+                    Refusal::at(
+                        site.key("failure_status"),
+                        ConfigErrorKind::Invalid {
+                            reason: error.to_string(),
+                        },
+                    )
+                })?;
+            }
+        }
+        settings.failure_status = classes;
+    }
+    if let Some(calls) = raw
+        .min_calls
+        .as_ref()
+        .and_then(|calls| NonZeroU32::new(calls.get_u32()))
+    {
+        settings.min_calls = calls;
+    }
+    if let Some(seconds) = raw
+        .window_seconds
+        .as_ref()
+        .and_then(|seconds| NonZeroU32::new(seconds.get_u32()))
+    {
+        settings.window = Window::from_secs(seconds);
+    }
+    if let Some(seconds) = &raw.open_seconds {
+        settings.open_for = Nanos::from_secs(seconds.0);
+    }
+    if let Some(calls) = raw
+        .half_open_calls
+        .as_ref()
+        .and_then(|calls| u8::try_from(calls.0).ok())
+        .and_then(NonZeroU8::new)
+    {
+        settings.half_open_calls = calls;
+    }
+    if let Some(scope) = &raw.scope {
+        settings.reach = match scope.0 {
+            Scope::Local => Reach::Gateway,
+            Scope::Global => Reach::Fleet,
+        };
+    }
+    if let Some(force) = &raw.force {
+        settings.force = force.0;
+    }
+    Ok(Spec {
+        index: 0,
+        metric_name: stat_name(&settings.name),
+        settings,
+        fallback_header: raw.fallback_header.as_ref().map(|header| header.0.clone()),
+    })
+}
+
+/// Numbers the breakers in evaluation order ([`Spec::index`]) and refuses two that would
+/// share a name (their state: the record is named after it) or a metric name, and a
+/// fallback header that a rule reads.
+fn check_breakers(resources: &mut [Resource], sites: &[Site]) -> Result<(), Refusal> {
+    let read = request_headers_read(resources);
+    let mut names: Vec<(String, String)> = Vec::new();
+    let mut index = 0;
+    for (resource, site) in resources.iter_mut().zip(sites) {
+        let Some(spec) = &mut resource.breaker else {
+            continue;
+        };
+        let site = site.key("breaker");
+        spec.index = index;
+        index += 1;
+        let name = &spec.settings.name;
+        if let Some((first, _)) = names
+            .iter()
+            .find(|(_, metric_name)| *metric_name == spec.metric_name)
+        {
+            let kind = if first == name {
+                ConfigErrorKind::DuplicateBreakerName { name: name.clone() }
+            } else {
+                ConfigErrorKind::BreakerMetricNameClash {
+                    first: first.clone(),
+                    second: name.clone(),
+                }
+            };
+            return Err(Refusal::at(site.key("name"), kind));
+        }
+        names.push((name.clone(), spec.metric_name.clone()));
+        if let Some(header) = &spec.fallback_header {
+            if let Some((_, read_by)) = read.iter().find(|(name, _)| name == header) {
+                return Err(Refusal::at(
+                    site.key("fallback_header"),
+                    ConfigErrorKind::FallbackHeaderInUse {
+                        header: header.clone(),
+                        read_by: read_by.clone(),
+                    },
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Every request header the rules of `resources` read, each with what reads it (the first
+/// rule that does): actors' headers, plans', costs' and reservations'.
+fn request_headers_read(resources: &[Resource]) -> Vec<(String, String)> {
+    let mut read: Vec<(String, String)> = Vec::new();
+    let mut add = |header: &str, what: String| {
+        if !read.iter().any(|(name, _)| name == header) {
+            read.push((header.to_string(), what));
+        }
+    };
+    for rule in resources.iter().flat_map(|resource| resource.rules.iter()) {
+        for (key, value) in rule.actor_source() {
+            if key == "header" {
+                add(
+                    value,
+                    format!("actor `{}` (rule `{}`)", rule.actor_name, rule.name),
+                );
+            }
+        }
+        if let Some(PlanChoice {
+            by: PlanSource::Header(name),
+            ..
+        }) = &rule.plan
+        {
+            add(name, format!("the plans of rule `{}`", rule.name));
+        }
+        if let Some(name) = rule.upfront().header() {
+            add(name, format!("the cost of rule `{}`", rule.name));
+        }
+    }
+    read
 }
 
 /// `global.token` when the document does not write one: the gateway process's environment
@@ -787,14 +985,13 @@ fn check_global_rules_per_request(resources: &[Resource], sites: &[Site]) -> Res
     };
     let globals = |resource: &Resource| resource.rules.iter().filter(applies).count();
     for (resource, site) in resources.iter().zip(sites) {
-        let applying: usize = resources
-            .iter()
-            .filter(|outer| path::is_prefix(&outer.url, &resource.url))
-            .map(globals)
-            .sum();
+        // Every block a request under this one's Url also matches (the outer blocks, by
+        // their own way of comparing paths).
+        let outer = |outer: &&Resource| matching::covers(outer, resource.url.as_bytes());
+        let applying: usize = resources.iter().filter(outer).map(globals).sum();
         let costs: u64 = resources
             .iter()
-            .filter(|outer| path::is_prefix(&outer.url, &resource.url))
+            .filter(outer)
             .flat_map(|outer| outer.rules.iter())
             .filter(applies)
             .map(|rule| u64::from(rule.upfront().max()))
@@ -956,6 +1153,7 @@ fn build_rule(
             ("count", raw.count.is_some()),
             ("max_wait_seconds", raw.max_wait_seconds.is_some()),
             ("lease", raw.lease.is_some()),
+            ("timezone", raw.timezone.is_some()),
         ];
         if let Some((field, _)) = written.into_iter().find(|(_, written)| *written) {
             return Err(refuse(
@@ -971,7 +1169,39 @@ fn build_rule(
             .as_ref()
             .map_or_else(algo::default_algorithm, |algo| algo.0)
     };
-    let unit = raw.unit.as_ref().map_or(Unit::Second, |unit| unit.0);
+    let written_unit = raw
+        .unit
+        .as_ref()
+        .map_or(RuleUnit::Fixed(Unit::Second), |unit| unit.0);
+    // A calendar period is the rule's own (`calendar`); its `limit.unit` is the longest
+    // fixed unit, which nothing reads as its period.
+    let (unit, calendar) = match written_unit {
+        RuleUnit::Fixed(unit) => {
+            if raw.timezone.is_some() {
+                return Err(refuse(
+                    &["timezone"],
+                    ConfigErrorKind::TimezoneWithoutCalendar { unit: unit.name() },
+                ));
+            }
+            (unit, None)
+        }
+        RuleUnit::Calendar(_) if !CALENDAR_ALGORITHMS.contains(&algo.code()) => {
+            return Err(refuse(
+                &["unit"],
+                ConfigErrorKind::CalendarUnitNotApplicable {
+                    unit: written_unit.name(),
+                    algo: algo.code(),
+                },
+            ))
+        }
+        RuleUnit::Calendar(period) => {
+            let zone = raw
+                .timezone
+                .as_ref()
+                .map_or_else(Zone::utc, |zone| zone.0.clone());
+            (Unit::Day, Some(Calendar::new(period, zone)))
+        }
+    };
     let burst = raw.burst.unwrap_or_else(|| algo.default_burst(rpu, unit));
     let slices = raw
         .slices
@@ -1012,15 +1242,21 @@ fn build_rule(
             return Err(refuse(&["cost"], ConfigErrorKind::CostWithReserve))
         }
         Some(field) => Some(
-            cost_of(field).map_err(|(at, kind)| refuse(&["response_cost", "reserve", at], kind))?,
+            reserve_of(field)
+                .map_err(|(at, kind)| refuse(&["response_cost", "reserve", at], kind))?,
         ),
     };
     // What a request takes up front, and where its largest value is written.
-    let (upfront, upfront_field): (&Cost, &[&str]) = match (&reserve, &raw.cost) {
-        (Some(reserve @ Cost::Header { .. }), _) => (reserve, &["response_cost", "reserve", "max"]),
-        (Some(reserve), _) => (reserve, &["response_cost", "reserve"]),
-        (None, Some(raw::CostField::Header(_))) => (&cost, &["cost", "max"]),
-        (None, _) => (&cost, &["cost"]),
+    let (upfront, upfront_field): (Upfront<'_>, &[&str]) = match (&reserve, &raw.cost) {
+        (Some(reserve @ Reserve::Fixed(_)), _) => {
+            (Upfront::Reserve(reserve), &["response_cost", "reserve"])
+        }
+        (Some(reserve), _) => (
+            Upfront::Reserve(reserve),
+            &["response_cost", "reserve", "max"],
+        ),
+        (None, Some(raw::CostField::Header(_))) => (Upfront::Cost(&cost), &["cost", "max"]),
+        (None, _) => (Upfront::Cost(&cost), &["cost"]),
     };
     let limit = algo::Limit {
         rpu,
@@ -1057,8 +1293,9 @@ fn build_rule(
         ));
     }
     // What diana-quota would refuse is refused here, naming the field: a global counter
-    // lives at most about a day (docs/wire-format.md, "Bounds").
-    if scope == Scope::Global {
+    // lives at most about a day (docs/wire-format.md, "Bounds"); a calendar budget's
+    // lives its period, which the service bounds by the month.
+    if scope == Scope::Global && calendar.is_none() {
         if let Err(error) = wire::check_rule_limits(algo, &limit) {
             return Err(refuse(
                 &[error.field],
@@ -1076,11 +1313,10 @@ fn build_rule(
                 ConfigErrorKind::ResponseCostNotApplicable { algo: algo.code() },
             ))
         }
-        Some(raw) => Some(ResponseCost {
-            header: raw.header.0.clone(),
-            max: NonZeroU32::new(raw.max.get_u32()).unwrap_or(NonZeroU32::MIN),
-            reserve,
-        }),
+        Some(raw) => Some(
+            response_cost_of(raw, reserve)
+                .map_err(|(at, kind)| refuse(&["response_cost", at], kind))?,
+        ),
     };
     let count = match &raw.count {
         None => None,
@@ -1098,6 +1334,15 @@ fn build_rule(
             statuses: raw.status.0.clone(),
         }),
     };
+    let hot = raw.hot.as_ref().map(|hot| HotSpec {
+        show: hot.show.as_ref().map_or(HotShow::default(), |show| show.0),
+        top: hot
+            .top
+            .as_ref()
+            .and_then(|top| u8::try_from(top.0).ok())
+            .and_then(NonZeroU8::new)
+            .unwrap_or(DEFAULT_HOT_TOP),
+    });
     let max_wait_seconds = match &raw.max_wait_seconds {
         Some(_) if !algo.waits() => {
             return Err(refuse(
@@ -1133,13 +1378,18 @@ fn build_rule(
         def.spec.as_bytes(),
         algo.code().as_bytes(),
         rpu_part,
-        unit.name().as_bytes(),
+        written_unit.name().as_bytes(),
         burst_part,
         &slices_bytes,
         &slots_bytes,
         scope.name().as_bytes(),
     ];
     parts.extend(&plan_bytes);
+    // A calendar's periods depend on its zone: another zone, other counters. (A rule of a
+    // fixed unit hashes as it always has.)
+    if let Some(calendar) = &calendar {
+        parts.push(calendar.zone().name().as_bytes());
+    }
     let base = hash_parts(RULE_SEED, &parts);
     let id = seen.distinct(base);
     // Where the counters live: what an edit of the limit leaves alone, so that a config
@@ -1182,6 +1432,8 @@ fn build_rule(
         lease_auto,
         cost,
         response_cost,
+        calendar,
+        hot,
         count,
         max_wait: max_wait_seconds * NANOS_PER_SECOND,
         dry_run: raw.dry_run.unwrap_or(false),
@@ -1218,6 +1470,137 @@ fn cost_of(field: &raw::CostField) -> Result<Cost, (&'static str, ConfigErrorKin
                 default,
                 max,
             })
+        }
+    }
+}
+
+/// `response_cost` as written: one source, its cap, `weights` with `usage` only; a
+/// refusal names the subfield.
+fn response_cost_of(
+    raw: &raw::RawResponseCost,
+    reserve: Option<Reserve>,
+) -> Result<ResponseCost, (&'static str, ConfigErrorKind)> {
+    let written: Vec<&'static str> = [
+        ("usage", raw.usage.is_some()),
+        ("json", raw.json.is_some()),
+        ("header", raw.header.is_some()),
+    ]
+    .into_iter()
+    .filter_map(|(key, written)| written.then_some(key))
+    .collect();
+    let source = match (&raw.usage, &raw.json, &raw.header) {
+        (Some(provider), None, None) => CostSource::Usage {
+            provider: provider.0,
+            weights: raw.weights.as_ref().map(weights_of).transpose()?,
+        },
+        (None, Some(path), None) => CostSource::Json(path.0.clone()),
+        (None, None, Some(header)) => CostSource::Header(header.0.clone()),
+        _ => {
+            let at = written.get(1).copied().unwrap_or("");
+            return Err((
+                at,
+                ConfigErrorKind::OneSource {
+                    field: "response_cost",
+                    choices: "usage, json or header",
+                    written,
+                },
+            ));
+        }
+    };
+    if raw.weights.is_some() && !matches!(source, CostSource::Usage { .. }) {
+        return Err((
+            "weights",
+            ConfigErrorKind::WeightsWithoutUsage {
+                source: source.key(),
+            },
+        ));
+    }
+    let max = match (&raw.max, &source) {
+        (Some(max), _) => max.get_u32(),
+        // A header's value is the upstream's word: its cap is the operator's to write.
+        (None, CostSource::Header(_)) => return Err(("", ConfigErrorKind::HeaderCostWithoutMax)),
+        (None, _) => MAX_RESPONSE_COST,
+    };
+    Ok(ResponseCost {
+        source,
+        max: NonZeroU32::new(max).unwrap_or(NonZeroU32::MIN),
+        reserve,
+    })
+}
+
+/// `weights` as written (each 1 unless written); both 0 would charge nothing ever.
+fn weights_of(raw: &raw::RawWeights) -> Result<Weights, (&'static str, ConfigErrorKind)> {
+    let weights = Weights {
+        input: raw.input.as_ref().map_or(1, |weight| weight.0),
+        output: raw.output.as_ref().map_or(1, |weight| weight.0),
+    };
+    if weights.input == 0 && weights.output == 0 {
+        return Err(("weights", ConfigErrorKind::WeightsAllZero));
+    }
+    Ok(weights)
+}
+
+/// `response_cost.reserve` as written; a refusal names the subfield (`""` for the value
+/// itself).
+fn reserve_of(field: &raw::ReserveField) -> Result<Reserve, (&'static str, ConfigErrorKind)> {
+    let raw = match field {
+        raw::ReserveField::Fixed(tokens) => {
+            return Ok(Reserve::Fixed(
+                NonZeroU32::new(*tokens).unwrap_or(NonZeroU32::MIN),
+            ))
+        }
+        raw::ReserveField::Read(raw) => raw,
+    };
+    let bound = |value: &raw::Ranged<1, { wire::MAX_WANT as u64 }>| {
+        NonZeroU32::new(value.get_u32()).unwrap_or(NonZeroU32::MIN)
+    };
+    let max = bound(&raw.max);
+    let default = match (&raw.default, &raw.json) {
+        (Some(default), _) => bound(default),
+        // What a request that says nothing reserves is the operator's to say.
+        (None, Some(_)) => return Err(("", ConfigErrorKind::ReserveJsonWithoutDefault)),
+        (None, None) => NonZeroU32::MIN,
+    };
+    let min = raw.min.as_ref().map(bound);
+    let bounds = ReserveBounds::new(default, min, max).map_err(|error| match error {
+        BoundsError::DefaultAboveMax => (
+            "default",
+            ConfigErrorKind::CostDefaultAboveMax {
+                default: default.get(),
+                max: max.get(),
+            },
+        ),
+        BoundsError::MinAboveDefault => (
+            "min",
+            ConfigErrorKind::ReserveMinAboveDefault {
+                min: min.map_or(0, NonZeroU32::get),
+                default: default.get(),
+            },
+        ),
+    })?;
+    match (&raw.header, &raw.json) {
+        (Some(header), None) => Ok(Reserve::Header {
+            name: header.0.clone(),
+            bounds,
+        }),
+        (None, Some(path)) => Ok(Reserve::Json {
+            path: path.0.clone(),
+            bounds,
+        }),
+        (header, json) => {
+            let written: Vec<&'static str> =
+                [("header", header.is_some()), ("json", json.is_some())]
+                    .into_iter()
+                    .filter_map(|(key, written)| written.then_some(key))
+                    .collect();
+            Err((
+                if written.len() > 1 { "json" } else { "" },
+                ConfigErrorKind::OneSource {
+                    field: "response_cost.reserve",
+                    choices: "header or json",
+                    written,
+                },
+            ))
         }
     }
 }

@@ -15,20 +15,22 @@
 
 use super::error::{LocalOnly, PinnedValue};
 use super::model::{
-    HeaderMode, HeaderStyle, OnInvalidConfig, Pinned, Scope, MAX_PLANS, MAX_PLAN_NAME,
-    MAX_RETRY_SECONDS, MAX_TIMEOUT_MS,
+    HeaderMode, HeaderStyle, HotShow, OnInvalidConfig, Pinned, Provider, RuleUnit, Scope,
+    MAX_HOT_TOP, MAX_PLANS, MAX_PLAN_NAME, MAX_RESPONSE_COST, MAX_RETRY_SECONDS, MAX_TIMEOUT_MS,
 };
-use super::shape::{document_struct, Constraint, Describe, Field, Pin, Shape};
+use super::shape::{case_insensitive, document_struct, Constraint, Describe, Field, Pin, Shape};
 use crate::actor::{
     source_kind, ActorDef, Fallback, JwtClaimKind, SourceKind, CONFIGURABLE_BUILTINS,
     DEFAULT_USER_FALLBACK, RESERVED_ACTORS, SOURCE_KINDS,
 };
 use crate::algo::{self, Algorithm};
+use crate::breaker::Force;
+use crate::calendar::{Zone, ZONE_NAME_MAX};
 use crate::jwt::{self, ClaimOrigin, ClaimPath};
 use crate::path;
 use crate::secret::{Secret, MIN_SECRET_BYTES};
 use crate::signature::SignatureKey;
-use crate::time::Unit;
+use crate::usage::{JsonPath, JSON_PATH_MAX, MAX_FOLLOWED};
 use crate::wire;
 use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, Unexpected, Visitor};
 use serde::Deserialize;
@@ -116,12 +118,206 @@ pub fn document() -> Shape {
 document_struct! {
     /// One `Url` block.
     #[expecting = "a resource block with `Url` and `rules`"]
-    #[shape = |shape: Shape| shape.named("block").described(
-        "A resource: a path prefix (matched on segment boundaries) and its rules, applied in order",
-    )]
+    #[shape = |shape: Shape| shape
+        .named("block")
+        .described(
+            "A resource: a path prefix (matched on segment boundaries), its rules, applied in \
+             order, and the circuit breaker of the upstream behind it",
+        )
+        // `parse::build` refuses a block with neither (NoRulesNorBreaker).
+        .constraint(Constraint::AtLeastOne(vec!["rules", "breaker"]))]
     pub(super) struct RawBlock {
         url ("Url" | "url"): UrlField;
-        rules: Vec<RawRule>;
+        rules: Option<Vec<RawRule>> => "The limits, applied in order (a block has rules, a breaker, or both)";
+        breaker: Option<RawBreaker> =>
+            "The circuit breaker of the upstream behind this resource (DESIGN §4b): fail fast while \
+             its answers are slow or failing, probe, close again";
+        path: Option<RawPathOptions> =>
+            "How a request path is compared with this Url, for a backend that reads paths more \
+             loosely than their spelling (default: exactly, after normalisation)";
+    }
+}
+
+document_struct! {
+    /// `path: {strip_parameters: BOOL, case_insensitive: BOOL}`.
+    #[expecting = "`{strip_parameters: BOOL, case_insensitive: BOOL}`"]
+    pub(super) struct RawPathOptions {
+        strip_parameters: Option<bool> =>
+            "Ignore each segment's `;parameters` (`/admin;jsessionid=1` is `/admin`, `/x/..;/admin` \
+             is `/admin`), as servlet containers read paths (default false)";
+        case_insensitive: Option<bool> =>
+            "Compare letters without regard to case (`/ADMIN` is `/admin`), for a backend that \
+             does (default false)";
+    }
+}
+
+document_struct! {
+    /// `breaker:` (a resource's circuit breaker, DESIGN §4b). Every field is free: a remote
+    /// document may tune it and flip `force` (the manual switch).
+    #[expecting = "the `breaker` section"]
+    #[shape = |shape: Shape| shape
+        .named("breaker")
+        .described(
+            "The circuit breaker of the upstream behind a resource: opens when, in the window, at \
+             least `min_calls` calls were made and the slow or failed share reaches its ratio",
+        )
+        // `parse::build_breaker` refuses neither threshold (BreakerNoThreshold) and one half
+        // of the slow-call pair (BreakerSlowPair).
+        .constraint(Constraint::AtLeastOne(vec!["failure_ratio", "slow_ratio"]))
+        .constraint(Constraint::Needs { key: "slow_ratio", needs: "slow_ms" })
+        .constraint(Constraint::Needs { key: "slow_ms", needs: "slow_ratio" })]
+    pub(super) struct RawBreaker {
+        name: Option<BreakerName> =>
+            "In metrics and logs, unique among breakers (default: from the Url, `/payments` → \
+             `payments`, `/` → `root`)";
+        slow_ms: Option<Ranged<1, { MAX_SLOW_MS }>> =>
+            "A call whose response headers come later than this is slow (with slow_ratio)";
+        slow_ratio: Option<Ratio> =>
+            "Open when at least this share of the window's calls was slow (with slow_ms)";
+        failure_status: Option<StatusList> =>
+            "The statuses that count as failed (default [5xx]); a reset or an upstream timeout always does";
+        failure_ratio: Option<Ratio> => "Open when at least this share of the window's calls failed";
+        min_calls: Option<Ranged<1, { MAX_MIN_CALLS }>> =>
+            "No verdict on fewer calls in the window (default 20)";
+        window_seconds: Option<Ranged<1, { MAX_WINDOW_SECONDS }>> =>
+            "The sliding statistics window, in 10 slices (default 10)";
+        open_seconds: Option<Ranged<1, { MAX_OPEN_SECONDS }>> =>
+            "How long it fails fast before probing (default 30)";
+        half_open_calls: Option<Ranged<1, { u8::MAX as u64 }>> =>
+            "Half-open: this many calls go through; all good: closed, one bad: open again (default 3)";
+        scope: Option<ScopeField> =>
+            "local: one state per gateway process; global: one state for every gateway, kept by \
+             diana-quota (the `global` section says where), each gateway falling back to its own \
+             when it cannot reach it (default local)";
+        force: Option<ForceField>;
+        fallback_header: Option<FallbackHeaderField> => format!(
+            "While open, send the request on with `<header>: <name>` (route it to a backup) instead \
+             of answering it; a client's own value of the header is always removed. Not a \
+             pseudo-header, nor a header the document's rules read, nor one of {}",
+            RESERVED_FALLBACK_HEADERS.join(", ")
+        );
+    }
+}
+
+/// The longest `slow_ms`: an hour.
+pub(super) const MAX_SLOW_MS: u64 = 3_600_000;
+/// The largest `min_calls`.
+pub(super) const MAX_MIN_CALLS: u64 = 1_000_000;
+/// The longest `window_seconds`: an hour (ten slices of six minutes).
+pub(super) const MAX_WINDOW_SECONDS: u64 = 3_600;
+/// The longest `open_seconds`: a day.
+pub(super) const MAX_OPEN_SECONDS: u64 = 86_400;
+
+/// Longest breaker name (as long as a rule's).
+const MAX_BREAKER_NAME: usize = MAX_RULE_NAME;
+
+/// A breaker's `name`: printable ASCII, at most [`MAX_BREAKER_NAME`] bytes. Unique among
+/// the breakers, also as a metric name: `parse::build` checks that once every name, the
+/// derived ones included, is known.
+pub(super) struct BreakerName(pub String);
+
+impl Describe for BreakerName {
+    fn shape() -> Shape {
+        RuleName::shape()
+    }
+}
+
+impl<'de> Deserialize<'de> for BreakerName {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserialize_str_with(deserializer, "a breaker name", |raw| {
+            printable_name(raw, "breaker", MAX_BREAKER_NAME).map(|()| BreakerName(raw.to_string()))
+        })
+    }
+}
+
+/// `force`: auto | open | closed (the manual switch).
+pub(super) struct ForceField(pub Force);
+
+/// Every `force`, in the order the description lists them.
+const FORCES: [Force; 3] = [Force::Auto, Force::Open, Force::Closed];
+
+impl Describe for ForceField {
+    fn shape() -> Shape {
+        Shape::words(FORCES.iter().map(|force| force.name()).collect(), false)
+            .named("force")
+            .described(
+                "The manual switch: auto (the calls decide, the default), open (fail fast now), \
+                 closed (never trip; calls still counted)",
+            )
+    }
+}
+
+impl<'de> Deserialize<'de> for ForceField {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserialize_str_with(deserializer, "auto, open or closed", |raw| {
+            named(raw, &FORCES, Force::name, "force").map(ForceField)
+        })
+    }
+}
+
+/// `fallback_header`: a request header name, lower-cased; not a pseudo-header and not one
+/// Diana itself reads or writes ([`RESERVED_FALLBACK_HEADERS`]), nor one the host manages.
+pub(super) struct FallbackHeaderField(pub String);
+
+/// The headers a breaker's `fallback_header` may not be: Diana's own (the rate-limit
+/// answer's, the bearer token it reads, the quota service's and the config center's) and
+/// those the host frames the request with. A client's own value of the fallback header is
+/// removed before the request goes on, so each of these would be lost or forged.
+pub(super) const RESERVED_FALLBACK_HEADERS: [&str; 17] = [
+    crate::response::RETRY_AFTER,
+    crate::response::X_RATELIMIT_LIMIT,
+    crate::response::X_RATELIMIT_REMAINING,
+    crate::response::X_RATELIMIT_RESET,
+    crate::response::RATELIMIT_POLICY,
+    crate::response::RATELIMIT,
+    crate::signature::SIGNATURE_HEADER,
+    wire::TIMEOUT_HEADER,
+    "authorization",
+    "host",
+    "content-length",
+    "content-type",
+    "transfer-encoding",
+    "connection",
+    "upgrade",
+    "te",
+    "keep-alive",
+];
+
+impl Describe for FallbackHeaderField {
+    fn shape() -> Shape {
+        let reserved: Vec<String> = RESERVED_FALLBACK_HEADERS
+            .iter()
+            .map(|name| case_insensitive(name))
+            .collect();
+        Shape::string("x-diana-fallback")
+            .pattern(format!(
+                "^\\s*(?!(?:{})\\s*$)[!#$%&'*+.^_`|~0-9A-Za-z-]+\\s*$",
+                reserved.join("|")
+            ))
+            .length(None, Some(crate::actor::MAX_HEADER_NAME))
+    }
+}
+
+impl<'de> Deserialize<'de> for FallbackHeaderField {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserialize_str_with(deserializer, "a header name", |raw| {
+            let name = crate::actor::HeaderKind
+                .parse_value(raw)
+                .map_err(|error| error.to_string())?;
+            if name.starts_with(':') {
+                return Err(format!(
+                    "`{name}` is a pseudo-header: a fallback header is an ordinary request header \
+                     (such as x-diana-fallback) that a route can match"
+                ));
+            }
+            if RESERVED_FALLBACK_HEADERS.contains(&name.as_str()) {
+                return Err(format!(
+                    "`{name}` is a header Diana or the host uses itself: a fallback header is one of \
+                     your own (such as x-diana-fallback), removed from clients' requests"
+                ));
+            }
+            Ok(FallbackHeaderField(name))
+        })
     }
 }
 
@@ -168,12 +364,67 @@ document_struct! {
         cost: Option<CostField> =>
             "Tokens a request takes: a constant (default 1), or read from a request header";
         response_cost: Option<RawResponseCost> =>
-            "Tokens charged after the upstream answered, from a response header (not LB)";
+            "Tokens charged after the upstream answered, from a response header or the answer's \
+             body (an LLM provider's usage, a number at a JSON path); not LB";
         count: Option<RawCount> =>
             "Count only the requests whose answer has one of these statuses (not LB, not with response_cost)";
+        timezone: Option<ZoneField> =>
+            "With unit week or month: the IANA time zone whose calendar the periods follow \
+             (default UTC)";
+        hot: Option<RawHot> =>
+            "Keep this rule's hottest identities for the fleet view (diana-quota's /ui)";
         name: Option<RuleName> =>
             "Printable ASCII; used in metrics and headers (default <Url>#<index>)";
         dry_run: Option<bool>;
+    }
+}
+
+document_struct! {
+    /// `hot: {show: value | digest, top: N}`.
+    #[expecting = "`{show: value | digest, top: N}`"]
+    pub(super) struct RawHot {
+        show: Option<HotShowField>;
+        top: Option<Ranged<1, { MAX_HOT_TOP as u64 }>> =>
+            "How many identities are listed (default 10)";
+    }
+}
+
+/// `hot.show`: value | digest.
+pub(super) struct HotShowField(pub HotShow);
+
+impl Describe for HotShowField {
+    fn shape() -> Shape {
+        Shape::words(HotShow::ALL.iter().map(|show| show.name()).collect(), false).described(
+            "How an identity is shown: value (its first 64 bytes, the default) or digest (a \
+             keyed digest, for privacy)",
+        )
+    }
+}
+
+impl<'de> Deserialize<'de> for HotShowField {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserialize_str_with(deserializer, "value or digest", |raw| {
+            named(raw, &HotShow::ALL, HotShow::name, "hot.show").map(HotShowField)
+        })
+    }
+}
+
+/// `timezone`: an IANA time zone name ([`Zone::parse`]).
+pub(super) struct ZoneField(pub Zone);
+
+impl Describe for ZoneField {
+    fn shape() -> Shape {
+        Shape::string("Europe/Berlin")
+            .pattern("^[A-Za-z0-9_+/-]+$")
+            .length(Some(1), Some(ZONE_NAME_MAX))
+    }
+}
+
+impl<'de> Deserialize<'de> for ZoneField {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserialize_str_with(deserializer, "an IANA time zone name", |raw| {
+            Zone::parse(raw).map(ZoneField)
+        })
     }
 }
 
@@ -207,14 +458,162 @@ document_struct! {
 }
 
 document_struct! {
-    /// `response_cost: {header: NAME, max: N, reserve: N | {header, default, max}}`.
-    #[expecting = "a response cost `{header: NAME, max: N}` (optionally `reserve: N`)"]
+    /// `response_cost`: where the answer's cost is read (exactly one of `header`, `usage`,
+    /// `json`), its cap, and what a request reserves up front.
+    #[expecting = "a response cost `{header: NAME, max: N}`, `{usage: PROVIDER}` or `{json: PATH}` (optionally `reserve`)"]
+    #[shape = |shape: Shape| shape
+        // `parse::response_cost_of` refuses none or two (ResponseCostSources), `header`
+        // without `max` (HeaderCostWithoutMax), `weights` without `usage` (WeightsWithoutUsage).
+        .constraint(Constraint::ExactlyOne(vec!["usage", "json", "header"]))
+        .constraint(Constraint::Needs { key: "header", needs: "max" })
+        .constraint(Constraint::Needs { key: "weights", needs: "usage" })]
     pub(super) struct RawResponseCost {
-        header: HeaderNameField;
-        max: Ranged<1, 1_000_000_000>;
-        reserve: Option<CostField> =>
+        header: Option<HeaderNameField> =>
+            "A response header holding the answer's cost, a decimal integer (with `max`)";
+        usage: Option<ProviderField> =>
+            "The provider's usage object, from a JSON answer or its server-sent events";
+        json: Option<JsonPathField> =>
+            "The number at this dotted path of a JSON answer (or of the last event of a stream \
+             that has it)";
+        weights: Option<RawWeights> =>
+            "With `usage`: the price of input and output tokens, cost = input × input weight + \
+             output × output weight (default: the provider's total)";
+        max: Option<Ranged<1, { MAX_RESPONSE_COST as u64 }>> =>
+            "The most one answer is charged (required with `header`; default 1000000000)";
+        reserve: Option<ReserveField> =>
             "Tokens taken up front instead of `cost` (all or nothing) and settled with the answer's cost: \
-             a constant, or read from a request header; not with `cost`";
+             a constant, or read from a request header or the request's JSON body; not with `cost`";
+    }
+}
+
+/// `usage`: openai | anthropic | gemini.
+pub(super) struct ProviderField(pub Provider);
+
+impl Describe for ProviderField {
+    fn shape() -> Shape {
+        Shape::words(Provider::ALL.iter().map(|p| p.name()).collect(), false)
+    }
+}
+
+impl<'de> Deserialize<'de> for ProviderField {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserialize_str_with(deserializer, "openai, anthropic or gemini", |raw| {
+            named(raw, &Provider::ALL, Provider::name, "provider").map(ProviderField)
+        })
+    }
+}
+
+/// A dotted path of a JSON body (`usage.total_tokens`, `max_tokens`): at most
+/// [`JSON_PATH_MAX`] bytes of printable ASCII, at most [`MAX_FOLLOWED`] keys (the reader
+/// follows no deeper), none empty.
+pub(super) struct JsonPathField(pub JsonPath);
+
+impl Describe for JsonPathField {
+    fn shape() -> Shape {
+        Shape::string("usage.total_tokens")
+            .pattern(format!(
+                "^[!-\\-/-~]+(?:\\.[!-\\-/-~]+){{0,{}}}$",
+                MAX_FOLLOWED - 1
+            ))
+            .length(None, Some(JSON_PATH_MAX))
+    }
+}
+
+impl<'de> Deserialize<'de> for JsonPathField {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserialize_str_with(deserializer, "a dotted JSON path", |raw| {
+            let path = JsonPath::parse(raw).map_err(|error| error.to_string())?;
+            let keys = raw.split('.').count();
+            if keys > MAX_FOLLOWED {
+                return Err(format!(
+                    "a JSON path has at most {MAX_FOLLOWED} keys (the body is not read deeper), \
+                     this one has {keys}"
+                ));
+            }
+            Ok(JsonPathField(path))
+        })
+    }
+}
+
+document_struct! {
+    /// `weights: {input: N, output: N}`.
+    #[expecting = "`{input: N, output: N}`"]
+    pub(super) struct RawWeights {
+        input: Option<Ranged<0, { MAX_WEIGHT }>> => "The price of an input token (default 1)";
+        output: Option<Ranged<0, { MAX_WEIGHT }>> => "The price of an output token (default 1)";
+    }
+}
+
+/// The largest weight.
+pub(super) const MAX_WEIGHT: u64 = 1_000_000;
+
+/// `reserve`: a constant, or read from a request header or the request's JSON body.
+pub(super) enum ReserveField {
+    Fixed(u32),
+    Read(RawReserveFrom),
+}
+
+impl<'de> Deserialize<'de> for ReserveField {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct ReserveVisitor;
+        impl<'de> Visitor<'de> for ReserveVisitor {
+            type Value = ReserveField;
+            fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(
+                    formatter,
+                    "an integer between 1 and {} or `{{header | json, default, max, min}}`",
+                    wire::MAX_WANT
+                )
+            }
+            fn visit_u64<E: de::Error>(self, value: u64) -> Result<ReserveField, E> {
+                match u32::try_from(value) {
+                    Ok(tokens) if (1..=wire::MAX_WANT).contains(&tokens) => {
+                        Ok(ReserveField::Fixed(tokens))
+                    }
+                    _ => Err(E::invalid_value(Unexpected::Unsigned(value), &self)),
+                }
+            }
+            fn visit_i64<E: de::Error>(self, value: i64) -> Result<ReserveField, E> {
+                match u64::try_from(value) {
+                    Ok(value) => self.visit_u64(value),
+                    Err(_) => Err(E::invalid_value(Unexpected::Signed(value), &self)),
+                }
+            }
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<ReserveField, A::Error> {
+                RawReserveFrom::deserialize(de::value::MapAccessDeserializer::new(map))
+                    .map(ReserveField::Read)
+            }
+        }
+        deserializer.deserialize_any(ReserveVisitor)
+    }
+}
+
+impl Describe for ReserveField {
+    fn shape() -> Shape {
+        Shape::one_of(vec![
+            Shape::integer(1, u64::from(wire::MAX_WANT)),
+            RawReserveFrom::shape(),
+        ])
+    }
+}
+
+document_struct! {
+    /// `reserve: {header: NAME | json: PATH, default: N, max: N, min: N}`.
+    #[expecting = "a reservation `{header: NAME, default: N, max: N, min: N}` or `{json: PATH, default: N, max: N, min: N}`"]
+    #[shape = |shape: Shape| shape
+        // `parse::reserve_of` refuses none or both (ReserveSources) and `json` without
+        // `default` (ReserveJsonWithoutDefault).
+        .constraint(Constraint::ExactlyOne(vec!["header", "json"]))
+        .constraint(Constraint::Needs { key: "json", needs: "default" })]
+    pub(super) struct RawReserveFrom {
+        header: Option<HeaderNameField> => "A request header holding the reservation";
+        json: Option<JsonPathField> =>
+            "The number at this dotted path of the request's JSON body (`max_tokens`)";
+        default: Option<Ranged<1, { wire::MAX_WANT as u64 }>> =>
+            "Reserved when the request has no readable value (default 1; required with `json`)";
+        max: Ranged<1, { wire::MAX_WANT as u64 }> => "The most a request reserves";
+        min: Option<Ranged<1, { wire::MAX_WANT as u64 }>> =>
+            "The least a request reserves, whatever it says (default: `default`)";
     }
 }
 
@@ -235,15 +634,32 @@ const MAX_STATUSES: usize = 32;
 
 impl<'de> Deserialize<'de> for StatusList {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        let statuses = Vec::<StatusField>::deserialize(deserializer)?;
-        if statuses.is_empty() || statuses.len() > MAX_STATUSES {
-            return Err(de::Error::custom(format_args!(
-                "expected 1 to {MAX_STATUSES} statuses (`[401, 403]`, `[4xx]`)"
-            )));
+        // Counted inside the visitor, so that a refusal is placed at the list itself (an
+        // error raised after the reader has left it is placed at the mapping around it).
+        struct ListVisitor;
+        impl<'de> Visitor<'de> for ListVisitor {
+            type Value = StatusList;
+            fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(
+                    formatter,
+                    "1 to {MAX_STATUSES} statuses (`[401, 403]`, `[4xx]`)"
+                )
+            }
+            fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<StatusList, A::Error> {
+                let mut statuses = Vec::new();
+                while let Some(status) = seq.next_element::<StatusField>()? {
+                    if statuses.len() == MAX_STATUSES {
+                        return Err(de::Error::invalid_length(MAX_STATUSES + 1, &self));
+                    }
+                    statuses.push(status.0);
+                }
+                if statuses.is_empty() {
+                    return Err(de::Error::invalid_length(0, &self));
+                }
+                Ok(StatusList(statuses))
+            }
         }
-        Ok(StatusList(
-            statuses.into_iter().map(|status| status.0).collect(),
-        ))
+        deserializer.deserialize_seq(ListVisitor)
     }
 }
 
@@ -1159,24 +1575,27 @@ impl<'de> Deserialize<'de> for UrlField {
     }
 }
 
-/// `unit`: second | minute | hour | day.
-pub(super) struct UnitField(pub Unit);
+/// `unit`: second | minute | hour | day | week | month.
+pub(super) struct UnitField(pub RuleUnit);
 
 impl Describe for UnitField {
     fn shape() -> Shape {
-        Shape::words(Unit::ALL.iter().map(|unit| unit.name()).collect(), true)
+        Shape::words(RuleUnit::ALL.iter().map(|unit| unit.name()).collect(), true)
             .named("unit")
-            .described("Unit of `rpu`, case-insensitive, a trailing `s` accepted (default second)")
+            .described(
+                "Unit of `rpu`, case-insensitive, a trailing `s` accepted (default second); week \
+                 and month are calendar periods in the rule's `timezone` (W and TB)",
+            )
     }
 }
 
 impl<'de> Deserialize<'de> for UnitField {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         deserialize_str_with(deserializer, "a unit", |raw| {
-            Unit::parse(raw).map(UnitField).ok_or_else(|| {
+            RuleUnit::parse(raw).map(UnitField).ok_or_else(|| {
                 format!(
                     "unknown unit `{raw}`, expected one of {}",
-                    one_of(Unit::ALL.iter().map(|unit| unit.name()))
+                    one_of(RuleUnit::ALL.iter().map(|unit| unit.name()))
                 )
             })
         })
@@ -1278,6 +1697,25 @@ impl<'de> Deserialize<'de> for ActorRef {
 /// Longest rule name.
 const MAX_RULE_NAME: usize = 128;
 
+/// A rule's or a breaker's name: not blank, at most `longest` bytes of printable ASCII
+/// (0x20 to 0x7E).
+fn printable_name(raw: &str, what: &str, longest: usize) -> Result<(), String> {
+    if raw.trim().is_empty() {
+        return Err(format!("empty {what} name"));
+    }
+    if raw.len() > longest {
+        return Err(format!("{what} name longer than {longest} characters"));
+    }
+    if !raw.bytes().all(|byte| (0x20..0x7f).contains(&byte)) {
+        return Err(format!(
+            "invalid {what} name `{}`: only printable ASCII (0x20 to 0x7E) is allowed: the name is \
+             used in metrics and logs, and as a structured-field string in the RateLimit headers",
+            raw.escape_debug()
+        ));
+    }
+    Ok(())
+}
+
 /// `name`: printable ASCII, unique among the document's explicit names.
 pub(super) struct RuleName(pub String);
 
@@ -1292,19 +1730,7 @@ impl Describe for RuleName {
 impl<'de> Deserialize<'de> for RuleName {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         deserialize_str_with(deserializer, "a rule name", |raw| {
-            if raw.trim().is_empty() {
-                return Err("empty rule name".to_string());
-            }
-            if raw.len() > MAX_RULE_NAME {
-                return Err(format!("rule name longer than {MAX_RULE_NAME} characters"));
-            }
-            if !raw.bytes().all(|byte| (0x20..0x7f).contains(&byte)) {
-                return Err(format!(
-                    "invalid rule name `{}`: only printable ASCII (0x20 to 0x7E) is allowed: the name is \
-                     used in metrics and logs, and as a structured-field string in the RateLimit headers",
-                    raw.escape_debug()
-                ));
-            }
+            printable_name(raw, "rule", MAX_RULE_NAME)?;
             with_context(|context| {
                 if context.rule_names.iter().any(|name| name == raw) {
                     return Err(format!("duplicate rule name `{raw}`"));
@@ -1483,10 +1909,13 @@ impl<'de> Deserialize<'de> for PathField {
     }
 }
 
-/// A share: a number greater than 0 and at most 1 (`0.5`, `1`). Read by no field yet (a
-/// resource's breaker will); the description's tests read it.
-#[cfg_attr(not(test), allow(dead_code))]
-pub(super) struct Ratio(pub f64);
+/// A share: a number greater than 0 and at most 1 (`0.5`, `1`), as written and in parts
+/// per million ([`crate::breaker::Ratio`], what the breaker's machine counts in: a share
+/// finer than a millionth is refused, not rounded).
+pub(super) struct Ratio(
+    #[cfg_attr(not(test), allow(dead_code))] pub f64,
+    pub crate::breaker::Ratio,
+);
 
 impl Describe for Ratio {
     fn shape() -> Shape {
@@ -1506,16 +1935,17 @@ impl<'de> Deserialize<'de> for Ratio {
             }
 
             fn visit_f64<E: de::Error>(self, value: f64) -> Result<Ratio, E> {
-                if value > 0.0 && value <= 1.0 {
-                    Ok(Ratio(value))
-                } else {
-                    Err(E::invalid_value(Unexpected::Float(value), &self))
+                if !(value > 0.0 && value <= 1.0) {
+                    return Err(E::invalid_value(Unexpected::Float(value), &self));
                 }
+                crate::breaker::Ratio::from_f64(value)
+                    .map(|ratio| Ratio(value, ratio))
+                    .map_err(|error| E::custom(format_args!("{value}: {error}")))
             }
 
             fn visit_u64<E: de::Error>(self, value: u64) -> Result<Ratio, E> {
                 match value {
-                    1 => Ok(Ratio(1.0)),
+                    1 => self.visit_f64(1.0),
                     _ => Err(E::invalid_value(Unexpected::Unsigned(value), &self)),
                 }
             }

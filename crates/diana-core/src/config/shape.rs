@@ -21,7 +21,7 @@
 //!    `[Pin::LocalOnly(…)]` when a remote document may not change it, `=> "what it
 //!    means"` for the schema. A nested block is a struct declared the same way
 //!    (`#[shape = |shape: Shape| shape.named("…")]` to describe it once; `.constraint(…)`
-//!    for a rule across its keys);
+//!    for a rule across its keys, which `parse::build` enforces with a typed refusal);
 //! 2. a new value type: its reader and its [`Describe`] side by side, from the same
 //!    constants (words from a registry: [`Shape::words`]; a share: `raw::Ratio`; integers:
 //!    `raw::Ranged`; statuses or classes: `raw::StatusList`; a pattern with an example:
@@ -117,6 +117,8 @@ pub enum Constraint {
     ExactlyOne(Vec<&'static str>),
     /// At most one of these keys is written.
     AtMostOne(Vec<&'static str>),
+    /// At least one of these keys is written.
+    AtLeastOne(Vec<&'static str>),
     /// `key` only with `needs`.
     Needs {
         key: &'static str,
@@ -391,6 +393,27 @@ impl Field {
     pub fn spelled(&self, key: &str) -> bool {
         self.key == key || self.aliases.contains(&key)
     }
+}
+
+/// A word as a pattern that matches it in any case (`tb` → `[Tt][Bb]`): letters as both
+/// cases, digits, spaces, `_` and `-` as they are, any other character escaped. For a
+/// pattern of words the reader takes case-insensitively.
+pub fn case_insensitive(word: &str) -> String {
+    let mut out = String::new();
+    for c in word.chars() {
+        if c.is_ascii_alphabetic() {
+            out.push('[');
+            out.push(c.to_ascii_uppercase());
+            out.push(c.to_ascii_lowercase());
+            out.push(']');
+        } else if c.is_ascii_alphanumeric() || c == ' ' || c == '_' || c == '-' {
+            out.push(c);
+        } else {
+            out.push('\\');
+            out.push(c);
+        }
+    }
+    out
 }
 
 /// A step from a value to values inside it, as the description knows them.

@@ -8,7 +8,11 @@ use crate::facts::RequestFacts;
 use crate::time::Unit;
 use std::num::NonZeroU32;
 
+mod breaker;
 mod description;
+mod hot;
+mod llm;
+mod path;
 
 /// The seed design's document, verbatim (one copy for every test that needs it).
 const SEED: &str = include_str!("../../../../tests/fixtures/seed.yaml");
@@ -696,7 +700,7 @@ fn errors_name_field_and_position() {
             &["rules[0].algo: ", "unknown algorithm `fast`", "expected one of", "line 4 column 11"],
         ),
         // unit, scope
-        ("Url: /\nrules:\n  - {rpu: 1, unit: week}\n", &["rules[0].unit: ", "unknown unit `week`", "second, minute, hour, day", "line 3"]),
+        ("Url: /\nrules:\n  - {rpu: 1, unit: fortnight}\n", &["rules[0].unit: ", "unknown unit `fortnight`", "second, minute, hour, day, week, month", "line 3"]),
         ("Url: /\nrules:\n  - {rpu: 1, scope: cluster}\n", &["rules[0].scope: ", "unknown scope `cluster`", "line 3"]),
         // ranges
         ("Url: /\nrules:\n  - {rpu: 1, burst: 0}\n", &["rules[0].burst: ", "nonzero", "line 3"]),
@@ -1201,7 +1205,10 @@ fn costs_are_checked_against_the_limit_the_lease_and_the_algorithm() {
             max: NonZeroU32::new(20).unwrap()
         }
     );
-    assert_eq!(rule.response_cost.as_ref().unwrap().header, "x-llm-tokens");
+    assert_eq!(
+        rule.response_cost.as_ref().unwrap().header(),
+        Some("x-llm-tokens")
+    );
 }
 
 #[test]

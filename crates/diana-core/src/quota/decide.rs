@@ -18,6 +18,11 @@
 //! - [`renew`]: concurrency places still held move from the bucket they were counted in
 //!   to the current one (`want` places each; a bucket already forgotten gives nothing
 //!   back, and the places are counted again).
+//! - [`spend`]: one call of Envoy's rate limit protocol (RLS), each rule a [`Spend`]: a
+//!   *take* decided all or nothing as [`acquire`] decides it, a *check* that charges
+//!   nothing and is refused once nothing is left, or a *count* that is charged whatever
+//!   is left (envoyproxy/ratelimit's `INCRBY`) and refused when its cost did not fit.
+//!   Each rule's [`Enforcement`] says whether its refusal refuses the call.
 
 use super::Outcome;
 use crate::algo::{Mark, Verdict};
@@ -29,6 +34,14 @@ fn probe(rule: &ResolvedRule<'_>, state: &[u64], now: Instant) -> Verdict {
     let mut copy = state.to_vec();
     rule.algo
         .acquire_at_least(&rule.limit, &mut copy, now, 1, 0)
+}
+
+/// Whether `need` tokens are there right now, and if not when they will be, without
+/// changing anything (the decision of a take of `need`, on a copy).
+fn probe_need(rule: &ResolvedRule<'_>, state: &[u64], now: Instant, need: u32) -> Verdict {
+    let mut copy = state.to_vec();
+    rule.algo
+        .acquire_at_least(&rule.limit, &mut copy, now, need, need)
 }
 
 /// An allowed rule that was not charged: what it has, from a probe.
@@ -205,6 +218,160 @@ pub fn renew(
             }
         })
         .collect()
+}
+
+/// How one rule of an RLS call spends its counter ([`spend`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Spend {
+    /// Takes its `cost`, all or nothing with the call's other takes: charged only when the
+    /// call is admitted, refused (nothing charged) when the cost is not there.
+    Take,
+    /// Charges nothing; refused once nothing is left (a request of one would be refused).
+    Check,
+    /// Charges its `want` whatever is left, past the limit if need be, even when the call
+    /// is refused (envoyproxy/ratelimit's `INCRBY`); refused when the cost did not fit in
+    /// what was left. The algorithm must take debts.
+    Count,
+}
+
+/// Whether a rule's refusal refuses the call ([`spend`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Enforcement {
+    /// A refusal refuses the call.
+    #[default]
+    Enforced,
+    /// Never refuses (envoyproxy/ratelimit's `shadow_mode`, Diana's dry run).
+    Shadow,
+    /// A soft limit (envoyproxy/ratelimit's `quota_mode`): the call is refused only when
+    /// every quota rule of the call is refused.
+    Quota,
+}
+
+/// One rule's part in a [`spend`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Spending {
+    pub spend: Spend,
+    pub enforcement: Enforcement,
+}
+
+/// The decision of a [`spend`]: one outcome per rule (`allowed`: the rule's own verdict;
+/// `granted`: what it was charged) and whether the call is admitted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Spent {
+    pub outcomes: Vec<Outcome>,
+    pub admitted: bool,
+}
+
+/// Whether a call whose rules spend as `how` and passed as `passed` is admitted: every
+/// enforced rule passed and, if the call has quota rules, one of them did.
+pub fn admits(how: &[Spending], passed: &[bool]) -> bool {
+    let mut quota = how
+        .iter()
+        .zip(passed)
+        .filter(|(spending, _)| spending.enforcement == Enforcement::Quota)
+        .peekable();
+    let quota_passed = quota.peek().is_none() || quota.any(|(_, &passed)| passed);
+    quota_passed
+        && how
+            .iter()
+            .zip(passed)
+            .all(|(spending, &passed)| passed || spending.enforcement != Enforcement::Enforced)
+}
+
+/// Decides one RLS call (see the module documentation and [`Spend`]). Rules are decided in
+/// order, each on the state the rules before it left (two rules on one counter see each
+/// other's charge). The call is admitted when every enforced rule passed and, if it has
+/// quota rules, one of them passed. Admitted: every charge stays. Refused: the takes are
+/// undone (the states are the stored ones with the counts alone applied, in order), the
+/// counts stay.
+///
+/// Each outcome's `remaining`, `reset_ms` and (when refused) `retry_after_ms` describe the
+/// counter as the call left it, for a request of the rule's cost. A take's grant carries
+/// its mark (a late answer gives it back); a count's never goes back.
+pub fn spend(
+    rules: &[ResolvedRule<'_>],
+    slots: &[usize],
+    states: &mut [Vec<u64>],
+    how: &[Spending],
+    now: Instant,
+) -> Spent {
+    let stored = states.to_vec();
+    let mut passed = Vec::with_capacity(rules.len());
+    let mut taken = Vec::with_capacity(rules.len());
+    for ((rule, &slot), spending) in rules.iter().zip(slots).zip(how) {
+        let Some(state) = states.get_mut(slot) else {
+            passed.push(false);
+            taken.push(Verdict::default());
+            continue;
+        };
+        let cost = rule.want.get();
+        match spending.spend {
+            Spend::Check => {
+                passed.push(probe(rule, state, now).remaining >= 1);
+                taken.push(Verdict::default());
+            }
+            Spend::Count => {
+                passed.push(probe(rule, state, now).remaining >= u64::from(cost));
+                rule.algo.charge_debt(&rule.limit, state, now, cost);
+                taken.push(Verdict::default());
+            }
+            Spend::Take => {
+                let verdict = rule
+                    .algo
+                    .acquire_at_least(&rule.limit, state, now, cost, cost);
+                passed.push(verdict.granted > 0);
+                taken.push(verdict);
+            }
+        }
+    }
+    let admitted = admits(how, &passed);
+    let took = taken.iter().any(|verdict| verdict.granted > 0);
+    if !admitted && took {
+        // The takes are undone; the counts are charged again, in order, on the stored states.
+        states.clone_from_slice(&stored);
+        for ((rule, &slot), spending) in rules.iter().zip(slots).zip(how) {
+            if spending.spend == Spend::Count {
+                if let Some(state) = states.get_mut(slot) {
+                    rule.algo
+                        .charge_debt(&rule.limit, state, now, rule.want.get());
+                }
+            }
+        }
+    }
+    let outcomes = rules
+        .iter()
+        .zip(slots)
+        .zip(how)
+        .zip(passed.iter().zip(&taken))
+        .map(|(((rule, &slot), spending), (&passed, verdict))| {
+            let state = states.get(slot).map_or(&[][..], Vec::as_slice);
+            let cost = rule.want.get();
+            let left = probe(rule, state, now);
+            let (granted, mark) = match spending.spend {
+                Spend::Take if admitted => (verdict.granted, verdict.mark),
+                Spend::Count => (cost, Mark::default()),
+                Spend::Take | Spend::Check => (0, Mark::default()),
+            };
+            Outcome {
+                result: RuleResult {
+                    place: None,
+                    allowed: passed,
+                    granted,
+                    remaining: left.remaining,
+                    reset_ms: ceil_millis(left.reset),
+                    // When the rule's cost is there again.
+                    retry_after_ms: if passed {
+                        0
+                    } else {
+                        ceil_millis(probe_need(rule, state, now, cost).retry_after).max(1)
+                    },
+                    delay_ms: 0,
+                },
+                mark,
+            }
+        })
+        .collect();
+    Spent { outcomes, admitted }
 }
 
 #[cfg(test)]

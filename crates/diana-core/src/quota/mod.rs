@@ -1,20 +1,24 @@
 //! The quota service's side of the global protocol, without I/O: how `diana-quota` decides
 //! the rules of one request ([`decide`], which the service runs under its lock and mirrors
-//! in Lua), and [`MemoryQuota`], an in-process service with the same decisions that
-//! answers the engine's callouts directly (for `diana simulate` and native tests).
+//! in Lua), the in-memory decision [`table`] its embedded store keeps, and [`MemoryQuota`],
+//! an in-process service over the same table that answers the engine's callouts directly
+//! (for `diana simulate`, the worker's `Sim` and native tests). One table for both, so that
+//! the simulated service cannot decide otherwise than the real one.
 
 pub mod decide;
 pub mod ledger;
+pub mod table;
 
 use crate::algo::{Algorithm, Limit, Mark};
 use crate::call::{Answer, Callout};
-use crate::time::Instant;
+use crate::time::{Instant, Nanos};
 use crate::wire::{
-    self, AcquireResponse, ErrorResponse, ReleaseResponse, Released, ResolvedRule, RuleResult,
-    WireError,
+    self, AcquireRequest, AcquireResponse, ErrorResponse, ReleaseResponse, Released,
+    ResolvedRule, RuleResult, WireError,
 };
 use ledger::{CallLedger, CounterDigest, Grant, Noted};
-use std::collections::HashMap;
+use std::fmt;
+use table::Table;
 
 /// One rule's decision, with where its grant was counted (for a later release).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -42,9 +46,6 @@ impl Outcome {
             .collect()
     }
 }
-
-/// Idle counters are swept when the table reaches this size, then when it doubles.
-const MIN_SWEEP: usize = 4096;
 
 /// The counter a rule addresses: its key **bound to its algorithm and every parameter of
 /// its limit**. A request with the same key but another algorithm, rate, unit, burst or
@@ -117,51 +118,192 @@ pub fn counter_params(algo: &str, limit: &Limit) -> String {
     )
 }
 
-/// A counter: the parameters it was written with, and its state words.
-#[derive(Debug)]
-struct Counter {
-    limit: Limit,
-    algo: &'static dyn Algorithm,
-    state: Vec<u64>,
+// ---------------------------------------------------------------------------------------
+// The service's times: the decision's deadline and `/v1/wait`'s hold.
+
+/// diana-quota's times (`--deadline-ms`, `--timeout-margin-ms`, `--max-wait-ms`): when a
+/// decision is answered and how long `/v1/wait` may hold its answer. The HTTP service and
+/// [`MemoryQuota`] both work them out here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ServiceTimes {
+    /// The longest a decision takes to be answered.
+    pub deadline: Nanos,
+    /// With the gateway's timeout `T` (`x-diana-timeout-ms`), the answer comes before
+    /// `T − margin`.
+    pub margin: Nanos,
+    /// The longest `/v1/wait` holds its answer.
+    pub max_wait: Nanos,
 }
 
-/// A quota service in memory that decides like `diana-quota`: every rule of one request
-/// all or nothing ([`decide::acquire`]), rules in dry run outside the decision, leases
-/// granted as asked when the limit has them, a leaky-bucket turn beyond the rule's
-/// `max_delay_ms` denied. Time is the caller's (`now`), but never earlier than the latest
-/// it was given: like `diana-quota` on Redis `TIME`, the service has one clock, whichever
-/// gateway's simulated clock calls. Answers are immediate: there is no network, no timeout
-/// and no failure. `/v1/wait` is answered like `/v1/acquire` (the
-/// delay is reported, not slept). A call with an id is remembered ([`ledger`]) so that
-/// `/v1/release` gives its grant back.
-///
-/// Memory stays proportional to the counters that still remember something: counters
-/// that became idle (window passed, bucket refilled) are dropped when the table doubles.
+impl Default for ServiceTimes {
+    /// diana-quota's defaults: 40 ms, 10 ms, 10 s.
+    fn default() -> Self {
+        ServiceTimes {
+            deadline: Nanos::from_millis(40),
+            margin: Nanos::from_millis(10),
+            max_wait: Nanos::from_millis(wire::MAX_WAIT_MS),
+        }
+    }
+}
+
+impl ServiceTimes {
+    /// How long the gateway waits, counted from the call's arrival (`T − margin`), if it
+    /// said (`timeout`: its `x-diana-timeout-ms`).
+    pub fn gateway(&self, timeout: Option<Nanos>) -> Option<Nanos> {
+        timeout.map(|timeout| Nanos::new(timeout.get().saturating_sub(self.margin.get())))
+    }
+
+    /// The decision's budget from the call's arrival: the deadline, or less when the
+    /// gateway stops waiting sooner.
+    pub fn budget(&self, timeout: Option<Nanos>) -> Nanos {
+        self.gateway(timeout)
+            .map_or(self.deadline, |gateway| gateway.min(self.deadline))
+    }
+
+    /// The furthest turn `/v1/wait` may hold a request for: `max_wait`, and no later than
+    /// the gateway stops waiting once the decision's budget is spent. A waiting rule's
+    /// `max_delay` is capped to it (a later turn is denied, not reserved).
+    pub fn wait_cap(&self, timeout: Option<Nanos>) -> Nanos {
+        let budget = self.budget(timeout);
+        self.gateway(timeout).map_or(self.max_wait, |gateway| {
+            self.max_wait
+                .min(Nanos::new(gateway.get().saturating_sub(budget.get())))
+        })
+    }
+}
+
+/// Caps the `max_delay` of every rule whose algorithm waits at `cap` (`/v1/wait`).
+pub fn cap_delays(rules: &mut [ResolvedRule<'_>], cap: Nanos) {
+    // Whole milliseconds, as the wire carries them.
+    let cap = Nanos::saturating_from_millis(cap.whole_millis());
+    for rule in rules.iter_mut().filter(|rule| rule.algo.waits()) {
+        rule.max_delay = Some(rule.max_delay.map_or(cap, |own| own.min(cap)));
+    }
+}
+
+/// `/v1/wait`'s hold: when every rule is allowed, the longest delay, at most `most`; every
+/// delay is reported minus the hold (so 0 when the whole delay was held). Zero when a rule
+/// is denied (the answer goes at once: the gateway rejects the request anyway).
+pub fn hold(results: &mut [RuleResult], most: Nanos) -> Nanos {
+    if !results.iter().all(|result| result.allowed) {
+        return Nanos::ZERO;
+    }
+    let longest = results
+        .iter()
+        .map(|result| result.delay_ms)
+        .max()
+        .unwrap_or(0);
+    let held = Nanos::saturating_from_millis(longest).min(most);
+    let held_ms = held.whole_millis();
+    for result in results.iter_mut() {
+        result.delay_ms = result.delay_ms.saturating_sub(held_ms);
+    }
+    held
+}
+
+// ---------------------------------------------------------------------------------------
+// The in-process service.
+
+/// Why an endpoint of [`MemoryQuota`] answers with an error, as the service would.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EndpointError {
+    /// The request breaks the wire format, or asks what the table cannot do (a debt on a
+    /// leaky bucket): 400.
+    BadRequest(String),
+    /// The table is full of live counters: 503.
+    Full(table::Full),
+}
+
+impl EndpointError {
+    /// The HTTP status the service answers.
+    pub fn status(&self) -> u16 {
+        match self {
+            EndpointError::BadRequest(_) => 400,
+            EndpointError::Full(_) => 503,
+        }
+    }
+}
+
+impl fmt::Display for EndpointError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            EndpointError::BadRequest(reason) => f.write_str(reason),
+            EndpointError::Full(full) => write!(f, "store full: {full}"),
+        }
+    }
+}
+
+impl From<WireError> for EndpointError {
+    fn from(error: WireError) -> Self {
+        EndpointError::BadRequest(error.to_string())
+    }
+}
+
+impl From<table::Full> for EndpointError {
+    fn from(full: table::Full) -> Self {
+        EndpointError::Full(full)
+    }
+}
+
+impl From<table::ChargeRefused> for EndpointError {
+    fn from(refused: table::ChargeRefused) -> Self {
+        match refused {
+            table::ChargeRefused::Debtless(debtless) => {
+                EndpointError::BadRequest(debtless.to_string())
+            }
+            table::ChargeRefused::Full(full) => EndpointError::Full(full),
+        }
+    }
+}
+
+/// A quota service in memory that decides as `diana-quota` decides, over the same decision
+/// [`Table`] as its embedded store: every endpoint of the wire format (`/v1/acquire` all or
+/// nothing with rules in dry run aside, `/v1/wait` with its delays capped and held as the
+/// service holds them, `/v1/charge` past the limits, `/v1/release` by call id, `/v1/leave`
+/// and `/v1/renew` for concurrency places). Time is the caller's (`now`), but never earlier
+/// than the latest it was given: like `diana-quota` on Redis `TIME`, the service has one
+/// clock, whichever gateway's simulated clock calls. Answers are immediate: there is no
+/// network, no timeout and no failure; a `/v1/wait` answer says what the service would
+/// have held it for ([`MemoryQuota::answer_held`]).
 #[derive(Debug)]
 pub struct MemoryQuota {
-    counters: HashMap<CounterId, Counter>,
-    sweep_at: usize,
+    table: Table,
     calls: u64,
     ledger: CallLedger,
+    times: ServiceTimes,
     /// The latest instant a call was answered at.
     clock: Instant,
 }
 
 impl Default for MemoryQuota {
     fn default() -> Self {
-        MemoryQuota {
-            counters: HashMap::new(),
-            sweep_at: MIN_SWEEP,
-            calls: 0,
-            ledger: CallLedger::default(),
-            clock: Instant::EPOCH,
-        }
+        MemoryQuota::with_table(Table::default())
     }
+}
+
+/// An answer of [`MemoryQuota`]: what the gateway gets, and how long the service held it
+/// before answering (`/v1/wait`; zero otherwise).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Held {
+    pub reply: Answer,
+    pub held: Nanos,
 }
 
 impl MemoryQuota {
     pub fn new() -> MemoryQuota {
         MemoryQuota::default()
+    }
+
+    /// A service over `table` (e.g. with another cap on counters), with diana-quota's
+    /// default times.
+    pub fn with_table(table: Table) -> MemoryQuota {
+        MemoryQuota {
+            table,
+            calls: 0,
+            ledger: CallLedger::default(),
+            times: ServiceTimes::default(),
+            clock: Instant::EPOCH,
+        }
     }
 
     /// Callouts answered so far.
@@ -171,51 +313,81 @@ impl MemoryQuota {
 
     /// Counters held (idle ones included until the next sweep).
     pub fn len(&self) -> usize {
-        self.counters.len()
+        self.table.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.counters.is_empty()
+        self.table.is_empty()
     }
 
-    /// Answers one callout of the engine at `now`, as the service would: `200` with one
-    /// result per rule, or `400` with the reason when the request breaks the wire format.
+    /// Answers one callout of the engine at `now`, as the service would: `200` with its
+    /// answer, `400` with the reason when the request breaks the wire format, `503` when
+    /// the table is full. [`MemoryQuota::answer_held`] without the hold.
     pub fn answer(&mut self, callout: &Callout, now: Instant) -> Answer {
+        self.answer_held(callout, now).reply
+    }
+
+    /// [`MemoryQuota::answer`], with how long the service would have held the answer
+    /// (`/v1/wait` holds an admitted request for its turn): a simulation that delivers the
+    /// answer that much later sees the service's timing too.
+    pub fn answer_held(&mut self, callout: &Callout, now: Instant) -> Held {
         self.calls += 1;
         self.clock = self.clock.max(now);
         let now = self.clock;
-        let path = callout
-            .headers
-            .iter()
-            .find(|(name, _)| *name == ":path")
-            .map_or("", |(_, path)| path.as_str());
-        let endpoint = path.rsplit('/').next().unwrap_or("");
-        let answer = match endpoint {
-            "release" => self
-                .release_body(&callout.body, now)
-                .map(|response| serde_json::to_vec(&response)),
-            "leave" => self
-                .leave_body(&callout.body, now)
-                .map(|response| serde_json::to_vec(&response)),
-            "renew" => self
-                .renew_body(&callout.body, now)
-                .map(|response| serde_json::to_vec(&response)),
-            _ => self
-                .acquire_body(&callout.body, now)
-                .map(|response| serde_json::to_vec(&response)),
+        let header = |wanted: &str| {
+            callout
+                .headers
+                .iter()
+                .find(|(name, _)| name.eq_ignore_ascii_case(wanted))
+                .map(|(_, value)| value.as_str())
         };
+        let endpoint = header(":path")
+            .unwrap_or("")
+            .rsplit('/')
+            .next()
+            .unwrap_or("");
+        let timeout = match header(wire::TIMEOUT_HEADER) {
+            None => Ok(None),
+            Some(text) => text
+                .trim()
+                .parse::<u64>()
+                .map(|millis| Some(Nanos::saturating_from_millis(millis)))
+                .map_err(|_| {
+                    EndpointError::BadRequest(format!(
+                        "{}: must be a whole number of milliseconds",
+                        wire::TIMEOUT_HEADER
+                    ))
+                }),
+        };
+        let mut held = Nanos::ZERO;
+        let answer = timeout.and_then(|timeout| {
+            let body = &callout.body;
+            match endpoint {
+                "release" => json(&self.release_body(body, now)?),
+                "leave" => json(&self.leave_body(body, now)?),
+                "renew" => json(&self.renew_body(body, now)?),
+                "charge" => json(&self.charge_body(body, now)?),
+                "wait" => {
+                    let (response, hold) = self.wait_body(body, timeout, now)?;
+                    held = hold;
+                    json(&response)
+                }
+                _ => json(&self.acquire_body(body, now)?),
+            }
+        });
         let (status, body) = match answer {
             Ok(body) => (200, body),
-            Err(error) => (
-                400,
+            Err(refused) => (
+                refused.status(),
                 serde_json::to_vec(&ErrorResponse {
-                    error: error.to_string(),
-                }),
+                    error: refused.to_string(),
+                })
+                .unwrap_or_default(),
             ),
         };
-        match body {
-            Ok(body) => Answer::with(status, body),
-            Err(_) => Answer::NoAnswer,
+        Held {
+            reply: Answer::with(status, body),
+            held,
         }
     }
 
@@ -224,13 +396,59 @@ impl MemoryQuota {
         &mut self,
         body: &[u8],
         now: Instant,
-    ) -> Result<AcquireResponse, WireError> {
+    ) -> Result<AcquireResponse, EndpointError> {
         let request = wire::decode_request(body)?;
         let rules = request.resolve()?;
-        let outcomes = self.acquire(&rules, now);
-        if let (Some(call), Some(grants)) = (&request.call, Grant::of(&rules, &outcomes)) {
+        self.decide(&request, &rules, now)
+    }
+
+    /// Decides a `/v1/wait` body: the waiting rules' turns capped at what the service may
+    /// hold ([`ServiceTimes::wait_cap`], from the gateway's `timeout`), then held
+    /// ([`hold`]). Returns the answer and how long the service holds it.
+    pub fn wait_body(
+        &mut self,
+        body: &[u8],
+        timeout: Option<Nanos>,
+        now: Instant,
+    ) -> Result<(AcquireResponse, Nanos), EndpointError> {
+        let request = wire::decode_request(body)?;
+        let mut rules = request.resolve()?;
+        cap_delays(&mut rules, self.times.wait_cap(timeout));
+        let mut response = self.decide(&request, &rules, now)?;
+        // No time passes here: the gateway's whole wait is still ahead.
+        let most = self
+            .times
+            .gateway(timeout)
+            .map_or(self.times.max_wait, |gateway| {
+                self.times.max_wait.min(gateway)
+            });
+        let held = hold(&mut response.results, most);
+        Ok((response, held))
+    }
+
+    /// Charges a `/v1/charge` body: every rule `want` tokens past its limit.
+    pub fn charge_body(
+        &mut self,
+        body: &[u8],
+        now: Instant,
+    ) -> Result<AcquireResponse, EndpointError> {
+        let request = wire::decode_request(body)?;
+        let rules = request.resolve()?;
+        let results = self.table.charge(&rules, now)?;
+        Ok(AcquireResponse { results })
+    }
+
+    /// Decides resolved rules all or nothing and notes the call's grant for its release.
+    fn decide(
+        &mut self,
+        request: &AcquireRequest,
+        rules: &[ResolvedRule<'_>],
+        now: Instant,
+    ) -> Result<AcquireResponse, EndpointError> {
+        let outcomes = self.table.acquire(rules, now)?;
+        if let (Some(call), Some(grants)) = (&request.call, Grant::of(rules, &outcomes)) {
             if self.ledger.granted(call, grants, now) == Noted::AlreadyReleased {
-                self.release(&rules, &outcomes, now);
+                self.table.release(rules, &outcomes, now);
             }
         }
         let results = outcomes.into_iter().map(|outcome| outcome.result).collect();
@@ -243,7 +461,7 @@ impl MemoryQuota {
         &mut self,
         body: &[u8],
         now: Instant,
-    ) -> Result<ReleaseResponse, WireError> {
+    ) -> Result<ReleaseResponse, EndpointError> {
         let request = wire::decode_request(body)?;
         let (rules, call, released) = wire::resolve_release(&request)?;
         let grants = match released {
@@ -268,108 +486,55 @@ impl MemoryQuota {
             }
         };
         let outcomes = Grant::released(call, &rules, &grants)?;
-        self.release(&rules, &outcomes, now);
+        self.table.release(&rules, &outcomes, now);
         Ok(ReleaseResponse { released: true })
     }
 
     /// Gives back concurrency places (a leave body: the wire format's JSON, each rule with
     /// its `place`).
-    pub fn leave_body(&mut self, body: &[u8], now: Instant) -> Result<ReleaseResponse, WireError> {
+    pub fn leave_body(
+        &mut self,
+        body: &[u8],
+        now: Instant,
+    ) -> Result<ReleaseResponse, EndpointError> {
         let request = wire::decode_request(body)?;
         let (rules, places) = wire::resolve_places(&request)?;
-        self.release(&rules, &Outcome::held(&rules, places), now);
+        self.table
+            .release(&rules, &Outcome::held(&rules, places), now);
         Ok(ReleaseResponse { released: true })
     }
 
     /// Renews concurrency places (a renew body): each result names the bucket they are
     /// counted in now.
-    pub fn renew_body(&mut self, body: &[u8], now: Instant) -> Result<AcquireResponse, WireError> {
+    pub fn renew_body(
+        &mut self,
+        body: &[u8],
+        now: Instant,
+    ) -> Result<AcquireResponse, EndpointError> {
         let request = wire::decode_request(body)?;
         let (rules, places) = wire::resolve_places(&request)?;
-        let mut loaded = self.load(&rules);
-        let outcomes = decide::renew(&rules, &loaded.slots, &mut loaded.states, &places, now);
-        self.write(loaded, now);
+        let outcomes = self.table.renew(&rules, &places, now)?;
         let results = outcomes.into_iter().map(|outcome| outcome.result).collect();
         Ok(AcquireResponse { results })
     }
 
     /// Gives back the grants of `outcomes`, an earlier decision of the same rules.
     pub fn release(&mut self, rules: &[ResolvedRule<'_>], outcomes: &[Outcome], now: Instant) {
-        for (rule, outcome) in rules.iter().zip(outcomes) {
-            if outcome.result.granted == 0 {
-                continue;
-            }
-            if let Some(counter) = self.counters.get_mut(&CounterId::of(rule)) {
-                counter.algo.release(
-                    &counter.limit,
-                    &mut counter.state,
-                    now,
-                    outcome.result.granted,
-                    outcome.mark,
-                );
-            }
-        }
+        self.table.release(rules, outcomes, now);
     }
 
-    /// Decides resolved rules at `now`, all or nothing, and keeps the charges if admitted.
+    /// Decides resolved rules at `now`, all or nothing, and keeps the charges if admitted
+    /// (a full table answers as a denial of every rule: nothing charged).
     pub fn acquire(&mut self, rules: &[ResolvedRule<'_>], now: Instant) -> Vec<Outcome> {
-        let mut loaded = self.load(rules);
-        let (outcomes, committed) = decide::acquire(rules, &loaded.slots, &mut loaded.states, now);
-        if committed {
-            self.write(loaded, now);
-        }
-        outcomes
-    }
-
-    /// The counters of `rules`: one state per distinct counter, so that two rules on one
-    /// counter see each other's tentative charges (as in the service).
-    fn load(&self, rules: &[ResolvedRule<'_>]) -> Loaded {
-        let mut loaded = Loaded::default();
-        for rule in rules {
-            let slot = match loaded.ids.iter().position(|known| known.is(rule)) {
-                Some(slot) => slot,
-                None => {
-                    let id = CounterId::of(rule);
-                    let words = rule.algo.state_words(&rule.limit);
-                    let state = self
-                        .counters
-                        .get(&id)
-                        .filter(|c| c.state.len() == words)
-                        .map_or_else(|| vec![0; words], |c| c.state.clone());
-                    loaded.ids.push(id);
-                    loaded.states.push(state);
-                    loaded.params.push((rule.algo, rule.limit));
-                    loaded.states.len() - 1
-                }
-            };
-            loaded.slots.push(slot);
-        }
-        loaded
-    }
-
-    /// Keeps the counters as decided; idle ones are swept when the table has doubled.
-    fn write(&mut self, loaded: Loaded, now: Instant) {
-        for ((id, state), (algo, limit)) in
-            loaded.ids.into_iter().zip(loaded.states).zip(loaded.params)
-        {
-            self.counters.insert(id, Counter { limit, algo, state });
-        }
-        if self.counters.len() >= self.sweep_at {
-            self.counters
-                .retain(|_, c| !c.algo.is_idle(&c.limit, &c.state, now));
-            self.sweep_at = MIN_SWEEP.max(self.counters.len().saturating_mul(2));
-        }
+        self.table
+            .acquire(rules, now)
+            .unwrap_or_else(|_| vec![Outcome::default(); rules.len()])
     }
 }
 
-/// The counters of one request's rules, loaded for a decision ([`MemoryQuota::load`]).
-#[derive(Default)]
-struct Loaded {
-    ids: Vec<CounterId>,
-    states: Vec<Vec<u64>>,
-    params: Vec<(&'static dyn Algorithm, Limit)>,
-    /// Per rule: which of them it uses.
-    slots: Vec<usize>,
+/// The JSON of an answer.
+fn json<T: serde::Serialize>(answer: &T) -> Result<Vec<u8>, EndpointError> {
+    serde_json::to_vec(answer).map_err(|error| EndpointError::BadRequest(error.to_string()))
 }
 
 #[cfg(test)]
@@ -693,10 +858,10 @@ mod tests {
     #[test]
     fn idle_counters_are_swept_when_the_table_doubles() {
         let mut quota = MemoryQuota::new();
-        for i in 1..MIN_SWEEP {
+        for i in 1..table::MIN_SWEEP {
             ask(&mut quota, vec![rule(&format!("k{i}"), 5, 1, false)], NOW);
         }
-        assert_eq!(quota.len(), MIN_SWEEP - 1);
+        assert_eq!(quota.len(), table::MIN_SWEEP - 1);
         // A minute later every one of them is idle: the counter that fills the table
         // sweeps them.
         let later = NOW + Nanos::from_secs(61);

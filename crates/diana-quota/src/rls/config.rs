@@ -21,29 +21,31 @@
 //!         shadow_mode: true       # counted, never refused
 //! ```
 //!
-//! Fields (envoyproxy/ratelimit's): `domain`; `descriptors[].key`, `.value` (exact, or with
-//! `*` wildcards), `.rate_limit` (`unit`: second/minute/hour/day, `requests_per_unit`,
-//! `unlimited`, `name`, `replaces: [{name}]`), `.shadow_mode`, `.share_threshold`, nested
-//! `.descriptors`; `detailed_metric`, `value_to_metric` and `metadata` are accepted and
-//! change nothing here (they shape envoyproxy/ratelimit's own metrics and metadata);
-//! `quota_mode` is refused (not supported). Diana's, all optional, under `rate_limit`:
-//! `algorithm` (`W` default, `SW`, `TB`; `LB` is refused: neither protocol can carry a
-//! wait), `burst` (TB capacity, default `requests_per_unit`), `slices` (SW, default 10) and
-//! `diana_key` (the counter's key, to share it with a Diana global rule). Anything else is
-//! refused, naming the file and the field.
+//! Fields (envoyproxy/ratelimit's, every one): `domain`; `descriptors[].key`, `.value`
+//! (exact, or with `*` wildcards), `.rate_limit` (`unit`: second/minute/hour/day,
+//! `requests_per_unit`, `unlimited`, `name`, `replaces: [{name}]`), `.shadow_mode`,
+//! `.quota_mode` (a soft limit: refuses a call only when every quota rule of it is over),
+//! `.share_threshold`, `.metadata` (sent back in the answer's dynamic metadata when the
+//! descriptor passed, `--rls-response-metadata`), `.detailed_metric` and
+//! `.value_to_metric` (the per-rule statistics' keys), nested `.descriptors`. Diana's, all
+//! optional, under `rate_limit`: `algorithm` (`W` default, `SW`, `TB`; `LB` is refused:
+//! neither protocol can carry a wait), `burst` (TB capacity, default `requests_per_unit`),
+//! `slices` (SW, default 10) and `diana_key` (the counter's key, to share it with a Diana
+//! global rule). Anything else is refused, naming the file and the field.
 //!
-//! A request's descriptor reaches a counter keyed `rls:<32 hex digits>`, the XXH3-128 of
-//! its domain and entries (see [`counter_key`]), bound to the rule's algorithm and every
+//! A request's descriptor reaches a counter keyed `rls:<32 hex digits>`, a keyed hash of
+//! its domain and entries ([`super::keys`]), bound to the rule's algorithm and every
 //! parameter like any Diana counter (`diana:{rls:…}:W:10:minute:10:10` in Redis).
 
+use super::keys::CounterKeys;
 use diana_core::algo::{self, Algorithm, Limit};
 use diana_core::time::Unit;
 use diana_core::wire::{self, RuleRequest};
+use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value as PbValue};
 use serde::Deserialize;
 use std::collections::{BTreeMap, HashMap};
 use std::num::NonZeroU32;
 use std::path::{Path, PathBuf};
-use xxhash_rust::xxh3::Xxh3;
 
 /// Default sliding-window slices (as a Diana rule's).
 pub const DEFAULT_SLICES: u32 = 10;
@@ -66,8 +68,7 @@ pub fn shown(text: &str) -> &str {
     text.get(..end).unwrap_or_default()
 }
 
-/// The prefix of the counter key of a descriptor.
-pub const KEY_PREFIX: &str = "rls:";
+pub use super::keys::KEY_PREFIX;
 
 /// A YAML scalar read as text, as envoyproxy/ratelimit reads `key` and `value` (`value: 500`
 /// is the string `500`).
@@ -113,15 +114,11 @@ struct RawDescriptor {
     quota_mode: bool,
     #[serde(default)]
     share_threshold: bool,
-    // Metrics and metadata of envoyproxy/ratelimit: accepted, nothing to do here.
     #[serde(default)]
-    #[allow(dead_code)]
     detailed_metric: bool,
     #[serde(default)]
-    #[allow(dead_code)]
     value_to_metric: bool,
     #[serde(default)]
-    #[allow(dead_code)]
     metadata: Option<serde_yaml::Value>,
 }
 
@@ -172,6 +169,16 @@ pub struct Rule {
     pub replaces: Vec<String>,
     /// `shadow_mode`: counted, never refuses.
     pub shadow: bool,
+    /// `quota_mode`: a soft limit, refusing a call only when every quota rule of the call
+    /// is over (envoyproxy/ratelimit's).
+    pub quota: bool,
+    /// `metadata`: returned in the answer's dynamic metadata when the descriptor passed.
+    pub metadata: Option<Struct>,
+    /// `detailed_metric`: the rule's statistics are kept per value.
+    pub detailed_metric: bool,
+    /// `value_to_metric`: the statistics' key holds the request's values where the
+    /// configuration has none.
+    pub value_to_metric: bool,
     pub kind: RuleKind,
     /// As configured (0 when blocked or unlimited).
     pub requests_per_unit: u32,
@@ -281,10 +288,11 @@ pub struct Domain {
     root: Node,
 }
 
-/// Every domain of every file.
+/// Every domain of every file, and the keys of their counters.
 #[derive(Debug, Clone, Default)]
 pub struct RlsConfig {
     domains: HashMap<String, Domain>,
+    keys: CounterKeys,
 }
 
 /// The counter a descriptor was matched to.
@@ -306,6 +314,17 @@ pub enum Lookup<'a> {
 }
 
 impl RlsConfig {
+    /// This configuration with its counters keyed by `keys`.
+    pub fn with_keys(mut self, keys: CounterKeys) -> RlsConfig {
+        self.keys = keys;
+        self
+    }
+
+    /// The keys of the counters.
+    pub fn keys(&self) -> &CounterKeys {
+        &self.keys
+    }
+
     /// The domains, sorted.
     pub fn domains(&self) -> Vec<&str> {
         let mut names: Vec<&str> = self.domains.keys().map(String::as_str).collect();
@@ -350,7 +369,7 @@ impl RlsConfig {
         }
         match rule {
             Some(rule) => Lookup::Matched(Matched {
-                key: key_of(rule, domain, &path),
+                key: key_of(&self.keys, rule, domain, &path),
                 rule,
             }),
             None => Lookup::NoMatch,
@@ -445,33 +464,14 @@ fn counted_value<'a>(child: &'a Child, value: &'a str) -> &'a str {
     }
 }
 
-fn key_of(rule: &Rule, domain: &str, path: &[(&str, &str)]) -> String {
+fn key_of(keys: &CounterKeys, rule: &Rule, domain: &str, path: &[(&str, &str)]) -> String {
     match &rule.kind {
         RuleKind::Limited {
             diana_key: Some(key),
             ..
         } => key.clone(),
-        _ => counter_key(domain, path),
+        _ => keys.counter_key(domain, path),
     }
-}
-
-/// The counter key of a descriptor: `rls:` and the 32 lowercase hex digits of the XXH3-128
-/// (seed 0) of the domain, then each entry's key and value, each written as its length in
-/// bytes (4 bytes, little-endian) followed by its bytes. For a wildcard with
-/// `share_threshold` the value is the pattern as written (`files/*`).
-pub fn counter_key(domain: &str, entries: &[(&str, &str)]) -> String {
-    let mut hasher = Xxh3::new();
-    let mut feed = |text: &str| {
-        let length = u32::try_from(text.len()).unwrap_or(u32::MAX);
-        hasher.update(&length.to_le_bytes());
-        hasher.update(text.as_bytes());
-    };
-    feed(domain);
-    for (key, value) in entries {
-        feed(key);
-        feed(value);
-    }
-    format!("{KEY_PREFIX}{:032x}", hasher.digest128())
 }
 
 /// Maps Envoy's `RateLimitResponse.RateLimit.Unit` to Diana's; `None` for units longer
@@ -540,8 +540,8 @@ pub enum Problem {
     NestedTooDeep,
     #[error("a descriptor has an empty key")]
     EmptyKey,
-    #[error("not supported by diana-quota (every descriptor of a request is decided together)")]
-    QuotaMode,
+    #[error("must be a map of keys to values, got {got}")]
+    MetadataNotMap { got: &'static str },
     #[error("only for a wildcard value (containing `*`), but `{composite}` has none")]
     ShareThresholdWithoutWildcard { composite: String },
     #[error("duplicate descriptor composite key `{path}`")]
@@ -626,10 +626,10 @@ pub fn config_files(paths: &[PathBuf]) -> Result<Vec<PathBuf>, ConfigError> {
     Ok(files)
 }
 
-/// Reads every file of `paths` ([`config_files`]), one domain each; a domain in two
-/// files is refused.
-pub fn load(paths: &[PathBuf]) -> Result<RlsConfig, ConfigError> {
-    let mut config = RlsConfig::default();
+/// Reads every file of `paths` ([`config_files`]), one domain each, their counters keyed
+/// by `keys`; a domain in two files is refused.
+pub fn load(paths: &[PathBuf], keys: &CounterKeys) -> Result<RlsConfig, ConfigError> {
+    let mut config = RlsConfig::default().with_keys(keys.clone());
     for file in config_files(paths)? {
         let text = std::fs::read_to_string(&file).map_err(|error| ConfigError::FileUnreadable {
             file: file.clone(),
@@ -732,9 +732,6 @@ fn load_level(
             format!("{key}_{value_text}")
         };
         let path = format!("{parent}.{composite}");
-        if raw.quota_mode {
-            return refuse(format!("{here}.quota_mode"), Problem::QuotaMode);
-        }
         let value = if value_text.is_empty() {
             Value::Any
         } else if value_text.contains('*') {
@@ -770,14 +767,27 @@ fn load_level(
         let apart = counts_apart
             || matches!(value, Value::Any)
             || (matches!(value, Value::Wildcard { .. }) && !raw.share_threshold);
+        let metadata = match raw.metadata {
+            None => None,
+            Some(value) => Some(metadata_struct(value).map_err(|problem| FieldError {
+                field: format!("{here}.metadata"),
+                problem,
+            })?),
+        };
         let rule = match raw.rate_limit {
-            Some(rate_limit) => Some(load_rule(
-                rate_limit,
-                raw.shadow_mode,
-                &format!("{here}.rate_limit"),
-                &path,
-                apart,
-            )?),
+            Some(rate_limit) => Some(Rule {
+                quota: raw.quota_mode,
+                metadata,
+                detailed_metric: raw.detailed_metric,
+                value_to_metric: raw.value_to_metric,
+                ..load_rule(
+                    rate_limit,
+                    raw.shadow_mode,
+                    &format!("{here}.rate_limit"),
+                    &path,
+                    apart,
+                )?
+            }),
             None => None,
         };
         let mut child = Child {
@@ -844,6 +854,10 @@ fn load_rule(
         name: name.clone(),
         replaces: replaces.clone(),
         shadow,
+        quota: false,
+        metadata: None,
+        detailed_metric: false,
+        value_to_metric: false,
         kind,
         requests_per_unit,
         unit,
@@ -978,6 +992,68 @@ fn load_rule(
         requests,
         Some(unit),
     ))
+}
+
+/// A descriptor's `metadata` as the protobuf `Struct` the answer carries: a map (its keys
+/// as text, as envoyproxy/ratelimit writes them), any YAML inside it.
+fn metadata_struct(value: serde_yaml::Value) -> Result<Struct, Problem> {
+    match value {
+        serde_yaml::Value::Mapping(map) => Ok(struct_of(map)),
+        serde_yaml::Value::Tagged(tagged) => metadata_struct(tagged.value),
+        other => Err(Problem::MetadataNotMap {
+            got: yaml_kind(&other),
+        }),
+    }
+}
+
+fn yaml_kind(value: &serde_yaml::Value) -> &'static str {
+    match value {
+        serde_yaml::Value::Null => "null",
+        serde_yaml::Value::Bool(_) => "a boolean",
+        serde_yaml::Value::Number(_) => "a number",
+        serde_yaml::Value::String(_) => "a string",
+        serde_yaml::Value::Sequence(_) => "a list",
+        serde_yaml::Value::Mapping(_) => "a map",
+        serde_yaml::Value::Tagged(_) => "a tagged value",
+    }
+}
+
+fn struct_of(map: serde_yaml::Mapping) -> Struct {
+    Struct {
+        fields: map
+            .into_iter()
+            .map(|(key, value)| (scalar_text(&key), value_of(value)))
+            .collect(),
+    }
+}
+
+/// A map key as text (`500` is `"500"`, as envoyproxy/ratelimit's `%v`).
+fn scalar_text(key: &serde_yaml::Value) -> String {
+    match key {
+        serde_yaml::Value::String(text) => text.clone(),
+        serde_yaml::Value::Number(number) => number.to_string(),
+        serde_yaml::Value::Bool(flag) => flag.to_string(),
+        serde_yaml::Value::Null => "<nil>".to_string(),
+        serde_yaml::Value::Tagged(tagged) => scalar_text(&tagged.value),
+        other => serde_yaml::to_string(other)
+            .map(|text| text.trim().to_string())
+            .unwrap_or_default(),
+    }
+}
+
+fn value_of(value: serde_yaml::Value) -> PbValue {
+    let kind = match value {
+        serde_yaml::Value::Null => Kind::NullValue(0),
+        serde_yaml::Value::Bool(flag) => Kind::BoolValue(flag),
+        serde_yaml::Value::Number(number) => Kind::NumberValue(number.as_f64().unwrap_or(0.0)),
+        serde_yaml::Value::String(text) => Kind::StringValue(text),
+        serde_yaml::Value::Sequence(items) => Kind::ListValue(ListValue {
+            values: items.into_iter().map(value_of).collect(),
+        }),
+        serde_yaml::Value::Mapping(map) => Kind::StructValue(struct_of(map)),
+        serde_yaml::Value::Tagged(tagged) => return value_of(tagged.value),
+    };
+    PbValue { kind: Some(kind) }
 }
 
 /// `second`, `minute`, `hour`, `day`, case-insensitive (envoyproxy/ratelimit's names);
@@ -1160,36 +1236,6 @@ descriptors:
     }
 
     #[test]
-    fn counter_keys_are_stable_and_bound_to_domain_and_entries() {
-        // The documented derivation, pinned: a change here changes every counter.
-        assert_eq!(
-            counter_key("d", &[("k", "v")]),
-            counter_key("d", &[("k", "v")])
-        );
-        assert_ne!(
-            counter_key("d", &[("k", "v")]),
-            counter_key("e", &[("k", "v")])
-        );
-        assert_ne!(
-            counter_key("d", &[("ab", "c")]),
-            counter_key("d", &[("a", "bc")])
-        );
-        assert_ne!(
-            counter_key("d", &[("k", "v"), ("k2", "v2")]),
-            counter_key("d", &[("k2", "v2"), ("k", "v")])
-        );
-        let mut bytes = Vec::new();
-        for text in ["d", "k", "v"] {
-            bytes.extend_from_slice(&u32::try_from(text.len()).unwrap().to_le_bytes());
-            bytes.extend_from_slice(text.as_bytes());
-        }
-        assert_eq!(
-            counter_key("d", &[("k", "v")]),
-            format!("rls:{:032x}", xxhash_rust::xxh3::xxh3_128(&bytes))
-        );
-    }
-
-    #[test]
     fn wildcards_match_like_envoyproxy_ratelimit() {
         let parts = |pattern: &str| pattern.split('*').map(str::to_string).collect::<Vec<_>>();
         assert!(wildcard_match(&parts("value*"), "value"));
@@ -1228,7 +1274,8 @@ descriptors:
              "unknown field `colour`"),
             ("domain: d\ndescriptors: [{key: k, value: v}, {key: k, value: v}]",
              "descriptors[1]: duplicate descriptor composite key `d.k_v`"),
-            ("domain: d\ndescriptors: [{key: k, quota_mode: true}]", "quota_mode: not supported"),
+            ("domain: d\ndescriptors: [{key: k, metadata: [a, b], rate_limit: {unit: second, requests_per_unit: 1}}]",
+             "descriptors[0].metadata: must be a map of keys to values, got a list"),
             ("domain: d\ndescriptors: [{key: k, share_threshold: true}]", "only for a wildcard value"),
             ("domain: d\ndescriptors: [{key: k, rate_limit: {name: a, replaces: [{name: a}], unit: second, requests_per_unit: 1}}]",
              "replaces should not contain the name of the same descriptor"),
@@ -1364,10 +1411,10 @@ descriptors:
         std::fs::write(dir.join("a.yaml"), "domain: a\ndescriptors: [{key: k, rate_limit: {unit: second, requests_per_unit: 1}}]\n").unwrap();
         std::fs::write(dir.join("b.yml"), "domain: b\ndescriptors: []\n").unwrap();
         std::fs::write(dir.join("notes.txt"), "not read").unwrap();
-        let config = load(std::slice::from_ref(&dir)).unwrap();
+        let config = load(std::slice::from_ref(&dir), &CounterKeys::public()).unwrap();
         assert_eq!(config.domains(), ["a", "b"]);
         std::fs::write(dir.join("c.yaml"), "domain: a\n").unwrap();
-        let error = load(std::slice::from_ref(&dir)).unwrap_err();
+        let error = load(std::slice::from_ref(&dir), &CounterKeys::public()).unwrap_err();
         assert_eq!(
             error,
             ConfigError::DuplicateDomain {
@@ -1382,7 +1429,7 @@ descriptors:
                 .contains("c.yaml: duplicate domain `a` (also in"),
             "{error}"
         );
-        let error = load(&[dir.join("missing.yaml")]).unwrap_err();
+        let error = load(&[dir.join("missing.yaml")], &CounterKeys::public()).unwrap_err();
         assert!(
             matches!(&error, ConfigError::Unreadable { path, .. } if path == &dir.join("missing.yaml")),
             "{error:?}"

@@ -19,20 +19,23 @@
 //! instead of timing out.
 
 pub mod config;
+pub mod keys;
+pub mod metadata;
 pub mod quota;
 pub mod service;
 
 pub use config::{load, ConfigError, RlsConfig};
+pub use keys::{CounterKeys, KeyError};
 
 use crate::auth::Auth;
 use crate::http::AppState;
-use crate::store::{Outcome, StoreError};
+use crate::store::{Outcome, Spend, Spending, Spent, StoreError};
 use diana_core::algo::{Algorithm, Limit};
 use diana_core::wire::ResolvedRule;
 use std::future::Future;
 use std::num::NonZeroU32;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 use tokio::time::Instant;
@@ -50,10 +53,11 @@ pub const MAX_MESSAGE_BYTES: usize = 4 << 20;
 /// Streams one HTTP/2 connection may have open at once (Envoy opens another connection
 /// beyond it); without a bound one connection could hold any number.
 pub const MAX_STREAMS_PER_CONNECTION: u32 = 1024;
-/// How often an idle connection is pinged, and how long the answer may take before the
-/// connection is closed: a gateway that went away does not hold its streams.
-const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
-const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+/// A gRPC connection older than this is asked to go (a graceful GOAWAY: its calls finish;
+/// Envoy opens another), and closed `MAX_CONNECTION_AGE_GRACE` later whatever it still
+/// carries (an RLQS stream then reconnects): nobody holds a connection for ever.
+pub const MAX_CONNECTION_AGE: Duration = Duration::from_secs(3600);
+pub const MAX_CONNECTION_AGE_GRACE: Duration = Duration::from_secs(30);
 
 /// Which rate-limit headers the RLS answer asks Envoy to add (`--rls-headers`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -68,6 +72,10 @@ pub enum HeaderStyle {
     Ietf,
     /// Both sets.
     Both,
+    /// `RateLimit-Limit`, `RateLimit-Remaining`, `RateLimit-Reset`: what envoyproxy/ratelimit
+    /// sends with `LIMIT_RESPONSE_HEADERS_ENABLED` (its default header names), on every
+    /// answer, and nothing else.
+    Ratelimit,
 }
 
 impl HeaderStyle {
@@ -92,12 +100,15 @@ struct Inner {
     config: RwLock<Arc<RlsConfig>>,
     files: Vec<PathBuf>,
     headers: HeaderStyle,
+    /// Set once, before serving ([`Rls::with_response_metadata`]).
+    response_metadata: AtomicBool,
     auth: Arc<Auth>,
     warnings: LogGate,
 }
 
 impl Rls {
-    /// `auth`: who may call (`Auth::insecure()` with `--rls-insecure-no-auth`).
+    /// `auth`: who may call (`Auth::insecure()` with `--rls-insecure-no-auth`); the
+    /// counters are keyed as `config`'s ([`RlsConfig::keys`]), on reloads too.
     pub fn new(
         state: AppState,
         config: RlsConfig,
@@ -111,10 +122,24 @@ impl Rls {
                 config: RwLock::new(Arc::new(config)),
                 files,
                 headers,
+                response_metadata: AtomicBool::new(false),
                 auth,
                 warnings: LogGate::new(20),
             }),
         }
+    }
+
+    /// Whether answers carry envoyproxy/ratelimit's dynamic metadata
+    /// (`--rls-response-metadata`, its `RESPONSE_DYNAMIC_METADATA`).
+    pub fn with_response_metadata(self, enabled: bool) -> Rls {
+        self.inner
+            .response_metadata
+            .store(enabled, Ordering::Relaxed);
+        self
+    }
+
+    pub fn response_metadata(&self) -> bool {
+        self.inner.response_metadata.load(Ordering::Relaxed)
     }
 
     pub fn state(&self) -> &AppState {
@@ -136,7 +161,8 @@ impl Rls {
 
     /// Re-reads the configuration files; on error the current configuration stays.
     pub fn reload(&self) -> Result<Arc<RlsConfig>, ConfigError> {
-        let config = Arc::new(load(&self.inner.files)?);
+        let keys = self.config().keys().clone();
+        let config = Arc::new(load(&self.inner.files, &keys)?);
         *self
             .inner
             .config
@@ -292,39 +318,77 @@ impl Failure {
     }
 }
 
-/// Decides `rules` all or nothing (the store's `check_and_update`), answering by
-/// `deadline`. The store call is awaited here; if the deadline comes first it goes on in a
-/// task of its own, which keeps `permit` (the call's place in flight) until the store has
-/// answered and gives that late answer's grants back, as the HTTP API does.
+/// What the store is asked for a call's rules.
+#[derive(Debug, Clone)]
+pub enum Ask {
+    /// All or nothing ([`crate::store::Store::check_and_update`]).
+    Acquire,
+    /// Each rule as these say ([`crate::store::Store::spend`]).
+    Spend(Vec<Spending>),
+}
+
+/// Decides `rules` as `ask` says, answering by `deadline`. The store call is awaited here;
+/// if the deadline comes first it goes on in a task of its own, which keeps `permit` (the
+/// call's place in flight) until the store has answered and gives that late answer's
+/// takes back, as the HTTP API does (a count stays: it is a charge, whatever the answer).
 pub async fn decide(
     state: &AppState,
     path: &'static str,
     rules: Vec<OwnedRule>,
+    ask: Ask,
     deadline: Instant,
     budget: Duration,
     permit: Option<tokio::sync::OwnedSemaphorePermit>,
-) -> Result<Vec<Outcome>, Failure> {
+) -> Result<Spent, Failure> {
     let task_state = state.clone();
     let mut call = Box::pin(async move {
         let resolved: Vec<ResolvedRule<'_>> = rules.iter().map(OwnedRule::resolved).collect();
-        let outcome = task_state.store().check_and_update(&resolved).await;
-        (rules, outcome)
+        let outcome = match &ask {
+            Ask::Acquire => task_state
+                .store()
+                .check_and_update(&resolved)
+                .await
+                .map(|outcomes| Spent {
+                    admitted: outcomes
+                        .iter()
+                        .zip(&rules)
+                        .all(|(outcome, rule)| outcome.result.granted > 0 || rule.dry_run),
+                    outcomes,
+                }),
+            Ask::Spend(how) => task_state.store().spend(&resolved, how).await,
+        };
+        (rules, ask, outcome)
     });
     let outcome = tokio::select! {
         biased;
-        (_, outcome) = &mut call => outcome,
+        (_, _, outcome) = &mut call => outcome,
         () = tokio::time::sleep_until(deadline) => {
             let late_state = state.clone();
             tokio::spawn(async move {
                 let _permit = permit;
-                let (rules, outcome) = call.await;
-                let Ok(outcomes) = outcome else {
+                let (rules, ask, outcome) = call.await;
+                let Ok(spent) = outcome else {
                     return;
                 };
-                if outcomes.iter().any(|outcome| outcome.result.granted > 0) {
+                let takes: Vec<Outcome> = match &ask {
+                    Ask::Acquire => spent.outcomes,
+                    Ask::Spend(how) => spent
+                        .outcomes
+                        .into_iter()
+                        .zip(how)
+                        .map(|(outcome, spending)| {
+                            if spending.spend == Spend::Take {
+                                outcome
+                            } else {
+                                Outcome::default()
+                            }
+                        })
+                        .collect(),
+                };
+                if takes.iter().any(|outcome| outcome.result.granted > 0) {
                     late_state.metrics().late_release();
                     let resolved: Vec<ResolvedRule<'_>> = rules.iter().map(OwnedRule::resolved).collect();
-                    if let Err(error) = late_state.store().release(&resolved, &outcomes).await {
+                    if let Err(error) = late_state.store().release(&resolved, &takes).await {
                         tracing::warn!(%error, "a late decision could not be given back: its tokens stay charged");
                     }
                 }
@@ -347,11 +411,17 @@ fn authenticated(
     rls: Rls,
     path: &'static str,
 ) -> impl Fn(tonic::Request<()>) -> Result<tonic::Request<()>, Status> + Clone {
-    move |request| match rls.authenticate(request.metadata()) {
-        Ok(()) => Ok(request),
-        Err(status) => {
-            rls.state().metrics().request(path, 401, Duration::ZERO);
-            Err(status)
+    move |request| {
+        // A request's head read: the connection's first-request deadline is met.
+        if let Some(served) = request.extensions().get::<crate::conn::Served>() {
+            served.mark();
+        }
+        match rls.authenticate(request.metadata()) {
+            Ok(()) => Ok(request),
+            Err(status) => {
+                rls.state().metrics().request(path, 401, Duration::ZERO);
+                Err(status)
+            }
         }
     }
 }
@@ -368,6 +438,7 @@ pub async fn serve(
     use tonic::service::interceptor::InterceptedService;
 
     let (stop, stopping) = tokio::sync::watch::channel(false);
+    let stopped_accepting = stopping.clone();
     let quota = quota::Rlqs::new(rls.clone(), stopping);
     let drain = rls.state().settings().deadline + Duration::from_secs(1);
     let (stopped_tx, stopped_rx) = tokio::sync::oneshot::channel::<()>();
@@ -376,22 +447,42 @@ pub async fn serve(
         let _ = stop.send(true);
         let _ = stopped_tx.send(());
     };
-    // Small answers, sent at once: no Nagle delay on the gRPC connections.
-    let incoming = tokio_stream::StreamExt::map(
-        tokio_stream::wrappers::TcpListenerStream::new(listener),
-        |stream| {
-            if let Ok(stream) = &stream {
-                if let Err(error) = stream.set_nodelay(true) {
-                    tracing::debug!(%error, "cannot set TCP_NODELAY on a gRPC connection");
-                }
-            }
-            stream
+    // Every connection through the port's gate (its caps, its idle timeout), with no
+    // Nagle delay: small answers, sent at once.
+    let gate = crate::conn::Gate::new(
+        "grpc",
+        rls.state().settings().connections,
+        Some(rls.state().clone()),
+    );
+    // Each connection waiting here holds a place of the gate: the channel never holds more
+    // than the port's cap, so none is dropped for want of room.
+    let limits = rls.state().settings().connections;
+    let (accepted, incoming) =
+        tokio::sync::mpsc::channel::<crate::conn::Guarded>(limits.max_connections.max(1));
+    let mut accepting = stopped_accepting.clone();
+    tokio::spawn(crate::conn::accept_loop(
+        listener,
+        gate,
+        async move {
+            let _ = accepting.wait_for(|stop| *stop).await;
         },
+        move |connection| {
+            if let Err(error) = accepted.try_send(connection) {
+                tracing::debug!(%error, "gRPC connection dropped: the server is not taking connections");
+            }
+        },
+    ));
+    let incoming = tokio_stream::StreamExt::map(
+        tokio_stream::wrappers::ReceiverStream::new(incoming),
+        Ok::<_, std::io::Error>,
     );
     let server = tonic::transport::Server::builder()
         .max_concurrent_streams(Some(MAX_STREAMS_PER_CONNECTION))
-        .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
-        .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
+        .http2_keepalive_interval(Some(crate::conn::KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(crate::conn::KEEPALIVE_TIMEOUT))
+        .http2_max_header_list_size(crate::conn::MAX_HEADER_LIST_BYTES)
+        .max_connection_age(MAX_CONNECTION_AGE)
+        .max_connection_age_grace(MAX_CONNECTION_AGE_GRACE)
         .add_service(InterceptedService::new(
             RateLimitServiceServer::new(service::RateLimiter::new(rls.clone()))
                 .max_decoding_message_size(MAX_MESSAGE_BYTES),

@@ -561,9 +561,19 @@ async fn probe(
         dry_run: false,
     };
     let budget = deadline.saturating_duration_since(Instant::now());
-    match super::decide(state, RLQS_PATH, vec![rule], deadline, budget, None).await {
-        Ok(outcomes) => {
-            let result = outcomes.first().map(|outcome| outcome.result)?;
+    match super::decide(
+        state,
+        RLQS_PATH,
+        vec![rule],
+        super::Ask::Acquire,
+        deadline,
+        budget,
+        None,
+    )
+    .await
+    {
+        Ok(spent) => {
+            let result = spent.outcomes.first().map(|outcome| outcome.result)?;
             state
                 .metrics()
                 .decision(algo.code(), result.allowed, result.granted);

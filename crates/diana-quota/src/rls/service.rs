@@ -1,4 +1,4 @@
-//! `ShouldRateLimit`: every descriptor of one call decided together, all or nothing.
+//! `ShouldRateLimit`: every descriptor of one call decided together.
 //!
 //! 1. The call is checked (a domain, 1 to 64 descriptors, each with 1 to 64 entries whose
 //!    keys are not empty and whose keys and values have at most 4,096 bytes); a bad call is
@@ -8,27 +8,45 @@
 //!    matches no rule (or whose domain is unknown: a warning) is `OK` with no limit; an
 //!    `unlimited` rule is `OK`; a rule `replaces`d by another matched rule of the same
 //!    call is left out.
-//! 3. The cost of a descriptor is its `hits_addend`, else the call's, else 1; 0 asks
-//!    without taking (`OK`, nothing charged).
-//! 4. The other descriptors go to the store in one decision: either every one has its cost
-//!    available and each is charged, or none is (the call is `OVER_LIMIT`; the descriptors
-//!    that were short say `OVER_LIMIT`, the others `OK`). `shadow_mode` rules are counted
-//!    but never refuse (Diana's dry run). `requests_per_unit: 0` refuses everything.
+//! 3. Its cost, its `hits_addend`, else the call's, else 1, says how it spends its counter
+//!    (envoyproxy/ratelimit's reading of `hits_addend`, where Envoy's filters rely on it):
+//!
+//!    ```text
+//!    hits_addend 0                       check: charges nothing, OVER_LIMIT once nothing is left
+//!    a cost Envoy states (≥ 1, the       count: charged whatever is left, even when the call is
+//!      descriptor's or the call's)         refused (apply_on_stream_done, response costs);
+//!                                          OVER_LIMIT when it did not fit
+//!    none (a request counted one)        take: all or nothing with the call's other takes
+//!    ```
+//! 4. The call is `OVER_LIMIT` when an enforced descriptor is, or every `quota_mode` one is
+//!    (`shadow_mode` ones never refuse); `requests_per_unit: 0`, or a take the limit can
+//!    never grant, refuses without asking the store (which then only counts the counts,
+//!    if any). One store decision for the rest ([`crate::store::Store::spend`]; a call of
+//!    takes only, without quota rules, is the store's all-or-nothing acquire, Redis's lean
+//!    script for fixed windows).
 //! 5. Each status carries the rule's limit, what remains and when the limit resets, so
 //!    that Envoy's `enable_x_ratelimit_headers` works; with `--rls-headers`, the answer
-//!    also asks Envoy to add `X-RateLimit-*` and/or the IETF fields of the tightest
-//!    descriptor, and `Retry-After` when refused.
+//!    also asks Envoy to add headers about the tightest descriptor (`X-RateLimit-*`, the
+//!    IETF fields and `Retry-After`, or envoyproxy/ratelimit's `RateLimit-*`); with
+//!    `--rls-response-metadata`, envoyproxy/ratelimit's dynamic metadata ([`super::metadata`]).
 //! 6. A store that fails, or answers after the deadline, gives `UNAVAILABLE` before
 //!    Envoy's timeout: Envoy applies `failure_mode_deny`.
 
 use super::config::{self, Lookup, RuleKind};
-use super::{budget, decide, HeaderStyle, OwnedRule, Rls, RLS_PATH};
+use super::{budget, decide, metadata, Ask, HeaderStyle, OwnedRule, Rls, RLS_PATH};
+use crate::store::{Enforcement, Spend, Spending};
 use diana_core::algo::{self, Algorithm, Limit};
 use diana_core::response::{
     sf_string, RATELIMIT, RATELIMIT_POLICY, RETRY_AFTER, X_RATELIMIT_LIMIT, X_RATELIMIT_REMAINING,
     X_RATELIMIT_RESET,
 };
 use diana_core::wire::{self, RuleResult};
+
+/// envoyproxy/ratelimit's response headers (`LIMIT_RESPONSE_HEADERS_ENABLED`, its default
+/// names `LIMIT_LIMIT_HEADER`, `LIMIT_REMAINING_HEADER`, `LIMIT_RESET_HEADER`).
+const RATELIMIT_LIMIT: &str = "ratelimit-limit";
+const RATELIMIT_REMAINING: &str = "ratelimit-remaining";
+const RATELIMIT_RESET: &str = "ratelimit-reset";
 use envoy_types::pb::envoy::config::core::v3::HeaderValue;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
@@ -78,25 +96,64 @@ impl RateLimitService for RateLimiter {
     }
 }
 
+/// How a descriptor spends its counter, from its cost (envoyproxy/ratelimit's reading of
+/// `hits_addend`, see the module documentation).
+fn spend_of(hits: u64, stated: bool) -> Spend {
+    match (hits, stated) {
+        (0, _) => Spend::Check,
+        (_, true) => Spend::Count,
+        (_, false) => Spend::Take,
+    }
+}
+
+/// Whether a rule's refusal refuses the call: `shadow_mode` never, `quota_mode` only
+/// with every quota rule of the call.
+fn enforcement_of(shadow: bool, quota: bool) -> Enforcement {
+    if shadow {
+        Enforcement::Shadow
+    } else if quota {
+        Enforcement::Quota
+    } else {
+        Enforcement::Enforced
+    }
+}
+
 /// What one descriptor of the call comes to before the store is asked.
 enum Plan<'a> {
-    /// No limit applies (no rule, unknown domain, replaced, a cost of 0, unlimited).
+    /// No limit applies (no rule, unknown domain, replaced, a refund, unlimited).
     Free {
         remaining: u32,
         limit: Option<RateLimit>,
+        /// `unlimited: true` (not a passed descriptor for the metadata).
+        unlimited: bool,
     },
-    /// Refused without asking the store (`requests_per_unit: 0`, or a cost the limit can
-    /// never grant); `shadow`: counted as refused, the call not refused for it.
-    Refused { limit: RateLimit, shadow: bool },
-    /// Asked of the store: index into the store's rules.
-    Asked {
-        index: usize,
+    /// Refused without asking the store (`requests_per_unit: 0`, or a take whose cost the
+    /// limit can never grant).
+    Refused {
         limit: RateLimit,
-        shadow: bool,
+        enforcement: Enforcement,
+    },
+    /// Asked of the store: `rules` are its pieces among the store's rules (a cost above
+    /// the wire's largest `want` is sent in pieces on the same counter).
+    Asked {
+        rules: std::ops::Range<usize>,
+        spend: Spend,
+        cost: u64,
+        limit: RateLimit,
+        enforcement: Enforcement,
         label: &'a str,
         rpu: u32,
         unit_seconds: u64,
     },
+}
+
+/// What an asked descriptor came to.
+#[derive(Clone, Copy)]
+struct Answered {
+    passed: bool,
+    remaining: u64,
+    reset_ms: u64,
+    retry_ms: u64,
 }
 
 impl RateLimiter {
@@ -122,6 +179,9 @@ impl RateLimiter {
             return Err(Status::resource_exhausted(crate::http::OVERLOADED));
         };
         let config = rls.config();
+        // The call's cost is stated when Envoy sends one (`hits_addend` ≥ 1); 0 is the
+        // protocol's "not set", a cost of 1.
+        let call_stated = request.hits_addend > 0;
         let default_hits = u64::from(request.hits_addend.max(1));
 
         // Each descriptor's rule and counter.
@@ -133,9 +193,10 @@ impl RateLimiter {
                 .iter()
                 .map(|entry| (entry.key.as_str(), entry.value.as_str()))
                 .collect();
-            let hits = descriptor
-                .hits_addend
-                .map_or(default_hits, |hits| hits.value);
+            let (hits, stated) = match &descriptor.hits_addend {
+                Some(hits) => (hits.value, true),
+                None => (default_hits, call_stated),
+            };
             let target = match &descriptor.limit {
                 Some(over) => {
                     let Some(unit) = config::unit_of_proto(over.unit) else {
@@ -150,7 +211,7 @@ impl RateLimiter {
                         return Err(Status::invalid_argument(reason));
                     };
                     Target::Override {
-                        key: config::counter_key(&request.domain, &entries),
+                        key: config.keys().counter_key(&request.domain, &entries),
                         rpu: over.requests_per_unit,
                         unit,
                     }
@@ -164,7 +225,7 @@ impl RateLimiter {
                     Lookup::Matched(matched) => Target::Rule(matched.rule, matched.key),
                 },
             };
-            found.push((target, hits, descriptor.is_negative_hits));
+            found.push((target, hits, stated, descriptor.is_negative_hits));
         }
         if unknown_domain {
             rls.warn(format_args!(
@@ -176,7 +237,7 @@ impl RateLimiter {
         // `replaces`: a matched rule drops the rules it names.
         let replaced: Vec<&str> = found
             .iter()
-            .filter_map(|(target, _, _)| match target {
+            .filter_map(|(target, ..)| match target {
                 Target::Rule(rule, _) => Some(rule.replaces.iter().map(String::as_str)),
                 _ => None,
             })
@@ -184,12 +245,15 @@ impl RateLimiter {
             .collect();
 
         let mut rules = Vec::new();
+        let mut how = Vec::new();
         let mut plans = Vec::with_capacity(found.len());
-        for (target, hits, negative) in &found {
+        for (target, hits, stated, negative) in &found {
+            let spend = spend_of(*hits, *stated);
             let plan = match target {
                 Target::None => Plan::Free {
                     remaining: 0,
                     limit: None,
+                    unlimited: false,
                 },
                 Target::Rule(rule, _)
                     if rule
@@ -200,6 +264,7 @@ impl RateLimiter {
                     Plan::Free {
                         remaining: 0,
                         limit: None,
+                        unlimited: false,
                     }
                 }
                 Target::Rule(rule, key) => {
@@ -208,28 +273,32 @@ impl RateLimiter {
                         requests_per_unit: rule.requests_per_unit,
                         unit: rule.unit.map_or(0, config::proto_unit),
                     };
+                    let enforcement = enforcement_of(rule.shadow, rule.quota);
                     match &rule.kind {
                         RuleKind::Unlimited => Plan::Free {
                             remaining: u32::MAX,
                             limit: None,
+                            unlimited: true,
                         },
-                        _ if *hits == 0 || *negative => Plan::Free {
+                        _ if *negative => Plan::Free {
                             remaining: 0,
                             limit: Some(limit),
+                            unlimited: false,
                         },
-                        RuleKind::Blocked => Plan::Refused {
-                            limit,
-                            shadow: rule.shadow,
-                        },
+                        RuleKind::Blocked => Plan::Refused { limit, enforcement },
                         RuleKind::Limited {
                             algo, limit: diana, ..
                         } => ask(
                             &mut rules,
-                            key,
-                            *algo,
-                            diana,
-                            *hits,
-                            rule.shadow,
+                            &mut how,
+                            Piece {
+                                key,
+                                algo: *algo,
+                                limit: diana,
+                                spend,
+                                cost: *hits,
+                                enforcement,
+                            },
                             limit,
                             rule.label(),
                         ),
@@ -242,16 +311,16 @@ impl RateLimiter {
                         unit: config::proto_unit(*unit),
                     };
                     match NonZeroU32::new(*rpu) {
-                        _ if *hits == 0 || *negative => Plan::Free {
+                        _ if *negative => Plan::Free {
                             remaining: 0,
                             limit: Some(limit),
+                            unlimited: false,
                         },
                         None => Plan::Refused {
                             limit,
-                            shadow: false,
+                            enforcement: Enforcement::Enforced,
                         },
                         Some(rpu) => {
-                            let algo: &'static dyn Algorithm = &algo::FixedWindow;
                             let diana = Limit {
                                 rpu,
                                 unit: *unit,
@@ -260,7 +329,18 @@ impl RateLimiter {
                                     .unwrap_or(NonZeroU32::MIN),
                             };
                             ask(
-                                &mut rules, key, algo, &diana, *hits, false, limit, "override",
+                                &mut rules,
+                                &mut how,
+                                Piece {
+                                    key,
+                                    algo: &algo::FixedWindow,
+                                    limit: &diana,
+                                    spend,
+                                    cost: *hits,
+                                    enforcement: Enforcement::Enforced,
+                                },
+                                limit,
+                                "override",
                             )
                         }
                     }
@@ -269,11 +349,31 @@ impl RateLimiter {
             plans.push(plan);
         }
 
-        // Refused without asking (a block, or a cost that can never pass): all or nothing,
-        // so nothing is charged.
-        let refused_early = plans
+        // Refused without asking: an enforced rule refused (a block, or a cost that can
+        // never pass), or every quota rule of the call. The takes are then not charged:
+        // the store only counts the counts and reads the rest (all as shadow checks).
+        let refused = |wanted: Enforcement| {
+            plans.iter().filter(move |plan| {
+                matches!(plan, Plan::Refused { enforcement, .. } if *enforcement == wanted)
+            })
+        };
+        let quotas = plans
             .iter()
-            .any(|plan| matches!(plan, Plan::Refused { shadow: false, .. }));
+            .filter(|plan| {
+                matches!(
+                    plan,
+                    Plan::Refused {
+                        enforcement: Enforcement::Quota,
+                        ..
+                    } | Plan::Asked {
+                        enforcement: Enforcement::Quota,
+                        ..
+                    }
+                )
+            })
+            .count();
+        let refused_early = refused(Enforcement::Enforced).next().is_some()
+            || (quotas > 0 && refused(Enforcement::Quota).count() == quotas);
         let total_want: u64 = rules.iter().map(|rule| u64::from(rule.want.get())).sum();
         if total_want > wire::MAX_TOTAL_WANT {
             let reason = format!(
@@ -286,14 +386,38 @@ impl RateLimiter {
             ));
             return Err(Status::invalid_argument(reason));
         }
-        let results: Vec<Option<RuleResult>> = if refused_early || rules.is_empty() {
-            vec![None; rules.len()]
+        if refused_early {
+            if how.iter().any(|spending| spending.spend == Spend::Count) {
+                for spending in &mut how {
+                    if spending.spend == Spend::Take {
+                        spending.spend = Spend::Check;
+                    }
+                    spending.enforcement = Enforcement::Shadow;
+                }
+            } else {
+                // Nothing to count: the store is not asked (a blocked caller hammering
+                // costs no round trip), and the other descriptors say nothing is known.
+                rules.clear();
+                how.clear();
+            }
+        }
+        let legacy = how.iter().all(|spending| {
+            spending.spend == Spend::Take && spending.enforcement != Enforcement::Quota
+        });
+        let ask_for = if legacy {
+            Ask::Acquire
+        } else {
+            Ask::Spend(how)
+        };
+        let (outcomes, admitted) = if rules.is_empty() {
+            (Vec::new(), true)
         } else {
             let algos: Vec<&'static str> = rules.iter().map(|rule| rule.algo.code()).collect();
-            let outcomes = decide(
+            let spent = decide(
                 state,
                 RLS_PATH,
                 rules,
+                ask_for,
                 arrived + budget,
                 budget,
                 Some(permit),
@@ -303,79 +427,134 @@ impl RateLimiter {
                 tracing::debug!(failure = ?failure, "RLS call answered with an error");
                 failure.status()
             })?;
-            for (algo, outcome) in algos.iter().zip(&outcomes) {
+            for (algo, outcome) in algos.iter().zip(&spent.outcomes) {
                 state
                     .metrics()
                     .decision(algo, outcome.result.allowed, outcome.result.granted);
             }
-            outcomes
-                .into_iter()
-                .map(|outcome| Some(outcome.result))
-                .collect()
+            (spent.outcomes, spent.admitted)
+        };
+        let over = refused_early || !admitted;
+
+        let answered = |plan: &Plan<'_>| -> Option<Answered> {
+            let Plan::Asked {
+                rules: pieces,
+                spend,
+                cost,
+                ..
+            } = plan
+            else {
+                return None;
+            };
+            let results: Vec<&RuleResult> = outcomes
+                .get(pieces.clone())
+                .unwrap_or_default()
+                .iter()
+                .map(|outcome| &outcome.result)
+                .collect();
+            let last = results.last()?;
+            // A take read as a check (the call was refused before the store was asked)
+            // passes when its whole cost is there.
+            let passed = if refused_early && *spend == Spend::Take {
+                last.remaining >= *cost
+            } else {
+                results.iter().all(|result| result.allowed)
+            };
+            Some(Answered {
+                passed,
+                remaining: last.remaining,
+                reset_ms: last.reset_ms,
+                retry_ms: results
+                    .iter()
+                    .map(|result| result.retry_after_ms)
+                    .max()
+                    .unwrap_or(0),
+            })
         };
 
         let mut statuses = Vec::with_capacity(plans.len());
-        let mut over = false;
+        let mut passed_rules = Vec::new();
         // The descriptor the headers describe: the first that refused, else the one with
         // the least remaining.
-        let mut tightest: Option<(bool, u64, u64, u64, &str, u32, u64)> = None;
-        for plan in &plans {
+        let mut tightest: Option<(bool, u64, Report<'_>)> = None;
+        for (plan, (target, ..)) in plans.iter().zip(&found) {
             let status = match plan {
-                Plan::Free { remaining, limit } => DescriptorStatus {
-                    code: Code::Ok as i32,
-                    current_limit: limit.clone(),
-                    limit_remaining: *remaining,
-                    ..DescriptorStatus::default()
-                },
-                Plan::Refused { limit, shadow } => {
-                    over |= !shadow;
+                Plan::Free {
+                    remaining,
+                    limit,
+                    unlimited,
+                } => {
+                    // No limit (replaced, or none): passed, without metadata.
+                    if !unlimited {
+                        passed_rules.push(None);
+                    }
                     DescriptorStatus {
-                        code: if *shadow { Code::Ok } else { Code::OverLimit } as i32,
+                        code: Code::Ok as i32,
+                        current_limit: limit.clone(),
+                        limit_remaining: *remaining,
+                        ..DescriptorStatus::default()
+                    }
+                }
+                Plan::Refused { limit, enforcement } => {
+                    let shadow = *enforcement == Enforcement::Shadow;
+                    if shadow {
+                        passed_rules.push(target.rule());
+                    }
+                    DescriptorStatus {
+                        code: if shadow { Code::Ok } else { Code::OverLimit } as i32,
                         current_limit: Some(limit.clone()),
                         limit_remaining: 0,
                         ..DescriptorStatus::default()
                     }
                 }
                 Plan::Asked {
-                    index,
                     limit,
-                    shadow,
+                    enforcement,
                     label,
                     rpu,
                     unit_seconds,
+                    ..
                 } => {
-                    let result = results.get(*index).copied().flatten();
-                    // Not asked (another descriptor refused first): nothing known.
-                    let allowed = result.is_none_or(|result| result.allowed);
-                    let refuses = !allowed && !shadow;
-                    over |= refuses;
-                    let remaining = result.map_or(0, |result| result.remaining);
-                    let reset_ms = result.map_or(0, |result| result.reset_ms);
-                    let retry_ms = result.map_or(0, |result| result.retry_after_ms);
-                    if result.is_some() {
-                        let better = match tightest {
+                    // Not answered (nothing asked): nothing known, nothing refused.
+                    let answer = answered(plan);
+                    let passed = answer.is_none_or(|answer| answer.passed);
+                    let over_here = !passed && *enforcement != Enforcement::Shadow;
+                    if !over_here {
+                        passed_rules.push(target.rule());
+                    }
+                    if let Some(answer) = answer {
+                        let refuses = !passed && *enforcement == Enforcement::Enforced;
+                        let better = match &tightest {
                             None => true,
-                            Some((refused, least, ..)) => {
-                                (refuses && !refused) || (refuses == refused && remaining < least)
+                            Some((refused, least, _)) => {
+                                (refuses && !refused)
+                                    || (refuses == *refused && answer.remaining < *least)
                             }
                         };
                         if better {
                             tightest = Some((
                                 refuses,
-                                remaining,
-                                reset_ms,
-                                retry_ms,
-                                label,
-                                *rpu,
-                                *unit_seconds,
+                                answer.remaining,
+                                Report {
+                                    refused: refuses,
+                                    remaining: answer.remaining,
+                                    reset_ms: answer.reset_ms,
+                                    retry_ms: answer.retry_ms,
+                                    label,
+                                    rpu: *rpu,
+                                    unit_seconds: *unit_seconds,
+                                },
                             ));
                         }
                     }
                     DescriptorStatus {
-                        code: if refuses { Code::OverLimit } else { Code::Ok } as i32,
+                        code: if over_here { Code::OverLimit } else { Code::Ok } as i32,
                         current_limit: Some(limit.clone()),
-                        limit_remaining: u32::try_from(remaining).unwrap_or(u32::MAX),
-                        duration_until_reset: result.map(|_| duration_of_millis(reset_ms)),
+                        limit_remaining: answer.map_or(0, |answer| {
+                            u32::try_from(answer.remaining).unwrap_or(u32::MAX)
+                        }),
+                        duration_until_reset: answer
+                            .map(|answer| duration_of_millis(answer.reset_ms)),
                         ..DescriptorStatus::default()
                     }
                 }
@@ -387,19 +566,17 @@ impl RateLimiter {
             statuses,
             ..RateLimitResponse::default()
         };
-        if let Some((refused, remaining, reset_ms, retry_ms, label, rpu, unit_seconds)) = tightest {
+        if let Some((_, _, report)) = tightest {
             response.response_headers_to_add = headers(
                 rls.headers(),
                 Report {
-                    refused: refused && over,
-                    remaining,
-                    reset_ms,
-                    retry_ms,
-                    label,
-                    rpu,
-                    unit_seconds,
+                    refused: report.refused && over,
+                    ..report
                 },
             );
+        }
+        if rls.response_metadata() {
+            response.dynamic_metadata = Some(metadata::answer(&request, &passed_rules));
         }
         Ok(response)
     }
@@ -416,41 +593,79 @@ enum Target<'a> {
     },
 }
 
-/// Adds a store rule for a descriptor with a cost of `hits`, or refuses it at once when
-/// the limit can never grant that much.
-#[allow(clippy::too_many_arguments)]
+impl<'a> Target<'a> {
+    /// The configured rule, if any.
+    fn rule(&self) -> Option<&'a config::Rule> {
+        match self {
+            Target::Rule(rule, _) => Some(rule),
+            _ => None,
+        }
+    }
+}
+
+/// A descriptor's counter and how it spends it.
+struct Piece<'k> {
+    key: &'k str,
+    algo: &'static dyn Algorithm,
+    limit: &'k Limit,
+    spend: Spend,
+    cost: u64,
+    enforcement: Enforcement,
+}
+
+/// Adds the store rules of a descriptor (its cost in pieces of at most the wire's largest
+/// `want`, on the same counter; a check is one rule), or refuses a take at once when the
+/// limit can never grant its cost.
 fn ask<'a>(
     rules: &mut Vec<OwnedRule>,
-    key: &str,
-    algo: &'static dyn Algorithm,
-    limit: &Limit,
-    hits: u64,
-    shadow: bool,
+    how: &mut Vec<Spending>,
+    piece: Piece<'_>,
     proto: RateLimit,
     label: &'a str,
 ) -> Plan<'a> {
-    let cost = u32::try_from(hits)
-        .ok()
-        .filter(|&hits| hits <= wire::MAX_WANT && u64::from(hits) <= algo.capacity(limit))
-        .and_then(NonZeroU32::new);
-    let Some(cost) = cost else {
+    let Piece {
+        key,
+        algo,
+        limit,
+        spend,
+        cost,
+        enforcement,
+    } = piece;
+    if spend == Spend::Take && cost > algo.capacity(limit) {
         return Plan::Refused {
             limit: proto,
-            shadow,
+            enforcement,
         };
+    }
+    let start = rules.len();
+    // A count above what one call may carry counts as that much (the counter is then past
+    // any limit it could be compared with); a check is one rule of 1.
+    let mut left = match spend {
+        Spend::Check => 1,
+        Spend::Count | Spend::Take => cost.clamp(1, wire::MAX_TOTAL_WANT),
     };
-    rules.push(OwnedRule {
-        key: key.to_string(),
-        algo,
-        limit: *limit,
-        want: cost,
-        cost,
-        dry_run: shadow,
-    });
+    while left > 0 {
+        let want = left.min(u64::from(wire::MAX_WANT));
+        left -= want;
+        let Some(want) = u32::try_from(want).ok().and_then(NonZeroU32::new) else {
+            break;
+        };
+        rules.push(OwnedRule {
+            key: key.to_string(),
+            algo,
+            limit: *limit,
+            want,
+            cost: want,
+            dry_run: enforcement == Enforcement::Shadow,
+        });
+        how.push(Spending { spend, enforcement });
+    }
     Plan::Asked {
-        index: rules.len() - 1,
+        rules: start..rules.len(),
+        spend,
+        cost,
         limit: proto,
-        shadow,
+        enforcement,
         label,
         rpu: limit.rpu.get(),
         unit_seconds: limit.unit.seconds(),
@@ -465,6 +680,7 @@ fn duration_of_millis(millis: u64) -> PbDuration {
 }
 
 /// What the headers describe.
+#[derive(Clone, Copy)]
 struct Report<'a> {
     refused: bool,
     remaining: u64,
@@ -486,8 +702,16 @@ fn headers(style: HeaderStyle, report: Report<'_>) -> Vec<HeaderValue> {
             ..HeaderValue::default()
         });
     };
-    if style == HeaderStyle::None {
-        return out;
+    match style {
+        HeaderStyle::None => return out,
+        HeaderStyle::Ratelimit => {
+            // envoyproxy/ratelimit's three, and nothing else (no Retry-After).
+            add(RATELIMIT_LIMIT, report.rpu.to_string());
+            add(RATELIMIT_REMAINING, report.remaining.to_string());
+            add(RATELIMIT_RESET, seconds(report.reset_ms).to_string());
+            return out;
+        }
+        HeaderStyle::XRatelimit | HeaderStyle::Ietf | HeaderStyle::Both => {}
     }
     if report.refused {
         add(RETRY_AFTER, seconds(report.retry_ms).max(1).to_string());

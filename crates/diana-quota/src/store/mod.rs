@@ -14,6 +14,7 @@ pub mod breakers;
 mod memory;
 mod redis;
 
+pub use diana_core::quota::decide::{Enforcement, Spend, Spending, Spent};
 pub use diana_core::quota::ledger::{CounterDigest, Grant, Noted, Part};
 pub use diana_core::quota::{decide, Outcome};
 
@@ -72,17 +73,8 @@ impl std::error::Error for StoreError {}
 /// Refuses a charge on a rule whose algorithm takes no debts (the leaky bucket paces
 /// requests; it cannot be charged after the fact).
 pub fn refuse_debtless(rules: &[ResolvedRule<'_>]) -> Result<(), StoreError> {
-    match rules
-        .iter()
-        .enumerate()
-        .find(|(_, rule)| !rule.algo.allows_debt())
-    {
-        Some((index, rule)) => Err(StoreError::Unsupported(format!(
-            "rules[{index}].algo: {} takes no debts (a leaky bucket paces requests; it cannot be charged after the fact)",
-            rule.algo.code()
-        ))),
-        None => Ok(()),
-    }
+    diana_core::quota::table::debtless(rules, None)
+        .map_err(|refused| StoreError::Unsupported(refused.to_string()))
 }
 
 /// How full a store with a bounded table is (the memory store).
@@ -128,6 +120,16 @@ pub trait Store: Send + Sync {
         rules: &[ResolvedRule<'_>],
         places: &[Mark],
     ) -> Result<Vec<Outcome>, StoreError>;
+
+    /// Decides one call of Envoy's rate limit protocol (RLS): each rule a take (all or
+    /// nothing), a check or a count, as `how` says ([`decide::spend`]: the counts are
+    /// charged whatever the answer, the takes only when the call is admitted). A count
+    /// on an algorithm without debts is refused, nothing charged.
+    async fn spend(
+        &self,
+        rules: &[ResolvedRule<'_>],
+        how: &[Spending],
+    ) -> Result<Spent, StoreError>;
 
     /// Notes what the acquire of `call` granted, so that a release can give it back
     /// (`diana_core::quota::ledger`); [`Noted::AlreadyReleased`] when the release came

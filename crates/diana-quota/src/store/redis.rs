@@ -37,7 +37,10 @@ mod breakers;
 pub use self::breakers::{breaker_key, MAX_ATTEMPTS as BREAKER_SWAP_ATTEMPTS};
 
 use super::breakers::FleetBreakers;
-use super::{CounterDigest, Grant, Noted, Outcome, Part, Store, StoreError};
+use super::{
+    decide, CounterDigest, Enforcement, Grant, Noted, Outcome, Part, Spend, Spending, Spent,
+    Store, StoreError,
+};
 use async_trait::async_trait;
 use diana_core::algo::{Limit, Mark};
 use diana_core::quota::counter_params;
@@ -339,6 +342,8 @@ enum Op<'a> {
     Release(&'a [Outcome]),
     /// Renews concurrency places counted at these marks (indexed like the rules).
     Renew(&'a [Mark]),
+    /// Decides an RLS call, each rule as these say (indexed like the rules).
+    Spend(&'a [Spending]),
 }
 
 impl Op<'_> {
@@ -348,6 +353,7 @@ impl Op<'_> {
             Op::Charge => "charge",
             Op::Release(_) => "release",
             Op::Renew(_) => "renew",
+            Op::Spend(_) => "spend",
         }
     }
 }
@@ -401,6 +407,24 @@ fn invocation<'s>(
                 let place = places.get(index).copied().unwrap_or_default();
                 let (m1, m2) = lua.mark.to_lua(&rule.limit, place);
                 call.arg(rule.want.get()).arg(m1).arg(m2);
+            }
+            Op::Spend(how) => {
+                let Some(spending) = how.get(index) else {
+                    return Err(StoreError::Internal(format!(
+                        "rules[{index}]: no spending given"
+                    )));
+                };
+                let spend = match spending.spend {
+                    Spend::Take => "take",
+                    Spend::Check => "check",
+                    Spend::Count => "count",
+                };
+                let enforcement: u8 = match spending.enforcement {
+                    Enforcement::Enforced => 0,
+                    Enforcement::Shadow => 1,
+                    Enforcement::Quota => 2,
+                };
+                call.arg(spend).arg(rule.want.get()).arg(enforcement);
             }
         }
     }
@@ -484,7 +508,8 @@ fn to_outcome(
         .map_or_else(Mark::default, |lua| lua.mark.to_mark(&rule.limit, m1, m2));
     let result = RuleResult {
         place: None,
-        allowed: allowed != 0 || granted > 0,
+        // A spend's count is charged even when it did not pass: its own verdict says.
+        allowed: allowed != 0 || (granted > 0 && !matches!(op, Op::Spend(_))),
         granted,
         remaining: u64::try_from(remaining).unwrap_or(0),
         reset_ms: millis(reset_us),
@@ -498,7 +523,7 @@ fn to_outcome(
     // Places granted or renewed name their bucket (a charge or release answers none).
     let result = match op {
         Op::Acquire | Op::Renew(_) => result.placed(rule.algo, mark),
-        Op::Charge | Op::Release(_) => result,
+        Op::Charge | Op::Release(_) | Op::Spend(_) => result,
     };
     Ok(Outcome { result, mark })
 }
@@ -1098,6 +1123,96 @@ impl RedisStore {
             .await
     }
 
+    /// [`Store::spend`] on the script's clock `now_us` when given. One atomic call on a
+    /// single server. On a cluster one call per key, each with its quota rules as shadow
+    /// ones (a key cannot see the others' quota rules); the call is then decided over
+    /// every answer, and when it is refused the takes other keys kept are given back (the
+    /// counts stay, as on a single server).
+    pub async fn spend_at(
+        &self,
+        rules: &[ResolvedRule<'_>],
+        how: &[Spending],
+        now_us: Option<u64>,
+    ) -> Result<Spent, StoreError> {
+        if how.len() != rules.len() {
+            return Err(StoreError::Internal(format!(
+                "{} spendings for {} rules",
+                how.len(),
+                rules.len()
+            )));
+        }
+        let counts: Vec<bool> = how
+            .iter()
+            .map(|spending| spending.spend == Spend::Count)
+            .collect();
+        diana_core::quota::table::debtless(rules, Some(&counts))
+            .map_err(|refused| StoreError::Unsupported(refused.to_string()))?;
+        let groups = groups_by_key(rules);
+        if !self.is_cluster() || groups.len() == 1 {
+            let all: Vec<(usize, &ResolvedRule<'_>)> = rules.iter().enumerate().collect();
+            let outcomes = self.call(Op::Spend(how), &all, now_us).await?;
+            let passed: Vec<bool> = outcomes.iter().map(|o| o.result.allowed).collect();
+            let admitted = decide::admits(how, &passed);
+            return Ok(Spent { outcomes, admitted });
+        }
+        let local: Vec<Spending> = how
+            .iter()
+            .map(|spending| Spending {
+                enforcement: match spending.enforcement {
+                    Enforcement::Quota => Enforcement::Shadow,
+                    other => other,
+                },
+                ..*spending
+            })
+            .collect();
+        let (mut outcomes, status) = self
+            .call_groups(Op::Spend(&local), &groups, rules.len(), now_us)
+            .await;
+        let failed = status.iter().find_map(|status| status.clone().err());
+        let passed: Vec<bool> = outcomes.iter().map(|o| o.result.allowed).collect();
+        let admitted = failed.is_none() && decide::admits(how, &passed);
+        if !admitted {
+            // The takes other keys kept go back; the counts stay.
+            let mut takes = outcomes.clone();
+            for (outcome, spending) in takes.iter_mut().zip(how) {
+                if spending.spend != Spend::Take {
+                    outcome.result.granted = 0;
+                }
+            }
+            let kept: Vec<Vec<(usize, &ResolvedRule<'_>)>> = groups
+                .iter()
+                .zip(&status)
+                .filter(|(group, status)| {
+                    status.is_ok()
+                        && group.iter().any(|&(index, _)| {
+                            takes
+                                .get(index)
+                                .is_some_and(|outcome| outcome.result.granted > 0)
+                        })
+                })
+                .map(|(group, _)| group.clone())
+                .collect();
+            let (_, status) = self
+                .call_groups(Op::Release(&takes), &kept, rules.len(), now_us)
+                .await;
+            for (group, status) in kept.iter().zip(status) {
+                if let Err(error) = status {
+                    tracing::warn!(%error, rules = group.len(), "cluster compensation failed: tokens stay charged");
+                }
+            }
+            for (outcome, take) in outcomes.iter_mut().zip(&takes) {
+                if take.result.granted > 0 {
+                    outcome.result.granted = 0;
+                    outcome.mark = Mark::default();
+                }
+            }
+        }
+        match failed {
+            Some(error) => Err(error),
+            None => Ok(Spent { outcomes, admitted }),
+        }
+    }
+
     /// One call for every rule (a single server), or one per key (a cluster).
     async fn each_group(
         &self,
@@ -1156,6 +1271,14 @@ impl Store for RedisStore {
         places: &[Mark],
     ) -> Result<Vec<Outcome>, StoreError> {
         self.renew_at(rules, places, None).await
+    }
+
+    async fn spend(
+        &self,
+        rules: &[ResolvedRule<'_>],
+        how: &[Spending],
+    ) -> Result<Spent, StoreError> {
+        self.spend_at(rules, how, None).await
     }
 
     async fn note_call(&self, call: &str, grants: &[Grant]) -> Result<Noted, StoreError> {

@@ -320,6 +320,59 @@ pub fn service(store: Arc<dyn Store>) -> Router {
     app(AppState::new(store, test_settings(), test_auth()))
 }
 
+/// The in-process quota service of `diana simulate`, the worker's `Sim` and the engine's
+/// tests (diana-core's `MemoryQuota`, over the same decision table as the memory store)
+/// behind the service's routes, on the system clock: the scenarios run against it too, so
+/// that it cannot decide otherwise than the service. A `/v1/wait` answer is held as long
+/// as the service would hold it.
+pub fn simulated_service() -> Router {
+    use diana_core::call::{Answer, Answered, Callout};
+    use diana_core::quota::MemoryQuota;
+    use diana_quota::store::{Clock, SystemClock};
+    let quota = Arc::new(std::sync::Mutex::new(MemoryQuota::new()));
+    Router::new().fallback(move |request: Request<Body>| {
+        let quota = quota.clone();
+        async move {
+            let (parts, body) = request.into_parts();
+            let body = axum::body::to_bytes(body, usize::MAX)
+                .await
+                .unwrap()
+                .to_vec();
+            let mut headers = vec![(":path", parts.uri.path().to_string())];
+            if let Some(timeout) = parts.headers.get(diana_core::wire::TIMEOUT_HEADER) {
+                headers.push((
+                    diana_core::wire::TIMEOUT_HEADER,
+                    timeout.to_str().unwrap().to_string(),
+                ));
+            }
+            let callout = Callout {
+                upstream: "diana_quota".to_string(),
+                headers,
+                body,
+                timeout_ms: 0,
+            };
+            let held = quota
+                .lock()
+                .unwrap()
+                .answer_held(&callout, SystemClock.now());
+            tokio::time::sleep(Duration::from_nanos(held.held.get())).await;
+            let Answer::Answered(Answered {
+                status,
+                body: Ok(body),
+                ..
+            }) = held.reply
+            else {
+                panic!("{:?}", held.reply)
+            };
+            axum::http::Response::builder()
+                .status(status)
+                .header("content-type", "application/json")
+                .body(Body::from(body))
+                .unwrap()
+        }
+    })
+}
+
 /// A unique key for one counter of one test.
 pub fn unique_key(tag: &str) -> String {
     format!(

@@ -111,7 +111,7 @@ fn example(shape: &Shape) -> Value {
             }
             for constraint in &object.constraints {
                 match constraint {
-                    Constraint::ExactlyOne(keys) => {
+                    Constraint::ExactlyOne(keys) | Constraint::AtLeastOne(keys) => {
                         let field = object.fields.iter().find(|field| field.key == keys[0]);
                         let value = field.map_or(json!(1), |field| example(&field.shape));
                         map.insert(keys[0].to_string(), value);
@@ -122,6 +122,16 @@ fn example(shape: &Shape) -> Value {
                         map.insert(key.to_string(), value);
                     }
                     Constraint::AtMostOne(_) | Constraint::Needs { .. } | Constraint::Never(_) => {}
+                }
+            }
+            // A key written brings the key it needs.
+            for constraint in &object.constraints {
+                if let Constraint::Needs { key, needs } = constraint {
+                    if map.contains_key(*key) && !map.contains_key(*needs) {
+                        let field = object.fields.iter().find(|field| field.key == *needs);
+                        let value = field.map_or(json!(1), |field| example(&field.shape));
+                        map.insert(needs.to_string(), value);
+                    }
                 }
             }
             Value::Object(map)
@@ -568,7 +578,9 @@ fn walk(
             };
             for constraint in &object.constraints {
                 let named: Vec<&str> = match constraint {
-                    Constraint::ExactlyOne(keys) | Constraint::AtMostOne(keys) => keys.clone(),
+                    Constraint::ExactlyOne(keys)
+                    | Constraint::AtMostOne(keys)
+                    | Constraint::AtLeastOne(keys) => keys.clone(),
                     Constraint::Needs { key, needs } => vec![key, needs],
                     Constraint::Required(key) => vec![key],
                     Constraint::Never(_) => Vec::new(),
@@ -599,6 +611,11 @@ fn walk(
                     Constraint::AtMostOne(keys) => {
                         for name in keys.iter().take(2) {
                             set(&mut broken, &key(path, name), value_of(name));
+                        }
+                    }
+                    Constraint::AtLeastOne(keys) => {
+                        for name in keys {
+                            remove(&mut broken, &key(path, name));
                         }
                     }
                     Constraint::Needs { key: name, needs } => {
