@@ -13,8 +13,8 @@ use crate::algo::{Algorithm, Limit, Mark};
 use crate::call::{Answer, Callout};
 use crate::time::{Instant, Nanos};
 use crate::wire::{
-    self, AcquireRequest, AcquireResponse, ErrorResponse, ReleaseResponse, Released,
-    ResolvedRule, RuleResult, WireError,
+    self, AcquireRequest, AcquireResponse, ErrorResponse, ReleaseResponse, Released, ResolvedRule,
+    RuleResult, WireError,
 };
 use ledger::{CallLedger, CounterDigest, Grant, Noted};
 use std::fmt;

@@ -38,8 +38,8 @@ pub use self::breakers::{breaker_key, MAX_ATTEMPTS as BREAKER_SWAP_ATTEMPTS};
 
 use super::breakers::FleetBreakers;
 use super::{
-    decide, CounterDigest, Enforcement, Grant, Noted, Outcome, Part, Spend, Spending, Spent,
-    Store, StoreError,
+    decide, CounterDigest, Enforcement, Grant, Noted, Outcome, Part, Spend, Spending, Spent, Store,
+    StoreError,
 };
 use async_trait::async_trait;
 use diana_core::algo::{Limit, Mark};
