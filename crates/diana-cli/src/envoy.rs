@@ -728,18 +728,17 @@ pub fn render(filter: Filter, options: &Options) -> Result<Rendered, RenderError
     }
     let jwt_authn = match &options.jwt {
         Some(provider) => {
-            if claims.payloads.len() > 1 {
-                warnings.push(format!(
-                    "the document reads the payloads {} from jwt_authn's metadata; one \
-                     provider writes one: rendered `{}`",
-                    claims.payloads.join(", "),
-                    claims.payloads[0]
-                ));
-            }
             let payload = claims
                 .payloads
                 .first()
                 .map_or(DEFAULT_JWT_PAYLOAD, String::as_str);
+            if claims.payloads.len() > 1 {
+                warnings.push(format!(
+                    "the document reads the payloads {} from jwt_authn's metadata; one \
+                     provider writes one: rendered `{payload}`",
+                    claims.payloads.join(", "),
+                ));
+            }
             notes.push(format!(
                 "jwt_authn before Diana: tokens of {} required on every path, the verified \
                  payload in the metadata as `{payload}`",

@@ -561,12 +561,12 @@ pub(crate) fn unverified_claims_warning(policy: &Policy, profile: HostProfile) -
         return None;
     }
     let instead = if profile.jwt_authn_metadata {
-        "read it from the payload jwt_authn verified instead (`from: {jwt_authn: NAME}`, with          the provider's `payload_in_metadata: NAME`)"
+        "read it from the payload jwt_authn verified instead (`from: {jwt_authn: NAME}`, with the provider's `payload_in_metadata: NAME`)"
     } else {
-        "this host cannot read jwt_authn's metadata: have jwt_authn copy the verified claim to          a header (`claim_to_headers`) and count by that header"
+        "this host cannot read jwt_authn's metadata: have jwt_authn copy the verified claim to a header (`claim_to_headers`) and count by that header"
     };
     Some(format!(
-        "diana: {} read a claim from the authorization header, which Diana does not verify:          a token jwt_authn does not check (a route its rules miss, an optional token) is          counted under whatever claim it carries; {instead}",
+        "diana: {} read a claim from the authorization header, which Diana does not verify: a token jwt_authn does not check (a route its rules miss, an optional token) is counted under whatever claim it carries; {instead}",
         readers.join(", ")
     ))
 }
