@@ -16,7 +16,10 @@
   `x-device-id` / `x-account-id` / `x-tenant-id` / `x-diana-fallback` headers (truncated
   to 64 characters).
 
-Usage: upstream.py [--host 127.0.0.1] [--port 18080] [--verbose]
+Every answer but `/healthz` carries `x-upstream: NAME` when started with `--name NAME` (a
+backup beside the main upstream, for a breaker's `fallback_header` route).
+
+Usage: upstream.py [--host 127.0.0.1] [--port 18080] [--name NAME] [--verbose]
 """
 
 from __future__ import annotations
@@ -49,11 +52,15 @@ class Handler(BaseHTTPRequestHandler):
     disable_nagle_algorithm = True
     server_version = "diana-demo-upstream/1"
     verbose = False
+    # `--name`: sent as `x-upstream` so that a client can tell which upstream answered.
+    name = ""
 
     def _send(self, status: int, body: bytes, content_type: str) -> None:
         self.send_response(status)
         self.send_header("content-type", content_type)
         self.send_header("content-length", str(len(body)))
+        if self.name:
+            self.send_header("x-upstream", self.name)
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(body)
@@ -161,9 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=18080)
+    p.add_argument("--name", default="", help="sent as the x-upstream header of every answer")
     p.add_argument("--verbose", action="store_true", help="log every request to stderr")
     a = p.parse_args(argv)
     Handler.verbose = a.verbose
+    Handler.name = a.name
     srv = Server((a.host, a.port), Handler)
     print(f"demo upstream listening on http://{a.host}:{a.port}", flush=True)
     try:

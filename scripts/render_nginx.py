@@ -125,12 +125,15 @@ def render(
     eviction: str = "lru",
     raw_document: bool = False,
     direct_response: Optional[tuple[int, int, str]] = None,
+    fallback_route: Optional[tuple[str, str, int]] = None,
 ) -> str:
     """The nginx.conf text. `diana_config` None renders nginx without the filter.
     `direct_response` (port, status, body): the upstream is a second server of this nginx
     on that port answering at once, to measure the gateway and the filter alone.
     `shm_size` None leaves the shm_kv zone out (a broken setup, for the tests). Requests
-    under `/__plain/` go upstream without the filter."""
+    under `/__plain/` go upstream without the filter. `fallback_route` (header, value, port):
+    requests carrying `header: value` (a breaker's `fallback_header`, set by Diana) go to
+    a second upstream on that port, through a `map` (README "Circuit breakers")."""
     filter_lines = ""
     wasm_block = ""
     if diana_config is not None:
@@ -165,6 +168,25 @@ wasm {{
     module diana {wasm_path};
 {shm_line}}}
 """
+    backend = "http://backend"
+    fallback_block = ""
+    if fallback_route is not None:
+        header, value, port = fallback_route
+        if not all(c.isalnum() or c in "-_" for c in header) or not value.isalnum():
+            raise ValueError(f"fallback_route: {header!r}: {value!r} is not a plain header and value")
+        # The map is evaluated when proxy_pass reads it, in the content phase: after the
+        # access phase where Diana set (or removed) the header.
+        fallback_block = f"""
+    upstream backup {{
+        server {HOST}:{port};
+        keepalive 16;
+    }}
+    map $http_{header.lower().replace("-", "_")} $diana_upstream {{
+        default backend;
+        {value} backup;
+    }}
+"""
+        backend = "http://$diana_upstream"
     direct_server = ""
     if direct_response is not None:
         port, status, body = direct_response
@@ -204,14 +226,14 @@ http {{
         server {HOST}:{upstream_port if direct_response is None else direct_response[0]};
         keepalive 64;
     }}
-{direct_server}
+{fallback_block}{direct_server}
     server {{
         listen {HOST}:{listen_port} reuseport;
         location / {{
 {filter_lines}            add_header X-Diana-Worker $pid always;
             proxy_http_version 1.1;
             proxy_set_header Connection "";
-            proxy_pass http://backend;
+            proxy_pass {backend};
         }}
         location /__plain/ {{
             proxy_http_version 1.1;

@@ -337,6 +337,34 @@ def native_bootstrap(bootstrap: str, module: Path) -> str:
     return json.dumps(doc)
 
 
+def envoy_fallback_route(bootstrap: str, header: str, value: str, port: int) -> str:
+    """`bootstrap` with a first route, for requests carrying `header: value`, to a cluster
+    `backup` at 127.0.0.1:port (the README's fallback route). Envoy picks the route again
+    when a filter changes the request's headers, so Diana's header chooses it."""
+    doc = json.loads(bootstrap)
+    routed = False
+    for listener in doc.get("static_resources", {}).get("listeners", []):
+        for chain in listener.get("filter_chains", []):
+            for net in chain.get("filters", []):
+                config = net.get("typed_config", {}).get("route_config")
+                for host in (config or {}).get("virtual_hosts", []):
+                    host["routes"].insert(0, {
+                        "match": {"prefix": "/", "headers": [{"name": header, "string_match": {"exact": value}}]},
+                        "route": {"cluster": "backup"},
+                    })
+                    routed = True
+    if not routed:
+        raise ProcessError("envoy_fallback_route: no virtual host in the bootstrap")
+    doc["static_resources"]["clusters"].append({
+        "name": "backup",
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "load_assignment": {"cluster_name": "backup", "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": {"socket_address": {"address": HOST, "port_value": port}}}}]}]},
+    })
+    return json.dumps(doc)
+
+
 class ManagedProcess:
     """A child process with its output in a log file, stopped by its own PID."""
 
@@ -467,12 +495,14 @@ def rss_bytes(pid: int) -> int:
 
 
 class Upstream(ManagedProcess):
-    def __init__(self, log_dir: Path, port: Optional[int] = None) -> None:
+    """The demo upstream; with `name`, its answers carry `x-upstream: <name>`."""
+
+    def __init__(self, log_dir: Path, port: Optional[int] = None, name: str = "") -> None:
         self.port = port or free_port()
         super().__init__(
-            "upstream",
-            [sys.executable, str(UPSTREAM_PY), "--host", HOST, "--port", str(self.port)],
-            log_dir / "upstream.log",
+            f"upstream-{name}" if name else "upstream",
+            [sys.executable, str(UPSTREAM_PY), "--host", HOST, "--port", str(self.port)] + (["--name", name] if name else []),
+            log_dir / (f"upstream-{name}.log" if name else "upstream.log"),
         )
 
     def start(self, timeout: float = 15.0) -> "Upstream":  # type: ignore[override]
@@ -507,7 +537,11 @@ class Envoy(ManagedProcess):
         extra_args: Sequence[str] = (),
         quota_token: Optional[str] = QUOTA_TOKEN,
         native: bool = False,
+        fallback_route: Optional[tuple[str, str, int]] = None,
     ) -> None:
+        """`fallback_route=(header, value, port)`: requests carrying `header: value` (a
+        breaker's `fallback_header`) are routed to 127.0.0.1:port, as README "Circuit
+        breakers" shows (envoy_fallback_route)."""
         self.native = native
         self.port = free_port()
         self.admin_port = free_port()
@@ -531,6 +565,8 @@ class Envoy(ManagedProcess):
         )
         if native:
             bootstrap = native_bootstrap(bootstrap, NATIVE_MODULE)
+        if fallback_route is not None:
+            bootstrap = envoy_fallback_route(bootstrap, *fallback_route)
         log_dir.mkdir(parents=True, exist_ok=True)
         self.bootstrap_path = log_dir / f"{name}.json"
         self.bootstrap_path.write_text(bootstrap)
@@ -658,6 +694,7 @@ class Nginx(ManagedProcess):
         direct_response: Optional[tuple[int, str]] = None,
         quota_token: Optional[str] = QUOTA_TOKEN,
         request_headers_in_access: bool = True,
+        fallback_route: Optional[tuple[str, str, int]] = None,
     ) -> None:
         self.port = free_port()
         self.workers = workers
@@ -683,6 +720,7 @@ class Nginx(ManagedProcess):
             eviction=eviction,
             raw_document=raw_document,
             direct_response=None if direct_response is None else (free_port(), *direct_response),
+            fallback_route=fallback_route,
         )
         if not request_headers_in_access:
             # A setup that forgot the directive (nginx/README.md: required): the request

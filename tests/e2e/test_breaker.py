@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 
-from harness import ConfigCenter, Quota, free_port, record, request, wait_until
+from harness import ConfigCenter, Quota, Upstream, free_port, record, request, wait_until
 
 BODY = "circuit open\n"
 
@@ -79,18 +79,32 @@ def test_slow_answers_open_it(start_gateway):
     assert 25 <= int(resp.header("retry-after")) <= 30, resp.headers
 
 
-def test_with_a_fallback_header_an_open_breaker_sends_the_request_on_marked(start_gateway):
-    gw = start_gateway(doc("failure_ratio: 0.5, min_calls: 4, open_seconds: 30, fallback_header: x-diana-fallback"))
-    # A client cannot choose the backup itself: its own value never reaches the upstream.
+def test_with_a_fallback_header_an_open_breaker_sends_the_request_to_the_backup(start_gateway, procs):
+    # The README's route: a request carrying `x-diana-fallback: dep` goes to the backup
+    # (Envoy: a route matching the header; nginx: a `map` on $http_x_diana_fallback).
+    backup = procs.add(Upstream(procs.log_dir, name="backup")).start()
+    gw = start_gateway(
+        doc("failure_ratio: 0.5, min_calls: 4, open_seconds: 30, fallback_header: x-diana-fallback"),
+        fallback_route=("x-diana-fallback", "dep", backup.port),
+    )
+    # A client cannot choose the backup itself: its own value never reaches a route or
+    # the upstream.
     forged = dep(gw.port, 200, headers={"x-diana-fallback": "dep"})
+    assert forged.status == 200 and forged.header("x-upstream") is None, forged.headers
     assert "x-diana-fallback" not in json.loads(forged.body), forged.body
     for _ in range(4):
         dep(gw.port, 500)
-    wait_until(lambda: "x-diana-fallback" in json.loads(dep(gw.port, 200).body or b"{}"), 3, "requests marked")
-    marked = dep(gw.port, 200)
+    wait_until(lambda: dep(gw.port, 200).header("x-upstream") == "backup", 3, "requests routed to the backup")
+    marked = dep(gw.port, 503)  # the main upstream would answer 503; the backup is asked for it too
     body = json.loads(marked.body)
-    record(f"{gw.label}: breaker open with fallback_header", f"status {marked.status}, upstream saw {body}")
-    assert marked.status == 200 and body["x-diana-fallback"] == "dep", body
+    record(
+        f"{gw.label}: breaker open with fallback_header",
+        f"status {marked.status} from {marked.header('x-upstream')}, which saw {body}",
+    )
+    assert marked.header("x-upstream") == "backup" and body["x-diana-fallback"] == "dep", (marked.headers, body)
+    # Other paths still go to the main upstream.
+    other = request(gw.port, "/other")
+    assert other.status == 200 and other.header("x-upstream") is None, other.headers
 
 
 def test_force_from_the_config_center_switches_it_at_the_next_poll(start_gateway):

@@ -368,3 +368,53 @@ fn a_global_breaker_is_shared_by_the_fleet_and_falls_back_when_the_service_is_si
         );
     }
 }
+
+/// The state gauge is one per gateway where the host shares metrics between workers: a
+/// worker that made an earlier transition must not leave its older state in it after
+/// another worker's later one. Here worker 1 makes open -> half-open and worker 0, later,
+/// half-open -> closed; worker 1's metrics are flushed last.
+#[test]
+fn the_state_gauge_shows_the_latest_transition_whichever_worker_made_it() {
+    for profile in HostProfile::ALL {
+        let mut sim = sim(profile, FAILING, 2);
+        sim.advance(Duration::from_secs(1));
+        for (worker, status) in [(0, 503), (0, 503), (0, 503), (0, 503)] {
+            assert!(call(
+                &mut sim,
+                worker,
+                "/pay",
+                status,
+                Duration::from_millis(5)
+            ));
+        }
+        sim.advance(Duration::from_millis(3_100));
+        let (first, one) = send(&mut sim, 1, "/pay");
+        let (second, two) = send(&mut sim, 0, "/pay");
+        assert!(
+            matches!(
+                (&one, &two),
+                (Some(Fate::Admitted(_)), Some(Fate::Admitted(_)))
+            ),
+            "{}: two probes {one:?} {two:?}",
+            profile.name
+        );
+        sim.respond(first, &[(":status", "200")]);
+        sim.end(first);
+        sim.respond(second, &[(":status", "200")]);
+        sim.end(second);
+        let (_, after) = send(&mut sim, 0, "/pay");
+        assert!(
+            matches!(after, Some(Fate::Admitted(_))),
+            "{}: closed after two good probes: {after:?}",
+            profile.name
+        );
+        sim.advance(Duration::from_secs(1));
+        sim.flush_metrics();
+        assert_eq!(
+            sim.host.metric("diana_breaker_state.pay"),
+            0,
+            "{}: the gauge after half-open -> closed",
+            profile.name
+        );
+    }
+}

@@ -25,7 +25,7 @@
 //! the service would (Envoy's `idle_timeout` on the `diana_quota` cluster, shorter than
 //! `--header-timeout-ms`: every bootstrap of this repository sets it).
 
-use crate::http::AppState;
+use crate::metrics::Metrics;
 use std::collections::HashMap;
 use std::future::Future;
 use std::io;
@@ -111,7 +111,7 @@ pub struct Gate {
     limits: ConnectionLimits,
     open: Mutex<Open>,
     /// Where its counts go (the service's metrics).
-    state: Option<AppState>,
+    metrics: Option<Arc<Metrics>>,
 }
 
 #[derive(Debug, Default)]
@@ -121,14 +121,18 @@ struct Open {
 }
 
 impl Gate {
-    /// The gate of `port` (`http` or `grpc`); `state`: the service whose metrics count its
+    /// The gate of `port` (`http` or `grpc`); `metrics`: the service's, which count its
     /// connections.
-    pub fn new(port: &'static str, limits: ConnectionLimits, state: Option<AppState>) -> Arc<Gate> {
+    pub fn new(
+        port: &'static str,
+        limits: ConnectionLimits,
+        metrics: Option<Arc<Metrics>>,
+    ) -> Arc<Gate> {
         Arc::new(Gate {
             port,
             limits,
             open: Mutex::new(Open::default()),
-            state,
+            metrics,
         })
     }
 
@@ -158,7 +162,7 @@ impl Gate {
             } else {
                 open.total += 1;
                 open.per_peer.insert(peer, from_peer + 1);
-                if let Some(metrics) = self.state.as_ref().map(AppState::metrics) {
+                if let Some(metrics) = self.metrics.as_deref() {
                     metrics.set_connections(self.port, open.total);
                 }
                 None
@@ -166,7 +170,7 @@ impl Gate {
         };
         match refused {
             Some(reason) => {
-                if let Some(metrics) = self.state.as_ref().map(AppState::metrics) {
+                if let Some(metrics) = self.metrics.as_deref() {
                     metrics.connection_refused(self.port, reason.label());
                 }
                 Err(reason)
@@ -187,14 +191,14 @@ impl Gate {
                 open.per_peer.remove(&peer);
             }
         }
-        if let Some(metrics) = self.state.as_ref().map(AppState::metrics) {
+        if let Some(metrics) = self.metrics.as_deref() {
             metrics.set_connections(self.port, open.total);
         }
     }
 
     /// One connection closed by the service for `reason` (`idle`, `header`).
     pub fn closed(&self, reason: &'static str) {
-        if let Some(metrics) = self.state.as_ref().map(AppState::metrics) {
+        if let Some(metrics) = self.metrics.as_deref() {
             metrics.connection_closed(self.port, reason);
         }
     }

@@ -14,7 +14,10 @@
 //! `--insecure-no-auth`.
 //!
 //! - [`auth`]: the secrets, and the check of every gateway request.
-//! - [`http`]: the router ([`app`]), handlers, load shedding and deadlines.
+//! - [`app`]: the service's state ([`AppState`], [`Settings`]) and what every handler
+//!   shares: load shedding, deadlines, bounded bodies, error answers.
+//! - [`http`]: the router ([`app()`]) and the gateway endpoints' handlers.
+//! - [`conn`]: each port's connection gate (caps per port and per peer, idle timeouts).
 //! - [`store`]: the storage seam ([`store::Store`]) with [`store::MemoryStore`] and [`store::RedisStore`].
 //! - [`metrics`]: Prometheus metrics.
 //! - [`report`] and [`fleet`]: the gateways' tick report (`POST /v1/report`: the fleet's
@@ -25,6 +28,7 @@
 //!   and RLQS (`StreamRateLimitQuotas`), on the same store.
 //! - [`Cli`], [`serve`] and [`run`]: what the binary does.
 
+pub mod app;
 pub mod auth;
 pub mod conn;
 pub mod error;
@@ -36,9 +40,10 @@ pub mod rls;
 pub mod store;
 pub mod ui;
 
+pub use app::{AppState, Settings};
 pub use auth::{Auth, AuthError, NO_SECRET};
 pub use error::StartError;
-pub use http::{app, AppState, Settings};
+pub use http::app;
 
 use auth::{Secret, TOKEN_ENV};
 use clap::Parser;
@@ -376,7 +381,7 @@ pub async fn serve(
     let router = app(state.clone());
     let settings = *state.settings();
     let limits = settings.connections;
-    let gate = conn::Gate::new("http", limits, Some(state.clone()));
+    let gate = conn::Gate::new("http", limits, Some(state.shared_metrics()));
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()

@@ -23,7 +23,7 @@
 //! must not blind the view): a gateway that gets a 503 sends its breakers' calls again
 //! with its next report (`Handle::restore_report`), not its rules' counts.
 
-use crate::http::{self, AppState};
+use crate::app::{self, AppState};
 use crate::store::{BreakerCall, Decided, FleetBreakers, StoreError};
 use axum::body::Body;
 use axum::extract::State;
@@ -38,21 +38,21 @@ pub const VIEW_PATH: &str = "/v1/view";
 
 /// `POST /v1/report`.
 pub async fn report(State(state): State<AppState>, headers: HeaderMap, body: Body) -> Response {
-    let admitted = match http::admit(&state, REPORT_PATH, &headers) {
+    let admitted = match app::admit(&state, REPORT_PATH, &headers) {
         Ok(admitted) => admitted,
         Err(refusal) => return refusal.answer(),
     };
     if admitted.budget.is_zero() {
-        return http::expired(&state, REPORT_PATH, admitted.budget);
+        return app::expired(&state, REPORT_PATH, admitted.budget);
     }
-    let read = http::read_body(&headers, body, MAX_REPORT_BYTES);
+    let read = app::read_body(&headers, body, MAX_REPORT_BYTES);
     let report = match tokio::time::timeout_at(admitted.deadline, read).await {
         Ok(Ok(bytes)) => match wire::decode(&bytes) {
             Ok(report) => report,
-            Err(refused) => return http::error(StatusCode::BAD_REQUEST, refused),
+            Err(refused) => return app::error(StatusCode::BAD_REQUEST, refused),
         },
         Ok(Err(answer)) => return answer,
-        Err(_) => return http::expired(&state, REPORT_PATH, admitted.budget),
+        Err(_) => return app::expired(&state, REPORT_PATH, admitted.budget),
     };
     state.fleet().record_report(&report);
     let fleet: Vec<usize> = report
@@ -95,20 +95,20 @@ pub async fn report(State(state): State<AppState>, headers: HeaderMap, body: Bod
     });
     let decided = match tokio::time::timeout_at(admitted.deadline, receiver).await {
         Ok(Ok(Ok(decided))) => decided,
-        Ok(Ok(Err(failure))) => return http::store_failure(&state, &failure),
+        Ok(Ok(Err(failure))) => return app::store_failure(&state, &failure),
         Ok(Err(_)) => {
-            return http::store_failure(
+            return app::store_failure(
                 &state,
                 &StoreError::Internal("the report task ended without an answer".into()),
             )
         }
         Err(_) => {
             state.metrics().store_error("timeout");
-            return http::expired(&state, REPORT_PATH, admitted.budget);
+            return app::expired(&state, REPORT_PATH, admitted.budget);
         }
     };
     if decided.len() != fleet.len() {
-        return http::store_failure(
+        return app::store_failure(
             &state,
             &StoreError::Internal(format!(
                 "{} answers for {} fleet breakers",
@@ -166,7 +166,7 @@ async fn give_back_late(breakers: &dyn FleetBreakers, calls: &[BreakerCall], lat
 pub async fn view(State(state): State<AppState>, headers: HeaderMap) -> Response {
     if let Err(rejection) = state.view_access().check(state.auth(), &headers) {
         state.metrics().unauthorized(rejection.label());
-        return http::unauthorized();
+        return app::unauthorized();
     }
     let snapshot = state.fleet().snapshot();
     let mut answer = Json(snapshot).into_response();

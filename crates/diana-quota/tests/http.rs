@@ -518,7 +518,7 @@ fn command_line() {
     assert_eq!(settings, Settings::default());
     // The arithmetic of the defaults: the service answers before the gateway gives up
     // (50 ms), and a connection plus an answer from Redis fit in its deadline.
-    assert!(settings.deadline + settings.timeout_margin <= diana_quota::http::GATEWAY_TIMEOUT);
+    assert!(settings.deadline + settings.timeout_margin <= diana_quota::app::GATEWAY_TIMEOUT);
     assert!(
         Duration::from_millis(cli.redis_connect_timeout_ms + cli.redis_timeout_ms)
             <= settings.deadline

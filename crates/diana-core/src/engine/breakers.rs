@@ -195,13 +195,24 @@ impl Breakers {
     }
 
     /// From the tick: every handle's pending calls go into the record, and the
-    /// transitions that only need time are made.
+    /// transitions that only need time are made. The state gauge is set to the state just
+    /// read from the record: the gauge is one per gateway on hosts that share metrics
+    /// between workers, and the last worker to write it on a transition may have written
+    /// an older state than another worker's later transition; every tick puts it right.
     pub(crate) fn flush(&self, cx: &mut Cx<'_>, store: &Store) {
         for breaker in 0..self.specs.len() {
             let flushed = self.with(breaker, cx.now, |handle, _| {
-                handle.flush(store, cx.shared, cx.now)
+                let flushed = handle.flush(store, cx.shared, cx.now);
+                let status = flushed.is_ok().then(|| handle.status());
+                (flushed, status)
             });
-            self.settled(cx, breaker, flushed);
+            let Some((flushed, status)) = flushed else {
+                continue;
+            };
+            self.settled(cx, breaker, Some(flushed));
+            if let (Some(status), Some(spec)) = (status, self.specs.get(breaker)) {
+                cx.metrics.breaker_state(spec.index, status.gauge());
+            }
         }
     }
 

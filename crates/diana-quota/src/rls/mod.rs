@@ -27,8 +27,8 @@ pub mod service;
 pub use config::{load, ConfigError, RlsConfig};
 pub use keys::{CounterKeys, KeyError};
 
+use crate::app::AppState;
 use crate::auth::Auth;
-use crate::http::AppState;
 use crate::store::{Outcome, Spend, Spending, Spent, StoreError};
 use diana_core::algo::{Algorithm, Limit};
 use diana_core::wire::ResolvedRule;
@@ -452,7 +452,7 @@ pub async fn serve(
     let gate = crate::conn::Gate::new(
         "grpc",
         rls.state().settings().connections,
-        Some(rls.state().clone()),
+        Some(rls.state().shared_metrics()),
     );
     // Each connection waiting here holds a place of the gate: the channel never holds more
     // than the port's cap, so none is dropped for want of room.

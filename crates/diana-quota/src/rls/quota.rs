@@ -496,7 +496,7 @@ pub fn share(
 
 /// Charges `tokens` to a counter whatever is left (in chunks the wire format allows).
 async fn charge(
-    state: &crate::http::AppState,
+    state: &crate::app::AppState,
     key: &str,
     algo: &'static dyn Algorithm,
     limit: &Limit,
@@ -546,7 +546,7 @@ async fn charge(
 /// Takes one token if the counter has one (the answer says when it will otherwise);
 /// `None` when the store does not answer.
 async fn probe(
-    state: &crate::http::AppState,
+    state: &crate::app::AppState,
     key: &str,
     algo: &'static dyn Algorithm,
     limit: &Limit,

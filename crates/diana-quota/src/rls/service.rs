@@ -176,7 +176,7 @@ impl RateLimiter {
             return Err(Status::invalid_argument(reason.to_string()));
         }
         let Some(permit) = state.try_admit(RLS_PATH) else {
-            return Err(Status::resource_exhausted(crate::http::OVERLOADED));
+            return Err(Status::resource_exhausted(crate::app::OVERLOADED));
         };
         let config = rls.config();
         // The call's cost is stated when Envoy sends one (`hits_addend` ≥ 1); 0 is the

@@ -151,7 +151,7 @@ fn redact(url: &str) -> String {
 }
 
 /// Timeouts of the Redis store. Both stay below the service's request deadline (40 ms by
-/// default, `http::Settings::deadline`), which stays below the gateway's callout timeout
+/// default, `app::Settings::deadline`), which stays below the gateway's callout timeout
 /// (50 ms by default): see `docs/wire-format.md`, "Deadlines".
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RedisOptions {
