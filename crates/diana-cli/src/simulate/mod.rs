@@ -1,6 +1,7 @@
 //! `diana simulate POLICY LOG`: replays a request log through a policy with the log's own
 //! clock — the filter's own worker (`diana_core::worker`) on a simulated host, no gateway —
-//! and tallies per rule and per second what would have been admitted, delayed and rejected.
+//! and tallies per rule and per second what would have been admitted, delayed and rejected,
+//! and what the document's circuit breakers did.
 //!
 //! - Every request goes through the worker at its log time, and time passes between
 //!   requests as in a gateway: the worker's tick runs at the gateway's period (local
@@ -15,6 +16,23 @@
 //!   asked), answered at once: a callout never fails or times out here.
 //! - A leaky-bucket wait is a "delayed" admission with its delay; the request is not held
 //!   (its turn is reserved, as in the gateway).
+//! - An admitted request's answer (the log's status and response headers) comes at its
+//!   log time plus its duration (or when it left Diana, if a leaky bucket held it past
+//!   that), in time order with the requests (a heap of answers, drained before every
+//!   later request and at the end), and the request ends then: the circuit breakers judge
+//!   the time from leaving Diana to the answer and its status, response costs are charged,
+//!   `max_in_flight` places are held until then. A line without a duration is answered
+//!   at once. A line without a status (or Envoy's 0, "no answer came") gets no response
+//!   headers: the request just ends, which the worker judges as a reset (a failed call of
+//!   its breakers).
+//! - A request an open breaker answered is *fast-failed* (not a rejection by a rule); one
+//!   it sent on with its `fallback_header` counts as admitted and as fallback. Both are
+//!   read from the worker's own `diana_breaker_fast_failed` counter and its fate, never
+//!   decided here. Each breaker's transitions come from the worker as values (with their
+//!   instants, [`diana_core::worker::Host::breaker_transition`]), its calls, slow and
+//!   failed from its counters ([`breakers`]). `--gateways N`: a `scope: local` breaker is
+//!   each gateway's own; a `scope: global` one reports to the shared quota service at
+//!   each gateway's tick and follows the fleet's state it answers.
 //! - The log is streamed: a bounded reordering buffer ([`REORDER_SECONDS`] by default) puts requests back in
 //!   time order (an Envoy access log is written when a request ends, so its lines are not
 //!   in start order); a line later than that is replayed at the simulation's current time
