@@ -38,6 +38,8 @@ pub struct GatewayCounts {
     pub open: Nanos,
     /// Its state at the end of the replay.
     pub last: Status,
+    /// Its transitions, listed or not.
+    pub transitions: u64,
 }
 
 impl Default for GatewayCounts {
@@ -51,6 +53,7 @@ impl Default for GatewayCounts {
             open: Nanos::ZERO,
             // Where every breaker starts.
             last: Status::Closed,
+            transitions: 0,
         }
     }
 }
@@ -169,6 +172,7 @@ impl Breakers {
             }
             if let Some(counts) = run.gateways.get_mut(gateway) {
                 counts.last = transition.to;
+                counts.transitions += 1;
             }
         }
     }
@@ -464,6 +468,57 @@ mod tests {
         let fast: Vec<u64> = run.gateways.iter().map(|g| g.fast_failed).collect();
         assert_eq!(fast, [2, 2]);
         assert_eq!(simulation.tally.total.all.fast_failed, 4);
+    }
+
+    #[test]
+    fn transitions_past_the_bound_are_counted_not_listed() {
+        use super::{Breakers, MAX_TRANSITIONS};
+        use diana_core::breaker::{Cause, Status, Tally, Transition};
+        use diana_core::time::Instant;
+        let document = "resources:\n  - Url: /pay\n    breaker: {failure_ratio: 1}\n";
+        let policy = parse_policy(document).unwrap();
+        let mut breakers = Breakers::new(&policy, 1);
+        let extra = 5;
+        // Open for 1 s, closed for 1 s, over and over.
+        let handed: Vec<_> = (0..MAX_TRANSITIONS + extra)
+            .map(|k| {
+                let (from, to) = if k % 2 == 0 {
+                    (Status::Closed, Status::Open)
+                } else {
+                    (Status::Open, Status::Closed)
+                };
+                let at = Instant::from_unix_nanos(T0 * 1_000_000_000 + k as u64 * 1_000_000_000);
+                let cause = Cause::Forced(diana_core::breaker::Force::Auto);
+                (
+                    0,
+                    at,
+                    Transition {
+                        from,
+                        to,
+                        cause,
+                        figures: Tally::ZERO,
+                    },
+                )
+            })
+            .collect();
+        breakers.transitions(0, handed);
+        let end = Instant::from_unix_nanos((T0 + 2_000) * 1_000_000_000);
+        breakers.finish(end, |_, _| 0);
+        let run = &breakers.runs[0];
+        assert_eq!(run.transitions.len(), MAX_TRANSITIONS);
+        assert_eq!(run.transitions_total, (MAX_TRANSITIONS + extra) as u64);
+        assert_eq!(
+            run.gateways[0].transitions,
+            (MAX_TRANSITIONS + extra) as u64
+        );
+        // 503 openings of 1 s each (the last, at 1004 s, still open until 2000 s).
+        let openings = (MAX_TRANSITIONS + extra).div_ceil(2) as u64;
+        let last_opened = (MAX_TRANSITIONS + extra - 1) as u64;
+        assert_eq!(
+            run.gateways[0].open.get(),
+            ((openings - 1) + (2_000 - last_opened)) * 1_000_000_000
+        );
+        assert_eq!(run.gateways[0].last, Status::Open);
     }
 
     #[test]

@@ -362,13 +362,7 @@ fn breakers_text(policy: &Policy, simulation: &Simulation) -> String {
                 row.push(gateway.to_string());
             }
             row.extend(gateway_cells(counts));
-            row.push(
-                run.transitions
-                    .iter()
-                    .filter(|t| t.gateway == gateway)
-                    .count()
-                    .to_string(),
-            );
+            row.push(counts.transitions.to_string());
             rows.push(row);
         }
     }
@@ -513,6 +507,7 @@ fn breakers_json(policy: &Policy, simulation: &Simulation) -> Value {
                     "fast_failed": counts.fast_failed,
                     "open_ms": milliseconds(counts.open),
                     "state_at_end": counts.last.name(),
+                    "transitions": counts.transitions,
                 })).collect::<Vec<_>>(),
                 "transitions_total": run.transitions_total,
                 "transitions": run.transitions.iter().map(|at| json!({

@@ -237,7 +237,7 @@ pub fn render_svg(policy: &Policy, simulation: &Simulation, source: &str, interv
             });
             let mut drawn = 0;
             for (row, run) in breakers.runs.iter().enumerate() {
-                for &(from, to, gateway) in &run.open_periods {
+                for (number, &(from, to, gateway)) in run.open_periods.iter().enumerate() {
                     if drawn >= MAX_BANDS {
                         break;
                     }
@@ -255,13 +255,17 @@ pub fn render_svg(policy: &Policy, simulation: &Simulation, source: &str, interv
                         x1 - x0,
                         escape(&run.name)
                     );
-                    let _ = writeln!(
-                        svg,
-                        r#"<text x="{:.2}" y="{:.1}" fill="{OPEN}">{} open</text>"#,
-                        x0 + 3.0,
-                        top + 12.0 + 12.0 * row as f64,
-                        escape(&run.name)
-                    );
+                    // Named where the name fits (and on the first): short openings close
+                    // together would print over each other.
+                    if number == 0 || x1 - x0 >= 40.0 {
+                        let _ = writeln!(
+                            svg,
+                            r#"<text x="{:.2}" y="{:.1}" fill="{OPEN}">{} open</text>"#,
+                            x0 + 3.0,
+                            top + 12.0 + 12.0 * row as f64,
+                            escape(&run.name)
+                        );
+                    }
                 }
             }
         }
