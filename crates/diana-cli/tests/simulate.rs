@@ -526,3 +526,110 @@ fn requests_hold_their_concurrency_places_as_long_as_the_log_says_they_lasted() 
     let report: Value = serde_json::from_str(&stdout_of(&out)).unwrap();
     assert_eq!(report["rules"][0]["totals"]["rejected"], 0, "{report:#}");
 }
+
+/// A breaker on /pay in front of a generous rule: 30 answers of 200, 25 of 503, 60 of 200,
+/// one request every 100 ms from 2026-01-01T00:00:00Z, each answered in 20 ms.
+const BREAKER_POLICY: &str = "\
+resources:
+  - Url: /pay
+    breaker: {failure_ratio: 0.4, min_calls: 20, open_seconds: 5, half_open_calls: 2}
+    rules:
+      - {name: pay_all, algo: W, rpu: 100, unit: second}
+";
+
+fn breaker_log() -> String {
+    let t0: u64 = T0.parse().unwrap();
+    (0..115u64)
+        .map(|index| {
+            let status = if (30..55).contains(&index) { 503 } else { 200 };
+            format!(
+                "{{\"ts\": {}.{}, \"path\": \"/pay\", \"status\": {status}, \"duration_ms\": 20}}\n",
+                t0 + index / 10,
+                index % 10
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn breakers_show_their_transitions_in_every_report() {
+    let (out, dir) = simulate(
+        BREAKER_POLICY,
+        breaker_log().as_bytes(),
+        &["--totals", "--svg", "chart.svg"],
+    );
+    let text = stdout_of(&out);
+    // The 20th 503 (sent at 4.9 s, answered at 4.92 s) makes 20 failed of 50 calls: open
+    // until 9.92 s, so the 50 requests of 5.0 s to 9.9 s fail fast without reaching the
+    // rule; the request of 10.0 s finds it over and probes, with the one of 10.1 s,
+    // answered at 10.12 s: closed.
+    let expected = "\
+totals   admitted  delayed  rejected  dry-run  fast-failed  max delay  mean delay
+pay_all        65        0         0        0                       -           -
+(all)          65        0         0        0           50          -           -
+115 requests: 65 admitted, 0 delayed, 0 rejected, 50 fast-failed by a breaker, 0 sent to a breaker's fallback; 0 matched no rule; 0 callouts to the simulated quota service
+
+breakers
+breaker  scope  opens when          min calls  window  open for  probes  force  fallback
+pay      local  failed [5xx] ≥ 0.4         20    10 s   5.000 s       2   auto         -
+
+breaker totals  calls  slow  failed  no answer  fast-failed  time open  state at end  transitions
+pay                65     0      20          0           50    5.080 s        closed            3
+
+transitions of pay: 3
+after start  time                      from       to         why                        calls  slow  failed
++4.920 s     2026-01-01T00:00:04.920Z  closed     open       failed share reached          50  0.0%   40.0%
++10.000 s    2026-01-01T00:00:10.000Z  open       half-open  open_seconds over              0     -       -
++10.120 s    2026-01-01T00:00:10.120Z  half-open  closed     every probe answered well      2  0.0%    0.0%
+";
+    assert!(text.ends_with(expected), "{text}");
+    let chart = std::fs::read_to_string(dir.path().join("chart.svg")).unwrap();
+    assert!(chart.contains("<title>breaker pay open</title>"), "{chart}");
+    assert!(chart.contains("10 fast-failed</title>"), "{chart}");
+
+    let (out, _) = simulate(BREAKER_POLICY, breaker_log().as_bytes(), &["--json"]);
+    let json: Value = serde_json::from_str(&stdout_of(&out)).unwrap();
+    assert_eq!(json["all"]["fast_failed"], 50);
+    let breaker = &json["breakers"][0];
+    assert_eq!(breaker["name"], "pay");
+    assert_eq!(breaker["gateways"][0]["calls"], 65);
+    assert_eq!(breaker["gateways"][0]["failed"], 20);
+    assert_eq!(breaker["gateways"][0]["open_ms"], 5080.0);
+    assert_eq!(breaker["transitions_total"], 3);
+    let transitions: Vec<(f64, &str, &str)> = breaker["transitions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| {
+            (
+                t["at_ms"].as_f64().unwrap(),
+                t["from"].as_str().unwrap(),
+                t["to"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        transitions,
+        [
+            (4920.0, "closed", "open"),
+            (10000.0, "open", "half-open"),
+            (10120.0, "half-open", "closed")
+        ]
+    );
+    // The seconds the breaker was open: 10 fast-failed each.
+    let fast: Vec<u64> = json["seconds"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|second| second["all"]["fast_failed"].as_u64().unwrap())
+        .collect();
+    assert_eq!(fast, [0, 0, 0, 0, 0, 10, 10, 10, 10, 10, 0, 0]);
+
+    // Without breakers, nothing of them is printed.
+    let (out, _) = simulate(POLICY, mixed_log().as_bytes(), &["--totals"]);
+    let text = stdout_of(&out);
+    assert!(
+        !text.contains("breaker") && !text.contains("fast-failed"),
+        "{text}"
+    );
+}

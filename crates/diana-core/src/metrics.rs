@@ -333,6 +333,15 @@ pub trait MetricSink {
     fn breaker_event(&mut self, _breaker: usize, _event: BreakerEvent, _count: u64) {}
     /// A breaker's state as this worker last saw it: 0 closed, 1 open, 2 half-open.
     fn breaker_state(&mut self, _breaker: usize, _state: u8) {}
+    /// A breaker changed state at `at`: the same value its log line is rendered from, for
+    /// a host that keeps transitions as data (the simulated gateway of `diana simulate`).
+    fn breaker_transition(
+        &mut self,
+        _breaker: usize,
+        _at: crate::time::Instant,
+        _transition: &crate::breaker::Transition,
+    ) {
+    }
 }
 
 /// A sink that drops everything.

@@ -194,6 +194,14 @@ pub fn format_seconds(seconds: u64) -> String {
     )
 }
 
+/// `2026-11-22T10:00:00.250Z`: an instant to the millisecond.
+pub fn format_millis(instant: Instant) -> String {
+    let nanos = instant.unix_nanos();
+    let seconds = format_seconds(nanos / 1_000_000_000);
+    let millis = nanos % 1_000_000_000 / 1_000_000;
+    format!("{}.{millis:03}Z", seconds.trim_end_matches('Z'))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

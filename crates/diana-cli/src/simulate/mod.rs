@@ -1,6 +1,7 @@
 //! `diana simulate POLICY LOG`: replays a request log through a policy with the log's own
 //! clock — the filter's own worker (`diana_core::worker`) on a simulated host, no gateway —
-//! and tallies per rule and per second what would have been admitted, delayed and rejected.
+//! and tallies per rule and per second what would have been admitted, delayed and rejected,
+//! and what the document's circuit breakers did.
 //!
 //! - Every request goes through the worker at its log time, and time passes between
 //!   requests as in a gateway: the worker's tick runs at the gateway's period (local
@@ -15,11 +16,29 @@
 //!   asked), answered at once: a callout never fails or times out here.
 //! - A leaky-bucket wait is a "delayed" admission with its delay; the request is not held
 //!   (its turn is reserved, as in the gateway).
+//! - An admitted request's answer (the log's status and response headers) comes at its
+//!   log time plus its duration (or when it left Diana, if a leaky bucket held it past
+//!   that), in time order with the requests (a heap of answers, drained before every
+//!   later request and at the end), and the request ends then: the circuit breakers judge
+//!   the time from leaving Diana to the answer and its status, response costs are charged,
+//!   `max_in_flight` places are held until then. A line without a duration is answered
+//!   at once. A line without a status (or Envoy's 0, "no answer came") gets no response
+//!   headers: the request just ends, which the worker judges as a reset (a failed call of
+//!   its breakers).
+//! - A request an open breaker answered is *fast-failed* (not a rejection by a rule); one
+//!   it sent on with its `fallback_header` counts as admitted and as fallback. Both are
+//!   read from the worker's own `diana_breaker_fast_failed` counter and its fate, never
+//!   decided here. Each breaker's transitions come from the worker as values (with their
+//!   instants, [`diana_core::worker::Host::breaker_transition`]), its calls, slow and
+//!   failed from its counters ([`breakers`]). `--gateways N`: a `scope: local` breaker is
+//!   each gateway's own; a `scope: global` one reports to the shared quota service at
+//!   each gateway's tick and follows the fleet's state it answers.
 //! - The log is streamed: a bounded reordering buffer ([`REORDER_SECONDS`] by default) puts requests back in
 //!   time order (an Envoy access log is written when a request ends, so its lines are not
 //!   in start order); a line later than that is replayed at the simulation's current time
 //!   and counted as late.
 
+mod breakers;
 mod clock;
 mod log;
 mod report;
@@ -30,6 +49,7 @@ pub use self::log::{EnvoyField, EnvoyFieldError, Format};
 pub use self::report::{render_json, render_text};
 pub use self::svg::render_svg;
 
+pub use self::breakers::Breakers;
 use self::log::{parse_line, Line, LineError, LineReader, RawLine, Request};
 use self::tally::{Fate, Tally};
 use diana_core::config::Policy;
@@ -97,6 +117,8 @@ pub struct Simulation {
     /// Requests with no fate once their calls were answered at their own instant: neither
     /// admitted, replied to nor waiting (counted as rejected; never expected).
     pub unresolved: u64,
+    /// What the document's circuit breakers did (empty without breakers).
+    pub breakers: Breakers,
 }
 
 /// Why a replay stopped. Malformed lines do not stop it: they are counted.
@@ -151,6 +173,7 @@ pub fn simulate<R: BufRead>(
     while let Some(ready) = buffer.pop() {
         replay.request(&ready, &mut stats);
     }
+    replay.finish();
     let callouts = replay.quota.borrow().calls();
     Ok(Simulation {
         input: stats,
@@ -158,6 +181,7 @@ pub fn simulate<R: BufRead>(
         gateways: replay.gateways.len(),
         unresolved: replay.unresolved,
         tally: replay.tally,
+        breakers: replay.breakers,
     })
 }
 
@@ -250,9 +274,24 @@ struct Replay {
     clock: Instant,
     tally: Tally,
     unresolved: u64,
-    /// Admitted requests still inside (the log says how long they lasted), by when they
-    /// end: what they hold (a `max_in_flight` place) is held until then.
-    inside: BinaryHeap<Reverse<(Instant, usize, u32)>>,
+    /// Admitted requests still inside (the log says how long they lasted), by when their
+    /// answer comes and they end: what they hold (a `max_in_flight` place) is held until
+    /// then, and the breakers judge the answer then.
+    inside: BinaryHeap<Reverse<Inside>>,
+    /// Numbers the requests inside, so that those ending at one instant end in order.
+    admitted: u64,
+    breakers: Breakers,
+}
+
+/// An admitted request until its answer and end: (when, order of admission, gateway,
+/// context), and what the upstream answered (`None`: the log does not say — it ends
+/// without response headers).
+#[derive(PartialEq, Eq, PartialOrd, Ord)]
+struct Inside {
+    key: (Instant, u64),
+    gateway: usize,
+    context: u32,
+    response: Option<Vec<(String, Vec<u8>)>>,
 }
 
 impl Replay {
@@ -288,6 +327,8 @@ impl Replay {
             clock: Instant::EPOCH,
             unresolved: 0,
             inside: BinaryHeap::new(),
+            admitted: 0,
+            breakers: Breakers::new(policy, count.max(1)),
         }
     }
 
@@ -326,25 +367,16 @@ impl Replay {
         if self.gateways.is_empty() && self.start(now).is_err() {
             return;
         }
-        // The requests that ended by now leave first, each when it ended: what their end
-        // sends (places given back to the quota service) goes at the tick after.
-        while let Some(&Reverse((end, gateway, context))) = self.inside.peek() {
-            if end > now {
-                break;
-            }
-            self.inside.pop();
-            for gateway in &mut self.gateways {
-                gateway.sim.advance_to(end);
-            }
-            if let Some(gateway) = self.gateways.get_mut(gateway) {
-                gateway.sim.forget(context);
-            }
-        }
+        // The requests answered by now are answered first, and end, each at its own time:
+        // what their end sends (places given back to the quota service) goes at the tick
+        // after.
+        self.answer_until(now);
         // Every gateway lives through the time that passed: its ticks run at the
         // gateway's period (batches returned, stashes refilled ahead, waiters resumed).
         for gateway in &mut self.gateways {
             gateway.sim.advance_to(now);
         }
+        self.collect_transitions();
         let index = self.next % self.gateways.len();
         self.next = index + 1;
         let Some(gateway) = self.gateways.get_mut(index) else {
@@ -355,7 +387,13 @@ impl Replay {
         let context = gateway.sim.send_raw(0, request.client_ip.clone(), headers);
         // Calls are answered at once: deliver them at this same instant.
         gateway.sim.advance_to(now);
-        let fate = match gateway.sim.fate(context) {
+        gateway.sim.flush_metrics();
+        // An open breaker's fast fail is what its counter says, from the worker itself:
+        // answered (a local reply), or sent on to the fallback.
+        let breaker_failed = self
+            .breakers
+            .fast_failed(index, |name| gateway.sim.host.metric(name));
+        let mut fate = match gateway.sim.fate(context) {
             Some(SimFate::Admitted(_)) | Some(SimFate::Replied(200)) => Fate::Admitted,
             Some(SimFate::Replied(_)) => Fate::Rejected,
             _ => match gateway.sim.waiting_until(context) {
@@ -367,31 +405,47 @@ impl Replay {
                 }
             },
         };
-        // An admitted request's answer, as the log tells it, settles its rules (response
-        // costs, counted statuses).
-        if fate != Fate::Rejected && !request.response.is_empty() {
-            let response: Vec<(&str, String)> = request
+        let fallback = breaker_failed && fate != Fate::Rejected;
+        if breaker_failed && fate == Fate::Rejected {
+            fate = Fate::FastFailed;
+        }
+        // An admitted request's answer, as the log tells it, comes when the log says it
+        // ended: the breakers judge it then (the time from leaving Diana to the answer),
+        // and it settles its rules (response costs, counted statuses). An Envoy status of
+        // 0 says no answer came: it ends without response headers, as in the gateway.
+        let response = (!request.response.is_empty()
+            && !request
                 .response
                 .iter()
-                .map(|(name, value)| (name.as_str(), String::from_utf8_lossy(value).into_owned()))
-                .collect();
-            let response: Vec<(&str, &str)> = response
-                .iter()
-                .map(|(name, value)| (*name, value.as_str()))
-                .collect();
-            gateway.sim.respond(context, &response);
-        }
-        // Its turn stays taken, as in the gateway; the request itself is held only while
-        // the log says it lasted.
-        if fate != Fate::Rejected && !request.duration.is_zero() {
-            self.inside.push(Reverse((
-                now.saturating_add(request.duration),
-                index,
+                .any(|(name, value)| name == ":status" && value.as_slice() == b"0"))
+        .then(|| request.response.clone());
+        let passed = matches!(fate, Fate::Admitted | Fate::Delayed(_));
+        let left = match fate {
+            Fate::Delayed(delay) => now.saturating_add(delay),
+            _ => now,
+        };
+        if passed && !request.duration.is_zero() {
+            // Its turn stays taken, as in the gateway; the request itself is held only
+            // while the log says it lasted (a log's duration counts from the request's
+            // arrival), and never ends before it left.
+            self.admitted += 1;
+            self.inside.push(Reverse(Inside {
+                key: (
+                    now.saturating_add(request.duration).max(left),
+                    self.admitted,
+                ),
+                gateway: index,
                 context,
-            )));
+                response,
+            }));
         } else {
-            gateway.sim.forget(context);
+            let response = response.filter(|_| passed);
+            Self::answer(gateway, &mut self.breakers, index, context, response);
         }
+        self.collect_transitions();
+        let Some(gateway) = self.gateways.get_mut(index) else {
+            return;
+        };
         gateway.sim.flush_metrics();
         let mut events = Vec::new();
         for ((rule, event, name), seen) in self.metrics.iter().zip(gateway.seen.iter_mut()) {
@@ -401,7 +455,99 @@ impl Replay {
             }
             *seen = value;
         }
-        self.tally
-            .record(request.ts.periods(NANOS_PER_SECOND), fate, &events);
+        self.tally.record(
+            request.ts.periods(NANOS_PER_SECOND),
+            fate,
+            fallback,
+            &events,
+        );
+    }
+
+    /// The upstream answers `context` with `response` (`None`: no response headers) and
+    /// the request ends, at the gateway's current time.
+    fn answer(
+        gateway: &mut Gateway,
+        breakers: &mut Breakers,
+        index: usize,
+        context: u32,
+        response: Option<Vec<(String, Vec<u8>)>>,
+    ) {
+        if let Some(response) = &response {
+            let response: Vec<(&str, String)> = response
+                .iter()
+                .map(|(name, value)| (name.as_str(), String::from_utf8_lossy(value).into_owned()))
+                .collect();
+            let response: Vec<(&str, &str)> = response
+                .iter()
+                .map(|(name, value)| (*name, value.as_str()))
+                .collect();
+            gateway.sim.respond(context, &response);
+        }
+        gateway.sim.forget(context);
+        if breakers.is_empty() {
+            return;
+        }
+        gateway.sim.flush_metrics();
+        let metric = |name: &str| gateway.sim.host.metric(name);
+        if response.is_none() {
+            breakers.ended_unanswered(index, metric);
+        } else {
+            breakers.answered(index, metric);
+        }
+    }
+
+    /// Answers and ends every request inside whose time has come by `now`, in time order,
+    /// every gateway's clock brought to each answer's time first.
+    fn answer_until(&mut self, now: Instant) {
+        while let Some(Reverse(inside)) = self.inside.peek() {
+            let at = inside.key.0;
+            if at > now {
+                break;
+            }
+            let Some(Reverse(inside)) = self.inside.pop() else {
+                break;
+            };
+            for gateway in &mut self.gateways {
+                gateway.sim.advance_to(at);
+            }
+            self.clock = self.clock.max(at);
+            if let Some(gateway) = self.gateways.get_mut(inside.gateway) {
+                Self::answer(
+                    gateway,
+                    &mut self.breakers,
+                    inside.gateway,
+                    inside.context,
+                    inside.response,
+                );
+            }
+            self.collect_transitions();
+        }
+    }
+
+    /// The breakers' transitions every gateway's workers handed over.
+    fn collect_transitions(&mut self) {
+        if self.breakers.is_empty() {
+            return;
+        }
+        for (index, gateway) in self.gateways.iter().enumerate() {
+            gateway.sim.flush_metrics();
+            self.breakers
+                .transitions(index, gateway.sim.host.take_transitions());
+        }
+    }
+
+    /// After the last request: the answers still to come, then the breakers' counters.
+    fn finish(&mut self) {
+        if let Some(last) = self.inside.iter().map(|Reverse(inside)| inside.key.0).max() {
+            self.answer_until(last);
+        }
+        self.collect_transitions();
+        let end = self.clock;
+        let gateways = &self.gateways;
+        self.breakers.finish(end, |gateway, name| {
+            gateways
+                .get(gateway)
+                .map_or(0, |gateway| gateway.sim.host.metric(name))
+        });
     }
 }

@@ -1,7 +1,8 @@
 //! The simulation as a self-contained SVG chart, written by hand: one panel for all
 //! requests, then one per rule, time on x, requests per second on y, bars stacked
-//! admitted / delayed / rejected, and a dashed line for what dry-run rules would have
-//! rejected.
+//! admitted / delayed / rejected (and, with circuit breakers, fast-failed), and a dashed
+//! line for what dry-run rules would have rejected. Each breaker's open periods shade the
+//! all-requests panel, named.
 
 use super::clock::format_seconds;
 use super::report::limit_text;
@@ -26,6 +27,10 @@ const ADMITTED: &str = "#2ca02c";
 const DELAYED: &str = "#ff7f0e";
 const REJECTED: &str = "#d62728";
 const DRY_RUN: &str = "#222";
+const FAST_FAILED: &str = "#9467bd";
+const OPEN: &str = "#9467bd";
+/// Most open periods drawn (each breaker lists at most [`super::breakers::MAX_TRANSITIONS`]).
+const MAX_BANDS: usize = 2_000;
 
 fn escape(text: &str) -> String {
     text.replace('&', "&amp;")
@@ -148,20 +153,29 @@ pub fn render_svg(policy: &Policy, simulation: &Simulation, source: &str, interv
     };
     let _ = writeln!(
         svg,
-        r#"<text x="{}" y="40" text-anchor="middle">{} requests from {}: {} admitted, {} delayed, {} rejected; {bin_text}</text>"#,
+        r#"<text x="{}" y="40" text-anchor="middle">{} requests from {}: {} admitted, {} delayed, {} rejected{}; {bin_text}</text>"#,
         WIDTH / 2.0,
         simulation.input.requests,
         format_seconds(first),
         total.admitted,
         total.delayed,
         total.rejected,
+        if simulation.breakers.is_empty() {
+            String::new()
+        } else {
+            format!(", {} fast-failed", total.fast_failed)
+        },
     );
-    let legend = [
+    let breakers = &simulation.breakers;
+    let mut legend = vec![
         (ADMITTED, "admitted", false),
         (DELAYED, "delayed (leaky bucket)", false),
         (REJECTED, "rejected", false),
-        (DRY_RUN, "dry run: would reject", true),
     ];
+    if !breakers.is_empty() {
+        legend.push((FAST_FAILED, "fast-failed (breaker open)", false));
+    }
+    legend.push((DRY_RUN, "dry run: would reject", true));
     let mut x = LEFT;
     for (color, label, dashed) in legend {
         if dashed {
@@ -197,7 +211,7 @@ pub fn render_svg(policy: &Policy, simulation: &Simulation, source: &str, interv
             .iter()
             .flatten()
             .map(|c| {
-                ((c.admitted + c.delayed + c.rejected) as f64 / seconds)
+                ((c.admitted + c.delayed + c.rejected + c.fast_failed) as f64 / seconds)
                     .max(c.dry_run as f64 / seconds)
             })
             .fold(0.0, f64::max);
@@ -211,6 +225,50 @@ pub fn render_svg(policy: &Policy, simulation: &Simulation, source: &str, interv
             top - 6.0,
             escape(&panel.title)
         );
+        if number_in_list == 0 {
+            // Each breaker's open periods, behind the bars, on its own row of labels.
+            let span_nanos = (span as f64) * 1e9;
+            let origin = start as f64 * 1e9;
+            let x_of = |nanos: u64| {
+                LEFT + plot_width * ((nanos as f64 - origin) / span_nanos).clamp(0.0, 1.0)
+            };
+            let end_nanos = simulation.input.last.map_or(0, |last| {
+                last.unix_nanos().max((start + span) * 1_000_000_000)
+            });
+            let mut drawn = 0;
+            for (row, run) in breakers.runs.iter().enumerate() {
+                for (number, &(from, to, gateway)) in run.open_periods.iter().enumerate() {
+                    if drawn >= MAX_BANDS {
+                        break;
+                    }
+                    drawn += 1;
+                    let x0 = x_of(from.unix_nanos());
+                    let x1 = x_of(to.map_or(end_nanos, |to| to.unix_nanos())).max(x0 + 1.0);
+                    let gateway = if simulation.gateways > 1 {
+                        format!(" (gateway {gateway})")
+                    } else {
+                        String::new()
+                    };
+                    let _ = writeln!(
+                        svg,
+                        r#"<rect x="{x0:.2}" y="{top}" width="{:.2}" height="{PLOT_HEIGHT}" fill="{OPEN}" fill-opacity="0.15"><title>breaker {} open{gateway}</title></rect>"#,
+                        x1 - x0,
+                        escape(&run.name)
+                    );
+                    // Named where the name fits (and on the first): short openings close
+                    // together would print over each other.
+                    if number == 0 || x1 - x0 >= 40.0 {
+                        let _ = writeln!(
+                            svg,
+                            r#"<text x="{:.2}" y="{:.1}" fill="{OPEN}">{} open</text>"#,
+                            x0 + 3.0,
+                            top + 12.0 + 12.0 * row as f64,
+                            escape(&run.name)
+                        );
+                    }
+                }
+            }
+        }
         for tick in 0..=y_steps {
             let value = y_step * f64::from(tick);
             let _ = writeln!(
@@ -240,6 +298,7 @@ pub fn render_svg(policy: &Policy, simulation: &Simulation, source: &str, interv
                 (counts.admitted, ADMITTED),
                 (counts.delayed, DELAYED),
                 (counts.rejected, REJECTED),
+                (counts.fast_failed, FAST_FAILED),
             ] {
                 if value == 0 {
                     continue;
@@ -255,7 +314,8 @@ pub fn render_svg(policy: &Policy, simulation: &Simulation, source: &str, interv
                     match color {
                         ADMITTED => "admitted",
                         DELAYED => "delayed",
-                        _ => "rejected",
+                        REJECTED => "rejected",
+                        _ => "fast-failed",
                     }
                 );
                 base += rate;

@@ -6,8 +6,10 @@
 //! *dry-run* counts the requests it would have stopped. A rule that let a request through
 //! which a later rule stopped counts nothing (nothing stays charged).
 //!
-//! For all requests: each is admitted, delayed or rejected; dry-run counts those a
-//! dry-run rule would have stopped; unmatched those no rule applied to.
+//! For all requests: each is admitted, delayed, rejected or fast-failed (an open circuit
+//! breaker answered it before any rule); dry-run counts those a dry-run rule would have
+//! stopped; fallback those an open breaker sent on marked with its `fallback_header`
+//! (admitted or delayed too); unmatched those no rule applied to.
 
 use diana_core::metrics::RuleEvent;
 use diana_core::time::Nanos;
@@ -20,6 +22,9 @@ pub enum Fate {
     /// Admitted after this wait.
     Delayed(Nanos),
     Rejected,
+    /// Answered by an open (or half-open and full) circuit breaker, before any rule: not
+    /// a rejection by a rule.
+    FastFailed,
 }
 
 /// Counts of one rule (or of all requests) over some time.
@@ -29,6 +34,11 @@ pub struct Counts {
     pub delayed: u64,
     pub rejected: u64,
     pub dry_run: u64,
+    /// Answered by an open breaker (all requests only: no rule saw them).
+    pub fast_failed: u64,
+    /// Sent on by an open breaker with its `fallback_header` (all requests only; counted
+    /// as admitted or delayed too).
+    pub fallback: u64,
     /// Sum and longest of the delays of the delayed requests.
     pub delay_sum: u128,
     pub delay_max: Nanos,
@@ -36,7 +46,11 @@ pub struct Counts {
 
 impl Counts {
     pub fn is_empty(&self) -> bool {
-        self.admitted == 0 && self.delayed == 0 && self.rejected == 0 && self.dry_run == 0
+        self.admitted == 0
+            && self.delayed == 0
+            && self.rejected == 0
+            && self.dry_run == 0
+            && self.fast_failed == 0
     }
 
     fn pass(&mut self, fate: Fate) {
@@ -47,8 +61,9 @@ impl Counts {
                 self.delay_max = self.delay_max.max(delay);
             }
             Fate::Admitted => self.admitted += 1,
-            // A rule's charge on a rejected request is given back: nothing to count.
-            Fate::Rejected => {}
+            // A rule's charge on a rejected request is given back, and no rule saw a
+            // fast-failed one: nothing to count.
+            Fate::Rejected | Fate::FastFailed => {}
         }
     }
 
@@ -57,6 +72,8 @@ impl Counts {
         self.delayed += other.delayed;
         self.rejected += other.rejected;
         self.dry_run += other.dry_run;
+        self.fast_failed += other.fast_failed;
+        self.fallback += other.fallback;
         self.delay_sum += other.delay_sum;
         self.delay_max = self.delay_max.max(other.delay_max);
     }
@@ -93,10 +110,14 @@ impl Bin {
         }
     }
 
-    fn record(&mut self, fate: Fate, events: &[(usize, RuleEvent)]) {
+    fn record(&mut self, fate: Fate, fallback: bool, events: &[(usize, RuleEvent)]) {
         match fate {
             Fate::Rejected => self.all.rejected += 1,
+            Fate::FastFailed => self.all.fast_failed += 1,
             passed => self.all.pass(passed),
+        }
+        if fallback && matches!(fate, Fate::Admitted | Fate::Delayed(_)) {
+            self.all.fallback += 1;
         }
         if events
             .iter()
@@ -138,15 +159,23 @@ impl Tally {
         }
     }
 
-    /// Counts a request of `second` with its fate and the engine's rule events.
-    pub fn record(&mut self, second: u64, fate: Fate, events: &[(usize, RuleEvent)]) {
+    /// Counts a request of `second` with its fate, whether an open breaker sent it to its
+    /// fallback, and the engine's rule events.
+    pub fn record(
+        &mut self,
+        second: u64,
+        fate: Fate,
+        fallback: bool,
+        events: &[(usize, RuleEvent)],
+    ) {
         let rules = self.rules;
         self.seconds
             .entry(second)
             .or_insert_with(|| Bin::new(rules))
-            .record(fate, events);
-        self.total.record(fate, events);
-        if events.is_empty() {
+            .record(fate, fallback, events);
+        self.total.record(fate, fallback, events);
+        // A fast-failed request never reached the rules: not "matched no rule".
+        if events.is_empty() && fate != Fate::FastFailed {
             self.unmatched += 1;
         }
     }
@@ -173,18 +202,20 @@ mod tests {
     #[test]
     fn rules_count_as_the_filter_metrics_do() {
         let mut tally = Tally::new(3);
-        tally.record(10, Fate::Admitted, &[(0, RuleEvent::Allowed)]);
+        tally.record(10, Fate::Admitted, false, &[(0, RuleEvent::Allowed)]);
         tally.record(
             10,
             Fate::Delayed(Nanos::new(200)),
+            false,
             &[(0, RuleEvent::Allowed), (2, RuleEvent::Allowed)],
         );
         tally.record(
             11,
             Fate::Rejected,
+            false,
             &[(1, RuleEvent::DryRunLimited), (2, RuleEvent::Limited)],
         );
-        tally.record(12, Fate::Admitted, &[]);
+        tally.record(12, Fate::Admitted, false, &[]);
         let total = &tally.total;
         assert_eq!(
             (
@@ -204,5 +235,24 @@ mod tests {
         assert_eq!(bins.iter().map(|(s, _)| *s).collect::<Vec<_>>(), [10, 12]);
         assert_eq!(bins[0].1.all.rejected, 1);
         assert_eq!((bins[0].1.all.admitted, bins[0].1.all.delayed), (1, 1));
+    }
+
+    #[test]
+    fn fast_failed_requests_are_neither_rejected_nor_unmatched() {
+        let mut tally = Tally::new(1);
+        tally.record(5, Fate::FastFailed, false, &[]);
+        tally.record(5, Fate::FastFailed, false, &[]);
+        tally.record(6, Fate::Admitted, true, &[(0, RuleEvent::Allowed)]);
+        // A request sent to the fallback that a rule then stopped is a rejection only.
+        tally.record(6, Fate::Rejected, true, &[(0, RuleEvent::Limited)]);
+        let all = &tally.total.all;
+        assert_eq!(
+            (all.admitted, all.rejected, all.fast_failed, all.fallback),
+            (1, 1, 2, 1)
+        );
+        assert_eq!(tally.unmatched, 0);
+        assert_eq!(tally.seconds[&5].all.fast_failed, 2);
+        assert!(!tally.seconds[&5].all.is_empty());
+        assert_eq!(tally.total.rules[0].admitted, 1);
     }
 }

@@ -295,6 +295,8 @@ impl Breakers {
         for transition in transitions {
             log::warn!("diana: breaker {}: {transition}", spec.settings.name);
             cx.metrics
+                .breaker_transition(spec.index, cx.now, transition);
+            cx.metrics
                 .breaker_event(spec.index, BreakerEvent::Transitions, 1);
             cx.metrics.breaker_state(spec.index, transition.to.gauge());
         }

@@ -6,15 +6,21 @@
 //! was replaced is flushed until its last request is gone.
 
 use super::host::{Host, MetricId, MetricKind};
-use crate::breaker::Spec;
+use crate::breaker::{Spec, Transition};
 use crate::config::Rule;
 use crate::metrics::DEGRADED_GAUGE;
 use crate::metrics::{
     breaker_metric_name, prometheus_text, rule_metric_name, BreakerEvent, Event, MetricSink,
     RuleEvent, BREAKER_STATE,
 };
+use crate::time::Instant;
 use hashbrown::HashMap;
 use std::cell::Cell;
+
+/// At most this many breaker transitions wait for the next flush (a flush comes at least
+/// every tick, and transitions are rare: a few per breaker per `open_seconds`); past it,
+/// they are dropped from the hook only — each was logged and counted already.
+const TRANSITIONS_UNFLUSHED: usize = 64;
 
 /// The metrics of one configuration: host ids defined once, counts kept here until the
 /// next flush. Counting needs no mutable borrow (cells), so the engine reports through a
@@ -31,6 +37,8 @@ pub(crate) struct Counters {
     degraded_unset: Cell<Option<bool>>,
     /// Breakers' states not yet handed to the host.
     states_unset: std::cell::RefCell<Vec<(MetricId, u8)>>,
+    /// Breakers' transitions not yet handed to the host ([`Host::breaker_transition`]).
+    transitions_unset: std::cell::RefCell<Vec<(usize, Instant, Transition)>>,
     /// Every metric defined, for the metrics path and the flush.
     defined: Vec<Defined>,
 }
@@ -105,6 +113,7 @@ impl Counters {
             degraded,
             degraded_unset: Cell::new(None),
             states_unset: std::cell::RefCell::new(Vec::new()),
+            transitions_unset: std::cell::RefCell::new(Vec::new()),
             defined,
         }
     }
@@ -128,6 +137,11 @@ impl Counters {
         if let Ok(mut states) = self.states_unset.try_borrow_mut() {
             for (id, state) in states.drain(..) {
                 host.set_metric(id, u64::from(state));
+            }
+        }
+        if let Ok(mut transitions) = self.transitions_unset.try_borrow_mut() {
+            for (breaker, at, transition) in transitions.drain(..) {
+                host.breaker_transition(breaker, at, &transition);
             }
         }
     }
@@ -211,6 +225,14 @@ impl MetricSink for Sink<'_> {
         ) {
             states.retain(|(held, _)| held != id);
             states.push((*id, state));
+        }
+    }
+
+    fn breaker_transition(&mut self, breaker: usize, at: Instant, transition: &Transition) {
+        if let Ok(mut transitions) = self.0.transitions_unset.try_borrow_mut() {
+            if transitions.len() < TRANSITIONS_UNFLUSHED {
+                transitions.push((breaker, at, *transition));
+            }
         }
     }
 }

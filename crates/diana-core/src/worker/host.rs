@@ -2,10 +2,11 @@
 //! ([`Host`]), and how hosts differ, as a value ([`HostProfile`]) rather than branches in
 //! each binding.
 
+use crate::breaker::Transition;
 use crate::call::{Callout, DispatchError};
 use crate::facts::{BearerScheme, NoMetadata, RequestFacts};
 use crate::store::SharedData;
-use crate::time::Clock;
+use crate::time::{Clock, Instant};
 
 /// The host's id of an HTTP context (one request).
 pub type ContextId = u32;
@@ -43,6 +44,11 @@ pub trait Host: SharedData + RequestFacts + Clock {
     fn set_metric(&self, metric: MetricId, value: u64);
     /// A metric's value as the host keeps it (summed over the workers).
     fn metric_value(&self, metric: MetricId) -> u64;
+    /// A breaker (`breaker`: its index among the policy's breakers) changed state at `at`,
+    /// handed over with the metrics. Gateways log the transition instead and keep nothing
+    /// here; the simulated gateway keeps them as data (one source: the log line is
+    /// rendered from the same [`Transition`]).
+    fn breaker_transition(&self, _breaker: usize, _at: Instant, _transition: &Transition) {}
 }
 
 /// How a host behaves, where hosts differ. Each binding passes one; the worker does the

@@ -8,6 +8,7 @@
 
 use super::{CallToken, Command, ContextId, DispatchError, Host, HostProfile, MetricId};
 use super::{LocalReply, MetricKind, Refused, Worker};
+use crate::breaker::Transition;
 use crate::call::{Answer, Callout};
 use crate::facts::RequestFacts;
 use crate::quota::MemoryQuota;
@@ -38,6 +39,9 @@ pub struct SimHost {
     request: RefCell<Headers>,
     client_ip: RefCell<Option<Vec<u8>>>,
     response: RefCell<Headers>,
+    /// Breakers' transitions as the workers handed them over, oldest first, until taken
+    /// ([`SimHost::take_transitions`]).
+    transitions: RefCell<Vec<(usize, Instant, Transition)>>,
 }
 
 impl SimHost {
@@ -58,6 +62,7 @@ impl SimHost {
             request: RefCell::new(Vec::new()),
             client_ip: RefCell::new(None),
             response: RefCell::new(Vec::new()),
+            transitions: RefCell::new(Vec::new()),
         };
         // One identity key for every run, where a gateway draws one at random: the same
         // inputs replay to the same numbers.
@@ -103,6 +108,13 @@ impl SimHost {
     /// The calls dispatched since the last time, with their tokens.
     pub fn take_dispatched(&self) -> Vec<(CallToken, Callout)> {
         self.dispatched.take()
+    }
+
+    /// The breakers' transitions handed over since the last time: the breaker's index
+    /// among the policy's breakers, when, and the transition (workers hand theirs over
+    /// with their metrics: [`Sim::flush_metrics`] or the tick).
+    pub fn take_transitions(&self) -> Vec<(usize, Instant, Transition)> {
+        self.transitions.take()
     }
 
     /// A metric's value by name (0 when never defined).
@@ -189,6 +201,12 @@ impl Host for SimHost {
             .borrow()
             .get(metric as usize)
             .map_or(0, |(_, value)| *value)
+    }
+
+    fn breaker_transition(&self, breaker: usize, at: Instant, transition: &Transition) {
+        self.transitions
+            .borrow_mut()
+            .push((breaker, at, *transition));
     }
 }
 
