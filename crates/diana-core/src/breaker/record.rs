@@ -550,7 +550,12 @@ impl Record {
         let window = NonZeroU32::new(input.u32()?)
             .map(Window::from_secs)
             .ok_or(DecodeError::Invalid("window"))?;
-        let open_for = Nanos::new(input.u64()?);
+        // Never zero (settings: at least a second): a round that begins after a forced
+        // reset at the same instant is then later than the round the reset dropped, whose
+        // tickets must not match a place of the new one.
+        let open_for = Some(Nanos::new(input.u64()?))
+            .filter(|open_for| !open_for.is_zero())
+            .ok_or(DecodeError::Invalid("open_for"))?;
         let half_open_calls =
             NonZeroU8::new(input.u8()?).ok_or(DecodeError::Invalid("half_open_calls"))?;
         let probe_timeout = Nanos::new(input.u64()?);

@@ -509,6 +509,10 @@ pub struct Params {
     pub failure_ratio: Option<Ratio>,
     pub min_calls: NonZeroU32,
     pub window: Window,
+    /// More than zero (the document: at least a second; a record with zero does not
+    /// decode): an opening then ends after the instant it began, so a half-open round that
+    /// follows a forced reset at one instant never shares its instant with the round the
+    /// reset dropped (their tickets would match each other's places).
     pub open_for: Nanos,
     pub half_open_calls: NonZeroU8,
     pub probe_timeout: Nanos,

@@ -888,7 +888,8 @@ fn random_params() -> impl Strategy<Value = Params> {
         1..=1_000_000u32,
         1..=1_000_000u32,
         1..5u32,
-        0..8u64,
+        // open_for is never zero (Params::open_for).
+        1..8u64,
         1..5u8,
     )
         .prop_map(|(min_calls, slow, failed, window, open, places)| Params {
