@@ -76,6 +76,11 @@ pub trait EnvoyFilter {
     /// Sets a request header to `value`, replacing every value it had; `None` removes it
     /// (before the request goes on: during its headers hook, or while it is stopped).
     fn set_request_header(&self, name: &str, value: Option<&str>) -> bool;
+    /// Has Envoy choose the request's route again, from its headers as they are now. Envoy
+    /// picked a route when the request arrived and keeps it while a dynamic module edits
+    /// the headers (the wasm host clears it on every edit): a route matching a header
+    /// Diana set or removed would otherwise follow the client's own value.
+    fn clear_route_cache(&self);
     /// `source.address` (`ip:port` for an IP peer).
     fn source_address(&self) -> Option<Vec<u8>>;
     /// Answers the request with a local reply. Envoy may end the stream before this

@@ -136,6 +136,10 @@ pub enum Seen {
     ContinueIgnored {
         stream: StreamId,
     },
+    /// `clear_route_cache`: the route is chosen again from the edited headers.
+    RouteCleared {
+        stream: StreamId,
+    },
     /// `send_response`.
     Reply {
         stream: StreamId,
@@ -217,6 +221,7 @@ impl Seen {
             | Seen::Continue { stream }
             | Seen::ContinueIgnored { stream }
             | Seen::Reply { stream, .. }
+            | Seen::RouteCleared { stream }
             | Seen::SchedulerNew { stream }
             | Seen::Commit { stream, .. }
             | Seen::Scheduled { stream, .. }
@@ -613,12 +618,28 @@ impl Envoy {
     /// A request for `path` from `client` reaches worker `worker`: a new stream of the
     /// current configuration and its request-headers hook (the request is complete).
     pub fn request(&self, worker: usize, path: &str, client: &str) -> StreamId {
+        self.request_with(worker, path, client, &[])
+    }
+
+    /// [`Envoy::request`] with these request headers too.
+    pub fn request_with(
+        &self,
+        worker: usize,
+        path: &str,
+        client: &str,
+        headers: &[(&str, &str)],
+    ) -> StreamId {
         let id = self.shared.next_stream.fetch_add(1, Ordering::Relaxed) + 1;
-        let request = vec![
+        let mut request = vec![
             (":path".to_string(), path.to_string()),
             (":method".to_string(), "GET".to_string()),
             (":authority".to_string(), "gateway".to_string()),
         ];
+        request.extend(
+            headers
+                .iter()
+                .map(|(name, value)| (name.to_string(), value.to_string())),
+        );
         let source = format!("{client}:40000");
         self.run(On::Worker(worker), move |shared| {
             let Some(config) = *lock(&shared.current) else {
@@ -985,6 +1006,14 @@ impl EnvoyFilter for FilterHandle<'_> {
             edits.push((name.to_string(), value.to_string()));
         }
         true
+    }
+
+    fn clear_route_cache(&self) {
+        if self.usable("clear_route_cache") {
+            self.shared.see(Seen::RouteCleared {
+                stream: self.state.id,
+            });
+        }
     }
 
     fn source_address(&self) -> Option<Vec<u8>> {

@@ -266,6 +266,7 @@ extern "C" {
         key: Buf<'_>,
         value: Buf<'_>,
     ) -> bool;
+    fn envoy_dynamic_module_callback_http_clear_route_cache(filter: *mut c_void);
     fn envoy_dynamic_module_callback_http_send_response(
         filter: *mut c_void,
         status_code: u32,
@@ -539,6 +540,11 @@ impl EnvoyFilter for FilterRef {
                 value,
             )
         }
+    }
+
+    fn clear_route_cache(&self) {
+        // SAFETY: invariant 1.
+        unsafe { envoy_dynamic_module_callback_http_clear_route_cache(self.0) }
     }
 
     fn source_address(&self) -> Option<Vec<u8>> {

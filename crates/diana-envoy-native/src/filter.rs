@@ -702,6 +702,11 @@ fn edit(envoy: &dyn EnvoyFilter, edits: &[HeaderEdit]) {
             log::debug!("diana: cannot set request header {}", edit.name);
         }
     }
+    // A route may match on an edited header (a breaker's fallback_header routes to a
+    // backup): chosen on the client's headers, it must be chosen again on Diana's.
+    if !edits.is_empty() {
+        envoy.clear_route_cache();
+    }
 }
 
 fn send(envoy: &dyn EnvoyFilter, reply: &LocalReply) {

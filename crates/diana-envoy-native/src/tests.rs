@@ -553,3 +553,33 @@ fn a_failed_call_reaches_its_stream_unanswered_and_the_request_goes_on() {
     );
     end_clean(&envoy, config, &[a]);
 }
+
+/// A breaker's `fallback_header` that a client sends is removed, and Envoy chooses the
+/// route again: a route on that header must not follow the client's own value (the wasm
+/// host clears the route on every header edit; a dynamic module must ask).
+#[test]
+fn a_header_diana_edits_has_envoy_choose_the_route_again() {
+    let envoy = Envoy::start(2);
+    let document = "resources:\n  - Url: /dep\n    breaker: {name: dep, failure_ratio: 0.5, fallback_header: x-diana-fallback}\n";
+    let config = configure(&envoy, document);
+    let forged = envoy.request_with(0, "/dep", "10.0.0.1", &[("x-diana-fallback", "dep")]);
+    let plain = envoy.request(0, "/other", "10.0.0.1");
+    let seen = envoy.seen();
+    let cleared = |stream| {
+        seen.iter()
+            .position(|s| *s == crate::fake::Seen::RouteCleared { stream })
+    };
+    let headers = |stream| {
+        seen.iter().position(
+            |s| matches!(s, crate::fake::Seen::Headers { stream: at, .. } if *at == stream),
+        )
+    };
+    assert!(
+        cleared(forged).is_some_and(|at| headers(forged).is_some_and(|h| at < h)),
+        "{}",
+        envoy.report()
+    );
+    // No breaker on the path: nothing edited, nothing to choose again.
+    assert_eq!(cleared(plain), None, "{}", envoy.report());
+    end_clean(&envoy, config, &[forged, plain]);
+}
