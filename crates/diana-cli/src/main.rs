@@ -308,6 +308,9 @@ fn run(cli: Cli) -> Result<(), Failure> {
         Command::Check { file, json } => {
             let text = read_input(&file)?;
             let policy = validate(&text)?;
+            if let Some(warning) = diana_core::config::body_warning(&policy) {
+                let _ = writeln!(io::stderr().lock(), "{warning}");
+            }
             let out = if json {
                 plan::render_json(&policy)?
             } else {

@@ -321,6 +321,9 @@ impl Worker {
                 self.claims_warned = true;
             }
         }
+        if let Some(warning) = crate::config::body_warning(&policy) {
+            log::warn!("{warning}");
+        }
         policy.metrics = self.source.metrics.clone();
         // Identities keyed with the process's random key when the document sets no
         // identity_key; one warning when global rules hash with the public key.
