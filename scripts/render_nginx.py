@@ -93,10 +93,10 @@ def fallback_headers(text: str) -> list[str]:
 
 def fallback_lines(text: str) -> str:
     """nginx's proxy module sends upstream every request header ngx_wasm_module removed
-    (a removed header is only marked, and proxy_pass does not look at the mark), so that a
-    client's own `fallback_header` would reach the upstream. `$http_NAME` does skip a
-    removed header: each fallback header is sent as the variable's value, which is the
-    one Diana set or none (nginx sends no header for an empty value)."""
+    (a removed header is only marked, and proxy_pass neither looks at the mark nor matches
+    a marked header against proxy_set_header), so Diana clears a client's `fallback_header`
+    on nginx by setting it empty; this line makes the proxy module replace that entry by
+    its value, Diana's or the empty one, and nginx sends no header of an empty value."""
     lines = ""
     for name in fallback_headers(text):
         if all(c.isalnum() or c in "-_" for c in name):

@@ -821,13 +821,14 @@ class Nginx(ManagedProcess):
 
 
 def parse_prometheus(text: str) -> dict[str, int]:
-    """`family{rule="x"} 5` -> {"family.x": 5}; `family 5` -> {"family": 5}."""
+    """`family{rule="x"} 5` (or `breaker="x"`) -> {"family.x": 5}; `family 5` ->
+    {"family": 5}: the names Envoy's /stats shows."""
     out: dict[str, int] = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
         name, _, value = line.rpartition(" ")
-        m = re.fullmatch(r'([A-Za-z0-9_]+)\{rule="([^"]*)"\}', name)
+        m = re.fullmatch(r'([A-Za-z0-9_]+)\{(?:rule|breaker)="([^"]*)"\}', name)
         key = f"{m.group(1)}.{m.group(2)}" if m else name
         out[key] = int(value)
     return out

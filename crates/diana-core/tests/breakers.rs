@@ -258,6 +258,13 @@ fn with_a_fallback_header_an_open_breaker_sends_the_request_on_marked() {
             &[(":path", "/pay"), ("x-diana-fallback", "pay")],
         );
         assert_eq!(sim.upstream_header(forged, "x-diana-fallback"), None);
+        // nginx's proxy module sends a removed header on: there it is emptied instead.
+        assert_eq!(
+            sim.emptied_header(forged, "x-diana-fallback"),
+            profile.removed_headers_reach_upstream,
+            "{}",
+            profile.name
+        );
         sim.respond(forged, &[(":status", "500")]);
         sim.end(forged);
         assert!(call(&mut sim, 0, "/pay", 500, Duration::from_millis(1)));

@@ -111,6 +111,13 @@ pub struct HostProfile {
     /// thread and is posted there at once. Elsewhere the tick runs only on its period (the
     /// finest is 1 ms on proxy-wasm).
     pub ticks_on_demand: bool,
+    /// A request header the filter removes still reaches the upstream: ngx_wasm_module
+    /// only marks it (its hash set to 0), and nginx's proxy module sends every header of
+    /// the request without looking at the mark, nor matching a marked one against
+    /// `proxy_set_header`. There a header is cleared by setting it empty instead, which
+    /// keeps the entry's name: `proxy_set_header NAME $http_NAME;` then replaces it with
+    /// its empty value, and nginx sends no header with an empty value (nginx/README.md).
+    pub removed_headers_reach_upstream: bool,
 }
 
 impl HostProfile {
@@ -129,6 +136,7 @@ impl HostProfile {
         bearer: BearerScheme::AsWritten,
         jwt_authn_metadata: true,
         ticks_on_demand: false,
+        removed_headers_reach_upstream: false,
     };
 
     /// Envoy's dynamic modules (`crates/diana-envoy-native`): the same rules as proxy-wasm
@@ -158,6 +166,7 @@ impl HostProfile {
         bearer: BearerScheme::AnyCase,
         jwt_authn_metadata: false,
         ticks_on_demand: false,
+        removed_headers_reach_upstream: true,
     };
 
     /// Every host's rules, for tests that run every scenario under each.

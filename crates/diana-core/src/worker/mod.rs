@@ -751,6 +751,7 @@ impl Worker {
                 upstream,
             } => {
                 if !upstream.is_empty() {
+                    let upstream = self.for_upstream(upstream);
                     step.commands.push(Command::EditRequest(context, upstream));
                 }
                 if !headers.is_empty() || after.is_some() {
@@ -772,6 +773,7 @@ impl Worker {
                 upstream,
             } => {
                 if !upstream.is_empty() {
+                    let upstream = self.for_upstream(upstream);
                     step.commands.push(Command::EditRequest(context, upstream));
                 }
                 self.waiters.insert((until, context));
@@ -853,6 +855,18 @@ impl Worker {
 
     /// A rejection as the host sends it (ngx_wasm_module appends a line feed to every
     /// local reply's body: one less is sent, so the client gets the configured body).
+    /// The edits as this host must make them: a removal is an empty value where a
+    /// removed header would still reach the upstream
+    /// ([`HostProfile::removed_headers_reach_upstream`]).
+    fn for_upstream(&self, mut edits: Vec<HeaderEdit>) -> Vec<HeaderEdit> {
+        if self.profile.removed_headers_reach_upstream {
+            for edit in &mut edits {
+                edit.value.get_or_insert_with(String::new);
+            }
+        }
+        edits
+    }
+
     fn local_reply(&self, rejection: Rejection) -> LocalReply {
         let mut body = rejection.body;
         if self.profile.appends_line_feed_to_replies && body.ends_with('\n') {

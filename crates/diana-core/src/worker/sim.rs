@@ -541,15 +541,27 @@ impl Sim {
         }
     }
 
-    /// The local reply a request's client received.
-    /// The value the upstream sees of a request header the worker set (`None`: unset or
-    /// removed; the simulation's requests carry no such header of their own).
+    /// The value the upstream sees of a request header the worker set (`None`: unset,
+    /// removed, or set empty: nginx, where the worker clears a header by emptying it, sends
+    /// no header of an empty value through `proxy_set_header NAME $http_NAME`; the
+    /// simulation's requests carry no such header of their own).
     pub fn upstream_header(&self, context: ContextId, name: &str) -> Option<&str> {
         self.edited
             .get(&context)?
             .iter()
             .find(|(held, _)| held == name)
             .map(|(_, value)| value.as_str())
+            .filter(|value| !value.is_empty())
+    }
+
+    /// Whether the worker left `name` on the request with an empty value (how it clears a
+    /// header where a removed one would reach the upstream).
+    pub fn emptied_header(&self, context: ContextId, name: &str) -> bool {
+        self.edited.get(&context).is_some_and(|headers| {
+            headers
+                .iter()
+                .any(|(held, value)| held == name && value.is_empty())
+        })
     }
 
     pub fn reply(&self, context: ContextId) -> Option<&LocalReply> {
