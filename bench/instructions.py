@@ -73,7 +73,9 @@ def measure(procs: Procs, key: str, filters: list[dict], n: int, quota: Optional
                   f"--callgrind-out-file={logdir}/{key}.cg.%p"] + envoy.argv
     proc = procs.spawn(envoy.name, envoy.argv)
     try:
-        if not wait_http(f"http://127.0.0.1:{envoy.admin}/ready", proc, 300):
+        # V8 compiling the module under valgrind takes minutes on a busy machine.
+        start_timeout = int(os.environ.get("INSTRUCTIONS_START_TIMEOUT", "300"))
+        if not wait_http(f"http://127.0.0.1:{envoy.admin}/ready", proc, start_timeout):
             raise RuntimeError(f"Envoy {key} did not start under valgrind:\n{proc.log.read_text()[-3000:]}")
         send(envoy.port, WARM_UP)
         if quota is not None:
