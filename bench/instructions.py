@@ -21,7 +21,14 @@ Repeat runs of one variant agree within ±0.3 %.
 Prints a Markdown table (instructions per request, ratio to the empty stock-SDK filter as
 a throughput ratio, the bar's verdict), also into $INSTRUCTIONS_OUT when set (the recorded
 one is docs/bench/instructions.md, which BENCHMARKS.md includes), and writes
-.tmp/bench/instructions/results.json.
+.tmp/bench/instructions/results.json. Variants that add a closed breaker to another
+(`*_breaker*`, bench/variants.py) get a second table: the breaker's own instructions per
+request (the difference) and their share of the request's total; each of their requests
+must have been one call of the breaker (its `diana_breaker_calls` counter), else the run
+fails. The breaker's figures alone are recorded in docs/bench/breaker-instructions.md:
+
+    INSTRUCTIONS_OUT=docs/bench/breaker-instructions.md python3 bench/instructions.py 2000 \
+        local_TB_breaker local_TB_breaker_failures native_TB_breaker native_TB_breaker_failures
 Every process it starts (Envoy under valgrind, redis-server, diana-quota) is stopped by
 its PID at the end, also on failure.
 """
@@ -64,7 +71,8 @@ def control(command: str, pid: int) -> None:
     subprocess.run(["callgrind_control", command, str(pid)], check=True, capture_output=True, timeout=120)
 
 
-def measure(procs: Procs, key: str, filters: list[dict], n: int, quota: Optional[int]) -> dict:
+def measure(procs: Procs, key: str, filters: list[dict], n: int, quota: Optional[int],
+            breaker: Optional[str] = None) -> dict:
     logdir = procs.logdir
     for old in logdir.glob(f"{key}.cg.*"):
         old.unlink()
@@ -106,8 +114,16 @@ def measure(procs: Procs, key: str, filters: list[dict], n: int, quota: Optional
         raise RuntimeError(f"{key}: {stats['wasmcustom.diana_global_degraded_requests']} requests were "
                            "decided locally (degraded) while measured")
     callouts = stats.get("wasmcustom.diana_global_callouts")
+    breaker_calls = None
+    if breaker is not None:
+        # The closed breaker's path ran for every request counted, not some other one.
+        breaker_calls = stats.get(f"wasmcustom.diana_breaker_calls.{breaker}", 0)
+        if breaker_calls != n:
+            raise RuntimeError(f"{key}: breaker {breaker} judged {breaker_calls} calls while measured, "
+                               f"expected {n}")
     return {"ir": ir, "requests": n, "ir_per_request": ir / n,
-            "callouts_per_request": None if callouts is None else callouts / n}
+            "callouts_per_request": None if callouts is None else callouts / n,
+            "breaker_calls": breaker_calls}
 
 
 def render(vs: dict[str, Variant], results: dict[str, dict], n: int) -> str:
@@ -139,6 +155,19 @@ def render(vs: dict[str, Variant], results: dict[str, dict], n: int) -> str:
         calls = results[key]["callouts_per_request"]
         calls_text = f"{calls:.4f}" if v.calls_out and calls is not None else "—"
         lines.append(f"| {v.label} | {ir:,.0f} | {over} | {ratio:.3f} | {verdict} | {calls_text} |")
+    added = [(key, v) for key, v in vs.items() if v.adds_to is not None and v.adds_to in results]
+    if added:
+        lines += [
+            "",
+            "| a closed breaker's cost | instructions per request | without the breaker | the breaker's own "
+            "| its share of the request | breaker calls counted |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for key, v in added:
+            ir = results[key]["ir_per_request"]
+            base_ir = results[v.adds_to]["ir_per_request"]
+            lines.append(f"| {v.label} | {ir:,.0f} | {base_ir:,.0f} | {ir - base_ir:+,.0f} "
+                         f"| {(ir - base_ir) / ir:+.2%} | {results[key]['breaker_calls']:,} of {n:,} |")
     return "\n".join(lines)
 
 
@@ -158,7 +187,7 @@ def main() -> int:
             _quota, quota = start_quota(procs, QUOTA, redis_port, "ir-quota", cpus=None)
         for key, v in vs.items():
             t0 = time.monotonic()
-            results[key] = measure(procs, key, v.filters, n, quota if v.calls_out else None)
+            results[key] = measure(procs, key, v.filters, n, quota if v.calls_out else None, v.breaker)
             say(f"instructions: {v.label}: {results[key]['ir_per_request']:,.0f} per request "
                 f"({time.monotonic() - t0:.0f} s)")
     finally:
