@@ -75,6 +75,36 @@ def nginx_document(
     return json.dumps(full, separators=(",", ":"))
 
 
+def fallback_headers(text: str) -> list[str]:
+    """The `fallback_header` of every resource's breaker in the document (lowercase, in
+    order, once each); none when the document does not parse (the filter says why)."""
+    try:
+        full = full_form(text)
+    except Exception:  # noqa: BLE001 - a broken document is the filter's to refuse
+        return []
+    names: list[str] = []
+    for resource in full.get("resources") or []:
+        breaker = resource.get("breaker") if isinstance(resource, dict) else None
+        header = breaker.get("fallback_header") if isinstance(breaker, dict) else None
+        if isinstance(header, str) and header and header.lower() not in names:
+            names.append(header.lower())
+    return names
+
+
+def fallback_lines(text: str) -> str:
+    """nginx's proxy module sends upstream every request header ngx_wasm_module removed
+    (a removed header is only marked, and proxy_pass does not look at the mark), so that a
+    client's own `fallback_header` would reach the upstream. `$http_NAME` does skip a
+    removed header: each fallback header is sent as the variable's value, which is the
+    one Diana set or none (nginx sends no header for an empty value)."""
+    lines = ""
+    for name in fallback_headers(text):
+        if all(c.isalnum() or c in "-_" for c in name):
+            variable = "$http_" + name.replace("-", "_")
+            lines += f"            proxy_set_header {name} {variable};\n"
+    return lines
+
+
 def quote(text: str) -> str:
     """A single-quoted nginx string holding `text` as is."""
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
@@ -121,7 +151,7 @@ def render(
         filter_lines = (
             "            proxy_wasm_request_headers_in_access on;\n"
             f"            proxy_wasm diana {quote(document)};\n"
-        )
+        ) + fallback_lines(diana_config)
         shm_line = (
             ""
             if shm_size is None

@@ -89,10 +89,11 @@ class Issuer:
         return {"authorization": f"Bearer {self.token(claims, key)}"}
 
 
-def with_jwt_authn(envoy: Envoy, jwks: str) -> None:
-    """Puts jwt_authn in front of Diana in `envoy`'s bootstrap: every route requires a
-    token of ISSUER; the token is not forwarded (the `authorization` header is removed) and
-    its payload goes to the metadata under PAYLOAD."""
+def with_jwt_authn(envoy: Envoy, jwks: str, *, rules: Optional[list] = None, forward: bool = False) -> None:
+    """Puts jwt_authn in front of Diana in `envoy`'s bootstrap: `rules` (default: every
+    route requires a token of ISSUER, provider `diana_e2e`); the token is forwarded only with
+    `forward` (else the `authorization` header is removed) and its payload goes to the
+    metadata under PAYLOAD."""
     doc = json.loads(envoy.bootstrap_path.read_text())
     jwt_authn = {
         "name": "envoy.filters.http.jwt_authn",
@@ -102,11 +103,11 @@ def with_jwt_authn(envoy: Envoy, jwks: str) -> None:
                 "diana_e2e": {
                     "issuer": ISSUER,
                     "local_jwks": {"inline_string": jwks},
-                    "forward": False,
+                    "forward": forward,
                     "payload_in_metadata": PAYLOAD,
                 }
             },
-            "rules": [{"match": {"prefix": "/"}, "requires": {"provider_name": "diana_e2e"}}],
+            "rules": rules or [{"match": {"prefix": "/"}, "requires": {"provider_name": "diana_e2e"}}],
         },
     }
     placed = 0

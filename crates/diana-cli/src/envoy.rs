@@ -19,7 +19,10 @@ use crate::plan::count_global;
 use crate::yaml::{map, number, string};
 use diana_core::config::Policy;
 use diana_core::config::TOKEN_ENV;
-use diana_core::metrics::{envoy_rule_tag_regex, RULE_LABEL};
+use diana_core::jwt::ClaimOrigin;
+use diana_core::metrics::{
+    envoy_breaker_tag_regex, envoy_rule_tag_regex, BREAKER_LABEL, RULE_LABEL,
+};
 use serde_yaml::Value;
 use std::net::IpAddr;
 use std::path::Path;
@@ -200,7 +203,8 @@ pub struct Options {
     pub quota: Option<Endpoint>,
     pub config_center: Option<Endpoint>,
     pub concurrency: u32,
-    /// Envoy's `normalize_path` and `merge_slashes` (the filter normalises on its own too).
+    /// Envoy's `normalize_path` and `merge_slashes`, and an escaped slash unescaped and
+    /// redirected (the filter normalises on its own too).
     pub normalize_path: bool,
     /// Proxies in front of Envoy whose `X-Forwarded-For` entries are trusted
     /// (`xff_num_trusted_hops`); 0: the client is the peer of the connection.
@@ -210,6 +214,108 @@ pub struct Options {
     /// Answer every request from Envoy itself, after the filter chain: (status, body).
     pub direct_response: Option<(u16, String)>,
     pub access_logs: Vec<AccessLog>,
+    /// Envoy's `jwt_authn` before Diana (`--jwt-issuer`, `--jwks`).
+    pub jwt: Option<JwtProvider>,
+}
+
+/// A token issuer whose tokens Envoy's `jwt_authn` verifies before Diana, with its keys in
+/// a local JWKS file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JwtProvider {
+    pub issuer: String,
+    pub jwks: String,
+}
+
+/// The `payload_in_metadata` name rendered when the document names none.
+pub const DEFAULT_JWT_PAYLOAD: &str = "jwt_payload";
+/// The provider's name in the rendered `jwt_authn`.
+const JWT_PROVIDER: &str = "diana";
+const JWT_AUTHN_TYPE: &str =
+    "type.googleapis.com/envoy.extensions.filters.http.jwt_authn.v3.JwtAuthentication";
+
+/// How the document reads claims, as far as the `jwt_authn` before it must serve them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct ClaimsRead {
+    /// The `payload_in_metadata` names of `from: {jwt_authn: NAME}`, in document order.
+    payloads: Vec<String>,
+    /// Who reads a claim from the `authorization` header (`Policy::header_claims`).
+    header: Vec<String>,
+}
+
+impl ClaimsRead {
+    fn of(policy: &Policy) -> ClaimsRead {
+        let mut payloads: Vec<String> = Vec::new();
+        for rule in policy.rules() {
+            let from_actor = rule
+                .actor_source()
+                .into_iter()
+                .find(|(key, _)| *key == "from")
+                .and_then(|(_, from)| from.strip_prefix("jwt_authn:").map(str::to_string));
+            let from_plan = rule
+                .plan
+                .as_ref()
+                .and_then(|choice| choice.by.metadata_claim())
+                .and_then(|claim| match claim.origin() {
+                    ClaimOrigin::JwtAuthn(name) => Some(name.clone()),
+                    ClaimOrigin::Bearer => None,
+                });
+            for name in from_actor.into_iter().chain(from_plan) {
+                if !payloads.contains(&name) {
+                    payloads.push(name);
+                }
+            }
+        }
+        ClaimsRead {
+            payloads,
+            header: policy.header_claims(),
+        }
+    }
+
+    fn any(&self) -> bool {
+        !self.payloads.is_empty() || !self.header.is_empty()
+    }
+}
+
+/// The `envoy.filters.http.jwt_authn` entry before Diana: one provider whose verified
+/// payload goes to the request's metadata under `payload` (what `from: {jwt_authn: NAME}`
+/// reads), the token forwarded only when the document reads it from the header, and a
+/// valid token required on every path (the rules Diana limits by claim must not be
+/// reachable without one).
+fn jwt_authn_filter(provider: &JwtProvider, payload: &str, forward: bool) -> Value {
+    map(vec![
+        ("name", string("envoy.filters.http.jwt_authn")),
+        (
+            "typed_config",
+            map(vec![
+                ("@type", string(JWT_AUTHN_TYPE)),
+                (
+                    "providers",
+                    map(vec![(
+                        JWT_PROVIDER,
+                        map(vec![
+                            ("issuer", string(&provider.issuer)),
+                            (
+                                "local_jwks",
+                                map(vec![("filename", string(&provider.jwks))]),
+                            ),
+                            ("payload_in_metadata", string(payload)),
+                            ("forward", Value::Bool(forward)),
+                        ]),
+                    )]),
+                ),
+                (
+                    "rules",
+                    Value::Sequence(vec![map(vec![
+                        ("match", map(vec![("prefix", string("/"))])),
+                        (
+                            "requires",
+                            map(vec![("provider_name", string(JWT_PROVIDER))]),
+                        ),
+                    ])]),
+                ),
+            ]),
+        ),
+    ])
 }
 
 /// Why the bootstrap cannot be rendered or printed.
@@ -401,16 +507,23 @@ fn wasm_filter(document: &str, wasm: &str) -> Value {
     ])
 }
 
-/// `stats_config` with the tag that gives Diana's rule counters a `rule` label in Envoy's
+/// `stats_config` with the tags that give Diana's rule counters a `rule` label (and its
+/// breakers' metrics a `breaker` label) in Envoy's
 /// `/stats/prometheus` (`diana_rule_allowed{rule="login_burst"}`, the names and label the
 /// filter's own metrics path uses); `/stats` keeps the full names.
 pub fn stats_config() -> Value {
     map(vec![(
         "stats_tags",
-        Value::Sequence(vec![map(vec![
-            ("tag_name", string(RULE_LABEL)),
-            ("regex", string(&envoy_rule_tag_regex())),
-        ])]),
+        Value::Sequence(vec![
+            map(vec![
+                ("tag_name", string(RULE_LABEL)),
+                ("regex", string(&envoy_rule_tag_regex())),
+            ]),
+            map(vec![
+                ("tag_name", string(BREAKER_LABEL)),
+                ("regex", string(&envoy_breaker_tag_regex())),
+            ]),
+        ]),
     )])
 }
 
@@ -435,8 +548,14 @@ fn file_access_log(log: &AccessLog) -> Value {
     ])
 }
 
-/// `upstream_cluster` is `None` when Envoy answers by itself (`options.direct_response`).
-fn listener(options: &Options, document: Option<&str>, upstream_cluster: Option<&str>) -> Value {
+/// `upstream_cluster` is `None` when Envoy answers by itself (`options.direct_response`);
+/// `jwt_authn` goes before Diana when given.
+fn listener(
+    options: &Options,
+    document: Option<&str>,
+    upstream_cluster: Option<&str>,
+    jwt_authn: Option<Value>,
+) -> Value {
     let action = match (&options.direct_response, upstream_cluster) {
         (Some((status, body)), _) => (
             "direct_response",
@@ -465,10 +584,11 @@ fn listener(options: &Options, document: Option<&str>, upstream_cluster: Option<
             ])]),
         ),
     ]);
-    // Diana first: a rejected request costs nothing further down the chain.
-    let mut http_filters: Vec<Value> = document
-        .map(|document| wasm_filter(document, &options.wasm))
+    // Diana first (after the token's verification, whose claims it may read): a rejected
+    // request costs nothing further down the chain.
+    let mut http_filters: Vec<Value> = jwt_authn
         .into_iter()
+        .chain(document.map(|document| wasm_filter(document, &options.wasm)))
         .collect();
     http_filters.push(map(vec![
         ("name", string("envoy.filters.http.router")),
@@ -478,8 +598,11 @@ fn listener(options: &Options, document: Option<&str>, upstream_cluster: Option<
         ("@type", string(HCM_TYPE)),
         ("stat_prefix", string("ingress")),
         ("codec_type", string("AUTO")),
-        // By default the upstream then sees the path Diana matched (Diana normalises on
-        // its own too); the end-to-end tests turn it off to exercise the filter's own.
+        // By default every filter before Diana (jwt_authn: its rules match this path), the
+        // routes and the upstream see the path Diana matched; without it `//api/x` or
+        // `/x/../api/x` misses a jwt_authn rule on `/api` while Diana counts it as `/api/x`.
+        // (Diana normalises on its own too: the end-to-end tests turn this off to exercise
+        // the filter's own.)
         ("normalize_path", Value::Bool(options.normalize_path)),
         ("merge_slashes", Value::Bool(options.normalize_path)),
         // The client address (`source.address`, Diana's `ip` identity) is the connection's
@@ -494,6 +617,14 @@ fn listener(options: &Options, document: Option<&str>, upstream_cluster: Option<
         ("route_config", route_config),
         ("http_filters", Value::Sequence(http_filters)),
     ];
+    if options.normalize_path {
+        // An escaped slash (`/api%2Fx`) stays inside its segment for Diana and the routes,
+        // and some backends decode it: the client is sent to the unescaped path instead.
+        hcm.push((
+            "path_with_escaped_slashes_action",
+            string("UNESCAPE_AND_REDIRECT"),
+        ));
+    }
     if !options.access_logs.is_empty() {
         hcm.push((
             "access_log",
@@ -592,6 +723,53 @@ pub fn render(filter: Filter, options: &Options) -> Result<Rendered, RenderError
         ),
         None => None,
     };
+    let claims = match filter {
+        Filter::Validated { policy, .. } => ClaimsRead::of(policy),
+        Filter::Unvalidated { .. } | Filter::Absent => ClaimsRead::default(),
+    };
+    if !claims.header.is_empty() {
+        warnings.push(format!(
+            "{} read a claim from the authorization header, which Diana does not verify: \
+             read it from the payload jwt_authn verified instead (`from: {{jwt_authn: NAME}}`; \
+             --jwt-issuer and --jwks render jwt_authn with `payload_in_metadata: NAME`)",
+            claims.header.join(", ")
+        ));
+    }
+    let jwt_authn = match &options.jwt {
+        Some(provider) => {
+            let payload = claims
+                .payloads
+                .first()
+                .map_or(DEFAULT_JWT_PAYLOAD, String::as_str);
+            if claims.payloads.len() > 1 {
+                warnings.push(format!(
+                    "the document reads the payloads {} from jwt_authn's metadata; one \
+                     provider writes one: rendered `{payload}`",
+                    claims.payloads.join(", "),
+                ));
+            }
+            notes.push(format!(
+                "jwt_authn before Diana: tokens of {} required on every path, the verified \
+                 payload in the metadata as `{payload}`",
+                provider.issuer
+            ));
+            Some(jwt_authn_filter(
+                provider,
+                payload,
+                !claims.header.is_empty(),
+            ))
+        }
+        None => {
+            if claims.any() {
+                warnings.push(
+                    "the document reads claims: verify the token before Diana (--jwt-issuer and \
+                     --jwks render Envoy's jwt_authn in front of it)"
+                        .to_string(),
+                );
+            }
+            None
+        }
+    };
     let document = filter.document();
     if document.is_some() && !Path::new(&options.wasm).is_file() {
         warnings.push(format!(
@@ -630,16 +808,21 @@ pub fn render(filter: Filter, options: &Options) -> Result<Rendered, RenderError
             map(vec![
                 (
                     "listeners",
-                    Value::Sequence(vec![listener(options, document, upstream_name)]),
+                    Value::Sequence(vec![listener(options, document, upstream_name, jwt_authn)]),
                 ),
                 ("clusters", Value::Sequence(cluster_values)),
             ]),
         ),
     ]);
 
+    let jwt_step = if options.jwt.is_some() {
+        "jwt_authn -> "
+    } else {
+        ""
+    };
     let filter_step = match document {
-        Some(_) => format!("diana.wasm ({}) -> ", options.wasm),
-        None => "no Diana filter -> ".to_string(),
+        Some(_) => format!("{jwt_step}diana.wasm ({}) -> ", options.wasm),
+        None => format!("{jwt_step}no Diana filter -> "),
     };
     let destination = match (&options.direct_response, upstream_name) {
         (Some((status, _)), _) => format!("direct response {status}"),

@@ -202,7 +202,9 @@ struct RenderArgs {
     /// bootstrap; it goes in the run command printed in the header comment.
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=1024))]
     concurrency: u32,
-    /// Let Envoy normalise paths and merge slashes before the filter sees them (the default).
+    /// Let Envoy normalise paths, merge slashes and redirect escaped slashes before any
+    /// filter sees them, so that jwt_authn's rules, Diana and the routes see one path (the
+    /// default).
     #[arg(long = "normalize-path", overrides_with = "no_normalize_path")]
     normalize_path: bool,
     /// Leave the path as the client spelled it (the filter normalises on its own).
@@ -225,6 +227,15 @@ struct RenderArgs {
     /// Also write an HTTP access log to FILE in Envoy's text FORMAT (repeatable).
     #[arg(long = "formatted-access-log", num_args = 2, value_names = ["FILE", "FORMAT"], allow_hyphen_values = true)]
     formatted_access_log: Vec<String>,
+    /// Verify tokens of this issuer with Envoy's jwt_authn before Diana: required on every
+    /// path, the verified payload in the request's metadata under the name the document's
+    /// `from: {jwt_authn: NAME}` reads (the recommended way to count by a claim; the token
+    /// is forwarded only when the document reads it from the header). With --jwks.
+    #[arg(long = "jwt-issuer", value_name = "ISSUER", requires = "jwks")]
+    jwt_issuer: Option<String>,
+    /// The issuer's keys for --jwt-issuer: a local JWKS file, as Envoy opens it.
+    #[arg(long = "jwks", value_name = "FILE", requires = "jwt_issuer")]
+    jwks: Option<String>,
     /// Print JSON instead of YAML (implied by an --out file ending in `.json`).
     #[arg(long)]
     json: bool,
@@ -405,6 +416,10 @@ fn run_render_envoy(args: RenderArgs) -> Result<(), Failure> {
             .map(envoy::parse_direct_response)
             .transpose()?,
         access_logs,
+        jwt: match (args.jwt_issuer, args.jwks) {
+            (Some(issuer), Some(jwks)) => Some(envoy::JwtProvider { issuer, jwks }),
+            _ => None,
+        },
     };
 
     let text = match args.file.as_ref().or(args.diana_config.as_ref()) {

@@ -345,32 +345,42 @@ fn render_envoy_embeds_the_document_and_the_clusters_it_needs() {
     );
 }
 
-/// The rendered bootstrap labels Diana's rule counters by rule in Envoy's Prometheus
-/// output (`stats_config.stats_tags`), and every other Envoy bootstrap of the repository
-/// (the example, the compose file) carries the same entry. (`scripts/run` and the
-/// end-to-end tests render theirs with `diana render-envoy` too.)
+/// The rendered bootstrap labels Diana's rule counters by rule and its breakers' metrics
+/// by breaker in Envoy's Prometheus output (`stats_config.stats_tags`), and every other
+/// Envoy bootstrap of the repository (the examples, the compose file) carries the same
+/// entries. (`scripts/run` and the end-to-end tests render theirs with `diana
+/// render-envoy` too.)
 #[test]
 fn envoy_bootstraps_tag_rule_counters_with_a_rule_label() {
     let (_, bootstrap) = render(SEED, &[]);
     let tags = &bootstrap["stats_config"]["stats_tags"];
-    assert_eq!(tags.as_sequence().map(Vec::len), Some(1), "{tags:?}");
+    assert_eq!(tags.as_sequence().map(Vec::len), Some(2), "{tags:?}");
     assert_eq!(tags[0]["tag_name"], "rule");
-    let regex = tags[0]["regex"].as_str().unwrap().to_string();
+    assert_eq!(tags[1]["tag_name"], "breaker");
     assert_eq!(
-        regex,
-        r"^wasmcustom\.diana_rule_(?:allowed|limited|dry_run_limited)(\.([A-Za-z0-9_]+))$"
+        tags[0]["regex"].as_str(),
+        Some(r"^wasmcustom\.diana_rule_(?:allowed|limited|dry_run_limited)(\.([A-Za-z0-9_]+))$")
     );
-    for file in ["envoy/envoy.yaml", "docker/envoy.yaml"] {
+    assert_eq!(
+        tags[1]["regex"].as_str(),
+        Some(
+            r"^wasmcustom\.diana_breaker_(?:calls|slow|failed|fast_failed|transitions|state)(\.([A-Za-z0-9_]+))$"
+        )
+    );
+    for file in ["envoy/envoy.yaml", "envoy/native.yaml", "docker/envoy.yaml"] {
         let other: serde_yaml::Value =
             serde_yaml::from_str(&std::fs::read_to_string(repo_root().join(file)).unwrap())
                 .unwrap();
         assert_eq!(other["stats_config"], bootstrap["stats_config"], "{file}");
     }
     let readme = std::fs::read_to_string(repo_root().join("README.md")).unwrap();
-    assert!(
-        readme.contains(&format!("regex: '{regex}'")),
-        "the README shows another stats_tags regex"
-    );
+    for tag in [&tags[0], &tags[1]] {
+        let regex = tag["regex"].as_str().unwrap_or_default();
+        assert!(
+            readme.contains(&format!("regex: '{regex}'")),
+            "the README shows another stats_tags regex than {regex}"
+        );
+    }
 }
 
 /// `diana render-envoy ARGS` with `stdin`, printed as JSON (`--json`), parsed.
@@ -470,6 +480,9 @@ fn render_envoy_json_with_port_options() {
         serde_json::json!([{
             "tag_name": "rule",
             "regex": r"^wasmcustom\.diana_rule_(?:allowed|limited|dry_run_limited)(\.([A-Za-z0-9_]+))$"
+        }, {
+            "tag_name": "breaker",
+            "regex": r"^wasmcustom\.diana_breaker_(?:calls|slow|failed|fast_failed|transitions|state)(\.([A-Za-z0-9_]+))$"
         }])
     );
 
@@ -782,6 +795,20 @@ fn rendered_bootstraps_pass_envoy_validate() {
     );
     assert!(out.status.success(), "{}", text(&out.stderr));
     envoy_validate(&text(&out.stdout), "seed-envoy.json");
+    // With jwt_authn before Diana.
+    let verified = "resources:\n  - Url: /api\n    rules: [{actor: user, rpu: 5}]\nactors:\n  user: {jwt_claim: sub, from: {jwt_authn: claims}}\n";
+    let (yaml, _) = render(
+        verified,
+        &[
+            "--wasm",
+            wasm,
+            "--jwt-issuer",
+            "https://issuer.example",
+            "--jwks",
+            JWKS,
+        ],
+    );
+    envoy_validate(&yaml, "jwt-envoy.yaml");
 }
 
 #[test]
@@ -913,4 +940,106 @@ fn nginx_and_kong_examples_carry_one_valid_document() {
         "host:port on nginx"
     );
     assert_eq!(plan["resources"][1]["rules"][0]["algo"], "LB");
+}
+
+/// The issuer's keys the jwt_authn tests render (a public key only, made for these tests).
+const JWKS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/jwt/jwks.json");
+
+/// `--jwt-issuer` and `--jwks` put Envoy's jwt_authn before Diana (issue 41, item 3b): the
+/// verified payload goes to the metadata under the name the document's `from: {jwt_authn:
+/// NAME}` reads, and the token is not forwarded (the recommended form); a document that
+/// reads the header gets the token forwarded and a warning; claims without jwt_authn, a
+/// warning too. Every path requires a token.
+#[test]
+fn render_envoy_puts_jwt_authn_before_diana_in_the_metadata_form() {
+    let verified = "resources:\n  - Url: /api\n    rules: [{actor: user, rpu: 5}]\nactors:\n  user: {jwt_claim: sub, from: {jwt_authn: claims}}\n";
+    let header = "resources:\n  - Url: /api\n    rules: [{actor: user, rpu: 5}]\nactors:\n  user: {jwt_claim: sub}\n";
+    let jwt = [
+        "--jwt-issuer",
+        "https://issuer.example",
+        "--jwks",
+        JWKS,
+        "-",
+    ];
+    let filters = |bootstrap: &Value| -> Vec<String> {
+        connection_manager(bootstrap)["http_filters"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| f["name"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let bootstrap = render_json(&jwt, Some(verified));
+    assert_eq!(
+        filters(&bootstrap),
+        [
+            "envoy.filters.http.jwt_authn",
+            "envoy.filters.http.wasm",
+            "envoy.filters.http.router"
+        ]
+    );
+    let jwt_authn = &connection_manager(&bootstrap)["http_filters"][0]["typed_config"];
+    let provider = &jwt_authn["providers"]["diana"];
+    assert_eq!(provider["issuer"], "https://issuer.example");
+    assert_eq!(provider["local_jwks"]["filename"], JWKS);
+    assert_eq!(provider["payload_in_metadata"], "claims");
+    assert_eq!(provider["forward"], false);
+    assert_eq!(jwt_authn["rules"][0]["match"]["prefix"], "/");
+    assert_eq!(jwt_authn["rules"][0]["requires"]["provider_name"], "diana");
+    let quiet = diana(
+        &[
+            "render-envoy",
+            "--json",
+            "--jwt-issuer",
+            "i",
+            "--jwks",
+            JWKS,
+            "-",
+        ],
+        Some(verified),
+    );
+    assert!(
+        !text(&quiet.stderr).contains("claim"),
+        "{}",
+        text(&quiet.stderr)
+    );
+
+    let bootstrap = render_json(&jwt, Some(header));
+    let provider =
+        &connection_manager(&bootstrap)["http_filters"][0]["typed_config"]["providers"]["diana"];
+    assert_eq!(provider["forward"], true, "the header is what Diana reads");
+    assert_eq!(provider["payload_in_metadata"], "jwt_payload");
+    let warned = diana(
+        &[
+            "render-envoy",
+            "--json",
+            "--jwt-issuer",
+            "i",
+            "--jwks",
+            JWKS,
+            "-",
+        ],
+        Some(header),
+    );
+    assert!(
+        text(&warned.stderr).contains("actor `user` read a claim from the authorization header"),
+        "{}",
+        text(&warned.stderr)
+    );
+    // No jwt_authn asked for: a warning; none rendered.
+    let alone = diana(&["render-envoy", "--json", "-"], Some(verified));
+    assert!(
+        text(&alone.stderr).contains("verify the token before Diana"),
+        "{}",
+        text(&alone.stderr)
+    );
+    let bootstrap: Value = serde_json::from_str(&text(&alone.stdout)).unwrap();
+    assert_eq!(filters(&bootstrap)[0], "envoy.filters.http.wasm");
+    // Both or neither.
+    assert_eq!(
+        diana(&["render-envoy", "--jwt-issuer", "i", "-"], Some(verified))
+            .status
+            .code(),
+        Some(2)
+    );
 }

@@ -34,6 +34,17 @@ pub trait ActorSource: Send + Sync + fmt::Debug {
     /// The identity of `request`, hashed with `hasher` (the rule's: see
     /// [`crate::config::Rule::identify`]).
     fn identify(&self, request: &dyn RequestFacts, hasher: &IdentityHasher) -> Identity;
+    /// [`ActorSource::identify`], keeping the value the identity was read from in `shown`
+    /// (the fleet view's hot lists; nothing is read twice). A source that does not say
+    /// leaves it `None`.
+    fn identify_shown(
+        &self,
+        request: &dyn RequestFacts,
+        hasher: &IdentityHasher,
+        _shown: &mut Option<Vec<u8>>,
+    ) -> Identity {
+        self.identify(request, hasher)
+    }
     /// True when every request maps to [`Identity::Everyone`] (a one-slot table suffices).
     fn is_single_counter(&self) -> bool {
         false
@@ -50,10 +61,23 @@ pub const MAX_HEADER_NAME: usize = 256;
 /// no address (a missing address is a host limitation, not a reason to let a request
 /// through uncounted: such requests share one counter).
 pub fn ip_identity(request: &dyn RequestFacts, hasher: &IdentityHasher) -> Identity {
+    ip_identity_shown(request, hasher, &mut None)
+}
+
+/// [`ip_identity`], keeping the address in `shown`.
+fn ip_identity_shown(
+    request: &dyn RequestFacts,
+    hasher: &IdentityHasher,
+    shown: &mut Option<Vec<u8>>,
+) -> Identity {
     match request.client_ip() {
         Some(ip) => match ip.trim_ascii() {
             [] => Identity::Everyone,
-            ip => Identity::Key(hasher.identity(IdentityKind::Ip, ip)),
+            ip => {
+                let identity = Identity::Key(hasher.identity(IdentityKind::Ip, ip));
+                *shown = Some(ip.to_vec());
+                identity
+            }
         },
         None => Identity::Everyone,
     }
@@ -80,6 +104,15 @@ pub struct IpActor;
 impl ActorSource for IpActor {
     fn identify(&self, request: &dyn RequestFacts, hasher: &IdentityHasher) -> Identity {
         ip_identity(request, hasher)
+    }
+
+    fn identify_shown(
+        &self,
+        request: &dyn RequestFacts,
+        hasher: &IdentityHasher,
+        shown: &mut Option<Vec<u8>>,
+    ) -> Identity {
+        ip_identity_shown(request, hasher, shown)
     }
 }
 
@@ -115,9 +148,19 @@ impl Fallback {
 
     /// The identity of a request that has no identity of its own.
     pub fn identify(self, request: &dyn RequestFacts, hasher: &IdentityHasher) -> Identity {
+        self.identify_shown(request, hasher, &mut None)
+    }
+
+    /// [`Fallback::identify`], keeping the address in `shown` when it is the fallback.
+    pub fn identify_shown(
+        self,
+        request: &dyn RequestFacts,
+        hasher: &IdentityHasher,
+        shown: &mut Option<Vec<u8>>,
+    ) -> Identity {
         match self {
             Fallback::Skip => Identity::Skip,
-            Fallback::Ip => ip_identity(request, hasher),
+            Fallback::Ip => ip_identity_shown(request, hasher, shown),
             Fallback::Shared => Identity::Everyone,
         }
     }
@@ -157,13 +200,25 @@ impl HeaderActor {
 
 impl ActorSource for HeaderActor {
     fn identify(&self, request: &dyn RequestFacts, hasher: &IdentityHasher) -> Identity {
+        self.identify_shown(request, hasher, &mut None)
+    }
+
+    fn identify_shown(
+        &self,
+        request: &dyn RequestFacts,
+        hasher: &IdentityHasher,
+        shown: &mut Option<Vec<u8>>,
+    ) -> Identity {
         if let Some(value) = request.header(&self.header) {
-            let value = value.trim_ascii();
-            if !value.is_empty() {
-                return Identity::Key(hasher.identity(IdentityKind::Header(&self.header), value));
+            let trimmed = value.trim_ascii();
+            if !trimmed.is_empty() {
+                let identity =
+                    Identity::Key(hasher.identity(IdentityKind::Header(&self.header), trimmed));
+                *shown = Some(trimmed.to_vec());
+                return identity;
             }
         }
-        self.fallback.identify(request, hasher)
+        self.fallback.identify_shown(request, hasher, shown)
     }
 }
 
@@ -209,8 +264,17 @@ impl JwtClaimActor {
 
 impl ActorSource for JwtClaimActor {
     fn identify(&self, request: &dyn RequestFacts, hasher: &IdentityHasher) -> Identity {
+        self.identify_shown(request, hasher, &mut None)
+    }
+
+    fn identify_shown(
+        &self,
+        request: &dyn RequestFacts,
+        hasher: &IdentityHasher,
+        shown: &mut Option<Vec<u8>>,
+    ) -> Identity {
         let Some(value) = self.claim(request) else {
-            return self.fallback.identify(request, hasher);
+            return self.fallback.identify_shown(request, hasher, shown);
         };
         let path = self.claim.path().pointer();
         let kind = match self.claim.origin() {
@@ -220,7 +284,9 @@ impl ActorSource for JwtClaimActor {
                 path,
             },
         };
-        Identity::Key(hasher.identity(kind, &value))
+        let identity = Identity::Key(hasher.identity(kind, &value));
+        *shown = Some(value);
+        identity
     }
 }
 

@@ -10,6 +10,7 @@ use crate::places::HoldingId;
 use crate::response::Rejection;
 use crate::store::SlotAddress;
 use crate::time::Instant;
+use crate::wire::CallRule;
 
 /// What the host must do with the request. `C` is a call with what its answer resumes,
 /// `W` what a request parked behind another request's call needs to be planned again.
@@ -92,9 +93,15 @@ pub(crate) enum Reserved {
     Nothing,
     /// From the local counter (or this worker's batch of it).
     Local(Taken),
-    /// From the quota service (directly, or this gateway's lease stash); tokens given back
-    /// go to the stash, spendable by the identity's next requests here until `until`.
-    Global { tokens: u32, until: Instant },
+    /// From the quota service (directly, or this gateway's lease stash). Tokens given back
+    /// go back to the service when the request's own call granted them (`from`: a release
+    /// of part of that rule's grant), else — or when that fails — to the stash, spendable
+    /// by the identity's next requests here until `until`.
+    Global {
+        tokens: u32,
+        until: Instant,
+        from: Option<CallRule>,
+    },
 }
 
 impl Reserved {

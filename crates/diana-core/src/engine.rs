@@ -42,6 +42,7 @@ use crate::places::{Holdings, Place, PlaceAt, ServicePlace};
 use crate::response::{admitted_rule_headers, Rejection, RuleReport};
 use crate::store::{ChargeError, SharedData, SlotAddress, SlotTable};
 use crate::time::{ceil_seconds, ceil_seconds_at_least_one, Instant, Nanos};
+use crate::wire::CallRule;
 use breakers::Breakers;
 use smallvec::SmallVec;
 
@@ -147,6 +148,10 @@ struct Progress {
     breakers: Vec<BreakerCall>,
     /// Changes to the request's own headers (a breaker's fallback header).
     upstream: Vec<HeaderEdit>,
+    /// The global rules that settle and were granted by the request's own call, each with
+    /// its place in that call: what its answer does not count goes back to the service
+    /// by that call's id ([`crate::global::Global::refund`]).
+    from_call: Vec<(usize, CallRule)>,
 }
 
 impl Progress {
@@ -526,6 +531,7 @@ impl Engine {
                 .interpret_for_nobody(cx, &self.policy, asked, answer);
             return self.reject(cx, held, progress, rejection);
         }
+        progress.from_call = asked.settling_rules(&self.policy);
         match self.global.interpret(cx, &self.policy, asked, answer) {
             Interpretation::Done(outcomes) => {
                 progress.apply(outcomes);
@@ -808,9 +814,15 @@ impl Engine {
             } else if rule.scope == Scope::Global
                 && progress.tally.contains(&(rule.index, RuleEvent::Allowed))
             {
+                let from = progress
+                    .from_call
+                    .iter()
+                    .find(|(index, _)| *index == rule.index)
+                    .map(|(_, from)| from.clone());
                 Reserved::Global {
                     tokens: charge.upfront,
                     until: cx.now.saturating_add(rule.limit.unit.nanos()),
+                    from,
                 }
             } else {
                 Reserved::Nothing

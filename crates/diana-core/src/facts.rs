@@ -1,5 +1,5 @@
 //! What the filter knows of a request, read lazily from the host: its headers, the client
-//! address and (Envoy) its dynamic metadata. A leaf: identities (`actor`) and
+//! address, (Envoy) its dynamic metadata, and how the host's verifier reads its bearer token. A leaf: identities (`actor`) and
 //! claims (`jwt`) read through it.
 
 /// What the filter knows of a request, read lazily from the host.
@@ -21,6 +21,26 @@ pub trait RequestFacts {
     ) -> Result<Option<Vec<u8>>, NoMetadata> {
         Err(NoMetadata)
     }
+    /// How the token verifier in front of Diana on this host finds the bearer token of
+    /// `authorization` (the one whose claims Diana may read: `jwt::bearer`). The stricter
+    /// reading unless the host says otherwise.
+    fn bearer_scheme(&self) -> BearerScheme {
+        BearerScheme::AsWritten
+    }
+}
+
+/// How a host's token verifier finds the bearer token in `authorization`, so that Diana
+/// reads the token that was verified and no other (issue 41, item 3b).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BearerScheme {
+    /// Envoy's `jwt_authn` (its default location, `value_prefix: "Bearer "`): after the
+    /// first `Bearer `, as written, anywhere in the value. A value without it carries no
+    /// token: jwt_authn finds none, and where the token is optional lets the request
+    /// through unverified, so Diana must not read a claim there either (`bearer <forged>`).
+    AsWritten,
+    /// Also the scheme in any case at the start of the value (RFC 7235: it is
+    /// case-insensitive), as verifiers in front of nginx take it.
+    AnyCase,
 }
 
 /// The host cannot read the request's dynamic metadata ([`RequestFacts::filter_metadata`]).

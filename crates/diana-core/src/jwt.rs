@@ -18,7 +18,7 @@
 //! `null` not at all. Those bytes are the identity, whatever the type
 //! ([`metadata_claim`]).
 
-use crate::facts::{NoMetadata, RequestFacts};
+use crate::facts::{BearerScheme, NoMetadata, RequestFacts};
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use base64::Engine as _;
 use serde_json::Value;
@@ -166,7 +166,7 @@ impl Claim {
         match &self.origin {
             ClaimOrigin::Bearer => Ok(request
                 .header("authorization")
-                .and_then(|header| claim(bearer(&header)?, &self.path))),
+                .and_then(|header| claim(bearer(&header, request.bearer_scheme())?, &self.path))),
             ClaimOrigin::JwtAuthn(_) => {
                 let path: Vec<&str> = self.metadata_path.iter().map(String::as_str).collect();
                 request
@@ -299,23 +299,26 @@ fn unescape(segment: &str) -> Result<String, ClaimPathError> {
     Ok(out)
 }
 
-/// The token of an `authorization` header's value, found as Envoy's `jwt_authn` finds the
-/// token it verifies (its default location, `Bearer ` as the value prefix): after the first
-/// `Bearer ` (as written) anywhere in the value, the first run of base64url characters and
-/// dots. Reading it any other way would let a client add to a token that verifies
-/// (`Bearer <valid> .x`, `bearer <forged>, Bearer <valid>`) and have Diana read a claim
-/// jwt_authn never saw, or none. A value with no `Bearer ` may still start with the scheme
-/// in another case (RFC 7235: it is case-insensitive, and verifiers in front of nginx take
-/// it so); jwt_authn finds no token there, and refuses the request where it requires one.
-pub fn bearer(value: &[u8]) -> Option<&[u8]> {
+/// The token of an `authorization` header's value, found as the host's verifier finds the
+/// token it verifies. Envoy's `jwt_authn` (its default location, `Bearer ` as the value
+/// prefix, [`BearerScheme::AsWritten`]): after the first `Bearer ` (as written) anywhere in
+/// the value, the first run of base64url characters and dots. Reading it any other way would
+/// let a client add to a token that verifies (`Bearer <valid> .x`, `bearer <forged>, Bearer
+/// <valid>`) and have Diana read a claim jwt_authn never saw, or none; and a value with no
+/// `Bearer ` carries no token for jwt_authn, which lets it through unverified where the
+/// token is optional (`bearer <forged>`): none for Diana either. In front of nginx
+/// ([`BearerScheme::AnyCase`]) such a value may still start with the scheme in another case
+/// (RFC 7235: it is case-insensitive, and verifiers there take it so).
+pub fn bearer(value: &[u8], scheme: BearerScheme) -> Option<&[u8]> {
     const PREFIX: &[u8] = b"Bearer ";
     let is_token = |byte: &u8| byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'_' | b'.');
     let as_written = value
         .windows(PREFIX.len())
         .position(|window| window == PREFIX);
-    let at = match as_written {
-        Some(at) => at,
-        None => {
+    let at = match (as_written, scheme) {
+        (Some(at), _) => at,
+        (None, BearerScheme::AsWritten) => return None,
+        (None, BearerScheme::AnyCase) => {
             let start = value.iter().position(|byte| !byte.is_ascii_whitespace())?;
             value
                 .get(start..start + PREFIX.len())?
@@ -441,31 +444,43 @@ mod tests {
     }
 
     #[test]
-    fn the_bearer_token_is_the_one_jwt_authn_verifies() {
-        for (value, token) in [
-            (&b"Bearer h.p.s"[..], Some(&b"h.p.s"[..])),
-            (b"  Bearer   h.p.s  ", Some(b"h.p.s")),
-            (b"Bearer h-_.p.s9", Some(b"h-_.p.s9")),
+    fn the_bearer_token_is_the_one_the_hosts_verifier_verifies() {
+        // The value, and the token read on Envoy (jwt_authn) and in front of nginx.
+        type Case<'a> = (&'a [u8], Option<&'a [u8]>, Option<&'a [u8]>);
+        let h: Option<&[u8]> = Some(b"h.p.s");
+        let cases: [Case; 18] = [
+            (b"Bearer h.p.s", h, h),
+            (b"  Bearer   h.p.s  ", h, h),
+            (b"Bearer h-_.p.s9", Some(b"h-_.p.s9"), Some(b"h-_.p.s9")),
             // What follows the token is not part of it: jwt_authn verified `h.p.s` alone.
-            (b"Bearer h.p.s .x", Some(b"h.p.s")),
-            (b"Bearer h.p.s,x.y.z", Some(b"h.p.s")),
-            (b"Bearer h.p.s=", Some(b"h.p.s")),
+            (b"Bearer h.p.s .x", h, h),
+            (b"Bearer h.p.s,x.y.z", h, h),
+            (b"Bearer h.p.s=", h, h),
             // What precedes `Bearer ` is not either, nor a second `Bearer `.
-            (b"Basic abc, Bearer h.p.s", Some(b"h.p.s")),
-            (b"Bearer h.p.s, Bearer x.y.z", Some(b"h.p.s")),
-            (b"Bearer  ,h.p.s", Some(b"h.p.s")),
-            // Without `Bearer ` as written, the scheme in another case, at the start only.
-            (b"bearer h.p.s", Some(b"h.p.s")),
-            (b" BEARER h.p.s", Some(b"h.p.s")),
-            (b"bearer x.y.z, Bearer h.p.s", Some(b"h.p.s")),
-            (b"Basic abc, bearer h.p.s", None),
-            (b"Basic abc", None),
-            (b"Bearer ", None),
-            (b"Bearer ,;", None),
-            (b"Bearer", None),
-            (b"", None),
-        ] {
-            assert_eq!(bearer(value), token, "{:?}", String::from_utf8_lossy(value));
+            (b"Basic abc, Bearer h.p.s", h, h),
+            (b"Bearer h.p.s, Bearer x.y.z", h, h),
+            (b"Bearer  ,h.p.s", h, h),
+            // Without `Bearer ` as written jwt_authn finds no token (an optional one lets
+            // the request through unchecked): none on Envoy; in front of nginx the scheme
+            // in another case, at the start only.
+            (b"bearer h.p.s", None, h),
+            (b" BEARER h.p.s", None, h),
+            (b"bearer x.y.z, Bearer h.p.s", h, h),
+            (b"Basic abc, bearer h.p.s", None, None),
+            (b"Basic abc", None, None),
+            (b"Bearer ", None, None),
+            (b"Bearer ,;", None, None),
+            (b"Bearer", None, None),
+            (b"", None, None),
+        ];
+        for (value, on_envoy, any_case) in cases {
+            let shown = String::from_utf8_lossy(value);
+            assert_eq!(
+                bearer(value, BearerScheme::AsWritten),
+                on_envoy,
+                "{shown:?}"
+            );
+            assert_eq!(bearer(value, BearerScheme::AnyCase), any_case, "{shown:?}");
         }
     }
 

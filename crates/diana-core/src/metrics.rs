@@ -135,8 +135,15 @@ pub enum Event {
     /// A stash running low was refilled ahead by a call of the worker's own.
     RefillAhead,
     /// A release was sent for the call of a request that went away before its answer
-    /// (the host dropped the answer): what the service granted it goes back.
+    /// (the host dropped the answer), or whose answer was lost: what the service granted
+    /// it goes back. Or one that gave back part of a rule's grant (a settled answer)
+    /// was answered `released: true`.
     GlobalReleased,
+    /// A settled request's tokens (`count: {status}` not counted, a reservation settled
+    /// lower) went to this gateway's lease stash instead of back to the quota service:
+    /// they came from the stash, its call carried no id, the release could not be sent,
+    /// or the service gave nothing back (the call forgotten, unreachable).
+    RefundStashed,
     /// A release could not be sent (more than 1,024 waited for the tick, or the host
     /// refused the call): what the service granted that call stays charged until its
     /// window or bucket moves on.
@@ -161,7 +168,7 @@ pub enum Event {
 }
 
 impl Event {
-    pub const ALL: [Event; 23] = [
+    pub const ALL: [Event; 24] = [
         Event::StoreError,
         Event::StoreContention,
         Event::ClockError,
@@ -179,6 +186,7 @@ impl Event {
         Event::RefillAhead,
         Event::GlobalReleased,
         Event::ReleaseUnsent,
+        Event::RefundStashed,
         Event::PlacesUnreturned,
         Event::ConfigReload,
         Event::ConfigRejected,
@@ -206,6 +214,7 @@ impl Event {
             Event::RefillAhead => "diana_global_refills_ahead",
             Event::GlobalReleased => "diana_global_releases",
             Event::ReleaseUnsent => "diana_global_releases_unsent",
+            Event::RefundStashed => "diana_global_refunds_stashed",
             Event::PlacesUnreturned => "diana_global_places_unreturned",
             Event::ConfigReload => "diana_config_reloads",
             Event::ConfigRejected => "diana_config_rejected",

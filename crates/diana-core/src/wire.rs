@@ -83,6 +83,12 @@ pub struct AcquireRequest {
     /// granted for a while, so that [`RELEASE_PATH`] can give it back.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub call: Option<String>,
+    /// [`RELEASE_PATH`] only: give back part of one rule's grant of `call`, the rule at
+    /// this position in the call's `rules` (from 0). `rules` then holds that one rule as
+    /// it was acquired, its `want` the tokens to give back (a request the answer did not
+    /// count: `count: {status}`, a reservation settled for less). Absent: the whole call.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rule: Option<u32>,
 }
 
 /// One rule of an [`AcquireRequest`]: which counter, its limit, and how many tokens.
@@ -413,6 +419,14 @@ pub enum WireProblem {
     NotTheCallsCounter {
         call: String,
     },
+    /// A position in a call's rules that no call has.
+    NoSuchPosition {
+        got: u32,
+    },
+    /// A release of part of one rule's grant with other than one rule.
+    PartOfOneRule {
+        count: usize,
+    },
     /// A leave or renewal of a rule that holds no places.
     NotPlaces {
         algo: &'static str,
@@ -504,6 +518,15 @@ impl fmt::Display for WireProblem {
             WireProblem::NotTheCallsCounter { call } => write!(
                 f,
                 "not a counter the call {call} was granted by (a release gives back only to its own)"
+            ),
+            WireProblem::NoSuchPosition { got } => write!(
+                f,
+                "the position of a rule in its call, 0 to {}, got {got}",
+                MAX_RULES - 1
+            ),
+            WireProblem::PartOfOneRule { count } => write!(
+                f,
+                "a release of one rule's grant (`rule`) carries that one rule, got {count}"
             ),
             WireProblem::NotPlaces { algo } => write!(
                 f,
@@ -620,7 +643,11 @@ fn is_key_char(c: char) -> bool {
 impl AcquireRequest {
     /// A request for `rules`, with no call id.
     pub fn new(rules: Vec<RuleRequest>) -> AcquireRequest {
-        AcquireRequest { rules, call: None }
+        AcquireRequest {
+            rules,
+            call: None,
+            rule: None,
+        }
     }
 
     /// Checks every limit of the format and resolves each rule, in order.
@@ -660,17 +687,56 @@ impl AcquireRequest {
     }
 }
 
-/// Checks the body of a [`RELEASE_PATH`] request: a valid request that names its `call`;
-/// resolved, with the call.
+/// One rule of a call that carried an id: what a release of part of that rule's grant
+/// names ([`AcquireRequest::rule`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CallRule {
+    pub call: String,
+    /// The rule's position in the call's `rules`.
+    pub rule: u32,
+}
+
+/// What a [`RELEASE_PATH`] request gives back of its call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Released {
+    /// Every rule's grant (the gateway request went away before the answer).
+    Whole,
+    /// Part of one rule's grant: the rule at this position in the call, the body's one
+    /// rule, whose `want` tokens go back.
+    Part { rule: usize },
+}
+
+/// Checks the body of a [`RELEASE_PATH`] request: a valid request that names its `call`,
+/// and, with `rule`, exactly one rule at a position a call can have; resolved, with the
+/// call and what it gives back.
 pub fn resolve_release(
     request: &AcquireRequest,
-) -> Result<(Vec<ResolvedRule<'_>>, &str), WireError> {
+) -> Result<(Vec<ResolvedRule<'_>>, &str, Released), WireError> {
     let rules = request.resolve()?;
     let call = request
         .call
         .as_deref()
         .ok_or_else(|| WireError::at("call", WireProblem::NoCall))?;
-    Ok((rules, call))
+    let released = match request.rule {
+        None => Released::Whole,
+        Some(rule) => {
+            let rule = usize::try_from(rule)
+                .ok()
+                .filter(|&rule| rule < MAX_RULES)
+                .ok_or(WireError::at(
+                    "rule",
+                    WireProblem::NoSuchPosition { got: rule },
+                ))?;
+            if rules.len() != 1 {
+                return Err(WireError::at(
+                    "rules",
+                    WireProblem::PartOfOneRule { count: rules.len() },
+                ));
+            }
+            Released::Part { rule }
+        }
+    };
+    Ok((rules, call, released))
 }
 
 /// Checks the body of a [`LEAVE_PATH`] or [`RENEW_PATH`] request: a valid request whose
@@ -1048,7 +1114,7 @@ mod tests {
 
     #[test]
     fn syntax_errors_name_the_field() {
-        let cases: [(&[u8], &str); 6] = [
+        let cases: [(&[u8], &str); 7] = [
             (
                 br#"{"rules":[{"key":"k","algo":"TB","rpu":"10"}]}"#,
                 "rules[0].rpu: invalid type: string \"10\", expected u32",
@@ -1061,7 +1127,11 @@ mod tests {
                 br#"{"rules":[{"key":"k","algo":"TB","rpu":1}]}"#,
                 "rules[0]: missing field `unit`",
             ),
-            (br#"{"rule":[]}"#, "missing field `rules`"),
+            (br#"{"ruls":[]}"#, "missing field `rules`"),
+            (
+                br#"{"rules":[],"rule":-1}"#,
+                "rule: invalid value: integer `-1`, expected u32",
+            ),
             (b"not json", "expected ident"),
             (br#"{"rules":[]} trailing"#, "trailing characters"),
         ];

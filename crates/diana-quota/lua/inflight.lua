@@ -12,7 +12,8 @@
 -- Clock going backwards: the newest bucket never moves back, a place is counted in it; a
 -- newest bucket more than 4 ahead of the clock reads as fresh (garbage).
 --
--- KEYS[i]  state: hash `diana:{<key>}:IF:<rpu>:<unit>:<burst>:<slices>`, fields
+-- KEYS[i]  state: hash `diana:{<key>}:IF` (not bound to N: see the
+--   wire format's "Counters are bound to their parameters"), fields
 --            t = the newest bucket (0 or absent: never used)
 --            c0 .. c3 = places counted in the bucket of that ring slot
 --          expires 100 s after the last write (every place in it is reclaimed by then)

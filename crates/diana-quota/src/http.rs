@@ -32,7 +32,7 @@ use crate::fleet::view::Limits;
 use crate::fleet::{Fleet, ViewAccess};
 use crate::metrics::{self, Metrics};
 use crate::report::{self, VIEW_PATH};
-use crate::store::{Grant, Noted, Outcome, Store, StoreError, SystemClock};
+use crate::store::{CounterDigest, Grant, Noted, Outcome, Store, StoreError, SystemClock};
 use crate::ui;
 use axum::body::Body;
 use axum::extract::{MatchedPath, Request, State};
@@ -44,7 +44,8 @@ use axum::{Json, Router};
 use diana_core::report::REPORT_PATH;
 use diana_core::time::Nanos;
 use diana_core::wire::{
-    self, AcquireRequest, AcquireResponse, ErrorResponse, ReleaseResponse, ResolvedRule, RuleResult,
+    self, AcquireRequest, AcquireResponse, ErrorResponse, ReleaseResponse, Released, ResolvedRule,
+    RuleResult,
 };
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -597,19 +598,40 @@ async fn note_call(state: &AppState, call: &str, rules: &[ResolvedRule<'_>], gra
 /// away before the answer reached it. The body is that acquire's (its rules name the
 /// counters). Answers whether a grant was given back; when the acquire has not been
 /// decided yet, it gives its grant back as soon as it is made.
+///
+/// With `rule`, part of one rule's grant (the request was answered, and its answer is not
+/// counted): the body's one rule names that rule's counter and its `want` the tokens. At
+/// most what that rule was granted comes back, once; nothing is noted for an acquire
+/// still to come.
 async fn release(State(state): State<AppState>, headers: HeaderMap, body: Body) -> Response {
     let (admitted, request) = match start(&state, wire::RELEASE_PATH, &headers, body).await {
         Ok(started) => started,
         Err(answer) => return answer,
     };
-    let (rules, call) = match wire::resolve_release(&request) {
+    let (rules, call, released) = match wire::resolve_release(&request) {
         Ok(resolved) => resolved,
         Err(reason) => return error(StatusCode::BAD_REQUEST, reason),
     };
     // Ok(Err(reason)): not the rules of that call, or not something the store gives
     // back (400, not a store failure).
     let work = async {
-        let Some(grants) = state.store().take_call(call).await? else {
+        let grants = match released {
+            Released::Whole => state.store().take_call(call).await?,
+            Released::Part { rule } => {
+                let Some(asked) = rules.first() else {
+                    return Ok(Ok(false));
+                };
+                let part = state
+                    .store()
+                    .take_part(call, rule, asked.want.get(), CounterDigest::of(asked))
+                    .await?;
+                match part.outcome(call, rule) {
+                    Ok(taken) => taken.map(|grant| vec![grant]),
+                    Err(refused) => return Ok(Err(refused.to_string())),
+                }
+            }
+        };
+        let Some(grants) = grants else {
             return Ok(Ok(false));
         };
         let outcomes = match Grant::released(call, &rules, &grants) {

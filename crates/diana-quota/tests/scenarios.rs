@@ -956,6 +956,111 @@ async fn concurrency_places(router: &Router) {
     assert!(body.contains("only concurrency places"), "{body}");
 }
 
+/// `/v1/release` with `rule` gives back part of one rule's grant of a call (issue 41,
+/// item 5a: a login the answer did not count): at most what that rule was granted, once;
+/// only to its counter; never noted for an acquire still to come; a whole release
+/// afterwards gives back what is left.
+async fn released_parts_of_a_rules_grant(router: &Router) {
+    away_from_boundary(HOUR_MS, Duration::from_secs(5)).await;
+    let settle = || tokio::time::sleep(Duration::from_millis(150));
+    let first = rule(&unique_key("part-first"), "W", 5, "hour", 5, 10, 1);
+    let second = rule(&unique_key("part-second"), "TB", 5, "hour", 5, 10, 3);
+    let call = unique_key("call").replace([':', '.'], "-");
+    let part = |rule_: &diana_core::wire::RuleRequest, tokens: u32, at: u32| {
+        let mut request =
+            diana_core::wire::AcquireRequest::new(vec![diana_core::wire::RuleRequest {
+                want: tokens,
+                ..rule_.clone()
+            }]);
+        request.call = Some(call.clone());
+        request.rule = Some(at);
+        serde_json::to_vec(&request).unwrap()
+    };
+    let release = |body: Vec<u8>| async move {
+        let (status, _, body) = send(router, post_json("/v1/release", body)).await;
+        (status, String::from_utf8_lossy(&body).into_owned())
+    };
+    let released = |yes: bool| (StatusCode::OK, format!("{{\"released\":{yes}}}"));
+    // Nothing known yet: nothing, and the acquire keeps its grant.
+    assert_eq!(release(part(&second, 1, 1)).await, released(false));
+    let (status, body) = post_call(
+        router,
+        "/v1/acquire",
+        Some(&call),
+        vec![first.clone(), second.clone()],
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert!(body.contains("\"granted\":3"), "{body}");
+    settle().await;
+    assert_eq!(release(part(&second, 1, 1)).await, released(true));
+    assert_eq!(release(part(&second, 5, 1)).await, released(true));
+    assert_eq!(
+        release(part(&second, 1, 1)).await,
+        released(false),
+        "all 3 are back"
+    );
+    // Refused: a place the call did not have, another counter, two rules.
+    let (status, body) = release(part(&second, 1, 2)).await;
+    assert!(
+        status == StatusCode::BAD_REQUEST && body.contains("rule"),
+        "{body}"
+    );
+    let (status, body) = release(part(&first, 1, 1)).await;
+    assert!(
+        status == StatusCode::BAD_REQUEST && body.contains("rules[0]"),
+        "{body}"
+    );
+    let mut two = diana_core::wire::AcquireRequest::new(vec![first.clone(), second.clone()]);
+    two.call = Some(call.clone());
+    two.rule = Some(0);
+    let (status, body) = release(serde_json::to_vec(&two).unwrap()).await;
+    assert!(
+        status == StatusCode::BAD_REQUEST && body.contains("one rule"),
+        "{body}"
+    );
+    // The whole call: the first rule's token back, nothing more of the second's.
+    let (status, body) = post_call(
+        router,
+        "/v1/release",
+        Some(&call),
+        vec![first.clone(), second.clone()],
+    )
+    .await;
+    assert_eq!((status, body), released(true));
+    assert_eq!(left(router, &first).await, 5);
+    assert_eq!(left(router, &second).await, 5);
+}
+
+/// A concurrency limit's counter is its key alone (issue 41, item 5c): 3 places held under
+/// N = 3 are the same 3 under N = 4 (one more fits, not four), and a place taken under
+/// either is given back to the same count.
+async fn concurrency_places_outlive_an_edit_of_n(router: &Router) {
+    let key = unique_key("inflight-edit");
+    let places = |n: u32| rule(&key, "IF", n, "second", n, 10, 1);
+    let mut held = Vec::new();
+    for expected in [true, true, true, false] {
+        let result = acquire_one(router, places(3)).await;
+        assert_eq!(result.allowed, expected, "{result:?}");
+        held.extend(result.place);
+    }
+    let edited: Vec<bool> = {
+        let mut admitted = Vec::new();
+        for _ in 0..4 {
+            admitted.push(acquire_one(router, places(4)).await.allowed);
+        }
+        admitted
+    };
+    assert_eq!(edited, [true, false, false, false], "3 inside of 4");
+    // One of the first three leaves (its leave names N = 3): one more fits under N = 4.
+    let mut leaving = places(3);
+    leaving.place = held.first().copied();
+    let (status, body) = post_call(router, "/v1/leave", None, vec![leaving]).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert!(acquire_one(router, places(4)).await.allowed);
+    assert!(!acquire_one(router, places(4)).await.allowed);
+}
+
 // ---------------------------------------------------------------------------------------
 // Every scenario × every store.
 
@@ -1013,6 +1118,7 @@ macro_rules! scenario_suite {
 
 scenario_suite!(
     concurrency_places,
+    concurrency_places_outlive_an_edit_of_n,
     window_exact,
     sliding_exact,
     token_exact,
@@ -1033,6 +1139,7 @@ scenario_suite!(
     charges,
     parameters_bind_the_counter,
     released_calls_give_their_grants_back,
+    released_parts_of_a_rules_grant,
 );
 
 // ---------------------------------------------------------------------------------------

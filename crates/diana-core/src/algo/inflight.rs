@@ -167,6 +167,10 @@ impl Algorithm for InFlight {
         true
     }
 
+    fn state_follows_limit(&self) -> bool {
+        false
+    }
+
     fn acquire_at_least(
         &self,
         limit: &Limit,

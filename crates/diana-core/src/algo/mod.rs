@@ -115,6 +115,14 @@ pub trait Algorithm: Send + Sync + fmt::Debug {
         false
     }
 
+    /// True when the state means something only under the limit it was written with (a
+    /// window's count, a bucket's level): a counter is then bound to its parameters, and a
+    /// rule whose limit changes starts a new one. False for a concurrency limit: its state
+    /// is the places held, whatever N, and an edit of N must keep counting them.
+    fn state_follows_limit(&self) -> bool {
+        true
+    }
+
     /// True when tokens may be charged past the limit ([`Algorithm::charge_debt`]), as a
     /// response cost known only after the upstream answered.
     fn allows_debt(&self) -> bool {

@@ -44,9 +44,11 @@
 //!   worker's tick calls [`Handle::flush`] (every second is enough: nothing here needs
 //!   the faster tick), which merges it into the record (the batch counts in the slice of
 //!   the flush) and reads the state back. A slow or failed outcome flushes at once when
-//!   the window as last read plus the pending calls would trip the breaker, at most once
-//!   per [`EARLY_FLUSH_GAP`] (100 ms) per worker: evidence that can open the breaker
-//!   reaches the record within 100 ms, the rest within a tick.
+//!   the window as last read plus the pending calls would trip the breaker, else at most
+//!   once per [`EARLY_FLUSH_GAP`] (100 ms) per worker: evidence that can open the
+//!   breaker reaches the record within 100 ms whichever workers saw it, good calls alone
+//!   within a tick. A healthy dependency costs nothing; a failing one ten
+//!   compare-and-swaps a second per worker, and one per bad outcome that can trip it.
 //!
 //! So another worker's trip reaches this one within 50 ms, and a worker whose outcomes
 //! trip it fails fast from its next request on.
@@ -821,9 +823,13 @@ impl Handle {
     }
 
     /// A call's outcome (not a probe's: [`Handle::probe_outcome`]). Kept in memory until
-    /// the next flush, unless it is slow or failed and the window as last read plus the
-    /// pending calls would trip the breaker: then flushed now (at most once per
-    /// [`EARLY_FLUSH_GAP`]).
+    /// the next flush, unless slow or failed outcomes are pending: then flushed now, at
+    /// once when the window as last read plus the pending calls would trip the breaker,
+    /// else at most once per [`EARLY_FLUSH_GAP`] (a bad outcome held back by the gap goes
+    /// with the next outcome after it). Not only when this worker's view would trip it:
+    /// the evidence is often spread over the workers (4 failures on 4 workers, one each,
+    /// trip `min_calls: 4` only in the record), and a tick later the good calls since
+    /// would have diluted it.
     pub fn record(
         &mut self,
         store: &Store,
@@ -835,14 +841,17 @@ impl Handle {
         if self.reach == Reach::Fleet {
             self.report.calls.add(outcome);
         }
-        if outcome.is_good() || !self.judges {
+        let bad_pending = self.pending.slow > 0 || self.pending.failed > 0;
+        if !bad_pending || !self.judges {
             return Ok(Transitions::new());
         }
         let rested = self
             .early_flush_at
             .is_none_or(|last| now.saturating_since(last) >= EARLY_FLUSH_GAP || last > now);
+        // What this worker has seen can trip it: no waiting (one flush per bad outcome at
+        // most, and once it trips the record no longer judges).
         let (slow, failed) = self.edition.params.reached(self.seen.merge(self.pending));
-        if !rested || !(slow || failed) {
+        if !rested && !(!outcome.is_good() && (slow || failed)) {
             return Ok(Transitions::new());
         }
         self.early_flush_at = Some(now);

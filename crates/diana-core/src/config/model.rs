@@ -81,6 +81,34 @@ impl Policy {
             .any(|rule| rule.scope == Scope::Global && rule.algo.holds_until_done())
     }
 
+    /// Who reads a claim from the request's `authorization` header, which Diana does not
+    /// verify: each such actor once (`actor user`), each rule whose plan does (`the plan
+    /// of rule api`), in document order.
+    pub fn header_claims(&self) -> Vec<String> {
+        let mut found: Vec<String> = Vec::new();
+        for rule in self.rules() {
+            let source = rule.actor_source();
+            let reads_header = source.contains(&("source", "jwt_claim"))
+                && !source.iter().any(|(key, _)| *key == "from");
+            let actor = format!("actor `{}`", rule.actor_name);
+            if reads_header && !found.contains(&actor) {
+                found.push(actor);
+            }
+            if let Some(choice) = rule.plan.as_ref().filter(|c| c.by.header_claim().is_some()) {
+                let base = rule
+                    .name
+                    .strip_suffix(choice.name())
+                    .and_then(|name| name.strip_suffix('.'))
+                    .unwrap_or(&rule.name);
+                let plan = format!("the plan of rule `{base}`");
+                if !found.contains(&plan) {
+                    found.push(plan);
+                }
+            }
+        }
+        found
+    }
+
     /// A rule reads the request's body (`response_cost.reserve.json`): only then does a
     /// host need to see it.
     pub fn reads_request_bodies(&self) -> bool {
@@ -286,6 +314,14 @@ impl PlanSource {
         match self {
             PlanSource::Header(name) => format!("header {name}"),
             PlanSource::JwtClaim(claim) => format!("jwt_claim {}", claim.describe()),
+        }
+    }
+
+    /// The claim it reads from the `authorization` header, if it does (unverified).
+    pub fn header_claim(&self) -> Option<&Claim> {
+        match self {
+            PlanSource::JwtClaim(claim) if claim.origin() == &ClaimOrigin::Bearer => Some(claim),
+            _ => None,
         }
     }
 
@@ -856,6 +892,16 @@ impl Rule {
         self.actor.identify(facts, &self.identity)
     }
 
+    /// [`Rule::identify`], keeping the value the identity was read from in `shown` (the
+    /// fleet view's hot lists).
+    pub fn identify_shown(
+        &self,
+        facts: &dyn RequestFacts,
+        shown: &mut Option<Vec<u8>>,
+    ) -> Identity {
+        self.actor.identify_shown(facts, &self.identity, shown)
+    }
+
     /// Where this rule's identities come from, as `(key, value)` pairs in the order the
     /// source defines them: `[("source", "all")]`, `[("source", "ip")]`, `[("source",
     /// "header"), ("header", "x-device-id"), ("fallback", "ip")]`.
@@ -1031,6 +1077,9 @@ pub struct GlobalSpec {
     /// The quota service's credential, sent as `authorization: Bearer …` on every call.
     /// None: calls carry no credential (a service started with `--insecure-no-auth`).
     pub token: Option<Secret>,
+    /// The document writes a `global` section: it names a quota service, and its gateways
+    /// report their figures to it for the fleet view (also when every rule is local).
+    pub written: bool,
 }
 
 impl Default for GlobalSpec {
@@ -1043,6 +1092,7 @@ impl Default for GlobalSpec {
             lease: Lease::Fixed(NonZeroU32::MIN),
             retry_seconds: 5,
             token: None,
+            written: false,
         }
     }
 }

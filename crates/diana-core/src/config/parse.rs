@@ -643,6 +643,7 @@ fn build(collected: Collected) -> Result<Policy, Refusal> {
                     .and_then(|seconds| u32::try_from(seconds.0).ok())
                     .unwrap_or(default.retry_seconds),
                 token: raw.token.map(|token| token.0).or(default.token),
+                written: true,
             }
         }
     };
@@ -1363,14 +1364,23 @@ fn build_rule(
         .as_ref()
         .map(|choice| [choice.by.describe(), choice.name().to_string()]);
     let plan_bytes: Vec<&[u8]> = plan_parts.iter().flatten().map(String::as_bytes).collect();
+    // A concurrency limit's state is the places held, whatever N: its id (the generation
+    // that seals its records, and its key at the quota service) leaves N out, so that an
+    // edit of `max_in_flight` keeps counting the requests inside (issue 41, item 5c).
+    let limit_bytes: [&[u8]; 2] = if in_flight {
+        [b"", b""]
+    } else {
+        [&rpu_bytes, &burst_bytes]
+    };
+    let [rpu_part, burst_part] = limit_bytes;
     let mut parts: Vec<&[u8]> = vec![
         url.as_bytes(),
         canonical.as_bytes(),
         def.spec.as_bytes(),
         algo.code().as_bytes(),
-        &rpu_bytes,
+        rpu_part,
         written_unit.name().as_bytes(),
-        &burst_bytes,
+        burst_part,
         &slices_bytes,
         &slots_bytes,
         scope.name().as_bytes(),

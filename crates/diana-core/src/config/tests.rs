@@ -251,6 +251,7 @@ dry_run: true
             lease: Lease::Fixed(nz(2)),
             retry_seconds: 0,
             token: None,
+            written: true,
         }
     );
     assert_eq!(
@@ -1678,4 +1679,18 @@ fn a_concurrency_limit_is_a_rule_of_its_own_algorithm() {
     assert!(rule.algo.holds_until_done() && !rule.algo.lends());
     assert_eq!(rule.limit.rpu.get(), 5);
     assert_eq!(rule.scope, Scope::Local);
+    // Its id (the generation sealing its places, its key at the quota service) does not
+    // hash N, so an edit of N keeps the places of the requests inside; a rate's does.
+    let edited = parse("Url: /\nrules:\n  - {max_in_flight: 9, actor: account, name: inside}\n");
+    assert_eq!(rules(&edited)[0].id, rule.id);
+    assert_eq!(rules(&edited)[0].keys, rule.keys);
+    let rate = |rpu: u32| {
+        ids(&parse(&format!(
+            "Url: /\nrules:\n  - {{rpu: {rpu}, name: r}}\n"
+        )))
+    };
+    assert_ne!(rate(5), rate(9));
+    // Anything else still makes another rule.
+    let other = parse("Url: /\nrules:\n  - {max_in_flight: 5, actor: ip, name: inside}\n");
+    assert_ne!(rules(&other)[0].id, rule.id);
 }

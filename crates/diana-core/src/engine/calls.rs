@@ -12,7 +12,8 @@
 //!                           ├─ Orphan   ─▶ its grant serves later requests
 //!                           ├─ Refill   ─▶ the stash
 //!                           ├─ Payment  ─▶ what the service did not take is charged here
-//!                           ├─ Release  ─▶ cached denials forgotten
+//!                           ├─ Release  ─▶ cached denials forgotten (a part not given
+//!                           │              back: to the lease stash)
 //!                           ├─ Leave    ─▶ places not given back are counted
 //!                           └─ Renewal  ─▶ the places' new buckets
 //! ```
@@ -30,7 +31,7 @@ use crate::config::Scope;
 use crate::cx::Cx;
 use crate::decision::{AfterResponse, Decision, Reserved};
 use crate::global::debts::Debt;
-use crate::global::{Asked, GlobalCharge, Payment};
+use crate::global::{Asked, GlobalCharge, Payment, Refund};
 use crate::local::Taken;
 use crate::metrics::{Event, MetricSink, NoMetrics};
 use crate::places::{HoldingId, PlaceAt, ServicePlace};
@@ -61,8 +62,10 @@ enum Kind {
     Refill(Asked),
     /// Response costs sent to the quota service.
     Payment(Vec<Debt>),
-    /// The release of a gone request's grant: the (rule, identity) pairs it frees.
-    Release(Vec<GlobalCharge>),
+    /// The release of a gone request's grant, or of part of a rule's grant (with where
+    /// its tokens go if the service gives nothing back): the (rule, identity) pairs it
+    /// frees.
+    Release(Vec<GlobalCharge>, Option<Refund>),
     /// Concurrency places of requests that ended, given back: how many.
     Leave(u64),
     /// Concurrency places renewed: of which holding each is, and what was asked.
@@ -85,8 +88,10 @@ impl Then {
     /// What of the answer is read: a payment's, a release's and a leave's status alone.
     pub fn answer_shape(&self) -> AnswerShape {
         match self.0 {
-            Kind::Payment(_) | Kind::Release(_) | Kind::Leave(_) => AnswerShape::STATUS,
-            Kind::Acquire(_)
+            Kind::Payment(_) | Kind::Release(_, None) | Kind::Leave(_) => AnswerShape::STATUS,
+            // Whether the service gave the part back decides where its tokens go.
+            Kind::Release(_, Some(_))
+            | Kind::Acquire(_)
             | Kind::Orphan(_)
             | Kind::Refill(_)
             | Kind::Renewal(..)
@@ -138,7 +143,10 @@ impl Engine {
                     self.charge_debt_locally(cx, debt);
                 }
             }
-            Kind::Release(charges) => self.global.released(cx, &self.policy, &charges, &answer),
+            Kind::Release(charges, fallback) => {
+                self.global
+                    .released(cx, &self.policy, &charges, fallback, &answer)
+            }
             Kind::Report(carried, report) => self.reported(cx, carried, &report, &answer),
             Kind::Leave(places) => self.global.left(cx, places, &answer),
             Kind::Renewal(renewing, request) => {
@@ -190,7 +198,8 @@ impl Engine {
                 self.global.payment_forgotten();
                 None
             }
-            Kind::Release(_) | Kind::Leave(_) | Kind::Renewal(..) => None,
+            // A part of a grant not given back stays charged (stricter).
+            Kind::Release(..) | Kind::Leave(_) | Kind::Renewal(..) => None,
             // Its calls go into the next report.
             Kind::Report(carried, _) => {
                 for (breaker, report) in carried {
@@ -286,7 +295,7 @@ impl Engine {
         }
         calls.extend(self.global.take_releases().into_iter().map(|release| Call {
             callout: release.callout,
-            then: Then(Kind::Release(release.charges)),
+            then: Then(Kind::Release(release.charges, release.fallback)),
         }));
         self.renew(cx, &mut calls);
         while let Some((callout, places)) = self.global.plan_leave(cx, &self.policy) {
@@ -504,8 +513,14 @@ impl Engine {
                         }];
                         self.give_back_held(cx.shared, &held, cx.now, cx.metrics);
                     }
-                    Reserved::Global { until, .. } => {
-                        self.global.refund(cx, rule, charge.address, tokens, *until);
+                    Reserved::Global { until, from, .. } => {
+                        let refund = Refund {
+                            index: rule.index,
+                            address: charge.address,
+                            tokens,
+                            until: *until,
+                        };
+                        self.global.refund(cx, rule, refund, from.as_ref());
                     }
                 },
             }

@@ -1805,9 +1805,18 @@ fn a_plan_can_come_from_a_claim_of_the_bearer_token() {
     assert_eq!(h.admitted("/", &Facts::default(), 10), 1);
 }
 
-/// Settles `charge` with the answer's header value.
+/// Settles `charge` with the answer's header value, then runs the tick as a worker would:
+/// what it sends (a global rule's tokens given back to the service) is answered by the
+/// in-memory service.
 fn settle_with(h: &mut Harness, charge: AfterResponse, value: &str) {
     h.after_response(&charge, &[Some(value.as_bytes().to_vec())]);
+    for Call { callout, then } in h.tick() {
+        let answer = h.service.answer(&callout, h.now);
+        assert!(
+            h.answer(then, answer).is_none(),
+            "the tick's calls decide no request"
+        );
+    }
 }
 
 #[test]
@@ -1868,6 +1877,44 @@ fn a_reservation_is_settled_up_past_the_limit_and_kept_without_an_answer() {
     // An answer without the header keeps its reservation: nothing is left.
     h.after_response(&kept, &[None]);
     assert!(matches!(h.request("/", &asks("1")), Decision::Reject(_)));
+}
+
+/// A reservation read from a request header is the client's choice (issue 41, item 5d):
+/// `x-max-tokens: 1` on 60 concurrent calls of a 10,000-token budget whose answers used
+/// 400 each spent 24,000 (each reserved 1, all 60 admitted, then charged 399 more each).
+/// The floor (`reserve.min`, by default `default`: 400 here) makes each take at least 400:
+/// 25 are admitted, the budget is spent exactly, and a late one is refused.
+#[test]
+fn a_reservation_cannot_go_below_its_floor_whatever_the_client_asks() {
+    for scope in ["local", "global"] {
+        let lease = if scope == "global" {
+            ", lease: 8000"
+        } else {
+            ""
+        };
+        let doc = format!(
+            "Url: /\nrules:\n  - {{name: llm, actor: account, algo: TB, rpu: 10000, unit: hour, scope: {scope}{lease}, \
+             response_cost: {{header: x-llm-tokens, max: 8000, reserve: {{header: x-max-tokens, default: 400, max: 8000}}}}}}\n"
+        );
+        let mut h = Harness::new(&doc);
+        let cheap = Facts::default()
+            .header("x-account-id", b"mallory")
+            .header("x-max-tokens", b"1");
+        let charges: Vec<AfterResponse> = (0..60)
+            .map(|_| h.request("/", &cheap))
+            .filter(admits)
+            .map(after)
+            .collect();
+        assert_eq!(charges.len(), 25, "{scope}: 10,000 / 400");
+        for charge in charges {
+            settle_with(&mut h, charge, "400");
+        }
+        assert_eq!(
+            h.admitted("/", &cheap, 5),
+            0,
+            "{scope}: the budget is spent, not overrun"
+        );
+    }
 }
 
 #[test]

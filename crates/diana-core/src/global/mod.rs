@@ -13,6 +13,7 @@
 //!                          ├─ a valid answer, a rule denies ─────▶ Rejected (every grant stashed, leases taken given back, denial cached)
 //!                          ├─ 4xx (refused) ─────────────────────▶ Degrade, counted apart, logged once with the reason
 //!                          └─ failure or invalid answer ─────────▶ Degrade, outage switch opened
+//!                                 (no answer, or one not believed: the call released from the next tick)
 //! ```
 //!
 //! Nothing the service answers is believed before [`wire::validate_response`] has checked
@@ -34,7 +35,10 @@ use crate::places::{places_in, ServicePlace};
 use crate::response::RuleReport;
 use crate::store::{SharedData, SlotAddress, Store};
 use crate::time::{ceil_seconds, ceil_seconds_at_least_one, Instant, Nanos};
-use crate::wire::{self, AcquireRequest, AcquireResponse, ErrorResponse, RuleRequest, RuleResult};
+use crate::wire::{
+    self, AcquireRequest, AcquireResponse, CallRule, ErrorResponse, ReleaseResponse, RuleRequest,
+    RuleResult,
+};
 use debts::{Debt, Owed};
 use flights::{FlightKey, Flights, RiderId};
 use outage::{Gate, Outage};
@@ -134,11 +138,26 @@ pub struct Denial {
 }
 
 /// The call that gives back the grant of a call whose answer nobody will read (see
-/// [`Global::abandon_call`]), and the (rule, identity) pairs it frees.
+/// [`Global::abandon_call`]), or part of one rule's grant ([`Global::refund`]), and the
+/// (rule, identity) pairs it frees.
 #[derive(Debug, Clone)]
 pub struct Release {
     pub callout: Callout,
     pub charges: Vec<GlobalCharge>,
+    /// Part of one rule's grant: where the tokens go if the service gives nothing back.
+    pub fallback: Option<Refund>,
+}
+
+/// Tokens a settled request gives back to this gateway's lease stash when the service
+/// cannot take them back (see [`Global::refund`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Refund {
+    /// The rule's [`Rule::index`].
+    pub index: usize,
+    pub address: SlotAddress,
+    pub tokens: u32,
+    /// Until when the stash may spend them.
+    pub until: Instant,
 }
 
 /// One entry per global rule of a request, inline: a request rarely has more than two,
@@ -199,6 +218,25 @@ impl Asked {
     pub fn request(&self) -> &AcquireRequest {
         &self.request
     }
+
+    /// The rules of this call whose grant a settled answer may give back in part (those
+    /// that settle), each with its place in the call; none without a call id or for a
+    /// refill (its grant went to the stash).
+    pub fn settling_rules(&self, policy: &Policy) -> Vec<(usize, CallRule)> {
+        let Some(call) = self.request.call.as_ref().filter(|_| !self.refill) else {
+            return Vec::new();
+        };
+        self.charges
+            .iter()
+            .enumerate()
+            .filter(|(_, charge)| policy.rule(charge.index).is_some_and(Rule::settles))
+            .filter_map(|(at, charge)| {
+                let rule = u32::try_from(at).ok()?;
+                let call = call.clone();
+                Some((charge.index, CallRule { call, rule }))
+            })
+            .collect()
+    }
 }
 
 /// How a worker's response costs get paid.
@@ -235,6 +273,20 @@ enum Failure {
     /// Not asked: the host would not hold the request for the answer (the worker logged
     /// why). The service is not at fault.
     NotHeld,
+}
+
+impl Failure {
+    /// True when the service may have granted what was asked though the gateway cannot
+    /// use it: no answer came (the call may have been decided before the timeout or the
+    /// reset), or one came that is not believed. Not after a refusal (4xx: nothing was
+    /// granted), a call never sent, or another status (the service answers 5xx when it
+    /// did not decide, or gave a late decision back itself).
+    fn may_have_granted(&self) -> bool {
+        matches!(
+            self,
+            Failure::Unavailable(Unavailable::NoAnswer) | Failure::Invalid(_)
+        )
+    }
 }
 
 /// Why the quota service could not decide.
@@ -443,6 +495,7 @@ impl Global {
                 })
                 .collect(),
             call: self.calls.next(),
+            rule: None,
         };
         fit_total_want(&mut request.rules);
         let body = match serde_json::to_vec(&request) {
@@ -680,6 +733,14 @@ impl Global {
         let results = match self.check(&asked, answer) {
             Ok(results) => results,
             Err(failure) => {
+                if failure.may_have_granted() {
+                    // The service may have decided the call and its answer is lost (a
+                    // timeout after it took a place, a reset, an answer not believed):
+                    // the request is decided here instead, so what the service granted
+                    // goes back as for a client that left. A place would otherwise be
+                    // held for nobody until the service reclaims it, 60 to 80 s later.
+                    self.queue_release(cx, &asked.request, asked.charges.clone());
+                }
                 self.failed(cx, failure, asked.probe);
                 if !asked.refill {
                     cx.metrics.event(Event::GlobalDegradedRequest);
@@ -949,24 +1010,35 @@ impl Global {
     pub fn abandon_call(&self, cx: &mut Cx<'_>, policy: &Policy, asked: Asked) {
         self.flights.land(&asked.flying, cx.now);
         self.give_back(cx, policy, &asked.served);
-        if asked.request.call.is_none() {
+        self.queue_release(cx, &asked.request, asked.charges);
+    }
+
+    /// Queues the release of the call `request` was (nothing without a call id): its
+    /// grant goes back to the service from the next tick.
+    fn queue_release(&self, cx: &mut Cx<'_>, request: &AcquireRequest, charges: Vec<GlobalCharge>) {
+        if request.call.is_none() {
             return;
         }
-        let Ok(body) = serde_json::to_vec(&asked.request) else {
+        let Ok(body) = serde_json::to_vec(request) else {
             return;
         };
         let release = Release {
-            callout: self.callout_to(
-                endpoint_beside(&self.spec.path, "release"),
-                u64::from(self.spec.timeout_ms),
-                body,
-            ),
-            charges: asked.charges,
+            callout: self.release_callout(body),
+            charges,
+            fallback: None,
         };
         match self.releases.try_borrow_mut() {
             Ok(mut releases) if releases.len() < MAX_RELEASES => releases.push(release),
             _ => cx.metrics.event(Event::ReleaseUnsent),
         }
+    }
+
+    fn release_callout(&self, body: Vec<u8>) -> Callout {
+        self.callout_to(
+            endpoint_beside(&self.spec.path, "release"),
+            u64::from(self.spec.timeout_ms),
+            body,
+        )
     }
 
     /// The answer to `asked` came but cannot be read without a clock: its flights land and
@@ -998,13 +1070,31 @@ impl Global {
     /// or when its acquire is decided), so a denial cached for its (rule, identity)
     /// meanwhile no longer holds; not sent, that grant stays charged, as before releases
     /// existed.
+    ///
+    /// A release of part of one rule's grant (`fallback`) reads the answer: the tokens are
+    /// back at the service only when it says `released: true`; otherwise (not sent, no
+    /// answer, a refusal, the call forgotten) they go to this gateway's stash instead.
     pub fn released(
         &self,
         cx: &mut Cx<'_>,
         policy: &Policy,
         charges: &[GlobalCharge],
+        fallback: Option<Refund>,
         answer: &Answer,
     ) {
+        if let Some(refund) = fallback {
+            if !gave_back(answer) {
+                if let Answer::NotSent(error) = answer {
+                    cx.metrics.event(Event::ReleaseUnsent);
+                    log::debug!("diana: a release was not sent: {error}");
+                }
+                cx.metrics.event(Event::RefundStashed);
+                if let Some(rule) = policy.rule(refund.index) {
+                    self.stash_refund(cx, rule, &refund);
+                }
+                return;
+            }
+        }
         if let Answer::NotSent(error) = answer {
             cx.metrics.event(Event::ReleaseUnsent);
             log::debug!("diana: a release was not sent: {error}");
@@ -1066,20 +1156,53 @@ impl Global {
     }
 
     /// Gives back `tokens` a request of `address` had from the service and did not use
-    /// (its answer settled for less, [`crate::settle`]): to this gateway's lease stash,
-    /// where the identity's next requests here spend them until `until`; a denial
-    /// remembered for it is forgotten, so that it does not hide them.
-    pub fn refund(
-        &self,
-        cx: &mut Cx<'_>,
-        rule: &Rule,
-        address: SlotAddress,
-        tokens: u32,
-        until: Instant,
-    ) {
-        let receipt = StashReceipt::refund(rule, address, u64::from(tokens), until);
+    /// (its answer settled for less, [`crate::settle`]: `count: {status}` not counted, a
+    /// reservation settled lower). When the request's own call granted them (`from`),
+    /// they go back to the service, from the next tick: a release of part of that rule's
+    /// grant, so that behind a load balancer the identity's next request, on any gateway,
+    /// finds them. Otherwise (the tokens came from the stash, the call had no id), or
+    /// when the release cannot be queued or finds nothing ([`Global::released`]), they go
+    /// to this gateway's lease stash, where the identity's next requests here spend them
+    /// until `until`.
+    pub fn refund(&self, cx: &mut Cx<'_>, rule: &Rule, refund: Refund, from: Option<&CallRule>) {
+        if let Some(from) = from {
+            let mut request = AcquireRequest::new(vec![RuleRequest::new(
+                global_key(rule, refund.address),
+                rule.algo,
+                &rule.limit,
+                refund.tokens,
+            )]);
+            request.call = Some(from.call.clone());
+            request.rule = Some(from.rule);
+            if let Ok(body) = serde_json::to_vec(&request) {
+                let release = Release {
+                    callout: self.release_callout(body),
+                    charges: vec![GlobalCharge {
+                        index: refund.index,
+                        address: refund.address,
+                        cost: refund.tokens,
+                    }],
+                    fallback: Some(refund),
+                };
+                if let Ok(mut releases) = self.releases.try_borrow_mut() {
+                    if releases.len() < MAX_RELEASES {
+                        releases.push(release);
+                        return;
+                    }
+                }
+            }
+        }
+        cx.metrics.event(Event::RefundStashed);
+        self.stash_refund(cx, rule, &refund);
+    }
+
+    /// Tokens of a settled request to this gateway's lease stash; a denial remembered for
+    /// the identity is forgotten, so that it does not hide them.
+    fn stash_refund(&self, cx: &mut Cx<'_>, rule: &Rule, refund: &Refund) {
+        let receipt =
+            StashReceipt::refund(rule, refund.address, u64::from(refund.tokens), refund.until);
         self.stash.give_back(cx.shared, rule, &receipt, cx.now);
-        self.stash.forget_denial(cx.shared, rule, address);
+        self.stash.forget_denial(cx.shared, rule, refund.address);
     }
 
     /// Owes `debt` (a response cost) to the service; when this worker's table of debts is
@@ -1307,6 +1430,17 @@ fn fit_total_want(rules: &mut [RuleRequest]) {
         let beyond = u64::from(rule.want - cost);
         let share = beyond.saturating_mul(room).checked_div(extra).unwrap_or(0);
         rule.want = cost.saturating_add(u32::try_from(share).unwrap_or(0));
+    }
+}
+
+/// True when the answer to a release says a grant was given back (`released: true`).
+fn gave_back(answer: &Answer) -> bool {
+    match answer {
+        Answer::Answered(answered) if answered.status == 200 => answered
+            .body_within(MAX_SERVICE_ANSWER_BYTES)
+            .and_then(|body| serde_json::from_slice::<ReleaseResponse>(body).ok())
+            .is_some_and(|response| response.released),
+        _ => false,
     }
 }
 

@@ -14,6 +14,12 @@
 //!      └──────────────────────▶ Released ──────────▶ (none)   the grant given back at once
 //! ```
 //!
+//! A release may also give back part of one rule's grant ([`Part`]): the gateway request
+//! was answered, and its answer says the rule should not count it (`count: {status}`, a
+//! reservation settled for less). That takes tokens out of the entry, which stays
+//! `Granted` (what is left of the grant can still be released); it never notes a release
+//! for an acquire still to come, and finds nothing in a `Released` entry.
+//!
 //! An entry is forgotten [`CALL_MEMORY`] after it was written (a release that late finds
 //! nothing, and the grant stays charged, as it did before releases existed). The memory
 //! store keeps at most [`MAX_CALLS`] entries; the Redis store keeps them as keys with that
@@ -58,6 +64,11 @@ impl CounterDigest {
             *to = from;
         }
         CounterDigest(first)
+    }
+
+    /// As [`encode`] writes it: 32 lower-case hex digits.
+    pub fn hex(&self) -> String {
+        format!("{:032x}", u128::from_be_bytes(self.0))
     }
 }
 
@@ -137,6 +148,67 @@ impl Grant {
     }
 }
 
+/// What a release of part of one rule's grant of a call found ([`CallLedger::take_part`],
+/// and the Redis store's `calls.lua`, which does the same).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Part {
+    /// Given back: these tokens of the rule's grant, counted at its mark in its counter.
+    Taken(Grant),
+    /// Nothing to give back: the call is not known (not decided yet, released whole,
+    /// forgotten), or that rule's grant has nothing left.
+    Nothing,
+    /// The call had fewer rules than the position named.
+    NoSuchRule { rules: usize },
+    /// Not the counter that rule of the call was granted by.
+    OtherCounter,
+}
+
+impl Part {
+    /// Takes up to `tokens` of the grant of the call's rule at `rule` (`grants`: the
+    /// call's, rule by rule), if `counter` is the counter it was granted by.
+    pub fn take(grants: &mut [Grant], rule: usize, tokens: u32, counter: CounterDigest) -> Part {
+        let rules = grants.len();
+        let Some(grant) = grants.get_mut(rule) else {
+            return Part::NoSuchRule { rules };
+        };
+        if grant.counter != counter {
+            return Part::OtherCounter;
+        }
+        let taken = tokens.min(grant.granted);
+        if taken == 0 {
+            return Part::Nothing;
+        }
+        grant.granted -= taken;
+        Part::Taken(Grant {
+            granted: taken,
+            ..*grant
+        })
+    }
+
+    /// What the release answers: the grant to give back (`None`: nothing), or why the
+    /// body was refused (a 400, as a whole call's release with other rules).
+    pub fn outcome(self, call: &str, rule: usize) -> Result<Option<Grant>, WireError> {
+        match self {
+            Part::Taken(grant) => Ok(Some(grant)),
+            Part::Nothing => Ok(None),
+            Part::NoSuchRule { rules } => Err(WireError::at(
+                "rule",
+                WireProblem::RulesOfCall {
+                    rules: rule + 1,
+                    call: call.to_string(),
+                    granted: rules,
+                },
+            )),
+            Part::OtherCounter => Err(WireError::at(
+                "rules[0]",
+                WireProblem::NotTheCallsCounter {
+                    call: call.to_string(),
+                },
+            )),
+        }
+    }
+}
+
 /// Grants as stored: `<granted>:<mark hex>:<counter digest hex>` per rule, comma
 /// separated.
 pub fn encode(grants: &[Grant]) -> String {
@@ -144,10 +216,10 @@ pub fn encode(grants: &[Grant]) -> String {
         .iter()
         .map(|grant| {
             format!(
-                "{}:{:x}:{:032x}",
+                "{}:{:x}:{}",
                 grant.granted,
                 grant.mark.0,
-                u128::from_be_bytes(grant.counter.0)
+                grant.counter.hex()
             )
         })
         .collect::<Vec<_>>()
@@ -172,6 +244,25 @@ pub fn decode(value: &str) -> Option<Vec<Grant>> {
             })
         })
         .collect()
+}
+
+/// What the Redis store's ledger script (`calls.lua`, `part`) answered, as a [`Part`]:
+/// nothing (`nil`), `rules:<n>` (the call had `n` rules), `counter` (another counter), or
+/// the tokens taken as one [`encode`]d grant. Anything else finds nothing.
+pub fn part_of_reply(reply: Option<&str>) -> Part {
+    match reply {
+        None => Part::Nothing,
+        Some("counter") => Part::OtherCounter,
+        Some(reply) => match reply.strip_prefix("rules:") {
+            Some(rules) => rules
+                .parse()
+                .map_or(Part::Nothing, |rules| Part::NoSuchRule { rules }),
+            None => match decode(reply).as_deref() {
+                Some([grant]) if grant.granted > 0 => Part::Taken(*grant),
+                _ => Part::Nothing,
+            },
+        },
+    }
 }
 
 /// What noting a grant found.
@@ -232,6 +323,24 @@ impl CallLedger {
                 }
                 None
             }
+        }
+    }
+
+    /// Takes up to `tokens` of what `call` granted its rule at `rule`, if `counter` is
+    /// that rule's counter (see [`Part`]). The entry stays, with what is left.
+    pub fn take_part(
+        &mut self,
+        call: &str,
+        rule: usize,
+        tokens: u32,
+        counter: CounterDigest,
+        now: Instant,
+    ) -> Part {
+        match self.entries.get_mut(call) {
+            Some((Entry::Granted(grants), at)) if !expired(*at, now) => {
+                Part::take(grants, rule, tokens, counter)
+            }
+            _ => Part::Nothing,
         }
     }
 
@@ -311,6 +420,70 @@ mod tests {
         assert_eq!(ledger.len(), 1);
     }
 
+    /// Part of one rule's grant: taken from the entry, which keeps the rest (a whole
+    /// release then gives back only that); never noted ahead of the acquire; refused for
+    /// a rule the call did not have or another counter.
+    #[test]
+    fn part_of_a_rules_grant_is_taken_once_and_the_rest_stays() {
+        let mut ledger = CallLedger::default();
+        let counter = CounterDigest([7; 16]);
+        let part = |ledger: &mut CallLedger, rule: usize, tokens: u32, counter, at| {
+            ledger.take_part("a", rule, tokens, counter, second(at))
+        };
+        // Not decided yet: nothing, and the acquire is not told to give anything back.
+        assert_eq!(part(&mut ledger, 0, 1, counter, 10), Part::Nothing);
+        assert_eq!(ledger.granted("a", grants(3), second(10)), Noted::Kept);
+        let taken = |granted: u32| {
+            Part::Taken(Grant {
+                granted,
+                ..grants(0)[0]
+            })
+        };
+        assert_eq!(part(&mut ledger, 0, 1, counter, 11), taken(1));
+        // More than is left: what is left.
+        assert_eq!(part(&mut ledger, 0, 5, counter, 11), taken(2));
+        assert_eq!(part(&mut ledger, 0, 1, counter, 11), Part::Nothing);
+        // The second rule granted nothing; there is no third; another counter is refused.
+        assert_eq!(
+            part(&mut ledger, 1, 1, CounterDigest([0; 16]), 11),
+            Part::Nothing
+        );
+        assert_eq!(
+            part(&mut ledger, 2, 1, counter, 11),
+            Part::NoSuchRule { rules: 2 }
+        );
+        assert_eq!(
+            part(&mut ledger, 0, 1, CounterDigest([8; 16]), 11),
+            Part::OtherCounter
+        );
+        // A whole release afterwards gives back what is left (nothing of rule 0).
+        let left = ledger.release("a", second(12)).unwrap();
+        assert_eq!(left[0].granted, 0);
+        // Forgotten after the memory.
+        ledger.granted("b", grants(3), second(20));
+        assert_eq!(
+            ledger.take_part("b", 0, 1, counter, second(20) + CALL_MEMORY),
+            Part::Nothing
+        );
+        // What a release answers for each.
+        assert!(matches!(
+            Part::NoSuchRule { rules: 2 }
+                .outcome("a", 2)
+                .unwrap_err()
+                .problem,
+            WireProblem::RulesOfCall {
+                rules: 3,
+                granted: 2,
+                ..
+            }
+        ));
+        assert_eq!(
+            Part::OtherCounter.outcome("a", 0).unwrap_err().field,
+            "rules[0]"
+        );
+        assert_eq!(Part::Nothing.outcome("a", 0), Ok(None));
+    }
+
     #[test]
     fn a_call_is_forgotten_after_its_memory() {
         let mut ledger = CallLedger::default();
@@ -356,6 +529,27 @@ mod tests {
     }
 
     #[test]
+    fn the_scripts_answers_to_a_part_read_as_parts() {
+        let taken = Grant {
+            granted: 2,
+            ..grants(0)[0]
+        };
+        let cases = [
+            (None, Part::Nothing),
+            (Some("counter".to_string()), Part::OtherCounter),
+            (Some("rules:3".to_string()), Part::NoSuchRule { rules: 3 }),
+            (Some("rules:x".to_string()), Part::Nothing),
+            (Some(encode(&[taken])), Part::Taken(taken)),
+            (Some(encode(&grants(0)[..1])), Part::Nothing),
+            (Some(encode(&grants(1))), Part::Nothing),
+            (Some("junk".to_string()), Part::Nothing),
+        ];
+        for (reply, part) in cases {
+            assert_eq!(part_of_reply(reply.as_deref()), part, "{reply:?}");
+        }
+    }
+
+    #[test]
     fn a_release_gives_back_only_to_the_calls_own_counters() {
         use crate::wire::{AcquireRequest, RuleRequest};
         let rule = |key: &str, rpu: u32| RuleRequest {
@@ -374,6 +568,7 @@ mod tests {
         let request = |rules: Vec<RuleRequest>| AcquireRequest {
             rules,
             call: Some("c".to_string()),
+            rule: None,
         };
         let acquired = request(vec![rule("mine:1", 5)]);
         let resolved = acquired.resolve().unwrap();

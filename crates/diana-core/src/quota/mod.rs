@@ -10,14 +10,14 @@ pub mod fleet;
 pub mod ledger;
 pub mod table;
 
-use crate::algo::{Limit, Mark};
+use crate::algo::{Algorithm, Limit, Mark};
 use crate::call::{Answer, Callout};
 use crate::time::{Instant, Nanos};
 use crate::wire::{
-    self, AcquireRequest, AcquireResponse, ErrorResponse, ReleaseResponse, ResolvedRule,
+    self, AcquireRequest, AcquireResponse, ErrorResponse, ReleaseResponse, Released, ResolvedRule,
     RuleResult, WireError,
 };
-use ledger::{CallLedger, Grant, Noted};
+use ledger::{CallLedger, CounterDigest, Grant, Noted};
 use std::fmt;
 use table::Table;
 
@@ -53,11 +53,20 @@ impl Outcome {
 /// slice count addresses another counter: it can neither read nor reset (nor deny through)
 /// the first one. Every store keys its counters by this (the memory store as is, Redis as
 /// [`CounterId::params`] after the hash tag), so they all behave alike.
+///
+/// Except a concurrency limit (`IF`, [`Algorithm::state_follows_limit`]): its counter is
+/// its key and algorithm alone (`limit` is `None`), and each acquire checks the places
+/// held against the N it carries. The places of the requests inside are the same places
+/// whatever N a gateway's document says, so an edit of `max_in_flight` (or two gateways
+/// mid-rollout, one at 3 and one at 4) keeps counting them: each admits while fewer than
+/// its own N are held. A request naming another N reads and takes the same places; it
+/// cannot reach anyone else's key (keys are keyed hashes of the identity).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct CounterId {
     pub key: String,
     pub algo: &'static str,
-    pub limit: Limit,
+    /// `None`: not bound to its limit (a concurrency limit).
+    pub limit: Option<Limit>,
 }
 
 impl CounterId {
@@ -67,26 +76,40 @@ impl CounterId {
         CounterId {
             key: rule.key.to_string(),
             algo: rule.algo.code(),
-            limit: rule.limit,
+            limit: bound_limit(rule.algo, &rule.limit),
         }
     }
 
     /// Whether `rule` addresses this counter.
     pub fn is(&self, rule: &ResolvedRule<'_>) -> bool {
-        self.key == rule.key && self.algo == rule.algo.code() && self.limit == rule.limit
+        self.key == rule.key
+            && self.algo == rule.algo.code()
+            && self.limit == bound_limit(rule.algo, &rule.limit)
     }
 
     /// The parameters, as they follow the key in a store's name for the counter:
-    /// `<ALGO>:<rpu>:<unit>:<burst>:<slices>` (`TB:10:second:10:10`).
+    /// `<ALGO>:<rpu>:<unit>:<burst>:<slices>` (`TB:10:second:10:10`), `IF` alone.
     pub fn params(&self) -> String {
-        counter_params(self.algo, &self.limit)
+        match &self.limit {
+            Some(limit) => counter_params(self.algo, limit),
+            None => self.algo.to_string(),
+        }
     }
+}
+
+/// The limit a counter of `algo` is bound to (`None`: its state does not follow it).
+fn bound_limit(algo: &dyn Algorithm, limit: &Limit) -> Option<Limit> {
+    algo.state_follows_limit().then_some(*limit)
 }
 
 /// `<ALGO>:<rpu>:<unit>:<burst>:<slices>`, every parameter of a counter in one canonical
 /// form (`W:100:minute:100:10`): distinct parameters give distinct names, and a key cannot
-/// hold `{` or `}`, so `diana:{<key>}:<params>` names one counter only.
+/// hold `{` or `}`, so `diana:{<key>}:<params>` names one counter only. A concurrency
+/// limit's counter is not bound to its limit ([`CounterId`]): `IF` alone.
 pub fn counter_params(algo: &str, limit: &Limit) -> String {
+    if crate::algo::lookup_wire(algo).is_some_and(|algo| !algo.state_follows_limit()) {
+        return algo.to_string();
+    }
     format!(
         "{algo}:{}:{}:{}:{}",
         limit.rpu,
@@ -463,9 +486,27 @@ impl MemoryQuota {
         now: Instant,
     ) -> Result<ReleaseResponse, EndpointError> {
         let request = wire::decode_request(body)?;
-        let (rules, call) = wire::resolve_release(&request)?;
-        let Some(grants) = self.ledger.release(call, now) else {
-            return Ok(ReleaseResponse { released: false });
+        let (rules, call, released) = wire::resolve_release(&request)?;
+        let grants = match released {
+            Released::Whole => {
+                let Some(grants) = self.ledger.release(call, now) else {
+                    return Ok(ReleaseResponse { released: false });
+                };
+                grants
+            }
+            Released::Part { rule } => {
+                let Some(asked) = rules.first() else {
+                    return Ok(ReleaseResponse { released: false });
+                };
+                let counter = CounterDigest::of(asked);
+                let part = self
+                    .ledger
+                    .take_part(call, rule, asked.want.get(), counter, now);
+                match part.outcome(call, rule)? {
+                    Some(grant) => vec![grant],
+                    None => return Ok(ReleaseResponse { released: false }),
+                }
+            }
         };
         let outcomes = Grant::released(call, &rules, &grants)?;
         self.table.release(&rules, &outcomes, now);
@@ -644,6 +685,125 @@ mod tests {
         let rules = request.resolve().unwrap();
         assert_eq!(CounterId::of(&rules[0]), CounterId::of(&rules[1]));
         assert_eq!(CounterId::of(&rules[0]).params(), "W:2:minute:2:10");
+    }
+
+    /// A release may give back part of one rule's grant of a call (`rule`: its place in
+    /// the call, the body's one rule with `want` the tokens), at most what that rule was
+    /// granted and once; only to that rule's counter; a whole release afterwards gives
+    /// back what is left.
+    #[test]
+    fn a_release_gives_back_part_of_one_rules_grant() {
+        let mut quota = MemoryQuota::new();
+        let call = |path: &str, rules: Vec<RuleRequest>, rule: Option<u32>| Callout {
+            upstream: "diana_quota".to_string(),
+            headers: vec![(":path", path.to_string())],
+            body: serde_json::to_vec(&AcquireRequest {
+                rules,
+                call: Some("c-1".to_string()),
+                rule,
+            })
+            .unwrap(),
+            timeout_ms: 50,
+        };
+        let (a, b) = (rule("a", 5, 1, false), rule("b", 5, 2, false));
+        let granted =
+            body(quota.answer(&call("/v1/acquire", vec![a.clone(), b.clone()], None), NOW));
+        assert!(granted.contains(r#""granted":2"#), "{granted}");
+        // What was left before this one more request took a token.
+        let left = |quota: &mut MemoryQuota, key: &str| {
+            ask(
+                quota,
+                vec![RuleRequest {
+                    want: 1,
+                    ..rule(key, 5, 1, false)
+                }],
+                NOW,
+            )[0]
+            .remaining
+                + 1
+        };
+        let part = |tokens: u32| RuleRequest {
+            want: tokens,
+            ..b.clone()
+        };
+        let release = |quota: &mut MemoryQuota, rules: Vec<RuleRequest>, at: u32| {
+            body(quota.answer(&call("/v1/release", rules, Some(at)), NOW))
+        };
+        assert_eq!(
+            release(&mut quota, vec![part(1)], 1),
+            r#"200 {"released":true}"#
+        );
+        // b: 2 granted, 1 given back: 4 left.
+        assert_eq!(left(&mut quota, "b"), 4);
+        // More than is left: what is left (1); then nothing.
+        assert_eq!(
+            release(&mut quota, vec![part(5)], 1),
+            r#"200 {"released":true}"#
+        );
+        assert_eq!(
+            release(&mut quota, vec![part(1)], 1),
+            r#"200 {"released":false}"#
+        );
+        // b: the call's 2 both given back, 1 taken by `left`: 4 left again.
+        assert_eq!(left(&mut quota, "b"), 4);
+        // Refused: two rules, a place the call did not have, another counter.
+        for (rules, at, field) in [
+            (vec![part(1), a.clone()], 1, "rules"),
+            (vec![part(1)], 2, "rule"),
+            (vec![part(1)], 64, "rule"),
+            (vec![RuleRequest { rpu: 6, ..part(1) }], 1, "rules[0]"),
+        ] {
+            let answer = release(&mut quota, rules, at);
+            assert!(
+                answer.starts_with(&format!("400 {{\"error\":\"{field}")),
+                "{answer}"
+            );
+        }
+        // The whole call afterwards: a's token back, nothing more of b's.
+        assert_eq!(
+            body(quota.answer(&call("/v1/release", vec![a, b], None), NOW)),
+            r#"200 {"released":true}"#
+        );
+        assert_eq!(left(&mut quota, "a"), 5);
+        assert_eq!(left(&mut quota, "b"), 3, "the two taken by `left`");
+    }
+
+    /// A concurrency limit's counter is its key alone (issue 41, item 5c): the places held
+    /// are the same places under another N, and each acquire checks its own N.
+    #[test]
+    fn a_concurrency_counter_is_not_bound_to_its_limit() {
+        let mut quota = MemoryQuota::new();
+        let places = |n: u32| RuleRequest {
+            algo: "IF".to_string(),
+            unit: "second".to_string(),
+            ..rule("p", n, 1, false)
+        };
+        // 3 of 3 held; under N = 4 one more, under N = 2 none.
+        for expected in [true, true, true, false] {
+            assert_eq!(ask(&mut quota, vec![places(3)], NOW)[0].allowed, expected);
+        }
+        let more = ask(&mut quota, vec![places(4)], NOW)[0];
+        assert!(more.allowed && more.remaining == 0, "{more:?}");
+        assert!(!ask(&mut quota, vec![places(4)], NOW)[0].allowed);
+        let fewer = ask(&mut quota, vec![places(2)], NOW)[0];
+        assert!(!fewer.allowed && fewer.remaining == 0, "{fewer:?}");
+        assert_eq!(quota.len(), 1);
+        let request = AcquireRequest::new(vec![places(3), places(9)]);
+        let rules = request.resolve().unwrap();
+        assert_eq!(CounterId::of(&rules[0]), CounterId::of(&rules[1]));
+        assert!(CounterId::of(&rules[0]).is(&rules[1]));
+        assert_eq!(CounterId::of(&rules[0]).params(), "IF");
+        assert_eq!(counter_params("IF", &rules[1].limit), "IF");
+        // Another key is another counter.
+        let other = ask(
+            &mut quota,
+            vec![RuleRequest {
+                key: "q".to_string(),
+                ..places(3)
+            }],
+            NOW,
+        );
+        assert_eq!(other[0].remaining, 2);
     }
 
     fn call_to(path: &str, rules: Vec<RuleRequest>) -> Callout {

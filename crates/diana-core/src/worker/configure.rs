@@ -17,11 +17,12 @@
 //! check` prints.
 
 use super::counters::Counters;
-use super::{Command, Configured, Flight, Host, MetricId, MetricKind, Step, Worker};
+use super::{Command, Configured, Flight, Host, HostProfile, MetricId, MetricKind, Step, Worker};
 use crate::call::{Answer, AnswerShape, BodyError, Callout, DispatchError};
 use crate::config::RemoteError;
 use crate::config::{parse_policy, MetricsSpec, OnInvalidConfig, Policy, RemoteSpec};
 use crate::engine::Engine;
+use crate::facts::BearerScheme;
 use crate::lifecycle;
 use crate::metrics::Event;
 use crate::nginx;
@@ -314,6 +315,12 @@ impl Worker {
 
     /// Makes `policy` the one new requests are evaluated with.
     fn install(&mut self, host: &dyn Host, mut policy: Policy, origin: &str) {
+        if !self.claims_warned {
+            if let Some(warning) = unverified_claims_warning(&policy, self.profile) {
+                log::warn!("{warning}");
+                self.claims_warned = true;
+            }
+        }
         policy.metrics = self.source.metrics.clone();
         // Identities keyed with the process's random key when the document sets no
         // identity_key; one warning when global rules hash with the public key.
@@ -538,6 +545,30 @@ fn warn_if_unsigned(policy: &Policy) {
             remote.path
         );
     }
+}
+
+/// On a host whose verifier is Envoy's `jwt_authn`: what reads a claim from the
+/// `authorization` header, and what to do instead (`None`: nothing does, or the host is
+/// not Envoy). Diana reads the header as jwt_authn does (`Bearer ` as written), but
+/// jwt_authn checks only what its rules cover: a route they miss, a path spelled so that
+/// they miss it, an optional token, and a forged claim counts.
+pub(crate) fn unverified_claims_warning(policy: &Policy, profile: HostProfile) -> Option<String> {
+    if profile.bearer != BearerScheme::AsWritten {
+        return None;
+    }
+    let readers = policy.header_claims();
+    if readers.is_empty() {
+        return None;
+    }
+    let instead = if profile.jwt_authn_metadata {
+        "read it from the payload jwt_authn verified instead (`from: {jwt_authn: NAME}`, with the provider's `payload_in_metadata: NAME`)"
+    } else {
+        "this host cannot read jwt_authn's metadata: have jwt_authn copy the verified claim to a header (`claim_to_headers`) and count by that header"
+    };
+    Some(format!(
+        "diana: {} read a claim from the authorization header, which Diana does not verify: a token jwt_authn does not check (a route its rules miss, an optional token) is counted under whatever claim it carries; {instead}",
+        readers.join(", ")
+    ))
 }
 
 #[cfg(test)]
@@ -807,6 +838,44 @@ mod tests {
         let step = worker.on_request_headers(&host, 1);
         assert_eq!(reply_of(&step).map(|reply| reply.status), Some(503));
         assert_eq!(host.accesses.get(), 0);
+    }
+
+    /// On Envoy, a document that reads a claim from the `authorization` header is warned
+    /// about at load (issue 41, item 3b), with what to read instead on that host; nginx
+    /// reads the header (its verifier is in front), and a claim from jwt_authn's metadata
+    /// needs no warning.
+    #[test]
+    fn claims_read_from_the_header_are_warned_about_on_envoy() {
+        let header = concat!(
+            "resources:\n  - Url: /\n    rules:\n",
+            "      - {actor: user, rpu: 5}\n",
+            "      - {actor: user, rpu: 9, unit: minute}\n",
+            "      - {name: api, rpu: {by: {jwt_claim: tier}, values: {pro: 9}, default: 1}}\n",
+            "actors:\n  user: {jwt_claim: sub}\n",
+        );
+        let verified = concat!(
+            "resources:\n  - Url: /\n    rules:\n",
+            "      - {actor: user, rpu: 5}\n",
+            "      - {name: api, rpu: {by: {jwt_claim: tier, from: {jwt_authn: p}}, values: {pro: 9}, default: 1}}\n",
+            "actors:\n  user: {jwt_claim: sub, from: {jwt_authn: p}}\n",
+        );
+        let warning = |document: &str, profile: HostProfile| {
+            let policy = crate::config::parse_policy(document).unwrap();
+            unverified_claims_warning(&policy, profile)
+        };
+        let envoy = warning(header, HostProfile::ENVOY).unwrap();
+        assert!(
+            envoy.starts_with("diana: actor `user`, the plan of rule `api` read a claim from the authorization header"),
+            "{envoy}"
+        );
+        assert!(envoy.contains("`from: {jwt_authn: NAME}`"), "{envoy}");
+        let native = warning(header, HostProfile::ENVOY_NATIVE).unwrap();
+        assert!(native.contains("`claim_to_headers`"), "{native}");
+        assert_eq!(warning(header, HostProfile::NGINX), None);
+        for profile in HostProfile::ALL {
+            assert_eq!(warning(verified, profile), None, "{}", profile.name);
+            assert_eq!(warning(DOCUMENT, profile), None, "{}", profile.name);
+        }
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! each binding.
 
 use crate::call::{Callout, DispatchError};
-use crate::facts::RequestFacts;
+use crate::facts::{BearerScheme, NoMetadata, RequestFacts};
 use crate::store::SharedData;
 use crate::time::Clock;
 
@@ -91,6 +91,15 @@ pub struct HostProfile {
     /// access happens in a request or a tick, where a trap costs that request, not the
     /// worker's start (`worker/configure.rs`).
     pub shared_data_needs_zone: bool,
+    /// How the token verifier in front of Diana here finds the bearer token, which is how
+    /// Diana reads a claim of the `authorization` header ([`crate::jwt::bearer`]): on
+    /// Envoy its `jwt_authn` filter (`Bearer ` as written), in front of nginx the scheme
+    /// in any case too.
+    pub bearer: BearerScheme,
+    /// Claims can be read from the payload `jwt_authn` verified (`from: {jwt_authn:
+    /// NAME}`): Envoy's wasm filter. Envoy's dynamic modules read metadata one level deep
+    /// only, and nginx has no jwt_authn.
+    pub jwt_authn_metadata: bool,
     /// The binding runs the tick soon after an event asks ([`super::Command::TickNow`]),
     /// cheaper than a period's wait: Envoy's dynamic modules, whose tick runs on the main
     /// thread and is posted there at once. Elsewhere the tick runs only on its period (the
@@ -111,6 +120,8 @@ impl HostProfile {
         refusal_stops_the_worker: false,
         pausing_needs: None,
         shared_data_needs_zone: false,
+        bearer: BearerScheme::AsWritten,
+        jwt_authn_metadata: true,
         ticks_on_demand: false,
     };
 
@@ -120,6 +131,7 @@ impl HostProfile {
     pub const ENVOY_NATIVE: HostProfile = HostProfile {
         name: "envoy-native",
         ticks_on_demand: true,
+        jwt_authn_metadata: false,
         ..HostProfile::ENVOY
     };
 
@@ -137,6 +149,8 @@ impl HostProfile {
         refusal_stops_the_worker: true,
         pausing_needs: Some("proxy_wasm_request_headers_in_access on;"),
         shared_data_needs_zone: true,
+        bearer: BearerScheme::AnyCase,
+        jwt_authn_metadata: false,
         ticks_on_demand: false,
     };
 
@@ -146,6 +160,35 @@ impl HostProfile {
         HostProfile::ENVOY_NATIVE,
         HostProfile::NGINX,
     ];
+}
+
+/// The current request's facts as the engine reads them: the host's, with a bearer token
+/// read as this host's verifier reads it ([`HostProfile::bearer`]).
+pub(crate) struct ProfiledFacts<'h> {
+    pub host: &'h dyn Host,
+    pub bearer: BearerScheme,
+}
+
+impl RequestFacts for ProfiledFacts<'_> {
+    fn header(&self, name: &str) -> Option<Vec<u8>> {
+        self.host.header(name)
+    }
+
+    fn client_ip(&self) -> Option<Vec<u8>> {
+        self.host.client_ip()
+    }
+
+    fn filter_metadata(
+        &self,
+        namespace: &str,
+        path: &[&str],
+    ) -> Result<Option<Vec<u8>>, NoMetadata> {
+        self.host.filter_metadata(namespace, path)
+    }
+
+    fn bearer_scheme(&self) -> BearerScheme {
+        self.bearer
+    }
 }
 
 /// True when `upstream` is `host:port` with a decimal port.

@@ -221,6 +221,8 @@ pub struct Worker {
     unheld_until: Instant,
     /// The error line naming the missing directive was logged.
     unheld_logged: bool,
+    /// The warning about claims read from the `authorization` header was logged.
+    claims_warned: bool,
 }
 
 // The compiler's word that a worker moves between threads whole (the native binding keeps
@@ -255,6 +257,7 @@ impl Worker {
             invalid: None,
             unheld_until: Instant::EPOCH,
             unheld_logged: false,
+            claims_warned: false,
         }
     }
 
@@ -343,7 +346,11 @@ impl Worker {
         let generation = configured.generation;
         let mut sink = configured.counters.sink();
         let mut cx = Cx::new(host, now, &mut sink);
-        let decision = configured.engine.evaluate(&mut cx, raw_path, host);
+        let facts = host::ProfiledFacts {
+            host,
+            bearer: self.profile.bearer,
+        };
+        let decision = configured.engine.evaluate(&mut cx, raw_path, &facts);
         self.apply(
             host,
             now,

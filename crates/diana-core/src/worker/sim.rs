@@ -257,6 +257,9 @@ pub enum Service {
     Answers(Nanos),
     /// Never: each call fails (no answer) after this latency.
     Down(Nanos),
+    /// The in-process quota service decides each call, and its answer is lost on the way
+    /// (a timeout after the service acted): the gateway sees no answer after this latency.
+    Lost(Nanos),
 }
 
 /// A gateway of `workers` workers under one profile. See the module docs.
@@ -604,6 +607,12 @@ impl Sim {
             }
             Service::Answers(_) => Answer::with(404, Vec::new()),
             Service::Down(_) => Answer::NoAnswer,
+            Service::Lost(_) => {
+                if is_quota_call(&flight.callout) {
+                    let _ = self.quota.borrow_mut().answer(&flight.callout, now);
+                }
+                Answer::NoAnswer
+            }
         };
         if flight.dropped {
             return;
@@ -671,7 +680,7 @@ impl Sim {
     /// Files the calls the last event dispatched.
     fn collect_calls(&mut self, worker: usize, context: Option<ContextId>) {
         let latency = match self.service {
-            Service::Answers(latency) | Service::Down(latency) => latency,
+            Service::Answers(latency) | Service::Down(latency) | Service::Lost(latency) => latency,
         };
         let due = self.now().saturating_add(latency);
         for (token, callout) in self.host.take_dispatched() {

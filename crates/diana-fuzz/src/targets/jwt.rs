@@ -12,13 +12,15 @@ use crate::Target;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use base64::Engine as _;
 use diana_core::actor::{Fallback, HeaderKind, Identity, JwtClaimKind, SourceKind};
-use diana_core::facts::RequestFacts;
+use diana_core::facts::{BearerScheme, RequestFacts};
 use diana_core::hash::IdentityHasher;
 use diana_core::jwt::{self, ClaimPath};
 use serde_json::Value;
 
 struct Facts<'a> {
     authorization: &'a [u8],
+    /// How the host's verifier reads the token (Envoy's, or one in front of nginx).
+    scheme: BearerScheme,
 }
 
 impl RequestFacts for Facts<'_> {
@@ -27,6 +29,9 @@ impl RequestFacts for Facts<'_> {
     }
     fn client_ip(&self) -> Option<Vec<u8>> {
         None
+    }
+    fn bearer_scheme(&self) -> BearerScheme {
+        self.scheme
     }
 }
 
@@ -139,18 +144,28 @@ impl Target for Claims {
 
         // Any authorization header through the actor.
         let hasher = IdentityHasher::configured(b"the fuzzer's identity key, 32+ bytes");
-        let facts = Facts { authorization };
+        // Either host's reading, by the input (an even header length: nginx's).
+        let scheme = if authorization.len() % 2 == 0 {
+            BearerScheme::AnyCase
+        } else {
+            BearerScheme::AsWritten
+        };
+        let facts = Facts {
+            authorization,
+            scheme,
+        };
         let actor = JwtClaimKind.build(path.pointer(), Fallback::Skip);
         let identity = actor.source.identify(&facts, &hasher);
         if identity != actor.source.identify(&facts, &hasher) {
             return Err("the same request has two identities".to_string());
         }
-        let claimed = jwt::bearer(authorization).and_then(|token| jwt::claim(token, &path));
+        let claimed = jwt::bearer(authorization, scheme).and_then(|token| jwt::claim(token, &path));
         match (&claimed, identity) {
             (Some(value), Identity::Key(key)) => {
                 // The same bytes as a header value are another identity.
                 let as_header = Facts {
                     authorization: value,
+                    scheme,
                 };
                 let header = HeaderKind.build("x-claim", Fallback::Skip);
                 if header.source.identify(&as_header, &hasher) == Identity::Key(key) {

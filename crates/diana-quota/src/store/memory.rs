@@ -10,7 +10,9 @@
 //! its parameters (`diana_core::quota::CounterId`).
 
 use super::breakers::{FleetBreakers, MemoryBreakers, DEFAULT_MAX_STATES};
-use super::{Grant, Noted, Outcome, Spending, Spent, Store, StoreError, Usage};
+use super::{
+    CounterDigest, Grant, Noted, Outcome, Part, Spending, Spent, Store, StoreError, Usage,
+};
 use async_trait::async_trait;
 use diana_core::algo::Mark;
 use diana_core::quota::ledger::CallLedger;
@@ -214,6 +216,18 @@ impl Store for MemoryStore {
         let now = self.clock.now();
         let mut calls = self.calls.lock().unwrap_or_else(PoisonError::into_inner);
         Ok(calls.release(call, now))
+    }
+
+    async fn take_part(
+        &self,
+        call: &str,
+        rule: usize,
+        tokens: u32,
+        counter: CounterDigest,
+    ) -> Result<Part, StoreError> {
+        let now = self.clock.now();
+        let mut calls = self.calls.lock().unwrap_or_else(PoisonError::into_inner);
+        Ok(calls.take_part(call, rule, tokens, counter, now))
     }
 
     async fn health(&self) -> Result<(), StoreError> {

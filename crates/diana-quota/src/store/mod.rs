@@ -15,7 +15,7 @@ mod memory;
 mod redis;
 
 pub use diana_core::quota::decide::{Enforcement, Spend, Spending, Spent};
-pub use diana_core::quota::ledger::{Grant, Noted};
+pub use diana_core::quota::ledger::{CounterDigest, Grant, Noted, Part};
 pub use diana_core::quota::{decide, Outcome};
 
 pub use self::breakers::{BreakerCall, Decided, FleetBreakers, MemoryBreakers};
@@ -139,6 +139,21 @@ pub trait Store: Send + Sync {
     /// Takes what the acquire of `call` granted (at most once), or notes the release for
     /// an acquire still to come.
     async fn take_call(&self, call: &str) -> Result<Option<Vec<Grant>>, StoreError>;
+
+    /// Takes up to `tokens` of what the acquire of `call` granted its rule at `rule`, if
+    /// `counter` is that rule's counter ([`Part`]); the rest stays for a later release.
+    /// Never notes anything for an acquire still to come. A store that keeps no ledger
+    /// finds nothing (the gateway then keeps the tokens in its own lease stash).
+    async fn take_part(
+        &self,
+        call: &str,
+        rule: usize,
+        tokens: u32,
+        counter: CounterDigest,
+    ) -> Result<Part, StoreError> {
+        let _ = (call, rule, tokens, counter);
+        Ok(Part::Nothing)
+    }
 
     /// Whether the store can serve requests right now.
     async fn health(&self) -> Result<(), StoreError>;

@@ -38,7 +38,8 @@ pub use self::breakers::{breaker_key, MAX_ATTEMPTS as BREAKER_SWAP_ATTEMPTS};
 
 use super::breakers::FleetBreakers;
 use super::{
-    decide, Enforcement, Grant, Noted, Outcome, Spend, Spending, Spent, Store, StoreError,
+    decide, CounterDigest, Enforcement, Grant, Noted, Outcome, Part, Spend, Spending, Spent, Store,
+    StoreError,
 };
 use async_trait::async_trait;
 use diana_core::algo::{Limit, Mark};
@@ -1316,6 +1317,31 @@ impl Store for RedisStore {
             })
             .await?;
         Ok(held.as_deref().and_then(ledger::decode))
+    }
+
+    async fn take_part(
+        &self,
+        call: &str,
+        rule: usize,
+        tokens: u32,
+        counter: CounterDigest,
+    ) -> Result<Part, StoreError> {
+        let key = call_key(call);
+        let tag = format!("call:{call}");
+        let mut invocation = self.calls_script.prepare_invoke();
+        invocation
+            .key(&key)
+            .arg("part")
+            .arg(rule)
+            .arg(tokens)
+            .arg(counter.hex())
+            .arg(CALL_MEMORY.whole_millis());
+        let found: Option<String> = self
+            .query(Some(&tag), |mut conn| async move {
+                invocation.invoke_async(&mut conn).await
+            })
+            .await?;
+        Ok(ledger::part_of_reply(found.as_deref()))
     }
 
     async fn health(&self) -> Result<(), StoreError> {

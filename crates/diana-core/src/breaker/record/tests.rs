@@ -270,12 +270,16 @@ fn outcomes_that_can_trip_it_are_flushed_at_once_and_the_other_worker_follows_wi
         let mut a = Handle::new(&settings(), at(0));
         let mut b = Handle::new(&settings(), at(0));
         assert_eq!(b.check(&store_b, &host, at(0)).admission, Admission::Call);
-        // Three failures: below min_calls, kept in memory.
+        // The first failure goes to the record at once (other workers may hold the rest of
+        // the evidence); the next two, within 100 ms and below min_calls, wait.
         for ms in 0..3 {
             assert_eq!(a.record(&store_a, &host, FAILED, at(ms)), Ok(vec![]));
         }
-        assert_eq!(stored(&host, &settings()), None);
-        // The fourth makes a trip possible: flushed now.
+        let window = |host: &MemoryHost| {
+            stored(host, &settings()).map(|r| r.state.window_total(at(3)).calls)
+        };
+        assert_eq!(window(&host), Some(1), "{semantics:?}");
+        // The fourth makes a trip possible: flushed now, within the 100 ms.
         let transitions = a.record(&store_a, &host, FAILED, at(3)).unwrap();
         assert_eq!(
             causes(&transitions),
@@ -314,40 +318,63 @@ fn outcomes_that_can_trip_it_are_flushed_at_once_and_the_other_worker_follows_wi
 }
 
 #[test]
+fn failures_spread_over_workers_trip_it_at_once() {
+    // One failure on each of four workers: no worker can trip min_calls 4 alone, the
+    // record does when the fourth arrives (not a tick later, after good calls diluted it).
+    for semantics in HOSTS {
+        let host = MemoryHost::new(semantics);
+        let stores: Vec<Store> = (0..4).map(|_| Store::new()).collect();
+        let mut workers: Vec<Handle> = (0..4).map(|_| Handle::new(&settings(), at(0))).collect();
+        let mut transitions = Vec::new();
+        for (ms, (worker, store)) in workers.iter_mut().zip(&stores).enumerate() {
+            transitions = worker.record(store, &host, FAILED, at(ms as u64)).unwrap();
+        }
+        assert_eq!(
+            causes(&transitions),
+            vec![(C, O, TRIP_FAILED)],
+            "{semantics:?}"
+        );
+        assert_eq!(workers[3].status(), O);
+    }
+}
+
+#[test]
 fn early_flushes_are_spaced() {
     let host = MemoryHost::new(CasSemantics::Envoy);
     let (store_a, store_b) = (Store::new(), Store::new());
-    let half = Ratio::from_ppm(500_000).unwrap();
-    let mut failures = Settings::new("payments", None, Some(half)).unwrap();
-    failures.min_calls = NonZeroU32::new(1).unwrap();
-    let mut a = Handle::new(&failures, at(0));
-    let mut b = Handle::new(&failures, at(0));
-    // a has read an empty window; b's tick brings 100 good calls.
-    a.flush(&store_a, &host, at(0)).unwrap();
+    let mut a = Handle::new(&settings(), at(0));
+    let mut b = Handle::new(&settings(), at(0));
+    // b's tick brings 100 good calls; a has read them.
     for _ in 0..100 {
         b.record(&store_b, &host, GOOD, at(0)).unwrap();
     }
     b.flush(&store_b, &host, at(0)).unwrap();
-    // a's first failure could trip what a last read: flushed, and it does not trip.
+    a.flush(&store_a, &host, at(0)).unwrap();
+    // a's first failure is flushed.
     let writes = host.calls().1;
     assert_eq!(a.record(&store_a, &host, FAILED, at(1)), Ok(vec![]));
     assert_eq!(host.calls().1, writes + 1);
-    // 99 more reach the share of the window a now knows, within 100 ms: kept in memory.
-    for _ in 0..99 {
+    // 49 more within 100 ms, far from the share of the window a knows: kept in memory,
+    // and so is a good call after them.
+    for _ in 0..49 {
         assert_eq!(a.record(&store_a, &host, FAILED, at(50)), Ok(vec![]));
     }
+    assert_eq!(a.record(&store_a, &host, GOOD, at(60)), Ok(vec![]));
     assert_eq!(host.calls().1, writes + 1);
-    // The next one, 100 ms after the last early flush, is flushed and trips it.
-    let transitions = a.record(&store_a, &host, FAILED, at(101)).unwrap();
-    assert_eq!(causes(&transitions), vec![(C, O, TRIP_FAILED)]);
+    // The first outcome 100 ms after the last early flush takes them (a good one too).
+    assert_eq!(a.record(&store_a, &host, GOOD, at(101)), Ok(vec![]));
+    assert_eq!(host.calls().1, writes + 2);
     assert_eq!(
-        transitions[0].figures,
-        Tally {
-            calls: 201,
+        stored(&host, &settings()).map(|r| r.state.window_total(at(101))),
+        Some(Tally {
+            calls: 152,
             slow: 0,
-            failed: 101
-        }
+            failed: 50
+        })
     );
+    // Good calls alone wait for the tick.
+    assert_eq!(a.record(&store_a, &host, GOOD, at(300)), Ok(vec![]));
+    assert_eq!(host.calls().1, writes + 2);
 }
 
 #[test]
