@@ -1,7 +1,8 @@
 """Section 7: the cascade — a dependency slows down, and a healthy route suffers with it
 unless a breaker fails the dependency fast (issue 40 item 7; DESIGN §4b).
 
-One gateway: Envoy (`--concurrency 2`) with the release `diana-envoy.wasm`, in front of
+One gateway: Envoy (`--concurrency 2`) with `diana-envoy.wasm` ($DIANA_WASM; the release build
+unless it names another, which $DIANA_BUILD_PROFILE then says, e.g. `quick`), in front of
 the demo upstream (demo/upstream.py). Clients: requests arrive open-loop at a steady rate,
 alternately for `/dep/slow` (a dependency) and `/healthy` (a route that never slows), and
 are served in arrival order by one pool of 64 keep-alive connections (bench/poolgen.py).
@@ -54,7 +55,8 @@ from typing import Any, Optional
 from xml.sax.saxutils import escape
 
 from chart import nice_max
-from common import BENCH, ROOT, Envoy, Procs, free_port, http_get, percentile, say, tail, wait_http, wasm_filter
+from common import (BENCH, ROOT, Envoy, Procs, build_note, free_port, http_get, percentile, say, tail, wait_http,
+                    wasm_filter)
 from variants import with_breaker
 
 DEP, HEALTHY = "/dep/slow", "/healthy"
@@ -242,9 +244,11 @@ def summarise(p: dict[str, Any], with_breaker_: bool, doc: str, clients: dict[st
 
 def run(procs: Procs, cfg: dict[str, Any], diana_wasm: Path) -> dict[str, Any]:
     p = params(cfg)
+    loadavg = open("/proc/loadavg").read().split()[:3]
     runs = [one_run(procs, p, False, diana_wasm), one_run(procs, p, True, diana_wasm)]
     return {"params": p, "runs": runs, "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "loadavg": open("/proc/loadavg").read().split()[:3]}
+            "loadavg": loadavg, "loadavg_end": open("/proc/loadavg").read().split()[:3],
+            "wasm": {"name": diana_wasm.name, "bytes": diana_wasm.stat().st_size, "build": build_note()}}
 
 
 # --------------------------------------------------------------------------------------
@@ -396,9 +400,11 @@ def render(result: dict[str, Any], chart_rel: Optional[str], command: str) -> li
     A = L.append
     A("## 7. Cascade: a slow dependency, without and with a breaker")
     A("")
-    A(f"Measured {result['measured']} by `{command}` (load average at its start "
-      f"{' / '.join(result['loadavg'])}: other work was running on the 2 vCPUs, so read the shape and")
-    A("the ratios, not the milliseconds). One Envoy (`--concurrency 2`, release `diana-envoy.wasm`) in")
+    w = result.get("wasm", {"name": "diana-envoy.wasm", "build": "release build"})
+    A(f"Measured {result['measured']} by `{command}`: a **contended run** (load average "
+      f"{' / '.join(result['loadavg'])} at its start, {' / '.join(result.get('loadavg_end', ['?']))} at its end:")
+    A("other work was running on the 2 vCPUs, so read the shape and the ratios between the two runs, not")
+    A(f"the milliseconds), with the {w['build']}. One Envoy (`--concurrency 2`, `{w['name']}`) in")
     A(f"front of `demo/upstream.py`. Requests arrive at {p['rate']} req/s, open-loop, alternately for `{DEP}`")
     A(f"(a dependency) and `{HEALTHY}` (a route that never slows), and are served in arrival order by one")
     A(f"pool of {p['conns']} keep-alive client connections (`bench/poolgen.py`; a request's latency runs")

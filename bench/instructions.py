@@ -45,8 +45,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from common import ROOT, Envoy, Procs, envoy_bin, say, start_quota, start_redis, wait_http
-from variants import QUOTA, RELEASE, Variant, chosen, variants
+from common import NATIVE_MODULE, ROOT, Envoy, Procs, build_note, envoy_bin, say, start_quota, start_redis, wait_http
+from variants import EMPTY, QUOTA, RELEASE, Variant, chosen, variants
 
 WARM_UP = 300
 DIANA_WASM = Path(os.environ.get("DIANA_WASM", RELEASE / "diana-envoy.wasm"))
@@ -126,24 +126,30 @@ def measure(procs: Procs, key: str, filters: list[dict], n: int, quota: Optional
             "breaker_calls": breaker_calls}
 
 
-def render(vs: dict[str, Variant], results: dict[str, dict], n: int) -> str:
+def render(vs: dict[str, Variant], results: dict[str, dict], n: int, command: str) -> str:
     """The Markdown page: how it was measured, then the table with the bars' verdicts."""
     envoy = subprocess.run([envoy_bin(), "--version"], capture_output=True, text=True).stdout.strip()
     diana = DIANA_WASM
+    native = (f"; `{NATIVE_MODULE.name}` {NATIVE_MODULE.stat().st_size:,} bytes"
+              if any(k.startswith("native") for k in vs) and NATIVE_MODULE.is_file() else "")
     lines = [
-        f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `python3 bench/instructions.py {n}` "
-        f"({envoy.split('version: ')[-1]}; `{diana.name}` {diana.stat().st_size:,} bytes; "
+        f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `{command}` "
+        f"({envoy.split('version: ')[-1]}; `{diana.name}` {diana.stat().st_size:,} bytes{native}, {build_note()}; "
         f"{subprocess.run(['valgrind', '--version'], capture_output=True, text=True).stdout.strip()}).",
         "",
         f"| variant ({n} requests each) | instructions per request | over no filter | × empty (throughput) "
         "| bar | callouts per request |",
         "| --- | ---: | ---: | ---: | --- | ---: |",
     ]
-    empty = results["empty"]["ir_per_request"]
+    # The empty filter is left out when it was not built (see `main`): no ratio, no verdict.
+    empty = results["empty"]["ir_per_request"] if "empty" in results else None
     base = results.get("nofilter", {}).get("ir_per_request")
     for key, v in vs.items():
         ir = results[key]["ir_per_request"]
         over = f"{ir - base:+,.0f}" if base else "—"
+        if empty is None:
+            lines.append(f"| {v.label} | {ir:,.0f} | {over} | — | — | — |")
+            continue
         ratio = empty / ir
         if v.at_least is not None:
             verdict = f"≥ {v.at_least}×: {'**met**' if ratio >= v.at_least else '**not met**'}"
@@ -155,6 +161,8 @@ def render(vs: dict[str, Variant], results: dict[str, dict], n: int) -> str:
         calls = results[key]["callouts_per_request"]
         calls_text = f"{calls:.4f}" if v.calls_out and calls is not None else "—"
         lines.append(f"| {v.label} | {ir:,.0f} | {over} | {ratio:.3f} | {verdict} | {calls_text} |")
+    if empty is None:
+        lines += ["", "(The empty filter was not built, so not measured: no ratios to it, no verdicts.)"]
     added = [(key, v) for key, v in vs.items() if v.adds_to is not None and v.adds_to in results]
     if added:
         lines += [
@@ -178,6 +186,12 @@ def main() -> int:
         say("instructions: valgrind is not installed (apt-get install valgrind)")
         return 1
     vs = chosen(variants(DIANA_WASM), args)
+    if not (EMPTY / "empty_filter.wasm").is_file():
+        # The bars are ratios to it; a breaker's cost is a difference to its own base and
+        # does not need it.
+        say(f"instructions: {EMPTY / 'empty_filter.wasm'} not built (bench/empty-filter): left out, "
+            "so the table has no ratios to it and no verdicts")
+        vs = {k: v for k, v in vs.items() if k != "empty"}
     procs = Procs(ROOT / ".tmp/bench/instructions")
     results: dict[str, dict] = {}
     try:
@@ -193,7 +207,7 @@ def main() -> int:
     finally:
         procs.stop_all()
     (procs.logdir / "results.json").write_text(json.dumps(results, indent=1))
-    table = render(vs, results, n)
+    table = render(vs, results, n, " ".join(["python3 bench/instructions.py", str(n)] + args))
     print(table)
     if os.environ.get("INSTRUCTIONS_OUT"):
         Path(os.environ["INSTRUCTIONS_OUT"]).write_text(table + "\n")

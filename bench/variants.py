@@ -8,6 +8,7 @@ variants, judged by the same bars. (`bench/overhead.py`, the full section of
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -17,7 +18,7 @@ from overhead import diana_doc, global_doc, local_rule
 
 RELEASE = ROOT / "target/wasm32-wasip1/release"
 EMPTY = ROOT / "bench/empty-filter/target/wasm32-wasip1/release"
-QUOTA = ROOT / "target/release/diana-quota"
+QUOTA = Path(os.environ.get("DIANA_QUOTA_BIN", ROOT / "target/release/diana-quota")).resolve()
 # DESIGN §6: local rules at least as cheap as the empty filter; a global rule with a lease
 # at most 5 % dearer.
 LOCAL_BAR = 1.0
