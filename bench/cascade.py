@@ -55,7 +55,7 @@ from typing import Any, Optional
 from xml.sax.saxutils import escape
 
 from chart import nice_max
-from common import (BENCH, ROOT, Envoy, Procs, build_note, free_port, http_get, percentile, say, tail, wait_http,
+from common import (BENCH, BUILD_PROFILE, ROOT, Envoy, Procs, build_note, free_port, http_get, percentile, say, tail, wait_http,
                     wasm_filter)
 from variants import with_breaker
 
@@ -322,7 +322,11 @@ def cascade_svg(result: dict[str, Any]) -> str:
     xmax = p["total_s"]
     name = {False: "without a breaker", True: "with the breaker"}
     p99s = [x["healthy"]["p99_ms"] for r in runs.values() for x in r["series"] if x["healthy"]["p99_ms"]]
-    lat = Panel(TOP, xmax, 1, 10 ** math.ceil(math.log10(max(p99s + [p["deadline_ms"] * 2]))), True)
+    # The top: 1, 2 or 5 × a power of ten above the largest p99 (a whole decade more would
+    # leave most of the panel empty when the largest is just past one).
+    top = max(p99s + [p["deadline_ms"] * 2])
+    decade = 10 ** math.floor(math.log10(top))
+    lat = Panel(TOP, xmax, 1, next(m * decade for m in (1, 2, 5, 10) if top <= m * decade), True)
     ok = Panel(TOP + PANEL_H + GAP, xmax, 0, 100, False)
     # Twice the dependency's arrival rate: the drain after the recovery goes higher for a
     # second, and is clipped (its figure written at the top) rather than flatten the rest.
@@ -338,7 +342,9 @@ def cascade_svg(result: dict[str, Any]) -> str:
              f'<text x="{SVG_W / 2}" y="51" font-size="12" text-anchor="middle">{DEP} answers in '
              f'{p["slow_ms"] / 1000:g} s instead of {p["fast_ms"]} ms from t = {p["slow_from"]} s to '
              f'{p["slow_to"]} s (x: seconds since the start)</text>']
-    decades = [10 ** k for k in range(0, int(math.log10(lat.ymax)) + 1)]
+    decades = [10 ** k for k in range(0, int(math.log10(lat.ymax) + 1e-9) + 1)]
+    if decades[-1] < lat.ymax:
+        decades.append(lat.ymax)
     parts += lat.frame(f"{HEALTHY}: p99 latency as clients see it (ms, log scale)", decades, p)
     parts.append(f'<line x1="{LEFT}" x2="{LEFT + PANEL_W}" y1="{lat.y(p["deadline_ms"]):.1f}" '
                  f'y2="{lat.y(p["deadline_ms"]):.1f}" stroke="#555" stroke-dasharray="2,3"/>')
@@ -404,7 +410,8 @@ def render(result: dict[str, Any], chart_rel: Optional[str], command: str) -> li
     A(f"Measured {result['measured']} by `{command}`: a **contended run** (load average "
       f"{' / '.join(result['loadavg'])} at its start, {' / '.join(result.get('loadavg_end', ['?']))} at its end:")
     A("other work was running on the 2 vCPUs, so read the shape and the ratios between the two runs, not")
-    A(f"the milliseconds), with the {w['build']}. One Envoy (`--concurrency 2`, `{w['name']}`) in")
+    size = f" {w['bytes']:,} bytes" if w.get("bytes") else ""
+    A(f"the milliseconds), with the {w['build']}. One Envoy (`--concurrency 2`, `{w['name']}`{size}) in")
     A(f"front of `demo/upstream.py`. Requests arrive at {p['rate']} req/s, open-loop, alternately for `{DEP}`")
     A(f"(a dependency) and `{HEALTHY}` (a route that never slows), and are served in arrival order by one")
     A(f"pool of {p['conns']} keep-alive client connections (`bench/poolgen.py`; a request's latency runs")
@@ -467,6 +474,20 @@ def render(result: dict[str, Any], chart_rel: Optional[str], command: str) -> li
     for label, f in timing:
         A(f"| {label} | {f(runs[False]) if False in runs else '—'} | {f(runs[True]) if True in runs else '—'} |")
     A("")
+    A("How to read the breaker's timings: a call is judged when its answer comes, so no slow call")
+    A(f"is known until {p['slow_ms'] / 1000:g} s after the slowdown, and then the pool's {p['conns']} "
+      f"connections' answers come")
+    A(f"together, every {p['slow_ms'] / 1000:g} s, into a window that still holds the fast calls of the "
+      "seconds before: it")
+    A("opens when a batch takes the slow share past the ratio. Requests that arrived before it opened")
+    A("and waited for a connection are failed fast once they are sent (by arrival time they count in")
+    A("the seconds before the opening). Every `open_seconds` it lets `half_open_calls` probes (3 by")
+    A("default) through; a probe may take `probe_timeout_ms` (twice `slow_ms`, at least 1 s), which a")
+    A(f"{p['slow_ms'] / 1000:g} s answer outlasts, so it opens again (\"a probe's outcome never came\") "
+      "until the")
+    A("dependency has recovered, and closes at the first probe round after the recovery: the")
+    A("fast-fails in the phase after are requests of that last opening.")
+    A("")
     A("Per second (by arrival: /healthy success and p99; /dep/slow 2xx, failed fast; the breaker's")
     A("state at the second's end):")
     A("")
@@ -499,7 +520,10 @@ def main() -> int:
     (procs.logdir / "results.json").write_text(json.dumps(result, indent=1))
     chart = Path(os.environ.get("CASCADE_CHART", procs.logdir / "cascade.svg"))
     chart.write_text(cascade_svg(result))
-    print("\n".join(render(result, os.path.relpath(chart, ROOT), "python3 bench/cascade.py" + (" --quick" if quick else ""))))
+    command = "python3 bench/cascade.py" + (" --quick" if quick else "")
+    if BUILD_PROFILE != "release":
+        command = f"DIANA_BUILD_PROFILE={BUILD_PROFILE} DIANA_WASM=<that build's diana-envoy.wasm> {command}"
+    print("\n".join(render(result, os.path.relpath(chart, ROOT), command)))
     say(f"chart {chart}; results {procs.logdir / 'results.json'}")
     return 0
 
