@@ -673,9 +673,11 @@ def render(res: dict[str, Any], chart_rel: Optional[str], cascade_chart_rel: Opt
         if breaker.exists():
             A("### The cost of a closed breaker (issue 40)")
             A("")
-            A("Local TB as above, and the same resource with a `breaker:` that stays closed (every")
+            A("Local TB (measured again in the same run, with the build named below, which may not be")
+            A("the table's above), and the same resource with a `breaker:` that stays closed (every")
             A("answer is a fast 200): with both thresholds, a call reads the response's `:status` and")
-            A("the clock at its headers; with `failure_ratio` only it does not judge the duration. Every")
+            A("the clock at its headers; with `failure_ratio` only it does not judge the duration (the")
+            A("clock is read all the same). Every")
             A("request counted was one call of the breaker (its `diana_breaker_calls` counter, checked).")
             A("The share is of the whole request's instructions in Envoy; Envoy answers itself here")
             A("(`direct_response`), so a proxied request's total is larger and the share smaller.")
