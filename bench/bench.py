@@ -77,7 +77,9 @@ def main() -> int:
     probe_wasm = (ROOT / "bench/probe-filter/target/wasm32-wasip1/release/probe_filter.wasm").resolve()
     # The peer (Envoy's ratelimit filter → Limitador): optional, skipped when not built.
     limitador_bin = (ROOT / "bench/limitador-rls/target/release/limitador-rls").resolve()
-    for p, what in ((diana_wasm, "the Diana filter"), (empty_wasm, "the empty filter")):
+    # The empty filter is the overhead section's floor; the others do without it.
+    needed = [(diana_wasm, "the Diana filter")] + ([(empty_wasm, "the empty filter")] if "overhead" in sections else [])
+    for p, what in needed:
         if not p.is_file() and not only_rls:
             raise SystemExit(f"{what} not found at {p} (run scripts/bench without BENCH_NO_BUILD)")
     if not quota_bin.is_file():
