@@ -29,6 +29,11 @@ fails. The breaker's figures alone are recorded in docs/bench/breaker-instructio
 
     INSTRUCTIONS_OUT=docs/bench/breaker-instructions.md python3 bench/instructions.py 2000 \
         local_TB_breaker local_TB_breaker_failures native_TB_breaker native_TB_breaker_failures
+Binaries: $DIANA_WASM, $DIANA_NATIVE_MODULE, $DIANA_QUOTA_BIN (the release builds by
+default); $DIANA_BUILD_PROFILE names the profile they were built with when not `release`
+(the page says it). Without bench/empty-filter built, the empty filter is left out: the
+counts and the breaker's table, no ratios or verdicts.
+
 Every process it starts (Envoy under valgrind, redis-server, diana-quota) is stopped by
 its PID at the end, also on failure.
 """
