@@ -106,7 +106,11 @@ def measure(procs: Procs, key: str, filters: list[dict], n: int, quota: Optional
         time.sleep(2.5)  # Diana's counters reach Envoy from the worker's tick
         before = envoy.stats()
         control("-z", proc.pid)
+        sent_at = time.monotonic()
         codes = send(envoy.port, n)
+        # Requests a second while counted: work done per unit of time (ticks, a breaker's
+        # flush) falls on fewer requests the slower this is.
+        rate = n / (time.monotonic() - sent_at)
         control("-d", proc.pid)
         time.sleep(2.5)
         after = envoy.stats()
@@ -133,7 +137,7 @@ def measure(procs: Procs, key: str, filters: list[dict], n: int, quota: Optional
                                f"expected {n}")
     return {"ir": ir, "requests": n, "ir_per_request": ir / n,
             "callouts_per_request": None if callouts is None else callouts / n,
-            "breaker_calls": breaker_calls}
+            "breaker_calls": breaker_calls, "requests_per_second": round(rate, 1)}
 
 
 def render(vs: dict[str, Variant], results: dict[str, dict], n: int, command: str,
@@ -148,7 +152,8 @@ def render(vs: dict[str, Variant], results: dict[str, dict], n: int, command: st
         f"({envoy.split('version: ')[-1]}; `{diana.name}` {diana.stat().st_size:,} bytes{native}, {build_note()}; "
         f"{subprocess.run(['valgrind', '--version'], capture_output=True, text=True).stdout.strip()})"
         + (f"; a contended machine (load average {' / '.join(loadavg)} at the start: other work ran on its "
-           "2 vCPUs), which the counts do not depend on" if loadavg else "") + ".",
+           "2 vCPUs), which the counts depend on only through the work done per unit of time (Diana's "
+           "tick, Envoy's timers), that falls on fewer requests when the run is slower" if loadavg else "") + ".",
         "",
     ]
     # The empty filter is left out when it was not built (see `main`): then no ratios to
@@ -222,7 +227,7 @@ def main() -> int:
             t0 = time.monotonic()
             results[key] = measure(procs, key, v.filters, n, quota if v.calls_out else None, v.breaker)
             say(f"instructions: {v.label}: {results[key]['ir_per_request']:,.0f} per request "
-                f"({time.monotonic() - t0:.0f} s)")
+                f"at {results[key]['requests_per_second']:,.0f} requests/s ({time.monotonic() - t0:.0f} s)")
     finally:
         procs.stop_all()
     (procs.logdir / "results.json").write_text(json.dumps({**results, "_loadavg_start": loadavg}, indent=1))
