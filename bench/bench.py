@@ -2,10 +2,10 @@
 """The benchmark driver behind scripts/bench (see BENCHMARKS.md, "How to run").
 
 Runs the sections in order — overhead (+ wasm runtime probe), accuracy, diana-quota alone,
-degrade, Weitter hot event — each in its own try block so that one failing section still
-leaves the others' figures; writes .tmp/bench/<stamp>/results.json, the report and the
-Weitter chart. Every process it starts is stopped by PID in a finally block (and on
-SIGINT/SIGTERM).
+degrade, Weitter hot event, cascade (a slow dependency, without and with a breaker) — each
+in its own try block so that one failing section still leaves the others' figures; writes
+.tmp/bench/<stamp>/results.json, the report and the Weitter and cascade charts. Every
+process it starts is stopped by PID in a finally block (and on SIGINT/SIGTERM).
 """
 
 from __future__ import annotations
@@ -22,10 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import ROOT, Procs, envoy_bin, envoy_version, machine_info, say  # noqa: E402
 
-SECTIONS = ["overhead", "accuracy", "quota", "degrade", "weitter"]
+SECTIONS = ["overhead", "accuracy", "quota", "degrade", "weitter", "cascade"]
 # Run only when named in BENCH_SECTIONS: rls, Envoy's ratelimit filter → diana-quota's RLS
 # against → Limitador alone, in detail (bench/rls.py; docs/rls.md).
 OPTIONAL_SECTIONS = ["rls"]
+# Run alone (BENCH_SECTIONS=cascade, or with rls), these are focused measurements: their
+# report goes under .tmp/bench/<stamp>/, BENCHMARKS.md is left as it is.
+FOCUSED_SECTIONS = OPTIONAL_SECTIONS + ["cascade"]
 
 
 def env_int(name: str, default: int) -> int:
@@ -53,6 +56,7 @@ def main() -> int:
     # The rls section alone is a focused comparison, not a full report: it never rewrites
     # BENCHMARKS.md (its report goes under .tmp/bench/<stamp>/ unless BENCH_OUT says where).
     only_rls = set(sections) <= set(OPTIONAL_SECTIONS)
+    focused = set(sections) <= set(FOCUSED_SECTIONS)
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
     logdir = ROOT / ".tmp" / "bench" / stamp
@@ -60,7 +64,7 @@ def main() -> int:
     if os.environ.get("BENCH_OUT"):
         out_md = Path(os.environ["BENCH_OUT"]).resolve()
         chart_dir = out_md.parent / "docs" / "bench" if not quick else logdir
-    elif quick or only_rls:
+    elif quick or focused:
         out_md, chart_dir = logdir / "BENCHMARKS.md", logdir
     else:
         out_md, chart_dir = ROOT / "BENCHMARKS.md", ROOT / "docs" / "bench"
@@ -73,7 +77,9 @@ def main() -> int:
     probe_wasm = (ROOT / "bench/probe-filter/target/wasm32-wasip1/release/probe_filter.wasm").resolve()
     # The peer (Envoy's ratelimit filter → Limitador): optional, skipped when not built.
     limitador_bin = (ROOT / "bench/limitador-rls/target/release/limitador-rls").resolve()
-    for p, what in ((diana_wasm, "the Diana filter"), (empty_wasm, "the empty filter")):
+    # The empty filter is the overhead section's floor; the others do without it.
+    needed = [(diana_wasm, "the Diana filter")] + ([(empty_wasm, "the empty filter")] if "overhead" in sections else [])
+    for p, what in needed:
         if not p.is_file() and not only_rls:
             raise SystemExit(f"{what} not found at {p} (run scripts/bench without BENCH_NO_BUILD)")
     if not quota_bin.is_file():
@@ -86,6 +92,9 @@ def main() -> int:
     os.environ["DIANA_ENVOY"] = envoy
     res: dict = {
         "command": os.environ.get("BENCH_COMMAND", "scripts/bench"),
+        # The command that runs exactly these sections (a section's own figures say it).
+        "sections_command": (os.environ.get("BENCH_COMMAND", "scripts/bench") if sections == SECTIONS else
+                             f"BENCH_SECTIONS={','.join(sections)} {os.environ.get('BENCH_COMMAND', 'scripts/bench')}"),
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "config": cfg, "sections": sections, "machine": machine_info(), "envoy_version": envoy_version(envoy),
         "binaries": {"diana_wasm": str(diana_wasm),
@@ -140,6 +149,9 @@ def main() -> int:
                 elif section == "weitter":
                     import weitter
                     res["weitter"] = weitter.run(procs, cfg, diana_wasm)
+                elif section == "cascade":
+                    import cascade
+                    res["cascade"] = cascade.run(procs, cfg, diana_wasm)
                 elif section == "rls":
                     import rls
                     res["rls"] = rls.run(procs, cfg, quota_bin_opt,
@@ -167,16 +179,24 @@ def main() -> int:
     (logdir / "results.json").write_text(json.dumps(res, indent=1))
 
     import report
-    chart_rel = None
+
+    def write_chart(name: str, svg: str) -> str:
+        """Writes a chart beside the others; its path as the report links it."""
+        chart_dir.mkdir(parents=True, exist_ok=True)
+        path = chart_dir / name
+        path.write_text(svg)
+        say(f"chart: {path}")
+        return os.path.relpath(path, out_md.parent)
+
+    chart_rel = cascade_rel = None
     if res.get("weitter"):
         import chart
-        chart_dir.mkdir(parents=True, exist_ok=True)
-        chart_path = chart_dir / "weitter-hot-event.svg"
-        chart_path.write_text(chart.weitter_svg(res["weitter"]))
-        chart_rel = os.path.relpath(chart_path, out_md.parent)
-        say(f"chart: {chart_path}")
+        chart_rel = write_chart("weitter-hot-event.svg", chart.weitter_svg(res["weitter"]))
+    if res.get("cascade"):
+        import cascade
+        cascade_rel = write_chart("cascade.svg", cascade.cascade_svg(res["cascade"]))
     out_md.parent.mkdir(parents=True, exist_ok=True)
-    out_md.write_text(report.render(res, chart_rel))
+    out_md.write_text(report.render(res, chart_rel, cascade_rel))
     say(f"report: {out_md} (raw results {logdir / 'results.json'}); took {res['elapsed_min']:.1f} min")
     return 1 if res["errors"] else 0
 

@@ -266,10 +266,25 @@ def wasm_filter(name: str, wasm: str, configuration: str = "", runtime: str = V8
     }
 
 
-# Diana as an Envoy dynamic module (crates/diana-envoy-native, scripts/build).
-NATIVE_MODULE = ROOT / "target/release/libdiana_envoy_native.so"
+# Diana as an Envoy dynamic module (crates/diana-envoy-native, scripts/build);
+# $DIANA_NATIVE_MODULE for another build of it (e.g. the quick profile's).
+NATIVE_MODULE = Path(os.environ.get("DIANA_NATIVE_MODULE", ROOT / "target/release/libdiana_envoy_native.so")).resolve()
 # Its floor: a dynamic module whose filter does nothing (bench/empty-module).
-EMPTY_MODULE = ROOT / "bench/empty-module/target/release/libempty_module.so"
+EMPTY_MODULE = Path(os.environ.get("DIANA_EMPTY_MODULE",
+                                   ROOT / "bench/empty-module/target/release/libempty_module.so")).resolve()
+# Which build of Diana the binaries are, as the recorded figures say it: `release`
+# (scripts/build, the default) unless $DIANA_BUILD_PROFILE names another, e.g.
+# `quick` (scripts/build --profile quick: no whole-program LTO).
+BUILD_PROFILE = os.environ.get("DIANA_BUILD_PROFILE", "release").strip() or "release"
+
+
+def build_note() -> str:
+    """How the recorded figures name the build measured."""
+    if BUILD_PROFILE == "release":
+        return "release build"
+    if BUILD_PROFILE == "quick":
+        return "`quick` profile build (release code without whole-program LTO), not the release build"
+    return f"`{BUILD_PROFILE}` profile build, not the release build"
 
 
 def native_module_filter(configuration: str, module: Path = NATIVE_MODULE) -> dict:

@@ -21,7 +21,19 @@ Repeat runs of one variant agree within ±0.3 %.
 Prints a Markdown table (instructions per request, ratio to the empty stock-SDK filter as
 a throughput ratio, the bar's verdict), also into $INSTRUCTIONS_OUT when set (the recorded
 one is docs/bench/instructions.md, which BENCHMARKS.md includes), and writes
-.tmp/bench/instructions/results.json.
+.tmp/bench/instructions/results.json. Variants that add a closed breaker to another
+(`*_breaker*`, bench/variants.py) get a second table: the breaker's own instructions per
+request (the difference) and their share of the request's total; each of their requests
+must have been one call of the breaker (its `diana_breaker_calls` counter), else the run
+fails. The breaker's figures alone are recorded in docs/bench/breaker-instructions.md:
+
+    INSTRUCTIONS_OUT=docs/bench/breaker-instructions.md python3 bench/instructions.py 2000 \
+        local_TB_breaker local_TB_breaker_failures native_TB_breaker native_TB_breaker_failures
+Binaries: $DIANA_WASM, $DIANA_NATIVE_MODULE, $DIANA_QUOTA_BIN (the release builds by
+default); $DIANA_BUILD_PROFILE names the profile they were built with when not `release`
+(the page says it). Without bench/empty-filter built, the empty filter is left out: the
+counts and the breaker's table, no ratios or verdicts.
+
 Every process it starts (Envoy under valgrind, redis-server, diana-quota) is stopped by
 its PID at the end, also on failure.
 """
@@ -38,10 +50,15 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from common import ROOT, Envoy, Procs, envoy_bin, say, start_quota, start_redis, wait_http
-from variants import QUOTA, RELEASE, Variant, chosen, variants
+from common import NATIVE_MODULE, ROOT, Envoy, Procs, build_note, envoy_bin, say, start_quota, start_redis, wait_http
+from variants import EMPTY, QUOTA, RELEASE, Variant, chosen, variants
 
 WARM_UP = 300
+# How long Envoy may take to be ready under valgrind: ~1 min on an idle machine, several
+# when other builds share its 2 vCPUs ($DIANA_IR_START_S).
+START_TIMEOUT_S = float(os.environ.get("DIANA_IR_START_S", "900"))
+# Issue 40 item 7: a closed breaker's own instructions at most this share of the request's.
+BREAKER_SHARE = 0.01
 DIANA_WASM = Path(os.environ.get("DIANA_WASM", RELEASE / "diana-envoy.wasm"))
 
 
@@ -64,7 +81,8 @@ def control(command: str, pid: int) -> None:
     subprocess.run(["callgrind_control", command, str(pid)], check=True, capture_output=True, timeout=120)
 
 
-def measure(procs: Procs, key: str, filters: list[dict], n: int, quota: Optional[int]) -> dict:
+def measure(procs: Procs, key: str, filters: list[dict], n: int, quota: Optional[int],
+            breaker: Optional[str] = None) -> dict:
     logdir = procs.logdir
     for old in logdir.glob(f"{key}.cg.*"):
         old.unlink()
@@ -73,9 +91,7 @@ def measure(procs: Procs, key: str, filters: list[dict], n: int, quota: Optional
                   f"--callgrind-out-file={logdir}/{key}.cg.%p"] + envoy.argv
     proc = procs.spawn(envoy.name, envoy.argv)
     try:
-        # V8 compiling the module under valgrind takes minutes on a busy machine.
-        start_timeout = int(os.environ.get("INSTRUCTIONS_START_TIMEOUT", "300"))
-        if not wait_http(f"http://127.0.0.1:{envoy.admin}/ready", proc, start_timeout):
+        if not wait_http(f"http://127.0.0.1:{envoy.admin}/ready", proc, START_TIMEOUT_S):
             raise RuntimeError(f"Envoy {key} did not start under valgrind:\n{proc.log.read_text()[-3000:]}")
         send(envoy.port, WARM_UP)
         if quota is not None:
@@ -90,7 +106,11 @@ def measure(procs: Procs, key: str, filters: list[dict], n: int, quota: Optional
         time.sleep(2.5)  # Diana's counters reach Envoy from the worker's tick
         before = envoy.stats()
         control("-z", proc.pid)
+        sent_at = time.monotonic()
         codes = send(envoy.port, n)
+        # Requests a second while counted: work done per unit of time (ticks, a breaker's
+        # flush) falls on fewer requests the slower this is.
+        rate = n / (time.monotonic() - sent_at)
         control("-d", proc.pid)
         time.sleep(2.5)
         after = envoy.stats()
@@ -108,26 +128,49 @@ def measure(procs: Procs, key: str, filters: list[dict], n: int, quota: Optional
         raise RuntimeError(f"{key}: {stats['wasmcustom.diana_global_degraded_requests']} requests were "
                            "decided locally (degraded) while measured")
     callouts = stats.get("wasmcustom.diana_global_callouts")
+    breaker_calls = None
+    if breaker is not None:
+        # The closed breaker's path ran for every request counted, not some other one.
+        breaker_calls = stats.get(f"wasmcustom.diana_breaker_calls.{breaker}", 0)
+        if breaker_calls != n:
+            raise RuntimeError(f"{key}: breaker {breaker} judged {breaker_calls} calls while measured, "
+                               f"expected {n}")
     return {"ir": ir, "requests": n, "ir_per_request": ir / n,
-            "callouts_per_request": None if callouts is None else callouts / n}
+            "callouts_per_request": None if callouts is None else callouts / n,
+            "breaker_calls": breaker_calls, "requests_per_second": round(rate, 1)}
 
 
-def render(vs: dict[str, Variant], results: dict[str, dict], n: int) -> str:
+def render(vs: dict[str, Variant], results: dict[str, dict], n: int, command: str,
+           loadavg: Optional[list[str]] = None, measured: Optional[str] = None) -> str:
     """The Markdown page: how it was measured, then the table with the bars' verdicts."""
     envoy = subprocess.run([envoy_bin(), "--version"], capture_output=True, text=True).stdout.strip()
     diana = DIANA_WASM
+    native = (f"; `{NATIVE_MODULE.name}` {NATIVE_MODULE.stat().st_size:,} bytes"
+              if any(k.startswith("native") for k in vs) and NATIVE_MODULE.is_file() else "")
     lines = [
-        f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `python3 bench/instructions.py {n}` "
-        f"({envoy.split('version: ')[-1]}; `{diana.name}` {diana.stat().st_size:,} bytes; "
-        f"{subprocess.run(['valgrind', '--version'], capture_output=True, text=True).stdout.strip()}).",
+        f"Measured {measured or time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `{command}` "
+        f"({envoy.split('version: ')[-1]}; `{diana.name}` {diana.stat().st_size:,} bytes{native}, {build_note()}; "
+        f"{subprocess.run(['valgrind', '--version'], capture_output=True, text=True).stdout.strip()})"
+        + (f"; a contended machine (load average {' / '.join(loadavg)} at the start: other work ran on its "
+           "2 vCPUs), which the counts depend on only through the work done per unit of time (Diana's "
+           "tick, Envoy's timers), that falls on fewer requests when the run is slower" if loadavg else "") + ".",
         "",
-        f"| variant ({n} requests each) | instructions per request | over no filter | × empty (throughput) "
-        "| bar | callouts per request |",
-        "| --- | ---: | ---: | ---: | --- | ---: |",
     ]
-    empty = results["empty"]["ir_per_request"]
+    # The empty filter is left out when it was not built (see `main`): then no ratios to
+    # it, no verdicts, only the counts.
+    empty = results["empty"]["ir_per_request"] if "empty" in results else None
     base = results.get("nofilter", {}).get("ir_per_request")
+    if empty is None:
+        lines += [f"| variant ({n} requests each) | instructions per request |", "| --- | ---: |"]
+        lines += [f"| {v.label} | {results[key]['ir_per_request']:,.0f} |" for key, v in vs.items()]
+        lines += ["", "(The empty filter was not built, so not measured: no ratios to it, no bars' verdicts.)"]
+    else:
+        lines += [f"| variant ({n} requests each) | instructions per request | over no filter "
+                  "| × empty (throughput) | bar | callouts per request |",
+                  "| --- | ---: | ---: | ---: | --- | ---: |"]
     for key, v in vs.items():
+        if empty is None:
+            break
         ir = results[key]["ir_per_request"]
         over = f"{ir - base:+,.0f}" if base else "—"
         ratio = empty / ir
@@ -141,6 +184,21 @@ def render(vs: dict[str, Variant], results: dict[str, dict], n: int) -> str:
         calls = results[key]["callouts_per_request"]
         calls_text = f"{calls:.4f}" if v.calls_out and calls is not None else "—"
         lines.append(f"| {v.label} | {ir:,.0f} | {over} | {ratio:.3f} | {verdict} | {calls_text} |")
+    added = [(key, v) for key, v in vs.items() if v.adds_to is not None and v.adds_to in results]
+    if added:
+        lines += [
+            "",
+            "| a closed breaker's cost | instructions per request | without the breaker | the breaker's own "
+            f"| its share of the request | target ≤ {BREAKER_SHARE:.0%} | breaker calls counted |",
+            "| --- | ---: | ---: | ---: | ---: | --- | ---: |",
+        ]
+        for key, v in added:
+            ir = results[key]["ir_per_request"]
+            base_ir = results[v.adds_to]["ir_per_request"]
+            lines.append(f"| {v.label} | {ir:,.0f} | {base_ir:,.0f} | {ir - base_ir:+,.0f} "
+                         f"| {(ir - base_ir) / ir:+.2%} "
+                         f"| {'**met**' if (ir - base_ir) / ir <= BREAKER_SHARE else '**not met**'} "
+                         f"| {results[key]['breaker_calls']:,} of {n:,} |")
     return "\n".join(lines)
 
 
@@ -151,7 +209,14 @@ def main() -> int:
         say("instructions: valgrind is not installed (apt-get install valgrind)")
         return 1
     vs = chosen(variants(DIANA_WASM), args)
+    if not (EMPTY / "empty_filter.wasm").is_file():
+        # The bars are ratios to it; a breaker's cost is a difference to its own base and
+        # does not need it.
+        say(f"instructions: {EMPTY / 'empty_filter.wasm'} not built (bench/empty-filter): left out, "
+            "so the table has no ratios to it and no verdicts")
+        vs = {k: v for k, v in vs.items() if k != "empty"}
     procs = Procs(ROOT / ".tmp/bench/instructions")
+    loadavg = open("/proc/loadavg").read().split()[:3]
     results: dict[str, dict] = {}
     try:
         quota = None
@@ -160,13 +225,13 @@ def main() -> int:
             _quota, quota = start_quota(procs, QUOTA, redis_port, "ir-quota", cpus=None)
         for key, v in vs.items():
             t0 = time.monotonic()
-            results[key] = measure(procs, key, v.filters, n, quota if v.calls_out else None)
+            results[key] = measure(procs, key, v.filters, n, quota if v.calls_out else None, v.breaker)
             say(f"instructions: {v.label}: {results[key]['ir_per_request']:,.0f} per request "
-                f"({time.monotonic() - t0:.0f} s)")
+                f"at {results[key]['requests_per_second']:,.0f} requests/s ({time.monotonic() - t0:.0f} s)")
     finally:
         procs.stop_all()
-    (procs.logdir / "results.json").write_text(json.dumps(results, indent=1))
-    table = render(vs, results, n)
+    (procs.logdir / "results.json").write_text(json.dumps({**results, "_loadavg_start": loadavg}, indent=1))
+    table = render(vs, results, n, " ".join(["python3 bench/instructions.py", str(n)] + args), loadavg)
     print(table)
     if os.environ.get("INSTRUCTIONS_OUT"):
         Path(os.environ["INSTRUCTIONS_OUT"]).write_text(table + "\n")

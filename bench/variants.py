@@ -8,6 +8,7 @@ variants, judged by the same bars. (`bench/overhead.py`, the full section of
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -17,7 +18,7 @@ from overhead import diana_doc, global_doc, local_rule
 
 RELEASE = ROOT / "target/wasm32-wasip1/release"
 EMPTY = ROOT / "bench/empty-filter/target/wasm32-wasip1/release"
-QUOTA = ROOT / "target/release/diana-quota"
+QUOTA = Path(os.environ.get("DIANA_QUOTA_BIN", ROOT / "target/release/diana-quota")).resolve()
 # DESIGN §6: local rules at least as cheap as the empty filter; a global rule with a lease
 # at most 5 % dearer.
 LOCAL_BAR = 1.0
@@ -34,6 +35,46 @@ class Variant:
     cost_at_most: Optional[float] = None
     # It calls diana-quota (started once, with Redis, for every such variant).
     calls_out: bool = False
+    # The name of the breaker on its resource: every request measured must be one call of
+    # it (bench/instructions.py checks `diana_breaker_calls.<name>`), so that the closed
+    # breaker's path is what was counted.
+    breaker: Optional[str] = None
+    # The variant this one adds to (the same document without the breaker): its own cost
+    # is the difference (bench/instructions.py prints it, and its share of the request).
+    adds_to: Optional[str] = None
+
+
+# A closed breaker on the resource of the local rule (DESIGN §4b, issue 40 item 7): both
+# thresholds, so that a call reads the response's `:status` and the clock at its headers;
+# never trips at these rates (every answer is a fast 200). Without `slow_ms` (failures
+# only), the call's duration is not judged; the clock is read at the response headers all
+# the same (`Worker::settle` reads it for every request it settles), so the difference
+# between the two is the slow check's alone (within the counts' noise on 2026-12-02).
+BREAKER = "bench_b"
+BREAKER_BOTH = f"    breaker: {{name: {BREAKER}, failure_ratio: 0.5, slow_ms: 1000, slow_ratio: 0.5}}\n"
+BREAKER_FAILURES = f"    breaker: {{name: {BREAKER}, failure_ratio: 0.5}}\n"
+
+
+def with_breaker(doc: str, breaker: str) -> str:
+    """`doc` (one resource, `diana_doc`) with `breaker` on its resource."""
+    head, sep, rest = doc.partition("    rules:\n")
+    if not sep:
+        raise ValueError("with_breaker: a document of one resource with rules (overhead.diana_doc)")
+    return head + breaker + sep + rest
+
+
+def breaker_variants(prefix: str, label: str, base_key: str, filter_of) -> dict[str, Variant]:
+    """Local TB with a closed breaker (both thresholds, and failures only), each measured
+    against `base_key`, the same rule without it; `filter_of(doc)` is the filter."""
+    doc = diana_doc([local_rule("TB")])
+    return {
+        f"{prefix}_breaker": Variant(f"{label} + closed breaker (failure_ratio, slow_ms)",
+                                     [filter_of(with_breaker(doc, BREAKER_BOTH))],
+                                     breaker=BREAKER, adds_to=base_key),
+        f"{prefix}_breaker_failures": Variant(f"{label} + closed breaker (failure_ratio only)",
+                                              [filter_of(with_breaker(doc, BREAKER_FAILURES))],
+                                              breaker=BREAKER, adds_to=base_key),
+    }
 
 
 def variants(diana_wasm: Path, untrimmed_wasm: Optional[Path] = None) -> dict[str, Variant]:
@@ -53,6 +94,8 @@ def variants(diana_wasm: Path, untrimmed_wasm: Optional[Path] = None) -> dict[st
         out[f"local_{algo}"] = Variant(f"Diana local {algo}",
                                        [wasm_filter("diana", diana, diana_doc([local_rule(algo)]))],
                                        at_least=LOCAL_BAR)
+    out.update(breaker_variants("local_TB", "Diana local TB", "local_TB",
+                                lambda doc: wasm_filter("diana", diana, doc)))
     if untrimmed_wasm is not None:
         out["untrimmed_TB"] = Variant("Diana local TB, untrimmed diana.wasm",
                                       [wasm_filter("diana", str(untrimmed_wasm), diana_doc([local_rule("TB")]))],
@@ -76,6 +119,7 @@ def variants(diana_wasm: Path, untrimmed_wasm: Optional[Path] = None) -> dict[st
         # Diana as Envoy's dynamic module (crates/diana-envoy-native): the same documents.
         out["native_TB"] = Variant("Diana native module local TB",
                                    [native_module_filter(diana_doc([local_rule("TB")]))], at_least=LOCAL_BAR)
+        out.update(breaker_variants("native_TB", "Diana native module local TB", "native_TB", native_module_filter))
         for lease in (100, "auto"):
             out[f"native_global_{lease}"] = Variant(f"Diana native module global W, lease {lease}",
                                                     [native_module_filter(global_doc("W", lease))],
@@ -91,4 +135,6 @@ def chosen(vs: dict[str, Variant], keys: list[str]) -> dict[str, Variant]:
     unknown = [k for k in keys if k not in vs]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; known: {', '.join(vs)}")
+    # A breaker variant's cost is its difference to the variant it adds to: that one too.
+    keys = keys + [vs[k].adds_to for k in keys if vs[k].adds_to]
     return {k: v for k, v in vs.items() if k == "empty" or k in keys}

@@ -9,6 +9,12 @@
 - `GET /signin?password=P` -> a fake sign-in: 200 when P is `right`, else 401
 - `GET /dep?status=S&ms=M` -> a dependency whose health each request chooses: status S
   (default 200) after M ms (at most 10 s), with the echo body below (`/dep/...` too)
+- `GET /dep/slow` -> the same dependency, whose health is switched at run time for every
+  later request: `GET /__dep?ms=M&status=S` sets the delay (at most 10 s) and the status
+  of `/dep/slow` (each omitted one is left as it was; initially 0 ms and 200) and answers
+  the settings now in force (400 and nothing changed when `ms` is not 0-10000 or `status`
+  not 200-599); `ms` or `status` in the request's own query still win
+  (bench/cascade.py slows it from 20 ms to 2 s and back while traffic runs)
 - `GET /slow?ms=M` -> 200 after M ms (at most 10 s); `GET /__inflight` -> how many
   requests are inside this upstream now and the most there were at once
   (`/__inflight?reset=1` starts counting afresh)
@@ -39,6 +45,43 @@ ECHO_MAX = 64
 def _millis(query: dict[str, list[str]], name: str) -> int:
     value = query.get(name, ["0"])[0]
     return min(int(value), 10_000) if value.isdigit() else 0
+
+
+def _status(value: str, default: int) -> int:
+    """An HTTP status from a query value, `default` unless it is one of 200-599."""
+    return int(value) if value.isdigit() and 200 <= int(value) <= 599 else default
+
+
+class Switch:
+    """How `/dep/slow` answers when its request does not say: set by `/__dep` for every
+    later request (a dependency that slows down or fails while traffic runs)."""
+
+    lock = threading.Lock()
+    ms = 0
+    status = 200
+
+    @classmethod
+    def set(cls, query: dict[str, list[str]]) -> tuple[dict[str, int], str]:
+        """Applies `ms` and `status` from the query when both that are present are valid
+        (`ms` 0-10000, `status` 200-599); else changes nothing and says which is not.
+        Returns the settings in force and the error ("" when none)."""
+        ms = query.get("ms", [None])[-1]
+        status = query.get("status", [None])[-1]
+        with cls.lock:
+            if ms is not None and not (ms.isdigit() and int(ms) <= 10_000):
+                return {"ms": cls.ms, "status": cls.status}, "ms must be 0-10000"
+            if status is not None and _status(status, 0) == 0:
+                return {"ms": cls.ms, "status": cls.status}, "status must be 200-599"
+            if ms is not None:
+                cls.ms = int(ms)
+            if status is not None:
+                cls.status = int(status)
+            return {"ms": cls.ms, "status": cls.status}, ""
+
+    @classmethod
+    def get(cls) -> tuple[int, int]:
+        with cls.lock:
+            return cls.ms, cls.status
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -102,10 +145,20 @@ class Handler(BaseHTTPRequestHandler):
                     Handler.most = Handler.inside
             self._send(200, (json.dumps(doc) + "\n").encode(), "application/json")
             return
+        if path == "/__dep" or path.startswith("/__dep?"):
+            settings, error = Switch.set(query)
+            doc = {**settings, "error": error} if error else settings
+            self._send(400 if error else 200, (json.dumps(doc) + "\n").encode(), "application/json")
+            return
         if path == "/dep" or path.startswith(("/dep?", "/dep/")):
-            time.sleep(_millis(query, "ms") / 1000)
-            status = query.get("status", ["200"])[0]
-            status = int(status) if status.isdigit() and 200 <= int(status) <= 599 else 200
+            ms, status = 0, 200
+            if path == "/dep/slow" or path.startswith("/dep/slow?"):
+                ms, status = Switch.get()
+            if "ms" in query:
+                ms = _millis(query, "ms")
+            if "status" in query:
+                status = _status(query["status"][0], 200)
+            time.sleep(ms / 1000)
             doc = {"path": path}
             for name in ECHO_HEADERS:
                 value = self.headers.get(name)
