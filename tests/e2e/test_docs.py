@@ -73,6 +73,10 @@ NOT_RUN: dict[tuple[str, str], str] = {
     "signed documents are tested by test_remote.py",
     ("README.md", "python3 demo/make_hot_event_log.py"): "rewrites committed files "
     "(demo/hot-event.jsonl, docs/simulate-hot-event.svg); simulate is tested by test_simulate.py",
+    ("README.md", "python3 demo/make_breaker_log.py"): "rewrites committed files "
+    "(demo/payments-outage.jsonl, docs/simulate-payments-outage.svg); simulate through the "
+    "breakers is tested by crates/diana-cli/tests/simulate.rs, which checks the report's "
+    "breakers section exactly",
     ("README.md", "diana check envoy/demo-diana.yaml          #"): "a synopsis with placeholders "
     "(POLICY LOG, [--kong]); its render-envoy line is run by the render-envoy block",
     ("nginx/README.md", "scripts/build-nginx"): "builds nginx (scripts/install-deps does, before "
