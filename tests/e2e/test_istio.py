@@ -273,7 +273,7 @@ BAD = [
     ({"Url": "/", "rules": [{"rpu": 0}]}, "rpu 0"),
     ({"Url": "/", "rules": [{"rpu": 5, "colour": "red"}]}, "unknown rule key"),
     ({"Url": "/", "rules": [{"rpu": 5, "algo": "fastest"}]}, "unknown algorithm"),
-    ({"Url": "/", "rules": [{"rpu": 5, "unit": "week"}]}, "unknown unit"),
+    ({"Url": "/", "rules": [{"rpu": 5, "unit": "fortnight"}]}, "unknown unit"),
     ({"Url": "/", "rules": [{"rpu": 5, "scope": "planet"}]}, "unknown scope"),
     ({"Url": "/", "rules": [{"rpu": 5, "slices": 61}]}, "slices > 60"),
     ({"Url": "sample", "rules": [{"rpu": 5}]}, "Url without /"),

@@ -293,10 +293,15 @@ impl Engine {
                 }
             }
         }
-        calls.extend(self.global.take_releases().into_iter().map(|release| Call {
-            callout: release.callout,
-            then: Then(Kind::Release(release.charges, release.fallback)),
-        }));
+        calls.extend(
+            self.global
+                .take_releases(cx, &self.policy)
+                .into_iter()
+                .map(|release| Call {
+                    callout: release.callout,
+                    then: Then(Kind::Release(release.charges, release.fallback)),
+                }),
+        );
         self.renew(cx, &mut calls);
         while let Some((callout, places)) = self.global.plan_leave(cx, &self.policy) {
             calls.push(Call {

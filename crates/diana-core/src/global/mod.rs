@@ -1058,12 +1058,32 @@ impl Global {
         self.paying.set(false);
     }
 
-    /// From the tick: the releases queued since the last one.
-    pub fn take_releases(&self) -> Vec<Release> {
-        self.releases
+    /// From the tick: the releases queued since the last one. A refund's tokens have
+    /// waited in this gateway's stash since the answer ([`Global::refund`]): what is
+    /// still there is taken out and released; tokens a later request here spent meanwhile
+    /// have done their work, and their release is dropped.
+    pub fn take_releases(&self, cx: &mut Cx<'_>, policy: &Policy) -> Vec<Release> {
+        let queued = self
+            .releases
             .try_borrow_mut()
             .map(|mut releases| std::mem::take(&mut *releases))
-            .unwrap_or_default()
+            .unwrap_or_default();
+        queued
+            .into_iter()
+            .filter(|release| {
+                let Some(refund) = &release.fallback else {
+                    return true;
+                };
+                let Some(rule) = policy.rule(refund.index) else {
+                    return false;
+                };
+                matches!(
+                    self.stash
+                        .take(cx.shared, rule, refund.address, refund.tokens, cx.now),
+                    Take::Served(..)
+                )
+            })
+            .collect()
     }
 
     /// The answer to a release: sent, the tokens are back at the service (given back now,
@@ -1157,14 +1177,17 @@ impl Global {
 
     /// Gives back `tokens` a request of `address` had from the service and did not use
     /// (its answer settled for less, [`crate::settle`]: `count: {status}` not counted, a
-    /// reservation settled lower). When the request's own call granted them (`from`),
-    /// they go back to the service, from the next tick: a release of part of that rule's
-    /// grant, so that behind a load balancer the identity's next request, on any gateway,
-    /// finds them. Otherwise (the tokens came from the stash, the call had no id), or
-    /// when the release cannot be queued or finds nothing ([`Global::released`]), they go
-    /// to this gateway's lease stash, where the identity's next requests here spend them
-    /// until `until`.
+    /// reservation settled lower). They go to this gateway's lease stash at once, where
+    /// the identity's next requests here spend them (until `until`): a client that logs
+    /// in successfully twice in a row is not refused while the tokens travel. When the
+    /// request's own call granted them (`from`), the next tick takes what is still in the
+    /// stash back out and releases it to the service ([`Global::take_releases`]): a
+    /// release of part of that rule's grant, so that behind a load balancer the
+    /// identity's next request, on any gateway, finds them. Otherwise (the tokens came
+    /// from the stash, the call had no id), or when the release finds nothing
+    /// ([`Global::released`]), they stay in (or go back to) this gateway's stash.
     pub fn refund(&self, cx: &mut Cx<'_>, rule: &Rule, refund: Refund, from: Option<&CallRule>) {
+        self.stash_refund(cx, rule, &refund);
         if let Some(from) = from {
             let mut request = AcquireRequest::new(vec![RuleRequest::new(
                 global_key(rule, refund.address),
@@ -1193,7 +1216,6 @@ impl Global {
             }
         }
         cx.metrics.event(Event::RefundStashed);
-        self.stash_refund(cx, rule, &refund);
     }
 
     /// Tokens of a settled request to this gateway's lease stash; a denial remembered for
