@@ -14,10 +14,10 @@
 //! quota service; also when every rule is local), every second, carrying its view
 //! (`engine/view.rs`: per rule the counts since the previous report and, for a rule whose
 //! actor is not `all`, the sketches of its limited and admitted identities; the paths),
-//! and at every tick that has calls of a breaker of `scope: global`. Without a `global`
-//! section, never. The view's part is best effort: a report lost or refused loses its
-//! counts, while its breakers' calls are restored for the next report. A report is cut to
-//! [`MAX_REPORT_BYTES`] by [`ReportRequest::fit`] (hot lists left out).
+//! and at every tick while it has a breaker of `scope: global`. Without a `global`
+//! section, only for such breakers. The view's part is best effort: a report lost or
+//! refused loses its counts, while its breakers' calls are restored for the next report. A
+//! report is cut to [`MAX_REPORT_BYTES`] by [`ReportRequest::fit`] (hot lists left out).
 //!
 //! Everything here is bounded ([`validate`]): a report from a compromised or buggy gateway
 //! can make the service hold no more than the bounds say. The counts are this worker's

@@ -43,8 +43,8 @@ use crate::time::{Instant, Nanos};
 /// Counters of the paths' sketch: as many as a report may list.
 pub(crate) const PATHS_CAPACITY: usize = MAX_TOP;
 
-/// The least time between two reports that carry only the view (a report with breakers
-/// goes at every tick that has them, and carries the view too): the worker's base tick.
+/// The least time between two reports that carry only the view (with breakers of `scope:
+/// global` a report goes at every tick, and carries the view too): the worker's base tick.
 pub(crate) const REPORT_EVERY: Nanos = Nanos::from_secs(1);
 
 /// The counters of a rule's sketches for `hot.top` = `top`.

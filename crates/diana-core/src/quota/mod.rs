@@ -287,7 +287,7 @@ pub struct MemoryQuota {
 }
 
 /// The reports a [`MemoryQuota`] keeps, at most (older ones are dropped).
-pub const REPORTS_KEPT: usize = 256;
+pub const REPORTS_KEPT: usize = 64;
 
 impl Default for MemoryQuota {
     fn default() -> Self {
