@@ -20,6 +20,7 @@
 
 mod breakers;
 mod calls;
+mod view;
 
 pub use calls::{Call, Then};
 
@@ -34,6 +35,7 @@ use crate::global::debts::Debt;
 use crate::global::flights::RiderId;
 use crate::global::stash::StashReceipt;
 use crate::global::{Admission, Asked, Denial, Global, GlobalCharge, Interpretation, Plan};
+use crate::hot::Label;
 use crate::local::{Local, LocalCharge, Taken};
 use crate::matching;
 use crate::metrics::{Event, MetricSink, NoMetrics, RuleEvent};
@@ -45,6 +47,8 @@ use crate::time::{ceil_seconds, ceil_seconds_at_least_one, Instant, Nanos};
 use crate::wire::CallRule;
 use breakers::Breakers;
 use smallvec::SmallVec;
+use std::cell::{Cell, RefCell};
+use view::View;
 
 /// The rules of one request are few: these lists stay on the stack (no allocation on the
 /// hot path).
@@ -152,6 +156,9 @@ struct Progress {
     /// its place in that call: what its answer does not count goes back to the service
     /// by that call's id ([`crate::global::Global::refund`]).
     from_call: Vec<(usize, CallRule)>,
+    /// The fleet view's: the request's identity as shown, per rule that keeps hot lists
+    /// (empty, and never allocated, while the view is off).
+    shown: Vec<(usize, Label)>,
 }
 
 impl Progress {
@@ -196,6 +203,8 @@ struct Applicable<'p> {
     global: Few<GlobalCharge>,
     /// The rules with a response cost (rarely any).
     after: Vec<ResponseCharge>,
+    /// See [`Progress::shown`].
+    shown: Vec<(usize, Label)>,
 }
 
 /// The plans of one request, each source read once (a rule with plans is several rules
@@ -232,6 +241,11 @@ pub struct Engine {
     places: Holdings,
     /// The resources' breakers, as this worker follows them.
     breakers: Breakers,
+    /// This worker's part of the fleet view ([`view`]): `None` when the document names no
+    /// quota service.
+    view: Option<RefCell<View>>,
+    /// When this worker last sent a report (its `interval_ms` runs from there).
+    last_report: Cell<Option<Instant>>,
 }
 
 impl Engine {
@@ -239,6 +253,7 @@ impl Engine {
         let needs_path = !matches!(policy.resources.as_slice(), [only] if only.url == "/");
         let global = Global::new(&policy, true);
         let breakers = Breakers::new(&policy);
+        let view = View::of(&policy).map(RefCell::new);
         Engine {
             policy,
             needs_path,
@@ -247,6 +262,8 @@ impl Engine {
             global,
             places: Holdings::default(),
             breakers,
+            view,
+            last_report: Cell::new(None),
         }
     }
 
@@ -297,9 +314,17 @@ impl Engine {
         } else {
             std::borrow::Cow::Borrowed(&b"/"[..])
         };
+        let mut longest = None;
         let resources: Few<&Resource> = matching::matching(&self.policy, &path)
-            .map(|(_, resource)| resource)
+            .map(|(at, resource)| {
+                longest = Some(at);
+                resource
+            })
             .collect();
+        if let (Some(view), Some(at)) = (&self.view, longest) {
+            // Least specific first: the last match is the longest.
+            view.borrow_mut().path(at, cx.now);
+        }
         let passed = if self.breakers.is_empty() {
             breakers::Passed::default()
         } else {
@@ -322,6 +347,7 @@ impl Engine {
         }
         let mut progress = Progress {
             after: applicable.after,
+            shown: applicable.shown,
             breakers: passed.calls,
             upstream: passed.upstream,
             ..Progress::default()
@@ -559,7 +585,9 @@ impl Engine {
             local: Few::new(),
             global: Few::new(),
             after: Vec::new(),
+            shown: Vec::new(),
         };
+        let view = self.view.as_ref().map(RefCell::borrow);
         let mut waiting: Few<(&Rule, SlotAddress, u32)> = Few::new();
         let mut plans = PlansRead::default();
         for resource in resources {
@@ -569,7 +597,22 @@ impl Engine {
                         continue;
                     }
                 }
-                let address = match rule.identify(facts) {
+                // The identity as shown costs a copy of its value: read only for a rule
+                // that keeps hot lists, while the view is on.
+                let identity = if view
+                    .as_ref()
+                    .is_some_and(|view| view.wants_identity(rule.index))
+                {
+                    let mut value = None;
+                    let identity = rule.identify_shown(facts, &mut value);
+                    if let Some(label) = view::shown(rule, &identity, value.as_deref()) {
+                        applicable.shown.push((rule.index, label));
+                    }
+                    identity
+                } else {
+                    rule.identify(facts)
+                };
+                let address = match identity {
                     Identity::Skip => continue,
                     Identity::Everyone => SlotAddress::single(),
                     Identity::Key(hash) => SlotAddress::of(hash, rule.slots.get()),
@@ -748,11 +791,12 @@ impl Engine {
         // Not a call of its breakers: the probes' places go back.
         self.breakers
             .give_back(cx, self.local.store(), &progress.breakers);
-        for (index, event) in progress.tally {
+        for &(index, event) in &progress.tally {
             if event != RuleEvent::Allowed {
                 cx.metrics.rule_event(index, event);
             }
         }
+        self.see(cx.now, &progress, false);
         Decision::Reject(rejection)
     }
 
@@ -804,6 +848,7 @@ impl Engine {
         for &(index, event) in &progress.tally {
             cx.metrics.rule_event(index, event);
         }
+        self.see(cx.now, &progress, true);
         for charge in &mut progress.after {
             let Some(rule) = self.policy.rule(charge.rule).filter(|rule| rule.settles()) else {
                 continue;
@@ -882,6 +927,27 @@ impl Engine {
                 after,
                 upstream,
             }
+        }
+    }
+
+    /// The fleet view counts a decided request's rule outcomes as its metrics do: every
+    /// rule's of an admitted request (`admitted`), the rejecting rule's and the dry-run
+    /// denials of a rejected one.
+    fn see(&self, now: Instant, progress: &Progress, admitted: bool) {
+        let Some(view) = &self.view else {
+            return;
+        };
+        let mut view = view.borrow_mut();
+        for &(index, event) in &progress.tally {
+            if !admitted && event == RuleEvent::Allowed {
+                continue;
+            }
+            let shown = progress
+                .shown
+                .iter()
+                .find(|(rule, _)| *rule == index)
+                .map(|(_, label)| *label);
+            view.record(index, event, shown, now);
         }
     }
 

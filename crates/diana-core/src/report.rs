@@ -10,6 +10,15 @@
 //!   hottest identities of each ([`crate::hot::Summary`]), the hottest paths, whether the
 //!   gateway runs degraded, each breaker's state as the gateway sees it.
 //!
+//! When a worker reports: while its document writes a `global` section (it names the
+//! quota service; also when every rule is local), every second, carrying its view
+//! (`engine/view.rs`: per rule the counts since the previous report and, for a rule whose
+//! actor is not `all`, the sketches of its limited and admitted identities; the paths),
+//! and at every tick while it has a breaker of `scope: global`. Without a `global`
+//! section, only for such breakers. The view's part is best effort: a report lost or
+//! refused loses its counts, while its breakers' calls are restored for the next report. A
+//! report is cut to [`MAX_REPORT_BYTES`] by [`ReportRequest::fit`] (hot lists left out).
+//!
 //! Everything here is bounded ([`validate`]): a report from a compromised or buggy gateway
 //! can make the service hold no more than the bounds say. The counts are this worker's
 //! since its previous report: the service adds the workers' reports up.
@@ -64,6 +73,60 @@ pub struct ReportRequest {
     /// The hottest paths (the longest matched resource of each request), if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub paths: Option<Summary>,
+}
+
+impl ReportRequest {
+    /// The report's body, at most `most` bytes: when the whole does not fit, hot lists are
+    /// left out until it does, the least telling first (the admitted identities before
+    /// the limited, of the least limited rules first; the paths last). The counts and the
+    /// breakers always stay (within [`validate`]'s bounds they take far less than
+    /// [`MAX_REPORT_BYTES`]). `None` when even those do not fit, or the report cannot be
+    /// written.
+    pub fn fit(&mut self, most: usize) -> Option<Vec<u8>> {
+        let body = serde_json::to_vec(self).ok()?;
+        if body.len() <= most {
+            return Some(body);
+        }
+        // The lists to leave out, in order: (rule, admitted list?), then the paths.
+        let mut order: Vec<(usize, bool)> = (0..self.rules.len())
+            .flat_map(|at| [(at, true), (at, false)])
+            .collect();
+        order.sort_by_key(|&(at, admitted)| {
+            let limited = self.rules.get(at).map_or(0, |rule| rule.limited);
+            (!admitted, limited)
+        });
+        let mut size = body.len();
+        let listed = |summary: &Option<Summary>| {
+            summary
+                .as_ref()
+                .and_then(|summary| serde_json::to_vec(summary).ok())
+                .map_or(0, |text| text.len())
+        };
+        for (at, admitted) in order {
+            let Some(rule) = self.rules.get_mut(at) else {
+                continue;
+            };
+            let list = if admitted {
+                &mut rule.hot_admitted
+            } else {
+                &mut rule.hot_limited
+            };
+            // The list and at most its field's name, `,"hot_admitted":`.
+            size = size.saturating_sub(listed(list) + 16);
+            *list = None;
+            if size <= most {
+                // The estimate may be a few bytes short: checked on the real text.
+                let body = serde_json::to_vec(self).ok()?;
+                if body.len() <= most {
+                    return Some(body);
+                }
+                size = body.len();
+            }
+        }
+        self.paths = None;
+        let body = serde_json::to_vec(self).ok()?;
+        (body.len() <= most).then_some(body)
+    }
 }
 
 /// One breaker of the reporting gateway.
@@ -532,6 +595,49 @@ mod tests {
         for params in out_of_range {
             assert_eq!(params.params(), None, "{params:?}");
         }
+    }
+
+    #[test]
+    fn a_report_too_large_leaves_hot_lists_out_the_least_limited_first() {
+        let list = |prefix: &str| {
+            let mut sketch = crate::hot::SpaceSaving::new(MAX_TOP);
+            for at in 0..MAX_TOP {
+                sketch.add(format!("{prefix}{at:0>60}").as_bytes(), 1);
+            }
+            Some(sketch.summary())
+        };
+        let line = |name: &str, limited: u64| RuleLine {
+            name: name.into(),
+            admitted: 1,
+            limited,
+            dry_run_limited: 0,
+            hot_limited: list("l"),
+            hot_admitted: list("a"),
+        };
+        let mut full = report();
+        full.rules = vec![line("calm", 1), line("flooded", 1_000)];
+        full.paths = list("/");
+        let whole = serde_json::to_vec(&full).unwrap();
+        assert_eq!(full.clone().fit(whole.len()), Some(whole.clone()));
+        // Room for all but about one list: the calm rule's admitted go.
+        let mut cut = full.clone();
+        let body = cut.fit(whole.len() - 100).unwrap();
+        assert!(body.len() <= whole.len() - 100);
+        assert_eq!(decode(&body), Ok(cut.clone()));
+        assert!(cut.rules[0].hot_admitted.is_none());
+        assert!(cut.rules[0].hot_limited.is_some() && cut.rules[1].hot_admitted.is_some());
+        // Room for the counts alone: every list goes, the counts and breakers stay.
+        let mut bare = full.clone();
+        bare.rules.iter_mut().for_each(|rule| {
+            rule.hot_limited = None;
+            rule.hot_admitted = None;
+        });
+        bare.paths = None;
+        let least = serde_json::to_vec(&bare).unwrap().len();
+        let mut cut = full.clone();
+        assert_eq!(cut.fit(least), Some(serde_json::to_vec(&bare).unwrap()));
+        assert_eq!(cut, bare);
+        assert_eq!(full.fit(least - 1), None);
     }
 
     #[test]

@@ -145,7 +145,7 @@ proptest! {
         prop_assert_eq!(paused(&sim), 0);
         prop_assert!(admitted(&sim) <= 10);
         prop_assert_eq!(&sim.violations, &Vec::new());
-        prop_assert_eq!(sim.in_flight(), 0);
+        prop_assert_eq!(sim.decision_calls_in_flight(), 0);
         end_all(&mut sim, 2);
     }
 
@@ -1124,7 +1124,7 @@ fn a_woken_request_waits_for_the_flight_that_asked_for_it_so_lease_1_stays_exact
         assert_eq!(admitted(&sim), 6, "{}", profile.name);
         if profile == HostProfile::ENVOY {
             // A, D, G (for itself and E), B (for itself and R).
-            assert_eq!(sim.quota_calls(), 4, "no request is asked for twice");
+            assert_eq!(sim.decision_calls(), 4, "no request is asked for twice");
         }
         assert!(
             sim.violations.is_empty(),

@@ -113,6 +113,8 @@ pub struct Simulation {
     pub input: InputStats,
     pub tally: Tally,
     pub gateways: usize,
+    /// Callouts of the requests' decisions to the simulated quota service (tick reports
+    /// apart).
     pub callouts: u64,
     /// Requests with no fate once their calls were answered at their own instant: neither
     /// admitted, replied to nor waiting (counted as rejected; never expected).
@@ -174,7 +176,12 @@ pub fn simulate<R: BufRead>(
         replay.request(&ready, &mut stats);
     }
     replay.finish();
-    let callouts = replay.quota.borrow().calls();
+    // The decisions' callouts: the ticks' reports (every second while the document has a
+    // `global` section, for the fleet view) are not what a lease or a cost tunes.
+    let callouts = {
+        let quota = replay.quota.borrow();
+        quota.calls() - quota.reports_received()
+    };
     Ok(Simulation {
         input: stats,
         callouts,

@@ -23,6 +23,7 @@
 //! the request's own context dies with it ([`Engine::abandon_call`]: its grant is released
 //! from the next tick).
 
+use super::view::REPORT_EVERY;
 use super::{Awaiting, Engine, EngineDecision, Held, Pending, PendingState};
 use crate::algo::inflight::RENEW_EVERY;
 use crate::breaker::Report;
@@ -323,10 +324,15 @@ impl Engine {
     }
 
     /// The tick's report to the quota service, when there is something to say: the calls
-    /// of the breakers of `scope: global` (the fleet's state follows them).
+    /// of the breakers of `scope: global` (the fleet's state follows them), at every tick
+    /// that has them; and, while the fleet view is on ([`super::view`]), what this worker
+    /// saw since its previous report, at least every [`REPORT_EVERY`] even when it saw
+    /// nothing (the view then knows the gateway is alive).
     fn plan_report(&self, cx: &mut Cx<'_>) -> Option<Call> {
+        let mut view = self.view.as_ref().map(|view| view.borrow_mut());
+        let view_due = view.as_mut().is_some_and(|view| view.due(cx.now));
         let reports = self.breakers.reports(cx, self.local.store());
-        if reports.is_empty() {
+        if reports.is_empty() && !view_due {
             return None;
         }
         let gateway = self.global.gateway_id(cx.shared)?;
@@ -350,14 +356,29 @@ impl Engine {
             });
             carried.push((breaker, report));
         }
-        let request = ReportRequest {
+        // The real time the counts cover: since this worker's previous report, else since
+        // the view began counting, else (a first report of breakers alone) the base tick.
+        let previous = self
+            .last_report
+            .get()
+            .or_else(|| view.as_ref().and_then(|view| view.since()));
+        let interval_ms = previous
+            .map_or(REPORT_EVERY.whole_millis(), |previous| {
+                cx.now.saturating_since(previous).whole_millis()
+            })
+            .clamp(1, report::MAX_INTERVAL_MS);
+        self.last_report.set(Some(cx.now));
+        let taken = view.map(|mut view| view.take(self.policy.rules(), cx.now));
+        let (rules, paths) = taken.map_or((Vec::new(), None), |taken| (taken.rules, taken.paths));
+        let mut request = ReportRequest {
             gateway,
-            interval_ms: 1_000,
+            interval_ms,
             degraded: self.global.keeps_local(cx),
             breakers,
-            ..ReportRequest::default()
+            rules,
+            paths,
         };
-        let body = serde_json::to_vec(&request).ok()?;
+        let body = request.fit(report::MAX_REPORT_BYTES)?;
         Some(Call {
             callout: self.global.report_callout(body),
             then: Then(Kind::Report(carried, request)),
@@ -365,8 +386,9 @@ impl Engine {
     }
 
     /// The answer to a report: each breaker follows the fleet's state; a report lost or
-    /// refused has its calls go into the next one (and the breakers fall back to their
-    /// own state once the fleet's is no longer trusted).
+    /// refused has its breakers' calls go into the next one (and the breakers fall back to
+    /// their own state once the fleet's is no longer trusted). Its view's counts are not
+    /// restored: the view is best effort.
     fn reported(
         &self,
         cx: &mut Cx<'_>,

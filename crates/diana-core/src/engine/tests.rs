@@ -2018,3 +2018,51 @@ fn reservations_settled_across_workers_give_back_exactly_what_was_unused() {
     }
     assert_eq!(admitted, 2);
 }
+
+/// The report a tick's call carries, decoded.
+fn report_of(call: &Call) -> crate::report::ReportRequest {
+    crate::report::decode(&call.callout.body).unwrap_or_else(|error| panic!("{error}"))
+}
+
+#[test]
+fn a_lost_report_drops_the_views_counts_and_keeps_the_breakers_calls() {
+    let doc = "resources:\n  - Url: /\n    breaker: {name: pay, failure_ratio: 0.5, min_calls: 4, open_seconds: 30, scope: global}\n    rules: [{name: dev, actor: device, rpu: 1, unit: minute}]\nglobal: {cluster: q}\n";
+    let mut h = Harness::new(doc);
+    let device = Facts::default().header("x-device-id", b"device-42");
+    let mut limited = 0;
+    for _ in 0..3 {
+        match h.evaluate("/", &device) {
+            Decision::Allow {
+                after: Some(after), ..
+            } => h.after_response(&after, &[]),
+            Decision::Reject(_) => limited += 1,
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(limited, 2);
+    h.now = T0 + S;
+    let mut calls = h.tick();
+    assert_eq!(calls.len(), 1);
+    let sent = report_of(&calls[0]);
+    let line = &sent.rules[0];
+    assert_eq!(
+        (line.name.as_str(), line.admitted, line.limited),
+        ("dev", 1, 2)
+    );
+    let hot = line.hot_limited.as_ref().unwrap().top(1)[0];
+    assert_eq!((hot.label.as_str(), hot.count), ("device-42", 2));
+    assert_eq!(sent.breakers.len(), 1);
+    assert_ne!(sent.breakers[0].calls, Default::default());
+    // Lost: the breaker's calls go into the next report, the view's counts do not.
+    let Some(Call { then, .. }) = calls.pop() else {
+        panic!("no call");
+    };
+    assert!(h.answer(then, Answer::NoAnswer).is_none());
+    h.now = T0 + S + S / 2;
+    let next = h.tick();
+    let resent = report_of(&next[0]);
+    assert!(resent.rules.is_empty() && resent.paths.is_none());
+    assert_eq!(resent.breakers[0].calls, sent.breakers[0].calls);
+    // The real time since the previous report.
+    assert_eq!(resent.interval_ms, 500);
+}

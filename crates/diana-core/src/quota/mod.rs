@@ -279,7 +279,15 @@ pub struct MemoryQuota {
     times: ServiceTimes,
     /// The latest instant a call was answered at.
     clock: Instant,
+    /// The latest reports received, oldest first (at most [`REPORTS_KEPT`]): what the
+    /// fleet view would have been told (tests read them, [`MemoryQuota::take_reports`]).
+    reports: std::collections::VecDeque<crate::report::ReportRequest>,
+    /// Reports received, all of them (answered or refused).
+    reports_received: u64,
 }
+
+/// The reports a [`MemoryQuota`] keeps, at most (older ones are dropped).
+pub const REPORTS_KEPT: usize = 64;
 
 impl Default for MemoryQuota {
     fn default() -> Self {
@@ -310,6 +318,8 @@ impl MemoryQuota {
             ledger: CallLedger::default(),
             times: ServiceTimes::default(),
             clock: Instant::EPOCH,
+            reports: std::collections::VecDeque::new(),
+            reports_received: 0,
         }
     }
 
@@ -399,15 +409,32 @@ impl MemoryQuota {
         }
     }
 
+    /// Reports (`/v1/report`) among [`MemoryQuota::calls`].
+    pub fn reports_received(&self) -> u64 {
+        self.reports_received
+    }
+
+    /// The reports received since the last call, oldest first (the latest
+    /// [`REPORTS_KEPT`]).
+    pub fn take_reports(&mut self) -> Vec<crate::report::ReportRequest> {
+        self.reports.drain(..).collect()
+    }
+
     /// Answers a tick report (`/v1/report`) at `now`: the fleet's breakers as the service
-    /// decides them (`fleet::answer_report`); the view's part is not kept here.
+    /// decides them (`fleet::answer_report`); the report is kept as it came
+    /// ([`MemoryQuota::take_reports`]), the view is not built here.
     pub fn report_body(
         &mut self,
         body: &[u8],
         now: Instant,
     ) -> Result<crate::report::ReportResponse, EndpointError> {
+        self.reports_received += 1;
         let report = crate::report::decode(body)
             .map_err(|error| EndpointError::BadRequest(error.to_string()))?;
+        if self.reports.len() >= REPORTS_KEPT {
+            self.reports.pop_front();
+        }
+        self.reports.push_back(report.clone());
         fleet::answer_report(&mut self.fleet, &report, now).map_err(|refused| match refused {
             fleet::Refused::Full { .. } => EndpointError::FleetFull(refused.to_string()),
             fleet::Refused::OutOfRange { .. } => EndpointError::BadRequest(refused.to_string()),

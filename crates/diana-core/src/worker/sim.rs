@@ -376,6 +376,30 @@ impl Sim {
         self.quota.borrow().calls()
     }
 
+    /// Calls the quota service has answered that are not the ticks' reports (those go
+    /// every second while the document has a `global` section: the fleet view).
+    pub fn decision_calls(&self) -> u64 {
+        let quota = self.quota.borrow();
+        quota.calls() - quota.reports_received()
+    }
+
+    /// Calls in flight that are not the ticks' reports.
+    pub fn decision_calls_in_flight(&self) -> usize {
+        self.flights
+            .iter()
+            .filter(|flight| {
+                !flight.callout.headers.iter().any(|(name, value)| {
+                    *name == ":path" && value.ends_with(crate::report::REPORT_PATH)
+                })
+            })
+            .count()
+    }
+
+    /// The reports the quota service received since the last call, oldest first.
+    pub fn take_reports(&self) -> Vec<crate::report::ReportRequest> {
+        self.quota.borrow_mut().take_reports()
+    }
+
     /// Hands every worker's metric counts to the host now (not at the next tick).
     pub fn flush_metrics(&self) {
         for worker in &self.workers {
