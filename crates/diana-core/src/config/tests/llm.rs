@@ -238,13 +238,13 @@ fn calendar_periods_in_a_time_zone() {
     ];
     for (fields, unit, zone) in cases {
         let rule = rule(&format!("rpu: 1000, {fields}"));
-        let calendar = rule.calendar.as_ref().expect("a calendar");
+        let calendar = rule.limit.calendar.as_ref().expect("a calendar");
         assert_eq!(calendar.unit(), unit, "{fields}");
         assert_eq!(calendar.zone().name(), zone, "{fields}");
         // The fixed unit is a placeholder, never the period.
         assert_eq!(rule.limit.unit, Unit::Day);
     }
-    assert_eq!(rule("rpu: 1").calendar, None);
+    assert_eq!(rule("rpu: 1").limit.calendar, None);
     // A month is counted apart from a day, a week, and a month elsewhere.
     let ids: Vec<u64> = [
         "unit: day",
@@ -261,7 +261,7 @@ fn calendar_periods_in_a_time_zone() {
     }
     // Global budgets by the month too (the quota service bounds keys by the month).
     let global = rule("rpu: 1000000, unit: month, scope: global, lease: 1000");
-    assert!(global.calendar.is_some());
+    assert!(global.limit.calendar.is_some());
     // A reservation works with any unit.
     let reserving = rule(
         "rpu: 100000, unit: week, response_cost: {usage: openai, reserve: {json: max_tokens, default: 10, max: 100}}",
@@ -335,6 +335,6 @@ fn an_llm_budget_is_read_alike_from_json() {
     );
     let json = rules(&policy)[0];
     assert_eq!(yaml.response_cost, json.response_cost);
-    assert_eq!(yaml.calendar, json.calendar);
+    assert_eq!(yaml.limit.calendar, json.limit.calendar);
     assert_eq!(yaml.id, json.id);
 }

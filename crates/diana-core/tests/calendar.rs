@@ -1,0 +1,160 @@
+//! Budgets by the calendar (`unit: week | month` in a `timezone`) on a simulated gateway:
+//! the count lasts the period in the rule's zone, a spent budget says how long until the
+//! period ends, and the next period starts at local midnight.
+
+// The helpers below stop a test at once when a scenario cannot even be set up.
+#![allow(clippy::panic)]
+
+use diana_core::response::RETRY_AFTER;
+use diana_core::time::{Instant, Nanos, NANOS_PER_SECOND};
+use diana_core::worker::sim::{Fate, Service, Sim};
+use diana_core::worker::HostProfile;
+
+const S: u64 = NANOS_PER_SECOND.get();
+const DAY: u64 = 86_400 * S;
+/// 2026-01-31T22:59:00Z: 23:59 on 31 January in Berlin (CET, UTC+1).
+const JAN_31_2359: Instant = Instant::from_unix_nanos(1_769_900_340 * S);
+/// 2026-01-31T23:00:00Z: 1 February 00:00 in Berlin.
+const FEB_1: Instant = Instant::from_unix_nanos(1_769_900_400 * S);
+
+fn sim(profile: HostProfile, document: &str, workers: usize, start: Instant) -> Sim {
+    match Sim::new(
+        profile,
+        document,
+        workers,
+        Service::Answers(Nanos::ZERO),
+        start,
+    ) {
+        Ok(sim) => sim,
+        Err(refused) => panic!("document refused: {refused}"),
+    }
+}
+
+fn local(rule: &str) -> String {
+    format!("response: {{status: 429}}\nresources:\n  - Url: /\n    rules: [{{{rule}}}]\n")
+}
+
+/// Sends one request on `worker`; `None` when admitted, else its `Retry-After`.
+fn send(sim: &mut Sim, worker: usize) -> Option<String> {
+    let context = sim.send(worker, "10.0.0.1", &[(":path", "/")]);
+    match sim.fate(context) {
+        Some(Fate::Admitted(_)) => None,
+        Some(Fate::Replied(429)) => {
+            let reply = sim.reply(context)?;
+            let retry = reply.headers.iter().find(|(name, _)| *name == RETRY_AFTER);
+            Some(retry.map_or_else(|| "none".to_string(), |(_, value)| value.clone()))
+        }
+        other => panic!("unexpected fate {other:?}"),
+    }
+}
+
+/// `(at, worker, expected)`: `None` admitted, `Some(retry_after)` refused.
+type Step = (Instant, usize, Option<&'static str>);
+
+fn run(document: &str, workers: usize, steps: &[Step]) {
+    let Some(&(start, _, _)) = steps.first() else {
+        return;
+    };
+    for profile in HostProfile::ALL {
+        let mut sim = sim(profile, document, workers, start);
+        for (i, &(at, worker, expected)) in steps.iter().enumerate() {
+            jump(&mut sim, at);
+            assert_eq!(
+                send(&mut sim, worker).as_deref(),
+                expected,
+                "{profile:?} step {i} at {at:?}"
+            );
+        }
+        assert!(sim.violations.is_empty(), "{:?}", sim.violations);
+    }
+}
+
+/// Moves the clock to `at` with one tick on arrival, as after a host asleep meanwhile: the
+/// days of ticks in between would change no counter and take minutes to replay.
+fn jump(sim: &mut Sim, at: Instant) {
+    sim.host.set_now(at);
+    sim.advance_to(at);
+}
+
+fn at(instant: Instant, nanos: u64) -> Instant {
+    instant.saturating_add(Nanos::new(nanos))
+}
+
+#[test]
+fn a_monthly_window_in_berlin_starts_again_at_local_midnight() {
+    let document = local("rpu: 3, unit: month, timezone: Europe/Berlin, algo: W");
+    run(
+        &document,
+        2,
+        &[
+            (JAN_31_2359, 0, None),
+            (JAN_31_2359, 1, None),
+            (JAN_31_2359, 0, None),
+            // A minute until February in Berlin (22:59 UTC is still January there too).
+            (JAN_31_2359, 1, Some("60")),
+            (at(JAN_31_2359, 30 * S + 1), 0, Some("30")),
+            (FEB_1, 1, None),
+            (FEB_1, 0, None),
+            (at(FEB_1, 27 * DAY), 1, None),
+            // February is 28 days long, not one: its budget is spent.
+            (at(FEB_1, 27 * DAY), 0, Some("86400")),
+            (at(FEB_1, 28 * DAY), 0, None),
+        ],
+    );
+}
+
+#[test]
+fn a_weekly_window_starts_again_on_monday_at_local_midnight() {
+    // Sunday 2026-01-11 23:59:59 and Monday 2026-01-12 00:00 in Berlin.
+    let sunday_night = Instant::from_unix_nanos(1_768_172_399 * S);
+    let monday = Instant::from_unix_nanos(1_768_172_400 * S);
+    let document = local("rpu: 1, unit: week, timezone: Europe/Berlin, algo: W");
+    run(
+        &document,
+        1,
+        &[
+            (sunday_night, 0, None),
+            (sunday_night, 0, Some("1")),
+            (monday, 0, None),
+            (at(monday, 3 * DAY), 0, Some("345600")),
+        ],
+    );
+}
+
+#[test]
+fn the_week_summer_time_begins_is_an_hour_shorter() {
+    // Monday 2026-03-23 00:00 CET; the next Monday's 00:00 is CEST, 7 days less an hour on.
+    let start = Instant::from_unix_nanos(1_774_220_400 * S);
+    let document = local("rpu: 1, unit: week, timezone: Europe/Berlin, algo: W");
+    run(
+        &document,
+        1,
+        &[
+            (start, 0, None),
+            (start, 0, Some("601200")),
+            (at(start, 7 * DAY - 3_600 * S), 0, None),
+        ],
+    );
+}
+
+#[test]
+fn a_monthly_bucket_refills_over_the_month_not_at_its_start() {
+    // 2 per month: a token every 14 days of February.
+    let document = local("rpu: 2, unit: month, timezone: Europe/Berlin");
+    run(
+        &document,
+        1,
+        &[
+            (FEB_1, 0, None),
+            (FEB_1, 0, None),
+            (FEB_1, 0, Some("1209600")),
+            (at(FEB_1, 14 * DAY - S), 0, Some("1")),
+            (at(FEB_1, 14 * DAY), 0, None),
+            // 1 March: the token refilled over February's second half, and no more (the
+            // bucket does not fill at the month's start); the next one takes half of
+            // March, 31 days less an hour.
+            (at(FEB_1, 28 * DAY), 0, None),
+            (at(FEB_1, 28 * DAY), 0, Some("1337400")),
+        ],
+    );
+}
