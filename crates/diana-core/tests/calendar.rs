@@ -158,3 +158,34 @@ fn a_monthly_bucket_refills_over_the_month_not_at_its_start() {
         ],
     );
 }
+
+/// diana-quota counts fixed units only: a global calendar budget is refused at load, never
+/// sent as a day (which would grant a month's budget every day). Envoy refuses the document;
+/// nginx keeps the worker up and answers `on_invalid_config` (503).
+#[test]
+fn a_global_calendar_budget_is_refused_not_counted_per_day() {
+    for (unit, algo) in [("month", "W"), ("week", "TB")] {
+        let document = format!(
+            "resources:\n  - Url: /\n    rules: [{{rpu: 3, unit: {unit}, timezone: Europe/Berlin, algo: {algo}, scope: global, lease: 1}}]\nglobal: {{cluster: \"127.0.0.1:18081\"}}\n"
+        );
+        for profile in HostProfile::ALL {
+            let mut sim = Sim::unconfigured(profile, 1, Service::Answers(Nanos::ZERO), FEB_1);
+            match sim.configure(&document) {
+                Err(refused) => {
+                    let message = refused.to_string();
+                    assert!(
+                        message.contains("rules[0].scope")
+                            && message.contains(&format!("unit {unit} is a calendar period")),
+                        "{profile:?}: {message}"
+                    );
+                }
+                Ok(()) => {
+                    assert!(profile.refusal_stops_the_worker, "{profile:?} took it");
+                    let context = sim.send(0, "10.0.0.1", &[(":path", "/")]);
+                    assert_eq!(sim.fate(context), Some(&Fate::Replied(503)), "{profile:?}");
+                    assert_eq!(sim.quota_calls(), 0, "{profile:?}");
+                }
+            }
+        }
+    }
+}

@@ -1218,6 +1218,16 @@ fn build_rule(
             .unwrap_or(DEFAULT_SLOTS)
     };
     let scope = raw.scope.as_ref().map_or(Scope::Local, |scope| scope.0);
+    // The quota service has no calendar: sent as a day, a month's budget would be granted
+    // every day. Refused until it counts periods (README, "LLM budgets").
+    if let (Scope::Global, RuleUnit::Calendar(period)) = (scope, written_unit) {
+        return Err(refuse(
+            &["scope"],
+            ConfigErrorKind::CalendarNotGlobal {
+                unit: period.name(),
+            },
+        ));
+    }
     // Accepting it silently would let an operator believe a local rule is shared or batched.
     if scope == Scope::Local && raw.lease.is_some() {
         return Err(refuse(&["lease"], ConfigErrorKind::LeaseNotApplicable));
@@ -1295,9 +1305,8 @@ fn build_rule(
         ));
     }
     // What diana-quota would refuse is refused here, naming the field: a global counter
-    // lives at most about a day (docs/wire-format.md, "Bounds"); a calendar budget's
-    // lives its period, which the service bounds by the month.
-    if scope == Scope::Global && limit.calendar.is_none() {
+    // lives at most about a day (docs/wire-format.md, "Bounds").
+    if scope == Scope::Global {
         if let Err(error) = wire::check_rule_limits(algo, &limit) {
             return Err(refuse(
                 &[error.field],
