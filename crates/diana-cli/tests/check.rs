@@ -279,7 +279,10 @@ resources:
         (&weekly["unit"], &weekly["timezone"]),
         (&Value::from("week"), &Value::from("UTC"))
     );
-    assert_eq!(weekly["period"], "counted from Monday 00:00 to the next (UTC)");
+    assert_eq!(
+        weekly["period"],
+        "counted from Monday 00:00 to the next (UTC)"
+    );
     assert_eq!(rule(&plan, "daily")["period"], Value::Null);
     assert_eq!(
         weekly["response_cost"],

@@ -5,6 +5,8 @@
 // The helpers below stop a test at once when a scenario cannot even be set up.
 #![allow(clippy::panic)]
 
+mod common;
+
 use diana_core::response::RETRY_AFTER;
 use diana_core::time::{Instant, Nanos, NANOS_PER_SECOND};
 use diana_core::worker::sim::{Fate, Service, Sim};
@@ -186,6 +188,174 @@ fn a_global_calendar_budget_is_refused_not_counted_per_day() {
                     assert_eq!(sim.quota_calls(), 0, "{profile:?}");
                 }
             }
+        }
+    }
+}
+
+mod properties {
+    //! The algorithms' definitions on calendar periods, over random zones, units, limits and
+    //! clocks that cross boundaries (a step lands on a period's last or first nanosecond).
+
+    use super::common;
+    use diana_core::algo::{Algorithm, Limit, REGISTRY};
+    use diana_core::calendar::{Calendar, CalendarUnit, Zone};
+    use diana_core::time::{Instant, Nanos, Unit};
+    use proptest::prelude::*;
+    use std::collections::BTreeMap;
+    use std::num::NonZeroU32;
+
+    const ZONES: [&str; 5] = [
+        "UTC",
+        "Europe/Berlin",
+        "America/New_York",
+        "Australia/Lord_Howe",
+        "Asia/Kathmandu",
+    ];
+    /// 2025-01-01T00:00:00Z.
+    const START: u64 = 1_735_689_600;
+
+    fn algorithm(code: &str) -> Option<&'static dyn Algorithm> {
+        REGISTRY.iter().copied().find(|algo| algo.code() == code)
+    }
+
+    fn limit(unit: CalendarUnit, zone: &str, rpu: u32, burst: u32) -> Option<Limit> {
+        Some(Limit {
+            rpu: NonZeroU32::new(rpu)?,
+            unit: Unit::Day,
+            burst: NonZeroU32::new(burst)?,
+            slices: NonZeroU32::MIN,
+            calendar: Some(Calendar::new(unit, Zone::parse(zone).ok()?)),
+        })
+    }
+
+    /// How the clock moves on: a little, a lot, or onto the end of the current period
+    /// (`back` nanoseconds before it: 0 is the next period's first instant).
+    #[derive(Debug, Clone, Copy)]
+    enum Step {
+        Nanos(u64),
+        Hours(u16),
+        ToEnd(u8),
+    }
+
+    fn steps() -> impl Strategy<Value = Vec<(Step, u32)>> {
+        let step = prop_oneof![
+            3 => (0u64..1_000).prop_map(Step::Nanos),
+            3 => (0u16..400).prop_map(Step::Hours),
+            2 => (0u8..3).prop_map(Step::ToEnd),
+        ];
+        prop::collection::vec((step, 1u32..=3), 1..60)
+    }
+
+    fn next(calendar: &Calendar, now: Instant, step: Step) -> Instant {
+        match step {
+            Step::Nanos(n) => now.saturating_add(Nanos::new(n)),
+            Step::Hours(h) => now.saturating_add(Nanos::from_secs(3_600 * u64::from(h))),
+            Step::ToEnd(back) => calendar
+                .period(now)
+                .end
+                .saturating_sub(Nanos::new(u64::from(back)))
+                .max(now),
+        }
+    }
+
+    proptest! {
+        #![proptest_config(common::config(96))]
+
+        /// W: per period, exactly `rpu` (a model's count per period number decides alike);
+        /// a denial waits until the period's end, and changes nothing.
+        #[test]
+        fn a_calendar_window_admits_rpu_per_period(
+            zone in prop::sample::select(ZONES.to_vec()),
+            week in any::<bool>(),
+            rpu in 1u32..=5,
+            offset in 0u64..(2 * 366 * 86_400),
+            steps in steps(),
+        ) {
+            let unit = if week { CalendarUnit::Week } else { CalendarUnit::Month };
+            let (Some(algo), Some(limit)) = (algorithm("W"), limit(unit, zone, rpu, rpu)) else {
+                return Err(TestCaseError::fail("no W or no limit"));
+            };
+            let Some(calendar) = limit.calendar.clone() else {
+                return Err(TestCaseError::fail("no calendar"));
+            };
+            let mut state = [0u64; 2];
+            let mut counts: BTreeMap<u64, u32> = BTreeMap::new();
+            let mut now = Instant::from_unix_nanos((START + offset) * 1_000_000_000);
+            for (step, want) in steps {
+                now = next(&calendar, now, step);
+                let before = state;
+                let verdict = algo.acquire_at_least(&limit, &mut state, now, want, want);
+                let period = calendar.period(now);
+                let count = counts.entry(calendar.index(now)).or_insert(0);
+                if *count + want <= rpu {
+                    prop_assert_eq!(verdict.granted, want);
+                    *count += want;
+                } else {
+                    prop_assert_eq!(verdict.granted, 0);
+                    prop_assert_eq!(state, before);
+                    prop_assert_eq!(verdict.retry_after, period.end.saturating_since(now).max(Nanos::new(1)));
+                }
+                prop_assert_eq!(verdict.reset, period.end.saturating_since(now));
+                prop_assert_eq!(verdict.remaining, u64::from(rpu - *count));
+            }
+        }
+
+        /// TB: within one period, at most `burst` plus what `rpu` per period refills over the
+        /// span of admissions (rounded up); over the whole run, at most `burst` plus `rpu`
+        /// per period touched. A denial changes nothing and its wait is honest: at
+        /// `now + retry_after` the same request passes.
+        #[test]
+        fn a_calendar_bucket_refills_rpu_per_period(
+            zone in prop::sample::select(ZONES.to_vec()),
+            week in any::<bool>(),
+            rpu in 1u32..=5,
+            burst in 1u32..=6,
+            offset in 0u64..(2 * 366 * 86_400),
+            steps in steps(),
+        ) {
+            let unit = if week { CalendarUnit::Week } else { CalendarUnit::Month };
+            let (Some(algo), Some(limit)) = (algorithm("TB"), limit(unit, zone, rpu, burst)) else {
+                return Err(TestCaseError::fail("no TB or no limit"));
+            };
+            let Some(calendar) = limit.calendar.clone() else {
+                return Err(TestCaseError::fail("no calendar"));
+            };
+            let mut state = [0u64; 2];
+            let mut now = Instant::from_unix_nanos((START + offset) * 1_000_000_000);
+            let first = calendar.index(now);
+            let mut admitted: Vec<(Instant, u32)> = Vec::new();
+            for (step, want) in steps {
+                let want = want.min(burst);
+                now = next(&calendar, now, step);
+                let before = state;
+                let verdict = algo.acquire_at_least(&limit, &mut state, now, want, want);
+                if verdict.granted == 0 {
+                    prop_assert_eq!(state, before);
+                    let mut copy = state;
+                    let later = now.saturating_add(verdict.retry_after);
+                    let retry = algo.acquire_at_least(&limit, &mut copy, later, want, want);
+                    prop_assert_eq!(retry.granted, want, "not back after {:?}", verdict.retry_after);
+                    continue;
+                }
+                admitted.push((now, verdict.granted));
+                // Every span of admissions within one period.
+                let period = calendar.period(now);
+                let length = u128::from(period.length().get());
+                let mut total = 0u128;
+                for &(at, granted) in admitted.iter().rev() {
+                    if at < period.start {
+                        break;
+                    }
+                    total += u128::from(granted);
+                    let span = u128::from(now.saturating_since(at).get());
+                    let refill = (u128::from(rpu) * span).div_ceil(length);
+                    prop_assert!(total <= u128::from(burst) + refill,
+                        "{} admitted over {} ns of a {} ns period", total, span, length);
+                }
+            }
+            let periods = u128::from(calendar.index(now) - first + 1);
+            let all: u128 = admitted.iter().map(|&(_, granted)| u128::from(granted)).sum();
+            prop_assert!(all <= u128::from(burst) + u128::from(rpu) * periods);
         }
     }
 }
