@@ -45,6 +45,17 @@ pub struct Limit {
     pub calendar: Option<Calendar>,
 }
 
+impl Limit {
+    /// The unit as the document writes it: `week` or `month` for a calendar, else the
+    /// fixed unit's name.
+    pub fn unit_name(&self) -> &'static str {
+        match &self.calendar {
+            Some(calendar) => calendar.unit().name(),
+            None => self.unit.name(),
+        }
+    }
+}
+
 /// The outcome of asking an algorithm for tokens (a request takes its cost, one by default;
 /// a lease asks for more).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -503,6 +503,8 @@ mod calendar_tests {
         );
         // Months since December 1969: February 2026 is the 674th.
         assert_eq!(state, [674, 1]);
+        // Shown as written (the placeholder day is never the period).
+        assert_eq!((l.unit_name(), l.unit), ("month", Unit::Day));
         // The count lasts the whole month, not a day.
         run(
             &l,
