@@ -322,17 +322,29 @@ fn rule_plan(policy: &Policy, rule: &Rule, machine: bool) -> Value {
                 number(RECLAIMED_AFTER / NANOS_PER_SECOND),
             ),
         ]);
-    } else if let Some(calendar) = &rule.calendar {
+    } else if let Some(calendar) = &limit.calendar {
         // Periods of the calendar: their length varies, so the rate is per period.
-        let unit = match calendar.unit() {
-            CalendarUnit::Week => "week",
-            CalendarUnit::Month => "month",
+        let unit = calendar.unit().name();
+        let start = match calendar.unit() {
+            CalendarUnit::Week => "Monday",
+            CalendarUnit::Month => "the 1st",
+        };
+        let zone = calendar.zone().name();
+        // What the count does at the period's start: W starts again, TB refills evenly.
+        let period = if rule.algo.code() == "TB" {
+            format!(
+                "a bucket of {}, refilled {} evenly over each {unit} ({zone})",
+                limit.burst, limit.rpu
+            )
+        } else {
+            format!("counted from {start} 00:00 to the next ({zone})")
         };
         entries.extend([
             ("rpu", number(u64::from(limit.rpu.get()))),
             ("unit", string(unit)),
-            ("timezone", string(calendar.zone().name())),
+            ("timezone", string(zone)),
             ("rate", string(&format!("{}/{unit}", limit.rpu))),
+            ("period", string(&period)),
         ]);
         if machine {
             entries.push(("rate_per_second", Value::Null));

@@ -260,6 +260,11 @@ resources:
     assert_eq!(monthly["timezone"], "Europe/Berlin");
     assert_eq!(monthly["rate"], "1000000/month");
     assert_eq!(monthly["rate_per_second"], Value::Null);
+    // What the period means: a token bucket refills over it, a window starts again.
+    assert_eq!(
+        monthly["period"],
+        "a bucket of 1000000, refilled 1000000 evenly over each month (Europe/Berlin)"
+    );
     assert_eq!(
         monthly["response_cost"],
         serde_json::json!({
@@ -274,6 +279,11 @@ resources:
         (&weekly["unit"], &weekly["timezone"]),
         (&Value::from("week"), &Value::from("UTC"))
     );
+    assert_eq!(
+        weekly["period"],
+        "counted from Monday 00:00 to the next (UTC)"
+    );
+    assert_eq!(rule(&plan, "daily")["period"], Value::Null);
     assert_eq!(
         weekly["response_cost"],
         serde_json::json!({"json": "usage.total_tokens", "max": 9000, "reserve": null})

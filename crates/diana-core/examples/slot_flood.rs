@@ -30,6 +30,7 @@ fn limit(rpu: u32, unit: Unit) -> Limit {
         unit,
         burst: rpu,
         slices: NonZeroU32::new(10).unwrap_or(NonZeroU32::MIN),
+        calendar: None,
     }
 }
 

@@ -63,9 +63,26 @@ pub enum CalendarUnit {
     Month,
 }
 
+impl CalendarUnit {
+    /// The unit's name as the document (and the wire) writes it.
+    pub const fn name(self) -> &'static str {
+        match self {
+            CalendarUnit::Week => "week",
+            CalendarUnit::Month => "month",
+        }
+    }
+}
+
 /// An IANA time zone from the bundled database. Cheap to clone (shared).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Zone(TimeZone);
+
+/// A zone is its name: two zones of one name have the same rules.
+impl std::hash::Hash for Zone {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.name().hash(state);
+    }
+}
 
 impl Zone {
     pub fn utc() -> Zone {
@@ -156,7 +173,7 @@ impl Period {
 }
 
 /// The periods of one unit in one zone.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Calendar {
     unit: CalendarUnit,
     zone: Zone,
@@ -191,6 +208,13 @@ impl Calendar {
     /// carry it and two numbers tell how many periods passed.
     pub fn index(&self, now: Instant) -> u64 {
         locate(now, self.unit, &self.zone.0).index
+    }
+
+    /// The period that contains `now`, with its number ([`Calendar::index`]): both from one
+    /// look-up of the zone's clock.
+    pub fn numbered(&self, now: Instant) -> (u64, Period) {
+        let located = locate(now, self.unit, &self.zone.0);
+        (located.index, located.period)
     }
 
     /// How many period boundaries lie after `earlier` up to `later` (0 when `later` is not

@@ -85,6 +85,11 @@ impl RuleReport {
         // A concurrency limit has no window: its quota unit says what it counts.
         let policy = if rule.algo.holds_until_done() {
             format!("{name};q={};qu=\"concurrency\"", rule.limit.rpu.get())
+        } else if rule.limit.calendar.is_some() {
+            // A week or a month is no fixed number of seconds (a month of 28 to 31 days, a
+            // week of a change of the clocks): `w` is optional, and left out rather than
+            // wrong. `t` still says when the period ends.
+            format!("{name};q={}", rule.limit.rpu.get())
         } else {
             format!(
                 "{name};q={};w={}",

@@ -180,7 +180,7 @@ pub struct ErrorResponse {
 }
 
 /// A validated [`RuleRequest`], with its algorithm and limit resolved.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct ResolvedRule<'a> {
     pub key: &'a str,
     pub algo: &'static dyn Algorithm,
@@ -302,6 +302,7 @@ impl RuleRequest {
             unit,
             burst,
             slices,
+            calendar: None,
         };
         check_rule_limits(algo, &limit).map_err(|error| {
             field(error.field)(WireProblem::Limit {
@@ -1070,6 +1071,7 @@ mod tests {
             unit,
             burst: NonZeroU32::new(burst).unwrap(),
             slices: NonZeroU32::new(slices).unwrap(),
+            calendar: None,
         };
         let tb = algo::lookup("TB").unwrap();
         let sw = algo::lookup("SW").unwrap();
@@ -1235,6 +1237,7 @@ mod tests {
             unit: Unit::Hour,
             burst: NonZeroU32::new(7).unwrap(),
             slices: NonZeroU32::new(4).unwrap(),
+            calendar: None,
         };
         let rule = RuleRequest::new("a:b".to_string(), algo, &limit, 3);
         let resolved = rule.resolve(0).unwrap();
@@ -1291,7 +1294,7 @@ mod tests {
             asked.slices = slices;
             let asked = request(vec![asked]);
             let resolved = asked.resolve().unwrap();
-            let (algo, limit) = (resolved[0].algo, resolved[0].limit);
+            let (algo, limit) = (resolved[0].algo, resolved[0].limit.clone());
             let hour = Unit::Hour.nanos();
             let now = Instant::EPOCH + 490_000 * hour + hour / 10;
             let mut state = vec![0; algo.state_words(&limit)];

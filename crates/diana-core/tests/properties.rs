@@ -48,6 +48,7 @@ fn limits() -> impl Strategy<Value = Limit> {
         unit,
         burst: NonZeroU32::new(burst).unwrap(),
         slices: NonZeroU32::new(slices).unwrap(),
+        calendar: None,
     })
 }
 
@@ -777,6 +778,7 @@ fn the_window_model_catches_a_window_that_admits_twice() {
         unit: Unit::Second,
         burst: NonZeroU32::new(2).unwrap(),
         slices: NonZeroU32::new(1).unwrap(),
+        calendar: None,
     };
     let mut model = model_for(algorithm("W"), &limit);
     let granted = Verdict {

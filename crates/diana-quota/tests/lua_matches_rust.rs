@@ -255,7 +255,7 @@ impl Model {
         let mut outcomes = vec![Outcome::default(); rules.len()];
         let mut per_group = Vec::new();
         for group in &groups {
-            let subset: Vec<ResolvedRule<'_>> = group.iter().map(|&i| rules[i]).collect();
+            let subset: Vec<ResolvedRule<'_>> = group.iter().map(|&i| rules[i].clone()).collect();
             let decided = self.memory.acquire_at(&subset, now).unwrap();
             for (&i, outcome) in group.iter().zip(&decided) {
                 outcomes[i] = *outcome;

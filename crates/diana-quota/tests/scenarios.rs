@@ -1169,6 +1169,7 @@ fn spend_rule<'a>(key: &'a str, counter: &str, cost: u32) -> diana_core::wire::R
             unit: diana_core::time::Unit::Hour,
             burst: burst.try_into().unwrap(),
             slices: 10.try_into().unwrap(),
+            calendar: None,
         },
         want: cost.try_into().unwrap(),
         cost: cost.try_into().unwrap(),

@@ -32,7 +32,7 @@ pub fn limit_text(rule: &Rule) -> String {
     if rule.algo.holds_until_done() {
         return format!("{} inside at once", limit.rpu);
     }
-    let mut text = format!("{}/{}", limit.rpu, limit.unit.name());
+    let mut text = format!("{}/{}", limit.rpu, limit.unit_name());
     match rule.algo.code() {
         "TB" => text.push_str(&format!(", burst {}", limit.burst)),
         "LB" => text.push_str(&format!(", queue {}", limit.burst)),
@@ -556,7 +556,7 @@ pub fn render_json(policy: &Policy, simulation: &Simulation, source: &str, inter
                 "algo": rule.algo.code(),
                 "actor": rule.actor_name,
                 "rpu": rule.limit.rpu.get(),
-                "unit": rule.limit.unit.name(),
+                "unit": rule.limit.unit_name(),
                 "burst": rule.limit.burst.get(),
                 "dry_run": in_dry_run(policy, rule),
                 "totals": counts_json(counts),

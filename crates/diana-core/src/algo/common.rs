@@ -38,10 +38,15 @@ pub(super) struct Scaled {
 
 impl Scaled {
     pub fn new(limit: &Limit, now: Instant) -> Self {
+        Scaled::per(limit, limit.unit.nanos(), now)
+    }
+
+    /// `rpu` per `unit` (the token bucket's calendar clock has its own, see `token.rs`).
+    pub fn per(limit: &Limit, unit: Nanos, now: Instant) -> Self {
         let rpu = u128::from(limit.rpu.get());
         Scaled {
             rpu,
-            interval: u128::from(limit.unit.nanos().get()),
+            interval: u128::from(unit.get()),
             burst: u128::from(limit.burst.get()),
             now: u128::from(now.unix_nanos()) * rpu,
         }
@@ -86,6 +91,7 @@ impl Scaled {
 #[cfg(test)]
 pub(super) mod testing {
     use super::super::{Algorithm, Limit, Verdict};
+    use crate::calendar::{Calendar, CalendarUnit, Zone};
     use crate::time::{Instant, Nanos, Unit, NANOS_PER_SECOND};
     use std::num::NonZeroU32;
 
@@ -116,6 +122,21 @@ pub(super) mod testing {
             unit,
             burst,
             slices: NonZeroU32::new(slices).unwrap(),
+            calendar: None,
+        }
+    }
+
+    /// A limit of `rpu` per calendar `unit` in `zone` (`unit: week | month`).
+    pub fn calendar(
+        algo: &dyn Algorithm,
+        rpu: u32,
+        unit: CalendarUnit,
+        zone: &str,
+        burst: Option<u32>,
+    ) -> Limit {
+        Limit {
+            calendar: Some(Calendar::new(unit, Zone::parse(zone).unwrap())),
+            ..limit(algo, rpu, Unit::Day, burst, 1)
         }
     }
 

@@ -234,6 +234,7 @@ mod tests {
             unit: Unit::Second,
             burst: five,
             slices: NonZeroU32::MIN,
+            calendar: None,
         }
     }
 

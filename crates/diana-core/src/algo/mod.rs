@@ -21,21 +21,39 @@ pub use sliding::SlidingWindow;
 pub use token::TokenBucket;
 pub use window::FixedWindow;
 
+use crate::calendar::Calendar;
 use crate::time::{Instant, Nanos, Unit};
 use std::fmt;
 use std::num::NonZeroU32;
 
 /// The parameters of one rule, with every default already resolved.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Limit {
-    /// Requests per unit.
+    /// Requests per unit (per calendar period with [`Limit::calendar`]).
     pub rpu: NonZeroU32,
+    /// The period of a fixed unit. With [`Limit::calendar`] it is [`Unit::Day`], the
+    /// longest fixed unit, and no algorithm reads it as the period: the calendar is.
     pub unit: Unit,
     /// Token-bucket capacity; leaky-bucket queue length. Resolved by
     /// [`Algorithm::default_burst`] when the document does not set it.
     pub burst: NonZeroU32,
     /// Sliding-window slices per unit.
     pub slices: NonZeroU32,
+    /// `unit: week | month` (W and TB only): the periods of a calendar in a time zone, whose
+    /// length varies (a month of 28 to 31 days, a week of a change of the clocks). A fixed
+    /// window is then the period; a token bucket refills `rpu` evenly over each period.
+    pub calendar: Option<Calendar>,
+}
+
+impl Limit {
+    /// The unit as the document writes it: `week` or `month` for a calendar, else the
+    /// fixed unit's name.
+    pub fn unit_name(&self) -> &'static str {
+        match &self.calendar {
+            Some(calendar) => calendar.unit().name(),
+            None => self.unit.name(),
+        }
+    }
 }
 
 /// The outcome of asking an algorithm for tokens (a request takes its cost, one by default;

@@ -22,12 +22,21 @@
 //! is forgiven, so one huge answer cannot lock an identity out for longer than it takes to
 //! refill the bucket twice.
 //!
+//! With a calendar (`unit: week | month`, [`Limit::calendar`]) the bucket holds `burst`
+//! (default `rpu`) and refills `rpu` per period, evenly over each period whatever its real
+//! length: a token every `length / rpu` of the period it refills in (2,000,000 a month
+//! refills one every 1.21 s in February, 1.34 s in March in Berlin), with no jump at the
+//! boundary and no reset at the period's start. It runs on a period clock that advances
+//! [`nominal`] per period, `(now − start) × nominal / length` into the period; its waits
+//! are turned back into real time through the periods they cross.
+//!
 //! Clock going backwards: the bucket simply looks emptier until the clock catches up. A
 //! `tat` beyond the deepest debt plus one unit cannot come from a clock step and is treated
 //! as garbage (a full bucket), as is a state shorter than two words.
 
 use super::common::Scaled;
 use super::{Algorithm, Limit, Mark, Verdict};
+use crate::calendar::{Calendar, CalendarUnit, Period};
 use crate::time::{Instant, Nanos, Unit};
 use std::num::NonZeroU32;
 
@@ -37,6 +46,107 @@ pub const TOKEN_LEASE: Nanos = Nanos::from_millis(50);
 /// The token-bucket algorithm (`TB`). See the module documentation.
 #[derive(Debug)]
 pub struct TokenBucket;
+
+/// What a calendar period lasts on the period clock: its usual length, so that the state
+/// reads in familiar spans (any constant would do).
+fn nominal(unit: CalendarUnit) -> Nanos {
+    match unit {
+        CalendarUnit::Week => Unit::Day.nanos() * 7,
+        CalendarUnit::Month => Unit::Day.nanos() * 30,
+    }
+}
+
+/// The most periods a wait is followed through before the rest is taken at the last one's
+/// pace: a bucket of `burst` up to a few times `rpu` empties in a few periods, and every
+/// period is one more look-up of the zone's clock.
+const PERIODS_FOLLOWED: u32 = 24;
+
+/// A calendar bucket's clock at one instant (see the module documentation).
+struct PeriodClock<'a> {
+    calendar: &'a Calendar,
+    index: u64,
+    period: Period,
+    nominal: Nanos,
+}
+
+impl<'a> PeriodClock<'a> {
+    fn at(calendar: &'a Calendar, now: Instant) -> PeriodClock<'a> {
+        let (index, period) = calendar.numbered(now);
+        PeriodClock {
+            calendar,
+            index,
+            period,
+            nominal: nominal(calendar.unit()),
+        }
+    }
+
+    /// `now` on the period clock: `nominal` per period before this one, and the share of
+    /// this one that has passed.
+    fn read(&self, now: Instant) -> Instant {
+        let nominal = u128::from(self.nominal.get());
+        let length = u128::from(self.period.length().get()).max(1);
+        let into = u128::from(now.saturating_since(self.period.start).get());
+        let at = u128::from(self.index) * nominal + (into * nominal / length).min(nominal);
+        Instant::from_unix_nanos(u64::try_from(at).unwrap_or(u64::MAX))
+    }
+
+    /// The real time from `now` until the period clock has moved `wait` on from
+    /// [`PeriodClock::read`]`(now)`, rounded up: each period it crosses at its own pace.
+    fn real(&self, now: Instant, wait: Nanos) -> Nanos {
+        if wait.is_zero() {
+            return Nanos::ZERO;
+        }
+        let nominal = u128::from(self.nominal.get());
+        let target = u128::from(self.read(now).unix_nanos()) + u128::from(wait.get());
+        let mut base = u128::from(self.index) * nominal;
+        let mut period = self.period;
+        for _ in 0..PERIODS_FOLLOWED {
+            if target <= base + nominal || period.end == Instant::from_unix_nanos(u64::MAX) {
+                break;
+            }
+            base += nominal;
+            period = self.calendar.period(period.end);
+        }
+        // Within `period` (or past the last one followed, at its pace).
+        let length = u128::from(period.length().get()).max(1);
+        let into = (target - base.min(target)) * length;
+        let at = u128::from(period.start.unix_nanos()) + into.div_ceil(nominal);
+        let wait = at.saturating_sub(u128::from(now.unix_nanos()));
+        Nanos::new(u64::try_from(wait).unwrap_or(u64::MAX))
+    }
+
+    /// A verdict of the period clock in real time.
+    fn verdict(&self, now: Instant, verdict: Verdict) -> Verdict {
+        Verdict {
+            reset: self.real(now, verdict.reset),
+            retry_after: self.real(now, verdict.retry_after),
+            ..verdict
+        }
+    }
+}
+
+/// A limit's rate and the time its bucket runs on: `now` for a fixed unit, the period
+/// clock for a calendar.
+fn clocked<'a>(limit: &'a Limit, now: Instant) -> (Scaled, Option<PeriodClock<'a>>) {
+    match &limit.calendar {
+        None => (Scaled::new(limit, now), None),
+        Some(calendar) => {
+            let clock = PeriodClock::at(calendar, now);
+            (
+                Scaled::per(limit, clock.nominal, clock.read(now)),
+                Some(clock),
+            )
+        }
+    }
+}
+
+/// `verdict` in real time (a fixed unit's already is).
+fn in_real_time(clock: Option<PeriodClock<'_>>, now: Instant, verdict: Verdict) -> Verdict {
+    match clock {
+        None => verdict,
+        Some(clock) => clock.verdict(now, verdict),
+    }
+}
 
 /// `max(tat, now)` from the state; garbage and short states read as a full bucket.
 fn tat(s: Scaled, state: &[u64]) -> u128 {
@@ -74,7 +184,7 @@ impl Algorithm for TokenBucket {
         need: u32,
         want: u32,
     ) -> Verdict {
-        let s = Scaled::new(limit, now);
+        let (s, clock) = clocked(limit, now);
         let capacity = s.capacity();
         let tat = tat(s, state);
         // How far the bucket is from full.
@@ -87,7 +197,7 @@ impl Algorithm for TokenBucket {
             0
         };
         let (granted, tat) = s.take(state, tat, want, free);
-        Verdict {
+        let verdict = Verdict {
             granted: u32::try_from(granted).unwrap_or(0),
             remaining: u64::try_from(available - granted).unwrap_or(u64::MAX),
             reset: s.to_nanos(tat - s.now),
@@ -106,7 +216,8 @@ impl Algorithm for TokenBucket {
             } else {
                 Mark::default()
             },
-        }
+        };
+        in_real_time(clock, now, verdict)
     }
 
     /// Tokens taken from the bucket are spent within a short span: held longer, a
@@ -121,7 +232,7 @@ impl Algorithm for TokenBucket {
     /// already has (giving it back again would make the bucket fuller than if the grant had
     /// never been made). Never fuller than full: `tat` does not go back past now.
     fn release(&self, limit: &Limit, state: &mut [u64], now: Instant, tokens: u32, mark: Mark) {
-        let s = Scaled::new(limit, now);
+        let (s, _) = clocked(limit, now);
         let tat = tat(s, state);
         let unrefilled = (u128::from(tokens) * s.interval).min(mark.0.saturating_sub(s.now));
         let back = tat.saturating_sub(unrefilled).max(s.now);
@@ -131,7 +242,7 @@ impl Algorithm for TokenBucket {
     }
 
     fn charge_debt(&self, limit: &Limit, state: &mut [u64], now: Instant, tokens: u32) -> Verdict {
-        let s = Scaled::new(limit, now);
+        let (s, clock) = clocked(limit, now);
         let capacity = s.capacity();
         // The debt is capped at one bucket past empty, and never lowers `tat`: with a clock
         // that stepped back, `now + 2·capacity` can lie before a `tat` charged earlier.
@@ -142,7 +253,7 @@ impl Algorithm for TokenBucket {
         super::common::store(state, tat);
         let debt = tat - s.now;
         let available = capacity.saturating_sub(debt) / s.interval;
-        Verdict {
+        let verdict = Verdict {
             remaining: u64::try_from(available).unwrap_or(u64::MAX),
             reset: s.to_nanos(debt),
             retry_after: if available > 0 {
@@ -152,11 +263,12 @@ impl Algorithm for TokenBucket {
                     .max(Nanos::new(1))
             },
             ..Verdict::default()
-        }
+        };
+        in_real_time(clock, now, verdict)
     }
 
     fn is_idle(&self, limit: &Limit, state: &[u64], now: Instant) -> bool {
-        let s = Scaled::new(limit, now);
+        let (s, _) = clocked(limit, now);
         tat(s, state) == s.now
     }
 }
@@ -490,5 +602,151 @@ mod tests {
             let _ = TokenBucket.acquire(&l, &mut state, at(now), u32::MAX);
             let _ = TokenBucket.is_idle(&l, &state, at(now));
         }
+    }
+}
+
+#[cfg(test)]
+mod calendar_tests {
+    use super::*;
+    use crate::algo::common::testing::{self, at, Step, S};
+
+    const DAY: u64 = 86_400 * S;
+    /// 2026-01-31T22:59:00Z: 23:59 on 31 January in Berlin (CET, UTC+1).
+    const JAN_31_2359: u64 = 1_769_900_340 * S;
+    /// 2026-01-31T23:00:00Z: 1 February 00:00 in Berlin; February lasts 28 days.
+    const FEB_1: u64 = 1_769_900_400 * S;
+    /// 2026-02-28T23:00:00Z: 1 March 00:00 in Berlin; March lasts 31 days less an hour.
+    const MAR_1: u64 = 1_772_319_600 * S;
+    const MARCH: u64 = 31 * DAY - 3_600 * S;
+
+    fn month(rpu: u32, burst: Option<u32>) -> Limit {
+        testing::calendar(
+            &TokenBucket,
+            rpu,
+            CalendarUnit::Month,
+            "Europe/Berlin",
+            burst,
+        )
+    }
+
+    fn run(limit: &Limit, state: &mut [u64], steps: &[Step]) {
+        testing::run(&TokenBucket, limit, state, steps);
+    }
+
+    #[test]
+    fn a_month_refills_rpu_evenly_over_the_month() {
+        // 3 per month in February: a token every 28/3 days = 806,400 s.
+        let l = month(3, None);
+        let token = 806_400 * S;
+        // 2026-02-10T00:00Z, 781,200 s into February.
+        let t = 1_770_681_600 * S;
+        let mut state = [0u64; 2];
+        run(
+            &l,
+            &mut state,
+            &[
+                (t, 1, 1, 2, token, 0),
+                (t, 1, 1, 1, 2 * token, 0),
+                // Full again a period from now on the period clock (837,000 s of 30 days
+                // into February): the rest of February (1,638,000 s), then 837,000 s of
+                // the clock at March's pace (× 2,674,800 / 2,592,000 = 863,737.5 s).
+                (t, 1, 1, 0, 2_501_737_500_000_000, 0),
+                (t, 1, 0, 0, 2_501_737_500_000_000, token),
+                (t + token - 1, 1, 0, 0, 2_501_737_500_000_000 - token + 1, 1),
+                // A token later: 831,600 s of February, 1,701,000 s of the clock in March.
+                (t + token, 1, 1, 0, 2_586_937_500_000_000, 0),
+            ],
+        );
+    }
+
+    #[test]
+    fn a_new_month_does_not_fill_the_bucket() {
+        let l = month(2, None);
+        let mut state = [0u64; 2];
+        // Both tokens spent a minute before February. That minute is 60 × 30/31 s of
+        // January's period clock (58,064,516,130 ns, the clock reading down); a token is
+        // half a period. At midnight nothing comes back: what is missing refills at
+        // February's pace, 28/30 of the period clock.
+        let first = 1_209_545_806_451_612;
+        run(
+            &l,
+            &mut state,
+            &[
+                (JAN_31_2359, 2, 2, 0, 60 * S + 2_419_145_806_451_612, 0),
+                (FEB_1, 1, 0, 0, 2_419_145_806_451_612, first),
+            ],
+        );
+        assert_eq!(
+            TokenBucket
+                .acquire(&l, &mut state, at(FEB_1 + first - 1), 1)
+                .granted,
+            0
+        );
+        // One token back, one still missing (half a period: 14 days of February).
+        let verdict = TokenBucket.acquire(&l, &mut state, at(FEB_1 + first), 0);
+        assert_eq!(
+            (verdict.remaining, verdict.reset),
+            (1, Nanos::new(14 * DAY))
+        );
+        // Taken, two missing: full again in the rest of February and, at March's pace,
+        // the part of the period clock left over.
+        let verdict = TokenBucket.acquire(&l, &mut state, at(FEB_1 + first), 1);
+        assert_eq!(verdict.granted, 1);
+        assert_eq!(verdict.reset, Nanos::new(2_546_994_274_193_549));
+    }
+
+    #[test]
+    fn half_a_period_refills_half_of_rpu_whatever_its_length() {
+        for (start, length) in [(FEB_1, 28 * DAY), (MAR_1, MARCH)] {
+            let l = month(2, None);
+            let mut state = [0u64; 2];
+            assert_eq!(TokenBucket.acquire(&l, &mut state, at(start), 2).granted, 2);
+            let probe = |state: &[u64], now: u64| {
+                let mut copy = state.to_vec();
+                TokenBucket.acquire(&l, &mut copy, at(now), 0).remaining
+            };
+            let half = start + length / 2;
+            assert_eq!(probe(&state, half - 1), 0);
+            assert_eq!(probe(&state, half), 1);
+            // Full at the next period's start, not before.
+            assert!(!TokenBucket.is_idle(&l, &state, at(start + length - 1)));
+            assert!(TokenBucket.is_idle(&l, &state, at(start + length)));
+        }
+    }
+
+    #[test]
+    fn a_burst_above_rpu_and_a_debt_wait_through_the_periods_they_cross() {
+        // 1 per week, 3 at once: empty, the bucket is full three weeks later.
+        let l = testing::calendar(&TokenBucket, 1, CalendarUnit::Week, "UTC", Some(3));
+        // Monday 2026-01-05 00:00 UTC.
+        let monday = 1_767_571_200 * S;
+        let week = 7 * DAY;
+        let mut state = [0u64; 2];
+        run(
+            &l,
+            &mut state,
+            &[
+                (monday, 3, 3, 0, 3 * week, 0),
+                (monday, 1, 0, 0, 3 * week, week),
+                (monday + week, 1, 1, 0, 3 * week, 0),
+            ],
+        );
+        // A debt of a whole bucket: denied for the bucket and the token a request needs.
+        let mut state = [0u64; 2];
+        let verdict = TokenBucket.charge_debt(&l, &mut state, at(monday), 6);
+        assert_eq!(
+            (verdict.remaining, verdict.reset),
+            (0, Nanos::new(6 * week))
+        );
+        assert_eq!(verdict.retry_after, Nanos::new(4 * week));
+    }
+
+    #[test]
+    fn a_release_gives_back_what_has_not_refilled() {
+        let l = month(2, None);
+        let mut state = [0u64; 2];
+        let grant = TokenBucket.acquire(&l, &mut state, at(FEB_1), 1);
+        TokenBucket.release(&l, &mut state, at(FEB_1), 1, grant.mark);
+        assert!(TokenBucket.is_idle(&l, &state, at(FEB_1)));
     }
 }

@@ -16,11 +16,19 @@
 //! never reset early. A stored window more than one window ahead of the clock cannot come
 //! from a clock step within one unit and is treated as garbage (fresh).
 //!
+//! With a calendar (`unit: week | month`, [`Limit::calendar`]) the windows are its periods
+//! in the rule's time zone, and `window_index` is the period's number
+//! ([`crate::calendar::Calendar::index`]): the count starts again at the period's start
+//! (Monday 00:00, the 1st at 00:00), and a denial waits until the period's end. Periods are
+//! looked up only for such a rule; a fixed unit divides, as it always has.
+//!
 //! A response cost charged past the limit ([`Algorithm::charge_debt`]) leaves the count
 //! above `rpu`: the rest of the window is denied, and the debt ends with the window.
 
 use super::{Algorithm, Limit, Mark, Verdict};
+use crate::calendar::Calendar;
 use crate::time::{Instant, Nanos, Unit};
+use std::cmp::Ordering;
 use std::num::NonZeroU32;
 
 /// The fixed-window algorithm (`W`). See the module documentation.
@@ -61,10 +69,68 @@ fn store(state: &mut [u64], loaded: WindowState) {
     }
 }
 
-/// Nanoseconds from `now` to the end of `window`, saturating.
-fn until_end(window: u64, unit: Nanos, now: Instant) -> Nanos {
-    let end = (u128::from(window) + 1) * u128::from(unit.get());
-    Nanos::new(u64::try_from(end.saturating_sub(u128::from(now.unix_nanos()))).unwrap_or(u64::MAX))
+/// Where a limit's windows are: every `unit` since the epoch, or a calendar's periods.
+/// Found once per decision, from `now`.
+enum Windows<'a> {
+    Fixed {
+        unit: Nanos,
+    },
+    Calendar {
+        calendar: &'a Calendar,
+        current: u64,
+        end: Instant,
+    },
+}
+
+impl Windows<'_> {
+    fn at(limit: &Limit, now: Instant) -> Windows<'_> {
+        match &limit.calendar {
+            None => Windows::Fixed {
+                unit: limit.unit.nanos(),
+            },
+            Some(calendar) => {
+                let (current, period) = calendar.numbered(now);
+                Windows::Calendar {
+                    calendar,
+                    current,
+                    end: period.end,
+                }
+            }
+        }
+    }
+
+    /// The number of the window that contains `now`.
+    fn current(&self, now: Instant) -> u64 {
+        match *self {
+            Windows::Fixed { unit } => now.periods(unit),
+            Windows::Calendar { current, .. } => current,
+        }
+    }
+
+    /// Nanoseconds from `now` to the end of `window`, saturating (zero for a window that
+    /// has passed).
+    fn until_end(&self, window: u64, now: Instant) -> Nanos {
+        match *self {
+            Windows::Fixed { unit } => {
+                let end = (u128::from(window) + 1) * u128::from(unit.get());
+                Nanos::new(
+                    u64::try_from(end.saturating_sub(u128::from(now.unix_nanos())))
+                        .unwrap_or(u64::MAX),
+                )
+            }
+            Windows::Calendar {
+                calendar,
+                current,
+                end,
+            } => match window.cmp(&current) {
+                Ordering::Less => Nanos::ZERO,
+                Ordering::Equal => end.saturating_since(now),
+                // A count a clock behind found one period ahead (`load` keeps none further):
+                // it lasts until the next period ends.
+                Ordering::Greater => calendar.period(end).end.saturating_since(now),
+            },
+        }
+    }
 }
 
 impl Algorithm for FixedWindow {
@@ -97,9 +163,8 @@ impl Algorithm for FixedWindow {
         need: u32,
         want: u32,
     ) -> Verdict {
-        let unit_ns = limit.unit.nanos();
-        let current = now.periods(unit_ns);
-        let mut loaded = load(state, current);
+        let windows = Windows::at(limit, now);
+        let mut loaded = load(state, windows.current(now));
         let rpu = u64::from(limit.rpu.get());
         let available = rpu.saturating_sub(loaded.count);
         let need = u64::from(need.clamp(1, want.max(1)));
@@ -109,7 +174,7 @@ impl Algorithm for FixedWindow {
         } else {
             0
         };
-        let reset = until_end(loaded.window, unit_ns, now);
+        let reset = windows.until_end(loaded.window, now);
         if granted > 0 {
             loaded.count = loaded.count.saturating_add(granted);
             store(state, loaded);
@@ -132,11 +197,11 @@ impl Algorithm for FixedWindow {
     /// Tokens counted in a window may be spent until it ends.
     fn lease_until(&self, limit: &Limit, mark: Mark, now: Instant) -> Instant {
         let window = u64::try_from(mark.0).unwrap_or(u64::MAX);
-        now.saturating_add(until_end(window, limit.unit.nanos(), now))
+        now.saturating_add(Windows::at(limit, now).until_end(window, now))
     }
 
     fn release(&self, limit: &Limit, state: &mut [u64], now: Instant, tokens: u32, mark: Mark) {
-        let mut loaded = load(state, now.periods(limit.unit.nanos()));
+        let mut loaded = load(state, Windows::at(limit, now).current(now));
         if u128::from(loaded.window) == mark.0 {
             loaded.count = loaded.count.saturating_sub(u64::from(tokens));
             store(state, loaded);
@@ -144,12 +209,12 @@ impl Algorithm for FixedWindow {
     }
 
     fn charge_debt(&self, limit: &Limit, state: &mut [u64], now: Instant, tokens: u32) -> Verdict {
-        let unit_ns = limit.unit.nanos();
-        let mut loaded = load(state, now.periods(unit_ns));
+        let windows = Windows::at(limit, now);
+        let mut loaded = load(state, windows.current(now));
         loaded.count = loaded.count.saturating_add(u64::from(tokens));
         store(state, loaded);
         let remaining = u64::from(limit.rpu.get()).saturating_sub(loaded.count);
-        let reset = until_end(loaded.window, unit_ns, now);
+        let reset = windows.until_end(loaded.window, now);
         Verdict {
             remaining,
             reset,
@@ -164,7 +229,7 @@ impl Algorithm for FixedWindow {
     }
 
     fn is_idle(&self, limit: &Limit, state: &[u64], now: Instant) -> bool {
-        load(state, now.periods(limit.unit.nanos())).count == 0
+        load(state, Windows::at(limit, now).current(now)).count == 0
     }
 }
 
@@ -397,5 +462,153 @@ mod release_tests {
 
     fn algorithm_release(l: &Limit, state: &mut [u64], now: Instant, tokens: u32, mark: Mark) {
         FixedWindow.release(l, state, now, tokens, mark);
+    }
+}
+
+#[cfg(test)]
+mod calendar_tests {
+    use super::*;
+    use crate::algo::common::testing::{self, at, Step, S};
+    use crate::calendar::CalendarUnit;
+
+    const DAY: u64 = 86_400 * S;
+    /// 2026-01-31T22:59:00Z: 23:59 on Saturday 31 January in Berlin (CET, UTC+1).
+    const JAN_31_2359: u64 = 1_769_900_340 * S;
+    /// 2026-01-31T23:00:00Z: 1 February 00:00 in Berlin.
+    const FEB_1: u64 = 1_769_900_400 * S;
+    /// 2026-02-28T23:00:00Z: 1 March 00:00 in Berlin.
+    const MAR_1: u64 = 1_772_319_600 * S;
+
+    fn run(limit: &Limit, state: &mut [u64], steps: &[Step]) {
+        testing::run(&FixedWindow, limit, state, steps);
+    }
+
+    #[test]
+    fn a_month_in_berlin_starts_again_at_local_midnight_of_the_first() {
+        let l = testing::calendar(&FixedWindow, 3, CalendarUnit::Month, "Europe/Berlin", None);
+        let mut state = [0u64; 2];
+        run(
+            &l,
+            &mut state,
+            &[
+                // January ends in a minute (it is 22:59 in UTC, and January there too).
+                (JAN_31_2359, 1, 1, 2, 60 * S, 0),
+                (JAN_31_2359, 1, 1, 1, 60 * S, 0),
+                (JAN_31_2359, 1, 1, 0, 60 * S, 0),
+                (JAN_31_2359, 1, 0, 0, 60 * S, 60 * S),
+                (FEB_1 - 1, 1, 0, 0, 1, 1),
+                // February, 28 days long, from 00:00 Berlin.
+                (FEB_1, 1, 1, 2, 28 * DAY, 0),
+            ],
+        );
+        // Months since December 1969: February 2026 is the 674th.
+        assert_eq!(state, [674, 1]);
+        // Shown as written (the placeholder day is never the period).
+        assert_eq!((l.unit_name(), l.unit), ("month", Unit::Day));
+        // The count lasts the whole month, not a day.
+        run(
+            &l,
+            &mut state,
+            &[
+                (FEB_1 + 10 * DAY, 2, 2, 0, 18 * DAY, 0),
+                (MAR_1 - 1, 1, 0, 0, 1, 1),
+                // March: 31 days, one hour short (summer time from 29 March).
+                (MAR_1, 1, 1, 2, 31 * DAY - 3_600 * S, 0),
+            ],
+        );
+    }
+
+    #[test]
+    fn a_week_starts_on_monday_at_local_midnight() {
+        // Sunday 2026-01-11 23:59:59 and Monday 2026-01-12 00:00 in Berlin.
+        let sunday_night = 1_768_172_399 * S;
+        let monday = 1_768_172_400 * S;
+        let l = testing::calendar(&FixedWindow, 2, CalendarUnit::Week, "Europe/Berlin", None);
+        let mut state = [0u64; 2];
+        run(
+            &l,
+            &mut state,
+            &[
+                (sunday_night, 2, 2, 0, S, 0),
+                (sunday_night, 1, 0, 0, S, S),
+                (monday, 1, 1, 1, 7 * DAY, 0),
+            ],
+        );
+        // In UTC both are on Sunday (22:59:59 and 23:00): one week, one count, an hour
+        // longer.
+        let utc = testing::calendar(&FixedWindow, 2, CalendarUnit::Week, "UTC", None);
+        let mut state = [0u64; 2];
+        run(
+            &utc,
+            &mut state,
+            &[
+                (sunday_night, 2, 2, 0, 3_600 * S + S, 0),
+                (monday, 1, 0, 0, 3_600 * S, 3_600 * S),
+                (monday + 3_600 * S, 1, 1, 1, 7 * DAY, 0),
+            ],
+        );
+    }
+
+    #[test]
+    fn the_week_summer_time_begins_is_an_hour_shorter() {
+        // Monday 2026-03-23 00:00 CET to Monday 2026-03-30 00:00 CEST (29 March 02:00
+        // became 03:00).
+        let start = 1_774_220_400 * S;
+        let end = 1_774_821_600 * S;
+        assert_eq!(end - start, 7 * DAY - 3_600 * S);
+        let l = testing::calendar(&FixedWindow, 1, CalendarUnit::Week, "Europe/Berlin", None);
+        let mut state = [0u64; 2];
+        run(
+            &l,
+            &mut state,
+            &[
+                (start, 1, 1, 0, 7 * DAY - 3_600 * S, 0),
+                (end - 1, 1, 0, 0, 1, 1),
+                (end, 1, 1, 0, 7 * DAY, 0),
+            ],
+        );
+    }
+
+    #[test]
+    fn a_clock_behind_counts_in_the_later_period_until_its_end() {
+        let l = testing::calendar(&FixedWindow, 2, CalendarUnit::Month, "Europe/Berlin", None);
+        let mut state = [0u64; 2];
+        run(
+            &l,
+            &mut state,
+            &[
+                (FEB_1, 1, 1, 1, 28 * DAY, 0),
+                // A second behind, in January: February's count, until February ends.
+                (FEB_1 - S, 1, 1, 0, 28 * DAY + S, 0),
+                (FEB_1 - S, 1, 0, 0, 28 * DAY + S, 28 * DAY + S),
+            ],
+        );
+        assert_eq!(state, [674, 2]);
+        // Tokens counted in a period may be spent until it ends; a passed one, not at all.
+        let mark = Mark(674);
+        assert_eq!(FixedWindow.lease_until(&l, mark, at(FEB_1)), at(MAR_1));
+        assert_eq!(FixedWindow.lease_until(&l, Mark(673), at(FEB_1)), at(FEB_1));
+        assert!(!FixedWindow.is_idle(&l, &state, at(MAR_1 - 1)));
+        assert!(FixedWindow.is_idle(&l, &state, at(MAR_1)));
+        // A release counts only in its own period.
+        FixedWindow.release(&l, &mut state, at(FEB_1), 1, Mark(673));
+        assert_eq!(state, [674, 2]);
+        FixedWindow.release(&l, &mut state, at(FEB_1), 1, mark);
+        assert_eq!(state, [674, 1]);
+    }
+
+    #[test]
+    fn a_debt_lasts_until_the_period_ends() {
+        let l = testing::calendar(&FixedWindow, 3, CalendarUnit::Month, "Europe/Berlin", None);
+        let mut state = [0u64; 2];
+        let verdict = FixedWindow.charge_debt(&l, &mut state, at(FEB_1 + DAY), 5);
+        assert_eq!(verdict.retry_after, Nanos::new(27 * DAY));
+        assert_eq!(
+            FixedWindow
+                .acquire(&l, &mut state, at(MAR_1 - 1), 1)
+                .granted,
+            0
+        );
+        assert_eq!(FixedWindow.acquire(&l, &mut state, at(MAR_1), 1).granted, 1);
     }
 }

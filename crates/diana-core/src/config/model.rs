@@ -3,7 +3,7 @@
 
 use crate::actor::{ActorSource, Identity};
 use crate::algo::{Algorithm, Limit};
-use crate::calendar::{Calendar, CalendarUnit};
+use crate::calendar::CalendarUnit;
 use crate::facts::RequestFacts;
 use crate::hash::{IdentityHasher, IdentityKey, KeyOrigin};
 use crate::jwt::{Claim, ClaimOrigin};
@@ -255,10 +255,6 @@ pub struct Rule {
     /// Tokens charged after the upstream answered: from a response header, or from the
     /// answer's body (an LLM provider's usage, a number at a JSON path).
     pub response_cost: Option<ResponseCost>,
-    /// `unit: week | month`: the rule counts over calendar periods in its `timezone`
-    /// (W and TB). Then [`Limit::unit`] is [`Unit::Day`], the longest fixed unit, and
-    /// must not be read as the rule's period: the calendar is.
-    pub calendar: Option<Calendar>,
     /// `hot`: where the gateway keeps this rule's hottest identities for the fleet view.
     pub hot: Option<HotSpec>,
     /// Only answers of these statuses are counted (`count.status`).
@@ -712,8 +708,7 @@ impl RuleUnit {
     pub fn name(self) -> &'static str {
         match self {
             RuleUnit::Fixed(unit) => unit.name(),
-            RuleUnit::Calendar(CalendarUnit::Week) => "week",
-            RuleUnit::Calendar(CalendarUnit::Month) => "month",
+            RuleUnit::Calendar(unit) => unit.name(),
         }
     }
 
@@ -957,7 +952,6 @@ impl fmt::Debug for Rule {
             .field("lease_auto", &self.lease_auto)
             .field("cost", &self.cost)
             .field("response_cost", &self.response_cost)
-            .field("calendar", &self.calendar)
             .field("hot", &self.hot)
             .field("count", &self.count)
             .field("max_wait", &self.max_wait)

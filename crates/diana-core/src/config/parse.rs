@@ -1174,8 +1174,8 @@ fn build_rule(
         .unit
         .as_ref()
         .map_or(RuleUnit::Fixed(Unit::Second), |unit| unit.0);
-    // A calendar period is the rule's own (`calendar`); its `limit.unit` is the longest
-    // fixed unit, which nothing reads as its period.
+    // A calendar period is the limit's own (`Limit::calendar`); its `limit.unit` is the
+    // longest fixed unit, which nothing reads as its period.
     let (unit, calendar) = match written_unit {
         RuleUnit::Fixed(unit) => {
             if raw.timezone.is_some() {
@@ -1218,6 +1218,16 @@ fn build_rule(
             .unwrap_or(DEFAULT_SLOTS)
     };
     let scope = raw.scope.as_ref().map_or(Scope::Local, |scope| scope.0);
+    // The quota service has no calendar: sent as a day, a month's budget would be granted
+    // every day. Refused until it counts periods (README, "LLM budgets").
+    if let (Scope::Global, RuleUnit::Calendar(period)) = (scope, written_unit) {
+        return Err(refuse(
+            &["scope"],
+            ConfigErrorKind::CalendarNotGlobal {
+                unit: period.name(),
+            },
+        ));
+    }
     // Accepting it silently would let an operator believe a local rule is shared or batched.
     if scope == Scope::Local && raw.lease.is_some() {
         return Err(refuse(&["lease"], ConfigErrorKind::LeaseNotApplicable));
@@ -1264,6 +1274,7 @@ fn build_rule(
         unit,
         burst,
         slices,
+        calendar,
     };
     if u64::from(upfront.max()) > algo.capacity(&limit) {
         return Err(refuse(
@@ -1294,9 +1305,8 @@ fn build_rule(
         ));
     }
     // What diana-quota would refuse is refused here, naming the field: a global counter
-    // lives at most about a day (docs/wire-format.md, "Bounds"); a calendar budget's
-    // lives its period, which the service bounds by the month.
-    if scope == Scope::Global && calendar.is_none() {
+    // lives at most about a day (docs/wire-format.md, "Bounds").
+    if scope == Scope::Global {
         if let Err(error) = wire::check_rule_limits(algo, &limit) {
             return Err(refuse(
                 &[error.field],
@@ -1388,7 +1398,7 @@ fn build_rule(
     parts.extend(&plan_bytes);
     // A calendar's periods depend on its zone: another zone, other counters. (A rule of a
     // fixed unit hashes as it always has.)
-    if let Some(calendar) = &calendar {
+    if let Some(calendar) = &limit.calendar {
         parts.push(calendar.zone().name().as_bytes());
     }
     let base = hash_parts(RULE_SEED, &parts);
@@ -1433,7 +1443,6 @@ fn build_rule(
         lease_auto,
         cost,
         response_cost,
-        calendar,
         hot,
         count,
         max_wait: max_wait_seconds * NANOS_PER_SECOND,

@@ -99,7 +99,7 @@ impl CounterId {
 
 /// The limit a counter of `algo` is bound to (`None`: its state does not follow it).
 fn bound_limit(algo: &dyn Algorithm, limit: &Limit) -> Option<Limit> {
-    algo.state_follows_limit().then_some(*limit)
+    algo.state_follows_limit().then(|| limit.clone())
 }
 
 /// `<ALGO>:<rpu>:<unit>:<burst>:<slices>`, every parameter of a counter in one canonical

@@ -224,7 +224,7 @@ impl Table {
                         .filter(|entry| entry.state.len() == words)
                         .map_or_else(|| vec![0; words], |entry| entry.state.clone());
                     loaded.ids.push(id);
-                    loaded.params.push((rule.algo, rule.limit));
+                    loaded.params.push((rule.algo, rule.limit.clone()));
                     loaded.states.push(state);
                     loaded.ids.len() - 1
                 }

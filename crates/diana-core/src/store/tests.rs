@@ -85,6 +85,7 @@ fn limit(rpu: u32) -> Limit {
         unit: Unit::Second,
         burst: rpu,
         slices: NonZeroU32::new(10).unwrap(),
+        calendar: None,
     }
 }
 
@@ -141,6 +142,7 @@ fn concurrent_workers_share_one_counter_on_both_hosts() {
                 .map(|_| {
                     let host = Arc::clone(&host);
                     let start = Arc::clone(&start);
+                    let limit = limit.clone();
                     std::thread::spawn(move || {
                         // Each worker has its own Store, as each Envoy worker has its own VM.
                         let store = Store::new();
@@ -668,6 +670,7 @@ fn bucket(rpu: u32) -> (&'static dyn Algorithm, Limit) {
         unit: Unit::Minute,
         burst: rpu,
         slices: NonZeroU32::new(10).unwrap(),
+        calendar: None,
     };
     (crate::algo::lookup("TB").unwrap(), limit)
 }
@@ -958,6 +961,7 @@ fn concurrent_workers_count_a_newcomer_exactly_in_a_full_table() {
                     let host = Arc::clone(&host);
                     let start = Arc::clone(&start);
                     let key_prefix = key_prefix.clone();
+                    let limit = limit.clone();
                     std::thread::spawn(move || {
                         let store = Store::new();
                         let table = SlotTable {

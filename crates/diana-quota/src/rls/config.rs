@@ -960,6 +960,7 @@ fn load_rule(
         unit,
         burst,
         slices,
+        calendar: None,
     };
     if let Err(error) = wire::check_rule_limits(algo, &limit) {
         return refuse(

@@ -285,7 +285,7 @@ impl OwnedRule {
         ResolvedRule {
             key: &self.key,
             algo: self.algo,
-            limit: self.limit,
+            limit: self.limit.clone(),
             want: self.want,
             cost: self.cost,
             max_delay: None,

@@ -378,7 +378,7 @@ impl Session {
             RuleKind::Unlimited => return blanket(BlanketRule::AllowAll),
             RuleKind::Blocked if rule.shadow => return blanket(BlanketRule::AllowAll),
             RuleKind::Blocked => return blanket(BlanketRule::DenyAll),
-            RuleKind::Limited { algo, limit, .. } => (*algo, *limit),
+            RuleKind::Limited { algo, limit, .. } => (*algo, limit.clone()),
         };
         if !self.buckets.contains_key(bucket) && self.buckets.len() >= MAX_BUCKETS {
             self.rls.warn(format_args!(
@@ -514,7 +514,7 @@ async fn charge(
         rules.push(ResolvedRule {
             key,
             algo,
-            limit: *limit,
+            limit: limit.clone(),
             want,
             cost: NonZeroU32::MIN,
             max_delay: None,
@@ -555,7 +555,7 @@ async fn probe(
     let rule = OwnedRule {
         key: key.to_string(),
         algo,
-        limit: *limit,
+        limit: limit.clone(),
         want: NonZeroU32::MIN,
         cost: NonZeroU32::MIN,
         dry_run: false,
@@ -599,6 +599,7 @@ mod tests {
             unit: Unit::Minute,
             burst: NonZeroU32::new(10).unwrap(),
             slices: NonZeroU32::new(10).unwrap(),
+            calendar: None,
         };
         let window = algo::lookup("W").unwrap();
         let Some(Strategy::TokenBucket(one)) = share(window, &limit, 1, None).strategy else {

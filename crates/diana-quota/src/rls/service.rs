@@ -327,6 +327,7 @@ impl RateLimiter {
                                 burst: rpu,
                                 slices: NonZeroU32::new(config::DEFAULT_SLICES)
                                     .unwrap_or(NonZeroU32::MIN),
+                                calendar: None,
                             };
                             ask(
                                 &mut rules,
@@ -653,7 +654,7 @@ fn ask<'a>(
         rules.push(OwnedRule {
             key: key.to_string(),
             algo,
-            limit: *limit,
+            limit: limit.clone(),
             want,
             cost: want,
             dry_run: enforcement == Enforcement::Shadow,

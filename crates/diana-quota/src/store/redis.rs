@@ -1374,6 +1374,7 @@ mod tests {
             unit,
             burst: NonZeroU32::new(burst).unwrap(),
             slices: NonZeroU32::new(slices).unwrap(),
+            calendar: None,
         }
     }
 

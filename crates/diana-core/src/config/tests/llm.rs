@@ -238,13 +238,13 @@ fn calendar_periods_in_a_time_zone() {
     ];
     for (fields, unit, zone) in cases {
         let rule = rule(&format!("rpu: 1000, {fields}"));
-        let calendar = rule.calendar.as_ref().expect("a calendar");
+        let calendar = rule.limit.calendar.as_ref().expect("a calendar");
         assert_eq!(calendar.unit(), unit, "{fields}");
         assert_eq!(calendar.zone().name(), zone, "{fields}");
         // The fixed unit is a placeholder, never the period.
         assert_eq!(rule.limit.unit, Unit::Day);
     }
-    assert_eq!(rule("rpu: 1").calendar, None);
+    assert_eq!(rule("rpu: 1").limit.calendar, None);
     // A month is counted apart from a day, a week, and a month elsewhere.
     let ids: Vec<u64> = [
         "unit: day",
@@ -259,9 +259,6 @@ fn calendar_periods_in_a_time_zone() {
     for (index, id) in ids.iter().enumerate() {
         assert!(!ids[..index].contains(id), "{ids:x?}");
     }
-    // Global budgets by the month too (the quota service bounds keys by the month).
-    let global = rule("rpu: 1000000, unit: month, scope: global, lease: 1000");
-    assert!(global.calendar.is_some());
     // A reservation works with any unit.
     let reserving = rule(
         "rpu: 100000, unit: week, response_cost: {usage: openai, reserve: {json: max_tokens, default: 10, max: 100}}",
@@ -309,6 +306,9 @@ fn a_malformed_llm_budget_is_refused_naming_the_field_and_its_position() {
         ("    unit: month\n    timezone: Mars/Olympus\n", &["rules[0].timezone: ", "is not an IANA time zone name", "line 5"]),
         ("    unit: month\n    timezone: '+05:00'\n", &["rules[0].timezone: ", "line 5"]),
         ("    unit: month\n    timezone: ''\n", &["rules[0].timezone: ", "not empty", "line 5"]),
+        // Not counted by the quota service: refused rather than counted per day.
+        ("    unit: month\n    timezone: Europe/Berlin\n    scope: global\n", &["rules[0].scope: ", "unit month is a calendar period, counted by each gateway (scope: local)", "scope: global applies to second, minute, hour and day only", "line 6 column 12"]),
+        ("    unit: week\n    algo: W\n    scope: global\n    lease: 10\n", &["rules[0].scope: ", "unit week is a calendar period", "line 6"]),
     ];
     let table: Vec<(String, &[&str])> = table
         .iter()
@@ -335,7 +335,7 @@ fn an_llm_budget_is_read_alike_from_json() {
     );
     let json = rules(&policy)[0];
     assert_eq!(yaml.response_cost, json.response_cost);
-    assert_eq!(yaml.calendar, json.calendar);
+    assert_eq!(yaml.limit.calendar, json.limit.calendar);
     assert_eq!(yaml.id, json.id);
 }
 
