@@ -73,6 +73,9 @@ NOT_RUN: dict[tuple[str, str], str] = {
     "signed documents are tested by test_remote.py",
     ("README.md", "python3 demo/make_hot_event_log.py"): "rewrites committed files "
     "(demo/hot-event.jsonl, docs/simulate-hot-event.svg); simulate is tested by test_simulate.py",
+    ("README.md", "for i in $(seq 300); do curl -s -o /dev/null -H 'x-device-id: device-42'"): "the "
+    "result is read in a browser; a flood through real gateways read in the page by headless "
+    "Chromium is test_fleet_gateways.py",
     ("README.md", "python3 demo/make_breaker_log.py"): "rewrites committed files "
     "(demo/payments-outage.jsonl, docs/simulate-payments-outage.svg); simulate through the "
     "breakers is tested by crates/diana-cli/tests/simulate.rs, which checks the report's "
