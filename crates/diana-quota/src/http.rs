@@ -18,7 +18,7 @@
 //! before its body is read, its place in flight taken or its store touched
 //! ([`crate::auth`]). Health and metrics need no secret and reveal no counter or key.
 //!
-//! Holding under load: at most [`Settings::max_in_flight`] decisions are made at once; one
+//! Holding under load: at most [`Settings::max_in_flight`](crate::app::Settings::max_in_flight) decisions are made at once; one
 //! more is refused at once with `503 {"error":"overloaded"}` (shed, before its body is
 //! read). Every decision is answered before its deadline, `min(Settings::deadline,
 //! x-diana-timeout-ms − Settings::timeout_margin)` after it arrived (503 at worst), so

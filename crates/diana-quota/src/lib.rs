@@ -14,9 +14,9 @@
 //! `--insecure-no-auth`.
 //!
 //! - [`auth`]: the secrets, and the check of every gateway request.
-//! - [`app`]: the service's state ([`AppState`], [`Settings`]) and what every handler
+//! - [`app`](mod@app): the service's state ([`AppState`], [`Settings`]) and what every handler
 //!   shares: load shedding, deadlines, bounded bodies, error answers.
-//! - [`http`]: the router ([`app()`]) and the gateway endpoints' handlers.
+//! - [`http`]: the router ([`app()`](fn@app)) and the gateway endpoints' handlers.
 //! - [`conn`]: each port's connection gate (caps per port and per peer, idle timeouts).
 //! - [`store`]: the storage seam ([`store::Store`]) with [`store::MemoryStore`] and [`store::RedisStore`].
 //! - [`metrics`]: Prometheus metrics.

@@ -1,10 +1,12 @@
 //! The fleet's breakers (`scope: global`, DESIGN §4b): one state per breaker for every
 //! gateway, kept by the store, updated by the gateways' reports (`POST /v1/report`) and
-//! answered to each of them as a [`FleetAnswer`].
+//! answered to each of them as a
+//! [`FleetAnswer`](diana_core::breaker::FleetAnswer).
 //!
-//! The state is the gateway's own machine ([`State`], `diana_core::breaker::machine`), run
+//! The state is the gateway's own machine ([`State`](diana_core::breaker::State)), run
 //! here in Rust over every gateway's tallies; the store only keeps it. A state is keyed by
-//! the breaker's key **and** its parameters ([`FleetParams`]): a report with the same key
+//! the breaker's key **and** its parameters
+//! ([`FleetParams`](diana_core::report::FleetParams)): a report with the same key
 //! and other parameters has a state of its own (a rollout of new thresholds does not mix
 //! with the old ones), and can neither read nor reset another's.
 //!
