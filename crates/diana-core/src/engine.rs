@@ -14,8 +14,8 @@
 //! `allowed` counts the rules of admitted requests only, `limited` the rule that rejected.
 //!
 //! The engine's face is three verbs and their kin: [`Engine::evaluate`] (and
-//! [`Engine::resume`] for a parked request) may return a call; [`Engine::tick`] lists the
-//! calls due; [`Engine::answered`] takes any answer ([`calls`]). Every step is handed the
+//! `Engine::resume` for a parked request) may return a call; [`Engine::tick`] lists the
+//! calls due; [`Engine::answered`] takes any answer (`engine/calls.rs`). Every step is handed the
 //! event's [`Cx`]: shared data, the instant, the metrics.
 
 mod breakers;

@@ -1,5 +1,5 @@
 //! Concurrency places (`max_in_flight`), in one home: the places each admitted request
-//! holds until it ends ([`Holdings`]), where each is counted (this gateway's shared data,
+//! holds until it ends (`Holdings`), where each is counted (this gateway's shared data,
 //! or the quota service), and the places of requests that ended waiting for the tick to
 //! be given back to the service ([`leaving`]). The algorithm that counts them is
 //! [`crate::algo::inflight`]; the calls that leave and renew them are planned by
