@@ -135,7 +135,10 @@ def test_force_from_the_config_center_switches_it_at_the_next_poll(start_gateway
 
 def test_two_gateways_follow_one_global_breaker(start_gateway, procs):
     quota = procs.add(Quota(procs.log_dir)).start()
-    document = doc("failure_ratio: 0.5, min_calls: 6, open_seconds: 30, scope: global")
+    # A report that outlasts the callout timeout (50 ms by default) trips the quota
+    # service's outage switch and keeps a gateway local for retry_seconds: on a machine
+    # busy with parallel tests that, not the breaker, decided when B followed.
+    document = doc("failure_ratio: 0.5, min_calls: 6, open_seconds: 30, scope: global", "global: {timeout_ms: 500}")
     a = start_gateway(document, quota_port=quota.port)
     b = start_gateway(document, quota_port=quota.port)
     # B only ever sees good answers; A's fail.
