@@ -25,7 +25,10 @@ DELAY = 0.08
 
 
 class CountingProxy:
-    """Forwards POSTs to 127.0.0.1:`target` after `DELAY`, counting callouts in flight."""
+    """Forwards POSTs to 127.0.0.1:`target` after `DELAY`, counting callouts in flight.
+    The gateways' tick reports (`/v1/report`: the fleet view, every second when the
+    document has a `global` section) are forwarded at once and not counted: they are not
+    decisions, and `diana_global_callouts` does not count them either."""
 
     def __init__(self, target: int):
         self.target = target
@@ -43,12 +46,15 @@ class CountingProxy:
 
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("content-length", "0")))
+                decision = not self.path.startswith("/v1/report")
                 with proxy.lock:
-                    proxy.in_flight += 1
-                    proxy.total += 1
-                    proxy.peak = max(proxy.peak, proxy.in_flight)
+                    if decision:
+                        proxy.in_flight += 1
+                        proxy.total += 1
+                        proxy.peak = max(proxy.peak, proxy.in_flight)
                 try:
-                    time.sleep(DELAY)
+                    if decision:
+                        time.sleep(DELAY)
                     conn = http.client.HTTPConnection("127.0.0.1", proxy.target, timeout=5)
                     headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
                     conn.request("POST", self.path, body=body, headers=headers)
@@ -57,8 +63,9 @@ class CountingProxy:
                     status = resp.status
                     conn.close()
                 finally:
-                    with proxy.lock:
-                        proxy.in_flight -= 1
+                    if decision:
+                        with proxy.lock:
+                            proxy.in_flight -= 1
                 self.send_response(status)
                 self.send_header("content-type", "application/json")
                 self.send_header("content-length", str(len(answer)))
