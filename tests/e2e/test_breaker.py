@@ -41,6 +41,9 @@ def test_failures_open_it_a_failed_probe_opens_it_again_good_ones_close_it(start
     answered = [dep(gw.port, 503).status for _ in range(6)]
     assert answered == [503] * 6, answered
     opened = wait_until(lambda: fast_failed(dep(gw.port, 200)), 3, "the breaker open")
+    # One worker saw it open; another trusts the closed verdict it last read for up to
+    # 50 ms (breaker::record::VERDICT_CACHE), the documented bound for every worker.
+    time.sleep(0.1)
     resp = dep(gw.port, 200)
     assert fast_failed(resp), (resp.status, resp.body)
     assert resp.header("retry-after") in ("1", "2"), resp.headers
@@ -73,6 +76,9 @@ def test_slow_answers_open_it(start_gateway):
     for _ in range(4):
         assert dep(gw.port, 200, ms=250).status == 200
     took = wait_until(lambda: fast_failed(dep(gw.port, 200)), 3, "the breaker open on slow calls")
+    # One worker saw it open; another trusts the closed verdict it last read for up to
+    # 50 ms (breaker::record::VERDICT_CACHE), the documented bound for every worker.
+    time.sleep(0.1)
     resp = dep(gw.port, 200)
     record(f"{gw.label}: breaker, 4 answers of 250 ms (slow_ms 100)", f"open {took:.2f} s after; Retry-After {resp.header('retry-after')}")
     assert fast_failed(resp)
