@@ -33,18 +33,18 @@ pub enum Identity {
 pub trait ActorSource: Send + Sync + fmt::Debug {
     /// The identity of `request`, hashed with `hasher` (the rule's: see
     /// [`crate::config::Rule::identify`]).
-    fn identify(&self, request: &dyn RequestFacts, hasher: &IdentityHasher) -> Identity;
+    fn identify(&self, request: &dyn RequestFacts, hasher: &IdentityHasher) -> Identity {
+        self.identify_shown(request, hasher, &mut None)
+    }
     /// [`ActorSource::identify`], keeping the value the identity was read from in `shown`
-    /// (the fleet view's hot lists; nothing is read twice). A source that does not say
-    /// leaves it `None`.
+    /// (the fleet view's hot lists; nothing is read twice). A source that has no such
+    /// value leaves it `None`.
     fn identify_shown(
         &self,
         request: &dyn RequestFacts,
         hasher: &IdentityHasher,
-        _shown: &mut Option<Vec<u8>>,
-    ) -> Identity {
-        self.identify(request, hasher)
-    }
+        shown: &mut Option<Vec<u8>>,
+    ) -> Identity;
     /// True when every request maps to [`Identity::Everyone`] (a one-slot table suffices).
     fn is_single_counter(&self) -> bool {
         false
@@ -88,7 +88,12 @@ fn ip_identity_shown(
 pub struct AllActor;
 
 impl ActorSource for AllActor {
-    fn identify(&self, _request: &dyn RequestFacts, _hasher: &IdentityHasher) -> Identity {
+    fn identify_shown(
+        &self,
+        _request: &dyn RequestFacts,
+        _hasher: &IdentityHasher,
+        _shown: &mut Option<Vec<u8>>,
+    ) -> Identity {
         Identity::Everyone
     }
 
@@ -102,10 +107,6 @@ impl ActorSource for AllActor {
 pub struct IpActor;
 
 impl ActorSource for IpActor {
-    fn identify(&self, request: &dyn RequestFacts, hasher: &IdentityHasher) -> Identity {
-        ip_identity(request, hasher)
-    }
-
     fn identify_shown(
         &self,
         request: &dyn RequestFacts,
@@ -199,10 +200,6 @@ impl HeaderActor {
 }
 
 impl ActorSource for HeaderActor {
-    fn identify(&self, request: &dyn RequestFacts, hasher: &IdentityHasher) -> Identity {
-        self.identify_shown(request, hasher, &mut None)
-    }
-
     fn identify_shown(
         &self,
         request: &dyn RequestFacts,
@@ -263,10 +260,6 @@ impl JwtClaimActor {
 }
 
 impl ActorSource for JwtClaimActor {
-    fn identify(&self, request: &dyn RequestFacts, hasher: &IdentityHasher) -> Identity {
-        self.identify_shown(request, hasher, &mut None)
-    }
-
     fn identify_shown(
         &self,
         request: &dyn RequestFacts,
