@@ -25,16 +25,13 @@ const S: Nanos = NANOS_PER_SECOND;
 const T0: Instant = Instant::from_unix_nanos(1_767_225_601 * S.get());
 
 fn sim(profile: HostProfile, document: &str, workers: usize) -> Sim {
-    match Sim::new(
+    common::started_sim(
         profile,
         document,
         workers,
         Service::Answers(Nanos::ZERO),
         T0,
-    ) {
-        Ok(sim) => sim,
-        Err(refused) => panic!("document refused: {refused}"),
-    }
+    )
 }
 
 /// A request to `path` on `worker`; its fate right after.

@@ -20,16 +20,13 @@ const JAN_31_2359: Instant = Instant::from_unix_nanos(1_769_900_340 * S);
 const FEB_1: Instant = Instant::from_unix_nanos(1_769_900_400 * S);
 
 fn sim(profile: HostProfile, document: &str, workers: usize, start: Instant) -> Sim {
-    match Sim::new(
+    common::started_sim(
         profile,
         document,
         workers,
         Service::Answers(Nanos::ZERO),
         start,
-    ) {
-        Ok(sim) => sim,
-        Err(refused) => panic!("document refused: {refused}"),
-    }
+    )
 }
 
 fn local(rule: &str) -> String {

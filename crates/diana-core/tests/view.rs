@@ -31,16 +31,13 @@ fn document(limit: u32, hot: &str, global: &str) -> String {
 }
 
 fn sim(profile: HostProfile, document: &str, workers: usize) -> Sim {
-    match Sim::new(
+    common::started_sim(
         profile,
         document,
         workers,
         Service::Answers(Nanos::ZERO),
         T0,
-    ) {
-        Ok(sim) => sim,
-        Err(refused) => panic!("document refused: {refused}"),
-    }
+    )
 }
 
 /// A request from `device` to `path` on `worker`; true when admitted (it is answered and

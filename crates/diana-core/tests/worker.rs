@@ -32,10 +32,7 @@ fn global(limit: u32, lease: u32) -> String {
 }
 
 fn sim(profile: HostProfile, document: &str, workers: usize, service: Service) -> Sim {
-    match Sim::new(profile, document, workers, service, T0) {
-        Ok(sim) => sim,
-        Err(refused) => panic!("document refused: {refused}"),
-    }
+    common::started_sim(profile, document, workers, service, T0)
 }
 
 fn count(sim: &Sim, wanted: impl Fn(&Fate) -> bool) -> usize {
