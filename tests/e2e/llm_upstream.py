@@ -266,7 +266,8 @@ def openai_responses(req: dict, k: Knobs) -> Answer:
         return r
 
     if not req.get("stream"):
-        return Answer("application/json", [dumps(response("completed", [message], k.usage_on), k.broken).encode()], False)
+        body = dumps(response("completed", [message], k.usage_on), k.broken).encode()
+        return Answer("application/json", [body], stream=False)
     seq = iter(range(1_000_000_000))
 
     def event(kind: str, broken: bool = False, **fields: object) -> bytes:

@@ -294,7 +294,7 @@ def test_a_stream_leaves_event_by_event(llm, shape: Shape):
     req = urllib.request.Request(
         f"http://127.0.0.1:{llm.port}{shape.path}",
         data=json.dumps(shape.body).encode(),
-        headers={"content-type": "application/json", **KNOBS, "x-fake-delay-ms": "100", "x-fake-events": "6"},
+        headers={"content-type": "application/json", **KNOBS, "x-fake-delay-ms": "150", "x-fake-events": "6"},
         method="POST",
     )
     t0 = time.monotonic()
@@ -305,8 +305,10 @@ def test_a_stream_leaves_event_by_event(llm, shape: Shape):
         rest = r.read()
     total = time.monotonic() - t0
     assert rest, "the whole stream arrived at once"
-    assert total >= 0.45, total  # 5 pauses of 100 ms at least
-    assert t_first < total - 0.3, (t_first, total, first[:200])
+    assert total >= 0.7, total  # 5 pauses of 150 ms at least
+    # The first event came while the others were still being "generated" (0.35 s of slack
+    # for a loaded machine).
+    assert t_first < total - 0.4, (t_first, total, first[:200])
 
 
 def _documents(shape: Shape, body: bytes) -> list[str]:
