@@ -21,6 +21,10 @@ KEPT = {
     "proxy_on_http_call_response", "proxy_on_memory_allocate",
 }  # fmt: skip
 NOT_CALLED_PER_REQUEST_ANY_MORE = {"proxy_on_log", "proxy_on_done", "proxy_on_response_body", "proxy_on_request_body"}
+# What diana-trim --bodies keeps besides (BODY_CALLBACKS): the module for documents that read
+# usage from answers' bodies.
+BODIES = WASM.with_name("diana-envoy-bodies.wasm")
+BODY_CALLBACKS = {"proxy_on_request_body", "proxy_on_response_body", "proxy_on_response_trailers"}
 
 
 def exports(wasm) -> set[str]:
@@ -39,6 +43,13 @@ def test_the_envoy_module_exports_only_the_callbacks_diana_implements():
     # Nothing but callbacks went: memory, the allocator, the ABI marker stay.
     assert {n for n in full if not n.startswith("proxy_on_")} == {n for n in trimmed if not n.startswith("proxy_on_")}
     assert WASM.stat().st_size < UNTRIMMED.stat().st_size
+
+
+def test_the_module_for_answers_adds_only_the_answer_body_callbacks():
+    bodies = exports(BODIES)
+    callbacks = {name for name in bodies if name.startswith("proxy_on_")}
+    assert callbacks == KEPT | BODY_CALLBACKS, f"unexpected callback set: {sorted(callbacks ^ (KEPT | BODY_CALLBACKS))}"
+    assert "proxy_on_log" not in bodies and "proxy_on_done" not in bodies
 
 
 @pytest.mark.parametrize("module", ["diana-envoy.wasm", "diana.wasm"])

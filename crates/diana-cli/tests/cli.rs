@@ -415,6 +415,31 @@ fn socket(address: &Value) -> (String, u64) {
     )
 }
 
+/// A document that reads usage from answers' bodies gets the module that keeps the body
+/// callbacks (`diana-envoy-bodies.wasm`, beside the trimmed one); one that reads no body
+/// keeps the module without them; a module of another name is taken as given.
+#[test]
+fn render_envoy_loads_the_module_with_body_callbacks_only_for_documents_that_read_answers() {
+    let usage = "Url: /\nrules:\n  - {rpu: 1000, response_cost: {usage: openai}}\n";
+    let module = |document: &str, wasm: &str| {
+        let bootstrap = render_json(&["--wasm", wasm, "-"], Some(document));
+        let hcm = connection_manager(&bootstrap);
+        let config = &hcm["http_filters"][0]["typed_config"]["config"];
+        config["vm_config"]["code"]["local"]["filename"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    assert_eq!(
+        module(usage, "/opt/diana-envoy.wasm"),
+        "/opt/diana-envoy-bodies.wasm"
+    );
+    assert_eq!(module(usage, "diana-envoy.wasm"), "diana-envoy-bodies.wasm");
+    assert_eq!(module(SEED, "/opt/diana-envoy.wasm"), "/opt/diana-envoy.wasm");
+    assert_eq!(module(usage, "/opt/diana.wasm"), "/opt/diana.wasm");
+    assert_eq!(module(usage, "/opt/my-diana-envoy.wasm"), "/opt/my-diana-envoy.wasm");
+}
+
 /// `scripts/run`'s form: PORT options on 127.0.0.1, the document as `--diana-config`, JSON.
 #[test]
 fn render_envoy_json_with_port_options() {

@@ -43,6 +43,7 @@ use crate::path;
 use crate::places::{Holdings, Place, PlaceAt, ServicePlace};
 use crate::response::{admitted_rule_headers, Rejection, RuleReport};
 use crate::store::{ChargeError, SharedData, SlotAddress, SlotTable};
+use crate::usage::JsonPath;
 use crate::time::{ceil_seconds, ceil_seconds_at_least_one, Instant, Nanos};
 use crate::wire::CallRule;
 use breakers::Breakers;
@@ -236,6 +237,8 @@ pub struct Engine {
     policy: Policy,
     /// False when the only resource is `/`: every request matches, the path is not needed.
     needs_path: bool,
+    /// A rule reserves from the request's body (`reserve.json`).
+    reads_request_bodies: bool,
     /// The host can pause a request and resume it later (Envoy: yes; nginx: no).
     resumes_elsewhere: bool,
     local: Local,
@@ -254,12 +257,14 @@ pub struct Engine {
 impl Engine {
     pub fn new(policy: Policy) -> Engine {
         let needs_path = !matches!(policy.resources.as_slice(), [only] if only.url == "/");
+        let reads_request_bodies = policy.reads_request_bodies();
         let global = Global::new(&policy, true);
         let breakers = Breakers::new(&policy);
         let view = View::of(&policy).map(RefCell::new);
         Engine {
             policy,
             needs_path,
+            reads_request_bodies,
             resumes_elsewhere: true,
             local: Local::new(),
             global,
@@ -292,6 +297,27 @@ impl Engine {
     /// only resource is `/`): the host may then skip reading `:path`.
     pub(crate) fn needs_path(&self) -> bool {
         self.needs_path
+    }
+
+    /// The paths of a request's JSON body its rules reserve from (`reserve.json`), for a
+    /// request to `raw_path`; empty when none of its rules does (at once for a document
+    /// without such a rule).
+    pub(crate) fn request_body_paths(&self, raw_path: &[u8]) -> Vec<JsonPath> {
+        if !self.reads_request_bodies {
+            return Vec::new();
+        }
+        let path = path::normalize(raw_path);
+        let mut paths: Vec<JsonPath> = Vec::new();
+        for (_, resource) in matching::matching(&self.policy, &path) {
+            for rule in &resource.rules {
+                if let Some(at) = rule.request_body_path() {
+                    if !paths.contains(at) {
+                        paths.push(at.clone());
+                    }
+                }
+            }
+        }
+        paths
     }
 
     /// True when `raw_path` (query ignored) is the policy's `metrics.path`: the host answers

@@ -2,6 +2,8 @@
 //! address, (Envoy) its dynamic metadata, and how the host's verifier reads its bearer token. A leaf: identities (`actor`) and
 //! claims (`jwt`) read through it.
 
+
+use crate::usage::JsonPath;
 /// What the filter knows of a request, read lazily from the host.
 pub trait RequestFacts {
     /// A request header's value as raw bytes (not necessarily UTF-8), by lower-case name.
@@ -26,6 +28,11 @@ pub trait RequestFacts {
     /// reading unless the host says otherwise.
     fn bearer_scheme(&self) -> BearerScheme {
         BearerScheme::AsWritten
+    }
+    /// The number the request's JSON body has at `path` (`reserve.json`), where the
+    /// request was held until its body was read; `None`: not read, or no number there.
+    fn body_number(&self, _path: &JsonPath) -> Option<u64> {
+        None
     }
 }
 

@@ -331,3 +331,108 @@ fn admitted(sim: &mut Sim, reserve: u32) -> Option<u32> {
     sim.advance(std::time::Duration::from_millis(5));
     matches!(sim.fate(context), Some(Fate::Admitted(_))).then_some(context)
 }
+
+/// 1,000 tokens an hour per account, reserved from the request body's `max_tokens`
+/// (default 100, at most 1,000), charged from the answer's OpenAI usage.
+const FROM_BODY: &str = "response: {status: 429}\nresources:\n  - Url: /\n    rules:\n      - {name: llm, actor: account, unit: hour, rpu: 1000, algo: W, response_cost: {usage: openai, reserve: {json: max_tokens, default: 100, min: 1, max: 1000}}}\n";
+
+/// Sends a request of `alice` whose JSON body (in chunks of 5 bytes) says `max_tokens`;
+/// its fate once the body ended.
+fn send_body(sim: &mut Sim, body: &str) -> (u32, Option<Fate>) {
+    let headers = [(":path", "/"), ("x-account-id", "alice")];
+    let context = sim.send_with_body(0, "10.0.0.1", &headers);
+    let mut chunks = pieces(body, 5);
+    if chunks.is_empty() {
+        // A body that ends at once: the host hands over an empty last chunk.
+        chunks.push(b"");
+    }
+    for (i, chunk) in chunks.iter().enumerate() {
+        sim.send_body(context, chunk, i + 1 == chunks.len());
+    }
+    (context, sim.fate(context).cloned())
+}
+
+fn max_tokens(n: u32) -> String {
+    format!("{{\"model\":\"m\",\"messages\":[{{\"role\":\"user\",\"content\":\"max_tokens: 5\"}}],\"max_tokens\":{n}}}")
+}
+
+#[test]
+fn a_reservation_is_read_from_the_request_body_where_the_host_holds_the_request_for_it() {
+    for profile in HostProfile::ALL {
+        let mut sim = sim(profile, FROM_BODY);
+        // 700 reserved (a string that says "max_tokens" is not the key).
+        let (first, fate) = send_body(&mut sim, &max_tokens(700));
+        assert!(matches!(fate, Some(Fate::Admitted(_))), "{profile:?}: {fate:?}");
+        // Where the body is read, 300 are left while it runs: 301 do not fit, 300 do.
+        // Elsewhere (nginx) each request reserves the default, 100.
+        let (_, over) = send_body(&mut sim, &max_tokens(301));
+        let (second, fits) = send_body(&mut sim, &max_tokens(300));
+        if profile.holds_requests_for_bodies {
+            assert_eq!(over, Some(Fate::Replied(429)), "{profile:?}");
+            assert!(matches!(fits, Some(Fate::Admitted(_))), "{profile:?}: {fits:?}");
+            // The two answers report 150 and 0: 850 left.
+            let usage = |n: u32| format!("{{\"usage\":{{\"total_tokens\":{n}}}}}");
+            answer(&mut sim, first, "application/json", &[usage(150).as_bytes()], true);
+            answer(&mut sim, second, "application/json", &[usage(0).as_bytes()], true);
+            let (_, over) = send_body(&mut sim, &max_tokens(851));
+            assert_eq!(over, Some(Fate::Replied(429)), "{profile:?}");
+            let (_, fits) = send_body(&mut sim, &max_tokens(850));
+            assert!(matches!(fits, Some(Fate::Admitted(_))), "{profile:?}: {fits:?}");
+        } else {
+            assert!(matches!(over, Some(Fate::Admitted(_))), "{profile:?}: {over:?}");
+            assert!(matches!(fits, Some(Fate::Admitted(_))), "{profile:?}: {fits:?}");
+        }
+        assert!(sim.violations.is_empty(), "{profile:?}: {:?}", sim.violations);
+    }
+}
+
+#[test]
+fn a_body_without_the_number_reserves_the_default_and_one_above_max_reserves_max() {
+    // (body, tokens the request reserves)
+    let cases: &[(&str, u32)] = &[
+        ("{\"model\":\"m\"}", 100),
+        ("{\"max_tokens\":\"lots\"}", 100),
+        ("{\"max_tokens\":", 100),
+        ("not json", 100),
+        ("", 100),
+        ("{\"max_tokens\":5000}", 1000),
+        // A key twice: the larger (parsers differ on which wins upstream).
+        ("{\"max_tokens\":10,\"max_tokens\":600}", 600),
+    ];
+    for profile in HostProfile::ALL {
+        if !profile.holds_requests_for_bodies {
+            continue;
+        }
+        for &(body, reserved) in cases {
+            let mut sim = sim(profile, FROM_BODY);
+            let (_, fate) = send_body(&mut sim, body);
+            assert!(matches!(fate, Some(Fate::Admitted(_))), "{profile:?} {body:?}: {fate:?}");
+            let left = 1000 - reserved;
+            let (_, over) = send_body(&mut sim, &max_tokens(left + 1));
+            assert_eq!(over, Some(Fate::Replied(429)), "{profile:?} {body:?}");
+            if left > 0 {
+                let (_, fits) = send_body(&mut sim, &max_tokens(left));
+                assert!(matches!(fits, Some(Fate::Admitted(_))), "{profile:?} {body:?}: {fits:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_request_without_a_body_or_whose_client_leaves_before_it_ends_holds_nothing() {
+    for profile in HostProfile::ALL {
+        let mut sim = sim(profile, FROM_BODY);
+        // No body: decided at its headers with the default.
+        let context = sim.send(0, "10.0.0.1", &[(":path", "/"), ("x-account-id", "alice")]);
+        assert!(matches!(sim.fate(context), Some(Fate::Admitted(_))), "{profile:?}");
+        // A body that never ends: nothing taken, nothing kept once its context goes.
+        let headers = [(":path", "/"), ("x-account-id", "alice")];
+        let gone = sim.send_with_body(0, "10.0.0.1", &headers);
+        sim.send_body(gone, b"{\"max_tokens\":900", false);
+        sim.end(gone);
+        assert!(!sim.tracks(gone), "{profile:?}");
+        let (_, fits) = send_body(&mut sim, &max_tokens(900));
+        assert!(matches!(fits, Some(Fate::Admitted(_))), "{profile:?}: {fits:?}");
+        assert!(sim.violations.is_empty(), "{profile:?}: {:?}", sim.violations);
+    }
+}

@@ -122,10 +122,9 @@ impl Policy {
             .any(|rule| rule.response_body_source().is_some())
     }
 
-    /// The rules that read a request's body (`reserve.json`), by name. This version reads
-    /// answers' bodies but not requests' (issue 42): such a rule reserves its
-    /// `reserve.default`, so the filter and `diana check` say so at load
-    /// ([`body_warning`]).
+    /// The rules that read a request's body (`reserve.json`), by name: on a host that
+    /// cannot hold a request for its body (nginx) they reserve `reserve.default`, so the
+    /// filter there and `diana check` say so at load ([`body_warning`]).
     pub fn body_readers(&self) -> Vec<&str> {
         self.rules()
             .filter(|rule| rule.request_body_path().is_some())
@@ -554,9 +553,10 @@ pub enum Reserve {
     /// missing or not one.
     Header { name: String, bounds: ReserveBounds },
     /// From the request body (JSON) at `path` (`max_tokens`): within `bounds`, `default`
-    /// when the body has no number there. Read by the engine from the body
-    /// ([`crate::usage::RequestReader`]); [`Reserve::of`], which sees the headers only,
-    /// gives `default`.
+    /// when the body has no number there, or was not read (a host that cannot hold a
+    /// request for its body: [`crate::worker::HostProfile::holds_requests_for_bodies`]).
+    /// The worker reads it ([`crate::usage::RequestReader`]) and hands it over as
+    /// [`RequestFacts::body_number`].
     Json {
         path: JsonPath,
         bounds: ReserveBounds,
@@ -571,7 +571,7 @@ impl Reserve {
             Reserve::Header { name, bounds } => {
                 bounds.of(facts.header(name).and_then(|value| decimal(&value)))
             }
-            Reserve::Json { bounds, .. } => bounds.default().get(),
+            Reserve::Json { path, bounds } => bounds.of(facts.body_number(path)),
         }
     }
 
@@ -1169,16 +1169,15 @@ impl Pinned {
     }
 }
 
-/// The warning for a document whose rules read a request's body ([`Policy::body_readers`]),
-/// or `None`: what such a rule reserves until requests' bodies are read, so that nobody
-/// mistakes `reserve.default` for the request's own `max_tokens`.
+/// The warning for a document whose rules reserve from a request's body
+/// ([`Policy::body_readers`]) on a host that cannot hold a request for it, or `None`.
 pub fn body_warning(policy: &Policy) -> Option<String> {
     let readers = policy.body_readers();
     if readers.is_empty() {
         return None;
     }
     Some(format!(
-        "diana: rule(s) {} reserve from the request's body (reserve.json); this version does not read requests' bodies yet: each request reserves reserve.default, settled from the answer's usage as usual",
+        "diana: rule(s) {} reserve from the request's body (reserve.json): on nginx (ngx_wasm_module hands a filter the request body only after Diana decides) each request reserves reserve.default, settled from the answer's usage as usual; Envoy holds the request until its body is read",
         readers.join(", ")
     ))
 }

@@ -322,8 +322,10 @@ impl Worker {
                 self.claims_warned = true;
             }
         }
-        if let Some(warning) = crate::config::body_warning(&policy) {
-            log::warn!("{warning}");
+        if !self.profile.holds_requests_for_bodies {
+            if let Some(warning) = crate::config::body_warning(&policy) {
+                log::warn!("{warning}");
+            }
         }
         policy.metrics = self.source.metrics.clone();
         // Identities keyed with the process's random key when the document sets no

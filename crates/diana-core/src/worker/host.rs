@@ -7,6 +7,7 @@ use crate::call::{Callout, DispatchError};
 use crate::facts::{BearerScheme, NoMetadata, RequestFacts};
 use crate::store::SharedData;
 use crate::time::{Clock, Instant};
+use crate::usage::JsonPath;
 
 /// The host's id of an HTTP context (one request).
 pub type ContextId = u32;
@@ -118,6 +119,12 @@ pub struct HostProfile {
     /// keeps the entry's name: `proxy_set_header NAME $http_NAME;` then replaces it with
     /// its empty value, and nginx sends no header with an empty value (nginx/README.md).
     pub removed_headers_reach_upstream: bool,
+    /// A request can be held at its headers until its body has been read, then decided
+    /// (`reserve.json`): Envoy buffers the body meanwhile (up to its buffer limit, past
+    /// which it answers 413 itself). ngx_wasm_module hands a filter the request body only
+    /// in nginx's content phase, after the access phase where Diana decides: there a
+    /// request reserves its `reserve.default`.
+    pub holds_requests_for_bodies: bool,
 }
 
 impl HostProfile {
@@ -137,6 +144,7 @@ impl HostProfile {
         jwt_authn_metadata: true,
         ticks_on_demand: false,
         removed_headers_reach_upstream: false,
+        holds_requests_for_bodies: true,
     };
 
     /// Envoy's dynamic modules (`crates/diana-envoy-native`): the same rules as proxy-wasm
@@ -167,6 +175,7 @@ impl HostProfile {
         jwt_authn_metadata: false,
         ticks_on_demand: false,
         removed_headers_reach_upstream: true,
+        holds_requests_for_bodies: false,
     };
 
     /// Every host's rules, for tests that run every scenario under each.
@@ -203,6 +212,42 @@ impl RequestFacts for ProfiledFacts<'_> {
 
     fn bearer_scheme(&self) -> BearerScheme {
         self.bearer
+    }
+}
+
+/// A request's facts with the numbers its body had at the paths its rules reserve from
+/// (`reserve.json`), once the worker read it.
+pub(crate) struct BodyFacts<'f> {
+    pub facts: &'f dyn RequestFacts,
+    pub numbers: &'f [(JsonPath, Option<u64>)],
+}
+
+impl RequestFacts for BodyFacts<'_> {
+    fn header(&self, name: &str) -> Option<Vec<u8>> {
+        self.facts.header(name)
+    }
+
+    fn client_ip(&self) -> Option<Vec<u8>> {
+        self.facts.client_ip()
+    }
+
+    fn filter_metadata(
+        &self,
+        namespace: &str,
+        path: &[&str],
+    ) -> Result<Option<Vec<u8>>, NoMetadata> {
+        self.facts.filter_metadata(namespace, path)
+    }
+
+    fn bearer_scheme(&self) -> BearerScheme {
+        self.facts.bearer_scheme()
+    }
+
+    fn body_number(&self, path: &JsonPath) -> Option<u64> {
+        self.numbers
+            .iter()
+            .find(|(read, _)| read == path)
+            .and_then(|(_, number)| *number)
     }
 }
 

@@ -75,7 +75,7 @@ use crate::places::HoldingId;
 use crate::response::Rejection;
 use crate::store::Store;
 use crate::time::Instant;
-use crate::usage::{Framing, NoValue, UsageReader};
+use crate::usage::{Framing, JsonPath, NoValue, RequestReader, UsageReader};
 use configure::Source;
 pub use configure::{on_invalid_config_of, Refused};
 use counters::Counters;
@@ -167,12 +167,21 @@ enum Stage {
     /// Answered; its body is read as it passes for the rules whose cost it gives (one
     /// reader each, fixed size: see `usage.rs`), settled when it ends.
     Reading(Box<[UsageReader]>),
+    /// Paused until its body has been read: its rules reserve from it (`reserve.json`).
+    ReadingRequest(Box<RequestBody>),
     /// Paused for its call (in `calls` under this token).
     Calling(CallToken),
     /// Paused behind another request's call (in `parked`).
     Parked(RiderId, Pending),
     /// Paused until its leaky-bucket turn (in `waiters`).
     Waiting(Instant),
+}
+
+/// A request held for its body: where it goes, and one reader per path its rules reserve
+/// from (fixed size each, whatever the body's size).
+struct RequestBody {
+    raw_path: Vec<u8>,
+    readers: Vec<(JsonPath, RequestReader)>,
 }
 
 /// A call in flight, by its token: the config center's document, or one of an engine's
@@ -321,8 +330,22 @@ impl Worker {
         }
     }
 
-    /// A request's headers arrived: evaluate it.
+    /// A request's headers arrived: evaluate it. No body follows, or the binding does not
+    /// hold the request for it ([`Worker::on_request_headers_with_body`]).
     pub fn on_request_headers(&mut self, host: &dyn Host, context: ContextId) -> Step {
+        self.request_headers(host, context, false)
+    }
+
+    /// A request's headers arrived and its body follows. A request whose rules reserve
+    /// from its body (`reserve.json`) is held (paused) until the body has been read, on a
+    /// host that can ([`HostProfile::holds_requests_for_bodies`]): the binding hands its
+    /// body over ([`Worker::on_request_body`]), and the decision comes at its end. Any
+    /// other request is evaluated at once.
+    pub fn on_request_headers_with_body(&mut self, host: &dyn Host, context: ContextId) -> Step {
+        self.request_headers(host, context, self.profile.holds_requests_for_bodies)
+    }
+
+    fn request_headers(&mut self, host: &dyn Host, context: ContextId, body_follows: bool) -> Step {
         let mut step = Step::default();
         // nginx: the first request or tick probes shared data and installs the document.
         self.shared_data_ready(host);
@@ -357,23 +380,123 @@ impl Worker {
             return step;
         };
         let generation = configured.generation;
+        if body_follows {
+            let paths = configured.engine.request_body_paths(raw_path);
+            if !paths.is_empty() {
+                let body = RequestBody {
+                    raw_path: raw_path.to_vec(),
+                    readers: paths
+                        .into_iter()
+                        .map(|path| {
+                            let reader = RequestReader::new(&path);
+                            (path, reader)
+                        })
+                        .collect(),
+                };
+                let stage = Stage::ReadingRequest(Box::new(body));
+                self.hold(context, generation, stage, Vec::new(), None);
+                step.pause = true;
+                return step;
+            }
+        }
+        self.decide(host, now, context, generation, raw_path, &[], &mut step);
+        step
+    }
+
+    /// Evaluates a request (with the numbers its body had, where it was read) and applies
+    /// the decision, from its own event: headers, or the end of its body.
+    #[allow(clippy::too_many_arguments)]
+    fn decide(
+        &mut self,
+        host: &dyn Host,
+        now: Instant,
+        context: ContextId,
+        generation: u64,
+        raw_path: &[u8],
+        numbers: &[(JsonPath, Option<u64>)],
+        step: &mut Step,
+    ) {
+        let Some(configured) = self.generation(generation) else {
+            return;
+        };
         let mut sink = configured.counters.sink();
         let mut cx = Cx::new(host, now, &mut sink);
         let facts = host::ProfiledFacts {
             host,
             bearer: self.profile.bearer,
         };
-        let decision = configured.engine.evaluate(&mut cx, raw_path, &facts);
-        self.apply(
-            host,
-            now,
-            context,
+        let decision = if numbers.is_empty() {
+            configured.engine.evaluate(&mut cx, raw_path, &facts)
+        } else {
+            let facts = host::BodyFacts {
+                facts: &facts,
+                numbers,
+            };
+            configured.engine.evaluate(&mut cx, raw_path, &facts)
+        };
+        self.apply(host, now, context, generation, decision, Origin::Headers, step);
+        self.retick(step);
+    }
+
+    /// While the worker holds this request for its body: how many of the body's bytes it
+    /// has read. A binding whose host hands over the whole body buffered so far at each
+    /// callback passes on only the bytes after these.
+    pub fn reads_request_body(&self, context: ContextId) -> Option<u64> {
+        match &self.requests.get(&context)?.stage {
+            Stage::ReadingRequest(body) => Some(
+                body.readers
+                    .first()
+                    .map_or(0, |(_, reader)| reader.bytes_read()),
+            ),
+            _ => None,
+        }
+    }
+
+    /// The next bytes of a request's body the worker holds it for; `end`: the body ends
+    /// with them (they may be empty). Until the end the request stays paused (the host
+    /// buffers its body); at the end it is decided, with the numbers its body had.
+    pub fn on_request_body(
+        &mut self,
+        host: &dyn Host,
+        context: ContextId,
+        chunk: &[u8],
+        end: bool,
+    ) -> Step {
+        let mut step = Step::default();
+        let Some(request) = self.requests.get_mut(&context) else {
+            return step;
+        };
+        let Stage::ReadingRequest(body) = &mut request.stage else {
+            return step;
+        };
+        for (_, reader) in body.readers.iter_mut() {
+            reader.feed(chunk);
+        }
+        if !end {
+            step.pause = true;
+            return step;
+        }
+        let Some(Request {
             generation,
-            decision,
-            Origin::Headers,
-            &mut step,
-        );
-        self.retick(&mut step);
+            stage: Stage::ReadingRequest(body),
+            ..
+        }) = self.requests.remove(&context)
+        else {
+            return step;
+        };
+        let RequestBody { raw_path, readers } = *body;
+        // A body without a number at a path (none, malformed, cut) reserves `default`.
+        let numbers: Vec<(JsonPath, Option<u64>)> = readers
+            .into_iter()
+            .map(|(path, reader)| (path, reader.finish().ok()))
+            .collect();
+        let Some(now) = host.now() else {
+            if let Some(configured) = self.generation(generation) {
+                configured.counters.event(Event::ClockError);
+            }
+            return step;
+        };
+        self.decide(host, now, context, generation, &raw_path, &numbers, &mut step);
         step
     }
 
@@ -728,7 +851,8 @@ impl Worker {
             self.retick(&mut step);
         }
         match request.stage {
-            Stage::Admitted | Stage::Answered | Stage::Reading(_) => {}
+            // Nothing taken yet: decided only once its body ended.
+            Stage::Admitted | Stage::Answered | Stage::Reading(_) | Stage::ReadingRequest(_) => {}
             Stage::Waiting(until) => {
                 if self.waiters.remove(&(until, context)) {
                     if let Some(configured) = self.generation(generation) {

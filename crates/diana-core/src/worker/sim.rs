@@ -299,6 +299,9 @@ pub struct Sim {
     edited: HashMap<ContextId, Vec<(String, String)>>,
     /// The request headers the worker removed, by request.
     removed: HashMap<ContextId, Vec<String>>,
+    /// The address and headers of requests whose body is still to come (the host shows
+    /// them again at each body event).
+    with_body: HashMap<ContextId, (Option<Vec<u8>>, Headers)>,
     /// Local replies, as the client receives them (the host's line feed added).
     replies: HashMap<ContextId, LocalReply>,
     next_context: ContextId,
@@ -344,6 +347,7 @@ impl Sim {
             added: HashMap::new(),
             edited: HashMap::new(),
             removed: HashMap::new(),
+            with_body: HashMap::new(),
             replies: HashMap::new(),
             next_context: 2,
             leaving: HashMap::new(),
@@ -445,13 +449,82 @@ impl Sim {
         client_ip: Option<Vec<u8>>,
         headers: Headers,
     ) -> ContextId {
+        self.send_headers(worker, client_ip, headers, false)
+    }
+
+    /// A request whose body follows ([`Sim::send_body`]), from `client_ip` with `headers`.
+    pub fn send_with_body(
+        &mut self,
+        worker: usize,
+        client_ip: &str,
+        headers: &[(&str, &str)],
+    ) -> ContextId {
+        let headers: Headers = headers
+            .iter()
+            .map(|(name, value)| (name.to_string(), value.as_bytes().to_vec()))
+            .collect();
+        let client_ip = Some(client_ip.as_bytes().to_vec());
+        self.send_headers(worker, client_ip, headers, true)
+    }
+
+    /// The next bytes of a request's body; `end`: the last. As a binding does, they are
+    /// handed over only while the worker holds the request for its body. Returns whether
+    /// they were.
+    pub fn send_body(&mut self, context: ContextId, chunk: &[u8], end: bool) -> bool {
+        let Some(&(worker, _)) = self.requests.get(&context) else {
+            return false;
+        };
+        let held = self
+            .workers
+            .get(worker)
+            .is_some_and(|w| w.reads_request_body(context).is_some());
+        if !held {
+            return false;
+        }
+        if let Some((client_ip, headers)) = self.with_body.get(&context).cloned() {
+            self.host.set_request(client_ip, headers);
+        }
+        let Some(step) = self
+            .workers
+            .get_mut(worker)
+            .map(|w| w.on_request_body(&self.host, context, chunk, end))
+        else {
+            return false;
+        };
+        self.collect_calls(worker, Some(context));
+        if !step.pause && self.fate(context) == Some(&Fate::Paused) {
+            let now = self.now();
+            self.set_fate(context, Fate::Admitted(now));
+        }
+        if end {
+            self.with_body.remove(&context);
+        }
+        self.carry_out(worker, Some(context), step.commands, false);
+        true
+    }
+
+    fn send_headers(
+        &mut self,
+        worker: usize,
+        client_ip: Option<Vec<u8>>,
+        headers: Headers,
+        body_follows: bool,
+    ) -> ContextId {
         let context = self.next_context;
         self.next_context += 1;
         let worker = worker % self.workers.len().max(1);
         self.requests.insert(context, (worker, Fate::Paused));
+        if body_follows {
+            self.with_body
+                .insert(context, (client_ip.clone(), headers.clone()));
+        }
         self.host.set_request(client_ip, headers);
         let Some((step, tracked)) = self.workers.get_mut(worker).map(|w| {
-            let step = w.on_request_headers(&self.host, context);
+            let step = if body_follows {
+                w.on_request_headers_with_body(&self.host, context)
+            } else {
+                w.on_request_headers(&self.host, context)
+            };
             (step, w.tracks(context))
         }) else {
             return context;
