@@ -219,10 +219,48 @@ impl HttpContext for DianaHttp {
         }
     }
 
-    fn on_http_response_headers(&mut self, _: usize, _: bool) -> Action {
+    fn on_http_response_headers(&mut self, _: usize, end_of_stream: bool) -> Action {
         let context = self.context_id;
         let step = handle(&self.worker, |w| w.on_response_headers(&ProxyWasm, context));
         carry_out(context, step.commands);
+        if end_of_stream {
+            // No body follows: the rules that read one settle on an empty body now.
+            self.body_chunk(0, true);
+        }
         Action::Continue
+    }
+
+    /// Kept only in the module for documents that read answers (`diana-envoy-bodies.wasm`,
+    /// see `crates/diana-trim`), and in nginx's untrimmed one. The chunk is read (a host
+    /// call and a copy) only for a request whose rules read it; it always goes on as it
+    /// came.
+    fn on_http_response_body(&mut self, size: usize, end_of_stream: bool) -> Action {
+        self.body_chunk(size, end_of_stream);
+        Action::Continue
+    }
+
+    /// Trailers end the answer's body (a stream with trailers never sends an
+    /// end-of-stream body chunk).
+    fn on_http_response_trailers(&mut self, _: usize) -> Action {
+        self.body_chunk(0, true);
+        Action::Continue
+    }
+}
+
+impl DianaHttp {
+    fn body_chunk(&self, size: usize, end: bool) {
+        let context = self.context_id;
+        let reads = match self.worker.try_borrow() {
+            Ok(worker) => worker.reads_response_body(context),
+            Err(_) => false,
+        };
+        if !reads {
+            return;
+        }
+        let chunk = host::response_body(size);
+        let step = handle(&self.worker, |w| {
+            w.on_response_body(&ProxyWasm, context, &chunk, end)
+        });
+        carry_out(context, step.commands);
     }
 }

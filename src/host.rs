@@ -56,6 +56,22 @@ pub fn call_answer(shape: AnswerShape, headers: usize, body_size: usize) -> Answ
     Answer::from_host(headers, body)
 }
 
+/// The chunk of the answer's body `on_http_response_body` was entered for (`size` bytes:
+/// the filter returns `Continue`, so the host's buffer holds only the current chunk).
+/// Empty when the host refuses it: the reader then misses those bytes, and reads the
+/// body as malformed or cut, which keeps the reservation.
+pub fn response_body(size: usize) -> Vec<u8> {
+    if size == 0 {
+        return Vec::new();
+    }
+    hostcalls::get_buffer(BufferType::HttpResponseBody, 0, size)
+        .map(Option::unwrap_or_default)
+        .unwrap_or_else(|status| {
+            log::debug!("diana: response body unreadable: {status:?}");
+            Vec::new()
+        })
+}
+
 fn header(map: MapType, name: &str) -> Option<Vec<u8>> {
     hostcalls::get_map_value_bytes(map, name).unwrap_or_else(|status| {
         log::debug!("diana: header {name} unreadable: {status:?}");

@@ -1461,3 +1461,162 @@ def record(key: str, value: object) -> None:
 
 def dumps(obj: object) -> str:
     return json.dumps(obj, indent=1, sort_keys=True, default=str)
+
+
+# --------------------------------------------------------------------------- LLM upstream
+# For the LLM budget tests (issue 42; test_llm_upstream.py, test_llm_budgets.py): the fake
+# LLM upstream as a process of a test, and a client that reads an answer as the server
+# sent it, even when the server stops in the middle of it.
+
+LLM_UPSTREAM_PY = Path(__file__).resolve().parent / "llm_upstream.py"
+
+
+class LlmUpstream(ManagedProcess):
+    """tests/e2e/llm_upstream.py on 127.0.0.1: OpenAI, Anthropic and Gemini answers whose
+    usage the request's `x-fake-*` headers choose (see that file)."""
+
+    def __init__(self, log_dir: Path, port: Optional[int] = None, name: str = "llm-upstream") -> None:
+        self.port = port or free_port()
+        argv = [sys.executable, str(LLM_UPSTREAM_PY), "--host", HOST, "--port", str(self.port)]
+        super().__init__(name, argv, log_dir / f"{name}.log")
+
+    def start(self, timeout: float = 15.0) -> "LlmUpstream":  # type: ignore[override]
+        super().start()
+        self.wait_ready(lambda: http_get(self.port, "/healthz")[0] == 200, timeout, "serving /healthz")
+        return self
+
+
+@dataclass
+class Exchange:
+    """An answer as it came: `body` is the payload (de-chunked), `complete` whether its
+    framing said it ended (the last chunk, the whole content-length, or the close of a
+    body delimited by the close); `error` what stopped the reading early, if anything."""
+
+    status: Optional[int]
+    headers: dict[str, str]
+    body: bytes
+    complete: bool
+    error: Optional[str] = None
+
+    def header(self, name: str) -> Optional[str]:
+        return self.headers.get(name.lower())
+
+    def __repr__(self) -> str:
+        return f"Exchange({self.status}, {len(self.body)} bytes, complete={self.complete}, err={self.error})"
+
+
+class _SocketReader:
+    """Reads a socket through a buffer that never loses what arrived before an EOF or a
+    reset (a BufferedReader drops a partial read when the connection resets)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = b""
+        self.eof = False
+
+    def _fill(self) -> bool:
+        if self.eof:
+            return False
+        data = self.sock.recv(65536)
+        if not data:
+            self.eof = True
+            return False
+        self.buf += data
+        return True
+
+    def line(self) -> Optional[bytes]:
+        """A line with its end, or None if the connection ended first."""
+        while b"\n" not in self.buf:
+            if len(self.buf) > 65536 or not self._fill():
+                return None
+        line, _, self.buf = self.buf.partition(b"\n")
+        return line + b"\n"
+
+    def take(self, n: int, into: bytearray) -> bool:
+        """Moves up to `n` bytes into `into`; False if the connection ended first."""
+        while n > 0:
+            if not self.buf and not self._fill():
+                return False
+            part = self.buf[:n]
+            self.buf = self.buf[len(part):]
+            into += part
+            n -= len(part)
+        return True
+
+    def rest(self, into: bytearray) -> None:
+        into += self.buf
+        self.buf = b""
+        while self._fill():
+            into += self.buf
+            self.buf = b""
+
+
+def exchange(
+    port: int,
+    method: str,
+    path: str,
+    headers: Optional[Headers] = None,
+    body: Optional[bytes] = None,
+    *,
+    timeout: float = 30.0,
+    connected: Optional[Callable[[], object]] = None,
+) -> Exchange:
+    """One HTTP/1.1 request on a new connection (`connection: close`), and its answer read
+    whatever happens: a chunked body is de-chunked, and an answer that stops early (the
+    connection closed or reset mid-body) is returned with what arrived and `complete`
+    False. `connected()` is called once the connection is open, before the request is
+    sent (a barrier, to send many at once)."""
+    got = bytearray()
+    status: Optional[int] = None
+    hdrs: dict[str, str] = {}
+    try:
+        sock = socket.create_connection((HOST, port), timeout=timeout)
+    except OSError as e:
+        return Exchange(None, {}, b"", False, f"connect: {type(e).__name__}: {e}")
+    try:
+        if connected is not None:
+            connected()
+        head = [f"{method} {path} HTTP/1.1", f"host: {HOST}:{port}", "connection: close"]
+        for k, v in (headers or {}).items():
+            head.append(f"{k}: {v.decode('latin-1') if isinstance(v, bytes) else v}")
+        if body is not None:
+            head.append(f"content-length: {len(body)}")
+        sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + (body or b""))
+        r = _SocketReader(sock)
+        line = r.line()
+        if line is None:
+            return Exchange(None, {}, b"", False, "the connection ended before a status line")
+        parts = line.split()
+        status = int(parts[1])
+        while True:
+            line = r.line()
+            if line is None:
+                return Exchange(status, hdrs, b"", False, "the connection ended inside the headers")
+            if line in (b"\r\n", b"\n"):
+                break
+            name, _, value = line.decode("latin-1").partition(":")
+            hdrs[name.strip().lower()] = value.strip()
+        if method == "HEAD" or status in (204, 304) or 100 <= status < 200:
+            return Exchange(status, hdrs, b"", True)
+        if "chunked" in hdrs.get("transfer-encoding", "").lower():
+            while True:
+                size_line = r.line()
+                if size_line is None:
+                    return Exchange(status, hdrs, bytes(got), False)
+                size = int(size_line.split(b";")[0].strip(), 16)
+                if size == 0:
+                    while (trailer := r.line()) not in (b"\r\n", b"\n"):
+                        if trailer is None:
+                            return Exchange(status, hdrs, bytes(got), False)
+                    return Exchange(status, hdrs, bytes(got), True)
+                if not r.take(size, got) or r.line() is None:
+                    return Exchange(status, hdrs, bytes(got), False)
+        if "content-length" in hdrs:
+            whole = r.take(int(hdrs["content-length"]), got)
+            return Exchange(status, hdrs, bytes(got), whole)
+        r.rest(got)
+        return Exchange(status, hdrs, bytes(got), True)
+    except (OSError, ValueError, IndexError) as e:
+        return Exchange(status, hdrs, bytes(got), False, f"{type(e).__name__}: {e}")
+    finally:
+        sock.close()

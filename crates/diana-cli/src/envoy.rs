@@ -457,6 +457,39 @@ fn cluster(name: &str, endpoint: &Endpoint, connect_timeout: &str) -> Value {
     ])
 }
 
+/// The trimmed module without body callbacks, as `scripts/build` names it; its sibling
+/// keeps the callbacks of answers' bodies (`crates/diana-trim`).
+const HEADERS_MODULE: &str = "diana-envoy.wasm";
+const BODIES_MODULE: &str = "diana-envoy-bodies.wasm";
+
+/// The module a document needs: one whose rules read answers' bodies
+/// (`response_cost.usage | json`) needs the body callbacks, so `diana-envoy.wasm` becomes
+/// its sibling `diana-envoy-bodies.wasm`; any other module is taken as given (the
+/// untrimmed `diana.wasm` has every callback). A document that reads no body keeps the
+/// module without them: no VM entry per body chunk.
+fn module_for(policy: &Policy, wasm: &str, notes: &mut Vec<String>) -> String {
+    if !policy.reads_response_bodies() {
+        return wasm.to_string();
+    }
+    match wasm.strip_suffix(HEADERS_MODULE) {
+        Some(dir) if dir.is_empty() || dir.ends_with('/') => {
+            let bodies = format!("{dir}{BODIES_MODULE}");
+            notes.push(format!(
+                "the document reads answers' bodies (response_cost.usage | json): {bodies}, \
+                 which keeps the body callbacks"
+            ));
+            bodies
+        }
+        _ => {
+            notes.push(format!(
+                "the document reads answers' bodies (response_cost.usage | json): {wasm} must \
+                 keep the body callbacks (diana-envoy-bodies.wasm or the untrimmed diana.wasm)"
+            ));
+            wasm.to_string()
+        }
+    }
+}
+
 /// The `envoy.filters.http.wasm` entry that loads Diana with `document` as its configuration.
 fn wasm_filter(document: &str, wasm: &str) -> Value {
     map(vec![
@@ -552,6 +585,7 @@ fn file_access_log(log: &AccessLog) -> Value {
 /// `jwt_authn` goes before Diana when given.
 fn listener(
     options: &Options,
+    wasm: &str,
     document: Option<&str>,
     upstream_cluster: Option<&str>,
     jwt_authn: Option<Value>,
@@ -588,7 +622,7 @@ fn listener(
     // request costs nothing further down the chain.
     let mut http_filters: Vec<Value> = jwt_authn
         .into_iter()
-        .chain(document.map(|document| wasm_filter(document, &options.wasm)))
+        .chain(document.map(|document| wasm_filter(document, wasm)))
         .collect();
     http_filters.push(map(vec![
         ("name", string("envoy.filters.http.router")),
@@ -771,11 +805,14 @@ pub fn render(filter: Filter, options: &Options) -> Result<Rendered, RenderError
         }
     };
     let document = filter.document();
-    if document.is_some() && !Path::new(&options.wasm).is_file() {
+    let wasm = match filter {
+        Filter::Validated { policy, .. } => module_for(policy, &options.wasm, &mut notes),
+        Filter::Unvalidated { .. } | Filter::Absent => options.wasm.clone(),
+    };
+    if document.is_some() && !Path::new(&wasm).is_file() {
         warnings.push(format!(
-            "{} does not exist here (Envoy opens it relative to its own working directory); \
-             build it with `cargo build --release --target wasm32-wasip1`",
-            options.wasm
+            "{wasm} does not exist here (Envoy opens it relative to its own working directory); \
+             build it with `scripts/build`",
         ));
     }
 
@@ -808,7 +845,13 @@ pub fn render(filter: Filter, options: &Options) -> Result<Rendered, RenderError
             map(vec![
                 (
                     "listeners",
-                    Value::Sequence(vec![listener(options, document, upstream_name, jwt_authn)]),
+                    Value::Sequence(vec![listener(
+                        options,
+                        &wasm,
+                        document,
+                        upstream_name,
+                        jwt_authn,
+                    )]),
                 ),
                 ("clusters", Value::Sequence(cluster_values)),
             ]),
@@ -821,7 +864,7 @@ pub fn render(filter: Filter, options: &Options) -> Result<Rendered, RenderError
         ""
     };
     let filter_step = match document {
-        Some(_) => format!("{jwt_step}diana.wasm ({}) -> ", options.wasm),
+        Some(_) => format!("{jwt_step}diana.wasm ({wasm}) -> "),
         None => format!("{jwt_step}no Diana filter -> "),
     };
     let destination = match (&options.direct_response, upstream_name) {

@@ -77,7 +77,9 @@ pub struct HeaderEdit {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct ResponseCharge {
     pub rule: usize,
-    pub header: String,
+    /// The response header its cost is read from (`:status` for `count`); `None`: the
+    /// answer's body (`response_cost.usage | json`, read as it passes).
+    pub header: Option<String>,
     pub address: SlotAddress,
     /// What the request was to take up front (its cost, or its reservation).
     pub upfront: u32,
@@ -118,7 +120,21 @@ impl Reserved {
 impl AfterResponse {
     /// The response headers to read, in the order their values are handed back.
     pub fn headers(&self) -> impl Iterator<Item = &str> {
-        self.charges.iter().map(|charge| charge.header.as_str())
+        self.charges
+            .iter()
+            .filter_map(|charge| charge.header.as_deref())
+    }
+
+    /// True when a rule's cost is read from the answer's body: the request is settled
+    /// when its body ends ([`crate::engine::Engine::after_body`]).
+    pub fn reads_body(&self) -> bool {
+        self.charges.iter().any(|charge| charge.header.is_none())
+    }
+
+    /// The rules whose cost the answer's body gives, in the order their costs are handed
+    /// back.
+    pub(crate) fn body_charges(&self) -> impl Iterator<Item = &ResponseCharge> {
+        self.charges.iter().filter(|charge| charge.header.is_none())
     }
 
     pub fn is_empty(&self) -> bool {

@@ -22,7 +22,7 @@ mod breakers;
 mod calls;
 mod view;
 
-pub use calls::{Call, Then};
+pub use calls::{Call, Then, UsageTrouble};
 
 use crate::actor::Identity;
 use crate::call::Answer;
@@ -227,6 +227,9 @@ impl<'p> PlansRead<'p> {
     }
 }
 
+/// The request header removed from requests whose answer's body is read for usage.
+pub const ACCEPT_ENCODING: &str = "accept-encoding";
+
 /// The immutable policy plus the per-VM machinery to evaluate it.
 #[derive(Debug)]
 pub struct Engine {
@@ -325,7 +328,7 @@ impl Engine {
             // Least specific first: the last match is the longest.
             view.borrow_mut().path(at, cx.now);
         }
-        let passed = if self.breakers.is_empty() {
+        let mut passed = if self.breakers.is_empty() {
             breakers::Passed::default()
         } else {
             match self.breakers.check(cx, self.local.store(), &resources) {
@@ -334,6 +337,18 @@ impl Engine {
             }
         };
         let applicable = self.applicable(&resources, facts);
+        if applicable
+            .after
+            .iter()
+            .any(|charge| charge.header.is_none())
+        {
+            // The answer's usage is read from its body as it passes: it must come
+            // uncompressed (a gzip body would read as malformed and keep the reservation).
+            passed.upstream.push(HeaderEdit {
+                name: ACCEPT_ENCODING.to_string(),
+                value: None,
+            });
+        }
         if applicable.local.is_empty()
             && applicable.global.is_empty()
             && passed.calls.is_empty()
@@ -618,10 +633,12 @@ impl Engine {
                     Identity::Key(hash) => SlotAddress::of(hash, rule.slots.get()),
                 };
                 let cost = rule.upfront().of(facts);
-                if let Some(header) = rule.answer_header() {
+                // Settled from a response header, or from the answer's body.
+                let answer_header = rule.answer_header();
+                if answer_header.is_some() || rule.response_body_source().is_some() {
                     applicable.after.push(ResponseCharge {
                         rule: rule.index,
-                        header: header.to_string(),
+                        header: answer_header.map(str::to_string),
                         address,
                         upfront: cost,
                         reserved: Reserved::Nothing,

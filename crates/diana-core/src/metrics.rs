@@ -165,10 +165,17 @@ pub enum Event {
     /// A remote document was refused because the local document does not let it in
     /// (a pinned field changed, or a missing or bad signature: DESIGN §6).
     ConfigRemoteRefused,
+    /// An answer's body gave the usage a rule charges (`response_cost.usage | json`): the
+    /// request's charge was settled from it.
+    UsageSettled,
+    /// An answer's body was read to its end, or cut short, without a usable usage (none,
+    /// malformed, not an integer, the stream cut before it): the request keeps what it
+    /// took up front.
+    UsageUnread,
 }
 
 impl Event {
-    pub const ALL: [Event; 24] = [
+    pub const ALL: [Event; 26] = [
         Event::StoreError,
         Event::StoreContention,
         Event::ClockError,
@@ -193,6 +200,8 @@ impl Event {
         Event::ConfigFetchError,
         Event::ConfigRemoteRefused,
         Event::ReportFailed,
+        Event::UsageSettled,
+        Event::UsageUnread,
     ];
 
     pub fn name(self) -> &'static str {
@@ -221,6 +230,8 @@ impl Event {
             Event::ConfigFetchError => "diana_config_fetch_errors",
             Event::ConfigRemoteRefused => "diana_config_remote_refused",
             Event::ReportFailed => "diana_report_failures",
+            Event::UsageSettled => "diana_usage_settled",
+            Event::UsageUnread => "diana_usage_unread",
         }
     }
 }

@@ -16,6 +16,10 @@
 //!   reservation charged: nothing says it cost less.
 //! - `count.status`: the request took its cost; an answer of a counted status keeps it, any
 //!   other gives it back. An unreadable status is counted.
+//! - A cost read from the answer's body ([`settle_body`], `response_cost.usage | json`) is
+//!   settled when the body ends, as a header's would be. A stream cut short (its client
+//!   gone, its upstream reset) keeps the reservation and owes what the events before the
+//!   cut already reported beyond it; a body without usable usage keeps the reservation.
 //!
 //! Pure: the engine carries the result out (the local counter, the lease stash, or a debt
 //! to the quota service).
@@ -37,23 +41,64 @@ pub enum Settlement {
 /// it (0: nothing, e.g. a rule in dry run that would have denied), `upfront` what the
 /// request was to take, `answer` the value of [`Rule::answer_header`] in the response.
 pub fn settle(rule: &Rule, reserved: u32, upfront: u32, answer: Option<&[u8]>) -> Settlement {
-    let (cost, reserved) = match (&rule.count, &rule.response_cost) {
-        (Some(count), _) => (
-            Some(if count.counts(answer) { upfront } else { 0 }),
-            reserved,
-        ),
-        (None, Some(response_cost)) if response_cost.reserve.is_some() => {
-            (response_cost.of(answer), reserved)
-        }
+    let cost = match (&rule.count, &rule.response_cost) {
+        (Some(count), _) => Some(if count.counts(answer) { upfront } else { 0 }),
+        (None, Some(response_cost)) => response_cost.of(answer),
+        (None, None) => return Settlement::Keep,
+    };
+    replace(rule, reserved, cost)
+}
+
+/// What an answer's body said a request cost (`response_cost.usage | json`), priced and
+/// capped by the rule ([`crate::config::ResponseCost::charge`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BodyCost {
+    /// The body was read to its end and gave this cost.
+    Read(u32),
+    /// The stream was cut short (the client or the upstream went away) after whole events
+    /// that gave this cost so far: a floor, not the cost (more may have been generated).
+    CutShort(u32),
+    /// No usable usage: none, malformed, not an integer, or cut short before any.
+    Unknown,
+}
+
+/// Settles a rule whose cost the answer's body gives. A cost read whole replaces the
+/// reservation (or is owed on top of the `cost` taken, without one), as a header's would;
+/// a stream cut short keeps the reservation and owes only what it is known to have cost
+/// beyond it; no usage keeps the reservation (nothing says it cost less).
+pub fn settle_body(rule: &Rule, reserved: u32, body: BodyCost) -> Settlement {
+    let reserves = rule
+        .response_cost
+        .as_ref()
+        .is_some_and(|response_cost| response_cost.reserve.is_some());
+    let cost = match body {
+        BodyCost::Read(cost) => Some(cost),
+        BodyCost::CutShort(seen) if reserves => Some(seen.max(reserved)),
+        BodyCost::CutShort(seen) => Some(seen),
+        BodyCost::Unknown => None,
+    };
+    replace(rule, reserved, cost)
+}
+
+/// The cost an answer gave (`None`: unknown), against what the request holds: with a
+/// reservation (or a `count`), the cost replaces what was reserved; a plain
+/// `response_cost` is owed on top of what the request took.
+fn replace(rule: &Rule, reserved: u32, cost: Option<u32>) -> Settlement {
+    let replaces = rule.count.is_some()
+        || rule
+            .response_cost
+            .as_ref()
+            .is_some_and(|response_cost| response_cost.reserve.is_some());
+    let (cost, reserved) = match (cost, replaces) {
+        (None, _) => return Settlement::Keep,
+        (Some(cost), true) => (cost, reserved),
         // Owed on top of what the request took.
-        (None, Some(response_cost)) => (Some(response_cost.of(answer).unwrap_or(0)), 0),
-        (None, None) => (None, 0),
+        (Some(cost), false) => (cost, 0),
     };
     match cost {
-        None => Settlement::Keep,
-        Some(cost) if cost > reserved => Settlement::Owe(cost - reserved),
-        Some(cost) if cost < reserved => Settlement::GiveBack(reserved - cost),
-        Some(_) => Settlement::Keep,
+        cost if cost > reserved => Settlement::Owe(cost - reserved),
+        cost if cost < reserved => Settlement::GiveBack(reserved - cost),
+        _ => Settlement::Keep,
     }
 }
 
@@ -112,6 +157,37 @@ mod tests {
                 expected,
                 "{fields}, reserved {reserved}, answer {:?}",
                 answer.map(String::from_utf8_lossy)
+            );
+        }
+    }
+
+    #[test]
+    fn a_cost_from_the_body_settles_as_a_header_would_and_a_cut_keeps_the_reservation() {
+        use BodyCost::*;
+        use Settlement::*;
+        let reserve = "response_cost: {usage: openai, reserve: 200}";
+        let plain = "response_cost: {usage: openai}";
+        let table: &[(&str, u32, BodyCost, Settlement)] = &[
+            (reserve, 200, Read(120), GiveBack(80)),
+            (reserve, 200, Read(200), Keep),
+            (reserve, 200, Read(350), Owe(150)),
+            (reserve, 200, Read(0), GiveBack(200)),
+            (reserve, 200, Unknown, Keep),
+            // Cut short: the reservation is a floor, what was seen beyond it is owed.
+            (reserve, 200, CutShort(50), Keep),
+            (reserve, 200, CutShort(260), Owe(60)),
+            (reserve, 0, CutShort(50), Owe(50)),
+            // Without a reservation: owed on top of the cost taken.
+            (plain, 1, Read(120), Owe(120)),
+            (plain, 1, Read(0), Keep),
+            (plain, 1, CutShort(30), Owe(30)),
+            (plain, 1, Unknown, Keep),
+        ];
+        for &(fields, reserved, body, expected) in table {
+            assert_eq!(
+                settle_body(&rule(fields), reserved, body),
+                expected,
+                "{fields}, reserved {reserved}, {body:?}"
             );
         }
     }

@@ -11,6 +11,13 @@
 //!
 //! ngx_wasm_module calls `proxy_on_done` and `proxy_on_log` without checking that they
 //! exist, so nginx and Kong get the untrimmed module.
+//!
+//! Reading bodies has a price on every request, whether a rule reads them or not: the host
+//! enters the VM for each body chunk. So there are two trimmed modules: one without any
+//! body callback ([`Keep::Headers`], `diana-envoy.wasm`), for documents whose rules read no
+//! body, and one that keeps the response's body and trailer callbacks ([`Keep::Bodies`],
+//! `diana-envoy-bodies.wasm`), for documents with `response_cost.usage | json`. `diana
+//! render-envoy` loads the second where the document needs it.
 
 use std::collections::BTreeSet;
 
@@ -35,6 +42,34 @@ pub const KEPT_CALLBACKS: &[&str] = &[
     // Not a callback: the host allocates returned buffers through it.
     "proxy_on_memory_allocate",
 ];
+
+/// The callbacks the module for documents that read answers keeps besides
+/// [`KEPT_CALLBACKS`]: each chunk of an answer's body goes to the usage reader; trailers end
+/// a body.
+pub const BODY_CALLBACKS: &[&str] = &["proxy_on_response_body", "proxy_on_response_trailers"];
+
+/// Which module to make.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Keep {
+    /// [`KEPT_CALLBACKS`] only: no body reaches the VM.
+    Headers,
+    /// [`KEPT_CALLBACKS`] and [`BODY_CALLBACKS`].
+    Bodies,
+}
+
+impl Keep {
+    fn keeps(self, name: &str) -> bool {
+        KEPT_CALLBACKS.contains(&name) || (self == Keep::Bodies && BODY_CALLBACKS.contains(&name))
+    }
+
+    fn required(self) -> impl Iterator<Item = &'static str> {
+        let bodies: &[&'static str] = match self {
+            Keep::Headers => &[],
+            Keep::Bodies => BODY_CALLBACKS,
+        };
+        KEPT_CALLBACKS.iter().chain(bodies).copied()
+    }
+}
 
 /// What trimming did.
 #[derive(Debug, PartialEq, Eq)]
@@ -67,15 +102,14 @@ pub fn exports(wasm: &[u8]) -> Result<Vec<String>, TrimError> {
     Ok(names.into_iter().collect())
 }
 
-/// Removes every `proxy_on_*` export that is not in [`KEPT_CALLBACKS`], then the code
-/// nothing reaches any more. Fails if a kept callback is missing: the SDK changed and
-/// the list needs a look.
-pub fn trim(wasm: &[u8]) -> Result<Trimmed, TrimError> {
+/// Removes every `proxy_on_*` export that `keep` does not keep, then the code nothing
+/// reaches any more. Fails if a kept callback is missing: the SDK changed and the list
+/// needs a look.
+pub fn trim(wasm: &[u8], keep: Keep) -> Result<Trimmed, TrimError> {
     let mut module = parse(wasm)?;
     let present: BTreeSet<&str> = module.exports.iter().map(|e| e.name.as_str()).collect();
-    let missing: Vec<&'static str> = KEPT_CALLBACKS
-        .iter()
-        .copied()
+    let missing: Vec<&'static str> = keep
+        .required()
         .filter(|name| !present.contains(name))
         .collect();
     if !missing.is_empty() {
@@ -84,7 +118,7 @@ pub fn trim(wasm: &[u8]) -> Result<Trimmed, TrimError> {
     let doomed: Vec<(walrus::ExportId, String)> = module
         .exports
         .iter()
-        .filter(|e| e.name.starts_with("proxy_on_") && !KEPT_CALLBACKS.contains(&e.name.as_str()))
+        .filter(|e| e.name.starts_with("proxy_on_") && !keep.keeps(&e.name))
         .map(|e| (e.id(), e.name.clone()))
         .collect();
     let mut removed = Vec::with_capacity(doomed.len());
@@ -152,7 +186,7 @@ mod tests {
     #[test]
     fn keeps_diana_callbacks_and_non_callbacks_and_drops_the_rest() {
         let all: Vec<&str> = KEPT_CALLBACKS.iter().chain(DROPPED).copied().collect();
-        let trimmed = trim(&sdk_like(&all)).unwrap();
+        let trimmed = trim(&sdk_like(&all), Keep::Headers).unwrap();
         let mut expected_removed: Vec<String> = DROPPED.iter().map(|s| s.to_string()).collect();
         expected_removed.sort();
         assert_eq!(trimmed.removed, expected_removed);
@@ -171,7 +205,8 @@ mod tests {
         let all: Vec<&str> = KEPT_CALLBACKS.iter().chain(DROPPED).copied().collect();
         let before = Module::from_buffer(&sdk_like(&all)).unwrap();
         assert!(before.funcs.by_name("only_for_log").is_some());
-        let after = Module::from_buffer(&trim(&sdk_like(&all)).unwrap().wasm).unwrap();
+        let after =
+            Module::from_buffer(&trim(&sdk_like(&all), Keep::Headers).unwrap().wasm).unwrap();
         assert!(after.funcs.iter().count() < before.funcs.iter().count());
         assert_eq!(after.funcs.iter().count(), KEPT_CALLBACKS.len() + 3);
     }
@@ -179,8 +214,8 @@ mod tests {
     #[test]
     fn trimming_twice_changes_nothing() {
         let all: Vec<&str> = KEPT_CALLBACKS.iter().chain(DROPPED).copied().collect();
-        let once = trim(&sdk_like(&all)).unwrap();
-        let twice = trim(&once.wasm).unwrap();
+        let once = trim(&sdk_like(&all), Keep::Headers).unwrap();
+        let twice = trim(&once.wasm, Keep::Headers).unwrap();
         assert!(twice.removed.is_empty());
         assert_eq!(exports(&twice.wasm).unwrap(), exports(&once.wasm).unwrap());
     }
@@ -192,7 +227,7 @@ mod tests {
             .copied()
             .filter(|n| *n != "proxy_on_tick")
             .collect();
-        let error = trim(&sdk_like(&without)).unwrap_err();
+        let error = trim(&sdk_like(&without), Keep::Headers).unwrap_err();
         assert!(
             matches!(&error, TrimError::MissingCallbacks { missing } if missing == &["proxy_on_tick"]),
             "{error:?}"
@@ -204,8 +239,30 @@ mod tests {
     }
 
     #[test]
+    fn the_module_for_answers_keeps_the_body_callbacks_only() {
+        let all: Vec<&str> = KEPT_CALLBACKS.iter().chain(DROPPED).copied().collect();
+        let trimmed = trim(&sdk_like(&all), Keep::Bodies).unwrap();
+        let left = exports(&trimmed.wasm).unwrap();
+        for name in BODY_CALLBACKS {
+            assert!(left.iter().any(|e| e == name), "{name} kept: {left:?}");
+        }
+        assert!(
+            !left.iter().any(|e| e == "proxy_on_request_body"),
+            "{left:?}"
+        );
+        assert!(!left.iter().any(|e| e == "proxy_on_log"), "{left:?}");
+        let headers = exports(&trim(&sdk_like(&all), Keep::Headers).unwrap().wasm).unwrap();
+        for name in BODY_CALLBACKS {
+            assert!(
+                !headers.iter().any(|e| e == name),
+                "{name} removed: {headers:?}"
+            );
+        }
+    }
+
+    #[test]
     fn garbage_is_refused_with_a_reason() {
-        let error = trim(b"not wasm").unwrap_err();
+        let error = trim(b"not wasm", Keep::Headers).unwrap_err();
         assert!(matches!(error, TrimError::Unreadable(_)), "{error:?}");
         assert!(
             error

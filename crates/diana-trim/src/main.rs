@@ -1,7 +1,9 @@
 //! `diana-trim IN OUT`: writes IN without the proxy-wasm callbacks Diana does not
-//! implement (see the library docs). `diana-trim --list FILE`: prints FILE's exports.
+//! implement (see the library docs); `diana-trim --bodies IN OUT` keeps the callbacks of
+//! answers' bodies (for documents that read usage from them). `diana-trim --list FILE`:
+//! prints FILE's exports.
 
-use diana_trim::TrimError;
+use diana_trim::{Keep, TrimError};
 use std::io;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -9,7 +11,7 @@ use std::process::ExitCode;
 /// Why the command failed; printed after `diana-trim: `.
 #[derive(Debug, thiserror::Error)]
 enum Failure {
-    #[error("usage: diana-trim IN OUT | diana-trim --list FILE")]
+    #[error("usage: diana-trim [--bodies] IN OUT | diana-trim --list FILE")]
     Usage,
     #[error("cannot read {}: {source}", path.display())]
     Read {
@@ -46,7 +48,10 @@ fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.as_slice() {
         [flag, file] if flag == "--list" => list(Path::new(file)),
-        [input, output] => trim(Path::new(input), Path::new(output)),
+        [flag, input, output] if flag == "--bodies" => {
+            trim(Path::new(input), Path::new(output), Keep::Bodies)
+        }
+        [input, output] => trim(Path::new(input), Path::new(output), Keep::Headers),
         _ => Err(Failure::Usage),
     };
     match result {
@@ -72,9 +77,9 @@ fn list(path: &Path) -> Result<(), Failure> {
     Ok(())
 }
 
-fn trim(input: &Path, output: &Path) -> Result<(), Failure> {
+fn trim(input: &Path, output: &Path, keep: Keep) -> Result<(), Failure> {
     let before = read(input)?;
-    let trimmed = diana_trim::trim(&before).map_err(|source| Failure::Trim {
+    let trimmed = diana_trim::trim(&before, keep).map_err(|source| Failure::Trim {
         input: input.to_path_buf(),
         source,
     })?;

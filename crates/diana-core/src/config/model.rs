@@ -122,15 +122,13 @@ impl Policy {
             .any(|rule| rule.response_body_source().is_some())
     }
 
-    /// The rules that read a body (`reserve.json`, `response_cost.usage`, `.json`), by
-    /// name. This version reads no body yet (issue 42): such a rule reserves its
-    /// `reserve.default` (or takes its `cost`) and keeps it, so the filter and `diana
-    /// check` say so at load ([`body_warning`]).
+    /// The rules that read a request's body (`reserve.json`), by name. This version reads
+    /// answers' bodies but not requests' (issue 42): such a rule reserves its
+    /// `reserve.default`, so the filter and `diana check` say so at load
+    /// ([`body_warning`]).
     pub fn body_readers(&self) -> Vec<&str> {
         self.rules()
-            .filter(|rule| {
-                rule.request_body_path().is_some() || rule.response_body_source().is_some()
-            })
+            .filter(|rule| rule.request_body_path().is_some())
             .map(|rule| rule.name.as_str())
             .collect()
     }
@@ -1171,16 +1169,16 @@ impl Pinned {
     }
 }
 
-/// The warning for a document whose rules read a body ([`Policy::body_readers`]), or
-/// `None`: what such a rule does until bodies are read, so that nobody mistakes a
-/// reservation kept for usage counted.
+/// The warning for a document whose rules read a request's body ([`Policy::body_readers`]),
+/// or `None`: what such a rule reserves until requests' bodies are read, so that nobody
+/// mistakes `reserve.default` for the request's own `max_tokens`.
 pub fn body_warning(policy: &Policy) -> Option<String> {
     let readers = policy.body_readers();
     if readers.is_empty() {
         return None;
     }
     Some(format!(
-        "diana: rule(s) {} read a request's or an answer's body (reserve.json, response_cost.usage or .json); this version reads no body yet: each request reserves reserve.default (without a reservation, takes its cost) and keeps it, nothing is settled from the answer",
+        "diana: rule(s) {} reserve from the request's body (reserve.json); this version does not read requests' bodies yet: each request reserves reserve.default, settled from the answer's usage as usual",
         readers.join(", ")
     ))
 }

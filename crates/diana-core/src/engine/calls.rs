@@ -28,18 +28,19 @@ use super::{Awaiting, Engine, EngineDecision, Held, Pending, PendingState};
 use crate::algo::inflight::RENEW_EVERY;
 use crate::breaker::Report;
 use crate::call::{Answer, AnswerShape, Callout};
-use crate::config::Scope;
+use crate::config::{Rule, Scope};
 use crate::cx::Cx;
-use crate::decision::{AfterResponse, Decision, Reserved};
+use crate::decision::{AfterResponse, Decision, Reserved, ResponseCharge};
 use crate::global::debts::Debt;
 use crate::global::{Asked, GlobalCharge, Payment, Refund};
 use crate::local::Taken;
 use crate::metrics::{Event, MetricSink, NoMetrics};
 use crate::places::{HoldingId, PlaceAt, ServicePlace};
 use crate::report::{self, BreakerReport, FleetParams, ReportRequest, ReportResponse};
-use crate::settle::{settle, Settlement};
+use crate::settle::{settle, settle_body, BodyCost, Settlement};
 use crate::store::{ChargeError, SharedData};
 use crate::time::Instant;
+use crate::usage::{Framing, NoValue, Usage, UsageReader};
 use crate::wire::{self, AcquireRequest};
 
 /// A call to make: the callout, and what its answer resumes.
@@ -507,50 +508,123 @@ impl Engine {
                 Some(status.unwrap_or(200)),
             );
         }
-        for (charge, value) in after.charges.iter().zip(values) {
+        let by_header = after
+            .charges
+            .iter()
+            .filter(|charge| charge.header.is_some());
+        for (charge, value) in by_header.zip(values) {
             let Some(rule) = self.policy.rule(charge.rule) else {
                 continue;
             };
-            let reserved = charge.reserved.tokens();
-            match settle(rule, reserved, charge.upfront, value.as_deref()) {
-                Settlement::Keep => {}
-                Settlement::Owe(tokens) => {
-                    let debt = Debt {
-                        rule: charge.rule,
-                        address: charge.address,
-                        tokens: u64::from(tokens),
-                    };
-                    let local = match rule.scope {
-                        Scope::Local => Some(debt),
-                        Scope::Global => self.global.owe(debt),
-                    };
-                    if let Some(debt) = local {
-                        self.charge_debt_locally(cx, debt);
-                    }
+            let settlement = settle(
+                rule,
+                charge.reserved.tokens(),
+                charge.upfront,
+                value.as_deref(),
+            );
+            self.carry_out_settlement(cx, rule, charge, settlement);
+        }
+    }
+
+    /// What a request reads from its answer's body, one reader per rule whose cost is
+    /// there, in the order [`Engine::after_body`] takes their results.
+    pub fn body_readers(&self, after: &AfterResponse, framing: Framing) -> Vec<UsageReader> {
+        after
+            .body_charges()
+            .filter_map(|charge| self.policy.rule(charge.rule))
+            .filter_map(Rule::response_body_source)
+            .map(|source| UsageReader::new(&source, framing))
+            .collect()
+    }
+
+    /// Settles the rules whose cost an answer's body gives, once it ended (or was cut
+    /// short): `read` is each reader's result, in [`Engine::body_readers`]' order. Returns
+    /// the first reader's trouble, if any (for the worker's one log line).
+    pub fn after_body(
+        &self,
+        cx: &mut Cx<'_>,
+        after: &AfterResponse,
+        read: Vec<Result<Usage, NoValue<Usage>>>,
+    ) -> Option<UsageTrouble> {
+        let mut trouble = None;
+        let charges = after
+            .body_charges()
+            .filter_map(|charge| Some((charge, self.policy.rule(charge.rule)?)));
+        for ((charge, rule), read) in charges.zip(read) {
+            let Some(response_cost) = rule.response_cost.as_ref() else {
+                continue;
+            };
+            let body = match read {
+                Ok(usage) => BodyCost::Read(response_cost.charge(&usage)),
+                Err(NoValue::CutShort { seen }) => {
+                    BodyCost::CutShort(seen.map_or(0, |usage| response_cost.charge(&usage)))
                 }
-                Settlement::GiveBack(tokens) => match &charge.reserved {
-                    Reserved::Nothing => {}
-                    Reserved::Local(taken) => {
-                        let part = taken.part(tokens);
-                        let held = [Held {
-                            rule: rule.index,
-                            address: charge.address,
-                            cost: part.tokens(),
-                            taken: part,
-                        }];
-                        self.give_back_held(cx.shared, &held, cx.now, cx.metrics);
-                    }
-                    Reserved::Global { until, from, .. } => {
-                        let refund = Refund {
-                            index: rule.index,
-                            address: charge.address,
-                            tokens,
-                            until: *until,
-                        };
-                        self.global.refund(cx, rule, refund, from.as_ref());
-                    }
-                },
+                Err(problem) => {
+                    trouble.get_or_insert_with(|| UsageTrouble {
+                        rule: rule.name.clone(),
+                        problem: problem.to_string(),
+                    });
+                    BodyCost::Unknown
+                }
+            };
+            cx.metrics.event(match body {
+                BodyCost::Read(_) => Event::UsageSettled,
+                BodyCost::CutShort(_) | BodyCost::Unknown => Event::UsageUnread,
+            });
+            let settlement = settle_body(rule, charge.reserved.tokens(), body);
+            self.carry_out_settlement(cx, rule, charge, settlement);
+        }
+        trouble
+    }
+
+    /// Carries out one rule's settlement: what is owed is charged to a local rule at once,
+    /// past its limit if need be, and to a global rule from the tick (a payment); what is
+    /// given back goes where it was taken from.
+    fn carry_out_settlement(
+        &self,
+        cx: &mut Cx<'_>,
+        rule: &Rule,
+        charge: &ResponseCharge,
+        settlement: Settlement,
+    ) {
+        match settlement {
+            Settlement::Keep => {}
+            Settlement::Owe(tokens) => {
+                let debt = Debt {
+                    rule: charge.rule,
+                    address: charge.address,
+                    tokens: u64::from(tokens),
+                };
+                let local = match rule.scope {
+                    Scope::Local => Some(debt),
+                    Scope::Global => self.global.owe(debt),
+                };
+                if let Some(debt) = local {
+                    self.charge_debt_locally(cx, debt);
+                }
             }
+            Settlement::GiveBack(tokens) => match &charge.reserved {
+                Reserved::Nothing => {}
+                Reserved::Local(taken) => {
+                    let part = taken.part(tokens);
+                    let held = [Held {
+                        rule: rule.index,
+                        address: charge.address,
+                        cost: part.tokens(),
+                        taken: part,
+                    }];
+                    self.give_back_held(cx.shared, &held, cx.now, cx.metrics);
+                }
+                Reserved::Global { until, from, .. } => {
+                    let refund = Refund {
+                        index: rule.index,
+                        address: charge.address,
+                        tokens,
+                        until: *until,
+                    };
+                    self.global.refund(cx, rule, refund, from.as_ref());
+                }
+            },
         }
     }
 
@@ -622,4 +696,12 @@ impl Engine {
     pub(crate) fn owes(&self) -> bool {
         self.global.owes()
     }
+}
+
+/// Why an answer's body gave a rule no usage (absent, malformed, not an integer): what the
+/// worker logs once per configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UsageTrouble {
+    pub rule: String,
+    pub problem: String,
 }

@@ -30,6 +30,7 @@ use crate::remote::{self, PollBody, PollFailure, PollOutcome};
 use crate::store::identity;
 use crate::store::HostError;
 use crate::time::{Instant, Nanos};
+use std::cell::Cell;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -350,6 +351,7 @@ impl Worker {
             engine,
             counters,
             serves_metrics,
+            usage_logged: Cell::new(false),
         };
         if let Some(replaced) = self.configured.replace(configured) {
             self.retired.push(replaced);

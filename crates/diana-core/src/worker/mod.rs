@@ -71,13 +71,16 @@ use crate::engine::{Call, Engine, EngineDecision, Pending, Then};
 use crate::global::flights::RiderId;
 use crate::lifecycle;
 use crate::metrics::Event;
+use crate::places::HoldingId;
 use crate::response::Rejection;
 use crate::store::Store;
 use crate::time::Instant;
+use crate::usage::{Framing, NoValue, UsageReader};
 use configure::Source;
 pub use configure::{on_invalid_config_of, Refused};
 use counters::Counters;
 use hashbrown::HashMap;
+use std::cell::Cell;
 use std::collections::BTreeSet;
 use std::time::Duration;
 
@@ -141,6 +144,8 @@ pub(crate) struct Configured {
     counters: Counters,
     /// The policy has a `metrics.path`.
     serves_metrics: bool,
+    /// An answer without usable usage was logged (once per configuration).
+    usage_logged: Cell<bool>,
 }
 
 /// A request the worker still has something for.
@@ -159,6 +164,9 @@ enum Stage {
     Admitted,
     /// Answered; it holds concurrency places until it ends (`after.holding`).
     Answered,
+    /// Answered; its body is read as it passes for the rules whose cost it gives (one
+    /// reader each, fixed size: see `usage.rs`), settled when it ends.
+    Reading(Box<[UsageReader]>),
     /// Paused for its call (in `calls` under this token).
     Calling(CallToken),
     /// Paused behind another request's call (in `parked`).
@@ -281,7 +289,12 @@ impl Worker {
     pub fn paused(&self) -> usize {
         self.requests
             .values()
-            .filter(|request| !matches!(request.stage, Stage::Admitted | Stage::Answered))
+            .filter(|request| {
+                !matches!(
+                    request.stage,
+                    Stage::Admitted | Stage::Answered | Stage::Reading(_)
+                )
+            })
             .count()
     }
 
@@ -365,6 +378,9 @@ impl Worker {
     }
 
     /// A request's response headers arrived: charge its response costs, add its headers.
+    /// A rule whose cost the answer's body gives is settled when the body ends
+    /// ([`Worker::on_response_body`]); a binding whose response headers end the stream
+    /// hands over an empty last chunk.
     pub fn on_response_headers(&mut self, host: &dyn Host, context: ContextId) -> Step {
         let mut step = Step::default();
         let Some(mut request) = self.requests.remove(&context) else {
@@ -378,7 +394,21 @@ impl Worker {
         }
         if let Some(after) = request.after.take() {
             self.settle(host, request.generation, &after);
-            if let Some(holding) = after.holding() {
+            let readers = if after.reads_body() {
+                self.body_readers(host, request.generation, &after)
+            } else {
+                None
+            };
+            if let Some(readers) = readers {
+                // Kept until its body ends: the body charges, and its places.
+                self.hold(
+                    context,
+                    request.generation,
+                    Stage::Reading(readers),
+                    Vec::new(),
+                    Some(after),
+                );
+            } else if let Some(holding) = after.holding() {
                 // Its places are held until the request ends (its context goes).
                 let holding = AfterResponse {
                     holding: Some(holding),
@@ -397,6 +427,125 @@ impl Worker {
             step.commands.push(Command::AddHeaders(request.headers));
         }
         step
+    }
+
+    /// The readers of an answer's body for the rules whose cost it gives, framed by its
+    /// `content-type` (server-sent events, else one JSON document).
+    fn body_readers(
+        &self,
+        host: &dyn Host,
+        generation: u64,
+        after: &AfterResponse,
+    ) -> Option<Box<[UsageReader]>> {
+        let configured = self.generation(generation)?;
+        let framing = host
+            .response_header("content-type")
+            .map_or(Framing::Json, |value| Framing::of_content_type(&value));
+        let readers = configured.engine.body_readers(after, framing);
+        (!readers.is_empty()).then(|| readers.into_boxed_slice())
+    }
+
+    /// True while the worker reads this request's answer body (a rule charges from it): a
+    /// binding reads a body chunk (a host call and a copy) only then.
+    pub fn reads_response_body(&self, context: ContextId) -> bool {
+        self.requests
+            .get(&context)
+            .is_some_and(|request| matches!(request.stage, Stage::Reading(_)))
+    }
+
+    /// One chunk of a request's answer body, as the host forwards it (it is never held or
+    /// changed); `end`: the body ends with it (the chunk may be empty). At the end the
+    /// rules whose cost the body gives are settled.
+    pub fn on_response_body(
+        &mut self,
+        host: &dyn Host,
+        context: ContextId,
+        chunk: &[u8],
+        end: bool,
+    ) -> Step {
+        let mut step = Step::default();
+        let Some(request) = self.requests.get_mut(&context) else {
+            return step;
+        };
+        let Stage::Reading(readers) = &mut request.stage else {
+            return step;
+        };
+        for reader in readers.iter_mut() {
+            reader.feed(chunk);
+        }
+        if !end {
+            return step;
+        }
+        let Some(request) = self.requests.remove(&context) else {
+            return step;
+        };
+        let holding = self.body_ended(host, request, true);
+        if let Some((generation, holding)) = holding {
+            let holding = AfterResponse {
+                holding: Some(holding),
+                ..AfterResponse::default()
+            };
+            self.hold(
+                context,
+                generation,
+                Stage::Answered,
+                Vec::new(),
+                Some(holding),
+            );
+        }
+        self.retick(&mut step);
+        step
+    }
+
+    /// Settles a request whose body was being read: it ended (`whole`), or was cut short
+    /// (its context went first). Gives back its configuration and places, if it holds
+    /// any. A cut stream is never read as whole: what its events reported before the cut
+    /// is a floor ([`crate::settle::BodyCost::CutShort`]).
+    fn body_ended(
+        &mut self,
+        host: &dyn Host,
+        request: Request,
+        whole: bool,
+    ) -> Option<(u64, HoldingId)> {
+        let Request {
+            generation,
+            stage: Stage::Reading(readers),
+            after: Some(after),
+            ..
+        } = request
+        else {
+            return None;
+        };
+        let holding = after.holding().map(|holding| (generation, holding));
+        let read: Vec<_> = readers
+            .into_vec()
+            .into_iter()
+            .map(|reader| match (reader.finish(), whole) {
+                (read, true) => read,
+                (Ok(usage), false) => Err(NoValue::CutShort { seen: Some(usage) }),
+                (Err(NoValue::Absent), false) => Err(NoValue::CutShort { seen: None }),
+                (Err(problem), false) => Err(problem),
+            })
+            .collect();
+        let configured = self.generation(generation)?;
+        let Some(now) = host.now() else {
+            // Without a clock nothing is written: the reservations stand.
+            configured.counters.event(Event::ClockError);
+            return holding;
+        };
+        let mut sink = configured.counters.sink();
+        let mut cx = Cx::new(host, now, &mut sink);
+        let trouble = configured.engine.after_body(&mut cx, &after, read);
+        if let Some(trouble) = trouble {
+            if !configured.usage_logged.replace(true) {
+                log::warn!(
+                    "diana: rule {}: an answer's body gave no usage ({}); its reservation stands (counted in diana_usage_unread; logged once per document)",
+                    trouble.rule,
+                    trouble.problem
+                );
+            }
+        }
+        holding
     }
 
     /// Charges an answered request's response costs and judges its breakers' calls.
@@ -548,9 +697,24 @@ impl Worker {
     /// again. On a host that holds paused requests only with a directive, one deleted
     /// before its own call answered shows the directive missing (`unheld.rs`).
     pub fn on_context_gone(&mut self, host: &dyn Host, context: ContextId) -> Step {
-        let Some(request) = self.requests.remove(&context) else {
+        let Some(mut request) = self.requests.remove(&context) else {
             return Step::default();
         };
+        if matches!(request.stage, Stage::Reading(_)) {
+            // Its body was cut short: settled as such, then its places go back below.
+            let Some((generation, holding)) = self.body_ended(host, request, false) else {
+                return Step::default();
+            };
+            request = Request {
+                generation,
+                stage: Stage::Answered,
+                headers: Vec::new(),
+                after: Some(AfterResponse {
+                    holding: Some(holding),
+                    ..AfterResponse::default()
+                }),
+            };
+        }
         let mut step = Step::default();
         let generation = request.generation;
         let now = host.now();
@@ -586,7 +750,7 @@ impl Worker {
             self.retick(&mut step);
         }
         match request.stage {
-            Stage::Admitted | Stage::Answered => {}
+            Stage::Admitted | Stage::Answered | Stage::Reading(_) => {}
             Stage::Waiting(until) => {
                 if self.waiters.remove(&(until, context)) {
                     if let Some(configured) = self.generation(generation) {

@@ -297,6 +297,8 @@ pub struct Sim {
     /// Each request's own headers as the worker changed them before it went on (the
     /// upstream sees these).
     edited: HashMap<ContextId, Vec<(String, String)>>,
+    /// The request headers the worker removed, by request.
+    removed: HashMap<ContextId, Vec<String>>,
     /// Local replies, as the client receives them (the host's line feed added).
     replies: HashMap<ContextId, LocalReply>,
     next_context: ContextId,
@@ -341,6 +343,7 @@ impl Sim {
             requests: HashMap::new(),
             added: HashMap::new(),
             edited: HashMap::new(),
+            removed: HashMap::new(),
             replies: HashMap::new(),
             next_context: 2,
             leaving: HashMap::new(),
@@ -492,6 +495,27 @@ impl Sim {
         self.added.remove(&context).unwrap_or_default()
     }
 
+    /// A chunk of the answer's body passes (after [`Sim::respond`]); `end`: the last. As a
+    /// binding does, the chunk is handed over only while the worker reads the body.
+    /// Returns whether it was.
+    pub fn respond_body(&mut self, context: ContextId, chunk: &[u8], end: bool) -> bool {
+        let Some(&(worker, _)) = self.requests.get(&context) else {
+            return false;
+        };
+        if self.untracked.contains(&context) {
+            return false;
+        }
+        let Some(w) = self.workers.get_mut(worker) else {
+            return false;
+        };
+        if !w.reads_response_body(context) {
+            return false;
+        }
+        let step = w.on_response_body(&self.host, context, chunk, end);
+        self.carry_out(worker, Some(context), step.commands, false);
+        true
+    }
+
     /// The request's context is deleted (it ended, or its client left). `forget`: the
     /// simulation keeps no record of it either (long replays).
     pub fn end(&mut self, context: ContextId) {
@@ -586,6 +610,13 @@ impl Sim {
                 .iter()
                 .any(|(held, value)| held == name && value.is_empty())
         })
+    }
+
+    /// Whether the worker removed `name` from the request before it went on.
+    pub fn removed_header(&self, context: ContextId, name: &str) -> bool {
+        self.removed
+            .get(&context)
+            .is_some_and(|names| names.iter().any(|held| held == name))
     }
 
     pub fn reply(&self, context: ContextId) -> Option<&LocalReply> {
@@ -813,8 +844,9 @@ impl Sim {
                     let headers = self.edited.entry(context).or_default();
                     for edit in edits {
                         headers.retain(|(name, _)| *name != edit.name);
-                        if let Some(value) = edit.value {
-                            headers.push((edit.name, value));
+                        match edit.value {
+                            Some(value) => headers.push((edit.name, value)),
+                            None => self.removed.entry(context).or_default().push(edit.name),
                         }
                     }
                 }

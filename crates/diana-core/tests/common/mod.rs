@@ -7,6 +7,7 @@ use proptest::test_runner::Config as ProptestConfig;
 
 /// `default` cases, or `PROPTEST_CASES` when set. Failures are not persisted to files:
 /// each one found becomes a named regression test next to the code it concerns.
+#[allow(dead_code)] // not every test binary runs properties
 pub fn config(default: u32) -> ProptestConfig {
     let cases = std::env::var("PROPTEST_CASES")
         .ok()

@@ -339,16 +339,16 @@ fn an_llm_budget_is_read_alike_from_json() {
     assert_eq!(yaml.id, json.id);
 }
 
-/// Until bodies are read, a document whose rules read one is warned about at load, naming
-/// them; a header source is not.
+/// Until requests' bodies are read, a document whose rules reserve from one is warned
+/// about at load, naming them; answers' bodies and headers are read.
 #[test]
 fn rules_that_read_a_body_are_named_in_the_load_warning() {
     let policy = parse(
         "resources:\n  - Url: /a\n    rules:\n      - {name: usage, rpu: 100, response_cost: {usage: openai}}\n      - {name: header, rpu: 100, response_cost: {header: x-used, max: 50}}\n  - Url: /b\n    rules:\n      - {name: reserved, rpu: 100, response_cost: {header: x-used, max: 50, reserve: {json: max_tokens, default: 10, max: 50}}}\n",
     );
-    assert_eq!(policy.body_readers(), vec!["usage", "reserved"]);
+    assert_eq!(policy.body_readers(), vec!["reserved"]);
     let warning = crate::config::body_warning(&policy).expect("a warning");
-    assert!(warning.contains("usage, reserved"), "{warning}");
+    assert!(warning.contains("rule(s) reserved reserve"), "{warning}");
     let plain = parse("Url: /\nrules:\n  - {rpu: 100, response_cost: {header: x-used, max: 50}}\n");
     assert_eq!(crate::config::body_warning(&plain), None);
 }
