@@ -670,28 +670,6 @@ impl Worker {
         self.requests.contains_key(&context)
     }
 
-    /// STUB (native-body branch only; reverted once the lead's API lands on main).
-    /// True while the worker reads this request's answer body (a rule charges from it):
-    /// a binding reads the body chunk (a host call and a copy) only then.
-    pub fn reads_response_body(&self, context: ContextId) -> bool {
-        let _ = context;
-        false
-    }
-
-    /// STUB (native-body branch only; reverted once the lead's API lands on main).
-    /// One chunk of the answer's body as the host forwards it; `end`: the stream ends with
-    /// it (the chunk may be empty). Returns a Step like the other events (usually empty).
-    pub fn on_response_body(
-        &mut self,
-        host: &dyn Host,
-        context: ContextId,
-        chunk: &[u8],
-        end: bool,
-    ) -> Step {
-        let _ = (host, context, chunk, end);
-        Step::default()
-    }
-
     /// The host deleted a request's context (it ended, or its client went away): what a
     /// paused request held is given back, and the requests parked behind its call plan
     /// again. On a host that holds paused requests only with a directive, one deleted
