@@ -611,6 +611,15 @@ fn body_hooks(envoy: &Envoy, stream: StreamId) -> Vec<bool> {
         .collect()
 }
 
+/// Whether a stream's request went on (its headers hook answered `Continue`; the worker may
+/// have edited its headers first: `accept-encoding` goes where the answer's usage is read).
+fn went_on(envoy: &Envoy, stream: StreamId) -> bool {
+    envoy.seen_by(stream).contains(&Seen::Headers {
+        stream,
+        status: Continue,
+    })
+}
+
 /// Whether a stream's request was refused by a local reply.
 fn refused(envoy: &Envoy, stream: StreamId) -> bool {
     envoy
@@ -627,14 +636,15 @@ fn a_chunked_answer_reaches_the_worker_in_order_and_ends_with_its_last_chunk() {
     let envoy = Envoy::start(2);
     let config = configure(&envoy, TOKENS);
     let a = envoy.request(0, "/", "10.0.0.1");
-    assert_eq!(envoy.seen_by(a), admitted(a), "{}", envoy.report());
+    assert!(went_on(&envoy, a), "{}", envoy.report());
+    let asked = envoy.seen_by(a).len();
     envoy.respond_with_body(a, &JSON_ANSWER);
     envoy.body(a, &["{\"usage\":{\"total_", "tokens\":25"], false);
     envoy.body(a, &["00}}"], false);
     envoy.body(a, &[], true);
     // Each chunk was read in its own hook, once, and went on.
     assert_eq!(
-        envoy.seen_by(a)[1..],
+        envoy.seen_by(a)[asked..],
         [
             Seen::ResponseHeaders { stream: a },
             Seen::BodyRead { stream: a },
@@ -721,7 +731,7 @@ fn a_request_destroyed_in_the_middle_of_its_body_leaves_nothing_behind() {
     // The worker goes on: the next request of the client is decided.
     let b = envoy.request(0, "/", "10.0.0.1");
     assert!(
-        envoy.seen_by(b) == admitted(b) || refused(&envoy, b),
+        went_on(&envoy, b) || refused(&envoy, b),
         "{}",
         envoy.report()
     );
