@@ -31,7 +31,9 @@ use std::fmt;
 /// and handed back with its answer.
 pub type CalloutId = u64;
 
-/// What the request-headers hook answers Envoy.
+/// What the request-headers hook answers Envoy. (Every other hook of a stream answers
+/// `Continue`: the response's headers, body chunks and trailers are read as they pass,
+/// never stopped or buffered.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HeadersStatus {
     Continue,
@@ -94,6 +96,12 @@ pub trait EnvoyFilter {
     fn continue_decoding(&self);
     /// A scheduler posting to this stream's thread (`None`: Envoy gave none).
     fn new_scheduler(&self) -> Option<Box<dyn StreamScheduler>>;
+    /// Lends `read` the answer's body chunk that the response-body hook is forwarding
+    /// (Envoy's "received" response body: this hook's chunk, not what is buffered), as
+    /// Envoy holds it: its slices, in order, borrowed for `read`'s call only (none when Envoy
+    /// has no chunk). Only during the response-body hook; `read` runs exactly once. Reads,
+    /// never changes: nothing is buffered or held, and the chunk goes on as it came.
+    fn read_response_body(&self, read: &mut dyn FnMut(&[&[u8]]));
 }
 
 /// The filter configuration in Envoy, shared by every thread while it lives.

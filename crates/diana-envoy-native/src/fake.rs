@@ -59,6 +59,19 @@
 //!    `envoy_dynamic_module_callback_get_concurrency`; `filter_config.cc`,
 //!    `newDynamicModuleHttpFilterConfig` sets `stat_creation_frozen_` after the module's
 //!    `on_http_filter_config_new`).
+//! 10. **The answer passes through the stream's hooks in order**: its headers
+//!     (`end_of_stream` when no body follows), then each body chunk (the last with
+//!     `end_of_stream`, unless trailers end it), then its trailers; none of them after the
+//!     module's own local reply (`filter.cc`, `encodeHeaders`/`encodeData`/`encodeTrailers`
+//!     return `Continue` without the module once `sent_local_reply_` is set). A chunk's bytes
+//!     can be read only during its own hook (`encodeData` sets `current_response_body_` to
+//!     the chunk around the hook and clears it after; `abi_impl.cc`, `getBufferByType`), as
+//!     the slices Envoy holds it in; here a read outside the hook is a violation, each read is
+//!     recorded ([`Seen::BodyRead`]), and a chunk is given as several slices when a test says
+//!     so. The hooks' answers go unchecked: the module's `ffi` answers `Continue` to each.
+//!     (`filter.cc` of the ABI v0.2.0 fork ElvinEfendi/envoy at 8ffb50a1; the installed 1.40
+//!     binary's `encodeData` does the same: skip once a local reply was sent or without a
+//!     module filter, set the chunk pointer, call the hook, clear the pointer.)
 
 use crate::envoy::{
     CalloutId, CalloutRefused, ConfigScheduler, EnvoyConfig, EnvoyFilter, HeadersStatus, RawAnswer,
@@ -126,6 +139,19 @@ pub enum Seen {
     },
     /// The response-headers hook ran.
     ResponseHeaders {
+        stream: StreamId,
+    },
+    /// The module read the body chunk of the response-body hook that is running.
+    BodyRead {
+        stream: StreamId,
+    },
+    /// A response-body hook ran (and the chunk went on).
+    ResponseBody {
+        stream: StreamId,
+        end_of_stream: bool,
+    },
+    /// The response-trailers hook ran.
+    ResponseTrailers {
         stream: StreamId,
     },
     /// `continue_decoding` resumed a stopped request.
@@ -218,6 +244,9 @@ impl Seen {
         match self {
             Seen::Headers { stream, .. }
             | Seen::ResponseHeaders { stream }
+            | Seen::BodyRead { stream }
+            | Seen::ResponseBody { stream, .. }
+            | Seen::ResponseTrailers { stream }
             | Seen::Continue { stream }
             | Seen::ContinueIgnored { stream }
             | Seen::Reply { stream, .. }
@@ -339,6 +368,12 @@ struct StreamState {
     response: Mutex<Vec<(String, String)>>,
     /// Request headers the module set or removed (what the upstream sees of them).
     request_edits: Mutex<Vec<(String, String)>>,
+    /// The answer: its headers have passed (its body may follow), it has ended.
+    answering: AtomicBool,
+    answered: AtomicBool,
+    /// The body chunk of the response-body hook that is running, as its slices (`None`
+    /// outside that hook: Envoy's `current_response_body_`).
+    chunk: Mutex<Option<Vec<Vec<u8>>>>,
     /// Its request-headers hook stopped it and nothing continued it yet.
     stopped: AtomicBool,
     replied: AtomicBool,
@@ -664,6 +699,9 @@ impl Envoy {
                 source,
                 response: Mutex::new(Vec::new()),
                 request_edits: Mutex::new(Vec::new()),
+                answering: AtomicBool::new(false),
+                answered: AtomicBool::new(false),
+                chunk: Mutex::new(None),
                 stopped: AtomicBool::new(false),
                 replied: AtomicBool::new(false),
                 destroyed: AtomicBool::new(false),
@@ -694,8 +732,19 @@ impl Envoy {
         id
     }
 
-    /// The upstream answers a stream that went on: its response-headers hook.
+    /// The upstream answers a stream that went on, with headers alone (they end the
+    /// answer): its response-headers hook.
     pub fn respond(&self, stream: StreamId, headers: &[(&str, &str)]) {
+        self.answer_headers(stream, headers, true);
+    }
+
+    /// The upstream answers a stream that went on with headers, and a body follows
+    /// ([`Envoy::body`]): its response-headers hook.
+    pub fn respond_with_body(&self, stream: StreamId, headers: &[(&str, &str)]) {
+        self.answer_headers(stream, headers, false);
+    }
+
+    fn answer_headers(&self, stream: StreamId, headers: &[(&str, &str)], end_of_stream: bool) {
         let worker = self.worker_of(stream);
         let headers: Vec<(String, String)> = headers
             .iter()
@@ -709,6 +758,11 @@ impl Envoy {
                 !state.stopped.load(Ordering::Acquire),
                 "stream {stream}: no response comes to a stopped request"
             );
+            assert!(
+                !state.answering.swap(true, Ordering::AcqRel),
+                "stream {stream}: answered twice"
+            );
+            state.answered.store(end_of_stream, Ordering::Release);
             if state.replied.load(Ordering::Acquire) {
                 return;
             }
@@ -717,8 +771,64 @@ impl Envoy {
                 shared,
                 state: &state,
             };
-            filter::response_headers(&module, &handle);
+            filter::response_headers(&module, &handle, end_of_stream);
             shared.see(Seen::ResponseHeaders { stream });
+        });
+    }
+
+    /// A chunk of the answer's body, as the slices `slices` (none: an empty chunk), passes
+    /// through the stream's response-body hook (`end_of_stream`: the last).
+    pub fn body(&self, stream: StreamId, slices: &[&str], end_of_stream: bool) {
+        let worker = self.worker_of(stream);
+        let slices: Vec<Vec<u8>> = slices.iter().map(|s| s.as_bytes().to_vec()).collect();
+        self.run(On::Worker(worker), move |shared| {
+            // Gone (its client left): Envoy runs nothing of it any more.
+            let Some((module, state)) = stream_of(stream) else {
+                return;
+            };
+            assert!(
+                state.answering.load(Ordering::Acquire) && !state.answered.load(Ordering::Acquire),
+                "stream {stream}: a body chunk outside an answer's body"
+            );
+            state.answered.store(end_of_stream, Ordering::Release);
+            if state.replied.load(Ordering::Acquire) {
+                return;
+            }
+            *lock(&state.chunk) = Some(slices);
+            let handle = FilterHandle {
+                shared,
+                state: &state,
+            };
+            filter::response_body(&module, &handle, end_of_stream);
+            *lock(&state.chunk) = None;
+            shared.see(Seen::ResponseBody {
+                stream,
+                end_of_stream,
+            });
+        });
+    }
+
+    /// The answer's trailers end it: the stream's response-trailers hook.
+    pub fn trailers(&self, stream: StreamId) {
+        let worker = self.worker_of(stream);
+        self.run(On::Worker(worker), move |shared| {
+            let Some((module, state)) = stream_of(stream) else {
+                return;
+            };
+            assert!(
+                state.answering.load(Ordering::Acquire)
+                    && !state.answered.swap(true, Ordering::AcqRel),
+                "stream {stream}: trailers outside an answer"
+            );
+            if state.replied.load(Ordering::Acquire) {
+                return;
+            }
+            let handle = FilterHandle {
+                shared,
+                state: &state,
+            };
+            filter::response_trailers(&module, &handle);
+            shared.see(Seen::ResponseTrailers { stream });
         });
     }
 
@@ -1057,6 +1167,24 @@ impl EnvoyFilter for FilterHandle<'_> {
         } else {
             self.shared.see(Seen::ContinueIgnored { stream });
         }
+    }
+
+    fn read_response_body(&self, read: &mut dyn FnMut(&[&[u8]])) {
+        if !self.usable("read_response_body") {
+            read(&[]);
+            return;
+        }
+        let stream = self.state.id;
+        let Some(chunk) = lock(&self.state.chunk).clone() else {
+            self.shared.violation(format!(
+                "stream {stream}: response body read outside its body hook"
+            ));
+            read(&[]);
+            return;
+        };
+        self.shared.see(Seen::BodyRead { stream });
+        let slices: Vec<&[u8]> = chunk.iter().map(Vec::as_slice).collect();
+        read(&slices);
     }
 
     fn new_scheduler(&self) -> Option<Box<dyn StreamScheduler>> {

@@ -51,6 +51,17 @@
 //!    profile) and the workspace lints deny `unwrap`/`expect`/`panic`/indexing; the glue
 //!    handles every `None` and every `RefCell` borrow with `try_borrow*`.
 //!
+//! 6. **Response body chunks.** During `on_http_filter_response_body`, Envoy 1.40 points the
+//!    filter's "received response body" at the chunk it is forwarding and clears it when the
+//!    hook returns (`DynamicModuleHttpFilter::encodeData`: `current_response_body_ = &chunk`,
+//!    the hook, `= nullptr`); `get_body_chunks` writes that buffer's slices (pointer and
+//!    length into Envoy's memory, `getRawSlices`) into an array of ours that
+//!    `get_body_chunks_size`, asked just before on the same thread, counted. They stay valid
+//!    until the hook returns, as the module changes no body (it calls no body setter) and
+//!    nothing else runs on the thread meanwhile. The slices are lent to the reader of
+//!    `EnvoyFilter::read_response_body` only for its call (it takes them for any lifetime,
+//!    so it cannot keep them), and it is called only from the response-body hook.
+//!
 //! (A worker moves between threads whole: `diana_core::worker::Worker` is `Send` by the
 //! compiler's word, holding no shared pointer; nothing here vouches for it.)
 
@@ -185,6 +196,12 @@ impl<'hook> Header<'hook> {
 // Enumerations (C `enum`s are `int`), with the values Diana uses.
 const HEADER_REQUEST: i32 = 0; // envoy_dynamic_module_type_http_header_type_RequestHeader
 const HEADER_RESPONSE: i32 = 2; // ..._ResponseHeader
+/// `envoy_dynamic_module_type_http_body_type_ReceivedResponseBody`: the chunk the
+/// response-body hook is forwarding. The enum is `{ReceivedRequestBody, BufferedRequestBody,
+/// ReceivedResponseBody, BufferedResponseBody}` in abi.h, and in the 1.40 binary the callbacks'
+/// case 2 reads the filter's own pointer (`current_response_body_`), case 3 asks the encoder
+/// callbacks for their buffer (`encodingBuffer()`).
+const BODY_RECEIVED_RESPONSE: i32 = 2;
 const ATTRIBUTE_SOURCE_ADDRESS: i32 = 24; // envoy_dynamic_module_type_attribute_id_SourceAddress
 const CALLOUT_INIT_SUCCESS: i32 = 0; // envoy_dynamic_module_type_http_callout_init_result_Success
 const CALLOUT_RESULT_SUCCESS: i32 = 0; // envoy_dynamic_module_type_http_callout_result_Success
@@ -290,6 +307,35 @@ extern "C" {
         timeout_milliseconds: u64,
     ) -> i32;
     fn envoy_dynamic_module_callback_http_filter_continue_decoding(filter: *mut c_void);
+
+    // The response body (invariant 6). abi.h, identical in ABI v0.1.0 (envoyproxy/envoy
+    // 0199da4a, main before the 1.40 bump) and v0.2.0 (ElvinEfendi/envoy 159515c7, after it),
+    // section "HTTP Request/Response body callbacks":
+    //
+    //   size_t envoy_dynamic_module_callback_http_get_body_chunks_size(
+    //       envoy_dynamic_module_type_http_filter_envoy_ptr filter_envoy_ptr,
+    //       envoy_dynamic_module_type_http_body_type body_type);
+    //   bool envoy_dynamic_module_callback_http_get_body_chunks(
+    //       envoy_dynamic_module_type_http_filter_envoy_ptr filter_envoy_ptr,
+    //       envoy_dynamic_module_type_http_body_type body_type,
+    //       envoy_dynamic_module_type_envoy_buffer* result_buffer_vector);
+    //
+    // "the number of buffers in the body. 0 if the body is not available or empty";
+    // "PRECONDITION: The module must ensure that the result_buffer_vector is valid and has
+    // enough length to store all the buffers"; "The lifetime of the buffer is guaranteed
+    // until the end of the current event hook unless the setter callback is called"; "The
+    // received body could only be available during the request/response body event hooks".
+    // The installed 1.40 binary exports both; its `..._chunks_size` reads only `rdi`/`esi`
+    // and returns the slice count in `rax` (no out-parameter, as in some older SDKs).
+    fn envoy_dynamic_module_callback_http_get_body_chunks_size(
+        filter: *mut c_void,
+        body_type: i32,
+    ) -> usize;
+    fn envoy_dynamic_module_callback_http_get_body_chunks(
+        filter: *mut c_void,
+        body_type: i32,
+        result_buffer_vector: *mut Buf<'_>,
+    ) -> bool;
     fn envoy_dynamic_module_callback_http_filter_scheduler_new(filter: *mut c_void) -> *mut c_void;
     fn envoy_dynamic_module_callback_http_filter_scheduler_commit(
         scheduler: *mut c_void,
@@ -600,6 +646,34 @@ impl EnvoyFilter for FilterRef {
         NonNull::new(scheduler)
             .map(|scheduler| Box::new(StreamSchedulerRef(scheduler)) as Box<dyn StreamScheduler>)
     }
+
+    fn read_response_body(&self, read: &mut dyn FnMut(&[&[u8]])) {
+        // SAFETY: invariants 1 and 6 (only the response-body hook calls this).
+        let count = unsafe {
+            envoy_dynamic_module_callback_http_get_body_chunks_size(self.0, BODY_RECEIVED_RESPONSE)
+        };
+        if count == 0 {
+            read(&[]);
+            return;
+        }
+        let mut chunks = vec![Buf::empty(); count];
+        // SAFETY: invariants 1 and 6 — `chunks` has room for the `count` slices Envoy just
+        // counted, and the chunk has not changed since.
+        let available = unsafe {
+            envoy_dynamic_module_callback_http_get_body_chunks(
+                self.0,
+                BODY_RECEIVED_RESPONSE,
+                chunks.as_mut_ptr(),
+            )
+        };
+        if !available {
+            read(&[]);
+            return;
+        }
+        // Borrowed for `read`'s call only (invariant 6).
+        let slices: Vec<&[u8]> = chunks.iter().map(|chunk| chunk.bytes()).collect();
+        read(&slices);
+    }
 }
 
 /// A stream's scheduler, owned (invariant 4).
@@ -828,28 +902,39 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_request_trailers(
 pub extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
     filter_envoy_ptr: *mut c_void,
     filter_module_ptr: *const c_void,
-    _end_of_stream: bool,
+    end_of_stream: bool,
 ) -> i32 {
     if let Some(filter) = filter_of(filter_module_ptr) {
-        filter::response_headers(&filter, &FilterRef(filter_envoy_ptr));
+        filter::response_headers(&filter, &FilterRef(filter_envoy_ptr), end_of_stream);
     }
     CONTINUE
 }
 
+/// A chunk of the answer's body passes (`encodeData`). Always `Continue`
+/// (`..._response_body_status_Continue`): the chunk is read where Envoy holds it, never
+/// stopped, buffered or changed.
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
-    _filter_envoy_ptr: *mut c_void,
-    _filter_module_ptr: *const c_void,
-    _end_of_stream: bool,
+    filter_envoy_ptr: *mut c_void,
+    filter_module_ptr: *const c_void,
+    end_of_stream: bool,
 ) -> i32 {
+    if let Some(filter) = filter_of(filter_module_ptr) {
+        filter::response_body(&filter, &FilterRef(filter_envoy_ptr), end_of_stream);
+    }
     CONTINUE
 }
 
+/// The answer's trailers: its body ended with the last chunk before them. Always
+/// `Continue`.
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_http_filter_response_trailers(
-    _filter_envoy_ptr: *mut c_void,
-    _filter_module_ptr: *const c_void,
+    filter_envoy_ptr: *mut c_void,
+    filter_module_ptr: *const c_void,
 ) -> i32 {
+    if let Some(filter) = filter_of(filter_module_ptr) {
+        filter::response_trailers(&filter, &FilterRef(filter_envoy_ptr));
+    }
     CONTINUE
 }
 

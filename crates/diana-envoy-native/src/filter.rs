@@ -534,8 +534,13 @@ struct Stream {
     /// An event paused it, so its worker may keep a scheduler for it (deleted when it goes).
     paused: bool,
     /// Its worker no longer tracks it (`Worker::tracks`, asked at its request headers):
-    /// its response headers and its end are skipped, with no lock.
+    /// its response headers and body and its end are skipped, with no lock.
     untracked: bool,
+    /// Its worker does not read its answer's body (`Worker::reads_response_body` said no
+    /// once its response headers or a chunk of the body had passed, or the body ended): the
+    /// rest of the body passes unread, with no lock. A worker that is not reading a body once
+    /// its headers are in does not start later (it would have missed what passed).
+    body_unread: bool,
 }
 
 fn local_for(config: &Arc<Config>) -> Option<Rc<Local>> {
@@ -592,14 +597,73 @@ pub fn request_headers(filter: &FilterBox, envoy: &dyn EnvoyFilter) -> HeadersSt
     }
 }
 
-pub fn response_headers(filter: &FilterBox, envoy: &dyn EnvoyFilter) {
+/// The answer's headers (`end_of_stream`: no body follows them).
+pub fn response_headers(filter: &FilterBox, envoy: &dyn EnvoyFilter, end_of_stream: bool) {
     let context = filter.context;
     if !filter.tracked() {
         return;
     }
+    let reading = Cell::new(false);
     let outcome = filter.event(envoy, false, |worker, host| {
-        worker.on_response_headers(host, context)
+        let mut step = worker.on_response_headers(host, context);
+        if worker.reads_response_body(context) {
+            if end_of_stream {
+                // An answer without a body (a HEAD, a 204): its empty body ends here.
+                let ended = worker.on_response_body(host, context, &[], true);
+                step.commands.extend(ended.commands);
+            } else {
+                reading.set(true);
+            }
+        }
+        step
     });
+    filter.read_no_body_unless(reading.get());
+    filter.carry_out(envoy, outcome.commands);
+}
+
+/// A chunk of the answer's body passes (`end_of_stream`: the last). Envoy's hook answers
+/// `Continue` whatever happens here: the chunk is read where Envoy holds it — a host call
+/// and, only for a chunk of several slices, a copy into one — when the worker reads this
+/// request's body, and never held, buffered or changed. Most streams take no lock here: one
+/// the worker no longer tracks, or whose body it said it does not read.
+pub fn response_body(filter: &FilterBox, envoy: &dyn EnvoyFilter, end_of_stream: bool) {
+    if !filter.reads_body() {
+        return;
+    }
+    let context = filter.context;
+    let reading = Cell::new(false);
+    let outcome = filter.event(envoy, false, |worker, host| {
+        if !worker.reads_response_body(context) {
+            return Step::default();
+        }
+        reading.set(!end_of_stream);
+        let mut step = Step::default();
+        envoy.read_response_body(&mut |slices: &[&[u8]]| {
+            step = match slices {
+                [] => worker.on_response_body(host, context, &[], end_of_stream),
+                [chunk] => worker.on_response_body(host, context, chunk, end_of_stream),
+                _ => worker.on_response_body(host, context, &slices.concat(), end_of_stream),
+            };
+        });
+        step
+    });
+    filter.read_no_body_unless(reading.get());
+    filter.carry_out(envoy, outcome.commands);
+}
+
+/// The answer's trailers: its body ended with the chunk before them (which did not say so).
+pub fn response_trailers(filter: &FilterBox, envoy: &dyn EnvoyFilter) {
+    if !filter.reads_body() {
+        return;
+    }
+    let context = filter.context;
+    let outcome = filter.event(envoy, false, |worker, host| {
+        if !worker.reads_response_body(context) {
+            return Step::default();
+        }
+        worker.on_response_body(host, context, &[], true)
+    });
+    filter.read_no_body_unless(false);
     filter.carry_out(envoy, outcome.commands);
 }
 
@@ -724,6 +788,24 @@ impl FilterBox {
         self.stream
             .try_borrow()
             .map_or(true, |stream| !stream.untracked)
+    }
+
+    /// Whether the worker may still read this stream's answer body.
+    fn reads_body(&self) -> bool {
+        self.stream
+            .try_borrow()
+            .map_or(true, |stream| !stream.untracked && !stream.body_unread)
+    }
+
+    /// After an answer's event: unless the worker still reads its body, the rest of it
+    /// passes unread.
+    fn read_no_body_unless(&self, reading: bool) {
+        if reading {
+            return;
+        }
+        if let Ok(mut stream) = self.stream.try_borrow_mut() {
+            stream.body_unread = true;
+        }
     }
 
     /// One event of this stream; the calls it made are filed under it.

@@ -583,3 +583,168 @@ fn a_header_diana_edits_has_envoy_choose_the_route_again() {
     assert_eq!(cleared(plain), None, "{}", envoy.report());
     end_clean(&envoy, config, &[forged, plain]);
 }
+
+/// An LLM budget (issue 42): 1000 tokens a minute, each answer charged the tokens its JSON
+/// body says it used.
+const TOKENS: &str = "resources:\n  - Url: /\n    rules: [{rpu: 1000, unit: minute, response_cost: {json: usage.total_tokens}}]\n";
+
+const JSON_ANSWER: [(&str, &str); 2] = [(":status", "200"), ("content-type", "application/json")];
+
+/// How often the module read a stream's body chunks.
+fn body_reads(envoy: &Envoy, stream: StreamId) -> usize {
+    envoy
+        .seen_by(stream)
+        .iter()
+        .filter(|seen| **seen == Seen::BodyRead { stream })
+        .count()
+}
+
+/// The body hooks that ran on a stream, in order (`end_of_stream` of each).
+fn body_hooks(envoy: &Envoy, stream: StreamId) -> Vec<bool> {
+    envoy
+        .seen_by(stream)
+        .iter()
+        .filter_map(|seen| match seen {
+            Seen::ResponseBody { end_of_stream, .. } => Some(*end_of_stream),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Whether a stream's request went on (its headers hook answered `Continue`; the worker may
+/// have edited its headers first: `accept-encoding` goes where the answer's usage is read).
+fn went_on(envoy: &Envoy, stream: StreamId) -> bool {
+    envoy.seen_by(stream).contains(&Seen::Headers {
+        stream,
+        status: Continue,
+    })
+}
+
+/// Whether a stream's request was refused by a local reply.
+fn refused(envoy: &Envoy, stream: StreamId) -> bool {
+    envoy
+        .seen_by(stream)
+        .iter()
+        .any(|seen| matches!(seen, Seen::Reply { .. }))
+}
+
+/// The body's usage is split across chunks, and one chunk across slices: only read whole
+/// and in order, and ended by the last chunk's hook, does it say 2500 tokens, which leaves
+/// the next request of the client over the budget while the first stream is still there.
+#[test]
+fn a_chunked_answer_reaches_the_worker_in_order_and_ends_with_its_last_chunk() {
+    let envoy = Envoy::start(2);
+    let config = configure(&envoy, TOKENS);
+    let a = envoy.request(0, "/", "10.0.0.1");
+    assert!(went_on(&envoy, a), "{}", envoy.report());
+    let asked = envoy.seen_by(a).len();
+    envoy.respond_with_body(a, &JSON_ANSWER);
+    envoy.body(a, &["{\"usage\":{\"total_", "tokens\":25"], false);
+    envoy.body(a, &["00}}"], false);
+    envoy.body(a, &[], true);
+    // Each chunk was read in its own hook, once, and went on.
+    assert_eq!(
+        envoy.seen_by(a)[asked..],
+        [
+            Seen::ResponseHeaders { stream: a },
+            Seen::BodyRead { stream: a },
+            Seen::ResponseBody {
+                stream: a,
+                end_of_stream: false
+            },
+            Seen::BodyRead { stream: a },
+            Seen::ResponseBody {
+                stream: a,
+                end_of_stream: false
+            },
+            Seen::BodyRead { stream: a },
+            Seen::ResponseBody {
+                stream: a,
+                end_of_stream: true
+            },
+        ],
+        "{}",
+        envoy.report()
+    );
+    let b = envoy.request(0, "/", "10.0.0.1");
+    assert!(refused(&envoy, b), "{}", envoy.report());
+    end_clean(&envoy, config, &[a]);
+}
+
+/// Trailers end a body whose last chunk did not say so (HTTP/2, gRPC).
+#[test]
+fn an_answer_with_trailers_ends_its_body_at_the_trailers() {
+    let envoy = Envoy::start(2);
+    let config = configure(&envoy, TOKENS);
+    let a = envoy.request(1, "/", "10.0.0.1");
+    envoy.respond_with_body(a, &JSON_ANSWER);
+    envoy.body(a, &["{\"usage\":{\"total_tokens\":2500}}"], false);
+    envoy.trailers(a);
+    assert_eq!(body_reads(&envoy, a), 1, "{}", envoy.report());
+    assert!(envoy
+        .seen_by(a)
+        .ends_with(&[Seen::ResponseTrailers { stream: a }]));
+    let b = envoy.request(1, "/", "10.0.0.1");
+    assert!(refused(&envoy, b), "{}", envoy.report());
+    end_clean(&envoy, config, &[a]);
+}
+
+/// A body the worker does not read is never read (no host call, no copy) and passes whole:
+/// a request the worker stopped tracking at its headers (a local rule), and one it tracked
+/// until its answer (a global rule's own call) but charges nothing from the body.
+#[test]
+fn a_body_the_worker_does_not_read_is_never_read() {
+    for (document, calls) in [(LEAKY.to_string(), false), (global(100, 1), true)] {
+        let envoy = Envoy::start(2);
+        let config = configure(&envoy, &document);
+        let a = envoy.request(0, "/", "10.0.0.1");
+        if calls {
+            envoy.answer(Owner::Stream(a), 1);
+        }
+        envoy.respond_with_body(a, &JSON_ANSWER);
+        envoy.body(a, &["{\"usage\":", "{\"total_tokens\":2500}}"], false);
+        envoy.body(a, &["\n"], false);
+        envoy.trailers(a);
+        assert_eq!(body_reads(&envoy, a), 0, "{document}\n{}", envoy.report());
+        assert_eq!(body_hooks(&envoy, a), [false, false], "{}", envoy.report());
+        end_clean(&envoy, config, &[a]);
+    }
+}
+
+/// The client leaves in the middle of the answer: Envoy destroys the stream between two
+/// chunks (its stream-complete hook, then its destroy) and runs nothing of it after; the
+/// worker is told the request is gone and holds nothing for it.
+#[test]
+fn a_request_destroyed_in_the_middle_of_its_body_leaves_nothing_behind() {
+    let envoy = Envoy::start(2);
+    let config = configure(&envoy, TOKENS);
+    let a = envoy.request(0, "/", "10.0.0.1");
+    envoy.respond_with_body(a, &JSON_ANSWER);
+    envoy.body(a, &["{\"usage\":{\"total_tokens\":"], false);
+    assert_eq!(envoy.census(config).requests, 1, "{}", envoy.report());
+    envoy.end(a);
+    // A chunk that was on its way is dropped with the stream.
+    envoy.body(a, &["2500}}"], true);
+    assert_eq!(body_reads(&envoy, a), 1, "{}", envoy.report());
+    assert_eq!(body_hooks(&envoy, a), [false], "{}", envoy.report());
+    assert_clean(&envoy, config);
+    // The worker goes on: the next request of the client is decided.
+    let b = envoy.request(0, "/", "10.0.0.1");
+    assert!(
+        went_on(&envoy, b) || refused(&envoy, b),
+        "{}",
+        envoy.report()
+    );
+    end_clean(&envoy, config, &[b]);
+}
+
+/// An answer of headers alone (a HEAD, a 204) ends its body at the headers: nothing to read.
+#[test]
+fn an_answer_without_a_body_ends_at_its_headers() {
+    let envoy = Envoy::start(2);
+    let config = configure(&envoy, TOKENS);
+    let a = envoy.request(0, "/", "10.0.0.1");
+    envoy.respond(a, &[(":status", "204")]);
+    assert_eq!(body_reads(&envoy, a), 0, "{}", envoy.report());
+    end_clean(&envoy, config, &[a]);
+}
