@@ -208,42 +208,11 @@ impl Drop for DianaHttp {
 }
 
 impl HttpContext for DianaHttp {
-    fn on_http_request_headers(&mut self, _: usize, end_of_stream: bool) -> Action {
+    fn on_http_request_headers(&mut self, _: usize, _: bool) -> Action {
         let context = self.context_id;
-        let step = handle(&self.worker, |w| {
-            if end_of_stream {
-                w.on_request_headers(&ProxyWasm, context)
-            } else {
-                w.on_request_headers_with_body(&ProxyWasm, context)
-            }
-        });
-        carry_out(context, step.commands);
-        if step.pause {
-            Action::Pause
-        } else {
-            Action::Continue
-        }
-    }
-
-    /// Kept only in the module for documents that read bodies (`diana-envoy-bodies.wasm`)
-    /// and in nginx's untrimmed one. While the worker holds a request for its body
-    /// (`reserve.json`), `Pause` makes Envoy buffer it, so `size` is the whole body so
-    /// far: the worker is handed the bytes it has not read yet. At the body's end the
-    /// request is decided; any other request's body goes on untouched.
-    fn on_http_request_body(&mut self, size: usize, end_of_stream: bool) -> Action {
-        let context = self.context_id;
-        let read = match self.worker.try_borrow() {
-            Ok(worker) => worker.reads_request_body(context),
-            Err(_) => None,
-        };
-        let Some(read) = read else {
-            return Action::Continue;
-        };
-        let read = usize::try_from(read).unwrap_or(usize::MAX);
-        let chunk = host::request_body(read, size.saturating_sub(read));
-        let step = handle(&self.worker, |w| {
-            w.on_request_body(&ProxyWasm, context, &chunk, end_of_stream)
-        });
+        // Never `on_request_headers_with_body`: a paused request gets no body callback
+        // on proxy-wasm until it resumes (`HostProfile::holds_requests_for_bodies`).
+        let step = handle(&self.worker, |w| w.on_request_headers(&ProxyWasm, context));
         carry_out(context, step.commands);
         if step.pause {
             Action::Pause

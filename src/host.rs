@@ -72,21 +72,6 @@ pub fn response_body(size: usize) -> Vec<u8> {
         })
 }
 
-/// `size` bytes of the request's buffered body from `start` (`on_http_request_body` of a
-/// request held for its body). Empty when the host refuses it: the reader then misses
-/// those bytes and the request reserves its default.
-pub fn request_body(start: usize, size: usize) -> Vec<u8> {
-    if size == 0 {
-        return Vec::new();
-    }
-    hostcalls::get_buffer(BufferType::HttpRequestBody, start, size)
-        .map(Option::unwrap_or_default)
-        .unwrap_or_else(|status| {
-            log::debug!("diana: request body unreadable: {status:?}");
-            Vec::new()
-        })
-}
-
 fn header(map: MapType, name: &str) -> Option<Vec<u8>> {
     hostcalls::get_map_value_bytes(map, name).unwrap_or_else(|status| {
         log::debug!("diana: header {name} unreadable: {status:?}");

@@ -462,27 +462,27 @@ fn cluster(name: &str, endpoint: &Endpoint, connect_timeout: &str) -> Value {
 const HEADERS_MODULE: &str = "diana-envoy.wasm";
 const BODIES_MODULE: &str = "diana-envoy-bodies.wasm";
 
-/// The module a document needs: one whose rules read bodies (`response_cost.usage | json`,
-/// `reserve.json`) needs the body callbacks, so `diana-envoy.wasm` becomes
+/// The module a document needs: one whose rules read answers' bodies
+/// (`response_cost.usage | json`) needs the body callbacks, so `diana-envoy.wasm` becomes
 /// its sibling `diana-envoy-bodies.wasm`; any other module is taken as given (the
 /// untrimmed `diana.wasm` has every callback). A document that reads no body keeps the
 /// module without them: no VM entry per body chunk.
 fn module_for(policy: &Policy, wasm: &str, notes: &mut Vec<String>) -> String {
-    if !policy.reads_response_bodies() && !policy.reads_request_bodies() {
+    if !policy.reads_response_bodies() {
         return wasm.to_string();
     }
     match wasm.strip_suffix(HEADERS_MODULE) {
         Some(dir) if dir.is_empty() || dir.ends_with('/') => {
             let bodies = format!("{dir}{BODIES_MODULE}");
             notes.push(format!(
-                "the document reads bodies (response_cost.usage | json, reserve.json): {bodies}, \
+                "the document reads answers' bodies (response_cost.usage | json): {bodies}, \
                  which keeps the body callbacks"
             ));
             bodies
         }
         _ => {
             notes.push(format!(
-                "the document reads bodies (response_cost.usage | json, reserve.json): {wasm} must \
+                "the document reads answers' bodies (response_cost.usage | json): {wasm} must \
                  keep the body callbacks (diana-envoy-bodies.wasm or the untrimmed diana.wasm)"
             ));
             wasm.to_string()
@@ -807,7 +807,13 @@ pub fn render(filter: Filter, options: &Options) -> Result<Rendered, RenderError
     let document = filter.document();
     let wasm = match filter {
         Filter::Validated { policy, .. } => module_for(policy, &options.wasm, &mut notes),
-        Filter::Unvalidated { .. } | Filter::Absent => options.wasm.clone(),
+        // Embedded unread; still, a document that does read answers gets the module that
+        // can (one that does not parse reads nothing).
+        Filter::Unvalidated { document } => match diana_core::config::parse_policy(document) {
+            Ok(policy) => module_for(&policy, &options.wasm, &mut notes),
+            Err(_) => options.wasm.clone(),
+        },
+        Filter::Absent => options.wasm.clone(),
     };
     if document.is_some() && !Path::new(&wasm).is_file() {
         warnings.push(format!(

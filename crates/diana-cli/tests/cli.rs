@@ -435,9 +435,15 @@ fn render_envoy_loads_the_module_with_body_callbacks_only_for_documents_that_rea
         "/opt/diana-envoy-bodies.wasm"
     );
     assert_eq!(module(usage, "diana-envoy.wasm"), "diana-envoy-bodies.wasm");
-    assert_eq!(module(SEED, "/opt/diana-envoy.wasm"), "/opt/diana-envoy.wasm");
+    assert_eq!(
+        module(SEED, "/opt/diana-envoy.wasm"),
+        "/opt/diana-envoy.wasm"
+    );
     assert_eq!(module(usage, "/opt/diana.wasm"), "/opt/diana.wasm");
-    assert_eq!(module(usage, "/opt/my-diana-envoy.wasm"), "/opt/my-diana-envoy.wasm");
+    assert_eq!(
+        module(usage, "/opt/my-diana-envoy.wasm"),
+        "/opt/my-diana-envoy.wasm"
+    );
 }
 
 /// `scripts/run`'s form: PORT options on 127.0.0.1, the document as `--diana-config`, JSON.

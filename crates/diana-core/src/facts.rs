@@ -2,7 +2,6 @@
 //! address, (Envoy) its dynamic metadata, and how the host's verifier reads its bearer token. A leaf: identities (`actor`) and
 //! claims (`jwt`) read through it.
 
-
 use crate::usage::JsonPath;
 /// What the filter knows of a request, read lazily from the host.
 pub trait RequestFacts {

@@ -362,27 +362,58 @@ fn a_reservation_is_read_from_the_request_body_where_the_host_holds_the_request_
         let mut sim = sim(profile, FROM_BODY);
         // 700 reserved (a string that says "max_tokens" is not the key).
         let (first, fate) = send_body(&mut sim, &max_tokens(700));
-        assert!(matches!(fate, Some(Fate::Admitted(_))), "{profile:?}: {fate:?}");
+        assert!(
+            matches!(fate, Some(Fate::Admitted(_))),
+            "{profile:?}: {fate:?}"
+        );
         // Where the body is read, 300 are left while it runs: 301 do not fit, 300 do.
         // Elsewhere (nginx) each request reserves the default, 100.
         let (_, over) = send_body(&mut sim, &max_tokens(301));
         let (second, fits) = send_body(&mut sim, &max_tokens(300));
         if profile.holds_requests_for_bodies {
             assert_eq!(over, Some(Fate::Replied(429)), "{profile:?}");
-            assert!(matches!(fits, Some(Fate::Admitted(_))), "{profile:?}: {fits:?}");
+            assert!(
+                matches!(fits, Some(Fate::Admitted(_))),
+                "{profile:?}: {fits:?}"
+            );
             // The two answers report 150 and 0: 850 left.
             let usage = |n: u32| format!("{{\"usage\":{{\"total_tokens\":{n}}}}}");
-            answer(&mut sim, first, "application/json", &[usage(150).as_bytes()], true);
-            answer(&mut sim, second, "application/json", &[usage(0).as_bytes()], true);
+            answer(
+                &mut sim,
+                first,
+                "application/json",
+                &[usage(150).as_bytes()],
+                true,
+            );
+            answer(
+                &mut sim,
+                second,
+                "application/json",
+                &[usage(0).as_bytes()],
+                true,
+            );
             let (_, over) = send_body(&mut sim, &max_tokens(851));
             assert_eq!(over, Some(Fate::Replied(429)), "{profile:?}");
             let (_, fits) = send_body(&mut sim, &max_tokens(850));
-            assert!(matches!(fits, Some(Fate::Admitted(_))), "{profile:?}: {fits:?}");
+            assert!(
+                matches!(fits, Some(Fate::Admitted(_))),
+                "{profile:?}: {fits:?}"
+            );
         } else {
-            assert!(matches!(over, Some(Fate::Admitted(_))), "{profile:?}: {over:?}");
-            assert!(matches!(fits, Some(Fate::Admitted(_))), "{profile:?}: {fits:?}");
+            assert!(
+                matches!(over, Some(Fate::Admitted(_))),
+                "{profile:?}: {over:?}"
+            );
+            assert!(
+                matches!(fits, Some(Fate::Admitted(_))),
+                "{profile:?}: {fits:?}"
+            );
         }
-        assert!(sim.violations.is_empty(), "{profile:?}: {:?}", sim.violations);
+        assert!(
+            sim.violations.is_empty(),
+            "{profile:?}: {:?}",
+            sim.violations
+        );
     }
 }
 
@@ -406,13 +437,19 @@ fn a_body_without_the_number_reserves_the_default_and_one_above_max_reserves_max
         for &(body, reserved) in cases {
             let mut sim = sim(profile, FROM_BODY);
             let (_, fate) = send_body(&mut sim, body);
-            assert!(matches!(fate, Some(Fate::Admitted(_))), "{profile:?} {body:?}: {fate:?}");
+            assert!(
+                matches!(fate, Some(Fate::Admitted(_))),
+                "{profile:?} {body:?}: {fate:?}"
+            );
             let left = 1000 - reserved;
             let (_, over) = send_body(&mut sim, &max_tokens(left + 1));
             assert_eq!(over, Some(Fate::Replied(429)), "{profile:?} {body:?}");
             if left > 0 {
                 let (_, fits) = send_body(&mut sim, &max_tokens(left));
-                assert!(matches!(fits, Some(Fate::Admitted(_))), "{profile:?} {body:?}: {fits:?}");
+                assert!(
+                    matches!(fits, Some(Fate::Admitted(_))),
+                    "{profile:?} {body:?}: {fits:?}"
+                );
             }
         }
     }
@@ -424,7 +461,10 @@ fn a_request_without_a_body_or_whose_client_leaves_before_it_ends_holds_nothing(
         let mut sim = sim(profile, FROM_BODY);
         // No body: decided at its headers with the default.
         let context = sim.send(0, "10.0.0.1", &[(":path", "/"), ("x-account-id", "alice")]);
-        assert!(matches!(sim.fate(context), Some(Fate::Admitted(_))), "{profile:?}");
+        assert!(
+            matches!(sim.fate(context), Some(Fate::Admitted(_))),
+            "{profile:?}"
+        );
         // A body that never ends: nothing taken, nothing kept once its context goes.
         let headers = [(":path", "/"), ("x-account-id", "alice")];
         let gone = sim.send_with_body(0, "10.0.0.1", &headers);
@@ -432,7 +472,14 @@ fn a_request_without_a_body_or_whose_client_leaves_before_it_ends_holds_nothing(
         sim.end(gone);
         assert!(!sim.tracks(gone), "{profile:?}");
         let (_, fits) = send_body(&mut sim, &max_tokens(900));
-        assert!(matches!(fits, Some(Fate::Admitted(_))), "{profile:?}: {fits:?}");
-        assert!(sim.violations.is_empty(), "{profile:?}: {:?}", sim.violations);
+        assert!(
+            matches!(fits, Some(Fate::Admitted(_))),
+            "{profile:?}: {fits:?}"
+        );
+        assert!(
+            sim.violations.is_empty(),
+            "{profile:?}: {:?}",
+            sim.violations
+        );
     }
 }

@@ -15,9 +15,9 @@
 //! Reading bodies has a price on every request, whether a rule reads them or not: the host
 //! enters the VM for each body chunk. So there are two trimmed modules: one without any
 //! body callback ([`Keep::Headers`], `diana-envoy.wasm`), for documents whose rules read no
-//! body, and one that keeps the body and trailer callbacks ([`Keep::Bodies`],
-//! `diana-envoy-bodies.wasm`), for documents with `response_cost.usage | json` or
-//! `reserve.json`. `diana render-envoy` loads the second where the document needs it.
+//! body, and one that keeps the answer's body and trailer callbacks ([`Keep::Bodies`],
+//! `diana-envoy-bodies.wasm`), for documents with `response_cost.usage | json`. `diana
+//! render-envoy` loads the second where the document needs it.
 
 use std::collections::BTreeSet;
 
@@ -43,14 +43,11 @@ pub const KEPT_CALLBACKS: &[&str] = &[
     "proxy_on_memory_allocate",
 ];
 
-/// The callbacks the module for documents that read bodies keeps besides
-/// [`KEPT_CALLBACKS`]: a request held for its body (`reserve.json`) is read and decided at
-/// its end; each chunk of an answer's body goes to the usage reader; trailers end a body.
-pub const BODY_CALLBACKS: &[&str] = &[
-    "proxy_on_request_body",
-    "proxy_on_response_body",
-    "proxy_on_response_trailers",
-];
+/// The callbacks the module for documents that read answers keeps besides
+/// [`KEPT_CALLBACKS`]: each chunk of an answer's body goes to the usage reader; trailers end
+/// a body. (No request body: a paused request gets none on proxy-wasm, so `reserve.json`
+/// reserves its default there.)
+pub const BODY_CALLBACKS: &[&str] = &["proxy_on_response_body", "proxy_on_response_trailers"];
 
 /// Which module to make.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -251,6 +248,10 @@ mod tests {
             assert!(left.iter().any(|e| e == name), "{name} kept: {left:?}");
         }
         assert!(!left.iter().any(|e| e == "proxy_on_log"), "{left:?}");
+        assert!(
+            !left.iter().any(|e| e == "proxy_on_request_body"),
+            "{left:?}"
+        );
         let headers = exports(&trim(&sdk_like(&all), Keep::Headers).unwrap().wasm).unwrap();
         for name in BODY_CALLBACKS {
             assert!(

@@ -123,8 +123,9 @@ impl Policy {
     }
 
     /// The rules that read a request's body (`reserve.json`), by name: on a host that
-    /// cannot hold a request for its body (nginx) they reserve `reserve.default`, so the
-    /// filter there and `diana check` say so at load ([`body_warning`]).
+    /// cannot hold a request for its body (proxy-wasm: Envoy's wasm filter, nginx) they
+    /// reserve `reserve.default`, so the filter there and `diana check` say so at load
+    /// ([`body_warning`]).
     pub fn body_readers(&self) -> Vec<&str> {
         self.rules()
             .filter(|rule| rule.request_body_path().is_some())
@@ -1177,7 +1178,7 @@ pub fn body_warning(policy: &Policy) -> Option<String> {
         return None;
     }
     Some(format!(
-        "diana: rule(s) {} reserve from the request's body (reserve.json): on nginx (ngx_wasm_module hands a filter the request body only after Diana decides) each request reserves reserve.default, settled from the answer's usage as usual; Envoy holds the request until its body is read",
+        "diana: rule(s) {} reserve from the request's body (reserve.json): this filter decides at the request's headers (proxy-wasm hands a filter no body of a request it holds), so each request reserves reserve.default, settled from the answer's usage as usual; Envoy's dynamic module (envoy-native) holds the request until its body is read",
         readers.join(", ")
     ))
 }

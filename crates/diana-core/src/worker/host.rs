@@ -120,10 +120,14 @@ pub struct HostProfile {
     /// its empty value, and nginx sends no header with an empty value (nginx/README.md).
     pub removed_headers_reach_upstream: bool,
     /// A request can be held at its headers until its body has been read, then decided
-    /// (`reserve.json`): Envoy buffers the body meanwhile (up to its buffer limit, past
-    /// which it answers 413 itself). ngx_wasm_module hands a filter the request body only
-    /// in nginx's content phase, after the access phase where Diana decides: there a
-    /// request reserves its `reserve.default`.
+    /// (`reserve.json`): Envoy's dynamic modules stop header iteration alone
+    /// (`StopIteration`), get the body, and buffer it (`StopIterationAndBuffer`, up to
+    /// the buffer limit, past which Envoy answers 413 itself). Not on proxy-wasm: Envoy's
+    /// wasm host turns a paused request's `StopIteration` into `StopAllIteration` (no body
+    /// reaches the filter until it resumes, and resuming sends the headers on), and
+    /// ngx_wasm_module hands a filter the request body only in nginx's content phase,
+    /// after the access phase where Diana decides. There a request reserves its
+    /// `reserve.default`.
     pub holds_requests_for_bodies: bool,
 }
 
@@ -144,7 +148,7 @@ impl HostProfile {
         jwt_authn_metadata: true,
         ticks_on_demand: false,
         removed_headers_reach_upstream: false,
-        holds_requests_for_bodies: true,
+        holds_requests_for_bodies: false,
     };
 
     /// Envoy's dynamic modules (`crates/diana-envoy-native`): the same rules as proxy-wasm
@@ -154,6 +158,7 @@ impl HostProfile {
         name: "envoy-native",
         ticks_on_demand: true,
         jwt_authn_metadata: false,
+        holds_requests_for_bodies: true,
         ..HostProfile::ENVOY
     };
 

@@ -434,7 +434,15 @@ impl Worker {
             };
             configured.engine.evaluate(&mut cx, raw_path, &facts)
         };
-        self.apply(host, now, context, generation, decision, Origin::Headers, step);
+        self.apply(
+            host,
+            now,
+            context,
+            generation,
+            decision,
+            Origin::Headers,
+            step,
+        );
         self.retick(step);
     }
 
@@ -496,7 +504,9 @@ impl Worker {
             }
             return step;
         };
-        self.decide(host, now, context, generation, &raw_path, &numbers, &mut step);
+        self.decide(
+            host, now, context, generation, &raw_path, &numbers, &mut step,
+        );
         step
     }
 

@@ -340,7 +340,7 @@ fn an_llm_budget_is_read_alike_from_json() {
 }
 
 /// A document whose rules reserve from a request's body is warned about at load where the
-/// host cannot hold a request for it (nginx), naming them.
+/// host cannot hold a request for it (proxy-wasm), naming them.
 #[test]
 fn rules_that_read_a_body_are_named_in_the_load_warning() {
     let policy = parse(
@@ -349,7 +349,7 @@ fn rules_that_read_a_body_are_named_in_the_load_warning() {
     assert_eq!(policy.body_readers(), vec!["reserved"]);
     let warning = crate::config::body_warning(&policy).expect("a warning");
     assert!(warning.contains("rule(s) reserved reserve"), "{warning}");
-    assert!(warning.contains("on nginx"), "{warning}");
+    assert!(warning.contains("envoy-native"), "{warning}");
     let plain = parse("Url: /\nrules:\n  - {rpu: 100, response_cost: {header: x-used, max: 50}}\n");
     assert_eq!(crate::config::body_warning(&plain), None);
 }
