@@ -274,18 +274,42 @@ def test_a_json_path_is_charged(gw, llm, account, shape: Shape):
     assert_spent(gw, "/total", who, 1300, "usage.total_tokens 1300")
 
 
-def test_a_reservation_read_from_the_request_body(gw, account):
-    """`reserve: {json: max_tokens, ...}`: the body's max_tokens is reserved (an answer
-    without usage keeps it: 3,000, not the default 500) and settled with the usage."""
+def test_a_reservation_read_from_the_request_body(gw, account, module_host):
+    """`reserve: {json: max_tokens, ...}`: Envoy's dynamic module holds the request until
+    its body is read and reserves the body's max_tokens (an answer without usage keeps it:
+    3,000); the proxy-wasm hosts (Envoy's wasm filter, nginx) decide at the headers, before
+    any body reaches the filter, and reserve the default, 500. Either way the usage settles
+    it."""
     fresh_hour(30)
     chat = BY_NAME["openai-json"]
     kept, settled = account("kept"), account("settled")
     r = call(gw.port, "/body-reserve", chat, kept, body_reserve=3000, usage=(1, 1), fault="no-usage")
     assert (r.status, r.complete) == (200, True), r
-    assert_spent(gw, "/body-reserve", kept, 3000, "max_tokens 3000, no usage in the answer")
+    if module_host == "envoy-native":
+        assert_spent(gw, "/body-reserve", kept, 3000, "max_tokens 3000, no usage in the answer")
+    else:
+        # Every request reserves the default here, the probes too: count how many more
+        # reservations of 500 fit, each kept (no usage): 9,500 left is 19.
+        assert _defaults_that_fit(gw.port, kept) == 19
     r = call(gw.port, "/body-reserve", OPENAI_SSE, settled, body_reserve=3000, usage=(900, 800))
     assert (r.status, r.complete) == (200, True), r
-    assert_spent(gw, "/body-reserve", settled, 1700, "max_tokens 3000, usage 900 + 800")
+    if module_host == "envoy-native":
+        assert_spent(gw, "/body-reserve", settled, 1700, "max_tokens 3000, usage 900 + 800")
+    else:
+        # 1,700 spent: 8,300 left, 16 reservations of 500.
+        assert _defaults_that_fit(gw.port, settled) == 16
+
+
+def _defaults_that_fit(port: int, who: str) -> int:
+    """How many requests reserving the default (500) are admitted on `who`'s budget of
+    /body-reserve before one is refused, each keeping its reservation (no usage)."""
+    chat = BY_NAME["openai-json"]
+    for n in range(BUDGET // 500 + 1):
+        r = call(port, "/body-reserve", chat, who, body_reserve=1, fault="no-usage")
+        if r.status != 200:
+            assert r.status == 429, r
+            return n
+    raise AssertionError(f"more than {BUDGET // 500} reservations of 500 fit a budget of {BUDGET}")
 
 
 # ------------------------------------------------------------------------------ concurrency

@@ -483,3 +483,46 @@ fn a_request_without_a_body_or_whose_client_leaves_before_it_ends_holds_nothing(
         );
     }
 }
+
+/// A body of a known length ends with its last byte, whether or not the host says so
+/// (ngx_wasm_module does not, for one of several chunks): it is settled then, not taken
+/// for one cut short when its context goes.
+#[test]
+fn a_body_of_a_known_length_ends_with_its_last_byte() {
+    let json = "{\"id\":\"x\",\"usage\":{\"prompt_tokens\":20,\"completion_tokens\":30,\"total_tokens\":50}}";
+    let length = json.len().to_string();
+    for profile in HostProfile::ALL {
+        let mut sim = sim(profile, &document("usage: openai"));
+        let context = send(&mut sim, 0, 300).unwrap_or_else(|| panic!("{profile:?} refused"));
+        sim.respond(
+            context,
+            &[
+                (":status", "200"),
+                ("content-type", "application/json"),
+                ("content-length", &length),
+            ],
+        );
+        for chunk in pieces(json, 16) {
+            assert!(sim.respond_body(context, chunk, false), "{profile:?}");
+        }
+        assert!(
+            !sim.tracks(context),
+            "{profile:?}: settled at its last byte"
+        );
+        sim.end(context);
+        assert_eq!(left(&mut sim, OPENAI_ZERO), 950, "{profile:?}");
+        // One byte short, and gone: cut, the reservation stands.
+        let context = send(&mut sim, 0, 300).unwrap_or_else(|| panic!("{profile:?} refused"));
+        sim.respond(
+            context,
+            &[
+                (":status", "200"),
+                ("content-type", "application/json"),
+                ("content-length", &length),
+            ],
+        );
+        sim.respond_body(context, &json.as_bytes()[..json.len() - 1], false);
+        sim.end(context);
+        assert_eq!(left(&mut sim, OPENAI_ZERO), 650, "{profile:?}");
+    }
+}

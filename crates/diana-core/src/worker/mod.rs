@@ -166,7 +166,7 @@ enum Stage {
     Answered,
     /// Answered; its body is read as it passes for the rules whose cost it gives (one
     /// reader each, fixed size: see `usage.rs`), settled when it ends.
-    Reading(Box<[UsageReader]>),
+    Reading(Box<AnswerBody>),
     /// Paused until its body has been read: its rules reserve from it (`reserve.json`).
     ReadingRequest(Box<RequestBody>),
     /// Paused for its call (in `calls` under this token).
@@ -175,6 +175,23 @@ enum Stage {
     Parked(RiderId, Pending),
     /// Paused until its leaky-bucket turn (in `waiters`).
     Waiting(Instant),
+}
+
+/// An answer whose body is being read: one reader per rule whose cost it gives, and the
+/// body's length where `content-length` says it.
+struct AnswerBody {
+    readers: Vec<UsageReader>,
+    /// A body of a known length has ended with its last byte, whether or not the host says
+    /// so: ngx_wasm_module never does for one that came in more than one chunk (it takes
+    /// a chunk for the last only when that chunk alone is `content-length` long).
+    length: Option<u64>,
+}
+
+impl AnswerBody {
+    fn complete(&self) -> bool {
+        let read = self.readers.first().map_or(0, UsageReader::bytes_read);
+        self.length.is_some_and(|length| read >= length)
+    }
 }
 
 /// A request held for its body: where it goes, and one reader per path its rules reserve
@@ -563,19 +580,25 @@ impl Worker {
     }
 
     /// The readers of an answer's body for the rules whose cost it gives, framed by its
-    /// `content-type` (server-sent events, else one JSON document).
+    /// `content-type` (server-sent events, else one JSON document), and its length.
     fn body_readers(
         &self,
         host: &dyn Host,
         generation: u64,
         after: &AfterResponse,
-    ) -> Option<Box<[UsageReader]>> {
+    ) -> Option<Box<AnswerBody>> {
         let configured = self.generation(generation)?;
         let framing = host
             .response_header("content-type")
             .map_or(Framing::Json, |value| Framing::of_content_type(&value));
         let readers = configured.engine.body_readers(after, framing);
-        (!readers.is_empty()).then(|| readers.into_boxed_slice())
+        if readers.is_empty() {
+            return None;
+        }
+        let length = host
+            .response_header("content-length")
+            .and_then(|value| std::str::from_utf8(&value).ok()?.trim().parse().ok());
+        Some(Box::new(AnswerBody { readers, length }))
     }
 
     /// True while the worker reads this request's answer body (a rule charges from it): a
@@ -600,13 +623,13 @@ impl Worker {
         let Some(request) = self.requests.get_mut(&context) else {
             return step;
         };
-        let Stage::Reading(readers) = &mut request.stage else {
+        let Stage::Reading(body) = &mut request.stage else {
             return step;
         };
-        for reader in readers.iter_mut() {
+        for reader in body.readers.iter_mut() {
             reader.feed(chunk);
         }
-        if !end {
+        if !end && !body.complete() {
             return step;
         }
         let Some(request) = self.requests.remove(&context) else {
@@ -642,7 +665,7 @@ impl Worker {
     ) -> Option<(u64, HoldingId)> {
         let Request {
             generation,
-            stage: Stage::Reading(readers),
+            stage: Stage::Reading(body),
             after: Some(after),
             ..
         } = request
@@ -650,8 +673,10 @@ impl Worker {
             return None;
         };
         let holding = after.holding().map(|holding| (generation, holding));
-        let read: Vec<_> = readers
-            .into_vec()
+        // Its context may go right after its last byte, before the host said it ended.
+        let whole = whole || body.complete();
+        let read: Vec<_> = body
+            .readers
             .into_iter()
             .map(|reader| match (reader.finish(), whole) {
                 (read, true) => read,
