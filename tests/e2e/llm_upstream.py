@@ -40,6 +40,7 @@ Request headers that choose the answer (all optional):
 | `x-fake-delay-ms` | 5 (0 with `huge`) | pause before each event after the first, at most 10 s |
 | `x-fake-fault` | none | `no-usage`, `malformed`, `cut` or `huge` (below) |
 | `x-fake-linger-ms` | 300 | with `cut`: how long the bytes sent stay on the wire before the close |
+| `x-fake-usage-header` | none | a header name: the answer also carries that header with the call's total (input + output; not with `no-usage`), as an upstream that reports its cost in a header does (`response_cost.header`; bench/usage_cost.py) |
 
 So for every provider the usage a reader should find is input = `x-fake-input` (Anthropic:
 `input_tokens` + `cache_creation_input_tokens` + `cache_read_input_tokens`) and output =
@@ -103,6 +104,7 @@ class Knobs:
     delay_s: float = 0.005
     fault: str = ""
     linger_s: float = 0.3
+    usage_header: str = ""
 
     @staticmethod
     def of(headers) -> "Knobs":
@@ -118,6 +120,9 @@ class Knobs:
         fault = (headers.get("x-fake-fault") or "").strip()
         if fault and fault not in FAULTS:
             raise BadRequest(f"x-fake-fault: {fault!r} is none of {', '.join(FAULTS)}")
+        usage_header = (headers.get("x-fake-usage-header") or "").strip().lower()
+        if usage_header and not all(c.isalnum() or c == "-" for c in usage_header):
+            raise BadRequest(f"x-fake-usage-header: {usage_header!r} is not a header name")
         k = Knobs(
             input=number("x-fake-input", 10, MAX_TOKENS_KNOB),
             output=number("x-fake-output", 20, MAX_TOKENS_KNOB),
@@ -129,6 +134,7 @@ class Knobs:
             delay_s=number("x-fake-delay-ms", 0 if fault == "huge" else 5, 10_000) / 1000,
             fault=fault,
             linger_s=number("x-fake-linger-ms", 300, 10_000) / 1000,
+            usage_header=usage_header,
         )
         if k.cache_read + k.cache_write > k.input:
             raise BadRequest("x-fake-cache-read + x-fake-cache-write exceed x-fake-input")
@@ -491,11 +497,16 @@ class Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True  # the client (the gateway) went away: nothing to do
 
+    def _usage_header(self, k: Knobs) -> None:
+        if k.usage_header and k.usage_on:
+            self.send_header(k.usage_header, str(k.input + k.output))
+
     def _send(self, answer: Answer, k: Knobs) -> None:
         cut = k.fault == "cut"
         if not answer.stream:
             body = answer.pieces[0]
             self.send_response(200)
+            self._usage_header(k)
             self.send_header("content-type", answer.content_type)
             self.send_header("content-length", str(len(body)))  # the whole body's, even when cut
             self.end_headers()
@@ -509,6 +520,7 @@ class Handler(BaseHTTPRequestHandler):
             pieces = pieces[:half] + [pieces[half][: len(pieces[half]) // 2]]
         chunked = self.request_version != "HTTP/1.0"
         self.send_response(200)
+        self._usage_header(k)
         self.send_header("content-type", answer.content_type)
         self.send_header("cache-control", "no-cache")
         if chunked:

@@ -270,6 +270,23 @@ def test_health_and_bad_requests(llm):
         assert post(llm.port, "/v1/chat/completions", CHAT, bad)[0] == 400, bad
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_usage_header_carries_the_total(llm, stream: bool):
+    # x-fake-usage-header: the total also in a header of that name (bench/usage_cost.py).
+    body = {**CHAT, "stream": stream, "stream_options": {"include_usage": True}}
+    req = urllib.request.Request(f"http://127.0.0.1:{llm.port}/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={**KNOBS, "x-fake-usage-header": "x-llm-tokens"}, method="POST")
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.headers.get("x-llm-tokens") == str(I + O)
+        r.read()
+    no_usage = {**KNOBS, "x-fake-usage-header": "x-llm-tokens", "x-fake-fault": "no-usage"}
+    req = urllib.request.Request(req.full_url, data=req.data, headers=no_usage, method="POST")
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.headers.get("x-llm-tokens") is None
+        r.read()
+    assert post(llm.port, "/v1/chat/completions", CHAT, {"x-fake-usage-header": "x y"})[0] == 400
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
 def test_each_shape_reports_the_chosen_usage(llm, shape: Shape):
     # A prefix before the provider's path, as the gateway tests route them.
