@@ -31,15 +31,41 @@ use std::fmt;
 /// and handed back with its answer.
 pub type CalloutId = u64;
 
-/// What the request-headers hook answers Envoy. (Every other hook of a stream answers
-/// `Continue`: the response's headers, body chunks and trailers are read as they pass,
-/// never stopped or buffered.)
+/// What the request-headers hook answers Envoy. (The response's hooks always answer
+/// `Continue`: its headers, body chunks and trailers are read as they pass, never stopped
+/// or buffered.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HeadersStatus {
     Continue,
+    /// `StopIteration`: the headers wait, and the request's body still comes to the filter's
+    /// body hooks (which buffer it, [`BodyStatus::StopIterationAndBuffer`]) — a request the
+    /// worker holds for its body (`reserve.json`).
+    StopIteration,
     /// `StopAllIterationAndWatermark`: what proxy-wasm's `Pause` is in Envoy (the body is
-    /// held, within the connection's buffer limits, until the filter continues decoding).
+    /// held, within the connection's buffer limits, and reaches no body hook of the filter
+    /// until it continues decoding).
     StopAllAndWatermark,
+}
+
+/// What the request-body hook answers Envoy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BodyStatus {
+    /// The chunk goes on; after a [`HeadersStatus::StopIteration`], the request goes on with
+    /// it (its headers, the body Envoy buffered, this chunk).
+    Continue,
+    /// `StopIterationAndBuffer`: Envoy keeps the chunk with those before it (up to the
+    /// buffer limit, past which it answers 413 itself) until the filter continues decoding.
+    StopIterationAndBuffer,
+}
+
+/// What the request-trailers hook answers Envoy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TrailersStatus {
+    /// The trailers go on (and with them a request stopped at its headers or body).
+    Continue,
+    /// `StopIteration`: they wait, with the rest of the request, until the filter continues
+    /// decoding.
+    StopIteration,
 }
 
 /// Why Envoy did not start a callout (`envoy_dynamic_module_type_http_callout_init_result`
@@ -96,6 +122,12 @@ pub trait EnvoyFilter {
     fn continue_decoding(&self);
     /// A scheduler posting to this stream's thread (`None`: Envoy gave none).
     fn new_scheduler(&self) -> Option<Box<dyn StreamScheduler>>;
+    /// Lends `read` the request's body chunk that the request-body hook is forwarding
+    /// (Envoy's "received" request body: this hook's chunk, not what Envoy buffered of the
+    /// chunks before it), as Envoy holds it: its slices, in order, borrowed for `read`'s call
+    /// only (none when Envoy has no chunk). Only during the request-body hook; `read` runs
+    /// exactly once. Reads, never changes: the hook's status says whether Envoy buffers it.
+    fn read_request_body(&self, read: &mut dyn FnMut(&[&[u8]]));
     /// Lends `read` the answer's body chunk that the response-body hook is forwarding
     /// (Envoy's "received" response body: this hook's chunk, not what is buffered), as
     /// Envoy holds it: its slices, in order, borrowed for `read`'s call only (none when Envoy

@@ -49,11 +49,13 @@
 //!    `send_response`. `filter.cc`, `HttpCalloutCallback::onSuccess` ("on_http_filter_
 //!    http_callout_done_ might result in the local reply which destroys the filter"); and
 //!    `DynamicModuleHttpFilter::sendLocalReply` goes through `decoder_callbacks_`, which
-//!    `destroy` nulls, so nothing may be asked of the stream after. Here every request is
-//!    complete (headers only), so every local reply ends its stream inside the call.
+//!    `destroy` nulls, so nothing may be asked of the stream after. Here every local reply
+//!    ends its stream inside the call (the module answers a request with a body only once
+//!    the body is in, or at its headers).
 //! 8. **`continue_decoding` resumes only a stopped request** (`filter.cc`,
-//!    `DynamicModuleHttpFilter::continueDecoding`, guarded by `in_continue_`); here one on
-//!    a request that is not stopped is recorded as [`Seen::ContinueIgnored`].
+//!    `DynamicModuleHttpFilter::continueDecoding`, guarded by `decode_in_continue_`, which
+//!    each request hook sets when it answers `Continue`); here one on a request that is not
+//!    stopped is recorded as [`Seen::ContinueIgnored`].
 //! 9. **`get_concurrency` answers on the main thread only**, and **metrics are defined
 //!    only while the configuration is made** (`abi_impl.cc`,
 //!    `envoy_dynamic_module_callback_get_concurrency`; `filter_config.cc`,
@@ -72,10 +74,34 @@
 //!     (`filter.cc` of the ABI v0.2.0 fork ElvinEfendi/envoy at 8ffb50a1; the installed 1.40
 //!     binary's `encodeData` does the same: skip once a local reply was sent or without a
 //!     module filter, set the chunk pointer, call the hook, clear the pointer.)
+//! 11. **The request passes the stream's hooks in order, as the headers hook's status
+//!     lets it**: its headers (`end_of_stream` when no body follows), then each body chunk
+//!     (the last with `end_of_stream`, unless trailers end it), then its trailers; nothing
+//!     after a local reply (`FilterManager::decodeData`/`decodeTrailers` return once
+//!     `local_complete_`). A chunk's bytes can be read only during its own hook
+//!     (`DynamicModuleHttpFilter::decodeData` sets `current_request_body_` around the hook;
+//!     the 1.40 binary's likewise, the field `get_body_chunks_size`'s case 0 reads). After
+//!     `StopIteration` the headers wait alone: the body still comes to the filter's body
+//!     hook, `StopIterationAndBuffer` keeps each chunk, and a body or trailers hook that
+//!     answers `Continue` sends the request on (`FilterManager`'s
+//!     `commonHandleAfterDataCallback`/`commonHandleAfterTrailersCallback`: a filter stopped
+//!     for one iteration that continues calls `commonContinue`). After
+//!     `StopAllIterationAndWatermark` Envoy holds the body and trailers back from the filter
+//!     itself (`handleDataIfStopAll`; `decodeTrailers` returns on `stoppedAll()`): no body
+//!     hook runs ([`Seen::BodyHeldBack`]) until `continue_decoding`, which hands the filter
+//!     what was held back — its body in one chunk, then its trailers (`commonContinue` with
+//!     `iterate_from_current_filter_`). `continue_decoding` after `StopIterationAndBuffer`
+//!     sends the request on without the filter's hooks. A request left stopped once it is
+//!     complete, with no local reply, no callout of its stream in flight and no scheduler of
+//!     its stream — nothing that could run the module for it again — can never go on: a
+//!     violation (Envoy would hold it until a timeout). (`source/common/http/
+//!     filter_manager.cc` of envoyproxy/envoy; the 1.40 binary's `decodeHeaders`,
+//!     `decodeData` and `decodeTrailers` return the hook's status as it is and set
+//!     `decode_in_continue_` to whether it is `Continue`.)
 
 use crate::envoy::{
-    CalloutId, CalloutRefused, ConfigScheduler, EnvoyConfig, EnvoyFilter, HeadersStatus, RawAnswer,
-    StreamScheduler,
+    BodyStatus, CalloutId, CalloutRefused, ConfigScheduler, EnvoyConfig, EnvoyFilter,
+    HeadersStatus, RawAnswer, StreamScheduler, TrailersStatus,
 };
 use crate::filter::{self, Census, Config, FilterBox};
 use crate::shared::SharedStore;
@@ -136,6 +162,31 @@ pub enum Seen {
     Headers {
         stream: StreamId,
         status: HeadersStatus,
+    },
+    /// The module read the body chunk of the request-body hook that is running.
+    RequestBodyRead {
+        stream: StreamId,
+    },
+    /// A request-body hook answered.
+    RequestBody {
+        stream: StreamId,
+        end_of_stream: bool,
+        status: BodyStatus,
+    },
+    /// A chunk of the request's body that Envoy held back from the filter (stopped for all):
+    /// no hook ran.
+    BodyHeldBack {
+        stream: StreamId,
+        end_of_stream: bool,
+    },
+    /// The request-trailers hook answered.
+    RequestTrailers {
+        stream: StreamId,
+        status: TrailersStatus,
+    },
+    /// The request's trailers, held back from the filter (stopped for all): no hook ran.
+    TrailersHeldBack {
+        stream: StreamId,
     },
     /// The response-headers hook ran.
     ResponseHeaders {
@@ -243,6 +294,11 @@ impl Seen {
     pub fn stream(&self) -> Option<StreamId> {
         match self {
             Seen::Headers { stream, .. }
+            | Seen::RequestBodyRead { stream }
+            | Seen::RequestBody { stream, .. }
+            | Seen::BodyHeldBack { stream, .. }
+            | Seen::RequestTrailers { stream, .. }
+            | Seen::TrailersHeldBack { stream }
             | Seen::ResponseHeaders { stream }
             | Seen::BodyRead { stream }
             | Seen::ResponseBody { stream, .. }
@@ -374,8 +430,20 @@ struct StreamState {
     /// The body chunk of the response-body hook that is running, as its slices (`None`
     /// outside that hook: Envoy's `current_response_body_`).
     chunk: Mutex<Option<Vec<Vec<u8>>>>,
-    /// Its request-headers hook stopped it and nothing continued it yet.
+    /// Likewise the request-body hook's chunk (`current_request_body_`).
+    request_chunk: Mutex<Option<Vec<Vec<u8>>>>,
+    /// The whole request is in: headers with `end_of_stream`, its last body chunk, or its
+    /// trailers.
+    request_ended: AtomicBool,
+    /// A request hook stopped it and nothing continued it yet.
     stopped: AtomicBool,
+    /// Stopped for all (`StopAllIterationAndWatermark` at its headers): what comes of the
+    /// request meanwhile is held back from the filter's hooks.
+    stopped_all: AtomicBool,
+    /// What was held back: the body's chunks (one buffer), whether trailers came.
+    held_back: Mutex<HeldBack>,
+    /// Its schedulers made and not yet deleted.
+    schedulers: AtomicU64,
     replied: AtomicBool,
     destroyed: AtomicBool,
     next_callout: AtomicU64,
@@ -384,6 +452,13 @@ struct StreamState {
 struct Stream {
     module: Rc<FilterBox>,
     state: Arc<StreamState>,
+}
+
+/// What Envoy held back from a filter stopped for all (rule 11).
+#[derive(Default)]
+struct HeldBack {
+    body: Option<Vec<Vec<u8>>>,
+    trailers: bool,
 }
 
 /// What the threads share.
@@ -664,10 +739,35 @@ impl Envoy {
         client: &str,
         headers: &[(&str, &str)],
     ) -> StreamId {
+        self.open(worker, path, client, headers, true)
+    }
+
+    /// A request with a body reaches worker `worker` (a `POST` with these headers too): a new
+    /// stream and its request-headers hook, not at the end of the stream. Its body follows
+    /// ([`Envoy::request_body`], then perhaps [`Envoy::request_trailers`]).
+    pub fn request_with_body(
+        &self,
+        worker: usize,
+        path: &str,
+        client: &str,
+        headers: &[(&str, &str)],
+    ) -> StreamId {
+        self.open(worker, path, client, headers, false)
+    }
+
+    fn open(
+        &self,
+        worker: usize,
+        path: &str,
+        client: &str,
+        headers: &[(&str, &str)],
+        end_of_stream: bool,
+    ) -> StreamId {
         let id = self.shared.next_stream.fetch_add(1, Ordering::Relaxed) + 1;
+        let method = if end_of_stream { "GET" } else { "POST" };
         let mut request = vec![
             (":path".to_string(), path.to_string()),
-            (":method".to_string(), "GET".to_string()),
+            (":method".to_string(), method.to_string()),
             (":authority".to_string(), "gateway".to_string()),
         ];
         request.extend(
@@ -702,7 +802,12 @@ impl Envoy {
                 answering: AtomicBool::new(false),
                 answered: AtomicBool::new(false),
                 chunk: Mutex::new(None),
+                request_chunk: Mutex::new(None),
+                request_ended: AtomicBool::new(end_of_stream),
                 stopped: AtomicBool::new(false),
+                stopped_all: AtomicBool::new(false),
+                held_back: Mutex::new(HeldBack::default()),
+                schedulers: AtomicU64::new(0),
                 replied: AtomicBool::new(false),
                 destroyed: AtomicBool::new(false),
                 next_callout: AtomicU64::new(0),
@@ -721,15 +826,79 @@ impl Envoy {
                 shared,
                 state: &state,
             };
-            let status = filter::request_headers(&module, &handle);
-            if status == HeadersStatus::StopAllAndWatermark
-                && !state.replied.load(Ordering::Acquire)
-            {
+            let status = filter::request_headers(&module, &handle, end_of_stream);
+            if status != HeadersStatus::Continue && !state.replied.load(Ordering::Acquire) {
                 state.stopped.store(true, Ordering::Release);
+                state.stopped_all.store(
+                    status == HeadersStatus::StopAllAndWatermark,
+                    Ordering::Release,
+                );
             }
             shared.see(Seen::Headers { stream: id, status });
+            check_stuck(shared, &state);
         });
         id
+    }
+
+    /// A chunk of the request's body, as the slices `slices` (none: an empty chunk), reaches
+    /// the stream (`end_of_stream`: the last): its request-body hook, or, while it is stopped
+    /// for all, Envoy's buffer (rule 11).
+    pub fn request_body(&self, stream: StreamId, slices: &[&str], end_of_stream: bool) {
+        let worker = self.worker_of(stream);
+        let slices: Vec<Vec<u8>> = slices.iter().map(|s| s.as_bytes().to_vec()).collect();
+        self.run(On::Worker(worker), move |shared| {
+            // Gone (answered, or its client left): Envoy runs nothing of it any more.
+            let Some((module, state)) = stream_of(stream) else {
+                return;
+            };
+            assert!(
+                !state.request_ended.swap(end_of_stream, Ordering::AcqRel),
+                "stream {stream}: a request body chunk after the request's end"
+            );
+            if state.replied.load(Ordering::Acquire) {
+                return;
+            }
+            if state.stopped_all.load(Ordering::Acquire) {
+                lock(&state.held_back)
+                    .body
+                    .get_or_insert_with(Vec::new)
+                    .extend(slices);
+                shared.see(Seen::BodyHeldBack {
+                    stream,
+                    end_of_stream,
+                });
+            } else {
+                body_hook(shared, &module, &state, slices, end_of_stream);
+            }
+            if end_of_stream {
+                check_stuck(shared, &state);
+            }
+        });
+    }
+
+    /// The request's trailers end it: its request-trailers hook, or, while it is stopped for
+    /// all, Envoy keeps them back (rule 11).
+    pub fn request_trailers(&self, stream: StreamId) {
+        let worker = self.worker_of(stream);
+        self.run(On::Worker(worker), move |shared| {
+            let Some((module, state)) = stream_of(stream) else {
+                return;
+            };
+            assert!(
+                !state.request_ended.swap(true, Ordering::AcqRel),
+                "stream {stream}: request trailers after the request's end"
+            );
+            if state.replied.load(Ordering::Acquire) {
+                return;
+            }
+            if state.stopped_all.load(Ordering::Acquire) {
+                lock(&state.held_back).trailers = true;
+                shared.see(Seen::TrailersHeldBack { stream });
+            } else {
+                trailers_hook(shared, &module, &state);
+            }
+            check_stuck(shared, &state);
+        });
     }
 
     /// The upstream answers a stream that went on, with headers alone (they end the
@@ -988,6 +1157,11 @@ impl Envoy {
         lock(&self.shared.violations).clone()
     }
 
+    /// How many times a thread took a worker's lock so far (the module's count).
+    pub fn locks_on(&self, on: On) -> u64 {
+        self.run(on, |_| filter::locks_taken())
+    }
+
     /// Schedulers made and not yet deleted: the streams', the configurations'.
     pub fn schedulers(&self) -> (u64, u64) {
         (
@@ -1031,6 +1205,69 @@ fn stream_of(stream: StreamId) -> Option<(Rc<FilterBox>, Arc<StreamState>)> {
             .get(&stream)
             .map(|stream| (Rc::clone(&stream.module), Arc::clone(&stream.state)))
     })
+}
+
+/// The request-body hook of a stream of this worker thread with `slices` as its chunk
+/// (`decodeData`), and what its status asks of Envoy (rule 11).
+fn body_hook(
+    shared: &Arc<Shared>,
+    module: &FilterBox,
+    state: &Arc<StreamState>,
+    slices: Vec<Vec<u8>>,
+    end_of_stream: bool,
+) {
+    *lock(&state.request_chunk) = Some(slices);
+    let handle = FilterHandle { shared, state };
+    let status = filter::request_body(module, &handle, end_of_stream);
+    *lock(&state.request_chunk) = None;
+    if !state.replied.load(Ordering::Acquire) {
+        // `Continue` sends on a request stopped for one iteration; `StopIterationAndBuffer`
+        // keeps the chunk and stops it until `continue_decoding`.
+        state.stopped.store(
+            status == BodyStatus::StopIterationAndBuffer,
+            Ordering::Release,
+        );
+    }
+    shared.see(Seen::RequestBody {
+        stream: state.id,
+        end_of_stream,
+        status,
+    });
+}
+
+/// The request-trailers hook of a stream of this worker thread (`decodeTrailers`), and what
+/// its status asks of Envoy (rule 11).
+fn trailers_hook(shared: &Arc<Shared>, module: &FilterBox, state: &Arc<StreamState>) {
+    let handle = FilterHandle { shared, state };
+    let status = filter::request_trailers(module, &handle);
+    if !state.replied.load(Ordering::Acquire) {
+        state
+            .stopped
+            .store(status == TrailersStatus::StopIteration, Ordering::Release);
+    }
+    shared.see(Seen::RequestTrailers {
+        stream: state.id,
+        status,
+    });
+}
+
+/// Rule 11: a complete request left stopped, with nothing that could run the module for it
+/// again (no local reply, no callout of its stream, no scheduler of it), is stuck.
+fn check_stuck(shared: &Arc<Shared>, state: &StreamState) {
+    let stuck = state.request_ended.load(Ordering::Acquire)
+        && state.stopped.load(Ordering::Acquire)
+        && !state.replied.load(Ordering::Acquire)
+        && !state.destroyed.load(Ordering::Acquire)
+        && state.schedulers.load(Ordering::Acquire) == 0
+        && !lock(&shared.callouts)
+            .iter()
+            .any(|pending| pending.owner == Owner::Stream(state.id));
+    if stuck {
+        shared.violation(format!(
+            "stream {}: stopped with its whole request in, and nothing can continue it",
+            state.id
+        ));
+    }
 }
 
 /// Ends a stream of this worker thread (rule 5).
@@ -1162,11 +1399,45 @@ impl EnvoyFilter for FilterHandle<'_> {
             return;
         }
         let stream = self.state.id;
-        if self.state.stopped.swap(false, Ordering::AcqRel) {
-            self.shared.see(Seen::Continue { stream });
-        } else {
+        if !self.state.stopped.swap(false, Ordering::AcqRel) {
             self.shared.see(Seen::ContinueIgnored { stream });
+            return;
         }
+        self.shared.see(Seen::Continue { stream });
+        if !self.state.stopped_all.swap(false, Ordering::AcqRel) {
+            return;
+        }
+        // Rule 11: the filter gets what was held back from it, inside this call: its body
+        // (in one chunk, the last unless trailers came), then its trailers.
+        let held = std::mem::take(&mut *lock(&self.state.held_back));
+        let Some((module, state)) = stream_of(stream) else {
+            return;
+        };
+        if let Some(body) = held.body {
+            let end_of_stream = state.request_ended.load(Ordering::Acquire) && !held.trailers;
+            body_hook(self.shared, &module, &state, body, end_of_stream);
+        }
+        if held.trailers && !state.destroyed.load(Ordering::Acquire) {
+            trailers_hook(self.shared, &module, &state);
+        }
+    }
+
+    fn read_request_body(&self, read: &mut dyn FnMut(&[&[u8]])) {
+        if !self.usable("read_request_body") {
+            read(&[]);
+            return;
+        }
+        let stream = self.state.id;
+        let Some(chunk) = lock(&self.state.request_chunk).clone() else {
+            self.shared.violation(format!(
+                "stream {stream}: request body read outside its body hook"
+            ));
+            read(&[]);
+            return;
+        };
+        self.shared.see(Seen::RequestBodyRead { stream });
+        let slices: Vec<&[u8]> = chunk.iter().map(Vec::as_slice).collect();
+        read(&slices);
     }
 
     fn read_response_body(&self, read: &mut dyn FnMut(&[&[u8]])) {
@@ -1192,11 +1463,13 @@ impl EnvoyFilter for FilterHandle<'_> {
             return None;
         }
         self.shared.stream_schedulers.fetch_add(1, Ordering::AcqRel);
+        self.state.schedulers.fetch_add(1, Ordering::AcqRel);
         self.shared.see(Seen::SchedulerNew {
             stream: self.state.id,
         });
         Some(Box::new(FakeStreamScheduler {
             shared: Arc::clone(self.shared),
+            state: Arc::clone(self.state),
             stream: self.state.id,
             worker: self.state.worker,
         }))
@@ -1206,6 +1479,7 @@ impl EnvoyFilter for FilterHandle<'_> {
 /// Rule 4: posts to the stream's worker thread; dropped there if the stream is gone.
 struct FakeStreamScheduler {
     shared: Arc<Shared>,
+    state: Arc<StreamState>,
     stream: StreamId,
     worker: usize,
 }
@@ -1237,6 +1511,7 @@ impl StreamScheduler for FakeStreamScheduler {
 impl Drop for FakeStreamScheduler {
     fn drop(&mut self) {
         self.shared.stream_schedulers.fetch_sub(1, Ordering::AcqRel);
+        self.state.schedulers.fetch_sub(1, Ordering::AcqRel);
         self.shared.see(Seen::SchedulerDeleted {
             stream: self.stream,
         });

@@ -61,6 +61,16 @@
 //!    nothing else runs on the thread meanwhile. The slices are lent to the reader of
 //!    `EnvoyFilter::read_response_body` only for its call (it takes them for any lifetime,
 //!    so it cannot keep them), and it is called only from the response-body hook.
+//! 7. **Request body chunks.** Likewise during `on_http_filter_request_body`: Envoy 1.40
+//!    points the filter's "received request body" at the chunk it hands the hook and clears
+//!    it when the hook returns (`DynamicModuleHttpFilter::decodeData`: `current_request_body_
+//!    = &chunk`, the hook, `= nullptr`; in the installed binary, the store to and clear of the
+//!    field `get_body_chunks_size`'s case 0 reads, around the call of the hook). Envoy buffers
+//!    the chunk only after the hook returns (`StopIterationAndBuffer`), so the slices stay
+//!    valid until then: the module changes no body, and they are read before any command
+//!    of the hook is carried out (a local reply, a header edit), inside the worker's event.
+//!    They are lent to the reader of `EnvoyFilter::read_request_body` only for its call, and
+//!    it is called only from the request-body hook.
 //!
 //! (A worker moves between threads whole: `diana_core::worker::Worker` is `Send` by the
 //! compiler's word, holding no shared pointer; nothing here vouches for it.)
@@ -68,8 +78,8 @@
 #![allow(unsafe_code)]
 
 use crate::envoy::{
-    CalloutId, CalloutRefused, ConfigScheduler, EnvoyConfig, EnvoyFilter, HeadersStatus, RawAnswer,
-    StreamScheduler,
+    BodyStatus, CalloutId, CalloutRefused, ConfigScheduler, EnvoyConfig, EnvoyFilter,
+    HeadersStatus, RawAnswer, StreamScheduler, TrailersStatus,
 };
 use crate::filter::{self, Config, FilterBox};
 use diana_core::call::Callout;
@@ -202,6 +212,11 @@ const HEADER_RESPONSE: i32 = 2; // ..._ResponseHeader
 /// case 2 reads the filter's own pointer (`current_response_body_`), case 3 asks the encoder
 /// callbacks for their buffer (`encodingBuffer()`).
 const BODY_RECEIVED_RESPONSE: i32 = 2;
+/// `envoy_dynamic_module_type_http_body_type_ReceivedRequestBody`: the chunk the request-body
+/// hook is forwarding (in the 1.40 binary, case 0 reads the filter's own pointer,
+/// `current_request_body_`; case 1, `BufferedRequestBody`, the decoder callbacks'
+/// `decodingBuffer()`).
+const BODY_RECEIVED_REQUEST: i32 = 0;
 const ATTRIBUTE_SOURCE_ADDRESS: i32 = 24; // envoy_dynamic_module_type_attribute_id_SourceAddress
 const CALLOUT_INIT_SUCCESS: i32 = 0; // envoy_dynamic_module_type_http_callout_init_result_Success
 const CALLOUT_RESULT_SUCCESS: i32 = 0; // envoy_dynamic_module_type_http_callout_result_Success
@@ -209,8 +224,20 @@ const METRICS_SUCCESS: i32 = 0; // envoy_dynamic_module_type_metrics_result_Succ
 /// `..._on_http_filter_{request,response}_headers_status_Continue`, and the body and
 /// trailers statuses' `Continue`.
 const CONTINUE: i32 = 0;
+/// `envoy_dynamic_module_type_on_http_filter_request_headers_status_StopIteration` (abi.h:
+/// `{Continue, StopIteration, ContinueAndDontEndStream, StopAllIterationAndBuffer,
+/// StopAllIterationAndWatermark}`, Envoy's `FilterHeadersStatus`, which the 1.40 binary's
+/// `decodeHeaders` returns as the hook answered it).
+const HEADERS_STOP_ITERATION: i32 = 1;
 /// `..._headers_status_StopAllIterationAndWatermark`.
 const STOP_ALL_AND_WATERMARK: i32 = 4;
+/// `envoy_dynamic_module_type_on_http_filter_request_body_status_StopIterationAndBuffer`
+/// (abi.h: `{Continue, StopIterationAndBuffer, StopIterationAndWatermark,
+/// StopIterationNoBuffer}`, Envoy's `FilterDataStatus`).
+const BODY_STOP_ITERATION_AND_BUFFER: i32 = 1;
+/// `envoy_dynamic_module_type_on_http_filter_request_trailers_status_StopIteration` (abi.h:
+/// `{Continue, StopIteration}`, Envoy's `FilterTrailersStatus`).
+const TRAILERS_STOP_ITERATION: i32 = 1;
 
 /// Why a callout was not started (`envoy_dynamic_module_type_http_callout_init_result`).
 fn callout_refused(result: i32) -> CalloutRefused {
@@ -226,7 +253,22 @@ fn callout_refused(result: i32) -> CalloutRefused {
 fn headers_status(status: HeadersStatus) -> i32 {
     match status {
         HeadersStatus::Continue => CONTINUE,
+        HeadersStatus::StopIteration => HEADERS_STOP_ITERATION,
         HeadersStatus::StopAllAndWatermark => STOP_ALL_AND_WATERMARK,
+    }
+}
+
+fn body_status(status: BodyStatus) -> i32 {
+    match status {
+        BodyStatus::Continue => CONTINUE,
+        BodyStatus::StopIterationAndBuffer => BODY_STOP_ITERATION_AND_BUFFER,
+    }
+}
+
+fn trailers_status(status: TrailersStatus) -> i32 {
+    match status {
+        TrailersStatus::Continue => CONTINUE,
+        TrailersStatus::StopIteration => TRAILERS_STOP_ITERATION,
     }
 }
 
@@ -308,9 +350,9 @@ extern "C" {
     ) -> i32;
     fn envoy_dynamic_module_callback_http_filter_continue_decoding(filter: *mut c_void);
 
-    // The response body (invariant 6). abi.h, identical in ABI v0.1.0 (envoyproxy/envoy
-    // 0199da4a, main before the 1.40 bump) and v0.2.0 (ElvinEfendi/envoy 159515c7, after it),
-    // section "HTTP Request/Response body callbacks":
+    // The request and response bodies (invariants 7 and 6). abi.h, identical in ABI v0.1.0
+    // (envoyproxy/envoy 0199da4a, main before the 1.40 bump) and v0.2.0 (ElvinEfendi/envoy
+    // 159515c7, after it), section "HTTP Request/Response body callbacks":
     //
     //   size_t envoy_dynamic_module_callback_http_get_body_chunks_size(
     //       envoy_dynamic_module_type_http_filter_envoy_ptr filter_envoy_ptr,
@@ -551,6 +593,40 @@ impl FilterRef {
         };
         (found && !value.ptr.is_null()).then(|| value.bytes().to_vec())
     }
+
+    /// Lends `read` the slices of the body `body_type` names, as Envoy holds them.
+    ///
+    /// # Safety
+    ///
+    /// Called only from the body hook whose chunk `body_type` names (invariants 6 and 7:
+    /// `BODY_RECEIVED_RESPONSE` from the response-body hook, `BODY_RECEIVED_REQUEST` from the
+    /// request-body hook), so the chunk stays as Envoy counts it until `read` returns.
+    unsafe fn read_body(&self, body_type: i32, read: &mut dyn FnMut(&[&[u8]])) {
+        // SAFETY: invariant 1, and the caller's word (invariants 6 and 7).
+        let count =
+            unsafe { envoy_dynamic_module_callback_http_get_body_chunks_size(self.0, body_type) };
+        if count == 0 {
+            read(&[]);
+            return;
+        }
+        let mut chunks = vec![Buf::empty(); count];
+        // SAFETY: invariants 1, 6 and 7 — `chunks` has room for the `count` slices Envoy just
+        // counted, and the chunk has not changed since.
+        let available = unsafe {
+            envoy_dynamic_module_callback_http_get_body_chunks(
+                self.0,
+                body_type,
+                chunks.as_mut_ptr(),
+            )
+        };
+        if !available {
+            read(&[]);
+            return;
+        }
+        // Borrowed for `read`'s call only (invariants 6 and 7).
+        let slices: Vec<&[u8]> = chunks.iter().map(|chunk| chunk.bytes()).collect();
+        read(&slices);
+    }
 }
 
 impl EnvoyFilter for FilterRef {
@@ -647,32 +723,14 @@ impl EnvoyFilter for FilterRef {
             .map(|scheduler| Box::new(StreamSchedulerRef(scheduler)) as Box<dyn StreamScheduler>)
     }
 
+    fn read_request_body(&self, read: &mut dyn FnMut(&[&[u8]])) {
+        // SAFETY: invariant 7 — only the request-body hook calls this.
+        unsafe { self.read_body(BODY_RECEIVED_REQUEST, read) }
+    }
+
     fn read_response_body(&self, read: &mut dyn FnMut(&[&[u8]])) {
-        // SAFETY: invariants 1 and 6 (only the response-body hook calls this).
-        let count = unsafe {
-            envoy_dynamic_module_callback_http_get_body_chunks_size(self.0, BODY_RECEIVED_RESPONSE)
-        };
-        if count == 0 {
-            read(&[]);
-            return;
-        }
-        let mut chunks = vec![Buf::empty(); count];
-        // SAFETY: invariants 1 and 6 — `chunks` has room for the `count` slices Envoy just
-        // counted, and the chunk has not changed since.
-        let available = unsafe {
-            envoy_dynamic_module_callback_http_get_body_chunks(
-                self.0,
-                BODY_RECEIVED_RESPONSE,
-                chunks.as_mut_ptr(),
-            )
-        };
-        if !available {
-            read(&[]);
-            return;
-        }
-        // Borrowed for `read`'s call only (invariant 6).
-        let slices: Vec<&[u8]> = chunks.iter().map(|chunk| chunk.bytes()).collect();
-        read(&slices);
+        // SAFETY: invariant 6 — only the response-body hook calls this.
+        unsafe { self.read_body(BODY_RECEIVED_RESPONSE, read) }
     }
 }
 
@@ -866,36 +924,58 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_new(
     }
 }
 
+/// The request's headers (`end_of_stream`: no body follows). `Continue`,
+/// `StopAllIterationAndWatermark` (paused: no body hook runs until it is resumed), or
+/// `StopIteration` (held for its body, which comes to the body hooks).
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
     filter_envoy_ptr: *mut c_void,
     filter_module_ptr: *const c_void,
-    _end_of_stream: bool,
+    end_of_stream: bool,
 ) -> i32 {
     match filter_of(filter_module_ptr) {
         Some(filter) => headers_status(filter::request_headers(
             &filter,
             &FilterRef(filter_envoy_ptr),
+            end_of_stream,
         )),
         None => CONTINUE,
     }
 }
 
+/// A chunk of the request's body (`decodeData`). `Continue` (the chunk, and a request held
+/// for its body with it, goes on), or `StopIterationAndBuffer` while the request is held
+/// (Envoy buffers the chunk; a local reply was sent, or the request waits to be resumed).
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
-    _filter_envoy_ptr: *mut c_void,
-    _filter_module_ptr: *const c_void,
-    _end_of_stream: bool,
+    filter_envoy_ptr: *mut c_void,
+    filter_module_ptr: *const c_void,
+    end_of_stream: bool,
 ) -> i32 {
-    CONTINUE
+    match filter_of(filter_module_ptr) {
+        Some(filter) => body_status(filter::request_body(
+            &filter,
+            &FilterRef(filter_envoy_ptr),
+            end_of_stream,
+        )),
+        None => CONTINUE,
+    }
 }
 
+/// The request's trailers: its body ended with the chunk before them. `Continue`, or
+/// `StopIteration` while the request is held.
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_http_filter_request_trailers(
-    _filter_envoy_ptr: *mut c_void,
-    _filter_module_ptr: *const c_void,
+    filter_envoy_ptr: *mut c_void,
+    filter_module_ptr: *const c_void,
 ) -> i32 {
-    CONTINUE
+    match filter_of(filter_module_ptr) {
+        Some(filter) => trailers_status(filter::request_trailers(
+            &filter,
+            &FilterRef(filter_envoy_ptr),
+        )),
+        None => CONTINUE,
+    }
 }
 
 #[no_mangle]

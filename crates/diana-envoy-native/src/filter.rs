@@ -25,7 +25,8 @@
 //! - **Other streams.** A paused request gets a scheduler, registered in its worker's table
 //!   under the lock of the event that paused it; commands for it from another event (its
 //!   turn came in the tick, another call landed) are queued there and carried out in its
-//!   own `on_http_filter_scheduled` on its thread.
+//!   own `on_http_filter_scheduled` on its thread. A request held for its body gets none
+//!   until its body's end decides it: only its own body hooks move it on until then.
 //!
 //! The lock is held only while the worker handles one event and its commands are sorted,
 //! never while a command is carried out: `continue_decoding` and `send_response` may run
@@ -37,7 +38,8 @@
 //! reference), and carries out nothing more once the stream is gone.
 
 use crate::envoy::{
-    CalloutId, ConfigScheduler, EnvoyConfig, EnvoyFilter, HeadersStatus, RawAnswer, StreamScheduler,
+    BodyStatus, CalloutId, ConfigScheduler, EnvoyConfig, EnvoyFilter, HeadersStatus, RawAnswer,
+    StreamScheduler, TrailersStatus,
 };
 use crate::host::{self, Metrics, NativeHost};
 use crate::shared::SharedStore;
@@ -129,6 +131,10 @@ impl<'a> Site<'a> {
 /// What one event left for the caller, once the lock is released.
 struct Outcome {
     pause: bool,
+    /// The pause holds the current stream for its request's body (the worker reads it,
+    /// `Worker::reads_request_body`): only its own body hooks move it on, so it has no
+    /// scheduler.
+    held: bool,
     /// Commands for the current stream, in order.
     commands: Vec<Command>,
     /// Calls made: Envoy's callout id and the worker's token.
@@ -143,6 +149,9 @@ thread_local! {
     /// This thread holds a worker's lock: a hook re-entered from a callback made under it
     /// skips its event rather than deadlock.
     static HOLDING: Cell<bool> = const { Cell::new(false) };
+    /// How many times this thread took a worker's lock (tests: which hooks take none).
+    #[cfg(test)]
+    static LOCKS: Cell<u64> = const { Cell::new(0) };
 }
 
 /// Validates the document as every worker will (a refused one fails Envoy's configuration,
@@ -330,6 +339,8 @@ impl Slot {
             return None;
         }
         HOLDING.with(|holding| holding.set(true));
+        #[cfg(test)]
+        LOCKS.with(|locks| locks.set(locks.get() + 1));
         Some(Held(lock(&self.core)))
     }
 
@@ -340,7 +351,7 @@ impl Slot {
     /// Runs one worker event at `site`, under the lock: commands for other streams are
     /// queued on their schedulers and the tick period is taken there; a current stream the
     /// event pauses gets its scheduler before the lock is let go (so that no command for it
-    /// from the main thread can come first).
+    /// from the main thread can come first), unless the pause holds it for its body.
     fn event(
         &self,
         config: &Config,
@@ -351,6 +362,7 @@ impl Slot {
         let current = site.current();
         let mut outcome = Outcome {
             pause: false,
+            held: false,
             commands: Vec::new(),
             dispatched: Vec::new(),
             rearm: None,
@@ -381,7 +393,12 @@ impl Slot {
             .commands
             .iter()
             .any(|command| matches!(command, Command::Reply(c, _) if Some(*c) == context));
-        if let (true, false, Some((context, envoy))) = (step.pause, replied, current) {
+        // Held for its body: no command comes for it from another event (it is neither
+        // waiting nor calling) until its body's end decides it, and a pause then gets the
+        // scheduler.
+        let held = step.pause
+            && context.is_some_and(|context| core.worker.reads_request_body(context).is_some());
+        if let (true, false, false, Some((context, envoy))) = (step.pause, replied, held, current) {
             if !core.paused.contains_key(&context) {
                 match envoy.new_scheduler() {
                     Some(scheduler) => {
@@ -398,6 +415,7 @@ impl Slot {
             }
         }
         outcome.pause = step.pause;
+        outcome.held = held;
         outcome.commands = core.settle(step.commands, context, &mut outcome.rearm);
         if ticking && core.due.is_none() {
             core.schedule_next();
@@ -503,8 +521,10 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 /// it once, at its end), so its state lives here rather than in a table keyed by context.
 ///
 /// ```text
-///   filter_new ──▶ live ──request headers──▶ (paused: a scheduler in the worker's table)
-///                   │      callout answers, scheduled events, response headers
+///   filter_new ──▶ live ──request headers──▶ (held for its body: its body hooks read it,
+///                   │                          and its end decides it)
+///                   │                        (paused: a scheduler in the worker's table)
+///                   │      callout answers, scheduled events, response headers and body
 ///                   └──destroy──▶ gone: state given back; a hook still running on the
 ///                                 stack (a local reply that ended the stream) stops
 /// ```
@@ -533,9 +553,15 @@ struct Stream {
     callouts: Vec<(CalloutId, CallToken)>,
     /// An event paused it, so its worker may keep a scheduler for it (deleted when it goes).
     paused: bool,
-    /// Its worker no longer tracks it (`Worker::tracks`, asked at its request headers):
-    /// its response headers and body and its end are skipped, with no lock.
+    /// Its worker no longer tracks it (`Worker::tracks`, asked at its request headers, or
+    /// at the end of a body it was held for): its response headers and body and its end are
+    /// skipped, with no lock.
     untracked: bool,
+    /// Its worker holds the request for its body (`reserve.json`; a pause of its headers
+    /// event that `Worker::reads_request_body` says reads it): its request-body and trailers
+    /// hooks hand the body over until its end decides it. Any other request's body passes
+    /// them with no lock and no read.
+    body_held: bool,
     /// Its worker does not read its answer's body (`Worker::reads_response_body` said no
     /// once its response headers or a chunk of the body had passed, or the body ended): the
     /// rest of the body passes unread, with no lock. A worker that is not reading a body once
@@ -575,25 +601,105 @@ pub fn filter_new(config: &Arc<Config>) -> Option<FilterBox> {
     })
 }
 
-pub fn request_headers(filter: &FilterBox, envoy: &dyn EnvoyFilter) -> HeadersStatus {
+/// The request's headers (`end_of_stream`: no body follows). A request whose body follows
+/// is the worker's to hold for it (`Worker::on_request_headers_with_body`): held, its headers
+/// stop alone (`StopIteration`), so that Envoy hands its body to the body hooks; paused
+/// otherwise (a call, a wait), they stop with the body (`StopAllIterationAndWatermark`, as
+/// proxy-wasm's pause) until the request is resumed.
+pub fn request_headers(
+    filter: &FilterBox,
+    envoy: &dyn EnvoyFilter,
+    end_of_stream: bool,
+) -> HeadersStatus {
     let context = filter.context;
     let tracked = Cell::new(true);
     let outcome = filter.event(envoy, false, |worker, host| {
-        let step = worker.on_request_headers(host, context);
+        let step = if end_of_stream {
+            worker.on_request_headers(host, context)
+        } else {
+            worker.on_request_headers_with_body(host, context)
+        };
         tracked.set(worker.tracks(context));
         step
     });
-    if !tracked.get() {
-        if let Ok(mut stream) = filter.stream.try_borrow_mut() {
-            stream.untracked = true;
-        }
-    }
-    let pause = outcome.pause;
+    filter.after_request_event(outcome.held, tracked.get());
+    let (pause, held) = (outcome.pause, outcome.held);
     filter.carry_out(envoy, outcome.commands);
-    if pause {
+    if held {
+        HeadersStatus::StopIteration
+    } else if pause {
         HeadersStatus::StopAllAndWatermark
     } else {
         HeadersStatus::Continue
+    }
+}
+
+/// A chunk of the request's body (`end_of_stream`: the last). Only a request the worker holds
+/// for its body is read: its chunk where Envoy holds it — a host call and, only for a chunk
+/// of several slices, a copy into one — handed to `Worker::on_request_body`. While the
+/// request stays held, or its decision at the body's end pauses it (a call, a wait) or answers
+/// it (a local reply, already sent), Envoy buffers the chunk (`StopIterationAndBuffer`); a
+/// request admitted at its end goes on (`Continue`: its headers, the body Envoy buffered, this
+/// chunk). Every other request's body takes no lock here and goes on unread.
+pub fn request_body(
+    filter: &FilterBox,
+    envoy: &dyn EnvoyFilter,
+    end_of_stream: bool,
+) -> BodyStatus {
+    if !filter.holds_body() {
+        return BodyStatus::Continue;
+    }
+    let context = filter.context;
+    let tracked = Cell::new(true);
+    let outcome = filter.event(envoy, false, |worker, host| {
+        if worker.reads_request_body(context).is_none() {
+            return Step::default();
+        }
+        let mut step = Step::default();
+        envoy.read_request_body(&mut |slices: &[&[u8]]| {
+            step = match slices {
+                [] => worker.on_request_body(host, context, &[], end_of_stream),
+                [chunk] => worker.on_request_body(host, context, chunk, end_of_stream),
+                _ => worker.on_request_body(host, context, &slices.concat(), end_of_stream),
+            };
+        });
+        tracked.set(worker.tracks(context));
+        step
+    });
+    filter.after_request_event(outcome.held, tracked.get());
+    let pause = outcome.pause;
+    filter.carry_out(envoy, outcome.commands);
+    if pause {
+        BodyStatus::StopIterationAndBuffer
+    } else {
+        BodyStatus::Continue
+    }
+}
+
+/// The request's trailers: the body of a request held for it ended with the chunk before them
+/// (which did not say so), and the request is decided here (`StopIteration` while that pauses
+/// it). Any other request's trailers take no lock and go on.
+pub fn request_trailers(filter: &FilterBox, envoy: &dyn EnvoyFilter) -> TrailersStatus {
+    if !filter.holds_body() {
+        return TrailersStatus::Continue;
+    }
+    let context = filter.context;
+    let tracked = Cell::new(true);
+    let outcome = filter.event(envoy, false, |worker, host| {
+        if worker.reads_request_body(context).is_none() {
+            return Step::default();
+        }
+        let step = worker.on_request_body(host, context, &[], true);
+        tracked.set(worker.tracks(context));
+        step
+    });
+    filter.after_request_event(outcome.held, tracked.get());
+    let pause = outcome.pause;
+    filter.carry_out(envoy, outcome.commands);
+    if pause {
+        TrailersStatus::StopIteration
+    } else {
+        TrailersStatus::Continue
     }
 }
 
@@ -783,6 +889,25 @@ fn send(envoy: &dyn EnvoyFilter, reply: &LocalReply) {
 }
 
 impl FilterBox {
+    /// After an event of the request: whether the worker holds it for its body, and whether
+    /// it still tracks it.
+    fn after_request_event(&self, held: bool, tracked: bool) {
+        if held == self.holds_body() && tracked {
+            return;
+        }
+        if let Ok(mut stream) = self.stream.try_borrow_mut() {
+            stream.body_held = held;
+            stream.untracked |= !tracked;
+        }
+    }
+
+    /// Whether the worker holds this stream's request for its body.
+    fn holds_body(&self) -> bool {
+        self.stream
+            .try_borrow()
+            .is_ok_and(|stream| stream.body_held)
+    }
+
     /// Whether the worker may still track this stream.
     fn tracked(&self) -> bool {
         self.stream
@@ -825,7 +950,7 @@ impl FilterBox {
             match self.stream.try_borrow_mut() {
                 Ok(mut stream) => {
                     stream.callouts.extend(dispatched);
-                    stream.paused |= outcome.pause;
+                    stream.paused |= outcome.pause && !outcome.held;
                 }
                 // Unreachable (no borrow outlives a call); logged, not silent.
                 Err(_) => log::error!("diana: request {} busy; its calls not filed", self.context),
@@ -866,6 +991,12 @@ impl Local {
             self.config.arm_tick(due);
         }
     }
+}
+
+/// How many times this thread took a worker's lock so far (tests).
+#[cfg(test)]
+pub fn locks_taken() -> u64 {
+    LOCKS.with(Cell::get)
 }
 
 /// What a configuration's workers still hold, summed (tests: nothing is left behind).

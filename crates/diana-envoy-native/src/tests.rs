@@ -2,7 +2,9 @@
 //! Envoy 1.40's rules): what it asks of Envoy, in order, for each way a request is paused
 //! and resumed, and that it leaves nothing behind.
 
-use crate::envoy::HeadersStatus::{Continue, StopAllAndWatermark};
+use crate::envoy::BodyStatus::{self, StopIterationAndBuffer};
+use crate::envoy::HeadersStatus::{Continue, StopAllAndWatermark, StopIteration};
+use crate::envoy::TrailersStatus;
 use crate::fake::{ConfigId, Envoy, On, Owner, Seen, StreamId};
 use crate::filter::{Census, DEFERRED_EVENT as DEFERRED};
 use crate::timer::TICK_EVENT;
@@ -747,4 +749,346 @@ fn an_answer_without_a_body_ends_at_its_headers() {
     envoy.respond(a, &[(":status", "204")]);
     assert_eq!(body_reads(&envoy, a), 0, "{}", envoy.report());
     end_clean(&envoy, config, &[a]);
+}
+
+/// An LLM budget that reserves each request's `max_tokens` from its JSON body up front (issue
+/// 42, "Reservations"): 1000 tokens an hour per account at `/llm`; `/plain` reads no body.
+const RESERVE: &str = "resources:\n  - Url: /llm\n    rules: [{name: llm, actor: account, unit: hour, rpu: 1000, algo: W, response_cost: {usage: openai, reserve: {json: max_tokens, default: 100, min: 1, max: 1000}}}]\n  - Url: /plain\n    rules: [{rpu: 100, unit: minute}]\n";
+
+/// [`RESERVE`]'s budget in global scope, asked of the quota service (a lease of at least the
+/// reservation's `max`).
+const RESERVE_GLOBAL: &str = "resources:\n  - Url: /llm\n    rules: [{name: llm, actor: account, unit: hour, rpu: 1000, algo: W, scope: global, lease: 1000, response_cost: {usage: openai, reserve: {json: max_tokens, default: 100, min: 1, max: 1000}}}]\nglobal: {cluster: diana_quota}\n";
+
+const ALICE: [(&str, &str); 1] = [("x-account-id", "alice")];
+
+/// Held at its headers for its body: they stop alone, and no scheduler is made for it.
+fn held(stream: StreamId) -> Seen {
+    Seen::Headers {
+        stream,
+        status: StopIteration,
+    }
+}
+
+/// A request-body hook that read its chunk and answered `status`.
+fn chunk_read(stream: StreamId, end_of_stream: bool, status: BodyStatus) -> [Seen; 2] {
+    [
+        Seen::RequestBodyRead { stream },
+        Seen::RequestBody {
+            stream,
+            end_of_stream,
+            status,
+        },
+    ]
+}
+
+/// The request-body hooks that ran on a stream, in order: `end_of_stream` and the status of
+/// each.
+fn request_body_hooks(envoy: &Envoy, stream: StreamId) -> Vec<(bool, BodyStatus)> {
+    envoy
+        .seen_by(stream)
+        .iter()
+        .filter_map(|seen| match seen {
+            Seen::RequestBody {
+                end_of_stream,
+                status,
+                ..
+            } => Some((*end_of_stream, *status)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// How often the module read a stream's request body chunks.
+fn request_body_reads(envoy: &Envoy, stream: StreamId) -> usize {
+    envoy
+        .seen_by(stream)
+        .iter()
+        .filter(|seen| **seen == Seen::RequestBodyRead { stream })
+        .count()
+}
+
+/// Alice asks `/llm` on worker `worker` for `max_tokens`, in a body of one chunk.
+fn ask(envoy: &Envoy, worker: usize, max_tokens: u32) -> StreamId {
+    let stream = envoy.request_with_body(worker, "/llm", "10.0.0.1", &ALICE);
+    envoy.request_body(stream, &[&format!("{{\"max_tokens\":{max_tokens}}}")], true);
+    stream
+}
+
+/// Whether a request held for its body was admitted at its end (its last body hook answered
+/// `Continue`, which sends it on).
+fn admitted_at_its_end(envoy: &Envoy, stream: StreamId) -> bool {
+    request_body_hooks(envoy, stream).last() == Some(&(true, BodyStatus::Continue))
+}
+
+/// The body's `max_tokens` is split across chunks, and one chunk across slices: the request
+/// waits at its headers (`StopIteration`, so that its body still comes to the filter), each
+/// chunk is read in its own hook and buffered by Envoy (`StopIterationAndBuffer`), and only
+/// the last one decides it: admitted (`Continue` sends it on, its `accept-encoding` removed
+/// first, as for any request whose answer's usage is read), reserving 700 of the account's
+/// 1000. So 301 more do not fit (a local reply from the body hook), 300 do.
+#[test]
+fn a_request_held_for_its_body_is_decided_at_its_end_reserving_what_the_body_says() {
+    let envoy = Envoy::start(2);
+    let config = configure(&envoy, RESERVE);
+    let a = envoy.request_with_body(0, "/llm", "10.0.0.1", &ALICE);
+    assert_eq!(envoy.seen_by(a), [held(a)], "{}", envoy.report());
+    envoy.request_body(a, &["{\"model\":\"m\",\"max_", "tok"], false);
+    envoy.request_body(a, &["ens\":7"], false);
+    assert_eq!(envoy.census(config).requests, 1, "{}", envoy.report());
+    envoy.request_body(a, &["00}"], true);
+    let [first_read, first] = chunk_read(a, false, StopIterationAndBuffer);
+    let [last_read, last] = chunk_read(a, true, BodyStatus::Continue);
+    assert_eq!(
+        envoy.seen_by(a),
+        [
+            held(a),
+            first_read.clone(),
+            first.clone(),
+            first_read,
+            first,
+            last_read,
+            Seen::RouteCleared { stream: a },
+            last,
+        ],
+        "{}",
+        envoy.report()
+    );
+    let b = ask(&envoy, 0, 301);
+    assert_eq!(
+        envoy.seen_by(b),
+        [
+            held(b),
+            Seen::RequestBodyRead { stream: b },
+            Seen::Reply {
+                stream: b,
+                status: 503
+            },
+            Seen::Destroyed { stream: b },
+            Seen::RequestBody {
+                stream: b,
+                end_of_stream: true,
+                status: StopIterationAndBuffer
+            },
+        ],
+        "{}",
+        envoy.report()
+    );
+    // The budget is the process's: another worker thread sees the same reservation.
+    let c = ask(&envoy, 1, 300);
+    assert!(admitted_at_its_end(&envoy, c), "{}", envoy.report());
+    assert!(refused(&envoy, ask(&envoy, 1, 1)), "{}", envoy.report());
+    end_clean(&envoy, config, &[a, c]);
+}
+
+/// Trailers end a held request's body whose last chunk did not say so: the request is decided
+/// at its trailers (and goes on with them).
+#[test]
+fn a_held_requests_trailers_end_its_body_and_decide_it() {
+    let envoy = Envoy::start(2);
+    let config = configure(&envoy, RESERVE);
+    let a = envoy.request_with_body(1, "/llm", "10.0.0.1", &ALICE);
+    envoy.request_body(a, &["{\"max_tokens\":700}"], false);
+    envoy.request_trailers(a);
+    let [read, chunk] = chunk_read(a, false, StopIterationAndBuffer);
+    assert_eq!(
+        envoy.seen_by(a),
+        [
+            held(a),
+            read,
+            chunk,
+            Seen::RouteCleared { stream: a },
+            Seen::RequestTrailers {
+                stream: a,
+                status: TrailersStatus::Continue
+            },
+        ],
+        "{}",
+        envoy.report()
+    );
+    assert!(refused(&envoy, ask(&envoy, 1, 301)), "{}", envoy.report());
+    end_clean(&envoy, config, &[a]);
+}
+
+/// A request that comes without a body (`end_of_stream` at its headers) is decided at its
+/// headers, reserving the rule's `default` (100): 900 more fit, 901 do not.
+#[test]
+fn a_request_without_a_body_is_decided_at_its_headers() {
+    let envoy = Envoy::start(2);
+    let config = configure(&envoy, RESERVE);
+    let a = envoy.request_with(0, "/llm", "10.0.0.1", &ALICE);
+    assert_eq!(
+        envoy.seen_by(a),
+        [
+            Seen::RouteCleared { stream: a },
+            Seen::Headers {
+                stream: a,
+                status: Continue
+            },
+        ],
+        "{}",
+        envoy.report()
+    );
+    assert!(refused(&envoy, ask(&envoy, 0, 901)), "{}", envoy.report());
+    let c = ask(&envoy, 0, 900);
+    assert!(admitted_at_its_end(&envoy, c), "{}", envoy.report());
+    end_clean(&envoy, config, &[a, c]);
+}
+
+/// A request with a body whose rules read none of it is never held: admitted at its headers,
+/// its body hooks answer `Continue` without a lock and without reading a byte. Paused at its
+/// headers for its own call (a global rule), it stops for all (`StopAllIterationAndWatermark`):
+/// Envoy holds its body back from the filter until the answer resumes it, then hands it over
+/// in one chunk, which goes on unread.
+#[test]
+fn a_request_whose_rules_read_no_body_is_never_held_and_its_body_is_not_read() {
+    let envoy = Envoy::start(2);
+    let config = configure(&envoy, RESERVE);
+    let a = envoy.request_with_body(0, "/plain", "10.0.0.1", &ALICE);
+    assert_eq!(envoy.seen_by(a), admitted(a), "{}", envoy.report());
+    let locks = envoy.locks_on(On::Worker(0));
+    envoy.request_body(a, &["{\"max_tokens\":", "700}"], false);
+    envoy.request_body(a, &[], false);
+    envoy.request_body(a, &["\n"], true);
+    assert_eq!(envoy.locks_on(On::Worker(0)), locks, "{}", envoy.report());
+    assert_eq!(request_body_reads(&envoy, a), 0, "{}", envoy.report());
+    assert_eq!(
+        request_body_hooks(&envoy, a),
+        [
+            (false, BodyStatus::Continue),
+            (false, BodyStatus::Continue),
+            (true, BodyStatus::Continue)
+        ],
+        "{}",
+        envoy.report()
+    );
+    end_clean(&envoy, config, &[a]);
+
+    let envoy = Envoy::start(2);
+    let config = configure(&envoy, &global(100, 1));
+    let b = envoy.request_with_body(0, "/", "10.0.0.1", &ALICE);
+    assert_eq!(envoy.seen_by(b), calling(b, 0), "{}", envoy.report());
+    envoy.request_body(b, &["{\"max_tokens\":", "700}"], false);
+    envoy.request_body(b, &["\n"], true);
+    envoy.answer(Owner::Stream(b), 1);
+    assert_eq!(
+        envoy.seen_by(b)[3..],
+        [
+            Seen::BodyHeldBack {
+                stream: b,
+                end_of_stream: false
+            },
+            Seen::BodyHeldBack {
+                stream: b,
+                end_of_stream: true
+            },
+            answered(Owner::Stream(b), true),
+            Seen::Continue { stream: b },
+            Seen::RequestBody {
+                stream: b,
+                end_of_stream: true,
+                status: BodyStatus::Continue
+            },
+        ],
+        "{}",
+        envoy.report()
+    );
+    end_clean(&envoy, config, &[b]);
+}
+
+/// The client leaves while its request is held for its body: its destroy tells the worker,
+/// which holds nothing for it (it had no scheduler, and reserved nothing: its body never
+/// ended), and a chunk on its way is dropped with the stream.
+#[test]
+fn a_stream_destroyed_while_held_for_its_body_leaves_nothing_behind() {
+    let envoy = Envoy::start(2);
+    let config = configure(&envoy, RESERVE);
+    let a = envoy.request_with_body(0, "/llm", "10.0.0.1", &ALICE);
+    envoy.request_body(a, &["{\"max_tokens\":"], false);
+    assert_eq!(envoy.census(config).requests, 1, "{}", envoy.report());
+    envoy.end(a);
+    envoy.request_body(a, &["700}"], true);
+    let [read, chunk] = chunk_read(a, false, StopIterationAndBuffer);
+    assert_eq!(
+        envoy.seen_by(a),
+        [held(a), read, chunk, Seen::Destroyed { stream: a }],
+        "{}",
+        envoy.report()
+    );
+    assert_clean(&envoy, config);
+    // The whole budget is left.
+    let b = ask(&envoy, 0, 1000);
+    assert!(admitted_at_its_end(&envoy, b), "{}", envoy.report());
+    end_clean(&envoy, config, &[b]);
+}
+
+/// A global budget: the request is held for its body, then its end (its last chunk, or its
+/// trailers) asks the quota service for the 700 it read, from its worker thread, and pauses
+/// for that call (Envoy keeps buffering; the stream gets its scheduler only now); the answer
+/// resumes it (`continue_decoding` sends on its headers and the body Envoy buffered).
+#[test]
+fn a_global_request_held_for_its_body_calls_for_what_it_read_and_is_resumed_by_the_answer() {
+    for trailers in [false, true] {
+        let envoy = Envoy::start(2);
+        let config = configure(&envoy, RESERVE_GLOBAL);
+        let a = envoy.request_with_body(1, "/llm", "10.0.0.1", &ALICE);
+        envoy.request_body(a, &["{\"max_tokens\":7", "00"], false);
+        let call = Seen::Callout {
+            owner: Owner::Stream(a),
+            id: 1,
+            endpoint: "acquire".to_string(),
+            on: On::Worker(1),
+        };
+        let [read, chunk] = chunk_read(a, false, StopIterationAndBuffer);
+        let mut wanted = vec![held(a), read.clone(), chunk];
+        if trailers {
+            envoy.request_body(a, &["}"], false);
+            envoy.request_trailers(a);
+            let [read, chunk] = chunk_read(a, false, StopIterationAndBuffer);
+            wanted.extend([
+                read,
+                chunk,
+                call,
+                Seen::SchedulerNew { stream: a },
+                Seen::RequestTrailers {
+                    stream: a,
+                    status: TrailersStatus::StopIteration,
+                },
+            ]);
+        } else {
+            envoy.request_body(a, &["}"], true);
+            wanted.extend([
+                read,
+                call,
+                Seen::SchedulerNew { stream: a },
+                Seen::RequestBody {
+                    stream: a,
+                    end_of_stream: true,
+                    status: StopIterationAndBuffer,
+                },
+            ]);
+        }
+        assert_eq!(envoy.seen_by(a), wanted, "{}", envoy.report());
+        // One call, for the 700 the body said.
+        let asked = envoy.callouts();
+        let bodies: Vec<String> = asked
+            .iter()
+            .map(|pending| String::from_utf8_lossy(&pending.callout.body).into_owned())
+            .collect();
+        assert!(
+            matches!(&bodies[..], [body] if body.contains("\"cost\":700")),
+            "{asked:?}"
+        );
+        envoy.answer(Owner::Stream(a), 1);
+        assert_eq!(
+            envoy.seen_by(a)[wanted.len()..],
+            [
+                answered(Owner::Stream(a), true),
+                Seen::RouteCleared { stream: a },
+                Seen::Continue { stream: a },
+            ],
+            "{}",
+            envoy.report()
+        );
+        end_clean(&envoy, config, &[a]);
+    }
 }
