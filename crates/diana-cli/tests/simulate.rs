@@ -484,6 +484,45 @@ resources:
     assert_eq!(totals(1), (Value::from(7), Value::from(5)), "{report:#}");
 }
 
+/// A log with the answers' bodies replays an LLM budget charged from their usage: the
+/// OpenAI stream's usage settles each call's reservation, as in the gateway.
+#[test]
+fn answers_bodies_in_the_log_settle_the_usage_they_report() {
+    let policy = "Url: /v1/chat/completions\nrules:\n  - {name: llm, actor: account, algo: W, unit: hour, rpu: 1000, response_cost: {usage: openai, reserve: 400}}\n";
+    // Each call reserves 400 and reports 100 in its stream: after k calls 1000 - 100·k
+    // are left, and a call passes while 400 are: 7 pass, then none.
+    let stream = "data: {\\\"usage\\\":null}\\n\\ndata: {\\\"usage\\\":{\\\"prompt_tokens\\\":60,\\\"completion_tokens\\\":40,\\\"total_tokens\\\":100}}\\n\\ndata: [DONE]\\n\\n";
+    let mut log = String::new();
+    for i in 0..12 {
+        log.push_str(&format!(
+            "{{\"ts\": {}, \"path\": \"/v1/chat/completions\", \"headers\": {{\"x-account-id\": \"b\"}}, \"status\": 200, \
+             \"response_headers\": {{\"content-type\": \"text/event-stream\"}}, \"response_body\": \"{stream}\"}}\n",
+            1_767_225_620 + i
+        ));
+    }
+    let (out, _) = simulate(policy, log.as_bytes(), &["--json"]);
+    let report: Value = serde_json::from_str(&stdout_of(&out)).unwrap();
+    let totals = &report["rules"][0]["totals"];
+    assert_eq!(
+        (totals["admitted"].clone(), totals["rejected"].clone()),
+        (Value::from(7), Value::from(5)),
+        "{report:#}"
+    );
+    // Without the bodies each reservation stands: 2 pass.
+    let bare: String = log
+        .lines()
+        .map(|line| format!("{}}}\n", &line[..line.find(", \"response_body\"").unwrap()]))
+        .collect();
+    let (out, _) = simulate(policy, bare.as_bytes(), &["--json"]);
+    let report: Value = serde_json::from_str(&stdout_of(&out)).unwrap();
+    let totals = &report["rules"][0]["totals"];
+    assert_eq!(
+        (totals["admitted"].clone(), totals["rejected"].clone()),
+        (Value::from(2), Value::from(10)),
+        "{report:#}"
+    );
+}
+
 #[test]
 fn requests_hold_their_concurrency_places_as_long_as_the_log_says_they_lasted() {
     // max_in_flight 2 per account. Each request lasts 1.5 s (duration_ms); one arrives

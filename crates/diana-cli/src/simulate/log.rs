@@ -6,7 +6,9 @@
 //! "method": "GET", "headers": {"x-device-id": "..."}, "client_ip": "10.0.0.1"}` — `ts`
 //! and `path` required; `status` (the answer's status) and `response_headers` (an object
 //! of strings) say what the upstream answered, for the rules settled by their answer
-//! (`response_cost`, `count`), and `duration_ms` how long it lasted (`max_in_flight`: Envoy's
+//! (`response_cost`, `count`), `response_body` (a string: a JSON answer, or a stream's
+//! server-sent events) for the rules that read the answer's usage (`response_cost.usage |
+//! json`), and `duration_ms` how long it lasted (`max_in_flight`: Envoy's
 //! `%DURATION%` says it too); other fields are ignored.
 //!
 //! Envoy's default format (`[%START_TIME%] "%REQ(:METHOD)% %REQ(X-ENVOY-ORIGINAL-PATH?:PATH)%
@@ -90,6 +92,8 @@ pub struct Request {
     /// What the upstream answered, as far as the log says: `:status` and response headers
     /// (lower-case names).
     pub response: Vec<(String, Vec<u8>)>,
+    /// The answer's body, where the log has it (JSON lines' `response_body`).
+    pub response_body: Option<Vec<u8>>,
     /// How long the request lasted (0: not said), for what it holds until it ends
     /// (`max_in_flight`).
     pub duration: Nanos,
@@ -308,6 +312,11 @@ fn parse_json(bytes: &[u8], line: u64) -> Result<Request, LineError> {
         }
         Some(_) => return Err(FieldProblem::NotAnObjectOfStrings.of("response_headers")),
     }
+    let response_body = match object.get("response_body") {
+        None | Some(serde_json::Value::Null) => None,
+        Some(serde_json::Value::String(body)) => Some(body.as_bytes().to_vec()),
+        Some(_) => return Err(FieldProblem::NotAString.of("response_body")),
+    };
     let duration = match object.get("duration_ms") {
         None | Some(serde_json::Value::Null) => Nanos::ZERO,
         Some(serde_json::Value::Number(ms)) => ms
@@ -325,6 +334,7 @@ fn parse_json(bytes: &[u8], line: u64) -> Result<Request, LineError> {
         headers,
         client_ip,
         response,
+        response_body,
         duration,
     })
 }
@@ -442,6 +452,7 @@ fn parse_envoy(
         client_ip,
         // %RESPONSE_CODE% (0: no answer came).
         response: vec![(":status".to_string(), code.to_vec())],
+        response_body: None,
         // %DURATION%, in milliseconds.
         duration: set(field(DURATION))
             .and_then(|ms| std::str::from_utf8(ms).ok()?.parse::<u64>().ok())

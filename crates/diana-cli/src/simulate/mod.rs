@@ -298,7 +298,15 @@ struct Inside {
     key: (Instant, u64),
     gateway: usize,
     context: u32,
-    response: Option<Vec<(String, Vec<u8>)>>,
+    response: Option<Answered>,
+}
+
+/// What the upstream answered, as the log tells it: the status and headers, and the body
+/// where the log has it.
+#[derive(PartialEq, Eq, PartialOrd, Ord)]
+struct Answered {
+    headers: Vec<(String, Vec<u8>)>,
+    body: Option<Vec<u8>>,
 }
 
 impl Replay {
@@ -425,7 +433,10 @@ impl Replay {
                 .response
                 .iter()
                 .any(|(name, value)| name == ":status" && value.as_slice() == b"0"))
-        .then(|| request.response.clone());
+        .then(|| Answered {
+            headers: request.response.clone(),
+            body: request.response_body.clone(),
+        });
         let passed = matches!(fate, Fate::Admitted | Fate::Delayed(_));
         let left = match fate {
             Fate::Delayed(delay) => now.saturating_add(delay),
@@ -477,10 +488,11 @@ impl Replay {
         breakers: &mut Breakers,
         index: usize,
         context: u32,
-        response: Option<Vec<(String, Vec<u8>)>>,
+        response: Option<Answered>,
     ) {
-        if let Some(response) = &response {
-            let response: Vec<(&str, String)> = response
+        if let Some(answered) = &response {
+            let response: Vec<(&str, String)> = answered
+                .headers
                 .iter()
                 .map(|(name, value)| (name.as_str(), String::from_utf8_lossy(value).into_owned()))
                 .collect();
@@ -489,6 +501,9 @@ impl Replay {
                 .map(|(name, value)| (*name, value.as_str()))
                 .collect();
             gateway.sim.respond(context, &response);
+            // The rules that read the answer's usage settle at its end.
+            let body = answered.body.as_deref().unwrap_or_default();
+            gateway.sim.respond_body(context, body, true);
         }
         gateway.sim.forget(context);
         if breakers.is_empty() {
