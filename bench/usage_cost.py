@@ -78,6 +78,9 @@ BODY = json.dumps({"model": "gpt-4o-mini", "stream": True, "stream_options": {"i
                    "messages": [{"role": "user", "content": "Say a hundred words."}]}).encode()
 HEADERS = {"content-type": "application/json", "x-fake-events": str(EVENTS), "x-fake-delay-ms": "0",
            "x-fake-input": "1000", "x-fake-output": "200", "x-fake-usage-header": "x-llm-tokens"}
+# The paced pass: a pause before each event, so that each reaches Envoy as a chunk of its
+# own, as a model's tokens do (tens of ms apart); 3 ms is enough under valgrind.
+PACED_DELAY_MS = int(os.environ.get("USAGE_COST_DELAY_MS", "3"))
 
 _wasm = Path(os.environ.get("DIANA_WASM", ROOT / f"target/wasm32-wasip1/{BUILD_PROFILE}"))
 WASM_DIR = (_wasm if _wasm.is_dir() else _wasm.parent).resolve()
@@ -124,6 +127,9 @@ def variants() -> dict[str, Variant]:
     return out
 
 
+# Measured unless variants are named (native_header: name it).
+DEFAULT = ("wasm_plain", "wasm_header", "wasm_usage", "wasm_plain_bodies", "native_plain", "native_usage")
+
 # The differences reported: (key, minus, what it is).
 DIFFERENCES = [
     ("wasm_usage", "wasm_plain", "wasm: reading usage (bodies module) − plain rule (trimmed module)"),
@@ -151,14 +157,16 @@ def expected_answer(upstream: int) -> bytes:
         conn.close()
 
 
-def send(port: int, n: int, expected: bytes) -> dict[str, int]:
-    """`n` streamed answers on one keep-alive connection; each read to its end and
-    compared with `expected`. Counts of `ok` and of each kind of failure."""
+def send(port: int, n: int, expected: bytes, delay_ms: int = 0) -> dict[str, int]:
+    """`n` streamed answers on one keep-alive connection (`delay_ms` before each event
+    after the first); each read to its end and compared with `expected`. Counts of `ok`
+    and of each kind of failure."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    headers = {**HEADERS, "x-fake-delay-ms": str(delay_ms)}
     out: dict[str, int] = {}
     try:
         for _ in range(n):
-            conn.request("POST", PATH, body=BODY, headers=HEADERS)
+            conn.request("POST", PATH, body=BODY, headers=headers)
             resp = conn.getresponse()
             body = resp.read()
             if resp.status != 200:
@@ -198,39 +206,27 @@ def calls_to(dump: Path, function: str) -> int:
     return total
 
 
-def measure(procs: Procs, key: str, v: Variant, n: int, upstream: int, expected: bytes) -> dict:
+def pass_(procs: Procs, envoy: Envoy, pid: int, key: str, v: Variant, n: int, delay_ms: int,
+          expected: bytes) -> dict:
+    """One counted pass of `n` answers through a running Envoy: zero, send, dump."""
     logdir = procs.logdir
-    for old in logdir.glob(f"{key}.cg.*"):
-        old.unlink()
-    envoy = Envoy(procs, f"uc-{key}", v.filters, concurrency=1, upstream=upstream)
-    envoy.argv = ["valgrind", "--tool=callgrind", "--smc-check=all-non-file",
-                  f"--callgrind-out-file={logdir}/{key}.cg.%p"] + envoy.argv
-    proc = procs.spawn(envoy.name, envoy.argv)
-    try:
-        if not wait_http(f"http://127.0.0.1:{envoy.admin}/ready", proc, START_TIMEOUT_S):
-            raise RuntimeError(f"Envoy {key} did not start under valgrind:\n{proc.log.read_text()[-3000:]}")
-        warm = send(envoy.port, WARM_UP, expected)
-        if warm.get("ok", 0) != WARM_UP:
-            raise RuntimeError(f"{key}: warm-up answers {warm}")
-        time.sleep(2.5)  # Diana's counters reach Envoy from the worker's tick
-        before = envoy.stats()
-        control("-z", proc.pid)
-        sent_at = time.monotonic()
-        answers = send(envoy.port, n, expected)
-        rate = n / (time.monotonic() - sent_at)
-        control("-d", proc.pid)
-        time.sleep(2.5)
-        after = envoy.stats()
-        stats = {k: after[k] - before.get(k, 0) for k in after}
-        dumps = sorted(logdir.glob(f"{key}.cg.{proc.pid}.*"), key=lambda p: p.stat().st_mtime)
-        if not dumps:
-            raise RuntimeError(f"no callgrind dump for {key}")
-        summary = next(line for line in dumps[-1].read_text(errors="replace").splitlines()
-                       if line.startswith("summary:"))
-        ir = int(summary.split()[1])
-        chunks = calls_to(dumps[-1], NATIVE_BODY_HOOK) if v.native else None
-    finally:
-        procs.stop(proc, grace=30)
+    known = set(logdir.glob(f"{key}.cg.{pid}.*"))
+    time.sleep(2.5)  # Diana's counters reach Envoy from the worker's tick
+    before = envoy.stats()
+    control("-z", pid)
+    sent_at = time.monotonic()
+    answers = send(envoy.port, n, expected, delay_ms)
+    rate = n / (time.monotonic() - sent_at)
+    control("-d", pid)
+    time.sleep(2.5)
+    after = envoy.stats()
+    stats = {k: after[k] - before.get(k, 0) for k in after}
+    dumps = sorted(set(logdir.glob(f"{key}.cg.{pid}.*")) - known, key=lambda p: p.stat().st_mtime)
+    if not dumps:
+        raise RuntimeError(f"no callgrind dump for {key}")
+    summary = next(line for line in dumps[-1].read_text(errors="replace").splitlines() if line.startswith("summary:"))
+    ir = int(summary.split()[1])
+    chunks = calls_to(dumps[-1], NATIVE_BODY_HOOK) if v.native else None
     if answers.get("ok", 0) != n:
         raise RuntimeError(f"{key}: answers {answers}, expected {n} whole and unchanged")
     settled = stats.get("wasmcustom.diana_usage_settled", 0)
@@ -239,49 +235,86 @@ def measure(procs: Procs, key: str, v: Variant, n: int, upstream: int, expected:
         raise RuntimeError(f"{key}: usage settled {settled}, unread {unread} of {n} answers")
     if not v.reads_usage and settled + unread:
         raise RuntimeError(f"{key}: reads no usage, yet settled {settled}, unread {unread}")
-    return {"ir": ir, "requests": n, "ir_per_request": ir / n, "usage_settled": settled,
+    return {"ir": ir, "requests": n, "delay_ms": delay_ms, "ir_per_request": ir / n, "usage_settled": settled,
             "body_chunks_per_answer": None if chunks is None else chunks / n,
-            "requests_per_second": round(rate, 1)}
+            "requests_per_second": round(rate, 2)}
 
 
-def render(vs: dict[str, Variant], results: dict[str, dict], n: int, command: str, loadavg: list[str]) -> str:
+def measure(procs: Procs, key: str, v: Variant, n: int, n_paced: int, upstream: int, expected: bytes) -> dict:
+    """One Envoy under callgrind for variant `v`: a warm-up, then the pass without pauses
+    (`burst`, `n` answers) and the paced one (`paced`, `n_paced`), each counted alone."""
+    for old in procs.logdir.glob(f"{key}.cg.*"):
+        old.unlink()
+    envoy = Envoy(procs, f"uc-{key}", v.filters, concurrency=1, upstream=upstream)
+    envoy.argv = ["valgrind", "--tool=callgrind", "--smc-check=all-non-file",
+                  f"--callgrind-out-file={procs.logdir}/{key}.cg.%p"] + envoy.argv
+    proc = procs.spawn(envoy.name, envoy.argv)
+    try:
+        if not wait_http(f"http://127.0.0.1:{envoy.admin}/ready", proc, START_TIMEOUT_S):
+            raise RuntimeError(f"Envoy {key} did not start under valgrind:\n{proc.log.read_text()[-3000:]}")
+        warm = send(envoy.port, WARM_UP, expected)
+        if warm.get("ok", 0) != WARM_UP:
+            raise RuntimeError(f"{key}: warm-up answers {warm}")
+        out = {"burst": pass_(procs, envoy, proc.pid, key, v, n, 0, expected)}
+        if n_paced:
+            out["paced"] = pass_(procs, envoy, proc.pid, key, v, n_paced, PACED_DELAY_MS, expected)
+        return out
+    finally:
+        procs.stop(proc, grace=30)
+
+
+def render(vs: dict[str, Variant], results: dict[str, dict], n: int, n_paced: int, command: str,
+           loadavg: list[str]) -> str:
     envoy = subprocess.run([envoy_bin(), "--version"], capture_output=True, text=True).stdout.strip()
     sizes = [f"`{p.name}` {p.stat().st_size:,} bytes" for p in (TRIMMED, BODIES) if p.is_file()]
     if any(v.native for v in vs.values()):
         sizes.append(f"`{NATIVE.name}` {NATIVE.stat().st_size:,} bytes")
     valgrind = subprocess.run(["valgrind", "--version"], capture_output=True, text=True).stdout.strip()
+    passes = [("burst", f"without pauses ({n} answers)")]
+    if n_paced:
+        passes.append(("paced", f"{PACED_DELAY_MS} ms between events ({n_paced} answers)"))
     lines = [
         f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `{command}` "
         f"({envoy.split('version: ')[-1]}; {'; '.join(sizes)}; {build_note()}; {valgrind}); load average "
         f"{' / '.join(loadavg)} at the start. Each answer: {EVENTS} content events, {SSE_EVENTS} "
-        "server-sent events in all, from the fake upstream without pauses (`x-fake-delay-ms: 0`).",
+        "server-sent events in all (about 24 KB), from the fake upstream without pauses "
+        "(`x-fake-delay-ms: 0`) and paced; both passes counted in the same Envoy, one after the other.",
         "",
-        f"| variant ({n} streamed answers each) | instructions per answer | body chunks per answer "
-        "| usage settled | answers/s under valgrind |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        "| variant | " + " | ".join(f"{label}: instructions per answer | body chunks" for _, label in passes)
+        + " | usage settled |",
+        "| --- |" + " ---: | ---: |" * len(passes) + " ---: |",
     ]
     for key, v in vs.items():
-        r = results[key]
-        chunks = "—" if r["body_chunks_per_answer"] is None else f"{r['body_chunks_per_answer']:.1f}"
-        settled = f"{r['usage_settled']:,} of {n:,}" if v.reads_usage else "—"
-        lines.append(f"| {v.label} | {r['ir_per_request']:,.0f} | {chunks} | {settled} "
-                     f"| {r['requests_per_second']:,.1f} |")
+        cells = []
+        settled = 0
+        for pacing, _ in passes:
+            r = results[key][pacing]
+            cells.append(f"{r['ir_per_request']:,.0f}")
+            cells.append("—" if r["body_chunks_per_answer"] is None else f"{r['body_chunks_per_answer']:.1f}")
+            settled += r["usage_settled"]
+        total = n + (n_paced if len(passes) > 1 else 0)
+        lines.append(f"| {v.label} | {' | '.join(cells)} | {f'{settled:,} of {total:,}' if v.reads_usage else '—'} |")
     lines += [
         "",
-        "| difference | per answer | per event (÷ 104) | share of the first's total |",
-        "| --- | ---: | ---: | ---: |",
+        "| difference | " + " | ".join(f"{label}: per answer | per event (÷ {SSE_EVENTS}) | share of the first's total"
+                                      for _, label in passes) + " |",
+        "| --- |" + " ---: | ---: | ---: |" * len(passes),
     ]
     for a, b, what in DIFFERENCES:
         if a not in results or b not in results:
             continue
-        ia, ib = results[a]["ir_per_request"], results[b]["ir_per_request"]
-        lines.append(f"| {what} | {ia - ib:+,.0f} | {(ia - ib) / SSE_EVENTS:+,.0f} | {(ia - ib) / ia:+.2%} |")
+        cells = []
+        for pacing, _ in passes:
+            ia, ib = results[a][pacing]["ir_per_request"], results[b][pacing]["ir_per_request"]
+            cells += [f"{ia - ib:+,.0f}", f"{(ia - ib) / SSE_EVENTS:+,.0f}", f"{(ia - ib) / ia:+.1%}"]
+        lines.append(f"| {what} | {' | '.join(cells)} |")
     return "\n".join(lines)
 
 
 def main() -> int:
     args = sys.argv[1:]
     n = int(args.pop(0)) if args and args[0].isdigit() else 200
+    n_paced = int(os.environ.get("USAGE_COST_PACED_N", str(n // 2)))
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         say("usage_cost: valgrind is not installed (apt-get install valgrind)")
         return 1
@@ -295,6 +328,8 @@ def main() -> int:
         if unknown:
             raise SystemExit(f"unknown variants {unknown}; known: {', '.join(vs)}")
         vs = {k: v for k, v in vs.items() if k in args}
+    else:
+        vs = {k: v for k, v in vs.items() if k in DEFAULT}
     if not NATIVE.is_file():
         say(f"usage_cost: {NATIVE} not built: the native module's variants are left out")
     procs = Procs(ROOT / ".tmp/bench/usage-cost")
@@ -310,16 +345,18 @@ def main() -> int:
         expected = expected_answer(upstream)
         for key, v in vs.items():
             t0 = time.monotonic()
-            results[key] = measure(procs, key, v, n, upstream, expected)
-            say(f"usage_cost: {v.label}: {results[key]['ir_per_request']:,.0f} per answer "
-                f"at {results[key]['requests_per_second']:,.1f} answers/s ({time.monotonic() - t0:.0f} s)")
+            results[key] = measure(procs, key, v, n, n_paced, upstream, expected)
+            say(f"usage_cost: {v.label}: " + ", ".join(
+                f"{pacing} {r['ir_per_request']:,.0f} per answer at {r['requests_per_second']:,.1f} answers/s"
+                for pacing, r in results[key].items()) + f" ({time.monotonic() - t0:.0f} s)")
     finally:
         procs.stop_all()
     (procs.logdir / "results.json").write_text(json.dumps(
-        {**results, "_loadavg_start": loadavg, "_seconds": round(time.monotonic() - started)}, indent=1))
+        {**results, "_loadavg_start": loadavg, "_loadavg_end": open("/proc/loadavg").read().split()[:3],
+         "_seconds": round(time.monotonic() - started)}, indent=1))
     command = " ".join(([f"DIANA_BUILD_PROFILE={BUILD_PROFILE}"] if BUILD_PROFILE != "release" else [])
                        + ["python3 bench/usage_cost.py", str(n)] + args)
-    page = render(vs, results, n, command, loadavg)
+    page = render(vs, results, n, n_paced, command, loadavg)
     print(page)
     if os.environ.get("USAGE_COST_OUT"):
         Path(os.environ["USAGE_COST_OUT"]).write_text(page + "\n")

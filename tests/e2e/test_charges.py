@@ -60,9 +60,14 @@ class FakeQuota:
             protocol_version = "HTTP/1.1"
 
             def do_POST(self) -> None:  # noqa: N802
-                fake.calls += 1
                 length = int(self.headers.get("content-length", "0"))
                 asked = json.loads(self.rfile.read(length))
+                if self.path != "/v1/acquire":
+                    # The tick's report (the fleet view, every second with a global
+                    # section) is no decision: answered empty, not counted.
+                    self._send(200, {})
+                    return
+                fake.calls += 1
                 if mode == "lie":
                     results = [
                         {"allowed": True, "granted": 1000, "remaining": 999, "reset_ms": 1000,
