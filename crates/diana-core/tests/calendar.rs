@@ -222,6 +222,7 @@ mod properties {
             burst: NonZeroU32::new(burst)?,
             slices: NonZeroU32::MIN,
             calendar: Some(Calendar::new(unit, Zone::parse(zone).ok()?)),
+            period: None,
         })
     }
 

@@ -1275,6 +1275,7 @@ fn build_rule(
         burst,
         slices,
         calendar,
+        period: None,
     };
     if u64::from(upfront.max()) > algo.capacity(&limit) {
         return Err(refuse(
