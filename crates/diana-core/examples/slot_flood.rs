@@ -31,6 +31,7 @@ fn limit(rpu: u32, unit: Unit) -> Limit {
         burst: rpu,
         slices: NonZeroU32::new(10).unwrap_or(NonZeroU32::MIN),
         calendar: None,
+        period: None,
     }
 }
 

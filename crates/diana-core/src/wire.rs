@@ -15,8 +15,9 @@
 //! The rules of one acquire are decided together, all or nothing: either every rule has at
 //! least its `cost` available and each is charged, or none is charged.
 
-use crate::algo::{self, Algorithm, Limit, Verdict};
-use crate::time::{Nanos, Unit};
+use crate::algo::{self, Algorithm, GivenPeriod, Limit, Verdict};
+use crate::calendar::CalendarUnit;
+use crate::time::{Instant, Nanos, Unit};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::num::NonZeroU32;
@@ -73,6 +74,16 @@ pub const MAX_DELAY_MS: u64 = 86_400_000;
 pub const MAX_BUCKET_SECONDS: u64 = 86_400;
 /// Most tokens one request may ask for, `want` added up over its rules (every endpoint).
 pub const MAX_TOTAL_WANT: u64 = 1_000_000;
+/// Shortest calendar period a rule may name (`period.len_ms`): a day (a week of a zone
+/// that skipped a day still has six).
+pub const MIN_PERIOD_MS: u64 = 86_400_000;
+/// Longest calendar period a rule may name: 31 days and an hour (a month of a change of
+/// the clocks back).
+pub const MAX_PERIOD_MS: u64 = 31 * 86_400_000 + 3_600_000;
+/// How far the period a rule names may lie from the service's clock: it must begin no
+/// later than this after the service's now, and end no earlier than this before it (the
+/// gateways' clocks are trusted to a day, no further).
+pub const PERIOD_SKEW_MS: u64 = 86_400_000;
 
 /// `POST /v1/acquire` and `POST /v1/wait` body: every global rule of one gateway request.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -129,6 +140,33 @@ pub struct RuleRequest {
     /// acquire (or the last renewal) answered, where the `want` places are counted now.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub place: Option<u64>,
+    /// `unit: week | month` (W and TB): the calendar period the gateway found in the
+    /// rule's time zone at the request's instant. The service counts a fixed window in
+    /// this period (its counter keyed by the start) and refills a token bucket `rpu` per
+    /// its length. Required with `unit` `week` or `month`, refused with any other.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub period: Option<WirePeriod>,
+}
+
+/// A calendar period on the wire: its first instant and its length, in milliseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WirePeriod {
+    /// The period's start, milliseconds since the epoch (Monday or the 1st, 00:00 in the
+    /// rule's zone).
+    pub start_ms: u64,
+    /// Its length, [`MIN_PERIOD_MS`]`..=`[`MAX_PERIOD_MS`].
+    pub len_ms: u64,
+}
+
+impl WirePeriod {
+    /// The wire form of a calendar period (whole milliseconds: periods start and end on
+    /// whole minutes of every zone).
+    pub fn of(period: &crate::calendar::Period) -> WirePeriod {
+        WirePeriod {
+            start_ms: period.start.unix_nanos() / 1_000_000,
+            len_ms: period.length().get() / 1_000_000,
+        }
+    }
 }
 
 fn one() -> u32 {
@@ -242,14 +280,27 @@ impl RuleRequest {
             key,
             algo: algo.code().to_string(),
             rpu: limit.rpu.get(),
-            unit: limit.unit.name().to_string(),
+            unit: limit.unit_name().to_string(),
             burst: limit.burst.get(),
             slices: limit.slices.get(),
             want,
             cost: 1,
             max_delay_ms: None,
             dry_run: false,
+            period: None,
         }
+    }
+
+    /// This request with the calendar period of `limit` that contains `now` (`unit: week
+    /// | month`, in the rule's zone): the service, which knows no zones, counts in it.
+    /// Unchanged for a fixed unit. A request for a calendar limit without its period is
+    /// refused by the service.
+    pub fn with_period(mut self, limit: &Limit, now: Instant) -> RuleRequest {
+        if let Some(calendar) = &limit.calendar {
+            self.unit = calendar.unit().name().to_string();
+            self.period = Some(WirePeriod::of(&calendar.period(now)));
+        }
+        self
     }
 
     /// Checks this rule (the `index`-th of its request) and resolves it.
@@ -263,11 +314,38 @@ impl RuleRequest {
                 name: self.algo.clone(),
             })
         })?;
-        let unit = Unit::parse(&self.unit).ok_or_else(|| {
-            field("unit")(WireProblem::UnknownUnit {
-                name: self.unit.clone(),
-            })
-        })?;
+        let (unit, period) = match self.period {
+            None => {
+                let unit = Unit::parse(&self.unit).ok_or_else(|| {
+                    field("unit")(if calendar_unit(&self.unit).is_some() {
+                        WireProblem::CalendarWithoutPeriod {
+                            name: self.unit.clone(),
+                        }
+                    } else {
+                        WireProblem::UnknownUnit {
+                            name: self.unit.clone(),
+                        }
+                    })
+                })?;
+                (unit, None)
+            }
+            Some(period) => {
+                let calendar = calendar_unit(&self.unit).ok_or_else(|| {
+                    field("unit")(WireProblem::PeriodOfFixedUnit {
+                        name: self.unit.clone(),
+                    })
+                })?;
+                if !matches!(algo.code(), "W" | "TB") {
+                    return Err(field("period")(WireProblem::PeriodAlgorithm {
+                        algo: algo.code(),
+                    }));
+                }
+                (
+                    Unit::Day,
+                    Some(resolve_period(period, calendar).map_err(field("period"))?),
+                )
+            }
+        };
         let rpu = NonZeroU32::new(self.rpu).ok_or_else(|| field("rpu")(WireProblem::Zero))?;
         let burst = NonZeroU32::new(self.burst).ok_or_else(|| field("burst")(WireProblem::Zero))?;
         let slices = NonZeroU32::new(self.slices)
@@ -303,6 +381,7 @@ impl RuleRequest {
             burst,
             slices,
             calendar: None,
+            period,
         };
         check_rule_limits(algo, &limit).map_err(|error| {
             field(error.field)(WireProblem::Limit {
@@ -325,6 +404,60 @@ impl RuleRequest {
             dry_run: self.dry_run,
         })
     }
+}
+
+/// `week` or `month` (case-insensitive): a unit that needs a period.
+fn calendar_unit(name: &str) -> Option<CalendarUnit> {
+    match name.trim().to_ascii_lowercase().as_str() {
+        "week" => Some(CalendarUnit::Week),
+        "month" => Some(CalendarUnit::Month),
+        _ => None,
+    }
+}
+
+/// A period's bounds: a length of [`MIN_PERIOD_MS`]`..=`[`MAX_PERIOD_MS`], an end that
+/// fits the clock (where it lies against now is [`check_periods`]'s).
+fn resolve_period(period: WirePeriod, unit: CalendarUnit) -> Result<GivenPeriod, WireProblem> {
+    if !(MIN_PERIOD_MS..=MAX_PERIOD_MS).contains(&period.len_ms) {
+        return Err(WireProblem::PeriodLength { ms: period.len_ms });
+    }
+    let start = period
+        .start_ms
+        .checked_add(period.len_ms)
+        .and_then(|end| end.checked_mul(1_000_000))
+        .map(|_| Instant::from_unix_nanos(period.start_ms * 1_000_000))
+        .ok_or(WireProblem::PeriodOutOfTime {
+            start_ms: period.start_ms,
+        })?;
+    Ok(GivenPeriod {
+        unit,
+        start,
+        length: Nanos::from_millis(period.len_ms),
+    })
+}
+
+/// Checks the periods of a request's rules against the service's clock: each must begin
+/// no later than [`PERIOD_SKEW_MS`] after `now` and end no earlier than that before it. A
+/// rule can then only name the calendar period around now (or, from a gateway whose
+/// clock is off by less than a day, its neighbour), never a window of its own choosing.
+pub fn check_periods(rules: &[ResolvedRule<'_>], now: Instant) -> Result<(), WireError> {
+    let skew = Nanos::from_millis(PERIOD_SKEW_MS);
+    for (index, rule) in rules.iter().enumerate() {
+        let Some(period) = rule.limit.period else {
+            continue;
+        };
+        if period.start > now.saturating_add(skew) || period.end() < now.saturating_sub(skew) {
+            return Err(WireError::at(
+                format!("rules[{index}].period"),
+                WireProblem::PeriodNotNow {
+                    start_ms: period.start.unix_nanos() / 1_000_000,
+                    end_ms: period.end().unix_nanos() / 1_000_000,
+                    now_ms: now.unix_nanos() / 1_000_000,
+                },
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Why a request or an answer breaks the wire format: the field to blame (`rules[2].rpu`,
@@ -378,6 +511,30 @@ pub enum WireProblem {
     },
     UnknownUnit {
         name: String,
+    },
+    /// `week` or `month` without the period it is in.
+    CalendarWithoutPeriod {
+        name: String,
+    },
+    /// A period with a fixed unit.
+    PeriodOfFixedUnit {
+        name: String,
+    },
+    /// A period with another algorithm than W or TB.
+    PeriodAlgorithm {
+        algo: &'static str,
+    },
+    PeriodLength {
+        ms: u64,
+    },
+    PeriodOutOfTime {
+        start_ms: u64,
+    },
+    /// A period too far from the service's clock.
+    PeriodNotNow {
+        start_ms: u64,
+        end_ms: u64,
+        now_ms: u64,
     },
     /// Zero where at least 1 is needed.
     Zero,
@@ -482,7 +639,35 @@ impl fmt::Display for WireProblem {
             ),
             WireProblem::UnknownUnit { name } => write!(
                 f,
-                "unknown unit {name:?} (known: second, minute, hour, day)"
+                "unknown unit {name:?} (known: second, minute, hour, day; week and month with a period)"
+            ),
+            WireProblem::CalendarWithoutPeriod { name } => write!(
+                f,
+                "unit {name:?} needs the calendar period it is in (period: {{start_ms, len_ms}})"
+            ),
+            WireProblem::PeriodOfFixedUnit { name } => write!(
+                f,
+                "a period goes with unit week or month, not {name:?}"
+            ),
+            WireProblem::PeriodAlgorithm { algo } => write!(
+                f,
+                "only fixed windows (W) and token buckets (TB) count by calendar periods, not {algo}"
+            ),
+            WireProblem::PeriodLength { ms } => write!(
+                f,
+                "len_ms must be between {MIN_PERIOD_MS} (a day) and {MAX_PERIOD_MS} (31 days and an hour), got {ms}"
+            ),
+            WireProblem::PeriodOutOfTime { start_ms } => write!(
+                f,
+                "a period starting at {start_ms} ms ends beyond the clock's range"
+            ),
+            WireProblem::PeriodNotNow {
+                start_ms,
+                end_ms,
+                now_ms,
+            } => write!(
+                f,
+                "the period {start_ms}..{end_ms} ms is not the one around now ({now_ms} ms): it must begin at most a day after now and end at most a day before"
             ),
             WireProblem::Zero => f.write_str("must be ≥ 1"),
             WireProblem::OutOfRange { max, got } => {
@@ -606,17 +791,26 @@ pub fn check_rule_limits(algo: &dyn Algorithm, limit: &Limit) -> Result<(), Limi
     }
     if matches!(algo.code(), "TB" | "LB") {
         let (rpu, burst) = (u64::from(limit.rpu.get()), u64::from(limit.burst.get()));
-        let unit = limit.unit.seconds();
-        // burst × unit / rpu ≤ a day, in integers: burst × unit ≤ rpu × a day.
-        if u128::from(burst) * u128::from(unit) > u128::from(rpu) * u128::from(MAX_BUCKET_SECONDS) {
+        // A period's bucket may span the longest period (a month's budget spent at once).
+        let (unit, longest, longest_name) = match limit.period {
+            None => (limit.unit.seconds(), MAX_BUCKET_SECONDS, "a day"),
+            Some(period) => (
+                period.length.get().div_ceil(1_000_000_000),
+                MAX_PERIOD_MS / 1_000,
+                "31 days and an hour",
+            ),
+        };
+        let unit = unit.max(1);
+        // burst × unit / rpu ≤ longest, in integers: burst × unit ≤ rpu × longest.
+        if u128::from(burst) * u128::from(unit) > u128::from(rpu) * u128::from(longest) {
             let span = (u128::from(burst) * u128::from(unit)).div_ceil(u128::from(rpu));
-            let most = u128::from(rpu) * u128::from(MAX_BUCKET_SECONDS) / u128::from(unit);
+            let most = u128::from(rpu) * u128::from(longest) / u128::from(unit);
             return Err(LimitError {
                 field: "burst",
                 reason: format!(
-                    "{burst} at {rpu} per {} spans {span} s (burst × unit / rpu), more than a day ({MAX_BUCKET_SECONDS} s): \
+                    "{burst} at {rpu} per {} spans {span} s (burst × unit / rpu), more than {longest_name} ({longest} s): \
                      at most {most} at this rate",
-                    limit.unit.name()
+                    limit.unit_name()
                 ),
             });
         }
@@ -801,7 +995,12 @@ pub fn decode_response(
 /// which ends up to two units away), plus the deepest a bucket can go (a full queue, a
 /// bucket in debt).
 pub fn max_duration_ms(limit: &Limit) -> u64 {
-    let unit_ms = u128::from(limit.unit.seconds()) * 1_000;
+    let unit_ms = match (&limit.period, &limit.calendar) {
+        (Some(period), _) => u128::from(period.length.get().div_ceil(1_000_000)),
+        // The gateway's own view of a calendar rule: its longest period.
+        (None, Some(_)) => u128::from(MAX_PERIOD_MS),
+        (None, None) => u128::from(limit.unit.seconds()) * 1_000,
+    };
     let bucket = (u128::from(limit.burst.get()) + 1) * unit_ms * 2;
     let bucket_ms = bucket.div_ceil(u128::from(limit.rpu.get()));
     u64::try_from(2 * unit_ms + bucket_ms + 1).unwrap_or(u64::MAX)
@@ -934,10 +1133,118 @@ mod tests {
             cost: 1,
             max_delay_ms: None,
             dry_run: false,
+            period: None,
         }
     }
 
     type Mutation = Box<dyn Fn(&mut RuleRequest)>;
+
+    /// March 2026 in Berlin: 2026-02-28T23:00Z, 31 days less an hour.
+    const MARCH: WirePeriod = WirePeriod {
+        start_ms: 1_772_319_600_000,
+        len_ms: 31 * 86_400_000 - 3_600_000,
+    };
+
+    fn monthly(algo: &str) -> RuleRequest {
+        RuleRequest {
+            algo: algo.to_string(),
+            unit: "month".to_string(),
+            period: Some(MARCH),
+            ..rule()
+        }
+    }
+
+    #[test]
+    fn a_calendar_rule_names_its_period_and_only_a_plausible_one() {
+        let window = monthly("W");
+        let resolved = window.resolve(0).unwrap();
+        let period = resolved.limit.period.unwrap();
+        assert_eq!(period.unit, CalendarUnit::Month);
+        assert_eq!(period.start.unix_nanos(), MARCH.start_ms * 1_000_000);
+        assert_eq!(resolved.limit.unit_name(), "month");
+        assert!(monthly("TB").resolve(0).is_ok());
+        let refused = |rule: RuleRequest| rule.resolve(2).unwrap_err().to_string();
+        assert!(refused(monthly("SW"))
+            .starts_with("rules[2].period: only fixed windows (W) and token buckets (TB)"));
+        assert!(refused(monthly("LB")).contains("not LB"));
+        assert!(refused(RuleRequest {
+            period: None,
+            ..monthly("W")
+        })
+        .starts_with("rules[2].unit: unit \"month\" needs the calendar period"));
+        assert!(refused(RuleRequest {
+            unit: "hour".into(),
+            ..monthly("W")
+        })
+        .starts_with("rules[2].unit: a period goes with unit week or month"));
+        for len_ms in [0, MIN_PERIOD_MS - 1, MAX_PERIOD_MS + 1, u64::MAX] {
+            let rule = RuleRequest {
+                period: Some(WirePeriod { len_ms, ..MARCH }),
+                ..monthly("W")
+            };
+            assert!(
+                refused(rule).starts_with("rules[2].period: len_ms must be between"),
+                "{len_ms}"
+            );
+        }
+        let rule = RuleRequest {
+            period: Some(WirePeriod {
+                start_ms: u64::MAX / 1_000_000,
+                ..MARCH
+            }),
+            ..monthly("W")
+        };
+        assert!(refused(rule).contains("beyond the clock's range"));
+        // A month's bucket may hold the month (burst × len / rpu ≤ 31 days and an hour).
+        let bucket = RuleRequest {
+            rpu: 10,
+            burst: 11,
+            ..monthly("TB")
+        };
+        assert!(refused(bucket).starts_with("rules[2].burst: 11 at 10 per month spans"));
+        // Where the period lies against the service's clock: within a day.
+        let ms = |ms: u64| Instant::from_unix_nanos(ms * 1_000_000);
+        let rules = [window.resolve(0).unwrap()];
+        let end = MARCH.start_ms + MARCH.len_ms;
+        for now in [
+            MARCH.start_ms - PERIOD_SKEW_MS,
+            MARCH.start_ms + 5,
+            end - 1,
+            end + PERIOD_SKEW_MS,
+        ] {
+            assert_eq!(check_periods(&rules, ms(now)), Ok(()), "{now}");
+        }
+        for now in [
+            MARCH.start_ms - PERIOD_SKEW_MS - 1,
+            end + PERIOD_SKEW_MS + 1,
+            0,
+        ] {
+            let error = check_periods(&rules, ms(now)).unwrap_err().to_string();
+            assert!(error.starts_with("rules[0].period: the period 1772319600000..1774994400000 ms is not the one around now"), "{error}");
+        }
+        // The wire form of a calendar period, as the gateway sends it.
+        let limit = Limit {
+            rpu: NonZeroU32::new(3).unwrap(),
+            unit: Unit::Day,
+            burst: NonZeroU32::new(3).unwrap(),
+            slices: NonZeroU32::MIN,
+            calendar: Some(crate::calendar::Calendar::new(
+                CalendarUnit::Month,
+                crate::calendar::Zone::parse("Europe/Berlin").unwrap(),
+            )),
+            period: None,
+        };
+        let sent = RuleRequest::new("k".into(), algo::lookup("W").unwrap(), &limit, 1)
+            .with_period(&limit, ms(MARCH.start_ms + 86_400_000));
+        assert_eq!((sent.unit.as_str(), sent.period), ("month", Some(MARCH)));
+        let fixed = Limit {
+            calendar: None,
+            ..limit
+        };
+        let sent = RuleRequest::new("k".into(), algo::lookup("W").unwrap(), &fixed, 1)
+            .with_period(&fixed, ms(MARCH.start_ms));
+        assert_eq!((sent.unit.as_str(), sent.period), ("day", None));
+    }
 
     fn request(rules: Vec<RuleRequest>) -> AcquireRequest {
         AcquireRequest::new(rules)
@@ -1072,6 +1379,7 @@ mod tests {
             burst: NonZeroU32::new(burst).unwrap(),
             slices: NonZeroU32::new(slices).unwrap(),
             calendar: None,
+            period: None,
         };
         let tb = algo::lookup("TB").unwrap();
         let sw = algo::lookup("SW").unwrap();
@@ -1238,6 +1546,7 @@ mod tests {
             burst: NonZeroU32::new(7).unwrap(),
             slices: NonZeroU32::new(4).unwrap(),
             calendar: None,
+            period: None,
         };
         let rule = RuleRequest::new("a:b".to_string(), algo, &limit, 3);
         let resolved = rule.resolve(0).unwrap();

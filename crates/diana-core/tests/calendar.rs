@@ -158,33 +158,82 @@ fn a_monthly_bucket_refills_over_the_month_not_at_its_start() {
     );
 }
 
-/// diana-quota counts fixed units only: a global calendar budget is refused at load, never
-/// sent as a day (which would grant a month's budget every day). Envoy refuses the document;
-/// nginx keeps the worker up and answers `on_invalid_config` (503).
+/// Reads the fate of `context` on `sim`: `None` admitted, else its `Retry-After`.
+fn fate_of(sim: &Sim, context: u32) -> Option<String> {
+    match sim.fate(context) {
+        Some(Fate::Admitted(_)) => None,
+        Some(Fate::Replied(429)) => {
+            let reply = sim.reply(context)?;
+            let retry = reply.headers.iter().find(|(name, _)| *name == RETRY_AFTER);
+            Some(retry.map_or_else(|| "none".to_string(), |(_, value)| value.clone()))
+        }
+        other => panic!("unexpected fate {other:?}"),
+    }
+}
+
+/// A month's budget in global scope (`scope: global`): two gateways share one count at the
+/// in-process quota service, which knows no zones; each names the period it finds in
+/// Europe/Berlin (`period` on the wire). The count lasts January in Berlin (a minute before
+/// its end, Retry-After says 60), starts again at 00:00 on 1 February local time (23:00 UTC),
+/// and a spent February says 28 days, under every host profile.
 #[test]
-fn a_global_calendar_budget_is_refused_not_counted_per_day() {
-    for (unit, algo) in [("month", "W"), ("week", "TB")] {
-        let document = format!(
-            "resources:\n  - Url: /\n    rules: [{{rpu: 3, unit: {unit}, timezone: Europe/Berlin, algo: {algo}, scope: global, lease: 1}}]\nglobal: {{cluster: \"127.0.0.1:18081\"}}\n"
-        );
-        for profile in HostProfile::ALL {
-            let mut sim = Sim::unconfigured(profile, 1, Service::Answers(Nanos::ZERO), FEB_1);
-            match sim.configure(&document) {
-                Err(refused) => {
-                    let message = refused.to_string();
-                    assert!(
-                        message.contains("rules[0].scope")
-                            && message.contains(&format!("unit {unit} is a calendar period")),
-                        "{profile:?}: {message}"
-                    );
-                }
-                Ok(()) => {
-                    assert!(profile.refusal_stops_the_worker, "{profile:?} took it");
-                    let context = sim.send(0, "10.0.0.1", &[(":path", "/")]);
-                    assert_eq!(sim.fate(context), Some(&Fate::Replied(503)), "{profile:?}");
-                    assert_eq!(sim.quota_calls(), 0, "{profile:?}");
-                }
+fn two_gateways_share_a_global_month_across_its_boundary_in_berlin() {
+    use diana_core::quota::MemoryQuota;
+    use std::cell::RefCell;
+    use std::rc::Rc;
+    use std::time::Duration;
+
+    let document = "response: {status: 429}\nresources:\n  - Url: /\n    rules: [{rpu: 3, unit: month, timezone: Europe/Berlin, algo: W, scope: global, lease: 1}]\nglobal: {cluster: \"127.0.0.1:18081\"}\n";
+    for profile in HostProfile::ALL {
+        let quota = Rc::new(RefCell::new(MemoryQuota::new()));
+        let gateway = || {
+            common::started_sim(
+                profile,
+                document,
+                1,
+                Service::Answers(Nanos::ZERO),
+                JAN_31_2359,
+            )
+            .sharing_quota(Rc::clone(&quota))
+        };
+        let mut gateways = [gateway(), gateway()];
+        // One request on gateway `on`, its call answered (both clocks move 1 ms).
+        let ask = |gateways: &mut [Sim; 2], on: usize| {
+            let context = gateways[on].send(0, "10.0.0.1", &[(":path", "/")]);
+            for sim in gateways.iter_mut() {
+                sim.advance(Duration::from_millis(1));
             }
+            fate_of(&gateways[on], context)
+        };
+        let to = |gateways: &mut [Sim; 2], at: Instant| {
+            for sim in gateways.iter_mut() {
+                jump(sim, at);
+            }
+        };
+        // 23:59 on 31 January in Berlin: three in all, over both gateways.
+        assert_eq!(ask(&mut gateways, 0), None, "{profile:?}");
+        assert_eq!(ask(&mut gateways, 1), None, "{profile:?}");
+        assert_eq!(ask(&mut gateways, 0), None, "{profile:?}");
+        assert_eq!(ask(&mut gateways, 1).as_deref(), Some("60"), "{profile:?}");
+        // 1 February 00:00 in Berlin: a new count for both.
+        to(&mut gateways, FEB_1);
+        assert_eq!(ask(&mut gateways, 1), None, "{profile:?}");
+        assert_eq!(ask(&mut gateways, 0), None, "{profile:?}");
+        to(&mut gateways, at(FEB_1, 20 * DAY));
+        assert_eq!(ask(&mut gateways, 0), None, "{profile:?}");
+        // Spent until 1 March 00:00 in Berlin: 8 days less the 3 ms the calls took.
+        assert_eq!(
+            ask(&mut gateways, 1).as_deref(),
+            Some("691200"),
+            "{profile:?}"
+        );
+        assert!(quota.borrow().calls() >= 8, "{profile:?}");
+        for sim in &gateways {
+            assert!(
+                sim.violations.is_empty(),
+                "{profile:?}: {:?}",
+                sim.violations
+            );
         }
     }
 }
@@ -222,6 +271,7 @@ mod properties {
             burst: NonZeroU32::new(burst)?,
             slices: NonZeroU32::MIN,
             calendar: Some(Calendar::new(unit, Zone::parse(zone).ok()?)),
+            period: None,
         })
     }
 

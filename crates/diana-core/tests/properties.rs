@@ -49,6 +49,7 @@ fn limits() -> impl Strategy<Value = Limit> {
         burst: NonZeroU32::new(burst).unwrap(),
         slices: NonZeroU32::new(slices).unwrap(),
         calendar: None,
+        period: None,
     })
 }
 
@@ -779,6 +780,7 @@ fn the_window_model_catches_a_window_that_admits_twice() {
         burst: NonZeroU32::new(2).unwrap(),
         slices: NonZeroU32::new(1).unwrap(),
         calendar: None,
+        period: None,
     };
     let mut model = model_for(algorithm("W"), &limit);
     let granted = Verdict {

@@ -18,14 +18,21 @@
 -- ARGV (the rule's parameters, after its code "W"; see decide.lua for the rest):
 --   rpu            tokens per window, integer >= 1
 --   unit           window length in microseconds (1e6 second, 6e7 minute, 3.6e9 hour,
---                  8.64e10 day)
+--                  8.64e10 day; a calendar period's length)
+--   origin         where window 0 starts, microseconds since the epoch: 0 for a fixed
+--                  unit; for a calendar period a gateway named (unit: week | month), the
+--                  start of the period before it, so that the period is window 1 and
+--                  its key (which carries the period's start) expires at its end + 1 s.
+--                  Now before the origin counts as at the origin.
 -- Verdict: remaining = tokens left in the window; reset = until the window ends; retry =
 -- until the window ends; delay = 0; marks = the window, 0.
 --
 -- Arithmetic: integers < 2^53 only (now ~ 2^51 microseconds).
 
 local function w_view(P, S, now)
-  local current = divmod(now, P.unit)
+  local since = now - P.origin
+  if since < 0 then since = 0 end
+  local current = divmod(since, P.unit)
   if not S.w or S.w < current or S.w > current + 1 then
     return { w = current, c = 0 }
   end
@@ -33,16 +40,18 @@ local function w_view(P, S, now)
 end
 
 local function w_until_end(P, L, now)
-  return math.max((L.w + 1) * P.unit - now, 0)
+  return math.max((L.w + 1) * P.unit + P.origin - now, 0)
 end
 
 ALGOS.W = {
-  nparams = 2,
+  nparams = 3,
   waits = false,
 
   parse = function(argv, p)
-    local P = { rpu = whole(argv[p]), unit = whole(argv[p + 1]) }
-    if not P.rpu or P.rpu < 1 or not P.unit or P.unit < 1 then return nil end
+    local P = { rpu = whole(argv[p]), unit = whole(argv[p + 1]), origin = whole(argv[p + 2]) }
+    if not P.rpu or P.rpu < 1 or not P.unit or P.unit < 1 or not P.origin or P.origin < 0 then
+      return nil
+    end
     return P
   end,
 

@@ -31,7 +31,7 @@ use crate::app::{
 };
 use crate::metrics;
 use crate::report::{self, VIEW_PATH};
-use crate::store::{CounterDigest, Grant, Noted, Outcome, StoreError};
+use crate::store::{Clock, CounterDigest, Grant, Noted, Outcome, StoreError, SystemClock};
 use crate::ui;
 use axum::body::Body;
 use axum::extract::{MatchedPath, Request, State};
@@ -157,7 +157,10 @@ async fn decide(
     request: AcquireRequest,
     max_delay: Option<Duration>,
 ) -> Result<Vec<RuleResult>, Response> {
-    let algos: Vec<&'static str> = match request.resolve() {
+    let algos: Vec<&'static str> = match request.resolve().and_then(|rules| {
+        wire::check_periods(&rules, SystemClock.now())?;
+        Ok(rules)
+    }) {
         Ok(rules) => rules.iter().map(|rule| rule.algo.code()).collect(),
         Err(reason) => return Err(error(StatusCode::BAD_REQUEST, reason)),
     };
@@ -417,7 +420,10 @@ async fn charge(State(state): State<AppState>, headers: HeaderMap, body: Body) -
         Ok(started) => started,
         Err(answer) => return answer,
     };
-    let rules = match request.resolve() {
+    let rules = match request.resolve().and_then(|rules| {
+        wire::check_periods(&rules, SystemClock.now())?;
+        Ok(rules)
+    }) {
         Ok(rules) => rules,
         Err(reason) => return error(StatusCode::BAD_REQUEST, reason),
     };

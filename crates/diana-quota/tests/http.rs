@@ -101,8 +101,24 @@ async fn bad_requests_get_400_with_the_field_named() {
             "rules[2].algo: unknown algorithm \"GCRA\"",
         ),
         (
+            with(&good.replace("second", "fortnight")),
+            "rules[2].unit: unknown unit \"fortnight\"",
+        ),
+        (
             with(&good.replace("second", "week")),
-            "rules[2].unit: unknown unit \"week\"",
+            "rules[2].unit: unit \"week\" needs the calendar period it is in",
+        ),
+        (
+            with(&good.replace(r#""unit":"second""#, r#""unit":"month","period":{"start_ms":0,"len_ms":2592000000}"#)),
+            "rules[2].period: the period 0..2592000000 ms is not the one around now",
+        ),
+        (
+            with(&good.replace(r#""unit":"second""#, r#""unit":"month","period":{"start_ms":0,"len_ms":3600000}"#)),
+            "rules[2].period: len_ms must be between 86400000 (a day) and 2682000000",
+        ),
+        (
+            with(&good.replace(r#""unit":"second""#, r#""unit":"second","period":{"start_ms":0,"len_ms":86400000}"#)),
+            "rules[2].unit: a period goes with unit week or month",
         ),
         (
             with(&good.replace(r#""rpu":10"#, r#""rpu":"10""#)),

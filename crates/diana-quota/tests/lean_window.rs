@@ -170,6 +170,7 @@ fn request(key: &str, case: Case, need: u32, extra: u32, dry_run: bool) -> RuleR
         cost,
         max_delay_ms: None,
         dry_run,
+        period: None,
     }
 }
 

@@ -33,7 +33,7 @@ fn unit_us(unit: &str) -> u64 {
 /// (algo, rpu, unit, burst, slices)
 type Case = (&'static str, u32, &'static str, u32, u32);
 
-const CASES: [Case; 25] = [
+const CASES: [Case; 28] = [
     ("TB", 10, "second", 10, 1),
     ("TB", 3, "second", 2, 1),
     ("TB", 7, "minute", 7, 1),
@@ -60,6 +60,11 @@ const CASES: [Case; 25] = [
     ("IF", 5, "second", 5, 1),
     ("IF", 3, "minute", 3, 1),
     ("IF", 2, "hour", 2, 1),
+    // Calendar periods a gateway names (`period`, see `request`): the test's clock moves
+    // by days around them, into the periods after and (a little) before.
+    ("W", 5, "month", 5, 1),
+    ("TB", 4, "week", 4, 1),
+    ("TB", 30, "month", 10, 1),
 ];
 
 fn capacity(case: Case) -> u32 {
@@ -209,7 +214,26 @@ fn request(key: &str, case: Case, want: u32, cost: u32, max_delay_ms: Option<u64
         cost: 1 + (cost - 1) % want.min(capacity(case)),
         max_delay_ms: if algo == "LB" { max_delay_ms } else { None },
         dry_run: false,
+        period: period_of(unit),
     }
+}
+
+/// The test's clock starts here (µs).
+const START_US: u64 = 1_700_000_000_000_000;
+
+/// The period a gateway names for a calendar unit: one that began three days before the
+/// test's clock starts, a week or 30 days long (the clock may leave it: the stores count
+/// on in the periods after it, taken to be as long).
+fn period_of(unit: &str) -> Option<diana_core::wire::WirePeriod> {
+    let len_ms = match unit {
+        "week" => 7 * 86_400_000,
+        "month" => 30 * 86_400_000,
+        _ => return None,
+    };
+    Some(diana_core::wire::WirePeriod {
+        start_ms: START_US / 1_000 - 3 * 86_400_000,
+        len_ms,
+    })
 }
 
 /// The instant `us` microseconds after the epoch (the Redis script's clock, in µs).
@@ -301,7 +325,7 @@ async fn check(
         cluster,
     };
     let keys = [unique_key("p0"), unique_key("p1")];
-    let mut now_us: u64 = 1_700_000_000_000_000;
+    let mut now_us: u64 = START_US;
     // Admitted acquires: their rules and both sides' outcomes.
     let mut admitted: Vec<(Vec<RuleRequest>, Vec<Outcome>, Vec<Outcome>)> = Vec::new();
     for (index, op) in scenario.ops.iter().enumerate() {

@@ -387,6 +387,7 @@ async fn a_diana_key_shares_the_counter_of_a_diana_global_rule() {
             burst: 4.try_into().unwrap(),
             slices: 10.try_into().unwrap(),
             calendar: None,
+            period: None,
         },
         want: 3.try_into().unwrap(),
         cost: 1.try_into().unwrap(),

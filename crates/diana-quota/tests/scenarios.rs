@@ -14,7 +14,9 @@ use axum::http::StatusCode;
 use axum::Router;
 use common::*;
 use diana_core::wire::{AcquireResponse, RuleResult};
-use diana_quota::store::{Enforcement, Spend, Spending, Store, StoreError};
+use diana_quota::store::{
+    Enforcement, MemoryStore, RedisStore, Spend, Spending, Store, StoreError,
+};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -1170,6 +1172,7 @@ fn spend_rule<'a>(key: &'a str, counter: &str, cost: u32) -> diana_core::wire::R
             burst: burst.try_into().unwrap(),
             slices: 10.try_into().unwrap(),
             calendar: None,
+            period: None,
         },
         want: cost.try_into().unwrap(),
         cost: cost.try_into().unwrap(),
@@ -1326,3 +1329,230 @@ macro_rules! store_suite {
 }
 
 store_suite!(rls_spend_table);
+
+// ---------------------------------------------------------------------------------------
+// Calendar budgets in global scope (`unit: week | month`): the gateway names the period
+// (`period: {start_ms, len_ms}`, from its zone's calendar), the store counts in it. Time
+// is passed in (the stores' `_at` entry points), never slept.
+
+/// A store that decides at a given instant, and the PTTL of a counter's key (Redis).
+enum AtStore<'a> {
+    Memory(&'a MemoryStore),
+    Redis { store: &'a RedisStore, url: String },
+}
+
+impl AtStore<'_> {
+    async fn acquire(
+        &self,
+        rules: &[diana_core::wire::ResolvedRule<'_>],
+        now_ms: u64,
+    ) -> Vec<RuleResult> {
+        let outcomes = match self {
+            AtStore::Memory(store) => store
+                .acquire_at(
+                    rules,
+                    diana_core::time::Instant::from_unix_nanos(now_ms * 1_000_000),
+                )
+                .unwrap(),
+            AtStore::Redis { store, .. } => {
+                store.acquire_at(rules, Some(now_ms * 1_000)).await.unwrap()
+            }
+        };
+        outcomes.into_iter().map(|outcome| outcome.result).collect()
+    }
+
+    /// The key's time to live in ms (None for the memory store).
+    async fn pttl(&self, key: &str) -> Option<i64> {
+        let AtStore::Redis { url, .. } = self else {
+            return None;
+        };
+        let cmd = ::redis::cmd("PTTL").arg(key).clone();
+        Some(if url.starts_with("redis+cluster://") {
+            let nodes: Vec<String> = url
+                .trim_start_matches("redis+cluster://")
+                .split(',')
+                .map(|host| format!("redis://{host}"))
+                .collect();
+            let client = ::redis::cluster::ClusterClient::new(nodes).unwrap();
+            let mut conn = client.get_async_connection().await.unwrap();
+            cmd.query_async(&mut conn).await.unwrap()
+        } else {
+            let client = ::redis::Client::open(url.as_str()).unwrap();
+            let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+            cmd.query_async(&mut conn).await.unwrap()
+        })
+    }
+}
+
+/// The month of Europe/Berlin around `now_ms`, as a gateway names it.
+fn berlin_month(now_ms: u64) -> diana_core::wire::WirePeriod {
+    let zone = diana_core::calendar::Zone::parse("Europe/Berlin").unwrap();
+    let period = diana_core::calendar::period(
+        diana_core::time::Instant::from_unix_nanos(now_ms * 1_000_000),
+        diana_core::calendar::CalendarUnit::Month,
+        &zone,
+    );
+    diana_core::wire::WirePeriod::of(&period)
+}
+
+fn month_rule(key: &str, algo: &str, rpu: u32, now_ms: u64) -> diana_core::wire::RuleRequest {
+    diana_core::wire::RuleRequest {
+        period: Some(berlin_month(now_ms)),
+        ..rule(key, algo, rpu, "month", rpu, 1, 1)
+    }
+}
+
+/// 2026-03-03 10:00 and 2026-03-28 13:00 in Berlin; March starts 2026-03-01 00:00 CET
+/// (02-28 23:00 UTC) and ends 04-01 00:00 CEST (03-31 22:00 UTC): 31 days less an hour.
+const MARCH_3: u64 = 1_772_528_400_000;
+const MARCH_28: u64 = 1_774_699_200_000;
+const MARCH_START: u64 = 1_772_319_600_000;
+const APRIL_START: u64 = 1_774_994_400_000;
+
+/// A month budget (W) shared by gateways asking at different instants of the month:
+/// one count, denials until the month's end, a new count from the next month's start,
+/// and keys that expire at the period's end (+ 1 s).
+async fn month_window(store: AtStore<'_>) {
+    let key = unique_key("month-w");
+    let period = berlin_month(MARCH_3);
+    assert_eq!(
+        (period.start_ms, period.len_ms),
+        (MARCH_START, APRIL_START - MARCH_START)
+    );
+    assert_eq!(period.len_ms, 31 * 86_400_000 - 3_600_000);
+    // Gateway A on March 3rd: two of three.
+    let early = month_rule(&key, "W", 3, MARCH_3);
+    for left in [2, 1] {
+        let results = store.acquire(&[early.resolve(0).unwrap()], MARCH_3).await;
+        assert_eq!((results[0].granted, results[0].remaining), (1, left));
+        assert_eq!(results[0].reset_ms, APRIL_START - MARCH_3);
+    }
+    // Gateway B on March 28th names the same month: the third, then denied until April.
+    let late = month_rule(&key, "W", 3, MARCH_28);
+    assert_eq!(late.period, early.period);
+    let results = store.acquire(&[late.resolve(0).unwrap()], MARCH_28).await;
+    assert_eq!((results[0].granted, results[0].remaining), (1, 0));
+    let redis_key = diana_quota::store::redis_key(&late.resolve(0).unwrap());
+    if let Some(pttl) = store.pttl(&redis_key).await {
+        // Written at March 28th: expires at the month's end + 1 s (real time since).
+        let expected = (APRIL_START - MARCH_28 + 1_000) as i64;
+        assert!(
+            pttl <= expected && pttl > expected - 10_000,
+            "pttl {pttl}, expected {expected}"
+        );
+    }
+    let results = store.acquire(&[late.resolve(0).unwrap()], MARCH_28).await;
+    assert!(!results[0].allowed, "{results:?}");
+    assert_eq!(results[0].retry_after_ms, APRIL_START - MARCH_28);
+    assert_eq!(results[0].reset_ms, APRIL_START - MARCH_28);
+    // The month's last millisecond: still spent.
+    let results = store
+        .acquire(
+            &[month_rule(&key, "W", 3, APRIL_START - 1)
+                .resolve(0)
+                .unwrap()],
+            APRIL_START - 1,
+        )
+        .await;
+    assert_eq!((results[0].granted, results[0].retry_after_ms), (0, 1));
+    // April: a new period, a new count (and a new key), whatever March's count was.
+    let april = month_rule(&key, "W", 3, APRIL_START);
+    let april_period = april.period.unwrap();
+    assert_eq!(
+        (april_period.start_ms, april_period.len_ms),
+        (APRIL_START, 30 * 86_400_000)
+    );
+    let results = store
+        .acquire(&[april.resolve(0).unwrap()], APRIL_START)
+        .await;
+    assert_eq!((results[0].granted, results[0].remaining), (1, 2));
+    assert_eq!(results[0].reset_ms, 30 * 86_400_000);
+    let april_key = diana_quota::store::redis_key(&april.resolve(0).unwrap());
+    assert_ne!(april_key, redis_key);
+    if let Some(pttl) = store.pttl(&april_key).await {
+        let expected: i64 = 30 * 86_400_000 + 1_000;
+        assert!(
+            pttl <= expected && pttl > expected - 10_000,
+            "pttl {pttl}, expected {expected}"
+        );
+    }
+    // A gateway whose clock is still in March asks for March: its count is March's.
+    let results = store
+        .acquire(
+            &[month_rule(&key, "W", 3, APRIL_START - 1)
+                .resolve(0)
+                .unwrap()],
+            APRIL_START - 1,
+        )
+        .await;
+    assert_eq!(results[0].granted, 0);
+}
+
+/// A month budget as a token bucket (TB): `rpu` per month, refilled evenly over the
+/// month's real length, carried on from one month to the next (one key, no reset).
+async fn month_bucket(store: AtStore<'_>) {
+    let key = unique_key("month-tb");
+    let rule_ = month_rule(&key, "TB", 3, MARCH_3);
+    let len = APRIL_START - MARCH_START;
+    for left in [2, 1, 0] {
+        let results = store.acquire(&[rule_.resolve(0).unwrap()], MARCH_3).await;
+        assert_eq!((results[0].granted, results[0].remaining), (1, left));
+    }
+    let results = store.acquire(&[rule_.resolve(0).unwrap()], MARCH_3).await;
+    assert!(!results[0].allowed);
+    // One token every len / 3 of March.
+    assert_eq!(results[0].retry_after_ms, len.div_ceil(3));
+    assert_eq!(results[0].reset_ms, len);
+    let results = store
+        .acquire(&[rule_.resolve(0).unwrap()], MARCH_3 + len / 3 - 1_000)
+        .await;
+    assert!(!results[0].allowed);
+    let results = store
+        .acquire(&[rule_.resolve(0).unwrap()], MARCH_3 + len.div_ceil(3))
+        .await;
+    assert_eq!(results[0].granted, 1);
+    // In April the bucket goes on (not full again at the month's start): the same key.
+    let april = month_rule(&key, "TB", 3, APRIL_START);
+    assert_eq!(
+        diana_quota::store::redis_key(&april.resolve(0).unwrap()),
+        diana_quota::store::redis_key(&rule_.resolve(0).unwrap())
+    );
+}
+
+macro_rules! calendar_suite {
+    ($($scenario:ident),* $(,)?) => {
+        mod calendar_memory {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $scenario() {
+                    super::$scenario(super::AtStore::Memory(&super::memory_store())).await;
+                }
+            )*
+        }
+
+        mod calendar_redis {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $scenario() {
+                    let server = super::RedisServer::start();
+                    let store = super::redis_store(&server.url());
+                    super::$scenario(super::AtStore::Redis { store: &store, url: server.url() }).await;
+                    drop(server);
+                }
+            )*
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn cluster_runs_the_calendar_suite() {
+            let cluster = RedisCluster::start();
+            let store = redis_store(&cluster.url());
+            $(
+                eprintln!("cluster: {}", stringify!($scenario));
+                $scenario(AtStore::Redis { store: &store, url: cluster.url() }).await;
+            )*
+            drop(cluster);
+        }
+    };
+}
+
+calendar_suite!(month_window, month_bucket);

@@ -123,6 +123,7 @@ pub(super) mod testing {
             burst,
             slices: NonZeroU32::new(slices).unwrap(),
             calendar: None,
+            period: None,
         }
     }
 

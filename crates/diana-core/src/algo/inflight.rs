@@ -235,6 +235,7 @@ mod tests {
             burst: five,
             slices: NonZeroU32::MIN,
             calendar: None,
+            period: None,
         }
     }
 

@@ -21,7 +21,7 @@ pub use sliding::SlidingWindow;
 pub use token::TokenBucket;
 pub use window::FixedWindow;
 
-use crate::calendar::Calendar;
+use crate::calendar::{Calendar, CalendarUnit};
 use crate::time::{Instant, Nanos, Unit};
 use std::fmt;
 use std::num::NonZeroU32;
@@ -43,15 +43,53 @@ pub struct Limit {
     /// length varies (a month of 28 to 31 days, a week of a change of the clocks). A fixed
     /// window is then the period; a token bucket refills `rpu` evenly over each period.
     pub calendar: Option<Calendar>,
+    /// `unit: week | month` decided by the quota service (global scope): the one period
+    /// the gateway found in the rule's zone at its instant ([`GivenPeriod`]). The service
+    /// knows no zones: it counts in this period (W) or refills `rpu` per its length (TB).
+    /// Never set with [`Limit::calendar`].
+    pub period: Option<GivenPeriod>,
+}
+
+/// A calendar period as a gateway names it to the quota service: its unit, its first
+/// instant and its length (from [`crate::calendar`], in the rule's zone). The periods
+/// around it are taken to be as long (the service has no zone to find them by).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct GivenPeriod {
+    pub unit: CalendarUnit,
+    pub start: Instant,
+    pub length: Nanos,
+}
+
+impl GivenPeriod {
+    /// The instant the period ends.
+    pub fn end(&self) -> Instant {
+        self.start.saturating_add(self.length)
+    }
+
+    /// The period as a counter is bound to it: a fixed window counts in this period
+    /// only, so its start and length; a bucket carries on from one period to the next
+    /// (only its rate follows the length), so its unit alone.
+    pub fn bound(&self, algo: &str) -> GivenPeriod {
+        if algo == "W" {
+            *self
+        } else {
+            GivenPeriod {
+                unit: self.unit,
+                start: Instant::from_unix_nanos(0),
+                length: Nanos::ZERO,
+            }
+        }
+    }
 }
 
 impl Limit {
     /// The unit as the document writes it: `week` or `month` for a calendar, else the
     /// fixed unit's name.
     pub fn unit_name(&self) -> &'static str {
-        match &self.calendar {
-            Some(calendar) => calendar.unit().name(),
-            None => self.unit.name(),
+        match (&self.calendar, &self.period) {
+            (Some(calendar), _) => calendar.unit().name(),
+            (None, Some(period)) => period.unit.name(),
+            (None, None) => self.unit.name(),
         }
     }
 }

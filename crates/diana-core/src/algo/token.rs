@@ -129,7 +129,15 @@ impl<'a> PeriodClock<'a> {
 /// clock for a calendar.
 fn clocked<'a>(limit: &'a Limit, now: Instant) -> (Scaled, Option<PeriodClock<'a>>) {
     match &limit.calendar {
-        None => (Scaled::new(limit, now), None),
+        // A period a gateway named: `rpu` per its length, in real time (the periods
+        // around it are taken to be as long; the next call names the next one).
+        None => match limit.period {
+            Some(period) => (
+                Scaled::per(limit, Nanos::new(period.length.get().max(1)), now),
+                None,
+            ),
+            None => (Scaled::new(limit, now), None),
+        },
         Some(calendar) => {
             let clock = PeriodClock::at(calendar, now);
             (

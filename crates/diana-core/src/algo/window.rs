@@ -80,13 +80,29 @@ enum Windows<'a> {
         current: u64,
         end: Instant,
     },
+    /// A period a gateway named ([`Limit::period`]): windows of its length from `origin`,
+    /// the start of the period before it, so that the period itself is window 1 (0 for a
+    /// service clock a little behind the gateway's, 2 for one past the period's end).
+    Given {
+        length: Nanos,
+        origin: Instant,
+    },
 }
 
 impl Windows<'_> {
     fn at(limit: &Limit, now: Instant) -> Windows<'_> {
         match &limit.calendar {
-            None => Windows::Fixed {
-                unit: limit.unit.nanos(),
+            None => match limit.period {
+                None => Windows::Fixed {
+                    unit: limit.unit.nanos(),
+                },
+                Some(period) => {
+                    let length = Nanos::new(period.length.get().max(1));
+                    Windows::Given {
+                        length,
+                        origin: period.start.saturating_sub(length),
+                    }
+                }
             },
             Some(calendar) => {
                 let (current, period) = calendar.numbered(now);
@@ -104,6 +120,7 @@ impl Windows<'_> {
         match *self {
             Windows::Fixed { unit } => now.periods(unit),
             Windows::Calendar { current, .. } => current,
+            Windows::Given { length, origin } => now.saturating_since(origin).get() / length.get(),
         }
     }
 
@@ -113,6 +130,14 @@ impl Windows<'_> {
         match *self {
             Windows::Fixed { unit } => {
                 let end = (u128::from(window) + 1) * u128::from(unit.get());
+                Nanos::new(
+                    u64::try_from(end.saturating_sub(u128::from(now.unix_nanos())))
+                        .unwrap_or(u64::MAX),
+                )
+            }
+            Windows::Given { length, origin } => {
+                let end = u128::from(origin.unix_nanos())
+                    + (u128::from(window) + 1) * u128::from(length.get());
                 Nanos::new(
                     u64::try_from(end.saturating_sub(u128::from(now.unix_nanos())))
                         .unwrap_or(u64::MAX),

@@ -132,9 +132,6 @@ pub enum ConfigErrorKind {
     },
     /// `timezone` on a rule of a fixed unit.
     TimezoneWithoutCalendar { unit: &'static str },
-    /// `scope: global` on a rule of a calendar unit: the quota service counts fixed units
-    /// only, and a calendar budget counted per day would grant some 30 times a month's.
-    CalendarNotGlobal { unit: &'static str },
     /// A value from the environment (`global.token` from [`super::TOKEN_ENV`]) refused.
     Environment {
         variable: &'static str,
@@ -346,12 +343,6 @@ impl fmt::Display for ConfigErrorKind {
                 f,
                 "timezone applies to calendar units (week, month), not to {unit}: a {unit} is \
                  the same length in every zone"
-            ),
-            ConfigErrorKind::CalendarNotGlobal { unit } => write!(
-                f,
-                "unit {unit} is a calendar period, counted by each gateway (scope: local): \
-                 diana-quota does not count calendar periods yet, so scope: global applies to \
-                 second, minute, hour and day only"
             ),
             ConfigErrorKind::Environment { variable, reason } => {
                 write!(f, "from the environment variable {variable}: {reason}")

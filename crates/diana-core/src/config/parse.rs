@@ -1218,16 +1218,8 @@ fn build_rule(
             .unwrap_or(DEFAULT_SLOTS)
     };
     let scope = raw.scope.as_ref().map_or(Scope::Local, |scope| scope.0);
-    // The quota service has no calendar: sent as a day, a month's budget would be granted
-    // every day. Refused until it counts periods (README, "LLM budgets").
-    if let (Scope::Global, RuleUnit::Calendar(period)) = (scope, written_unit) {
-        return Err(refuse(
-            &["scope"],
-            ConfigErrorKind::CalendarNotGlobal {
-                unit: period.name(),
-            },
-        ));
-    }
+    // A global calendar rule (`unit: week | month`, W and TB as in local scope) names its
+    // period to the quota service on every call: `wire::RuleRequest::with_period`.
     // Accepting it silently would let an operator believe a local rule is shared or batched.
     if scope == Scope::Local && raw.lease.is_some() {
         return Err(refuse(&["lease"], ConfigErrorKind::LeaseNotApplicable));
@@ -1275,6 +1267,7 @@ fn build_rule(
         burst,
         slices,
         calendar,
+        period: None,
     };
     if u64::from(upfront.max()) > algo.capacity(&limit) {
         return Err(refuse(

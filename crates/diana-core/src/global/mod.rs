@@ -491,7 +491,7 @@ impl Global {
                 .zip(&rates)
                 .filter_map(|(charge, &spend_rate)| {
                     let rule = policy.rule(charge.index)?;
-                    Some(self.rule_request(rule, charge, spend_rate))
+                    Some(self.rule_request(rule, charge, spend_rate, cx.now))
                 })
                 .collect(),
             call: self.calls.next(),
@@ -590,8 +590,12 @@ impl Global {
                 Gate::Local => return calls,
             };
             let charge = GlobalCharge { cost: 1, ..charge };
-            let request =
-                AcquireRequest::new(vec![self.rule_request(rule, &charge, refill.spend_rate)]);
+            let request = AcquireRequest::new(vec![self.rule_request(
+                rule,
+                &charge,
+                refill.spend_rate,
+                cx.now,
+            )]);
             let Ok(body) = serde_json::to_vec(&request) else {
                 continue;
             };
@@ -617,7 +621,14 @@ impl Global {
     /// The request for one rule. `spend_rate`: tokens per second this gateway spends of
     /// it, which sizes `lease: auto` (see [`stash::next_lease`]: what is spent in 100 ms, at most the
     /// rule's cap; one request's cost at first).
-    fn rule_request(&self, rule: &Rule, charge: &GlobalCharge, spend_rate: u64) -> RuleRequest {
+    /// A calendar rule (`unit: week | month`) names the period that contains `now`.
+    fn rule_request(
+        &self,
+        rule: &Rule,
+        charge: &GlobalCharge,
+        spend_rate: u64,
+        now: Instant,
+    ) -> RuleRequest {
         // A leaky bucket's turns and a concurrency limit's places cannot be prefetched:
         // one request, its own.
         let want = if asks_alone(rule) {
@@ -640,7 +651,8 @@ impl Global {
             rule.algo,
             &rule.limit,
             want,
-        );
+        )
+        .with_period(&rule.limit, now);
         request.cost = charge.cost;
         request.dry_run = self.dry_run(rule);
         if rule.algo.waits() {
@@ -1194,7 +1206,8 @@ impl Global {
                 rule.algo,
                 &rule.limit,
                 refund.tokens,
-            )]);
+            )
+            .with_period(&rule.limit, cx.now)]);
             request.call = Some(from.call.clone());
             request.rule = Some(from.rule);
             if let Ok(body) = serde_json::to_vec(&request) {
@@ -1270,12 +1283,15 @@ impl Global {
                 let tokens = u32::try_from(room).unwrap_or(wire::MAX_WANT);
                 left -= u64::from(tokens);
                 total += u64::from(tokens);
-                rules.push(RuleRequest::new(
-                    global_key(rule, debt.address),
-                    rule.algo,
-                    &rule.limit,
-                    tokens,
-                ));
+                rules.push(
+                    RuleRequest::new(
+                        global_key(rule, debt.address),
+                        rule.algo,
+                        &rule.limit,
+                        tokens,
+                    )
+                    .with_period(&rule.limit, cx.now),
+                );
             }
             if left < debt.tokens {
                 sent.push(Debt {

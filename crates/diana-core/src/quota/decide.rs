@@ -392,6 +392,7 @@ mod tests {
             cost,
             max_delay_ms: None,
             dry_run: false,
+            period: None,
         }
     }
 

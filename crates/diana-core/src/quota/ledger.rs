@@ -564,6 +564,7 @@ mod tests {
             max_delay_ms: None,
             dry_run: false,
             place: None,
+            period: None,
         };
         let request = |rules: Vec<RuleRequest>| AcquireRequest {
             rules,

@@ -99,7 +99,10 @@ impl CounterId {
 
 /// The limit a counter of `algo` is bound to (`None`: its state does not follow it).
 fn bound_limit(algo: &dyn Algorithm, limit: &Limit) -> Option<Limit> {
-    algo.state_follows_limit().then(|| limit.clone())
+    algo.state_follows_limit().then(|| Limit {
+        period: limit.period.map(|period| period.bound(algo.code())),
+        ..limit.clone()
+    })
 }
 
 /// `<ALGO>:<rpu>:<unit>:<burst>:<slices>`, every parameter of a counter in one canonical
@@ -110,12 +113,22 @@ pub fn counter_params(algo: &str, limit: &Limit) -> String {
     if crate::algo::lookup_wire(algo).is_some_and(|algo| !algo.state_follows_limit()) {
         return algo.to_string();
     }
+    // A calendar period: its unit, and for a fixed window the period it counts in
+    // (`W:100:month.1764543600000.2678400000:100:1`), so that every period has its own
+    // counter; a bucket carries on over periods (`TB:100:month:100:1`).
+    let unit = match limit.period {
+        None => limit.unit.name().to_string(),
+        Some(period) if algo == "W" => format!(
+            "{}.{}.{}",
+            period.unit.name(),
+            period.start.unix_nanos() / 1_000_000,
+            period.length.get() / 1_000_000
+        ),
+        Some(period) => period.unit.name().to_string(),
+    };
     format!(
-        "{algo}:{}:{}:{}:{}",
-        limit.rpu,
-        limit.unit.name(),
-        limit.burst,
-        limit.slices
+        "{algo}:{}:{unit}:{}:{}",
+        limit.rpu, limit.burst, limit.slices
     )
 }
 
@@ -449,6 +462,7 @@ impl MemoryQuota {
     ) -> Result<AcquireResponse, EndpointError> {
         let request = wire::decode_request(body)?;
         let rules = request.resolve()?;
+        wire::check_periods(&rules, now)?;
         self.decide(&request, &rules, now)
     }
 
@@ -463,6 +477,7 @@ impl MemoryQuota {
     ) -> Result<(AcquireResponse, Nanos), EndpointError> {
         let request = wire::decode_request(body)?;
         let mut rules = request.resolve()?;
+        wire::check_periods(&rules, now)?;
         cap_delays(&mut rules, self.times.wait_cap(timeout));
         let mut response = self.decide(&request, &rules, now)?;
         // No time passes here: the gateway's whole wait is still ahead.
@@ -484,6 +499,7 @@ impl MemoryQuota {
     ) -> Result<AcquireResponse, EndpointError> {
         let request = wire::decode_request(body)?;
         let rules = request.resolve()?;
+        wire::check_periods(&rules, now)?;
         let results = self.table.charge(&rules, now)?;
         Ok(AcquireResponse { results })
     }
@@ -608,6 +624,7 @@ mod tests {
             cost: 1,
             max_delay_ms: None,
             dry_run,
+            period: None,
         }
     }
 

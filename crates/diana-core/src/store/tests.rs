@@ -86,6 +86,7 @@ fn limit(rpu: u32) -> Limit {
         burst: rpu,
         slices: NonZeroU32::new(10).unwrap(),
         calendar: None,
+        period: None,
     }
 }
 
@@ -671,6 +672,7 @@ fn bucket(rpu: u32) -> (&'static dyn Algorithm, Limit) {
         burst: rpu,
         slices: NonZeroU32::new(10).unwrap(),
         calendar: None,
+        period: None,
     };
     (crate::algo::lookup("TB").unwrap(), limit)
 }

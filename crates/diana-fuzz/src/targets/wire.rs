@@ -35,7 +35,7 @@ const ALGOS: &[&str] = &[
     "x",
     "",
 ];
-const UNITS: &[&str] = &["second", "minute", "hour", "day", "Seconds", "week", ""];
+const UNITS: &[&str] = &["second", "minute", "hour", "day", "Seconds", "week", "month", ""];
 /// 2026-01-01T00:00:00Z plus a little.
 const NOW: Instant = Instant::from_unix_nanos(1_767_225_600_123_456_789);
 
@@ -90,6 +90,14 @@ fn rule(rng: &mut Rng) -> RuleRequest {
             Some(rng.interesting_u64() % 100_000_000)
         },
         dry_run: rng.one_in(5),
+        period: rng.one_in(4).then(|| diana_core::wire::WirePeriod {
+            start_ms: rng.interesting_u64(),
+            len_ms: if rng.one_in(2) {
+                7 * 86_400_000
+            } else {
+                rng.interesting_u64()
+            },
+        }),
     }
 }
 

@@ -961,6 +961,7 @@ fn load_rule(
         burst,
         slices,
         calendar: None,
+        period: None,
     };
     if let Err(error) = wire::check_rule_limits(algo, &limit) {
         return refuse(

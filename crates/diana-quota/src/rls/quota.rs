@@ -600,6 +600,7 @@ mod tests {
             burst: NonZeroU32::new(10).unwrap(),
             slices: NonZeroU32::new(10).unwrap(),
             calendar: None,
+            period: None,
         };
         let window = algo::lookup("W").unwrap();
         let Some(Strategy::TokenBucket(one)) = share(window, &limit, 1, None).strategy else {

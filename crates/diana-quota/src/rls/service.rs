@@ -328,6 +328,7 @@ impl RateLimiter {
                                 slices: NonZeroU32::new(config::DEFAULT_SLICES)
                                     .unwrap_or(NonZeroU32::MIN),
                                 calendar: None,
+                                period: None,
                             };
                             ask(
                                 &mut rules,

@@ -265,13 +265,21 @@ const NANOS_PER_MICRO: u128 = 1_000;
 /// Largest GCRA tolerance passed to the scripts (keeps every Lua number below 2^53).
 const MAX_TOLERANCE_US: u64 = 1 << 50;
 
+/// The unit in microseconds: a calendar period's length for a rule that names one.
 fn unit_micros(limit: &Limit) -> u64 {
-    limit.unit.seconds() * MICROS_PER_SECOND
+    match limit.period {
+        Some(period) => period.length.get() / 1_000,
+        None => limit.unit.seconds() * MICROS_PER_SECOND,
+    }
 }
 
-/// window.lua: rpu, unit_us.
+/// window.lua: rpu, unit_us, origin_us (0, or the start of the period before a calendar
+/// period's, so that the period is window 1: `algo::window`'s windows of a given period).
 fn window_params(limit: &Limit) -> Vec<u64> {
-    vec![u64::from(limit.rpu.get()), unit_micros(limit)]
+    let origin = limit.period.map_or(0, |period| {
+        period.start.saturating_sub(period.length).unix_nanos() / 1_000
+    });
+    vec![u64::from(limit.rpu.get()), unit_micros(limit), origin]
 }
 
 /// inflight.lua: rpu (the places).
@@ -439,7 +447,7 @@ fn takes_lean_window(op: Op<'_>, rules: &[(usize, &ResolvedRule<'_>)]) -> bool {
         && !rules.is_empty()
         && rules
             .iter()
-            .all(|(_, rule)| rule.algo.code() == WINDOW_CODE)
+            .all(|(_, rule)| rule.algo.code() == WINDOW_CODE && rule.limit.period.is_none())
 }
 
 /// The lean script's call: per rule its key, then rpu, unit (µs), need, want, dry run
@@ -1375,6 +1383,7 @@ mod tests {
             burst: NonZeroU32::new(burst).unwrap(),
             slices: NonZeroU32::new(slices).unwrap(),
             calendar: None,
+            period: None,
         }
     }
 
@@ -1464,7 +1473,7 @@ mod tests {
         assert_eq!((params[3], params[4]), (MAX_TOLERANCE_US, 0));
         assert_eq!(
             window_params(&limit(5, Unit::Minute, 1, 1)),
-            vec![5, 60_000_000]
+            vec![5, 60_000_000, 0]
         );
         assert_eq!(
             sliding_params(&limit(5, Unit::Hour, 1, 6)),
@@ -1497,6 +1506,7 @@ mod tests {
             cost: 1,
             max_delay_ms: None,
             dry_run: false,
+            period: None,
         };
         let rule = request.resolve(0).unwrap();
         let result = to_outcome(Op::Acquire, 0, &rule, &[1, 2, 8, 1_500, 0, 0, 0, 0])
@@ -1562,6 +1572,7 @@ mod tests {
             cost: 1,
             max_delay_ms: None,
             dry_run: false,
+            period: None,
         };
         let key = |r: RuleRequest| redis_key(&r.resolve(0).unwrap());
         assert_eq!(
@@ -1602,6 +1613,7 @@ mod tests {
             cost: 1,
             max_delay_ms: None,
             dry_run: true,
+            period: None,
         };
         let (w, tb) = (request("W"), request("TB"));
         let (w, tb) = (w.resolve(0).unwrap(), tb.resolve(0).unwrap());
@@ -1627,6 +1639,7 @@ mod tests {
             cost: 1,
             max_delay_ms: None,
             dry_run: false,
+            period: None,
         };
         let requests = [rule("a"), rule("b"), rule("a"), rule("c")];
         let rules: Vec<_> = requests.iter().map(|r| r.resolve(0).unwrap()).collect();

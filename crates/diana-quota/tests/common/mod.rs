@@ -403,6 +403,7 @@ pub fn rule(
         cost: 1,
         max_delay_ms: None,
         dry_run: false,
+        period: None,
     }
 }
 

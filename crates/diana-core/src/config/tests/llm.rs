@@ -306,9 +306,6 @@ fn a_malformed_llm_budget_is_refused_naming_the_field_and_its_position() {
         ("    unit: month\n    timezone: Mars/Olympus\n", &["rules[0].timezone: ", "is not an IANA time zone name", "line 5"]),
         ("    unit: month\n    timezone: '+05:00'\n", &["rules[0].timezone: ", "line 5"]),
         ("    unit: month\n    timezone: ''\n", &["rules[0].timezone: ", "not empty", "line 5"]),
-        // Not counted by the quota service: refused rather than counted per day.
-        ("    unit: month\n    timezone: Europe/Berlin\n    scope: global\n", &["rules[0].scope: ", "unit month is a calendar period, counted by each gateway (scope: local)", "scope: global applies to second, minute, hour and day only", "line 6 column 12"]),
-        ("    unit: week\n    algo: W\n    scope: global\n    lease: 10\n", &["rules[0].scope: ", "unit week is a calendar period", "line 6"]),
     ];
     let table: Vec<(String, &[&str])> = table
         .iter()
