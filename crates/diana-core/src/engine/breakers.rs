@@ -21,7 +21,7 @@
 use crate::breaker::{Admission, FleetAnswer, Handle, Report, Spec, Status, Transition};
 use crate::config::{Policy, Resource};
 use crate::cx::Cx;
-use crate::decision::{BreakerCall, HeaderEdit};
+use crate::decision::{BreakerCall, BreakerCalls, HeaderEdit};
 use crate::metrics::BreakerEvent;
 use crate::store::{ChargeError, Store};
 use crate::time::Instant;
@@ -30,7 +30,7 @@ use std::cell::RefCell;
 /// A request the breakers let through: its calls, and what to change in its headers.
 #[derive(Debug, Default)]
 pub(crate) struct Passed {
-    pub calls: Vec<BreakerCall>,
+    pub calls: BreakerCalls,
     pub upstream: Vec<HeaderEdit>,
 }
 

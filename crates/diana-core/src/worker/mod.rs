@@ -419,7 +419,7 @@ impl Worker {
             .reads_status()
             .then(|| host.response_header(":status"))
             .flatten()
-            .and_then(|status| std::str::from_utf8(&status).ok()?.trim().parse().ok());
+            .and_then(|status| crate::decision::status_code(&status));
         let mut sink = configured.counters.sink();
         let mut cx = Cx::new(host, now, &mut sink);
         configured
