@@ -572,17 +572,9 @@ pub fn filter_new(config: &Arc<Config>) -> Option<FilterBox> {
 
 pub fn request_headers(filter: &FilterBox, envoy: &dyn EnvoyFilter) -> HeadersStatus {
     let context = filter.context;
-    let tracked = Cell::new(true);
-    let outcome = filter.event(envoy, false, |worker, host| {
-        let step = worker.on_request_headers(host, context);
-        tracked.set(worker.tracks(context));
-        step
+    let outcome = filter.tracking_event(envoy, |worker, host| {
+        worker.on_request_headers(host, context)
     });
-    if !tracked.get() {
-        if let Ok(mut stream) = filter.stream.try_borrow_mut() {
-            stream.untracked = true;
-        }
-    }
     let pause = outcome.pause;
     filter.carry_out(envoy, outcome.commands);
     if pause {
@@ -597,7 +589,9 @@ pub fn response_headers(filter: &FilterBox, envoy: &dyn EnvoyFilter) {
     if !filter.tracked() {
         return;
     }
-    let outcome = filter.event(envoy, false, |worker, host| {
+    // A request settled here (a breaker's call judged, its response costs charged) is
+    // usually done with: its end then takes no lock either.
+    let outcome = filter.tracking_event(envoy, |worker, host| {
         worker.on_response_headers(host, context)
     });
     filter.carry_out(envoy, outcome.commands);
@@ -724,6 +718,28 @@ impl FilterBox {
         self.stream
             .try_borrow()
             .map_or(true, |stream| !stream.untracked)
+    }
+
+    /// One event of this stream, after which the stream is marked untracked if its worker
+    /// no longer tracks it (`Worker::tracks`): its later events are skipped, with no lock.
+    fn tracking_event(
+        &self,
+        envoy: &dyn EnvoyFilter,
+        event: impl FnOnce(&mut Worker, &dyn Host) -> Step,
+    ) -> Outcome {
+        let context = self.context;
+        let tracked = Cell::new(true);
+        let outcome = self.event(envoy, false, |worker, host| {
+            let step = event(worker, host);
+            tracked.set(worker.tracks(context));
+            step
+        });
+        if !tracked.get() {
+            if let Ok(mut stream) = self.stream.try_borrow_mut() {
+                stream.untracked = true;
+            }
+        }
+        outcome
     }
 
     /// One event of this stream; the calls it made are filed under it.
