@@ -92,6 +92,9 @@ struct Core {
     tick: Duration,
     /// When its next tick is due (wall clock, ns).
     due: Option<Instant>,
+    /// Stream events run under the lock (tests: which events take it).
+    #[cfg(test)]
+    stream_events: usize,
 }
 
 struct Paused {
@@ -315,6 +318,8 @@ impl Slot {
             next_token: next_token.get(),
             tick: Duration::ZERO,
             due: None,
+            #[cfg(test)]
+            stream_events: 0,
         };
         let mut rearm = None;
         core.settle(step.commands, None, &mut rearm);
@@ -359,6 +364,10 @@ impl Slot {
             return outcome;
         };
         let core = &mut held.0;
+        #[cfg(test)]
+        if matches!(site, Site::Stream(_)) {
+            core.stream_events += 1;
+        }
         let next_token = Cell::new(core.next_token);
         let host = NativeHost {
             config: &*config.envoy,
@@ -837,6 +846,14 @@ impl Config {
                 .sum::<usize>();
         }
         census
+    }
+
+    /// The stream events its workers ran under their lock so far.
+    pub fn stream_events(&self) -> usize {
+        lock(&self.slots)
+            .iter()
+            .map(|slot| lock(&slot.core).stream_events)
+            .sum()
     }
 
     /// Whether its scheduler is still held (by it or the timer).
