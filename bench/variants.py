@@ -47,9 +47,8 @@ class Variant:
 # A closed breaker on the resource of the local rule (DESIGN §4b, issue 40 item 7): both
 # thresholds, so that a call reads the response's `:status` and the clock at its headers;
 # never trips at these rates (every answer is a fast 200). Without `slow_ms` (failures
-# only), the call's duration is not judged; the clock is read at the response headers all
-# the same (`Worker::settle` reads it for every request it settles), so the difference
-# between the two is the slow check's alone (within the counts' noise on 2026-12-02).
+# only), the call's duration is not judged, and a good call is judged without the clock
+# (`Engine::judged_without_clock`): the difference between the two is the clock read.
 BREAKER = "bench_b"
 BREAKER_BOTH = f"    breaker: {{name: {BREAKER}, failure_ratio: 0.5, slow_ms: 1000, slow_ratio: 0.5}}\n"
 BREAKER_FAILURES = f"    breaker: {{name: {BREAKER}, failure_ratio: 0.5}}\n"

@@ -11,6 +11,7 @@ use crate::response::Rejection;
 use crate::store::SlotAddress;
 use crate::time::Instant;
 use crate::wire::CallRule;
+use smallvec::SmallVec;
 
 /// What the host must do with the request. `C` is a call with what its answer resumes,
 /// `W` what a request parked behind another request's call needs to be planned again.
@@ -52,10 +53,14 @@ pub struct AfterResponse {
     pub(crate) holding: Option<HoldingId>,
     /// The breakers whose upstream this request is a call to (DESIGN §4b), judged when its
     /// response headers come (or it ends without them).
-    pub(crate) breakers: Vec<BreakerCall>,
+    pub(crate) breakers: BreakerCalls,
     /// When the request left Diana (the start of its breakers' calls).
     pub(crate) left_at: Instant,
 }
+
+/// The breakers one request is a call of: inline for one (a resource's own breaker, the
+/// common case), so that a request through a breaker allocates nothing for it.
+pub(crate) type BreakerCalls = SmallVec<[BreakerCall; 1]>;
 
 /// One breaker's call: the request goes to the breaker's upstream, as a probe when the
 /// breaker is half-open.
@@ -117,6 +122,21 @@ impl Reserved {
     }
 }
 
+/// A response's `:status` value as a number, as `str::trim` then `u16::from_str` read it
+/// (`None`: not one). The usual value, one to five ASCII digits, is read directly, without
+/// the UTF-8 check and the trim.
+pub(crate) fn status_code(value: &[u8]) -> Option<u16> {
+    if let [_, ..] = value {
+        if value.len() <= 5 && value.iter().all(u8::is_ascii_digit) {
+            let number = value
+                .iter()
+                .fold(0u32, |number, digit| number * 10 + u32::from(digit - b'0'));
+            return u16::try_from(number).ok();
+        }
+    }
+    std::str::from_utf8(value).ok()?.trim().parse().ok()
+}
+
 impl AfterResponse {
     /// The response headers to read, in the order their values are handed back.
     pub fn headers(&self) -> impl Iterator<Item = &str> {
@@ -149,5 +169,48 @@ impl AfterResponse {
     /// The concurrency places the request holds until it ends.
     pub fn holding(&self) -> Option<HoldingId> {
         self.holding
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::status_code;
+
+    /// The direct reading of plain digits answers what the general one does.
+    #[test]
+    fn a_status_is_read_as_trim_then_parse_reads_it() {
+        let general =
+            |value: &[u8]| -> Option<u16> { std::str::from_utf8(value).ok()?.trim().parse().ok() };
+        let mut values: Vec<Vec<u8>> = [
+            "",
+            "0",
+            "200",
+            "503",
+            "099",
+            "00200",
+            "65535",
+            "65536",
+            "99999",
+            "100000",
+            "1234567",
+            " 200",
+            "200 ",
+            "\t503\r\n",
+            "+200",
+            "-1",
+            "2 00",
+            "20a",
+            "\u{a0}200",
+            "２００",
+        ]
+        .iter()
+        .map(|value| value.as_bytes().to_vec())
+        .collect();
+        values.push(vec![0xff, b'2', b'0', b'0']);
+        values.extend((0..=99_999u32).map(|n| n.to_string().into_bytes()));
+        values.extend((0..1000u32).map(|n| format!("{n:05}").into_bytes()));
+        for value in values {
+            assert_eq!(status_code(&value), general(&value), "{value:?}");
+        }
     }
 }

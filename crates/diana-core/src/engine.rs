@@ -29,7 +29,9 @@ use crate::call::Answer;
 use crate::config::Resource;
 use crate::config::{PlanSource, Policy, Rule, Scope};
 use crate::cx::Cx;
-use crate::decision::{AfterResponse, BreakerCall, Decision, HeaderEdit, Reserved, ResponseCharge};
+use crate::decision::{
+    AfterResponse, BreakerCalls, Decision, HeaderEdit, Reserved, ResponseCharge,
+};
 use crate::facts::RequestFacts;
 use crate::global::debts::Debt;
 use crate::global::flights::RiderId;
@@ -150,7 +152,7 @@ struct Progress {
     service_places: Vec<ServicePlace>,
     /// The breakers the request is a call of (probes among them): given back if a rule
     /// rejects it, judged once it has been answered.
-    breakers: Vec<BreakerCall>,
+    breakers: BreakerCalls,
     /// Changes to the request's own headers (a breaker's fallback header).
     upstream: Vec<HeaderEdit>,
     /// The global rules that settle and were granted by the request's own call, each with

@@ -184,6 +184,57 @@ fn slow_answers_open_it_and_a_slow_probe_opens_it_again() {
     }
 }
 
+/// The clock is read at a call's response only when its judging needs the time: a
+/// breaker with `slow_ms` (how long the call took), a probe, or a slow or failed outcome
+/// that may flush the window now. A good call of a breaker without `slow_ms` is counted
+/// without it (in wasm a clock read costs more than the rest of the call's judging): so
+/// it is counted even while the clock cannot be read, where a call that needs the time
+/// is not judged then (`diana_clock_errors`, as for any response's work without a clock).
+#[test]
+fn a_good_call_is_judged_without_the_clock_unless_its_time_counts() {
+    let slow = "resources:\n  - Url: /pay\n    breaker: {name: pay, failure_ratio: 0.5, slow_ms: 100, slow_ratio: 0.5, min_calls: 4}\n";
+    for profile in HostProfile::ALL {
+        // (document, status, counted without a clock)
+        for (document, status, counted) in [
+            (FAILING, "200", true),
+            (FAILING, "503", false),
+            (slow, "200", false),
+        ] {
+            let mut sim = sim(profile, document, 1);
+            sim.advance(Duration::from_secs(1));
+            let (context, fate) = send(&mut sim, 0, "/pay");
+            assert!(matches!(fate, Some(Fate::Admitted(_))), "{fate:?}");
+            sim.advance(Duration::from_millis(5));
+            sim.host.set_clock_readable(false);
+            sim.respond(context, &[(":status", status)]);
+            sim.host.set_clock_readable(true);
+            sim.end(context);
+            sim.flush_metrics();
+            let case = format!("{}: {status} {document:?}", profile.name);
+            assert_eq!(
+                sim.host.metric("diana_breaker_calls.pay"),
+                u64::from(counted),
+                "{case}"
+            );
+            assert_eq!(
+                sim.host.metric("diana_clock_errors"),
+                u64::from(!counted),
+                "{case}"
+            );
+            // With the clock, every call is judged.
+            assert!(call(&mut sim, 0, "/pay", 200, Duration::from_millis(5)));
+            assert!(call(&mut sim, 0, "/pay", 503, Duration::from_millis(5)));
+            sim.flush_metrics();
+            assert_eq!(
+                sim.host.metric("diana_breaker_calls.pay"),
+                u64::from(counted) + 2,
+                "{case}"
+            );
+            assert_eq!(sim.host.metric("diana_breaker_failed.pay"), 1, "{case}");
+        }
+    }
+}
+
 #[test]
 fn a_request_that_ends_without_an_answer_failed() {
     for profile in HostProfile::ALL {

@@ -718,6 +718,14 @@ impl Envoy {
             .is_some_and(|entry| entry.weak.strong_count() == 0)
     }
 
+    /// The stream events a configuration's workers ran under their lock so far.
+    pub fn stream_events(&self, config: ConfigId) -> usize {
+        self.shared
+            .module(config)
+            .map(|module| module.stream_events())
+            .unwrap_or_default()
+    }
+
     /// Whether the module still holds a configuration's scheduler.
     pub fn holds_scheduler(&self, config: ConfigId) -> bool {
         self.shared

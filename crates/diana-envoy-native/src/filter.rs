@@ -94,6 +94,9 @@ struct Core {
     tick: Duration,
     /// When its next tick is due (wall clock, ns).
     due: Option<Instant>,
+    /// Stream events run under the lock (tests: which events take it).
+    #[cfg(test)]
+    stream_events: usize,
 }
 
 struct Paused {
@@ -324,6 +327,8 @@ impl Slot {
             next_token: next_token.get(),
             tick: Duration::ZERO,
             due: None,
+            #[cfg(test)]
+            stream_events: 0,
         };
         let mut rearm = None;
         core.settle(step.commands, None, &mut rearm);
@@ -371,6 +376,10 @@ impl Slot {
             return outcome;
         };
         let core = &mut held.0;
+        #[cfg(test)]
+        if matches!(site, Site::Stream(_)) {
+            core.stream_events += 1;
+        }
         let next_token = Cell::new(core.next_token);
         let host = NativeHost {
             config: &*config.envoy,
@@ -709,7 +718,10 @@ pub fn response_headers(filter: &FilterBox, envoy: &dyn EnvoyFilter, end_of_stre
     if !filter.tracked() {
         return;
     }
+    // A request settled here (a breaker's call judged, its response costs charged) is
+    // usually done with: its end then takes no lock either.
     let reading = Cell::new(false);
+    let tracked = Cell::new(true);
     let outcome = filter.event(envoy, false, |worker, host| {
         let mut step = worker.on_response_headers(host, context);
         if worker.reads_response_body(context) {
@@ -721,9 +733,13 @@ pub fn response_headers(filter: &FilterBox, envoy: &dyn EnvoyFilter, end_of_stre
                 reading.set(true);
             }
         }
+        tracked.set(worker.tracks(context));
         step
     });
     filter.read_no_body_unless(reading.get());
+    if !tracked.get() {
+        filter.untrack();
+    }
     filter.carry_out(envoy, outcome.commands);
 }
 
@@ -933,6 +949,14 @@ impl FilterBox {
         }
     }
 
+    /// Its worker no longer tracks it (`Worker::tracks`): its later events, its end
+    /// included, are skipped with no lock.
+    fn untrack(&self) {
+        if let Ok(mut stream) = self.stream.try_borrow_mut() {
+            stream.untracked = true;
+        }
+    }
+
     /// One event of this stream; the calls it made are filed under it.
     fn event(
         &self,
@@ -1034,6 +1058,14 @@ impl Config {
                 .sum::<usize>();
         }
         census
+    }
+
+    /// The stream events its workers ran under their lock so far.
+    pub fn stream_events(&self) -> usize {
+        lock(&self.slots)
+            .iter()
+            .map(|slot| lock(&slot.core).stream_events)
+            .sum()
     }
 
     /// Whether its scheduler is still held (by it or the timer).

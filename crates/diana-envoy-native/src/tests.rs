@@ -1092,3 +1092,29 @@ fn a_global_request_held_for_its_body_calls_for_what_it_read_and_is_resumed_by_t
         end_clean(&envoy, config, &[a]);
     }
 }
+
+/// A stream its worker settles at its response headers (a breaker's call judged) and
+/// then no longer tracks ends without its worker's lock; one that still holds something
+/// for its end (a `max_in_flight` place) takes it once more, to give it back. A stream
+/// the worker never tracked takes it only for its request headers.
+#[test]
+fn a_stream_settled_at_its_response_headers_ends_without_its_workers_lock() {
+    let envoy = Envoy::start(2);
+    let document = "resources:\n  - Url: /dep\n    breaker: {name: dep, failure_ratio: 0.5}\n  - Url: /inside\n    rules: [{max_in_flight: 5}]\n  - Url: /plain\n    rules: [{rpu: 1000}]\n";
+    let config = configure(&envoy, document);
+    // (path, events under the lock: request headers, response headers, end)
+    for (path, events) in [("/dep", 2), ("/inside", 3), ("/plain", 1)] {
+        let before = envoy.stream_events(config);
+        let stream = envoy.request(0, path, "10.0.0.1");
+        envoy.respond(stream, &[(":status", "200")]);
+        envoy.end(stream);
+        envoy.sync(On::Worker(0));
+        assert_eq!(
+            envoy.stream_events(config) - before,
+            events,
+            "{path}: {}",
+            envoy.report()
+        );
+    }
+    assert_clean(&envoy, config);
+}

@@ -842,14 +842,10 @@ impl Handle {
         outcome: Outcome,
         now: Instant,
     ) -> Result<Transitions, ChargeError> {
-        self.pending.add(outcome);
-        if self.reach == Reach::Fleet {
-            self.report.calls.add(outcome);
-        }
-        let bad_pending = self.pending.slow > 0 || self.pending.failed > 0;
-        if !bad_pending || !self.judges {
+        if self.record_in_memory(outcome) {
             return Ok(Transitions::new());
         }
+        self.count(outcome);
         let rested = self
             .early_flush_at
             .is_none_or(|last| now.saturating_since(last) >= EARLY_FLUSH_GAP || last > now);
@@ -861,6 +857,32 @@ impl Handle {
         }
         self.early_flush_at = Some(now);
         self.flush(store, host, now)
+    }
+
+    /// Whether [`Handle::record`] of a call with `outcome` only counts it in memory (no
+    /// flush, so neither the time nor shared data): no slow or failed outcome would be
+    /// pending with it, or the record as last read does not judge calls.
+    pub fn records_in_memory(&self, outcome: Outcome) -> bool {
+        let pending = self.pending.merge(Tally::of(outcome));
+        !self.judges || (pending.slow == 0 && pending.failed == 0)
+    }
+
+    /// [`Handle::record`] of a call that [`Handle::records_in_memory`], which needs no
+    /// instant: counted, and true; false, with nothing counted, for any other call.
+    pub fn record_in_memory(&mut self, outcome: Outcome) -> bool {
+        if !self.records_in_memory(outcome) {
+            return false;
+        }
+        self.count(outcome);
+        true
+    }
+
+    /// A call's outcome, counted in the pending calls (and the next report's).
+    fn count(&mut self, outcome: Outcome) {
+        self.pending.add(outcome);
+        if self.reach == Reach::Fleet {
+            self.report.calls.add(outcome);
+        }
     }
 
     /// Merges the pending calls into the record and reads its state back (the worker's

@@ -21,16 +21,36 @@
 use crate::breaker::{Admission, FleetAnswer, Handle, Report, Spec, Status, Transition};
 use crate::config::{Policy, Resource};
 use crate::cx::Cx;
-use crate::decision::{BreakerCall, HeaderEdit};
-use crate::metrics::BreakerEvent;
+use crate::decision::{AfterResponse, BreakerCall, BreakerCalls, HeaderEdit};
+use crate::metrics::{BreakerEvent, MetricSink};
 use crate::store::{ChargeError, Store};
-use crate::time::Instant;
+use crate::time::{Instant, Nanos};
 use std::cell::RefCell;
+
+impl super::Engine {
+    /// Settles an answered request whose only business with its response is its breakers'
+    /// calls, when judging them needs no clock ([`Breakers::judge_in_memory`]): true when
+    /// done, so that the worker does not read the clock (a host call) for it; false, with
+    /// nothing done, when it must ([`Engine::after_response`](super::Engine::after_response)).
+    /// `status` as read: one that cannot be read is judged as 200 would be, as there.
+    pub(crate) fn judged_without_clock(
+        &self,
+        metrics: &mut dyn MetricSink,
+        after: &AfterResponse,
+        status: Option<u16>,
+    ) -> bool {
+        after.charges.is_empty()
+            && !after.breakers.is_empty()
+            && self
+                .breakers
+                .judge_in_memory(metrics, &after.breakers, Some(status.unwrap_or(200)))
+    }
+}
 
 /// A request the breakers let through: its calls, and what to change in its headers.
 #[derive(Debug, Default)]
 pub(crate) struct Passed {
-    pub calls: Vec<BreakerCall>,
+    pub calls: BreakerCalls,
     pub upstream: Vec<HeaderEdit>,
 }
 
@@ -192,6 +212,50 @@ impl Breakers {
             });
             self.settled(cx, call.breaker, done);
         }
+    }
+
+    /// [`Breakers::judge`] without the time, when no call needs it: none is a probe, none
+    /// of their breakers judges slow calls (no `slow_ms`), and each is only counted in
+    /// memory ([`Handle::records_in_memory`]: a good call, or a breaker that does not judge
+    /// now). Then the calls are judged and counted as `judge` would, and true; else
+    /// nothing is judged, and false (the worker reads the clock and calls `judge`).
+    pub(crate) fn judge_in_memory(
+        &self,
+        metrics: &mut dyn MetricSink,
+        calls: &[BreakerCall],
+        status: Option<u16>,
+    ) -> bool {
+        let Ok(mut handles) = self.handles.try_borrow_mut() else {
+            return false;
+        };
+        let outcome = |call: &BreakerCall| {
+            let settings = &self.specs.get(call.breaker)?.settings;
+            // Without `slow_ms` a call is never slow, however long it took.
+            (call.probe.is_none() && settings.slow().is_none())
+                .then(|| settings.judge(Nanos::ZERO, status))
+        };
+        let in_memory = calls.iter().all(|call| {
+            let handle = handles.get(call.breaker).and_then(Option::as_ref);
+            outcome(call)
+                .zip(handle)
+                .is_some_and(|(outcome, handle)| handle.records_in_memory(outcome))
+        });
+        if !in_memory {
+            return false;
+        }
+        for call in calls {
+            let (Some(outcome), Some(Some(handle))) =
+                (outcome(call), handles.get_mut(call.breaker))
+            else {
+                continue;
+            };
+            metrics.breaker_event(call.breaker, BreakerEvent::Calls, 1);
+            if outcome.failed {
+                metrics.breaker_event(call.breaker, BreakerEvent::Failed, 1);
+            }
+            handle.record_in_memory(outcome);
+        }
+        true
     }
 
     /// From the tick: every handle's pending calls go into the record, and the

@@ -714,6 +714,19 @@ impl Worker {
         if after.charges.is_empty() && !after.reads_status() {
             return;
         }
+        let status = after
+            .reads_status()
+            .then(|| host.response_header(":status"))
+            .flatten()
+            .and_then(|status| crate::decision::status_code(&status));
+        let mut sink = configured.counters.sink();
+        // A breaker's good call without `slow_ms` is judged without the time.
+        if configured
+            .engine
+            .judged_without_clock(&mut sink, after, status)
+        {
+            return;
+        }
         let Some(now) = host.now() else {
             configured.counters.event(Event::ClockError);
             return;
@@ -722,12 +735,6 @@ impl Worker {
             .headers()
             .map(|name| host.response_header(name))
             .collect();
-        let status = after
-            .reads_status()
-            .then(|| host.response_header(":status"))
-            .flatten()
-            .and_then(|status| std::str::from_utf8(&status).ok()?.trim().parse().ok());
-        let mut sink = configured.counters.sink();
         let mut cx = Cx::new(host, now, &mut sink);
         configured
             .engine

@@ -218,6 +218,40 @@ proptest! {
     }
 }
 
+proptest! {
+    /// Recording in memory where that needs no instant ([`Handle::record_in_memory`]),
+    /// else as usual, is recording as usual: the same answers, host calls and record.
+    #[test]
+    fn recording_in_memory_first_is_recording(
+        calls in proptest::collection::vec((0u8..4, 0u64..300), 1..60),
+        fleet in any::<bool>(),
+    ) {
+        let settings = if fleet { global() } else { settings() };
+        let outcome = |kind: u8| Outcome { slow: kind & 1 != 0, failed: kind & 2 != 0 };
+        let (plain_host, memory_host) =
+            (MemoryHost::new(CasSemantics::Envoy), MemoryHost::new(CasSemantics::Envoy));
+        let store = Store::new();
+        let mut plain = Handle::new(&settings, at(0));
+        let mut memory = Handle::new(&settings, at(0));
+        let mut now = at(0);
+        for (kind, gap) in calls {
+            now += Nanos::from_millis(gap);
+            let outcome = outcome(kind);
+            let expected = plain.record(&store, &plain_host, outcome, now);
+            let answer = if memory.record_in_memory(outcome) {
+                Ok(vec![])
+            } else {
+                memory.record(&store, &memory_host, outcome, now)
+            };
+            prop_assert_eq!(answer, expected);
+            prop_assert_eq!(memory_host.calls(), plain_host.calls());
+            prop_assert_eq!(memory.pending, plain.pending);
+            prop_assert_eq!(memory.report, plain.report);
+        }
+        prop_assert_eq!(stored(&memory_host, &settings), stored(&plain_host, &settings));
+    }
+}
+
 #[test]
 fn a_closed_breaker_stays_off_shared_data_between_readings() {
     for semantics in HOSTS {
