@@ -689,11 +689,30 @@ def render(res: dict[str, Any], chart_rel: Optional[str], cascade_chart_rel: Opt
         L += cascade.render(res["cascade"], cascade_chart_rel, res.get("sections_command", res["command"]))
     if res.get("rls"):
         L += render_rls(res["rls"])
+    # Section 8 (bench/usage_cost.py) is recorded by its own script, not by this run:
+    # carried over from the page as it stands.
+    L += kept_section(BENCH.parent / "BENCHMARKS.md", "## 8. LLM usage read from answers' bodies")
     obs = BENCH / "observations.md"
     if obs.exists() and set(res.get("sections", [])) - {"rls", "cascade"}:
         A(obs.read_text().rstrip())
         A("")
     return "\n".join(L)
+
+
+def kept_section(page: Path, heading: str) -> list[str]:
+    """The lines of `page` from the line starting with `heading` to the next `## ` heading,
+    and a blank line; none when the page or the section is not there."""
+    if not page.exists():
+        return []
+    kept: list[str] = []
+    for line in page.read_text().splitlines():
+        if kept and line.startswith("## "):
+            break
+        if kept or line.startswith(heading):
+            kept.append(line)
+    while kept and not kept[-1].strip():
+        kept.pop()
+    return kept + [""] if kept else []
 
 
 def render_rls(rl: dict[str, Any]) -> list[str]:
