@@ -35,7 +35,9 @@ const ALGOS: &[&str] = &[
     "x",
     "",
 ];
-const UNITS: &[&str] = &["second", "minute", "hour", "day", "Seconds", "week", "month", ""];
+const UNITS: &[&str] = &[
+    "second", "minute", "hour", "day", "Seconds", "week", "month", "",
+];
 /// 2026-01-01T00:00:00Z plus a little.
 const NOW: Instant = Instant::from_unix_nanos(1_767_225_600_123_456_789);
 
