@@ -37,11 +37,15 @@
 //!
 //! ```text
 //!   (absent) ──evaluate──▶ Admitted ──response headers──▶ (absent) or Answered
-//!       │                     ▲  ▲                          (holds places until it ends)
+//!       │ ▲                   ▲  ▲        │                 (holds places until it ends)
+//!       │ └ ReadingRequest    │  │        └─ a rule reads the answer's usage ─▶ Reading
+//!       │   (reserve.json:    │  │             ──body ends──▶ (absent) or Answered
+//!       │    its body ends)   │  │
 //!       ├──Delay──▶ Waiting ──┘  │ (its turn, from the tick)
 //!       ├──Call───▶ Calling ─────┤ (its answer; or Wait/Delay/Call again)
 //!       └──Wait───▶ Parked ──────┘ (its flight landed, from the tick or an answer)
-//!   any stage ──context gone──▶ (absent), what it held given back
+//!   any stage ──context gone──▶ (absent), what it held given back (Reading: settled
+//!   as cut short)
 //! ```
 //!
 //! Calls are dispatched while the worker handles an event; commands that touch other
