@@ -84,12 +84,7 @@ pub fn settle_body(rule: &Rule, reserved: u32, body: BodyCost) -> Settlement {
 /// reservation (or a `count`), the cost replaces what was reserved; a plain
 /// `response_cost` is owed on top of what the request took.
 fn replace(rule: &Rule, reserved: u32, cost: Option<u32>) -> Settlement {
-    let replaces = rule.count.is_some()
-        || rule
-            .response_cost
-            .as_ref()
-            .is_some_and(|response_cost| response_cost.reserve.is_some());
-    let (cost, reserved) = match (cost, replaces) {
+    let (cost, reserved) = match (cost, rule.settles()) {
         (None, _) => return Settlement::Keep,
         (Some(cost), true) => (cost, reserved),
         // Owed on top of what the request took.

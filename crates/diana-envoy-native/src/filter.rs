@@ -50,6 +50,7 @@ use diana_core::worker::{
     Answer, CallToken, Command, ContextId, Host, HostProfile, LocalReply, Step, Worker,
 };
 use hashbrown::HashMap;
+use std::borrow::Cow;
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -666,11 +667,7 @@ pub fn request_body(
         }
         let mut step = Step::default();
         envoy.read_request_body(&mut |slices: &[&[u8]]| {
-            step = match slices {
-                [] => worker.on_request_body(host, context, &[], end_of_stream),
-                [chunk] => worker.on_request_body(host, context, chunk, end_of_stream),
-                _ => worker.on_request_body(host, context, &slices.concat(), end_of_stream),
-            };
+            step = worker.on_request_body(host, context, &joined(slices), end_of_stream);
         });
         tracked.set(worker.tracks(context));
         step
@@ -761,11 +758,7 @@ pub fn response_body(filter: &FilterBox, envoy: &dyn EnvoyFilter, end_of_stream:
         reading.set(!end_of_stream);
         let mut step = Step::default();
         envoy.read_response_body(&mut |slices: &[&[u8]]| {
-            step = match slices {
-                [] => worker.on_response_body(host, context, &[], end_of_stream),
-                [chunk] => worker.on_response_body(host, context, chunk, end_of_stream),
-                _ => worker.on_response_body(host, context, &slices.concat(), end_of_stream),
-            };
+            step = worker.on_response_body(host, context, &joined(slices), end_of_stream);
         });
         step
     });
@@ -880,6 +873,16 @@ pub fn destroy(filter: &FilterBox) {
         }
     }
     local.rearm(outcome.rearm);
+}
+
+/// A body chunk as one slice: borrowed when Envoy holds it in one (the common case), copied
+/// into one only when it holds it in several.
+fn joined<'a>(slices: &[&'a [u8]]) -> Cow<'a, [u8]> {
+    match slices {
+        [] => Cow::Borrowed(&[]),
+        [chunk] => Cow::Borrowed(chunk),
+        _ => Cow::Owned(slices.concat()),
+    }
 }
 
 fn edit(envoy: &dyn EnvoyFilter, edits: &[HeaderEdit]) {

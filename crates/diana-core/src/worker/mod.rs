@@ -563,18 +563,7 @@ impl Worker {
                     Some(after),
                 );
             } else if let Some(holding) = after.holding() {
-                // Its places are held until the request ends (its context goes).
-                let holding = AfterResponse {
-                    holding: Some(holding),
-                    ..AfterResponse::default()
-                };
-                self.hold(
-                    context,
-                    request.generation,
-                    Stage::Answered,
-                    Vec::new(),
-                    Some(holding),
-                );
+                self.hold_places(context, request.generation, holding);
             }
         }
         if !request.headers.is_empty() {
@@ -639,19 +628,8 @@ impl Worker {
         let Some(request) = self.requests.remove(&context) else {
             return step;
         };
-        let holding = self.body_ended(host, request, true);
-        if let Some((generation, holding)) = holding {
-            let holding = AfterResponse {
-                holding: Some(holding),
-                ..AfterResponse::default()
-            };
-            self.hold(
-                context,
-                generation,
-                Stage::Answered,
-                Vec::new(),
-                Some(holding),
-            );
+        if let Some((generation, holding)) = self.body_ended(host, request, true) {
+            self.hold_places(context, generation, holding);
         }
         self.retick(&mut step);
         step
@@ -1166,6 +1144,21 @@ impl Worker {
                 step.pause = true;
             }
         }
+    }
+
+    /// An answered request's places are held until it ends (its context goes).
+    fn hold_places(&mut self, context: ContextId, generation: u64, holding: HoldingId) {
+        let after = AfterResponse {
+            holding: Some(holding),
+            ..AfterResponse::default()
+        };
+        self.hold(
+            context,
+            generation,
+            Stage::Answered,
+            Vec::new(),
+            Some(after),
+        );
     }
 
     fn hold(
