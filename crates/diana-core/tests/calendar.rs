@@ -36,15 +36,7 @@ fn local(rule: &str) -> String {
 /// Sends one request on `worker`; `None` when admitted, else its `Retry-After`.
 fn send(sim: &mut Sim, worker: usize) -> Option<String> {
     let context = sim.send(worker, "10.0.0.1", &[(":path", "/")]);
-    match sim.fate(context) {
-        Some(Fate::Admitted(_)) => None,
-        Some(Fate::Replied(429)) => {
-            let reply = sim.reply(context)?;
-            let retry = reply.headers.iter().find(|(name, _)| *name == RETRY_AFTER);
-            Some(retry.map_or_else(|| "none".to_string(), |(_, value)| value.clone()))
-        }
-        other => panic!("unexpected fate {other:?}"),
-    }
+    fate_of(sim, context)
 }
 
 /// `(at, worker, expected)`: `None` admitted, `Some(retry_after)` refused.
