@@ -7,12 +7,15 @@ Redis: real Envoy 1.40 gateways with no Diana in them, diana-quota serving
   counter of the Diana global rule with `diana_key`);
 - diana-quota or Redis killed: Envoy's failure mode applies at once (deny: 500; allow:
   200), no request hangs;
-- a bad descriptor is refused with a clear log line, a bad file stops diana-quota at start.
+- a bad descriptor is refused with a clear log line, a bad file stops diana-quota at start;
+- `unit: month` in a `timezone`: a calendar month's budget, reset (Retry-After, the Redis
+  key's expiry) at the month's end in that zone.
 
 The helpers here (a native Envoy, diana-quota with RLS) serve test_rlqs.py too."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import subprocess
 import threading
@@ -20,6 +23,7 @@ import time
 import uuid
 from pathlib import Path
 from typing import Optional, Sequence
+from zoneinfo import ZoneInfo
 
 import harness
 from harness import HOST, QUOTA_TOKEN, ManagedProcess, Quota, Redis, record, send_concurrent, statuses
@@ -396,3 +400,43 @@ def test_bad_descriptors_are_refused_with_a_clear_log_line(procs, upstream):
     ).start()  # fmt: skip
     assert proc.wait_exit(10) == 1
     assert f"{bad}: descriptors[0].rate_limit.unit: invalid rate limit unit `fortnight`" in proc.log_text(), proc.log_text()
+
+
+MONTHLY = """
+domain: edge
+descriptors:
+  - key: tenant
+    rate_limit: {unit: month, requests_per_unit: 3, timezone: Pacific/Auckland}
+"""
+
+
+def test_a_month_in_a_time_zone_is_a_calendar_month(procs, upstream):
+    from test_calendar import seconds_to_next_month
+
+    zone = "Pacific/Auckland"  # far from UTC: its month ends at another UTC instant
+    if seconds_to_next_month(zone) < 120:
+        time.sleep(seconds_to_next_month(zone) + 2)
+    redis = procs.add(Redis(procs.log_dir)).start()
+    quota = rls_quota(procs, MONTHLY, redis.url, extra=("--rls-headers", "ietf"))
+    gateway = native(procs, upstream, quota, filters=[ratelimit_filter()], rate_limits=[[header_action("x-tenant", "tenant")]])
+    who = {"x-tenant": tenant()}
+    answers = [harness.request(gateway.port, "/", who) for _ in range(4)]
+    expected = seconds_to_next_month(zone)
+    assert [a.status for a in answers] == [200, 200, 200, 429], [(a.status, a.headers) for a in answers]
+    refused = answers[-1]
+    retry = int(refused.header("retry-after"))
+    assert expected - 2 <= retry <= expected + 2, (retry, expected)
+    # The policy's window is this month's length in Auckland (its days, and the hour a
+    # change of the clocks adds or takes), in seconds.
+    now = datetime.datetime.now(ZoneInfo(zone))
+    first = now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    following = (first + datetime.timedelta(days=32)).replace(day=1)
+    length = following.timestamp() - first.timestamp()
+    window = int(refused.header("ratelimit-policy").rsplit("w=", 1)[1])
+    assert window == length, (window, length)
+    # The counter's Redis key lives until the month ends there (a few seconds' margin).
+    keys = redis_keys(redis, "diana:{rls:*")
+    assert len(keys) == 1, keys
+    ttl = int(harness.redis_cli(redis.port, "ttl", keys[0]).strip())
+    assert expected - 5 <= ttl <= expected + 120, (ttl, expected)
+    record("rls_calendar_month", {"statuses": [a.status for a in answers], "retry_after": retry, "month_ends_in_s": round(expected), "redis_ttl_s": ttl})

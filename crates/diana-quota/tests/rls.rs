@@ -81,6 +81,10 @@ descriptors:
     quota_mode: true
     rate_limit: {unit: hour, requests_per_unit: 2}
     metadata: {service_with_quota: {name: service_2}, tier: [gold, 2]}
+  - key: monthly
+    rate_limit: {unit: month, requests_per_unit: 3, timezone: Pacific/Auckland}
+  - key: weekly
+    rate_limit: {unit: week, requests_per_unit: 2, algorithm: TB}
 "#;
 
 struct Server {
@@ -267,6 +271,54 @@ async fn descriptors_are_counted_exactly_and_decided_together() {
     server.stop().await;
 }
 
+/// Seconds from the system clock's now to the end of the calendar period that contains it.
+fn seconds_to_end(unit: diana_core::calendar::CalendarUnit, zone: &str) -> u64 {
+    use diana_quota::store::Clock;
+    let zone = diana_core::calendar::Zone::parse(zone).unwrap();
+    let now = SystemClock.now();
+    diana_core::calendar::period(now, unit, &zone).seconds_to_end(now)
+}
+
+#[tokio::test]
+async fn week_and_month_count_in_calendar_periods_and_reset_at_their_end() {
+    use diana_core::calendar::CalendarUnit;
+    let server = start("calendar").await;
+    let mut client = server.client().await;
+    // A month in Pacific/Auckland: 3 pass, the 4th is refused until the month ends there.
+    let mut seen = Vec::new();
+    let mut resets = Vec::new();
+    for _ in 0..4 {
+        let answer = ask(&mut client, call(vec![descriptor(&[("monthly", "acme")])])).await;
+        let status = &answer.statuses[0];
+        let limit = status.current_limit.clone().unwrap();
+        seen.push((answer.overall_code, status.limit_remaining, limit.unit));
+        resets.push(status.duration_until_reset.unwrap().seconds);
+    }
+    assert_eq!(seen, [(OK, 2, 5), (OK, 1, 5), (OK, 0, 5), (OVER, 0, 5)]);
+    let to_end = seconds_to_end(CalendarUnit::Month, "Pacific/Auckland");
+    for reset in resets {
+        let reset = u64::try_from(reset).unwrap();
+        assert!(
+            reset.abs_diff(to_end) <= 2,
+            "reset in {reset} s, the month ends in Auckland in {to_end} s"
+        );
+    }
+    // Each value counts apart, as for any descriptor without a value.
+    let other = ask(&mut client, call(vec![descriptor(&[("monthly", "other")])])).await;
+    assert_eq!(codes(&other), (OK, vec![OK]));
+
+    // A token bucket refilling 2 per UTC week: 2 at once, then refused; WEEK (7) in the
+    // answer.
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        let answer = ask(&mut client, call(vec![descriptor(&[("weekly", "acme")])])).await;
+        let limit = answer.statuses[0].current_limit.clone().unwrap();
+        seen.push((answer.overall_code, limit.unit));
+    }
+    assert_eq!(seen, [(OK, 7), (OK, 7), (OVER, 7)]);
+    server.stop().await;
+}
+
 #[tokio::test]
 async fn hits_addend_unlimited_replaces_shadow_blocks_and_overrides() {
     let server = start("kinds").await;
@@ -361,9 +413,22 @@ async fn hits_addend_unlimited_replaces_shadow_blocks_and_overrides() {
         out
     };
     assert_eq!(answers, [OK, OK, OVER]);
-    over.limit = Some(RateLimitOverride {
+    // MONTH: UTC's calendar month (its own counter); YEAR is refused.
+    let mut monthly = descriptor(&[("custom", "y")]);
+    monthly.limit = Some(RateLimitOverride {
         requests_per_unit: 2,
         unit: 5,
+    });
+    let mut answers = Vec::new();
+    for _ in 0..3 {
+        let answer = ask(&mut client, call(vec![monthly.clone()])).await;
+        let limit = answer.statuses[0].current_limit.clone().unwrap();
+        answers.push((answer.overall_code, limit.unit));
+    }
+    assert_eq!(answers, [(OK, 5), (OK, 5), (OVER, 5)]);
+    over.limit = Some(RateLimitOverride {
+        requests_per_unit: 2,
+        unit: 6,
     });
     let status = client
         .should_rate_limit(call(vec![over]))

@@ -92,6 +92,35 @@ impl Limit {
             (None, None) => self.unit.name(),
         }
     }
+
+    /// The length of the limit's unit in whole seconds (rounded up): a given period's
+    /// length, else the fixed unit's. A calendar limit has no one length (its months
+    /// differ): ask [`Limit::at`] an instant first; alone it says a day, its `unit`.
+    pub fn unit_seconds(&self) -> u64 {
+        match self.period {
+            Some(period) => period.length.get().div_ceil(1_000_000_000),
+            None => self.unit.seconds(),
+        }
+    }
+
+    /// The limit as a quota service counts it at `now`, which knows no zones: a calendar
+    /// limit becomes the period of its zone that contains `now` ([`Limit::period`], as a
+    /// gateway names it on the wire); any other limit is unchanged.
+    pub fn at(&self, now: Instant) -> Limit {
+        let Some(calendar) = &self.calendar else {
+            return self.clone();
+        };
+        let period = calendar.period(now);
+        Limit {
+            calendar: None,
+            period: Some(GivenPeriod {
+                unit: calendar.unit(),
+                start: period.start,
+                length: period.length(),
+            }),
+            ..self.clone()
+        }
+    }
 }
 
 /// The outcome of asking an algorithm for tokens (a request takes its cost, one by default;

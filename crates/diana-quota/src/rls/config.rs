@@ -39,6 +39,8 @@
 
 use super::keys::CounterKeys;
 use diana_core::algo::{self, Algorithm, Limit};
+use diana_core::calendar::{Calendar, CalendarUnit, Zone};
+use diana_core::config::RuleUnit;
 use diana_core::time::Unit;
 use diana_core::wire::{self, RuleRequest};
 use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value as PbValue};
@@ -136,6 +138,8 @@ struct RawRateLimit {
     burst: Option<u64>,
     slices: Option<u64>,
     diana_key: Option<String>,
+    /// The IANA zone of a `week` or `month` unit's calendar (default UTC).
+    timezone: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -182,8 +186,8 @@ pub struct Rule {
     pub kind: RuleKind,
     /// As configured (0 when blocked or unlimited).
     pub requests_per_unit: u32,
-    /// As configured (`None` when unlimited).
-    pub unit: Option<Unit>,
+    /// As configured (`None` when unlimited): a fixed unit, or a calendar's week or month.
+    pub unit: Option<RuleUnit>,
     /// `domain.key_value.key…`, the descriptor's place in the file (logs, headers).
     pub path: String,
 }
@@ -474,25 +478,53 @@ fn key_of(keys: &CounterKeys, rule: &Rule, domain: &str, path: &[(&str, &str)]) 
     }
 }
 
-/// Maps Envoy's `RateLimitResponse.RateLimit.Unit` to Diana's; `None` for units longer
-/// than a day (and UNKNOWN).
-pub fn unit_of_proto(unit: i32) -> Option<Unit> {
+/// Maps Envoy's `RateLimitResponse.RateLimit.Unit` to Diana's (`MONTH` and `WEEK` are
+/// UTC calendar periods); `None` for `YEAR` and UNKNOWN.
+pub fn unit_of_proto(unit: i32) -> Option<RuleUnit> {
     match unit {
-        1 => Some(Unit::Second),
-        2 => Some(Unit::Minute),
-        3 => Some(Unit::Hour),
-        4 => Some(Unit::Day),
+        1 => Some(RuleUnit::Fixed(Unit::Second)),
+        2 => Some(RuleUnit::Fixed(Unit::Minute)),
+        3 => Some(RuleUnit::Fixed(Unit::Hour)),
+        4 => Some(RuleUnit::Fixed(Unit::Day)),
+        5 => Some(RuleUnit::Calendar(CalendarUnit::Month)),
+        7 => Some(RuleUnit::Calendar(CalendarUnit::Week)),
         _ => None,
     }
 }
 
 /// Diana's unit as Envoy's `RateLimitResponse.RateLimit.Unit`.
-pub fn proto_unit(unit: Unit) -> i32 {
+pub fn proto_unit(unit: RuleUnit) -> i32 {
     match unit {
-        Unit::Second => 1,
-        Unit::Minute => 2,
-        Unit::Hour => 3,
-        Unit::Day => 4,
+        RuleUnit::Fixed(Unit::Second) => 1,
+        RuleUnit::Fixed(Unit::Minute) => 2,
+        RuleUnit::Fixed(Unit::Hour) => 3,
+        RuleUnit::Fixed(Unit::Day) => 4,
+        RuleUnit::Calendar(CalendarUnit::Month) => 5,
+        RuleUnit::Calendar(CalendarUnit::Week) => 7,
+    }
+}
+
+/// The limit of `rpu` per `unit` (a calendar's in `zone`) with the other fields given:
+/// a calendar limit counts per period of its zone, its `unit` the longest fixed one (as
+/// in a Diana document).
+pub fn limit_of(
+    rpu: NonZeroU32,
+    unit: RuleUnit,
+    zone: Zone,
+    burst: impl FnOnce(Unit) -> NonZeroU32,
+    slices: NonZeroU32,
+) -> Limit {
+    let (unit, calendar) = match unit {
+        RuleUnit::Fixed(unit) => (unit, None),
+        RuleUnit::Calendar(period) => (Unit::Day, Some(Calendar::new(period, zone))),
+    };
+    Limit {
+        rpu,
+        unit,
+        burst: burst(unit),
+        slices,
+        calendar,
+        period: None,
     }
 }
 
@@ -556,12 +588,28 @@ pub enum Problem {
     NothingWhenUnlimited,
     #[error("means nothing with requests_per_unit 0 (every request is over the limit)")]
     NothingWhenBlocked,
-    #[error("missing: second, minute, hour or day")]
+    #[error("missing: second, minute, hour, day, week or month")]
     NoUnit,
-    #[error("`{unit}` is not supported: a Diana counter spans at most a day (second, minute, hour, day)")]
+    #[error(
+        "`{unit}` is not supported: a Diana counter spans at most a calendar month \
+         (second, minute, hour, day, week, month)"
+    )]
     UnitTooLong { unit: String },
-    #[error("invalid rate limit unit `{unit}` (second, minute, hour, day)")]
+    #[error("invalid rate limit unit `{unit}` (second, minute, hour, day, week, month)")]
     UnknownUnit { unit: String },
+    #[error(
+        "`{unit}` counts in calendar periods with W or TB only, not {code} \
+         (a period's length varies)"
+    )]
+    CalendarAlgorithm {
+        unit: &'static str,
+        code: &'static str,
+    },
+    #[error("only with a calendar unit (week or month), not `{unit}`")]
+    TimezoneWithoutCalendar { unit: &'static str },
+    /// Not a zone of the bundled database (its reason).
+    #[error("{reason}")]
+    BadTimezone { reason: String },
     #[error("{requests} is more than 4294967295")]
     RequestsTooMany { requests: u64 },
     #[error("unknown algorithm `{algorithm}` (W, SW, TB)")]
@@ -872,6 +920,7 @@ fn load_rule(
             ("burst", raw.burst.is_some()),
             ("slices", raw.slices.is_some()),
             ("diana_key", raw.diana_key.is_some()),
+            ("timezone", raw.timezone.is_some()),
         ];
         if let Some((field, _)) = extra.iter().find(|(_, set)| *set) {
             return refuse(format!("{here}.{field}"), Problem::NothingWhenUnlimited);
@@ -909,12 +958,46 @@ fn load_rule(
             Problem::AlgorithmWaits { code: algo.code() },
         );
     }
+    let zone = match (unit, &raw.timezone) {
+        (_, None) => Zone::utc(),
+        (RuleUnit::Fixed(unit), Some(_)) => {
+            return refuse(
+                format!("{here}.timezone"),
+                Problem::TimezoneWithoutCalendar { unit: unit.name() },
+            )
+        }
+        (RuleUnit::Calendar(_), Some(name)) => match Zone::parse(name) {
+            Ok(zone) => zone,
+            Err(error) => {
+                return refuse(
+                    format!("{here}.timezone"),
+                    Problem::BadTimezone {
+                        reason: error.to_string(),
+                    },
+                )
+            }
+        },
+    };
+    // A period of varying length: a fixed window is the period, a token bucket refills
+    // `rpu` over it; a sliding window's slices would not tile it (as in a Diana document).
+    if let RuleUnit::Calendar(period) = unit {
+        if !matches!(algo.code(), "W" | "TB") {
+            return refuse(
+                format!("{here}.algorithm"),
+                Problem::CalendarAlgorithm {
+                    unit: period.name(),
+                    code: algo.code(),
+                },
+            );
+        }
+    }
     let Some(rpu) = NonZeroU32::new(requests) else {
         // Zero requests per unit: every request is over the limit (a block list).
         let extra = [
             ("burst", raw.burst.is_some()),
             ("slices", raw.slices.is_some()),
             ("diana_key", raw.diana_key.is_some()),
+            ("timezone", raw.timezone.is_some()),
         ];
         if let Some((field, _)) = extra.iter().find(|(_, set)| *set) {
             return refuse(format!("{here}.{field}"), Problem::NothingWhenBlocked);
@@ -922,9 +1005,9 @@ fn load_rule(
         return Ok(rule(RuleKind::Blocked, 0, Some(unit)));
     };
     let burst = match raw.burst {
-        None => algo.default_burst(rpu, unit),
+        None => None,
         Some(burst) => match u32::try_from(burst).ok().and_then(NonZeroU32::new) {
-            Some(burst) => burst,
+            Some(burst) => Some(burst),
             None => {
                 return refuse(
                     format!("{here}.burst"),
@@ -955,14 +1038,13 @@ fn load_rule(
             }
         },
     };
-    let limit = Limit {
+    let limit = limit_of(
         rpu,
         unit,
-        burst,
+        zone,
+        |unit| burst.unwrap_or_else(|| algo.default_burst(rpu, unit)),
         slices,
-        calendar: None,
-        period: None,
-    };
+    );
     if let Err(error) = wire::check_rule_limits(algo, &limit) {
         return refuse(
             format!("{here}.{}", error.field),
@@ -1058,16 +1140,19 @@ fn value_of(value: serde_yaml::Value) -> PbValue {
     PbValue { kind: Some(kind) }
 }
 
-/// `second`, `minute`, `hour`, `day`, case-insensitive (envoyproxy/ratelimit's names);
-/// longer units are refused.
-fn parse_unit(text: &str) -> Result<Unit, Problem> {
+/// `second`, `minute`, `hour`, `day`, `week`, `month`, case-insensitive (envoyproxy/
+/// ratelimit's names; `week` and `month` are calendar periods, where envoyproxy/ratelimit
+/// counts 7 and 30 days from 1970); `year` is refused.
+fn parse_unit(text: &str) -> Result<RuleUnit, Problem> {
     let lower = text.trim().to_ascii_lowercase();
     match lower.as_str() {
-        "second" => Ok(Unit::Second),
-        "minute" => Ok(Unit::Minute),
-        "hour" => Ok(Unit::Hour),
-        "day" => Ok(Unit::Day),
-        "week" | "month" | "year" => Err(Problem::UnitTooLong {
+        "second" => Ok(RuleUnit::Fixed(Unit::Second)),
+        "minute" => Ok(RuleUnit::Fixed(Unit::Minute)),
+        "hour" => Ok(RuleUnit::Fixed(Unit::Hour)),
+        "day" => Ok(RuleUnit::Fixed(Unit::Day)),
+        "week" => Ok(RuleUnit::Calendar(CalendarUnit::Week)),
+        "month" => Ok(RuleUnit::Calendar(CalendarUnit::Month)),
+        "year" => Err(Problem::UnitTooLong {
             unit: text.to_string(),
         }),
         "" => Err(Problem::NoUnit),
@@ -1178,7 +1263,7 @@ descriptors:
 
         // Numbers are values too; units are case-insensitive.
         let database = matched(&config, "messaging", &[("database", "500")]).unwrap();
-        assert_eq!(database.rule.unit, Some(Unit::Second));
+        assert_eq!(database.rule.unit, Some(RuleUnit::Fixed(Unit::Second)));
         assert!(matches!(
             matched(&config, "messaging", &[("ldap", "x")])
                 .unwrap()
@@ -1264,8 +1349,16 @@ descriptors:
             ("domain: d\ndescriptors: [{value: x}]", "descriptors[0].key: a descriptor has an empty key"),
             ("domain: d\ndescriptors: [{key: k, rate_limit: {unit: fortnight, requests_per_unit: 1}}]",
              "descriptors[0].rate_limit.unit: invalid rate limit unit `fortnight`"),
-            ("domain: d\ndescriptors: [{key: k, rate_limit: {unit: month, requests_per_unit: 1}}]",
-             "a Diana counter spans at most a day"),
+            ("domain: d\ndescriptors: [{key: k, rate_limit: {unit: year, requests_per_unit: 1}}]",
+             "descriptors[0].rate_limit.unit: `year` is not supported: a Diana counter spans at most a calendar month"),
+            ("domain: d\ndescriptors: [{key: k, rate_limit: {unit: month, requests_per_unit: 1, algorithm: SW}}]",
+             "descriptors[0].rate_limit.algorithm: `month` counts in calendar periods with W or TB only, not SW"),
+            ("domain: d\ndescriptors: [{key: k, rate_limit: {unit: hour, requests_per_unit: 1, timezone: UTC}}]",
+             "descriptors[0].rate_limit.timezone: only with a calendar unit (week or month), not `hour`"),
+            ("domain: d\ndescriptors: [{key: k, rate_limit: {unit: week, requests_per_unit: 1, timezone: Mars/Olympus}}]",
+             "descriptors[0].rate_limit.timezone: \"Mars/Olympus\" is not an IANA time zone name"),
+            ("domain: d\ndescriptors: [{key: k, rate_limit: {unlimited: true, timezone: UTC}}]",
+             "descriptors[0].rate_limit.timezone: means nothing on an unlimited rate limit"),
             ("domain: d\ndescriptors: [{key: k, rate_limit: {unlimited: true, unit: second}}]",
              "should not specify a rate limit unit when unlimited"),
             ("domain: d\ndescriptors: [{key: k, rate_limit: {unit: second, requests_per_unit: 1, algorithm: LB}}]",
@@ -1378,7 +1471,7 @@ descriptors:
     #[test]
     fn a_refused_field_names_its_file_path_and_problem() {
         let error = parse_domain(
-            "domain: d\ndescriptors: [{key: k, descriptors: [{key: j, rate_limit: {unit: week, requests_per_unit: 1}}]}]",
+            "domain: d\ndescriptors: [{key: k, descriptors: [{key: j, rate_limit: {unit: year, requests_per_unit: 1}}]}]",
             Path::new("tenants.yaml"),
         )
         .unwrap_err();
@@ -1388,14 +1481,14 @@ descriptors:
                 file: PathBuf::from("tenants.yaml"),
                 field: "descriptors[0].descriptors[0].rate_limit.unit".to_string(),
                 problem: Problem::UnitTooLong {
-                    unit: "week".to_string()
+                    unit: "year".to_string()
                 },
             }
         );
         assert_eq!(
             error.to_string(),
-            "tenants.yaml: descriptors[0].descriptors[0].rate_limit.unit: `week` is not supported: \
-             a Diana counter spans at most a day (second, minute, hour, day)"
+            "tenants.yaml: descriptors[0].descriptors[0].rate_limit.unit: `year` is not supported: \
+             a Diana counter spans at most a calendar month (second, minute, hour, day, week, month)"
         );
         let error = parse_domain("descriptors: []", Path::new("x.yaml")).unwrap_err();
         assert_eq!(

@@ -31,7 +31,7 @@ use super::config::{self, Lookup, RlsConfig, RuleKind};
 use super::{OwnedRule, Rls, RLQS_PATH};
 use diana_core::algo::{Algorithm, Limit};
 use diana_core::wire::{self, ResolvedRule, RuleResult};
-use crate::store::StoreError;
+use crate::store::{Clock, StoreError, SystemClock};
 use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy};
 use envoy_types::pb::envoy::r#type::v3::{RateLimitStrategy, TokenBucket};
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::{
@@ -378,7 +378,8 @@ impl Session {
             RuleKind::Unlimited => return blanket(BlanketRule::AllowAll),
             RuleKind::Blocked if rule.shadow => return blanket(BlanketRule::AllowAll),
             RuleKind::Blocked => return blanket(BlanketRule::DenyAll),
-            RuleKind::Limited { algo, limit, .. } => (*algo, limit.clone()),
+            // A calendar rule counts in the period that contains this instant.
+            RuleKind::Limited { algo, limit, .. } => (*algo, limit.at(SystemClock.now())),
         };
         if !self.buckets.contains_key(bucket) && self.buckets.len() >= MAX_BUCKETS {
             self.rls.warn(format_args!(
@@ -487,7 +488,7 @@ pub fn share(
                 value: u32::try_from(rate).unwrap_or(u32::MAX),
             }),
             fill_interval: Some(PbDuration {
-                seconds: i64::try_from(limit.unit.seconds()).unwrap_or(1),
+                seconds: i64::try_from(limit.unit_seconds()).unwrap_or(1),
                 nanos: 0,
             }),
         })),

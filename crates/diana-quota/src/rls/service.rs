@@ -34,8 +34,10 @@
 
 use super::config::{self, Lookup, RuleKind};
 use super::{budget, decide, metadata, Ask, HeaderStyle, OwnedRule, Rls, RLS_PATH};
-use crate::store::{Enforcement, Spend, Spending};
+use crate::store::{Clock, Enforcement, Spend, Spending, SystemClock};
 use diana_core::algo::{self, Algorithm, Limit};
+use diana_core::calendar::Zone;
+use diana_core::config::RuleUnit;
 use diana_core::response::{
     sf_string, RATELIMIT, RATELIMIT_POLICY, RETRY_AFTER, X_RATELIMIT_LIMIT, X_RATELIMIT_REMAINING,
     X_RATELIMIT_RESET,
@@ -201,7 +203,7 @@ impl RateLimiter {
                 Some(over) => {
                     let Some(unit) = config::unit_of_proto(over.unit) else {
                         let reason = format!(
-                            "descriptors[{index}].limit.unit: {} is not supported (second, minute, hour, day)",
+                            "descriptors[{index}].limit.unit: {} is not supported (second, minute, hour, day, week, month)",
                             over.unit
                         );
                         rls.warn(format_args!(
@@ -247,6 +249,8 @@ impl RateLimiter {
         let mut rules = Vec::new();
         let mut how = Vec::new();
         let mut plans = Vec::with_capacity(found.len());
+        // A calendar rule counts in the period that contains this instant.
+        let now = SystemClock.now();
         for (target, hits, stated, negative) in &found {
             let spend = spend_of(*hits, *stated);
             let plan = match target {
@@ -294,7 +298,7 @@ impl RateLimiter {
                             Piece {
                                 key,
                                 algo: *algo,
-                                limit: diana,
+                                limit: &diana.at(now),
                                 spend,
                                 cost: *hits,
                                 enforcement,
@@ -321,15 +325,16 @@ impl RateLimiter {
                             enforcement: Enforcement::Enforced,
                         },
                         Some(rpu) => {
-                            let diana = Limit {
+                            // A fixed window of `rpu` per unit; `MONTH` and `WEEK` by
+                            // UTC's calendar (Envoy's override names no zone).
+                            let diana = config::limit_of(
                                 rpu,
-                                unit: *unit,
-                                burst: rpu,
-                                slices: NonZeroU32::new(config::DEFAULT_SLICES)
-                                    .unwrap_or(NonZeroU32::MIN),
-                                calendar: None,
-                                period: None,
-                            };
+                                *unit,
+                                Zone::utc(),
+                                |_| rpu,
+                                NonZeroU32::new(config::DEFAULT_SLICES).unwrap_or(NonZeroU32::MIN),
+                            )
+                            .at(now);
                             ask(
                                 &mut rules,
                                 &mut how,
@@ -591,7 +596,7 @@ enum Target<'a> {
     Override {
         key: String,
         rpu: u32,
-        unit: diana_core::time::Unit,
+        unit: RuleUnit,
     },
 }
 
@@ -670,7 +675,7 @@ fn ask<'a>(
         enforcement,
         label,
         rpu: limit.rpu.get(),
-        unit_seconds: limit.unit.seconds(),
+        unit_seconds: limit.unit_seconds(),
     }
 }
 
