@@ -158,7 +158,9 @@ def test_two_gateways_follow_one_global_breaker(start_gateway, procs):
         f"{a.label}: a global breaker over two gateways",
         f"B (no bad answer of its own) failed fast {took:.2f} s after A's last failure",
     )
-    assert time.monotonic() - t0 < 5
+    # DESIGN §4b: within a second of another gateway's evidence (each gateway reports
+    # every 250 ms: README "Circuit breaking").
+    assert took < 1.0, f"B followed {took:.2f} s after A's evidence"
     # The service stops: each gateway falls back to its own breaker (B's window is clean).
     quota.stop()
     wait_until(lambda: dep(b.port, 200).status == 200, 10, "B back on its own breaker")

@@ -61,6 +61,7 @@ pub mod spec;
 pub use machine::{Admission, Phase, Place, State, Ticket};
 pub use record::{
     record_key, Checked, FleetAnswer, Handle, PlaceClaim, Probe, Record, Report, Source,
+    FLEET_REPORT_EVERY,
 };
 pub use settings::{
     Edition, Force, Params, Ratio, RatioError, Reach, Settings, SettingsError, SlowCalls,

@@ -55,7 +55,8 @@
 //!
 //! # Followed mode (`scope: global`)
 //!
-//! The gateway reports its calls to the quota service at its tick and obeys the state the
+//! The gateway reports its calls to the quota service every [`FLEET_REPORT_EVERY`]
+//! (250 ms, from its tick) and obeys the state the
 //! service answers for the fleet ([`FleetAnswer`]: closed, open with the time until
 //! half-open, or half-open with how many probe places this gateway may use). Any worker
 //! that gets an answer writes it into the record ([`Handle::follow`]), so every worker
@@ -108,6 +109,15 @@ pub const EARLY_FLUSH_GAP: Nanos = Nanos::from_millis(100);
 
 /// How long the fleet's state, as the quota service last answered it, is obeyed.
 pub const FLEET_TRUST: Nanos = Nanos::from_secs(3);
+
+/// How often a worker reports its `scope: global` breakers' calls to the quota service and
+/// reads the fleet's state back: a gateway that never saw a bad answer must fail fast
+/// within a second of another gateway's evidence (DESIGN §4b), which takes that gateway's
+/// report and then this one's, each at most this long after the fact, plus two round
+/// trips and [`VERDICT_CACHE`]. The worker's tick runs at least this often while a
+/// document has such a breaker, and no faster tick (a request waiting for its turn, a
+/// parked one) reports more often.
+pub const FLEET_REPORT_EVERY: Nanos = Nanos::from_millis(250);
 
 /// The shared-data key of the breaker `name`.
 pub fn record_key(name: &str) -> String {

@@ -74,6 +74,13 @@ impl Policy {
             .flat_map(|resource| resource.rules.iter())
     }
 
+    /// A breaker of `scope: global`: the worker reports to the quota service every
+    /// [`crate::breaker::FLEET_REPORT_EVERY`].
+    pub fn has_fleet_breakers(&self) -> bool {
+        self.breakers()
+            .any(|spec| spec.settings.reach == crate::breaker::Reach::Fleet)
+    }
+
     /// A rule holds places at the quota service (`max_in_flight` with `scope: global`):
     /// each is given back from a worker's tick after its request ends.
     pub fn holds_global_places(&self) -> bool {

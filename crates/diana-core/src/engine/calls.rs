@@ -26,7 +26,7 @@
 use super::view::REPORT_EVERY;
 use super::{Awaiting, Engine, EngineDecision, Held, Pending, PendingState};
 use crate::algo::inflight::RENEW_EVERY;
-use crate::breaker::Report;
+use crate::breaker::{Report, FLEET_REPORT_EVERY};
 use crate::call::{Answer, AnswerShape, Callout};
 use crate::config::{Rule, Scope};
 use crate::cx::Cx;
@@ -39,9 +39,14 @@ use crate::places::{HoldingId, PlaceAt, ServicePlace};
 use crate::report::{self, BreakerReport, FleetParams, ReportRequest, ReportResponse};
 use crate::settle::{settle, settle_body, BodyCost, Settlement};
 use crate::store::{ChargeError, SharedData};
-use crate::time::Instant;
+use crate::time::{Instant, Nanos};
 use crate::usage::{Framing, NoValue, Usage, UsageReader};
 use crate::wire::{self, AcquireRequest};
+
+/// A report of the fleet's breakers goes once this long has passed since the previous
+/// report: [`FLEET_REPORT_EVERY`] less 25 ms, so that a tick of that period that fires a
+/// little early does not skip a period.
+const FLEET_REPORT_DUE: Nanos = Nanos::from_millis(FLEET_REPORT_EVERY.whole_millis() - 25);
 
 /// A call to make: the callout, and what its answer resumes.
 #[derive(Debug)]
@@ -325,13 +330,18 @@ impl Engine {
     }
 
     /// The tick's report to the quota service, when there is something to say: the calls
-    /// of the breakers of `scope: global` (the fleet's state follows them), at every tick
-    /// that has them; and, while the fleet view is on ([`super::view`]), what this worker
-    /// saw since its previous report, at least every [`REPORT_EVERY`] even when it saw
-    /// nothing (the view then knows the gateway is alive).
+    /// of the breakers of `scope: global` (the fleet's state follows them), every
+    /// [`FLEET_REPORT_EVERY`] (not at every tick: a tick of a millisecond while requests
+    /// wait would send a report a millisecond); and, while the fleet view is on
+    /// ([`super::view`]), what this worker saw since its previous report, at least every
+    /// [`REPORT_EVERY`] even when it saw nothing (the view then knows the gateway is
+    /// alive). A report carries both whichever is due.
     fn plan_report(&self, cx: &mut Cx<'_>) -> Option<Call> {
         let mut view = self.view.as_ref().map(|view| view.borrow_mut());
         let view_due = view.as_mut().is_some_and(|view| view.due(cx.now));
+        if !view_due && !self.fleet_report_due(cx.now) {
+            return None;
+        }
         let reports = self.breakers.reports(cx, self.local.store());
         if reports.is_empty() && !view_due {
             return None;
@@ -675,6 +685,22 @@ impl Engine {
                 self.global.queue_leave(leaving, metrics);
             }
         }
+    }
+
+    /// True when this engine's breakers of `scope: global` are due for a report at `now`:
+    /// [`FLEET_REPORT_DUE`] after the previous report, or a clock that went back.
+    fn fleet_report_due(&self, now: Instant) -> bool {
+        self.policy.has_fleet_breakers()
+            && self
+                .last_report
+                .get()
+                .is_none_or(|last| last > now || now.saturating_since(last) >= FLEET_REPORT_DUE)
+    }
+
+    /// True when this engine reports breakers of `scope: global`: the worker's tick then
+    /// runs at least every [`FLEET_REPORT_EVERY`].
+    pub fn reports_breakers(&self) -> bool {
+        self.policy.has_fleet_breakers()
     }
 
     /// True when work waits for the tick that it would rather not wait a period for: a

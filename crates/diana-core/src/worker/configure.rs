@@ -229,6 +229,7 @@ impl Worker {
             );
         }
         let holds_places = policy.holds_global_places();
+        let fleet_breakers = policy.has_fleet_breakers();
         self.source.remote = policy.remote.clone();
         self.source.local = Some(Arc::new(policy.clone()));
         self.source.metrics = policy.metrics.clone();
@@ -247,9 +248,12 @@ impl Worker {
             self.retick(&mut step);
         } else if !self.source.tick_fixed && !self.base_tick.is_zero() {
             // Once, from the root context, and never zero; finer where places go back from
-            // it (a policy from the config center later keeps this period).
+            // it or a breaker of `scope: global` reports from it (a policy from the config
+            // center later keeps this period).
             let period = if holds_places {
                 super::PLACES_TICK
+            } else if fleet_breakers {
+                super::FLEET_TICK
             } else {
                 self.base_tick
             };

@@ -95,6 +95,11 @@ const WAIT_TICK: Duration = Duration::from_millis(2);
 const RIDER_TICK: Duration = Duration::from_millis(1);
 /// The tick when nobody waits: config-center checks, metric flushes, debts, sweeps.
 const BASE_TICK: Duration = Duration::from_secs(1);
+/// The tick while a document has a breaker of `scope: global`: its calls are reported to
+/// the quota service, and the fleet's state read back, every
+/// [`crate::breaker::FLEET_REPORT_EVERY`].
+const FLEET_TICK: Duration =
+    Duration::from_millis(crate::breaker::FLEET_REPORT_EVERY.whole_millis());
 /// The tick where the host lets it be set only once (nginx) and the policy holds places at
 /// the quota service: a request's place is given back from the tick, so this long after
 /// its end at most (a request cannot ask for the tick there).
@@ -1316,9 +1321,15 @@ impl Worker {
 
     /// The tick period when nobody waits: an installed policy always needs it (metrics
     /// are flushed from the tick, and it may owe response costs or hold idle batches), as
-    /// do config-center checks and releasing the records of dropped rules.
+    /// do config-center checks and releasing the records of dropped rules; a breaker of
+    /// `scope: global` needs it finer ([`FLEET_TICK`]).
     fn wanted_base_tick(&self, host: &dyn Host) -> Duration {
-        if self.source.remote.is_some()
+        if self
+            .generations()
+            .any(|configured| configured.engine.reports_breakers())
+        {
+            FLEET_TICK
+        } else if self.source.remote.is_some()
             || self.configured.is_some()
             || lifecycle::has_work(&self.store, host)
         {
