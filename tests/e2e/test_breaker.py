@@ -126,6 +126,11 @@ def test_force_from_the_config_center_switches_it_at_the_next_poll(start_gateway
         assert dep(gw.port).status == 200
         center.document = doc(breaker.format(force="open"))
         took = wait_until(lambda: fast_failed(dep(gw.port)), 10, "force: open applied")
+        # One worker applied it; every worker applies a published document within a second
+        # (README "Remote configuration"): then every request fails fast, whichever worker
+        # takes it (each request comes on a new connection).
+        spread = wait_until(lambda: all(fast_failed(dep(gw.port)) for _ in range(8)), 10, "force: open on every worker")
+        assert spread < 2.5, f"force: open reached every worker {spread:.2f} s after the first"
         assert dep(gw.port).header("retry-after") == "9"
         center.document = doc(breaker.format(force="closed"))
         back = wait_until(lambda: dep(gw.port).status == 200, 10, "force: closed applied")
@@ -134,7 +139,10 @@ def test_force_from_the_config_center_switches_it_at_the_next_poll(start_gateway
             dep(gw.port, 503)
         time.sleep(1.2)
         still = dep(gw.port)
-        record(f"{gw.label}: force from the config center (poll 1 s)", f"open after {took:.2f} s, closed after {back:.2f} s; 30 failures then -> {still.status}")
+        record(
+            f"{gw.label}: force from the config center (poll 1 s)",
+            f"open after {took:.2f} s (every worker {spread:.2f} s later), closed after {back:.2f} s; 30 failures then -> {still.status}",
+        )
         assert still.status == 200
         wait_until(lambda: "force: open" in gw.log_text(), 10, "the switch logged")
 
