@@ -110,6 +110,14 @@ pub const EARLY_FLUSH_GAP: Nanos = Nanos::from_millis(100);
 /// How long the fleet's state, as the quota service last answered it, is obeyed.
 pub const FLEET_TRUST: Nanos = Nanos::from_secs(3);
 
+/// How far a worker's instant may lag the instant another worker wrote the fleet's state
+/// at (it read its clock, then the other wrote, then it read the record) before a trust
+/// that far ahead is taken for a clock stepped back.
+const FLEET_TRUST_SKEW: Nanos = Nanos::from_secs(1);
+
+/// The furthest a trusted fleet state's end may lie ahead of a worker's instant.
+const FLEET_TRUST_AHEAD: Nanos = Nanos::new(FLEET_TRUST.get() + FLEET_TRUST_SKEW.get());
+
 /// How often a worker reports its `scope: global` breakers' calls to the quota service and
 /// reads the fleet's state back: a gateway that never saw a bad answer must fail fast
 /// within a second of another gateway's evidence (DESIGN §4b), which takes that gateway's
@@ -642,8 +650,11 @@ impl Record {
 
 fn fleet_is_trusted(fleet: &Fleet, now: Instant) -> bool {
     // An instant further ahead than the trust itself cannot come from this clock running
-    // forward: a clock stepped back does not extend the fleet's reign.
-    now < fleet.trusted_until && fleet.trusted_until.saturating_since(now) <= FLEET_TRUST
+    // forward: a clock stepped back does not extend the fleet's reign. Another worker may
+    // have written the record after this one read its clock (a tick's or a request's
+    // instant, taken before it reads the record): up to [`FLEET_TRUST_SKEW`] beyond the
+    // trust is that, not a clock stepped back.
+    now < fleet.trusted_until && fleet.trusted_until.saturating_since(now) <= FLEET_TRUST_AHEAD
 }
 
 fn put_u32(out: &mut Vec<u8>, value: u32) {

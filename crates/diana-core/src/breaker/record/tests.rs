@@ -859,8 +859,12 @@ fn the_fleets_answer_is_bounded_by_the_local_settings() {
         .filter(|_| matches!(record.check(&mine, at(2)).0, Admission::Probe(_)))
         .count();
     assert_eq!(probes, 2, "at most half_open_calls places");
-    // A trust further ahead than FLEET_TRUST (a clock stepped back) is not trusted.
+    // A worker that read its clock before another wrote the answer (here 200 ms before)
+    // still follows it: the fleet is not taken for silent.
     assert_eq!(record.status(at(1)), H);
+    let earlier = Instant::from_unix_nanos(T0 - 200 * MS);
+    assert_eq!(record.status(earlier), H);
+    // A trust much further ahead than FLEET_TRUST (a clock stepped back) is not trusted.
     let before = Instant::from_unix_nanos(T0 - 10_000 * MS);
     assert_eq!(record.status(before), C);
 }
