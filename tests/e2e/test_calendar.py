@@ -25,12 +25,17 @@ global: {{timeout_ms: 500}}
 ZONE = "Pacific/Auckland"  # far from UTC: a month that ends at another UTC instant
 
 
-def seconds_to_next_month(zone: str) -> float:
+def month_bounds(zone: str) -> tuple[datetime.datetime, datetime.datetime, datetime.datetime]:
+    """Now in `zone`, the first instant of its month there, and of the next month."""
     now = datetime.datetime.now(ZoneInfo(zone))
     first = now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
     nxt = (first + datetime.timedelta(days=32)).replace(day=1)
-    nxt = nxt.replace(tzinfo=ZoneInfo(zone))
-    return (nxt - now).total_seconds()
+    return now, first, nxt
+
+
+def seconds_to_next_month(zone: str) -> float:
+    now, _, nxt = month_bounds(zone)
+    return nxt.timestamp() - now.timestamp()
 
 
 def check(statuses: list[int], refused, expected: float) -> None:

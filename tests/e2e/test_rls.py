@@ -15,7 +15,6 @@ The helpers here (a native Envoy, diana-quota with RLS) serve test_rlqs.py too."
 
 from __future__ import annotations
 
-import datetime
 import json
 import subprocess
 import threading
@@ -23,7 +22,6 @@ import time
 import uuid
 from pathlib import Path
 from typing import Optional, Sequence
-from zoneinfo import ZoneInfo
 
 import harness
 from harness import HOST, QUOTA_TOKEN, ManagedProcess, Quota, Redis, record, send_concurrent, statuses
@@ -411,7 +409,7 @@ descriptors:
 
 
 def test_a_month_in_a_time_zone_is_a_calendar_month(procs, upstream):
-    from test_calendar import seconds_to_next_month
+    from test_calendar import month_bounds, seconds_to_next_month
 
     zone = "Pacific/Auckland"  # far from UTC: its month ends at another UTC instant
     if seconds_to_next_month(zone) < 120:
@@ -428,9 +426,7 @@ def test_a_month_in_a_time_zone_is_a_calendar_month(procs, upstream):
     assert expected - 2 <= retry <= expected + 2, (retry, expected)
     # The policy's window is this month's length in Auckland (its days, and the hour a
     # change of the clocks adds or takes), in seconds.
-    now = datetime.datetime.now(ZoneInfo(zone))
-    first = now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
-    following = (first + datetime.timedelta(days=32)).replace(day=1)
+    _, first, following = month_bounds(zone)
     length = following.timestamp() - first.timestamp()
     window = int(refused.header("ratelimit-policy").rsplit("w=", 1)[1])
     assert window == length, (window, length)

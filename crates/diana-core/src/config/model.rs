@@ -3,7 +3,7 @@
 
 use crate::actor::{ActorSource, Identity};
 use crate::algo::{Algorithm, Limit};
-use crate::calendar::CalendarUnit;
+use crate::calendar::{Calendar, CalendarUnit, Zone};
 use crate::facts::RequestFacts;
 use crate::hash::{IdentityHasher, IdentityKey, KeyOrigin};
 use crate::jwt::{Claim, ClaimOrigin};
@@ -693,6 +693,11 @@ impl Upfront<'_> {
     }
 }
 
+/// The algorithms a calendar period (`unit: week | month`) applies to: a fixed window (the
+/// period is the window) and a token bucket (refilled over the period). A sliding window's
+/// slices and a leaky bucket's pace have no calendar meaning.
+pub const CALENDAR_ALGORITHMS: [&str; 2] = ["W", "TB"];
+
 /// `unit` as written: a fixed unit, or a calendar period (`week`, `month`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RuleUnit {
@@ -715,6 +720,16 @@ impl RuleUnit {
         match self {
             RuleUnit::Fixed(unit) => unit.name(),
             RuleUnit::Calendar(unit) => unit.name(),
+        }
+    }
+
+    /// A limit's [`Limit::unit`] and [`Limit::calendar`] for this unit (a calendar's in
+    /// `zone`): a calendar period's `unit` is the longest fixed one, which nothing reads as
+    /// its period.
+    pub fn limit_unit(self, zone: Zone) -> (Unit, Option<Calendar>) {
+        match self {
+            RuleUnit::Fixed(unit) => (unit, None),
+            RuleUnit::Calendar(period) => (Unit::Day, Some(Calendar::new(period, zone))),
         }
     }
 

@@ -28,7 +28,7 @@ use super::shape::{Describe, Shape};
 use crate::actor::{ActorDef, ActorRegistry};
 use crate::algo;
 use crate::breaker::{Reach, Settings, SlowCalls, Spec, StatusClasses, Window};
-use crate::calendar::{Calendar, Zone};
+use crate::calendar::Zone;
 use crate::hash::{hash_parts, IdentityHasher, IdentityKey};
 use crate::matching;
 use crate::metrics::stat_name;
@@ -52,10 +52,6 @@ const DEFAULT_POLL_SECONDS: u32 = 10;
 /// The environment variable that holds the quota service's credential when the document
 /// has no `global.token` (the same name diana-quota reads).
 pub const TOKEN_ENV: &str = "DIANA_QUOTA_TOKEN";
-/// The algorithms a calendar period (`unit: week | month`) applies to: a fixed window (the
-/// period is the window) and a token bucket (refilled over the period). A sliding window's
-/// slices and a leaky bucket's pace have no calendar meaning.
-const CALENDAR_ALGORITHMS: [&str; 2] = ["W", "TB"];
 /// Default `max_wait_seconds` (leaky bucket).
 const DEFAULT_MAX_WAIT_SECONDS: u64 = 10;
 
@@ -1186,7 +1182,7 @@ fn build_rule(
             }
             (unit, None)
         }
-        RuleUnit::Calendar(_) if !CALENDAR_ALGORITHMS.contains(&algo.code()) => {
+        RuleUnit::Calendar(_) if !super::CALENDAR_ALGORITHMS.contains(&algo.code()) => {
             return Err(refuse(
                 &["unit"],
                 ConfigErrorKind::CalendarUnitNotApplicable {
@@ -1195,13 +1191,11 @@ fn build_rule(
                 },
             ))
         }
-        RuleUnit::Calendar(period) => {
-            let zone = raw
-                .timezone
+        RuleUnit::Calendar(_) => written_unit.limit_unit(
+            raw.timezone
                 .as_ref()
-                .map_or_else(Zone::utc, |zone| zone.0.clone());
-            (Unit::Day, Some(Calendar::new(period, zone)))
-        }
+                .map_or_else(Zone::utc, |zone| zone.0.clone()),
+        ),
     };
     let burst = raw.burst.unwrap_or_else(|| algo.default_burst(rpu, unit));
     let slices = raw

@@ -39,8 +39,8 @@
 
 use super::keys::CounterKeys;
 use diana_core::algo::{self, Algorithm, Limit};
-use diana_core::calendar::{Calendar, CalendarUnit, Zone};
-use diana_core::config::RuleUnit;
+use diana_core::calendar::{CalendarUnit, Zone};
+use diana_core::config::{RuleUnit, CALENDAR_ALGORITHMS};
 use diana_core::time::Unit;
 use diana_core::wire::{self, RuleRequest};
 use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value as PbValue};
@@ -505,8 +505,8 @@ pub fn proto_unit(unit: RuleUnit) -> i32 {
 }
 
 /// The limit of `rpu` per `unit` (a calendar's in `zone`) with the other fields given:
-/// a calendar limit counts per period of its zone, its `unit` the longest fixed one (as
-/// in a Diana document).
+/// a calendar limit counts per period of its zone ([`RuleUnit::limit_unit`], as in a
+/// Diana document).
 pub fn limit_of(
     rpu: NonZeroU32,
     unit: RuleUnit,
@@ -514,10 +514,7 @@ pub fn limit_of(
     burst: impl FnOnce(Unit) -> NonZeroU32,
     slices: NonZeroU32,
 ) -> Limit {
-    let (unit, calendar) = match unit {
-        RuleUnit::Fixed(unit) => (unit, None),
-        RuleUnit::Calendar(period) => (Unit::Day, Some(Calendar::new(period, zone))),
-    };
+    let (unit, calendar) = unit.limit_unit(zone);
     Limit {
         rpu,
         unit,
@@ -981,7 +978,7 @@ fn load_rule(
     // A period of varying length: a fixed window is the period, a token bucket refills
     // `rpu` over it; a sliding window's slices would not tile it (as in a Diana document).
     if let RuleUnit::Calendar(period) = unit {
-        if !matches!(algo.code(), "W" | "TB") {
+        if !CALENDAR_ALGORITHMS.contains(&algo.code()) {
             return refuse(
                 format!("{here}.algorithm"),
                 Problem::CalendarAlgorithm {
