@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any, Optional
 
@@ -198,6 +199,8 @@ wasm {{
         }}
     }}
 """
+    # A debugging aid: DIANA_NGINX_LOG_LEVEL=debug shows Diana's debug lines (reports, answers).
+    log_level = os.environ.get("DIANA_NGINX_LOG_LEVEL", "info")
     return f"""# Rendered by scripts/render_nginx.py
 daemon off;
 master_process on;
@@ -205,7 +208,7 @@ worker_processes {workers};
 # The quota service's credential (global.token's default) reaches the filter from the
 # environment: nginx clears its workers' environment but for the variables named here.
 env DIANA_QUOTA_TOKEN;
-error_log {prefix}/error.log info;
+error_log {prefix}/error.log {log_level};
 pid {prefix}/nginx.pid;
 
 events {{

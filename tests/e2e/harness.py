@@ -579,6 +579,9 @@ class Envoy(ManagedProcess):
             "--disable-hot-restart",  # several Envoys at once, no shared-memory base id
             "--log-level",
             log_level,
+            # A debugging aid: e.g. DIANA_E2E_COMPONENT_LOG=wasm:debug,dynamic_modules:debug
+            # shows Diana's debug lines (reports, answers) in every Envoy's log.
+            *(["--component-log-level", os.environ["DIANA_E2E_COMPONENT_LOG"]] if os.environ.get("DIANA_E2E_COMPONENT_LOG") else []),
             *extra_args,
         ]
         super().__init__(name, argv, log_dir / f"{name}.log", env=gateway_env(quota_token))

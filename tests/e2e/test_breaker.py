@@ -155,13 +155,17 @@ def test_two_gateways_follow_one_global_breaker(start_gateway, procs):
     document = doc("failure_ratio: 0.5, min_calls: 6, open_seconds: 30, scope: global", "global: {timeout_ms: 500}")
     a = start_gateway(document, quota_port=quota.port)
     b = start_gateway(document, quota_port=quota.port)
-    # B only ever sees good answers; A's fail.
+    # B only ever sees good answers; A's fail. Every request B lets through while it waits
+    # for the fleet is a good call in the fleet's window too, reported at B's next tick, so
+    # A's evidence must outweigh them: 20 failures against B's 3 calls and its polls (10 a
+    # second) stay at or above the failed share of 0.5 for 1.7 s of reporting lag. (With 6
+    # failures and a poll every 50 ms, B's polls reported before A's failures kept the share
+    # under 0.5 when A's reports came a few hundred milliseconds late: B never followed.)
     for _ in range(3):
         assert dep(b.port, 200).status == 200
-    for _ in range(6):
+    for _ in range(20):
         dep(a.port, 502)
-    t0 = time.monotonic()
-    took = wait_until(lambda: fast_failed(dep(b.port, 200)), 5, "B following the fleet's open breaker")
+    took = wait_until(lambda: fast_failed(dep(b.port, 200)), 5, "B following the fleet's open breaker", period=0.1)
     record(
         f"{a.label}: a global breaker over two gateways",
         f"B (no bad answer of its own) failed fast {took:.2f} s after A's last failure",

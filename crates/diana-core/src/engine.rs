@@ -286,6 +286,14 @@ impl Engine {
         self
     }
 
+    /// Dates this document's breaker settings by the instant the worker installed it (a
+    /// newer document's win over an older one's in the breakers' shared records): without
+    /// it, by the instant the engine first used a breaker.
+    pub fn installed_at(self, at: Instant) -> Engine {
+        self.breakers.installed_at(at);
+        self
+    }
+
     pub fn policy(&self) -> &Policy {
         &self.policy
     }

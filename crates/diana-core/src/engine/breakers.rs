@@ -14,9 +14,14 @@
 //!   tick ─▶ flush; scope global: report ─▶ answered ─▶ follow
 //! ```
 //!
-//! A handle is made at first use with that event's instant (the document's edition is
-//! when this worker first used it: a newer document's settings win over an older one's,
-//! whichever worker writes first).
+//! A handle is made at first use, its edition dated by the instant the worker installed
+//! the document ([`Engine::installed_at`](super::Engine::installed_at); the first use's
+//! instant only where none was given): a newer document's settings win over an older
+//! one's, whichever worker writes first. Not the first use's instant: an engine replaced
+//! before it was ever used (a worker's local document, replaced at its first tick by the
+//! remote one the other workers already run) is still ticked once, and its handles made
+//! then would date the older document as the newest, forcing its settings (`force:
+//! auto` over the fleet's `force: open`) on every worker until the next document.
 
 use crate::breaker::{Admission, FleetAnswer, Handle, Report, Spec, Status, Transition};
 use crate::config::{Policy, Resource};
@@ -25,7 +30,7 @@ use crate::decision::{AfterResponse, BreakerCall, BreakerCalls, HeaderEdit};
 use crate::metrics::{BreakerEvent, MetricSink};
 use crate::store::{ChargeError, Store};
 use crate::time::{Instant, Nanos};
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 
 impl super::Engine {
     /// Settles an answered request whose only business with its response is its breakers'
@@ -66,6 +71,8 @@ pub(crate) struct FastFail {
 pub(crate) struct Breakers {
     specs: Vec<Spec>,
     handles: RefCell<Vec<Option<Handle>>>,
+    /// The instant the worker installed the document: every handle's edition.
+    installed: Cell<Option<Instant>>,
 }
 
 impl Breakers {
@@ -76,7 +83,16 @@ impl Breakers {
             .filter_map(|resource| resource.breaker.clone())
             .collect();
         let handles = RefCell::new(vec![None; specs.len()]);
-        Breakers { specs, handles }
+        Breakers {
+            specs,
+            handles,
+            installed: Cell::new(None),
+        }
+    }
+
+    /// Dates the document's editions: the instant the worker installed it.
+    pub(crate) fn installed_at(&self, at: Instant) {
+        self.installed.set(Some(at));
     }
 
     pub(crate) fn is_empty(&self) -> bool {
@@ -97,7 +113,9 @@ impl Breakers {
         let spec = self.specs.get(breaker)?;
         let mut handles = self.handles.try_borrow_mut().ok()?;
         let slot = handles.get_mut(breaker)?;
-        let handle = slot.get_or_insert_with(|| Handle::new(&spec.settings, now));
+        let installed = self.installed.get().unwrap_or(now);
+        self.installed.set(Some(installed));
+        let handle = slot.get_or_insert_with(|| Handle::new(&spec.settings, installed));
         Some(f(handle, spec))
     }
 

@@ -342,11 +342,13 @@ impl Engine {
         if !view_due && !self.fleet_report_due(cx.now) {
             return None;
         }
+        // The id before the reports are taken: a report taken and then not sent would lose
+        // its calls (the fleet would never see the evidence).
+        let gateway = self.global.gateway_id(cx.shared)?;
         let reports = self.breakers.reports(cx, self.local.store());
         if reports.is_empty() && !view_due {
             return None;
         }
-        let gateway = self.global.gateway_id(cx.shared)?;
         let mut carried = Vec::new();
         let mut breakers = Vec::new();
         for (breaker, report) in reports {
@@ -389,7 +391,24 @@ impl Engine {
             rules,
             paths,
         };
-        let body = request.fit(report::MAX_REPORT_BYTES)?;
+        for breaker in &request.breakers {
+            let calls = breaker.calls;
+            log::debug!(
+                "diana: breaker {} report: {} calls ({} slow, {} failed), {} probes",
+                breaker.name,
+                calls.calls,
+                calls.slow,
+                calls.failed,
+                breaker.probes.good + breaker.probes.bad.calls
+            );
+        }
+        let Some(body) = request.fit(report::MAX_REPORT_BYTES) else {
+            // Not sent: the breakers' calls go into the next report.
+            for (breaker, report) in carried {
+                self.breakers.restore(cx.now, breaker, report);
+            }
+            return None;
+        };
         Some(Call {
             callout: self.global.report_callout(body),
             then: Then(Kind::Report(carried, request)),
@@ -415,6 +434,13 @@ impl Engine {
             _ => None,
         };
         let Some(response) = response else {
+            let status = match answer {
+                Answer::Answered(answered) => answered.status,
+                Answer::NotSent(_) | Answer::NoAnswer => 0,
+            };
+            log::debug!(
+                "diana: a report was not answered (status {status}): its calls go into the next one"
+            );
             cx.metrics.event(Event::ReportFailed);
             for (breaker, report) in carried {
                 self.breakers.restore(cx.now, breaker, report);
@@ -422,6 +448,7 @@ impl Engine {
             return;
         };
         for ((breaker, _), answer) in carried.into_iter().zip(response.breakers) {
+            log::debug!("diana: the fleet answered {answer:?} for breaker {breaker}");
             self.breakers
                 .follow(cx, self.local.store(), breaker, answer);
         }

@@ -2066,3 +2066,38 @@ fn a_lost_report_drops_the_views_counts_and_keeps_the_breakers_calls() {
     // The real time since the previous report.
     assert_eq!(resent.interval_ms, 500);
 }
+
+/// A breaker's settings are dated by the instant the worker installed their document, not
+/// by the engine's first use: a worker's local document (`force: auto`) that the worker
+/// replaces at its first tick by the config center's newer one is still ticked once, and
+/// must not then count as the newest, which would switch every worker back to `auto` while
+/// the config center says `open` (seen on Envoy: eight requests failed fast, the ninth went
+/// through).
+#[test]
+fn a_document_installed_earlier_never_overrides_a_newer_one_whenever_it_is_first_used() {
+    let breaker = |force: &str| {
+        format!("resources:\n  - Url: /\n    breaker: {{name: dep, failure_ratio: 0.5, open_seconds: 9, force: {force}}}\n")
+    };
+    let host = MemoryHost::new(CasSemantics::Envoy);
+    let mut metrics = CountingMetrics::default();
+    // Worker A installed the local document at T0 and has not ticked yet; worker B runs the
+    // config center's `force: open` since T0 + 1 s.
+    let local = Engine::new(parse_policy(&breaker("auto")).unwrap()).installed_at(T0);
+    let remote = Engine::new(parse_policy(&breaker("open")).unwrap()).installed_at(T0 + S);
+    let fast_fails = |engine: &Engine, metrics: &mut CountingMetrics, at: Instant| {
+        let mut cx = Cx::new(&host, at, metrics);
+        matches!(
+            engine.evaluate(&mut cx, b"/", &Facts::default()),
+            Decision::Reject(_)
+        )
+    };
+    assert!(fast_fails(&remote, &mut metrics, T0 + S));
+    // A's first tick, two seconds later: the retired local engine's handles are made now.
+    let mut cx = Cx::new(&host, T0 + 3 * S, &mut metrics);
+    local.tick(&mut cx);
+    // Past the verdict B keeps in memory: B reads the record again, still forced open.
+    let later = T0 + 3 * S + crate::breaker::record::VERDICT_CACHE + Nanos::new(1);
+    assert!(fast_fails(&remote, &mut metrics, later));
+    // And the local engine, used now, obeys the newer document's switch as well.
+    assert!(fast_fails(&local, &mut metrics, later));
+}

@@ -339,8 +339,11 @@ impl Worker {
         if dropped > 0 {
             log::info!("diana: {dropped} rules left the configuration; their records are released");
         }
-        let engine =
+        let mut engine =
             Engine::new(policy).resuming_elsewhere(self.profile.resumes_from_other_contexts);
+        if let Some(now) = host.now() {
+            engine = engine.installed_at(now);
+        }
         let counters = Counters::define(host, engine.rules(), engine.policy().breakers());
         log::info!(
             "diana: {origin} configuration applied: {} resources, {} rules",
