@@ -25,10 +25,14 @@ one is docs/bench/instructions.md, which BENCHMARKS.md includes), and writes
 (`*_breaker*`, bench/variants.py) get a second table: the breaker's own instructions per
 request (the difference) and their share of the request's total; each of their requests
 must have been one call of the breaker (its `diana_breaker_calls` counter), else the run
-fails. The breaker's figures alone are recorded in docs/bench/breaker-instructions.md:
+fails. The breaker's figures alone are recorded in docs/bench/breaker-instructions.md, for
+direct-response requests and for requests proxied to an upstream (`*_proxied`: a plain
+Envoy answering 200, not measured):
 
     INSTRUCTIONS_OUT=docs/bench/breaker-instructions.md python3 bench/instructions.py 2000 \
-        local_TB_breaker local_TB_breaker_failures native_TB_breaker native_TB_breaker_failures
+        local_TB_breaker local_TB_breaker_failures native_TB_breaker native_TB_breaker_failures \
+        local_TB_breaker_proxied local_TB_breaker_failures_proxied \
+        native_TB_breaker_proxied native_TB_breaker_failures_proxied
 Binaries: $DIANA_WASM, $DIANA_NATIVE_MODULE, $DIANA_QUOTA_BIN (the release builds by
 default); $DIANA_BUILD_PROFILE names the profile they were built with when not `release`
 (the page says it). Without bench/empty-filter built, the empty filter is left out: the
@@ -82,11 +86,11 @@ def control(command: str, pid: int) -> None:
 
 
 def measure(procs: Procs, key: str, filters: list[dict], n: int, quota: Optional[int],
-            breaker: Optional[str] = None) -> dict:
+            breaker: Optional[str] = None, upstream: Optional[int] = None) -> dict:
     logdir = procs.logdir
     for old in logdir.glob(f"{key}.cg.*"):
         old.unlink()
-    envoy = Envoy(procs, f"ir-{key}", filters, concurrency=1, quota=quota)
+    envoy = Envoy(procs, f"ir-{key}", filters, concurrency=1, quota=quota, upstream=upstream)
     envoy.argv = ["valgrind", "--tool=callgrind", "--smc-check=all-non-file",
                   f"--callgrind-out-file={logdir}/{key}.cg.%p"] + envoy.argv
     proc = procs.spawn(envoy.name, envoy.argv)
@@ -223,9 +227,15 @@ def main() -> int:
         if any(v.calls_out for v in vs.values()):
             _redis, redis_port = start_redis(procs, "ir-redis", cpus=None)
             _quota, quota = start_quota(procs, QUOTA, redis_port, "ir-quota", cpus=None)
+        upstream = None
+        if any(v.proxied for v in vs.values()):
+            # The proxied variants' upstream: a plain Envoy answering 200 on keep-alive
+            # connections, not under valgrind (its instructions are not the gateway's).
+            upstream = Envoy(procs, "ir-upstream", [], concurrency=1).start().port
         for key, v in vs.items():
             t0 = time.monotonic()
-            results[key] = measure(procs, key, v.filters, n, quota if v.calls_out else None, v.breaker)
+            results[key] = measure(procs, key, v.filters, n, quota if v.calls_out else None, v.breaker,
+                                   upstream if v.proxied else None)
             say(f"instructions: {v.label}: {results[key]['ir_per_request']:,.0f} per request "
                 f"at {results[key]['requests_per_second']:,.0f} requests/s ({time.monotonic() - t0:.0f} s)")
     finally:

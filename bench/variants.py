@@ -39,6 +39,10 @@ class Variant:
     # it (bench/instructions.py checks `diana_breaker_calls.<name>`), so that the closed
     # breaker's path is what was counted.
     breaker: Optional[str] = None
+    # Its requests go to an upstream (a plain Envoy answering 200, not measured) instead of
+    # a direct_response: a request's total then has Envoy's proxying in it, as in
+    # production, which a breaker's share is of.
+    proxied: bool = False
     # The variant this one adds to (the same document without the breaker): its own cost
     # is the difference (bench/instructions.py prints it, and its share of the request).
     adds_to: Optional[str] = None
@@ -64,16 +68,22 @@ def with_breaker(doc: str, breaker: str) -> str:
 
 def breaker_variants(prefix: str, label: str, base_key: str, filter_of) -> dict[str, Variant]:
     """Local TB with a closed breaker (both thresholds, and failures only), each measured
-    against `base_key`, the same rule without it; `filter_of(doc)` is the filter."""
+    against `base_key`, the same rule without it; `filter_of(doc)` is the filter. Then the
+    same three proxied to an upstream (`<prefix>_proxied`, `<prefix>_breaker_proxied`,
+    `<prefix>_breaker_failures_proxied`): the breaker's share of a proxied request."""
     doc = diana_doc([local_rule("TB")])
-    return {
-        f"{prefix}_breaker": Variant(f"{label} + closed breaker (failure_ratio, slow_ms)",
-                                     [filter_of(with_breaker(doc, BREAKER_BOTH))],
-                                     breaker=BREAKER, adds_to=base_key),
-        f"{prefix}_breaker_failures": Variant(f"{label} + closed breaker (failure_ratio only)",
-                                              [filter_of(with_breaker(doc, BREAKER_FAILURES))],
-                                              breaker=BREAKER, adds_to=base_key),
-    }
+    out = {}
+    for suffix, proxied, where in (("", False, ""), ("_proxied", True, ", proxied")):
+        base = base_key + suffix
+        if proxied:
+            out[base] = Variant(f"{label}{where}", [filter_of(doc)], proxied=True)
+        out[f"{prefix}_breaker{suffix}"] = Variant(
+            f"{label} + closed breaker (failure_ratio, slow_ms){where}",
+            [filter_of(with_breaker(doc, BREAKER_BOTH))], breaker=BREAKER, adds_to=base, proxied=proxied)
+        out[f"{prefix}_breaker_failures{suffix}"] = Variant(
+            f"{label} + closed breaker (failure_ratio only){where}",
+            [filter_of(with_breaker(doc, BREAKER_FAILURES))], breaker=BREAKER, adds_to=base, proxied=proxied)
+    return out
 
 
 def variants(diana_wasm: Path, untrimmed_wasm: Optional[Path] = None) -> dict[str, Variant]:

@@ -294,6 +294,13 @@ impl Engine {
         self
     }
 
+    /// The worker replaced this document by a newer one: the breakers it has not used yet
+    /// are never used (their settings must not reach the shared records); the requests it
+    /// admitted settle as before.
+    pub fn retire(&self) {
+        self.breakers.retire();
+    }
+
     pub fn policy(&self) -> &Policy {
         &self.policy
     }

@@ -21,7 +21,10 @@
 //! before it was ever used (a worker's local document, replaced at its first tick by the
 //! remote one the other workers already run) is still ticked once, and its handles made
 //! then would date the older document as the newest, forcing its settings (`force:
-//! auto` over the fleet's `force: open`) on every worker until the next document.
+//! auto` over the fleet's `force: open`) on every worker until the next document. And an
+//! engine the worker retired makes no handle at all: one installed late (a worker that
+//! started after the others adopted a config-center document) is newer by its date, yet
+//! older by its document.
 
 use crate::breaker::{Admission, FleetAnswer, Handle, Report, Spec, Status, Transition};
 use crate::config::{Policy, Resource};
@@ -73,6 +76,9 @@ pub(crate) struct Breakers {
     handles: RefCell<Vec<Option<Handle>>>,
     /// The instant the worker installed the document: every handle's edition.
     installed: Cell<Option<Instant>>,
+    /// A newer document replaced this one in the worker: no handle is made any more (one
+    /// made now would write this older document's settings into the shared records).
+    retired: Cell<bool>,
 }
 
 impl Breakers {
@@ -87,7 +93,14 @@ impl Breakers {
             specs,
             handles,
             installed: Cell::new(None),
+            retired: Cell::new(false),
         }
+    }
+
+    /// The worker replaced this document by a newer one: the handles made so far still
+    /// settle their requests, flush and report; no other is made.
+    pub(crate) fn retire(&self) {
+        self.retired.set(true);
     }
 
     /// Dates the document's editions: the instant the worker installed it.
@@ -113,6 +126,9 @@ impl Breakers {
         let spec = self.specs.get(breaker)?;
         let mut handles = self.handles.try_borrow_mut().ok()?;
         let slot = handles.get_mut(breaker)?;
+        if slot.is_none() && self.retired.get() {
+            return None;
+        }
         let installed = self.installed.get().unwrap_or(now);
         self.installed.set(Some(installed));
         let handle = slot.get_or_insert_with(|| Handle::new(&spec.settings, installed));

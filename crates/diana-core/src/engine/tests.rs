@@ -2100,4 +2100,12 @@ fn a_document_installed_earlier_never_overrides_a_newer_one_whenever_it_is_first
     assert!(fast_fails(&remote, &mut metrics, later));
     // And the local engine, used now, obeys the newer document's switch as well.
     assert!(fast_fails(&local, &mut metrics, later));
+    // A worker that started late installed its local document after B's: newer by its
+    // date, older by its document. Retired (the worker adopted the config center's at
+    // once), it makes no handle at its one tick, so its settings never reach the record.
+    let late = Engine::new(parse_policy(&breaker("auto")).unwrap()).installed_at(T0 + 5 * S);
+    late.retire();
+    let mut cx = Cx::new(&host, T0 + 6 * S, &mut metrics);
+    late.tick(&mut cx);
+    assert!(fast_fails(&remote, &mut metrics, T0 + 7 * S));
 }

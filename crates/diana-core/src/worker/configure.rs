@@ -241,6 +241,7 @@ impl Worker {
             self.base_tick = super::BASE_TICK;
         } else {
             self.install(host, policy, "local");
+            self.join_the_remote_document(host);
             self.base_tick = self.wanted_base_tick(host);
         }
         let mut step = Step::default();
@@ -314,6 +315,7 @@ impl Worker {
         self.source.zone = Zone::Ready;
         if let Some(policy) = pending {
             self.install(host, *policy, "local");
+            self.join_the_remote_document(host);
         }
         ZoneCheck::Installed
     }
@@ -363,6 +365,7 @@ impl Worker {
             usage_logged: Cell::new(false),
         };
         if let Some(replaced) = self.configured.replace(configured) {
+            replaced.engine.retire();
             self.retired.push(replaced);
         }
     }
@@ -385,6 +388,16 @@ impl Worker {
         self.source.next_check = now.saturating_add(REMOTE_CHECK_SPACING);
         self.adopt_published(host);
         self.poll(host, &spec, now);
+    }
+
+    /// Right after the local document is installed: a worker that starts while the other
+    /// workers already run a config-center document (it started later, or the host made it
+    /// again) runs that one at once, not the local one until its first tick, in which its
+    /// breakers' settings (an older `force`) could reach the shared records.
+    fn join_the_remote_document(&mut self, host: &dyn Host) {
+        if self.source.remote.is_some() {
+            self.adopt_published(host);
+        }
     }
 
     /// Applies a remote document that any worker published and this one does not run yet.
@@ -889,6 +902,41 @@ mod tests {
         for profile in HostProfile::ALL {
             assert_eq!(warning(verified, profile), None, "{}", profile.name);
             assert_eq!(warning(DOCUMENT, profile), None, "{}", profile.name);
+        }
+    }
+
+    /// A worker that starts while the others run a config-center document runs it from its
+    /// configure on (Envoy) or its first request (nginx), not the local document until
+    /// its first tick.
+    #[test]
+    fn a_late_worker_joins_the_published_remote_document_at_once() {
+        let local = "resources:\n  - Url: /\n    rules:\n      - {rpu: 100}\nremote: {cluster: config, path: /d.yaml}\n";
+        let remote = "resources:\n  - Url: /\n    rules:\n      - {rpu: 7}\n";
+        let rpu = |worker: &Worker| {
+            worker
+                .engine()
+                .and_then(|e| e.rules().next())
+                .map(|r| r.limit.rpu.get())
+        };
+        for profile in [HostProfile::ENVOY, HostProfile::NGINX] {
+            let host = Nginx::new(true);
+            let store = crate::store::Store::new();
+            assert_eq!(remote::publish(&store, &host, remote, None, None), Some(1));
+            let mut worker = Worker::new(profile);
+            worker.probe_shared_data_first(&host, true);
+            worker.configure(&host, local.as_bytes()).unwrap();
+            if profile.shared_data_needs_zone {
+                worker.on_request_headers(&host, 1);
+            }
+            assert_eq!(rpu(&worker), Some(7), "{}", profile.name);
+            // Without a `remote:` of its own, a published document is not adopted.
+            let mut plain = Worker::new(profile);
+            plain.probe_shared_data_first(&host, true);
+            plain.configure(&host, DOCUMENT.as_bytes()).unwrap();
+            if profile.shared_data_needs_zone {
+                plain.on_request_headers(&host, 2);
+            }
+            assert_eq!(rpu(&plain), Some(100), "{}", profile.name);
         }
     }
 
