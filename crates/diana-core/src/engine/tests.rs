@@ -2071,8 +2071,8 @@ fn a_lost_report_drops_the_views_counts_and_keeps_the_breakers_calls() {
 /// by the engine's first use: a worker's local document (`force: auto`) that the worker
 /// replaces at its first tick by the config center's newer one is still ticked once, and
 /// must not then count as the newest, which would switch every worker back to `auto` while
-/// the config center says `open` (seen on Envoy: eight requests failed fast, the ninth went
-/// through).
+/// the config center says `open` (the symptom of a CI failure on Envoy: eight requests
+/// failed fast, the ninth went through).
 #[test]
 fn a_document_installed_earlier_never_overrides_a_newer_one_whenever_it_is_first_used() {
     let breaker = |force: &str| {
@@ -2092,7 +2092,8 @@ fn a_document_installed_earlier_never_overrides_a_newer_one_whenever_it_is_first
         )
     };
     assert!(fast_fails(&remote, &mut metrics, T0 + S));
-    // A's first tick, two seconds later: the retired local engine's handles are made now.
+    // A's first tick, two seconds later: the local engine's handles are made now, dated by
+    // its install.
     let mut cx = Cx::new(&host, T0 + 3 * S, &mut metrics);
     local.tick(&mut cx);
     // Past the verdict B keeps in memory: B reads the record again, still forced open.
