@@ -129,9 +129,11 @@ impl Breakers {
         if slot.is_none() && self.retired.get() {
             return None;
         }
-        let installed = self.installed.get().unwrap_or(now);
-        self.installed.set(Some(installed));
-        let handle = slot.get_or_insert_with(|| Handle::new(&spec.settings, installed));
+        let handle = slot.get_or_insert_with(|| {
+            let installed = self.installed.get().unwrap_or(now);
+            self.installed.set(Some(installed));
+            Handle::new(&spec.settings, installed)
+        });
         Some(f(handle, spec))
     }
 

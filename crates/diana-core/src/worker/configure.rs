@@ -240,8 +240,7 @@ impl Worker {
             *pending = Some(Box::new(policy));
             self.base_tick = super::BASE_TICK;
         } else {
-            self.install(host, policy, "local");
-            self.join_the_remote_document(host);
+            self.install_local(host, policy);
             self.base_tick = self.wanted_base_tick(host);
         }
         let mut step = Step::default();
@@ -314,8 +313,7 @@ impl Worker {
         }
         self.source.zone = Zone::Ready;
         if let Some(policy) = pending {
-            self.install(host, *policy, "local");
-            self.join_the_remote_document(host);
+            self.install_local(host, *policy);
         }
         ZoneCheck::Installed
     }
@@ -390,11 +388,13 @@ impl Worker {
         self.poll(host, &spec, now);
     }
 
-    /// Right after the local document is installed: a worker that starts while the other
-    /// workers already run a config-center document (it started later, or the host made it
-    /// again) runs that one at once, not the local one until its first tick, in which its
-    /// breakers' settings (an older `force`) could reach the shared records.
-    fn join_the_remote_document(&mut self, host: &dyn Host) {
+    /// Installs the local document, then the config center's where one is published: a
+    /// worker that starts while the other workers already run a config-center document (it
+    /// started later, or the host made it again) runs that one at once, not the local one
+    /// until its first tick, in which its breakers' settings (an older `force`) could reach
+    /// the shared records.
+    fn install_local(&mut self, host: &dyn Host, policy: Policy) {
+        self.install(host, policy, "local");
         if self.source.remote.is_some() {
             self.adopt_published(host);
         }
@@ -922,21 +922,19 @@ mod tests {
             let host = Nginx::new(true);
             let store = crate::store::Store::new();
             assert_eq!(remote::publish(&store, &host, remote, None, None), Some(1));
-            let mut worker = Worker::new(profile);
-            worker.probe_shared_data_first(&host, true);
-            worker.configure(&host, local.as_bytes()).unwrap();
-            if profile.shared_data_needs_zone {
-                worker.on_request_headers(&host, 1);
-            }
-            assert_eq!(rpu(&worker), Some(7), "{}", profile.name);
+            // Configured, and on nginx installed by a first request.
+            let started = |document: &str, context| {
+                let mut worker = Worker::new(profile);
+                worker.probe_shared_data_first(&host, true);
+                worker.configure(&host, document.as_bytes()).unwrap();
+                if profile.shared_data_needs_zone {
+                    worker.on_request_headers(&host, context);
+                }
+                worker
+            };
+            assert_eq!(rpu(&started(local, 1)), Some(7), "{}", profile.name);
             // Without a `remote:` of its own, a published document is not adopted.
-            let mut plain = Worker::new(profile);
-            plain.probe_shared_data_first(&host, true);
-            plain.configure(&host, DOCUMENT.as_bytes()).unwrap();
-            if profile.shared_data_needs_zone {
-                plain.on_request_headers(&host, 2);
-            }
-            assert_eq!(rpu(&plain), Some(100), "{}", profile.name);
+            assert_eq!(rpu(&started(DOCUMENT, 2)), Some(100), "{}", profile.name);
         }
     }
 
