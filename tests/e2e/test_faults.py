@@ -240,8 +240,10 @@ class Stack:
                 out[short] = int(float(value)) - (since or {}).get(short, 0)
         return {k: v for k, v in out.items() if v}
 
-    def degraded_requests(self) -> int:
-        return sum(metric(m, "diana_global_degraded_requests") for m in self.metrics())
+    def degraded_requests(self, ms: Optional[list[dict[str, int]]] = None) -> int:
+        """The requests both gateways enforced locally: from `ms` (a reading already
+        taken, when one settled reading serves several figures), else read now (settled)."""
+        return sum(metric(m, "diana_global_degraded_requests") for m in (self.metrics() if ms is None else ms))
 
     def global_again(self, answered_before: Sequence[int]) -> bool:
         """Both gateways' breakers closed, and each had a callout answered since (polled)."""
@@ -329,7 +331,10 @@ def assert_fresh_limit_exact(
     global again (at most `attempts`); an attempt without degrading must be exact."""
     for attempt in range(1, attempts + 1):
         fresh_id, already = pick(stack)
-        deg0 = stack.degraded_requests()
+        # Read without waiting for the workers' counts: a degraded request they hand over
+        # later can only make this attempt look degraded (not judged, another tried), never
+        # make a degraded one look exact; the reading after the burst waits for them.
+        deg0 = sum(metric(m, "diana_global_degraded_requests") for m in stack.metrics(settle=0))
         headers = {"x-fresh-id": fresh_id}
         resps: list[Resp] = []
         while len(resps) + already < 3 * FRESH_RPU:
@@ -358,9 +363,10 @@ class Step:
     degrades: Optional[bool]
 
 
-def healthy_phase(stack: Stack, load: Load, k: str) -> None:
+def healthy_phase(stack: Stack, load: Load, k: str) -> list[dict[str, int]]:
     """HEALTHY_SECONDS of the load with nothing wrong: every answer good, both gateways
-    global with callouts answered. Records the figures under `k`."""
+    global with callouts answered. Records the figures under `k`; returns the (settled)
+    metrics read at its end, the baseline of the fault that follows."""
     t0 = time.monotonic()
     time.sleep(HEALTHY_SECONDS)
     healthy = Window("healthy", load.between(t0, time.monotonic()))
@@ -369,6 +375,7 @@ def healthy_phase(stack: Stack, load: Load, k: str) -> None:
     ms = stack.metrics()
     assert all(metric(m, "diana_global_degraded") == 0 for m in ms), "global before the fault"
     assert all(answered(m) > 0 for m in ms), "callouts answered before the fault"
+    return ms
 
 
 def run_steps(stack: Stack, proxy: FaultProxy, steps: Sequence[Step], label: str) -> None:
@@ -377,17 +384,21 @@ def run_steps(stack: Stack, proxy: FaultProxy, steps: Sequence[Step], label: str
     latency after recovery, and a fresh limit's exact count. Records the figures."""
     k = f"{stack.label}: {label}"
     with Load(stack.gateways) as load:
-        healthy_phase(stack, load, k)
+        # One settled reading ends each phase and is the next one's baseline (each settled
+        # reading waits METRICS_LAG_S). A step's degraded count is read while its fault is
+        # still on; a request of it that the workers hand over only later is counted in the
+        # next step, which degrades too (the steps go from in time to late).
+        ms = healthy_phase(stack, load, k)
 
         for step in steps:
-            deg0 = stack.degraded_requests()
+            deg0 = stack.degraded_requests(ms)
             q0 = stack.quota_counters()
             proxy.set(step.fault, **step.params)
             t_on = time.monotonic()
             time.sleep(FAULT_SECONDS)
             ms = stack.metrics()
             t_off = time.monotonic()
-            w = Window(f"{label}: {step.label}", load.between(t_on, t_off), stack.degraded_requests() - deg0)
+            w = Window(f"{label}: {step.label}", load.between(t_on, t_off), stack.degraded_requests(ms) - deg0)
             w.figures["proxy"] = {x: proxy.stats()[x] for x in ("reset", "frozen", "connect_failed")}
             w.figures["diana-quota"] = stack.quota_counters(q0)
             record(f"{k}: during {step.label}", w.summary())
@@ -400,7 +411,7 @@ def run_steps(stack: Stack, proxy: FaultProxy, steps: Sequence[Step], label: str
                 assert gauges == [0, 0], f"{step.label}: the gateways stay global: {gauges}"
                 assert w.degraded_requests == 0, f"{step.label}: {w.degraded_requests} requests were degraded"
 
-        before = [answered(m) for m in stack.metrics()]
+        before = [answered(m) for m in ms]
         proxy.clear()
         t_clear = time.monotonic()
         took = wait_until(lambda: stack.global_again(before), 30, f"{label}: both gateways global again")
@@ -462,8 +473,7 @@ def run_half_open(stack: Stack, proxy: FaultProxy, label: str, bound: float = MA
     stay local, checks every answer, the recovery, and a fresh limit's exact count."""
     k = f"{stack.label}: {label}"
     with Load(stack.gateways) as load:
-        healthy_phase(stack, load, k)
-        deg0 = stack.degraded_requests()
+        deg0 = stack.degraded_requests(healthy_phase(stack, load, k))
         frozen = proxy.set("halfopen")["frozen"]
         t_freeze = time.monotonic()
         # Sample the breakers until FAULT_SECONDS have passed and both are closed again
@@ -564,8 +574,7 @@ def run_outage(
     again and after. Returns the phase instants' durations."""
     k = f"{stack.label}: {label}"
     with Load(stack.gateways) as load:
-        healthy_phase(stack, load, k)
-        deg0 = stack.degraded_requests()
+        deg0 = stack.degraded_requests(healthy_phase(stack, load, k))
         t_fail = time.monotonic()
         fail()
         heal()

@@ -218,7 +218,8 @@ fn what_the_end_to_end_harness_renders_passes() {
          doc = open({doc:?}).read()\n\
          open({conf:?}, 'w').write(render_nginx.render(listen_port=18000, upstream_port=18080, \
          diana_config=doc, wasm_path='/opt/diana/diana.wasm', prefix={dir:?}, quota_port=18081, \
-         metrics_path='/__diana/metrics', shm_size='{needed}m'))\n",
+         metrics_path='/__diana/metrics', shm_size='{needed}m', \
+         wasmtime_cache_config='/etc/nginx/wasmtime-cache.toml'))\n",
         scripts = root.join("scripts").to_str().unwrap(),
         doc = root.join("envoy/demo-diana.yaml").to_str().unwrap(),
         conf = conf.to_str().unwrap(),
