@@ -222,8 +222,7 @@ class Stack:
 
     def metrics(self, settle: float = harness.METRICS_LAG_S) -> list[dict[str, int]]:
         """Both gateways' metrics; `settle` (see harness.METRICS_LAG_S) is waited once."""
-        time.sleep(settle)
-        return [g.diana_metrics(settle=0) for g in self.gateways]
+        return harness.metrics_of(self.gateways, settle)
 
     def quota_counters(self, since: Optional[dict[str, int]] = None) -> dict[str, int]:
         """diana-quota's failure counters (store errors by kind, deadlines, sheds, late
@@ -334,7 +333,7 @@ def assert_fresh_limit_exact(
         # Read without waiting for the workers' counts: a degraded request they hand over
         # later can only make this attempt look degraded (not judged, another tried), never
         # make a degraded one look exact; the reading after the burst waits for them.
-        deg0 = sum(metric(m, "diana_global_degraded_requests") for m in stack.metrics(settle=0))
+        deg0 = stack.degraded_requests(stack.metrics(settle=0))
         headers = {"x-fresh-id": fresh_id}
         resps: list[Resp] = []
         while len(resps) + already < 3 * FRESH_RPU:
