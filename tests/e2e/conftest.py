@@ -180,11 +180,11 @@ SERIAL = {
 }
 
 
-# The parallel part's slowest tests (seconds per run, each parametrization, idle machine,
-# 2026-12-02): xdist's worksteal gives each worker a contiguous share of the collection and
-# lets idle workers take from the end of others' shares, so a slow test that comes last
-# runs alone at the end. They are put at the front of the shares instead, balanced
-# between them (`_slow_first`).
+# The slowest tests of the parts run on several workers (seconds per run, each
+# parametrization, idle machine, 2026-12-02): xdist's worksteal gives each worker a
+# contiguous share of the collection and lets idle workers take from the end of others'
+# shares, so a slow test that comes last runs alone at the end. They are put at the front
+# of the shares instead, balanced between them (`_slow_first`).
 SLOW = {
     "test_remote.py::test_alternating_documents_under_traffic_leave_memory_flat": 68,
     "test_nginx_shm.py::test_the_zone_diana_check_asks_for_never_evicts": 67,
