@@ -203,6 +203,11 @@ def _item_key(item: pytest.Item) -> str:
     return f"{item.path.name}::{getattr(item, 'originalname', item.name)}"
 
 
+def _listed(item: pytest.Item, names: set[str]) -> bool:
+    """Whether `names` (PAIRED, SERIAL) holds the item's module or its module::test."""
+    return item.path.name in names or _item_key(item) in names
+
+
 @pytest.hookimpl(trylast=True, specname="pytest_collection_modifyitems")
 def pytest_collection_modifyitems_slow_first(config: pytest.Config, items: list[pytest.Item]) -> None:
     """After every deselection (-m, -k, --binding): on a pytest-xdist worker, the order
@@ -250,10 +255,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        name = getattr(item, "originalname", item.name)
-        if item.path.name in SERIAL or f"{item.path.name}::{name}" in SERIAL:
+        if _listed(item, SERIAL):
             item.add_marker(pytest.mark.serial)
-        elif item.path.name in PAIRED or f"{item.path.name}::{name}" in PAIRED:
+        elif _listed(item, PAIRED):
             item.add_marker(pytest.mark.paired)
     wanted = {b.strip() for b in str(config.getoption("--binding")).split(",") if b.strip()}
     if not wanted:
