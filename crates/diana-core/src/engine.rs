@@ -49,6 +49,7 @@ use crate::time::{ceil_seconds, ceil_seconds_at_least_one, Instant, Nanos};
 use crate::usage::JsonPath;
 use crate::wire::CallRule;
 use breakers::Breakers;
+pub(crate) use breakers::TappedCalls;
 use smallvec::SmallVec;
 use std::cell::{Cell, RefCell};
 use view::View;

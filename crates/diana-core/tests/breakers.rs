@@ -235,6 +235,72 @@ fn a_good_call_is_judged_without_the_clock_unless_its_time_counts() {
     }
 }
 
+/// Where a request's breaker calls wait for its response: with its binding where the host
+/// keeps them (`keeps_breaker_calls`: the native module) when judging them is all that is
+/// left of it, else in its worker. A request that also has headers to add, or a response
+/// cost, or that probes, stays with its worker everywhere.
+#[test]
+fn a_breakers_call_waits_with_the_binding_only_where_the_host_keeps_it() {
+    let with_headers = "resources:\n  - Url: /pay\n    breaker: {name: pay, failure_ratio: 0.5, min_calls: 4}\n    rules: [{rpu: 100, unit: minute}]\nresponse: {headers: all}\n";
+    let with_cost = "resources:\n  - Url: /pay\n    breaker: {name: pay, failure_ratio: 0.5, min_calls: 4}\n    rules: [{rpu: 100, unit: minute, response_cost: {header: x-cost, max: 10}}]\n";
+    for profile in HostProfile::ALL {
+        for (document, kept) in [
+            (FAILING, profile.keeps_breaker_calls),
+            (with_headers, false),
+            (with_cost, false),
+        ] {
+            let mut sim = sim(profile, document, 1);
+            sim.advance(Duration::from_secs(1));
+            let (context, fate) = send(&mut sim, 0, "/pay");
+            assert!(matches!(fate, Some(Fate::Admitted(_))), "{fate:?}");
+            let case = format!("{}: {document:?}", profile.name);
+            assert_eq!(sim.keeps_calls_of(context), kept, "{case}");
+            assert_eq!(sim.tracks(context), !kept, "{case}");
+            sim.respond(context, &[(":status", "503")]);
+            sim.end(context);
+            sim.flush_metrics();
+            assert_eq!(sim.host.metric("diana_breaker_failed.pay"), 1, "{case}");
+            assert!(
+                !sim.keeps_calls_of(context) && !sim.tracks(context),
+                "{case}"
+            );
+            assert!(sim.violations.is_empty(), "{case}: {:?}", sim.violations);
+        }
+        // A probe is judged by the worker (its outcome may close or reopen the breaker).
+        let mut sim = sim(profile, FAILING, 1);
+        sim.advance(Duration::from_secs(1));
+        for _ in 0..4 {
+            assert!(call(&mut sim, 0, "/pay", 503, Duration::from_millis(5)));
+        }
+        sim.advance(Duration::from_secs(3));
+        let (probe, fate) = send(&mut sim, 0, "/pay");
+        assert!(matches!(fate, Some(Fate::Admitted(_))), "{fate:?}");
+        assert!(!sim.keeps_calls_of(probe), "{}", profile.name);
+        assert!(sim.tracks(probe), "{}", profile.name);
+    }
+}
+
+/// A request whose binding keeps its breaker calls across a reload is judged by the
+/// document it was admitted under: the replaced configuration stays until it is, whatever
+/// the ticks in between, and its failure counts.
+#[test]
+fn a_kept_call_outlives_a_reload_and_counts() {
+    let profile = HostProfile::ENVOY_NATIVE;
+    let mut sim = sim(profile, FAILING, 1);
+    sim.advance(Duration::from_secs(1));
+    let (context, _) = send(&mut sim, 0, "/pay");
+    assert!(sim.keeps_calls_of(context));
+    let replaced = "resources:\n  - Url: /other\n    rules: [{rpu: 100, unit: minute}]\n";
+    assert!(sim.configure(replaced).is_ok());
+    sim.advance(Duration::from_secs(5));
+    sim.respond(context, &[(":status", "503")]);
+    sim.end(context);
+    sim.flush_metrics();
+    assert_eq!(sim.host.metric("diana_breaker_calls.pay"), 1);
+    assert_eq!(sim.host.metric("diana_breaker_failed.pay"), 1);
+    assert!(sim.violations.is_empty(), "{:?}", sim.violations);
+}
+
 #[test]
 fn a_request_that_ends_without_an_answer_failed() {
     for profile in HostProfile::ALL {

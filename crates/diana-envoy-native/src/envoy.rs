@@ -99,6 +99,17 @@ pub trait EnvoyFilter {
     fn request_header(&self, name: &str) -> Option<Vec<u8>>;
     /// A response header's first value, copied (during the response-headers hook).
     fn response_header(&self, name: &str) -> Option<Vec<u8>>;
+    /// A response header's first value lent to `read` where Envoy holds it, uncopied
+    /// (during the response-headers hook; `read` makes no call to Envoy).
+    fn read_response_header(&self, name: &str, read: &mut dyn FnMut(Option<&[u8]>)) {
+        read(self.response_header(name).as_deref());
+    }
+    /// The response's status as Envoy records it for the stream (`response.code`: what
+    /// the upstream answered, or Envoy's own answer once it set it), during the
+    /// response-headers hook; `None` while Envoy has set none.
+    fn response_code(&self) -> Option<u16> {
+        None
+    }
     /// Adds a response header (during the response-headers hook); `false`: not added.
     fn add_response_header(&self, name: &str, value: &str) -> bool;
     /// Sets a request header to `value`, replacing every value it had; `None` removes it

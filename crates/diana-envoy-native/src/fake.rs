@@ -422,6 +422,8 @@ struct StreamState {
     request: Vec<(String, String)>,
     source: String,
     response: Mutex<Vec<(String, String)>>,
+    /// The response code Envoy's stream info records (`response.code`), when set.
+    recorded: Mutex<Option<u16>>,
     /// Request headers the module set or removed (what the upstream sees of them).
     request_edits: Mutex<Vec<(String, String)>>,
     /// The answer: its headers have passed (its body may follow), it has ended.
@@ -806,6 +808,7 @@ impl Envoy {
                 request,
                 source,
                 response: Mutex::new(Vec::new()),
+                recorded: Mutex::new(None),
                 request_edits: Mutex::new(Vec::new()),
                 answering: AtomicBool::new(false),
                 answered: AtomicBool::new(false),
@@ -912,16 +915,29 @@ impl Envoy {
     /// The upstream answers a stream that went on, with headers alone (they end the
     /// answer): its response-headers hook.
     pub fn respond(&self, stream: StreamId, headers: &[(&str, &str)]) {
-        self.answer_headers(stream, headers, true);
+        self.answer_headers(stream, headers, true, None);
+    }
+
+    /// As [`Envoy::respond`], with the stream info's response code set to `recorded`
+    /// first (Envoy's router records the upstream's status; a filter between it and the
+    /// module may have changed `:status` since).
+    pub fn respond_recorded(&self, stream: StreamId, headers: &[(&str, &str)], recorded: u16) {
+        self.answer_headers(stream, headers, true, Some(recorded));
     }
 
     /// The upstream answers a stream that went on with headers, and a body follows
     /// ([`Envoy::body`]): its response-headers hook.
     pub fn respond_with_body(&self, stream: StreamId, headers: &[(&str, &str)]) {
-        self.answer_headers(stream, headers, false);
+        self.answer_headers(stream, headers, false, None);
     }
 
-    fn answer_headers(&self, stream: StreamId, headers: &[(&str, &str)], end_of_stream: bool) {
+    fn answer_headers(
+        &self,
+        stream: StreamId,
+        headers: &[(&str, &str)],
+        end_of_stream: bool,
+        recorded: Option<u16>,
+    ) {
         let worker = self.worker_of(stream);
         let headers: Vec<(String, String)> = headers
             .iter()
@@ -944,6 +960,7 @@ impl Envoy {
                 return;
             }
             *lock(&state.response) = headers;
+            *lock(&state.recorded) = recorded;
             let handle = FilterHandle {
                 shared,
                 state: &state,
@@ -1341,6 +1358,13 @@ impl EnvoyFilter for FilterHandle<'_> {
             .iter()
             .find(|(held, _)| held == name)
             .map(|(_, value)| value.as_bytes().to_vec())
+    }
+
+    fn response_code(&self) -> Option<u16> {
+        if !self.usable("response_code") {
+            return None;
+        }
+        *lock(&self.state.recorded)
     }
 
     fn add_response_header(&self, name: &str, value: &str) -> bool {

@@ -39,7 +39,8 @@
 //!    null when `len` is 0): the hooks' parameters carry the hook's lifetime ([`Buf`],
 //!    [`Header`]), so what is read from them borrows the hook and cannot be kept beyond it
 //!    (see [`Buf`]'s second example). A buffer Envoy writes into ours (a header's value) is
-//!    copied before the callback's caller returns. What we pass to Envoy is borrowed from
+//!    copied, or read in place, before the callback's caller returns and before any other
+//!    call to Envoy (only a call to Envoy changes its header map). What we pass to Envoy is borrowed from
 //!    Rust values alive for the whole call, and Envoy copies it before returning.
 //! 4. **Schedulers.** Each is owned by one handle ([`StreamSchedulerRef`],
 //!    [`ConfigSchedulerRef`]) made from a non-null `*_scheduler_new` and deleted exactly
@@ -218,6 +219,10 @@ const BODY_RECEIVED_RESPONSE: i32 = 2;
 /// `decodingBuffer()`).
 const BODY_RECEIVED_REQUEST: i32 = 0;
 const ATTRIBUTE_SOURCE_ADDRESS: i32 = 24; // envoy_dynamic_module_type_attribute_id_SourceAddress
+/// `envoy_dynamic_module_type_attribute_id_ResponseCode` (`response.code`: the 16th of the
+/// enum, 9 before `SourceAddress`); in the 1.40 binary, the stream info's `responseCode()`,
+/// false while unset.
+const ATTRIBUTE_RESPONSE_CODE: i32 = 15;
 const CALLOUT_INIT_SUCCESS: i32 = 0; // envoy_dynamic_module_type_http_callout_init_result_Success
 const CALLOUT_RESULT_SUCCESS: i32 = 0; // envoy_dynamic_module_type_http_callout_result_Success
 const METRICS_SUCCESS: i32 = 0; // envoy_dynamic_module_type_metrics_result_Success
@@ -338,6 +343,11 @@ extern "C" {
         filter: *mut c_void,
         attribute_id: i32,
         result: *mut Buf<'_>,
+    ) -> bool;
+    fn envoy_dynamic_module_callback_http_filter_get_attribute_int(
+        filter: *mut c_void,
+        attribute_id: i32,
+        result: *mut u64,
     ) -> bool;
     fn envoy_dynamic_module_callback_http_filter_http_callout(
         filter: *mut c_void,
@@ -579,8 +589,14 @@ pub struct FilterRef(*mut c_void);
 
 impl FilterRef {
     fn header(&self, kind: i32, name: &str) -> Option<Vec<u8>> {
+        self.read_header(kind, name, |value| value.map(<[u8]>::to_vec))
+    }
+
+    /// A header's first value, lent to `read` where Envoy holds it: `read` returns before
+    /// any other call to Envoy, which alone could change the header map (invariant 3).
+    fn read_header<T>(&self, kind: i32, name: &str, read: impl FnOnce(Option<&[u8]>) -> T) -> T {
         let mut value = Buf::empty();
-        // SAFETY: invariants 1 and 3 (the value is copied at once).
+        // SAFETY: invariants 1 and 3 (the value is read before any other call to Envoy).
         let found = unsafe {
             envoy_dynamic_module_callback_http_get_header(
                 self.0,
@@ -591,7 +607,7 @@ impl FilterRef {
                 ptr::null_mut(),
             )
         };
-        (found && !value.ptr.is_null()).then(|| value.bytes().to_vec())
+        read((found && !value.ptr.is_null()).then(|| value.bytes()))
     }
 
     /// Lends `read` the slices of the body `body_type` names, as Envoy holds them.
@@ -638,6 +654,10 @@ impl EnvoyFilter for FilterRef {
         self.header(HEADER_RESPONSE, name)
     }
 
+    fn read_response_header(&self, name: &str, read: &mut dyn FnMut(Option<&[u8]>)) {
+        self.read_header(HEADER_RESPONSE, name, read);
+    }
+
     fn add_response_header(&self, name: &str, value: &str) -> bool {
         // SAFETY: invariants 1 and 3.
         unsafe {
@@ -667,6 +687,22 @@ impl EnvoyFilter for FilterRef {
     fn clear_route_cache(&self) {
         // SAFETY: invariant 1.
         unsafe { envoy_dynamic_module_callback_http_clear_route_cache(self.0) }
+    }
+
+    fn response_code(&self) -> Option<u16> {
+        let mut code = 0u64;
+        // SAFETY: invariant 1; `code` outlives the call.
+        let found = unsafe {
+            envoy_dynamic_module_callback_http_filter_get_attribute_int(
+                self.0,
+                ATTRIBUTE_RESPONSE_CODE,
+                &mut code,
+            )
+        };
+        found
+            .then(|| u16::try_from(code).ok())
+            .flatten()
+            .filter(|&code| code > 0)
     }
 
     fn source_address(&self) -> Option<Vec<u8>> {

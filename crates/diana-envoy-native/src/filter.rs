@@ -47,7 +47,7 @@ use crate::timer;
 use diana_core::decision::HeaderEdit;
 use diana_core::time::{Instant, Nanos};
 use diana_core::worker::{
-    Answer, CallToken, Command, ContextId, Host, HostProfile, LocalReply, Step, Worker,
+    Answer, CallToken, Command, ContextId, Host, HostProfile, LocalReply, Step, Watch, Worker,
 };
 use hashbrown::HashMap;
 use std::borrow::Cow;
@@ -143,6 +143,8 @@ struct Outcome {
     commands: Vec<Command>,
     /// Calls made: Envoy's callout id and the worker's token.
     dispatched: Vec<(CalloutId, CallToken)>,
+    /// The current stream's breaker calls, for it to keep (`Step::watch`).
+    watch: Option<Watch>,
     /// The worker's next tick moved to this (wall clock, ns).
     rearm: Option<Instant>,
 }
@@ -371,6 +373,7 @@ impl Slot {
             held: false,
             commands: Vec::new(),
             dispatched: Vec::new(),
+            watch: None,
             rearm: None,
         };
         let Some(mut held) = self.lock() else {
@@ -426,6 +429,11 @@ impl Slot {
         }
         outcome.pause = step.pause;
         outcome.held = held;
+        // The worker hands a request's breaker calls only to its own event: another
+        // stream's would be a worker bug, and go uncounted rather than to the wrong stream.
+        outcome.watch = step
+            .watch
+            .filter(|watch| Some(watch.context()) == context || log_stray(watch));
         outcome.commands = core.settle(step.commands, context, &mut outcome.rearm);
         if ticking && core.due.is_none() {
             core.schedule_next();
@@ -510,6 +518,16 @@ impl Core {
     }
 }
 
+/// A watch for another stream than the event's (never: the worker hands one only to the
+/// request's own event); logged, and let go.
+fn log_stray(watch: &Watch) -> bool {
+    log::error!(
+        "diana: breaker calls of request {} handed to another event; not counted",
+        watch.context()
+    );
+    false
+}
+
 /// From now until `due` (wall clock, ns).
 fn until(due: Instant) -> Duration {
     host::now()
@@ -561,6 +579,10 @@ struct Local {
 struct Stream {
     /// Its own calls in flight: Envoy's id and the worker's token.
     callouts: Vec<(CalloutId, CallToken)>,
+    /// Its breaker calls, which its worker handed over to keep here (`Step::watch`):
+    /// judged at its response headers, counted in the breakers' taps without the worker's
+    /// lock when good and closed; failed calls if it ends without them.
+    watch: Option<Watch>,
     /// An event paused it, so its worker may keep a scheduler for it (deleted when it goes).
     paused: bool,
     /// Its worker no longer tracks it (`Worker::tracks`, asked at its request headers, or
@@ -712,6 +734,15 @@ pub fn request_trailers(filter: &FilterBox, envoy: &dyn EnvoyFilter) -> Trailers
 /// The answer's headers (`end_of_stream`: no body follows them).
 pub fn response_headers(filter: &FilterBox, envoy: &dyn EnvoyFilter, end_of_stream: bool) {
     let context = filter.context;
+    if let Some(watch) = filter.take_watch() {
+        // A closed breaker's good call is counted in its tap, without the worker's lock;
+        // any other goes to the worker.
+        if let Err(watch) = watch.count_alone(host::response_status(envoy), host::now) {
+            filter.event(envoy, false, |worker, host| {
+                worker.on_watch_answered(host, watch)
+            });
+        }
+    }
     if !filter.tracked() {
         return;
     }
@@ -848,9 +879,10 @@ pub fn destroy(filter: &FilterBox) {
         }
     };
     let (context, local) = (filter.context, &filter.local);
-    // One its worker does not track, that no event paused and that has no call in flight
-    // has nothing to give back and no scheduler (most streams: no lock).
-    if stream.untracked && !stream.paused && stream.callouts.is_empty() {
+    // One its worker does not track, that no event paused, that has no call in flight and
+    // no breaker call unjudged has nothing to give back and no scheduler (most streams: no
+    // lock).
+    if stream.untracked && !stream.paused && stream.callouts.is_empty() && stream.watch.is_none() {
         return;
     }
     let paused = stream.paused;
@@ -858,6 +890,11 @@ pub fn destroy(filter: &FilterBox) {
         .slot
         .event(&local.config, Site::Stream(None), false, |worker, host| {
             let mut step = worker.on_context_gone(host, context);
+            // Ended without response headers: its breaker calls failed.
+            if let Some(watch) = stream.watch {
+                step.commands
+                    .extend(worker.on_watch_unanswered(host, watch).commands);
+            }
             // Its calls are cancelled with it: unanswered.
             for (_, token) in stream.callouts {
                 let answered = worker.on_call_answered(host, token, Answer::NoAnswer);
@@ -920,6 +957,14 @@ impl FilterBox {
         }
     }
 
+    /// Takes the breaker calls this stream keeps, to judge them.
+    fn take_watch(&self) -> Option<Watch> {
+        self.stream
+            .try_borrow_mut()
+            .ok()
+            .and_then(|mut stream| stream.watch.take())
+    }
+
     /// Whether the worker holds this stream's request for its body.
     fn holds_body(&self) -> bool {
         self.stream
@@ -973,11 +1018,15 @@ impl FilterBox {
             .slot
             .event(&local.config, Site::Stream(current), answering, event);
         let dispatched = std::mem::take(&mut outcome.dispatched);
-        if !dispatched.is_empty() || outcome.pause {
+        let watch = outcome.watch.take();
+        if !dispatched.is_empty() || outcome.pause || watch.is_some() {
             match self.stream.try_borrow_mut() {
                 Ok(mut stream) => {
                     stream.callouts.extend(dispatched);
                     stream.paused |= outcome.pause && !outcome.held;
+                    if watch.is_some() {
+                        stream.watch = watch;
+                    }
                 }
                 // Unreachable (no borrow outlives a call); logged, not silent.
                 Err(_) => log::error!("diana: request {} busy; its calls not filed", self.context),

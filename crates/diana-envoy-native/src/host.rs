@@ -42,6 +42,20 @@ pub fn now() -> Option<Instant> {
         .map(Instant::from_unix_nanos)
 }
 
+/// The status a breaker judges a response by: the one Envoy recorded for the stream
+/// (`response.code`: the upstream's, as the router received it, or Envoy's own answer),
+/// else its `:status` as it stands, read in place. Not a copy of the header map: the
+/// recorded code is an integer Envoy keeps, a tenth of a header lookup's cost.
+pub fn response_status(filter: &dyn EnvoyFilter) -> Option<u16> {
+    filter.response_code().or_else(|| {
+        let mut status = None;
+        filter.read_response_header(":status", &mut |value| {
+            status = value.and_then(diana_core::decision::status_code);
+        });
+        status
+    })
+}
+
 /// One metric of a configuration: Envoy's id and the value summed over the workers.
 struct Metric {
     kind: MetricKind,
@@ -136,6 +150,10 @@ impl Clock for NativeHost<'_> {
 impl Host for NativeHost<'_> {
     fn response_header(&self, name: &str) -> Option<Vec<u8>> {
         self.filter?.response_header(name)
+    }
+
+    fn response_status(&self) -> Option<u16> {
+        response_status(self.filter?)
     }
 
     fn dispatch(&self, callout: &Callout) -> Result<CallToken, DispatchError> {

@@ -1093,28 +1093,104 @@ fn a_global_request_held_for_its_body_calls_for_what_it_read_and_is_resumed_by_t
     }
 }
 
-/// A stream its worker settles at its response headers (a breaker's call judged) and
-/// then no longer tracks ends without its worker's lock; one that still holds something
-/// for its end (a `max_in_flight` place) takes it once more, to give it back. A stream
-/// the worker never tracked takes it only for its request headers.
+/// A closed breaker's good call is counted at its response headers without its worker's
+/// lock (the stream keeps its call, `Step::watch`, and counts it in the breaker's tap): a
+/// request through it takes the lock once, for its request headers, as one through no
+/// breaker does. A failed call goes to the worker at its response headers, a call reset
+/// before them at its end; a stream that still holds something for its end (a
+/// `max_in_flight` place) takes it at its response headers and its end.
 #[test]
-fn a_stream_settled_at_its_response_headers_ends_without_its_workers_lock() {
+fn a_closed_breakers_good_call_takes_no_lock_at_its_response() {
     let envoy = Envoy::start(2);
     let document = "resources:\n  - Url: /dep\n    breaker: {name: dep, failure_ratio: 0.5}\n  - Url: /inside\n    rules: [{max_in_flight: 5}]\n  - Url: /plain\n    rules: [{rpu: 1000}]\n";
     let config = configure(&envoy, document);
-    // (path, events under the lock: request headers, response headers, end)
-    for (path, events) in [("/dep", 2), ("/inside", 3), ("/plain", 1)] {
-        let before = envoy.stream_events(config);
-        let stream = envoy.request(0, path, "10.0.0.1");
-        envoy.respond(stream, &[(":status", "200")]);
-        envoy.end(stream);
-        envoy.sync(On::Worker(0));
-        assert_eq!(
-            envoy.stream_events(config) - before,
-            events,
-            "{path}: {}",
-            envoy.report()
-        );
+    // (path, its answer's status, or none: reset before it; events under the lock)
+    for (path, status, events) in [
+        ("/dep", Some("200"), 1),
+        ("/dep", Some("503"), 2),
+        ("/dep", None, 2),
+        ("/inside", Some("200"), 3),
+        ("/plain", Some("200"), 1),
+    ] {
+        let taken = locked_events_of_one(&envoy, config, path, |stream| {
+            if let Some(status) = status {
+                envoy.respond(stream, &[(":status", status)]);
+            }
+        });
+        assert_eq!(taken, events, "{path} {status:?}: {}", envoy.report());
     }
     assert_clean(&envoy, config);
+}
+
+/// How many events took the lock of worker 0's slot of `config` for one request to `path`
+/// there, answered by `answer` (or not: reset before its response) and ended.
+fn locked_events_of_one(
+    envoy: &Envoy,
+    config: ConfigId,
+    path: &str,
+    answer: impl FnOnce(StreamId),
+) -> usize {
+    let before = envoy.stream_events(config);
+    let stream = envoy.request(0, path, "10.0.0.1");
+    answer(stream);
+    envoy.end(stream);
+    envoy.sync(On::Worker(0));
+    envoy.stream_events(config) - before
+}
+
+/// A breaker judges a response by the status Envoy recorded for the stream (the
+/// upstream's, as the router got it) where Envoy has set one, else by `:status`: a 503 the
+/// upstream sent is a failure whatever `:status` became on its way back, and a `:status`
+/// 503 with no code recorded is one too.
+#[test]
+fn a_response_is_judged_by_the_code_envoy_recorded_else_by_its_status() {
+    let envoy = Envoy::start(1);
+    let document = "resources:\n  - Url: /dep\n    breaker: {name: dep, failure_ratio: 0.5}\n";
+    let config = configure(&envoy, document);
+    // (recorded code, :status, events under the lock: a failure goes to the worker, and
+    // so does every call after it until the worker's next flush)
+    for (recorded, status, events) in [
+        (Some(200), "503", 1),
+        (None, "200", 1),
+        (Some(503), "200", 2),
+        (None, "503", 2),
+        (None, "200", 2),
+    ] {
+        let taken = locked_events_of_one(&envoy, config, "/dep", |stream| match recorded {
+            Some(code) => envoy.respond_recorded(stream, &[(":status", status)], code),
+            None => envoy.respond(stream, &[(":status", status)]),
+        });
+        assert_eq!(taken, events, "{recorded:?} {status}: {}", envoy.report());
+    }
+    assert_clean(&envoy, config);
+}
+
+/// The good calls counted in a breaker's tap are in its window when failures come: 6 of
+/// them and 4 failures (40 %) keep `failure_ratio: 0.5` closed, where the same 4 failures
+/// alone open it.
+#[test]
+fn good_calls_counted_without_the_lock_dilute_the_failures_after_them() {
+    for good in [6, 0] {
+        let envoy = Envoy::start(1);
+        let document = "resources:\n  - Url: /dep\n    breaker: {name: dep, failure_ratio: 0.5, min_calls: 4}\n";
+        let config = configure(&envoy, document);
+        for status in std::iter::repeat_n("200", good).chain(std::iter::repeat_n("503", 4)) {
+            let stream = envoy.request(0, "/dep", "10.0.0.1");
+            envoy.respond(stream, &[(":status", status)]);
+            envoy.end(stream);
+        }
+        envoy.sync(On::Worker(0));
+        // Past the verdict a worker caches (50 ms), the next request reads the record.
+        std::thread::sleep(std::time::Duration::from_millis(60));
+        let stream = envoy.request(0, "/dep", "10.0.0.1");
+        envoy.sync(On::Worker(0));
+        let failed_fast = envoy
+            .seen_by(stream)
+            .iter()
+            .any(|seen| matches!(seen, Seen::Reply { status: 503, .. }));
+        assert_eq!(failed_fast, good == 0, "{good} good: {}", envoy.report());
+        envoy.end(stream);
+        envoy.sync(On::Worker(0));
+        assert_clean(&envoy, config);
+    }
 }

@@ -51,12 +51,14 @@
 //! quota service's embedded store and its Lua port run the same integers), [`record`]
 //! (the state in shared data, one per gateway process, with each worker's [`Handle`] that
 //! keeps a closed breaker off the request path, and the *followed* mode of `scope:
-//! global`).
+//! global`), [`tap`] (a closed breaker's good calls counted where the request is, by a
+//! binding that keeps a request's calls itself).
 
 pub mod machine;
 pub mod record;
 pub mod settings;
 pub mod spec;
+pub mod tap;
 
 pub use machine::{Admission, Phase, Place, State, Ticket};
 pub use record::{
@@ -64,10 +66,11 @@ pub use record::{
     FLEET_REPORT_EVERY,
 };
 pub use settings::{
-    Edition, Force, Params, Ratio, RatioError, Reach, Settings, SettingsError, SlowCalls,
-    StatusClasses, StatusError, Window,
+    CallJudge, Edition, Force, Params, Ratio, RatioError, Reach, Settings, SettingsError,
+    SlowCalls, StatusClasses, StatusError, Window,
 };
 pub use spec::Spec;
+pub use tap::Tap;
 
 use serde::{Deserialize, Serialize};
 use std::fmt;

@@ -84,6 +84,7 @@
 
 use super::machine::{Admission, CallWindow, Phase, Place, State, Ticket};
 use super::settings::{Edition, Force, Params, Ratio, Reach, Settings, Window, SLICES};
+use super::tap::Tap;
 use super::{Cause, Outcome, ProbeTally, Status, Tally, Transition, Transitions};
 use crate::hash::hash64;
 use crate::store::{recordable, ChargeError, SharedData, Store};
@@ -91,6 +92,7 @@ use crate::time::{ceil_seconds_at_least_one, Instant, Nanos};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::num::{NonZeroU32, NonZeroU8};
+use std::sync::Arc;
 
 /// The first byte of a record's payload.
 pub const RECORD_VERSION: u8 = 1;
@@ -737,7 +739,11 @@ pub struct Checked {
 /// calls not yet merged into the record, and (scope global) what the next report carries.
 /// Keep it across reloads that keep the breaker ([`Handle::reconfigure`]): its pending
 /// calls are the gateway's evidence.
-#[derive(Debug, Clone)]
+///
+/// Its [`Tap`] is shared with the requests in flight whose binding keeps their calls
+/// itself: the good calls counted there join the pending calls at the handle's next flush,
+/// judgement or report ([`Handle::take_tapped`]).
+#[derive(Debug)]
 pub struct Handle {
     key: String,
     edition: Edition,
@@ -752,6 +758,7 @@ pub struct Handle {
     early_flush_at: Option<Instant>,
     report: Report,
     status: Status,
+    tap: Arc<Tap>,
 }
 
 impl Handle {
@@ -769,7 +776,47 @@ impl Handle {
             early_flush_at: None,
             report: Report::default(),
             status: Status::Closed,
+            tap: Arc::new(Tap::new(settings.call_judge())),
         }
+    }
+
+    /// The tap a request's binding counts this breaker's good calls in, when it keeps the
+    /// request's calls itself ([`super::tap`]).
+    pub fn tap(&self) -> &Arc<Tap> {
+        &self.tap
+    }
+
+    /// Whether a request in flight still keeps a call of this breaker (its tap).
+    pub fn is_tapped(&self) -> bool {
+        Arc::strong_count(&self.tap) > 1
+    }
+
+    /// The good calls counted in the tap since last taken, now pending here as if
+    /// [`Handle::record`]ed one by one (none of them flushes early: each was taken only
+    /// while the handle would have kept it in memory). Returns how many, for the calls
+    /// metric.
+    pub fn take_tapped(&mut self) -> u32 {
+        let good = self.tap.take_counted();
+        if good > 0 {
+            let tally = Tally {
+                calls: good,
+                slow: 0,
+                failed: 0,
+            };
+            self.pending = self.pending.merge(tally);
+            if self.reach == Reach::Fleet {
+                self.report.calls = self.report.calls.merge(tally);
+            }
+        }
+        good
+    }
+
+    /// Tells the tap whether a good call may be counted there: what
+    /// [`Handle::records_in_memory`] answers for one, after every change of the pending
+    /// calls or of the view of the record.
+    fn advise_tap(&self) {
+        self.tap
+            .set_takes_good(self.records_in_memory(Outcome::GOOD));
     }
 
     /// A reload that keeps this breaker (same name): new settings, the pending calls and
@@ -779,6 +826,10 @@ impl Handle {
         self.edition = settings.edition(installed);
         self.reach = settings.reach;
         self.cached = None;
+        // Calls in flight keep the old tap, and are judged by the settings they left with.
+        self.take_tapped();
+        self.tap = Arc::new(Tap::new(settings.call_judge()));
+        self.advise_tap();
     }
 
     pub fn key(&self) -> &str {
@@ -831,6 +882,13 @@ impl Handle {
                 }
             }
         }
+    }
+
+    /// Whether the verdict cached less than [`VERDICT_CACHE`] ago lets a request call:
+    /// what [`Handle::check`] would answer without a transition, shared data or trouble
+    /// (the common case, spelled out for the request path).
+    pub fn calls_now(&self, now: Instant) -> bool {
+        self.cached_admission(now) == Some(Admission::Call)
     }
 
     fn cached_admission(&self, now: Instant) -> Option<Admission<Probe>> {
@@ -904,6 +962,7 @@ impl Handle {
         if self.reach == Reach::Fleet {
             self.report.calls.add(outcome);
         }
+        self.advise_tap();
     }
 
     /// Merges the pending calls into the record and reads its state back (the worker's
@@ -921,6 +980,7 @@ impl Handle {
             record.record(edition, pending, now)
         })?;
         self.pending = Tally::ZERO;
+        self.advise_tap();
         Ok(transitions)
     }
 
@@ -1037,6 +1097,7 @@ impl Handle {
         self.seen = view.window;
         self.judges = view.judges;
         self.status = view.status;
+        self.advise_tap();
     }
 }
 

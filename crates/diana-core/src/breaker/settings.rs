@@ -255,6 +255,31 @@ pub struct StatusClasses {
     bits: [u64; 8],
 }
 
+/// What judging one call reads of a breaker's settings: `slow_ms` and `failure_status`
+/// (a copy, for the [`super::Tap`] a binding counts good calls in without its worker).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CallJudge {
+    /// `slow_ms` (`None`: slow calls are not judged).
+    pub slow_after: Option<Nanos>,
+    pub failure_status: StatusClasses,
+}
+
+impl CallJudge {
+    /// [`Settings::judge`].
+    pub fn judge(&self, duration: Nanos, status: Option<u16>) -> Outcome {
+        Outcome {
+            slow: self.slow_after.is_some_and(|slow| duration > slow),
+            failed: status.is_none_or(|status| self.failure_status.contains(status)),
+        }
+    }
+
+    /// Whether a call's time is part of its verdict (`slow_ms`): only then is the clock
+    /// read for it.
+    pub fn times_calls(&self) -> bool {
+        self.slow_after.is_some()
+    }
+}
+
 /// Why an item of `failure_status` is refused.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StatusError {
@@ -461,9 +486,14 @@ impl Settings {
     /// than `slow_ms`; failed when there was no answer or its status is in
     /// `failure_status`.
     pub fn judge(&self, duration: Nanos, status: Option<u16>) -> Outcome {
-        Outcome {
-            slow: self.slow.is_some_and(|slow| duration > slow.threshold),
-            failed: status.is_none_or(|status| self.failure_status.contains(status)),
+        self.call_judge().judge(duration, status)
+    }
+
+    /// What judging a call reads of these settings ([`Settings::judge`]), on its own.
+    pub fn call_judge(&self) -> CallJudge {
+        CallJudge {
+            slow_after: self.slow.map(|slow| slow.threshold),
+            failure_status: self.failure_status,
         }
     }
 

@@ -10,6 +10,8 @@
 //!                                                                   └─ rejected (the rules are not charged)
 //!   a rule rejects / the request never leaves ─▶ give_back (a probe's place; not an outcome)
 //!   response headers ─▶ judge(status, time since it left Diana) ─▶ record / probe_outcome
+//!     (or, a call its binding keeps, `worker::Watch`: a good one counted in the tap
+//!      without the worker, taken into the handle before each flush, judgement, report)
 //!   ended without them ─▶ judge(no status): failed
 //!   tick ─▶ flush; scope global: report ─▶ answered ─▶ follow
 //! ```
@@ -26,14 +28,20 @@
 //! started after the others adopted a config-center document) is newer by its date, yet
 //! older by its document.
 
-use crate::breaker::{Admission, FleetAnswer, Handle, Report, Spec, Status, Transition};
+use crate::breaker::{Admission, FleetAnswer, Handle, Report, Spec, Status, Tap, Transition};
 use crate::config::{Policy, Resource};
 use crate::cx::Cx;
 use crate::decision::{AfterResponse, BreakerCall, BreakerCalls, HeaderEdit};
 use crate::metrics::{BreakerEvent, MetricSink};
 use crate::store::{ChargeError, Store};
 use crate::time::{Instant, Nanos};
+use smallvec::SmallVec;
 use std::cell::{Cell, RefCell};
+use std::sync::Arc;
+
+/// Breaker calls with their breakers' taps: each call's breaker, and the tap its good
+/// outcome may be counted in; inline for one, as [`BreakerCalls`].
+pub(crate) type TappedCalls = SmallVec<[(usize, Arc<Tap>); 1]>;
 
 impl super::Engine {
     /// Settles an answered request whose only business with its response is its breakers'
@@ -52,6 +60,57 @@ impl super::Engine {
             && self
                 .breakers
                 .judge_in_memory(metrics, &after.breakers, Some(status.unwrap_or(200)))
+    }
+
+    /// An admitted request's breaker calls with their breakers' taps, in order, when
+    /// judging its response is all it has left here (no response costs, no concurrency
+    /// places) and none of its calls is a probe: then its binding may keep the calls
+    /// itself ([`crate::worker::Watch`]). `None` otherwise.
+    pub(crate) fn taps(&self, after: &AfterResponse) -> Option<TappedCalls> {
+        if !after.charges.is_empty() || after.holding.is_some() || after.breakers.is_empty() {
+            return None;
+        }
+        let handles = self.breakers.handles.try_borrow().ok()?;
+        let mut calls = TappedCalls::new();
+        for call in &after.breakers {
+            if call.probe.is_some() {
+                return None;
+            }
+            let tap = handles.get(call.breaker)?.as_ref()?.tap();
+            calls.push((call.breaker, Arc::clone(tap)));
+        }
+        Some(calls)
+    }
+
+    /// The good calls counted in every tap since last taken join their handles' pending
+    /// calls and the calls metric now (before metrics are shown or handed to the host;
+    /// the tick takes them anyway).
+    pub(crate) fn take_breaker_taps(&self, metrics: &mut dyn MetricSink) {
+        let Ok(mut handles) = self.breakers.handles.try_borrow_mut() else {
+            return;
+        };
+        for (breaker, handle) in handles.iter_mut().enumerate() {
+            if let Some(handle) = handle {
+                take_tapped(handle, breaker, metrics);
+            }
+        }
+    }
+
+    /// Whether a request in flight keeps a call of one of this policy's breakers, counted
+    /// in its tap (the worker keeps a replaced configuration until none does).
+    pub(crate) fn breakers_tapped(&self) -> bool {
+        self.breakers.handles.try_borrow().map_or(true, |handles| {
+            handles.iter().flatten().any(Handle::is_tapped)
+        })
+    }
+}
+
+/// The good calls a handle's tap counted since last taken join its pending calls, and
+/// the calls metric.
+fn take_tapped(handle: &mut Handle, breaker: usize, metrics: &mut dyn MetricSink) {
+    let good = handle.take_tapped();
+    if good > 0 {
+        metrics.breaker_event(breaker, BreakerEvent::Calls, u64::from(good));
     }
 }
 
@@ -88,7 +147,7 @@ impl Breakers {
             .iter()
             .filter_map(|resource| resource.breaker.clone())
             .collect();
-        let handles = RefCell::new(vec![None; specs.len()]);
+        let handles = RefCell::new(specs.iter().map(|_| None).collect());
         Breakers {
             specs,
             handles,
@@ -158,10 +217,20 @@ impl Breakers {
                     value: None,
                 });
             }
-            let Some(checked) = self.with(spec.index, cx.now, |handle, _| {
-                handle.check(store, cx.shared, cx.now)
-            }) else {
-                continue;
+            let checked = self.with(spec.index, cx.now, |handle, _| {
+                (!handle.calls_now(cx.now)).then(|| handle.check(store, cx.shared, cx.now))
+            });
+            let checked = match checked {
+                Some(Some(checked)) => checked,
+                // Closed, as read less than the verdict cache ago.
+                Some(None) => {
+                    passed.calls.push(BreakerCall {
+                        breaker: spec.index,
+                        probe: None,
+                    });
+                    continue;
+                }
+                None => continue,
             };
             self.transitions(cx, spec, &checked.transitions);
             if let Some(trouble) = &checked.trouble {
@@ -242,9 +311,14 @@ impl Breakers {
                 cx.metrics
                     .breaker_event(call.breaker, BreakerEvent::Failed, 1);
             }
-            let done = self.with(call.breaker, cx.now, |handle, _| match call.probe {
-                Some(probe) => handle.probe_outcome(store, cx.shared, probe, outcome, cx.now),
-                None => handle.record(store, cx.shared, outcome, cx.now),
+            let metrics = &mut *cx.metrics;
+            let done = self.with(call.breaker, cx.now, |handle, _| {
+                // The good calls counted since go first: they dilute this one's share.
+                take_tapped(handle, call.breaker, metrics);
+                match call.probe {
+                    Some(probe) => handle.probe_outcome(store, cx.shared, probe, outcome, cx.now),
+                    None => handle.record(store, cx.shared, outcome, cx.now),
+                }
             });
             self.settled(cx, call.breaker, done);
         }
@@ -301,7 +375,9 @@ impl Breakers {
     /// an older state than another worker's later transition; every tick puts it right.
     pub(crate) fn flush(&self, cx: &mut Cx<'_>, store: &Store) {
         for breaker in 0..self.specs.len() {
+            let metrics = &mut *cx.metrics;
             let flushed = self.with(breaker, cx.now, |handle, _| {
+                take_tapped(handle, breaker, metrics);
                 let flushed = handle.flush(store, cx.shared, cx.now);
                 let status = flushed.is_ok().then(|| handle.status());
                 (flushed, status)
@@ -324,8 +400,10 @@ impl Breakers {
             if spec.settings.reach != crate::breaker::Reach::Fleet {
                 continue;
             }
+            let metrics = &mut *cx.metrics;
             let taken = self
                 .with(breaker, cx.now, |handle, _| {
+                    take_tapped(handle, breaker, metrics);
                     handle.take_report(store, cx.shared, cx.now)
                 })
                 .unwrap_or(Ok(None));

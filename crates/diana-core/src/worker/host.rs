@@ -35,6 +35,14 @@ pub enum MetricKind {
 pub trait Host: SharedData + RequestFacts + Clock {
     /// A header of the current response, as bytes (`None`: absent or unreadable).
     fn response_header(&self, name: &str) -> Option<Vec<u8>>;
+    /// The current response's status, as a breaker judges it (`None`: unreadable): its
+    /// `:status`, unless the host records the status apart (Envoy's `response.code`, what
+    /// the upstream answered or Envoy itself did) and can tell it for less.
+    fn response_status(&self) -> Option<u16> {
+        self.response_header(":status")
+            .as_deref()
+            .and_then(crate::decision::status_code)
+    }
     /// Sends `callout`; its answer is delivered with the returned token.
     fn dispatch(&self, callout: &Callout) -> Result<CallToken, DispatchError>;
     /// Defines a metric (`None`: the host refused; its events are then not counted).
@@ -129,6 +137,15 @@ pub struct HostProfile {
     /// after the access phase where Diana decides. There a request reserves its
     /// `reserve.default`.
     pub holds_requests_for_bodies: bool,
+    /// The binding keeps a request's breaker calls itself when judging them is all the
+    /// worker would keep it for ([`super::Watch`], handed over in [`super::Step::watch`]),
+    /// and counts a closed breaker's good call in the breaker's tap at its response headers
+    /// without the worker: Envoy's dynamic modules, whose worker of a thread sits behind a
+    /// lock that the main thread takes too (for its tick), so that a request through a
+    /// closed breaker takes it once, at its request headers, as a request through no breaker
+    /// does. On proxy-wasm a worker is its VM's alone (no lock to spare), and a response
+    /// event that finds no request in the worker costs about what one that judges does.
+    pub keeps_breaker_calls: bool,
 }
 
 impl HostProfile {
@@ -148,6 +165,7 @@ impl HostProfile {
         jwt_authn_metadata: true,
         ticks_on_demand: false,
         removed_headers_reach_upstream: false,
+        keeps_breaker_calls: false,
         holds_requests_for_bodies: false,
     };
 
@@ -159,6 +177,7 @@ impl HostProfile {
         ticks_on_demand: true,
         jwt_authn_metadata: false,
         holds_requests_for_bodies: true,
+        keeps_breaker_calls: true,
         ..HostProfile::ENVOY
     };
 
@@ -180,6 +199,7 @@ impl HostProfile {
         jwt_authn_metadata: false,
         ticks_on_demand: false,
         removed_headers_reach_upstream: true,
+        keeps_breaker_calls: false,
         holds_requests_for_bodies: false,
     };
 

@@ -12,7 +12,9 @@
 //!   on_configure ──────────▶ configure ── parse, adopt, install ─▶ Engine::new
 //!   on_request_headers ────▶ on_request_headers ── evaluate ─────▶ Decision
 //!                                 │ apply (the one interpreter of a Decision):
-//!                                 │   Allow  → Continue (or Resume), headers kept
+//!                                 │   Allow  → Continue (or Resume), headers kept,
+//!                                 │            or only breaker calls: Step::watch
+//!                                 │            (the binding keeps them, watch.rs)
 //!                                 │   Delay  → waiters            ┐
 //!                                 │   Call   → dispatch, calls[token] ├ Pause
 //!                                 │   Wait   → parked[rider]      ┘
@@ -24,13 +26,15 @@
 //!                                 whose calls are dispatched; metrics, sweeps; then
 //!                                 parked and waiting requests
 //!   on_response_headers ───▶ on_response_headers ── response costs, AddHeaders
+//!     (a Watch kept) ──────▶ Watch::count_alone in the taps, or on_watch_answered
 //!   context deleted ───────▶ on_context_gone ── give back what a paused request held
 //!                                 and the places a request held (at the quota service:
 //!                                 queued for the next tick, made sooner);
 //!                                 its own call's answer is lost with it, so a release
 //!                                 of that call waits for the next tick (on nginx, one
 //!                                 gone before its own call answered: the host runs
-//!                                 paused requests on, see `unheld.rs`)
+//!                                 paused requests on, see `unheld.rs`);
+//!     (a Watch kept) ──────▶ on_watch_unanswered: failed breaker calls
 //! ```
 //!
 //! A request's life in the worker (`requests[context]`, absent when nothing is left):
@@ -53,19 +57,23 @@
 //! the order follows: on Envoy a call made after entering another request's context would
 //! be filed under that request.
 //!
-//! The worker is `Send` by the compiler's word: it holds no shared pointer. Requests and
-//! calls name their configuration by its generation, and the configurations are owned
-//! here (the current one and those replaced but still in use).
+//! The worker is `Send` by the compiler's word: the one pointer it shares is each breaker
+//! handle's tap (`Arc` of atomics, `breaker/tap.rs`), which the requests whose calls their
+//! binding keeps share with it. Requests and calls name their configuration by its
+//! generation, and the configurations are owned here (the current one and those replaced
+//! but still in use, or still tapped).
 
 mod configure;
 mod counters;
 pub mod host;
 pub mod sim;
 mod unheld;
+mod watch;
 
 pub use crate::call::{Answer, AnswerShape, DispatchError};
 pub use host::{is_host_port, CallToken, ContextId, Host, HostProfile, MetricId, MetricKind};
 pub use unheld::{UNHELD_FOR, UNHELD_KEY};
+pub use watch::Watch;
 
 use crate::call::Callout;
 use crate::config::OnInvalidConfig;
@@ -136,12 +144,18 @@ pub struct LocalReply {
 }
 
 /// What an event asks of the binding.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
+#[derive(Debug, Default, PartialEq, Eq)]
 pub struct Step {
     /// The current request stays paused (request headers: `Action::Pause`).
     pub pause: bool,
     /// To carry out in order, after the event.
     pub commands: Vec<Command>,
+    /// The event's own request was admitted with only its breaker calls left to judge,
+    /// on a host whose binding keeps them ([`HostProfile::keeps_breaker_calls`]): the
+    /// binding keeps this with the request until its response headers, or its end
+    /// ([`Watch`]). Only ever for the request whose event this is (its headers, its body's
+    /// end, the answer to its own call).
+    pub watch: Option<Watch>,
 }
 
 /// An accepted policy: its engine and its metrics. Requests keep the generation they
@@ -349,6 +363,9 @@ impl Worker {
     /// Hands the counts of every configuration to the host now (the tick does otherwise).
     pub fn flush_metrics(&self, host: &dyn Host) {
         for configured in self.generations() {
+            configured
+                .engine
+                .take_breaker_taps(&mut configured.counters.sink());
             configured.counters.flush(host);
         }
         if let Some(events) = &self.events {
@@ -391,6 +408,11 @@ impl Worker {
             b"/"
         };
         if configured.serves_metrics && configured.engine.serves_metrics(raw_path) {
+            for configured in self.generations() {
+                configured
+                    .engine
+                    .take_breaker_taps(&mut configured.counters.sink());
+            }
             let reply = LocalReply {
                 status: 200,
                 headers: vec![("content-type", "text/plain; version=0.0.4".to_string())],
@@ -577,6 +599,32 @@ impl Worker {
         step
     }
 
+    /// The response headers of a request whose breaker calls its binding kept
+    /// ([`Step::watch`]) came, and [`Watch::count_alone`] gave the watch back: its calls are
+    /// judged here as those of a request the worker kept (its status, as
+    /// [`Host::response_status`] tells it, and the clock read again).
+    pub fn on_watch_answered(&mut self, host: &dyn Host, watch: Watch) -> Step {
+        self.settle(host, watch.generation, &watch.after());
+        Step::default()
+    }
+
+    /// A request whose breaker calls its binding kept ([`Step::watch`]) ended without
+    /// response headers (a reset, an upstream timeout, its client gone): a failed call of
+    /// each breaker.
+    pub fn on_watch_unanswered(&mut self, host: &dyn Host, watch: Watch) -> Step {
+        let Some(configured) = self.generation(watch.generation) else {
+            return Step::default();
+        };
+        let Some(now) = host.now() else {
+            configured.counters.event(Event::ClockError);
+            return Step::default();
+        };
+        let mut sink = configured.counters.sink();
+        let mut cx = Cx::new(host, now, &mut sink);
+        configured.engine.unanswered(&mut cx, &watch.after());
+        Step::default()
+    }
+
     /// The readers of an answer's body for the rules whose cost it gives, framed by its
     /// `content-type` (server-sent events, else one JSON document), and its length.
     fn body_readers(
@@ -703,9 +751,8 @@ impl Worker {
         }
         let status = after
             .reads_status()
-            .then(|| host.response_header(":status"))
-            .flatten()
-            .and_then(|status| crate::decision::status_code(&status));
+            .then(|| host.response_status())
+            .flatten();
         let mut sink = configured.counters.sink();
         // A breaker's good call without `slow_ms` is judged without the time.
         if configured
@@ -984,7 +1031,9 @@ impl Worker {
             }))
             .collect();
         self.retired.retain(|configured| {
-            in_use.contains(&configured.generation) || configured.engine.owes_work()
+            in_use.contains(&configured.generation)
+                || configured.engine.owes_work()
+                || configured.engine.breakers_tapped()
         });
         if let Some(events) = &self.events {
             events.flush(host);
@@ -1071,8 +1120,27 @@ impl Worker {
                     let upstream = self.for_upstream(upstream);
                     step.commands.push(Command::EditRequest(context, upstream));
                 }
-                if !headers.is_empty() || after.is_some() {
-                    self.hold(context, generation, Stage::Admitted, headers, after);
+                let own_event = matches!(origin, Origin::Headers | Origin::OwnCall);
+                match after {
+                    Some(after) if own_event && headers.is_empty() => {
+                        match self.watch(context, generation, after) {
+                            Ok(watch) => step.watch = Some(watch),
+                            Err(after) => self.hold(
+                                context,
+                                generation,
+                                Stage::Admitted,
+                                headers,
+                                Some(after),
+                            ),
+                        }
+                    }
+                    after @ Some(_) => {
+                        self.hold(context, generation, Stage::Admitted, headers, after)
+                    }
+                    None if !headers.is_empty() => {
+                        self.hold(context, generation, Stage::Admitted, headers, None)
+                    }
+                    None => {}
                 }
                 let resume = match origin {
                     Origin::Headers => false,
@@ -1183,6 +1251,32 @@ impl Worker {
                 after,
             },
         );
+    }
+
+    /// An admitted request's breaker calls as a value for its binding to keep, when the host
+    /// keeps them ([`HostProfile::keeps_breaker_calls`]) and judging them is all that is left
+    /// of it ([`Watch`]); else `after` back, for the worker to keep.
+    fn watch(
+        &self,
+        context: ContextId,
+        generation: u64,
+        after: AfterResponse,
+    ) -> Result<Watch, AfterResponse> {
+        if !self.profile.keeps_breaker_calls {
+            return Err(after);
+        }
+        let taps = self
+            .generation(generation)
+            .and_then(|configured| configured.engine.taps(&after));
+        match taps {
+            Some(calls) => Ok(Watch {
+                context,
+                generation,
+                left_at: after.left_at,
+                calls,
+            }),
+            None => Err(after),
+        }
     }
 
     /// A rejection as the host sends it (ngx_wasm_module appends a line feed to every

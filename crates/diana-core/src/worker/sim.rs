@@ -7,7 +7,7 @@
 //! [`Violation`], for tests to assert there are none.
 
 use super::{CallToken, Command, ContextId, DispatchError, Host, HostProfile, MetricId};
-use super::{LocalReply, MetricKind, Refused, Worker};
+use super::{LocalReply, MetricKind, Refused, Step, Watch, Worker};
 use crate::breaker::Transition;
 use crate::call::{Answer, Callout};
 use crate::facts::RequestFacts;
@@ -253,6 +253,9 @@ pub enum Violation {
     Unknown(ContextId),
     /// Changed the headers of a request that had gone on already.
     EditedGoneOn(ContextId),
+    /// Handed over a request's breaker calls ([`super::Step::watch`]) where the host does
+    /// not keep them, from another event than the request's own, or twice.
+    Watch(ContextId),
 }
 
 /// A call in flight, answered at `due`.
@@ -311,6 +314,8 @@ pub struct Sim {
     /// Requests the worker stopped tracking at their request headers, whose later events
     /// the host skips, as the native module does (`Worker::tracks`).
     untracked: HashSet<ContextId>,
+    /// Breaker calls kept for requests, as the native module keeps them (`Step::watch`).
+    watches: HashMap<ContextId, Watch>,
     pub violations: Vec<Violation>,
 }
 
@@ -352,6 +357,7 @@ impl Sim {
             next_context: 2,
             leaving: HashMap::new(),
             untracked: HashSet::new(),
+            watches: HashMap::new(),
             violations: Vec::new(),
         }
     }
@@ -363,7 +369,7 @@ impl Sim {
                 continue;
             };
             let step = worker.configure(&self.host, document.as_bytes())?;
-            self.carry_out(index, None, step.commands, true);
+            self.carry_out(index, None, step, true);
         }
         Ok(())
     }
@@ -499,7 +505,7 @@ impl Sim {
         if end {
             self.with_body.remove(&context);
         }
-        self.carry_out(worker, Some(context), step.commands, false);
+        self.carry_out(worker, Some(context), step, false);
         true
     }
 
@@ -537,7 +543,7 @@ impl Sim {
             let now = self.now();
             self.set_fate(context, Fate::Admitted(now));
         }
-        self.carry_out(worker, Some(context), step.commands, false);
+        self.carry_out(worker, Some(context), step, false);
         context
     }
 
@@ -555,6 +561,19 @@ impl Sim {
             .iter()
             .map(|(name, value)| (name.to_string(), value.as_bytes().to_vec()))
             .collect();
+        if let Some(watch) = self.watches.remove(&context) {
+            // As the native module: counted in the taps, or judged by the worker.
+            let host = &self.host;
+            if let Err(watch) = watch.count_alone(host.response_status(), || host.now()) {
+                if let Some(step) = self
+                    .workers
+                    .get_mut(worker)
+                    .map(|w| w.on_watch_answered(&self.host, watch))
+                {
+                    self.carry_out(worker, Some(context), step, false);
+                }
+            }
+        }
         if self.untracked.contains(&context) {
             return self.added.remove(&context).unwrap_or_default();
         }
@@ -563,7 +582,7 @@ impl Sim {
             .get_mut(worker)
             .map(|w| w.on_response_headers(&self.host, context))
         {
-            self.carry_out(worker, Some(context), step.commands, false);
+            self.carry_out(worker, Some(context), step, false);
         }
         self.added.remove(&context).unwrap_or_default()
     }
@@ -585,7 +604,7 @@ impl Sim {
             return false;
         }
         let step = w.on_response_body(&self.host, context, chunk, end);
-        self.carry_out(worker, Some(context), step.commands, false);
+        self.carry_out(worker, Some(context), step, false);
         true
     }
 
@@ -638,6 +657,15 @@ impl Sim {
             *fate = Fate::Gone;
         }
         let worker = *worker;
+        if let Some(watch) = self.watches.remove(&context) {
+            if let Some(step) = self
+                .workers
+                .get_mut(worker)
+                .map(|w| w.on_watch_unanswered(&self.host, watch))
+            {
+                self.carry_out(worker, Some(context), step, false);
+            }
+        }
         let tracked = !self.untracked.remove(&context);
         if let Some(step) = self
             .workers
@@ -645,7 +673,7 @@ impl Sim {
             .filter(|_| tracked)
             .map(|w| w.on_context_gone(&self.host, context))
         {
-            self.carry_out(worker, Some(context), step.commands, false);
+            self.carry_out(worker, Some(context), step, false);
         }
         self.collect_calls(worker, None);
         // The calls its context made are on their way all the same; the host drops their
@@ -698,6 +726,11 @@ impl Sim {
 
     pub fn fate(&self, context: ContextId) -> Option<&Fate> {
         self.requests.get(&context).map(|(_, fate)| fate)
+    }
+
+    /// Whether the host keeps this request's breaker calls (`Step::watch`), unjudged yet.
+    pub fn keeps_calls_of(&self, context: ContextId) -> bool {
+        self.watches.contains_key(&context)
     }
 
     /// Whether the worker that has this request tracks it (`Worker::tracks`).
@@ -799,7 +832,7 @@ impl Sim {
         self.carry_out(
             flight.worker,
             flight.context,
-            step.commands,
+            step,
             flight.context.is_none(),
         );
         if let Some(forget) = flight.context.and_then(|c| self.leaving.remove(&c)) {
@@ -831,7 +864,19 @@ impl Sim {
                 continue;
             };
             self.collect_calls(index, None);
-            self.carry_out(index, None, step.commands, true);
+            self.carry_out(index, None, step, true);
+        }
+    }
+
+    /// Keeps a request's breaker calls the worker handed over, as the native module does
+    /// (`Step::watch`): only from the request's own event, on a host that keeps them.
+    fn keep(&mut self, current: Option<ContextId>, watch: Watch) {
+        let context = watch.context();
+        if !self.profile.keeps_breaker_calls || current != Some(context) {
+            self.violations.push(Violation::Watch(context));
+        }
+        if self.watches.insert(context, watch).is_some() {
+            self.violations.push(Violation::Watch(context));
         }
     }
 
@@ -864,9 +909,15 @@ impl Sim {
         &mut self,
         worker: usize,
         current: Option<ContextId>,
-        commands: Vec<Command>,
+        step: Step,
         from_root: bool,
     ) {
+        let Step {
+            commands, watch, ..
+        } = step;
+        if let Some(watch) = watch {
+            self.keep(current, watch);
+        }
         let mut tick_now = false;
         for command in commands {
             match command {
