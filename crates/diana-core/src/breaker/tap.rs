@@ -6,8 +6,8 @@
 //! once more at every response (Envoy's dynamic modules: the worker of a thread is
 //! reached from the main thread too, for its tick) keeps a request's breaker calls itself
 //! ([`crate::worker::Watch`], [`crate::worker::HostProfile::keeps_breaker_calls`]) and, at
-//! its response headers, counts a good call in the breaker's tap here: two atomic
-//! operations, no lock, no table.
+//! its response headers, counts a good call in the breaker's tap here: an atomic load and
+//! an atomic add, no lock, no table.
 //!
 //! ```text
 //!   worker (under its lock)                 stream (its own thread, no lock)
