@@ -126,14 +126,6 @@ impl Reserved {
 /// (`None`: not one). The usual value, one to five ASCII digits, is read directly, without
 /// the UTF-8 check and the trim.
 pub fn status_code(value: &[u8]) -> Option<u16> {
-    // Three digits: every status an upstream sends.
-    if let &[a, b, c] = value {
-        if a.is_ascii_digit() && b.is_ascii_digit() && c.is_ascii_digit() {
-            return Some(
-                u16::from(a - b'0') * 100 + u16::from(b - b'0') * 10 + u16::from(c - b'0'),
-            );
-        }
-    }
     if let [_, ..] = value {
         if value.len() <= 5 && value.iter().all(u8::is_ascii_digit) {
             let number = value

@@ -100,6 +100,17 @@ impl Outcome {
     }
 }
 
+/// The status a call whose response headers came is judged by ([`Settings::judge`]): the
+/// one read, or 200's when it cannot be read — an unreadable status is no verdict on the
+/// upstream (its time still counts). `None` is for a call that ended without response
+/// headers, which failed.
+pub const fn answered_status(read: Option<u16>) -> Option<u16> {
+    match read {
+        Some(status) => Some(status),
+        None => Some(200),
+    }
+}
+
 /// Counts of calls: how many, how many slow, how many failed (a call may be both).
 /// Counts saturate; `slow` and `failed` never exceed `calls` once [`Tally::normalised`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]

@@ -28,7 +28,9 @@
 //! started after the others adopted a config-center document) is newer by its date, yet
 //! older by its document.
 
-use crate::breaker::{Admission, FleetAnswer, Handle, Report, Spec, Status, Tap, Transition};
+use crate::breaker::{
+    answered_status, Admission, FleetAnswer, Handle, Report, Spec, Status, Tap, Transition,
+};
 use crate::config::{Policy, Resource};
 use crate::cx::Cx;
 use crate::decision::{AfterResponse, BreakerCall, BreakerCalls, HeaderEdit};
@@ -48,7 +50,7 @@ impl super::Engine {
     /// calls, when judging them needs no clock ([`Breakers::judge_in_memory`]): true when
     /// done, so that the worker does not read the clock (a host call) for it; false, with
     /// nothing done, when it must ([`Engine::after_response`](super::Engine::after_response)).
-    /// `status` as read: one that cannot be read is judged as 200 would be, as there.
+    /// `status` as read, judged by [`answered_status`](crate::breaker::answered_status), as there.
     pub(crate) fn judged_without_clock(
         &self,
         metrics: &mut dyn MetricSink,
@@ -59,7 +61,7 @@ impl super::Engine {
             && !after.breakers.is_empty()
             && self
                 .breakers
-                .judge_in_memory(metrics, &after.breakers, Some(status.unwrap_or(200)))
+                .judge_in_memory(metrics, &after.breakers, answered_status(status))
     }
 
     /// An admitted request's breaker calls with their breakers' taps, in order, when

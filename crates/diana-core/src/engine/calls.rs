@@ -535,14 +535,12 @@ impl Engine {
         status: Option<u16>,
     ) {
         if !after.breakers.is_empty() {
-            // A status that cannot be read is no verdict on the upstream: judged as 200
-            // would be (its time still counts).
             self.breakers.judge(
                 cx,
                 self.local.store(),
                 &after.breakers,
                 after.left_at,
-                Some(status.unwrap_or(200)),
+                crate::breaker::answered_status(status),
             );
         }
         let by_header = after

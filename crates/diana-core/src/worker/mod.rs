@@ -408,11 +408,9 @@ impl Worker {
             b"/"
         };
         if configured.serves_metrics && configured.engine.serves_metrics(raw_path) {
-            for configured in self.generations() {
-                configured
-                    .engine
-                    .take_breaker_taps(&mut configured.counters.sink());
-            }
+            configured
+                .engine
+                .take_breaker_taps(&mut configured.counters.sink());
             let reply = LocalReply {
                 status: 200,
                 headers: vec![("content-type", "text/plain; version=0.0.4".to_string())],

@@ -32,6 +32,7 @@
 //! [`Worker::on_watch_unanswered`]: super::Worker::on_watch_unanswered
 
 use super::ContextId;
+use crate::breaker::answered_status;
 use crate::decision::{AfterResponse, BreakerCall};
 use crate::engine::TappedCalls;
 use crate::time::{Instant, Nanos};
@@ -61,7 +62,7 @@ impl Watch {
     }
 
     /// The response headers came with `status` ([`super::Host::response_status`]; one that
-    /// cannot be read is judged as 200 would be, as the worker does). When every call is good and
+    /// cannot be read is judged by [`answered_status`], as the worker does). When every call is good and
     /// each breaker's tap takes it, they are counted there: `Ok`, and the request is done
     /// with. Otherwise nothing is counted and the watch comes back for
     /// [`super::Worker::on_watch_answered`]. `now` is asked only when a breaker judges
@@ -71,7 +72,7 @@ impl Watch {
         status: Option<u16>,
         now: impl FnOnce() -> Option<Instant>,
     ) -> Result<(), Watch> {
-        let status = Some(status.unwrap_or(200));
+        let status = answered_status(status);
         let took = if self.times_calls() {
             match now() {
                 Some(now) => now.saturating_since(self.left_at),
